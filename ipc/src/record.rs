@@ -1,0 +1,242 @@
+//! The fixed-layout records that cross the process boundary.
+//!
+//! Everything here is `#[repr(C)]`, plain old data (bytemuck `Pod`) and holds block ids and
+//! counters, never pointers. The sizes are pinned by const asserts, and the header of every segment
+//! records them, so a reader built with another layout refuses to attach instead of misreading.
+//!
+//! A command travels through the command ring as a run of 64-byte [`CommandSlot`]s:
+//!
+//! 1. one slot holding a [`CommandHeader`] (op, id, generation, flags, pair count), then
+//! 2. `ceil(pair_count / PAIRS_PER_SLOT)` slots each holding a [`PairChunk`] of (src, dst) block ids.
+//!
+//! The producer publishes the whole run with one Release store, so a consumer that sees the header
+//! also sees every pair slot behind it. Block-pair lists of any length therefore travel without
+//! pointers; a list longer than one ring can hold is split by the producer into several commands.
+//! The worker answers every command with exactly one [`Completion`].
+
+use bytemuck::{Pod, Zeroable};
+
+/// One (source, destination) block id pair of a copy.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct BlockPair {
+    pub src: u32,
+    pub dst: u32,
+}
+
+impl BlockPair {
+    pub const fn new(src: u32, dst: u32) -> Self {
+        Self { src, dst }
+    }
+}
+
+/// How many block pairs one ring slot carries.
+pub const PAIRS_PER_SLOT: usize = 8;
+
+/// What a command asks a worker to do.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Copy device blocks (src) to host blocks (dst).
+    CopyDeviceToHost = 1,
+    /// Copy host blocks (src) to device blocks (dst).
+    CopyHostToDevice = 2,
+    /// Complete once every earlier command of this rank has completed.
+    Flush = 3,
+    /// Answer at once; used to measure round trips and to probe a rank.
+    Ping = 4,
+}
+
+impl Op {
+    /// Decodes an op read from shared memory; an unknown value is the caller's error to report.
+    pub fn from_wire(value: u32) -> Option<Op> {
+        match value {
+            1 => Some(Op::CopyDeviceToHost),
+            2 => Some(Op::CopyHostToDevice),
+            3 => Some(Op::Flush),
+            4 => Some(Op::Ping),
+            _ => None,
+        }
+    }
+
+    pub fn is_copy(self) -> bool {
+        matches!(self, Op::CopyDeviceToHost | Op::CopyHostToDevice)
+    }
+}
+
+/// Command flag: report per-layer progress in the segment while copying.
+pub const FLAG_LAYERWISE: u32 = 1 << 0;
+/// Every flag this layout version knows; a command with others set is malformed.
+pub const KNOWN_FLAGS: u32 = FLAG_LAYERWISE;
+
+/// Tag of a header slot, so that a consumer that lost its place fails loudly instead of misreading
+/// pair slots as commands.
+pub const COMMAND_TAG: u32 = 0x434D_4431; // "CMD1"
+
+/// The first slot of a command.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CommandHeader {
+    /// Always [`COMMAND_TAG`].
+    pub tag: u32,
+    /// An [`Op`] as u32.
+    pub op: u32,
+    /// Increasing per rank; the completion echoes it.
+    pub command_id: u64,
+    /// The segment generation the command was issued in; a worker refuses other generations.
+    pub generation: u64,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// Number of block pairs in the slots that follow.
+    pub pair_count: u32,
+    _reserved: [u64; 4],
+}
+
+impl CommandHeader {
+    pub fn new(op: Op, command_id: u64, generation: u64, pair_count: u32) -> Self {
+        Self {
+            tag: COMMAND_TAG,
+            op: op as u32,
+            command_id,
+            generation,
+            flags: 0,
+            pair_count,
+            _reserved: [0; 4],
+        }
+    }
+
+    pub fn with_flags(mut self, flags: u32) -> Self {
+        self.flags = flags;
+        self
+    }
+
+    /// Number of pair slots that follow this header.
+    pub fn pair_slots(&self) -> usize {
+        (self.pair_count as usize).div_ceil(PAIRS_PER_SLOT)
+    }
+}
+
+/// A slot after a header: up to [`PAIRS_PER_SLOT`] pairs; unused entries are zero.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct PairChunk {
+    pub pairs: [BlockPair; PAIRS_PER_SLOT],
+}
+
+/// One 64-byte element of a command ring: a header or a pair chunk, by position.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct CommandSlot {
+    pub words: [u64; 8],
+}
+
+impl CommandSlot {
+    pub fn from_header(header: &CommandHeader) -> Self {
+        bytemuck::cast(*header)
+    }
+
+    pub fn from_pairs(chunk: &PairChunk) -> Self {
+        bytemuck::cast(*chunk)
+    }
+
+    pub fn header(&self) -> CommandHeader {
+        bytemuck::cast(*self)
+    }
+
+    pub fn pairs(&self) -> PairChunk {
+        bytemuck::cast(*self)
+    }
+}
+
+/// Completion status: the command succeeded on this rank.
+pub const STATUS_OK: u32 = 0;
+/// Completion status: the command failed; `error` says why and `detail` carries a value.
+pub const STATUS_FAILED: u32 = 1;
+
+/// Why a command failed. Stored as u32 in [`Completion::error`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CommandError {
+    /// The op value is not one this layout knows (`detail`: the value).
+    UnknownOp = 1,
+    /// The command was issued in another generation (`detail`: its generation).
+    StaleGeneration = 2,
+    /// A source block id is out of range (`detail`: the id).
+    SourceOutOfRange = 3,
+    /// A destination block id is out of range (`detail`: the id).
+    DestinationOutOfRange = 4,
+    /// The header tag, flags or pair count do not make sense (`detail`: the offending value).
+    Malformed = 5,
+    /// The copy engine reported an error (`detail`: the backend's code).
+    CopyFailed = 6,
+    /// The worker of this rank died with the command in flight (synthesised by the scheduler).
+    WorkerDied = 7,
+}
+
+impl CommandError {
+    pub fn from_wire(value: u32) -> Option<CommandError> {
+        Some(match value {
+            1 => CommandError::UnknownOp,
+            2 => CommandError::StaleGeneration,
+            3 => CommandError::SourceOutOfRange,
+            4 => CommandError::DestinationOutOfRange,
+            5 => CommandError::Malformed,
+            6 => CommandError::CopyFailed,
+            7 => CommandError::WorkerDied,
+            _ => return None,
+        })
+    }
+}
+
+/// A worker's answer to one command.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct Completion {
+    pub command_id: u64,
+    pub generation: u64,
+    /// `STATUS_OK` or `STATUS_FAILED`.
+    pub status: u32,
+    /// A [`CommandError`] as u32 when failed, else 0.
+    pub error: u32,
+    pub detail: u64,
+}
+
+impl Completion {
+    pub fn ok(command_id: u64, generation: u64) -> Self {
+        Self { command_id, generation, status: STATUS_OK, error: 0, detail: 0 }
+    }
+
+    pub fn failed(command_id: u64, generation: u64, error: CommandError, detail: u64) -> Self {
+        Self { command_id, generation, status: STATUS_FAILED, error: error as u32, detail }
+    }
+
+    pub fn is_ok(&self) -> bool {
+        self.status == STATUS_OK
+    }
+}
+
+const _: () = assert!(size_of::<BlockPair>() == 8);
+const _: () = assert!(size_of::<CommandHeader>() == 64);
+const _: () = assert!(size_of::<PairChunk>() == 64);
+const _: () = assert!(size_of::<CommandSlot>() == 64);
+const _: () = assert!(size_of::<Completion>() == 32);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_survives_a_trip_through_a_slot() {
+        let header = CommandHeader::new(Op::CopyHostToDevice, 7, 3, 17).with_flags(FLAG_LAYERWISE);
+        let slot = CommandSlot::from_header(&header);
+        assert_eq!(slot.header(), header);
+        assert_eq!(header.pair_slots(), 3);
+    }
+
+    #[test]
+    fn unknown_op_values_do_not_decode() {
+        assert_eq!(Op::from_wire(2), Some(Op::CopyHostToDevice));
+        assert_eq!(Op::from_wire(0), None);
+        assert_eq!(Op::from_wire(99), None);
+    }
+}

@@ -1,0 +1,7 @@
+//! The `kvshm` subcommands, one module each; `main.rs` only parses and dispatches.
+pub mod bench_copy;
+pub mod bench_ring;
+pub mod bench_sched;
+pub mod demo;
+pub mod replay;
+pub mod worker;

@@ -1,0 +1,23 @@
+//! kvshm: a KV-cache manager for LLM serving engines.
+//!
+//! The scheduler side (this library, inside the engine's scheduler process) keeps a radix tree over
+//! chained block hashes and the device and host block pools, and decides hits, evictions,
+//! write-backs and swap-ins. Worker processes (`kvshm worker`), one per tensor-parallel rank,
+//! execute the copies it issues through shared-memory rings ([`kvshm_ipc`]).
+//!
+//! - [`hash`]: chained 128-bit block hashes with a namespace.
+//! - [`pool`]: device and host block pools.
+//! - [`tree`]: the radix tree of cached blocks and its evictable sets.
+//! - [`manager`]: the engine-facing cache manager and its write policies.
+//! - [`service`]: the cache manager wired to the segment and the workers.
+//! - [`worker`]: the worker side: validating and executing copy commands.
+//! - [`trace`]: reading Mooncake-format request traces.
+//! - [`cli`]: the `kvshm` subcommands.
+pub mod cli;
+pub mod hash;
+pub mod manager;
+pub mod pool;
+pub mod service;
+pub mod trace;
+pub mod tree;
+pub mod worker;
