@@ -215,6 +215,74 @@ impl Completion {
     }
 }
 
+/// Number of ring slots a command with `pair_count` pairs occupies (its header included).
+pub fn command_slot_count(pair_count: usize) -> usize {
+    1 + pair_count.div_ceil(PAIRS_PER_SLOT)
+}
+
+/// Appends the slots of one command (its header, then its pairs in chunks) to `out`.
+///
+/// The header's `pair_count` must equal `pairs.len()`.
+///
+/// # Panics
+///
+/// If the header's pair count disagrees with `pairs`: that is a programming error of the producer.
+pub fn encode_command(header: &CommandHeader, pairs: &[BlockPair], out: &mut Vec<CommandSlot>) {
+    assert_eq!(
+        header.pair_count as usize,
+        pairs.len(),
+        "a header whose pair count disagrees with its pairs is a programming error"
+    );
+    out.reserve(command_slot_count(pairs.len()));
+    out.push(CommandSlot::from_header(header));
+    for chunk in pairs.chunks(PAIRS_PER_SLOT) {
+        let mut slot = PairChunk::default();
+        slot.pairs[..chunk.len()].copy_from_slice(chunk);
+        out.push(CommandSlot::from_pairs(&slot));
+    }
+}
+
+/// Why the slots read from a ring do not form a command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("slot is not a command header (tag {found:#x})")]
+    NotAHeader { found: u32 },
+    #[error("command announces {pair_count} pairs but only {available_slots} pair slots follow")]
+    MissingPairSlots { pair_count: u32, available_slots: usize },
+}
+
+/// Decodes the command that starts at `slots[0]`, appending its pairs to `pairs`.
+///
+/// Returns the header and the number of slots the command occupies. Everything is checked: the
+/// slots come from another process and may be garbage.
+pub fn decode_command(
+    slots: &[CommandSlot],
+    pairs: &mut Vec<BlockPair>,
+) -> Result<(CommandHeader, usize), DecodeError> {
+    let Some(first) = slots.first() else {
+        return Err(DecodeError::NotAHeader { found: 0 });
+    };
+    let header = first.header();
+    if header.tag != COMMAND_TAG {
+        return Err(DecodeError::NotAHeader { found: header.tag });
+    }
+    let used = command_slot_count(header.pair_count as usize);
+    if used > slots.len() {
+        return Err(DecodeError::MissingPairSlots {
+            pair_count: header.pair_count,
+            available_slots: slots.len() - 1,
+        });
+    }
+    let mut remaining = header.pair_count as usize;
+    for slot in &slots[1..used] {
+        let chunk = slot.pairs();
+        let take = remaining.min(PAIRS_PER_SLOT);
+        pairs.extend_from_slice(&chunk.pairs[..take]);
+        remaining -= take;
+    }
+    Ok((header, used))
+}
+
 const _: () = assert!(size_of::<BlockPair>() == 8);
 const _: () = assert!(size_of::<CommandHeader>() == 64);
 const _: () = assert!(size_of::<PairChunk>() == 64);
@@ -238,5 +306,36 @@ mod tests {
         assert_eq!(Op::from_wire(2), Some(Op::CopyHostToDevice));
         assert_eq!(Op::from_wire(0), None);
         assert_eq!(Op::from_wire(99), None);
+    }
+
+    #[test]
+    fn a_command_with_many_pairs_round_trips_through_slots() {
+        let pairs: Vec<BlockPair> = (0..19).map(|i| BlockPair::new(i, 100 + i)).collect();
+        let header = CommandHeader::new(Op::CopyDeviceToHost, 42, 1, pairs.len() as u32);
+        let mut slots = Vec::new();
+        encode_command(&header, &pairs, &mut slots);
+        assert_eq!(slots.len(), command_slot_count(19));
+        let mut decoded = Vec::new();
+        let (back, used) = decode_command(&slots, &mut decoded).unwrap();
+        assert_eq!((back, used), (header, 4));
+        assert_eq!(decoded, pairs);
+    }
+
+    #[test]
+    fn decoding_rejects_a_pair_slot_in_header_position_and_missing_pairs() {
+        let pairs = [BlockPair::new(1, 2); 9];
+        let header = CommandHeader::new(Op::CopyHostToDevice, 1, 0, 9);
+        let mut slots = Vec::new();
+        encode_command(&header, &pairs, &mut slots);
+        let mut out = Vec::new();
+        assert!(matches!(
+            decode_command(&slots[1..], &mut out),
+            Err(DecodeError::NotAHeader { .. })
+        ));
+        assert_eq!(
+            decode_command(&slots[..2], &mut out),
+            Err(DecodeError::MissingPairSlots { pair_count: 9, available_slots: 1 })
+        );
+        assert!(matches!(decode_command(&[], &mut out), Err(DecodeError::NotAHeader { found: 0 })));
     }
 }
