@@ -1,1 +1,271 @@
-//! (being written)
+//! Named POSIX shared-memory objects: creating, opening, unlinking, mapping.
+//!
+//! [`SharedMemory`] is one object under `/dev/shm` mapped read-write and shared (memmap2
+//! `MmapRaw`: another process writes the same pages, so no Rust reference into it is ever handed
+//! out; callers go through raw pointers and atomics).
+//!
+//! Creation ([`SharedMemory::create`]):
+//! 1. `shm_open(O_CREAT | O_EXCL | O_RDWR, 0600)`: never adopt an object someone else made;
+//! 2. `ftruncate` to the length, then `posix_fallocate` so that every page is backed now: a full
+//!    `/dev/shm` is [`ShmError::NoSpace`] here, never a SIGBUS on first touch later;
+//! 3. map it; on any failure the object is unlinked again, so nothing is left behind.
+//!
+//! Opening ([`SharedMemory::open`]) checks that the object belongs to our effective uid
+//! ([`check_owner`]) before mapping it.
+//!
+//! Limitation: a process of the same user that shrinks the object with `ftruncate` while it is
+//! mapped makes accesses beyond the new end fault (SIGBUS). Only the owner can do that, so it is a
+//! bug of a trusted peer, not input we must survive.
+
+use std::os::fd::OwnedFd;
+
+use memmap2::{MmapOptions, MmapRaw};
+use nix::errno::Errno;
+use nix::fcntl::{posix_fallocate, OFlag};
+use nix::sys::mman::{shm_open, shm_unlink};
+use nix::sys::stat::{fstat, Mode};
+use nix::unistd::{ftruncate, geteuid};
+use thiserror::Error;
+
+/// Why a shared-memory operation failed.
+#[derive(Debug, Error)]
+pub enum ShmError {
+    #[error("shared-memory object name {object:?} must start with '/' and hold no other '/'")]
+    InvalidObjectName { object: String },
+    #[error("shared-memory object {object} does not exist")]
+    NotFound { object: String },
+    #[error("shared-memory object {object} already exists")]
+    AlreadyExists { object: String },
+    #[error("not enough space in /dev/shm for {requested} bytes of {object}")]
+    NoSpace { object: String, requested: u64 },
+    #[error("shared-memory object is owned by uid {owner}, expected uid {expected}")]
+    ForeignOwner { owner: u32, expected: u32 },
+    #[error("shared-memory object {object} is empty")]
+    Empty { object: String },
+    #[error("a shared-memory object of {len} bytes is not supported on this machine")]
+    TooLarge { len: u64 },
+    #[error("{operation} of shared-memory object {object} failed: {source}")]
+    Os {
+        operation: &'static str,
+        object: String,
+        #[source]
+        source: Errno,
+    },
+}
+
+/// One mapped shared-memory object.
+#[derive(Debug)]
+pub struct SharedMemory {
+    map: MmapRaw,
+    object: String,
+}
+
+impl SharedMemory {
+    /// Creates `object` (e.g. `/kvshm.NAME`) of `len` bytes, zero-filled, mode 0600, fully backed.
+    ///
+    /// Fails with [`ShmError::AlreadyExists`] if it exists and [`ShmError::NoSpace`] if `/dev/shm`
+    /// cannot hold it; on failure nothing is left behind.
+    pub fn create(object: &str, len: usize) -> Result<SharedMemory, ShmError> {
+        check_object_name(object)?;
+        if len == 0 {
+            return Err(ShmError::Empty { object: object.to_owned() });
+        }
+        let file_len =
+            libc::off_t::try_from(len).map_err(|_| ShmError::TooLarge { len: len as u64 })?;
+        let fd = shm_open(
+            object,
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(|errno| match errno {
+            Errno::EEXIST => ShmError::AlreadyExists { object: object.to_owned() },
+            errno => os_error("shm_open", object, errno),
+        })?;
+        let result = size_and_map(&fd, object, file_len, len);
+        if result.is_err() {
+            // Best effort: the object is ours (O_EXCL), and the caller gets the original error.
+            let _ = shm_unlink(object);
+        }
+        result.map(|map| SharedMemory { map, object: object.to_owned() })
+    }
+
+    /// Opens and maps an existing `object` read-write, after checking that our effective uid owns it.
+    pub fn open(object: &str) -> Result<SharedMemory, ShmError> {
+        check_object_name(object)?;
+        let fd = shm_open(object, OFlag::O_RDWR, Mode::empty()).map_err(|errno| match errno {
+            Errno::ENOENT => ShmError::NotFound { object: object.to_owned() },
+            errno => os_error("shm_open", object, errno),
+        })?;
+        let stat = fstat(&fd).map_err(|errno| os_error("fstat", object, errno))?;
+        check_owner(stat.st_uid, geteuid().as_raw())?;
+        if stat.st_size <= 0 {
+            return Err(ShmError::Empty { object: object.to_owned() });
+        }
+        let len = usize::try_from(stat.st_size)
+            .map_err(|_| ShmError::TooLarge { len: stat.st_size as u64 })?;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&fd)
+            .map_err(|error| os_error("mmap", object, io_errno(&error)))?;
+        Ok(SharedMemory { map, object: object.to_owned() })
+    }
+
+    /// Start of the mapping. Valid for [`len`](Self::len) bytes while `self` lives; other
+    /// processes may write any byte at any time.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Never true: an empty object can be neither created nor opened.
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// The object name this maps (with the leading slash).
+    pub fn object(&self) -> &str {
+        &self.object
+    }
+}
+
+/// Removes `object` from `/dev/shm`; mappings that exist stay valid until unmapped.
+pub fn unlink(object: &str) -> Result<(), ShmError> {
+    check_object_name(object)?;
+    shm_unlink(object).map_err(|errno| match errno {
+        Errno::ENOENT => ShmError::NotFound { object: object.to_owned() },
+        errno => os_error("shm_unlink", object, errno),
+    })
+}
+
+/// The owner check of [`SharedMemory::open`], as a pure function so that it is tested whoever
+/// runs the tests.
+pub fn check_owner(owner: u32, expected: u32) -> Result<(), ShmError> {
+    if owner == expected {
+        Ok(())
+    } else {
+        Err(ShmError::ForeignOwner { owner, expected })
+    }
+}
+
+fn size_and_map(
+    fd: &OwnedFd,
+    object: &str,
+    file_len: libc::off_t,
+    len: usize,
+) -> Result<MmapRaw, ShmError> {
+    ftruncate(fd, file_len).map_err(|errno| os_error("ftruncate", object, errno))?;
+    posix_fallocate(fd, 0, file_len).map_err(|errno| match errno {
+        Errno::ENOSPC | Errno::EFBIG => {
+            ShmError::NoSpace { object: object.to_owned(), requested: len as u64 }
+        }
+        errno => os_error("posix_fallocate", object, errno),
+    })?;
+    MmapOptions::new().len(len).map_raw(fd).map_err(|error| match io_errno(&error) {
+        Errno::ENOMEM => ShmError::NoSpace { object: object.to_owned(), requested: len as u64 },
+        errno => os_error("mmap", object, errno),
+    })
+}
+
+fn check_object_name(object: &str) -> Result<(), ShmError> {
+    let valid = object.len() > 1
+        && object.starts_with('/')
+        && !object[1..].contains('/')
+        && !object.contains('\0');
+    if valid {
+        Ok(())
+    } else {
+        Err(ShmError::InvalidObjectName { object: object.to_owned() })
+    }
+}
+
+fn os_error(operation: &'static str, object: &str, source: Errno) -> ShmError {
+    ShmError::Os { operation, object: object.to_owned(), source }
+}
+
+fn io_errno(error: &std::io::Error) -> Errno {
+    error.raw_os_error().map_or(Errno::UnknownErrno, Errno::from_raw)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    fn unique_object(tag: &str) -> String {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        format!(
+            "/kvshm-test-shm.{}.{}.{}",
+            tag,
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    #[test]
+    fn created_objects_are_zeroed_private_and_shared_between_mappings() {
+        let object = unique_object("create");
+        let created = SharedMemory::create(&object, 8192).unwrap();
+        let mode = std::fs::metadata(format!("/dev/shm{object}")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let opened = SharedMemory::open(&object).unwrap();
+        assert_eq!(opened.len(), 8192);
+        // SAFETY: both mappings are 8192 bytes long and live until the end of the test.
+        unsafe {
+            assert_eq!(*opened.as_ptr().add(4000), 0);
+            *created.as_ptr().add(4000) = 7;
+            assert_eq!(*opened.as_ptr().add(4000), 7);
+        }
+        unlink(&object).unwrap();
+    }
+
+    #[test]
+    fn creating_an_existing_object_fails() {
+        let object = unique_object("exists");
+        let _first = SharedMemory::create(&object, 4096).unwrap();
+        assert!(matches!(SharedMemory::create(&object, 4096), Err(ShmError::AlreadyExists { .. })));
+        unlink(&object).unwrap();
+    }
+
+    #[test]
+    fn opening_a_missing_object_is_not_found() {
+        let object = unique_object("missing");
+        assert!(matches!(SharedMemory::open(&object), Err(ShmError::NotFound { .. })));
+        assert!(matches!(unlink(&object), Err(ShmError::NotFound { .. })));
+    }
+
+    #[test]
+    fn more_than_dev_shm_holds_is_no_space_and_leaves_nothing_behind() {
+        let stat = nix::sys::statvfs::statvfs("/dev/shm").unwrap();
+        // More than the whole file system, so that tmpfs refuses at once instead of filling
+        // /dev/shm for a moment under the feet of other tests.
+        let total = stat.blocks() as u64 * stat.fragment_size() as u64;
+        let object = unique_object("full");
+        let request = usize::try_from(total + (64 << 20)).unwrap();
+        assert!(matches!(SharedMemory::create(&object, request), Err(ShmError::NoSpace { .. })));
+        assert!(!std::path::Path::new(&format!("/dev/shm{object}")).exists());
+    }
+
+    #[test]
+    fn the_owner_check_refuses_another_uid() {
+        assert!(check_owner(1000, 1000).is_ok());
+        assert!(matches!(
+            check_owner(0, 1000),
+            Err(ShmError::ForeignOwner { owner: 0, expected: 1000 })
+        ));
+    }
+
+    #[test]
+    fn object_names_need_one_leading_slash() {
+        for bad in ["", "/", "x", "/a/b"] {
+            assert!(
+                matches!(SharedMemory::open(bad), Err(ShmError::InvalidObjectName { .. })),
+                "{bad}"
+            );
+        }
+    }
+}
