@@ -1,1 +1,32 @@
-//! (being written)
+//! The worker side: validating copy commands and executing them between a rank's device tier and
+//! its host tier.
+//!
+//! - [`geometry`]: the shape of a rank's blocks (regions, layers, tier sizes).
+//! - [`layout`]: where region `r` of block `b` lives in each tier (device region-major, host
+//!   block-major).
+//! - [`validate`]: decoded command + geometry + generation -> [`ValidCommand`] or [`InvalidCommand`].
+//! - [`plan`]: coalescing pairs into runs and runs into strided pieces, layer by layer.
+//! - [`engine`]: the [`CopyEngine`] trait and [`CopyFailure`].
+//! - [`host_engine`]: memcpy between two shared-memory mappings (the host backend).
+//! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions.
+//!
+//! One command through the worker:
+//!
+//! 1. the worker pops the command's slots from the ring and decodes them
+//!    (`kvshm_ipc::record::decode_command`);
+//! 2. [`validate`](validate::validate) checks it and coalesces its pairs into a [`CopyPlan`];
+//! 3. the rank's [`CopyEngine`] executes the plan layer by layer, reporting progress;
+//! 4. the worker answers with one completion: OK, the refusal, or the copy failure.
+pub mod engine;
+pub mod geometry;
+pub mod host_engine;
+pub mod layout;
+pub mod plan;
+pub mod validate;
+
+pub use engine::{CopyEngine, CopyFailure};
+pub use geometry::{Geometry, GeometryError, GeometryParams};
+pub use host_engine::{HostCopyEngine, HostEngineError, MappedArea};
+pub use layout::{DeviceLayout, DeviceLayoutError, DeviceRegion, HostLayout};
+pub use plan::{BlockRun, CopyPlan, Direction, StridedCopy};
+pub use validate::{validate, InvalidCommand, ValidCommand};

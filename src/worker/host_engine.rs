@@ -1,0 +1,382 @@
+//! The host backend's copy engine: memcpy between the rank's device arena and its host tier, two
+//! shared-memory mappings that someone else owns.
+//!
+//! Core types: [`MappedArea`] (a raw base pointer + length whose validity the creator vouches for)
+//! and [`HostCopyEngine`].
+//!
+//! 1. [`HostCopyEngine::new`] lays the device arena out packed ([`DeviceLayout::packed`]) and the host
+//!    tier block-major, and checks once that both layouts fit their areas and that the areas do not
+//!    overlap.
+//! 2. [`CopyEngine::execute`] walks the plan layer by layer; for every [`StridedCopy`] it checks the
+//!    piece's whole extent against both areas (checked arithmetic), then copies it: one
+//!    `copy_nonoverlapping` when the rows are contiguous on both sides, else one per row.
+//!
+//! # Concurrent access
+//!
+//! Other processes map the same memory: the engine (scheduler process and GPU workers stand-ins)
+//! writes other device blocks while this worker copies, and the scheduler reads counters next to it.
+//! The engine never forms a Rust reference to the shared bytes, only raw-pointer copies of plain
+//! bytes, which have no invalid values. The protocol keeps the copied bytes themselves quiet: the
+//! scheduler never lets two commands or a request touch a block that an in-flight copy reads or
+//! writes (SPEC §10 invariant 2), so no one else writes a source or touches a destination while it
+//! is copied.
+
+use std::ptr::NonNull;
+
+use super::engine::{CopyEngine, CopyFailure};
+use super::geometry::Geometry;
+use super::layout::{DeviceLayout, HostLayout};
+use super::plan::{CopyPlan, Direction, StridedCopy};
+
+/// A mapped memory area owned by someone else: a base pointer and a length.
+#[derive(Clone, Copy, Debug)]
+pub struct MappedArea {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+impl MappedArea {
+    /// Describes `len` bytes at `base`; `None` when `base` is null.
+    ///
+    /// # Safety
+    ///
+    /// For as long as this value or anything built from it (an engine) is used:
+    /// 1. `base..base + len` is mapped, readable and writable, in this process;
+    /// 2. nothing unmaps it (the owner keeps its mapping alive longer than the engine);
+    /// 3. other threads or processes access its bytes only under the block-ownership protocol
+    ///    described in the module documentation.
+    pub unsafe fn new(base: *mut u8, len: usize) -> Option<MappedArea> {
+        NonNull::new(base).map(|base| MappedArea { base, len })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn overlaps(&self, other: &MappedArea) -> bool {
+        let (a, b) = (self.as_ptr() as usize, other.as_ptr() as usize);
+        a < b.saturating_add(other.len) && b < a.saturating_add(self.len)
+    }
+}
+
+/// Why a host engine cannot be built over the given areas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HostEngineError {
+    #[error("the {tier} area holds {len} bytes, its layout needs {needed}")]
+    AreaTooSmall { tier: &'static str, len: usize, needed: u64 },
+    #[error("the device arena and the host tier overlap")]
+    AreasOverlap,
+}
+
+/// memcpy copy engine over a packed device arena and a block-major host tier.
+#[derive(Debug)]
+pub struct HostCopyEngine {
+    geometry: Geometry,
+    device_layout: DeviceLayout,
+    host_layout: HostLayout,
+    device: MappedArea,
+    host: MappedArea,
+}
+
+impl HostCopyEngine {
+    /// Builds the engine; fails when an area is too small for its layout or the areas overlap.
+    pub fn new(
+        geometry: Geometry,
+        device: MappedArea,
+        host: MappedArea,
+    ) -> Result<HostCopyEngine, HostEngineError> {
+        let device_layout = DeviceLayout::packed(&geometry);
+        let host_layout = HostLayout::new(&geometry);
+        for (tier, area, needed) in
+            [("device", &device, device_layout.end()), ("host", &host, host_layout.len())]
+        {
+            if (area.len as u64) < needed {
+                return Err(HostEngineError::AreaTooSmall { tier, len: area.len, needed });
+            }
+        }
+        if device.overlaps(&host) {
+            return Err(HostEngineError::AreasOverlap);
+        }
+        Ok(HostCopyEngine { geometry, device_layout, host_layout, device, host })
+    }
+
+    /// Copies one piece after checking its full extent on both sides.
+    fn copy_piece(&self, direction: Direction, piece: StridedCopy) -> Result<(), CopyFailure> {
+        check_within(piece.device_end(), &self.device, "device")?;
+        check_within(piece.host_end(), &self.host, "host")?;
+        // Both extents are inside areas of at most usize::MAX bytes, so every offset, pitch and
+        // width below fits in usize and every row lies inside its area.
+        let width = piece.width as usize;
+        let (rows, row_len) = if piece.is_contiguous() {
+            (1, width * piece.rows as usize)
+        } else {
+            (piece.rows as usize, width)
+        };
+        for row in 0..rows {
+            let device_at = piece.device_offset as usize + row * piece.device_pitch as usize;
+            let host_at = piece.host_offset as usize + row * piece.host_pitch as usize;
+            // SAFETY:
+            // 1. `device_at + row_len <= device.len` and `host_at + row_len <= host.len`: row `row`
+            //    ends at or before the piece's end, which `check_within` compared with each area.
+            // 2. Both areas are mapped, readable and writable for the engine's lifetime
+            //    (`MappedArea::new`'s contract).
+            // 3. Source and destination lie in different areas, which `new` checked do not overlap.
+            // 4. No one else accesses these bytes during the copy (module documentation).
+            unsafe {
+                let device = self.device.as_ptr().add(device_at);
+                let host = self.host.as_ptr().add(host_at);
+                match direction {
+                    Direction::DeviceToHost => std::ptr::copy_nonoverlapping(device, host, row_len),
+                    Direction::HostToDevice => std::ptr::copy_nonoverlapping(host, device, row_len),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Fails unless a piece ending at `end` (`None`: the end overflowed) lies within `area`.
+fn check_within(
+    end: Option<u64>,
+    area: &MappedArea,
+    tier: &'static str,
+) -> Result<(), CopyFailure> {
+    match end {
+        Some(end) if end <= area.len as u64 => Ok(()),
+        end => {
+            Err(CopyFailure::OutOfArea { tier, end: end.unwrap_or(u64::MAX), len: area.len as u64 })
+        }
+    }
+}
+
+impl CopyEngine for HostCopyEngine {
+    fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    fn execute(
+        &mut self,
+        plan: &CopyPlan,
+        progress: &mut dyn FnMut(u32),
+    ) -> Result<(), CopyFailure> {
+        for layer in 0..self.geometry.layers() {
+            plan.for_each_piece_of_layer(
+                layer,
+                &self.geometry,
+                &self.device_layout,
+                &self.host_layout,
+                |piece| self.copy_piece(plan.direction(), piece),
+            )?;
+            progress(layer + 1);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::geometry::GeometryParams;
+    use crate::worker::plan::OutOfLayout;
+    use kvshm_ipc::record::BlockPair;
+
+    const REGION_BYTES: usize = 48;
+
+    fn geometry() -> Geometry {
+        Geometry::new(GeometryParams {
+            layers: 3,
+            regions: 6,
+            region_bytes: REGION_BYTES as u64,
+            device_blocks: 8,
+            host_blocks: 12,
+        })
+        .unwrap()
+    }
+
+    /// The byte at `i` of region `region` of block `block` in a tier tagged `tier`.
+    fn pattern(tier: u8, block: u32, region: u32, i: usize) -> u8 {
+        (tier as usize * 131 + block as usize * 31 + region as usize * 7 + i) as u8 | 1
+    }
+
+    struct Tiers {
+        device: Vec<u8>,
+        host: Vec<u8>,
+    }
+
+    impl Tiers {
+        /// Both tiers filled with their pattern, so that every (tier, block, region) is distinct.
+        fn new(geometry: &Geometry) -> Tiers {
+            let device_layout = DeviceLayout::packed(geometry);
+            let host_layout = HostLayout::new(geometry);
+            let mut device = vec![0; device_layout.end() as usize];
+            let mut host = vec![0; host_layout.len() as usize];
+            for region in 0..geometry.regions() {
+                for block in 0..geometry.device_blocks() {
+                    let at = device_layout.region_offset(block, region).unwrap() as usize;
+                    for i in 0..REGION_BYTES {
+                        device[at + i] = pattern(1, block, region, i);
+                    }
+                }
+                for block in 0..geometry.host_blocks() {
+                    let at = host_layout.region_offset(block, region).unwrap() as usize;
+                    for i in 0..REGION_BYTES {
+                        host[at + i] = pattern(2, block, region, i);
+                    }
+                }
+            }
+            Tiers { device, host }
+        }
+
+        fn engine(&mut self, geometry: Geometry) -> HostCopyEngine {
+            // SAFETY: both vectors outlive the engine (it is dropped at the end of each test
+            // before them) and nothing else touches them.
+            let (device, host) = unsafe {
+                (
+                    MappedArea::new(self.device.as_mut_ptr(), self.device.len()).unwrap(),
+                    MappedArea::new(self.host.as_mut_ptr(), self.host.len()).unwrap(),
+                )
+            };
+            HostCopyEngine::new(geometry, device, host).unwrap()
+        }
+
+        fn device_region(&self, geometry: &Geometry, block: u32, region: u32) -> &[u8] {
+            let at = DeviceLayout::packed(geometry).region_offset(block, region).unwrap() as usize;
+            &self.device[at..at + REGION_BYTES]
+        }
+
+        fn host_region(&self, geometry: &Geometry, block: u32, region: u32) -> &[u8] {
+            let at = HostLayout::new(geometry).region_offset(block, region).unwrap() as usize;
+            &self.host[at..at + REGION_BYTES]
+        }
+    }
+
+    fn expected(tier: u8, block: u32, region: u32) -> Vec<u8> {
+        (0..REGION_BYTES).map(|i| pattern(tier, block, region, i)).collect()
+    }
+
+    fn plan(direction: Direction, pairs: &[(u32, u32)]) -> CopyPlan {
+        let mut pairs: Vec<BlockPair> = pairs.iter().map(|&(s, d)| BlockPair::new(s, d)).collect();
+        CopyPlan::coalesce(direction, &mut pairs).unwrap()
+    }
+
+    #[test]
+    fn device_to_host_lands_every_region_of_every_pair_and_nothing_else() {
+        let geometry = geometry();
+        let mut tiers = Tiers::new(&geometry);
+        let pairs = [(0, 11), (1, 3), (2, 4), (3, 5), (7, 0)];
+        let mut layers_done = Vec::new();
+        tiers
+            .engine(geometry)
+            .execute(&plan(Direction::DeviceToHost, &pairs), &mut |done| layers_done.push(done))
+            .unwrap();
+        assert_eq!(layers_done, vec![1, 2, 3]);
+        for host_block in 0..geometry.host_blocks() {
+            let source = pairs.iter().find(|pair| pair.1 == host_block).map(|pair| pair.0);
+            for region in 0..geometry.regions() {
+                let want = match source {
+                    Some(device_block) => expected(1, device_block, region),
+                    None => expected(2, host_block, region),
+                };
+                assert_eq!(tiers.host_region(&geometry, host_block, region), want);
+            }
+        }
+        for block in 0..geometry.device_blocks() {
+            for region in 0..geometry.regions() {
+                assert_eq!(
+                    tiers.device_region(&geometry, block, region),
+                    expected(1, block, region)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn host_to_device_lands_every_region_of_every_pair_and_nothing_else() {
+        let geometry = geometry();
+        let mut tiers = Tiers::new(&geometry);
+        let pairs = [(11, 7), (4, 0), (5, 1), (9, 4), (0, 5)];
+        tiers
+            .engine(geometry)
+            .execute(&plan(Direction::HostToDevice, &pairs), &mut |_| {})
+            .unwrap();
+        for device_block in 0..geometry.device_blocks() {
+            let source = pairs.iter().find(|pair| pair.1 == device_block).map(|pair| pair.0);
+            for region in 0..geometry.regions() {
+                let want = match source {
+                    Some(host_block) => expected(2, host_block, region),
+                    None => expected(1, device_block, region),
+                };
+                assert_eq!(tiers.device_region(&geometry, device_block, region), want);
+            }
+        }
+    }
+
+    #[test]
+    fn a_single_region_geometry_copies_a_run_in_one_piece() {
+        let geometry =
+            Geometry::new(GeometryParams { layers: 1, regions: 1, ..geometry().params() }).unwrap();
+        let mut tiers = Tiers::new(&geometry);
+        tiers
+            .engine(geometry)
+            .execute(&plan(Direction::DeviceToHost, &[(2, 6), (3, 7), (4, 8)]), &mut |_| {})
+            .unwrap();
+        for (device_block, host_block) in [(2, 6), (3, 7), (4, 8)] {
+            assert_eq!(tiers.host_region(&geometry, host_block, 0), expected(1, device_block, 0));
+        }
+        assert_eq!(tiers.host_region(&geometry, 9, 0), expected(2, 9, 0));
+    }
+
+    #[test]
+    fn a_plan_beyond_the_layout_fails_without_copying_out_of_bounds() {
+        let geometry = geometry();
+        let mut tiers = Tiers::new(&geometry);
+        let failure = tiers
+            .engine(geometry)
+            .execute(&plan(Direction::HostToDevice, &[(0, 8)]), &mut |_| {})
+            .unwrap_err();
+        assert_eq!(
+            failure,
+            CopyFailure::OutOfLayout(OutOfLayout { tier: "device", block: 8, region: 0 })
+        );
+        assert_eq!(failure.detail(), 8);
+    }
+
+    #[test]
+    fn areas_too_small_or_overlapping_are_refused() {
+        let geometry = geometry();
+        let mut tiers = Tiers::new(&geometry);
+        let device_len = tiers.device.len();
+        // SAFETY: the areas describe live vectors; no engine is built over them.
+        let (short_device, host, overlapping) = unsafe {
+            (
+                MappedArea::new(tiers.device.as_mut_ptr(), device_len - 1).unwrap(),
+                MappedArea::new(tiers.host.as_mut_ptr(), tiers.host.len()).unwrap(),
+                MappedArea::new(tiers.device.as_mut_ptr().add(8), tiers.host.len()).unwrap(),
+            )
+        };
+        assert_eq!(
+            HostCopyEngine::new(geometry, short_device, host).unwrap_err(),
+            HostEngineError::AreaTooSmall {
+                tier: "device",
+                len: device_len - 1,
+                needed: device_len as u64
+            }
+        );
+        // SAFETY: as above.
+        let device = unsafe { MappedArea::new(tiers.device.as_mut_ptr(), device_len).unwrap() };
+        assert_eq!(
+            HostCopyEngine::new(geometry, device, overlapping).unwrap_err(),
+            HostEngineError::AreasOverlap
+        );
+        // SAFETY: a null base is refused before anything is described.
+        assert!(unsafe { MappedArea::new(std::ptr::null_mut(), 1) }.is_none());
+    }
+}
