@@ -4,7 +4,9 @@
 //! this module (clippy's `disallowed-types` enforces it), so that `RUSTFLAGS="--cfg loom"` swaps in
 //! loom's model-checked versions without changing a line of the ring or doorbell code.
 //!
-//! - [`AtomicU32`], [`AtomicU64`], [`AtomicBool`], [`Ordering`], [`fence`]: std or loom.
+//! - [`AtomicU32`], [`AtomicU64`], [`AtomicBool`], [`Ordering`], [`fence`]: std or loom. The std
+//!   atomics are wrapped in `#[repr(transparent)]` newtypes with std's methods, because clippy's
+//!   `disallowed-types` sees through a plain re-export.
 //! - [`UnsafeCell`]: loom's tracked cell, or a `#[repr(transparent)]` std wrapper with the same
 //!   closure API (`with`, `with_mut`), so that a slot in mapped memory can be viewed as a cell.
 //! - [`spin_loop`]: a CPU pause hint; under loom a yield, so that a spinning thread lets the model
@@ -18,8 +20,7 @@
 pub use std::sync::atomic::{fence, Ordering};
 
 #[cfg(not(loom))]
-#[allow(clippy::disallowed_types)]
-pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+pub use std_atomic::{AtomicBool, AtomicU32, AtomicU64};
 
 #[cfg(loom)]
 pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -77,4 +78,158 @@ mod std_cell {
             f(self.0.get())
         }
     }
+}
+
+#[cfg(not(loom))]
+#[allow(clippy::disallowed_types)] // the one place that wraps std's atomics
+mod std_atomic {
+    use std::sync::atomic::Ordering;
+
+    /// Defines a `#[repr(transparent)]` wrapper of a std atomic integer with std's methods.
+    macro_rules! atomic_integer {
+        ($name:ident, $std:ty, $int:ty) => {
+            #[doc = concat!("`", stringify!($std), "` with the same methods and in-memory representation.")]
+            #[repr(transparent)]
+            #[derive(Debug, Default)]
+            pub struct $name($std);
+
+            impl $name {
+                pub const fn new(value: $int) -> Self {
+                    Self(<$std>::new(value))
+                }
+                #[inline]
+                pub fn load(&self, order: Ordering) -> $int {
+                    self.0.load(order)
+                }
+                #[inline]
+                pub fn store(&self, value: $int, order: Ordering) {
+                    self.0.store(value, order)
+                }
+                #[inline]
+                pub fn swap(&self, value: $int, order: Ordering) -> $int {
+                    self.0.swap(value, order)
+                }
+                #[inline]
+                pub fn compare_exchange(
+                    &self,
+                    current: $int,
+                    new: $int,
+                    success: Ordering,
+                    failure: Ordering,
+                ) -> Result<$int, $int> {
+                    self.0.compare_exchange(current, new, success, failure)
+                }
+                #[inline]
+                pub fn compare_exchange_weak(
+                    &self,
+                    current: $int,
+                    new: $int,
+                    success: Ordering,
+                    failure: Ordering,
+                ) -> Result<$int, $int> {
+                    self.0.compare_exchange_weak(current, new, success, failure)
+                }
+                #[inline]
+                pub fn fetch_add(&self, value: $int, order: Ordering) -> $int {
+                    self.0.fetch_add(value, order)
+                }
+                #[inline]
+                pub fn fetch_sub(&self, value: $int, order: Ordering) -> $int {
+                    self.0.fetch_sub(value, order)
+                }
+                #[inline]
+                pub fn fetch_or(&self, value: $int, order: Ordering) -> $int {
+                    self.0.fetch_or(value, order)
+                }
+                #[inline]
+                pub fn fetch_and(&self, value: $int, order: Ordering) -> $int {
+                    self.0.fetch_and(value, order)
+                }
+                #[inline]
+                pub fn fetch_max(&self, value: $int, order: Ordering) -> $int {
+                    self.0.fetch_max(value, order)
+                }
+                #[inline]
+                pub fn fetch_min(&self, value: $int, order: Ordering) -> $int {
+                    self.0.fetch_min(value, order)
+                }
+                #[inline]
+                pub fn get_mut(&mut self) -> &mut $int {
+                    self.0.get_mut()
+                }
+                #[inline]
+                pub fn into_inner(self) -> $int {
+                    self.0.into_inner()
+                }
+            }
+
+            impl From<$int> for $name {
+                fn from(value: $int) -> Self {
+                    Self::new(value)
+                }
+            }
+        };
+    }
+
+    atomic_integer!(AtomicU32, std::sync::atomic::AtomicU32, u32);
+    atomic_integer!(AtomicU64, std::sync::atomic::AtomicU64, u64);
+
+    /// `std::sync::atomic::AtomicBool` with the same methods and in-memory representation.
+    #[repr(transparent)]
+    #[derive(Debug, Default)]
+    pub struct AtomicBool(std::sync::atomic::AtomicBool);
+
+    impl AtomicBool {
+        pub const fn new(value: bool) -> Self {
+            Self(std::sync::atomic::AtomicBool::new(value))
+        }
+        #[inline]
+        pub fn load(&self, order: Ordering) -> bool {
+            self.0.load(order)
+        }
+        #[inline]
+        pub fn store(&self, value: bool, order: Ordering) {
+            self.0.store(value, order)
+        }
+        #[inline]
+        pub fn swap(&self, value: bool, order: Ordering) -> bool {
+            self.0.swap(value, order)
+        }
+        #[inline]
+        pub fn compare_exchange(
+            &self,
+            current: bool,
+            new: bool,
+            success: Ordering,
+            failure: Ordering,
+        ) -> Result<bool, bool> {
+            self.0.compare_exchange(current, new, success, failure)
+        }
+        #[inline]
+        pub fn fetch_or(&self, value: bool, order: Ordering) -> bool {
+            self.0.fetch_or(value, order)
+        }
+        #[inline]
+        pub fn fetch_and(&self, value: bool, order: Ordering) -> bool {
+            self.0.fetch_and(value, order)
+        }
+        #[inline]
+        pub fn get_mut(&mut self) -> &mut bool {
+            self.0.get_mut()
+        }
+        #[inline]
+        pub fn into_inner(self) -> bool {
+            self.0.into_inner()
+        }
+    }
+
+    impl From<bool> for AtomicBool {
+        fn from(value: bool) -> Self {
+            Self::new(value)
+        }
+    }
+
+    const _: () = assert!(size_of::<AtomicU64>() == 8 && align_of::<AtomicU64>() == 8);
+    const _: () = assert!(size_of::<AtomicU32>() == 4 && align_of::<AtomicU32>() == 4);
+    const _: () = assert!(size_of::<AtomicBool>() == 1);
 }
