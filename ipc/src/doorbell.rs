@@ -1,1 +1,279 @@
-//! (being written)
+//! Waiting across processes for a condition another process makes true: spin briefly, then sleep
+//! on a shared futex, with no lost wake-ups.
+//!
+//! A [`Doorbell`] sits in shared memory next to the ring it announces (zeroed memory is an idle
+//! doorbell). The publisher calls [`Doorbell::ring`] after publishing; the waiter calls
+//! [`Doorbell::wait_until`] with its condition (e.g. "the ring is not empty") and a
+//! [`WaitPolicy`]. `ring` costs one fence and one load while nobody sleeps.
+//!
+//! One wait:
+//!
+//! 1. spin: check `ready()` up to `policy.spin` times with a pause hint in between;
+//! 2. read the sequence word (the futex), then register: `sleepers += 1`;
+//! 3. `fence(SeqCst)` (fence W), then check `ready()` once more; if it holds, deregister, done;
+//! 4. sleep on the futex while it still holds the value read in 2, for at most
+//!    `policy.sleep_slice` (and never past `policy.deadline`);
+//! 5. deregister and go back to 2 (after checking `ready()` and the deadline).
+//!
+//! One ring: `fence(SeqCst)` (fence R), then if `sleepers != 0`: bump the sequence word and wake
+//! every sleeper on the futex.
+//!
+//! Why no wake-up is lost. The publisher's store that makes `ready()` true comes before fence R;
+//! the waiter's registration comes before fence W. Sequentially consistent fences are totally
+//! ordered. If fence W comes first, the publisher's load of `sleepers` after fence R sees the
+//! registration, so it bumps the word and wakes; and the waiter read the word in step 2, before
+//! fence W, so that value cannot include this bump: the kernel either finds the word changed and
+//! does not sleep, or queues the waiter before the wake (its compare and enqueue are atomic with
+//! respect to the wake). If fence R comes first, the waiter's check in step 3, after fence W, sees
+//! the publisher's store and never sleeps. `tests/loom.rs` checks exactly this, with timeouts taken
+//! out of the futex model so that a lost wake-up would be a deadlock.
+//!
+//! The timeouts are a second line of defence and what lets a waiter notice that its peer died: a
+//! caller that passes a deadline gets [`WaitOutcome::TimedOut`] and can check liveness. A waiter
+//! that dies while registered leaves `sleepers` above zero; that costs later rings a futex wake
+//! system call each, never correctness.
+
+mod futex;
+
+use std::time::{Duration, Instant};
+
+use futex::FutexWord;
+
+use crate::sync::{fence, spin_loop, AtomicU32, Ordering};
+
+/// A spin-then-sleep wake-up signal that works across processes sharing its memory.
+///
+/// `#[repr(C)]`, 64 bytes, one cache line; all-zero bytes are a valid idle doorbell, so it can be
+/// embedded in a zero-initialised shared-memory header.
+#[repr(C, align(64))]
+pub struct Doorbell {
+    /// Bumped by every ring that finds a sleeper; the futex word sleepers wait on.
+    sequence: FutexWord,
+    /// Waiters between registering (step 2) and deregistering (step 5).
+    sleepers: AtomicU32,
+}
+
+#[cfg(not(loom))]
+const _: () = assert!(size_of::<Doorbell>() == 64 && align_of::<Doorbell>() == 64);
+
+// SAFETY: both fields are u32 atomics (the futex word is a transparent AtomicU32), for which zero
+// is a valid value, and zero is the idle state: no sleeper, sequence 0.
+#[cfg(not(loom))]
+unsafe impl bytemuck::Zeroable for Doorbell {}
+
+/// How a waiter waits: how long it spins, how long one sleep lasts, when it gives up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WaitPolicy {
+    /// Checks of the condition before the first sleep.
+    pub spin: u32,
+    /// The longest single sleep; the condition is re-checked after each.
+    pub sleep_slice: Duration,
+    /// When to give up with [`WaitOutcome::TimedOut`]; `None` waits until ready.
+    pub deadline: Option<Instant>,
+}
+
+impl WaitPolicy {
+    /// Spin `spin` checks, then sleep in slices of `sleep_slice`, without a deadline.
+    pub const fn new(spin: u32, sleep_slice: Duration) -> Self {
+        Self { spin, sleep_slice, deadline: None }
+    }
+
+    /// The same policy giving up at `deadline`.
+    pub fn until(self, deadline: Instant) -> Self {
+        Self { deadline: Some(deadline), ..self }
+    }
+
+    /// The same policy giving up `timeout` from now.
+    pub fn within(self, timeout: Duration) -> Self {
+        self.until(Instant::now() + timeout)
+    }
+}
+
+impl Default for WaitPolicy {
+    /// About a few microseconds of spinning, then sleeps of 10 ms, no deadline.
+    fn default() -> Self {
+        Self::new(1000, Duration::from_millis(10))
+    }
+}
+
+/// How a wait ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WaitOutcome {
+    /// The condition held.
+    Ready,
+    /// The deadline passed with the condition still false.
+    TimedOut,
+}
+
+impl Doorbell {
+    /// An idle doorbell (the same as zeroed memory).
+    #[cfg(not(loom))]
+    pub const fn new() -> Self {
+        Self { sequence: FutexWord::new(), sleepers: AtomicU32::new(0) }
+    }
+
+    /// An idle doorbell built from loom primitives.
+    #[cfg(loom)]
+    pub fn new() -> Self {
+        Self { sequence: FutexWord::new(), sleepers: AtomicU32::new(0) }
+    }
+
+    /// Wakes every waiter; call it after publishing what they wait for.
+    ///
+    /// Near-free when nobody sleeps: one fence and one load.
+    pub fn ring(&self) {
+        // Fence R of the module documentation: orders the caller's publishing stores before the
+        // load of `sleepers`, against fence W in wait_until().
+        fence(Ordering::SeqCst);
+        if self.sleepers.load(Ordering::Relaxed) != 0 {
+            self.sequence.bump();
+            self.sequence.wake_all();
+        }
+    }
+
+    /// Waits until `ready()` returns true or the policy's deadline passes.
+    ///
+    /// `ready` must read what the publisher stores before calling [`ring`](Self::ring) (with
+    /// Acquire loads if it then reads data published behind them).
+    pub fn wait_until(&self, mut ready: impl FnMut() -> bool, policy: WaitPolicy) -> WaitOutcome {
+        for _ in 0..policy.spin {
+            if ready() {
+                return WaitOutcome::Ready;
+            }
+            spin_loop();
+        }
+        loop {
+            if ready() {
+                return WaitOutcome::Ready;
+            }
+            let slice = match policy.deadline {
+                None => policy.sleep_slice,
+                Some(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return WaitOutcome::TimedOut;
+                    }
+                    policy.sleep_slice.min(deadline - now)
+                }
+            };
+            let seen = self.sequence.load();
+            self.sleepers.fetch_add(1, Ordering::Relaxed);
+            // Fence W of the module documentation: orders the registration above before the
+            // check below, against fence R in ring().
+            fence(Ordering::SeqCst);
+            if ready() {
+                self.sleepers.fetch_sub(1, Ordering::Relaxed);
+                return WaitOutcome::Ready;
+            }
+            self.sequence.sleep(seen, slice);
+            self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Waiters registered now (between deciding to sleep and waking up).
+    pub fn sleepers(&self) -> u32 {
+        self.sleepers.load(Ordering::Relaxed)
+    }
+}
+
+impl Default for Doorbell {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Doorbell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Doorbell")
+            .field("sequence", &self.sequence.load())
+            .field("sleepers", &self.sleepers())
+            .finish()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::sync::Arc;
+    use std::thread;
+
+    use super::*;
+    use crate::sync::AtomicBool;
+
+    #[test]
+    fn zeroed_memory_is_an_idle_doorbell() {
+        let doorbell: Doorbell = bytemuck::Zeroable::zeroed();
+        doorbell.ring();
+        assert_eq!(doorbell.sleepers(), 0);
+        assert_eq!(doorbell.sequence.load(), 0, "a ring with no sleeper must not touch the futex");
+        assert_eq!(doorbell.wait_until(|| true, WaitPolicy::default()), WaitOutcome::Ready);
+    }
+
+    #[test]
+    fn a_wait_for_a_condition_that_already_holds_returns_at_once() {
+        let doorbell = Doorbell::new();
+        let policy = WaitPolicy::new(0, Duration::from_secs(60));
+        assert_eq!(doorbell.wait_until(|| true, policy), WaitOutcome::Ready);
+        assert_eq!(doorbell.sleepers(), 0);
+    }
+
+    #[test]
+    fn a_wait_gives_up_at_its_deadline() {
+        let doorbell = Doorbell::new();
+        let started = Instant::now();
+        let policy =
+            WaitPolicy::new(10, Duration::from_millis(5)).within(Duration::from_millis(30));
+        assert_eq!(doorbell.wait_until(|| false, policy), WaitOutcome::TimedOut);
+        assert!(started.elapsed() >= Duration::from_millis(30));
+        assert_eq!(doorbell.sleepers(), 0, "a waiter deregisters after each sleep");
+    }
+
+    #[test]
+    fn a_ring_wakes_a_registered_sleeper() {
+        let doorbell = Arc::new(Doorbell::new());
+        let published = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let (doorbell, published) = (doorbell.clone(), published.clone());
+            thread::spawn(move || {
+                let policy =
+                    WaitPolicy::new(0, Duration::from_secs(60)).within(Duration::from_secs(60));
+                // SYNC: pairs with the Release store of `published` below.
+                doorbell.wait_until(|| published.load(Ordering::Acquire), policy)
+            })
+        };
+        while doorbell.sleepers() == 0 {
+            thread::yield_now();
+        }
+        published.store(true, Ordering::Release);
+        doorbell.ring();
+        assert_eq!(waiter.join().unwrap(), WaitOutcome::Ready);
+        assert_eq!(doorbell.sleepers(), 0);
+    }
+
+    #[test]
+    fn ping_pong_through_two_doorbells_never_stalls() {
+        let to_peer = Arc::new((Doorbell::new(), crate::sync::AtomicU64::new(0)));
+        let to_me = Arc::new((Doorbell::new(), crate::sync::AtomicU64::new(0)));
+        let policy = WaitPolicy::new(4, Duration::from_secs(60)).within(Duration::from_secs(60));
+        let peer = {
+            let (to_peer, to_me) = (to_peer.clone(), to_me.clone());
+            thread::spawn(move || {
+                for round in 1..=2000u64 {
+                    // SYNC: pairs with the Release store of the counter by the main thread.
+                    let outcome =
+                        to_peer.0.wait_until(|| to_peer.1.load(Ordering::Acquire) >= round, policy);
+                    assert_eq!(outcome, WaitOutcome::Ready);
+                    to_me.1.store(round, Ordering::Release);
+                    to_me.0.ring();
+                }
+            })
+        };
+        for round in 1..=2000u64 {
+            to_peer.1.store(round, Ordering::Release);
+            to_peer.0.ring();
+            // SYNC: pairs with the Release store of the counter by the peer thread.
+            let outcome = to_me.0.wait_until(|| to_me.1.load(Ordering::Acquire) >= round, policy);
+            assert_eq!(outcome, WaitOutcome::Ready);
+        }
+        peer.join().unwrap();
+    }
+}
