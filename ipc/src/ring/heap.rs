@@ -121,9 +121,9 @@ struct LoomRing<T> {
 }
 
 // SAFETY: the slots are only accessed through ring views, whose protocol is what the loom models
-// check; the header is atomics.
+// check; the header is atomics; the records are Pod, plain bytes that may cross threads.
 #[cfg(loom)]
-unsafe impl<T: Send> Sync for LoomRing<T> {}
+unsafe impl<T: Pod> Sync for LoomRing<T> {}
 // SAFETY: as for Sync.
 #[cfg(loom)]
-unsafe impl<T: Send> Send for LoomRing<T> {}
+unsafe impl<T: Pod> Send for LoomRing<T> {}

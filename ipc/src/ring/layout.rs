@@ -26,7 +26,9 @@ use std::sync::Arc;
 use bytemuck::Pod;
 
 use super::error::RingError;
-use crate::sync::{AtomicU64, Ordering, UnsafeCell};
+#[cfg(not(loom))]
+use crate::sync::Ordering;
+use crate::sync::{AtomicU64, UnsafeCell};
 
 /// "KVSHRNG1": marks initialised ring memory of this layout version.
 pub(crate) const RING_MAGIC: u64 = u64::from_le_bytes(*b"KVSHRNG1");
