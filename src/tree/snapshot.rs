@@ -1,0 +1,71 @@
+//! A serializable picture of the top of the tree, for `kvctl tree`.
+//!
+//! The snapshot is flat (each node names its parent) so that a deep tree neither recurses nor
+//! nests: nodes come in depth-first order, children by hash, down to a maximum depth.
+
+use serde::Serialize;
+
+use super::{NodeId, Tree};
+use crate::hash::BlockHash;
+
+/// The nodes of the tree down to some depth.
+#[derive(Clone, Debug, Serialize)]
+pub struct TreeSnapshot {
+    /// Cached blocks in the whole tree.
+    pub total_nodes: usize,
+    pub max_depth: u32,
+    /// The nodes down to `max_depth`, depth-first; the root is not listed.
+    pub nodes: Vec<SnapshotNode>,
+}
+
+/// One node of a [`TreeSnapshot`].
+#[derive(Clone, Debug, Serialize)]
+pub struct SnapshotNode {
+    pub id: NodeId,
+    /// `None` under the root.
+    pub parent: Option<NodeId>,
+    pub depth: u32,
+    pub hash: BlockHash,
+    pub state: &'static str,
+    pub device: Option<u32>,
+    pub host: Option<u32>,
+    pub ref_count: u32,
+    pub hit_count: u32,
+    pub last_access: u64,
+    pub children: u32,
+}
+
+impl Tree {
+    /// The nodes from depth 1 to `max_depth`.
+    pub fn snapshot(&self, max_depth: u32) -> TreeSnapshot {
+        let mut nodes = Vec::new();
+        let mut stack = if max_depth > 0 { self.sorted_children(NodeId::ROOT) } else { Vec::new() };
+        while let Some(id) = stack.pop() {
+            let node = self.node(id);
+            nodes.push(SnapshotNode {
+                id,
+                parent: node.parent().filter(|&parent| parent != NodeId::ROOT),
+                depth: node.depth(),
+                hash: node.hash(),
+                state: node.state().name(),
+                device: node.device(),
+                host: node.host(),
+                ref_count: node.ref_count(),
+                hit_count: node.hit_count(),
+                last_access: node.last_access(),
+                children: node.child_count(),
+            });
+            if node.depth() < max_depth {
+                stack.extend(self.sorted_children(id));
+            }
+        }
+        TreeSnapshot { total_nodes: self.len(), max_depth, nodes }
+    }
+
+    /// Children in reverse hash order, so that popping from a stack visits them by hash.
+    fn sorted_children(&self, id: NodeId) -> Vec<NodeId> {
+        let mut children: Vec<NodeId> = self.children(id).collect();
+        children.sort_unstable_by_key(|&child| std::cmp::Reverse(self.node(child).hash()));
+        children
+    }
+}
