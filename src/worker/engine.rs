@@ -40,6 +40,19 @@ impl CopyFailure {
     }
 }
 
+/// Fails unless a piece ending at `end` (`None`: the end overflowed) lies within the first `len`
+/// bytes of a tier's memory.
+pub(crate) fn check_extent(
+    end: Option<u64>,
+    len: u64,
+    tier: &'static str,
+) -> Result<(), CopyFailure> {
+    match end {
+        Some(end) if end <= len => Ok(()),
+        end => Err(CopyFailure::OutOfArea { tier, end: end.unwrap_or(u64::MAX), len }),
+    }
+}
+
 /// Executes validated copy plans between a rank's device tier and host tier.
 pub trait CopyEngine {
     /// The geometry the engine's memory was laid out with; plans are validated against it.

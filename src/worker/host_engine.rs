@@ -23,7 +23,7 @@
 
 use std::ptr::NonNull;
 
-use super::engine::{CopyEngine, CopyFailure};
+use super::engine::{check_extent, CopyEngine, CopyFailure};
 use super::geometry::Geometry;
 use super::layout::{DeviceLayout, HostLayout};
 use super::plan::{CopyPlan, Direction, StridedCopy};
@@ -110,8 +110,8 @@ impl HostCopyEngine {
 
     /// Copies one piece after checking its full extent on both sides.
     fn copy_piece(&self, direction: Direction, piece: StridedCopy) -> Result<(), CopyFailure> {
-        check_within(piece.device_end(), &self.device, "device")?;
-        check_within(piece.host_end(), &self.host, "host")?;
+        check_extent(piece.device_end(), self.device.len as u64, "device")?;
+        check_extent(piece.host_end(), self.host.len as u64, "host")?;
         // Both extents are inside areas of at most usize::MAX bytes, so every offset, pitch and
         // width below fits in usize and every row lies inside its area.
         let width = piece.width as usize;
@@ -125,7 +125,7 @@ impl HostCopyEngine {
             let host_at = piece.host_offset as usize + row * piece.host_pitch as usize;
             // SAFETY:
             // 1. `device_at + row_len <= device.len` and `host_at + row_len <= host.len`: row `row`
-            //    ends at or before the piece's end, which `check_within` compared with each area.
+            //    ends at or before the piece's end, which `check_extent` compared with each area.
             // 2. Both areas are mapped, readable and writable for the engine's lifetime
             //    (`MappedArea::new`'s contract).
             // 3. Source and destination lie in different areas, which `new` checked do not overlap.
@@ -140,20 +140,6 @@ impl HostCopyEngine {
             }
         }
         Ok(())
-    }
-}
-
-/// Fails unless a piece ending at `end` (`None`: the end overflowed) lies within `area`.
-fn check_within(
-    end: Option<u64>,
-    area: &MappedArea,
-    tier: &'static str,
-) -> Result<(), CopyFailure> {
-    match end {
-        Some(end) if end <= area.len as u64 => Ok(()),
-        end => {
-            Err(CopyFailure::OutOfArea { tier, end: end.unwrap_or(u64::MAX), len: area.len as u64 })
-        }
     }
 }
 

@@ -17,6 +17,8 @@
 //! 2. [`validate`](validate::validate) checks it and coalesces its pairs into a [`CopyPlan`];
 //! 3. the rank's [`CopyEngine`] executes the plan layer by layer, reporting progress;
 //! 4. the worker answers with one completion: OK, the refusal, or the copy failure.
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod engine;
 pub mod geometry;
 pub mod host_engine;
