@@ -1,8 +1,314 @@
-//! (being written)
+//! `kvshm bench copy`: host-backend swap bandwidth through the worker's copy path, against a plain
+//! single-threaded memcpy of the same number of bytes measured in the same run.
+//!
+//! 1. Create two shared-memory objects (device arena and host tier, `--tier-mib` each), unlink
+//!    them at once (the mappings stay; nothing is left behind if the run dies), and touch every page.
+//! 2. Baseline: one `copy_nonoverlapping` of a whole tier into the other, repeated until
+//!    `--mib-per-case` bytes have moved, each direction.
+//! 3. For 64 KiB and 1 MiB blocks (`2 * --layers` regions each), consecutive and scattered ids,
+//!    device-to-host and host-to-device: encode commands of `--pairs-per-command` pairs into ring
+//!    slots beforehand, then time what the worker does per command — decode the slots, validate,
+//!    coalesce and execute on [`HostCopyEngine`] — until `--mib-per-case` bytes have moved.
+//! 4. Print one JSON object (`--json`) or a table: GB/s per case and its ratio to the memcpy of the
+//!    same direction.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use kvshm_ipc::record::{
+    decode_command, encode_command, BlockPair, CommandHeader, CommandSlot, Op,
+};
+use kvshm_ipc::shm::{self, SharedMemory};
+use serde::Serialize;
+
+use crate::worker::{
+    validate, CopyEngine, Geometry, GeometryParams, HostCopyEngine, MappedArea, ValidCommand,
+};
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Size of each tier's shared-memory mapping, in MiB.
+    #[arg(long, default_value_t = 512)]
+    tier_mib: usize,
+    /// Bytes each case moves, in MiB (commands repeat over the tiers).
+    #[arg(long, default_value_t = 2048)]
+    mib_per_case: usize,
+    /// Layers per block; a block has two regions (K and V) per layer.
+    #[arg(long, default_value_t = 16)]
+    layers: u32,
+    /// Block pairs per command.
+    #[arg(long, default_value_t = 32)]
+    pairs_per_command: usize,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("this subcommand is being written")
+const MIB: usize = 1 << 20;
+const BLOCK_SIZES: [usize; 2] = [64 << 10, 1 << 20];
+
+#[derive(Debug, Serialize)]
+struct Report {
+    bench: &'static str,
+    backend: &'static str,
+    tier_bytes: usize,
+    bytes_per_case: usize,
+    layers: u32,
+    regions: u32,
+    pairs_per_command: usize,
+    baseline: Baseline,
+    cases: Vec<Case>,
+}
+
+#[derive(Debug, Serialize)]
+struct Baseline {
+    what: &'static str,
+    device_to_host_gbps: f64,
+    host_to_device_gbps: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Case {
+    direction: &'static str,
+    ids: &'static str,
+    block_bytes: usize,
+    region_bytes: u64,
+    commands: usize,
+    runs_per_command: f64,
+    gbps: f64,
+    vs_memcpy: f64,
+}
+
+/// The two tiers, mapped from unlinked shared-memory objects.
+struct Tiers {
+    device: SharedMemory,
+    host: SharedMemory,
+}
+
+impl Tiers {
+    fn create(len: usize) -> anyhow::Result<Tiers> {
+        let prefix = format!("/kvshm-bench-copy.{}", std::process::id());
+        let make = |suffix: &str| -> anyhow::Result<SharedMemory> {
+            let object = format!("{prefix}.{suffix}");
+            let memory = SharedMemory::create(&object, len)
+                .with_context(|| format!("creating {object} of {len} bytes"))?;
+            shm::unlink(&object).with_context(|| format!("unlinking {object}"))?;
+            // Touch every page now so that page faults stay out of the measurements.
+            // SAFETY: the mapping is ours alone (created O_EXCL, unlinked) and `len` bytes long.
+            unsafe { std::ptr::write_bytes(memory.as_ptr(), 0x5a, memory.len()) };
+            Ok(memory)
+        };
+        Ok(Tiers { device: make("dev")?, host: make("host")? })
+    }
+
+    fn areas(&self) -> (MappedArea, MappedArea) {
+        // SAFETY: both mappings live as long as `self`, which outlives every engine built from
+        // these areas in `run`; no other process knows the (unlinked) objects.
+        unsafe {
+            (
+                MappedArea::new(self.device.as_ptr(), self.device.len())
+                    .expect("a mapping at null is a programming error"),
+                MappedArea::new(self.host.as_ptr(), self.host.len())
+                    .expect("a mapping at null is a programming error"),
+            )
+        }
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(args.layers > 0, "--layers must be at least 1");
+    anyhow::ensure!(args.pairs_per_command > 0, "--pairs-per-command must be at least 1");
+    let tier_bytes = args.tier_mib * MIB;
+    let bytes_per_case = args.mib_per_case * MIB;
+    let largest = BLOCK_SIZES[1] * args.pairs_per_command;
+    anyhow::ensure!(
+        tier_bytes >= largest,
+        "--tier-mib must hold at least one command of 1 MiB blocks ({} MiB)",
+        largest / MIB
+    );
+    let tiers = Tiers::create(tier_bytes)?;
+
+    let baseline = Baseline {
+        what: "one single-threaded copy_nonoverlapping of a whole tier, repeated",
+        device_to_host_gbps: memcpy_gbps(&tiers, true, bytes_per_case),
+        host_to_device_gbps: memcpy_gbps(&tiers, false, bytes_per_case),
+    };
+    let mut cases = Vec::new();
+    for block_bytes in BLOCK_SIZES {
+        for scattered in [false, true] {
+            for op in [Op::CopyDeviceToHost, Op::CopyHostToDevice] {
+                let case = measure_case(&args, &tiers, block_bytes, scattered, op, &baseline)?;
+                cases.push(case);
+            }
+        }
+    }
+    let report = Report {
+        bench: "copy",
+        backend: "host",
+        tier_bytes,
+        bytes_per_case,
+        layers: args.layers,
+        regions: 2 * args.layers,
+        pairs_per_command: args.pairs_per_command,
+        baseline,
+        cases,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+/// GB/s of whole-tier memcpys between the two mappings until `bytes` have moved.
+fn memcpy_gbps(tiers: &Tiers, device_to_host: bool, bytes: usize) -> f64 {
+    let len = tiers.device.len().min(tiers.host.len());
+    let (src, dst) = if device_to_host {
+        (tiers.device.as_ptr(), tiers.host.as_ptr())
+    } else {
+        (tiers.host.as_ptr(), tiers.device.as_ptr())
+    };
+    let copies = bytes.div_ceil(len);
+    let start = Instant::now();
+    for _ in 0..copies {
+        // SAFETY: both mappings hold at least `len` bytes, are distinct objects (so they do not
+        // overlap), and nothing else touches them.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+    }
+    gbps(copies * len, start.elapsed().as_secs_f64())
+}
+
+fn measure_case(
+    args: &Args,
+    tiers: &Tiers,
+    block_bytes: usize,
+    scattered: bool,
+    op: Op,
+    baseline: &Baseline,
+) -> anyhow::Result<Case> {
+    let regions = 2 * args.layers;
+    anyhow::ensure!(
+        block_bytes % regions as usize == 0,
+        "{block_bytes}-byte blocks do not split into {regions} regions"
+    );
+    let blocks = tiers.device.len().min(tiers.host.len()) / block_bytes;
+    let geometry = Geometry::new(GeometryParams {
+        layers: args.layers,
+        regions,
+        region_bytes: (block_bytes / regions as usize) as u64,
+        device_blocks: u32::try_from(blocks)?,
+        host_blocks: u32::try_from(blocks)?,
+    })?;
+    let (device, host) = tiers.areas();
+    let mut engine = HostCopyEngine::new(geometry, device, host)?;
+
+    let per_command = args.pairs_per_command;
+    let commands = (args.mib_per_case * MIB).div_ceil(per_command * block_bytes);
+    let slots = encode_commands(op, blocks, per_command, commands, scattered);
+
+    let mut pairs = Vec::with_capacity(per_command);
+    let mut runs = 0usize;
+    let mut at = 0;
+    let start = Instant::now();
+    while at < slots.len() {
+        pairs.clear();
+        let (header, used) = decode_command(&slots[at..], &mut pairs)?;
+        at += used;
+        let ValidCommand::Copy { plan, .. } = validate(&header, &pairs, engine.geometry(), 0)?
+        else {
+            anyhow::bail!("the bench only issues copies");
+        };
+        runs += plan.runs().len();
+        engine.execute(&plan, &mut |_| {})?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let rate = gbps(commands * per_command * block_bytes, seconds);
+    let (direction, reference) = match op {
+        Op::CopyDeviceToHost => ("device_to_host", baseline.device_to_host_gbps),
+        _ => ("host_to_device", baseline.host_to_device_gbps),
+    };
+    Ok(Case {
+        direction,
+        ids: if scattered { "scattered" } else { "consecutive" },
+        block_bytes,
+        region_bytes: geometry.region_bytes(),
+        commands,
+        runs_per_command: runs as f64 / commands as f64,
+        gbps: rate,
+        vs_memcpy: rate / reference,
+    })
+}
+
+/// `commands` commands of `per_command` pairs over `blocks` blocks per tier, encoded as ring slots.
+/// Consecutive: command `k` copies a run starting at a multiple of `per_command`; scattered: pairs
+/// follow two independent random permutations of the block ids (distinct within a command).
+fn encode_commands(
+    op: Op,
+    blocks: usize,
+    per_command: usize,
+    commands: usize,
+    scattered: bool,
+) -> Vec<CommandSlot> {
+    let mut sources: Vec<u32> = (0..blocks as u32).collect();
+    let mut destinations = sources.clone();
+    if scattered {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        shuffle(&mut sources, &mut state);
+        shuffle(&mut destinations, &mut state);
+    } else {
+        // Destination runs start half a tier away from their sources.
+        destinations.rotate_left((blocks / per_command / 2) * per_command);
+    }
+    let windows = blocks / per_command;
+    let mut slots = Vec::new();
+    let mut pairs = Vec::with_capacity(per_command);
+    for command in 0..commands {
+        let first = (command % windows) * per_command;
+        pairs.clear();
+        pairs.extend(
+            (first..first + per_command).map(|i| BlockPair::new(sources[i], destinations[i])),
+        );
+        let header = CommandHeader::new(op, command as u64, 0, per_command as u32);
+        encode_command(&header, &pairs, &mut slots);
+    }
+    slots
+}
+
+/// Fisher-Yates with splitmix64: deterministic, no dependency.
+fn shuffle(ids: &mut [u32], state: &mut u64) {
+    for i in (1..ids.len()).rev() {
+        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        ids.swap(i, (z % (i as u64 + 1)) as usize);
+    }
+}
+
+fn gbps(bytes: usize, seconds: f64) -> f64 {
+    bytes as f64 / seconds / 1e9
+}
+
+fn print_table(report: &Report) {
+    println!(
+        "memcpy baseline: device->host {:.2} GB/s, host->device {:.2} GB/s",
+        report.baseline.device_to_host_gbps, report.baseline.host_to_device_gbps
+    );
+    println!(
+        "{:<15} {:<12} {:>10} {:>8} {:>9} {:>9}",
+        "direction", "ids", "block", "runs/cmd", "GB/s", "vs memcpy"
+    );
+    for case in &report.cases {
+        println!(
+            "{:<15} {:<12} {:>10} {:>8.1} {:>9.2} {:>9.2}",
+            case.direction,
+            case.ids,
+            case.block_bytes,
+            case.runs_per_command,
+            case.gbps,
+            case.vs_memcpy
+        );
+    }
 }

@@ -8,8 +8,9 @@
 //!    tier block-major, and checks once that both layouts fit their areas and that the areas do not
 //!    overlap.
 //! 2. [`CopyEngine::execute`] walks the plan layer by layer; for every [`StridedCopy`] it checks the
-//!    piece's whole extent against both areas (checked arithmetic), then copies it: one
-//!    `copy_nonoverlapping` when the rows are contiguous on both sides, else one per row.
+//!    piece's whole extent against both areas (checked arithmetic), then copies it: one copy when
+//!    the rows are contiguous on both sides, else one per row, with non-temporal stores
+//!    ([`super::stream_copy`]); a store fence ends every layer before its progress is reported.
 //!
 //! # Concurrent access
 //!
@@ -27,6 +28,7 @@ use super::engine::{check_extent, CopyEngine, CopyFailure};
 use super::geometry::Geometry;
 use super::layout::{DeviceLayout, HostLayout};
 use super::plan::{CopyPlan, Direction, StridedCopy};
+use super::stream_copy::{copy_rows_streaming, store_fence};
 
 /// A mapped memory area owned by someone else: a base pointer and a length.
 #[derive(Clone, Copy, Debug)]
@@ -134,8 +136,8 @@ impl HostCopyEngine {
                 let device = self.device.as_ptr().add(device_at);
                 let host = self.host.as_ptr().add(host_at);
                 match direction {
-                    Direction::DeviceToHost => std::ptr::copy_nonoverlapping(device, host, row_len),
-                    Direction::HostToDevice => std::ptr::copy_nonoverlapping(host, device, row_len),
+                    Direction::DeviceToHost => copy_rows_streaming(device, host, row_len),
+                    Direction::HostToDevice => copy_rows_streaming(host, device, row_len),
                 }
             }
         }
@@ -154,13 +156,17 @@ impl CopyEngine for HostCopyEngine {
         progress: &mut dyn FnMut(u32),
     ) -> Result<(), CopyFailure> {
         for layer in 0..self.geometry.layers() {
-            plan.for_each_piece_of_layer(
+            let result = plan.for_each_piece_of_layer(
                 layer,
                 &self.geometry,
                 &self.device_layout,
                 &self.host_layout,
                 |piece| self.copy_piece(plan.direction(), piece),
-            )?;
+            );
+            // The layer's streaming stores must be visible before its progress is published, and
+            // a failed plan's before the failure: a fence in both cases.
+            store_fence();
+            result?;
             progress(layer + 1);
         }
         Ok(())

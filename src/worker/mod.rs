@@ -8,6 +8,7 @@
 //! - [`plan`]: coalescing pairs into runs and runs into strided pieces, layer by layer.
 //! - [`engine`]: the [`CopyEngine`] trait and [`CopyFailure`].
 //! - [`host_engine`]: memcpy between two shared-memory mappings (the host backend).
+//! - [`stream_copy`]: row copies with non-temporal stores, and the fence that publishes them.
 //! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions.
 //!
 //! One command through the worker:
@@ -24,6 +25,7 @@ pub mod geometry;
 pub mod host_engine;
 pub mod layout;
 pub mod plan;
+pub mod stream_copy;
 pub mod validate;
 
 pub use engine::{CopyEngine, CopyFailure};
