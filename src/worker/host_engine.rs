@@ -327,6 +327,45 @@ mod tests {
     }
 
     #[test]
+    fn rows_long_enough_to_stream_land_intact_in_both_directions() {
+        let region = 4096 + 64;
+        let geometry = Geometry::new(GeometryParams {
+            layers: 2,
+            regions: 2,
+            region_bytes: region as u64,
+            device_blocks: 5,
+            host_blocks: 5,
+        })
+        .unwrap();
+        let block = 2 * region;
+        let mut device: Vec<u8> = (0..5 * block).map(|i| (i % 251) as u8).collect();
+        let mut host = vec![0u8; 5 * block];
+        // SAFETY: both vectors outlive the engine and nothing else touches them.
+        let areas = unsafe {
+            (
+                MappedArea::new(device.as_mut_ptr(), device.len()).unwrap(),
+                MappedArea::new(host.as_mut_ptr(), host.len()).unwrap(),
+            )
+        };
+        let mut engine = HostCopyEngine::new(geometry, areas.0, areas.1).unwrap();
+        engine.execute(&plan(Direction::DeviceToHost, &[(4, 0), (1, 3)]), &mut |_| {}).unwrap();
+        engine.execute(&plan(Direction::HostToDevice, &[(3, 2)]), &mut |_| {}).unwrap();
+        drop(engine);
+        // Device region r of block b starts at (r * 5 + b) * region; host block h at h * block.
+        let device_row = |r: usize, b: usize| (r * 5 + b) * region;
+        for r in 0..2 {
+            let original = |b: usize| -> Vec<u8> {
+                (device_row(r, b)..device_row(r, b) + region).map(|i| (i % 251) as u8).collect()
+            };
+            assert_eq!(host[r * region..(r + 1) * region], original(4)[..]);
+            assert_eq!(host[3 * block + r * region..3 * block + (r + 1) * region], original(1)[..]);
+            assert_eq!(device[device_row(r, 2)..device_row(r, 2) + region], original(1)[..]);
+            assert_eq!(device[device_row(r, 3)..device_row(r, 3) + region], original(3)[..]);
+        }
+        assert!(host[block..3 * block].iter().all(|&b| b == 0));
+    }
+
+    #[test]
     fn a_plan_beyond_the_layout_fails_without_copying_out_of_bounds() {
         let geometry = geometry();
         let mut tiers = Tiers::new(&geometry);
