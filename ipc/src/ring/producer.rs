@@ -90,7 +90,8 @@ impl<T: Pod> Producer<T> {
     ///
     /// # Errors
     ///
-    /// [`RingFull`] if fewer than `records.len()` slots are free; nothing was written.
+    /// [`RingFull`] if fewer than `records.len()` slots are free; nothing was written. A batch
+    /// larger than [`capacity`](Self::capacity) never fits: split it first.
     pub fn push_all(&mut self, records: &[T]) -> Result<(), RingFull> {
         let count = records.len() as u64;
         if count > self.cached_free() {
