@@ -1,1 +1,343 @@
-//! (being written)
+//! The engine-facing cache manager (SPEC sections 3 to 6): prefix matching, all-or-nothing
+//! allocation with eviction under a write policy, commits, and the copies between the tiers.
+//!
+//! It owns the radix tree ([`crate::tree`]), the device and host pools ([`crate::pool`]), the live
+//! requests, the copies in flight and their tickets. It runs on the engine's scheduler thread;
+//! every operation costs O(blocks of the request) plus O(log n) per node touched, and never scans
+//! the tree (only `check_invariants`, `tree_snapshot` and `reset` do).
+//!
+//! The life of one request:
+//! 1. [`CacheManager::match_prefix`] holds the longest cached prefix of its block hashes (device
+//!    hits first, then host hits).
+//! 2. [`CacheManager::allocate`] gives the host hits and the new tokens device blocks, taking free
+//!    blocks first, then claiming blocks being swapped out, then evicting under the write policy
+//!    ([`evict`]); it fails without changing anything when not enough can be had. It returns the
+//!    block table and a ticket.
+//! 3. The engine hands the copies of [`CacheManager::take_transfers`] to the workers and reports
+//!    each with [`CacheManager::complete_transfer`]; the ticket becomes ready (or failed).
+//! 4. [`CacheManager::commit`] caches the request's computed full blocks under its path.
+//! 5. [`CacheManager::finish`] (or [`CacheManager::abort`]) releases what it holds.
+//!
+//! [`CacheManager::poll`] issues write-through backups and evicts ahead of demand.
+
+mod allocate;
+mod commit;
+mod complete;
+mod config;
+mod errors;
+mod evict;
+mod finish;
+mod invariants;
+mod lookup;
+mod poll;
+mod request;
+mod reset;
+mod stats;
+mod transfer;
+
+use std::collections::HashMap;
+
+pub use allocate::Allocation;
+pub use commit::Committed;
+pub use config::{
+    CacheConfig, ConfigError, ParseWritePolicyError, UnknownWritePolicy, WritePolicy,
+};
+pub use errors::{
+    AllocateError, CommitError, CompleteError, FinishError, InvariantViolation, MatchError,
+    ResetError, ResizeError, TicketError,
+};
+pub use lookup::{Lookup, PrefixMatch};
+pub use request::RequestId;
+pub use stats::{CacheStats, Evictions, Hits};
+pub use transfer::{TicketId, TicketStatus, Transfer, TransferFailure, TransferId, TransferKind};
+
+use crate::pool::BlockPool;
+use crate::tree::{lru::BuildChildHasher, NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
+use request::Request;
+use transfer::{InFlight, Ticket};
+
+/// The prefix cache and block pools of one engine.
+#[derive(Debug)]
+pub struct CacheManager {
+    config: CacheConfig,
+    tree: Tree,
+    device: BlockPool,
+    host: BlockPool,
+    requests: HashMap<RequestId, Request>,
+    tickets: HashMap<TicketId, Ticket>,
+    in_flight: HashMap<TransferId, InFlight>,
+    /// Copies created but not yet handed out by `take_transfers`, oldest first.
+    outbox: Vec<TransferId>,
+    /// The copies the current operation is filling (at most one per direction); moved to
+    /// `in_flight` when the operation ends.
+    open_device_to_host: Option<(TransferId, InFlight)>,
+    open_host_to_device: Option<(TransferId, InFlight)>,
+    /// Nodes waiting for a write-through backup (lazily checked: an entry whose node lost its
+    /// `backup_queued` flag is skipped).
+    pending_backups: Vec<NodeId>,
+    /// Scratch of the allocation dry run: device children counted as gone, per node.
+    scratch_gone: HashMap<NodeId, u32, BuildChildHasher>,
+    clock: u64,
+    generation: u64,
+    next_transfer: u64,
+    next_ticket: u64,
+    stats: stats::Counters,
+}
+
+impl CacheManager {
+    pub fn new(config: CacheConfig) -> Result<CacheManager, ConfigError> {
+        config.validate()?;
+        Ok(CacheManager {
+            tree: Tree::new(),
+            device: BlockPool::new(config.device_blocks),
+            host: BlockPool::new(config.host_blocks),
+            config,
+            requests: HashMap::new(),
+            tickets: HashMap::new(),
+            in_flight: HashMap::new(),
+            outbox: Vec::new(),
+            open_device_to_host: None,
+            open_host_to_device: None,
+            pending_backups: Vec::new(),
+            scratch_gone: HashMap::default(),
+            clock: 0,
+            generation: 0,
+            next_transfer: 1,
+            next_ticket: 1,
+            stats: stats::Counters::default(),
+        })
+    }
+
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// Bumped by every reset; copies carry the generation they were issued in.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The radix tree, read-only (for inspection and tests).
+    pub fn tree(&self) -> &Tree {
+        &self.tree
+    }
+
+    /// The flat picture of the tree down to `max_depth`, for `kvctl tree`.
+    pub fn tree_snapshot(&self, max_depth: u32) -> TreeSnapshot {
+        self.tree.snapshot(max_depth)
+    }
+
+    pub fn free_device_blocks(&self) -> usize {
+        self.device.free_count()
+    }
+
+    pub fn free_host_blocks(&self) -> usize {
+        self.host.free_count()
+    }
+
+    /// The block table of a live request: hits first, then its own blocks.
+    pub fn block_table(&self, request: RequestId) -> Option<&[u32]> {
+        self.requests.get(&request).map(|request| request.table.as_slice())
+    }
+
+    /// Live requests.
+    pub fn request_count(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Copies issued and not yet completed (including those not yet taken).
+    pub fn transfers_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Where the ticket of an allocation stands.
+    pub fn ticket_status(&self, ticket: TicketId) -> Result<TicketStatus, TicketError> {
+        self.tickets.get(&ticket).map(Ticket::status).ok_or(TicketError::UnknownTicket(ticket))
+    }
+
+    /// Hands out the copies created since the last call, oldest first.
+    pub fn take_transfers(&mut self) -> Vec<Transfer> {
+        let mut transfers = Vec::with_capacity(self.outbox.len());
+        self.take_transfers_into(&mut transfers);
+        transfers
+    }
+
+    /// Like [`CacheManager::take_transfers`], appending to `out`. A swap-in into blocks that a
+    /// swap-out still reads stays behind until that swap-out completes.
+    pub fn take_transfers_into(&mut self, out: &mut Vec<Transfer>) {
+        let in_flight = &mut self.in_flight;
+        self.outbox.retain(|id| {
+            // A copy completed before it was taken is gone from `in_flight`: drop it.
+            let Some(flight) = in_flight.get(id) else { return false };
+            if flight.after.iter().any(|before| in_flight.contains_key(before)) {
+                return true;
+            }
+            let flight = in_flight.get_mut(id).expect("found just above");
+            flight.issued = true;
+            out.push(Transfer {
+                id: *id,
+                kind: flight.kind,
+                pairs: flight.pairs.clone(),
+                generation: flight.generation,
+            });
+            false
+        });
+    }
+
+    /// Bytes of heap memory held by the tree, the pools, requests and copies (an estimate by
+    /// capacity; see `Tree::heap_bytes`).
+    pub fn heap_bytes(&self) -> usize {
+        let requests: usize = self
+            .requests
+            .values()
+            .map(|request| {
+                (request.path.capacity() + request.table.capacity() + request.private.capacity())
+                    * 4
+                    + size_of::<Request>()
+            })
+            .sum();
+        self.tree.heap_bytes() + self.device.heap_bytes() + self.host.heap_bytes() + requests
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn host_enabled(&self) -> bool {
+        self.config.host_blocks > 0 || self.host.capacity() > 0
+    }
+
+    /// The copy of `kind` that the current operation fills, opened on first use.
+    fn open_transfer(&mut self, kind: TransferKind) -> (TransferId, &mut InFlight) {
+        let generation = self.generation;
+        let slot = match kind {
+            TransferKind::DeviceToHost => &mut self.open_device_to_host,
+            TransferKind::HostToDevice => &mut self.open_host_to_device,
+        };
+        if slot.is_none() {
+            let id = TransferId(self.next_transfer);
+            self.next_transfer += 1;
+            *slot = Some((id, InFlight::new(kind, generation)));
+        }
+        let (id, flight) = slot.as_mut().expect("the open transfer was just created");
+        (*id, flight)
+    }
+
+    /// Moves the copies the current operation filled to the in-flight table and the outbox.
+    fn close_transfers(&mut self) {
+        for (id, flight) in
+            [self.open_device_to_host.take(), self.open_host_to_device.take()].into_iter().flatten()
+        {
+            self.in_flight.insert(id, flight);
+            self.outbox.push(id);
+        }
+    }
+
+    /// The in-flight record of `id`, open or closed.
+    fn flight_mut(&mut self, id: TransferId) -> Option<&mut InFlight> {
+        for (open_id, flight) in
+            [&mut self.open_device_to_host, &mut self.open_host_to_device].into_iter().flatten()
+        {
+            if *open_id == id {
+                return Some(flight);
+            }
+        }
+        self.in_flight.get_mut(&id)
+    }
+
+    fn new_ticket(&mut self, request: RequestId) -> TicketId {
+        let id = TicketId(self.next_ticket);
+        self.next_ticket += 1;
+        self.tickets.insert(id, Ticket { request, pending: 0, failure: None });
+        id
+    }
+
+    /// Makes `ticket` wait on copy `transfer` (once).
+    fn wait_on(&mut self, ticket: TicketId, transfer: TransferId) {
+        let added = self
+            .flight_mut(transfer)
+            .expect("waiting on a copy that is not in flight is a programming error")
+            .add_ticket(ticket);
+        if added {
+            let record = self.tickets.get_mut(&ticket).expect("a ticket just made is known");
+            if record.pending == 0 {
+                if let Some(request) = self.requests.get_mut(&record.request) {
+                    request.pending_tickets += 1;
+                }
+            }
+            record.pending += 1;
+        }
+    }
+
+    fn free_device(&mut self, block: u32) {
+        self.device.free(block).expect("freeing a device block not in use is a programming error");
+    }
+
+    fn free_host(&mut self, block: u32) {
+        self.host.free(block).expect("freeing a host block not in use is a programming error");
+    }
+
+    /// Removes `id` and its whole subtree from the tree, freeing the blocks the nodes own and
+    /// handing the blocks their copies in flight still touch to those copies (detaching them).
+    ///
+    /// # Panics
+    /// If a node of the subtree is held: callers drop only unheld subtrees.
+    fn drop_subtree(&mut self, id: NodeId) {
+        for node_id in self.tree.subtree_post_order(id) {
+            let node = self.tree.node(node_id);
+            assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
+            let (device, host, state, transfer) =
+                (node.device(), node.host(), node.state(), node.transfer());
+            match state {
+                NodeState::Device | NodeState::Host => {
+                    if let Some(block) = device {
+                        self.free_device(block);
+                    }
+                    if let Some(block) = host {
+                        self.free_host(block);
+                    }
+                }
+                NodeState::SwapToHost(_) | NodeState::SwapToDevice => {
+                    let transfer = TransferId(transfer.expect("a node in flight names its copy"));
+                    let flight = self.flight_mut(transfer).expect(
+                        "the copy of a node in flight is known: a programming error otherwise",
+                    );
+                    flight.reserved_device.extend(device);
+                    flight.reserved_host.extend(host);
+                }
+            }
+            self.tree.remove(node_id);
+        }
+    }
+
+    /// Gives a device block to a host-resident node and starts its swap-in (within the current
+    /// operation's host-to-device copy).
+    fn start_swap_in(&mut self, id: NodeId, block: u32) -> TransferId {
+        let host = self.tree.node(id).host().expect("a host node has a host block");
+        let (transfer, flight) = self.open_transfer(TransferKind::HostToDevice);
+        flight.pairs.push(kvshm_ipc::record::BlockPair::new(host, block));
+        flight.nodes.push(id);
+        self.tree.update(id, |node| {
+            node.set_device(Some(block));
+            node.set_state(NodeState::SwapToDevice);
+            node.set_transfer(Some(transfer.0));
+        });
+        transfer
+    }
+
+    /// Starts copying a device node to `host_block` (within the current operation's
+    /// device-to-host copy).
+    fn start_swap_out(&mut self, id: NodeId, host_block: u32, swap: SwapOut) -> TransferId {
+        let device = self.tree.node(id).device().expect("a device node has a device block");
+        let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
+        flight.pairs.push(kvshm_ipc::record::BlockPair::new(device, host_block));
+        flight.nodes.push(id);
+        self.tree.update(id, |node| {
+            node.set_host(Some(host_block));
+            node.set_state(NodeState::SwapToHost(swap));
+            node.set_transfer(Some(transfer.0));
+        });
+        transfer
+    }
+}

@@ -6,8 +6,14 @@ use super::{NodeId, Tree, IN_CLAIMABLE_SET, IN_DEVICE_SET, IN_HOST_SET, NO_BLOCK
 
 impl Tree {
     /// Checks SPEC invariants 3 (prefix closure, reachability) and 5 (candidate sets), plus the
-    /// tree's own bookkeeping (index, sibling lists, child counts, depths). Returns what is wrong.
-    pub fn check(&self) -> Result<(), String> {
+    /// tree's own bookkeeping (index, sibling lists, child counts, depths). Returns the number of
+    /// the broken invariant and what is wrong.
+    pub fn check(&self) -> Result<(), (u8, String)> {
+        self.check_structure().map_err(|detail| (3, detail))?;
+        self.check_candidates().map_err(|detail| (5, detail))
+    }
+
+    fn check_structure(&self) -> Result<(), String> {
         let mut live = 0;
         for (slot, node) in self.nodes.iter().enumerate() {
             let id = NodeId(slot as u32);
@@ -38,6 +44,26 @@ impl Tree {
                     node.child_count, node.device_child_count
                 ));
             }
+        }
+        if live != self.children.len() + 1 {
+            return Err(format!(
+                "{} live nodes but {} indexed children",
+                live - 1,
+                self.children.len()
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_candidates(&self) -> Result<(), String> {
+        for (slot, node) in self.nodes.iter().enumerate() {
+            let id = NodeId(slot as u32);
+            if id != NodeId::ROOT && node.parent == NodeId::NONE {
+                if node.filed != 0 {
+                    return Err(format!("removed slot {id:?} is still filed"));
+                }
+                continue;
+            }
             let expected = if id == NodeId::ROOT { 0 } else { self.predicates(id) };
             if node.filed != expected {
                 return Err(format!(
@@ -56,13 +82,6 @@ impl Tree {
                     return Err(format!("{id:?} and the {name} candidate set disagree"));
                 }
             }
-        }
-        if live != self.children.len() + 1 {
-            return Err(format!(
-                "{} live nodes but {} indexed children",
-                live - 1,
-                self.children.len()
-            ));
         }
         let filed = |bit: u8| self.nodes.iter().filter(|node| node.filed & bit != 0).count();
         if filed(IN_DEVICE_SET) != self.device_candidates.len()

@@ -1,0 +1,112 @@
+//! `allocate` (SPEC 5.3): device blocks for a request's host hits and new tokens, all or nothing.
+//!
+//! 1. Count what is needed: a block per host hit not yet swapped in, and blocks for the new and
+//!    lookahead tokens beyond what the block table covers.
+//! 2. Count what can be had without changing anything: free blocks, claimable blocks and the
+//!    cascade of device candidates. Short: fail, nothing changed.
+//! 3. Take the blocks (free, claimed, evicted; see [`super::evict`]).
+//! 4. Fill the block table's hit positions: device hits as they are; hits whose swap-in is in
+//!    flight share it; host hits get a block and one batched host-to-device copy. A swap-in into
+//!    a claimed block is held back until the swap-out reading that block completes.
+//! 5. Append the new blocks; the ticket also waits on swap-outs still reading claimed ones.
+
+use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
+use crate::tree::{NodeState, SwapOut};
+
+/// A successful allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation<'a> {
+    /// Wait on this before reading swapped-in blocks or writing new ones.
+    pub ticket: TicketId,
+    /// The request's whole block table: hits, then its own blocks.
+    pub block_table: &'a [u32],
+    /// How many blocks at the end of the table this allocation added.
+    pub new_blocks: usize,
+}
+
+impl CacheManager {
+    /// Gives a request device blocks for its host hits and for `new_tokens` more tokens plus
+    /// `lookahead` reserved ones (speculative decoding), evicting as the write policy says.
+    pub fn allocate(
+        &mut self,
+        request: RequestId,
+        new_tokens: usize,
+        lookahead: usize,
+    ) -> Result<Allocation<'_>, AllocateError> {
+        let record = self.requests.get(&request).ok_or(AllocateError::UnknownRequest(request))?;
+        if record.failed {
+            return Err(AllocateError::RequestFailed(request));
+        }
+        let block_tokens = self.config.block_tokens as usize;
+        let hits = record.path.get(record.table.len()..).unwrap_or_default().to_vec();
+        let swap_ins =
+            hits.iter().filter(|&&id| self.tree.node(id).state() == NodeState::Host).count();
+        let covered = record.table.len().max(record.path.len());
+        let fresh =
+            (record.tokens + new_tokens + lookahead).div_ceil(block_tokens).saturating_sub(covered);
+        let needed = swap_ins + fresh;
+        let free = self.device.free_count();
+        if needed > free {
+            let available = free + self.reclaimable_up_to(needed - free);
+            if available < needed {
+                self.stats.failed_allocations += 1;
+                return Err(AllocateError::OutOfBlocks { needed, available });
+            }
+        }
+
+        let mut blocks = Vec::with_capacity(needed);
+        self.obtain_device_blocks(needed, &mut blocks);
+        let ticket = self.new_ticket(request);
+        let mut blocks = blocks.into_iter();
+        let mut table_hits = Vec::with_capacity(hits.len());
+        let mut swap_in = None;
+        let mut swap_in_after = Vec::new();
+        for id in hits {
+            let node = self.tree.node(id);
+            match node.state() {
+                NodeState::Device | NodeState::SwapToHost(SwapOut::Backup) => {
+                    table_hits.push(node.device().expect("a device hit has a device block"));
+                }
+                NodeState::SwapToDevice => {
+                    let transfer =
+                        TransferId(node.transfer().expect("a node in flight names its copy"));
+                    table_hits.push(node.device().expect("a swap-in has its destination"));
+                    self.wait_on(ticket, transfer);
+                }
+                NodeState::Host => {
+                    let (block, claimed_from) =
+                        blocks.next().expect("a block was taken per swap-in");
+                    swap_in = Some(self.start_swap_in(id, block));
+                    swap_in_after.extend(claimed_from);
+                    table_hits.push(block);
+                }
+                state @ NodeState::SwapToHost(SwapOut::Evict | SwapOut::Claimed) => {
+                    unreachable!("a held node in state {state:?} is a programming error")
+                }
+            }
+        }
+        if let Some(transfer) = swap_in {
+            self.stats.swap_in_blocks_issued += swap_ins as u64;
+            self.open_host_to_device.as_mut().expect("the swap-in is open").1.after = swap_in_after;
+            self.wait_on(ticket, transfer);
+        }
+        let mut claims = Vec::new();
+        let mut fresh_blocks = Vec::with_capacity(fresh);
+        for (block, claimed_from) in blocks {
+            fresh_blocks.push(block);
+            if let Some(transfer) = claimed_from {
+                claims.push((block, transfer));
+                self.wait_on(ticket, transfer);
+            }
+        }
+        self.close_transfers();
+
+        let record = self.requests.get_mut(&request).expect("the request was found above");
+        record.table.extend(table_hits);
+        record.table.extend(fresh_blocks);
+        record.claims.extend(claims);
+        record.tokens += new_tokens;
+        record.tickets.push(ticket);
+        Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
+    }
+}

@@ -1,0 +1,126 @@
+//! `commit` (SPEC 5.4): caching a request's computed full blocks under its path.
+//!
+//! For each full block past the request's path, in order:
+//! 1. not cached: a new node takes the request's block (the node is held by the request);
+//! 2. cached on device already (another request computed it meanwhile): the request holds that
+//!    node and keeps its own copy privately until it ends, so one copy stays cached;
+//! 3. cached on host only: the request's copy becomes the node's device copy (the host copy stays
+//!    as a backup);
+//! 4. cached but in flight: the commit stops here; the rest stays the request's own.
+//!
+//! A block is inserted only under a parent with a valid device copy, so device residency stays
+//! prefix-closed.
+
+use serde::Serialize;
+
+use super::{CacheManager, CommitError, RequestId, WritePolicy};
+use crate::hash::BlockHash;
+use crate::tree::{NodeId, NodeState, SwapOut};
+
+/// What a commit did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Committed {
+    /// Blocks newly cached from the request's own copies.
+    pub inserted: usize,
+    /// Blocks that were cached already (the cached copy is kept, the request's is private or
+    /// became the node's device copy).
+    pub duplicates: usize,
+}
+
+impl CacheManager {
+    /// Caches the full blocks among the request's first `computed_tokens` tokens (prompt and
+    /// generated). `hashes` are the request's block hashes from block 0, at least one per full
+    /// block (see [`crate::hash::BlockHasher::extend`]). Commit after the allocation's ticket is
+    /// ready.
+    pub fn commit(
+        &mut self,
+        request: RequestId,
+        computed_tokens: usize,
+        hashes: &[BlockHash],
+    ) -> Result<Committed, CommitError> {
+        let record = self.requests.get(&request).ok_or(CommitError::UnknownRequest(request))?;
+        if record.failed {
+            return Err(CommitError::RequestFailed(request));
+        }
+        if record.pending_tickets > 0 {
+            return Err(CommitError::TicketPending(request));
+        }
+        let blocks = computed_tokens / self.config.block_tokens as usize;
+        if blocks > record.table.len() {
+            return Err(CommitError::NotAllocated { blocks, allocated: record.table.len() });
+        }
+        if blocks > hashes.len() {
+            return Err(CommitError::MissingHashes { blocks, given: hashes.len() });
+        }
+        let start = record.path.len();
+        if blocks <= start {
+            return Ok(Committed::default());
+        }
+        // A chained hash names its whole prefix: checking the last held block checks them all.
+        if let Some(&last) = record.path.last() {
+            if self.tree.node(last).hash() != hashes[start - 1] {
+                return Err(CommitError::PrefixMismatch { block: start - 1 });
+            }
+        }
+
+        let clock = self.tick();
+        let back_up = self.config.write_policy == WritePolicy::WriteThrough && self.host_enabled();
+        let CacheManager { requests, tree, pending_backups, .. } = self;
+        let record = requests.get_mut(&request).expect("the request was found above");
+        let mut parent = record.path.last().copied().unwrap_or(NodeId::ROOT);
+        let mut done = Committed::default();
+        for (&hash, &block) in hashes[start..blocks].iter().zip(&record.table[start..blocks]) {
+            let parent_valid = parent == NodeId::ROOT
+                || matches!(
+                    tree.node(parent).state(),
+                    NodeState::Device | NodeState::SwapToHost(SwapOut::Backup)
+                );
+            let id = match tree.child(parent, hash) {
+                None if parent_valid => {
+                    done.inserted += 1;
+                    let id = tree.insert(parent, hash, |node| {
+                        node.set_device(Some(block));
+                        node.hold();
+                        node.touch(clock);
+                        node.set_backup_queued(back_up);
+                    });
+                    if back_up {
+                        pending_backups.push(id);
+                    }
+                    id
+                }
+                None => break,
+                Some(existing) => match tree.node(existing).state() {
+                    NodeState::Device | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict) => {
+                        tree.update(existing, |node| {
+                            node.hold();
+                            node.touch(clock);
+                            if node.node().state() == NodeState::SwapToHost(SwapOut::Evict) {
+                                node.set_state(NodeState::SwapToHost(SwapOut::Backup));
+                            }
+                        });
+                        record.private.push(block);
+                        done.duplicates += 1;
+                        existing
+                    }
+                    NodeState::Host if parent_valid => {
+                        tree.update(existing, |node| {
+                            node.set_device(Some(block));
+                            node.set_state(NodeState::Device);
+                            node.hold();
+                            node.touch(clock);
+                        });
+                        done.duplicates += 1;
+                        existing
+                    }
+                    _ => break,
+                },
+            };
+            record.path.push(id);
+            parent = id;
+        }
+        self.stats.committed_blocks += done.inserted as u64;
+        self.stats.duplicate_blocks += done.duplicates as u64;
+        Ok(done)
+    }
+}

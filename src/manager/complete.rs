@@ -1,0 +1,169 @@
+//! `complete_transfer` (SPEC 7): applying a copy that every rank finished, or rolling it back.
+//!
+//! 1. The blocks the copy kept reserved (for detached pairs) go back to their pools.
+//! 2. A copy of an older generation changes nothing else: its nodes were dropped by the reset.
+//! 3. Each attached pair moves its node on:
+//!    - device-to-host landed: a backup (or cancelled eviction) leaves the node on device with a
+//!      host backup; an eviction frees the device block (unless claimed) and the node is `Host`;
+//!    - device-to-host failed: the host block is freed; the node stays on device, or, if its
+//!      device block was claimed, it has no copy left and leaves the tree with its subtree;
+//!    - host-to-device landed: the node is `Device` with its host copy as a backup;
+//!    - host-to-device failed: the device block is freed and the node is `Host` again, and so is
+//!      every device copy below it (they were swapped in behind it).
+//! 4. Every ticket waiting on it counts it done; a failed swap-in fails them and their requests.
+
+use super::{CacheManager, CompleteError, TransferFailure, TransferId, TransferKind};
+use crate::tree::{NodeId, NodeState, SwapOut};
+
+impl CacheManager {
+    /// Applies the outcome of copy `id` (module flow).
+    pub fn complete_transfer(
+        &mut self,
+        id: TransferId,
+        outcome: Result<(), TransferFailure>,
+    ) -> Result<(), CompleteError> {
+        let flight = self.in_flight.remove(&id).ok_or(CompleteError::UnknownTransfer(id))?;
+        for &block in &flight.reserved_device {
+            self.free_device(block);
+        }
+        for &block in &flight.reserved_host {
+            self.free_host(block);
+        }
+        if flight.generation != self.generation {
+            self.stats.stale_completions += 1;
+            return Ok(());
+        }
+        if outcome.is_err() {
+            self.stats.failed_transfers += 1;
+        }
+        for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
+            let attached = self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
+            if !attached {
+                continue;
+            }
+            match (flight.kind, outcome.is_ok()) {
+                (TransferKind::DeviceToHost, true) => self.swap_out_landed(node),
+                (TransferKind::DeviceToHost, false) => self.swap_out_failed(node, pair.dst),
+                (TransferKind::HostToDevice, true) => {
+                    self.stats.swap_in_blocks += 1;
+                    self.tree.update(node, |node| {
+                        node.set_state(NodeState::Device);
+                        node.set_transfer(None);
+                    });
+                }
+                (TransferKind::HostToDevice, false) => self.swap_in_failed(node, id),
+            }
+        }
+        let failure = match (flight.kind, outcome) {
+            (TransferKind::HostToDevice, Err(failure)) => Some(failure),
+            _ => None,
+        };
+        for ticket_id in &flight.tickets {
+            let Some(ticket) = self.tickets.get_mut(ticket_id) else { continue };
+            ticket.pending -= 1;
+            if failure.is_some() {
+                ticket.failure = failure;
+            }
+            if let Some(request) = self.requests.get_mut(&ticket.request) {
+                request.failed |= failure.is_some();
+                if ticket.pending == 0 {
+                    request.pending_tickets -= 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn swap_out_landed(&mut self, id: NodeId) {
+        let node = self.tree.node(id);
+        let NodeState::SwapToHost(swap) = node.state() else {
+            unreachable!("a node attached to a swap-out is swapping out")
+        };
+        match swap {
+            SwapOut::Backup => {
+                self.stats.backup_blocks += 1;
+                self.tree.update(id, |node| {
+                    node.set_state(NodeState::Device);
+                    node.set_transfer(None);
+                });
+            }
+            SwapOut::Evict | SwapOut::Claimed => {
+                self.stats.swap_out_blocks += 1;
+                if swap == SwapOut::Evict {
+                    let block =
+                        node.device().expect("an unclaimed eviction keeps its device block");
+                    self.free_device(block);
+                }
+                self.tree.update(id, |node| {
+                    node.set_device(None);
+                    node.set_state(NodeState::Host);
+                    node.set_transfer(None);
+                });
+            }
+        }
+    }
+
+    fn swap_out_failed(&mut self, id: NodeId, host_block: u32) {
+        self.free_host(host_block);
+        let claimed = self.tree.node(id).state() == NodeState::SwapToHost(SwapOut::Claimed);
+        self.tree.update(id, |node| {
+            node.set_host(None);
+            node.set_state(if claimed { NodeState::Host } else { NodeState::Device });
+            node.set_transfer(None);
+        });
+        if claimed {
+            // No copy left: the node (unheld, since a match stops at a claimed node) leaves the
+            // tree, and with it the host-only nodes below that no match could reach any more.
+            self.drop_subtree(id);
+        }
+    }
+
+    fn swap_in_failed(&mut self, id: NodeId, transfer: TransferId) {
+        // Device copies below were swapped in behind this one; undo them first so that device
+        // residency stays prefix-closed.
+        let mut below: Vec<NodeId> = self
+            .tree
+            .children(id)
+            .filter(|&child| self.tree.node(child).device().is_some())
+            .collect();
+        while let Some(child) = below.pop() {
+            below.extend(
+                self.tree
+                    .children(child)
+                    .filter(|&grandchild| self.tree.node(grandchild).device().is_some()),
+            );
+            self.demote_to_host(child, transfer);
+        }
+        let block = self.tree.node(id).device().expect("a swap-in has its destination");
+        self.free_device(block);
+        self.tree.update(id, |node| {
+            node.set_device(None);
+            node.set_state(NodeState::Host);
+            node.set_transfer(None);
+        });
+    }
+
+    /// Takes a swapped-in node (landed or in flight) back to `Host`. `failed` is the copy being
+    /// rolled back right now (already out of the in-flight table).
+    fn demote_to_host(&mut self, id: NodeId, failed: TransferId) {
+        let node = self.tree.node(id);
+        let block = node.device().expect("demoting a node without a device block");
+        match node.state() {
+            NodeState::SwapToDevice if node.transfer() == Some(failed.0) => self.free_device(block),
+            NodeState::SwapToDevice => {
+                let transfer = TransferId(node.transfer().expect("a node in flight names its copy"));
+                let flight = self.flight_mut(transfer).expect("the copy of a node in flight is known");
+                flight.reserved_device.push(block);
+            }
+            NodeState::Device if node.has_valid_host() => self.free_device(block),
+            state => unreachable!(
+                "a device copy in state {state:?} without a host copy below a swap-in is a programming error"
+            ),
+        }
+        self.tree.update(id, |node| {
+            node.set_device(None);
+            node.set_state(NodeState::Host);
+            node.set_transfer(None);
+        });
+    }
+}

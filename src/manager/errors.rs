@@ -1,0 +1,76 @@
+//! The errors of the engine-facing operations, one small enum per operation.
+
+use super::{RequestId, TicketId, TransferId};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MatchError {
+    #[error("{0} is already live")]
+    DuplicateRequest(RequestId),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocateError {
+    #[error("{0} is not live")]
+    UnknownRequest(RequestId),
+    #[error("{0} waited on a swap-in that failed; abort it")]
+    RequestFailed(RequestId),
+    #[error("{needed} device blocks needed but only {available} can be had")]
+    OutOfBlocks { needed: usize, available: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommitError {
+    #[error("{0} is not live")]
+    UnknownRequest(RequestId),
+    #[error("{0} waited on a swap-in that failed; abort it")]
+    RequestFailed(RequestId),
+    #[error("{0} still waits on a ticket; commit after its copies land")]
+    TicketPending(RequestId),
+    #[error("{blocks} computed blocks but only {allocated} allocated")]
+    NotAllocated { blocks: usize, allocated: usize },
+    #[error("{blocks} computed blocks but only {given} hashes given")]
+    MissingHashes { blocks: usize, given: usize },
+    #[error("the hash of block {block} differs from the one the request holds")]
+    PrefixMismatch { block: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FinishError {
+    #[error("{0} is not live")]
+    UnknownRequest(RequestId),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TicketError {
+    #[error("ticket {} is not known (its request ended, or it never existed)", .0 .0)]
+    UnknownTicket(TicketId),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CompleteError {
+    #[error("transfer {} is not in flight", .0 .0)]
+    UnknownTransfer(TransferId),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResetError {
+    #[error("{requests} requests still hold blocks; finish them or reset with force")]
+    RequestsHoldBlocks { requests: usize },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResizeError {
+    #[error("cannot shrink the device tier to {blocks} blocks: block {first_in_use} is in use")]
+    BlocksInUse { blocks: u32, first_in_use: u32 },
+    #[error("{watermark} free blocks are kept by the watermark, more than {blocks}")]
+    BelowWatermark { blocks: u32, watermark: u32 },
+}
+
+/// A broken invariant of SPEC section 10: always a bug in the manager.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invariant {number} broken: {detail}")]
+pub struct InvariantViolation {
+    /// The invariant's number in SPEC section 10.
+    pub number: u8,
+    pub detail: String,
+}

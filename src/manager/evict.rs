@@ -1,0 +1,188 @@
+//! Finding device and host blocks when the pools run short (SPEC 5.3 and 6).
+//!
+//! Device blocks come, in this order, from the free pool, from nodes being swapped out whose
+//! block no allocation has claimed yet (the claimer's ticket then covers that copy), and from
+//! evicting the least recently used device candidate under the write policy:
+//! 1. a node with a valid host copy just drops its device copy (metadata only);
+//! 2. else, if the policy wants a copy (write-back; write-through for a node whose backup has
+//!    not happened; selective for a node hit `threshold` times) and a host block can be had, it
+//!    starts a swap-out, and the block becomes claimable at once;
+//! 3. else the node is dropped, with the host-only nodes under it (a match could never reach
+//!    them again), and its block is free.
+//!
+//! Host blocks come from the free host pool, then from the least recently used host candidate:
+//! a backup is dropped, or a host-only leaf leaves the tree.
+//!
+//! An allocation first counts what it could get without changing anything
+//! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched.
+
+use std::collections::HashMap;
+
+use super::{CacheManager, TransferId, WritePolicy};
+use crate::tree::{lru::BuildChildHasher, NodeId, NodeState, SwapOut, Tree};
+
+/// What evicting one device candidate gave.
+enum Evicted {
+    /// Its device block is back in the pool.
+    Freed,
+    /// A swap-out started; the node's block is claimable.
+    SwappingOut,
+}
+
+impl CacheManager {
+    /// How many device blocks beyond the free ones evictions and claims could provide, counted up
+    /// to `limit`. Changes nothing.
+    pub(super) fn reclaimable_up_to(&mut self, limit: usize) -> usize {
+        count_reclaimable(&self.tree, &mut self.scratch_gone, limit)
+    }
+
+    /// Takes `count` device blocks, each with the swap-out still reading it when it was claimed.
+    ///
+    /// # Panics
+    /// If fewer can be had: callers check with [`CacheManager::reclaimable_up_to`] first.
+    pub(super) fn obtain_device_blocks(
+        &mut self,
+        count: usize,
+        out: &mut Vec<(u32, Option<TransferId>)>,
+    ) {
+        let from_pool = count.min(self.device.free_count());
+        let start = out.len();
+        let mut blocks = Vec::with_capacity(from_pool);
+        self.device
+            .allocate_into(from_pool, &mut blocks)
+            .expect("taking free blocks that are there");
+        out.extend(blocks.into_iter().map(|block| (block, None)));
+        while out.len() - start < count {
+            if let Some(id) = self.tree.first_claimable() {
+                out.push(self.claim(id));
+                continue;
+            }
+            let victim = self
+                .tree
+                .first_device_candidate()
+                .expect("evicting past what the dry run counted is a programming error");
+            if let Evicted::Freed = self.evict_device(victim) {
+                let block = self.device.allocate_one().expect("a block was just freed");
+                out.push((block, None));
+            }
+        }
+    }
+
+    /// Evicts device candidates until `target` blocks are free or on their way to free, or no
+    /// candidate is left; for the watermark of `poll`.
+    pub(super) fn evict_toward(&mut self, target: usize) {
+        while self.device.free_count() + self.tree.claimable_count() < target {
+            let Some(victim) = self.tree.first_device_candidate() else { break };
+            self.evict_device(victim);
+        }
+    }
+
+    /// Takes the device block of a node being swapped out, leaving the copy in flight.
+    fn claim(&mut self, id: NodeId) -> (u32, Option<TransferId>) {
+        let node = self.tree.node(id);
+        let block = node.device().expect("a claimable node has its device block");
+        let transfer =
+            TransferId(node.transfer().expect("a claimable node has its copy in flight"));
+        self.tree.update(id, |node| {
+            node.set_device(None);
+            node.set_state(NodeState::SwapToHost(SwapOut::Claimed));
+        });
+        (block, Some(transfer))
+    }
+
+    /// Evicts one device candidate under the write policy (module flow, steps 1 to 3).
+    fn evict_device(&mut self, id: NodeId) -> Evicted {
+        let node = self.tree.node(id);
+        let block = node.device().expect("a device candidate has a device block");
+        if node.has_valid_host() {
+            self.tree.update(id, |node| {
+                node.set_device(None);
+                node.set_state(NodeState::Host);
+            });
+            self.free_device(block);
+            self.stats.evictions.device_to_host_metadata += 1;
+            return Evicted::Freed;
+        }
+        let wants_copy = self.host_enabled()
+            && match self.config.write_policy {
+                WritePolicy::WriteBack | WritePolicy::WriteThrough => true,
+                WritePolicy::WriteThroughSelective { threshold } => node.hit_count() >= threshold,
+            };
+        if wants_copy {
+            if let Some(host_block) = self.obtain_host_block() {
+                self.start_swap_out(id, host_block, SwapOut::Evict);
+                self.stats.evictions.device_written_back += 1;
+                return Evicted::SwappingOut;
+            }
+        }
+        self.drop_subtree(id);
+        self.stats.evictions.device_dropped += 1;
+        Evicted::Freed
+    }
+
+    /// A host block, from the pool or by evicting the least recently used host candidate.
+    pub(super) fn obtain_host_block(&mut self) -> Option<u32> {
+        if let Some(block) = self.host.allocate_one() {
+            return Some(block);
+        }
+        let victim = self.tree.first_host_candidate()?;
+        let node = self.tree.node(victim);
+        let block = node.host().expect("a host candidate has a host block");
+        if node.device().is_some() {
+            self.tree.update(victim, |node| node.set_host(None));
+        } else {
+            self.tree.remove(victim);
+        }
+        self.stats.evictions.host_dropped += 1;
+        // The block changes owner without passing through the pool.
+        Some(block)
+    }
+}
+
+/// Counts, up to `limit`, the device blocks that claims and cascading evictions could free:
+/// every claimable node, every device candidate, and every node that becomes a candidate once
+/// the device children counted before it are gone. `gone` is scratch space.
+fn count_reclaimable(
+    tree: &Tree,
+    gone: &mut HashMap<NodeId, u32, BuildChildHasher>,
+    limit: usize,
+) -> usize {
+    if limit == 0 {
+        return 0;
+    }
+    gone.clear();
+    let mut exposed = Vec::new();
+    let mut count = 0;
+    let counted = tree.claimable().chain(tree.device_candidates()).map(|key| key.node);
+    let mut expose = |id: NodeId, exposed: &mut Vec<NodeId>| {
+        let parent = tree.node(id).parent().expect("a counted node is not the root");
+        if parent == NodeId::ROOT {
+            return;
+        }
+        let removed = gone.entry(parent).or_insert(0);
+        *removed += 1;
+        let node = tree.node(parent);
+        if *removed == tree.device_child_count(parent)
+            && node.state() == NodeState::Device
+            && node.device().is_some()
+            && node.ref_count() == 0
+        {
+            exposed.push(parent);
+        }
+    };
+    for id in counted {
+        count += 1;
+        if count >= limit {
+            return count;
+        }
+        expose(id, &mut exposed);
+    }
+    while let Some(id) = exposed.pop() {
+        count += 1;
+        if count >= limit {
+            return count;
+        }
+        expose(id, &mut exposed);
+    }
+    count
+}

@@ -1,0 +1,58 @@
+//! `finish` and `abort` (SPEC 5.5): ending a request.
+//!
+//! 1. Forget its tickets.
+//! 2. Give its own blocks back in reverse order (the tail first), except a block claimed from a
+//!    swap-out that is still reading it: that copy keeps it until it completes.
+//! 3. Release its nodes in reverse order, touching them now: at ref count 0 they become
+//!    evictable, the tail first (deeper first on the equal access time).
+
+use super::{CacheManager, FinishError, RequestId};
+
+impl CacheManager {
+    /// Ends a request that ran to completion.
+    pub fn finish(&mut self, request: RequestId) -> Result<(), FinishError> {
+        self.end(request)?;
+        self.stats.finished += 1;
+        Ok(())
+    }
+
+    /// Ends a request early (cancelled, preempted, or its ticket failed).
+    pub fn abort(&mut self, request: RequestId) -> Result<(), FinishError> {
+        self.end(request)?;
+        self.stats.aborted += 1;
+        Ok(())
+    }
+
+    fn end(&mut self, request: RequestId) -> Result<(), FinishError> {
+        let mut record =
+            self.requests.remove(&request).ok_or(FinishError::UnknownRequest(request))?;
+        for ticket in &record.tickets {
+            self.tickets.remove(ticket);
+        }
+        record.claims.retain(|(_, transfer)| self.in_flight.contains_key(transfer));
+        record.claims.sort_unstable();
+        let owned: Vec<u32> = record.owned_blocks().rev().collect();
+        for block in owned {
+            let claim = record.claims.binary_search_by_key(&block, |&(claimed, _)| claimed);
+            match claim {
+                Ok(index) => {
+                    let transfer = record.claims[index].1;
+                    let flight = self
+                        .in_flight
+                        .get_mut(&transfer)
+                        .expect("claims were filtered to copies in flight");
+                    flight.reserved_device.push(block);
+                }
+                Err(_) => self.free_device(block),
+            }
+        }
+        let clock = self.tick();
+        for &id in record.path.iter().rev() {
+            self.tree.update(id, |node| {
+                node.release();
+                node.touch(clock);
+            });
+        }
+        Ok(())
+    }
+}

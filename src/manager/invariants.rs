@@ -1,0 +1,273 @@
+//! `check_invariants()`: the six invariants of SPEC section 10, checked by scanning everything.
+//!
+//! Tests call it after every operation; it costs O(tree + pools + requests + copies).
+
+use std::collections::HashMap;
+
+use super::{CacheManager, InvariantViolation, TransferId, TransferKind};
+use crate::tree::{NodeId, NodeState, SwapOut};
+
+fn broken(number: u8, detail: impl Into<String>) -> InvariantViolation {
+    InvariantViolation { number, detail: detail.into() }
+}
+
+/// Counts the owners of every block of one tier.
+struct Owners {
+    tier: &'static str,
+    counts: Vec<u8>,
+}
+
+impl Owners {
+    fn new(tier: &'static str, capacity: u32) -> Owners {
+        Owners { tier, counts: vec![0; capacity as usize] }
+    }
+
+    fn own(
+        &mut self,
+        block: u32,
+        owner: impl FnOnce() -> String,
+    ) -> Result<(), InvariantViolation> {
+        let tier = self.tier;
+        let Some(count) = self.counts.get_mut(block as usize) else {
+            return Err(broken(2, format!("{tier} block {block} of {} is out of range", owner())));
+        };
+        *count += 1;
+        if *count > 1 {
+            return Err(broken(2, format!("{tier} block {block} has a second owner: {}", owner())));
+        }
+        Ok(())
+    }
+}
+
+impl CacheManager {
+    /// Checks SPEC section 10; the error names the broken invariant and what is wrong.
+    pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        // 1. Pools.
+        self.device.check().map_err(|detail| broken(1, format!("device pool: {detail}")))?;
+        self.host.check().map_err(|detail| broken(1, format!("host pool: {detail}")))?;
+        // 3 and 5. Tree structure, prefix closure, candidate sets.
+        self.tree.check().map_err(|(number, detail)| broken(number, detail))?;
+        self.check_ownership()?;
+        self.check_ref_counts()?;
+        self.check_copies()
+    }
+
+    /// Invariant 2: every used block has exactly one owner, no free block has one, and no free
+    /// block is touched by a copy in flight.
+    fn check_ownership(&self) -> Result<(), InvariantViolation> {
+        let mut device = Owners::new("device", self.device.capacity());
+        let mut host = Owners::new("host", self.host.capacity());
+        for id in self.tree.ids() {
+            let node = self.tree.node(id);
+            let owner = || format!("node {id:?} ({})", node.state().name());
+            match node.state() {
+                NodeState::Device | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict) => {
+                    let block = node
+                        .device()
+                        .ok_or_else(|| broken(2, format!("{} has no device block", owner())))?;
+                    device.own(block, owner)?;
+                }
+                NodeState::Host | NodeState::SwapToHost(SwapOut::Claimed) => {
+                    if node.device().is_some() {
+                        return Err(broken(2, format!("{} has a device block", owner())));
+                    }
+                }
+                NodeState::SwapToDevice => {}
+            }
+            match node.state() {
+                NodeState::Device | NodeState::Host | NodeState::SwapToDevice => {
+                    if let Some(block) = node.host() {
+                        host.own(block, owner)?;
+                    }
+                }
+                NodeState::SwapToHost(_) => {}
+            }
+        }
+        for (request_id, request) in &self.requests {
+            for block in request.owned_blocks() {
+                device.own(block, || format!("{request_id}"))?;
+            }
+        }
+        for (&transfer, flight) in &self.in_flight {
+            let owner = || format!("copy {}", transfer.0);
+            for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
+                if !self.attached(node, transfer) {
+                    continue;
+                }
+                match flight.kind {
+                    TransferKind::DeviceToHost => host.own(pair.dst, owner)?,
+                    TransferKind::HostToDevice => device.own(pair.dst, owner)?,
+                }
+            }
+            for &block in &flight.reserved_device {
+                device.own(block, || format!("reservation of copy {}", transfer.0))?;
+            }
+            for &block in &flight.reserved_host {
+                host.own(block, || format!("reservation of copy {}", transfer.0))?;
+            }
+        }
+        for (owners, pool) in [(&device, &self.device), (&host, &self.host)] {
+            for (block, &count) in owners.counts.iter().enumerate() {
+                let used = pool.is_used(block as u32);
+                if used && count == 0 {
+                    return Err(broken(
+                        2,
+                        format!("{} block {block} is used but has no owner", owners.tier),
+                    ));
+                }
+                if !used && count > 0 {
+                    return Err(broken(
+                        2,
+                        format!("{} block {block} is free but owned", owners.tier),
+                    ));
+                }
+            }
+        }
+        for (&transfer, flight) in &self.in_flight {
+            for pair in &flight.pairs {
+                let (device_block, host_block) = match flight.kind {
+                    TransferKind::DeviceToHost => (pair.src, pair.dst),
+                    TransferKind::HostToDevice => (pair.dst, pair.src),
+                };
+                if !self.device.is_used(device_block) || !self.host.is_used(host_block) {
+                    return Err(broken(
+                        2,
+                        format!("copy {} touches a free block ({device_block} device, {host_block} host)", transfer.0),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Invariant 4: a node's ref count is the number of live requests holding it; a request
+    /// holds a chain from the root.
+    fn check_ref_counts(&self) -> Result<(), InvariantViolation> {
+        let mut holders: HashMap<NodeId, u32> = HashMap::new();
+        for (request_id, request) in &self.requests {
+            let mut parent = NodeId::ROOT;
+            for &id in &request.path {
+                if !self.tree.is_live(id) || self.tree.node(id).parent() != Some(parent) {
+                    return Err(broken(
+                        4,
+                        format!("{request_id} holds {id:?}, which is not on its path"),
+                    ));
+                }
+                *holders.entry(id).or_default() += 1;
+                parent = id;
+            }
+            let pending = request
+                .tickets
+                .iter()
+                .filter(|ticket| self.tickets.get(ticket).is_some_and(|ticket| ticket.pending > 0))
+                .count();
+            if pending != request.pending_tickets as usize {
+                return Err(broken(
+                    4,
+                    format!(
+                        "{request_id} counts {} pending tickets, has {pending}",
+                        request.pending_tickets
+                    ),
+                ));
+            }
+        }
+        for id in self.tree.ids() {
+            let expected = holders.get(&id).copied().unwrap_or(0);
+            let actual = self.tree.node(id).ref_count();
+            if actual != expected {
+                return Err(broken(
+                    4,
+                    format!("{id:?} has ref count {actual} but {expected} holders"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Invariant 6: every node in a transfer state has exactly one copy in flight for it, and
+    /// every copy in flight serves nodes in the matching state. Also: every ticket counts the
+    /// copies it waits on.
+    fn check_copies(&self) -> Result<(), InvariantViolation> {
+        for id in self.tree.ids() {
+            let node = self.tree.node(id);
+            let in_flight = node.state().in_flight();
+            let Some(raw) = node.transfer() else {
+                if in_flight {
+                    return Err(broken(
+                        6,
+                        format!("{id:?} is {} with no copy", node.state().name()),
+                    ));
+                }
+                continue;
+            };
+            let transfer = TransferId(raw);
+            let Some(flight) = self.in_flight.get(&transfer).filter(|_| in_flight) else {
+                return Err(broken(
+                    6,
+                    format!("{id:?} ({}) names copy {raw}, not in flight", node.state().name()),
+                ));
+            };
+            let expected_kind = match node.state() {
+                NodeState::SwapToDevice => TransferKind::HostToDevice,
+                _ => TransferKind::DeviceToHost,
+            };
+            if flight.kind != expected_kind || flight.generation != self.generation {
+                return Err(broken(
+                    6,
+                    format!("{id:?} names copy {raw} of the wrong kind or generation"),
+                ));
+            }
+            let mut pairs = flight.nodes.iter().zip(&flight.pairs).filter(|(&node, _)| node == id);
+            let Some((_, pair)) = pairs.next() else {
+                return Err(broken(6, format!("copy {raw} does not serve {id:?}, which names it")));
+            };
+            if pairs.next().is_some() {
+                return Err(broken(6, format!("copy {raw} serves {id:?} twice")));
+            }
+            let matches = match node.state() {
+                NodeState::SwapToDevice => {
+                    Some(pair.src) == node.host() && Some(pair.dst) == node.device()
+                }
+                NodeState::SwapToHost(SwapOut::Claimed) => Some(pair.dst) == node.host(),
+                _ => Some(pair.src) == node.device() && Some(pair.dst) == node.host(),
+            };
+            if !matches {
+                return Err(broken(6, format!("copy {raw} moves other blocks than {id:?} holds")));
+            }
+        }
+        let mut waits: HashMap<_, u32> = HashMap::new();
+        for (&transfer, flight) in &self.in_flight {
+            for &ticket in &flight.tickets {
+                *waits.entry(ticket).or_default() += 1;
+            }
+            if flight.generation != self.generation {
+                if let Some(&node) =
+                    flight.nodes.iter().find(|&&node| self.attached(node, transfer))
+                {
+                    return Err(broken(
+                        6,
+                        format!("copy {} of an old generation serves {node:?}", transfer.0),
+                    ));
+                }
+            }
+        }
+        for (ticket_id, ticket) in &self.tickets {
+            let expected = waits.get(ticket_id).copied().unwrap_or(0);
+            if ticket.pending != expected {
+                return Err(broken(
+                    6,
+                    format!(
+                        "ticket {} counts {} copies but waits on {expected}",
+                        ticket_id.0, ticket.pending
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether pair node `node` of copy `transfer` is still the node that copy serves.
+    fn attached(&self, node: NodeId, transfer: TransferId) -> bool {
+        self.tree.is_live(node) && self.tree.node(node).transfer() == Some(transfer.0)
+    }
+}

@@ -1,0 +1,53 @@
+//! `poll` (SPEC 5.7): the work that does not belong to one request.
+//!
+//! 1. Issue the pending write-through backups as one device-to-host copy, taking host blocks
+//!    from the pool or from host candidates; when none can be had the rest are dropped from the
+//!    queue (an eviction will copy them in an emergency instead).
+//! 2. Evict ahead of demand until `free_watermark` device blocks are free or on their way.
+//!
+//! Completions are applied as they arrive through `complete_transfer`.
+
+use super::CacheManager;
+use crate::tree::{NodeState, SwapOut};
+
+impl CacheManager {
+    /// Issues pending backups and watermark evictions as new copies (module flow).
+    pub fn poll(&mut self) {
+        self.issue_backups();
+        let watermark = self.config.free_watermark as usize;
+        if watermark > 0 {
+            self.evict_toward(watermark);
+        }
+        self.close_transfers();
+    }
+
+    /// Nodes queued for a backup and not yet issued.
+    pub fn pending_backups(&self) -> usize {
+        self.pending_backups
+            .iter()
+            .filter(|&&id| self.tree.is_live(id) && self.tree.node(id).backup_queued())
+            .count()
+    }
+
+    fn issue_backups(&mut self) {
+        let queue = std::mem::take(&mut self.pending_backups);
+        let mut out_of_host = false;
+        for id in queue {
+            if !self.tree.is_live(id) || !self.tree.node(id).backup_queued() {
+                continue;
+            }
+            self.tree.update(id, |node| node.set_backup_queued(false));
+            let node = self.tree.node(id);
+            if out_of_host || node.state() != NodeState::Device || node.host().is_some() {
+                continue;
+            }
+            match self.obtain_host_block() {
+                Some(block) => {
+                    self.start_swap_out(id, block, SwapOut::Backup);
+                    self.stats.backups_issued += 1;
+                }
+                None => out_of_host = true,
+            }
+        }
+    }
+}

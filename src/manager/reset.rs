@@ -1,0 +1,82 @@
+//! `reset` (SPEC 5.6) and `resize_device`.
+//!
+//! A reset drops every cached block of every tier and bumps the generation:
+//! 1. refuse, unless forced, while a request holds blocks; a forced reset ends every request;
+//! 2. forget copies never handed out (no worker has seen them);
+//! 3. every copy handed out keeps all its blocks reserved until its completion arrives (which is
+//!    then ignored but for freeing them), since a worker may still be touching them;
+//! 4. clear the tree and both pools, and take the reserved blocks back out of the pools.
+
+use super::{CacheManager, ResetError, ResizeError};
+use crate::pool::ShrinkError;
+
+use super::TransferKind;
+
+impl CacheManager {
+    /// Drops every cached block and bumps the generation (module flow).
+    pub fn reset(&mut self, force: bool) -> Result<(), ResetError> {
+        let holders = self.requests.values().filter(|request| request.holds_anything()).count();
+        if holders > 0 && !force {
+            return Err(ResetError::RequestsHoldBlocks { requests: holders });
+        }
+        for id in self.outbox.drain(..) {
+            if self.in_flight.get(&id).is_some_and(|flight| !flight.issued) {
+                self.in_flight.remove(&id);
+            }
+        }
+        for flight in self.in_flight.values_mut() {
+            let (device, host): (Vec<u32>, Vec<u32>) = match flight.kind {
+                TransferKind::DeviceToHost => {
+                    flight.pairs.iter().map(|pair| (pair.src, pair.dst)).unzip()
+                }
+                TransferKind::HostToDevice => {
+                    flight.pairs.iter().map(|pair| (pair.dst, pair.src)).unzip()
+                }
+            };
+            flight.reserved_device = device;
+            flight.reserved_host = host;
+            flight.tickets.clear();
+            flight.after.clear();
+        }
+        self.requests.retain(|_, request| !request.holds_anything());
+        let requests = &self.requests;
+        self.tickets.retain(|_, ticket| requests.contains_key(&ticket.request));
+        self.tree.clear();
+        self.pending_backups.clear();
+        self.device.clear();
+        self.host.clear();
+        for flight in self.in_flight.values() {
+            for &block in &flight.reserved_device {
+                self.device
+                    .take(block)
+                    .expect("a block reserved by two copies is a programming error");
+            }
+            for &block in &flight.reserved_host {
+                self.host
+                    .take(block)
+                    .expect("a block reserved by two copies is a programming error");
+            }
+        }
+        self.generation += 1;
+        self.stats.resets += 1;
+        Ok(())
+    }
+
+    /// Grows the device tier, or shrinks it when every block at or above `blocks` is free.
+    pub fn resize_device(&mut self, blocks: u32) -> Result<(), ResizeError> {
+        if blocks < self.config.free_watermark {
+            return Err(ResizeError::BelowWatermark {
+                blocks,
+                watermark: self.config.free_watermark,
+            });
+        }
+        if blocks == u32::MAX {
+            return Err(ResizeError::BlocksInUse { blocks, first_in_use: u32::MAX });
+        }
+        self.device.resize(blocks).map_err(|ShrinkError { capacity, first_in_use }| {
+            ResizeError::BlocksInUse { blocks: capacity, first_in_use }
+        })?;
+        self.config.device_blocks = blocks;
+        Ok(())
+    }
+}

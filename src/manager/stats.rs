@@ -1,0 +1,144 @@
+//! Counters of what the manager did, and the `stats()` snapshot built from them.
+
+use serde::Serialize;
+
+use super::{CacheManager, Lookup};
+
+/// Prefix hits, per tier, in blocks and in prompt tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Hits {
+    pub device_blocks: u64,
+    pub host_blocks: u64,
+    pub device_tokens: u64,
+    pub host_tokens: u64,
+}
+
+/// Blocks that left a tier to make room.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Evictions {
+    /// Device copies dropped with no host copy kept (the node left the tree).
+    pub device_dropped: u64,
+    /// Device copies dropped because a host backup existed (metadata only).
+    pub device_to_host_metadata: u64,
+    /// Device copies written to host before leaving (write-back or emergency copies).
+    pub device_written_back: u64,
+    /// Host copies dropped.
+    pub host_dropped: u64,
+}
+
+impl Evictions {
+    /// Blocks evicted from the device tier, however they left.
+    pub fn device_total(&self) -> u64 {
+        self.device_dropped + self.device_to_host_metadata + self.device_written_back
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Counters {
+    pub matches: u64,
+    pub queried_blocks: u64,
+    pub hits: Hits,
+    pub evictions: Evictions,
+    pub swap_in_blocks_issued: u64,
+    pub swap_in_blocks: u64,
+    pub swap_out_blocks: u64,
+    pub backups_issued: u64,
+    pub backup_blocks: u64,
+    pub failed_transfers: u64,
+    pub stale_completions: u64,
+    pub failed_allocations: u64,
+    pub committed_blocks: u64,
+    pub duplicate_blocks: u64,
+    pub finished: u64,
+    pub aborted: u64,
+    pub resets: u64,
+}
+
+impl Counters {
+    pub fn record_match(
+        &mut self,
+        queried: usize,
+        found: Lookup,
+        device_tokens: usize,
+        host_tokens: usize,
+    ) {
+        self.matches += 1;
+        self.queried_blocks += queried as u64;
+        self.hits.device_blocks += found.device_blocks as u64;
+        self.hits.host_blocks += found.host_blocks as u64;
+        self.hits.device_tokens += device_tokens as u64;
+        self.hits.host_tokens += host_tokens as u64;
+    }
+}
+
+/// A snapshot of the manager's sizes and counters.
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheStats {
+    pub generation: u64,
+    pub block_tokens: u32,
+    pub device_blocks: u32,
+    pub device_free: usize,
+    pub host_blocks: u32,
+    pub host_free: usize,
+    /// Nodes in the tree (cached blocks, any tier).
+    pub cached_blocks: usize,
+    pub live_requests: usize,
+    pub transfers_in_flight: usize,
+    /// `match_prefix` calls and the blocks they asked about.
+    pub matches: u64,
+    pub queried_blocks: u64,
+    pub hits: Hits,
+    pub evictions: Evictions,
+    /// Blocks whose host-to-device copy was issued, and landed.
+    pub swap_in_blocks_issued: u64,
+    pub swap_in_blocks: u64,
+    /// Blocks evicted to host whose copy landed.
+    pub swap_out_blocks: u64,
+    /// Backups issued, and landed.
+    pub backups_issued: u64,
+    pub backup_blocks: u64,
+    pub failed_transfers: u64,
+    /// Completions of copies from before a reset.
+    pub stale_completions: u64,
+    pub failed_allocations: u64,
+    pub committed_blocks: u64,
+    /// Committed blocks that were cached already.
+    pub duplicate_blocks: u64,
+    pub finished_requests: u64,
+    pub aborted_requests: u64,
+    pub resets: u64,
+}
+
+impl CacheManager {
+    pub fn stats(&self) -> CacheStats {
+        let counters = &self.stats;
+        CacheStats {
+            generation: self.generation,
+            block_tokens: self.config.block_tokens,
+            device_blocks: self.device.capacity(),
+            device_free: self.device.free_count(),
+            host_blocks: self.host.capacity(),
+            host_free: self.host.free_count(),
+            cached_blocks: self.tree.len(),
+            live_requests: self.requests.len(),
+            transfers_in_flight: self.in_flight.len(),
+            matches: counters.matches,
+            queried_blocks: counters.queried_blocks,
+            hits: counters.hits,
+            evictions: counters.evictions,
+            swap_in_blocks_issued: counters.swap_in_blocks_issued,
+            swap_in_blocks: counters.swap_in_blocks,
+            swap_out_blocks: counters.swap_out_blocks,
+            backups_issued: counters.backups_issued,
+            backup_blocks: counters.backup_blocks,
+            failed_transfers: counters.failed_transfers,
+            stale_completions: counters.stale_completions,
+            failed_allocations: counters.failed_allocations,
+            committed_blocks: counters.committed_blocks,
+            duplicate_blocks: counters.duplicate_blocks,
+            finished_requests: counters.finished,
+            aborted_requests: counters.aborted,
+            resets: counters.resets,
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Copies between the tiers, and the tickets that wait on them.
+//!
+//! A [`Transfer`] is what leaves the manager: one direction, a list of (src, dst) block pairs and
+//! the generation it was issued in. Inside, an [`InFlight`] remembers whom each pair serves (a
+//! node, by id) and which tickets wait on it, until `complete_transfer` applies or rolls it back.
+//!
+//! A pair stays attached to its node while the node is live and names this copy as its one copy
+//! in flight; a node removed meanwhile (a dropped subtree, a reset) is detached, and the blocks the
+//! copy still touches move to the copy's reserved lists so that nobody reuses them before the
+//! completion arrives.
+
+use std::fmt;
+
+use kvshm_ipc::record::{BlockPair, CommandError};
+use serde::Serialize;
+
+use super::RequestId;
+use crate::tree::NodeId;
+
+/// Names one copy; increasing, never 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct TransferId(pub u64);
+
+/// The direction of a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferKind {
+    /// Device blocks (src) to host blocks (dst): a swap-out or a backup.
+    DeviceToHost,
+    /// Host blocks (src) to device blocks (dst): a swap-in.
+    HostToDevice,
+}
+
+/// A copy for the workers to carry out on every rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    pub id: TransferId,
+    pub kind: TransferKind,
+    pub pairs: Vec<BlockPair>,
+    pub generation: u64,
+}
+
+/// Why a copy failed, as a worker (or the service, for a dead worker) reported it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferFailure {
+    pub rank: u32,
+    pub error: CommandError,
+    pub detail: u64,
+}
+
+impl fmt::Display for TransferFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "copy failed on rank {}: {:?} (detail {})", self.rank, self.error, self.detail)
+    }
+}
+
+impl std::error::Error for TransferFailure {}
+
+/// Names what an allocation must wait for before the engine touches its blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct TicketId(pub u64);
+
+/// Whether the blocks of an allocation are ready.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TicketStatus {
+    /// Every copy it waited on has landed (or it waited on none).
+    Ready,
+    /// Some copies are still in flight.
+    Pending,
+    /// A swap-in it waited on failed: the request must be aborted.
+    Failed(TransferFailure),
+}
+
+/// The manager's record of one ticket.
+#[derive(Clone, Debug)]
+pub(crate) struct Ticket {
+    pub request: RequestId,
+    /// Copies in flight that it waits on.
+    pub pending: u32,
+    pub failure: Option<TransferFailure>,
+}
+
+impl Ticket {
+    pub fn status(&self) -> TicketStatus {
+        match (self.failure, self.pending) {
+            (Some(failure), _) => TicketStatus::Failed(failure),
+            (None, 0) => TicketStatus::Ready,
+            (None, _) => TicketStatus::Pending,
+        }
+    }
+}
+
+/// The manager's record of one copy in flight.
+#[derive(Clone, Debug)]
+pub(crate) struct InFlight {
+    pub kind: TransferKind,
+    pub generation: u64,
+    pub pairs: Vec<BlockPair>,
+    /// The node each pair serves (attached while that node names this copy).
+    pub nodes: Vec<NodeId>,
+    pub tickets: Vec<TicketId>,
+    /// Device blocks this copy keeps from reuse until it completes (of detached pairs, and
+    /// sources claimed by requests that ended first).
+    pub reserved_device: Vec<u32>,
+    /// Host blocks this copy keeps from reuse until it completes.
+    pub reserved_host: Vec<u32>,
+    /// Copies that must complete before this one is handed out: a swap-in into device blocks
+    /// claimed from swap-outs still reading them.
+    pub after: Vec<TransferId>,
+    /// Whether it has been handed out by `take_transfers`.
+    pub issued: bool,
+}
+
+impl InFlight {
+    pub fn new(kind: TransferKind, generation: u64) -> InFlight {
+        InFlight {
+            kind,
+            generation,
+            pairs: Vec::new(),
+            nodes: Vec::new(),
+            tickets: Vec::new(),
+            reserved_device: Vec::new(),
+            reserved_host: Vec::new(),
+            after: Vec::new(),
+            issued: false,
+        }
+    }
+
+    /// Adds `ticket` to the waiters unless it is there already; returns whether it was added.
+    pub fn add_ticket(&mut self, ticket: TicketId) -> bool {
+        if self.tickets.contains(&ticket) {
+            return false;
+        }
+        self.tickets.push(ticket);
+        true
+    }
+}

@@ -1,0 +1,365 @@
+//! A seeded randomized test: 100k operations over a tiny vocabulary (so prefixes collide a lot)
+//! against every write policy, with `check_invariants()` after every step and random copy
+//! failures injected.
+//!
+//! The test plays the engine and the workers, and simulates the data plane: every device and host
+//! block holds the hash of the block whose KV it contains. Copies move those values when they
+//! complete (a failed copy poisons its destinations), and the engine writes its computed blocks
+//! only once its ticket is ready. So every hit the manager reports is checked to hold the right
+//! data, which catches a block reused too early, a ticket ready too soon or a copy issued too
+//! early. Hits are compared against a reference model: the set of blocks committed since the
+//! last reset. Every hit must be in it, and where the device tier never needs to evict, a
+//! lookup must find exactly the longest prefix in it.
+
+mod scheduler_support;
+
+use std::collections::{HashMap, HashSet};
+
+use kvshm::hash::{BlockHash, BlockHasher, Namespace};
+use kvshm::manager::{
+    AllocateError, CacheConfig, CacheManager, RequestId, TicketId, TicketStatus, Transfer,
+    TransferKind, WritePolicy,
+};
+use scheduler_support::{check, failure, Rng};
+
+const BLOCK_TOKENS: usize = 2;
+const POISON: BlockHash = BlockHash(u128::MAX);
+
+struct Live {
+    tokens: Vec<u32>,
+    hashes: Vec<BlockHash>,
+    matched_blocks: usize,
+    /// Blocks of the request's path: cached nodes it holds.
+    held_blocks: usize,
+    /// Tokens the block table covers.
+    allocated_tokens: usize,
+    ticket: Option<TicketId>,
+}
+
+struct Engine {
+    cache: CacheManager,
+    hasher: BlockHasher,
+    rng: Rng,
+    vocabulary: u32,
+    max_prompt_blocks: usize,
+    exact: bool,
+    device_data: Vec<Option<BlockHash>>,
+    host_data: Vec<Option<BlockHash>>,
+    live: HashMap<u64, Live>,
+    copies: Vec<Transfer>,
+    committed: HashSet<BlockHash>,
+    next_request: u64,
+    hits_checked: u64,
+}
+
+impl Engine {
+    fn new(
+        config: CacheConfig,
+        seed: u64,
+        vocabulary: u32,
+        max_prompt_blocks: usize,
+        exact: bool,
+    ) -> Engine {
+        let device = config.device_blocks as usize;
+        let host = config.host_blocks as usize;
+        Engine {
+            cache: CacheManager::new(config).unwrap(),
+            hasher: BlockHasher::new(Namespace::new("random", None, None), BLOCK_TOKENS),
+            rng: Rng::new(seed),
+            vocabulary,
+            max_prompt_blocks,
+            exact,
+            device_data: vec![None; device * 2],
+            host_data: vec![None; host],
+            live: HashMap::new(),
+            copies: Vec::new(),
+            committed: HashSet::new(),
+            next_request: 0,
+            hits_checked: 0,
+        }
+    }
+
+    fn random_tokens(&mut self, count: usize) -> Vec<u32> {
+        (0..count).map(|_| self.rng.below(self.vocabulary as usize) as u32).collect()
+    }
+
+    fn pick_live(&mut self) -> Option<u64> {
+        if self.live.is_empty() {
+            return None;
+        }
+        let mut ids: Vec<u64> = self.live.keys().copied().collect();
+        ids.sort_unstable();
+        Some(ids[self.rng.below(ids.len())])
+    }
+
+    fn reference_prefix(&self, hashes: &[BlockHash]) -> usize {
+        hashes.iter().take_while(|hash| self.committed.contains(hash)).count()
+    }
+
+    fn step(&mut self) {
+        match self.rng.below(100) {
+            0..=19 => self.start_request(),
+            20..=34 => self.allocate(),
+            35..=49 => self.take_copies(),
+            50..=69 => self.complete_copy(),
+            70..=79 => self.commit(),
+            80..=84 => self.extend(),
+            85..=93 => self.end_request(),
+            94..=97 => self.cache.poll(),
+            98 => self.resize(),
+            _ => self.reset(),
+        }
+        check(&self.cache);
+    }
+
+    fn start_request(&mut self) {
+        if self.live.len() >= 6 {
+            return;
+        }
+        let prompt_len = self.rng.below(self.max_prompt_blocks * BLOCK_TOKENS + 1);
+        let tokens = self.random_tokens(prompt_len);
+        let hashes = self.hasher.hash_prompt(&tokens, &[]);
+        let reference = self.reference_prefix(&hashes);
+        let lookup = self.cache.lookup(&hashes);
+        let id = self.next_request;
+        self.next_request += 1;
+        let found = self.cache.match_prefix(RequestId(id), &hashes, tokens.len()).unwrap();
+        assert_eq!(
+            (found.device_blocks, found.host_blocks),
+            (lookup.device_blocks, lookup.host_blocks)
+        );
+        assert!(found.blocks() <= reference, "a hit on a block never committed");
+        if self.exact {
+            assert_eq!(
+                found.blocks(),
+                reference,
+                "with room for everything every committed block hits"
+            );
+        }
+        self.live.insert(
+            id,
+            Live {
+                tokens,
+                hashes,
+                matched_blocks: found.blocks(),
+                held_blocks: found.blocks(),
+                allocated_tokens: found.cached_tokens,
+                ticket: None,
+            },
+        );
+    }
+
+    fn allocate(&mut self) {
+        let Some(id) = self.pick_live() else { return };
+        if self.live[&id].ticket.is_some() {
+            return;
+        }
+        self.take_copies();
+        let generated = self.rng.below(5);
+        let lookahead = self.rng.below(3);
+        let live = &self.live[&id];
+        let new_tokens = live.tokens.len() - live.allocated_tokens + generated;
+        let before = (
+            self.cache.free_device_blocks(),
+            self.cache.free_host_blocks(),
+            self.cache.stats().cached_blocks,
+        );
+        match self.cache.allocate(RequestId(id), new_tokens, lookahead) {
+            Ok(allocation) => {
+                let ticket = allocation.ticket;
+                let extra = self.random_tokens(generated);
+                let live = self.live.get_mut(&id).unwrap();
+                live.tokens.extend(extra);
+                live.allocated_tokens = live.tokens.len();
+                live.ticket = Some(ticket);
+            }
+            Err(AllocateError::OutOfBlocks { .. }) => {
+                let after = (
+                    self.cache.free_device_blocks(),
+                    self.cache.free_host_blocks(),
+                    self.cache.stats().cached_blocks,
+                );
+                assert_eq!(before, after, "a failed allocation changes nothing");
+                assert!(self.cache.take_transfers().is_empty());
+            }
+            Err(error) => panic!("unexpected {error}"),
+        }
+    }
+
+    /// Decode: one more allocation for a request whose earlier blocks are ready.
+    fn extend(&mut self) {
+        let Some(id) = self.pick_live() else { return };
+        let Some(ticket) = self.live[&id].ticket else { return };
+        if self.cache.ticket_status(ticket) != Ok(TicketStatus::Ready) {
+            return;
+        }
+        let generated = 1 + self.rng.below(3);
+        if let Ok(allocation) = self.cache.allocate(RequestId(id), generated, 0) {
+            let ticket = allocation.ticket;
+            let extra = self.random_tokens(generated);
+            let live = self.live.get_mut(&id).unwrap();
+            live.tokens.extend(extra);
+            live.allocated_tokens = live.tokens.len();
+            live.ticket = Some(ticket);
+        }
+    }
+
+    fn take_copies(&mut self) {
+        let transfers = self.cache.take_transfers();
+        self.copies.extend(transfers);
+    }
+
+    fn complete_copy(&mut self) {
+        if self.copies.is_empty() {
+            return;
+        }
+        let copy = self.copies.swap_remove(self.rng.below(self.copies.len()));
+        let fails = self.rng.chance(10);
+        for pair in &copy.pairs {
+            let (src, dst) = (pair.src as usize, pair.dst as usize);
+            match copy.kind {
+                TransferKind::DeviceToHost => {
+                    self.host_data[dst] = if fails { Some(POISON) } else { self.device_data[src] };
+                }
+                TransferKind::HostToDevice => {
+                    self.device_data[dst] = if fails { Some(POISON) } else { self.host_data[src] };
+                }
+            }
+        }
+        let outcome = if fails { Err(failure()) } else { Ok(()) };
+        self.cache.complete_transfer(copy.id, outcome).unwrap();
+    }
+
+    fn commit(&mut self) {
+        let Some(id) = self.pick_live() else { return };
+        let Some(ticket) = self.live[&id].ticket else { return };
+        match self.cache.ticket_status(ticket).unwrap() {
+            TicketStatus::Pending => return,
+            TicketStatus::Failed(_) => {
+                self.live.remove(&id);
+                self.cache.abort(RequestId(id)).unwrap();
+                return;
+            }
+            TicketStatus::Ready => {}
+        }
+        let table = self.cache.block_table(RequestId(id)).unwrap().to_vec();
+        let live = self.live.get_mut(&id).unwrap();
+        self.hasher.extend(&mut live.hashes, &live.tokens, &[]);
+        for (position, &block) in table.iter().enumerate().take(live.matched_blocks) {
+            assert_eq!(
+                self.device_data[block as usize],
+                Some(live.hashes[position]),
+                "hit {position} holds other data"
+            );
+            self.hits_checked += 1;
+        }
+        let computed = if self.rng.chance(30) { live.tokens.len() / 2 } else { live.tokens.len() };
+        let computed_blocks = computed / BLOCK_TOKENS;
+        for (&block, &hash) in
+            table.iter().zip(&live.hashes).take(computed_blocks).skip(live.matched_blocks)
+        {
+            self.device_data[block as usize] = Some(hash);
+        }
+        let committed = self.cache.commit(RequestId(id), computed, &live.hashes).unwrap();
+        live.held_blocks += committed.inserted + committed.duplicates;
+        for hash in &live.hashes[..live.held_blocks] {
+            self.committed.insert(*hash);
+        }
+    }
+
+    fn end_request(&mut self) {
+        let Some(id) = self.pick_live() else { return };
+        self.live.remove(&id);
+        if self.rng.chance(50) {
+            self.cache.finish(RequestId(id)).unwrap();
+        } else {
+            self.cache.abort(RequestId(id)).unwrap();
+        }
+    }
+
+    fn resize(&mut self) {
+        let capacity = self.cache.stats().device_blocks;
+        let target = if self.rng.chance(50) { capacity + 1 } else { capacity.saturating_sub(1) };
+        if target as usize <= self.device_data.len() && target >= 4 {
+            let _ = self.cache.resize_device(target);
+        }
+    }
+
+    fn reset(&mut self) {
+        if !self.rng.chance(20) {
+            return;
+        }
+        let force = self.rng.chance(50);
+        if self.cache.reset(force).is_ok() {
+            self.committed.clear();
+            self.live.retain(|_, live| live.matched_blocks == 0 && live.ticket.is_none());
+        }
+    }
+}
+
+fn run(
+    config: CacheConfig,
+    seed: u64,
+    steps: usize,
+    vocabulary: u32,
+    max_prompt_blocks: usize,
+    exact: bool,
+) -> Engine {
+    let mut engine = Engine::new(config, seed, vocabulary, max_prompt_blocks, exact);
+    for _ in 0..steps {
+        engine.step();
+    }
+    engine
+}
+
+const STEPS: usize = 100_000;
+
+#[test]
+fn random_operations_keep_every_invariant_without_a_host_tier() {
+    let engine = run(CacheConfig::new(BLOCK_TOKENS as u32, 12), 1, STEPS, 3, 6, false);
+    assert!(engine.hits_checked > 1000, "only {} hits checked", engine.hits_checked);
+    assert!(engine.cache.stats().evictions.device_dropped > 0);
+}
+
+#[test]
+fn random_operations_keep_every_invariant_under_write_back() {
+    let config =
+        CacheConfig::new(BLOCK_TOKENS as u32, 12).with_host_blocks(16).with_free_watermark(2);
+    let engine = run(config, 2, STEPS, 3, 6, false);
+    let stats = engine.cache.stats();
+    assert!(stats.hits.host_blocks > 100 && stats.swap_in_blocks > 100, "{stats:?}");
+    assert!(stats.failed_transfers > 10 && stats.stale_completions > 0, "{stats:?}");
+    assert!(engine.hits_checked > 1000);
+}
+
+#[test]
+fn random_operations_keep_every_invariant_under_write_through() {
+    let config = CacheConfig::new(BLOCK_TOKENS as u32, 12)
+        .with_host_blocks(12)
+        .with_write_policy(WritePolicy::WriteThrough);
+    let engine = run(config, 3, STEPS, 3, 6, false);
+    let stats = engine.cache.stats();
+    assert!(
+        stats.backup_blocks > 100 && stats.evictions.device_to_host_metadata > 100,
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn random_operations_keep_every_invariant_under_selective_write_through() {
+    let policy = WritePolicy::WriteThroughSelective { threshold: 2 };
+    let config =
+        CacheConfig::new(BLOCK_TOKENS as u32, 12).with_host_blocks(12).with_write_policy(policy);
+    let engine = run(config, 4, STEPS, 3, 6, false);
+    let stats = engine.cache.stats();
+    assert!(stats.backup_blocks > 10 && stats.evictions.device_dropped > 10, "{stats:?}");
+}
+
+#[test]
+fn random_operations_hit_exactly_the_committed_prefixes_when_nothing_is_evicted() {
+    // Two tokens, two-token blocks and prompts of at most four blocks: at most 340 distinct
+    // blocks, plus what live requests own, fit in 600 device blocks, so nothing is ever evicted.
+    let engine = run(CacheConfig::new(BLOCK_TOKENS as u32, 600), 5, STEPS, 2, 4, true);
+    assert_eq!(engine.cache.stats().evictions.device_total(), 0);
+    assert!(engine.hits_checked > 1000);
+}

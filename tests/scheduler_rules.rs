@@ -1,0 +1,654 @@
+//! One test per rule of the scheduler (SPEC sections 3 to 6), plus the scenarios engines check
+//! in their own suites. Every test checks the invariants after each step.
+
+mod scheduler_support;
+
+use kvshm::hash::{BlockHasher, MultimodalItem, Namespace};
+use kvshm::manager::{
+    AllocateError, CacheConfig, CommitError, CompleteError, FinishError, MatchError, RequestId,
+    ResetError, TicketStatus, TransferId, TransferKind, WritePolicy,
+};
+use kvshm::tree::{NodeState, SwapOut};
+use kvshm_ipc::record::BlockPair;
+use scheduler_support::*;
+
+fn with_host(
+    device_blocks: u32,
+    host_blocks: u32,
+    policy: WritePolicy,
+) -> kvshm::manager::CacheManager {
+    manager(
+        CacheConfig::new(BLOCK_TOKENS, device_blocks)
+            .with_host_blocks(host_blocks)
+            .with_write_policy(policy),
+    )
+}
+
+#[test]
+fn a_prefill_hits_on_a_common_prefix() {
+    let mut cache = device_only(16);
+    serve(&mut cache, 1, &hashes(&[1, 2, 3]));
+    let second = serve(&mut cache, 2, &hashes(&[1, 2, 9, 10]));
+    assert_eq!((second.device_blocks, second.host_blocks, second.cached_tokens), (2, 0, 8));
+    let stats = cache.stats();
+    assert_eq!((stats.hits.device_blocks, stats.hits.device_tokens), (2, 8));
+    assert_eq!(stats.cached_blocks, 5);
+}
+
+#[test]
+fn lookup_has_no_side_effects() {
+    let mut cache = device_only(8);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    let before = cache.tree_snapshot(8);
+    assert_eq!(cache.lookup(&hashes(&[1, 2, 3])).device_blocks, 2);
+    let after = cache.tree_snapshot(8);
+    assert_eq!(format!("{before:?}"), format!("{after:?}"));
+    assert_eq!(cache.stats().matches, 1);
+}
+
+#[test]
+fn matching_holds_the_prefix_until_the_request_ends() {
+    let mut cache = device_only(8);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    cache.match_prefix(RequestId(2), &hashes(&[1, 2]), 8).unwrap();
+    cache.match_prefix(RequestId(3), &hashes(&[1]), 8).unwrap();
+    check(&cache);
+    let snapshot = cache.tree_snapshot(2);
+    let refs: Vec<u32> = snapshot.nodes.iter().map(|node| node.ref_count).collect();
+    assert_eq!(refs, vec![2, 1]);
+    assert_eq!(snapshot.nodes[0].hit_count, 3, "1 + two matches");
+    cache.abort(RequestId(2)).unwrap();
+    cache.finish(RequestId(3)).unwrap();
+    check(&cache);
+    assert!(cache.tree_snapshot(2).nodes.iter().all(|node| node.ref_count == 0));
+}
+
+#[test]
+fn unknown_and_duplicate_requests_are_typed_errors() {
+    let mut cache = device_only(4);
+    let ghost = RequestId(7);
+    assert_eq!(cache.allocate(ghost, 4, 0).unwrap_err(), AllocateError::UnknownRequest(ghost));
+    assert_eq!(cache.commit(ghost, 4, &[]).unwrap_err(), CommitError::UnknownRequest(ghost));
+    assert_eq!(cache.finish(ghost).unwrap_err(), FinishError::UnknownRequest(ghost));
+    cache.match_prefix(ghost, &[], 0).unwrap();
+    assert_eq!(cache.match_prefix(ghost, &[], 0).unwrap_err(), MatchError::DuplicateRequest(ghost));
+    check(&cache);
+}
+
+#[test]
+fn allocation_covers_new_and_lookahead_tokens_after_the_hits() {
+    let mut cache = device_only(16);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    let request = RequestId(2);
+    cache.match_prefix(request, &hashes(&[1, 2, 3]), 10).unwrap();
+    let allocation = cache.allocate(request, 2, 5).unwrap();
+    // 8 cached + 2 new + 5 lookahead = 15 tokens = 4 blocks, 2 of them hits.
+    assert_eq!((allocation.block_table.len(), allocation.new_blocks), (4, 2));
+    let allocation = cache.allocate(request, 1, 0).unwrap();
+    assert_eq!(allocation.new_blocks, 0, "11 tokens fit in the 4 blocks already there");
+    let ticket = allocation.ticket;
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
+    check(&cache);
+}
+
+#[test]
+fn eviction_follows_lru_order() {
+    let mut cache = device_only(3);
+    serve(&mut cache, 1, &hashes(&[1]));
+    serve(&mut cache, 2, &hashes(&[2]));
+    serve(&mut cache, 3, &hashes(&[3]));
+    serve(&mut cache, 4, &hashes(&[1])); // touches 1: now 2 is the oldest
+    serve(&mut cache, 5, &hashes(&[4]));
+    assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
+    for kept in [1, 3, 4] {
+        assert_eq!(cache.lookup(&hashes(&[kept])).blocks(), 1, "block {kept}");
+    }
+    assert_eq!(cache.stats().evictions.device_dropped, 1);
+}
+
+#[test]
+fn eviction_is_leaf_first_and_deeper_first_on_ties() {
+    let mut cache = device_only(3);
+    serve(&mut cache, 1, &hashes(&[1, 2, 3]));
+    serve(&mut cache, 2, &hashes(&[7]));
+    // All of 1, 2, 3 were released at once: the tail goes first, then its parent.
+    assert_eq!(cache.lookup(&hashes(&[1, 2, 3])).blocks(), 2);
+    serve(&mut cache, 3, &hashes(&[8]));
+    assert_eq!(cache.lookup(&hashes(&[1, 2, 3])).blocks(), 1);
+}
+
+#[test]
+fn blocks_a_request_just_matched_are_not_evicted_before_others() {
+    let mut cache = device_only(4);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    serve(&mut cache, 2, &hashes(&[3, 4]));
+    // Request 3 matches the older prefix 1, 2 and needs two more blocks: 3, 4 must go instead.
+    let request = RequestId(3);
+    let found = cache.match_prefix(request, &hashes(&[1, 2, 5, 6]), 16).unwrap();
+    assert_eq!(found.device_blocks, 2);
+    let allocation = cache.allocate(request, 8, 0).unwrap();
+    assert_eq!(allocation.new_blocks, 2);
+    check(&cache);
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).blocks(), 2);
+    assert_eq!(cache.lookup(&hashes(&[3])).blocks(), 0);
+}
+
+#[test]
+fn a_failed_allocation_changes_nothing() {
+    let mut cache = with_host(4, 2, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    serve(&mut cache, 2, &hashes(&[3]));
+    let request = RequestId(3);
+    cache.match_prefix(request, &hashes(&[1]), 4).unwrap();
+    let before = (
+        format!("{:?}", cache.tree_snapshot(9)),
+        cache.free_device_blocks(),
+        cache.free_host_blocks(),
+    );
+    // Held: 1. Reclaimable: 2, 3 and the free block: 3 blocks, not 4.
+    let error = cache.allocate(request, 16, 0).unwrap_err();
+    assert_eq!(error, AllocateError::OutOfBlocks { needed: 4, available: 3 });
+    let after = (
+        format!("{:?}", cache.tree_snapshot(9)),
+        cache.free_device_blocks(),
+        cache.free_host_blocks(),
+    );
+    assert_eq!(before, after);
+    assert!(cache.take_transfers().is_empty());
+    check(&cache);
+    assert_eq!(cache.allocate(request, 12, 0).unwrap().new_blocks, 3);
+    check(&cache);
+}
+
+#[test]
+fn reset_refuses_while_blocks_are_held() {
+    let mut cache = device_only(4);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    cache.match_prefix(RequestId(2), &hashes(&[1]), 4).unwrap();
+    assert_eq!(cache.reset(false), Err(ResetError::RequestsHoldBlocks { requests: 1 }));
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).blocks(), 2);
+    cache.finish(RequestId(2)).unwrap();
+    cache.reset(false).unwrap();
+    check(&cache);
+    assert_eq!((cache.generation(), cache.lookup(&hashes(&[1])).blocks()), (1, 0));
+    assert_eq!(cache.free_device_blocks(), 4);
+}
+
+#[test]
+fn a_forced_reset_ends_every_request_and_bumps_the_generation() {
+    let mut cache = device_only(4);
+    cache.match_prefix(RequestId(1), &hashes(&[1]), 4).unwrap();
+    cache.allocate(RequestId(1), 8, 0).unwrap();
+    cache.reset(true).unwrap();
+    check(&cache);
+    assert_eq!(cache.generation(), 1);
+    assert_eq!(cache.finish(RequestId(1)), Err(FinishError::UnknownRequest(RequestId(1))));
+    assert_eq!(cache.free_device_blocks(), 4);
+}
+
+#[test]
+fn salt_and_multimodal_keys_isolate() {
+    let tokens: Vec<u32> = (0..8).collect();
+    let tenant = |salt: &[u8]| {
+        BlockHasher::new(Namespace::new("m", None, Some(salt)), BLOCK_TOKENS as usize)
+    };
+    let image = |hash| [MultimodalItem { start: 5, len: 2, content_hash: hash }];
+    let mut cache = device_only(16);
+    serve(&mut cache, 1, &tenant(b"a").hash_prompt(&tokens, &image(1)));
+    assert_eq!(cache.lookup(&tenant(b"a").hash_prompt(&tokens, &image(1))).blocks(), 2);
+    assert_eq!(cache.lookup(&tenant(b"b").hash_prompt(&tokens, &image(1))).blocks(), 0);
+    assert_eq!(
+        cache.lookup(&tenant(b"a").hash_prompt(&tokens, &image(2))).blocks(),
+        1,
+        "block 0 has no image"
+    );
+    assert_eq!(cache.lookup(&tenant(b"a").hash_prompt(&tokens, &[])).blocks(), 1);
+}
+
+#[test]
+fn a_duplicate_commit_keeps_one_cached_copy() {
+    let mut cache = device_only(8);
+    let blocks = hashes(&[1, 2]);
+    for id in [1, 2] {
+        cache.match_prefix(RequestId(id), &blocks, 8).unwrap();
+        cache.allocate(RequestId(id), 8, 0).unwrap();
+    }
+    assert_eq!(cache.commit(RequestId(1), 8, &blocks).unwrap().inserted, 2);
+    let second = cache.commit(RequestId(2), 8, &blocks).unwrap();
+    assert_eq!((second.inserted, second.duplicates), (0, 2));
+    check(&cache);
+    assert_eq!(cache.stats().cached_blocks, 2);
+    assert_eq!(cache.free_device_blocks(), 4, "request 2 still holds its private copies");
+    cache.finish(RequestId(2)).unwrap();
+    cache.finish(RequestId(1)).unwrap();
+    check(&cache);
+    assert_eq!(cache.free_device_blocks(), 6);
+}
+
+#[test]
+fn generated_tokens_are_committed_too() {
+    let mut cache = device_only(8);
+    let request = RequestId(1);
+    let hasher = BlockHasher::new(Namespace::new("m", None, None), BLOCK_TOKENS as usize);
+    let mut tokens: Vec<u32> = vec![1, 2, 3, 4, 5, 6];
+    let mut blocks = hasher.hash_prompt(&tokens, &[]);
+    cache.match_prefix(request, &blocks, tokens.len()).unwrap();
+    cache.allocate(request, 6, 0).unwrap();
+    cache.commit(request, 6, &blocks).unwrap();
+    for generated in [7, 8, 9] {
+        tokens.push(generated);
+        cache.allocate(request, 1, 0).unwrap();
+        hasher.extend(&mut blocks, &tokens, &[]);
+        cache.commit(request, tokens.len(), &blocks).unwrap();
+        check(&cache);
+    }
+    cache.finish(request).unwrap();
+    assert_eq!(cache.lookup(&hasher.hash_prompt(&tokens, &[])).blocks(), 2);
+}
+
+#[test]
+fn a_commit_needs_allocated_blocks_and_enough_hashes() {
+    let mut cache = device_only(8);
+    let request = RequestId(1);
+    cache.match_prefix(request, &hashes(&[1, 2]), 8).unwrap();
+    assert_eq!(
+        cache.commit(request, 8, &hashes(&[1, 2])),
+        Err(CommitError::NotAllocated { blocks: 2, allocated: 0 })
+    );
+    cache.allocate(request, 8, 0).unwrap();
+    assert_eq!(
+        cache.commit(request, 8, &hashes(&[1])),
+        Err(CommitError::MissingHashes { blocks: 2, given: 1 })
+    );
+    cache.commit(request, 4, &hashes(&[1])).unwrap();
+    assert_eq!(
+        cache.commit(request, 8, &hashes(&[9, 2])),
+        Err(CommitError::PrefixMismatch { block: 0 })
+    );
+    check(&cache);
+}
+
+#[test]
+fn finishing_gives_blocks_back_tail_first() {
+    let mut cache = device_only(4);
+    let request = RequestId(1);
+    cache.match_prefix(request, &[], 0).unwrap();
+    let table = cache.allocate(request, 12, 0).unwrap().block_table.to_vec();
+    cache.abort(request).unwrap();
+    check(&cache);
+    // The head was given back last, so it is handed out first.
+    cache.match_prefix(RequestId(2), &[], 0).unwrap();
+    assert_eq!(cache.allocate(RequestId(2), 4, 0).unwrap().block_table, &table[..1]);
+}
+
+#[test]
+fn without_a_host_tier_evicted_blocks_are_dropped() {
+    let mut cache = device_only(2);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    serve(&mut cache, 2, &hashes(&[3, 4]));
+    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
+    assert!(cache.take_transfers().is_empty());
+    assert_eq!(cache.stats().evictions.device_dropped, 2);
+}
+
+#[test]
+fn write_back_moves_evicted_blocks_to_host_and_a_hit_swaps_them_in() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    serve(&mut cache, 2, &hashes(&[3, 4]));
+    let found = cache.lookup(&hashes(&[1, 2]));
+    assert_eq!((found.device_blocks, found.host_blocks), (0, 2));
+    let stats = cache.stats();
+    assert_eq!((stats.evictions.device_written_back, stats.swap_out_blocks), (2, 2));
+
+    let request = RequestId(3);
+    let found = cache.match_prefix(request, &hashes(&[1, 2]), 8).unwrap();
+    assert_eq!(found.host_blocks, 2);
+    let allocation = cache.allocate(request, 0, 0).unwrap();
+    let (ticket, table) = (allocation.ticket, allocation.block_table.to_vec());
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Pending));
+    check(&cache);
+    let transfers = cache.take_transfers();
+    // The swap-outs of 3 and 4 that made room, then the swap-in into their claimed blocks.
+    assert_eq!(transfers.len(), 1, "the swap-in waits for the swap-out reading its blocks");
+    assert_eq!(transfers[0].kind, TransferKind::DeviceToHost);
+    cache.complete_transfer(transfers[0].id, Ok(())).unwrap();
+    check(&cache);
+    let swap_in = complete_all(&mut cache);
+    assert_eq!(swap_in[0].kind, TransferKind::HostToDevice);
+    assert_eq!(swap_in[0].pairs.iter().map(|pair| pair.dst).collect::<Vec<_>>(), table);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
+    assert_eq!(cache.block_table(request).unwrap(), table);
+    assert_eq!(cache.stats().swap_in_blocks, 2);
+    check(&cache);
+}
+
+#[test]
+fn a_swap_in_carries_host_to_device_pairs_of_the_hits() {
+    let mut cache = with_host(4, 4, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1]));
+    serve(&mut cache, 2, &hashes(&[2, 3, 4, 5])); // 1 goes to host
+    let host_block =
+        cache.tree_snapshot(1).nodes.iter().find(|node| node.hash.0 == 1).unwrap().host.unwrap();
+    let request = RequestId(3);
+    cache.match_prefix(request, &hashes(&[1]), 4).unwrap();
+    let table = cache.allocate(request, 0, 0).unwrap().block_table.to_vec();
+    let swap_in = complete_swap_outs(&mut cache);
+    assert_eq!(swap_in.len(), 1);
+    assert_eq!(swap_in[0].pairs, vec![BlockPair::new(host_block, table[0])]);
+    assert_eq!(swap_in[0].generation, cache.generation());
+    cache.complete_transfer(swap_in[0].id, Ok(())).unwrap();
+    check(&cache);
+    let snapshot = cache.tree_snapshot(1);
+    let node = snapshot.nodes.iter().find(|node| node.hash.0 == 1).unwrap();
+    assert_eq!(
+        (node.device, node.host),
+        (Some(table[0]), Some(host_block)),
+        "the host copy stays as a backup"
+    );
+}
+
+#[test]
+fn a_node_hit_while_swapping_to_host_stays_on_device() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteBack).tap_watermark(2);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    cache.poll(); // evicts the leaf 2 ahead of demand; 1 keeps a device child until that lands
+    check(&cache);
+    let out = cache.take_transfers();
+    assert_eq!((out.len(), out[0].pairs.len()), (1, 1));
+    let request = RequestId(2);
+    let found = cache.match_prefix(request, &hashes(&[1, 2]), 8).unwrap();
+    assert_eq!(found.device_blocks, 2, "a node being swapped out is still a device hit");
+    let table = cache.allocate(request, 0, 0).unwrap().block_table.to_vec();
+    assert!(cache.take_transfers().is_empty(), "no swap-in needed");
+    cache.complete_transfer(out[0].id, Ok(())).unwrap();
+    check(&cache);
+    let snapshot = cache.tree_snapshot(2);
+    assert!(
+        snapshot.nodes.iter().all(|node| node.state == NodeState::Device.name()),
+        "eviction cancelled"
+    );
+    assert!(snapshot.nodes[1].host.is_some(), "the host copy became a backup");
+    assert_eq!(cache.block_table(request).unwrap(), table);
+    assert_eq!(cache.stats().backup_blocks, 1);
+}
+
+#[test]
+fn a_node_hit_while_swapping_to_device_shares_the_copy_in_flight() {
+    let mut cache = with_host(4, 4, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1]));
+    serve(&mut cache, 2, &hashes(&[2, 3, 4, 5]));
+    complete_all(&mut cache);
+    assert_eq!(cache.lookup(&hashes(&[1])).host_blocks, 1);
+    cache.match_prefix(RequestId(3), &hashes(&[1]), 4).unwrap();
+    let first = cache.allocate(RequestId(3), 0, 0).unwrap();
+    let (first_ticket, first_table) = (first.ticket, first.block_table.to_vec());
+    let copies: Vec<_> = complete_swap_outs(&mut cache);
+    assert_eq!(copies.len(), 1);
+    let swap_in = copies[0].clone();
+    assert_eq!(swap_in.kind, TransferKind::HostToDevice);
+    let found = cache.match_prefix(RequestId(4), &hashes(&[1]), 4).unwrap();
+    assert_eq!(found.device_blocks, 1);
+    let second = cache.allocate(RequestId(4), 0, 0).unwrap();
+    assert_eq!(second.block_table, first_table, "the same destination block");
+    let second_ticket = second.ticket;
+    assert!(cache.take_transfers().is_empty(), "never a second copy");
+    assert_eq!(cache.ticket_status(second_ticket), Ok(TicketStatus::Pending));
+    cache.complete_transfer(swap_in.id, Ok(())).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(first_ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.ticket_status(second_ticket), Ok(TicketStatus::Ready));
+}
+
+/// Completes the swap-outs handed out so far and returns the other copies, not completed.
+fn complete_swap_outs(cache: &mut kvshm::manager::CacheManager) -> Vec<kvshm::manager::Transfer> {
+    let mut others = Vec::new();
+    loop {
+        let transfers = cache.take_transfers();
+        if transfers.is_empty() {
+            return others;
+        }
+        for transfer in transfers {
+            if transfer.kind == TransferKind::DeviceToHost {
+                cache.complete_transfer(transfer.id, Ok(())).unwrap();
+                check(cache);
+            } else {
+                others.push(transfer);
+            }
+        }
+    }
+}
+
+#[test]
+fn an_allocation_short_of_free_blocks_claims_a_block_being_swapped_out() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    let request = RequestId(2);
+    cache.match_prefix(request, &hashes(&[7]), 4).unwrap();
+    let allocation = cache.allocate(request, 4, 0).unwrap();
+    let (ticket, block) = (allocation.ticket, allocation.block_table[0]);
+    assert_eq!(
+        cache.ticket_status(ticket),
+        Ok(TicketStatus::Pending),
+        "the swap-out still reads it"
+    );
+    check(&cache);
+    let snapshot = cache.tree_snapshot(2);
+    assert!(snapshot
+        .nodes
+        .iter()
+        .any(|node| node.state == NodeState::SwapToHost(SwapOut::Claimed).name()));
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).blocks(), 1, "a match stops at a claimed node");
+    let out = cache.take_transfers();
+    assert!(out[0].pairs.iter().any(|pair| pair.src == block));
+    assert_eq!(cache.commit(request, 4, &hashes(&[7])), Err(CommitError::TicketPending(request)));
+    cache.complete_transfer(out[0].id, Ok(())).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 1);
+    cache.commit(request, 4, &hashes(&[7])).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_request_that_ends_before_the_swap_out_it_claimed_from_leaves_the_block_reserved() {
+    let mut cache = with_host(1, 2, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1]));
+    cache.match_prefix(RequestId(2), &[], 0).unwrap();
+    cache.allocate(RequestId(2), 4, 0).unwrap();
+    let out = cache.take_transfers();
+    cache.abort(RequestId(2)).unwrap();
+    check(&cache);
+    assert_eq!(cache.free_device_blocks(), 0, "the swap-out still reads the block");
+    cache.complete_transfer(out[0].id, Ok(())).unwrap();
+    check(&cache);
+    assert_eq!(cache.free_device_blocks(), 1);
+}
+
+#[test]
+fn a_failed_swap_out_leaves_the_node_on_device_and_frees_the_host_block() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteBack).tap_watermark(1);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    cache.poll();
+    let out = cache.take_transfers();
+    assert_eq!(cache.free_host_blocks(), 3);
+    cache.complete_transfer(out[0].id, Err(failure())).unwrap();
+    check(&cache);
+    assert_eq!(cache.free_host_blocks(), 4);
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
+    assert_eq!(cache.stats().failed_transfers, 1);
+}
+
+#[test]
+fn a_failed_claimed_swap_out_drops_the_node() {
+    let mut cache = with_host(1, 2, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1]));
+    cache.match_prefix(RequestId(2), &[], 0).unwrap();
+    let ticket = cache.allocate(RequestId(2), 4, 0).unwrap().ticket;
+    let out = cache.take_transfers();
+    cache.complete_transfer(out[0].id, Err(failure())).unwrap();
+    check(&cache);
+    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
+    assert_eq!(
+        cache.ticket_status(ticket),
+        Ok(TicketStatus::Ready),
+        "the claimed block is free to write"
+    );
+    assert_eq!(cache.free_host_blocks(), 2);
+}
+
+#[test]
+fn a_failed_swap_in_fails_the_ticket_and_leaves_the_node_on_host() {
+    let mut cache = with_host(4, 4, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1]));
+    serve(&mut cache, 2, &hashes(&[2, 3, 4, 5]));
+    let request = RequestId(3);
+    cache.match_prefix(request, &hashes(&[1]), 4).unwrap();
+    let ticket = cache.allocate(request, 0, 0).unwrap().ticket;
+    let swap_in = complete_swap_outs(&mut cache);
+    let free_before = cache.free_device_blocks();
+    cache.complete_transfer(swap_in[0].id, Err(failure())).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Failed(failure())));
+    assert_eq!(cache.free_device_blocks(), free_before + 1);
+    assert_eq!(cache.lookup(&hashes(&[1])).host_blocks, 1);
+    assert_eq!(cache.commit(request, 4, &hashes(&[1])), Err(CommitError::RequestFailed(request)));
+    assert_eq!(cache.allocate(request, 4, 0).unwrap_err(), AllocateError::RequestFailed(request));
+    cache.abort(request).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn completing_an_unknown_transfer_is_a_typed_error() {
+    let mut cache = device_only(1);
+    let ghost = TransferId(42);
+    assert_eq!(cache.complete_transfer(ghost, Ok(())), Err(CompleteError::UnknownTransfer(ghost)));
+}
+
+#[test]
+fn write_through_backs_up_every_committed_block_on_poll() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteThrough);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    assert_eq!(cache.pending_backups(), 2);
+    cache.poll();
+    let out = complete_all(&mut cache);
+    assert_eq!((out.len(), out[0].pairs.len()), (1, 2), "one batched copy");
+    assert_eq!(cache.stats().backup_blocks, 2);
+    // Evicting a backed-up node is metadata only: no copy.
+    serve(&mut cache, 2, &hashes(&[3]));
+    let stats = cache.stats();
+    assert_eq!(
+        (stats.evictions.device_to_host_metadata, stats.evictions.device_written_back),
+        (1, 0)
+    );
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 1);
+}
+
+#[test]
+fn write_through_selective_backs_up_hot_nodes_and_drops_cold_ones() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteThroughSelective { threshold: 2 });
+    serve(&mut cache, 1, &hashes(&[1]));
+    serve(&mut cache, 2, &hashes(&[2]));
+    serve(&mut cache, 3, &hashes(&[1])); // hit count of 1 reaches 2
+    cache.poll();
+    assert_eq!(complete_all(&mut cache).len(), 1);
+    assert_eq!(cache.stats().backup_blocks, 1);
+    serve(&mut cache, 4, &hashes(&[3])); // evicts 2 (cold: dropped)
+    serve(&mut cache, 5, &hashes(&[4])); // evicts 1 (backed up: metadata)
+    assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
+    assert_eq!(cache.lookup(&hashes(&[1])).host_blocks, 1);
+    let stats = cache.stats();
+    assert_eq!((stats.evictions.device_dropped, stats.evictions.device_to_host_metadata), (1, 1));
+}
+
+#[test]
+fn write_back_with_a_full_host_tier_drops_host_leaves_first() {
+    let mut cache = with_host(1, 1, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1]));
+    serve(&mut cache, 2, &hashes(&[2])); // 1 goes to host
+    serve(&mut cache, 3, &hashes(&[3])); // host full: 1 is dropped, 2 goes to host
+    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
+    assert_eq!(cache.lookup(&hashes(&[2])).host_blocks, 1);
+    assert_eq!(cache.stats().evictions.host_dropped, 1);
+}
+
+#[test]
+fn write_back_drops_the_device_node_when_no_host_block_can_go() {
+    let mut cache = with_host(2, 1, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1]));
+    serve(&mut cache, 2, &hashes(&[2]));
+    serve(&mut cache, 3, &hashes(&[3])); // 1 to host
+    cache.match_prefix(RequestId(4), &hashes(&[1]), 4).unwrap(); // holds the host copy
+    serve(&mut cache, 5, &hashes(&[5])); // evicting 2: host full and held, so 2 is dropped
+    assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
+    assert_eq!(cache.stats().evictions.device_dropped, 1);
+    cache.finish(RequestId(4)).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn completions_from_an_older_generation_keep_their_blocks_until_they_arrive() {
+    let mut cache = with_host(2, 2, WritePolicy::WriteBack).tap_watermark(2);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    cache.poll();
+    let out = cache.take_transfers();
+    cache.reset(false).unwrap();
+    check(&cache);
+    assert_eq!(
+        (cache.free_device_blocks(), cache.free_host_blocks()),
+        (1, 1),
+        "one copy in flight"
+    );
+    cache.complete_transfer(out[0].id, Ok(())).unwrap();
+    check(&cache);
+    assert_eq!((cache.free_device_blocks(), cache.free_host_blocks()), (2, 2));
+    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
+    assert_eq!(cache.stats().stale_completions, 1);
+}
+
+#[test]
+fn the_watermark_evicts_ahead_of_demand_on_poll() {
+    let mut cache = device_only(4).tap_watermark(2);
+    serve(&mut cache, 1, &hashes(&[1, 2, 3, 4]));
+    assert_eq!(cache.free_device_blocks(), 0);
+    cache.poll();
+    check(&cache);
+    assert_eq!(cache.free_device_blocks(), 2);
+    assert_eq!(cache.lookup(&hashes(&[1, 2, 3, 4])).blocks(), 2);
+}
+
+#[test]
+fn resize_grows_and_shrinks_only_over_free_blocks() {
+    let mut cache = device_only(4);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    assert!(cache.resize_device(1).is_err());
+    cache.resize_device(8).unwrap();
+    assert_eq!(cache.free_device_blocks(), 6);
+    cache.resize_device(2).unwrap();
+    check(&cache);
+    assert_eq!((cache.free_device_blocks(), cache.stats().device_blocks), (0, 2));
+}
+
+#[test]
+fn stats_and_the_tree_snapshot_serialize() {
+    let mut cache = device_only(4);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    let stats = serde_json::to_value(cache.stats()).unwrap();
+    assert_eq!(stats["hits"]["device_blocks"], 0);
+    assert_eq!(stats["cached_blocks"], 2);
+    let tree = serde_json::to_value(cache.tree_snapshot(1)).unwrap();
+    assert_eq!(tree["nodes"].as_array().unwrap().len(), 1);
+    assert_eq!(tree["total_nodes"], 2);
+}
+
+trait Watermark {
+    fn tap_watermark(self, blocks: u32) -> Self;
+}
+
+impl Watermark for kvshm::manager::CacheManager {
+    /// Rebuilds the manager with a free watermark.
+    fn tap_watermark(self, blocks: u32) -> Self {
+        manager(self.config().clone().with_free_watermark(blocks))
+    }
+}
