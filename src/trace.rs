@@ -1,1 +1,99 @@
-//! (being written)
+//! Reading Mooncake-format request traces.
+//!
+//! A trace is JSON lines, one request each: `timestamp` (ms), `input_length` and `output_length`
+//! (tokens) and `hash_ids`: one id per block of the prompt, the last possibly partial, where
+//! equal ids at equal positions mean equal prefixes. Core type: [`TraceRequest`].
+//!
+//! Reading ([`read_trace`]): 1. open the file; 2. parse each non-empty line, naming the line of a
+//! bad one; 3. stop after `limit` requests when given.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// One request of a trace.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct TraceRequest {
+    #[serde(default)]
+    pub timestamp: u64,
+    pub input_length: usize,
+    pub output_length: usize,
+    pub hash_ids: Vec<u64>,
+}
+
+/// A trace that cannot be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("cannot read trace {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("trace {path}, line {line}: {source}")]
+    Parse { path: PathBuf, line: usize, source: serde_json::Error },
+}
+
+/// Reads the requests of a trace, at most `limit` of them when given.
+pub fn read_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRequest>, TraceError> {
+    let io = |source| TraceError::Io { path: path.to_owned(), source };
+    let reader = BufReader::new(File::open(path).map_err(io)?);
+    let mut requests = Vec::new();
+    for (index, line) in reader.lines().enumerate() {
+        if limit.is_some_and(|limit| requests.len() >= limit) {
+            break;
+        }
+        let line = line.map_err(io)?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let request = serde_json::from_str(&line).map_err(|source| TraceError::Parse {
+            path: path.to_owned(),
+            line: index + 1,
+            source,
+        })?;
+        requests.push(request);
+    }
+    Ok(requests)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(name: &str, text: &str) -> PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("kvshm-trace-{}-{name}.jsonl", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_trace_is_read_up_to_the_limit() {
+        let line =
+            r#"{"timestamp": 3, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}"#;
+        let path = write("limit", &format!("{line}\n\n{line}\n{line}\n"));
+        let requests = read_trace(&path, Some(2)).unwrap();
+        assert_eq!(requests.len(), 2);
+        assert_eq!(
+            requests[0],
+            TraceRequest {
+                timestamp: 3,
+                input_length: 700,
+                output_length: 5,
+                hash_ids: vec![0, 1]
+            }
+        );
+        assert_eq!(read_trace(&path, None).unwrap().len(), 3);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn a_bad_line_is_named() {
+        let path = write(
+            "bad",
+            "{\"input_length\": 1, \"output_length\": 1, \"hash_ids\": []}\nnot json\n",
+        );
+        let error = read_trace(&path, None).unwrap_err();
+        assert!(matches!(error, TraceError::Parse { line: 2, .. }), "{error}");
+        std::fs::remove_file(path).unwrap();
+    }
+}

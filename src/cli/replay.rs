@@ -1,8 +1,262 @@
-//! (being written)
+//! `kvshm replay`: a Mooncake-format trace through the scheduler, one request at a time.
+//!
+//! Each entry of `hash_ids` is one block (the last may be partial; it counts as a block, as the
+//! trace does). Per request ([`replay`]):
+//! 1. `poll` (backups, watermark evictions), completing the copies at once;
+//! 2. match the request's blocks;
+//! 3. allocate the rest of the prompt plus `output_length` tokens (a request that cannot fit is
+//!    counted and aborted);
+//! 4. complete every copy at once, successfully;
+//! 5. commit the prompt's blocks and finish.
+//!
+//! The time of steps 1 to 5 is the scheduler's time per request. Hit tokens are
+//! `min(hit_blocks * block_tokens, input_length)`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::hash::BlockHash;
+use crate::manager::{AllocateError, CacheConfig, CacheManager, RequestId, WritePolicy};
+use crate::trace::{read_trace, TraceRequest};
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// The trace, JSON lines of {timestamp, input_length, output_length, hash_ids}.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Tokens per block (one hash id per block).
+    #[arg(long, default_value_t = 512)]
+    pub block_tokens: u32,
+    /// Blocks of the device tier.
+    #[arg(long)]
+    pub device_blocks: u32,
+    /// Blocks of the host tier (0: no host tier).
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: u32,
+    /// write_back, write_through or write_through_selective:T.
+    #[arg(long, default_value_t = WritePolicy::WriteBack)]
+    pub write_policy: WritePolicy,
+    /// Device blocks `poll` keeps free ahead of demand.
+    #[arg(long, default_value_t = 0)]
+    pub free_watermark: u32,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Print one JSON object instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("this subcommand is being written")
+/// The 50th and 99th percentiles of a sample.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// Percentiles of `samples` (sorted in place), by the nearest rank; zeros when empty.
+    pub fn of(samples: &mut [f64]) -> Percentiles {
+        if samples.is_empty() {
+            return Percentiles::default();
+        }
+        samples.sort_unstable_by(f64::total_cmp);
+        let rank = |p: f64| {
+            samples[((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1]
+        };
+        Percentiles { p50: rank(0.50), p99: rank(0.99) }
+    }
+}
+
+/// What a replay measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayReport {
+    pub requests: usize,
+    /// Requests whose allocation could not be satisfied (aborted).
+    pub failed_requests: usize,
+    pub blocks: u64,
+    pub hit_blocks: u64,
+    pub device_hit_blocks: u64,
+    pub host_hit_blocks: u64,
+    pub hit_rate_blocks: f64,
+    pub input_tokens: u64,
+    pub hit_tokens: u64,
+    pub hit_rate_tokens: f64,
+    /// Blocks evicted from the device tier (dropped, demoted to their backup, or written back).
+    pub evictions: u64,
+    pub host_evictions: u64,
+    /// Blocks copied host to device, and device to host by evictions.
+    pub swaps_in: u64,
+    pub swaps_out: u64,
+    /// Blocks backed up to host (write-through).
+    pub backups: u64,
+    pub sched_us_per_request: Percentiles,
+    pub block_tokens: u32,
+    pub device_blocks: u32,
+    pub host_blocks: u32,
+    pub write_policy: String,
+}
+
+/// Completes every copy the manager has to hand out, successfully, until none is left.
+fn complete_all(
+    cache: &mut CacheManager,
+    buffer: &mut Vec<crate::manager::Transfer>,
+) -> anyhow::Result<()> {
+    loop {
+        buffer.clear();
+        cache.take_transfers_into(buffer);
+        if buffer.is_empty() {
+            return Ok(());
+        }
+        for transfer in buffer.iter() {
+            cache.complete_transfer(transfer.id, Ok(()))?;
+        }
+    }
+}
+
+/// Replays `requests` one at a time through a fresh manager (module flow).
+pub fn replay(requests: &[TraceRequest], config: CacheConfig) -> anyhow::Result<ReplayReport> {
+    let block_tokens = config.block_tokens as usize;
+    let write_policy = config.write_policy.to_string();
+    let mut cache = CacheManager::new(config)?;
+    let mut transfers = Vec::new();
+    let mut hashes = Vec::new();
+    let mut times = Vec::with_capacity(requests.len());
+    let (mut blocks, mut device_hits, mut host_hits, mut input_tokens, mut hit_tokens) =
+        (0, 0, 0, 0, 0);
+    let mut failed_requests = 0;
+    for (index, request) in requests.iter().enumerate() {
+        let id = RequestId(index as u64);
+        hashes.clear();
+        hashes.extend(request.hash_ids.iter().map(|&hash_id| BlockHash(u128::from(hash_id))));
+        let start = Instant::now();
+        cache.poll();
+        complete_all(&mut cache, &mut transfers)?;
+        let found = cache.match_prefix(id, &hashes, request.input_length)?;
+        let new_tokens = request.input_length - found.cached_tokens + request.output_length;
+        match cache.allocate(id, new_tokens, 0) {
+            Ok(_) => {
+                complete_all(&mut cache, &mut transfers)?;
+                let allocated = cache.block_table(id).map_or(0, <[u32]>::len);
+                let computed = hashes.len().min(allocated) * block_tokens;
+                cache.commit(id, computed, &hashes)?;
+                cache.finish(id)?;
+            }
+            Err(AllocateError::OutOfBlocks { .. }) => {
+                failed_requests += 1;
+                cache.abort(id)?;
+            }
+            Err(error) => return Err(error.into()),
+        }
+        times.push(start.elapsed().as_secs_f64() * 1e6);
+        blocks += hashes.len() as u64;
+        device_hits += found.device_blocks as u64;
+        host_hits += found.host_blocks as u64;
+        input_tokens += request.input_length as u64;
+        hit_tokens += (found.blocks() * block_tokens).min(request.input_length) as u64;
+    }
+    let stats = cache.stats();
+    let ratio = |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
+    Ok(ReplayReport {
+        requests: requests.len(),
+        failed_requests,
+        blocks,
+        hit_blocks: device_hits + host_hits,
+        device_hit_blocks: device_hits,
+        host_hit_blocks: host_hits,
+        hit_rate_blocks: ratio(device_hits + host_hits, blocks),
+        input_tokens,
+        hit_tokens,
+        hit_rate_tokens: ratio(hit_tokens, input_tokens),
+        evictions: stats.evictions.device_total(),
+        host_evictions: stats.evictions.host_dropped,
+        swaps_in: stats.swap_in_blocks,
+        swaps_out: stats.swap_out_blocks,
+        backups: stats.backup_blocks,
+        sched_us_per_request: Percentiles::of(&mut times),
+        block_tokens: stats.block_tokens,
+        device_blocks: stats.device_blocks,
+        host_blocks: stats.host_blocks,
+        write_policy,
+    })
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let requests = read_trace(&args.trace, args.limit)?;
+    let config = CacheConfig::new(args.block_tokens, args.device_blocks)
+        .with_host_blocks(args.host_blocks)
+        .with_write_policy(args.write_policy)
+        .with_free_watermark(args.free_watermark);
+    let report = replay(&requests, config).context("replaying the trace")?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{} requests, {} blocks: hit rate {:.4} by blocks ({} device + {} host), {:.4} by tokens",
+            report.requests,
+            report.blocks,
+            report.hit_rate_blocks,
+            report.device_hit_blocks,
+            report.host_hit_blocks,
+            report.hit_rate_tokens
+        );
+        println!(
+            "evictions {} (host {}), swaps in {} out {}, backups {}, failed requests {}",
+            report.evictions,
+            report.host_evictions,
+            report.swaps_in,
+            report.swaps_out,
+            report.backups,
+            report.failed_requests
+        );
+        println!(
+            "scheduler time per request: p50 {:.1} us, p99 {:.1} us",
+            report.sched_us_per_request.p50, report.sched_us_per_request.p99
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(input_length: usize, hash_ids: &[u64]) -> TraceRequest {
+        TraceRequest { timestamp: 0, input_length, output_length: 10, hash_ids: hash_ids.to_vec() }
+    }
+
+    #[test]
+    fn a_repeated_prefix_hits_and_partial_blocks_count_as_blocks() {
+        let trace = [request(1000, &[0, 1]), request(1100, &[0, 1, 2]), request(100, &[0])];
+        let report = replay(&trace, CacheConfig::new(512, 16)).unwrap();
+        assert_eq!((report.blocks, report.hit_blocks), (6, 3));
+        // Hits: 2 blocks of request 2 (1024 tokens), 1 of request 3 (capped at its 100 tokens).
+        assert_eq!(report.hit_tokens, 1024 + 100);
+        assert_eq!(report.input_tokens, 2200);
+    }
+
+    #[test]
+    fn a_small_device_tier_with_a_host_tier_hits_on_host() {
+        let trace = [request(1024, &[0, 1]), request(1024, &[5, 6]), request(1024, &[0, 1])];
+        let report = replay(&trace, CacheConfig::new(512, 3).with_host_blocks(8)).unwrap();
+        assert_eq!((report.device_hit_blocks, report.host_hit_blocks), (0, 2));
+        assert!(report.swaps_in == 2 && report.swaps_out >= 2, "{report:?}");
+    }
+
+    #[test]
+    fn a_request_larger_than_the_device_tier_is_counted_and_skipped() {
+        let trace = [request(4096, &[0, 1, 2, 3, 4, 5, 6, 7])];
+        let report = replay(&trace, CacheConfig::new(512, 4)).unwrap();
+        assert_eq!((report.failed_requests, report.hit_blocks), (1, 0));
+    }
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let mut samples: Vec<f64> = (1..=100).rev().map(f64::from).collect();
+        assert_eq!(Percentiles::of(&mut samples), Percentiles { p50: 50.0, p99: 99.0 });
+        assert_eq!(Percentiles::of(&mut []), Percentiles::default());
+    }
 }

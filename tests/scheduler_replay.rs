@@ -1,0 +1,79 @@
+//! `kvshm replay` end to end: the binary on a slice of the Mooncake trace that CI carries at
+//! `../shared/traces/` relative to the repository root (`../../shared/traces/` from a worktree
+//! under `wt/`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn trace() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let candidates = ["..", "../.."]
+        .map(|up| root.join(up).join("shared/traces/mooncake_conversation_trace.jsonl"));
+    let found = candidates.iter().find(|path| path.exists());
+    found
+        .unwrap_or_else(|| panic!("the Mooncake trace is missing at {}", candidates[0].display()))
+        .clone()
+}
+
+fn replay(extra: &[&str]) -> serde_json::Value {
+    let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["replay", "--trace"])
+        .arg(trace())
+        .args(["--block-tokens", "512", "--limit", "300", "--json"])
+        .args(extra)
+        .output()
+        .expect("the kvshm binary runs");
+    assert!(output.status.success(), "replay failed: {}", String::from_utf8_lossy(&output.stderr));
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|error| panic!("not one JSON object ({error}): {stdout}"))
+}
+
+fn check_sanity(report: &serde_json::Value) {
+    for field in [
+        "requests",
+        "blocks",
+        "hit_blocks",
+        "device_hit_blocks",
+        "host_hit_blocks",
+        "hit_rate_blocks",
+        "hit_rate_tokens",
+        "evictions",
+        "swaps_in",
+        "swaps_out",
+    ] {
+        assert!(report[field].is_number(), "{field} missing in {report}");
+    }
+    assert_eq!(report["requests"], 300);
+    let number = |field: &str| report[field].as_f64().unwrap();
+    for rate in ["hit_rate_blocks", "hit_rate_tokens"] {
+        assert!((0.0..=1.0).contains(&number(rate)), "{rate} = {}", number(rate));
+    }
+    assert_eq!(number("hit_blocks"), number("device_hit_blocks") + number("host_hit_blocks"));
+    assert!(number("hit_blocks") <= number("blocks"));
+    let latency = &report["sched_us_per_request"];
+    assert!(latency["p50"].as_f64().unwrap() <= latency["p99"].as_f64().unwrap());
+}
+
+#[test]
+fn replaying_a_trace_slice_prints_sane_hit_rates() {
+    let report = replay(&["--device-blocks", "2000"]);
+    check_sanity(&report);
+    assert!(report["hit_blocks"].as_u64().unwrap() > 0, "a conversation trace shares prefixes");
+    assert_eq!(report["host_hit_blocks"], 0, "no host tier");
+}
+
+#[test]
+fn a_host_tier_turns_evictions_into_host_hits() {
+    let report = replay(&[
+        "--device-blocks",
+        "200",
+        "--host-blocks",
+        "8000",
+        "--write-policy",
+        "write_back",
+    ]);
+    check_sanity(&report);
+    assert!(report["host_hit_blocks"].as_u64().unwrap() > 0, "{report}");
+    assert!(report["swaps_out"].as_u64().unwrap() > 0 && report["swaps_in"].as_u64().unwrap() > 0);
+}
