@@ -1,8 +1,331 @@
-//! (being written)
+//! `kvshm bench sched`: the scheduler's operations with a million cached blocks, against a plain
+//! hash map lookup of the same hashes measured in the same run, and the memory per cached block.
+//!
+//! [`measure`] (shared with `benches/scheduler.rs`):
+//! 1. fill a device-only cache with `cached_blocks` blocks: paths of `request_blocks` random
+//!    hashes, each matched, allocated, committed and finished; the heap grown by that, divided by
+//!    the blocks, is the memory per cached block (measured by the caller's heap probe: glibc's
+//!    `mallinfo2` here, a counting global allocator in the bench binary);
+//! 2. match (all blocks hit), lookup and finish of random cached paths, and `HashMap<u128, u32>`
+//!    gets of the same hashes (the baseline);
+//! 3. requests that hit half of a cached path and allocate and commit the other half, while free
+//!    blocks last (the pool has exactly that much headroom);
+//! 4. the same at capacity, where every allocation evicts as many least recently used blocks.
+//!
+//! Times are per block (and per operation for match), as 50th and 99th percentiles over the
+//! samples. The output is one JSON object with `--json`.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::replay::Percentiles;
+use crate::hash::BlockHash;
+use crate::manager::{CacheConfig, CacheManager, RequestId};
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Print one JSON object instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub options: BenchOptions,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("this subcommand is being written")
+/// The sizes of one run.
+#[derive(Debug, Clone, clap::Args, Serialize)]
+pub struct BenchOptions {
+    /// Blocks cached before measuring.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub cached_blocks: usize,
+    /// Blocks per request (prompt length).
+    #[arg(long, default_value_t = 64)]
+    pub request_blocks: usize,
+    /// Requests measured per phase.
+    #[arg(long, default_value_t = 5_000)]
+    pub samples: usize,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: u32,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            cached_blocks: 1_000_000,
+            request_blocks: 64,
+            samples: 5_000,
+            block_tokens: 16,
+        }
+    }
+}
+
+/// Heap memory measured around filling the cache.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryReport {
+    /// How the heap was measured.
+    pub method: String,
+    /// Heap grown by filling the cache, per cached block (pools and index included).
+    pub bytes_per_cached_block: Option<f64>,
+    /// The manager's own estimate from its containers' capacities, per cached block.
+    pub estimated_bytes_per_cached_block: f64,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchedBenchReport {
+    pub options: BenchOptions,
+    pub cached_blocks: usize,
+    /// Filling: match, allocate, commit and finish per block, averaged, while the tree grows.
+    pub fill_ns_per_block: f64,
+    pub match_ns_per_op: Percentiles,
+    pub match_ns_per_block: Percentiles,
+    pub lookup_ns_per_block: Percentiles,
+    /// Finishing a request that holds `request_blocks` cached blocks, per block.
+    pub finish_ns_per_block: Percentiles,
+    /// Allocating the uncached half of a request while free blocks last, per new block.
+    pub allocate_ns_per_block: Percentiles,
+    /// The same at capacity: each new block evicts a least recently used one.
+    pub allocate_evicting_ns_per_block: Percentiles,
+    pub commit_ns_per_block: Percentiles,
+    /// The baseline: `std::collections::HashMap<u128, u32>` (SipHash) gets of the same hashes a
+    /// match walks, per block.
+    pub baseline_hashmap_get_ns_per_block: Percentiles,
+    /// `match_ns_per_block.p50 / baseline_hashmap_get_ns_per_block.p50`.
+    pub match_over_baseline_p50: f64,
+    pub memory: MemoryReport,
+}
+
+/// A seeded xorshift64* generator: the bench needs random hashes and picks, not quality.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn hash(&mut self) -> BlockHash {
+        BlockHash(u128::from(self.next()) << 64 | u128::from(self.next()))
+    }
+
+    fn below(&mut self, bound: usize) -> usize {
+        (self.next() % bound as u64) as usize
+    }
+}
+
+fn nanos_since(start: Instant) -> f64 {
+    start.elapsed().as_nanos() as f64
+}
+
+/// The heap in use according to glibc (`mallinfo2`), where available.
+pub fn glibc_heap_in_use() -> Option<usize> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments, only reads the allocator's statistics and
+        // returns them by value; it is safe to call from any thread at any time.
+        let info = unsafe { libc::mallinfo2() };
+        Some(info.uordblks + info.hblkhd)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
+/// Runs the benchmark (module flow). `heap_in_use` probes the heap (see [`MemoryReport`]).
+pub fn measure(
+    options: &BenchOptions,
+    heap_in_use: &dyn Fn() -> Option<usize>,
+    heap_method: &str,
+) -> anyhow::Result<SchedBenchReport> {
+    anyhow::ensure!(options.request_blocks >= 2, "requests need at least two blocks");
+    anyhow::ensure!(options.samples > 0, "at least one sample is needed");
+    let request_blocks = options.request_blocks;
+    let half = request_blocks / 2;
+    let tokens = |blocks: usize| blocks * options.block_tokens as usize;
+    let paths = options.cached_blocks.div_ceil(request_blocks);
+    let cached_blocks = paths * request_blocks;
+    let mut rng = Rng(0x5EED_1234_ABCD_0001);
+    let hashes: Vec<BlockHash> = (0..cached_blocks).map(|_| rng.hash()).collect();
+    let path = |index: usize| &hashes[index * request_blocks..(index + 1) * request_blocks];
+    let mut next_request = 0u64;
+    let mut request = || {
+        next_request += 1;
+        RequestId(next_request)
+    };
+
+    // 1. Fill.
+    let heap_before = heap_in_use();
+    let headroom = options.samples * (request_blocks - half);
+    let device_blocks = u32::try_from(cached_blocks + headroom)?;
+    let mut cache = CacheManager::new(CacheConfig::new(options.block_tokens, device_blocks))?;
+    let start = Instant::now();
+    for index in 0..paths {
+        let id = request();
+        cache.match_prefix(id, path(index), tokens(request_blocks))?;
+        cache.allocate(id, tokens(request_blocks), 0)?;
+        cache.commit(id, tokens(request_blocks), path(index))?;
+        cache.finish(id)?;
+    }
+    let fill_ns_per_block = nanos_since(start) / cached_blocks as f64;
+    let heap_after = heap_in_use();
+    let memory = MemoryReport {
+        method: heap_method.to_owned(),
+        bytes_per_cached_block: heap_before
+            .zip(heap_after)
+            .map(|(before, after)| after.saturating_sub(before) as f64 / cached_blocks as f64),
+        estimated_bytes_per_cached_block: cache.heap_bytes() as f64 / cached_blocks as f64,
+    };
+    anyhow::ensure!(
+        cache.tree().len() == cached_blocks,
+        "the cache holds {} blocks",
+        cache.tree().len()
+    );
+
+    // 2. Match, lookup, finish, and the baseline.
+    let baseline: HashMap<u128, u32> =
+        hashes.iter().enumerate().map(|(index, hash)| (hash.0, index as u32)).collect();
+    let samples = options.samples;
+    let per_block = |nanos: f64, blocks: usize| nanos / blocks as f64;
+    let (mut match_op, mut match_block, mut lookup, mut finish, mut base) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // Each operation walks its own random path, so none finds the caches warmed by another.
+    for _ in 0..samples {
+        let start = Instant::now();
+        black_box(cache.lookup(black_box(path(rng.below(paths)))));
+        lookup.push(per_block(nanos_since(start), request_blocks));
+        let blocks = path(rng.below(paths));
+        let start = Instant::now();
+        for hash in blocks {
+            black_box(baseline.get(&black_box(hash.0)));
+        }
+        base.push(per_block(nanos_since(start), request_blocks));
+        let blocks = path(rng.below(paths));
+        let id = request();
+        let start = Instant::now();
+        let found = cache.match_prefix(id, blocks, tokens(request_blocks))?;
+        let nanos = nanos_since(start);
+        anyhow::ensure!(found.device_blocks == request_blocks, "a cached path missed");
+        match_op.push(nanos);
+        match_block.push(per_block(nanos, request_blocks));
+        let start = Instant::now();
+        cache.finish(id)?;
+        finish.push(per_block(nanos_since(start), request_blocks));
+    }
+
+    // 3 and 4. Allocate and commit the uncached half, with free blocks, then at capacity (where
+    // the picked path may have been evicted in part, so that more is allocated).
+    let fresh = request_blocks - half;
+    let (mut allocate, mut evicting, mut commit) = (Vec::new(), Vec::new(), Vec::new());
+    let mut blocks = Vec::with_capacity(request_blocks);
+    for phase in 0..2 {
+        for _ in 0..samples {
+            blocks.clear();
+            blocks.extend_from_slice(&path(rng.below(paths))[..half]);
+            blocks.extend((0..fresh).map(|_| rng.hash()));
+            let id = request();
+            let found = cache.match_prefix(id, &blocks, tokens(request_blocks))?;
+            let start = Instant::now();
+            let new_blocks =
+                cache.allocate(id, tokens(request_blocks) - found.cached_tokens, 0)?.new_blocks;
+            let nanos = per_block(nanos_since(start), new_blocks);
+            if phase == 0 { &mut allocate } else { &mut evicting }.push(nanos);
+            let start = Instant::now();
+            cache.commit(id, tokens(request_blocks), &blocks)?;
+            commit.push(per_block(nanos_since(start), new_blocks));
+            cache.finish(id)?;
+        }
+        if phase == 0 {
+            anyhow::ensure!(cache.free_device_blocks() == 0, "the headroom was not used up");
+        }
+    }
+    anyhow::ensure!(
+        cache.stats().evictions.device_total() >= (samples * fresh) as u64,
+        "too few evictions"
+    );
+
+    let match_ns_per_block = Percentiles::of(&mut match_block);
+    let baseline_hashmap_get_ns_per_block = Percentiles::of(&mut base);
+    Ok(SchedBenchReport {
+        options: options.clone(),
+        cached_blocks,
+        fill_ns_per_block,
+        match_ns_per_op: Percentiles::of(&mut match_op),
+        match_over_baseline_p50: match_ns_per_block.p50 / baseline_hashmap_get_ns_per_block.p50,
+        match_ns_per_block,
+        lookup_ns_per_block: Percentiles::of(&mut lookup),
+        finish_ns_per_block: Percentiles::of(&mut finish),
+        allocate_ns_per_block: Percentiles::of(&mut allocate),
+        allocate_evicting_ns_per_block: Percentiles::of(&mut evicting),
+        commit_ns_per_block: Percentiles::of(&mut commit),
+        baseline_hashmap_get_ns_per_block,
+        memory,
+    })
+}
+
+/// Prints a report as one JSON object or a summary.
+pub fn print(report: &SchedBenchReport, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+        return Ok(());
+    }
+    let line = |name: &str, p: &Percentiles| {
+        println!("{name:<34} p50 {:>8.1} ns  p99 {:>8.1} ns", p.p50, p.p99)
+    };
+    println!(
+        "{} cached blocks, requests of {} blocks",
+        report.cached_blocks, report.options.request_blocks
+    );
+    line("match (per block)", &report.match_ns_per_block);
+    line("lookup (per block)", &report.lookup_ns_per_block);
+    line("baseline HashMap get (per block)", &report.baseline_hashmap_get_ns_per_block);
+    line("allocate (per new block)", &report.allocate_ns_per_block);
+    line("allocate, evicting (per new block)", &report.allocate_evicting_ns_per_block);
+    line("commit (per new block)", &report.commit_ns_per_block);
+    line("finish (per held block)", &report.finish_ns_per_block);
+    if let Some(bytes) = report.memory.bytes_per_cached_block {
+        println!("memory: {bytes:.0} bytes per cached block ({})", report.memory.method);
+    }
+    println!(
+        "memory estimate: {:.0} bytes per cached block",
+        report.memory.estimated_bytes_per_cached_block
+    );
+    Ok(())
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let report = measure(
+        &args.options,
+        &glibc_heap_in_use,
+        "glibc mallinfo2: heap in use before and after filling",
+    )?;
+    print(&report, args.json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_run_measures_every_operation() {
+        let options =
+            BenchOptions { cached_blocks: 640, request_blocks: 8, samples: 20, block_tokens: 4 };
+        let report = measure(&options, &glibc_heap_in_use, "mallinfo2").unwrap();
+        assert_eq!(report.cached_blocks, 640);
+        for percentiles in [
+            report.match_ns_per_block,
+            report.allocate_evicting_ns_per_block,
+            report.commit_ns_per_block,
+        ] {
+            assert!(percentiles.p50 > 0.0 && percentiles.p50 <= percentiles.p99);
+        }
+        assert!(report.memory.estimated_bytes_per_cached_block > 0.0);
+        let json = serde_json::to_value(&report).unwrap();
+        assert!(json["baseline_hashmap_get_ns_per_block"]["p50"].is_number());
+    }
 }
