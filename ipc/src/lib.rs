@@ -2,19 +2,48 @@
 //!
 //! - [`name`]: segment names and the shared-memory object names derived from them.
 //! - [`shm`]: creating, opening and unlinking named shared-memory objects safely.
-//! - [`layout`]: the segment header, configuration, worker slots and live counters.
-//! - [`segment`]: a mapped control segment: create, attach, list, reclaim.
+//! - [`config`]: the configuration a segment is created with, validated on every attach.
+//! - [`layout`]: the segment header and where every area lies.
+//! - [`segment`]: a mapped control segment: create, attach, accessors, rank claims.
+//! - [`listing`]: finding, judging and removing segments under `/dev/shm`.
+//! - [`arena`]: the per-rank data segments (host-backend device tier, host tier).
+//! - [`worker_slot`], [`counters`], [`control`], [`progress`], [`device_handles`]: the areas of a
+//!   segment (worker liveness, kvctl counters, kvctl requests, layer progress, CUDA handles).
+//! - [`seqlock`]: consistent reads of byte blobs that another process rewrites.
 //! - [`ring`]: single-producer single-consumer rings that live in shared memory.
 //! - [`doorbell`]: spin-then-futex waiting across processes.
 //! - [`liveness`]: telling whether the process on the other side is still the one we knew.
 //! - [`record`]: the fixed-layout command and completion records.
 //! - [`sync`]: std or loom atomics, so that the ring protocol can be model-checked.
+pub mod config;
 pub mod doorbell;
-pub mod layout;
 pub mod liveness;
 pub mod name;
 pub mod record;
 pub mod ring;
-pub mod segment;
-pub mod shm;
 pub mod sync;
+
+// Shared-memory areas hold std atomics in place; loom's are not layout-compatible, so under loom
+// only the ring protocol and its primitives are built.
+#[cfg(not(loom))]
+pub mod arena;
+#[cfg(not(loom))]
+pub mod control;
+#[cfg(not(loom))]
+pub mod counters;
+#[cfg(not(loom))]
+pub mod device_handles;
+#[cfg(not(loom))]
+pub mod layout;
+#[cfg(not(loom))]
+pub mod listing;
+#[cfg(not(loom))]
+pub mod progress;
+#[cfg(not(loom))]
+pub mod segment;
+#[cfg(not(loom))]
+pub mod seqlock;
+#[cfg(not(loom))]
+pub mod shm;
+#[cfg(not(loom))]
+pub mod worker_slot;

@@ -1,0 +1,228 @@
+//! Data segments: the per-rank block arenas of the host backend's device tier and of the host tier.
+//!
+//! Each arena is its own shared-memory object (`/kvshm.NAME.dev.RANK`, `/kvshm.NAME.host.RANK`),
+//! created by the segment's creator so that the host tier outlives any worker. It starts with a
+//! small [`ArenaHeader`] (magic, version, kind, rank, block count, bytes per block, data offset) and
+//! the blocks follow at a page-aligned offset, so that the CUDA worker can register the data with
+//! `cuMemHostRegister`. Blocks are block-major: block `b` is `block_bytes` at `b * block_bytes`.
+//!
+//! Flow: 1. [`Arena::create`] sizes and backs the object (a full `/dev/shm` fails here), writes the
+//! header; 2. a worker calls [`Arena::open`], which validates the header against the name it opened
+//! and the file size before handing out [`Arena::data_ptr`].
+
+use bytemuck::{Pod, Zeroable};
+use thiserror::Error;
+
+use crate::liveness::ProcessIdentity;
+use crate::name::SegmentName;
+use crate::shm::{self, SharedMemory, ShmError};
+
+/// "KVSHMARN", little-endian.
+pub const ARENA_MAGIC: u64 = u64::from_le_bytes(*b"KVSHMARN");
+pub const ARENA_VERSION: u32 = 1;
+/// Offset of the first block: one page, so the data is page-aligned.
+pub const ARENA_DATA_OFFSET: u64 = 4096;
+
+/// Which tier an arena holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ArenaKind {
+    /// The device tier of the host backend.
+    Device,
+    /// The host tier.
+    Host,
+}
+
+impl ArenaKind {
+    fn to_wire(self) -> u32 {
+        match self {
+            ArenaKind::Device => 1,
+            ArenaKind::Host => 2,
+        }
+    }
+
+    /// The object name of this arena of `name` for `rank`.
+    pub fn object(self, name: &SegmentName, rank: u32) -> String {
+        match self {
+            ArenaKind::Device => name.device_arena_object(rank),
+            ArenaKind::Host => name.host_tier_object(rank),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ArenaKind::Device => "device",
+            ArenaKind::Host => "host",
+        }
+    }
+}
+
+/// The header at offset 0 of an arena.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct ArenaHeader {
+    pub magic: u64,
+    pub version: u32,
+    pub kind: u32,
+    pub rank: u32,
+    pub reserved0: u32,
+    pub blocks: u64,
+    pub block_bytes: u64,
+    pub data_offset: u64,
+    pub data_len: u64,
+    pub creator: ProcessIdentity,
+    pub reserved: [u64; 2],
+}
+
+const _: () = assert!(size_of::<ArenaHeader>() == 88);
+
+/// Why an arena cannot be created or opened.
+#[derive(Debug, Error)]
+pub enum ArenaError {
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    #[error("a {kind} arena of {blocks} blocks x {block_bytes} bytes does not fit in memory")]
+    TooLarge { kind: &'static str, blocks: u64, block_bytes: u64 },
+    #[error("arena object is {len} bytes, its header needs {expected}")]
+    Truncated { len: u64, expected: u64 },
+    #[error("arena object does not start with the kvshm arena magic")]
+    BadMagic,
+    #[error("arena layout version {found}, expected {expected}")]
+    VersionMismatch { found: u32, expected: u32 },
+    #[error("arena header says kind {found_kind} rank {found_rank}, expected kind {expected_kind} rank {expected_rank}")]
+    WrongArena { found_kind: u32, found_rank: u32, expected_kind: u32, expected_rank: u32 },
+    #[error("arena header is inconsistent: {0}")]
+    Corrupt(&'static str),
+}
+
+/// A mapped arena.
+#[derive(Debug)]
+pub struct Arena {
+    memory: SharedMemory,
+    header: ArenaHeader,
+}
+
+impl Arena {
+    /// Creates the `kind` arena of `rank` for segment `name`: `blocks` blocks of `block_bytes`.
+    pub fn create(
+        name: &SegmentName,
+        kind: ArenaKind,
+        rank: u32,
+        blocks: u64,
+        block_bytes: u64,
+    ) -> Result<Arena, ArenaError> {
+        let too_large = || ArenaError::TooLarge { kind: kind.name(), blocks, block_bytes };
+        let data_len = blocks.checked_mul(block_bytes).ok_or_else(too_large)?;
+        let total = data_len
+            .checked_add(ARENA_DATA_OFFSET)
+            .filter(|&total| total <= i64::MAX as u64)
+            .and_then(|total| usize::try_from(total).ok())
+            .ok_or_else(too_large)?;
+        let memory = SharedMemory::create(&kind.object(name, rank), total)?;
+        let header = ArenaHeader {
+            magic: ARENA_MAGIC,
+            version: ARENA_VERSION,
+            kind: kind.to_wire(),
+            rank,
+            reserved0: 0,
+            blocks,
+            block_bytes,
+            data_offset: ARENA_DATA_OFFSET,
+            data_len,
+            creator: ProcessIdentity::current(),
+            reserved: [0; 2],
+        };
+        // SAFETY: 1. the mapping is at least ARENA_DATA_OFFSET (4096) bytes, more than the header;
+        // 2. it is page-aligned, so aligned for ArenaHeader; 3. nobody else knows the object yet.
+        unsafe { memory.as_ptr().cast::<ArenaHeader>().write_volatile(header) };
+        Ok(Arena { memory, header })
+    }
+
+    /// Opens the `kind` arena of `rank` for segment `name` and validates its header.
+    pub fn open(name: &SegmentName, kind: ArenaKind, rank: u32) -> Result<Arena, ArenaError> {
+        let memory = SharedMemory::open(&kind.object(name, rank))?;
+        let header = read_header(&memory)?;
+        validate(&header, memory.len() as u64, Some((kind, rank)))?;
+        Ok(Arena { memory, header })
+    }
+
+    /// Removes the `kind` arena of `rank` for segment `name`.
+    pub fn unlink(name: &SegmentName, kind: ArenaKind, rank: u32) -> Result<(), ShmError> {
+        shm::unlink(&kind.object(name, rank))
+    }
+
+    /// Start of block 0. Valid for [`data_len`](Self::data_len) bytes while `self` lives; other
+    /// processes write these bytes.
+    pub fn data_ptr(&self) -> *mut u8 {
+        // SAFETY: validate() checked data_offset + data_len <= the mapping's length.
+        unsafe { self.memory.as_ptr().add(self.header.data_offset as usize) }
+    }
+
+    pub fn data_len(&self) -> usize {
+        self.header.data_len as usize
+    }
+
+    pub fn blocks(&self) -> u64 {
+        self.header.blocks
+    }
+
+    pub fn block_bytes(&self) -> u64 {
+        self.header.block_bytes
+    }
+
+    pub fn header(&self) -> &ArenaHeader {
+        &self.header
+    }
+}
+
+/// Copies the header out of a mapping (at least one page long or `Truncated`).
+pub(crate) fn read_header(memory: &SharedMemory) -> Result<ArenaHeader, ArenaError> {
+    if (memory.len() as u64) < ARENA_DATA_OFFSET {
+        return Err(ArenaError::Truncated {
+            len: memory.len() as u64,
+            expected: ARENA_DATA_OFFSET,
+        });
+    }
+    // SAFETY: 1. the mapping is at least 4096 bytes, more than the header; 2. it is page-aligned;
+    // 3. ArenaHeader is Pod, so any bytes are a valid value; the volatile read copies them out.
+    Ok(unsafe { memory.as_ptr().cast::<ArenaHeader>().read_volatile() })
+}
+
+/// Checks a header against the file length and, if given, the expected kind and rank.
+pub(crate) fn validate(
+    header: &ArenaHeader,
+    file_len: u64,
+    expected: Option<(ArenaKind, u32)>,
+) -> Result<(), ArenaError> {
+    if header.magic != ARENA_MAGIC {
+        return Err(ArenaError::BadMagic);
+    }
+    if header.version != ARENA_VERSION {
+        return Err(ArenaError::VersionMismatch { found: header.version, expected: ARENA_VERSION });
+    }
+    if let Some((kind, rank)) = expected {
+        if header.kind != kind.to_wire() || header.rank != rank {
+            return Err(ArenaError::WrongArena {
+                found_kind: header.kind,
+                found_rank: header.rank,
+                expected_kind: kind.to_wire(),
+                expected_rank: rank,
+            });
+        }
+    }
+    if header.data_offset < size_of::<ArenaHeader>() as u64
+        || header.data_offset % ARENA_DATA_OFFSET != 0
+    {
+        return Err(ArenaError::Corrupt("data offset is not a page boundary after the header"));
+    }
+    if header.blocks.checked_mul(header.block_bytes) != Some(header.data_len) {
+        return Err(ArenaError::Corrupt("data length is not blocks x block bytes"));
+    }
+    let end = header
+        .data_offset
+        .checked_add(header.data_len)
+        .ok_or(ArenaError::Corrupt("data end overflows"))?;
+    if end > file_len {
+        return Err(ArenaError::Truncated { len: file_len, expected: end });
+    }
+    Ok(())
+}

@@ -1,0 +1,208 @@
+//! Live counters that the scheduler stores and `kvctl` reads without stopping it.
+//!
+//! [`Counters`] is a fixed array of [`COUNTER_SLOTS`] u64 atomics in the control segment, indexed
+//! by [`Counter`]; slots past the last known counter are spare, so later counters fit within this
+//! layout version. All accesses are Relaxed: each counter is an independent statistic, and no
+//! reader infers anything about other memory from a counter's value.
+//!
+//! Flow: 1. the scheduler updates counters as it works (`set`, `add`); 2. `kvctl stat` calls
+//! [`Counters::snapshot`] and prints `Counter::name()` with each value.
+
+use crate::sync::{AtomicU64, Ordering};
+
+/// Number of counter slots in the segment (known counters plus spares).
+pub const COUNTER_SLOTS: usize = 64;
+
+/// One live counter. Gauges (`*_free`, `*_live`, `*_in_flight`) go up and down; the rest only grow.
+#[repr(usize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Counter {
+    DeviceBlocksTotal,
+    DeviceBlocksFree,
+    HostBlocksTotal,
+    HostBlocksFree,
+    CachedNodes,
+    DeviceHitBlocks,
+    HostHitBlocks,
+    MissBlocks,
+    HitTokens,
+    Lookups,
+    RequestsLive,
+    Evictions,
+    SwapsIn,
+    SwapsOut,
+    Backups,
+    CopyFailures,
+    CommandsIssued,
+    CommandsCompleted,
+    CommandsInFlight,
+    BytesCopied,
+    Generation,
+    Resets,
+    WorkerDeaths,
+    DroppedNodes,
+    /// `CLOCK_MONOTONIC` ns of the scheduler's last poll: tells kvctl whether requests will be served.
+    LastPollNs,
+}
+
+impl Counter {
+    /// Every counter, in slot order.
+    pub const ALL: [Counter; 25] = [
+        Counter::DeviceBlocksTotal,
+        Counter::DeviceBlocksFree,
+        Counter::HostBlocksTotal,
+        Counter::HostBlocksFree,
+        Counter::CachedNodes,
+        Counter::DeviceHitBlocks,
+        Counter::HostHitBlocks,
+        Counter::MissBlocks,
+        Counter::HitTokens,
+        Counter::Lookups,
+        Counter::RequestsLive,
+        Counter::Evictions,
+        Counter::SwapsIn,
+        Counter::SwapsOut,
+        Counter::Backups,
+        Counter::CopyFailures,
+        Counter::CommandsIssued,
+        Counter::CommandsCompleted,
+        Counter::CommandsInFlight,
+        Counter::BytesCopied,
+        Counter::Generation,
+        Counter::Resets,
+        Counter::WorkerDeaths,
+        Counter::DroppedNodes,
+        Counter::LastPollNs,
+    ];
+
+    /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::DeviceBlocksTotal => "device_blocks_total",
+            Counter::DeviceBlocksFree => "device_blocks_free",
+            Counter::HostBlocksTotal => "host_blocks_total",
+            Counter::HostBlocksFree => "host_blocks_free",
+            Counter::CachedNodes => "cached_nodes",
+            Counter::DeviceHitBlocks => "device_hit_blocks",
+            Counter::HostHitBlocks => "host_hit_blocks",
+            Counter::MissBlocks => "miss_blocks",
+            Counter::HitTokens => "hit_tokens",
+            Counter::Lookups => "lookups",
+            Counter::RequestsLive => "requests_live",
+            Counter::Evictions => "evictions",
+            Counter::SwapsIn => "swaps_in",
+            Counter::SwapsOut => "swaps_out",
+            Counter::Backups => "backups",
+            Counter::CopyFailures => "copy_failures",
+            Counter::CommandsIssued => "commands_issued",
+            Counter::CommandsCompleted => "commands_completed",
+            Counter::CommandsInFlight => "commands_in_flight",
+            Counter::BytesCopied => "bytes_copied",
+            Counter::Generation => "generation",
+            Counter::Resets => "resets",
+            Counter::WorkerDeaths => "worker_deaths",
+            Counter::DroppedNodes => "dropped_nodes",
+            Counter::LastPollNs => "last_poll_ns",
+        }
+    }
+
+    /// True for values that go up and down (Prometheus gauge), false for monotonic counters.
+    pub fn is_gauge(self) -> bool {
+        matches!(
+            self,
+            Counter::DeviceBlocksTotal
+                | Counter::DeviceBlocksFree
+                | Counter::HostBlocksTotal
+                | Counter::HostBlocksFree
+                | Counter::CachedNodes
+                | Counter::RequestsLive
+                | Counter::CommandsInFlight
+                | Counter::Generation
+                | Counter::LastPollNs
+        )
+    }
+
+    /// Looks a counter up by its [`name`](Self::name).
+    pub fn from_name(name: &str) -> Option<Counter> {
+        Counter::ALL.into_iter().find(|counter| counter.name() == name)
+    }
+}
+
+const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
+const _: () = assert!(Counter::LastPollNs as usize == Counter::ALL.len() - 1);
+
+/// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
+#[repr(C, align(64))]
+pub struct Counters {
+    slots: [AtomicU64; COUNTER_SLOTS],
+}
+
+const _: () = assert!(size_of::<Counters>() == COUNTER_SLOTS * 8);
+
+impl Counters {
+    pub fn get(&self, counter: Counter) -> u64 {
+        self.slots[counter as usize].load(Ordering::Relaxed)
+    }
+
+    pub fn set(&self, counter: Counter, value: u64) {
+        self.slots[counter as usize].store(value, Ordering::Relaxed);
+    }
+
+    pub fn add(&self, counter: Counter, delta: u64) {
+        self.slots[counter as usize].fetch_add(delta, Ordering::Relaxed);
+    }
+
+    /// Subtracts, saturating at zero (a gauge never shows a wrapped value).
+    pub fn sub(&self, counter: Counter, delta: u64) {
+        let slot = &self.slots[counter as usize];
+        let mut current = slot.load(Ordering::Relaxed);
+        while let Err(actual) = slot.compare_exchange_weak(
+            current,
+            current.saturating_sub(delta),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        ) {
+            current = actual;
+        }
+    }
+
+    /// Every known counter with its current value, in slot order.
+    pub fn snapshot(&self) -> Vec<(Counter, u64)> {
+        Counter::ALL.into_iter().map(|counter| (counter, self.get(counter))).collect()
+    }
+
+    /// Sets every slot, spares included, to zero.
+    pub fn clear(&self) {
+        for slot in &self.slots {
+            slot.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_are_listed_in_slot_order_with_unique_names() {
+        for (index, counter) in Counter::ALL.into_iter().enumerate() {
+            assert_eq!(counter as usize, index);
+            assert_eq!(Counter::from_name(counter.name()), Some(counter));
+        }
+        let mut names: Vec<_> = Counter::ALL.iter().map(|c| c.name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), Counter::ALL.len());
+    }
+
+    #[test]
+    fn gauges_saturate_at_zero_when_decremented() {
+        let counters: Counters = Counters { slots: std::array::from_fn(|_| AtomicU64::new(0)) };
+        counters.set(Counter::DeviceBlocksFree, 3);
+        counters.sub(Counter::DeviceBlocksFree, 5);
+        assert_eq!(counters.get(Counter::DeviceBlocksFree), 0);
+        counters.add(Counter::Lookups, 2);
+        counters.add(Counter::Lookups, 2);
+        assert_eq!(counters.snapshot()[Counter::Lookups as usize], (Counter::Lookups, 4));
+    }
+}
