@@ -652,3 +652,54 @@ impl Watermark for kvshm::manager::CacheManager {
         manager(self.config().clone().with_free_watermark(blocks))
     }
 }
+
+#[test]
+fn a_failed_swap_in_cancels_the_swap_ins_held_back_below_it() {
+    let mut cache = with_host(4, 8, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    serve(&mut cache, 2, &hashes(&[3, 4, 5, 6])); // 1 and 2 go to host
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 2);
+    cache.match_prefix(RequestId(3), &hashes(&[1]), 4).unwrap();
+    let first = cache.allocate(RequestId(3), 0, 0).unwrap().ticket;
+    let parent_swap_in = complete_swap_outs(&mut cache);
+    assert_eq!(parent_swap_in.len(), 1);
+    // Request 4 shares the swap-in of 1 and swaps 2 in behind it.
+    cache.match_prefix(RequestId(4), &hashes(&[1, 2]), 8).unwrap();
+    let second = cache.allocate(RequestId(4), 0, 0).unwrap().ticket;
+    assert!(complete_swap_outs(&mut cache).is_empty(), "the swap-in of 2 waits for that of 1");
+    check(&cache);
+    let free = cache.free_device_blocks();
+    cache.complete_transfer(parent_swap_in[0].id, Err(failure())).unwrap();
+    check(&cache);
+    assert!(cache.take_transfers().is_empty(), "the swap-in of 2 was cancelled");
+    assert_eq!(cache.transfers_in_flight(), 0);
+    assert_eq!(cache.free_device_blocks(), free + 2);
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 2);
+    for ticket in [first, second] {
+        assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Failed(failure())));
+    }
+    cache.abort(RequestId(3)).unwrap();
+    cache.abort(RequestId(4)).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_shared_swap_in_that_lands_releases_the_one_behind_it() {
+    let mut cache = with_host(4, 8, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    serve(&mut cache, 2, &hashes(&[3, 4, 5, 6]));
+    cache.match_prefix(RequestId(3), &hashes(&[1]), 4).unwrap();
+    cache.allocate(RequestId(3), 0, 0).unwrap();
+    let parent_swap_in = complete_swap_outs(&mut cache);
+    cache.match_prefix(RequestId(4), &hashes(&[1, 2]), 8).unwrap();
+    let ticket = cache.allocate(RequestId(4), 0, 0).unwrap().ticket;
+    complete_swap_outs(&mut cache);
+    cache.complete_transfer(parent_swap_in[0].id, Ok(())).unwrap();
+    let behind = cache.take_transfers();
+    assert_eq!((behind.len(), behind[0].kind), (1, TransferKind::HostToDevice));
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Pending));
+    cache.complete_transfer(behind[0].id, Ok(())).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
+}

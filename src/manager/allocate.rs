@@ -6,8 +6,9 @@
 //!    cascade of device candidates. Short: fail, nothing changed.
 //! 3. Take the blocks (free, claimed, evicted; see [`super::evict`]).
 //! 4. Fill the block table's hit positions: device hits as they are; hits whose swap-in is in
-//!    flight share it; host hits get a block and one batched host-to-device copy. A swap-in into
-//!    a claimed block is held back until the swap-out reading that block completes.
+//!    flight share it; host hits get a block and one batched host-to-device copy. That copy is
+//!    held back until the swap-outs reading its claimed blocks and the shared swap-ins above it
+//!    have completed.
 //! 5. Append the new blocks; the ticket also waits on swap-outs still reading claimed ones.
 
 use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
@@ -72,6 +73,11 @@ impl CacheManager {
                         TransferId(node.transfer().expect("a node in flight names its copy"));
                     table_hits.push(node.device().expect("a swap-in has its destination"));
                     self.wait_on(ticket, transfer);
+                    // Swap-ins below wait for this one, so that if it fails they are still
+                    // unissued and can be cancelled.
+                    if !swap_in_after.contains(&transfer) {
+                        swap_in_after.push(transfer);
+                    }
                 }
                 NodeState::Host => {
                     let (block, claimed_from) =

@@ -9,10 +9,11 @@
 //!      device block was claimed, it has no copy left and leaves the tree with its subtree;
 //!    - host-to-device landed: the node is `Device` with its host copy as a backup;
 //!    - host-to-device failed: the device block is freed and the node is `Host` again, and so is
-//!      every device copy below it (they were swapped in behind it).
+//!      every device copy below it: those are swap-ins held back behind this one (see
+//!      `allocate`), so they are cancelled before any worker saw them.
 //! 4. Every ticket waiting on it counts it done; a failed swap-in fails them and their requests.
 
-use super::{CacheManager, CompleteError, TransferFailure, TransferId, TransferKind};
+use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
 use crate::tree::{NodeId, NodeState, SwapOut};
 
 impl CacheManager {
@@ -58,7 +59,13 @@ impl CacheManager {
             (TransferKind::HostToDevice, Err(failure)) => Some(failure),
             _ => None,
         };
-        for ticket_id in &flight.tickets {
+        self.resolve_tickets(&flight.tickets, failure);
+        Ok(())
+    }
+
+    /// Counts a copy done for each ticket waiting on it, failing them with `failure`.
+    fn resolve_tickets(&mut self, tickets: &[TicketId], failure: Option<TransferFailure>) {
+        for ticket_id in tickets {
             let Some(ticket) = self.tickets.get_mut(ticket_id) else { continue };
             ticket.pending -= 1;
             if failure.is_some() {
@@ -71,7 +78,6 @@ impl CacheManager {
                 }
             }
         }
-        Ok(())
     }
 
     fn swap_out_landed(&mut self, id: NodeId) {
@@ -143,21 +149,22 @@ impl CacheManager {
         });
     }
 
-    /// Takes a swapped-in node (landed or in flight) back to `Host`. `failed` is the copy being
-    /// rolled back right now (already out of the in-flight table).
+    /// Takes a node swapped in below a failed swap-in back to `Host`. `failed` is the copy being
+    /// rolled back right now (already out of the in-flight table); any other swap-in of a node
+    /// below it is held back behind it, so it is cancelled: its pair is removed, and a copy left
+    /// with no pairs is forgotten.
     fn demote_to_host(&mut self, id: NodeId, failed: TransferId) {
         let node = self.tree.node(id);
         let block = node.device().expect("demoting a node without a device block");
         match node.state() {
             NodeState::SwapToDevice if node.transfer() == Some(failed.0) => self.free_device(block),
             NodeState::SwapToDevice => {
-                let transfer = TransferId(node.transfer().expect("a node in flight names its copy"));
-                let flight = self.flight_mut(transfer).expect("the copy of a node in flight is known");
-                flight.reserved_device.push(block);
+                let transfer =
+                    TransferId(node.transfer().expect("a node in flight names its copy"));
+                self.cancel_swap_in(id, transfer, block);
             }
-            NodeState::Device if node.has_valid_host() => self.free_device(block),
             state => unreachable!(
-                "a device copy in state {state:?} without a host copy below a swap-in is a programming error"
+                "a device copy in state {state:?} below a swap-in is a programming error"
             ),
         }
         self.tree.update(id, |node| {
@@ -165,5 +172,41 @@ impl CacheManager {
             node.set_state(NodeState::Host);
             node.set_transfer(None);
         });
+    }
+
+    /// Removes the pair of node `id` from swap-in `transfer`, which no worker has seen yet, and
+    /// gives its destination `block` back, or to the swap-out still reading it if it was claimed
+    /// from one.
+    fn cancel_swap_in(&mut self, id: NodeId, transfer: TransferId, block: u32) {
+        let flight =
+            self.in_flight.get_mut(&transfer).expect("the copy of a node in flight is known");
+        assert!(!flight.issued, "a swap-in below a failed one was issued: a programming error");
+        let index = flight
+            .nodes
+            .iter()
+            .position(|&node| node == id)
+            .expect("a copy serves the node naming it");
+        flight.nodes.swap_remove(index);
+        flight.pairs.swap_remove(index);
+        let after = flight.after.clone();
+        if flight.pairs.is_empty() {
+            let flight = self.in_flight.remove(&transfer).expect("found just above");
+            self.resolve_tickets(&flight.tickets, None);
+        }
+        let reader = after.iter().find(|before| {
+            self.in_flight.get(before).is_some_and(|flight| {
+                flight.kind == TransferKind::DeviceToHost
+                    && flight.pairs.iter().any(|pair| pair.src == block)
+            })
+        });
+        match reader.copied() {
+            Some(reader) => self
+                .in_flight
+                .get_mut(&reader)
+                .expect("found just above")
+                .reserved_device
+                .push(block),
+            None => self.free_device(block),
+        }
     }
 }

@@ -45,17 +45,24 @@ impl CacheManager {
         self.pending_backups.clear();
         self.device.clear();
         self.host.clear();
-        for flight in self.in_flight.values() {
-            for &block in &flight.reserved_device {
-                self.device
-                    .take(block)
-                    .expect("a block reserved by two copies is a programming error");
-            }
-            for &block in &flight.reserved_host {
-                self.host
-                    .take(block)
-                    .expect("a block reserved by two copies is a programming error");
-            }
+        // In block order, so that the pools come out the same whatever the map's order.
+        let mut device: Vec<u32> = self
+            .in_flight
+            .values()
+            .flat_map(|flight| flight.reserved_device.iter().copied())
+            .collect();
+        let mut host: Vec<u32> = self
+            .in_flight
+            .values()
+            .flat_map(|flight| flight.reserved_host.iter().copied())
+            .collect();
+        device.sort_unstable();
+        host.sort_unstable();
+        for block in device {
+            self.device.take(block).expect("a block reserved by two copies is a programming error");
+        }
+        for block in host {
+            self.host.take(block).expect("a block reserved by two copies is a programming error");
         }
         self.generation += 1;
         self.stats.resets += 1;
