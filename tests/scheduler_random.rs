@@ -20,6 +20,7 @@ use kvshm::manager::{
     AllocateError, CacheConfig, CacheManager, RequestId, TicketId, TicketStatus, Transfer,
     TransferKind, WritePolicy,
 };
+use kvshm::tree::{NodeId, SnapshotNode};
 use scheduler_support::{check, failure, Rng};
 
 const BLOCK_TOKENS: usize = 2;
@@ -176,7 +177,13 @@ impl Engine {
                 live.allocated_tokens = live.tokens.len();
                 live.ticket = Some(ticket);
             }
-            Err(AllocateError::OutOfBlocks { .. }) => {
+            Err(AllocateError::OutOfBlocks { needed, available }) => {
+                let free = self.cache.free_device_blocks();
+                let expected = free + reclaimable_by_brute_force(&self.cache).min(needed - free);
+                assert_eq!(
+                    available, expected,
+                    "the dry run counts every block evictions could give"
+                );
                 let after = (
                     self.cache.free_device_blocks(),
                     self.cache.free_host_blocks(),
@@ -298,6 +305,37 @@ impl Engine {
             self.live.retain(|_, live| live.matched_blocks == 0 && live.ticket.is_none());
         }
     }
+}
+
+/// Device blocks that claims and cascading evictions could free, from a scan of the whole tree:
+/// an unheld node with a device block whose copy is an eviction in flight (claimable), or that is
+/// idle on device with every device child reclaimable too.
+fn reclaimable_by_brute_force(cache: &CacheManager) -> usize {
+    let nodes = cache.tree_snapshot(u32::MAX).nodes;
+    let mut children: HashMap<Option<NodeId>, Vec<usize>> = HashMap::new();
+    for (index, node) in nodes.iter().enumerate() {
+        children.entry(node.parent).or_default().push(index);
+    }
+    fn reclaimable(
+        nodes: &[SnapshotNode],
+        children: &HashMap<Option<NodeId>, Vec<usize>>,
+        index: usize,
+    ) -> bool {
+        let node = &nodes[index];
+        let device_children = children
+            .get(&Some(node.id))
+            .into_iter()
+            .flatten()
+            .filter(|&&child| nodes[child].device.is_some());
+        node.device.is_some()
+            && node.ref_count == 0
+            && (node.state == "swap_to_host(evict)"
+                || (node.state == "device"
+                    && device_children
+                        .into_iter()
+                        .all(|&child| reclaimable(nodes, children, child))))
+    }
+    (0..nodes.len()).filter(|&index| reclaimable(&nodes, &children, index)).count()
 }
 
 /// `KVSHM_TEST_SEED=N` shifts every seed by N, for soak runs beyond the fixed seeds.

@@ -703,3 +703,12 @@ fn a_shared_swap_in_that_lands_releases_the_one_behind_it() {
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
     assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
 }
+
+#[test]
+fn selective_write_through_with_threshold_one_backs_up_on_commit() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteThroughSelective { threshold: 1 });
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    cache.poll();
+    assert_eq!(complete_all(&mut cache).len(), 1);
+    assert_eq!(cache.stats().backup_blocks, 2);
+}

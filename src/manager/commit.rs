@@ -64,7 +64,13 @@ impl CacheManager {
         }
 
         let clock = self.tick();
-        let back_up = self.config.write_policy == WritePolicy::WriteThrough && self.host_enabled();
+        // A new node has one hit: selective write-through with a threshold of 1 backs it up at once.
+        let back_up = self.host_enabled()
+            && match self.config.write_policy {
+                WritePolicy::WriteBack => false,
+                WritePolicy::WriteThrough => true,
+                WritePolicy::WriteThroughSelective { threshold } => threshold <= 1,
+            };
         let CacheManager { requests, tree, pending_backups, .. } = self;
         let record = requests.get_mut(&request).expect("the request was found above");
         let mut parent = record.path.last().copied().unwrap_or(NodeId::ROOT);

@@ -205,7 +205,7 @@ impl CacheManager {
     }
 
     fn host_enabled(&self) -> bool {
-        self.config.host_blocks > 0 || self.host.capacity() > 0
+        self.host.capacity() > 0
     }
 
     /// The copy of `kind` that the current operation fills, opened on first use.
