@@ -17,7 +17,9 @@ use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, 
 use crate::tree::{NodeId, NodeState, SwapOut};
 
 impl CacheManager {
-    /// Applies the outcome of copy `id` (module flow).
+    /// Applies the outcome of copy `id` (module flow). Call it once per copy, when every rank has
+    /// reported: `Ok` when all succeeded, the first failure otherwise. An unknown id (never
+    /// issued, or completed already) is an error that changes nothing.
     pub fn complete_transfer(
         &mut self,
         id: TransferId,
