@@ -1,0 +1,280 @@
+//! `kvctl ls`: every kvshm segment under `/dev/shm`, judged, with what `cleanup` would do to it.
+//!
+//! The segment crate's [`kvshm_ipc::listing::list`] finds the objects and judges each control
+//! object; this module turns that into rows a person can act on, and decides which objects
+//! `kvctl cleanup` may remove (the same decision is used by both commands, so `ls` never promises
+//! a removal that `cleanup` would refuse). The rule, per segment:
+//!
+//! 1. live (valid header, creator alive): never removed;
+//! 2. stale (valid header, creator dead): removed with its data objects;
+//! 3. garbage under our prefix (owned by us, header incomplete or not a kvshm header, of no other
+//!    layout version, and either naming a creator that is dead or naming none and unchanged for
+//!    [`CREATION_GRACE`]): shown as unreadable with the problem, and removed;
+//! 4. any other unreadable object (another user's, another layout version, a live creator, being
+//!    created): shown with the reason, never removed;
+//! 5. data objects without a control object (orphaned): removed when the creator recorded in the
+//!    arena header is dead, or when the header is unreadable and unchanged for [`CREATION_GRACE`];
+//!    one whose creator is alive belongs to a segment being created and is kept.
+//!
+//! Flow of `ls`: 1. list and judge (segment crate); 2. refine garbage and orphans ([`list`]);
+//! 3. print a table or one JSON document.
+
+use std::io::{self, Read, Write};
+use std::time::{Duration, SystemTime};
+
+use kvshm_ipc::arena::{ArenaHeader, ARENA_MAGIC};
+use kvshm_ipc::listing::CREATION_GRACE;
+use kvshm_ipc::listing::{self as ipc_listing, DataObject, ListingState, SegmentListing};
+use kvshm_ipc::liveness::ProcessIdentity;
+use kvshm_ipc::name::SegmentName;
+use serde::Serialize;
+
+use crate::probe::{self, object_path};
+use crate::text::{self, Table};
+
+/// What a segment is, as `ls` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SegmentState {
+    Live,
+    Stale,
+    Unreadable,
+    Orphaned,
+}
+
+impl SegmentState {
+    pub fn name(self) -> &'static str {
+        match self {
+            SegmentState::Live => "live",
+            SegmentState::Stale => "stale",
+            SegmentState::Unreadable => "unreadable",
+            SegmentState::Orphaned => "orphaned",
+        }
+    }
+}
+
+/// One data object (per-rank arena) of a segment.
+#[derive(Debug, Clone, Serialize)]
+pub struct DataObjectRow {
+    /// Object name with its leading slash (`/kvshm.NAME.host.0`).
+    pub object: String,
+    /// `device` or `host`.
+    pub kind: &'static str,
+    pub rank: u32,
+    pub size_bytes: u64,
+    /// Whether `kvctl cleanup` removes it.
+    pub removable: bool,
+    /// Why it is kept or removed, for orphans.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// One segment (or group of orphaned data objects) under `/dev/shm`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SegmentRow {
+    pub name: String,
+    pub state: SegmentState,
+    /// Why it is stale, unreadable or orphaned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Whether `kvctl cleanup` removes its control object (and its data objects).
+    pub removable: bool,
+    pub creator_pid: Option<u32>,
+    /// Bytes of the control object (0 for orphans).
+    pub size_bytes: u64,
+    pub tp_size: Option<u32>,
+    pub block_tokens: Option<u32>,
+    pub device_blocks: Option<u32>,
+    pub host_blocks: Option<u32>,
+    pub data_objects: Vec<DataObjectRow>,
+    /// The creator identity as judged, so that cleanup can check nothing changed since.
+    #[serde(skip)]
+    pub creator: Option<ProcessIdentity>,
+    /// The validated name.
+    #[serde(skip)]
+    pub segment: SegmentName,
+}
+
+/// The result of `kvctl ls`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Listing {
+    pub segments: Vec<SegmentRow>,
+}
+
+/// Lists the segments named in `only` (every segment when empty), judged.
+pub fn list(only: &[SegmentName]) -> Listing {
+    let segments = ipc_listing::list()
+        .into_iter()
+        .filter(|listing| only.is_empty() || only.contains(&listing.name))
+        .map(|listing| row(&listing))
+        .collect();
+    Listing { segments }
+}
+
+fn row(listing: &SegmentListing) -> SegmentRow {
+    let (state, reason, removable) = judge(listing);
+    let data_objects = listing
+        .data_objects
+        .iter()
+        .map(|data| {
+            if state == SegmentState::Orphaned {
+                let (removable, reason) = judge_orphan(data);
+                data_row(data, removable, Some(reason))
+            } else {
+                data_row(data, removable, None)
+            }
+        })
+        .collect::<Vec<_>>();
+    let removable = if state == SegmentState::Orphaned {
+        data_objects.iter().any(|data| data.removable)
+    } else {
+        removable
+    };
+    let config = listing.config.as_ref();
+    SegmentRow {
+        name: listing.name.to_string(),
+        state,
+        reason,
+        removable,
+        creator_pid: listing.creator.map(|creator| creator.pid),
+        size_bytes: listing.size,
+        tp_size: config.map(|config| config.tp_size),
+        block_tokens: config.map(|config| config.block_tokens),
+        device_blocks: config.map(|config| config.device_blocks),
+        host_blocks: config.map(|config| config.host_blocks),
+        data_objects,
+        creator: listing.creator,
+        segment: listing.name.clone(),
+    }
+}
+
+fn data_row(data: &DataObject, removable: bool, reason: Option<String>) -> DataObjectRow {
+    DataObjectRow {
+        object: data.object.clone(),
+        kind: data.kind.name(),
+        rank: data.rank,
+        size_bytes: data.size,
+        removable,
+        reason,
+    }
+}
+
+/// State, reason and removability of a segment's control object (rules 1 to 4).
+fn judge(listing: &SegmentListing) -> (SegmentState, Option<String>, bool) {
+    match &listing.state {
+        ListingState::Live => (SegmentState::Live, None, false),
+        ListingState::Stale if listing.config.is_some() => {
+            let pid = listing.creator.map_or(0, |creator| creator.pid);
+            (SegmentState::Stale, Some(format!("creator pid {pid} is dead")), true)
+        }
+        ListingState::Stale => {
+            // The header did not validate and the segment crate judged it abandoned: garbage.
+            let problem = probe::probe(&listing.name.control_object()).ok().and_then(|p| p.problem);
+            let whose = match listing.creator {
+                Some(creator) => format!("the creator it names (pid {}) is dead", creator.pid),
+                None => format!("it names no creator and is older than {CREATION_GRACE:?}"),
+            };
+            match problem {
+                Some(problem) => {
+                    (SegmentState::Unreadable, Some(format!("{problem}; {whose}")), true)
+                }
+                None => (SegmentState::Stale, Some(whose), true),
+            }
+        }
+        ListingState::Unreadable(reason) => (SegmentState::Unreadable, Some(reason.clone()), false),
+        ListingState::Orphaned => (
+            SegmentState::Orphaned,
+            Some("data objects without a control object".to_owned()),
+            false,
+        ),
+    }
+}
+
+/// Rule 5: whether an orphaned data object may be removed, and why.
+pub fn judge_orphan(data: &DataObject) -> (bool, String) {
+    match read_arena_header(&data.object) {
+        Ok(Some(header)) if header.creator.is_alive() => (
+            false,
+            format!("its creator pid {} is alive (a segment being created?)", header.creator.pid),
+        ),
+        Ok(Some(header)) => (true, format!("its creator pid {} is dead", header.creator.pid)),
+        Ok(None) if unchanged_for(&data.object, CREATION_GRACE) => {
+            (true, "not a kvshm arena header, and not being written".to_owned())
+        }
+        Ok(None) => (false, "no arena header yet (being created?)".to_owned()),
+        Err(error) => (false, format!("cannot be read: {error}")),
+    }
+}
+
+/// The arena header of `object`, `None` if it is not one (short, no magic). Read-only.
+fn read_arena_header(object: &str) -> io::Result<Option<ArenaHeader>> {
+    let file = std::fs::File::open(object_path(object))?;
+    let mut bytes = Vec::with_capacity(size_of::<ArenaHeader>());
+    file.take(size_of::<ArenaHeader>() as u64).read_to_end(&mut bytes)?;
+    if bytes.len() < size_of::<ArenaHeader>() {
+        return Ok(None);
+    }
+    let header: ArenaHeader = bytemuck::pod_read_unaligned(&bytes);
+    Ok((header.magic == ARENA_MAGIC && !header.creator.is_none()).then_some(header))
+}
+
+/// True when `object` was last modified at least `age` ago (false if that cannot be told).
+pub fn unchanged_for(object: &str, age: Duration) -> bool {
+    std::fs::metadata(object_path(object))
+        .and_then(|metadata| metadata.modified())
+        .ok()
+        .and_then(|modified| SystemTime::now().duration_since(modified).ok())
+        .is_some_and(|elapsed| elapsed >= age)
+}
+
+impl Listing {
+    /// A table, one line per segment, with a note saying why and whether cleanup removes it.
+    pub fn write_text(&self, out: &mut dyn Write) -> io::Result<()> {
+        if self.segments.is_empty() {
+            return writeln!(out, "no kvshm segments under {}", ipc_listing::SHM_DIR);
+        }
+        let mut table = Table::new(&[
+            "NAME",
+            "STATE",
+            "PID",
+            "SIZE",
+            "TP",
+            "BLOCK_TOKENS",
+            "DEVICE",
+            "HOST",
+            "DATA",
+            "NOTE",
+        ]);
+        for row in &self.segments {
+            let mut note = row.reason.clone().unwrap_or_default();
+            if row.removable {
+                note.push_str(if note.is_empty() { "" } else { "; " });
+                note.push_str("`kvctl cleanup` removes it");
+            }
+            let data_bytes: u64 = row.data_objects.iter().map(|data| data.size_bytes).sum();
+            let data = if row.data_objects.is_empty() {
+                "-".to_owned()
+            } else {
+                format!("{} ({})", row.data_objects.len(), text::bytes(data_bytes))
+            };
+            let size = if row.state == SegmentState::Orphaned {
+                "-".to_owned()
+            } else {
+                text::bytes(row.size_bytes)
+            };
+            table.push(vec![
+                row.name.clone(),
+                row.state.name().to_owned(),
+                text::or_dash(row.creator_pid),
+                size,
+                text::or_dash(row.tp_size),
+                text::or_dash(row.block_tokens),
+                text::or_dash(row.device_blocks),
+                text::or_dash(row.host_blocks),
+                data,
+                note,
+            ]);
+        }
+        table.write(out)
+    }
+}

@@ -1,0 +1,137 @@
+//! `kvctl stat --prometheus`: a segment's figures in the Prometheus text exposition format.
+//!
+//! Every live counter becomes `kvshm_<name>` with a `# HELP` and a `# TYPE` line; monotonic
+//! counters (`!Counter::is_gauge`) are typed `counter` and get the `_total` suffix, gauges keep
+//! their name. Every sample carries `segment="NAME"`. Three derived series follow: whether the
+//! scheduler polls, the age of its last poll, and an info series with the configuration as labels.
+//!
+//! Flow: 1. `stat` reads a [`StatReport`]; 2. [`write`] prints one family per series.
+
+use std::io::{self, Write};
+
+use kvshm_ipc::counters::Counter;
+
+use crate::stat::StatReport;
+
+/// The metric name of `counter`.
+pub fn metric_name(counter: Counter) -> String {
+    let name = counter.name();
+    if counter.is_gauge() || name.ends_with("_total") {
+        format!("kvshm_{name}")
+    } else {
+        format!("kvshm_{name}_total")
+    }
+}
+
+/// The `# HELP` text of `counter`.
+pub fn help(counter: Counter) -> String {
+    let text = match counter {
+        Counter::DeviceBlocksTotal => "Blocks of the device tier.",
+        Counter::DeviceBlocksFree => "Free blocks of the device tier.",
+        Counter::HostBlocksTotal => "Blocks of the host tier.",
+        Counter::HostBlocksFree => "Free blocks of the host tier.",
+        Counter::CachedNodes => "Blocks cached in the prefix tree.",
+        Counter::DeviceHitBlocks => "Queried blocks that hit on device.",
+        Counter::HostHitBlocks => "Queried blocks that hit on host.",
+        Counter::MissBlocks => "Queried blocks that missed.",
+        Counter::HitTokens => "Tokens covered by hits.",
+        Counter::Lookups => "Prefix matches served.",
+        Counter::RequestsLive => "Requests holding blocks.",
+        Counter::Evictions => "Blocks evicted from a tier.",
+        Counter::SwapsIn => "Blocks copied host to device.",
+        Counter::SwapsOut => "Blocks copied device to host.",
+        Counter::Backups => "Blocks backed up to host while staying on device.",
+        Counter::CopyFailures => "Copies that failed and were rolled back.",
+        Counter::CommandsIssued => "Commands pushed to worker rings.",
+        Counter::CommandsCompleted => "Commands completed by workers.",
+        Counter::CommandsInFlight => "Commands in worker rings now.",
+        Counter::BytesCopied => "Bytes copied by workers for successful transfers.",
+        Counter::Generation => "Cache generation, bumped by every reset.",
+        Counter::Resets => "Cache resets carried out.",
+        Counter::WorkerDeaths => "Workers found dead.",
+        Counter::DroppedNodes => "Cached blocks dropped without a copy.",
+        Counter::LastPollNs => "CLOCK_MONOTONIC nanoseconds of the scheduler's last poll.",
+        #[allow(unreachable_patterns)] // Counters added later get a generic line until described.
+        _ => return format!("kvshm counter {}.", counter.name()),
+    };
+    text.to_owned()
+}
+
+/// Escapes a label value (backslash, double quote, newline).
+pub fn escape_label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn family(
+    out: &mut dyn Write,
+    name: &str,
+    kind: &str,
+    help: &str,
+    labels: &str,
+    value: impl std::fmt::Display,
+) -> io::Result<()> {
+    writeln!(out, "# HELP {name} {}", help.replace('\\', "\\\\").replace('\n', "\\n"))?;
+    writeln!(out, "# TYPE {name} {kind}")?;
+    writeln!(out, "{name}{{{labels}}} {value}")
+}
+
+/// Writes `report` in the text exposition format.
+pub fn write(report: &StatReport, out: &mut dyn Write) -> io::Result<()> {
+    let segment = format!("segment=\"{}\"", escape_label(&report.segment));
+    for &(counter, value) in &report.counters.0 {
+        let kind = if counter.is_gauge() { "gauge" } else { "counter" };
+        family(out, &metric_name(counter), kind, &help(counter), &segment, value)?;
+    }
+    let scheduler = &report.scheduler;
+    family(
+        out,
+        "kvshm_scheduler_polling",
+        "gauge",
+        "1 if the scheduler polled within the last second.",
+        &segment,
+        u8::from(scheduler.polling),
+    )?;
+    if let Some(age) = scheduler.last_poll_age_seconds {
+        family(
+            out,
+            "kvshm_scheduler_last_poll_age_seconds",
+            "gauge",
+            "Seconds since the scheduler's last poll.",
+            &segment,
+            age,
+        )?;
+    }
+    let config = &report.config;
+    let info = format!(
+        "{segment},backend=\"{}\",write_policy=\"{}\",tp_size=\"{}\",block_tokens=\"{}\"",
+        escape_label(&config.backend),
+        escape_label(&config.write_policy),
+        config.tp_size,
+        config.block_tokens
+    );
+    family(out, "kvshm_segment_info", "gauge", "Segment configuration as labels.", &info, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_get_the_total_suffix_and_gauges_do_not() {
+        assert_eq!(metric_name(Counter::Lookups), "kvshm_lookups_total");
+        assert_eq!(metric_name(Counter::DeviceBlocksFree), "kvshm_device_blocks_free");
+        assert_eq!(metric_name(Counter::DeviceBlocksTotal), "kvshm_device_blocks_total");
+    }
+
+    #[test]
+    fn every_counter_has_a_help_line() {
+        for counter in Counter::ALL {
+            assert!(help(counter).ends_with('.'), "{counter:?}");
+        }
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

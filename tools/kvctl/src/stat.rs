@@ -1,0 +1,280 @@
+//! `kvctl stat`: a segment's configuration, whether its scheduler polls, its live counters and the
+//! hit rates derived from them.
+//!
+//! Everything is read from the segment without asking the scheduler: the header (configuration,
+//! creator, generation) and the counters it stores on every poll. Whether the scheduler is polling
+//! is judged from `Counter::LastPollNs` (`CLOCK_MONOTONIC`, comparable across processes): a last
+//! poll within [`POLLING_WINDOW`] counts as polling.
+//!
+//! Flow: 1. attach ([`crate::open`]); 2. [`StatReport::read`] copies the header fields and one
+//! snapshot of the counters; 3. the report is written as text, JSON or Prometheus exposition.
+
+use std::io::{self, Write};
+use std::time::Duration;
+
+use kvshm_ipc::config::{SegmentConfig, WritePolicy};
+use kvshm_ipc::counters::Counter;
+use kvshm_ipc::liveness::monotonic_ns;
+use kvshm_ipc::segment::Segment;
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
+
+use crate::text;
+
+/// A scheduler whose last poll is at most this old counts as polling.
+pub const POLLING_WINDOW: Duration = Duration::from_secs(1);
+
+/// The configuration stored in the segment header, decoded.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConfigReport {
+    pub block_tokens: u32,
+    pub tp_size: u32,
+    pub device_blocks: u32,
+    pub host_blocks: u32,
+    pub regions: u32,
+    pub layers: u32,
+    pub region_bytes: u64,
+    /// `regions * region_bytes`: one block on one rank.
+    pub block_bytes: u64,
+    pub write_policy: String,
+    /// The hit count at which `write_through_selective` backs a node up.
+    pub write_threshold: Option<u32>,
+    pub backend: String,
+    pub command_ring_slots: u32,
+    pub completion_ring_slots: u32,
+}
+
+impl ConfigReport {
+    pub fn new(config: &SegmentConfig) -> ConfigReport {
+        // The header validated on attach, so the codes decode; still, never panic on them.
+        let write_policy = config.write_policy();
+        ConfigReport {
+            block_tokens: config.block_tokens,
+            tp_size: config.tp_size,
+            device_blocks: config.device_blocks,
+            host_blocks: config.host_blocks,
+            regions: config.regions,
+            layers: config.layers,
+            region_bytes: config.region_bytes,
+            block_bytes: config.block_bytes(),
+            write_policy: write_policy.as_ref().map_or_else(
+                |_| format!("unknown({})", config.write_policy),
+                |policy| policy.name().to_owned(),
+            ),
+            write_threshold: match write_policy {
+                Ok(WritePolicy::WriteThroughSelective { threshold }) => Some(threshold),
+                _ => None,
+            },
+            backend: config.backend().map_or_else(
+                |_| format!("unknown({})", config.backend),
+                |backend| backend.name().to_owned(),
+            ),
+            command_ring_slots: config.command_ring_slots,
+            completion_ring_slots: config.completion_ring_slots,
+        }
+    }
+}
+
+/// Whether the scheduler serves kvctl's requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchedulerReport {
+    /// Its last poll is at most [`POLLING_WINDOW`] old.
+    pub polling: bool,
+    /// Seconds since its last poll; `None` if it never polled.
+    pub last_poll_age_seconds: Option<f64>,
+}
+
+impl SchedulerReport {
+    /// Judges the `Counter::LastPollNs` value `last_poll_ns` at `now_ns`.
+    pub fn judge(last_poll_ns: u64, now_ns: u64) -> SchedulerReport {
+        if last_poll_ns == 0 {
+            return SchedulerReport { polling: false, last_poll_age_seconds: None };
+        }
+        let age = Duration::from_nanos(now_ns.saturating_sub(last_poll_ns));
+        SchedulerReport {
+            polling: age <= POLLING_WINDOW,
+            last_poll_age_seconds: Some(age.as_secs_f64()),
+        }
+    }
+
+    /// How long ago the scheduler last polled, if ever.
+    pub fn last_poll_age(&self) -> Option<Duration> {
+        self.last_poll_age_seconds.map(Duration::from_secs_f64)
+    }
+
+    /// `polling (last poll 3.1 ms ago)`, `not polling (last poll 2.0 min ago)`, `never polled`.
+    pub fn describe(&self) -> String {
+        match self.last_poll_age() {
+            None => "never polled".to_owned(),
+            Some(age) => {
+                let verdict = if self.polling { "polling" } else { "not polling" };
+                format!("{verdict} (last poll {} ago)", text::age(age))
+            }
+        }
+    }
+}
+
+/// Hit rates over the blocks the scheduler was asked about (device hits, host hits, misses).
+#[derive(Debug, Clone, Serialize)]
+pub struct HitRates {
+    pub queried_blocks: u64,
+    pub device: Option<f64>,
+    pub host: Option<f64>,
+    pub total: Option<f64>,
+}
+
+impl HitRates {
+    pub fn from_counts(device_hits: u64, host_hits: u64, misses: u64) -> HitRates {
+        let queried = device_hits.saturating_add(host_hits).saturating_add(misses);
+        let rate = |hits: u64| (queried > 0).then(|| hits as f64 / queried as f64);
+        HitRates {
+            queried_blocks: queried,
+            device: rate(device_hits),
+            host: rate(host_hits),
+            total: rate(device_hits.saturating_add(host_hits)),
+        }
+    }
+}
+
+/// The live counters in slot order; serialized as one JSON object `{name: value}`.
+#[derive(Debug, Clone)]
+pub struct CounterValues(pub Vec<(Counter, u64)>);
+
+impl CounterValues {
+    pub fn get(&self, counter: Counter) -> u64 {
+        self.0.iter().find(|(c, _)| *c == counter).map_or(0, |(_, value)| *value)
+    }
+}
+
+impl Serialize for CounterValues {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(self.0.len()))?;
+        for (counter, value) in &self.0 {
+            map.serialize_entry(counter.name(), value)?;
+        }
+        map.end()
+    }
+}
+
+/// The result of `kvctl stat`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StatReport {
+    pub segment: String,
+    pub generation: u64,
+    pub creator_pid: u32,
+    /// Bytes of the control object.
+    pub size_bytes: u64,
+    pub config: ConfigReport,
+    pub scheduler: SchedulerReport,
+    pub counters: CounterValues,
+    pub hit_rate: HitRates,
+}
+
+impl StatReport {
+    /// Reads everything from `segment` at one moment (each counter atomically, not as a set).
+    pub fn read(segment: &Segment) -> StatReport {
+        let counters = CounterValues(segment.counters().snapshot());
+        let scheduler = SchedulerReport::judge(counters.get(Counter::LastPollNs), monotonic_ns());
+        let hit_rate = HitRates::from_counts(
+            counters.get(Counter::DeviceHitBlocks),
+            counters.get(Counter::HostHitBlocks),
+            counters.get(Counter::MissBlocks),
+        );
+        StatReport {
+            segment: segment.name().to_string(),
+            generation: segment.generation(),
+            creator_pid: segment.creator().pid,
+            size_bytes: segment.size() as u64,
+            config: ConfigReport::new(segment.config()),
+            scheduler,
+            counters,
+            hit_rate,
+        }
+    }
+
+    pub fn write_text(&self, out: &mut dyn Write) -> io::Result<()> {
+        let config = &self.config;
+        writeln!(
+            out,
+            "segment    {} ({}, generation {}, creator pid {})",
+            self.segment,
+            text::bytes(self.size_bytes),
+            self.generation,
+            self.creator_pid
+        )?;
+        writeln!(out, "scheduler  {}", self.scheduler.describe())?;
+        let policy = match config.write_threshold {
+            Some(threshold) => format!("{} (threshold {threshold})", config.write_policy),
+            None => config.write_policy.clone(),
+        };
+        writeln!(
+            out,
+            "config     {} tokens per block, tp {}, backend {}, {policy}",
+            config.block_tokens, config.tp_size, config.backend
+        )?;
+        writeln!(
+            out,
+            "           {} regions ({} layers) x {} = {} per block per rank",
+            config.regions,
+            config.layers,
+            text::bytes(config.region_bytes),
+            text::bytes(config.block_bytes)
+        )?;
+        writeln!(
+            out,
+            "           device {} blocks, host {} blocks, rings {} command slots / {} completions",
+            config.device_blocks,
+            config.host_blocks,
+            config.command_ring_slots,
+            config.completion_ring_slots
+        )?;
+        let rates = &self.hit_rate;
+        writeln!(
+            out,
+            "hit rate   {} of {} queried blocks (device {}, host {})",
+            text::percent(rates.total),
+            rates.queried_blocks,
+            text::percent(rates.device),
+            text::percent(rates.host)
+        )?;
+        writeln!(out, "counters")?;
+        let width = self.counters.0.iter().map(|(c, _)| c.name().len()).max().unwrap_or(0);
+        for (counter, value) in &self.counters.0 {
+            writeln!(out, "  {:width$}  {value}", counter.name())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_recent_poll_is_polling_and_an_old_one_is_not() {
+        let now = 100_000_000_000;
+        assert!(SchedulerReport::judge(now - 1_000_000, now).polling);
+        let old = SchedulerReport::judge(now - 5_000_000_000, now);
+        assert!(!old.polling);
+        assert_eq!(old.last_poll_age(), Some(Duration::from_secs(5)));
+        assert!(old.describe().starts_with("not polling"));
+        let never = SchedulerReport::judge(0, now);
+        assert!(!never.polling && never.last_poll_age_seconds.is_none());
+    }
+
+    #[test]
+    fn hit_rates_are_fractions_of_queried_blocks() {
+        let rates = HitRates::from_counts(6, 2, 2);
+        assert_eq!(rates.queried_blocks, 10);
+        assert_eq!(rates.total, Some(0.8));
+        assert_eq!(rates.device, Some(0.6));
+        assert_eq!(HitRates::from_counts(0, 0, 0).total, None);
+    }
+
+    #[test]
+    fn counters_serialize_as_an_object_in_slot_order() {
+        let values = CounterValues(vec![(Counter::Lookups, 3), (Counter::CachedNodes, 5)]);
+        let json = serde_json::to_string(&values).unwrap();
+        assert_eq!(json, r#"{"lookups":3,"cached_nodes":5}"#);
+    }
+}

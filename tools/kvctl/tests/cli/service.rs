@@ -1,0 +1,1 @@
+//! Against a live `kvshm::service::Service` (added once the service lands on main).
