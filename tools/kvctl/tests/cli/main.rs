@@ -5,9 +5,7 @@
 //!   one and orphaned data objects; what `ls`, `stat` and `cleanup` make of each.
 //! - `live`: a live segment created by the test process, whose scheduler never polls: `stat`,
 //!   `--prometheus`, `workers`, timeouts of `tree` and `reset`, and `cleanup` leaving it alone.
-//! - `service`: a live `kvshm::service::Service` in the test process, polled while kvctl runs.
 mod answered;
 mod broken;
 mod live;
-mod service;
 mod support;

@@ -1,1 +1,0 @@
-//! Against a live `kvshm::service::Service` (added once the service lands on main).
