@@ -242,12 +242,21 @@ impl NodeMut<'_> {
     }
 }
 
-/// Key of the child index.
+/// Key of the child index. The hash is kept as two words so that the key aligns to 8 bytes, not
+/// 16: an index entry takes 32 bytes instead of 48.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct ChildKey {
     parent: u32,
-    hash: BlockHash,
+    hash: [u64; 2],
 }
+
+impl ChildKey {
+    fn new(parent: NodeId, hash: BlockHash) -> ChildKey {
+        ChildKey { parent: parent.0, hash: [hash.0 as u64, (hash.0 >> 64) as u64] }
+    }
+}
+
+const _: () = assert!(size_of::<(ChildKey, NodeId)>() == 32);
 
 /// The radix tree: arena, child index and candidate sets.
 #[derive(Debug)]
@@ -262,7 +271,7 @@ pub struct Tree {
 
 impl std::fmt::Debug for ChildKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "({}, {})", self.parent, self.hash)
+        write!(f, "({}, {:016x}{:016x})", self.parent, self.hash[1], self.hash[0])
     }
 }
 
@@ -309,7 +318,7 @@ impl Tree {
     }
 
     pub fn child(&self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
-        self.children.get(&ChildKey { parent: parent.0, hash }).copied()
+        self.children.get(&ChildKey::new(parent, hash)).copied()
     }
 
     /// The children of `id`, most recently inserted first.
@@ -394,7 +403,7 @@ impl Tree {
                 NodeId(self.nodes.len() as u32 - 1)
             }
         };
-        let previous = self.children.insert(ChildKey { parent: parent.0, hash }, id);
+        let previous = self.children.insert(ChildKey::new(parent, hash), id);
         assert!(previous.is_none(), "inserting a duplicate child is a programming error");
         let first = self.nodes[parent.index()].first_child;
         self.nodes[id.index()].next_sibling = first;
@@ -441,7 +450,7 @@ impl Tree {
             (node.parent, node.hash, node.prev_sibling, node.next_sibling);
         self.update(id, |node| node.set_device(None));
         self.unfile(id);
-        self.children.remove(&ChildKey { parent: parent.0, hash });
+        self.children.remove(&ChildKey::new(parent, hash));
         if prev == NodeId::NONE {
             self.nodes[parent.index()].first_child = next;
         } else {
