@@ -43,11 +43,15 @@ pub enum Counter {
     DroppedNodes,
     /// `CLOCK_MONOTONIC` ns of the scheduler's last poll: tells kvctl whether requests will be served.
     LastPollNs,
+    /// Bytes the workers copied, all ranks together. Workers add to it; the scheduler never stores.
+    WorkerCopyBytes,
+    /// Nanoseconds the workers spent copying, all ranks together. Workers add to it.
+    WorkerCopyNs,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 25] = [
+    pub const ALL: [Counter; 27] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -73,6 +77,8 @@ impl Counter {
         Counter::WorkerDeaths,
         Counter::DroppedNodes,
         Counter::LastPollNs,
+        Counter::WorkerCopyBytes,
+        Counter::WorkerCopyNs,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -103,6 +109,8 @@ impl Counter {
             Counter::WorkerDeaths => "worker_deaths",
             Counter::DroppedNodes => "dropped_nodes",
             Counter::LastPollNs => "last_poll_ns",
+            Counter::WorkerCopyBytes => "worker_copy_bytes",
+            Counter::WorkerCopyNs => "worker_copy_ns",
         }
     }
 
@@ -129,7 +137,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::LastPollNs as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::WorkerCopyNs as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

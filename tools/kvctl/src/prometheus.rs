@@ -51,8 +51,8 @@ pub fn help(counter: Counter) -> String {
         Counter::WorkerDeaths => "Workers found dead.",
         Counter::DroppedNodes => "Cached blocks dropped without a copy.",
         Counter::LastPollNs => "CLOCK_MONOTONIC nanoseconds of the scheduler's last poll.",
-        #[allow(unreachable_patterns)] // Counters added later get a generic line until described.
-        _ => return format!("kvshm counter {}.", counter.name()),
+        Counter::WorkerCopyBytes => "Bytes the workers copied, all ranks together.",
+        Counter::WorkerCopyNs => "Nanoseconds the workers spent copying, all ranks together.",
     };
     text.to_owned()
 }
