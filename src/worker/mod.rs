@@ -10,6 +10,9 @@
 //! - [`host_engine`]: memcpy between two shared-memory mappings (the host backend).
 //! - [`stream_copy`]: row copies with non-temporal stores, and the fence that publishes them.
 //! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions.
+//! - [`command_reader`]: whole commands out of the command ring, across batch boundaries.
+//! - [`run`]: the serving loop of one claimed rank.
+//! - [`process`]: the `kvshm worker` process: attach, claim, build the engine, serve.
 //!
 //! One command through the worker:
 //!
@@ -18,6 +21,7 @@
 //! 2. [`validate`](validate::validate) checks it and coalesces its pairs into a [`CopyPlan`];
 //! 3. the rank's [`CopyEngine`] executes the plan layer by layer, reporting progress;
 //! 4. the worker answers with one completion: OK, the refusal, or the copy failure.
+pub mod command_reader;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
@@ -25,6 +29,8 @@ pub mod geometry;
 pub mod host_engine;
 pub mod layout;
 pub mod plan;
+pub mod process;
+pub mod run;
 pub mod stream_copy;
 pub mod validate;
 

@@ -1,0 +1,369 @@
+//! The worker's serving loop: commands in, copies done, completions out, for one claimed rank.
+//!
+//! Core types: [`Server`] (the loop over one rank's rings and copy engine), [`ServeOptions`],
+//! [`ServeExit`] (why the loop ended cleanly) and [`ServeError`] (why it had to stop).
+//! [`super::process`] attaches, claims the rank and builds the engine before it calls
+//! [`Server::serve`].
+//!
+//! One turn of the loop:
+//!
+//! 1. heartbeat the claim (a lost claim ends the loop: the scheduler reclaimed the rank); if a stop
+//!    was requested (SIGTERM, SIGINT) or, checked every [`LIVENESS_CHECK_INTERVAL`], the segment's
+//!    creator is gone, end cleanly;
+//! 2. pop a batch of command slots ([`CommandReader`]); if there is none, sleep on the rank's
+//!    command doorbell for one [`IDLE_SLICE`] (after a short spin) and start over;
+//! 3. for each command of the batch, in order: heartbeat, validate it against the segment's
+//!    current generation, and execute it. A copy runs layer by layer: after each layer the worker
+//!    publishes layer progress (`FLAG_LAYERWISE` commands), heartbeats, and sleeps the test delay
+//!    if one is configured. FLUSH and PING complete at once: commands run in order, so when a
+//!    FLUSH is reached every earlier command of the rank has completed;
+//! 4. publish the completions (push them, ring the scheduler doorbell) after every copy, so that
+//!    a copy's completion never waits behind the next copy, and at the end of the batch.
+//!
+//! Every command gets exactly one completion, which echoes its id and generation: OK, the
+//! refusal's error and detail (`InvalidCommand::to_wire`), or `CopyFailed` with the engine's
+//! detail. The scheduler keeps at most `completion_ring_slots` commands in a rank's rings, so the
+//! completion ring has room; if it has none anyway, the worker waits for room (heartbeating and
+//! watching the scheduler), never dropping a completion.
+//!
+//! The loop stops with an error when the command ring is out of step with its producer (a header
+//! whose pair slots are not in the ring is answered `Malformed` first) or its indices are corrupt:
+//! the scheduler will find the rank departed and reclaim it. A claim lost in the middle of a copy
+//! ends the process on the spot ([`abandon_rank`]): the engines cannot be cancelled, and the
+//! rank's blocks may already serve other copies.
+//!
+//! # Test hook
+//!
+//! [`ServeOptions::layer_delay`] (from the `KVSHM_WORKER_LAYER_DELAY_US` environment variable, see
+//! `kvshm worker --help`) sleeps after every layer of every copy, so that a test can kill a worker
+//! reliably in the middle of a copy. The worker keeps heartbeating while it sleeps.
+
+use std::time::{Duration, Instant};
+
+use kvshm_ipc::counters::Counter;
+use kvshm_ipc::doorbell::{Doorbell, WaitPolicy};
+use kvshm_ipc::progress::LayerProgress;
+use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, CommandSlot, Completion};
+use kvshm_ipc::ring::{Consumer, Producer};
+use kvshm_ipc::segment::{Mapped, RankClaim, Segment};
+use kvshm_ipc::worker_slot::ClaimLost;
+
+use super::command_reader::{CommandReader, ReadError};
+use super::engine::CopyEngine;
+use super::plan::CopyPlan;
+use super::validate::{validate, ValidCommand};
+
+/// How often a busy worker checks that the segment's creator still runs (an idle one checks every
+/// [`IDLE_SLICE`]).
+pub const LIVENESS_CHECK_INTERVAL: Duration = Duration::from_millis(10);
+/// The longest sleep of an idle worker between heartbeats and liveness checks.
+pub const IDLE_SLICE: Duration = Duration::from_millis(10);
+/// Doorbell checks before an idle worker sleeps.
+const IDLE_SPIN: u32 = 2000;
+/// The most command slots popped at once.
+pub const DEFAULT_MAX_BATCH: usize = 64;
+/// The exit status of a process that lost its rank in the middle of a copy.
+pub const EXIT_CLAIM_LOST: i32 = 3;
+
+/// How the loop behaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServeOptions {
+    /// The most command slots popped per batch.
+    pub max_batch: usize,
+    /// Test hook: sleep this long after each layer of each copy (module documentation).
+    pub layer_delay: Option<Duration>,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions { max_batch: DEFAULT_MAX_BATCH, layer_delay: None }
+    }
+}
+
+/// Why the loop ended cleanly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServeExit {
+    /// The segment's creator (the scheduler) is gone.
+    SchedulerGone { pid: u32 },
+    /// SIGTERM or SIGINT (or the caller's stop condition) asked the worker to stop.
+    StopRequested,
+}
+
+/// Why the loop had to stop.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("the scheduler reclaimed the rank: {0}")]
+    ClaimLost(#[from] ClaimLost),
+    #[error(transparent)]
+    CommandRing(#[from] ReadError),
+}
+
+/// How one step of the loop can end it.
+enum Halt {
+    Exit(ServeExit),
+    Error(ServeError),
+}
+
+impl From<ServeError> for Halt {
+    fn from(error: ServeError) -> Self {
+        Halt::Error(error)
+    }
+}
+
+impl From<ClaimLost> for Halt {
+    fn from(lost: ClaimLost) -> Self {
+        Halt::Error(lost.into())
+    }
+}
+
+impl From<ReadError> for Halt {
+    fn from(error: ReadError) -> Self {
+        Halt::Error(error.into())
+    }
+}
+
+/// The serving loop of one claimed rank (module documentation).
+pub struct Server<'a> {
+    segment: &'a Segment,
+    claim: &'a RankClaim,
+    engine: &'a mut dyn CopyEngine,
+    stop_requested: &'a dyn Fn() -> bool,
+    options: ServeOptions,
+    commands: Mapped<Consumer<CommandSlot>>,
+    completions: Mapped<Producer<Completion>>,
+    command_doorbell: &'a Doorbell,
+    progress: LayerProgress<'a>,
+    reader: CommandReader,
+    pairs: Vec<BlockPair>,
+    pending: Vec<Completion>,
+    last_liveness_check: Instant,
+}
+
+/// Why a server cannot be set up over a rank.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot reach the rings of rank {rank}: {reason}")]
+pub struct ServerSetupError {
+    rank: u32,
+    reason: kvshm_ipc::segment::SegmentError,
+}
+
+impl<'a> Server<'a> {
+    /// Takes the worker ends of `claim`'s rank: the command consumer and the completion producer.
+    /// `stop_requested` is polled between batches and while idle.
+    pub fn new(
+        segment: &'a Segment,
+        claim: &'a RankClaim,
+        engine: &'a mut dyn CopyEngine,
+        stop_requested: &'a dyn Fn() -> bool,
+        options: ServeOptions,
+    ) -> Result<Server<'a>, ServerSetupError> {
+        let rank = claim.rank();
+        let setup = |reason| ServerSetupError { rank, reason };
+        Ok(Server {
+            commands: segment.command_consumer(rank).map_err(setup)?,
+            completions: segment.completion_producer(rank).map_err(setup)?,
+            command_doorbell: segment.command_doorbell(rank).map_err(setup)?,
+            progress: segment.layer_progress(rank).map_err(setup)?,
+            segment,
+            claim,
+            engine,
+            stop_requested,
+            options,
+            reader: CommandReader::new(options.max_batch),
+            pairs: Vec::new(),
+            pending: Vec::new(),
+            last_liveness_check: Instant::now(),
+        })
+    }
+
+    /// Serves commands until a stop is requested, the scheduler is gone, or the rank is lost or
+    /// its command ring broken (module documentation).
+    pub fn serve(&mut self) -> Result<ServeExit, ServeError> {
+        loop {
+            let turn = self.check_exit().and_then(|()| {
+                if self.reader.fill(&mut self.commands)? {
+                    self.serve_batch()
+                } else {
+                    self.idle();
+                    Ok(())
+                }
+            });
+            match turn {
+                Ok(()) => {}
+                Err(Halt::Exit(exit)) => return Ok(exit),
+                Err(Halt::Error(error)) => return Err(error),
+            }
+        }
+    }
+
+    /// Step 1 of the loop.
+    fn check_exit(&mut self) -> Result<(), Halt> {
+        self.claim.heartbeat()?;
+        if (self.stop_requested)() {
+            return Err(Halt::Exit(ServeExit::StopRequested));
+        }
+        if self.last_liveness_check.elapsed() >= LIVENESS_CHECK_INTERVAL {
+            self.last_liveness_check = Instant::now();
+            if !self.segment.creator_alive() {
+                return Err(Halt::Exit(ServeExit::SchedulerGone {
+                    pid: self.segment.creator().pid,
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits on the command doorbell for at most one slice.
+    fn idle(&mut self) {
+        let doorbell = self.command_doorbell;
+        let commands = &mut self.commands;
+        // A corrupt ring reads as "ready": the next pop reports it.
+        doorbell.wait_until(
+            || commands.len().map_or(true, |len| len > 0),
+            WaitPolicy::new(IDLE_SPIN, IDLE_SLICE).within(IDLE_SLICE),
+        );
+    }
+
+    /// Step 3 and 4 of the loop for the slots just popped.
+    fn serve_batch(&mut self) -> Result<(), Halt> {
+        loop {
+            let header = match self.reader.next_command(&mut self.commands, &mut self.pairs) {
+                Ok(Some(header)) => header,
+                Ok(None) => break,
+                Err(error) => {
+                    if let ReadError::MissingPairSlots { header, .. } = error {
+                        self.pending.push(Completion::failed(
+                            header.command_id,
+                            header.generation,
+                            CommandError::Malformed,
+                            header.pair_count.into(),
+                        ));
+                    }
+                    self.publish_completions()?;
+                    return Err(error.into());
+                }
+            };
+            self.claim.heartbeat()?;
+            let (completion, copied) = self.execute(&header);
+            self.pending.push(completion);
+            if copied {
+                self.publish_completions()?;
+            }
+        }
+        self.publish_completions()
+    }
+
+    /// Validates and executes one command; returns its completion and whether it was a copy.
+    fn execute(&mut self, header: &CommandHeader) -> (Completion, bool) {
+        let (id, generation) = (header.command_id, header.generation);
+        let current = self.segment.generation();
+        match validate(header, &self.pairs, self.engine.geometry(), current) {
+            Err(refusal) => {
+                tracing::debug!(command = id, %refusal, "refusing a command");
+                let (error, detail) = refusal.to_wire();
+                (Completion::failed(id, generation, error, detail), false)
+            }
+            Ok(ValidCommand::Flush | ValidCommand::Ping) => (Completion::ok(id, generation), false),
+            Ok(ValidCommand::Copy { plan, layerwise }) => {
+                (self.copy(id, generation, &plan, layerwise), true)
+            }
+        }
+    }
+
+    fn copy(&mut self, id: u64, generation: u64, plan: &CopyPlan, layerwise: bool) -> Completion {
+        let (claim, progress, delay) = (self.claim, self.progress, self.options.layer_delay);
+        if layerwise {
+            progress.begin(id);
+        }
+        let started = Instant::now();
+        let result = self.engine.execute(plan, &mut |layers_done| {
+            if layerwise {
+                progress.publish(id, layers_done);
+            }
+            if let Some(delay) = delay {
+                sleep_heartbeating(delay, claim);
+            }
+            if let Err(lost) = claim.heartbeat() {
+                abandon_rank(lost);
+            }
+        });
+        let counters = self.segment.counters();
+        counters.add(Counter::WorkerCopyNs, started.elapsed().as_nanos() as u64);
+        match result {
+            Ok(()) => {
+                let bytes = plan.blocks().saturating_mul(self.engine.geometry().block_bytes());
+                counters.add(Counter::WorkerCopyBytes, bytes);
+                Completion::ok(id, generation)
+            }
+            Err(failure) => {
+                tracing::warn!(command = id, %failure, "copy failed");
+                Completion::failed(id, generation, CommandError::CopyFailed, failure.detail())
+            }
+        }
+    }
+
+    /// Step 4 of the loop: pushes every pending completion (waiting for room if the scheduler let
+    /// the ring fill up) and rings the scheduler doorbell.
+    fn publish_completions(&mut self) -> Result<(), Halt> {
+        let mut pushed = 0;
+        let mut warned = false;
+        while pushed < self.pending.len() {
+            let room = self.completions.free_slots().min(self.pending.len() - pushed);
+            if room > 0 {
+                self.completions
+                    .push_all(&self.pending[pushed..pushed + room])
+                    .expect("pushing no more records than free_slots() is a programming error");
+                pushed += room;
+                self.segment.scheduler_doorbell().ring();
+                continue;
+            }
+            if !warned {
+                tracing::warn!(
+                    waiting = self.pending.len() - pushed,
+                    "completion ring full: the scheduler has more commands in flight than the \
+                     ring holds; waiting for room"
+                );
+                warned = true;
+            }
+            std::thread::sleep(FULL_RING_POLL);
+            self.claim.heartbeat()?;
+            if !self.segment.creator_alive() {
+                return Err(Halt::Exit(ServeExit::SchedulerGone {
+                    pid: self.segment.creator().pid,
+                }));
+            }
+            if (self.stop_requested)() {
+                return Err(Halt::Exit(ServeExit::StopRequested));
+            }
+        }
+        self.pending.clear();
+        Ok(())
+    }
+}
+
+/// How often a worker facing a full completion ring looks for room.
+const FULL_RING_POLL: Duration = Duration::from_micros(500);
+
+/// Sleeps `delay` in slices short enough that the heartbeat never goes stale.
+fn sleep_heartbeating(delay: Duration, claim: &RankClaim) {
+    let deadline = Instant::now() + delay;
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return;
+        }
+        std::thread::sleep((deadline - now).min(IDLE_SLICE));
+        if let Err(lost) = claim.heartbeat() {
+            abandon_rank(lost);
+        }
+    }
+}
+
+/// Ends the process at once with [`EXIT_CLAIM_LOST`]: the scheduler reclaimed the rank while a
+/// copy was running. No engine can be cancelled mid-plan, and the blocks of the copy may already
+/// belong to other copies, so the copy must not go on; nothing else of the process is worth saving.
+fn abandon_rank(lost: ClaimLost) -> ! {
+    tracing::error!(%lost, "rank reclaimed in the middle of a copy; exiting at once");
+    eprintln!("kvshm worker: the scheduler reclaimed this rank in the middle of a copy ({lost})");
+    std::process::exit(EXIT_CLAIM_LOST);
+}
