@@ -23,7 +23,7 @@ use kvshm_ipc::record::{
 use kvshm_ipc::ring::{Consumer, Producer};
 use kvshm_ipc::segment::{Mapped, Segment};
 use kvshm_ipc::sync::{AtomicU32, Ordering};
-use kvshm_ipc::worker_slot::RankStatus;
+use kvshm_ipc::worker_slot::{ClaimError, RankStatus};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -568,6 +568,11 @@ fn a_command_whose_pair_slots_never_arrive_is_malformed_and_stops_the_worker() {
     let (status, stderr) = worker.wait_exit(PATIENCE);
     assert!(!status.success());
     assert!(stderr.contains("out of step"), "unclear error: {stderr}");
+    // The rank stays blocked until the scheduler resets its out-of-step rings.
+    assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Dead { pid: worker.pid() });
+    assert!(matches!(segment.claim_rank(0), Err(ClaimError::NotReclaimed { .. })));
+    segment.reclaim_rank(0).unwrap();
+    assert!(segment.claim_rank(0).is_ok());
 }
 
 #[test]

@@ -17,7 +17,9 @@
 //!    host tier registered for DMA (a helper thread heartbeats while the driver sets up);
 //! 4. serve ([`Server::serve`]) until stopped, until the scheduler is gone, or until the rank is
 //!    lost;
-//! 5. drop the engine, then the claim (a clean exit leaves the rank EMPTY and claimable again).
+//! 5. drop the engine, then the claim (a clean exit leaves the rank EMPTY and claimable again;
+//!    after a broken command ring the claim is left to die with the process, so that the
+//!    scheduler resets the rings before another worker can claim the rank).
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
@@ -155,12 +157,23 @@ fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
     let stop = stop_requested;
     let mut server = Server::new(&segment, &claim, engine.engine.as_mut(), &stop, options.serve)
         .map_err(StartError::from)?;
-    let ending = server.serve()?;
-    // Step 5: the server, then the engine (its copies drained), then the claim drop, in this order.
+    let ending = server.serve();
+    // Step 5: the server, then the engine (its copies drained), then the claim go, in this order.
     drop(server);
     drop(engine);
-    drop(claim);
-    Ok(ending)
+    match ending {
+        Err(error @ ServeError::CommandRing(_)) => {
+            // Keep the slot ATTACHED to this soon-dead process instead of releasing it: the
+            // scheduler then judges the rank dead and resets its rings before any worker can
+            // claim it, whereas a release would hand the out-of-step rings to the next worker.
+            std::mem::forget(claim);
+            Err(error.into())
+        }
+        ending => {
+            drop(claim);
+            Ok(ending?)
+        }
+    }
 }
 
 static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);

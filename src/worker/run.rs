@@ -9,7 +9,9 @@
 //!
 //! 1. heartbeat the claim (a lost claim ends the loop: the scheduler reclaimed the rank); if a stop
 //!    was requested (SIGTERM, SIGINT) or, checked every [`LIVENESS_CHECK_INTERVAL`], the segment's
-//!    creator is gone, end cleanly;
+//!    creator is gone, end cleanly. These are checked between batches only, so every command
+//!    popped from the ring has been answered when the loop ends and a successor worker can take
+//!    over the rings where this one left them;
 //! 2. pop a batch of command slots ([`CommandReader`]); if there is none, sleep on the rank's
 //!    command doorbell for one [`IDLE_SLICE`] (after a short spin) and start over;
 //! 3. for each command of the batch, in order: heartbeat, validate it against the segment's
