@@ -646,3 +646,25 @@ fn a_cuda_worker_gives_up_when_the_engine_never_publishes_its_device_handles() {
         "the failed worker kept its rank"
     );
 }
+
+#[test]
+fn a_worker_facing_a_full_completion_ring_waits_for_room_and_drops_nothing() {
+    let name = unique_name("full");
+    let config = SegmentConfig { completion_ring_slots: 4, ..config() };
+    let segment = Segment::create(&name, &config).unwrap();
+    let mut rank = Rank::new(&segment, 0);
+    let worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    // Twice as many commands as the completion ring holds: a scheduler breaking its credits.
+    let pings: Vec<_> = (0..8).map(|_| rank.ping()).collect();
+    rank.send(&pings);
+    let deadline = Instant::now() + PATIENCE;
+    while rank.completions.len().unwrap() < 4 {
+        assert!(Instant::now() < deadline, "the first completions never arrived");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Stay away longer than the heartbeat timeout: the waiting worker must keep its rank.
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Alive { pid: worker.pid() });
+    let expected: Vec<Completion> = pings.iter().map(|(header, _)| ok(header)).collect();
+    assert_eq!(rank.completions(8), expected);
+}
