@@ -69,6 +69,49 @@ impl WritePolicy {
     }
 }
 
+impl std::fmt::Display for WritePolicy {
+    /// `write_back`, `write_through` or `write_through_selective:T`, as [`FromStr`] reads them.
+    ///
+    /// [`FromStr`]: std::str::FromStr
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WritePolicy::WriteThroughSelective { threshold } => {
+                write!(f, "{}:{threshold}", self.name())
+            }
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
+/// A write policy written as anything but `write_back`, `write_through` or
+/// `write_through_selective:T` with T >= 1.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("unknown write policy {text:?}: expected write_back, write_through or write_through_selective:T (T >= 1)")]
+pub struct ParseWritePolicyError {
+    pub text: String,
+}
+
+impl std::str::FromStr for WritePolicy {
+    type Err = ParseWritePolicyError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let error = || ParseWritePolicyError { text: text.to_owned() };
+        match text {
+            "write_back" => Ok(WritePolicy::WriteBack),
+            "write_through" => Ok(WritePolicy::WriteThrough),
+            _ => {
+                let threshold = text.strip_prefix("write_through_selective:").ok_or_else(error)?;
+                match threshold.parse::<u32>() {
+                    Ok(threshold) if threshold > 0 => {
+                        Ok(WritePolicy::WriteThroughSelective { threshold })
+                    }
+                    _ => Err(error()),
+                }
+            }
+        }
+    }
+}
+
 /// Where the device tier lives and which copy engine workers use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Backend {

@@ -1,102 +1,7 @@
 //! The cache manager's configuration and its write policies (SPEC section 6).
 
-use std::fmt;
-use std::str::FromStr;
-
-use serde::Serialize;
-
-/// What happens to a block's host copy (host tier enabled).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-#[serde(rename_all = "snake_case", tag = "policy")]
-pub enum WritePolicy {
-    /// A device eviction of a node without a host copy writes it to host.
-    WriteBack,
-    /// Every committed block is backed up to host on the next poll; evicting a backed-up node
-    /// from device is metadata only.
-    WriteThrough,
-    /// A node is backed up once its hit count reaches `threshold`; evicting a node that reached
-    /// it without a backup writes it to host, any other node is dropped.
-    WriteThroughSelective { threshold: u32 },
-}
-
-impl WritePolicy {
-    const WIRE_WRITE_BACK: u32 = 1;
-    const WIRE_WRITE_THROUGH: u32 = 2;
-    const WIRE_WRITE_THROUGH_SELECTIVE: u32 = 3;
-
-    /// The policy as the segment header records it: `(code, threshold)`, threshold 0 unless
-    /// selective.
-    pub fn to_wire(self) -> (u32, u32) {
-        match self {
-            WritePolicy::WriteBack => (Self::WIRE_WRITE_BACK, 0),
-            WritePolicy::WriteThrough => (Self::WIRE_WRITE_THROUGH, 0),
-            WritePolicy::WriteThroughSelective { threshold } => {
-                (Self::WIRE_WRITE_THROUGH_SELECTIVE, threshold)
-            }
-        }
-    }
-
-    /// Decodes a policy read from shared memory.
-    pub fn from_wire(code: u32, threshold: u32) -> Result<WritePolicy, UnknownWritePolicy> {
-        match code {
-            Self::WIRE_WRITE_BACK => Ok(WritePolicy::WriteBack),
-            Self::WIRE_WRITE_THROUGH => Ok(WritePolicy::WriteThrough),
-            Self::WIRE_WRITE_THROUGH_SELECTIVE if threshold > 0 => {
-                Ok(WritePolicy::WriteThroughSelective { threshold })
-            }
-            _ => Err(UnknownWritePolicy { code, threshold }),
-        }
-    }
-}
-
-impl fmt::Display for WritePolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            WritePolicy::WriteBack => f.write_str("write_back"),
-            WritePolicy::WriteThrough => f.write_str("write_through"),
-            WritePolicy::WriteThroughSelective { threshold } => {
-                write!(f, "write_through_selective:{threshold}")
-            }
-        }
-    }
-}
-
-/// A write-policy code (and threshold) that this version does not know.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown write policy code {code} (threshold {threshold})")]
-pub struct UnknownWritePolicy {
-    pub code: u32,
-    pub threshold: u32,
-}
-
-/// A write policy written as anything but `write_back`, `write_through` or
-/// `write_through_selective:T` with T ≥ 1.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown write policy {text:?}: expected write_back, write_through or write_through_selective:T (T >= 1)")]
-pub struct ParseWritePolicyError {
-    pub text: String,
-}
-
-impl FromStr for WritePolicy {
-    type Err = ParseWritePolicyError;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let error = || ParseWritePolicyError { text: text.to_owned() };
-        match text {
-            "write_back" => Ok(WritePolicy::WriteBack),
-            "write_through" => Ok(WritePolicy::WriteThrough),
-            _ => {
-                let threshold = text.strip_prefix("write_through_selective:").ok_or_else(error)?;
-                match threshold.parse::<u32>() {
-                    Ok(threshold) if threshold > 0 => {
-                        Ok(WritePolicy::WriteThroughSelective { threshold })
-                    }
-                    _ => Err(error()),
-                }
-            }
-        }
-    }
-}
+pub use kvshm_ipc::config::{ParseWritePolicyError, WritePolicy};
+use serde::{Serialize, Serializer};
 
 /// The sizes and policies of one cache.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -107,6 +12,8 @@ pub struct CacheConfig {
     pub device_blocks: u32,
     /// Blocks of the host tier; 0 disables it.
     pub host_blocks: u32,
+    /// Serialised by name (`write_through_selective:2`), as the command line writes it.
+    #[serde(serialize_with = "serialize_by_name")]
     pub write_policy: WritePolicy,
     /// `poll()` evicts ahead of demand to keep this many device blocks free (or on their way to
     /// free); 0 evicts only on demand.
@@ -162,6 +69,13 @@ impl CacheConfig {
     }
 }
 
+fn serialize_by_name<S: Serializer>(
+    policy: &WritePolicy,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(policy)
+}
+
 /// Block ids are u32 with one value kept as a marker.
 const MAX_BLOCKS: u32 = u32::MAX;
 
@@ -192,6 +106,9 @@ mod tests {
             assert_eq!(policy.to_string().parse::<WritePolicy>(), Ok(policy));
             let (code, threshold) = policy.to_wire();
             assert_eq!(WritePolicy::from_wire(code, threshold), Ok(policy));
+            let config = CacheConfig::new(16, 4).with_write_policy(policy);
+            let json = serde_json::to_value(&config).unwrap();
+            assert_eq!(json["write_policy"], policy.to_string());
         }
     }
 
@@ -200,7 +117,8 @@ mod tests {
         for text in ["", "write_through_selective:0", "write_through_selective:x", "lru"] {
             assert!(text.parse::<WritePolicy>().is_err(), "{text}");
         }
-        assert!(WritePolicy::from_wire(3, 0).is_err());
+        let (selective, _) = WritePolicy::WriteThroughSelective { threshold: 1 }.to_wire();
+        assert!(WritePolicy::from_wire(selective, 0).is_err());
         assert!(WritePolicy::from_wire(9, 1).is_err());
     }
 

@@ -39,9 +39,7 @@ use std::collections::HashMap;
 
 pub use allocate::Allocation;
 pub use commit::Committed;
-pub use config::{
-    CacheConfig, ConfigError, ParseWritePolicyError, UnknownWritePolicy, WritePolicy,
-};
+pub use config::{CacheConfig, ConfigError, ParseWritePolicyError, WritePolicy};
 pub use errors::{
     AllocateError, CommitError, CompleteError, FinishError, InvariantViolation, MatchError,
     ResetError, ResizeError, TicketError,
