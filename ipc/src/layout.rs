@@ -45,6 +45,9 @@ pub const LAYOUT_VERSION: u32 = 1;
 /// The value of `ready` once the creator finished initialising (not 1, so that stray bytes are
 /// unlikely to look ready).
 pub const READY: u32 = 0x5245_4459; // "READY" in spirit: 'R' 'E' 'D' 'Y'
+/// Value of the ready word once the creator has shut the segment down cleanly: attachers refuse it
+/// as not ready, and attached workers read it as "the scheduler is gone".
+pub const CLOSED: u32 = 0x434C_4F53; // 'C' 'L' 'O' 'S'
 
 const CACHE_LINE: usize = 64;
 const PAGE: usize = 4096;

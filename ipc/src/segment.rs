@@ -31,7 +31,7 @@ use crate::device_handles::{
 };
 use crate::doorbell::Doorbell;
 use crate::layout::{
-    Header, HeaderFields, RecordSizes, SegmentLayout, LAYOUT_VERSION, MAGIC, READY,
+    Header, HeaderFields, RecordSizes, SegmentLayout, CLOSED, LAYOUT_VERSION, MAGIC, READY,
 };
 use crate::listing::{self, ExistingSegment};
 use crate::liveness::{monotonic_ns, ProcessIdentity};
@@ -307,9 +307,17 @@ impl Segment {
         self.fields.creator
     }
 
-    /// Whether the creator still runs; a worker that sees `false` exits.
+    /// Whether the creator still runs and has not closed the segment; a worker that sees `false`
+    /// exits.
     pub fn creator_alive(&self) -> bool {
-        self.fields.creator.is_alive()
+        !self.is_closed() && self.fields.creator.is_alive()
+    }
+
+    /// Whether the creator shut the segment down (its handle dropped), even if its process lives on.
+    pub fn is_closed(&self) -> bool {
+        // SYNC: pairs with the Release store of CLOSED in Drop: nothing is read after it, the flag
+        // alone is the message.
+        self.header().ready.load(Ordering::Acquire) == CLOSED
     }
 
     /// The current generation; commands of other generations are refused by workers.
@@ -617,6 +625,16 @@ impl Drop for Segment {
     fn drop(&mut self) {
         if !self.unlink_on_drop {
             return;
+        }
+        if self.memory.is_intact() {
+            // SYNC: pairs with the Acquire load in is_closed(): attached workers see the
+            // scheduler go without waiting to find its process dead.
+            self.header().ready.store(CLOSED, Ordering::Release);
+            for rank in 0..self.fields.config.tp_size {
+                if let Ok(doorbell) = self.command_doorbell(rank) {
+                    doorbell.ring();
+                }
+            }
         }
         for object in self.created.iter().rev() {
             // Only unlink what is still ours: someone may have cleaned up and recreated the name.

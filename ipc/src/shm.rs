@@ -57,6 +57,8 @@ pub enum ShmError {
 #[derive(Debug)]
 pub struct SharedMemory {
     map: MmapRaw,
+    /// Kept open so that [`is_intact`](SharedMemory::is_intact) can ask the object's size.
+    fd: OwnedFd,
     object: String,
 }
 
@@ -86,7 +88,7 @@ impl SharedMemory {
             // Best effort: the object is ours (O_EXCL), and the caller gets the original error.
             let _ = shm_unlink(object);
         }
-        result.map(|map| SharedMemory { map, object: object.to_owned() })
+        result.map(|map| SharedMemory { map, fd, object: object.to_owned() })
     }
 
     /// Opens and maps an existing `object` read-write, after checking that our effective uid owns it.
@@ -107,7 +109,7 @@ impl SharedMemory {
             .len(len)
             .map_raw(&fd)
             .map_err(|error| os_error("mmap", object, io_errno(&error)))?;
-        Ok(SharedMemory { map, object: object.to_owned() })
+        Ok(SharedMemory { map, fd, object: object.to_owned() })
     }
 
     /// Start of the mapping. Valid for [`len`](Self::len) bytes while `self` lives; other
@@ -123,6 +125,14 @@ impl SharedMemory {
     /// Never true: an empty object can be neither created nor opened.
     pub fn is_empty(&self) -> bool {
         self.map.len() == 0
+    }
+
+    /// Whether the object still holds every mapped byte. Another process of the same user can
+    /// shrink it, and touching a mapped page past the end of the object raises SIGBUS; code that
+    /// writes where it need not (a courtesy on shutdown) asks first. (A shrink between the
+    /// question and the write still faults: nothing can rule that out with a shared mapping.)
+    pub fn is_intact(&self) -> bool {
+        fstat(&self.fd).is_ok_and(|stat| stat.st_size >= self.map.len() as libc::off_t)
     }
 
     /// The object name this maps (with the leading slash).
