@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::hash::BlockHash;
+
 /// One request of a trace.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 pub struct TraceRequest {
@@ -21,6 +23,14 @@ pub struct TraceRequest {
     pub input_length: usize,
     pub output_length: usize,
     pub hash_ids: Vec<u64>,
+}
+
+impl TraceRequest {
+    /// The request's block hashes: a trace id names a whole prefix already (equal ids at equal
+    /// positions mean equal prefixes), so it is used as the block's hash as it is.
+    pub fn block_hashes(&self) -> impl ExactSizeIterator<Item = BlockHash> + '_ {
+        self.hash_ids.iter().map(|&id| BlockHash(u128::from(id)))
+    }
 }
 
 /// A trace that cannot be read.

@@ -18,7 +18,6 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::hash::BlockHash;
 use crate::manager::{AllocateError, CacheConfig, CacheManager, RequestId, WritePolicy};
 use crate::trace::{read_trace, TraceRequest};
 
@@ -131,7 +130,7 @@ pub fn replay(requests: &[TraceRequest], config: CacheConfig) -> anyhow::Result<
     for (index, request) in requests.iter().enumerate() {
         let id = RequestId(index as u64);
         hashes.clear();
-        hashes.extend(request.hash_ids.iter().map(|&hash_id| BlockHash(u128::from(hash_id))));
+        hashes.extend(request.block_hashes());
         let start = Instant::now();
         cache.poll();
         complete_all(&mut cache, &mut transfers)?;
