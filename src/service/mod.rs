@@ -1,1 +1,613 @@
-//! (being written)
+//! The running service: the cache manager wired to the segment and the worker processes.
+//!
+//! [`Service`] lives inside the engine's scheduler process, on one thread. It owns the segment
+//! (created by name), the [`CacheManager`], one [`RankChannel`] per tensor-parallel rank and the
+//! [`CommandTracker`] that joins per-rank completions into per-transfer outcomes.
+//!
+//! One swap-in, start to end:
+//!
+//! 1. the engine calls [`Service::allocate`]; the manager claims blocks and queues a host-to-device
+//!    transfer, returning a ticket;
+//! 2. [`Service::wait`] (or any [`Service::poll`]) takes the transfer, encodes one command per rank
+//!    (several if its pair list is longer than a ring can hold), queues them on every rank and
+//!    pumps them into the command rings as credits allow, ringing each worker's doorbell;
+//! 3. every worker copies its rank's bytes and pushes a completion, ringing the scheduler doorbell;
+//! 4. `poll` reaps completions; when the last command of the transfer has completed on every rank,
+//!    the tracker hands the outcome to the manager, which applies the transition (or rolls it back
+//!    on any failure) and settles the ticket;
+//! 5. `wait` returns once the ticket is ready, or with the failure.
+//!
+//! `poll` also watches the workers (a dead one fails its commands, and its rank is reclaimed so
+//! that a new worker can attach), carries out kvctl's requests (reset, tree snapshot) and publishes
+//! the live counters kvctl reads.
+
+mod control;
+mod inflight;
+mod memory;
+mod rank;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvshm_ipc::arena::{ArenaError, ArenaKind};
+use kvshm_ipc::config::{Backend, SegmentConfig};
+use kvshm_ipc::counters::Counter;
+use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::record::{
+    command_slot_count, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
+};
+use kvshm_ipc::segment::{CreateError, Segment, SegmentError};
+use kvshm_ipc::worker_slot::RankStatus;
+use tracing::{info, warn};
+
+use crate::hash::BlockHash;
+use crate::manager::{
+    AllocateError, CacheConfig, CacheManager, CommitError, Committed,
+    ConfigError as CacheConfigError, FinishError, MatchError, PrefixMatch, RequestId, ResetError,
+    TicketError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId, TransferKind,
+};
+use crate::worker::{Geometry, GeometryError, GeometryParams};
+
+pub use inflight::{CommandTracker, CompletionMismatch, RankFailure};
+pub use memory::{BlockAccessError, RankMemory};
+pub use rank::{RankChannel, RankState};
+
+/// How often `poll` checks that the workers are alive (SPEC: a death is noticed within 100 ms).
+const LIVENESS_INTERVAL: Duration = Duration::from_millis(5);
+/// How long `wait` sleeps on the doorbell before it polls again (and so checks liveness).
+const WAIT_SLICE: Duration = Duration::from_millis(5);
+/// Doorbell checks before `wait` goes to sleep: a copy of a few blocks often lands within them.
+const WAIT_SPIN: u32 = 2_000;
+/// Completions reaped per ring per batch.
+const REAP_BATCH: usize = 256;
+
+/// The shape of every rank's blocks and the service's rings.
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    pub cache: CacheConfig,
+    pub tp_size: u32,
+    pub layers: u32,
+    /// Regions per block per rank (a multiple of `layers`).
+    pub regions: u32,
+    pub region_bytes: u64,
+    pub backend: Backend,
+    pub command_ring_slots: u32,
+    pub completion_ring_slots: u32,
+    /// Ask workers for per-layer progress of swap-ins.
+    pub layerwise: bool,
+}
+
+impl ServiceConfig {
+    /// A host-backend service with rings sized for typical batches.
+    pub fn new(
+        cache: CacheConfig,
+        tp_size: u32,
+        layers: u32,
+        regions: u32,
+        region_bytes: u64,
+    ) -> Self {
+        ServiceConfig {
+            cache,
+            tp_size,
+            layers,
+            regions,
+            region_bytes,
+            backend: Backend::HostArena,
+            command_ring_slots: 4096,
+            completion_ring_slots: 256,
+            layerwise: true,
+        }
+    }
+
+    /// The segment header's configuration.
+    pub fn segment_config(&self) -> SegmentConfig {
+        let (write_policy, write_threshold) = self.cache.write_policy.to_wire();
+        SegmentConfig {
+            block_tokens: self.cache.block_tokens,
+            tp_size: self.tp_size,
+            device_blocks: self.cache.device_blocks,
+            host_blocks: self.cache.host_blocks,
+            regions: self.regions,
+            layers: self.layers,
+            region_bytes: self.region_bytes,
+            write_policy,
+            write_threshold,
+            command_ring_slots: self.command_ring_slots,
+            completion_ring_slots: self.completion_ring_slots,
+            backend: self.backend.to_wire(),
+            ..SegmentConfig::default()
+        }
+    }
+
+    fn geometry(&self) -> Result<Geometry, GeometryError> {
+        Geometry::new(GeometryParams {
+            layers: self.layers,
+            regions: self.regions,
+            region_bytes: self.region_bytes,
+            device_blocks: self.cache.device_blocks,
+            host_blocks: self.cache.host_blocks,
+        })
+    }
+}
+
+/// Why a service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error("cache configuration: {0}")]
+    Cache(#[from] CacheConfigError),
+    #[error("block geometry: {0}")]
+    Geometry(#[from] GeometryError),
+    #[error("creating the segment: {0}")]
+    Create(#[from] CreateError),
+    #[error("segment: {0}")]
+    Segment(#[from] SegmentError),
+    #[error("opening an arena: {0}")]
+    Arena(#[from] ArenaError),
+    #[error("arena layout: {0}")]
+    Memory(#[from] BlockAccessError),
+    #[error("rank {rank} has no worker after {waited:?}")]
+    WorkerMissing { rank: u32, waited: Duration },
+}
+
+/// Why waiting on a ticket ended without the blocks being ready.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    #[error(transparent)]
+    Ticket(#[from] TicketError),
+    #[error("a copy the ticket waited on failed: {0}")]
+    TransferFailed(TransferFailure),
+    #[error("ticket {ticket:?} is not ready after {waited:?}")]
+    TimedOut { ticket: TicketId, waited: Duration },
+}
+
+/// What the service remembers of a transfer in flight.
+#[derive(Clone, Copy, Debug)]
+struct TransferMeta {
+    kind: TransferKind,
+    pairs: usize,
+}
+
+/// Figures the service keeps besides the manager's statistics.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct ServiceStats {
+    pub commands_issued: u64,
+    pub commands_completed: u64,
+    /// Bytes copied by all ranks together for transfers that succeeded.
+    pub bytes_copied: u64,
+    pub copy_failures: u64,
+    pub worker_deaths: u64,
+    pub resets: u64,
+    /// Completions that matched no command in flight (a misbehaving worker).
+    pub stray_completions: u64,
+}
+
+/// The cache manager driving worker processes through a shared-memory segment.
+pub struct Service {
+    segment: Segment,
+    manager: CacheManager,
+    ranks: Vec<RankChannel>,
+    tracker: CommandTracker,
+    transfers: HashMap<u64, TransferMeta>,
+    memory: Vec<RankMemory>,
+    geometry: Geometry,
+    layerwise: bool,
+    max_pairs_per_command: usize,
+    liveness_checked_at: Option<Instant>,
+    stats: ServiceStats,
+    transfer_scratch: Vec<Transfer>,
+    completion_scratch: Vec<kvshm_ipc::record::Completion>,
+}
+
+impl Service {
+    /// Creates segment `name` (replacing a stale one) with its arenas, and the cache manager.
+    ///
+    /// Workers attach afterwards (`kvshm worker --name NAME --rank R`); see
+    /// [`wait_for_workers`](Self::wait_for_workers).
+    pub fn create(name: &SegmentName, config: ServiceConfig) -> Result<Service, ServiceError> {
+        let geometry = config.geometry()?;
+        let manager = CacheManager::new(config.cache.clone())?;
+        let segment = Segment::create(name, &config.segment_config())?;
+        let ranks = (0..config.tp_size)
+            .map(|rank| RankChannel::open(&segment, rank))
+            .collect::<Result<Vec<_>, _>>()?;
+        let memory = if config.backend == Backend::HostArena {
+            (0..config.tp_size)
+                .map(|rank| {
+                    let device = segment.open_arena(ArenaKind::Device, rank)?;
+                    let host = if config.cache.host_blocks > 0 {
+                        Some(segment.open_arena(ArenaKind::Host, rank)?)
+                    } else {
+                        None
+                    };
+                    Ok(RankMemory::new(&geometry, device, host)?)
+                })
+                .collect::<Result<Vec<_>, ServiceError>>()?
+        } else {
+            Vec::new()
+        };
+        // A command must fit in half a ring, so that one long command never waits for a ring
+        // that can only hold it when empty behind another long one.
+        let pair_slots = (config.command_ring_slots as usize / 2).saturating_sub(1).max(1);
+        let max_pairs_per_command = pair_slots * PAIRS_PER_SLOT;
+        debug_assert!(
+            command_slot_count(max_pairs_per_command) <= config.command_ring_slots as usize
+        );
+        let service = Service {
+            tracker: CommandTracker::new(config.tp_size as usize),
+            segment,
+            manager,
+            ranks,
+            transfers: HashMap::new(),
+            memory,
+            geometry,
+            layerwise: config.layerwise,
+            max_pairs_per_command,
+            liveness_checked_at: None,
+            stats: ServiceStats::default(),
+            transfer_scratch: Vec::new(),
+            completion_scratch: Vec::new(),
+        };
+        service.publish_counters();
+        Ok(service)
+    }
+
+    pub fn segment(&self) -> &Segment {
+        &self.segment
+    }
+
+    /// The cache manager, read-only: lookup, stats, tree, invariants.
+    pub fn cache(&self) -> &CacheManager {
+        &self.manager
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    pub fn stats(&self) -> ServiceStats {
+        self.stats
+    }
+
+    /// The engine's view of `rank`'s block bytes (host backend only).
+    pub fn memory(&self, rank: u32) -> Option<&RankMemory> {
+        self.memory.get(rank as usize)
+    }
+
+    pub fn rank_states(&self) -> Vec<RankState> {
+        self.ranks.iter().map(RankChannel::state).collect()
+    }
+
+    /// Polls until every rank has a live worker, or fails after `timeout`.
+    pub fn wait_for_workers(&mut self, timeout: Duration) -> Result<(), ServiceError> {
+        let started = Instant::now();
+        loop {
+            self.liveness_checked_at = None;
+            self.poll();
+            match self.ranks.iter().find(|rank| !rank.is_up()) {
+                None => return Ok(()),
+                Some(rank) if started.elapsed() >= timeout => {
+                    return Err(ServiceError::WorkerMissing {
+                        rank: rank.rank(),
+                        waited: started.elapsed(),
+                    })
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    }
+
+    /// SPEC 5.2: matches the request's leading blocks and holds them.
+    pub fn match_prefix(
+        &mut self,
+        request: RequestId,
+        hashes: &[BlockHash],
+        prompt_tokens: usize,
+    ) -> Result<PrefixMatch, MatchError> {
+        self.manager.match_prefix(request, hashes, prompt_tokens)
+    }
+
+    /// SPEC 5.3: blocks for the host hits and the new tokens; returns the block table and the
+    /// ticket to wait on before touching them.
+    pub fn allocate(
+        &mut self,
+        request: RequestId,
+        new_tokens: usize,
+        lookahead_tokens: usize,
+    ) -> Result<(Vec<u32>, TicketId), AllocateError> {
+        let allocation = self.manager.allocate(request, new_tokens, lookahead_tokens)?;
+        let table = allocation.block_table.to_vec();
+        let ticket = allocation.ticket;
+        self.issue_transfers();
+        Ok((table, ticket))
+    }
+
+    /// SPEC 5.4: caches the full blocks among the request's first `computed_tokens` tokens.
+    pub fn commit(
+        &mut self,
+        request: RequestId,
+        computed_tokens: usize,
+        hashes: &[BlockHash],
+    ) -> Result<Committed, CommitError> {
+        self.manager.commit(request, computed_tokens, hashes)
+    }
+
+    /// SPEC 5.5: releases the request's holds and private blocks.
+    pub fn finish(&mut self, request: RequestId) -> Result<(), FinishError> {
+        self.manager.finish(request)
+    }
+
+    /// SPEC 5.5: as `finish`, for a request that will not complete.
+    pub fn abort(&mut self, request: RequestId) -> Result<(), FinishError> {
+        self.manager.abort(request)
+    }
+
+    /// SPEC 5.6: drops every cached block and bumps the generation (in the manager and in the
+    /// segment, so that workers refuse commands of the old one). Copies of the old generation
+    /// still in flight keep their blocks reserved in the manager until their completions arrive.
+    pub fn reset(&mut self, force: bool) -> Result<(), ResetError> {
+        self.manager.reset(force)?;
+        let generation = self.segment.bump_generation();
+        self.stats.resets += 1;
+        info!(generation, force, "cache reset");
+        self.publish_counters();
+        Ok(())
+    }
+
+    /// Reaps completions, watches the workers, issues pending copies, serves kvctl and publishes
+    /// the counters. Call it often (`wait` does).
+    pub fn poll(&mut self) {
+        self.check_workers();
+        self.reap_completions();
+        self.manager.poll();
+        self.issue_transfers();
+        self.serve_control_requests();
+        self.publish_counters();
+    }
+
+    /// Whether `ticket`'s blocks are ready, without waiting.
+    pub fn ticket_status(&self, ticket: TicketId) -> Result<TicketStatus, TicketError> {
+        self.manager.ticket_status(ticket)
+    }
+
+    /// Waits until `ticket` is ready: polls, spins briefly on the scheduler doorbell, then sleeps
+    /// on it in short slices so that worker deaths are still noticed.
+    pub fn wait(&mut self, ticket: TicketId, timeout: Duration) -> Result<(), WaitError> {
+        let started = Instant::now();
+        let deadline = started + timeout;
+        loop {
+            self.poll();
+            match self.manager.ticket_status(ticket)? {
+                TicketStatus::Ready => return Ok(()),
+                TicketStatus::Failed(failure) => return Err(WaitError::TransferFailed(failure)),
+                TicketStatus::Pending => {}
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(WaitError::TimedOut { ticket, waited: now - started });
+            }
+            self.sleep_until_completion(deadline.min(now + WAIT_SLICE));
+        }
+    }
+
+    /// Bandwidth of the workers while copying, from their own counters: bytes over the time they
+    /// spent in copies, summed over ranks (so the figure is per worker, not for the whole group).
+    pub fn worker_copy_gb_per_s(&self) -> f64 {
+        let counters = self.segment.counters();
+        let nanos = counters.get(Counter::WorkerCopyNs);
+        if nanos == 0 {
+            return 0.0;
+        }
+        counters.get(Counter::WorkerCopyBytes) as f64 / nanos as f64
+    }
+
+    /// Polls until no copy is in flight (or `timeout` passes); returns whether none is.
+    ///
+    /// An allocation can fail only because the blocks it would evict are still being copied (a
+    /// backup, a swap-out); an engine waits for them and retries.
+    pub fn wait_for_copies(&mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.poll();
+            if self.manager.transfers_in_flight() == 0 {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            self.sleep_until_completion(deadline.min(now + WAIT_SLICE));
+        }
+    }
+
+    /// Layers of `transfer` that have landed on every rank (all of them once it completed).
+    pub fn transfer_layers_ready(&self, transfer: TransferId) -> u32 {
+        let layers = self.geometry.layers();
+        self.tracker
+            .outstanding_commands(transfer.0)
+            .map(|(rank, command)| {
+                self.segment
+                    .layer_progress(rank as u32)
+                    .ok()
+                    .and_then(|progress| progress.layers_done(command))
+                    .unwrap_or(0)
+                    .min(layers)
+            })
+            .min()
+            .unwrap_or(layers)
+    }
+
+    /// Spins, then sleeps on the scheduler doorbell until a completion is waiting or `until`.
+    fn sleep_until_completion(&mut self, until: Instant) {
+        let Service { segment, ranks, .. } = self;
+        segment.scheduler_doorbell().wait_until(
+            || ranks.iter_mut().any(|rank| rank.is_up() && rank.has_completions()),
+            WaitPolicy::new(WAIT_SPIN, WAIT_SLICE).until(until),
+        );
+    }
+
+    fn issue_transfers(&mut self) {
+        let mut transfers = std::mem::take(&mut self.transfer_scratch);
+        self.manager.take_transfers_into(&mut transfers);
+        for transfer in transfers.drain(..) {
+            self.issue(transfer);
+        }
+        self.transfer_scratch = transfers;
+        for rank in &mut self.ranks {
+            if rank.pump() > 0 {
+                self.segment
+                    .command_doorbell(rank.rank())
+                    .expect("a rank of the segment has a doorbell")
+                    .ring();
+            }
+        }
+    }
+
+    fn issue(&mut self, transfer: Transfer) {
+        if let Some(down) = self.ranks.iter().find(|rank| !rank.is_up()) {
+            let failure =
+                TransferFailure { rank: down.rank(), error: CommandError::WorkerDied, detail: 0 };
+            self.stats.copy_failures += 1;
+            self.settle(transfer.id, Err(failure));
+            return;
+        }
+        if transfer.pairs.is_empty() {
+            self.settle(transfer.id, Ok(()));
+            return;
+        }
+        let (op, flags) = match transfer.kind {
+            TransferKind::DeviceToHost => (Op::CopyDeviceToHost, 0),
+            TransferKind::HostToDevice if self.layerwise => (Op::CopyHostToDevice, FLAG_LAYERWISE),
+            TransferKind::HostToDevice => (Op::CopyHostToDevice, 0),
+        };
+        let generation = self.segment.generation();
+        for chunk in transfer.pairs.chunks(self.max_pairs_per_command) {
+            let header =
+                CommandHeader::new(op, 0, generation, chunk.len() as u32).with_flags(flags);
+            for rank in &mut self.ranks {
+                let command_id = rank.queue(header, chunk);
+                self.tracker.begin(transfer.id.0, rank.rank() as usize, command_id);
+                self.stats.commands_issued += 1;
+            }
+        }
+        self.transfers.insert(
+            transfer.id.0,
+            TransferMeta { kind: transfer.kind, pairs: transfer.pairs.len() },
+        );
+    }
+
+    fn reap_completions(&mut self) {
+        let mut completions = std::mem::take(&mut self.completion_scratch);
+        for index in 0..self.ranks.len() {
+            if !self.ranks[index].is_up() {
+                continue;
+            }
+            loop {
+                completions.clear();
+                match self.ranks[index].reap(&mut completions, REAP_BATCH) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(error) => {
+                        warn!(rank = index, %error, "completion ring is corrupt; dropping the rank");
+                        self.lose_worker(index, None);
+                        break;
+                    }
+                }
+                self.stats.commands_completed += completions.len() as u64;
+                for completion in &completions {
+                    match self.tracker.complete(index, completion) {
+                        Ok(Some((transfer, outcome))) => {
+                            let outcome = outcome.map_err(failure_of);
+                            self.settle(TransferId(transfer), outcome);
+                        }
+                        Ok(None) => {}
+                        Err(mismatch) => {
+                            self.stats.stray_completions += 1;
+                            warn!(%mismatch, "ignoring a completion");
+                        }
+                    }
+                }
+            }
+        }
+        self.completion_scratch = completions;
+    }
+
+    /// Hands a transfer's outcome to the manager.
+    fn settle(&mut self, transfer: TransferId, outcome: Result<(), TransferFailure>) {
+        let meta = self.transfers.remove(&transfer.0);
+        match (&outcome, meta) {
+            (Ok(()), Some(meta)) => {
+                let bytes =
+                    meta.pairs as u64 * self.geometry.block_bytes() * self.ranks.len() as u64;
+                self.stats.bytes_copied += bytes;
+                let _ = meta.kind;
+            }
+            (Err(failure), _) => {
+                self.stats.copy_failures += 1;
+                warn!(transfer = transfer.0, %failure, "copy failed; rolling back");
+            }
+            (Ok(()), None) => {}
+        }
+        if let Err(error) = self.manager.complete_transfer(transfer, outcome) {
+            warn!(transfer = transfer.0, %error, "the cache manager refused a completion");
+        }
+    }
+
+    fn check_workers(&mut self) {
+        let now = Instant::now();
+        if self.liveness_checked_at.is_some_and(|at| now - at < LIVENESS_INTERVAL) {
+            return;
+        }
+        self.liveness_checked_at = Some(now);
+        for index in 0..self.ranks.len() {
+            let rank = index as u32;
+            let status = self.segment.rank_status(rank).expect("a rank of the segment has a slot");
+            match (status, self.ranks[index].state()) {
+                (RankStatus::Alive { pid }, RankState::Down) => {
+                    info!(rank, pid, "worker attached");
+                    self.ranks[index].set_up(pid);
+                }
+                (RankStatus::Alive { pid }, RankState::Up { pid: known }) if pid != known => {
+                    info!(rank, pid, "a new worker holds the rank");
+                    self.ranks[index].set_up(pid);
+                }
+                (RankStatus::Dead { pid }, _) => self.lose_worker(index, Some(pid)),
+                (RankStatus::Empty, RankState::Up { pid }) => {
+                    info!(rank, pid, "worker detached");
+                    self.lose_worker(index, None);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The worker of rank `index` died or left: fail what it had in flight, reclaim the rank so a
+    /// new worker can attach, and start the rank over as down.
+    fn lose_worker(&mut self, index: usize, pid: Option<u32>) {
+        let rank = index as u32;
+        let outcomes = self.tracker.fail_rank(index);
+        if pid.is_some() || !outcomes.is_empty() {
+            self.stats.worker_deaths += 1;
+            warn!(rank, ?pid, failed_transfers = outcomes.len(), "worker lost; failing its copies");
+        }
+        for (transfer, outcome) in outcomes {
+            self.settle(TransferId(transfer), outcome.map_err(failure_of));
+        }
+        if let Err(error) = self.segment.reclaim_rank(rank) {
+            warn!(rank, %error, "could not reclaim the rank yet");
+            return;
+        }
+        self.ranks[index]
+            .reset_after_reclaim(&self.segment)
+            .expect("a rank of the segment has rings");
+    }
+}
+
+fn failure_of(failure: RankFailure) -> TransferFailure {
+    TransferFailure {
+        rank: failure.rank as u32,
+        // A code this build does not know is still a failed copy.
+        error: failure.error.unwrap_or(CommandError::CopyFailed),
+        detail: failure.detail,
+    }
+}

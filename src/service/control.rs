@@ -1,0 +1,81 @@
+//! What the service tells kvctl, and what kvctl asks of it, through the segment.
+//!
+//! kvctl never touches the cache itself. It reads the live counters that [`Service::poll`]
+//! publishes here, and it leaves requests in the segment's control area that `poll` carries out
+//! on the scheduler thread:
+//!
+//! 1. a reset request (with or without force) runs [`Service::reset`] and answers with its status;
+//! 2. a tree-snapshot request serialises the manager's tree down to the asked depth as JSON into
+//!    the snapshot area.
+
+use kvshm_ipc::control::ResetStatus;
+use kvshm_ipc::counters::Counter;
+use kvshm_ipc::liveness::monotonic_ns;
+use tracing::warn;
+
+use super::Service;
+use crate::manager::ResetError;
+
+impl Service {
+    /// Carries out the kvctl requests waiting in the control area.
+    pub(super) fn serve_control_requests(&mut self) {
+        if let Some(request) = self.segment.control().pending_reset() {
+            let status = match self.reset(request.force) {
+                Ok(()) => ResetStatus::Done,
+                Err(error @ ResetError::RequestsHoldBlocks { .. }) => {
+                    warn!(%error, "kvctl reset refused");
+                    ResetStatus::RefusedBusy
+                }
+            };
+            self.segment.control().complete_reset(request, status);
+        }
+        if let Some(request) = self.segment.control().pending_snapshot() {
+            let snapshot = self.manager.tree_snapshot(request.depth);
+            let json = serde_json::to_vec(&snapshot).expect("a tree snapshot always serialises");
+            if let Err(error) = self.segment.control().publish_snapshot(request, &json) {
+                warn!(%error, "tree snapshot does not fit the segment; kvctl is told its size");
+            }
+        }
+    }
+
+    /// Stores the manager's and the service's figures in the segment's live counters.
+    pub(super) fn publish_counters(&self) {
+        let counters = self.segment.counters();
+        let cache = self.manager.stats();
+        let service = &self.stats;
+        let in_flight: usize = self.ranks.iter().map(|rank| rank.in_rings()).sum();
+        let values = [
+            (Counter::DeviceBlocksTotal, u64::from(cache.device_blocks)),
+            (Counter::DeviceBlocksFree, cache.device_free as u64),
+            (Counter::HostBlocksTotal, u64::from(cache.host_blocks)),
+            (Counter::HostBlocksFree, cache.host_free as u64),
+            (Counter::CachedNodes, cache.cached_blocks as u64),
+            (Counter::DeviceHitBlocks, cache.hits.device_blocks),
+            (Counter::HostHitBlocks, cache.hits.host_blocks),
+            (
+                Counter::MissBlocks,
+                cache.queried_blocks - cache.hits.device_blocks - cache.hits.host_blocks,
+            ),
+            (Counter::HitTokens, cache.hits.device_tokens + cache.hits.host_tokens),
+            (Counter::Lookups, cache.matches),
+            (Counter::RequestsLive, cache.live_requests as u64),
+            (Counter::Evictions, cache.evictions.device_total() + cache.evictions.host_dropped),
+            (Counter::SwapsIn, cache.swap_in_blocks),
+            (Counter::SwapsOut, cache.swap_out_blocks),
+            (Counter::Backups, cache.backup_blocks),
+            (Counter::CopyFailures, service.copy_failures),
+            (Counter::CommandsIssued, service.commands_issued),
+            (Counter::CommandsCompleted, service.commands_completed),
+            (Counter::CommandsInFlight, in_flight as u64),
+            (Counter::BytesCopied, service.bytes_copied),
+            (Counter::Generation, self.segment.generation()),
+            (Counter::Resets, service.resets),
+            (Counter::WorkerDeaths, service.worker_deaths),
+            (Counter::DroppedNodes, cache.evictions.device_dropped + cache.evictions.host_dropped),
+            (Counter::LastPollNs, monotonic_ns()),
+        ];
+        for (counter, value) in values {
+            counters.set(counter, value);
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! The scheduler's end of one rank: its ring ends, command ids, backlog and credits.
+//!
+//! A command leaves the scheduler in two steps:
+//!
+//! 1. [`RankChannel::queue`] encodes it and appends it to the backlog (it now has an id and is
+//!    outstanding in the service's command tracker);
+//! 2. [`RankChannel::pump`] moves commands from the backlog into the command ring, as many as fit
+//!    in one batch, publishing them with one Release, and rings the worker's doorbell.
+//!
+//! A command enters the ring only with a credit: the rank's completion ring holds
+//! `completion_slots` records, and the channel never has more commands in the rings than that, so
+//! a worker never finds its completion ring full (the overflow is impossible by construction, not
+//! detected). A completion gives its credit back.
+
+use std::collections::VecDeque;
+
+use kvshm_ipc::record::{encode_command, CommandHeader, CommandSlot, Completion};
+use kvshm_ipc::ring::{Consumer, Producer, RingError};
+use kvshm_ipc::segment::{Mapped, Segment, SegmentError};
+
+/// Whether the rank has a worker that executes its commands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RankState {
+    /// No worker has attached yet, or the last one died and the rank was reclaimed.
+    Down,
+    /// A live worker holds the rank.
+    Up { pid: u32 },
+}
+
+struct QueuedCommand {
+    slots: Vec<CommandSlot>,
+}
+
+/// One rank as the scheduler sees it.
+pub struct RankChannel {
+    rank: u32,
+    commands: Mapped<Producer<CommandSlot>>,
+    completions: Mapped<Consumer<Completion>>,
+    next_command_id: u64,
+    backlog: VecDeque<QueuedCommand>,
+    credits: usize,
+    completion_slots: usize,
+    state: RankState,
+    batch: Vec<CommandSlot>,
+}
+
+impl RankChannel {
+    /// Takes the scheduler's ring ends of `rank`.
+    pub fn open(segment: &Segment, rank: u32) -> Result<RankChannel, SegmentError> {
+        let completion_slots = segment.config().completion_ring_slots as usize;
+        Ok(RankChannel {
+            rank,
+            commands: segment.command_producer(rank)?,
+            completions: segment.completion_consumer(rank)?,
+            next_command_id: 1,
+            backlog: VecDeque::new(),
+            credits: completion_slots,
+            completion_slots,
+            state: RankState::Down,
+            batch: Vec::new(),
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    pub fn state(&self) -> RankState {
+        self.state
+    }
+
+    pub fn is_up(&self) -> bool {
+        matches!(self.state, RankState::Up { .. })
+    }
+
+    pub fn set_up(&mut self, pid: u32) {
+        self.state = RankState::Up { pid };
+    }
+
+    /// Commands in the rings (issued and not yet completed).
+    pub fn in_rings(&self) -> usize {
+        self.completion_slots - self.credits
+    }
+
+    /// Commands queued behind the ring, waiting for space or credits.
+    pub fn backlog_len(&self) -> usize {
+        self.backlog.len()
+    }
+
+    /// Encodes a command for this rank, queues it and returns its id.
+    pub fn queue(&mut self, header: CommandHeader, pairs: &[kvshm_ipc::record::BlockPair]) -> u64 {
+        let command_id = self.next_command_id;
+        self.next_command_id += 1;
+        let mut header = header;
+        header.command_id = command_id;
+        let mut slots = Vec::new();
+        encode_command(&header, pairs, &mut slots);
+        self.backlog.push_back(QueuedCommand { slots });
+        command_id
+    }
+
+    /// Moves as many queued commands as credits and ring space allow into the command ring, in
+    /// one batch; returns how many it published.
+    pub fn pump(&mut self) -> usize {
+        if !self.is_up() {
+            return 0;
+        }
+        let free_slots = self.commands.free_slots();
+        self.batch.clear();
+        let mut published = 0;
+        while let Some(front) = self.backlog.front() {
+            if self.credits == 0 || self.batch.len() + front.slots.len() > free_slots {
+                break;
+            }
+            let command = self.backlog.pop_front().expect("front exists");
+            self.batch.extend_from_slice(&command.slots);
+            self.credits -= 1;
+            published += 1;
+        }
+        if published > 0 {
+            self.commands
+                .push_all(&self.batch)
+                .expect("free_slots() said the batch fits, and only this side pushes");
+        }
+        published
+    }
+
+    /// Moves up to `max` completions into `out`; each returns a credit.
+    pub fn reap(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, RingError> {
+        let taken = self.completions.pop_into(out, max)?;
+        // A worker that wrote more completions than commands it was given is broken; never let
+        // credits exceed the ring.
+        self.credits = (self.credits + taken).min(self.completion_slots);
+        Ok(taken)
+    }
+
+    /// Whether completions are waiting (a corrupt ring counts as "yes" so that the caller reaps
+    /// and sees the error).
+    pub fn has_completions(&mut self) -> bool {
+        !matches!(self.completions.is_empty(), Ok(true))
+    }
+
+    /// After the rank's worker died and the segment reclaimed the rank: drop the backlog, restore
+    /// every credit and take fresh ring ends (the old ones cache indices that no longer hold).
+    pub fn reset_after_reclaim(&mut self, segment: &Segment) -> Result<(), SegmentError> {
+        self.commands = segment.command_producer(self.rank)?;
+        self.completions = segment.completion_consumer(self.rank)?;
+        self.backlog.clear();
+        self.credits = self.completion_slots;
+        self.state = RankState::Down;
+        Ok(())
+    }
+}
