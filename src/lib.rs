@@ -14,6 +14,7 @@
 //! - [`trace`]: reading Mooncake-format request traces.
 //! - [`cli`]: the `kvshm` subcommands.
 pub mod cli;
+pub mod demo;
 pub mod hash;
 pub mod manager;
 pub mod pool;

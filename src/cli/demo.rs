@@ -1,8 +1,216 @@
-//! (being written)
+//! `kvshm demo`: a service, its TP worker processes and a conversation replayed with real data.
+//!
+//! 1. create the service (segment, arenas, cache manager) for a small model shape;
+//! 2. spawn one `kvshm worker` process per rank and wait until each has attached;
+//! 3. replay the requests through [`DemoEngine`], which writes and verifies block bytes;
+//! 4. print the report (text, or one JSON object with `--json`);
+//! 5. with `--hold SECONDS`, keep serving (kvctl can be tried against it), then shut down: the
+//!    segment is removed and the workers, seeing their scheduler gone, exit.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use kvshm_ipc::name::SegmentName;
+
+use crate::demo::{workload, DemoEngine, DemoReport};
+use crate::manager::{CacheConfig, WritePolicy};
+use crate::service::{Service, ServiceConfig};
+use crate::trace::{read_trace, TraceRequest};
 
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Tensor-parallel size: worker processes, one per rank.
+    #[arg(long, default_value_t = 2)]
+    tp: u32,
+    /// Mooncake-format trace to replay; defaults to shared/traces/ beside the checkout, else a
+    /// built-in synthetic conversation workload.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Replay at most this many requests of the trace.
+    #[arg(long, default_value_t = 4000)]
+    limit: usize,
+    /// Tokens per block (the Mooncake trace uses 512).
+    #[arg(long, default_value_t = 512)]
+    block_tokens: u32,
+    /// Device blocks per rank.
+    #[arg(long, default_value_t = 1024)]
+    device_blocks: u32,
+    /// Host-tier blocks per rank (0: no host tier).
+    #[arg(long, default_value_t = 4096)]
+    host_blocks: u32,
+    /// write_back, write_through or write_through_selective:T.
+    #[arg(long, default_value = "write_back")]
+    write_policy: WritePolicy,
+    /// Model layers (a block holds K and V of each: 2 regions per layer).
+    #[arg(long, default_value_t = 4)]
+    layers: u32,
+    /// Bytes of one region (one layer's K or V of one block on one rank).
+    #[arg(long, default_value_t = 4096)]
+    region_bytes: u64,
+    /// Segment name; defaults to demo-PID.
+    #[arg(long)]
+    name: Option<String>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Keep the service running this many seconds after the replay (try kvctl against it).
+    #[arg(long, default_value_t = 0)]
+    hold: u64,
+}
 
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("this subcommand is being written")
+/// The worker processes; killed if the demo leaves early.
+struct Workers(Vec<Child>);
+
+impl Workers {
+    fn spawn(name: &str, tp: u32) -> anyhow::Result<Workers> {
+        let exe = std::env::current_exe().context("locating the kvshm executable")?;
+        let mut workers = Workers(Vec::new());
+        for rank in 0..tp {
+            let child = Command::new(&exe)
+                .args(["worker", "--name", name, "--rank", &rank.to_string()])
+                .stdin(Stdio::null())
+                .spawn()
+                .with_context(|| format!("spawning the worker of rank {rank}"))?;
+            workers.0.push(child);
+        }
+        Ok(workers)
+    }
+
+    /// Waits for the workers to exit on their own (they do once the segment's creator is gone).
+    fn join(mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        for child in &mut self.0 {
+            loop {
+                if child.try_wait()?.is_some() {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    bail!("worker pid {} did not exit after the service stopped", child.id());
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        self.0.clear();
+        Ok(())
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn load_requests(args: &Args) -> anyhow::Result<(Vec<TraceRequest>, String)> {
+    let trace = args.trace.clone().or_else(workload::default_trace);
+    let (mut requests, source) = match trace {
+        Some(path) => {
+            let requests = read_trace(&path, Some(args.limit))
+                .with_context(|| format!("reading {}", path.display()))?;
+            (requests, path.display().to_string())
+        }
+        None => (
+            workload::synthetic_conversations(64, 24, 4, 3, args.block_tokens),
+            "synthetic conversations (no trace found)".to_string(),
+        ),
+    };
+    requests.truncate(args.limit);
+    Ok((requests, source))
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let name = args.name.clone().unwrap_or_else(|| format!("demo-{}", std::process::id()));
+    let name = SegmentName::new(&name).context("segment name")?;
+    let (requests, source) = load_requests(&args)?;
+
+    let cache = CacheConfig::new(args.block_tokens, args.device_blocks)
+        .with_host_blocks(args.host_blocks)
+        .with_write_policy(args.write_policy);
+    let config =
+        ServiceConfig::new(cache, args.tp, args.layers, args.layers * 2, args.region_bytes);
+    let mut service = Service::create(&name, config).context("creating the service")?;
+    let workers = Workers::spawn(name.as_str(), args.tp)?;
+    service.wait_for_workers(Duration::from_secs(10)).context("waiting for the workers")?;
+
+    let started = Instant::now();
+    let mut engine = DemoEngine::new(&mut service);
+    for request in &requests {
+        engine.run(request)?;
+    }
+    let report = engine.report(started.elapsed());
+    service.cache().check_invariants().context("cache invariants after the replay")?;
+
+    if args.json {
+        let mut value = serde_json::to_value(&report)?;
+        value["tp"] = args.tp.into();
+        value["trace"] = source.into();
+        value["write_policy"] = args.write_policy.to_string().into();
+        println!("{value}");
+    } else {
+        print_report(&args, &name, &source, &report);
+    }
+
+    if args.hold > 0 {
+        eprintln!(
+            "holding segment {} for {} s: try `kvctl stat {}` or `kvctl tree {} --depth 2`",
+            name.as_str(),
+            args.hold,
+            name.as_str(),
+            name.as_str()
+        );
+        let until = Instant::now() + Duration::from_secs(args.hold);
+        while Instant::now() < until {
+            service.poll();
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    drop(service);
+    workers.join(Duration::from_secs(5))?;
+    if report.corrupted_blocks > 0 {
+        bail!("{} blocks held the wrong bytes", report.corrupted_blocks);
+    }
+    Ok(())
+}
+
+fn print_report(args: &Args, name: &SegmentName, source: &str, report: &DemoReport) {
+    let percent = |rate: f64| rate * 100.0;
+    println!("kvshm demo: segment {}, tp {}, {}", name.as_str(), args.tp, args.write_policy);
+    println!("  workload        {source}");
+    println!(
+        "  requests        {} ({} skipped as too large, {} failed)",
+        report.requests, report.skipped_requests, report.failed_requests
+    );
+    println!(
+        "  hit rate        {:.1}% of {} blocks: device {:.1}%, host {:.1}%",
+        percent(report.hit_rate_blocks),
+        report.blocks,
+        percent(report.device_hit_rate_blocks),
+        percent(report.host_hit_rate_blocks)
+    );
+    println!(
+        "  swaps           {} blocks in, {} out, {} backups, {} evictions",
+        report.swap_in_blocks, report.swap_out_blocks, report.backup_blocks, report.evictions
+    );
+    println!(
+        "  copies          {:.2} GB moved, {:.2} GB/s per worker while copying",
+        report.bytes_copied as f64 / 1e9,
+        report.copy_gb_per_s
+    );
+    println!(
+        "  ticket wait     p50 {:.1} us, p99 {:.1} us (swap-ins: p50 {:.1} us, p99 {:.1} us)",
+        report.ticket_wait_us.p50,
+        report.ticket_wait_us.p99,
+        report.swap_in_wait_us.p50,
+        report.swap_in_wait_us.p99
+    );
+    println!(
+        "  verified        {} hit blocks on every rank and region: {} corrupted",
+        report.verified_blocks, report.corrupted_blocks
+    );
+    println!("  elapsed         {:.2} s", report.elapsed_s);
 }

@@ -1,0 +1,248 @@
+//! `kvshm demo`: an engine stand-in that drives a [`Service`] with real bytes.
+//!
+//! The demo plays the engine of a tensor-parallel model on the host backend. For each request of
+//! a conversation trace it:
+//!
+//! 1. matches the request's block hashes ([`Service::match_prefix`]);
+//! 2. allocates blocks for the rest of the prompt and the output, and waits on the ticket (host
+//!    hits arrive by copy from the host tier, through the worker processes);
+//! 3. checks the bytes of every hit block, on every rank and region, against
+//!    [`pattern::verify`]: a hit must hold exactly what was written when the block was computed,
+//!    whichever tiers it has travelled through since;
+//! 4. "computes" the new prompt blocks by writing [`pattern::fill`] bytes into them;
+//! 5. commits the prompt's hashes and finishes the request.
+//!
+//! [`DemoReport`] gathers hit rates per tier, swaps, copy bandwidth, ticket waits and the number
+//! of corrupted blocks (which must be 0).
+
+pub mod pattern;
+pub mod workload;
+
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::hash::BlockHash;
+use crate::manager::RequestId;
+use crate::service::{Service, WaitError};
+use crate::trace::TraceRequest;
+use pattern::RegionIdentity;
+
+/// How long one ticket may take before the demo calls it a failure.
+const TICKET_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Percentiles of a set of durations, in microseconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// Percentiles of `samples` (sorted in place); zeros when there are none.
+    pub fn of_micros(samples: &mut [Duration]) -> Percentiles {
+        if samples.is_empty() {
+            return Percentiles::default();
+        }
+        samples.sort_unstable();
+        let at = |q: f64| {
+            let index = ((samples.len() - 1) as f64 * q).round() as usize;
+            samples[index].as_secs_f64() * 1e6
+        };
+        Percentiles { p50: at(0.50), p99: at(0.99) }
+    }
+}
+
+/// What one demo run measured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DemoReport {
+    pub requests: u64,
+    /// Requests the cache could not hold at all (more blocks than the device tier).
+    pub skipped_requests: u64,
+    /// Requests whose ticket failed (a copy failed) and that were aborted.
+    pub failed_requests: u64,
+    pub blocks: u64,
+    pub hit_blocks: u64,
+    pub device_hit_blocks: u64,
+    pub host_hit_blocks: u64,
+    pub hit_rate_blocks: f64,
+    pub device_hit_rate_blocks: f64,
+    pub host_hit_rate_blocks: f64,
+    /// Blocks whose bytes were checked (hits, on every rank and region).
+    pub verified_blocks: u64,
+    pub corrupted_blocks: u64,
+    pub swap_in_blocks: u64,
+    pub swap_out_blocks: u64,
+    pub backup_blocks: u64,
+    pub evictions: u64,
+    pub bytes_copied: u64,
+    /// Bytes copied by the workers per second of their copying (from the workers' own counters).
+    pub copy_gb_per_s: f64,
+    pub ticket_wait_us: Percentiles,
+    /// Ticket waits of requests that had host hits (and so waited on a swap-in).
+    pub swap_in_wait_us: Percentiles,
+    pub elapsed_s: f64,
+}
+
+/// The engine stand-in.
+pub struct DemoEngine<'a> {
+    service: &'a mut Service,
+    report: DemoReport,
+    waits: Vec<Duration>,
+    swap_in_waits: Vec<Duration>,
+    region: Vec<u8>,
+    next_request: u64,
+}
+
+/// Why the demo stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("request {request}: {source}")]
+    Cache { request: u64, source: Box<dyn std::error::Error + Send + Sync> },
+    #[error("request {request}: block access: {source}")]
+    Memory { request: u64, source: crate::service::BlockAccessError },
+    #[error("the service has no block memory for rank {0} (the demo needs the host backend)")]
+    NoMemory(u32),
+}
+
+impl<'a> DemoEngine<'a> {
+    pub fn new(service: &'a mut Service) -> DemoEngine<'a> {
+        let region = vec![0; service.geometry().region_bytes() as usize];
+        DemoEngine {
+            service,
+            report: DemoReport::default(),
+            waits: Vec::new(),
+            swap_in_waits: Vec::new(),
+            region,
+            next_request: 1,
+        }
+    }
+
+    /// Runs one trace request through the cache with data verification.
+    pub fn run(&mut self, request: &TraceRequest) -> Result<(), DemoError> {
+        let id = self.next_request;
+        self.next_request += 1;
+        let cache_error = |source: Box<dyn std::error::Error + Send + Sync>| DemoError::Cache {
+            request: id,
+            source,
+        };
+        let hashes: Vec<BlockHash> = request.block_hashes().collect();
+        let block_tokens = self.service.cache().config().block_tokens as usize;
+        self.report.requests += 1;
+        self.report.blocks += hashes.len() as u64;
+
+        let matched = self
+            .service
+            .match_prefix(RequestId(id), &hashes, request.input_length)
+            .map_err(|error| cache_error(error.into()))?;
+        let (device_hits, host_hits) = (matched.device_blocks, matched.host_blocks);
+        let hits = device_hits + host_hits;
+        let new_tokens = request.input_length - matched.cached_tokens + request.output_length;
+        let mut allocated = self.service.allocate(RequestId(id), new_tokens, 0);
+        if allocated.is_err() && self.service.wait_for_copies(TICKET_TIMEOUT) {
+            // The blocks it would evict were being copied (backups, swap-outs); they have landed.
+            allocated = self.service.allocate(RequestId(id), new_tokens, 0);
+        }
+        let (table, ticket) = match allocated {
+            Ok(allocated) => allocated,
+            Err(_) => {
+                // Larger than what the device tier can free: an engine would reject or chunk it.
+                // Release the holds and move on.
+                self.service.abort(RequestId(id)).map_err(|error| cache_error(error.into()))?;
+                self.report.skipped_requests += 1;
+                return Ok(());
+            }
+        };
+        let waited = Instant::now();
+        match self.service.wait(ticket, TICKET_TIMEOUT) {
+            Ok(()) => {}
+            Err(WaitError::TransferFailed(_)) => {
+                self.service.abort(RequestId(id)).map_err(|error| cache_error(error.into()))?;
+                self.report.failed_requests += 1;
+                return Ok(());
+            }
+            Err(error) => return Err(cache_error(error.into())),
+        }
+        let waited = waited.elapsed();
+        self.waits.push(waited);
+        if host_hits > 0 {
+            self.swap_in_waits.push(waited);
+        }
+        self.report.device_hit_blocks += device_hits as u64;
+        self.report.host_hit_blocks += host_hits as u64;
+        self.report.hit_blocks += hits as u64;
+
+        for (index, &block) in table.iter().enumerate().take(hits) {
+            self.check_block(id, hashes[index], block)?;
+        }
+        for (index, &block) in table.iter().enumerate().take(hashes.len()).skip(hits) {
+            self.write_block(id, hashes[index], block)?;
+        }
+        let computed_tokens = hashes.len() * block_tokens;
+        self.service
+            .commit(RequestId(id), computed_tokens, &hashes)
+            .map_err(|error| cache_error(error.into()))?;
+        self.service.finish(RequestId(id)).map_err(|error| cache_error(error.into()))?;
+        self.service.poll();
+        Ok(())
+    }
+
+    fn ranks(&self) -> u32 {
+        self.service.rank_states().len() as u32
+    }
+
+    fn check_block(&mut self, request: u64, hash: BlockHash, block: u32) -> Result<(), DemoError> {
+        let mut intact = true;
+        for rank in 0..self.ranks() {
+            let memory = self.service.memory(rank).ok_or(DemoError::NoMemory(rank))?;
+            for region in 0..self.service.geometry().regions() {
+                memory
+                    .read_device_region(block, region, &mut self.region)
+                    .map_err(|source| DemoError::Memory { request, source })?;
+                let identity = RegionIdentity { block_hash: hash.0, region, rank };
+                intact &= pattern::verify(identity, &self.region).is_ok();
+            }
+        }
+        self.report.verified_blocks += 1;
+        if !intact {
+            self.report.corrupted_blocks += 1;
+        }
+        Ok(())
+    }
+
+    fn write_block(&mut self, request: u64, hash: BlockHash, block: u32) -> Result<(), DemoError> {
+        for rank in 0..self.ranks() {
+            let memory = self.service.memory(rank).ok_or(DemoError::NoMemory(rank))?;
+            for region in 0..self.service.geometry().regions() {
+                let identity = RegionIdentity { block_hash: hash.0, region, rank };
+                pattern::fill(identity, &mut self.region);
+                memory
+                    .write_device_region(block, region, &self.region)
+                    .map_err(|source| DemoError::Memory { request, source })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The figures so far; `elapsed` is the wall time of the run.
+    pub fn report(&mut self, elapsed: Duration) -> DemoReport {
+        let mut report = self.report.clone();
+        let stats = self.service.cache().stats();
+        let service = self.service.stats();
+        let ratio =
+            |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
+        report.hit_rate_blocks = ratio(report.hit_blocks, report.blocks);
+        report.device_hit_rate_blocks = ratio(report.device_hit_blocks, report.blocks);
+        report.host_hit_rate_blocks = ratio(report.host_hit_blocks, report.blocks);
+        report.swap_in_blocks = stats.swap_in_blocks;
+        report.swap_out_blocks = stats.swap_out_blocks;
+        report.backup_blocks = stats.backup_blocks;
+        report.evictions = stats.evictions.device_total();
+        report.bytes_copied = service.bytes_copied;
+        report.copy_gb_per_s = self.service.worker_copy_gb_per_s();
+        report.ticket_wait_us = Percentiles::of_micros(&mut self.waits);
+        report.swap_in_wait_us = Percentiles::of_micros(&mut self.swap_in_waits);
+        report.elapsed_s = elapsed.as_secs_f64();
+        report
+    }
+}

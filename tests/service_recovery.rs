@@ -1,0 +1,168 @@
+//! A worker SIGKILLed in the middle of a swap: the service fails and rolls back what it had in
+//! flight, leaks nothing, and a new worker for the rank serves the intact host tier.
+
+mod service_support;
+
+use std::time::{Duration, Instant};
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
+use kvshm::service::{RankState, Service, ServiceConfig, WaitError};
+use kvshm_ipc::record::CommandError;
+use service_support::*;
+
+const BLOCK_TOKENS: u32 = 16;
+const DEVICE_BLOCKS: u32 = 16;
+const WAIT: Duration = Duration::from_secs(20);
+
+fn service(name: &kvshm_ipc::name::SegmentName) -> Service {
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(WritePolicy::WriteBack);
+    // 4 layers x (K, V) x 64 KiB: big enough that a delayed copy is visibly in flight.
+    let config = ServiceConfig::new(cache, 2, 4, 8, 64 * 1024);
+    Service::create(name, config).expect("creating the service")
+}
+
+/// Runs one request over `hashes` to the end: match, allocate, wait, write the new blocks,
+/// commit, finish. Returns how many blocks hit on device and on host.
+fn run_request(service: &mut Service, id: u64, hashes: &[BlockHash]) -> (usize, usize) {
+    let request = RequestId(id);
+    let tokens = hashes.len() * BLOCK_TOKENS as usize;
+    let matched = service.match_prefix(request, hashes, tokens).unwrap();
+    let (table, ticket) = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    service.wait(ticket, WAIT).expect("the request's copies land");
+    for (index, &block) in table.iter().enumerate() {
+        if index < matched.blocks() {
+            assert!(device_block_holds(service, hashes[index], block), "hit block {index} intact");
+        } else {
+            write_block(service, hashes[index], block);
+        }
+    }
+    service.commit(request, tokens, hashes).unwrap();
+    service.finish(request).unwrap();
+    service.cache().check_invariants().unwrap();
+    (matched.device_blocks, matched.host_blocks)
+}
+
+/// The host block of every node whose hash is in `hashes`.
+fn host_blocks_of(service: &Service, hashes: &[BlockHash]) -> Vec<(BlockHash, u32)> {
+    let snapshot = service.cache().tree_snapshot(u32::MAX);
+    snapshot
+        .nodes
+        .iter()
+        .filter(|node| hashes.contains(&node.hash))
+        .filter_map(|node| node.host.map(|block| (node.hash, block)))
+        .collect()
+}
+
+#[test]
+fn a_worker_killed_mid_swap_is_recovered_and_the_host_tier_stays_intact() {
+    let name = unique_name("recovery");
+    let mut service = service(&name);
+    let _rank0 = WorkerProcess::spawn(&name, 0, None);
+    let mut slow_rank1 = WorkerProcess::spawn(&name, 1, Some(150_000));
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    // Cache prefix A on device, then push it to host with prefix B (write-back evictions).
+    let prefix_a = hashes(1_000, 8);
+    let prefix_b = hashes(2_000, 16);
+    assert_eq!(run_request(&mut service, 1, &prefix_a), (0, 0));
+    assert_eq!(run_request(&mut service, 2, &prefix_b), (0, 0));
+    let on_host = host_blocks_of(&service, &prefix_a);
+    assert_eq!(on_host.len(), 8, "every block of A was written back to host");
+    for &(hash, block) in &on_host {
+        assert!(host_block_holds(&service, hash, block), "host copy of {hash:?} is intact");
+    }
+
+    // Ask for A again: a swap-in (and write-backs of B to make room), slowed down on rank 1.
+    let request = RequestId(3);
+    let tokens = prefix_a.len() * BLOCK_TOKENS as usize;
+    let matched = service.match_prefix(request, &prefix_a, tokens).unwrap();
+    assert_eq!(matched.host_blocks, 8);
+    let (_, ticket) = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let kill_at = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < kill_at {
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        matches!(service.ticket_status(ticket), Ok(kvshm::manager::TicketStatus::Pending)),
+        "the swap is still in flight when the worker is killed"
+    );
+    slow_rank1.kill_hard();
+
+    let killed = Instant::now();
+    match service.wait(ticket, WAIT) {
+        Err(WaitError::TransferFailed(failure)) => {
+            assert_eq!(failure.error, CommandError::WorkerDied);
+            assert_eq!(failure.rank, 1);
+        }
+        other => panic!("the ticket must fail when a rank dies, got {other:?}"),
+    }
+    eprintln!("worker death noticed and rolled back after {:?}", killed.elapsed());
+    assert_eq!(service.rank_states()[1], RankState::Down);
+    service.cache().check_invariants().expect("no block leaked by the rollback");
+    service.abort(request).unwrap();
+    service.cache().check_invariants().unwrap();
+
+    // A new worker for rank 1; A is still on host, byte for byte, and swaps in correctly.
+    let _new_rank1 = WorkerProcess::spawn(&name, 1, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    for &(hash, block) in &host_blocks_of(&service, &prefix_a) {
+        assert!(host_block_holds(&service, hash, block), "host copy of {hash:?} survived");
+    }
+    let (device_hits, host_hits) = run_request(&mut service, 4, &prefix_a);
+    assert_eq!(device_hits + host_hits, 8, "all of A hits after the recovery");
+    assert!(host_hits > 0, "and some of it came back from host");
+    assert!(service.stats().worker_deaths >= 1);
+}
+
+#[test]
+fn workers_exit_soon_after_the_scheduler_dies() {
+    let name = unique_name("orphan");
+    let mut scheduler = std::process::Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args([
+            "demo",
+            "--tp",
+            "2",
+            "--limit",
+            "5",
+            "--hold",
+            "60",
+            "--json",
+            "--name",
+            name.as_str(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawning kvshm demo");
+    // The demo prints its report once the workers have attached and the replay ran.
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(scheduler.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("corrupted_blocks"), "demo report: {line}");
+    let segment = kvshm_ipc::segment::Segment::attach(&name).expect("attaching the demo's segment");
+    let workers: Vec<_> =
+        (0..2).map(|rank| segment.worker_slot(rank).unwrap().view().worker).collect();
+    assert!(workers.iter().all(|worker| worker.is_alive()), "both workers run");
+    drop(segment);
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(scheduler.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    scheduler.wait().unwrap();
+    let killed = Instant::now();
+    while workers.iter().any(|worker| worker.is_alive()) {
+        assert!(killed.elapsed() < Duration::from_secs(5), "workers outlived their scheduler");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    eprintln!("both workers exited {:?} after the scheduler died", killed.elapsed());
+    kvshm_ipc::listing::unlink(&name).expect("removing the stale segment");
+}

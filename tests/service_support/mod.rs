@@ -1,0 +1,108 @@
+//! Shared set-up for the service tests: unique names, worker processes, block bytes.
+#![allow(dead_code)]
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvshm::demo::pattern::{self, RegionIdentity};
+use kvshm::hash::BlockHash;
+use kvshm::service::Service;
+use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::sync::{AtomicU32, Ordering};
+
+static NEXT_NAME: AtomicU32 = AtomicU32::new(0);
+
+/// A segment name no other test (or test run) uses.
+pub fn unique_name(test: &str) -> SegmentName {
+    let n = NEXT_NAME.fetch_add(1, Ordering::Relaxed);
+    SegmentName::new(&format!("t-{test}-{}-{n}", std::process::id())).expect("valid test name")
+}
+
+/// A `kvshm worker` process for `rank`; killed when dropped.
+pub struct WorkerProcess {
+    pub child: Child,
+}
+
+impl WorkerProcess {
+    pub fn spawn(name: &SegmentName, rank: u32, layer_delay_us: Option<u64>) -> WorkerProcess {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvshm"));
+        command
+            .args(["worker", "--name", name.as_str(), "--rank", &rank.to_string()])
+            .stdin(Stdio::null());
+        if let Some(delay) = layer_delay_us {
+            command.env("KVSHM_WORKER_LAYER_DELAY_US", delay.to_string());
+        }
+        WorkerProcess { child: command.spawn().expect("spawning kvshm worker") }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL, and reap it so that it does not linger as a zombie.
+    pub fn kill_hard(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).expect("SIGKILL");
+        self.child.wait().expect("reaping the killed worker");
+    }
+
+    /// Waits for the process to exit on its own; its exit status, or `None` after `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Writes the pattern bytes of `hash` into device block `block` on every rank and region.
+pub fn write_block(service: &Service, hash: BlockHash, block: u32) {
+    let regions = service.geometry().regions();
+    let mut bytes = vec![0; service.geometry().region_bytes() as usize];
+    for rank in 0..service.rank_states().len() as u32 {
+        for region in 0..regions {
+            pattern::fill(RegionIdentity { block_hash: hash.0, region, rank }, &mut bytes);
+            service.memory(rank).unwrap().write_device_region(block, region, &bytes).unwrap();
+        }
+    }
+}
+
+/// Whether device block `block` holds the pattern bytes of `hash` on every rank and region.
+pub fn device_block_holds(service: &Service, hash: BlockHash, block: u32) -> bool {
+    let regions = service.geometry().regions();
+    let mut bytes = vec![0; service.geometry().region_bytes() as usize];
+    (0..service.rank_states().len() as u32).all(|rank| {
+        (0..regions).all(|region| {
+            service.memory(rank).unwrap().read_device_region(block, region, &mut bytes).unwrap();
+            pattern::verify(RegionIdentity { block_hash: hash.0, region, rank }, &bytes).is_ok()
+        })
+    })
+}
+
+/// Whether host block `block` holds the pattern bytes of `hash` on every rank and region.
+pub fn host_block_holds(service: &Service, hash: BlockHash, block: u32) -> bool {
+    let regions = service.geometry().regions();
+    let mut bytes = vec![0; service.geometry().region_bytes() as usize];
+    (0..service.rank_states().len() as u32).all(|rank| {
+        (0..regions).all(|region| {
+            service.memory(rank).unwrap().read_host_region(block, region, &mut bytes).unwrap();
+            pattern::verify(RegionIdentity { block_hash: hash.0, region, rank }, &bytes).is_ok()
+        })
+    })
+}
+
+/// Block hashes `first..first + count`.
+pub fn hashes(first: u128, count: usize) -> Vec<BlockHash> {
+    (0..count as u128).map(|i| BlockHash(first + i)).collect()
+}
