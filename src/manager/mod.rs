@@ -153,6 +153,15 @@ impl CacheManager {
         self.tickets.get(&ticket).map(Ticket::status).ok_or(TicketError::UnknownTicket(ticket))
     }
 
+    /// The copies in flight that `ticket` still waits on (for per-layer progress, which lives with
+    /// the copies). Linear in the copies in flight, which are few.
+    pub fn ticket_transfers(&self, ticket: TicketId) -> impl Iterator<Item = TransferId> + '_ {
+        self.in_flight
+            .iter()
+            .filter(move |(_, flight)| flight.tickets.contains(&ticket))
+            .map(|(&id, _)| id)
+    }
+
     /// Hands out the copies created since the last call, oldest first.
     pub fn take_transfers(&mut self) -> Vec<Transfer> {
         let mut transfers = Vec::with_capacity(self.outbox.len());

@@ -74,7 +74,7 @@ pub struct ServiceConfig {
     pub backend: Backend,
     pub command_ring_slots: u32,
     pub completion_ring_slots: u32,
-    /// Ask workers for per-layer progress of swap-ins.
+    /// Ask workers for per-layer progress of every copy.
     pub layerwise: bool,
 }
 
@@ -420,6 +420,22 @@ impl Service {
         }
     }
 
+    /// How many leading layers of `ticket`'s blocks the engine may use already: every copy the
+    /// ticket waits on has moved those layers on every rank. All layers once it is ready; none
+    /// while a copy is queued or runs without layer-wise progress.
+    pub fn ticket_layers_ready(&self, ticket: TicketId) -> Result<u32, WaitError> {
+        match self.manager.ticket_status(ticket)? {
+            TicketStatus::Ready => Ok(self.geometry.layers()),
+            TicketStatus::Failed(failure) => Err(WaitError::TransferFailed(failure)),
+            TicketStatus::Pending => Ok(self
+                .manager
+                .ticket_transfers(ticket)
+                .map(|transfer| self.transfer_layers_ready(transfer))
+                .min()
+                .unwrap_or(0)),
+        }
+    }
+
     /// Layers of `transfer` that have landed on every rank (all of them once it completed).
     pub fn transfer_layers_ready(&self, transfer: TransferId) -> u32 {
         let layers = self.geometry.layers();
@@ -475,11 +491,13 @@ impl Service {
             self.settle(transfer.id, Ok(()));
             return;
         }
-        let (op, flags) = match transfer.kind {
-            TransferKind::DeviceToHost => (Op::CopyDeviceToHost, 0),
-            TransferKind::HostToDevice if self.layerwise => (Op::CopyHostToDevice, FLAG_LAYERWISE),
-            TransferKind::HostToDevice => (Op::CopyHostToDevice, 0),
+        let op = match transfer.kind {
+            TransferKind::DeviceToHost => Op::CopyDeviceToHost,
+            TransferKind::HostToDevice => Op::CopyHostToDevice,
         };
+        // Swap-outs report layers too: a new block claimed from a swap-out may be written layer
+        // by layer as soon as the copy has read that layer.
+        let flags = if self.layerwise { FLAG_LAYERWISE } else { 0 };
         let generation = self.segment.generation();
         for chunk in transfer.pairs.chunks(self.max_pairs_per_command) {
             let header =
