@@ -1,0 +1,149 @@
+//! Each side of a segment notices, with real processes, that the other side died: the scheduler
+//! sees a killed (or hung) worker as dead, and a worker sees a killed creator.
+//!
+//! The child processes are this test binary re-executed with `KVSHM_TEST_CHILD_ROLE` set; the test
+//! `child_process_entry` does nothing in a normal run.
+
+mod common;
+
+use std::io::Write;
+use std::time::Duration;
+
+use common::{time_until, ChildProcess, Cleanup, CHILD_ROLE, CHILD_SEGMENT};
+use kvshm_ipc::config::SegmentConfig;
+use kvshm_ipc::listing::{self, ListingState};
+use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::segment::{AttachError, Segment};
+use kvshm_ipc::worker_slot::{ClaimError, RankStatus, HEARTBEAT_INTERVAL};
+use nix::sys::signal::Signal;
+
+/// Generous: a loaded CI machine may be slow to schedule a child, and no test asserts speed.
+const PATIENCE: Duration = Duration::from_secs(20);
+/// Exit code of a worker child that learnt it lost its rank.
+const EXIT_CLAIM_LOST: i32 = 3;
+
+const ENTRY: &str = "child_process_entry";
+
+/// The child side. `claim`: attach, claim rank 1, heartbeat until the claim is lost. `create`:
+/// create the segment and sleep until killed.
+#[test]
+fn child_process_entry() {
+    let Ok(role) = std::env::var(CHILD_ROLE) else { return };
+    let name = SegmentName::new(&std::env::var(CHILD_SEGMENT).unwrap()).unwrap();
+    let mut stdout = std::io::stdout();
+    match role.as_str() {
+        "claim" => {
+            let segment = Segment::attach(&name).unwrap();
+            let claim = segment.claim_rank(1).unwrap();
+            writeln!(stdout, "claimed").unwrap();
+            stdout.flush().unwrap();
+            while claim.heartbeat().is_ok() {
+                std::thread::sleep(HEARTBEAT_INTERVAL);
+            }
+            std::process::exit(EXIT_CLAIM_LOST);
+        }
+        "create" => {
+            let _segment =
+                Segment::create(&name, &SegmentConfig { tp_size: 2, ..Default::default() })
+                    .unwrap();
+            writeln!(stdout, "created").unwrap();
+            stdout.flush().unwrap();
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+        other => panic!("unknown child role {other}"),
+    }
+}
+
+#[test]
+fn the_scheduler_sees_a_killed_worker_die_and_can_reclaim_its_rank() {
+    let name = common::unique_name("worker-kill");
+    let _cleanup = Cleanup(name.clone());
+    let segment =
+        Segment::create(&name, &SegmentConfig { tp_size: 2, ..Default::default() }).unwrap();
+    let mut worker = ChildProcess::spawn(ENTRY, "claim", &name);
+    worker.wait_for_line("claimed");
+    let pid = worker.pid();
+    assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Alive { pid });
+    assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Empty);
+    assert!(matches!(segment.claim_rank(1), Err(ClaimError::Occupied { pid: p }) if p == pid));
+
+    worker.signal(Signal::SIGKILL);
+    let latency =
+        time_until(PATIENCE, || segment.rank_status(1).unwrap() == RankStatus::Dead { pid })
+            .expect("the killed worker was never seen dead");
+    println!("{{\"worker_death_detected_after_us\":{}}}", latency.as_micros());
+
+    // Until the scheduler reclaims the rank, a new worker may not take it.
+    assert!(matches!(segment.claim_rank(1), Err(ClaimError::NotReclaimed { pid: p }) if p == pid));
+    worker.child.wait().unwrap();
+    segment.reclaim_rank(1).unwrap();
+    assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Empty);
+    let claim = segment.claim_rank(1).unwrap();
+    assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Alive { pid: std::process::id() });
+    drop(claim);
+    assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Empty);
+}
+
+#[test]
+fn a_hung_worker_is_declared_dead_by_its_heartbeat_and_learns_it_lost_the_rank() {
+    let name = common::unique_name("worker-hang");
+    let _cleanup = Cleanup(name.clone());
+    let segment =
+        Segment::create(&name, &SegmentConfig { tp_size: 2, ..Default::default() }).unwrap();
+    let mut worker = ChildProcess::spawn(ENTRY, "claim", &name);
+    worker.wait_for_line("claimed");
+    let pid = worker.pid();
+
+    worker.signal(Signal::SIGSTOP);
+    let latency =
+        time_until(PATIENCE, || segment.rank_status(1).unwrap() == RankStatus::Dead { pid })
+            .expect("the stopped worker was never seen dead");
+    println!("{{\"hung_worker_detected_after_us\":{}}}", latency.as_micros());
+    segment.reclaim_rank(1).unwrap();
+    worker.signal(Signal::SIGCONT);
+    let status = worker.child.wait().unwrap();
+    assert_eq!(status.code(), Some(EXIT_CLAIM_LOST));
+}
+
+#[test]
+fn a_worker_sees_a_killed_creator_die_and_the_segment_turns_stale() {
+    let name = common::unique_name("creator-kill");
+    let _cleanup = Cleanup(name.clone());
+    let mut creator = ChildProcess::spawn(ENTRY, "create", &name);
+    creator.wait_for_line("created");
+    let attached = Segment::attach(&name).unwrap();
+    assert_eq!(attached.creator().pid, creator.pid());
+    assert!(attached.creator_alive());
+    assert_eq!(listed_state(&name), ListingState::Live);
+
+    creator.signal(Signal::SIGKILL);
+    let latency = time_until(PATIENCE, || !attached.creator_alive())
+        .expect("the killed creator was never seen dead");
+    println!("{{\"creator_death_detected_after_us\":{}}}", latency.as_micros());
+
+    // Stale whether the dead creator is still a zombie or already reaped.
+    assert_eq!(listed_state(&name), ListingState::Stale);
+    creator.child.wait().unwrap();
+    assert_eq!(listed_state(&name), ListingState::Stale);
+    assert!(
+        matches!(Segment::attach(&name), Err(AttachError::CreatorDead { pid }) if pid == creator.pid())
+    );
+
+    // The data objects of the dead creator are still there, and a new creator takes over.
+    let listed = listing::list().into_iter().find(|listing| listing.name == name).unwrap();
+    assert_eq!(listed.data_objects.len(), 4);
+    let replacement = Segment::create(&name, &SegmentConfig::default()).unwrap();
+    assert!(replacement.creator_alive());
+    drop(attached);
+    assert_eq!(listed_state(&name), ListingState::Live);
+}
+
+fn listed_state(name: &SegmentName) -> ListingState {
+    listing::list()
+        .into_iter()
+        .find(|listing| &listing.name == name)
+        .map(|listing| listing.state)
+        .unwrap()
+}
