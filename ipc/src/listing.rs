@@ -120,11 +120,12 @@ pub fn list() -> Vec<SegmentListing> {
         .collect()
 }
 
-/// Removes the control object and every data object of `name`; returns how many were removed.
+/// Removes every data object and then the control object of `name`; returns how many were
+/// removed. The control object goes last: while it exists nobody else can create the name, so a
+/// concurrent creator's fresh data objects are never caught by this removal.
 pub fn unlink(name: &SegmentName) -> Result<usize, ShmError> {
-    let mut removed = usize::from(unlink_if_present(&name.control_object())?);
-    removed += unlink_data_objects(name)?;
-    Ok(removed)
+    let removed = unlink_data_objects(name)?;
+    Ok(removed + usize::from(unlink_if_present(&name.control_object())?))
 }
 
 /// Removes every data object of `name`; returns how many were removed.

@@ -15,6 +15,8 @@
 //! Attaching ([`Segment::attach`]) validates in this order: size, version, ready (Acquire), magic,
 //! record sizes, total size, configuration, offsets, creator liveness; each failure is its own
 //! [`AttachError`] variant, and nothing read from the file is trusted before it is checked.
+//!
+//! [`list`] and [`unlink`] (from `listing`) find and remove segments by name.
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -45,8 +47,17 @@ use crate::worker_slot::{
     ClaimError, ClaimLost, RankStatus, ReclaimError, WorkerSlot, HEARTBEAT_TIMEOUT,
 };
 
+pub use crate::listing::{list, unlink, DataObject, ListingState, SegmentListing};
+
 /// The generation a new segment starts in (0 never names a live generation).
 pub const FIRST_GENERATION: u64 = 1;
+
+// Handles are shared between threads (scheduler poll thread, worker heartbeat thread).
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Segment>();
+    shareable::<RankClaim>();
+};
 
 /// Why a segment could not be created.
 #[derive(Debug, Error)]
@@ -645,7 +656,12 @@ impl Drop for Segment {
     }
 }
 
-/// A worker's hold on a rank; heartbeat it, drop it on clean exit (the slot becomes EMPTY).
+/// A worker's hold on a rank; drop it on clean exit (the slot becomes EMPTY).
+///
+/// Call [`heartbeat`](Self::heartbeat) every [`HEARTBEAT_INTERVAL`](crate::worker_slot::HEARTBEAT_INTERVAL),
+/// also between the chunks of a long copy: a heartbeat older than [`HEARTBEAT_TIMEOUT`] makes the
+/// scheduler declare the worker dead. Before dropping the claim, complete every command popped
+/// from the ring: the scheduler may hand the rest of the ring to the next worker.
 pub struct RankClaim {
     _memory: Arc<SharedMemory>,
     slot: *const WorkerSlot,
