@@ -9,8 +9,14 @@
 //! 2. state `Z` (zombie) or `X` (dead) counts as gone: it runs no code any more;
 //! 3. a different start time means the pid was reused by another process.
 //!
+//! A check reads `/proc` (tens of microseconds); [`LivenessCache`] lets a caller that checks on
+//! every poll do so at most every [`LIVENESS_RECHECK`] while the answer is "alive".
+//!
 //! [`monotonic_ns`] is the clock of heartbeats: `CLOCK_MONOTONIC` is system wide, so values written
 //! by one process compare with values read by another.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 use bytemuck::{Pod, Zeroable};
 use nix::errno::Errno;
@@ -90,6 +96,46 @@ impl ProcessIdentity {
                 _ => ProcessStatus::Alive,
             },
         }
+    }
+}
+
+/// How long [`LivenessCache`] trusts a positive answer before reading `/proc` again.
+pub const LIVENESS_RECHECK: Duration = Duration::from_millis(5);
+
+/// Remembers the last verdict on one process, so that a caller that checks on every poll reads
+/// `/proc` (tens of microseconds) at most every `recheck` while the process lives. A death is
+/// remembered for good: the same identity never comes back.
+#[derive(Debug)]
+pub struct LivenessCache {
+    recheck_ns: u64,
+    /// (identity checked, when, verdict).
+    last: Mutex<Option<(ProcessIdentity, u64, bool)>>,
+}
+
+impl LivenessCache {
+    pub const fn new(recheck: Duration) -> Self {
+        LivenessCache { recheck_ns: recheck.as_nanos() as u64, last: Mutex::new(None) }
+    }
+
+    /// [`ProcessIdentity::is_alive`], answered from the cache while fresh.
+    pub fn is_alive(&self, identity: ProcessIdentity) -> bool {
+        let now = monotonic_ns();
+        // A panic elsewhere while holding this lock cannot leave the tuple half-written.
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((known, checked_at, alive)) = *last {
+            if known == identity && (!alive || now.saturating_sub(checked_at) < self.recheck_ns) {
+                return alive;
+            }
+        }
+        let alive = identity.is_alive();
+        *last = Some((identity, now, alive));
+        alive
+    }
+}
+
+impl Default for LivenessCache {
+    fn default() -> Self {
+        LivenessCache::new(LIVENESS_RECHECK)
     }
 }
 
@@ -180,6 +226,17 @@ mod tests {
         assert_eq!(stat.start_time, 98765);
         assert!(parse_stat("42 (x").is_none());
         assert!(parse_stat("42 (x) S 1").is_none());
+    }
+
+    #[test]
+    fn the_cache_remembers_a_death_and_rechecks_life() {
+        let cache = LivenessCache::new(Duration::ZERO);
+        let me = ProcessIdentity::current();
+        assert!(cache.is_alive(me));
+        assert!(cache.is_alive(me));
+        let ghost = ProcessIdentity::new(me.pid, me.start_time + 1);
+        assert!(!cache.is_alive(ghost));
+        assert!(cache.is_alive(me));
     }
 
     #[test]

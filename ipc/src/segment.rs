@@ -25,6 +25,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::arena::{Arena, ArenaError, ArenaKind};
+use crate::config::MAX_RANKS;
 use crate::config::{Backend, ConfigError, SegmentConfig};
 use crate::control::{Control, ControlArea, SNAPSHOT_WORDS};
 use crate::counters::Counters;
@@ -36,7 +37,7 @@ use crate::layout::{
     Header, HeaderFields, RecordSizes, SegmentLayout, CLOSED, LAYOUT_VERSION, MAGIC, READY,
 };
 use crate::listing::{self, ExistingSegment};
-use crate::liveness::{monotonic_ns, ProcessIdentity};
+use crate::liveness::{monotonic_ns, LivenessCache, ProcessIdentity};
 use crate::name::SegmentName;
 use crate::progress::{LayerProgress, ProgressEntry};
 use crate::record::{CommandSlot, Completion};
@@ -187,6 +188,9 @@ pub struct Segment {
     /// Objects this handle created, unlinked on drop when `unlink_on_drop`.
     created: Vec<String>,
     unlink_on_drop: bool,
+    /// Process-local: spares the /proc reads of frequent liveness checks.
+    creator_liveness: LivenessCache,
+    worker_liveness: [LivenessCache; MAX_RANKS as usize],
 }
 
 impl std::fmt::Debug for Segment {
@@ -249,6 +253,8 @@ impl Segment {
             layout,
             created,
             unlink_on_drop: true,
+            creator_liveness: LivenessCache::default(),
+            worker_liveness: Default::default(),
         };
         segment.initialise_areas();
         // SYNC: pairs with the Acquire load of ready in validate_header(): an attacher that sees
@@ -273,6 +279,8 @@ impl Segment {
                     layout,
                     created: Vec::new(),
                     unlink_on_drop: false,
+                    creator_liveness: LivenessCache::default(),
+                    worker_liveness: Default::default(),
                 })
             }
             Err(AttachError::NotReady { .. }) => match creator {
@@ -319,9 +327,10 @@ impl Segment {
     }
 
     /// Whether the creator still runs and has not closed the segment; a worker that sees `false`
-    /// exits.
+    /// exits. Cheap enough for every loop iteration: `/proc` is read at most every
+    /// [`LIVENESS_RECHECK`](crate::liveness::LIVENESS_RECHECK).
     pub fn creator_alive(&self) -> bool {
-        !self.is_closed() && self.fields.creator.is_alive()
+        !self.is_closed() && self.creator_liveness.is_alive(self.fields.creator)
     }
 
     /// Whether the creator shut the segment down (its handle dropped), even if its process lives on.
@@ -386,7 +395,9 @@ impl Segment {
         })
     }
 
-    /// Scheduler: whether `rank` has a live worker ([`HEARTBEAT_TIMEOUT`] for stale heartbeats).
+    /// Scheduler: whether `rank` has a live worker: its process exists (checked in `/proc` at most
+    /// every [`LIVENESS_RECHECK`](crate::liveness::LIVENESS_RECHECK)) and its heartbeat is younger than [`HEARTBEAT_TIMEOUT`]. Cheap
+    /// enough to call on every poll.
     pub fn rank_status(&self, rank: u32) -> Result<RankStatus, SegmentError> {
         self.rank_status_with_timeout(rank, HEARTBEAT_TIMEOUT)
     }
@@ -397,7 +408,9 @@ impl Segment {
         rank: u32,
         timeout: Duration,
     ) -> Result<RankStatus, SegmentError> {
-        Ok(self.worker_slot(rank)?.status(monotonic_ns(), timeout))
+        let slot = self.worker_slot(rank)?;
+        let cache = &self.worker_liveness[rank as usize];
+        Ok(slot.status_with(monotonic_ns(), timeout, |worker| cache.is_alive(worker)))
     }
 
     /// Scheduler: makes a rank whose worker is dead or departed claimable again.

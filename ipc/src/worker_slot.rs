@@ -152,10 +152,28 @@ impl WorkerSlot {
     /// Judges the worker of this slot at `now_ns` (`CLOCK_MONOTONIC`), with heartbeats older than
     /// `timeout` counting as death.
     pub fn status(&self, now_ns: u64, timeout: Duration) -> RankStatus {
-        self.judge(self.owner.load(Ordering::Acquire), now_ns, timeout)
+        self.status_with(now_ns, timeout, |identity| identity.is_alive())
     }
 
-    fn judge(&self, word: u64, now_ns: u64, timeout: Duration) -> RankStatus {
+    /// As [`status`](Self::status), asking `is_alive` about the worker process (e.g. through a
+    /// [`LivenessCache`](crate::liveness::LivenessCache)).
+    pub fn status_with(
+        &self,
+        now_ns: u64,
+        timeout: Duration,
+        is_alive: impl FnOnce(ProcessIdentity) -> bool,
+    ) -> RankStatus {
+        // SYNC: pairs with the Release stores of owner in finish_reclaim() and the AcqRel CAS in claim().
+        self.judge(self.owner.load(Ordering::Acquire), now_ns, timeout, is_alive)
+    }
+
+    fn judge(
+        &self,
+        word: u64,
+        now_ns: u64,
+        timeout: Duration,
+        is_alive: impl FnOnce(ProcessIdentity) -> bool,
+    ) -> RankStatus {
         let (state, pid) = unpack(word);
         match state {
             WorkerState::Empty => RankStatus::Empty,
@@ -168,7 +186,7 @@ impl WorkerSlot {
                 let heartbeat = self.heartbeat_ns.load(Ordering::Acquire);
                 let stale =
                     heartbeat != 0 && now_ns.saturating_sub(heartbeat) > timeout.as_nanos() as u64;
-                if stale || !identity.is_alive() {
+                if stale || !is_alive(identity) {
                     RankStatus::Dead { pid }
                 } else {
                     RankStatus::Alive { pid }
@@ -182,7 +200,7 @@ impl WorkerSlot {
         let mine = pack(STATE_ATTACHED, worker.pid);
         loop {
             let current = self.owner.load(Ordering::Acquire);
-            match self.judge(current, monotonic_ns(), HEARTBEAT_TIMEOUT) {
+            match self.judge(current, monotonic_ns(), HEARTBEAT_TIMEOUT, |id| id.is_alive()) {
                 RankStatus::Alive { pid } => return Err(ClaimError::Occupied { pid }),
                 RankStatus::Dead { pid } => return Err(ClaimError::NotReclaimed { pid }),
                 RankStatus::Empty => {}
@@ -239,7 +257,7 @@ impl WorkerSlot {
     pub fn begin_reclaim(&self, now_ns: u64, timeout: Duration) -> Result<(), ReclaimError> {
         loop {
             let current = self.owner.load(Ordering::Acquire);
-            let pid = match self.judge(current, now_ns, timeout) {
+            let pid = match self.judge(current, now_ns, timeout, |id| id.is_alive()) {
                 RankStatus::Alive { pid } => return Err(ReclaimError::WorkerAlive { pid }),
                 RankStatus::Dead { pid } => pid,
                 RankStatus::Empty => 0,
