@@ -26,11 +26,21 @@ pub struct TraceRequest {
 }
 
 impl TraceRequest {
-    /// The request's block hashes: a trace id names a whole prefix already (equal ids at equal
-    /// positions mean equal prefixes), so it is used as the block's hash as it is.
+    /// The request's block hashes. A trace id names a whole prefix already (equal ids at equal
+    /// positions mean equal prefixes), so no chaining is needed; each id is spread over 128 bits
+    /// (XXH3-128 of its little-endian bytes, with a seed of our own) so that trace blocks look
+    /// and index like real block hashes.
     pub fn block_hashes(&self) -> impl ExactSizeIterator<Item = BlockHash> + '_ {
-        self.hash_ids.iter().map(|&id| BlockHash(u128::from(id)))
+        self.hash_ids.iter().map(|&id| trace_block_hash(id))
     }
+}
+
+/// Seed of [`trace_block_hash`]: "kvshm trace ids", fixed forever (replays must stay comparable).
+const TRACE_HASH_SEED: u64 = 0x6b76_7368_6d5f_7472;
+
+/// The block hash standing for trace id `id`.
+pub fn trace_block_hash(id: u64) -> BlockHash {
+    BlockHash(xxhash_rust::xxh3::xxh3_128_with_seed(&id.to_le_bytes(), TRACE_HASH_SEED))
 }
 
 /// A trace that cannot be read.
@@ -94,6 +104,15 @@ mod tests {
         );
         assert_eq!(read_trace(&path, None).unwrap().len(), 3);
         std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn trace_ids_map_to_distinct_spread_hashes() {
+        let hashes: Vec<BlockHash> = (0..1000).map(trace_block_hash).collect();
+        let distinct: std::collections::HashSet<_> = hashes.iter().collect();
+        assert_eq!(distinct.len(), hashes.len());
+        assert_eq!(trace_block_hash(7), trace_block_hash(7));
+        assert!(hashes.iter().filter(|hash| hash.0 >> 64 == 0).count() < 2, "high bits are used");
     }
 
     #[test]
