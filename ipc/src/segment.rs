@@ -121,7 +121,9 @@ pub enum AttachError {
     VersionMismatch { found: u32, expected: u32 },
     #[error("segment stores {record} as {found} bytes, this build uses {expected}")]
     RecordSizeMismatch { record: &'static str, found: u32, expected: u32 },
-    #[error("segment is still being initialised by its creator pid {pid}")]
+    #[error(
+        "segment is not ready: its creator pid {pid} is still initialising it, or has closed it"
+    )]
     NotReady { pid: u32 },
     #[error("segment is stale: its creator pid {pid} is dead")]
     CreatorDead { pid: u32 },

@@ -4,13 +4,13 @@
 //! Data words are atomics accessed Relaxed, so a torn read is a detected retry rather than a data
 //! race. The version counter is even while the blob is stable and odd while a writer rewrites it.
 //!
-//! Writing ([`write`]):
+//! Writing ([`write()`]):
 //! 1. claim the lock by a CAS of the version from even `v` to `v + 1` (a second writer gets
 //!    [`SeqLockBusy`] instead of interleaving its bytes);
 //! 2. a Release fence, then store the words;
 //! 3. store `v + 2` with Release.
 //!
-//! Reading ([`read`]): load the version with Acquire (odd: busy), load the words, an Acquire fence,
+//! Reading ([`read()`]): load the version with Acquire (odd: busy), load the words, an Acquire fence,
 //! re-load the version: a different value means a writer ran meanwhile and the copy is discarded.
 
 use crate::sync::{fence, AtomicU64, Ordering};

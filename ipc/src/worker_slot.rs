@@ -5,7 +5,7 @@
 //! ever sees a state without its pid. States: [`WorkerState::Empty`], [`WorkerState::Attached`],
 //! [`WorkerState::Dead`] (being reclaimed, or left behind by a worker; a claim refuses it).
 //!
-//! Worker side ([`WorkerSlot::claim`], [`RankClaim`] in `segment`):
+//! Worker side (`Segment::claim_rank`, [`RankClaim`](crate::segment::RankClaim)):
 //! 1. CAS `owner` from EMPTY to `ATTACHED | pid` (refused while another worker holds the rank, and
 //!    while a dead one has not been reclaimed by the scheduler);
 //! 2. store its start time and a first heartbeat; then heartbeat every [`HEARTBEAT_INTERVAL`];
