@@ -186,6 +186,8 @@ pub struct Header {
 
 const _: () = assert!(size_of::<Header>() == 320);
 const _: () = assert!(std::mem::offset_of!(Header, fields) == 0);
+const _: () = assert!(std::mem::offset_of!(Header, generation) == 280);
+const _: () = assert!(std::mem::offset_of!(Header, ready) == 288);
 
 /// Where everything lies, derived from a configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -357,3 +357,20 @@ fn random_header_damage_never_panics() {
         }
     }
 }
+
+#[test]
+fn a_damaged_ring_header_is_an_error_of_that_ring_not_a_panic() {
+    let name = unique_name("ring");
+    let _cleanup = Cleanup(name.clone());
+    let mut bytes = segment_bytes(&name);
+    let layout = kvshm_ipc::layout::SegmentLayout::compute(&SegmentConfig::default()).unwrap();
+    let ring = layout.rank_area(0) + layout.offsets.completion_ring as usize;
+    bytes[ring..ring + 64].fill(0xEE);
+    write_control(&name, &bytes);
+    let segment = Segment::attach(&name).unwrap();
+    assert!(matches!(
+        segment.completion_consumer(0),
+        Err(kvshm_ipc::segment::SegmentError::Ring { ring: "completion", rank: 0, .. })
+    ));
+    assert!(segment.command_consumer(0).is_ok());
+}
