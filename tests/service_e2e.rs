@@ -1,11 +1,12 @@
-//! `kvshm demo` end to end: a service, two worker processes and a trace replayed with real bytes
-//! that are checked on every hit.
+//! `kvshm demo` end to end: a service, two worker processes and a conversation workload replayed
+//! with real bytes that are checked on every hit. The built-in synthetic workload keeps the test
+//! independent of the trace beside the checkout (whose first requests share little).
 
 use std::process::Command;
 
 fn demo(write_policy: &str) -> serde_json::Value {
     let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
-        .args(["demo", "--tp", "2", "--limit", "300", "--device-blocks", "96"])
+        .args(["demo", "--synthetic", "--tp", "2", "--limit", "300", "--device-blocks", "96"])
         .args(["--host-blocks", "512", "--region-bytes", "1024", "--json"])
         .args(["--write-policy", write_policy])
         .output()

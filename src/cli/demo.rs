@@ -26,8 +26,11 @@ pub struct Args {
     tp: u32,
     /// Mooncake-format trace to replay; defaults to shared/traces/ beside the checkout, else a
     /// built-in synthetic conversation workload.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "synthetic")]
     trace: Option<PathBuf>,
+    /// Use the built-in synthetic conversation workload even when a trace is available.
+    #[arg(long)]
+    synthetic: bool,
     /// Replay at most this many requests of the trace.
     #[arg(long, default_value_t = 4000)]
     limit: usize,
@@ -107,7 +110,10 @@ impl Drop for Workers {
 }
 
 fn load_requests(args: &Args) -> anyhow::Result<(Vec<TraceRequest>, String)> {
-    let trace = args.trace.clone().or_else(workload::default_trace);
+    let trace = match args.synthetic {
+        true => None,
+        false => args.trace.clone().or_else(workload::default_trace),
+    };
     let (mut requests, source) = match trace {
         Some(path) => {
             let requests = read_trace(&path, Some(args.limit))
@@ -116,7 +122,7 @@ fn load_requests(args: &Args) -> anyhow::Result<(Vec<TraceRequest>, String)> {
         }
         None => (
             workload::synthetic_conversations(64, 24, 4, 3, args.block_tokens),
-            "synthetic conversations (no trace found)".to_string(),
+            "synthetic conversations".to_string(),
         ),
     };
     requests.truncate(args.limit);
