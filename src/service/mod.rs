@@ -25,6 +25,8 @@ mod control;
 mod inflight;
 mod memory;
 mod rank;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -599,10 +601,18 @@ impl Service {
         }
     }
 
-    /// The worker of rank `index` died or left: fail what it had in flight, reclaim the rank so a
-    /// new worker can attach, and start the rank over as down.
+    /// The worker of rank `index` died or left: reclaim the rank so a new worker can attach, fail
+    /// what it had in flight, and start the rank over as down.
+    ///
+    /// The reclaim comes first: while it is refused (the worker is alive after all) that worker may
+    /// still execute the commands in its ring, so they stay in flight; failing them would roll
+    /// their transfers back and hand their blocks out again under a running copy.
     fn lose_worker(&mut self, index: usize, pid: Option<u32>) {
         let rank = index as u32;
+        if let Err(error) = self.segment.reclaim_rank(rank) {
+            warn!(rank, %error, "could not reclaim the rank yet; its copies stay in flight");
+            return;
+        }
         let outcomes = self.tracker.fail_rank(index);
         if pid.is_some() || !outcomes.is_empty() {
             self.stats.worker_deaths += 1;
@@ -610,10 +620,6 @@ impl Service {
         }
         for (transfer, outcome) in outcomes {
             self.settle(TransferId(transfer), outcome.map_err(failure_of));
-        }
-        if let Err(error) = self.segment.reclaim_rank(rank) {
-            warn!(rank, %error, "could not reclaim the rank yet");
-            return;
         }
         self.ranks[index]
             .reset_after_reclaim(&self.segment)

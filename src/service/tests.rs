@@ -1,0 +1,88 @@
+//! Service behaviour that needs its private parts: a rank played by the test thread.
+
+use std::time::Duration;
+
+use kvshm_ipc::record::{CommandSlot, Completion};
+use kvshm_ipc::segment::RankClaim;
+
+use super::*;
+use crate::hash::BlockHash;
+use crate::manager::{RequestId, WritePolicy};
+
+const BLOCK_TOKENS: u32 = 4;
+
+fn service(test: &str) -> Service {
+    let name = SegmentName::new(&format!("svc-{test}-{}", std::process::id())).unwrap();
+    let cache = CacheConfig::new(BLOCK_TOKENS, 8)
+        .with_host_blocks(8)
+        .with_write_policy(WritePolicy::WriteThrough);
+    let mut config = ServiceConfig::new(cache, 1, 1, 2, 64);
+    config.command_ring_slots = 16;
+    config.completion_ring_slots = 4;
+    Service::create(&name, config).unwrap()
+}
+
+/// Attaches to the service's segment and claims rank 0 as a worker would.
+fn claim_rank(service: &mut Service) -> (Segment, RankClaim) {
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let claim = segment.claim_rank(0).unwrap();
+    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    (segment, claim)
+}
+
+/// Commits two blocks, so that the next poll issues their write-through backup.
+fn cache_two_blocks(service: &mut Service) {
+    let request = RequestId(1);
+    let hashes = [BlockHash(11), BlockHash(12)];
+    let tokens = 2 * BLOCK_TOKENS as usize;
+    service.match_prefix(request, &hashes, tokens).unwrap();
+    service.allocate(request, tokens, 0).unwrap();
+    service.commit(request, tokens, &hashes).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+}
+
+/// Pops every command slot published to rank 0 and answers each command with success.
+fn complete_every_command(segment: &Segment) -> usize {
+    let mut commands = segment.command_consumer(0).unwrap();
+    let mut completions = segment.completion_producer(0).unwrap();
+    let mut slots: Vec<CommandSlot> = Vec::new();
+    commands.pop_into(&mut slots, usize::MAX).unwrap();
+    let mut pairs = Vec::new();
+    let mut answered = 0;
+    let mut rest = &slots[..];
+    while !rest.is_empty() {
+        let (header, used) = kvshm_ipc::record::decode_command(rest, &mut pairs).unwrap();
+        completions.push(Completion::ok(header.command_id, 0)).unwrap();
+        rest = &rest[used..];
+        answered += 1;
+    }
+    answered
+}
+
+#[test]
+fn copies_of_a_rank_that_cannot_be_reclaimed_stay_in_flight_until_its_live_worker_answers() {
+    let mut service = service("live-loss");
+    let (segment, claim) = claim_rank(&mut service);
+    cache_two_blocks(&mut service);
+    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup was issued");
+
+    // Something (a corrupt completion ring, a heartbeat that came back) makes the service give
+    // up on the rank while its worker still lives and still holds the backup's command.
+    claim.heartbeat().unwrap();
+    service.lose_worker(0, None);
+    assert_eq!(
+        service.cache().transfers_in_flight(),
+        1,
+        "a copy a live worker may still run must not be rolled back (its blocks would be reused)"
+    );
+    assert_eq!(service.stats().copy_failures, 0);
+
+    claim.heartbeat().unwrap();
+    assert_eq!(complete_every_command(&segment), 1);
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    assert_eq!(service.stats().stray_completions, 0);
+    assert_eq!(service.stats().copy_failures, 0);
+    service.cache().check_invariants().unwrap();
+}
