@@ -39,6 +39,7 @@ use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::{
     command_slot_count, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
 };
+use kvshm_ipc::ring::RingError;
 use kvshm_ipc::segment::{CreateError, Segment, SegmentError};
 use kvshm_ipc::worker_slot::RankStatus;
 use tracing::{info, warn};
@@ -517,39 +518,44 @@ impl Service {
     }
 
     fn reap_completions(&mut self) {
-        let mut completions = std::mem::take(&mut self.completion_scratch);
         for index in 0..self.ranks.len() {
             if !self.ranks[index].is_up() {
                 continue;
             }
-            loop {
-                completions.clear();
-                match self.ranks[index].reap(&mut completions, REAP_BATCH) {
-                    Ok(0) => break,
-                    Ok(_) => {}
-                    Err(error) => {
-                        warn!(rank = index, %error, "completion ring is corrupt; dropping the rank");
-                        self.lose_worker(index, None);
-                        break;
+            if let Err(error) = self.reap_rank(index) {
+                warn!(rank = index, %error, "completion ring is corrupt; dropping the rank");
+                self.lose_worker(index, None);
+            }
+        }
+    }
+
+    /// Applies every completion waiting in the completion ring of rank `index`.
+    fn reap_rank(&mut self, index: usize) -> Result<(), RingError> {
+        let mut completions = std::mem::take(&mut self.completion_scratch);
+        let result = loop {
+            completions.clear();
+            match self.ranks[index].reap(&mut completions, REAP_BATCH) {
+                Ok(0) => break Ok(()),
+                Ok(_) => {}
+                Err(error) => break Err(error),
+            }
+            self.stats.commands_completed += completions.len() as u64;
+            for completion in &completions {
+                match self.tracker.complete(index, completion) {
+                    Ok(Some((transfer, outcome))) => {
+                        let outcome = outcome.map_err(failure_of);
+                        self.settle(TransferId(transfer), outcome);
                     }
-                }
-                self.stats.commands_completed += completions.len() as u64;
-                for completion in &completions {
-                    match self.tracker.complete(index, completion) {
-                        Ok(Some((transfer, outcome))) => {
-                            let outcome = outcome.map_err(failure_of);
-                            self.settle(TransferId(transfer), outcome);
-                        }
-                        Ok(None) => {}
-                        Err(mismatch) => {
-                            self.stats.stray_completions += 1;
-                            warn!(%mismatch, "ignoring a completion");
-                        }
+                    Ok(None) => {}
+                    Err(mismatch) => {
+                        self.stats.stray_completions += 1;
+                        warn!(%mismatch, "ignoring a completion");
                     }
                 }
             }
-        }
+        };
         self.completion_scratch = completions;
+        result
     }
 
     /// Hands a transfer's outcome to the manager.
@@ -601,14 +607,19 @@ impl Service {
         }
     }
 
-    /// The worker of rank `index` died or left: reclaim the rank so a new worker can attach, fail
-    /// what it had in flight, and start the rank over as down.
+    /// The worker of rank `index` died or left: apply the completions it pushed, reclaim the rank
+    /// so a new worker can attach, fail what it had in flight, and start the rank over as down.
     ///
     /// The reclaim comes first: while it is refused (the worker is alive after all) that worker may
     /// still execute the commands in its ring, so they stay in flight; failing them would roll
     /// their transfers back and hand their blocks out again under a running copy.
     fn lose_worker(&mut self, index: usize, pid: Option<u32>) {
         let rank = index as u32;
+        // What the worker answered before it went is final: apply it before the reclaim empties
+        // the ring. A corrupt ring yields nothing; its commands fail below.
+        if self.ranks[index].is_up() {
+            let _ = self.reap_rank(index);
+        }
         if let Err(error) = self.segment.reclaim_rank(rank) {
             warn!(rank, %error, "could not reclaim the rank yet; its copies stay in flight");
             return;

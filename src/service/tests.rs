@@ -86,3 +86,23 @@ fn copies_of_a_rank_that_cannot_be_reclaimed_stay_in_flight_until_its_live_worke
     assert_eq!(service.stats().copy_failures, 0);
     service.cache().check_invariants().unwrap();
 }
+
+#[test]
+fn completions_a_worker_pushed_before_leaving_are_applied_not_lost_to_the_reclaim() {
+    let mut service = service("leave-after-answer");
+    let (segment, claim) = claim_rank(&mut service);
+    cache_two_blocks(&mut service);
+    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup was issued");
+
+    // The worker answers its last command and exits cleanly before the scheduler polls again.
+    assert_eq!(complete_every_command(&segment), 1);
+    drop(claim);
+    service.liveness_checked_at = None;
+    service.poll();
+
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    assert_eq!(service.stats().copy_failures, 0, "the copy succeeded; its completion was there");
+    assert_eq!(service.cache().stats().backup_blocks, 2);
+    assert_eq!(service.rank_states(), [RankState::Down]);
+    service.cache().check_invariants().unwrap();
+}
