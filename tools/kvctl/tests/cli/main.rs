@@ -1,11 +1,12 @@
 //! kvctl as a person runs it: the real binary against real objects under `/dev/shm`.
 //!
-//! - `answered`: `tree` and `reset` answered by a scheduler played by the test thread.
 //! - `broken`: garbage under our prefix, a truncated segment, a missing one, a stale one, a foreign
 //!   one and orphaned data objects; what `ls`, `stat` and `cleanup` make of each.
 //! - `live`: a live segment created by the test process, whose scheduler never polls: `stat`,
 //!   `--prometheus`, `workers`, timeouts of `tree` and `reset`, and `cleanup` leaving it alone.
-mod answered;
+//! - `service`: a live `kvshm::service::Service` in the test process, polled while kvctl runs:
+//!   `stat`, `--prometheus`, `tree`, and `reset` refused and then forced.
 mod broken;
 mod live;
+mod service;
 mod support;
