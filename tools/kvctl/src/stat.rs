@@ -136,6 +136,26 @@ impl HitRates {
     }
 }
 
+/// What the workers copied, summed over ranks, and the rate while copying.
+#[derive(Debug, Clone, Serialize)]
+pub struct CopyRate {
+    pub bytes: u64,
+    pub seconds: f64,
+    /// Bytes per second of copying time; `None` before the first copy.
+    pub bytes_per_second: Option<f64>,
+}
+
+impl CopyRate {
+    pub fn from_counts(bytes: u64, nanoseconds: u64) -> CopyRate {
+        let seconds = Duration::from_nanos(nanoseconds).as_secs_f64();
+        CopyRate {
+            bytes,
+            seconds,
+            bytes_per_second: (nanoseconds > 0).then(|| bytes as f64 / seconds),
+        }
+    }
+}
+
 /// The live counters in slot order; serialized as one JSON object `{name: value}`.
 #[derive(Debug, Clone)]
 pub struct CounterValues(pub Vec<(Counter, u64)>);
@@ -168,6 +188,7 @@ pub struct StatReport {
     pub scheduler: SchedulerReport,
     pub counters: CounterValues,
     pub hit_rate: HitRates,
+    pub worker_copy: CopyRate,
 }
 
 impl StatReport {
@@ -180,6 +201,10 @@ impl StatReport {
             counters.get(Counter::HostHitBlocks),
             counters.get(Counter::MissBlocks),
         );
+        let worker_copy = CopyRate::from_counts(
+            counters.get(Counter::WorkerCopyBytes),
+            counters.get(Counter::WorkerCopyNs),
+        );
         StatReport {
             segment: segment.name().to_string(),
             generation: segment.generation(),
@@ -189,6 +214,7 @@ impl StatReport {
             scheduler,
             counters,
             hit_rate,
+            worker_copy,
         }
     }
 
@@ -237,6 +263,17 @@ impl StatReport {
             text::percent(rates.device),
             text::percent(rates.host)
         )?;
+        let copy = &self.worker_copy;
+        let copy_rate = copy.bytes_per_second.map_or_else(
+            || "no copies yet".to_owned(),
+            |rate| format!("{}/s while copying", text::bytes(rate as u64)),
+        );
+        writeln!(
+            out,
+            "copies     {} in {} ({copy_rate})",
+            text::bytes(copy.bytes),
+            text::age(Duration::from_secs_f64(copy.seconds))
+        )?;
         writeln!(out, "counters")?;
         let width = self.counters.0.iter().map(|(c, _)| c.name().len()).max().unwrap_or(0);
         for (counter, value) in &self.counters.0 {
@@ -269,6 +306,13 @@ mod tests {
         assert_eq!(rates.total, Some(0.8));
         assert_eq!(rates.device, Some(0.6));
         assert_eq!(HitRates::from_counts(0, 0, 0).total, None);
+    }
+
+    #[test]
+    fn the_copy_rate_is_bytes_over_copying_time() {
+        let rate = CopyRate::from_counts(3 << 30, 1_500_000_000);
+        assert_eq!(rate.bytes_per_second, Some(2.0 * (1u64 << 30) as f64));
+        assert_eq!(CopyRate::from_counts(0, 0).bytes_per_second, None);
     }
 
     #[test]

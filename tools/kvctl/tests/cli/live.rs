@@ -23,6 +23,8 @@ fn with_counters(segment: &Segment) {
     counters.set(Counter::MissBlocks, 2);
     counters.set(Counter::CachedNodes, 5);
     counters.set(Counter::Lookups, 4);
+    counters.set(Counter::WorkerCopyBytes, 3 << 30);
+    counters.set(Counter::WorkerCopyNs, 1_500_000_000);
     counters.set(Counter::LastPollNs, monotonic_ns());
 }
 
@@ -49,8 +51,10 @@ fn stat_reads_the_configuration_counters_and_hit_rate() {
     assert_eq!(report["counters"].as_object().unwrap().len(), Counter::ALL.len());
     assert_eq!(report["hit_rate"]["total"], 0.8);
     assert_eq!(report["scheduler"]["polling"], true);
+    assert_eq!(report["worker_copy"]["bytes_per_second"], f64::from(2u32 << 30));
 
     let text = kvctl(&["stat", name]).assert_ok().stdout.clone();
+    assert!(text.contains("copies     3.0 GiB in 1.5 s (2.0 GiB/s while copying)"), "{text}");
     assert!(text.contains("80.0% of 10 queried blocks"), "{text}");
     assert!(text.contains("write_through_selective (threshold 3)"), "{text}");
     assert!(text.contains("scheduler  polling"), "{text}");
