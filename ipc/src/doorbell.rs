@@ -122,8 +122,8 @@ impl Doorbell {
     ///
     /// Near-free when nobody sleeps: one fence and one load.
     pub fn ring(&self) {
-        // Fence R of the module documentation: orders the caller's publishing stores before the
-        // load of `sleepers`, against fence W in wait_until().
+        // SYNC: fence R of the module documentation; pairs with fence W in wait_until(): it
+        // orders the caller's publishing stores before the load of `sleepers`.
         fence(Ordering::SeqCst);
         if self.sleepers.load(Ordering::Relaxed) != 0 {
             self.sequence.bump();
@@ -158,8 +158,8 @@ impl Doorbell {
             };
             let seen = self.sequence.load();
             self.sleepers.fetch_add(1, Ordering::Relaxed);
-            // Fence W of the module documentation: orders the registration above before the
-            // check below, against fence R in ring().
+            // SYNC: fence W of the module documentation; pairs with fence R in ring(): it orders
+            // the registration above before the check below.
             fence(Ordering::SeqCst);
             if ready() {
                 self.sleepers.fetch_sub(1, Ordering::Relaxed);
@@ -262,12 +262,14 @@ mod tests {
                     let outcome =
                         to_peer.0.wait_until(|| to_peer.1.load(Ordering::Acquire) >= round, policy);
                     assert_eq!(outcome, WaitOutcome::Ready);
+                    // SYNC: pairs with the Acquire load of the counter in the main thread's wait.
                     to_me.1.store(round, Ordering::Release);
                     to_me.0.ring();
                 }
             })
         };
         for round in 1..=2000u64 {
+            // SYNC: pairs with the Acquire load of the counter in the peer thread's wait.
             to_peer.1.store(round, Ordering::Release);
             to_peer.0.ring();
             // SYNC: pairs with the Release store of the counter by the peer thread.

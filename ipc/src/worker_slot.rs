@@ -138,7 +138,8 @@ fn unpack(word: u64) -> (WorkerState, u32) {
 impl WorkerSlot {
     /// The slot's fields at one moment (each field atomically; the set is not a snapshot).
     pub fn view(&self) -> WorkerSlotView {
-        // SYNC: pairs with the Release stores of owner in claim_finish() and finish_reclaim().
+        // SYNC: pairs with the Release store of owner in finish_reclaim() and the Release half of
+        // the CAS in claim().
         let (state, pid) = unpack(self.owner.load(Ordering::Acquire));
         WorkerSlotView {
             state,
@@ -182,7 +183,9 @@ impl WorkerSlot {
                 // The start time is 0 until the claimant stores it (then only the pid is checked);
                 // it is never a previous worker's, because release and reclaim clear it before the
                 // Release store of EMPTY that the claimant's CAS read.
+                // SYNC: pairs with the Release store of start_time in claim().
                 let identity = ProcessIdentity::new(pid, self.start_time.load(Ordering::Acquire));
+                // SYNC: pairs with the Release stores of heartbeat_ns in claim() and heartbeat().
                 let heartbeat = self.heartbeat_ns.load(Ordering::Acquire);
                 let stale =
                     heartbeat != 0 && now_ns.saturating_sub(heartbeat) > timeout.as_nanos() as u64;
@@ -199,6 +202,7 @@ impl WorkerSlot {
     pub(crate) fn claim(&self, worker: ProcessIdentity) -> Result<u64, ClaimError> {
         let mine = pack(STATE_ATTACHED, worker.pid);
         loop {
+            // SYNC: pairs with the Release store of EMPTY in finish_reclaim(), like the CAS below.
             let current = self.owner.load(Ordering::Acquire);
             match self.judge(current, monotonic_ns(), HEARTBEAT_TIMEOUT, |id| id.is_alive()) {
                 RankStatus::Alive { pid } => return Err(ClaimError::Occupied { pid }),
@@ -238,6 +242,8 @@ impl WorkerSlot {
     /// Gives the slot back after a clean exit; does nothing if the scheduler already took it.
     pub(crate) fn release(&self, owner_word: u64) {
         let (_, pid) = unpack(owner_word);
+        // SYNC: the Acquire pairs only with this worker's own claim() CAS (which wrote owner_word);
+        // what the release publishes, finish_reclaim()'s Release store of EMPTY publishes.
         if self
             .owner
             .compare_exchange(
@@ -256,12 +262,17 @@ impl WorkerSlot {
     /// On success the slot is DEAD and no worker can claim it until [`finish_reclaim`](Self::finish_reclaim).
     pub fn begin_reclaim(&self, now_ns: u64, timeout: Duration) -> Result<(), ReclaimError> {
         loop {
+            // SYNC: pairs with the Release half of the CAS in claim() and the Release store of
+            // EMPTY in finish_reclaim(), as in status_with().
             let current = self.owner.load(Ordering::Acquire);
             let pid = match self.judge(current, now_ns, timeout, |id| id.is_alive()) {
                 RankStatus::Alive { pid } => return Err(ReclaimError::WorkerAlive { pid }),
                 RankStatus::Dead { pid } => pid,
                 RankStatus::Empty => 0,
             };
+            // SYNC: pairs with the Release half of the claimant's CAS in claim(); the Acquire also
+            // keeps the caller's ring reset (Segment::reclaim_rank()) below the DEAD mark, and
+            // finish_reclaim()'s Release store of EMPTY publishes that reset to the next claimant.
             if self
                 .owner
                 .compare_exchange(
