@@ -350,8 +350,9 @@ impl Segment {
 
     /// Scheduler: starts a new generation (on reset) and returns it.
     pub fn bump_generation(&self) -> u64 {
+        // Wrapping: the word lies in shared memory, and a scribbled maximum must not panic here.
         // SYNC: pairs with the Acquire load in generation().
-        self.header().generation.fetch_add(1, Ordering::AcqRel) + 1
+        self.header().generation.fetch_add(1, Ordering::AcqRel).wrapping_add(1)
     }
 
     pub fn counters(&self) -> &Counters {

@@ -37,9 +37,10 @@ pub fn write(
     if start % 2 == 1 {
         return Err(SeqLockBusy);
     }
+    // The version lies in shared memory: it wraps rather than overflow, whatever was written there.
     // SYNC: the Acquire half orders us after the previous writer's Release store of the version.
     version
-        .compare_exchange(start, start + 1, Ordering::Acquire, Ordering::Relaxed)
+        .compare_exchange(start, start.wrapping_add(1), Ordering::Acquire, Ordering::Relaxed)
         .map_err(|_| SeqLockBusy)?;
     // SYNC: keeps the odd version visible before any data store below; pairs with the Acquire
     // fence in read(), so a reader that saw a data store also sees the version change.
@@ -53,7 +54,7 @@ pub fn write(
         word.store(u64::from_le_bytes(buffer), Ordering::Relaxed);
     }
     // SYNC: publishes the words; pairs with the Acquire load of the version in read().
-    version.store(start + 2, Ordering::Release);
+    version.store(start.wrapping_add(2), Ordering::Release);
     Ok(())
 }
 
@@ -111,6 +112,15 @@ mod tests {
         let (header, data) = (words(1), words(1));
         assert_eq!(read(&version, &header, &data, |_| 8), Err(SeqLockBusy));
         assert_eq!(write(&version, &header, &[1], &data, b"x"), Err(SeqLockBusy));
+    }
+
+    #[test]
+    fn a_version_about_to_wrap_is_written_and_read_without_overflow() {
+        let version = AtomicU64::new(u64::MAX - 1);
+        let (header, data) = (words(1), words(1));
+        write(&version, &header, &[3], &data, b"ab").unwrap();
+        assert_eq!(version.load(Ordering::Relaxed), 0);
+        assert_eq!(read(&version, &header, &data, |_| 2).unwrap(), (vec![3], b"ab".to_vec()));
     }
 
     #[test]
