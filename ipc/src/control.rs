@@ -123,11 +123,16 @@ pub enum ControlError {
     NotUtf8,
 }
 
-/// The scheduler's JSON does not fit [`SNAPSHOT_BYTES`]; kvctl is told so.
+/// Why the scheduler's snapshot was not published.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Error)]
-#[error("snapshot of {len} bytes exceeds the {SNAPSHOT_BYTES}-byte snapshot area")]
-pub struct SnapshotTooLarge {
-    pub len: usize,
+pub enum PublishSnapshotError {
+    /// The JSON does not fit [`SNAPSHOT_BYTES`]; kvctl is told its size instead.
+    #[error("snapshot of {len} bytes exceeds the {SNAPSHOT_BYTES}-byte snapshot area")]
+    TooLarge { len: usize },
+    /// The snapshot seqlock is held although the scheduler is its only writer: something else
+    /// wrote the segment. Nothing was published; kvctl's request times out.
+    #[error("the snapshot area's lock is held by no writer (corrupt segment); nothing published")]
+    AreaLocked,
 }
 
 /// A view of the control area and the snapshot bytes of one mapped segment.
@@ -309,11 +314,16 @@ impl<'a> Control<'a> {
 
     /// Publishes `json` as the answer to `request`. JSON longer than [`SNAPSHOT_BYTES`] is not
     /// written; kvctl is told its size instead, and the error is returned too.
+    ///
+    /// # Errors
+    ///
+    /// [`PublishSnapshotError::TooLarge`] as said; [`PublishSnapshotError::AreaLocked`] when the
+    /// seqlock word in shared memory says a write is under way, which only corruption can cause.
     pub fn publish_snapshot(
         &self,
         request: SnapshotRequest,
         json: &[u8],
-    ) -> Result<(), SnapshotTooLarge> {
+    ) -> Result<(), PublishSnapshotError> {
         let too_large = json.len() > SNAPSHOT_BYTES;
         let status = if too_large { SNAPSHOT_TOO_LARGE } else { SNAPSHOT_OK };
         let header = [pack(request.seq, request.depth), json.len() as u64, status];
@@ -325,9 +335,9 @@ impl<'a> Control<'a> {
             self.snapshot,
             body,
         )
-        .expect("the scheduler is the only snapshot writer; a held seqlock is a programming error");
+        .map_err(|SeqLockBusy| PublishSnapshotError::AreaLocked)?;
         if too_large {
-            Err(SnapshotTooLarge { len: json.len() })
+            Err(PublishSnapshotError::TooLarge { len: json.len() })
         } else {
             Ok(())
         }
@@ -427,12 +437,22 @@ mod tests {
         let huge = vec![b' '; SNAPSHOT_BYTES + 1];
         assert_eq!(
             control.publish_snapshot(request, &huge),
-            Err(SnapshotTooLarge { len: huge.len() })
+            Err(PublishSnapshotError::TooLarge { len: huge.len() })
         );
         assert_eq!(
             control.read_snapshot(seq),
             Err(ControlError::SnapshotTooLarge { len: huge.len() as u64, max: SNAPSHOT_BYTES })
         );
+    }
+
+    #[test]
+    fn a_snapshot_lock_left_held_in_shared_memory_is_an_error_not_a_panic() {
+        let heap = heap();
+        let control = Control::new(&heap.area, &heap.snapshot);
+        control.request_snapshot(1).unwrap();
+        let request = control.pending_snapshot().unwrap();
+        heap.area.snapshot_version.store(7, Ordering::Relaxed);
+        assert_eq!(control.publish_snapshot(request, b"{}"), Err(PublishSnapshotError::AreaLocked));
     }
 
     #[test]

@@ -33,7 +33,7 @@ impl Service {
             let snapshot = self.manager.tree_snapshot(request.depth);
             let json = serde_json::to_vec(&snapshot).expect("a tree snapshot always serialises");
             if let Err(error) = self.segment.control().publish_snapshot(request, &json) {
-                warn!(%error, "tree snapshot does not fit the segment; kvctl is told its size");
+                warn!(%error, "tree snapshot not published");
             }
         }
     }
