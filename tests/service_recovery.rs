@@ -166,3 +166,56 @@ fn workers_exit_soon_after_the_scheduler_dies() {
     eprintln!("both workers exited {:?} after the scheduler died", killed.elapsed());
     kvshm_ipc::listing::unlink(&name).expect("removing the stale segment");
 }
+
+#[test]
+fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_copy() {
+    let name = unique_name("successor");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(WritePolicy::WriteBack);
+    let mut service =
+        Service::create(&name, ServiceConfig::new(cache, 1, 4, 8, 16 * 1024)).unwrap();
+    let mut first = WorkerProcess::spawn(&name, 0, Some(40_000));
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    let prefix_a = hashes(3_000, 8);
+    let prefix_b = hashes(4_000, 16);
+    run_request(&mut service, 1, &prefix_a);
+    run_request(&mut service, 2, &prefix_b);
+
+    // A swap-in (plus write-backs) in flight on the slow worker; stop it politely and start a
+    // successor at once, before the scheduler polls again.
+    let request = RequestId(3);
+    let tokens = prefix_a.len() * BLOCK_TOKENS as usize;
+    let matched = service.match_prefix(request, &prefix_a, tokens).unwrap();
+    assert_eq!(matched.host_blocks, 8);
+    let (table, ticket) = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    service.poll();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(first.pid() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(first.wait_exit(Duration::from_secs(10)).is_some_and(|status| status.success()));
+    let _successor = WorkerProcess::spawn(&name, 0, None);
+
+    // Whatever the first worker had not answered, the successor (or a clean failure) finishes.
+    match service.wait(ticket, WAIT) {
+        Ok(()) => {
+            for (index, &block) in table.iter().enumerate() {
+                assert!(device_block_holds(&service, prefix_a[index], block), "block {index}");
+            }
+            service.commit(request, tokens, &prefix_a).unwrap();
+            service.finish(request).unwrap();
+        }
+        Err(WaitError::TransferFailed(failure)) => {
+            assert_eq!(failure.error, CommandError::WorkerDied);
+            service.abort(request).unwrap();
+        }
+        Err(other) => panic!("the ticket neither landed nor failed cleanly: {other}"),
+    }
+    service.cache().check_invariants().unwrap();
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    let (device_hits, host_hits) = run_request(&mut service, 4, &prefix_a);
+    assert_eq!(device_hits + host_hits, 8);
+}
