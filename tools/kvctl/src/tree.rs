@@ -7,7 +7,7 @@
 //!
 //! Flow: 1. attach; 2. request a snapshot of the asked depth and wait up to the timeout; 3. parse
 //! it (a schema kvctl cannot read is an error, never a panic); 4. print the raw JSON (`--json`) or
-//! one line per node indented by depth.
+//! one line per node indented by depth (up to [`MAX_INDENT_LEVELS`]).
 //!
 //! [`Control::fetch_snapshot`]: kvshm_ipc::control::Control::fetch_snapshot
 
@@ -23,6 +23,9 @@ use crate::text::{self, Table};
 
 /// Hex digits of a node's hash shown in the text view.
 pub const HASH_PREFIX_DIGITS: usize = 12;
+/// Levels the text view indents at most; deeper nodes (long conversation chains) line up at this
+/// indentation and the DEPTH column tells their level.
+pub const MAX_INDENT_LEVELS: u32 = 16;
 
 /// The scheduler's tree snapshot (the manager's `TreeSnapshot`, as JSON).
 #[derive(Debug, Clone, Deserialize)]
@@ -105,9 +108,10 @@ impl TreeSnapshot {
         if view.nodes.is_empty() {
             return Ok(());
         }
-        let mut table = Table::new(&["HASH", "STATE", "DEVICE", "HOST", "REF", "HITS", ""]);
+        let mut table =
+            Table::new(&["HASH", "DEPTH", "STATE", "DEVICE", "HOST", "REF", "HITS", ""]);
         for node in &view.nodes {
-            let indent = "  ".repeat(node.depth.saturating_sub(1) as usize);
+            let indent = "  ".repeat(node.depth.saturating_sub(1).min(MAX_INDENT_LEVELS) as usize);
             let prefix: String = node.hash.chars().take(HASH_PREFIX_DIGITS).collect();
             let below = if node.depth >= view.max_depth && node.children > 0 {
                 format!("(+{} below)", node.children)
@@ -116,6 +120,7 @@ impl TreeSnapshot {
             };
             table.push(vec![
                 format!("{indent}{prefix}"),
+                node.depth.to_string(),
                 node.state.clone(),
                 text::or_dash(node.device),
                 text::or_dash(node.host),
@@ -144,8 +149,22 @@ mod tests {
         snapshot.write_text(&mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(text.starts_with("segment s: 3 cached blocks; showing 1 (down to depth 1)"));
-        assert!(text.contains("001122334455  device  4"), "{text}");
+        assert!(text.contains("001122334455  1      device  4"), "{text}");
         assert!(text.contains("(+2 below)"), "{text}");
+    }
+
+    #[test]
+    fn deep_chains_stop_indenting_at_the_cap() {
+        let deep = SNAPSHOT
+            .replace(r#""depth":1"#, r#""depth":40"#)
+            .replace("\"max_depth\":1", "\"max_depth\":99");
+        let view: TreeView = serde_json::from_str(&deep).unwrap();
+        let snapshot = TreeSnapshot { segment: "s".into(), json: deep, view };
+        let mut out = Vec::new();
+        snapshot.write_text(&mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let indent = " ".repeat(2 * MAX_INDENT_LEVELS as usize);
+        assert!(text.contains(&format!("\n{indent}001122334455  40")), "{text}");
     }
 
     #[test]

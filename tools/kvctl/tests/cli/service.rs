@@ -68,7 +68,10 @@ fn kvctl_reads_and_drives_a_live_service() {
     let text =
         kvctl_while(&["tree", name, "--depth", "2"], || service.poll()).assert_ok().stdout.clone();
     assert!(text.contains("4 cached blocks; showing 3 (down to depth 2)"), "{text}");
-    assert!(text.contains("\n  000000000000  device") && text.contains("(+1 below)"), "{text}");
+    assert!(
+        text.contains("\n  000000000000  2      device") && text.contains("(+1 below)"),
+        "{text}"
+    );
 
     // reset: refused while a request holds blocks, done with --force, and the generation moves.
     service.match_prefix(RequestId(3), &chain, chain.len() * BLOCK_TOKENS).unwrap();
