@@ -9,6 +9,7 @@
 //! - [`pool`]: device and host block pools.
 //! - [`tree`]: the radix tree of cached blocks and its evictable sets.
 //! - [`manager`]: the engine-facing cache manager and its write policies.
+//! - [`percentiles`]: the p50/p99 summary of the benchmark and demo reports.
 //! - [`service`]: the cache manager wired to the segment and the workers.
 //! - [`worker`]: the worker side: validating and executing copy commands.
 //! - [`trace`]: reading Mooncake-format request traces.
@@ -17,6 +18,7 @@ pub mod cli;
 pub mod demo;
 pub mod hash;
 pub mod manager;
+pub mod percentiles;
 pub mod pool;
 pub mod service;
 pub mod trace;

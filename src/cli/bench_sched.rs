@@ -21,9 +21,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::replay::Percentiles;
 use crate::hash::BlockHash;
 use crate::manager::{CacheConfig, CacheManager, RequestId};
+use crate::percentiles::Percentiles;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

@@ -19,6 +19,7 @@ use anyhow::Context;
 use serde::Serialize;
 
 use crate::manager::{AllocateError, CacheConfig, CacheManager, RequestId, WritePolicy};
+use crate::percentiles::Percentiles;
 use crate::trace::{read_trace, TraceRequest};
 
 #[derive(Debug, clap::Args)]
@@ -47,27 +48,6 @@ pub struct Args {
     /// Print one JSON object instead of a summary.
     #[arg(long)]
     pub json: bool,
-}
-
-/// The 50th and 99th percentiles of a sample.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct Percentiles {
-    pub p50: f64,
-    pub p99: f64,
-}
-
-impl Percentiles {
-    /// Percentiles of `samples` (sorted in place), by the nearest rank; zeros when empty.
-    pub fn of(samples: &mut [f64]) -> Percentiles {
-        if samples.is_empty() {
-            return Percentiles::default();
-        }
-        samples.sort_unstable_by(f64::total_cmp);
-        let rank = |p: f64| {
-            samples[((p * samples.len() as f64).ceil() as usize).clamp(1, samples.len()) - 1]
-        };
-        Percentiles { p50: rank(0.50), p99: rank(0.99) }
-    }
 }
 
 /// What a replay measured.
@@ -250,12 +230,5 @@ mod tests {
         let trace = [request(4096, &[0, 1, 2, 3, 4, 5, 6, 7])];
         let report = replay(&trace, CacheConfig::new(512, 4)).unwrap();
         assert_eq!((report.failed_requests, report.hit_blocks), (1, 0));
-    }
-
-    #[test]
-    fn percentiles_use_the_nearest_rank() {
-        let mut samples: Vec<f64> = (1..=100).rev().map(f64::from).collect();
-        assert_eq!(Percentiles::of(&mut samples), Percentiles { p50: 50.0, p99: 99.0 });
-        assert_eq!(Percentiles::of(&mut []), Percentiles::default());
     }
 }

@@ -24,34 +24,13 @@ use serde::Serialize;
 
 use crate::hash::BlockHash;
 use crate::manager::RequestId;
+use crate::percentiles::Percentiles;
 use crate::service::{Service, WaitError};
 use crate::trace::TraceRequest;
 use pattern::RegionIdentity;
 
 /// How long one ticket may take before the demo calls it a failure.
 const TICKET_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Percentiles of a set of durations, in microseconds.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
-pub struct Percentiles {
-    pub p50: f64,
-    pub p99: f64,
-}
-
-impl Percentiles {
-    /// Percentiles of `samples` (sorted in place); zeros when there are none.
-    pub fn of_micros(samples: &mut [Duration]) -> Percentiles {
-        if samples.is_empty() {
-            return Percentiles::default();
-        }
-        samples.sort_unstable();
-        let at = |q: f64| {
-            let index = ((samples.len() - 1) as f64 * q).round() as usize;
-            samples[index].as_secs_f64() * 1e6
-        };
-        Percentiles { p50: at(0.50), p99: at(0.99) }
-    }
-}
 
 /// What one demo run measured.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -240,8 +219,8 @@ impl<'a> DemoEngine<'a> {
         report.evictions = stats.evictions.device_total();
         report.bytes_copied = service.bytes_copied;
         report.copy_gb_per_s = self.service.worker_copy_gb_per_s();
-        report.ticket_wait_us = Percentiles::of_micros(&mut self.waits);
-        report.swap_in_wait_us = Percentiles::of_micros(&mut self.swap_in_waits);
+        report.ticket_wait_us = Percentiles::of_micros(&self.waits);
+        report.swap_in_wait_us = Percentiles::of_micros(&self.swap_in_waits);
         report.elapsed_s = elapsed.as_secs_f64();
         report
     }
