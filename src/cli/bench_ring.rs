@@ -179,6 +179,31 @@ struct Stream {
     elapsed: Duration,
 }
 
+/// Runs [`WARMUP_ROUND_TRIPS`] unmeasured round trips, then up to `count` measured ones (fewer if
+/// `budget` runs out); `round_trip(round)` performs one and says how long it took. Returns the
+/// measured times in nanoseconds.
+fn measure_round_trips(
+    count: u64,
+    budget: Duration,
+    mut round_trip: impl FnMut(u64) -> anyhow::Result<Duration>,
+) -> anyhow::Result<Vec<u64>> {
+    let mut samples = Vec::with_capacity(count as usize);
+    let mut started = Instant::now();
+    for round in 0..WARMUP_ROUND_TRIPS + count {
+        if round == WARMUP_ROUND_TRIPS {
+            started = Instant::now();
+        }
+        if round > WARMUP_ROUND_TRIPS && started.elapsed() > budget {
+            break;
+        }
+        let elapsed = round_trip(round)?;
+        if round >= WARMUP_ROUND_TRIPS {
+            samples.push(elapsed.as_nanos() as u64);
+        }
+    }
+    Ok(samples)
+}
+
 impl Driver<'_> {
     /// Measures `count` command-to-completion round trips (fewer if `budget` runs out).
     fn round_trips(
@@ -188,15 +213,7 @@ impl Driver<'_> {
         count: u64,
         budget: Duration,
     ) -> anyhow::Result<Vec<u64>> {
-        let mut samples = Vec::with_capacity(count as usize);
-        let mut started = Instant::now();
-        for round in 0..WARMUP_ROUND_TRIPS + count {
-            if round == WARMUP_ROUND_TRIPS {
-                started = Instant::now();
-            }
-            if round > WARMUP_ROUND_TRIPS && started.elapsed() > budget {
-                break;
-            }
+        measure_round_trips(count, budget, |_| {
             let sent_at = Instant::now();
             let id = self.send(phase)?;
             let completion = self.await_completion(policy)?;
@@ -207,11 +224,8 @@ impl Driver<'_> {
                 completion.command_id,
                 completion.generation
             );
-            if round >= WARMUP_ROUND_TRIPS {
-                samples.push(elapsed.as_nanos() as u64);
-            }
-        }
-        Ok(samples)
+            Ok(elapsed)
+        })
     }
 
     /// Streams up to `records` records in batches of `batch`, then waits for the peer's count.
@@ -262,16 +276,8 @@ impl Driver<'_> {
         let mut to_peer = child.stdin.take().ok_or_else(|| anyhow!("peer stdin is not a pipe"))?;
         let mut from_peer =
             child.stdout.take().ok_or_else(|| anyhow!("peer stdout is not a pipe"))?;
-        let mut samples = Vec::with_capacity(count as usize);
         let mut answer = Completion::default();
-        let mut started = Instant::now();
-        for round in 0..WARMUP_ROUND_TRIPS + count {
-            if round == WARMUP_ROUND_TRIPS {
-                started = Instant::now();
-            }
-            if round > WARMUP_ROUND_TRIPS && started.elapsed() > budget {
-                break;
-            }
+        measure_round_trips(count, budget, |round| {
             let message = command(round, 0);
             let sent_at = Instant::now();
             to_peer.write_all(bytemuck::bytes_of(&message)).context("writing to the peer")?;
@@ -280,11 +286,8 @@ impl Driver<'_> {
                 .context("reading the peer")?;
             let elapsed = sent_at.elapsed();
             ensure!(answer.command_id == round, "pipe answer {} for {round}", answer.command_id);
-            if round >= WARMUP_ROUND_TRIPS {
-                samples.push(elapsed.as_nanos() as u64);
-            }
-        }
-        Ok(samples)
+            Ok(elapsed)
+        })
     }
 
     /// Pushes one command of `phase` and rings; returns its id.
