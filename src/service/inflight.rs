@@ -70,11 +70,6 @@ impl CommandTracker {
         self.ranks[rank].len()
     }
 
-    /// Transfers with at least one command outstanding.
-    pub fn transfers_in_flight(&self) -> usize {
-        self.transfers.len()
-    }
-
     pub fn is_idle(&self) -> bool {
         self.transfers.is_empty()
     }

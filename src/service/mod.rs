@@ -167,7 +167,6 @@ pub enum WaitError {
 /// What the service remembers of a transfer in flight.
 #[derive(Clone, Copy, Debug)]
 struct TransferMeta {
-    kind: TransferKind,
     pairs: usize,
 }
 
@@ -511,10 +510,7 @@ impl Service {
                 self.stats.commands_issued += 1;
             }
         }
-        self.transfers.insert(
-            transfer.id.0,
-            TransferMeta { kind: transfer.kind, pairs: transfer.pairs.len() },
-        );
+        self.transfers.insert(transfer.id.0, TransferMeta { pairs: transfer.pairs.len() });
     }
 
     fn reap_completions(&mut self) {
@@ -566,7 +562,6 @@ impl Service {
                 let bytes =
                     meta.pairs as u64 * self.geometry.block_bytes() * self.ranks.len() as u64;
                 self.stats.bytes_copied += bytes;
-                let _ = meta.kind;
             }
             (Err(failure), _) => {
                 self.stats.copy_failures += 1;

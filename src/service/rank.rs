@@ -82,11 +82,6 @@ impl RankChannel {
         self.completion_slots - self.credits
     }
 
-    /// Commands queued behind the ring, waiting for space or credits.
-    pub fn backlog_len(&self) -> usize {
-        self.backlog.len()
-    }
-
     /// Encodes a command for this rank, queues it and returns its id.
     pub fn queue(&mut self, header: CommandHeader, pairs: &[kvshm_ipc::record::BlockPair]) -> u64 {
         let command_id = self.next_command_id;

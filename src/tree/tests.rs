@@ -1,3 +1,6 @@
+//! Rule tests of the radix tree: eviction candidates per tier (leaf-first LRU, holds, claims), slot
+//! reuse, removal order and snapshots.
+
 use super::*;
 
 fn hash(value: u128) -> BlockHash {
