@@ -211,7 +211,7 @@ impl<'a> Control<'a> {
 
     /// Requests a reset (retrying while another request is pending) and waits for its status.
     pub fn reset(&self, force: bool, timeout: Duration) -> Result<ResetStatus, ControlError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let seq = retry_until(deadline, timeout, || self.request_reset(force))?;
         retry_until(deadline, timeout, || {
             self.reset_outcome(seq).unwrap_or(Err(ControlError::Busy))
@@ -286,7 +286,7 @@ impl<'a> Control<'a> {
 
     /// Requests a snapshot of `depth` and waits for its JSON text (retrying races until `timeout`).
     pub fn fetch_snapshot(&self, depth: u32, timeout: Duration) -> Result<String, ControlError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let bytes = retry_until(deadline, timeout, || {
             let seq = self.request_snapshot(depth)?;
             // Wait for this request; a later one overtaking it sends us back to claiming.
@@ -348,6 +348,14 @@ impl<'a> Control<'a> {
         let _ = self.area.snapshot_version.load(Ordering::Acquire);
         unpack(self.area.snapshot_header[0].load(Ordering::Relaxed)).0
     }
+}
+
+/// `timeout` from now; a timeout beyond what an `Instant` can hold (kvctl's `--timeout 1e19`)
+/// waits a century instead of overflowing.
+fn deadline_after(timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(timeout.min(CENTURY)).unwrap_or(now)
 }
 
 fn retry_until<T>(
@@ -453,6 +461,12 @@ mod tests {
         let request = control.pending_snapshot().unwrap();
         heap.area.snapshot_version.store(7, Ordering::Relaxed);
         assert_eq!(control.publish_snapshot(request, b"{}"), Err(PublishSnapshotError::AreaLocked));
+    }
+
+    #[test]
+    fn a_timeout_too_long_for_an_instant_is_a_long_wait_not_an_overflow() {
+        let far = deadline_after(Duration::MAX);
+        assert!(far > Instant::now() + Duration::from_secs(365 * 24 * 3600));
     }
 
     #[test]
