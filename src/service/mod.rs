@@ -23,6 +23,7 @@
 
 mod control;
 mod inflight;
+mod liveness;
 mod memory;
 mod rank;
 #[cfg(test)]
@@ -41,7 +42,6 @@ use kvshm_ipc::record::{
 };
 use kvshm_ipc::ring::RingError;
 use kvshm_ipc::segment::{CreateError, Segment, SegmentError};
-use kvshm_ipc::worker_slot::RankStatus;
 use tracing::{info, warn};
 
 use crate::hash::BlockHash;
@@ -56,8 +56,6 @@ pub use inflight::{CommandTracker, CompletionMismatch, RankFailure};
 pub use memory::{BlockAccessError, RankMemory};
 pub use rank::{RankChannel, RankState};
 
-/// How often `poll` checks that the workers are alive (SPEC: a death is noticed within 100 ms).
-const LIVENESS_INTERVAL: Duration = Duration::from_millis(5);
 /// How long `wait` sleeps on the doorbell before it polls again (and so checks liveness).
 const WAIT_SLICE: Duration = Duration::from_millis(5);
 /// Doorbell checks before `wait` goes to sleep: a copy of a few blocks often lands within them.
@@ -573,67 +571,9 @@ impl Service {
             warn!(transfer = transfer.0, %error, "the cache manager refused a completion");
         }
     }
-
-    fn check_workers(&mut self) {
-        let now = Instant::now();
-        if self.liveness_checked_at.is_some_and(|at| now - at < LIVENESS_INTERVAL) {
-            return;
-        }
-        self.liveness_checked_at = Some(now);
-        for index in 0..self.ranks.len() {
-            let rank = index as u32;
-            let status = self.segment.rank_status(rank).expect("a rank of the segment has a slot");
-            match (status, self.ranks[index].state()) {
-                (RankStatus::Alive { pid }, RankState::Down) => {
-                    info!(rank, pid, "worker attached");
-                    self.ranks[index].set_up(pid);
-                }
-                (RankStatus::Alive { pid }, RankState::Up { pid: known }) if pid != known => {
-                    info!(rank, pid, "a new worker holds the rank");
-                    self.ranks[index].set_up(pid);
-                }
-                (RankStatus::Dead { pid }, _) => self.lose_worker(index, Some(pid)),
-                (RankStatus::Empty, RankState::Up { pid }) => {
-                    info!(rank, pid, "worker detached");
-                    self.lose_worker(index, None);
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// The worker of rank `index` died or left: apply the completions it pushed, reclaim the rank
-    /// so a new worker can attach, fail what it had in flight, and start the rank over as down.
-    ///
-    /// The reclaim comes first: while it is refused (the worker is alive after all) that worker may
-    /// still execute the commands in its ring, so they stay in flight; failing them would roll
-    /// their transfers back and hand their blocks out again under a running copy.
-    fn lose_worker(&mut self, index: usize, pid: Option<u32>) {
-        let rank = index as u32;
-        // What the worker answered before it went is final: apply it before the reclaim empties
-        // the ring. A corrupt ring yields nothing; its commands fail below.
-        if self.ranks[index].is_up() {
-            let _ = self.reap_rank(index);
-        }
-        if let Err(error) = self.segment.reclaim_rank(rank) {
-            warn!(rank, %error, "could not reclaim the rank yet; its copies stay in flight");
-            return;
-        }
-        let outcomes = self.tracker.fail_rank(index);
-        if pid.is_some() || !outcomes.is_empty() {
-            self.stats.worker_deaths += 1;
-            warn!(rank, ?pid, failed_transfers = outcomes.len(), "worker lost; failing its copies");
-        }
-        for (transfer, outcome) in outcomes {
-            self.settle(TransferId(transfer), outcome.map_err(failure_of));
-        }
-        self.ranks[index]
-            .reset_after_reclaim(&self.segment)
-            .expect("a rank of the segment has rings");
-    }
 }
 
-fn failure_of(failure: RankFailure) -> TransferFailure {
+pub(crate) fn failure_of(failure: RankFailure) -> TransferFailure {
     TransferFailure {
         rank: failure.rank as u32,
         // A code this build does not know is still a failed copy.

@@ -1,0 +1,83 @@
+//! Watching the workers: noticing a rank's worker attach, leave or die, and taking a lost rank
+//! back so that a new worker can serve it.
+//!
+//! [`Service::poll`] calls `check_workers` at most every [`LIVENESS_INTERVAL`]. For each rank it
+//! reads the worker slot's verdict (pid, start time, heartbeat) and:
+//!
+//! 1. a live worker on a down rank (or a new pid on an up one) brings the rank up;
+//! 2. a dead worker, or an empty slot on an up rank (the worker left), loses the rank
+//!    (`lose_worker`): the completions the worker pushed are applied, the segment reclaims the
+//!    rank (resetting its rings), the commands still outstanding there fail with `WorkerDied`,
+//!    and the rank is down until a worker attaches again.
+
+use std::time::{Duration, Instant};
+
+use kvshm_ipc::worker_slot::RankStatus;
+use tracing::{info, warn};
+
+use super::{failure_of, RankState, Service};
+use crate::manager::TransferId;
+
+/// How often `poll` checks that the workers are alive (SPEC: a death is noticed within 100 ms).
+const LIVENESS_INTERVAL: Duration = Duration::from_millis(5);
+
+impl Service {
+    /// Brings ranks up and loses them as their workers attach, leave and die (module flow).
+    pub(super) fn check_workers(&mut self) {
+        let now = Instant::now();
+        if self.liveness_checked_at.is_some_and(|at| now - at < LIVENESS_INTERVAL) {
+            return;
+        }
+        self.liveness_checked_at = Some(now);
+        for index in 0..self.ranks.len() {
+            let rank = index as u32;
+            let status = self.segment.rank_status(rank).expect("a rank of the segment has a slot");
+            match (status, self.ranks[index].state()) {
+                (RankStatus::Alive { pid }, RankState::Down) => {
+                    info!(rank, pid, "worker attached");
+                    self.ranks[index].set_up(pid);
+                }
+                (RankStatus::Alive { pid }, RankState::Up { pid: known }) if pid != known => {
+                    info!(rank, pid, "a new worker holds the rank");
+                    self.ranks[index].set_up(pid);
+                }
+                (RankStatus::Dead { pid }, _) => self.lose_worker(index, Some(pid)),
+                (RankStatus::Empty, RankState::Up { pid }) => {
+                    info!(rank, pid, "worker detached");
+                    self.lose_worker(index, None);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The worker of rank `index` died or left: apply the completions it pushed, reclaim the rank
+    /// so a new worker can attach, fail what it had in flight, and start the rank over as down.
+    ///
+    /// The reclaim comes first: while it is refused (the worker is alive after all) that worker may
+    /// still execute the commands in its ring, so they stay in flight; failing them would roll
+    /// their transfers back and hand their blocks out again under a running copy.
+    pub(super) fn lose_worker(&mut self, index: usize, pid: Option<u32>) {
+        let rank = index as u32;
+        // What the worker answered before it went is final: apply it before the reclaim empties
+        // the ring. A corrupt ring yields nothing; its commands fail below.
+        if self.ranks[index].is_up() {
+            let _ = self.reap_rank(index);
+        }
+        if let Err(error) = self.segment.reclaim_rank(rank) {
+            warn!(rank, %error, "could not reclaim the rank yet; its copies stay in flight");
+            return;
+        }
+        let outcomes = self.tracker.fail_rank(index);
+        if pid.is_some() || !outcomes.is_empty() {
+            self.stats.worker_deaths += 1;
+            warn!(rank, ?pid, failed_transfers = outcomes.len(), "worker lost; failing its copies");
+        }
+        for (transfer, outcome) in outcomes {
+            self.settle(TransferId(transfer), outcome.map_err(failure_of));
+        }
+        self.ranks[index]
+            .reset_after_reclaim(&self.segment)
+            .expect("a rank of the segment has rings");
+    }
+}
