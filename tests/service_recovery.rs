@@ -219,3 +219,47 @@ fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_
     let (device_hits, host_hits) = run_request(&mut service, 4, &prefix_a);
     assert_eq!(device_hits + host_hits, 8);
 }
+
+#[test]
+fn a_worker_stopped_mid_copy_is_killed_before_its_copies_are_rolled_back() {
+    let name = unique_name("stopped");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(WritePolicy::WriteThrough);
+    let mut service =
+        Service::create(&name, ServiceConfig::new(cache, 1, 4, 8, 16 * 1024)).unwrap();
+    let mut worker = WorkerProcess::spawn(&name, 0, Some(100_000));
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    // Commit a prefix: its write-through backup is a slow copy (100 ms per layer) that the worker
+    // is running when it is stopped. Stopped, it sends no heartbeat; resumed, it would go on
+    // copying into blocks the rollback handed out again.
+    let prefix = hashes(5_000, 4);
+    let request = RequestId(1);
+    let tokens = prefix.len() * BLOCK_TOKENS as usize;
+    service.match_prefix(request, &prefix, tokens).unwrap();
+    service.allocate(request, tokens, 0).unwrap();
+    service.commit(request, tokens, &prefix).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
+    std::thread::sleep(Duration::from_millis(20));
+    let pid = nix::unistd::Pid::from_raw(worker.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+
+    let stopped = Instant::now();
+    while service.cache().transfers_in_flight() > 0 {
+        assert!(stopped.elapsed() < WAIT, "the stopped worker's copy never failed");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let exited = worker.child.try_wait().expect("try_wait");
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        exited.is_some(),
+        "the copy was rolled back while the stopped worker could still resume it"
+    );
+    assert_eq!(service.rank_states(), [RankState::Down]);
+    assert_eq!(service.stats().copy_failures, 1);
+    service.cache().check_invariants().unwrap();
+}

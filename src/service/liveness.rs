@@ -5,14 +5,20 @@
 //! reads the worker slot's verdict (pid, start time, heartbeat) and:
 //!
 //! 1. a live worker on a down rank (or a new pid on an up one) brings the rank up;
-//! 2. a dead worker, or an empty slot on an up rank (the worker left), loses the rank
+//! 2. a dead worker whose process still runs (it stopped heartbeating: stopped or starved, and
+//!    maybe in the middle of a copy) is killed first (`fence_worker`); its rank is lost on a later
+//!    check, once the process is gone, so that no copy of it can touch blocks the rollback hands
+//!    out again;
+//! 3. a dead worker, or an empty slot on an up rank (the worker left), loses the rank
 //!    (`lose_worker`): the completions the worker pushed are applied, the segment reclaims the
 //!    rank (resetting its rings), the commands still outstanding there fail with `WorkerDied`,
 //!    and the rank is down until a worker attaches again.
 
 use std::time::{Duration, Instant};
 
-use kvshm_ipc::worker_slot::RankStatus;
+use kvshm_ipc::worker_slot::{RankStatus, WorkerState};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 use tracing::{info, warn};
 
 use super::{failure_of, RankState, Service};
@@ -41,7 +47,9 @@ impl Service {
                     info!(rank, pid, "a new worker holds the rank");
                     self.ranks[index].set_up(pid);
                 }
-                (RankStatus::Dead { pid }, _) => self.lose_worker(index, Some(pid)),
+                (RankStatus::Dead { pid }, _) if self.fence_worker(rank) => {
+                    self.lose_worker(index, Some(pid));
+                }
                 (RankStatus::Empty, RankState::Up { pid }) => {
                     info!(rank, pid, "worker detached");
                     self.lose_worker(index, None);
@@ -79,5 +87,30 @@ impl Service {
         self.ranks[index]
             .reset_after_reclaim(&self.segment)
             .expect("a rank of the segment has rings");
+    }
+
+    /// Step 2 of the module flow: whether the process of `rank`'s dead worker is gone; if it still
+    /// runs, it is sent SIGKILL and this says no (the next check sees it gone).
+    ///
+    /// The identity (pid and start time) comes from the slot, so a recycled pid is not killed; a
+    /// pid that is no valid process id, or this very process (a test playing the worker), is left
+    /// alone and counts as gone.
+    fn fence_worker(&self, rank: u32) -> bool {
+        let view = self.segment.worker_slot(rank).expect("a rank of the segment has a slot").view();
+        let worker = view.worker;
+        let Some(pid) = i32::try_from(worker.pid).ok().filter(|&pid| pid > 0) else {
+            return true;
+        };
+        if view.state != WorkerState::Attached
+            || worker.pid == std::process::id()
+            || !worker.is_alive()
+        {
+            return true;
+        }
+        warn!(rank, pid, "worker stopped heartbeating but still runs; killing it first");
+        if let Err(error) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
+            warn!(rank, pid, %error, "could not kill the worker; its copies stay in flight");
+        }
+        false
     }
 }
