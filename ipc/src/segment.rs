@@ -419,10 +419,12 @@ impl Segment {
     /// Scheduler: makes a rank whose worker is dead or departed claimable again.
     ///
     /// Marks the slot DEAD (no worker can claim it meanwhile), resets the indices of both rings
-    /// and the progress table, and stores EMPTY. Call it after failing the rank's in-flight
-    /// commands, and re-attach the scheduler's own ring ends afterwards: ones taken before cache
-    /// indices that no longer hold. A worker judged dead only by its heartbeat may still run; it
-    /// learns that it lost the rank from [`RankClaim::heartbeat`] and must stop touching the rings.
+    /// and the progress table, and stores EMPTY. Call it before failing the rank's in-flight
+    /// commands (a refusal means the worker lives and may still run them), and re-attach the
+    /// scheduler's own ring ends afterwards: ones taken before cache indices that no longer hold.
+    /// A worker judged dead only by its heartbeat may still run: the caller kills it first (the
+    /// service does), or it learns that it lost the rank from [`RankClaim::heartbeat`] and must
+    /// stop touching the rings.
     pub fn reclaim_rank(&self, rank: u32) -> Result<(), ReclaimError> {
         let slot = self.worker_slot(rank).map_err(|_| ReclaimError::RankOutOfRange {
             rank,
@@ -431,8 +433,12 @@ impl Segment {
         slot.begin_reclaim(monotonic_ns(), HEARTBEAT_TIMEOUT)?;
         let (command, completion) = self.ring_bases(rank);
         // SAFETY: 1. both ring areas lie in the mapping and were initialised by the creator;
-        // 2. the slot is DEAD: its worker is gone and no other worker can claim the rank until
-        // finish_reclaim(), so no peer uses the rings now.
+        // 2. the slot is DEAD, so no new worker can claim the rank until finish_reclaim(). The
+        // old worker is gone unless it was judged by its heartbeat alone (see above). If it
+        // still touches the rings, nothing becomes unsound: the reset is atomic stores of the
+        // indices, every access is masked into bounds, and what it writes are Pod records and
+        // indices that the other side checks (a stale record is a stray completion, a bad index
+        // a RingError::Corrupt).
         unsafe {
             ring::reset_indices(command);
             ring::reset_indices(completion);

@@ -84,8 +84,11 @@ impl RankMemory {
         let offset = self.device_offset(block, region, bytes.len())?;
         // SAFETY: 1. offset + region_bytes <= device_layout.end() <= the arena's data length
         // (checked in new() and by the layout); 2. bytes.len() == region_bytes; 3. `bytes` is the
-        // caller's memory, not the arena, so they do not overlap; 4. no worker copies into this
-        // block while the engine owns it (module documentation).
+        // caller's memory, not the arena, so they do not overlap; 4. the arena is shared memory
+        // that worker processes also copy, as plain bytes for which every value is valid; this
+        // safe function cannot stop a misbehaving engine from racing a worker on one block, which
+        // would make the bytes wrong (the protocol in the module documentation prevents it), not
+        // this copy out of bounds.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 bytes.as_ptr(),
@@ -127,8 +130,10 @@ impl RankMemory {
         self.check_len(out.len())?;
         let offset = self.host_layout.region_offset(block, region).ok_or(out_of_range)?;
         // SAFETY: 1. offset + region_bytes <= host_layout.len() <= the arena's data length
-        // (checked in new()); 2. `out` is the caller's memory; 3. no copy into this host block is
-        // in flight while the caller reads it (module documentation).
+        // (checked in new()) and out.len() == region_bytes (check_len); 2. `out` is the caller's
+        // memory, so the ranges do not overlap; 3. as premise 4 of write_device_region: plain
+        // bytes a worker may be writing, which a read during a copy would see torn, never out of
+        // bounds (the module documentation says when reads are made).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 host.data_ptr().add(offset as usize),
