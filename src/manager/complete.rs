@@ -102,11 +102,7 @@ impl CacheManager {
                         node.device().expect("an unclaimed eviction keeps its device block");
                     self.free_device(block);
                 }
-                self.tree.update(id, |node| {
-                    node.set_device(None);
-                    node.set_state(NodeState::Host);
-                    node.set_transfer(None);
-                });
+                self.settle_on_host(id);
             }
         }
     }
@@ -144,11 +140,7 @@ impl CacheManager {
         }
         let block = self.tree.node(id).device().expect("a swap-in has its destination");
         self.free_device(block);
-        self.tree.update(id, |node| {
-            node.set_device(None);
-            node.set_state(NodeState::Host);
-            node.set_transfer(None);
-        });
+        self.settle_on_host(id);
     }
 
     /// Takes a node swapped in below a failed swap-in back to `Host`. `failed` is the copy being
@@ -169,6 +161,12 @@ impl CacheManager {
                 "a device copy in state {state:?} below a swap-in is a programming error"
             ),
         }
+        self.settle_on_host(id);
+    }
+
+    /// Node `id` no longer has a device copy and no copy in flight: it is a host node now. The
+    /// caller has given its device block to whoever owns it next.
+    fn settle_on_host(&mut self, id: NodeId) {
         self.tree.update(id, |node| {
             node.set_device(None);
             node.set_state(NodeState::Host);
