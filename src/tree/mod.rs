@@ -477,18 +477,6 @@ impl Tree {
         order
     }
 
-    /// The path from the first block down to `id`, inclusive.
-    pub fn path_to(&self, id: NodeId) -> Vec<NodeId> {
-        let mut path = Vec::with_capacity(self.node(id).depth as usize);
-        let mut next = id;
-        while next != NodeId::ROOT {
-            path.push(next);
-            next = self.nodes[next.index()].parent;
-        }
-        path.reverse();
-        path
-    }
-
     /// Drops every node.
     pub fn clear(&mut self) {
         *self = Tree::new();
