@@ -83,10 +83,18 @@ impl WaitPolicy {
         Self { deadline: Some(deadline), ..self }
     }
 
-    /// The same policy giving up `timeout` from now.
+    /// The same policy giving up `timeout` from now (see [`deadline_after`]).
     pub fn within(self, timeout: Duration) -> Self {
-        self.until(Instant::now() + timeout)
+        self.until(deadline_after(timeout))
     }
+}
+
+/// `timeout` from now. A timeout beyond what an `Instant` can hold (`Duration::MAX` for "wait
+/// forever", a user's `--timeout 1e19`) gives a deadline a century away instead of overflowing.
+pub fn deadline_after(timeout: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+    let now = Instant::now();
+    now.checked_add(timeout.min(CENTURY)).unwrap_or(now)
 }
 
 impl Default for WaitPolicy {
@@ -214,6 +222,18 @@ mod tests {
         let policy = WaitPolicy::new(0, Duration::from_secs(60));
         assert_eq!(doorbell.wait_until(|| true, policy), WaitOutcome::Ready);
         assert_eq!(doorbell.sleepers(), 0);
+    }
+
+    #[test]
+    fn a_timeout_too_long_for_an_instant_is_a_long_wait_not_an_overflow() {
+        let policy = WaitPolicy::default().within(Duration::MAX);
+        let far = policy.deadline.expect("a deadline");
+        assert!(far > Instant::now() + Duration::from_secs(365 * 24 * 3600));
+        assert_eq!(
+            Doorbell::new().wait_until(|| true, policy),
+            WaitOutcome::Ready,
+            "a wait with such a deadline still ends when its condition holds"
+        );
     }
 
     #[test]

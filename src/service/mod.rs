@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::arena::{ArenaError, ArenaKind};
 use kvshm_ipc::config::{Backend, SegmentConfig};
 use kvshm_ipc::counters::Counter;
-use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::doorbell::{deadline_after, WaitPolicy};
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::{
     command_slot_count, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
@@ -374,7 +374,7 @@ impl Service {
     /// on it in short slices so that worker deaths are still noticed.
     pub fn wait(&mut self, ticket: TicketId, timeout: Duration) -> Result<(), WaitError> {
         let started = Instant::now();
-        let deadline = started + timeout;
+        let deadline = deadline_after(timeout);
         loop {
             self.poll();
             match self.manager.ticket_status(ticket)? {
@@ -406,7 +406,7 @@ impl Service {
     /// An allocation can fail only because the blocks it would evict are still being copied (a
     /// backup, a swap-out); an engine waits for them and retries.
     pub fn wait_for_copies(&mut self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         loop {
             self.poll();
             if self.manager.transfers_in_flight() == 0 {

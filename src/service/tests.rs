@@ -106,3 +106,14 @@ fn completions_a_worker_pushed_before_leaving_are_applied_not_lost_to_the_reclai
     assert_eq!(service.rank_states(), [RankState::Down]);
     service.cache().check_invariants().unwrap();
 }
+
+#[test]
+fn a_wait_with_duration_max_as_its_timeout_does_not_overflow_its_deadline() {
+    let mut service = service("wait-forever");
+    let request = RequestId(1);
+    let hashes = [BlockHash(21)];
+    service.match_prefix(request, &hashes, BLOCK_TOKENS as usize).unwrap();
+    let (_, ticket) = service.allocate(request, BLOCK_TOKENS as usize, 0).unwrap();
+    service.wait(ticket, Duration::MAX).unwrap();
+    assert!(service.wait_for_copies(Duration::MAX));
+}
