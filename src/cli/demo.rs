@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
 
 use crate::demo::{workload, DemoEngine, DemoReport};
@@ -169,7 +170,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             name.as_str(),
             name.as_str()
         );
-        let until = Instant::now() + Duration::from_secs(args.hold);
+        let until = deadline_after(Duration::from_secs(args.hold));
         while Instant::now() < until {
             service.poll();
             std::thread::sleep(Duration::from_millis(2));
