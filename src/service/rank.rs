@@ -9,8 +9,9 @@
 //!
 //! A command enters the ring only with a credit: the rank's completion ring holds
 //! `completion_slots` records, and the channel never has more commands in the rings than that, so
-//! a worker never finds its completion ring full (the overflow is impossible by construction, not
-//! detected). A completion gives its credit back.
+//! a worker never finds its completion ring full. A completion gives its credit back (credits never
+//! exceed `completion_slots`). Only a worker that answers commands it was never given can make
+//! the scheduler issue more than the ring holds; that worker then waits for room, losing nothing.
 
 use std::collections::VecDeque;
 
