@@ -263,3 +263,37 @@ fn a_worker_stopped_mid_copy_is_killed_before_its_copies_are_rolled_back() {
     assert_eq!(service.stats().copy_failures, 1);
     service.cache().check_invariants().unwrap();
 }
+
+#[test]
+fn a_live_worker_whose_completion_ring_is_corrupt_is_killed_and_its_rank_recovers() {
+    use std::os::unix::fs::FileExt;
+
+    let name = unique_name("corrupt");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS).with_host_blocks(16);
+    let mut service = Service::create(&name, ServiceConfig::new(cache, 1, 1, 2, 1024)).unwrap();
+    let mut worker = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    // Another process scribbles over the completion ring's tail (128 bytes into the ring).
+    let layout = service.segment().layout();
+    let tail_at = layout.rank_area(0) as u64 + layout.offsets.completion_ring + 128;
+    let control = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("{}{}", kvshm_ipc::listing::SHM_DIR, name.control_object()))
+        .unwrap();
+    control.write_all_at(&(u64::MAX / 2).to_le_bytes(), tail_at).unwrap();
+
+    let corrupted = Instant::now();
+    while service.rank_states()[0] != RankState::Down {
+        assert!(corrupted.elapsed() < WAIT, "a rank with a corrupt completion ring stays up");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        worker.wait_exit(Duration::from_secs(5)).is_some(),
+        "the worker of the broken rank was stopped before the rank was reclaimed"
+    );
+    let _successor = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    service.cache().check_invariants().unwrap();
+}

@@ -518,7 +518,10 @@ impl Service {
             }
             if let Err(error) = self.reap_rank(index) {
                 warn!(rank = index, %error, "completion ring is corrupt; dropping the rank");
-                self.lose_worker(index, None);
+                // Its worker cannot be heard any more: it is stopped before the rank is taken.
+                if self.fence_worker(index as u32) {
+                    self.lose_worker(index, None);
+                }
             }
         }
     }
