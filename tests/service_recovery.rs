@@ -297,3 +297,34 @@ fn a_live_worker_whose_completion_ring_is_corrupt_is_killed_and_its_rank_recover
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
     service.cache().check_invariants().unwrap();
 }
+
+#[test]
+fn a_live_worker_whose_command_ring_head_is_corrupt_is_killed_and_its_rank_recovers() {
+    use std::os::unix::fs::FileExt;
+
+    let name = unique_name("corrupt-head");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS).with_host_blocks(16);
+    let mut service = Service::create(&name, ServiceConfig::new(cache, 1, 1, 2, 1024)).unwrap();
+    let mut worker = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    // Another process scribbles over the command ring's head (256 bytes into the ring): the
+    // scheduler could never tell again which slots the worker has released.
+    let layout = service.segment().layout();
+    let head_at = layout.rank_area(0) as u64 + layout.offsets.command_ring + 256;
+    let control = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("{}{}", kvshm_ipc::listing::SHM_DIR, name.control_object()))
+        .unwrap();
+    control.write_all_at(&(u64::MAX / 2).to_le_bytes(), head_at).unwrap();
+
+    let corrupted = Instant::now();
+    while service.rank_states()[0] != RankState::Down {
+        assert!(corrupted.elapsed() < WAIT, "a rank with a corrupt command ring stays up");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(worker.wait_exit(Duration::from_secs(5)).is_some(), "the worker was stopped first");
+    let _successor = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+}

@@ -469,12 +469,20 @@ impl Service {
             self.issue(transfer);
         }
         self.transfer_scratch = transfers;
-        for rank in &mut self.ranks {
+        for index in 0..self.ranks.len() {
+            let rank = &mut self.ranks[index];
             if rank.pump() > 0 {
                 self.segment
                     .command_doorbell(rank.rank())
                     .expect("a rank of the segment has a doorbell")
                     .ring();
+            }
+            if let Some(fault) = rank.command_ring_fault() {
+                warn!(rank = index, %fault, "command ring is corrupt; dropping the rank");
+                // As for a corrupt completion ring: stop its worker, then take the rank back.
+                if self.fence_worker(index as u32) {
+                    self.lose_worker(index, None);
+                }
             }
         }
     }

@@ -121,6 +121,12 @@ impl RankChannel {
         published
     }
 
+    /// The nonsensical head the worker's side of the command ring last showed, if it ever did: the
+    /// ring can no longer tell which slots are free.
+    pub fn command_ring_fault(&self) -> Option<RingError> {
+        self.commands.consumer_fault()
+    }
+
     /// Moves up to `max` completions into `out`; each returns a credit.
     pub fn reap(&mut self, out: &mut Vec<Completion>, max: usize) -> Result<usize, RingError> {
         let taken = self.completions.pop_into(out, max)?;
