@@ -8,8 +8,8 @@
 //! 2. a dead worker whose process still runs (it stopped heartbeating: stopped or starved, and
 //!    maybe in the middle of a copy) is killed first (`fence_worker`); its rank is lost on a later
 //!    check, once the process is gone, so that no copy of it can touch blocks the rollback hands
-//!    out again. A live worker whose completion ring is corrupt (`reap_completions`) cannot be
-//!    heard any more and is fenced the same way;
+//!    out again. The live worker of a rank whose command or completion ring is corrupt cannot be
+//!    heard any more and is fenced the same way (`drop_broken_rank`);
 //! 3. a dead worker, or an empty slot on an up rank (the worker left), loses the rank
 //!    (`lose_worker`): the completions the worker pushed are applied, the segment reclaims the
 //!    rank (resetting its rings), the commands still outstanding there fail with `WorkerDied`,
@@ -17,6 +17,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvshm_ipc::ring::RingError;
 use kvshm_ipc::worker_slot::{RankStatus, WorkerState};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -90,13 +91,22 @@ impl Service {
             .expect("a rank of the segment has rings");
     }
 
+    /// A ring of rank `index` is corrupt: its worker can no longer be heard, or told which
+    /// command slots are free. The worker is stopped, then the rank taken back (module flow).
+    pub(super) fn drop_broken_rank(&mut self, index: usize, ring: &'static str, error: RingError) {
+        warn!(rank = index, ring, %error, "ring is corrupt; dropping the rank");
+        if self.fence_worker(index as u32) {
+            self.lose_worker(index, None);
+        }
+    }
+
     /// Step 2 of the module flow: whether the process of `rank`'s worker is gone; if it still
     /// runs, it is sent SIGKILL and this says no (a later poll sees it gone).
     ///
     /// The identity (pid and start time) comes from the slot, so a recycled pid is not killed; a
     /// pid that is no valid process id, or this very process (a test playing the worker), is left
     /// alone and counts as gone.
-    pub(super) fn fence_worker(&self, rank: u32) -> bool {
+    fn fence_worker(&self, rank: u32) -> bool {
         let view = self.segment.worker_slot(rank).expect("a rank of the segment has a slot").view();
         let worker = view.worker;
         let Some(pid) = i32::try_from(worker.pid).ok().filter(|&pid| pid > 0) else {

@@ -478,11 +478,7 @@ impl Service {
                     .ring();
             }
             if let Some(fault) = rank.command_ring_fault() {
-                warn!(rank = index, %fault, "command ring is corrupt; dropping the rank");
-                // As for a corrupt completion ring: stop its worker, then take the rank back.
-                if self.fence_worker(index as u32) {
-                    self.lose_worker(index, None);
-                }
+                self.drop_broken_rank(index, "command", fault);
             }
         }
     }
@@ -525,11 +521,7 @@ impl Service {
                 continue;
             }
             if let Err(error) = self.reap_rank(index) {
-                warn!(rank = index, %error, "completion ring is corrupt; dropping the rank");
-                // Its worker cannot be heard any more: it is stopped before the rank is taken.
-                if self.fence_worker(index as u32) {
-                    self.lose_worker(index, None);
-                }
+                self.drop_broken_rank(index, "completion", error);
             }
         }
     }
