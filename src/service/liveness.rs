@@ -42,12 +42,18 @@ impl Service {
             let status = self.segment.rank_status(rank).expect("a rank of the segment has a slot");
             match (status, self.ranks[index].state()) {
                 (RankStatus::Alive { pid }, RankState::Down) => {
-                    info!(rank, pid, "worker attached");
-                    self.ranks[index].set_up(pid);
+                    match self.ranks[index].set_up(&self.segment, pid) {
+                        Ok(()) => info!(rank, pid, "worker attached"),
+                        Err(error) => {
+                            warn!(rank, pid, %error, "rank stays down: its rings are bad")
+                        }
+                    }
                 }
                 (RankStatus::Alive { pid }, RankState::Up { pid: known }) if pid != known => {
                     info!(rank, pid, "a new worker holds the rank");
-                    self.ranks[index].set_up(pid);
+                    self.ranks[index]
+                        .set_up(&self.segment, pid)
+                        .expect("an up rank with stale ring ends is a programming error");
                 }
                 (RankStatus::Dead { pid }, _) if self.fence_worker(rank) => {
                     self.lose_worker(index, Some(pid));
@@ -86,9 +92,9 @@ impl Service {
         for (transfer, outcome) in outcomes {
             self.settle(TransferId(transfer), outcome.map_err(failure_of));
         }
-        self.ranks[index]
-            .reset_after_reclaim(&self.segment)
-            .expect("a rank of the segment has rings");
+        if let Err(error) = self.ranks[index].reset_after_reclaim(&self.segment) {
+            warn!(rank, %error, "rank reclaimed, but its rings are bad; it stays down");
+        }
     }
 
     /// A ring of rank `index` is corrupt: its worker can no longer be heard, or told which

@@ -42,6 +42,9 @@ pub struct RankChannel {
     credits: usize,
     completion_slots: usize,
     state: RankState,
+    /// The ring ends could not be taken afresh after a reclaim; they must be before the rank can
+    /// come up again.
+    stale_ends: bool,
     batch: Vec<CommandSlot>,
 }
 
@@ -58,6 +61,7 @@ impl RankChannel {
             credits: completion_slots,
             completion_slots,
             state: RankState::Down,
+            stale_ends: false,
             batch: Vec::new(),
         })
     }
@@ -74,8 +78,14 @@ impl RankChannel {
         matches!(self.state, RankState::Up { .. })
     }
 
-    pub fn set_up(&mut self, pid: u32) {
+    /// The rank has a live worker `pid`. After a reclaim whose fresh ring ends could not be
+    /// taken, they are taken now; if that still fails the rank stays down.
+    pub fn set_up(&mut self, segment: &Segment, pid: u32) -> Result<(), SegmentError> {
+        if self.stale_ends {
+            self.attach_ends(segment)?;
+        }
         self.state = RankState::Up { pid };
+        Ok(())
     }
 
     /// Commands in the rings (issued and not yet completed).
@@ -142,14 +152,26 @@ impl RankChannel {
         !matches!(self.completions.is_empty(), Ok(true))
     }
 
-    /// After the rank's worker died and the segment reclaimed the rank: drop the backlog, restore
-    /// every credit and take fresh ring ends (the old ones cache indices that no longer hold).
+    /// After the rank's worker died and the segment reclaimed the rank: the rank is down, its
+    /// backlog dropped and every credit restored, and it takes fresh ring ends (the old ones cache
+    /// indices that no longer hold).
+    ///
+    /// # Errors
+    ///
+    /// The rings in shared memory no longer validate (a header written over): the rank stays down
+    /// until [`set_up`](Self::set_up) manages to take fresh ends.
     pub fn reset_after_reclaim(&mut self, segment: &Segment) -> Result<(), SegmentError> {
-        self.commands = segment.command_producer(self.rank)?;
-        self.completions = segment.completion_consumer(self.rank)?;
         self.backlog.clear();
         self.credits = self.completion_slots;
         self.state = RankState::Down;
+        self.stale_ends = true;
+        self.attach_ends(segment)
+    }
+
+    fn attach_ends(&mut self, segment: &Segment) -> Result<(), SegmentError> {
+        self.commands = segment.command_producer(self.rank)?;
+        self.completions = segment.completion_consumer(self.rank)?;
+        self.stale_ends = false;
         Ok(())
     }
 }

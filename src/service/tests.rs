@@ -117,3 +117,39 @@ fn a_wait_with_duration_max_as_its_timeout_does_not_overflow_its_deadline() {
     service.wait(ticket, Duration::MAX).unwrap();
     assert!(service.wait_for_copies(Duration::MAX));
 }
+
+#[test]
+fn a_ring_header_scribbled_over_leaves_its_rank_down_after_a_reclaim_instead_of_panicking() {
+    use std::os::unix::fs::FileExt;
+
+    let mut service = service("scribbled-ring");
+    let (_segment, claim) = claim_rank(&mut service);
+    let layout = service.segment().layout();
+    let magic_at = layout.rank_area(0) as u64 + layout.offsets.completion_ring;
+    let object =
+        format!("{}{}", kvshm_ipc::listing::SHM_DIR, service.segment().name().control_object());
+    let control = std::fs::OpenOptions::new().read(true).write(true).open(object).unwrap();
+    let mut magic = [0u8; 8];
+    control.read_exact_at(&mut magic, magic_at).unwrap();
+    control.write_all_at(b"garbage!", magic_at).unwrap();
+
+    // The worker leaves; the reclaim cannot take fresh ring ends over the scribbled header.
+    drop(claim);
+    service.liveness_checked_at = None;
+    service.poll();
+    assert_eq!(service.rank_states(), [RankState::Down]);
+
+    // A worker attaching while the header is still bad does not bring the rank up.
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let claim = segment.claim_rank(0).unwrap();
+    service.liveness_checked_at = None;
+    service.poll();
+    assert_eq!(service.rank_states(), [RankState::Down]);
+
+    // Once the header is whole again, the next worker check takes fresh ends and brings it up.
+    control.write_all_at(&magic, magic_at).unwrap();
+    claim.heartbeat().unwrap();
+    service.liveness_checked_at = None;
+    service.poll();
+    assert!(matches!(service.rank_states()[0], RankState::Up { .. }));
+}
