@@ -34,8 +34,10 @@ pub const SNAPSHOT_WORDS: usize = SNAPSHOT_BYTES / 8;
 /// Snapshot depth meaning "the whole tree".
 pub const DEPTH_UNLIMITED: u32 = u32::MAX;
 
-/// Answered resets whose status stays readable.
-pub const RESET_HISTORY: usize = 4;
+/// Answered resets whose status stays readable: a client still reads its own answer after this
+/// many later resets were answered (kvctl clients poll every millisecond, so only a client stalled
+/// through hundreds of other resets sees `Overtaken`).
+pub const RESET_HISTORY: usize = 256;
 
 const SNAPSHOT_OK: u64 = 0;
 const SNAPSHOT_TOO_LARGE: u64 = 1;
@@ -50,7 +52,7 @@ pub struct ControlArea {
     /// `(seq << 32) | status` of the last [`RESET_HISTORY`] resets, at `seq % RESET_HISTORY`, so
     /// that a client still gets its status after another client's request followed.
     reset_history: [AtomicU64; RESET_HISTORY],
-    _reserved0: [u64; 2],
+    _reserved0: [u64; 6],
     /// `(seq << 32) | depth`, claimed by kvctl.
     snapshot_request: AtomicU64,
     /// Seqlock version of the snapshot header words and bytes.
@@ -60,7 +62,7 @@ pub struct ControlArea {
     _reserved1: [u64; 3],
 }
 
-const _: () = assert!(size_of::<ControlArea>() == 128);
+const _: () = assert!(size_of::<ControlArea>() == 2_176);
 
 /// How a reset ended, as reported by the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -382,7 +384,7 @@ mod tests {
                 reset_request: AtomicU64::new(0),
                 reset_done: AtomicU64::new(0),
                 reset_history: std::array::from_fn(|_| AtomicU64::new(0)),
-                _reserved0: [0; 2],
+                _reserved0: [0; 6],
                 snapshot_request: AtomicU64::new(0),
                 snapshot_version: AtomicU64::new(0),
                 snapshot_header: std::array::from_fn(|_| AtomicU64::new(0)),
