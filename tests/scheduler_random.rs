@@ -367,7 +367,7 @@ const STEPS: usize = 100_000;
 fn random_operations_keep_every_invariant_without_a_host_tier() {
     let engine = run(CacheConfig::new(BLOCK_TOKENS as u32, 12), 1, STEPS, 3, 6, false);
     assert!(engine.hits_checked > 1000, "only {} hits checked", engine.hits_checked);
-    assert!(engine.cache.stats().evictions.device_dropped > 0);
+    assert!(engine.cache.stats().counters.evictions.device_dropped > 0);
 }
 
 #[test]
@@ -376,8 +376,14 @@ fn random_operations_keep_every_invariant_under_write_back() {
         CacheConfig::new(BLOCK_TOKENS as u32, 12).with_host_blocks(16).with_free_watermark(2);
     let engine = run(config, 2, STEPS, 3, 6, false);
     let stats = engine.cache.stats();
-    assert!(stats.hits.host_blocks > 100 && stats.swap_in_blocks > 100, "{stats:?}");
-    assert!(stats.failed_transfers > 10 && stats.stale_completions > 0, "{stats:?}");
+    assert!(
+        stats.counters.hits.host_blocks > 100 && stats.counters.swap_in_blocks > 100,
+        "{stats:?}"
+    );
+    assert!(
+        stats.counters.failed_transfers > 10 && stats.counters.stale_completions > 0,
+        "{stats:?}"
+    );
     assert!(engine.hits_checked > 1000);
 }
 
@@ -389,7 +395,8 @@ fn random_operations_keep_every_invariant_under_write_through() {
     let engine = run(config, 3, STEPS, 3, 6, false);
     let stats = engine.cache.stats();
     assert!(
-        stats.backup_blocks > 100 && stats.evictions.device_to_host_metadata > 100,
+        stats.counters.backup_blocks > 100
+            && stats.counters.evictions.device_to_host_metadata > 100,
         "{stats:?}"
     );
 }
@@ -401,7 +408,10 @@ fn random_operations_keep_every_invariant_under_selective_write_through() {
         CacheConfig::new(BLOCK_TOKENS as u32, 12).with_host_blocks(12).with_write_policy(policy);
     let engine = run(config, 4, STEPS, 3, 6, false);
     let stats = engine.cache.stats();
-    assert!(stats.backup_blocks > 10 && stats.evictions.device_dropped > 10, "{stats:?}");
+    assert!(
+        stats.counters.backup_blocks > 10 && stats.counters.evictions.device_dropped > 10,
+        "{stats:?}"
+    );
 }
 
 #[test]
@@ -413,7 +423,10 @@ fn random_operations_keep_every_invariant_with_many_swap_ins_in_flight() {
     engine.completion_percent = 10;
     let engine = run_engine(engine, STEPS);
     let stats = engine.cache.stats();
-    assert!(stats.swap_in_blocks > 100 && stats.failed_transfers > 10, "{stats:?}");
+    assert!(
+        stats.counters.swap_in_blocks > 100 && stats.counters.failed_transfers > 10,
+        "{stats:?}"
+    );
 }
 
 #[test]
@@ -421,6 +434,6 @@ fn random_operations_hit_exactly_the_committed_prefixes_when_nothing_is_evicted(
     // Two tokens, two-token blocks and prompts of at most four blocks: at most 340 distinct
     // blocks, plus what live requests own, fit in 600 device blocks, so nothing is ever evicted.
     let engine = run(CacheConfig::new(BLOCK_TOKENS as u32, 600), 5, STEPS, 2, 4, true);
-    assert_eq!(engine.cache.stats().evictions.device_total(), 0);
+    assert_eq!(engine.cache.stats().counters.evictions.device_total(), 0);
     assert!(engine.hits_checked > 1000);
 }

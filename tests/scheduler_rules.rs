@@ -31,7 +31,7 @@ fn a_prefill_hits_on_a_common_prefix() {
     let second = serve(&mut cache, 2, &hashes(&[1, 2, 9, 10]));
     assert_eq!((second.device_blocks, second.host_blocks, second.cached_tokens), (2, 0, 8));
     let stats = cache.stats();
-    assert_eq!((stats.hits.device_blocks, stats.hits.device_tokens), (2, 8));
+    assert_eq!((stats.counters.hits.device_blocks, stats.counters.hits.device_tokens), (2, 8));
     assert_eq!(stats.cached_blocks, 5);
 }
 
@@ -43,7 +43,7 @@ fn lookup_has_no_side_effects() {
     assert_eq!(cache.lookup(&hashes(&[1, 2, 3])).device_blocks, 2);
     let after = cache.tree_snapshot(8);
     assert_eq!(format!("{before:?}"), format!("{after:?}"));
-    assert_eq!(cache.stats().matches, 1);
+    assert_eq!(cache.stats().counters.matches, 1);
 }
 
 #[test]
@@ -103,7 +103,7 @@ fn eviction_follows_lru_order() {
     for kept in [1, 3, 4] {
         assert_eq!(cache.lookup(&hashes(&[kept])).blocks(), 1, "block {kept}");
     }
-    assert_eq!(cache.stats().evictions.device_dropped, 1);
+    assert_eq!(cache.stats().counters.evictions.device_dropped, 1);
 }
 
 #[test]
@@ -288,7 +288,7 @@ fn without_a_host_tier_evicted_blocks_are_dropped() {
     serve(&mut cache, 2, &hashes(&[3, 4]));
     assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
     assert!(cache.take_transfers().is_empty());
-    assert_eq!(cache.stats().evictions.device_dropped, 2);
+    assert_eq!(cache.stats().counters.evictions.device_dropped, 2);
 }
 
 #[test]
@@ -299,7 +299,10 @@ fn write_back_moves_evicted_blocks_to_host_and_a_hit_swaps_them_in() {
     let found = cache.lookup(&hashes(&[1, 2]));
     assert_eq!((found.device_blocks, found.host_blocks), (0, 2));
     let stats = cache.stats();
-    assert_eq!((stats.evictions.device_written_back, stats.swap_out_blocks), (2, 2));
+    assert_eq!(
+        (stats.counters.evictions.device_written_back, stats.counters.swap_out_blocks),
+        (2, 2)
+    );
 
     let request = RequestId(3);
     let found = cache.match_prefix(request, &hashes(&[1, 2]), 8).unwrap();
@@ -320,7 +323,7 @@ fn write_back_moves_evicted_blocks_to_host_and_a_hit_swaps_them_in() {
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
     assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
     assert_eq!(cache.block_table(request).unwrap(), table);
-    assert_eq!(cache.stats().swap_in_blocks, 2);
+    assert_eq!(cache.stats().counters.swap_in_blocks, 2);
     check(&cache);
 }
 
@@ -371,7 +374,7 @@ fn a_node_hit_while_swapping_to_host_stays_on_device() {
     );
     assert!(snapshot.nodes[1].host.is_some(), "the host copy became a backup");
     assert_eq!(cache.block_table(request).unwrap(), table);
-    assert_eq!(cache.stats().backup_blocks, 1);
+    assert_eq!(cache.stats().counters.backup_blocks, 1);
 }
 
 #[test]
@@ -477,7 +480,7 @@ fn a_failed_swap_out_leaves_the_node_on_device_and_frees_the_host_block() {
     check(&cache);
     assert_eq!(cache.free_host_blocks(), 4);
     assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
-    assert_eq!(cache.stats().failed_transfers, 1);
+    assert_eq!(cache.stats().counters.failed_transfers, 1);
 }
 
 #[test]
@@ -534,12 +537,15 @@ fn write_through_backs_up_every_committed_block_on_poll() {
     cache.poll();
     let out = complete_all(&mut cache);
     assert_eq!((out.len(), out[0].pairs.len()), (1, 2), "one batched copy");
-    assert_eq!(cache.stats().backup_blocks, 2);
+    assert_eq!(cache.stats().counters.backup_blocks, 2);
     // Evicting a backed-up node is metadata only: no copy.
     serve(&mut cache, 2, &hashes(&[3]));
     let stats = cache.stats();
     assert_eq!(
-        (stats.evictions.device_to_host_metadata, stats.evictions.device_written_back),
+        (
+            stats.counters.evictions.device_to_host_metadata,
+            stats.counters.evictions.device_written_back
+        ),
         (1, 0)
     );
     assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 1);
@@ -553,13 +559,16 @@ fn write_through_selective_backs_up_hot_nodes_and_drops_cold_ones() {
     serve(&mut cache, 3, &hashes(&[1])); // hit count of 1 reaches 2
     cache.poll();
     assert_eq!(complete_all(&mut cache).len(), 1);
-    assert_eq!(cache.stats().backup_blocks, 1);
+    assert_eq!(cache.stats().counters.backup_blocks, 1);
     serve(&mut cache, 4, &hashes(&[3])); // evicts 2 (cold: dropped)
     serve(&mut cache, 5, &hashes(&[4])); // evicts 1 (backed up: metadata)
     assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
     assert_eq!(cache.lookup(&hashes(&[1])).host_blocks, 1);
     let stats = cache.stats();
-    assert_eq!((stats.evictions.device_dropped, stats.evictions.device_to_host_metadata), (1, 1));
+    assert_eq!(
+        (stats.counters.evictions.device_dropped, stats.counters.evictions.device_to_host_metadata),
+        (1, 1)
+    );
 }
 
 #[test]
@@ -570,7 +579,7 @@ fn write_back_with_a_full_host_tier_drops_host_leaves_first() {
     serve(&mut cache, 3, &hashes(&[3])); // host full: 1 is dropped, 2 goes to host
     assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
     assert_eq!(cache.lookup(&hashes(&[2])).host_blocks, 1);
-    assert_eq!(cache.stats().evictions.host_dropped, 1);
+    assert_eq!(cache.stats().counters.evictions.host_dropped, 1);
 }
 
 #[test]
@@ -582,7 +591,7 @@ fn write_back_drops_the_device_node_when_no_host_block_can_go() {
     cache.match_prefix(RequestId(4), &hashes(&[1]), 4).unwrap(); // holds the host copy
     serve(&mut cache, 5, &hashes(&[5])); // evicting 2: host full and held, so 2 is dropped
     assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
-    assert_eq!(cache.stats().evictions.device_dropped, 1);
+    assert_eq!(cache.stats().counters.evictions.device_dropped, 1);
     cache.finish(RequestId(4)).unwrap();
     check(&cache);
 }
@@ -604,7 +613,7 @@ fn completions_from_an_older_generation_keep_their_blocks_until_they_arrive() {
     check(&cache);
     assert_eq!((cache.free_device_blocks(), cache.free_host_blocks()), (2, 2));
     assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
-    assert_eq!(cache.stats().stale_completions, 1);
+    assert_eq!(cache.stats().counters.stale_completions, 1);
 }
 
 #[test]
@@ -710,5 +719,5 @@ fn selective_write_through_with_threshold_one_backs_up_on_commit() {
     serve(&mut cache, 1, &hashes(&[1, 2]));
     cache.poll();
     assert_eq!(complete_all(&mut cache).len(), 1);
-    assert_eq!(cache.stats().backup_blocks, 2);
+    assert_eq!(cache.stats().counters.backup_blocks, 2);
 }

@@ -245,7 +245,7 @@ pub fn measure(
         }
     }
     anyhow::ensure!(
-        cache.stats().evictions.device_total() >= (samples * fresh) as u64,
+        cache.stats().counters.evictions.device_total() >= (samples * fresh) as u64,
         "too few evictions"
     );
 

@@ -213,10 +213,10 @@ impl<'a> DemoEngine<'a> {
         report.hit_rate_blocks = ratio(report.hit_blocks, report.blocks);
         report.device_hit_rate_blocks = ratio(report.device_hit_blocks, report.blocks);
         report.host_hit_rate_blocks = ratio(report.host_hit_blocks, report.blocks);
-        report.swap_in_blocks = stats.swap_in_blocks;
-        report.swap_out_blocks = stats.swap_out_blocks;
-        report.backup_blocks = stats.backup_blocks;
-        report.evictions = stats.evictions.device_total();
+        report.swap_in_blocks = stats.counters.swap_in_blocks;
+        report.swap_out_blocks = stats.counters.swap_out_blocks;
+        report.backup_blocks = stats.counters.backup_blocks;
+        report.evictions = stats.counters.evictions.device_total();
         report.bytes_copied = service.bytes_copied;
         report.copy_gb_per_s = self.service.worker_copy_gb_per_s();
         report.ticket_wait_us = Percentiles::of_micros(&self.waits);

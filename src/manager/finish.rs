@@ -12,14 +12,14 @@ impl CacheManager {
     /// Ends a request that ran to completion.
     pub fn finish(&mut self, request: RequestId) -> Result<(), FinishError> {
         self.end(request)?;
-        self.stats.finished += 1;
+        self.stats.finished_requests += 1;
         Ok(())
     }
 
     /// Ends a request early (cancelled, preempted, or its ticket failed).
     pub fn abort(&mut self, request: RequestId) -> Result<(), FinishError> {
         self.end(request)?;
-        self.stats.aborted += 1;
+        self.stats.aborted_requests += 1;
         Ok(())
     }
 

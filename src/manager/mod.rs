@@ -46,7 +46,7 @@ pub use errors::{
 };
 pub use lookup::{Lookup, PrefixMatch};
 pub use request::RequestId;
-pub use stats::{CacheStats, Evictions, Hits};
+pub use stats::{CacheCounters, CacheStats, Evictions, Hits};
 pub use transfer::{TicketId, TicketStatus, Transfer, TransferFailure, TransferId, TransferKind};
 
 use crate::pool::BlockPool;
@@ -79,7 +79,7 @@ pub struct CacheManager {
     generation: u64,
     next_transfer: u64,
     next_ticket: u64,
-    stats: stats::Counters,
+    stats: stats::CacheCounters,
 }
 
 impl CacheManager {
@@ -102,7 +102,7 @@ impl CacheManager {
             generation: 0,
             next_transfer: 1,
             next_ticket: 1,
-            stats: stats::Counters::default(),
+            stats: stats::CacheCounters::default(),
         })
     }
 

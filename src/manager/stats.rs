@@ -33,28 +33,35 @@ impl Evictions {
     }
 }
 
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Counters {
+/// What the manager counts as it works; part of every [`CacheStats`].
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CacheCounters {
+    /// `match_prefix` calls and the blocks they asked about.
     pub matches: u64,
     pub queried_blocks: u64,
     pub hits: Hits,
     pub evictions: Evictions,
+    /// Blocks whose host-to-device copy was issued, and landed.
     pub swap_in_blocks_issued: u64,
     pub swap_in_blocks: u64,
+    /// Blocks evicted to host whose copy landed.
     pub swap_out_blocks: u64,
+    /// Backups issued, and landed.
     pub backups_issued: u64,
     pub backup_blocks: u64,
     pub failed_transfers: u64,
+    /// Completions of copies from before a reset.
     pub stale_completions: u64,
     pub failed_allocations: u64,
     pub committed_blocks: u64,
+    /// Committed blocks that were cached already.
     pub duplicate_blocks: u64,
-    pub finished: u64,
-    pub aborted: u64,
+    pub finished_requests: u64,
+    pub aborted_requests: u64,
     pub resets: u64,
 }
 
-impl Counters {
+impl CacheCounters {
     pub fn record_match(
         &mut self,
         queried: usize,
@@ -84,34 +91,13 @@ pub struct CacheStats {
     pub cached_blocks: usize,
     pub live_requests: usize,
     pub transfers_in_flight: usize,
-    /// `match_prefix` calls and the blocks they asked about.
-    pub matches: u64,
-    pub queried_blocks: u64,
-    pub hits: Hits,
-    pub evictions: Evictions,
-    /// Blocks whose host-to-device copy was issued, and landed.
-    pub swap_in_blocks_issued: u64,
-    pub swap_in_blocks: u64,
-    /// Blocks evicted to host whose copy landed.
-    pub swap_out_blocks: u64,
-    /// Backups issued, and landed.
-    pub backups_issued: u64,
-    pub backup_blocks: u64,
-    pub failed_transfers: u64,
-    /// Completions of copies from before a reset.
-    pub stale_completions: u64,
-    pub failed_allocations: u64,
-    pub committed_blocks: u64,
-    /// Committed blocks that were cached already.
-    pub duplicate_blocks: u64,
-    pub finished_requests: u64,
-    pub aborted_requests: u64,
-    pub resets: u64,
+    /// The counters, flattened into the same JSON object.
+    #[serde(flatten)]
+    pub counters: CacheCounters,
 }
 
 impl CacheManager {
     pub fn stats(&self) -> CacheStats {
-        let counters = &self.stats;
         CacheStats {
             generation: self.generation,
             block_tokens: self.config.block_tokens,
@@ -122,23 +108,7 @@ impl CacheManager {
             cached_blocks: self.tree.len(),
             live_requests: self.requests.len(),
             transfers_in_flight: self.in_flight.len(),
-            matches: counters.matches,
-            queried_blocks: counters.queried_blocks,
-            hits: counters.hits,
-            evictions: counters.evictions,
-            swap_in_blocks_issued: counters.swap_in_blocks_issued,
-            swap_in_blocks: counters.swap_in_blocks,
-            swap_out_blocks: counters.swap_out_blocks,
-            backups_issued: counters.backups_issued,
-            backup_blocks: counters.backup_blocks,
-            failed_transfers: counters.failed_transfers,
-            stale_completions: counters.stale_completions,
-            failed_allocations: counters.failed_allocations,
-            committed_blocks: counters.committed_blocks,
-            duplicate_blocks: counters.duplicate_blocks,
-            finished_requests: counters.finished,
-            aborted_requests: counters.aborted,
-            resets: counters.resets,
+            counters: self.stats.clone(),
         }
     }
 }

@@ -50,19 +50,27 @@ impl Service {
             (Counter::HostBlocksTotal, u64::from(cache.host_blocks)),
             (Counter::HostBlocksFree, cache.host_free as u64),
             (Counter::CachedNodes, cache.cached_blocks as u64),
-            (Counter::DeviceHitBlocks, cache.hits.device_blocks),
-            (Counter::HostHitBlocks, cache.hits.host_blocks),
+            (Counter::DeviceHitBlocks, cache.counters.hits.device_blocks),
+            (Counter::HostHitBlocks, cache.counters.hits.host_blocks),
             (
                 Counter::MissBlocks,
-                cache.queried_blocks - cache.hits.device_blocks - cache.hits.host_blocks,
+                cache.counters.queried_blocks
+                    - cache.counters.hits.device_blocks
+                    - cache.counters.hits.host_blocks,
             ),
-            (Counter::HitTokens, cache.hits.device_tokens + cache.hits.host_tokens),
-            (Counter::Lookups, cache.matches),
+            (
+                Counter::HitTokens,
+                cache.counters.hits.device_tokens + cache.counters.hits.host_tokens,
+            ),
+            (Counter::Lookups, cache.counters.matches),
             (Counter::RequestsLive, cache.live_requests as u64),
-            (Counter::Evictions, cache.evictions.device_total() + cache.evictions.host_dropped),
-            (Counter::SwapsIn, cache.swap_in_blocks),
-            (Counter::SwapsOut, cache.swap_out_blocks),
-            (Counter::Backups, cache.backup_blocks),
+            (
+                Counter::Evictions,
+                cache.counters.evictions.device_total() + cache.counters.evictions.host_dropped,
+            ),
+            (Counter::SwapsIn, cache.counters.swap_in_blocks),
+            (Counter::SwapsOut, cache.counters.swap_out_blocks),
+            (Counter::Backups, cache.counters.backup_blocks),
             (Counter::CopyFailures, service.copy_failures),
             (Counter::CommandsIssued, service.commands_issued),
             (Counter::CommandsCompleted, service.commands_completed),
@@ -71,7 +79,10 @@ impl Service {
             (Counter::Generation, self.segment.generation()),
             (Counter::Resets, service.resets),
             (Counter::WorkerDeaths, service.worker_deaths),
-            (Counter::DroppedNodes, cache.evictions.device_dropped + cache.evictions.host_dropped),
+            (
+                Counter::DroppedNodes,
+                cache.counters.evictions.device_dropped + cache.counters.evictions.host_dropped,
+            ),
             (Counter::LastPollNs, monotonic_ns()),
         ];
         for (counter, value) in values {

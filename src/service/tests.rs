@@ -102,7 +102,7 @@ fn completions_a_worker_pushed_before_leaving_are_applied_not_lost_to_the_reclai
 
     assert_eq!(service.cache().transfers_in_flight(), 0);
     assert_eq!(service.stats().copy_failures, 0, "the copy succeeded; its completion was there");
-    assert_eq!(service.cache().stats().backup_blocks, 2);
+    assert_eq!(service.cache().stats().counters.backup_blocks, 2);
     assert_eq!(service.rank_states(), [RankState::Down]);
     service.cache().check_invariants().unwrap();
 }
