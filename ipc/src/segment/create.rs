@@ -1,0 +1,137 @@
+//! Reading and validating a control object's header, and creating a new one with its arenas.
+
+use super::{AttachError, CorruptReason, CreateError, CREATE_ATTEMPTS};
+use crate::arena::{Arena, ArenaKind};
+use crate::config::{Backend, SegmentConfig};
+use crate::layout::{
+    Header, HeaderFields, RecordSizes, SegmentLayout, LAYOUT_VERSION, MAGIC, READY,
+};
+use crate::listing::{self, ExistingSegment};
+use crate::liveness::ProcessIdentity;
+use crate::name::SegmentName;
+use crate::shm::{SharedMemory, ShmError};
+use crate::sync::Ordering;
+
+/// Offset of the creator identity in the header (written first during creation).
+pub(super) const CREATOR_OFFSET: usize = std::mem::offset_of!(HeaderFields, creator);
+
+pub(super) fn header_fields_ptr(memory: &SharedMemory) -> *mut HeaderFields {
+    memory.as_ptr().cast::<HeaderFields>()
+}
+
+/// The creator identity of a control object, if it is long enough and the identity was written.
+pub(crate) fn read_creator(memory: &SharedMemory) -> Option<ProcessIdentity> {
+    if memory.len() < CREATOR_OFFSET + size_of::<ProcessIdentity>() {
+        return None;
+    }
+    // SAFETY: 1. in bounds (checked above); 2. the offset is 8-aligned in a page-aligned mapping;
+    // 3. ProcessIdentity is Pod, so any bytes are a valid value.
+    let creator =
+        unsafe { memory.as_ptr().add(CREATOR_OFFSET).cast::<ProcessIdentity>().read_volatile() };
+    (!creator.is_none()).then_some(creator)
+}
+
+/// Checks everything in a control object except the creator's liveness.
+pub(crate) fn validate_header(
+    memory: &SharedMemory,
+) -> Result<(HeaderFields, SegmentLayout), AttachError> {
+    let len = memory.len() as u64;
+    let header_size = size_of::<Header>() as u64;
+    if len < header_size {
+        return Err(AttachError::Truncated { len, expected: header_size });
+    }
+    // SAFETY: the mapping holds a whole Header (checked above) and is page-aligned; the header's
+    // atomics are only accessed atomically.
+    let header = unsafe { &*memory.as_ptr().cast::<Header>() };
+    // SAFETY: as above; HeaderFields is Pod, and a volatile copy tolerates concurrent writers.
+    let early = unsafe { header_fields_ptr(memory).read_volatile() };
+    if early.magic == MAGIC && early.layout_version != LAYOUT_VERSION {
+        return Err(AttachError::VersionMismatch {
+            found: early.layout_version,
+            expected: LAYOUT_VERSION,
+        });
+    }
+    // SYNC: pairs with the Release store of ready in Segment::create().
+    if header.ready.load(Ordering::Acquire) != READY {
+        return Err(AttachError::NotReady { pid: early.creator.pid });
+    }
+    // SAFETY: as above; read again after the Acquire so the copy is the published one.
+    let fields = unsafe { header_fields_ptr(memory).read_volatile() };
+    if fields.magic != MAGIC {
+        return Err(AttachError::BadMagic);
+    }
+    if fields.layout_version != LAYOUT_VERSION {
+        return Err(AttachError::VersionMismatch {
+            found: fields.layout_version,
+            expected: LAYOUT_VERSION,
+        });
+    }
+    if let Some((record, found, expected)) =
+        fields.record_sizes.first_mismatch(&RecordSizes::CURRENT)
+    {
+        return Err(AttachError::RecordSizeMismatch { record, found, expected });
+    }
+    if fields.total_size > len {
+        return Err(AttachError::Truncated { len, expected: fields.total_size });
+    }
+    let layout = SegmentLayout::compute(&fields.config)
+        .map_err(|error| AttachError::Corrupt(CorruptReason::Config(error)))?;
+    if let Some((area, found, expected)) = layout.first_offset_mismatch(&fields.offsets) {
+        return Err(AttachError::Corrupt(CorruptReason::Offset { area, found, expected }));
+    }
+    if fields.total_size != layout.total_size as u64 {
+        return Err(AttachError::Corrupt(CorruptReason::TotalSize {
+            found: fields.total_size,
+            expected: layout.total_size as u64,
+        }));
+    }
+    Ok((fields, layout))
+}
+
+/// Step 2 of creation: make the control object, taking over a stale one.
+pub(super) fn create_control_object(
+    name: &SegmentName,
+    object: &str,
+    len: usize,
+) -> Result<SharedMemory, CreateError> {
+    for _ in 0..CREATE_ATTEMPTS {
+        match SharedMemory::create(object, len) {
+            Ok(memory) => return Ok(memory),
+            Err(ShmError::AlreadyExists { .. }) => match listing::judge_existing(object)? {
+                ExistingSegment::Live { pid } => return Err(CreateError::InUse { pid }),
+                ExistingSegment::BeingCreated => {
+                    return Err(CreateError::BeingCreated { object: object.to_owned() })
+                }
+                ExistingSegment::Stale => {
+                    tracing::info!(segment = %name, "removing stale segment before creating it anew");
+                    listing::unlink(name)?;
+                }
+                ExistingSegment::Gone => {}
+            },
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Err(CreateError::BeingCreated { object: object.to_owned() })
+}
+
+/// Step 3 of creation: the data arenas, after removing orphans of the name (we hold the control
+/// object, so any data object of the name left over belongs to a dead creator).
+pub(super) fn create_arenas(
+    name: &SegmentName,
+    config: &SegmentConfig,
+    created: &mut Vec<String>,
+) -> Result<(), CreateError> {
+    listing::unlink_data_objects(name)?;
+    let block_bytes = config.block_bytes();
+    for rank in 0..config.tp_size {
+        if config.backend()? == Backend::HostArena {
+            Arena::create(name, ArenaKind::Device, rank, config.device_blocks.into(), block_bytes)?;
+            created.push(name.device_arena_object(rank));
+        }
+        if config.host_blocks > 0 {
+            Arena::create(name, ArenaKind::Host, rank, config.host_blocks.into(), block_bytes)?;
+            created.push(name.host_tier_object(rank));
+        }
+    }
+    Ok(())
+}

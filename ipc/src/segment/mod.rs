@@ -1,0 +1,365 @@
+//! A mapped control segment: creating, attaching, and reaching every area inside it.
+//!
+//! [`Segment`] owns one mapping of `/kvshm.NAME` (shared through an `Arc` with the ring handles and
+//! rank claims it gives out, so none of them can outlive the mapping) and a validated copy of the
+//! header fields. Every offset it uses comes from [`SegmentLayout::compute`] over a validated
+//! configuration and was checked against the header, so accessors never leave the mapping.
+//!
+//! Creation ([`Segment::create`]):
+//! 1. validate the configuration and compute the layout;
+//! 2. create the control object with `O_EXCL`; if it exists, judge it: a live creator is
+//!    [`CreateError::InUse`], a dead one makes it stale: unlink it and its data objects, retry;
+//! 3. write the creator identity first, then create the data arenas, the header fields, the rings;
+//! 4. store [`READY`] with Release.
+//!
+//! Attaching ([`Segment::attach`]) validates in this order: size, version, ready (Acquire), magic,
+//! record sizes, total size, configuration, offsets, creator liveness; each failure is its own
+//! [`AttachError`] variant, and nothing read from the file is trusted before it is checked.
+//!
+//! [`list`] and [`unlink`] (from `listing`) find and remove segments by name.
+//!
+//! Files: this one holds [`Segment`] itself (create, attach, whole-segment accessors, drop);
+//! `ranks` the per-rank areas and the worker's [`RankClaim`]; `create` reading, validating and
+//! creating control objects; `errors` the error enums.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use crate::arena::{Arena, ArenaError, ArenaKind};
+use crate::config::{SegmentConfig, MAX_RANKS};
+use crate::control::{Control, ControlArea, SNAPSHOT_WORDS};
+use crate::counters::Counters;
+use crate::layout::{
+    Header, HeaderFields, RecordSizes, SegmentLayout, CLOSED, LAYOUT_VERSION, MAGIC, READY,
+};
+use crate::listing;
+use crate::liveness::{LivenessCache, ProcessIdentity};
+use crate::name::SegmentName;
+use crate::record::{CommandSlot, Completion};
+use crate::ring;
+use crate::shm::SharedMemory;
+use crate::sync::{AtomicU64, Ordering};
+use create::{create_arenas, create_control_object, header_fields_ptr, CREATOR_OFFSET};
+
+pub use crate::listing::{list, unlink, DataObject, ListingState, SegmentListing};
+
+/// The generation a new segment starts in (0 never names a live generation).
+pub const FIRST_GENERATION: u64 = 1;
+
+// Handles are shared between threads (scheduler poll thread, worker heartbeat thread).
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<Segment>();
+    shareable::<RankClaim>();
+};
+
+mod create;
+mod errors;
+mod ranks;
+
+pub(crate) use create::{read_creator, validate_header};
+pub use errors::{AttachError, CorruptReason, CreateError, SegmentError};
+pub use ranks::RankClaim;
+
+/// A value that points into a segment's mapping and keeps the mapping alive (ring ends).
+pub struct Mapped<T> {
+    value: T,
+    _memory: Arc<SharedMemory>,
+}
+
+impl<T> Deref for Mapped<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.value
+    }
+}
+
+impl<T> DerefMut for Mapped<T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.value
+    }
+}
+
+/// A mapped, validated control segment.
+pub struct Segment {
+    memory: Arc<SharedMemory>,
+    name: SegmentName,
+    fields: HeaderFields,
+    layout: SegmentLayout,
+    /// Objects this handle created, unlinked on drop when `unlink_on_drop`.
+    created: Vec<String>,
+    unlink_on_drop: bool,
+    /// Process-local: spares the /proc reads of frequent liveness checks.
+    creator_liveness: LivenessCache,
+    worker_liveness: [LivenessCache; MAX_RANKS as usize],
+}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("name", &self.name)
+            .field("creator", &self.fields.creator)
+            .field("config", &self.fields.config)
+            .field("total_size", &self.layout.total_size)
+            .finish()
+    }
+}
+
+/// How many times create() retries after removing a stale segment before giving up.
+const CREATE_ATTEMPTS: usize = 3;
+
+impl Segment {
+    /// Creates segment `name` with `config` (see the module documentation for the steps). The
+    /// returned handle unlinks the segment and its data objects on drop unless
+    /// [`keep_on_drop`](Self::keep_on_drop) is called.
+    pub fn create(name: &SegmentName, config: &SegmentConfig) -> Result<Segment, CreateError> {
+        let layout = SegmentLayout::compute(config)?;
+        let object = name.control_object();
+        let creator = ProcessIdentity::current();
+        let memory = create_control_object(name, &object, layout.total_size)?;
+        // SAFETY: the mapping is layout.total_size bytes (more than a Header), page-aligned, and
+        // nobody can read it as ready yet.
+        unsafe {
+            header_fields_ptr(&memory)
+                .cast::<u8>()
+                .add(CREATOR_OFFSET)
+                .cast::<ProcessIdentity>()
+                .write_volatile(creator)
+        };
+
+        let mut created = vec![object.clone()];
+        if let Err(error) = create_arenas(name, config, &mut created) {
+            for object in created.iter().rev() {
+                let _ = crate::shm::unlink(object);
+            }
+            return Err(error);
+        }
+
+        let fields = HeaderFields {
+            magic: MAGIC,
+            layout_version: LAYOUT_VERSION,
+            reserved0: 0,
+            record_sizes: RecordSizes::CURRENT,
+            total_size: layout.total_size as u64,
+            creator,
+            config: *config,
+            offsets: layout.offsets,
+        };
+        // SAFETY: as above; HeaderFields is the first member of Header at offset 0.
+        unsafe { header_fields_ptr(&memory).write_volatile(fields) };
+        let segment = Segment {
+            memory: Arc::new(memory),
+            name: name.clone(),
+            fields,
+            layout,
+            created,
+            unlink_on_drop: true,
+            creator_liveness: LivenessCache::default(),
+            worker_liveness: Default::default(),
+        };
+        segment.initialise_areas();
+        // SYNC: pairs with the Acquire load of ready in validate_header(): an attacher that sees
+        // READY sees every header field and initialised area above.
+        segment.header().ready.store(READY, Ordering::Release);
+        Ok(segment)
+    }
+
+    /// Attaches to an existing segment `name`, validating everything it reads.
+    pub fn attach(name: &SegmentName) -> Result<Segment, AttachError> {
+        let memory = SharedMemory::open(&name.control_object())?;
+        let creator = read_creator(&memory);
+        match validate_header(&memory) {
+            Ok((fields, layout)) => {
+                if !fields.creator.is_alive() {
+                    return Err(AttachError::CreatorDead { pid: fields.creator.pid });
+                }
+                Ok(Segment {
+                    memory: Arc::new(memory),
+                    name: name.clone(),
+                    fields,
+                    layout,
+                    created: Vec::new(),
+                    unlink_on_drop: false,
+                    creator_liveness: LivenessCache::default(),
+                    worker_liveness: Default::default(),
+                })
+            }
+            Err(AttachError::NotReady { .. }) => match creator {
+                Some(creator) if !creator.is_alive() => {
+                    Err(AttachError::CreatorDead { pid: creator.pid })
+                }
+                creator => Err(AttachError::NotReady { pid: creator.map_or(0, |c| c.pid) }),
+            },
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Keeps the segment and its data objects after this handle drops (e.g. `kvshm serve` that
+    /// hands over to a successor). Only meaningful on the creator's handle.
+    pub fn keep_on_drop(&mut self) {
+        self.unlink_on_drop = false;
+    }
+
+    /// True for the handle returned by [`create`](Self::create).
+    pub fn is_creator(&self) -> bool {
+        !self.created.is_empty()
+    }
+
+    pub fn name(&self) -> &SegmentName {
+        &self.name
+    }
+
+    pub fn config(&self) -> &SegmentConfig {
+        &self.fields.config
+    }
+
+    pub fn layout(&self) -> &SegmentLayout {
+        &self.layout
+    }
+
+    /// Bytes of the control object.
+    pub fn size(&self) -> usize {
+        self.layout.total_size
+    }
+
+    /// The process that created the segment (the scheduler).
+    pub fn creator(&self) -> ProcessIdentity {
+        self.fields.creator
+    }
+
+    /// Whether the creator still runs and has not closed the segment; a worker that sees `false`
+    /// exits. Cheap enough for every loop iteration: `/proc` is read at most every
+    /// [`LIVENESS_RECHECK`](crate::liveness::LIVENESS_RECHECK).
+    pub fn creator_alive(&self) -> bool {
+        !self.is_closed() && self.creator_liveness.is_alive(self.fields.creator)
+    }
+
+    /// Whether the creator shut the segment down (its handle dropped), even if its process lives on.
+    pub fn is_closed(&self) -> bool {
+        // SYNC: pairs with the Release store of CLOSED in Drop: nothing is read after it, the flag
+        // alone is the message.
+        self.header().ready.load(Ordering::Acquire) == CLOSED
+    }
+
+    /// The current generation; commands of other generations are refused by workers.
+    pub fn generation(&self) -> u64 {
+        // SYNC: pairs with the AcqRel fetch_add in bump_generation().
+        self.header().generation.load(Ordering::Acquire)
+    }
+
+    /// Scheduler: starts a new generation (on reset) and returns it.
+    pub fn bump_generation(&self) -> u64 {
+        // Wrapping: the word lies in shared memory, and a scribbled maximum must not panic here.
+        // SYNC: pairs with the Acquire load in generation().
+        self.header().generation.fetch_add(1, Ordering::AcqRel).wrapping_add(1)
+    }
+
+    pub fn counters(&self) -> &Counters {
+        // SAFETY: the counters area lies inside the mapping at a 64-aligned offset (layout checked).
+        unsafe { self.area::<Counters>(self.layout.offsets.counters as usize) }
+    }
+
+    /// The kvctl request area (reset, tree snapshot).
+    pub fn control(&self) -> Control<'_> {
+        // SAFETY: the control area and the SNAPSHOT_WORDS words of the snapshot area lie inside
+        // the mapping at 64-aligned offsets (layout checked); atomics tolerate concurrent writers.
+        unsafe {
+            let area = self.area::<ControlArea>(self.layout.offsets.control as usize);
+            let words = std::slice::from_raw_parts(
+                self.ptr(self.layout.offsets.snapshot as usize).cast::<AtomicU64>(),
+                SNAPSHOT_WORDS,
+            );
+            Control::new(area, words)
+        }
+    }
+
+    /// Opens the `kind` arena of `rank` (host backend device tier, or the host tier).
+    pub fn open_arena(&self, kind: ArenaKind, rank: u32) -> Result<Arena, ArenaError> {
+        Arena::open(&self.name, kind, rank)
+    }
+
+    fn check_rank(&self, rank: u32) -> Result<(), SegmentError> {
+        if rank < self.fields.config.tp_size {
+            Ok(())
+        } else {
+            Err(SegmentError::RankOutOfRange { rank, tp_size: self.fields.config.tp_size })
+        }
+    }
+
+    fn mapped<T>(&self, value: T) -> Result<Mapped<T>, SegmentError> {
+        Ok(Mapped { value, _memory: Arc::clone(&self.memory) })
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the mapping is longer than a Header and page-aligned; after creation only the
+        // atomics of the header change.
+        unsafe { &*self.memory.as_ptr().cast::<Header>() }
+    }
+
+    /// # Panics
+    /// If `offset` lies beyond the mapping: offsets come from the validated layout, so that is a
+    /// programming error.
+    fn ptr(&self, offset: usize) -> *mut u8 {
+        assert!(
+            offset <= self.memory.len(),
+            "an offset outside the segment is a programming error"
+        );
+        // SAFETY: offset is within the mapping (checked above).
+        unsafe { self.memory.as_ptr().add(offset) }
+    }
+
+    /// # Safety
+    /// `offset` must be the start of a `T` inside the mapping, aligned for `T`, whose every bit
+    /// pattern is valid and which is only mutated through atomics.
+    unsafe fn area<T>(&self, offset: usize) -> &T {
+        assert!(
+            offset + size_of::<T>() <= self.memory.len(),
+            "an area outside the segment is a programming error"
+        );
+        // SAFETY: in bounds (checked above); alignment and validity are the caller's premise.
+        unsafe { &*self.ptr(offset).cast::<T>() }
+    }
+
+    fn initialise_areas(&self) {
+        self.header().generation.store(FIRST_GENERATION, Ordering::Relaxed);
+        self.counters().clear();
+        for rank in 0..self.fields.config.tp_size {
+            self.worker_slot(rank).expect("rank < tp_size").clear();
+            let (command, completion) = self.ring_bases(rank);
+            // SAFETY: 1. each ring area is memory_size(capacity) bytes inside the mapping
+            // (layout); 2. capacities are powers of two (config validated); 3. nobody else sees
+            // the segment before ready.
+            unsafe {
+                ring::init::<CommandSlot>(command, self.fields.config.command_ring_slots as usize);
+                ring::init::<Completion>(
+                    completion,
+                    self.fields.config.completion_ring_slots as usize,
+                );
+            }
+        }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if !self.unlink_on_drop {
+            return;
+        }
+        if self.memory.is_intact() {
+            // SYNC: pairs with the Acquire load in is_closed(): attached workers see the
+            // scheduler go without waiting to find its process dead.
+            self.header().ready.store(CLOSED, Ordering::Release);
+            for rank in 0..self.fields.config.tp_size {
+                if let Ok(doorbell) = self.command_doorbell(rank) {
+                    doorbell.ring();
+                }
+            }
+        }
+        for object in self.created.iter().rev() {
+            // Only unlink what is still ours: someone may have cleaned up and recreated the name.
+            if listing::object_creator(object) == Some(self.fields.creator) {
+                let _ = crate::shm::unlink(object);
+            }
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! One rank's areas of a segment, and the worker's claim on a rank.
+//!
+//! A worker attaches, [`Segment::claim_rank`]s its rank (a CAS from EMPTY to ATTACHED with its
+//! identity), heartbeats through the [`RankClaim`] and takes the consumer end of the command ring
+//! and the producer end of the completion ring. The scheduler takes the other ends, judges the
+//! worker with [`Segment::rank_status`] and, once it is gone, resets the rings with
+//! [`Segment::reclaim_rank`] so that the next worker starts from empty rings.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Mapped, Segment, SegmentError};
+use crate::device_handles::{
+    DeviceHandleArea, DeviceHandleError, DeviceHandles, DeviceRegionHandle, HANDLE_WORDS,
+};
+use crate::doorbell::Doorbell;
+use crate::liveness::{monotonic_ns, ProcessIdentity};
+use crate::progress::{LayerProgress, ProgressEntry};
+use crate::record::{CommandSlot, Completion};
+use crate::ring::{self, Consumer, Producer};
+use crate::shm::SharedMemory;
+use crate::sync::AtomicU64;
+use crate::worker_slot::{
+    ClaimError, ClaimLost, RankStatus, ReclaimError, WorkerSlot, HEARTBEAT_TIMEOUT,
+};
+
+impl Segment {
+    /// The worker slot of `rank`.
+    pub fn worker_slot(&self, rank: u32) -> Result<&WorkerSlot, SegmentError> {
+        self.check_rank(rank)?;
+        let offset =
+            self.layout.offsets.worker_slots as usize + rank as usize * size_of::<WorkerSlot>();
+        // SAFETY: rank < tp_size, and the layout holds tp_size slots at a 64-aligned offset.
+        Ok(unsafe { self.area::<WorkerSlot>(offset) })
+    }
+
+    /// Worker: claims `rank` for the calling process.
+    pub fn claim_rank(&self, rank: u32) -> Result<RankClaim, ClaimError> {
+        let slot = self.worker_slot(rank).map_err(|_| ClaimError::RankOutOfRange {
+            rank,
+            tp_size: self.fields.config.tp_size,
+        })?;
+        let owner_word = slot.claim(ProcessIdentity::current())?;
+        Ok(RankClaim {
+            _memory: Arc::clone(&self.memory),
+            slot: slot as *const WorkerSlot,
+            owner_word,
+            rank,
+        })
+    }
+
+    /// Scheduler: whether `rank` has a live worker: its process exists (checked in `/proc` at most
+    /// every [`LIVENESS_RECHECK`](crate::liveness::LIVENESS_RECHECK)) and its heartbeat is younger than [`HEARTBEAT_TIMEOUT`]. Cheap
+    /// enough to call on every poll.
+    pub fn rank_status(&self, rank: u32) -> Result<RankStatus, SegmentError> {
+        self.rank_status_with_timeout(rank, HEARTBEAT_TIMEOUT)
+    }
+
+    /// As [`rank_status`](Self::rank_status) with another heartbeat timeout.
+    pub fn rank_status_with_timeout(
+        &self,
+        rank: u32,
+        timeout: Duration,
+    ) -> Result<RankStatus, SegmentError> {
+        let slot = self.worker_slot(rank)?;
+        let cache = &self.worker_liveness[rank as usize];
+        Ok(slot.status_with(monotonic_ns(), timeout, |worker| cache.is_alive(worker)))
+    }
+
+    /// Scheduler: makes a rank whose worker is dead or departed claimable again.
+    ///
+    /// Marks the slot DEAD (no worker can claim it meanwhile), resets the indices of both rings
+    /// and the progress table, and stores EMPTY. Call it before failing the rank's in-flight
+    /// commands (a refusal means the worker lives and may still run them), and re-attach the
+    /// scheduler's own ring ends afterwards: ones taken before cache indices that no longer hold.
+    /// A worker judged dead only by its heartbeat may still run: the caller kills it first (the
+    /// service does), or it learns that it lost the rank from [`RankClaim::heartbeat`] and must
+    /// stop touching the rings.
+    pub fn reclaim_rank(&self, rank: u32) -> Result<(), ReclaimError> {
+        let slot = self.worker_slot(rank).map_err(|_| ReclaimError::RankOutOfRange {
+            rank,
+            tp_size: self.fields.config.tp_size,
+        })?;
+        slot.begin_reclaim(monotonic_ns(), HEARTBEAT_TIMEOUT)?;
+        let (command, completion) = self.ring_bases(rank);
+        // SAFETY: 1. both ring areas lie in the mapping and were initialised by the creator;
+        // 2. the slot is DEAD, so no new worker can claim the rank until finish_reclaim(). The
+        // old worker is gone unless it was judged by its heartbeat alone (see above). If it
+        // still touches the rings, nothing becomes unsound: the reset is atomic stores of the
+        // indices, every access is masked into bounds, and what it writes are Pod records and
+        // indices that the other side checks (a stale record is a stray completion, a bad index
+        // a RingError::Corrupt).
+        unsafe {
+            ring::reset_indices(command);
+            ring::reset_indices(completion);
+        }
+        self.layer_progress(rank).expect("rank was checked above").clear();
+        slot.finish_reclaim();
+        Ok(())
+    }
+
+    /// Scheduler: the producer end of `rank`'s command ring.
+    pub fn command_producer(
+        &self,
+        rank: u32,
+    ) -> Result<Mapped<Producer<CommandSlot>>, SegmentError> {
+        self.check_rank(rank)?;
+        let (base, len) = (self.ring_bases(rank).0, self.layout.offsets.command_ring_len as usize);
+        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        let producer = unsafe { Producer::attach(base, len) };
+        self.mapped(producer.map_err(|source| SegmentError::Ring {
+            ring: "command",
+            rank,
+            source,
+        })?)
+    }
+
+    /// Worker: the consumer end of `rank`'s command ring.
+    pub fn command_consumer(
+        &self,
+        rank: u32,
+    ) -> Result<Mapped<Consumer<CommandSlot>>, SegmentError> {
+        self.check_rank(rank)?;
+        let (base, len) = (self.ring_bases(rank).0, self.layout.offsets.command_ring_len as usize);
+        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        let consumer = unsafe { Consumer::attach(base, len) };
+        self.mapped(consumer.map_err(|source| SegmentError::Ring {
+            ring: "command",
+            rank,
+            source,
+        })?)
+    }
+
+    /// Worker: the producer end of `rank`'s completion ring.
+    pub fn completion_producer(
+        &self,
+        rank: u32,
+    ) -> Result<Mapped<Producer<Completion>>, SegmentError> {
+        self.check_rank(rank)?;
+        let (base, len) =
+            (self.ring_bases(rank).1, self.layout.offsets.completion_ring_len as usize);
+        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        let producer = unsafe { Producer::attach(base, len) };
+        self.mapped(producer.map_err(|source| SegmentError::Ring {
+            ring: "completion",
+            rank,
+            source,
+        })?)
+    }
+
+    /// Scheduler: the consumer end of `rank`'s completion ring.
+    pub fn completion_consumer(
+        &self,
+        rank: u32,
+    ) -> Result<Mapped<Consumer<Completion>>, SegmentError> {
+        self.check_rank(rank)?;
+        let (base, len) =
+            (self.ring_bases(rank).1, self.layout.offsets.completion_ring_len as usize);
+        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        let consumer = unsafe { Consumer::attach(base, len) };
+        self.mapped(consumer.map_err(|source| SegmentError::Ring {
+            ring: "completion",
+            rank,
+            source,
+        })?)
+    }
+
+    /// The doorbell `rank`'s worker sleeps on; the scheduler rings it after pushing commands.
+    pub fn command_doorbell(&self, rank: u32) -> Result<&Doorbell, SegmentError> {
+        self.check_rank(rank)?;
+        let offset =
+            self.layout.rank_area(rank as usize) + self.layout.offsets.command_doorbell as usize;
+        // SAFETY: inside the rank's area at a 64-aligned offset; a zeroed Doorbell is valid.
+        Ok(unsafe { self.area::<Doorbell>(offset) })
+    }
+
+    /// The doorbell the scheduler sleeps on; any worker rings it after pushing completions.
+    pub fn scheduler_doorbell(&self) -> &Doorbell {
+        // SAFETY: inside the mapping at a 64-aligned offset; a zeroed Doorbell is valid.
+        unsafe { self.area::<Doorbell>(self.layout.offsets.scheduler_doorbell as usize) }
+    }
+
+    /// `rank`'s layer-progress table (one entry per completion-ring slot).
+    pub fn layer_progress(&self, rank: u32) -> Result<LayerProgress<'_>, SegmentError> {
+        self.check_rank(rank)?;
+        let offset = self.layout.rank_area(rank as usize) + self.layout.offsets.progress as usize;
+        // SAFETY: the table of completion_ring_slots entries lies inside the rank's area.
+        let entries = unsafe {
+            std::slice::from_raw_parts(
+                self.ptr(offset).cast::<ProgressEntry>(),
+                self.layout.completion_ring_slots,
+            )
+        };
+        Ok(LayerProgress::new(entries))
+    }
+
+    /// Engine: publishes the CUDA device handles of `rank` (one per region).
+    pub fn publish_device_handles(
+        &self,
+        rank: u32,
+        handles: &[DeviceRegionHandle],
+    ) -> Result<(), DeviceHandleError> {
+        self.device_handle_table(rank)?.publish(handles)
+    }
+
+    /// Worker: the CUDA device handles of `rank`, or `None` until the engine published them.
+    pub fn device_handles(
+        &self,
+        rank: u32,
+    ) -> Result<Option<Vec<DeviceRegionHandle>>, DeviceHandleError> {
+        self.device_handle_table(rank)?.read()
+    }
+
+    fn device_handle_table(&self, rank: u32) -> Result<DeviceHandles<'_>, DeviceHandleError> {
+        self.check_rank(rank).map_err(|_| DeviceHandleError::RankOutOfRange {
+            rank,
+            tp_size: self.fields.config.tp_size,
+        })?;
+        let offset =
+            self.layout.rank_area(rank as usize) + self.layout.offsets.device_handles as usize;
+        // SAFETY: the area header and regions x HANDLE_WORDS words follow each other inside the
+        // rank's area at a 64-aligned offset.
+        unsafe {
+            let area = self.area::<DeviceHandleArea>(offset);
+            let words = std::slice::from_raw_parts(
+                self.ptr(offset + size_of::<DeviceHandleArea>()).cast::<AtomicU64>(),
+                self.layout.regions * HANDLE_WORDS,
+            );
+            Ok(DeviceHandles { area, words })
+        }
+    }
+
+    pub(super) fn ring_bases(&self, rank: u32) -> (*mut u8, *mut u8) {
+        let area = self.layout.rank_area(rank as usize);
+        (
+            self.ptr(area + self.layout.offsets.command_ring as usize),
+            self.ptr(area + self.layout.offsets.completion_ring as usize),
+        )
+    }
+}
+
+/// A worker's hold on a rank; drop it on clean exit (the slot becomes EMPTY).
+///
+/// Call [`heartbeat`](Self::heartbeat) every [`HEARTBEAT_INTERVAL`](crate::worker_slot::HEARTBEAT_INTERVAL),
+/// also between the chunks of a long copy: a heartbeat older than [`HEARTBEAT_TIMEOUT`] makes the
+/// scheduler declare the worker dead. Before dropping the claim, complete every command popped
+/// from the ring: the scheduler may hand the rest of the ring to the next worker.
+pub struct RankClaim {
+    _memory: Arc<SharedMemory>,
+    slot: *const WorkerSlot,
+    owner_word: u64,
+    rank: u32,
+}
+
+// SAFETY: the slot pointer targets the mapping kept alive by `_memory` and is only used through the
+// slot's atomics, which any thread may access.
+unsafe impl Send for RankClaim {}
+// SAFETY: as above; every method takes &self and uses atomics only.
+unsafe impl Sync for RankClaim {}
+
+impl RankClaim {
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Refreshes the heartbeat; `ClaimLost` means the scheduler declared this worker dead and
+    /// reclaimed the rank, so the worker must stop using its rings.
+    pub fn heartbeat(&self) -> Result<(), ClaimLost> {
+        self.slot().heartbeat(self.owner_word)
+    }
+
+    fn slot(&self) -> &WorkerSlot {
+        // SAFETY: the slot lies in the mapping that self._memory keeps alive.
+        unsafe { &*self.slot }
+    }
+}
+
+impl Drop for RankClaim {
+    fn drop(&mut self) {
+        self.slot().release(self.owner_word);
+    }
+}
