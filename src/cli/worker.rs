@@ -68,8 +68,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let rank = args.rank;
     match run_worker(&options)? {
         ServeExit::SchedulerGone { pid } => eprintln!(
-            "kvshm worker: rank {rank} of segment {name}: the scheduler (pid {pid}) is gone; \
-             exiting"
+            "kvshm worker: rank {rank} of segment {name}: the scheduler (pid {pid}) closed the \
+             segment or exited; exiting"
         ),
         ServeExit::StopRequested => {
             eprintln!("kvshm worker: rank {rank} of segment {name}: stopped by a signal")
