@@ -47,6 +47,10 @@ pub struct Args {
     /// write_back, write_through or write_through_selective:T.
     #[arg(long, default_value = "write_back")]
     write_policy: WritePolicy,
+    /// Device blocks that `poll` keeps free by evicting ahead of demand (0: evict on demand only),
+    /// so that swap-outs overlap with compute instead of delaying the next allocation.
+    #[arg(long, default_value_t = 0)]
+    free_watermark: u32,
     /// Model layers (a block holds K and V of each: 2 regions per layer).
     #[arg(long, default_value_t = 4)]
     layers: u32,
@@ -137,7 +141,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let cache = CacheConfig::new(args.block_tokens, args.device_blocks)
         .with_host_blocks(args.host_blocks)
-        .with_write_policy(args.write_policy);
+        .with_write_policy(args.write_policy)
+        .with_free_watermark(args.free_watermark);
     let config =
         ServiceConfig::new(cache, args.tp, args.layers, args.layers * 2, args.region_bytes);
     let mut service = Service::create(&name, config).context("creating the service")?;
