@@ -263,6 +263,7 @@ mod tests {
         while doorbell.sleepers() == 0 {
             thread::yield_now();
         }
+        // SYNC: pairs with the Acquire load of `published` in the waiter's condition.
         published.store(true, Ordering::Release);
         doorbell.ring();
         assert_eq!(waiter.join().unwrap(), WaitOutcome::Ready);

@@ -217,6 +217,7 @@ impl WorkerSlot {
                 .is_ok()
             {
                 let now = monotonic_ns();
+                // SYNC: pairs with the Acquire load of start_time in judge().
                 self.start_time.store(worker.start_time, Ordering::Release);
                 self.attached_at_ns.store(now, Ordering::Relaxed);
                 self.attach_count.fetch_add(1, Ordering::Relaxed);
