@@ -171,11 +171,7 @@ impl Engine {
         match self.cache.allocate(RequestId(id), new_tokens, lookahead) {
             Ok(allocation) => {
                 let ticket = allocation.ticket;
-                let extra = self.random_tokens(generated);
-                let live = self.live.get_mut(&id).unwrap();
-                live.tokens.extend(extra);
-                live.allocated_tokens = live.tokens.len();
-                live.ticket = Some(ticket);
+                self.record_allocation(id, ticket, generated);
             }
             Err(AllocateError::OutOfBlocks { needed, available }) => {
                 let free = self.cache.free_device_blocks();
@@ -196,6 +192,15 @@ impl Engine {
         }
     }
 
+    /// After a successful allocation: the request's `generated` new tokens and its ticket.
+    fn record_allocation(&mut self, id: u64, ticket: TicketId, generated: usize) {
+        let extra = self.random_tokens(generated);
+        let live = self.live.get_mut(&id).unwrap();
+        live.tokens.extend(extra);
+        live.allocated_tokens = live.tokens.len();
+        live.ticket = Some(ticket);
+    }
+
     /// Decode: one more allocation for a request whose earlier blocks are ready.
     fn extend(&mut self) {
         let Some(id) = self.pick_live() else { return };
@@ -206,11 +211,7 @@ impl Engine {
         let generated = 1 + self.rng.below(3);
         if let Ok(allocation) = self.cache.allocate(RequestId(id), generated, 0) {
             let ticket = allocation.ticket;
-            let extra = self.random_tokens(generated);
-            let live = self.live.get_mut(&id).unwrap();
-            live.tokens.extend(extra);
-            live.allocated_tokens = live.tokens.len();
-            live.ticket = Some(ticket);
+            self.record_allocation(id, ticket, generated);
         }
     }
 

@@ -56,15 +56,21 @@ fn child_process_entry() {
     }
 }
 
+/// A two-rank segment whose rank 1 a child process has claimed (and heartbeats).
+fn segment_with_worker_on_rank_1(name: &SegmentName) -> (Segment, ChildProcess, u32) {
+    let segment =
+        Segment::create(name, &SegmentConfig { tp_size: 2, ..Default::default() }).unwrap();
+    let mut worker = ChildProcess::spawn(ENTRY, "claim", name);
+    worker.wait_for_line("claimed");
+    let pid = worker.pid();
+    (segment, worker, pid)
+}
+
 #[test]
 fn the_scheduler_sees_a_killed_worker_die_and_can_reclaim_its_rank() {
     let name = common::unique_name("worker-kill");
     let _cleanup = Cleanup(name.clone());
-    let segment =
-        Segment::create(&name, &SegmentConfig { tp_size: 2, ..Default::default() }).unwrap();
-    let mut worker = ChildProcess::spawn(ENTRY, "claim", &name);
-    worker.wait_for_line("claimed");
-    let pid = worker.pid();
+    let (segment, mut worker, pid) = segment_with_worker_on_rank_1(&name);
     assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Alive { pid });
     assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Empty);
     assert!(matches!(segment.claim_rank(1), Err(ClaimError::Occupied { pid: p }) if p == pid));
@@ -90,11 +96,7 @@ fn the_scheduler_sees_a_killed_worker_die_and_can_reclaim_its_rank() {
 fn a_hung_worker_is_declared_dead_by_its_heartbeat_and_learns_it_lost_the_rank() {
     let name = common::unique_name("worker-hang");
     let _cleanup = Cleanup(name.clone());
-    let segment =
-        Segment::create(&name, &SegmentConfig { tp_size: 2, ..Default::default() }).unwrap();
-    let mut worker = ChildProcess::spawn(ENTRY, "claim", &name);
-    worker.wait_for_line("claimed");
-    let pid = worker.pid();
+    let (segment, mut worker, pid) = segment_with_worker_on_rank_1(&name);
 
     worker.signal(Signal::SIGSTOP);
     let latency =
