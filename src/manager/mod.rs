@@ -30,6 +30,7 @@ mod finish;
 mod invariants;
 mod lookup;
 mod poll;
+mod queries;
 mod request;
 mod reset;
 mod stats;
@@ -45,6 +46,7 @@ pub use errors::{
     ResetError, ResizeError, TicketError,
 };
 pub use lookup::{Lookup, PrefixMatch};
+pub use queries::TransferStage;
 pub use request::RequestId;
 pub use stats::{CacheCounters, CacheStats, Evictions, Hits};
 pub use transfer::{TicketId, TicketStatus, Transfer, TransferFailure, TransferId, TransferKind};

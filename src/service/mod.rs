@@ -49,6 +49,7 @@ use crate::manager::{
     AllocateError, CacheConfig, CacheManager, CommitError, Committed,
     ConfigError as CacheConfigError, FinishError, MatchError, PrefixMatch, RequestId, ResetError,
     TicketError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId, TransferKind,
+    TransferStage,
 };
 use crate::worker::{Geometry, GeometryError, GeometryParams};
 
@@ -436,9 +437,15 @@ impl Service {
         }
     }
 
-    /// Layers of `transfer` that have landed on every rank (all of them once it completed).
+    /// Layers of `transfer` that have landed on every rank: none while it is queued (held back
+    /// behind other copies, so no worker has started it), all of them once it completed.
     pub fn transfer_layers_ready(&self, transfer: TransferId) -> u32 {
         let layers = self.geometry.layers();
+        match self.manager.transfer_stage(transfer) {
+            TransferStage::Queued => return 0,
+            TransferStage::Done => return layers,
+            TransferStage::Issued => {}
+        }
         self.tracker
             .outstanding_commands(transfer.0)
             .map(|(rank, command)| {
