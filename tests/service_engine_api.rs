@@ -59,3 +59,22 @@ fn a_swap_in_held_back_behind_swap_outs_reports_no_layer_ready() {
     assert_eq!(service.ticket_layers_ready(ticket).unwrap(), LAYERS);
     service.cache().check_invariants().unwrap();
 }
+
+#[test]
+fn a_copy_failing_for_want_of_a_worker_is_counted_once() {
+    let cache = CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(8);
+    let mut service = service("no-worker", cache.with_write_policy(WritePolicy::WriteThrough), 1);
+    // No worker attached: the write-through backup of the committed blocks fails at issue.
+    let request = RequestId(1);
+    let prefix = hashes(300, 2);
+    let tokens = prefix.len() * BLOCK_TOKENS as usize;
+    service.match_prefix(request, &prefix, tokens).unwrap();
+    service.allocate(request, tokens, 0).unwrap();
+    service.commit(request, tokens, &prefix).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+    assert_eq!(service.cache().stats().counters.failed_transfers, 1, "one backup copy failed");
+    assert_eq!(service.stats().copy_failures, 1);
+    let published = service.segment().counters().get(kvshm_ipc::counters::Counter::CopyFailures);
+    assert_eq!(published, 1, "kvctl and Prometheus read the same figure");
+}

@@ -494,7 +494,7 @@ impl Service {
         if let Some(down) = self.ranks.iter().find(|rank| !rank.is_up()) {
             let failure =
                 TransferFailure { rank: down.rank(), error: CommandError::WorkerDied, detail: 0 };
-            self.stats.copy_failures += 1;
+            // `settle` counts the failure.
             self.settle(transfer.id, Err(failure));
             return;
         }
