@@ -43,8 +43,13 @@ impl CacheManager {
         let swap_ins =
             hits.iter().filter(|&&id| self.tree.node(id).state() == NodeState::Host).count();
         let covered = record.table.len().max(record.path.len());
-        let fresh =
-            (record.tokens + new_tokens + lookahead).div_ceil(block_tokens).saturating_sub(covered);
+        let fresh = record
+            .tokens
+            .checked_add(new_tokens)
+            .and_then(|tokens| tokens.checked_add(lookahead))
+            .ok_or(AllocateError::TooManyTokens { request, new_tokens, lookahead })?
+            .div_ceil(block_tokens)
+            .saturating_sub(covered);
         let needed = swap_ins + fresh;
         let free = self.device.free_count();
         if needed > free {

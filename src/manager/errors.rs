@@ -16,6 +16,10 @@ pub enum AllocateError {
     RequestFailed(RequestId),
     #[error("{needed} device blocks needed but only {available} can be had")]
     OutOfBlocks { needed: usize, available: usize },
+    #[error(
+        "{request}: {new_tokens} new and {lookahead} lookahead tokens overflow its token count"
+    )]
+    TooManyTokens { request: RequestId, new_tokens: usize, lookahead: usize },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
