@@ -162,12 +162,18 @@ pub struct BlockHasher {
     block_tokens: usize,
 }
 
+/// A hasher for blocks of zero tokens.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a block must hold at least one token")]
+pub struct ZeroBlockTokens;
+
 impl BlockHasher {
-    /// # Panics
-    /// If `block_tokens` is 0 (a configuration the cache manager rejects before it gets here).
-    pub fn new(namespace: Namespace, block_tokens: usize) -> BlockHasher {
-        assert!(block_tokens > 0, "a block of zero tokens is a programming error");
-        BlockHasher { namespace, block_tokens }
+    /// A hasher for blocks of `block_tokens` tokens (at least 1).
+    pub fn new(namespace: Namespace, block_tokens: usize) -> Result<BlockHasher, ZeroBlockTokens> {
+        if block_tokens == 0 {
+            return Err(ZeroBlockTokens);
+        }
+        Ok(BlockHasher { namespace, block_tokens })
     }
 
     pub fn block_tokens(&self) -> usize {
@@ -209,7 +215,7 @@ mod tests {
     use super::*;
 
     fn hasher(block_tokens: usize) -> BlockHasher {
-        BlockHasher::new(Namespace::new("llama-3-8b", None, None), block_tokens)
+        BlockHasher::new(Namespace::new("llama-3-8b", None, None), block_tokens).unwrap()
     }
 
     #[test]
@@ -223,10 +229,10 @@ mod tests {
         // Frozen: a change here breaks every stored key. See the module documentation.
         let namespace = Namespace::new("llama-3-8b", None, None);
         let tokens: Vec<u32> = (0..8).collect();
-        let hashes = BlockHasher::new(namespace, 4).hash_prompt(&tokens, &[]);
+        let hashes = BlockHasher::new(namespace, 4).unwrap().hash_prompt(&tokens, &[]);
         let salted = Namespace::new("llama-3-8b", Some("adapter-a"), Some(b"tenant-1"));
         let item = MultimodalItem { start: 2, len: 4, content_hash: 0xfeed };
-        let with_image = BlockHasher::new(namespace, 4).hash_prompt(&tokens, &[item]);
+        let with_image = BlockHasher::new(namespace, 4).unwrap().hash_prompt(&tokens, &[item]);
         let actual = [namespace.root(), hashes[0], hashes[1], salted.root(), with_image[0]]
             .map(|hash| hash.to_string());
         let expected = [
@@ -309,6 +315,12 @@ mod tests {
         assert_ne!(cat[1], dog[1], "the item spans blocks 0 and 1");
         let only_second = MultimodalItem { start: 4, len: 4, content_hash: 1 };
         assert_eq!(plain[0], hasher(4).hash_prompt(&tokens, &[only_second])[0]);
+    }
+
+    #[test]
+    fn a_block_of_zero_tokens_is_a_typed_error() {
+        let namespace = Namespace::new("m", None, None);
+        assert_eq!(BlockHasher::new(namespace, 0).unwrap_err(), ZeroBlockTokens);
     }
 
     #[test]

@@ -40,12 +40,24 @@ pub enum TakeError {
     InUse { id: u32 },
 }
 
-/// A shrink that would cut off blocks in use.
+/// The most blocks a pool holds: ids are u32, and one value marks an id in use.
+pub const MAX_POOL_BLOCKS: u32 = u32::MAX - 1;
+
+/// A capacity beyond what a pool's u32 ids can name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("cannot shrink to {capacity} blocks: block {first_in_use} is in use")]
-pub struct ShrinkError {
+#[error("{capacity} blocks is more than the {MAX_POOL_BLOCKS} a pool's u32 ids can name")]
+pub struct TooManyBlocks {
     pub capacity: u32,
-    pub first_in_use: u32,
+}
+
+/// A capacity a pool cannot be resized to.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResizeError {
+    #[error(transparent)]
+    TooManyBlocks(#[from] TooManyBlocks),
+    /// A shrink that would cut off blocks in use.
+    #[error("cannot shrink to {capacity} blocks: block {first_in_use} is in use")]
+    BlocksInUse { capacity: u32, first_in_use: u32 },
 }
 
 /// The free and used ids of one tier.
@@ -58,15 +70,13 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `capacity` free blocks. Block 0 is handed out first.
-    ///
-    /// # Panics
-    /// If `capacity` is `u32::MAX` or more (the id space, with one value kept as a marker).
-    pub fn new(capacity: u32) -> BlockPool {
-        assert!(capacity < u32::MAX, "a pool of u32::MAX blocks is a programming error");
+    /// A pool of `capacity` free blocks (at most [`MAX_POOL_BLOCKS`]). Block 0 is handed out
+    /// first.
+    pub fn new(capacity: u32) -> Result<BlockPool, TooManyBlocks> {
+        check_capacity(capacity)?;
         let mut pool = BlockPool { free: Vec::new(), position: Vec::new() };
         pool.grow_to(capacity);
-        pool
+        Ok(pool)
     }
 
     pub fn capacity(&self) -> u32 {
@@ -169,15 +179,15 @@ impl BlockPool {
 
     /// Grows to `capacity`, or shrinks to it when every id at or above `capacity` is free.
     /// Costs O(1) per block added or removed.
-    pub fn resize(&mut self, capacity: u32) -> Result<(), ShrinkError> {
-        assert!(capacity < u32::MAX, "a pool of u32::MAX blocks is a programming error");
+    pub fn resize(&mut self, capacity: u32) -> Result<(), ResizeError> {
+        check_capacity(capacity)?;
         let old = self.capacity();
         if capacity >= old {
             self.grow_to(capacity);
             return Ok(());
         }
         if let Some(first_in_use) = (capacity..old).find(|&id| self.is_used(id)) {
-            return Err(ShrinkError { capacity, first_in_use });
+            return Err(ResizeError::BlocksInUse { capacity, first_in_use });
         }
         for id in capacity..old {
             let position = self.position[id as usize];
@@ -235,13 +245,20 @@ impl BlockPool {
     }
 }
 
+fn check_capacity(capacity: u32) -> Result<(), TooManyBlocks> {
+    if capacity > MAX_POOL_BLOCKS {
+        return Err(TooManyBlocks { capacity });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn allocation_is_all_or_nothing() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4).unwrap();
         assert_eq!(pool.allocate(3).unwrap(), vec![0, 1, 2]);
         assert_eq!(pool.allocate(2), Err(OutOfBlocks { requested: 2, free: 1 }));
         assert_eq!(pool.free_count(), 1);
@@ -250,7 +267,7 @@ mod tests {
 
     #[test]
     fn freeing_a_free_block_is_an_error_that_changes_nothing() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4).unwrap();
         let ids = pool.allocate(2).unwrap();
         pool.free(ids[0]).unwrap();
         assert_eq!(pool.free(ids[0]), Err(FreeError::NotInUse { id: ids[0] }));
@@ -261,7 +278,7 @@ mod tests {
 
     #[test]
     fn freeing_a_batch_with_a_repeated_id_frees_nothing() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4).unwrap();
         let ids = pool.allocate(3).unwrap();
         assert_eq!(
             pool.free_all(&[ids[0], ids[1], ids[0]]),
@@ -274,7 +291,7 @@ mod tests {
 
     #[test]
     fn the_last_block_freed_is_handed_out_first() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4).unwrap();
         let ids = pool.allocate(4).unwrap();
         pool.free_all(&[ids[3], ids[1]]).unwrap();
         assert_eq!(pool.allocate_one(), Some(ids[1]));
@@ -282,7 +299,7 @@ mod tests {
 
     #[test]
     fn a_specific_free_block_can_be_taken() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4).unwrap();
         pool.take(2).unwrap();
         assert_eq!(pool.take(2), Err(TakeError::InUse { id: 2 }));
         let mut rest = pool.allocate(3).unwrap();
@@ -293,11 +310,11 @@ mod tests {
 
     #[test]
     fn resize_grows_always_and_shrinks_only_over_free_blocks() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4).unwrap();
         pool.take(2).unwrap();
         pool.resize(8).unwrap();
         assert_eq!(pool.free_count(), 7);
-        assert_eq!(pool.resize(2), Err(ShrinkError { capacity: 2, first_in_use: 2 }));
+        assert_eq!(pool.resize(2), Err(ResizeError::BlocksInUse { capacity: 2, first_in_use: 2 }));
         assert_eq!(pool.capacity(), 8);
         pool.resize(3).unwrap();
         assert_eq!((pool.capacity(), pool.free_count()), (3, 2));
@@ -308,8 +325,20 @@ mod tests {
     }
 
     #[test]
+    fn a_capacity_beyond_the_id_space_is_a_typed_error() {
+        assert_eq!(BlockPool::new(u32::MAX).unwrap_err(), TooManyBlocks { capacity: u32::MAX });
+        let mut pool = BlockPool::new(4).unwrap();
+        assert_eq!(
+            pool.resize(u32::MAX),
+            Err(ResizeError::TooManyBlocks(TooManyBlocks { capacity: u32::MAX }))
+        );
+        assert_eq!((pool.capacity(), pool.free_count()), (4, 4));
+        pool.check().unwrap();
+    }
+
+    #[test]
     fn clear_frees_every_block() {
-        let mut pool = BlockPool::new(5);
+        let mut pool = BlockPool::new(5).unwrap();
         pool.allocate(4).unwrap();
         pool.clear();
         assert_eq!(pool.free_count(), 5);

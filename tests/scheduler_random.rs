@@ -67,7 +67,7 @@ impl Engine {
         let host = config.host_blocks as usize;
         Engine {
             cache: CacheManager::new(config).unwrap(),
-            hasher: BlockHasher::new(Namespace::new("random", None, None), BLOCK_TOKENS),
+            hasher: BlockHasher::new(Namespace::new("random", None, None), BLOCK_TOKENS).unwrap(),
             rng: Rng::new(seed + seed_offset()),
             vocabulary,
             max_prompt_blocks,

@@ -190,7 +190,7 @@ fn a_forced_reset_ends_every_request_and_bumps_the_generation() {
 fn salt_and_multimodal_keys_isolate() {
     let tokens: Vec<u32> = (0..8).collect();
     let tenant = |salt: &[u8]| {
-        BlockHasher::new(Namespace::new("m", None, Some(salt)), BLOCK_TOKENS as usize)
+        BlockHasher::new(Namespace::new("m", None, Some(salt)), BLOCK_TOKENS as usize).unwrap()
     };
     let image = |hash| [MultimodalItem { start: 5, len: 2, content_hash: hash }];
     let mut cache = device_only(16);
@@ -229,7 +229,7 @@ fn a_duplicate_commit_keeps_one_cached_copy() {
 fn generated_tokens_are_committed_too() {
     let mut cache = device_only(8);
     let request = RequestId(1);
-    let hasher = BlockHasher::new(Namespace::new("m", None, None), BLOCK_TOKENS as usize);
+    let hasher = BlockHasher::new(Namespace::new("m", None, None), BLOCK_TOKENS as usize).unwrap();
     let mut tokens: Vec<u32> = vec![1, 2, 3, 4, 5, 6];
     let mut blocks = hasher.hash_prompt(&tokens, &[]);
     cache.match_prefix(request, &blocks, tokens.len()).unwrap();

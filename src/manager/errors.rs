@@ -68,6 +68,8 @@ pub enum ResizeError {
     BlocksInUse { blocks: u32, first_in_use: u32 },
     #[error("{watermark} free blocks are kept by the watermark, more than {blocks}")]
     BelowWatermark { blocks: u32, watermark: u32 },
+    #[error("{blocks} device blocks is more than the {max} a u32 block id can name")]
+    TooManyBlocks { blocks: u32, max: u32 },
 }
 
 /// A broken invariant of SPEC section 10: always a bug in the manager.

@@ -56,6 +56,8 @@ use crate::tree::{lru::BuildChildHasher, NodeId, NodeState, SwapOut, Tree, TreeS
 use request::Request;
 use transfer::{InFlight, Ticket};
 
+const VALIDATED_CAPACITY: &str = "validate() refuses capacities a pool cannot hold";
+
 /// The prefix cache and block pools of one engine.
 #[derive(Debug)]
 pub struct CacheManager {
@@ -89,8 +91,8 @@ impl CacheManager {
         config.validate()?;
         Ok(CacheManager {
             tree: Tree::new(),
-            device: BlockPool::new(config.device_blocks),
-            host: BlockPool::new(config.host_blocks),
+            device: BlockPool::new(config.device_blocks).expect(VALIDATED_CAPACITY),
+            host: BlockPool::new(config.host_blocks).expect(VALIDATED_CAPACITY),
             config,
             requests: HashMap::new(),
             tickets: HashMap::new(),

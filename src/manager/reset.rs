@@ -8,7 +8,7 @@
 //! 4. clear the tree and both pools, and take the reserved blocks back out of the pools.
 
 use super::{CacheManager, ResetError, ResizeError};
-use crate::pool::ShrinkError;
+use crate::pool::{ResizeError as PoolResizeError, TooManyBlocks, MAX_POOL_BLOCKS};
 
 use super::TransferKind;
 
@@ -77,11 +77,13 @@ impl CacheManager {
                 watermark: self.config.free_watermark,
             });
         }
-        if blocks == u32::MAX {
-            return Err(ResizeError::BlocksInUse { blocks, first_in_use: u32::MAX });
-        }
-        self.device.resize(blocks).map_err(|ShrinkError { capacity, first_in_use }| {
-            ResizeError::BlocksInUse { blocks: capacity, first_in_use }
+        self.device.resize(blocks).map_err(|error| match error {
+            PoolResizeError::TooManyBlocks(TooManyBlocks { capacity }) => {
+                ResizeError::TooManyBlocks { blocks: capacity, max: MAX_POOL_BLOCKS }
+            }
+            PoolResizeError::BlocksInUse { capacity, first_in_use } => {
+                ResizeError::BlocksInUse { blocks: capacity, first_in_use }
+            }
         })?;
         self.config.device_blocks = blocks;
         Ok(())
