@@ -29,7 +29,8 @@ fn a_slow_swap_in_reports_its_layers_one_by_one_until_the_ticket_is_ready() {
     let tokens = prefix.len() * BLOCK_TOKENS as usize;
     let request = RequestId(1);
     service.match_prefix(request, &prefix, tokens).unwrap();
-    let (table, ticket) = service.allocate(request, tokens, 0).unwrap();
+    let allocation = service.allocate(request, tokens, 0).unwrap();
+    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
     service.wait(ticket, Duration::from_secs(10)).unwrap();
     for (hash, &block) in prefix.iter().zip(&table) {
         write_block(&service, *hash, block);
@@ -42,14 +43,15 @@ fn a_slow_swap_in_reports_its_layers_one_by_one_until_the_ticket_is_ready() {
     let other = hashes(8_000, 8);
     let request = RequestId(2);
     service.match_prefix(request, &other, 8 * BLOCK_TOKENS as usize).unwrap();
-    let (_, ticket) = service.allocate(request, 8 * BLOCK_TOKENS as usize, 0).unwrap();
+    let ticket = service.allocate(request, 8 * BLOCK_TOKENS as usize, 0).unwrap().ticket;
     service.wait(ticket, Duration::from_secs(20)).unwrap();
     service.abort(request).unwrap();
 
     let request = RequestId(3);
     let matched = service.match_prefix(request, &prefix, tokens).unwrap();
     assert_eq!(matched.host_blocks, prefix.len());
-    let (table, ticket) = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
     let mut seen = Vec::new();
     loop {
         service.poll();

@@ -30,7 +30,8 @@ fn run_request(service: &mut Service, id: u64, hashes: &[BlockHash]) -> (usize, 
     let request = RequestId(id);
     let tokens = hashes.len() * BLOCK_TOKENS as usize;
     let matched = service.match_prefix(request, hashes, tokens).unwrap();
-    let (table, ticket) = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
     service.wait(ticket, WAIT).expect("the request's copies land");
     for (index, &block) in table.iter().enumerate() {
         if index < matched.blocks() {
@@ -80,7 +81,7 @@ fn a_worker_killed_mid_swap_is_recovered_and_the_host_tier_stays_intact() {
     let tokens = prefix_a.len() * BLOCK_TOKENS as usize;
     let matched = service.match_prefix(request, &prefix_a, tokens).unwrap();
     assert_eq!(matched.host_blocks, 8);
-    let (_, ticket) = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let ticket = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap().ticket;
     let kill_at = Instant::now() + Duration::from_millis(200);
     while Instant::now() < kill_at {
         service.poll();
@@ -189,7 +190,8 @@ fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_
     let tokens = prefix_a.len() * BLOCK_TOKENS as usize;
     let matched = service.match_prefix(request, &prefix_a, tokens).unwrap();
     assert_eq!(matched.host_blocks, 8);
-    let (table, ticket) = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
     service.poll();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(first.pid() as i32),

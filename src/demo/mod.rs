@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::hash::BlockHash;
-use crate::manager::RequestId;
+use crate::manager::{Allocation, RequestId};
 use crate::percentiles::Percentiles;
 use crate::service::{Service, WaitError};
 use crate::trace::TraceRequest;
@@ -117,10 +117,12 @@ impl<'a> DemoEngine<'a> {
         let (device_hits, host_hits) = (matched.device_blocks, matched.host_blocks);
         let hits = device_hits + host_hits;
         let new_tokens = request.input_length - matched.cached_tokens + request.output_length;
-        let mut allocated = self.service.allocate(RequestId(id), new_tokens, 0);
+        let owned =
+            |allocation: Allocation<'_>| (allocation.block_table.to_vec(), allocation.ticket);
+        let mut allocated = self.service.allocate(RequestId(id), new_tokens, 0).map(owned);
         if allocated.is_err() && self.service.wait_for_copies(TICKET_TIMEOUT) {
             // The blocks it would evict were being copied (backups, swap-outs); they have landed.
-            allocated = self.service.allocate(RequestId(id), new_tokens, 0);
+            allocated = self.service.allocate(RequestId(id), new_tokens, 0).map(owned);
         }
         let (table, ticket) = match allocated {
             Ok(allocated) => allocated,

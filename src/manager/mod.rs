@@ -49,7 +49,10 @@ pub use lookup::{Lookup, PrefixMatch};
 pub use queries::TransferStage;
 pub use request::RequestId;
 pub use stats::{CacheCounters, CacheStats, Evictions, Hits};
-pub use transfer::{TicketId, TicketStatus, Transfer, TransferFailure, TransferId, TransferKind};
+pub use transfer::{
+    BlockPair, CommandError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId,
+    TransferKind,
+};
 
 use crate::pool::BlockPool;
 use crate::tree::{lru::BuildChildHasher, NodeId, NodeState, SwapOut, Tree, TreeSnapshot};

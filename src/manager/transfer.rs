@@ -11,7 +11,7 @@
 
 use std::fmt;
 
-use kvshm_ipc::record::{BlockPair, CommandError};
+pub use kvshm_ipc::record::{BlockPair, CommandError};
 use serde::Serialize;
 
 use super::RequestId;

@@ -32,28 +32,33 @@ mod tests;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvshm_ipc::arena::{ArenaError, ArenaKind};
-use kvshm_ipc::config::{Backend, SegmentConfig};
-use kvshm_ipc::counters::Counter;
+use kvshm_ipc::arena::ArenaKind;
+use kvshm_ipc::config::SegmentConfig;
 use kvshm_ipc::doorbell::{deadline_after, WaitPolicy};
-use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::{
     command_slot_count, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
 };
 use kvshm_ipc::ring::RingError;
-use kvshm_ipc::segment::{CreateError, Segment, SegmentError};
 use tracing::{info, warn};
 
 use crate::hash::BlockHash;
 use crate::manager::{
-    AllocateError, CacheConfig, CacheManager, CommitError, Committed,
+    AllocateError, Allocation, CacheConfig, CacheManager, CommitError, Committed,
     ConfigError as CacheConfigError, FinishError, MatchError, PrefixMatch, RequestId, ResetError,
-    TicketError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId, TransferKind,
-    TransferStage,
+    ResizeError, TicketError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId,
+    TransferKind, TransferStage,
 };
 use crate::worker::{Geometry, GeometryError, GeometryParams};
 
 pub use inflight::{CommandTracker, CompletionMismatch, RankFailure};
+// The shared-memory types that appear in this module's API, so that an engine needs no direct
+// dependency on kvshm-ipc.
+pub use kvshm_ipc::arena::ArenaError;
+pub use kvshm_ipc::config::Backend;
+pub use kvshm_ipc::counters::Counter;
+pub use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
+pub use kvshm_ipc::name::{NameError, SegmentName};
+pub use kvshm_ipc::segment::{CreateError, Segment, SegmentError};
 pub use memory::{BlockAccessError, RankMemory};
 pub use rank::{RankChannel, RankState};
 
@@ -161,6 +166,17 @@ pub enum WaitError {
     TransferFailed(TransferFailure),
     #[error("ticket {ticket:?} is not ready after {waited:?}")]
     TimedOut { ticket: TicketId, waited: Duration },
+}
+
+/// Why the device tier could not be resized.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceResizeError {
+    #[error(transparent)]
+    Cache(#[from] ResizeError),
+    /// Workers check block ids against the size the segment was created with, and the host
+    /// backend's device arenas have that size.
+    #[error("{blocks} device blocks is more than the {capacity} the segment was created with")]
+    BeyondSegment { blocks: u32, capacity: u32 },
 }
 
 /// What the service remembers of a transfer in flight.
@@ -308,19 +324,22 @@ impl Service {
         self.manager.match_prefix(request, hashes, prompt_tokens)
     }
 
-    /// SPEC 5.3: blocks for the host hits and the new tokens; returns the block table and the
-    /// ticket to wait on before touching them.
+    /// SPEC 5.3: blocks for the host hits and the new tokens; returns the request's block table,
+    /// how many blocks this call added at its end, and the ticket to wait on before touching
+    /// them (as [`CacheManager::allocate`], with the copies handed to the workers).
     pub fn allocate(
         &mut self,
         request: RequestId,
         new_tokens: usize,
         lookahead_tokens: usize,
-    ) -> Result<(Vec<u32>, TicketId), AllocateError> {
+    ) -> Result<Allocation<'_>, AllocateError> {
         let allocation = self.manager.allocate(request, new_tokens, lookahead_tokens)?;
-        let table = allocation.block_table.to_vec();
-        let ticket = allocation.ticket;
+        let (ticket, new_blocks) = (allocation.ticket, allocation.new_blocks);
         self.issue_transfers();
-        Ok((table, ticket))
+        let block_table = self.manager.block_table(request).expect(
+            "a request stays live until finished or aborted: a programming error otherwise",
+        );
+        Ok(Allocation { ticket, block_table, new_blocks })
     }
 
     /// SPEC 5.4: caches the full blocks among the request's first `computed_tokens` tokens.
@@ -341,6 +360,18 @@ impl Service {
     /// SPEC 5.5: as `finish`, for a request that will not complete.
     pub fn abort(&mut self, request: RequestId) -> Result<(), FinishError> {
         self.manager.abort(request)
+    }
+
+    /// SPEC 5.8: grows or shrinks the device tier, within the blocks the segment was created
+    /// with; shrinking needs every block at or above `blocks` free.
+    pub fn resize_device(&mut self, blocks: u32) -> Result<(), DeviceResizeError> {
+        let capacity = self.geometry.device_blocks();
+        if blocks > capacity {
+            return Err(DeviceResizeError::BeyondSegment { blocks, capacity });
+        }
+        self.manager.resize_device(blocks)?;
+        self.publish_counters();
+        Ok(())
     }
 
     /// SPEC 5.6: drops every cached block and bumps the generation (in the manager and in the

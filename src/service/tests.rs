@@ -113,7 +113,7 @@ fn a_wait_with_duration_max_as_its_timeout_does_not_overflow_its_deadline() {
     let request = RequestId(1);
     let hashes = [BlockHash(21)];
     service.match_prefix(request, &hashes, BLOCK_TOKENS as usize).unwrap();
-    let (_, ticket) = service.allocate(request, BLOCK_TOKENS as usize, 0).unwrap();
+    let ticket = service.allocate(request, BLOCK_TOKENS as usize, 0).unwrap().ticket;
     service.wait(ticket, Duration::MAX).unwrap();
     assert!(service.wait_for_copies(Duration::MAX));
 }
