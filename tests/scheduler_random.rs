@@ -20,7 +20,7 @@ use kvshm::manager::{
     AllocateError, CacheConfig, CacheManager, RequestId, TicketId, TicketStatus, Transfer,
     TransferKind, WritePolicy,
 };
-use kvshm::tree::{NodeId, SnapshotNode};
+use kvshm::tree::{NodeId, NodeState, SnapshotNode, SwapOut};
 use scheduler_support::{check, failure, Rng};
 
 const BLOCK_TOKENS: usize = 2;
@@ -330,8 +330,8 @@ fn reclaimable_by_brute_force(cache: &CacheManager) -> usize {
             .filter(|&&child| nodes[child].device.is_some());
         node.device.is_some()
             && node.ref_count == 0
-            && (node.state == "swap_to_host(evict)"
-                || (node.state == "device"
+            && (node.state == NodeState::SwapToHost(SwapOut::Evict)
+                || (node.state == NodeState::Device
                     && device_children
                         .into_iter()
                         .all(|&child| reclaimable(nodes, children, child))))

@@ -369,7 +369,7 @@ fn a_node_hit_while_swapping_to_host_stays_on_device() {
     check(&cache);
     let snapshot = cache.tree_snapshot(2);
     assert!(
-        snapshot.nodes.iter().all(|node| node.state == NodeState::Device.name()),
+        snapshot.nodes.iter().all(|node| node.state == NodeState::Device),
         "eviction cancelled"
     );
     assert!(snapshot.nodes[1].host.is_some(), "the host copy became a backup");
@@ -441,7 +441,7 @@ fn an_allocation_short_of_free_blocks_claims_a_block_being_swapped_out() {
     assert!(snapshot
         .nodes
         .iter()
-        .any(|node| node.state == NodeState::SwapToHost(SwapOut::Claimed).name()));
+        .any(|node| node.state == NodeState::SwapToHost(SwapOut::Claimed)));
     assert_eq!(cache.lookup(&hashes(&[1, 2])).blocks(), 1, "a match stops at a claimed node");
     let out = cache.take_transfers();
     assert!(out[0].pairs.iter().any(|pair| pair.src == block));

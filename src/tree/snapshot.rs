@@ -3,9 +3,9 @@
 //! The snapshot is flat (each node names its parent) so that a deep tree neither recurses nor
 //! nests: nodes come in depth-first order, children by hash, down to a maximum depth.
 
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
-use super::{NodeId, Tree};
+use super::{NodeId, NodeState, Tree};
 use crate::hash::BlockHash;
 
 /// The nodes of the tree down to some depth.
@@ -26,7 +26,9 @@ pub struct SnapshotNode {
     pub parent: Option<NodeId>,
     pub depth: u32,
     pub hash: BlockHash,
-    pub state: &'static str,
+    /// Serialised by name (`"device"`, `"swap_to_host(evict)"`, ...), as kvctl prints it.
+    #[serde(serialize_with = "serialize_state_name")]
+    pub state: NodeState,
     pub device: Option<u32>,
     pub host: Option<u32>,
     pub ref_count: u32,
@@ -47,7 +49,7 @@ impl Tree {
                 parent: node.parent().filter(|&parent| parent != NodeId::ROOT),
                 depth: node.depth(),
                 hash: node.hash(),
-                state: node.state().name(),
+                state: node.state(),
                 device: node.device(),
                 host: node.host(),
                 ref_count: node.ref_count(),
@@ -68,4 +70,11 @@ impl Tree {
         children.sort_unstable_by_key(|&child| std::cmp::Reverse(self.node(child).hash()));
         children
     }
+}
+
+fn serialize_state_name<S: Serializer>(
+    state: &NodeState,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(state.name())
 }
