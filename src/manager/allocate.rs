@@ -1,7 +1,7 @@
 //! `allocate` (SPEC 5.3): device blocks for a request's host hits and new tokens, all or nothing.
 //!
-//! 1. Count what is needed: a block per host hit not yet swapped in, and blocks for the new and
-//!    lookahead tokens beyond what the block table covers.
+//! 1. Count what is needed ([`super::capacity`]): a block per host hit not yet swapped in, and
+//!    blocks for the new and lookahead tokens beyond what the block table covers.
 //! 2. Count what can be had without changing anything: free blocks, claimable blocks and the
 //!    cascade of device candidates. Short: fail, nothing changed.
 //! 3. Take the blocks (free, claimed, evicted; see [`super::evict`]).
@@ -38,19 +38,9 @@ impl CacheManager {
         if record.failed {
             return Err(AllocateError::RequestFailed(request));
         }
-        let block_tokens = self.config.block_tokens as usize;
+        let demand = self.demand(request, record, new_tokens, lookahead)?;
+        let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
         let hits = record.path.get(record.table.len()..).unwrap_or_default().to_vec();
-        let swap_ins =
-            hits.iter().filter(|&&id| self.tree.node(id).state() == NodeState::Host).count();
-        let covered = record.table.len().max(record.path.len());
-        let fresh = record
-            .tokens
-            .checked_add(new_tokens)
-            .and_then(|tokens| tokens.checked_add(lookahead))
-            .ok_or(AllocateError::TooManyTokens { request, new_tokens, lookahead })?
-            .div_ceil(block_tokens)
-            .saturating_sub(covered);
-        let needed = swap_ins + fresh;
         let free = self.device.free_count();
         if needed > free {
             let available = free + self.reclaimable_up_to(needed - free);

@@ -6,6 +6,12 @@ use super::{RequestId, TicketId, TransferId};
 pub enum MatchError {
     #[error("{0} is already live")]
     DuplicateRequest(RequestId),
+    #[error("{0} is not live")]
+    UnknownRequest(RequestId),
+    #[error("{0} has allocated blocks; it ends with finish or abort")]
+    AlreadyAllocated(RequestId),
+    #[error("{request}: hash {block} differs from the prefix it holds")]
+    PrefixMismatch { request: RequestId, block: usize },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -37,6 +43,11 @@ pub enum CommitError {
     #[error("the hash of block {block} differs from the one the request holds")]
     PrefixMismatch { block: usize },
 }
+
+/// A question about a request that is not live.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0} is not live")]
+pub struct UnknownRequest(pub RequestId);
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FinishError {

@@ -21,6 +21,7 @@
 //! [`CacheManager::poll`] issues write-through backups and evicts ahead of demand.
 
 mod allocate;
+mod capacity;
 mod commit;
 mod complete;
 mod config;
@@ -31,6 +32,7 @@ mod invariants;
 mod lookup;
 mod poll;
 mod queries;
+mod rematch;
 mod request;
 mod reset;
 mod stats;
@@ -39,11 +41,12 @@ mod transfer;
 use std::collections::HashMap;
 
 pub use allocate::Allocation;
+pub use capacity::AllocationCheck;
 pub use commit::Committed;
 pub use config::{CacheConfig, ConfigError, ParseWritePolicyError, WritePolicy};
 pub use errors::{
     AllocateError, CommitError, CompleteError, FinishError, InvariantViolation, MatchError,
-    ResetError, ResizeError, TicketError,
+    ResetError, ResizeError, TicketError, UnknownRequest,
 };
 pub use lookup::{Lookup, PrefixMatch};
 pub use queries::TransferStage;

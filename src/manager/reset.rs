@@ -7,18 +7,25 @@
 //!    then ignored but for freeing them), since a worker may still be touching them;
 //! 4. clear the tree and both pools, and take the reserved blocks back out of the pools.
 
-use super::{CacheManager, ResetError, ResizeError};
+use super::{CacheManager, RequestId, ResetError, ResizeError};
 use crate::pool::{ResizeError as PoolResizeError, TooManyBlocks, MAX_POOL_BLOCKS};
 
 use super::TransferKind;
 
 impl CacheManager {
-    /// Drops every cached block and bumps the generation (module flow).
-    pub fn reset(&mut self, force: bool) -> Result<(), ResetError> {
-        let holders = self.requests.values().filter(|request| request.holds_anything()).count();
-        if holders > 0 && !force {
-            return Err(ResetError::RequestsHoldBlocks { requests: holders });
+    /// Drops every cached block and bumps the generation (module flow). Returns the requests a
+    /// forced reset ended (those that held blocks), in id order: the engine drops them too.
+    pub fn reset(&mut self, force: bool) -> Result<Vec<RequestId>, ResetError> {
+        let mut dropped: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, request)| request.holds_anything())
+            .map(|(&id, _)| id)
+            .collect();
+        if !dropped.is_empty() && !force {
+            return Err(ResetError::RequestsHoldBlocks { requests: dropped.len() });
         }
+        dropped.sort_unstable();
         for id in self.outbox.drain(..) {
             if self.in_flight.get(&id).is_some_and(|flight| !flight.issued) {
                 self.in_flight.remove(&id);
@@ -66,7 +73,7 @@ impl CacheManager {
         }
         self.generation += 1;
         self.stats.resets += 1;
-        Ok(())
+        Ok(dropped)
     }
 
     /// Grows the device tier, or shrinks it when every block at or above `blocks` is free.

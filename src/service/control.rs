@@ -21,7 +21,13 @@ impl Service {
     pub(super) fn serve_control_requests(&mut self) {
         if let Some(request) = self.segment.control().pending_reset() {
             let status = match self.reset(request.force) {
-                Ok(()) => ResetStatus::Done,
+                Ok(dropped) => {
+                    if !dropped.is_empty() {
+                        warn!(requests = dropped.len(), "a forced kvctl reset ended live requests");
+                    }
+                    self.requests_dropped_by_kvctl.extend(dropped);
+                    ResetStatus::Done
+                }
                 Err(error @ ResetError::RequestsHoldBlocks { .. }) => {
                     warn!(%error, "kvctl reset refused");
                     ResetStatus::RefusedBusy

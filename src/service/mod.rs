@@ -214,6 +214,8 @@ pub struct Service {
     stats: ServiceStats,
     transfer_scratch: Vec<Transfer>,
     completion_scratch: Vec<kvshm_ipc::record::Completion>,
+    /// Requests that a forced reset asked for by kvctl ended, until the engine takes them.
+    requests_dropped_by_kvctl: Vec<RequestId>,
 }
 
 impl Service {
@@ -264,6 +266,7 @@ impl Service {
             stats: ServiceStats::default(),
             transfer_scratch: Vec::new(),
             completion_scratch: Vec::new(),
+            requests_dropped_by_kvctl: Vec::new(),
         };
         service.publish_counters();
         Ok(service)
@@ -377,13 +380,20 @@ impl Service {
     /// SPEC 5.6: drops every cached block and bumps the generation (in the manager and in the
     /// segment, so that workers refuse commands of the old one). Copies of the old generation
     /// still in flight keep their blocks reserved in the manager until their completions arrive.
-    pub fn reset(&mut self, force: bool) -> Result<(), ResetError> {
-        self.manager.reset(force)?;
+    /// Returns the requests a forced reset ended, in id order.
+    pub fn reset(&mut self, force: bool) -> Result<Vec<RequestId>, ResetError> {
+        let dropped = self.manager.reset(force)?;
         let generation = self.segment.bump_generation();
         self.stats.resets += 1;
         info!(generation, force, "cache reset");
         self.publish_counters();
-        Ok(())
+        Ok(dropped)
+    }
+
+    /// The requests that forced resets asked for by kvctl (`kvctl reset --force`, carried out in
+    /// `poll`) ended since the last call: the engine must drop them too.
+    pub fn take_requests_dropped_by_kvctl(&mut self) -> Vec<RequestId> {
+        std::mem::take(&mut self.requests_dropped_by_kvctl)
     }
 
     /// Reaps completions, watches the workers, issues pending copies, serves kvctl and publishes
