@@ -43,7 +43,7 @@ use tracing::{info, warn};
 
 use crate::hash::BlockHash;
 use crate::manager::{
-    AllocateError, Allocation, CacheConfig, CacheManager, CommitError, Committed,
+    AllocateError, Allocation, AllocationCheck, CacheConfig, CacheManager, CommitError, Committed,
     ConfigError as CacheConfigError, FinishError, MatchError, PrefixMatch, RequestId, ResetError,
     ResizeError, TicketError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId,
     TransferKind, TransferStage,
@@ -325,6 +325,33 @@ impl Service {
         prompt_tokens: usize,
     ) -> Result<PrefixMatch, MatchError> {
         self.manager.match_prefix(request, hashes, prompt_tokens)
+    }
+
+    /// Extends the held prefix of a request that has not allocated with blocks cached since
+    /// (see [`CacheManager::rematch`]).
+    pub fn rematch(
+        &mut self,
+        request: RequestId,
+        hashes: &[BlockHash],
+        prompt_tokens: usize,
+    ) -> Result<PrefixMatch, MatchError> {
+        self.manager.rematch(request, hashes, prompt_tokens)
+    }
+
+    /// Gives back the holds of a request that has not allocated (its allocation failed and it
+    /// waits); see [`CacheManager::release_match`].
+    pub fn release_match(&mut self, request: RequestId) -> Result<(), MatchError> {
+        self.manager.release_match(request)
+    }
+
+    /// Whether `allocate` with these arguments would succeed now; changes nothing.
+    pub fn can_allocate(
+        &mut self,
+        request: RequestId,
+        new_tokens: usize,
+        lookahead_tokens: usize,
+    ) -> Result<AllocationCheck, AllocateError> {
+        self.manager.can_allocate(request, new_tokens, lookahead_tokens)
     }
 
     /// SPEC 5.3: blocks for the host hits and the new tokens; returns the request's block table,
