@@ -13,6 +13,7 @@
 use bytemuck::{Pod, Zeroable};
 use thiserror::Error;
 
+use crate::inspect::ObjectIdentity;
 use crate::liveness::ProcessIdentity;
 use crate::name::SegmentName;
 use crate::shm::{self, SharedMemory, ShmError};
@@ -171,6 +172,11 @@ impl Arena {
 
     pub fn header(&self) -> &ArenaHeader {
         &self.header
+    }
+
+    /// Which file this arena is (its creator removes exactly this file on drop).
+    pub fn identity(&self) -> Result<ObjectIdentity, ShmError> {
+        self.memory.identity()
     }
 }
 

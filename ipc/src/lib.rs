@@ -2,6 +2,8 @@
 //!
 //! - [`name`]: segment names and the shared-memory object names derived from them.
 //! - [`shm`]: creating, opening and unlinking named shared-memory objects safely.
+//! - [`inspect`]: looking at objects under `/dev/shm` without trusting them (no blocking on a
+//!   FIFO, no following a link, another user's objects never read or removed).
 //! - [`config`]: the configuration a segment is created with, validated on every attach.
 //! - [`layout`]: the segment header and where every area lies.
 //! - [`segment`]: a mapped control segment: create, attach, accessors, rank claims.
@@ -33,6 +35,8 @@ pub mod control;
 pub mod counters;
 #[cfg(not(loom))]
 pub mod device_handles;
+#[cfg(not(loom))]
+pub mod inspect;
 #[cfg(not(loom))]
 pub mod layout;
 #[cfg(not(loom))]

@@ -7,9 +7,16 @@
 //! [`CREATION_GRACE`]), [`ListingState::Unreadable`] (with the reason), and data objects without a
 //! control object as [`ListingState::Orphaned`]. [`unlink`] removes every object of a name.
 //!
+//! Every object is opened through [`crate::inspect`] (no blocking on a FIFO, no following a link,
+//! a regular file of our effective uid or nothing), and nothing here removes an object that
+//! another user owns: [`unlink`] refuses the whole name, naming the foreign object and its owner.
+//! A control object larger than any segment can be (a sparse file of terabytes) is never mapped;
+//! its creator word is read with `pread` and judges it.
+//!
 //! A segment whose creator identity was not written yet (the first microseconds of creation)
 //! cannot be judged by its creator; within [`CREATION_GRACE`] of its last modification it counts
-//! as being created, after that as stale.
+//! as being created, after that as stale. So does a FIFO, link or other non-file of ours under the
+//! prefix: it names no creator, and once it is old it is garbage.
 //!
 //! Limitation: taking over a stale segment is check-then-unlink; two processes creating the same
 //! stale name at the same moment can race (one may remove the other's fresh object). Creating one
@@ -18,15 +25,17 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::arena::{self, ArenaKind};
-use crate::config::SegmentConfig;
+use crate::arena::ArenaKind;
+use crate::config::MAX_REGIONS;
+use crate::config::{SegmentConfig, MAX_COMMAND_RING_SLOTS, MAX_COMPLETION_RING_SLOTS, MAX_RANKS};
+use crate::inspect::{self, Access, CheckedObject, ObjectStatus};
+use crate::layout::{HeaderFields, SegmentLayout};
 use crate::liveness::ProcessIdentity;
 use crate::name::{ObjectKind, ObjectName, SegmentName};
-use crate::segment::{read_creator, validate_header, AttachError, CreateError};
-use crate::shm::{self, SharedMemory, ShmError};
+use crate::segment::{validate_header, AttachError, CreateError};
+use crate::shm::{SharedMemory, ShmError};
 
-/// Where POSIX shared-memory objects appear on Linux.
-pub const SHM_DIR: &str = "/dev/shm";
+pub use crate::inspect::SHM_DIR;
 /// How long a control object without a readable creator is presumed to be in creation.
 pub const CREATION_GRACE: Duration = Duration::from_secs(2);
 
@@ -63,6 +72,8 @@ pub struct DataObject {
     /// Object name, with the leading slash.
     pub object: String,
     pub size: u64,
+    /// The uid that owns it (another user's is never read or removed).
+    pub owner: u32,
 }
 
 /// One segment found under `/dev/shm`.
@@ -73,6 +84,8 @@ pub struct SegmentListing {
     pub creator: Option<ProcessIdentity>,
     /// Bytes of the control object (0 when orphaned).
     pub size: u64,
+    /// The uid that owns the control object (`None` when orphaned).
+    pub owner: Option<u32>,
     /// The configuration, when the header validated.
     pub config: Option<SegmentConfig>,
     pub data_objects: Vec<DataObject>,
@@ -81,30 +94,28 @@ pub struct SegmentListing {
 /// Every kvshm segment under `/dev/shm`, sorted by name. Entries that vanish during the scan are
 /// skipped; a missing `/dev/shm` gives an empty list.
 pub fn list() -> Vec<SegmentListing> {
-    let mut by_name: BTreeMap<SegmentName, (Option<u64>, Vec<DataObject>)> = BTreeMap::new();
-    for (parsed, size) in scan() {
+    let mut by_name: BTreeMap<SegmentName, (Option<ObjectStatus>, Vec<DataObject>)> =
+        BTreeMap::new();
+    for (parsed, status) in scan() {
         let entry = by_name.entry(parsed.segment.clone()).or_default();
+        let data = |kind: ArenaKind, rank: u32| DataObject {
+            kind,
+            rank,
+            object: parsed.object(),
+            size: status.len,
+            owner: status.owner,
+        };
         match parsed.kind {
-            ObjectKind::Control => entry.0 = Some(size),
-            ObjectKind::DeviceArena { rank } => entry.1.push(DataObject {
-                kind: ArenaKind::Device,
-                rank,
-                object: parsed.object(),
-                size,
-            }),
-            ObjectKind::HostTier { rank } => entry.1.push(DataObject {
-                kind: ArenaKind::Host,
-                rank,
-                object: parsed.object(),
-                size,
-            }),
+            ObjectKind::Control => entry.0 = Some(status),
+            ObjectKind::DeviceArena { rank } => entry.1.push(data(ArenaKind::Device, rank)),
+            ObjectKind::HostTier { rank } => entry.1.push(data(ArenaKind::Host, rank)),
         }
     }
     by_name
         .into_iter()
-        .map(|(name, (control_size, mut data_objects))| {
+        .map(|(name, (control, mut data_objects))| {
             data_objects.sort_by_key(|object| (object.rank, object.kind.name()));
-            let (state, creator, config) = match control_size {
+            let (state, creator, config) = match &control {
                 Some(_) => judge_for_listing(&name.control_object()),
                 None => (ListingState::Orphaned, None, None),
             };
@@ -112,7 +123,8 @@ pub fn list() -> Vec<SegmentListing> {
                 name,
                 state,
                 creator,
-                size: control_size.unwrap_or(0),
+                size: control.as_ref().map_or(0, |status| status.len),
+                owner: control.as_ref().map(|status| status.owner),
                 config,
                 data_objects,
             }
@@ -123,28 +135,42 @@ pub fn list() -> Vec<SegmentListing> {
 /// Removes every data object and then the control object of `name`; returns how many were
 /// removed. The control object goes last: while it exists nobody else can create the name, so a
 /// concurrent creator's fresh data objects are never caught by this removal.
+///
+/// If another user owns any object of the name, nothing is removed and the error names it.
 pub fn unlink(name: &SegmentName) -> Result<usize, ShmError> {
+    check_all_ours(name, true)?;
     let removed = unlink_data_objects(name)?;
-    Ok(removed + usize::from(unlink_if_present(&name.control_object())?))
+    Ok(removed + usize::from(inspect::unlink_owned(&name.control_object())?))
 }
 
-/// Removes every data object of `name`; returns how many were removed.
+/// Removes every data object of `name`; returns how many were removed. If another user owns any
+/// of them, nothing is removed and the error names it.
 pub(crate) fn unlink_data_objects(name: &SegmentName) -> Result<usize, ShmError> {
+    check_all_ours(name, false)?;
     let mut removed = 0;
     for (parsed, _) in scan() {
         if &parsed.segment == name && parsed.kind != ObjectKind::Control {
-            removed += usize::from(unlink_if_present(&parsed.object())?);
+            removed += usize::from(inspect::unlink_owned(&parsed.object())?);
         }
     }
     Ok(removed)
 }
 
-fn unlink_if_present(object: &str) -> Result<bool, ShmError> {
-    match shm::unlink(object) {
-        Ok(()) => Ok(true),
-        Err(ShmError::NotFound { .. }) => Ok(false),
-        Err(error) => Err(error),
+/// Fails with [`ShmError::ForeignOwner`] naming the first object of `name` (data objects, and the
+/// control object if `with_control`) that another user owns.
+fn check_all_ours(name: &SegmentName, with_control: bool) -> Result<(), ShmError> {
+    let ours = inspect::our_uid();
+    for (parsed, status) in scan() {
+        let included = with_control || parsed.kind != ObjectKind::Control;
+        if &parsed.segment == name && included && status.owner != ours {
+            return Err(ShmError::ForeignOwner {
+                object: parsed.object(),
+                owner: status.owner,
+                expected: ours,
+            });
+        }
     }
+    Ok(())
 }
 
 /// What `Segment::create` found under its name.
@@ -158,51 +184,86 @@ pub(crate) enum ExistingSegment {
     Gone,
 }
 
-/// Judges an existing control object for `Segment::create`.
+/// Judges an existing control object for `Segment::create`. Another user's object, or anything
+/// that is not a regular file of ours, is an error that names it; nothing is mapped.
 pub(crate) fn judge_existing(object: &str) -> Result<ExistingSegment, CreateError> {
-    let memory = match SharedMemory::open(object) {
-        Ok(memory) => memory,
+    let checked = match CheckedObject::open(object) {
+        Ok(checked) => checked,
         Err(ShmError::NotFound { .. }) => return Ok(ExistingSegment::Gone),
-        Err(ShmError::Empty { .. }) => return Ok(judge_creatorless(object)),
+        Err(ShmError::NotRegularFile { owner, .. }) if owner == inspect::our_uid() => {
+            return Ok(judge_creatorless(inspect::status(object).ok().as_ref()))
+        }
         Err(error) => return Err(CreateError::Shm(error)),
     };
-    Ok(match read_creator(&memory) {
+    Ok(match read_creator_word(&checked) {
         Some(creator) if creator.is_alive() => ExistingSegment::Live { pid: creator.pid },
         Some(_) => ExistingSegment::Stale,
-        None => judge_creatorless(object),
+        None => judge_creatorless(inspect::status(object).ok().as_ref()),
     })
 }
 
-fn judge_creatorless(object: &str) -> ExistingSegment {
-    if recently_modified(object) {
-        ExistingSegment::BeingCreated
-    } else {
-        ExistingSegment::Stale
+fn judge_creatorless(status: Option<&ObjectStatus>) -> ExistingSegment {
+    match status {
+        Some(status) if status.unchanged_for(CREATION_GRACE) => ExistingSegment::Stale,
+        _ => ExistingSegment::BeingCreated,
     }
 }
 
-/// The creator recorded in a control object or an arena, if readable (for Drop's ownership check).
-pub(crate) fn object_creator(object: &str) -> Option<ProcessIdentity> {
-    let memory = SharedMemory::open(object).ok()?;
-    match ObjectName::parse(object)?.kind {
-        ObjectKind::Control => read_creator(&memory),
-        ObjectKind::DeviceArena { .. } | ObjectKind::HostTier { .. } => {
-            arena::read_header(&memory).ok().map(|header| header.creator)
-        }
+/// The creator identity at its fixed header offset, read without mapping (`None` if the object
+/// is too short or the word is zero).
+fn read_creator_word(checked: &CheckedObject) -> Option<ProcessIdentity> {
+    let at = std::mem::offset_of!(HeaderFields, creator);
+    let bytes = checked.read_at(at as u64, size_of::<ProcessIdentity>()).ok()?;
+    if bytes.len() < size_of::<ProcessIdentity>() {
+        return None;
     }
+    let creator: ProcessIdentity = bytemuck::pod_read_unaligned(&bytes);
+    (!creator.is_none()).then_some(creator)
 }
 
-fn judge_for_listing(
-    object: &str,
-) -> (ListingState, Option<ProcessIdentity>, Option<SegmentConfig>) {
+/// The largest control object any valid configuration makes. A larger object is not a segment
+/// (whatever its header says), and is judged without mapping it.
+pub fn largest_control_object() -> u64 {
+    let largest = SegmentConfig {
+        tp_size: MAX_RANKS,
+        regions: MAX_REGIONS,
+        layers: 1,
+        command_ring_slots: MAX_COMMAND_RING_SLOTS,
+        completion_ring_slots: MAX_COMPLETION_RING_SLOTS,
+        device_blocks: 1,
+        host_blocks: 0,
+        region_bytes: 1,
+        ..SegmentConfig::default()
+    };
+    SegmentLayout::compute(&largest)
+        .map(|layout| layout.total_size as u64)
+        .expect("the largest configuration validates; anything else is a programming error")
+}
+
+type Judgement = (ListingState, Option<ProcessIdentity>, Option<SegmentConfig>);
+
+fn judge_for_listing(object: &str) -> Judgement {
     let unreadable = |reason: String| (ListingState::Unreadable(reason), None, None);
-    let memory = match SharedMemory::open(object) {
-        Ok(memory) => memory,
-        Err(ShmError::Empty { .. }) => return creatorless(object, "empty object".to_owned()),
+    let checked = match CheckedObject::open_with(object, Access::ReadWrite) {
+        Ok(checked) => checked,
+        Err(error @ ShmError::NotRegularFile { owner, .. }) if owner == inspect::our_uid() => {
+            return creatorless(inspect::status(object).ok().as_ref(), error.to_string())
+        }
         Err(error) => return unreadable(error.to_string()),
     };
-    let creator = read_creator(&memory);
-    let creator_alive = creator.map(|creator| creator.is_alive());
+    if checked.is_empty() {
+        return creatorless(inspect::status(object).ok().as_ref(), "empty object".to_owned());
+    }
+    let creator = read_creator_word(&checked);
+    if checked.len() > largest_control_object() {
+        let reason = format!("it is {} bytes, more than any kvshm segment can be", checked.len());
+        return judge_by_creator(creator, &checked, reason);
+    }
+    let modified = inspect::status(object).ok();
+    let memory = match SharedMemory::map(checked) {
+        Ok(memory) => memory,
+        Err(error) => return unreadable(error.to_string()),
+    };
     match validate_header(&memory) {
         Ok((fields, _)) => {
             let state =
@@ -211,35 +272,43 @@ fn judge_for_listing(
         }
         // Another layout version may keep its creator elsewhere: never call it stale.
         Err(error @ AttachError::VersionMismatch { .. }) => unreadable(error.to_string()),
-        Err(error) => match creator_alive {
+        Err(error) => match creator.map(|creator| creator.is_alive()) {
             Some(false) => (ListingState::Stale, creator, None),
             Some(true) => (ListingState::Unreadable(error.to_string()), creator, None),
-            None => creatorless(object, error.to_string()),
+            None => creatorless(modified.as_ref(), error.to_string()),
         },
     }
 }
 
-fn creatorless(
-    object: &str,
+/// An object that cannot be a segment, judged by the creator it names (or its age if none).
+fn judge_by_creator(
+    creator: Option<ProcessIdentity>,
+    checked: &CheckedObject,
     reason: String,
-) -> (ListingState, Option<ProcessIdentity>, Option<SegmentConfig>) {
-    if recently_modified(object) {
-        (ListingState::Unreadable(format!("being created ({reason})")), None, None)
-    } else {
-        (ListingState::Stale, None, None)
+) -> Judgement {
+    match creator {
+        Some(creator) if creator.is_alive() => (
+            ListingState::Unreadable(format!(
+                "{reason}; the creator it names (pid {}) is alive",
+                creator.pid
+            )),
+            Some(creator),
+            None,
+        ),
+        Some(creator) => (ListingState::Stale, Some(creator), None),
+        None => creatorless(inspect::status(checked.object()).ok().as_ref(), reason),
     }
 }
 
-fn recently_modified(object: &str) -> bool {
-    std::fs::metadata(format!("{SHM_DIR}{object}"))
-        .and_then(|metadata| metadata.modified())
-        .ok()
-        .and_then(|modified| modified.elapsed().ok())
-        .map_or(true, |age| age < CREATION_GRACE)
+fn creatorless(status: Option<&ObjectStatus>, reason: String) -> Judgement {
+    match status {
+        Some(status) if status.unchanged_for(CREATION_GRACE) => (ListingState::Stale, None, None),
+        _ => (ListingState::Unreadable(format!("being created ({reason})")), None, None),
+    }
 }
 
-/// Every kvshm object under `/dev/shm` with its size.
-fn scan() -> Vec<(ObjectName, u64)> {
+/// Every kvshm object under `/dev/shm`, described without opening it.
+fn scan() -> Vec<(ObjectName, ObjectStatus)> {
     let Ok(entries) = std::fs::read_dir(SHM_DIR) else {
         return Vec::new();
     };
@@ -247,8 +316,8 @@ fn scan() -> Vec<(ObjectName, u64)> {
         .filter_map(|entry| {
             let entry = entry.ok()?;
             let parsed = ObjectName::parse(entry.file_name().to_str()?)?;
-            let size = entry.metadata().ok()?.len();
-            Some((parsed, size))
+            let status = inspect::status(&parsed.object()).ok()?;
+            Some((parsed, status))
         })
         .collect()
 }

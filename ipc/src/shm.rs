@@ -10,8 +10,8 @@
 //!    `/dev/shm` is [`ShmError::NoSpace`] here, never a SIGBUS on first touch later;
 //! 3. map it; on any failure the object is unlinked again, so nothing is left behind.
 //!
-//! Opening ([`SharedMemory::open`]) checks that the object belongs to our effective uid
-//! ([`check_owner`]) before mapping it.
+//! Opening ([`SharedMemory::open`]) goes through [`CheckedObject`]: the object is opened without
+//! blocking or following a link, and only a regular file that our effective uid owns is mapped.
 //!
 //! Limitation: a process of the same user that shrinks the object with `ftruncate` while it is
 //! mapped makes accesses beyond the new end fault (SIGBUS). Only the owner can do that, so it is a
@@ -24,8 +24,12 @@ use nix::errno::Errno;
 use nix::fcntl::{posix_fallocate, OFlag};
 use nix::sys::mman::{shm_open, shm_unlink};
 use nix::sys::stat::{fstat, Mode};
-use nix::unistd::{ftruncate, geteuid};
+use nix::unistd::ftruncate;
 use thiserror::Error;
+
+use crate::inspect::{
+    check_object_name, io_errno, os_error, Access, CheckedObject, ObjectIdentity,
+};
 
 /// Why a shared-memory operation failed.
 #[derive(Debug, Error)]
@@ -38,8 +42,10 @@ pub enum ShmError {
     AlreadyExists { object: String },
     #[error("not enough space in /dev/shm for {requested} bytes of {object}")]
     NoSpace { object: String, requested: u64 },
-    #[error("shared-memory object is owned by uid {owner}, expected uid {expected}")]
-    ForeignOwner { owner: u32, expected: u32 },
+    #[error("shared-memory object {object} belongs to uid {owner}, and we run as uid {expected}: it is not ours to read or remove")]
+    ForeignOwner { object: String, owner: u32, expected: u32 },
+    #[error("{object} is a {kind} of uid {owner}, not a shared-memory object")]
+    NotRegularFile { object: String, kind: &'static str, owner: u32 },
     #[error("shared-memory object {object} is empty")]
     Empty { object: String },
     #[error("a shared-memory object of {len} bytes is not supported on this machine")]
@@ -91,25 +97,25 @@ impl SharedMemory {
         result.map(|map| SharedMemory { map, fd, object: object.to_owned() })
     }
 
-    /// Opens and maps an existing `object` read-write, after checking that our effective uid owns it.
+    /// Opens and maps an existing `object` read-write: a regular file that our effective uid
+    /// owns (see [`CheckedObject`]).
     pub fn open(object: &str) -> Result<SharedMemory, ShmError> {
-        check_object_name(object)?;
-        let fd = shm_open(object, OFlag::O_RDWR, Mode::empty()).map_err(|errno| match errno {
-            Errno::ENOENT => ShmError::NotFound { object: object.to_owned() },
-            errno => os_error("shm_open", object, errno),
-        })?;
-        let stat = fstat(&fd).map_err(|errno| os_error("fstat", object, errno))?;
-        check_owner(stat.st_uid, geteuid().as_raw())?;
+        SharedMemory::map(CheckedObject::open_with(object, Access::ReadWrite)?)
+    }
+
+    /// Maps an object opened read-write and checked.
+    pub(crate) fn map(checked: CheckedObject) -> Result<SharedMemory, ShmError> {
+        let (fd, stat, object) = checked.into_parts();
         if stat.st_size <= 0 {
-            return Err(ShmError::Empty { object: object.to_owned() });
+            return Err(ShmError::Empty { object });
         }
         let len = usize::try_from(stat.st_size)
             .map_err(|_| ShmError::TooLarge { len: stat.st_size as u64 })?;
         let map = MmapOptions::new()
             .len(len)
             .map_raw(&fd)
-            .map_err(|error| os_error("mmap", object, io_errno(&error)))?;
-        Ok(SharedMemory { map, fd, object: object.to_owned() })
+            .map_err(|error| os_error("mmap", &object, io_errno(&error)))?;
+        Ok(SharedMemory { map, fd, object })
     }
 
     /// Start of the mapping. Valid for [`len`](Self::len) bytes while `self` lives; other
@@ -135,28 +141,25 @@ impl SharedMemory {
         fstat(&self.fd).is_ok_and(|stat| stat.st_size >= self.map.len() as libc::off_t)
     }
 
+    /// Which file this maps (see [`ObjectIdentity`]).
+    pub fn identity(&self) -> Result<ObjectIdentity, ShmError> {
+        fstat(&self.fd)
+            .map(|stat| ObjectIdentity { device: stat.st_dev, inode: stat.st_ino })
+            .map_err(|errno| os_error("fstat", &self.object, errno))
+    }
+
     /// The object name this maps (with the leading slash).
     pub fn object(&self) -> &str {
         &self.object
     }
 }
 
-/// Removes `object` from `/dev/shm`; mappings that exist stay valid until unmapped.
+/// Removes `object` from `/dev/shm` if our effective uid owns it (another user's object is
+/// [`ShmError::ForeignOwner`] and stays); mappings that exist stay valid until unmapped.
 pub fn unlink(object: &str) -> Result<(), ShmError> {
-    check_object_name(object)?;
-    shm_unlink(object).map_err(|errno| match errno {
-        Errno::ENOENT => ShmError::NotFound { object: object.to_owned() },
-        errno => os_error("shm_unlink", object, errno),
-    })
-}
-
-/// The owner check of [`SharedMemory::open`], as a pure function so that it is tested whoever
-/// runs the tests.
-pub fn check_owner(owner: u32, expected: u32) -> Result<(), ShmError> {
-    if owner == expected {
-        Ok(())
-    } else {
-        Err(ShmError::ForeignOwner { owner, expected })
+    match crate::inspect::unlink_owned(object)? {
+        true => Ok(()),
+        false => Err(ShmError::NotFound { object: object.to_owned() }),
     }
 }
 
@@ -177,26 +180,6 @@ fn size_and_map(
         Errno::ENOMEM => ShmError::NoSpace { object: object.to_owned(), requested: len as u64 },
         errno => os_error("mmap", object, errno),
     })
-}
-
-fn check_object_name(object: &str) -> Result<(), ShmError> {
-    let valid = object.len() > 1
-        && object.starts_with('/')
-        && !object[1..].contains('/')
-        && !object.contains('\0');
-    if valid {
-        Ok(())
-    } else {
-        Err(ShmError::InvalidObjectName { object: object.to_owned() })
-    }
-}
-
-fn os_error(operation: &'static str, object: &str, source: Errno) -> ShmError {
-    ShmError::Os { operation, object: object.to_owned(), source }
-}
-
-fn io_errno(error: &std::io::Error) -> Errno {
-    error.raw_os_error().map_or(Errno::UnknownErrno, Errno::from_raw)
 }
 
 #[cfg(test)]
@@ -258,15 +241,6 @@ mod tests {
         let request = usize::try_from(total + (64 << 20)).unwrap();
         assert!(matches!(SharedMemory::create(&object, request), Err(ShmError::NoSpace { .. })));
         assert!(!std::path::Path::new(&format!("/dev/shm{object}")).exists());
-    }
-
-    #[test]
-    fn the_owner_check_refuses_another_uid() {
-        assert!(check_owner(1000, 1000).is_ok());
-        assert!(matches!(
-            check_owner(0, 1000),
-            Err(ShmError::ForeignOwner { owner: 0, expected: 1000 })
-        ));
     }
 
     #[test]

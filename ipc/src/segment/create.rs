@@ -3,6 +3,7 @@
 use super::{AttachError, CorruptReason, CreateError, CREATE_ATTEMPTS};
 use crate::arena::{Arena, ArenaKind};
 use crate::config::{Backend, SegmentConfig};
+use crate::inspect::ObjectIdentity;
 use crate::layout::{
     Header, HeaderFields, RecordSizes, SegmentLayout, LAYOUT_VERSION, MAGIC, READY,
 };
@@ -119,18 +120,25 @@ pub(super) fn create_control_object(
 pub(super) fn create_arenas(
     name: &SegmentName,
     config: &SegmentConfig,
-    created: &mut Vec<String>,
+    created: &mut Vec<(String, ObjectIdentity)>,
 ) -> Result<(), CreateError> {
     listing::unlink_data_objects(name)?;
     let block_bytes = config.block_bytes();
     for rank in 0..config.tp_size {
         if config.backend()? == Backend::HostArena {
-            Arena::create(name, ArenaKind::Device, rank, config.device_blocks.into(), block_bytes)?;
-            created.push(name.device_arena_object(rank));
+            let arena = Arena::create(
+                name,
+                ArenaKind::Device,
+                rank,
+                config.device_blocks.into(),
+                block_bytes,
+            )?;
+            created.push((name.device_arena_object(rank), arena.identity()?));
         }
         if config.host_blocks > 0 {
-            Arena::create(name, ArenaKind::Host, rank, config.host_blocks.into(), block_bytes)?;
-            created.push(name.host_tier_object(rank));
+            let arena =
+                Arena::create(name, ArenaKind::Host, rank, config.host_blocks.into(), block_bytes)?;
+            created.push((name.host_tier_object(rank), arena.identity()?));
         }
     }
     Ok(())

@@ -85,7 +85,7 @@ impl From<ShmError> for AttachError {
     fn from(error: ShmError) -> Self {
         match error {
             ShmError::NotFound { object } => AttachError::NotFound { object },
-            ShmError::ForeignOwner { owner, expected } => {
+            ShmError::ForeignOwner { owner, expected, .. } => {
                 AttachError::ForeignOwner { owner, expected }
             }
             ShmError::Empty { .. } => {

@@ -29,10 +29,10 @@ use crate::arena::{Arena, ArenaError, ArenaKind};
 use crate::config::{SegmentConfig, MAX_RANKS};
 use crate::control::{Control, ControlArea, SNAPSHOT_WORDS};
 use crate::counters::Counters;
+use crate::inspect::ObjectIdentity;
 use crate::layout::{
     Header, HeaderFields, RecordSizes, SegmentLayout, CLOSED, LAYOUT_VERSION, MAGIC, READY,
 };
-use crate::listing;
 use crate::liveness::{LivenessCache, ProcessIdentity};
 use crate::name::SegmentName;
 use crate::record::{CommandSlot, Completion};
@@ -86,8 +86,9 @@ pub struct Segment {
     name: SegmentName,
     fields: HeaderFields,
     layout: SegmentLayout,
-    /// Objects this handle created, unlinked on drop when `unlink_on_drop`.
-    created: Vec<String>,
+    /// Objects this handle created, with the identity of the file it made (in our own memory,
+    /// where no peer can scribble), unlinked on drop when `unlink_on_drop`.
+    created: Vec<(String, ObjectIdentity)>,
     unlink_on_drop: bool,
     /// Process-local: spares the /proc reads of frequent liveness checks.
     creator_liveness: LivenessCache,
@@ -117,6 +118,9 @@ impl Segment {
         let object = name.control_object();
         let creator = ProcessIdentity::current();
         let memory = create_control_object(name, &object, layout.total_size)?;
+        let identity = memory.identity().inspect_err(|_| {
+            let _ = crate::inspect::unlink_owned(&object);
+        })?;
         // SAFETY: the mapping is layout.total_size bytes (more than a Header), page-aligned, and
         // nobody can read it as ready yet.
         unsafe {
@@ -127,10 +131,10 @@ impl Segment {
                 .write_volatile(creator)
         };
 
-        let mut created = vec![object.clone()];
+        let mut created = vec![(object.clone(), identity)];
         if let Err(error) = create_arenas(name, config, &mut created) {
-            for object in created.iter().rev() {
-                let _ = crate::shm::unlink(object);
+            for (object, identity) in created.iter().rev() {
+                let _ = crate::inspect::unlink_if_identical(object, *identity);
             }
             return Err(error);
         }
@@ -355,11 +359,10 @@ impl Drop for Segment {
                 }
             }
         }
-        for object in self.created.iter().rev() {
-            // Only unlink what is still ours: someone may have cleaned up and recreated the name.
-            if listing::object_creator(object) == Some(self.fields.creator) {
-                let _ = crate::shm::unlink(object);
-            }
+        for (object, identity) in self.created.iter().rev() {
+            // Only unlink the very files we made: someone may have cleaned up and recreated the
+            // name. Judged by the identity we remember, not by the (writable) creator word.
+            let _ = crate::inspect::unlink_if_identical(object, *identity);
         }
     }
 }
