@@ -8,11 +8,15 @@
 //! its data objects; for orphaned data objects, skip them if a control object appeared meanwhile;
 //! 3. report what was removed, what was kept and why, and what could not be removed.
 //!
+//! Another user's objects are never removed, whoever runs cleanup (root included): the listing
+//! marks them kept, and the removal checks the owner once more.
+//!
 //! Limitation: between the last check and the unlink there is still a window in which another
 //! process could take over a stale name; creating a name while cleaning it up is not supported.
 
 use std::io::{self, Write};
 
+use kvshm_ipc::inspect;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::shm::{self, ShmError};
 use serde::Serialize;
@@ -91,18 +95,22 @@ fn clean_segment(row: &SegmentRow, report: &mut CleanupReport) {
     let why = row.reason.clone().unwrap_or_else(|| row.state.name().to_owned());
     remove(report, &row.name, &control, &why);
     for data in &row.data_objects {
-        remove(
-            report,
-            &row.name,
-            &data.object,
-            &format!("data object of {} segment", row.state.name()),
-        );
+        if data.removable {
+            let why = format!("data object of {} segment", row.state.name());
+            remove(report, &row.name, &data.object, &why);
+        } else {
+            report.kept.push(KeptSegment {
+                segment: row.name.clone(),
+                state: row.state,
+                why: format!("{}: {}", data.object, data.reason.clone().unwrap_or_default()),
+            });
+        }
     }
 }
 
 fn clean_orphans(row: &SegmentRow, report: &mut CleanupReport) {
     let control = row.segment.control_object();
-    if std::path::Path::new(&probe::object_path(&control)).exists() {
+    if inspect::status(&control).is_ok() {
         report.kept.push(KeptSegment {
             segment: row.name.clone(),
             state: row.state,
@@ -125,6 +133,7 @@ fn clean_orphans(row: &SegmentRow, report: &mut CleanupReport) {
 }
 
 fn remove(report: &mut CleanupReport, segment: &str, object: &str, why: &str) {
+    // shm::unlink checks the owner once more: another user's object is never removed.
     let outcome = if report.dry_run { Ok(()) } else { shm::unlink(object) };
     match outcome {
         Ok(()) => report.removed.push(RemovedObject {

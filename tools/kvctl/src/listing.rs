@@ -14,22 +14,27 @@
 //!    created): shown with the reason, never removed;
 //! 5. data objects without a control object (orphaned): removed when the creator recorded in the
 //!    arena header is dead, or when the header is unreadable and unchanged for [`CREATION_GRACE`];
-//!    one whose creator is alive belongs to a segment being created and is kept.
+//!    one whose creator is alive belongs to a segment being created and is kept;
+//! 6. whatever the rules above say, an object that another user owns is never removed, whoever
+//!    runs kvctl (root included), and nothing is opened in a way that could block (a FIFO) or
+//!    follow a link: every read goes through [`CheckedObject`]. A FIFO, link or other non-file of
+//!    our own under the prefix is garbage, removed once unchanged for [`CREATION_GRACE`].
 //!
 //! Flow of `ls`: 1. list and judge (segment crate); 2. refine garbage and orphans ([`list`]);
 //! 3. print a table or one JSON document.
 
-use std::io::{self, Read, Write};
-use std::time::{Duration, SystemTime};
+use std::io::{self, Write};
 
 use kvshm_ipc::arena::{ArenaHeader, ARENA_MAGIC};
+use kvshm_ipc::inspect::{self, CheckedObject};
 use kvshm_ipc::listing::CREATION_GRACE;
 use kvshm_ipc::listing::{self as ipc_listing, DataObject, ListingState, SegmentListing};
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::shm::ShmError;
 use serde::Serialize;
 
-use crate::probe::{self, object_path};
+use crate::probe;
 use crate::text::{self, Table};
 
 /// What a segment is, as `ls` shows it.
@@ -120,6 +125,8 @@ fn row(listing: &SegmentListing) -> SegmentRow {
             if state == SegmentState::Orphaned {
                 let (removable, reason) = judge_orphan(data);
                 data_row(data, removable, Some(reason))
+            } else if data.owner != inspect::our_uid() {
+                data_row(data, false, Some(not_ours(&data.object, data.owner)))
             } else {
                 data_row(data, removable, None)
             }
@@ -169,7 +176,11 @@ fn judge(listing: &SegmentListing) -> (SegmentState, Option<String>, bool) {
         }
         ListingState::Stale => {
             // The header did not validate and the segment crate judged it abandoned: garbage.
-            let problem = probe::probe(&listing.name.control_object()).ok().and_then(|p| p.problem);
+            let problem = match probe::probe(&listing.name.control_object()) {
+                Ok(probe) => probe.problem.map(|problem| problem.to_string()),
+                Err(error @ ShmError::NotRegularFile { .. }) => Some(error.to_string()),
+                Err(_) => None,
+            };
             let whose = match listing.creator {
                 Some(creator) => format!("the creator it names (pid {}) is dead", creator.pid),
                 None => format!("it names no creator and is older than {CREATION_GRACE:?}"),
@@ -190,15 +201,30 @@ fn judge(listing: &SegmentListing) -> (SegmentState, Option<String>, bool) {
     }
 }
 
-/// Rule 5: whether an orphaned data object may be removed, and why.
+/// Rules 5 and 6: whether an orphaned data object may be removed, and why.
 pub fn judge_orphan(data: &DataObject) -> (bool, String) {
-    match read_arena_header(&data.object) {
+    if data.owner != inspect::our_uid() {
+        return (false, not_ours(&data.object, data.owner));
+    }
+    let checked = match CheckedObject::open(&data.object) {
+        Ok(checked) => checked,
+        Err(error @ ShmError::NotRegularFile { .. }) => {
+            let old = inspect::status(&data.object)
+                .is_ok_and(|status| status.unchanged_for(CREATION_GRACE));
+            return match old {
+                true => (true, error.to_string()),
+                false => (false, format!("{error}; changed within {CREATION_GRACE:?}")),
+            };
+        }
+        Err(error) => return (false, format!("cannot be read: {error}")),
+    };
+    match read_arena_header(&checked) {
         Ok(Some(header)) if header.creator.is_alive() => (
             false,
             format!("its creator pid {} is alive (a segment being created?)", header.creator.pid),
         ),
         Ok(Some(header)) => (true, format!("its creator pid {} is dead", header.creator.pid)),
-        Ok(None) if unchanged_for(&data.object, CREATION_GRACE) => {
+        Ok(None) if checked.unchanged_for(CREATION_GRACE) => {
             (true, "not a kvshm arena header, and not being written".to_owned())
         }
         Ok(None) => (false, "no arena header yet (being created?)".to_owned()),
@@ -206,25 +232,25 @@ pub fn judge_orphan(data: &DataObject) -> (bool, String) {
     }
 }
 
-/// The arena header of `object`, `None` if it is not one (short, no magic). Read-only.
-fn read_arena_header(object: &str) -> io::Result<Option<ArenaHeader>> {
-    let file = std::fs::File::open(object_path(object))?;
-    let mut bytes = Vec::with_capacity(size_of::<ArenaHeader>());
-    file.take(size_of::<ArenaHeader>() as u64).read_to_end(&mut bytes)?;
+/// Why `object`, which another user owns, stays (rule 6).
+fn not_ours(object: &str, owner: u32) -> String {
+    let what = match inspect::status(object) {
+        Ok(status) if !status.is_regular_file() => {
+            format!("it is a {} of uid {owner}", status.kind)
+        }
+        _ => format!("it belongs to uid {owner}"),
+    };
+    format!("{what}, and kvctl runs as uid {}: never removed", inspect::our_uid())
+}
+
+/// The arena header of an object, `None` if it is not one (short, no magic). Read-only.
+fn read_arena_header(checked: &CheckedObject) -> Result<Option<ArenaHeader>, ShmError> {
+    let bytes = checked.read_at(0, size_of::<ArenaHeader>())?;
     if bytes.len() < size_of::<ArenaHeader>() {
         return Ok(None);
     }
     let header: ArenaHeader = bytemuck::pod_read_unaligned(&bytes);
     Ok((header.magic == ARENA_MAGIC && !header.creator.is_none()).then_some(header))
-}
-
-/// True when `object` was last modified at least `age` ago (false if that cannot be told).
-pub fn unchanged_for(object: &str, age: Duration) -> bool {
-    std::fs::metadata(object_path(object))
-        .and_then(|metadata| metadata.modified())
-        .ok()
-        .and_then(|modified| SystemTime::now().duration_since(modified).ok())
-        .is_some_and(|elapsed| elapsed >= age)
 }
 
 impl Listing {

@@ -2,20 +2,21 @@
 //!
 //! `Segment::attach` answers "can this segment be used?"; when the answer is no because the
 //! recorded creator is dead, it does not say whether the bytes ever were a kvshm segment. [`probe`]
-//! reads the first bytes of `/dev/shm/OBJECT` through a plain read-only file (no mapping, no write)
-//! and reports the creator word and the first problem of the header ([`HeaderProblem`]).
+//! reads the first bytes of `/dev/shm/OBJECT` read-only (no mapping, no write) and reports the
+//! creator word and the first problem of the header ([`HeaderProblem`]).
 //!
-//! Flow of one probe: 1. open the file read-only and read at most one `Header`; 2. copy the creator
-//! identity out if the file is long enough; 3. check, in order: length, magic, layout version,
-//! ready flag, and the declared total size against the file's length.
+//! Flow of one probe: 1. open the object through [`CheckedObject`] (never blocking on a FIFO or
+//! following a link; only a regular file of ours is read) and read at most one `Header`; 2. copy
+//! the creator identity out if the file is long enough; 3. check, in order: length, magic, layout
+//! version, ready flag, and the declared total size against the file's length.
 
-use std::io::{self, Read};
 use std::mem::offset_of;
 use std::time::SystemTime;
 
+use kvshm_ipc::inspect::CheckedObject;
 use kvshm_ipc::layout::{Header, HeaderFields, LAYOUT_VERSION, MAGIC, READY};
-use kvshm_ipc::listing::SHM_DIR;
 use kvshm_ipc::liveness::ProcessIdentity;
+use kvshm_ipc::shm::ShmError;
 use thiserror::Error;
 
 /// The first thing wrong with a control object's header.
@@ -44,22 +45,15 @@ pub struct HeaderProbe {
     pub modified: Option<SystemTime>,
 }
 
-/// The path of a shared-memory object (`/kvshm.NAME`) in the file system.
-pub fn object_path(object: &str) -> String {
-    format!("{SHM_DIR}{object}")
-}
-
 /// Reads the header of `object` (a name with its leading slash, e.g. `/kvshm.NAME`) read-only.
-pub fn probe(object: &str) -> io::Result<HeaderProbe> {
-    let file = std::fs::File::open(object_path(object))?;
-    let metadata = file.metadata()?;
-    let mut bytes = Vec::with_capacity(size_of::<Header>());
-    file.take(size_of::<Header>() as u64).read_to_end(&mut bytes)?;
+pub fn probe(object: &str) -> Result<HeaderProbe, ShmError> {
+    let checked = CheckedObject::open(object)?;
+    let bytes = checked.read_at(0, size_of::<Header>())?;
     Ok(HeaderProbe {
-        len: metadata.len(),
+        len: checked.len(),
         creator: read_creator(&bytes),
-        problem: header_problem(&bytes, metadata.len()),
-        modified: metadata.modified().ok(),
+        problem: header_problem(&bytes, checked.len()),
+        modified: checked.modified(),
     })
 }
 

@@ -6,7 +6,10 @@
 //!   `--prometheus`, `workers`, timeouts of `tree` and `reset`, and `cleanup` leaving it alone.
 //! - `service`: a live `kvshm::service::Service` in the test process, polled while kvctl runs:
 //!   `stat`, `--prometheus`, `tree`, and `reset` refused and then forced.
+//! - `planted`: FIFOs, links, other users' objects and huge sparse files under our prefix: `ls` and
+//!   `cleanup` never hang, never follow, never remove what is not ours.
 mod broken;
 mod live;
+mod planted;
 mod service;
 mod support;

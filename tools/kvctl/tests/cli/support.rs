@@ -41,8 +41,17 @@ pub fn age_object(object: &str) {
     file.set_modified(SystemTime::now() - Duration::from_secs(60)).unwrap();
 }
 
+/// Makes `object` look untouched for a minute without opening it (a FIFO's open would block),
+/// and without following it if it is a link.
+pub fn age_object_by_path(object: &str) {
+    let status =
+        Command::new("touch").args(["-h", "-d", "1 minute ago", &path(object)]).status().unwrap();
+    assert!(status.success(), "touch {object}");
+}
+
+/// Whether anything (a file, a FIFO, a dangling link) has the name `object`.
 pub fn exists(object: &str) -> bool {
-    std::path::Path::new(&path(object)).exists()
+    std::fs::symlink_metadata(path(object)).is_ok()
 }
 
 /// `len` pseudo-random bytes (xorshift, fixed seed): garbage that is the same on every run.
@@ -103,6 +112,21 @@ fn command(args: &[&str]) -> Command {
 /// Runs kvctl to completion.
 pub fn kvctl(args: &[&str]) -> Run {
     Run::from_output(command(args).output().unwrap())
+}
+
+/// Runs kvctl, killing it if it has not exited after `limit` (`None`: it had to be killed).
+pub fn kvctl_within(args: &[&str], limit: Duration) -> Option<Run> {
+    let mut child = command(args).spawn().unwrap();
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Some(Run::from_output(child.wait_with_output().unwrap()))
 }
 
 /// Runs kvctl while calling `poll` on this thread until it exits (the scheduler's side).
