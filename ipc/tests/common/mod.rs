@@ -27,12 +27,25 @@ pub fn unique_name(tag: &str) -> SegmentName {
     SegmentName::new(&name).expect("test names are valid")
 }
 
-/// Removes every object of a name when dropped (also when the test fails).
+/// Removes every object of a name when dropped (also when the test fails), whoever owns it: a
+/// test may have given one to another uid, which `listing::unlink` rightly refuses to remove.
 pub struct Cleanup(pub SegmentName);
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let _ = listing::unlink(&self.0);
+        remove_every_object(&self.0);
+    }
+}
+
+/// Removes every file under /dev/shm that belongs to segment `name`, without asking who owns it.
+pub fn remove_every_object(name: &SegmentName) {
+    let Ok(entries) = std::fs::read_dir(SHM_DIR) else { return };
+    for entry in entries.flatten() {
+        let file_name = entry.file_name();
+        let parsed = file_name.to_str().and_then(kvshm_ipc::name::ObjectName::parse);
+        if parsed.is_some_and(|parsed| &parsed.segment == name) {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 

@@ -16,12 +16,20 @@ pub fn unique_name(tag: &str) -> SegmentName {
     SegmentName::new(&format!("kvctl-t{}-{serial}-{tag}", std::process::id())).unwrap()
 }
 
-/// Removes every object of a name when dropped, whatever the test left behind.
+/// Removes every object of a name when dropped, whatever the test left behind and whoever owns
+/// it (a test may have given one to another uid, which kvctl and the library never remove).
 pub struct Cleanup(pub SegmentName);
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let _ = listing::unlink(&self.0);
+        let Ok(entries) = std::fs::read_dir(listing::SHM_DIR) else { return };
+        for entry in entries.flatten() {
+            let file_name = entry.file_name();
+            let parsed = file_name.to_str().and_then(kvshm_ipc::name::ObjectName::parse);
+            if parsed.is_some_and(|parsed| parsed.segment == self.0) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 }
 
