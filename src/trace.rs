@@ -5,7 +5,8 @@
 //! equal ids at equal positions mean equal prefixes. Core type: [`TraceRequest`].
 //!
 //! Reading ([`read_trace`]): 1. open the file; 2. parse each non-empty line, naming the line of a
-//! bad one; 3. stop after `limit` requests when given.
+//! bad one; 3. refuse a request longer than [`MAX_REQUEST_TOKENS`] (lengths near 2^64 would wrap
+//! in the arithmetic of replay and the demo); 4. stop after `limit` requests when given.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -43,6 +44,10 @@ pub fn trace_block_hash(id: u64) -> BlockHash {
     BlockHash(xxhash_rust::xxh3::xxh3_128_with_seed(&id.to_le_bytes(), TRACE_HASH_SEED))
 }
 
+/// The longest prompt or output a trace request may have, in tokens: far beyond any model's
+/// context, and small enough that no sum of two lengths overflows.
+pub const MAX_REQUEST_TOKENS: usize = u32::MAX as usize;
+
 /// A trace that cannot be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
@@ -50,6 +55,17 @@ pub enum TraceError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("trace {path}, line {line}: {source}")]
     Parse { path: PathBuf, line: usize, source: serde_json::Error },
+    #[error("trace {path}, line {line}: {field} {value} is more than the {max} tokens a request may have")]
+    TooLong { path: PathBuf, line: usize, field: &'static str, value: usize, max: usize },
+}
+
+impl TraceRequest {
+    /// The first length field above [`MAX_REQUEST_TOKENS`], with its value.
+    fn too_long(&self) -> Option<(&'static str, usize)> {
+        [("input_length", self.input_length), ("output_length", self.output_length)]
+            .into_iter()
+            .find(|&(_, value)| value > MAX_REQUEST_TOKENS)
+    }
 }
 
 /// Reads the requests of a trace, at most `limit` of them when given.
@@ -65,11 +81,18 @@ pub fn read_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRequest>
         if line.trim().is_empty() {
             continue;
         }
-        let request = serde_json::from_str(&line).map_err(|source| TraceError::Parse {
-            path: path.to_owned(),
-            line: index + 1,
-            source,
+        let request: TraceRequest = serde_json::from_str(&line).map_err(|source| {
+            TraceError::Parse { path: path.to_owned(), line: index + 1, source }
         })?;
+        if let Some((field, value)) = request.too_long() {
+            return Err(TraceError::TooLong {
+                path: path.to_owned(),
+                line: index + 1,
+                field,
+                value,
+                max: MAX_REQUEST_TOKENS,
+            });
+        }
         requests.push(request);
     }
     Ok(requests)

@@ -15,8 +15,9 @@
 use std::time::Instant;
 
 use anyhow::Context;
+use kvshm_ipc::config::MAX_REGIONS;
 use kvshm_ipc::record::{
-    decode_command, encode_command, BlockPair, CommandHeader, CommandSlot, Op,
+    command_slot_count, decode_command, encode_command, BlockPair, CommandHeader, CommandSlot, Op,
 };
 use kvshm_ipc::shm::{self, SharedMemory};
 use serde::Serialize;
@@ -116,16 +117,7 @@ impl Tiers {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(args.layers > 0, "--layers must be at least 1");
-    anyhow::ensure!(args.pairs_per_command > 0, "--pairs-per-command must be at least 1");
-    let tier_bytes = args.tier_mib * MIB;
-    let bytes_per_case = args.mib_per_case * MIB;
-    let largest = BLOCK_SIZES[1] * args.pairs_per_command;
-    anyhow::ensure!(
-        tier_bytes >= largest,
-        "--tier-mib must hold at least one command of 1 MiB blocks ({} MiB)",
-        largest / MIB
-    );
+    let (tier_bytes, bytes_per_case) = check(&args)?;
     let tiers = Tiers::create(tier_bytes)?;
 
     let baseline = Baseline {
@@ -160,6 +152,54 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Refuses sizes the run cannot have, naming the option; returns the bytes of each tier and of
+/// each case.
+fn check(args: &Args) -> anyhow::Result<(usize, usize)> {
+    use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, mib_to_bytes, within};
+    // Both block sizes must split into 2 * layers regions: layers is a power of two up to half
+    // the regions of the smaller block (64 KiB), and at most what a segment holds.
+    let max_layers = (MAX_REGIONS / 2).min(BLOCK_SIZES[0] as u32 / 2);
+    within(args.layers, 1..=max_layers, "--layers")?;
+    anyhow::ensure!(
+        args.layers.is_power_of_two(),
+        "--layers {} must be a power of two, so that 64 KiB and 1 MiB blocks split into its regions",
+        args.layers
+    );
+    within(args.pairs_per_command, 1..=MAX_PAIRS_PER_COMMAND, "--pairs-per-command")?;
+    at_least(args.tier_mib, 1, "--tier-mib")?;
+    at_least(args.mib_per_case, 1, "--mib-per-case")?;
+    let tier_bytes = mib_to_bytes(args.tier_mib as u64, "--tier-mib")?;
+    let largest = (BLOCK_SIZES[1] * args.pairs_per_command) as u64;
+    anyhow::ensure!(
+        tier_bytes >= largest,
+        "--tier-mib {} must hold at least one command of 1 MiB blocks ({} MiB)",
+        args.tier_mib,
+        largest / MIB as u64
+    );
+    fits_in_dev_shm(
+        u128::from(tier_bytes) * 2,
+        format_args!("--tier-mib {}: two tiers", args.tier_mib),
+    )?;
+    let bytes_per_case = mib_to_bytes(args.mib_per_case as u64, "--mib-per-case")?;
+    // Every case encodes its commands beforehand; the smallest blocks make the most commands.
+    let commands = bytes_per_case.div_ceil((BLOCK_SIZES[0] * args.pairs_per_command) as u64);
+    let slot_bytes = u128::from(commands)
+        * command_slot_count(args.pairs_per_command) as u128
+        * size_of::<CommandSlot>() as u128;
+    fits_in_memory(
+        slot_bytes,
+        format_args!("--mib-per-case {}: the encoded commands of one case", args.mib_per_case),
+    )?;
+    let as_usize = |bytes: u64, option: &str| {
+        usize::try_from(bytes)
+            .map_err(|_| anyhow::anyhow!("{option} is too large for this machine"))
+    };
+    Ok((as_usize(tier_bytes, "--tier-mib")?, as_usize(bytes_per_case, "--mib-per-case")?))
+}
+
+/// The most pairs one command may carry in this bench (a command fits in half of any ring).
+const MAX_PAIRS_PER_COMMAND: usize = 1 << 16;
 
 /// GB/s of whole-tier memcpys between the two mappings until `bytes` have moved.
 fn memcpy_gbps(tiers: &Tiers, device_to_host: bool, bytes: usize) -> f64 {

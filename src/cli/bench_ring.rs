@@ -33,6 +33,7 @@ use kvshm_ipc::ring::{Consumer, Producer};
 use kvshm_ipc::shm;
 use serde_json::json;
 
+use super::checks;
 use channel::{
     Channel, COMMAND_CAPACITY, PHASE_BUSY, PHASE_EXIT, PHASE_FUTEX, PHASE_STREAM, PHASE_STREAM_END,
 };
@@ -59,6 +60,10 @@ pub struct Args {
     pub peer: Option<String>,
 }
 
+/// The most round trips a phase may be asked for (each keeps an 8-byte sample).
+const MAX_ROUND_TRIPS: u64 = 1 << 30;
+/// Samples reserved up front; a phase that runs longer grows its vector.
+const RESERVED_SAMPLES: u64 = 1 << 20;
 /// Round trips run before measuring, in every round-trip phase.
 const WARMUP_ROUND_TRIPS: u64 = 1_000;
 /// How long either side waits for the other before giving up.
@@ -83,16 +88,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(object) = &args.peer {
         return peer::run(object);
     }
-    ensure!(args.round_trips > 0, "--round-trips must be at least 1");
-    ensure!(
-        (1..=COMMAND_CAPACITY).contains(&args.stream_batch),
-        "--stream-batch must be between 1 and {COMMAND_CAPACITY}"
-    );
-    ensure!(
-        args.seconds_per_phase.is_finite() && args.seconds_per_phase > 0.0,
-        "--seconds-per-phase must be a positive number"
-    );
-    let budget = Duration::from_secs_f64(args.seconds_per_phase);
+    checks::within(args.round_trips, 1..=MAX_ROUND_TRIPS, "--round-trips")?;
+    checks::at_least(args.stream_records, 1, "--stream-records")?;
+    checks::within(args.stream_batch, 1..=COMMAND_CAPACITY, "--stream-batch")?;
+    let budget = checks::positive_seconds(args.seconds_per_phase, "--seconds-per-phase")?;
+    // Each round-trip phase keeps one 8-byte sample per round trip.
+    checks::fits_in_memory(
+        u128::from(args.round_trips) * 8,
+        format_args!("--round-trips {}: the samples of one phase", args.round_trips),
+    )?;
 
     let object = format!("/kvshm-bench-ring-{}", std::process::id());
     let channel = Channel::create(&object)?;
@@ -187,7 +191,7 @@ fn measure_round_trips(
     budget: Duration,
     mut round_trip: impl FnMut(u64) -> anyhow::Result<Duration>,
 ) -> anyhow::Result<Vec<u64>> {
-    let mut samples = Vec::with_capacity(count as usize);
+    let mut samples = Vec::with_capacity(count.min(RESERVED_SAMPLES) as usize);
     let mut started = Instant::now();
     for round in 0..WARMUP_ROUND_TRIPS + count {
         if round == WARMUP_ROUND_TRIPS {

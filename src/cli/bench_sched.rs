@@ -62,6 +62,44 @@ impl Default for BenchOptions {
     }
 }
 
+/// The most blocks a pool of u32 block ids holds (one id is kept as a marker).
+const MAX_BLOCKS: usize = u32::MAX as usize - 1;
+/// Heap per cached block the run needs, with room to spare: its hash (16 bytes), the cache
+/// (about 170), and the baseline hash map's entry (about 40).
+const BYTES_PER_CACHED_BLOCK: u128 = 256;
+
+impl BenchOptions {
+    /// Refuses sizes the run cannot have (naming the option); returns the number of cached
+    /// paths and the device blocks the cache needs (the paths plus the allocation headroom).
+    pub fn check(&self) -> anyhow::Result<(usize, u32)> {
+        use super::checks::{at_least, fits_in_memory, within};
+        within(self.request_blocks, 2..=MAX_BLOCKS, "--request-blocks")?;
+        within(self.cached_blocks, self.request_blocks..=MAX_BLOCKS, "--cached-blocks")?;
+        at_least(self.samples, 1, "--samples")?;
+        at_least(self.block_tokens, 1, "--block-tokens")?;
+        let paths = self.cached_blocks.div_ceil(self.request_blocks);
+        let fresh = self.request_blocks - self.request_blocks / 2;
+        let device_blocks = paths
+            .checked_mul(self.request_blocks)
+            .zip(self.samples.checked_mul(fresh))
+            .and_then(|(cached, headroom)| cached.checked_add(headroom))
+            .filter(|&blocks| blocks <= MAX_BLOCKS);
+        let Some(device_blocks) = device_blocks else {
+            anyhow::bail!(
+                "--cached-blocks {} with --samples {} of {fresh} new blocks each needs more than \
+                 the {MAX_BLOCKS} blocks a pool of u32 block ids holds",
+                self.cached_blocks,
+                self.samples
+            );
+        };
+        fits_in_memory(
+            device_blocks as u128 * BYTES_PER_CACHED_BLOCK,
+            format_args!("--cached-blocks {} (and the samples' headroom)", self.cached_blocks),
+        )?;
+        Ok((paths, device_blocks as u32))
+    }
+}
+
 /// Heap memory measured around filling the cache.
 #[derive(Debug, Clone, Serialize)]
 pub struct MemoryReport {
@@ -143,12 +181,10 @@ pub fn measure(
     heap_in_use: &dyn Fn() -> Option<usize>,
     heap_method: &str,
 ) -> anyhow::Result<SchedBenchReport> {
-    anyhow::ensure!(options.request_blocks >= 2, "requests need at least two blocks");
-    anyhow::ensure!(options.samples > 0, "at least one sample is needed");
+    let (paths, device_blocks) = options.check()?;
     let request_blocks = options.request_blocks;
     let half = request_blocks / 2;
     let tokens = |blocks: usize| blocks * options.block_tokens as usize;
-    let paths = options.cached_blocks.div_ceil(request_blocks);
     let cached_blocks = paths * request_blocks;
     let mut rng = Rng(0x5EED_1234_ABCD_0001);
     let hashes: Vec<BlockHash> = (0..cached_blocks).map(|_| rng.hash()).collect();
@@ -161,8 +197,6 @@ pub fn measure(
 
     // 1. Fill.
     let heap_before = heap_in_use();
-    let headroom = options.samples * (request_blocks - half);
-    let device_blocks = u32::try_from(cached_blocks + headroom)?;
     let mut cache = CacheManager::new(CacheConfig::new(options.block_tokens, device_blocks))?;
     let start = Instant::now();
     for index in 0..paths {

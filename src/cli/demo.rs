@@ -7,14 +7,17 @@
 //! 5. with `--hold SECONDS`, keep serving (kvctl can be tried against it), then shut down: the
 //!    segment is removed and the workers, seeing their scheduler gone, exit.
 
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use kvshm_ipc::config::{MAX_RANKS, MAX_REGIONS};
 use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
 
+use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
 use crate::demo::{workload, DemoEngine, DemoReport};
 use crate::manager::{CacheConfig, WritePolicy};
 use crate::service::{Service, ServiceConfig};
@@ -57,7 +60,8 @@ pub struct Args {
     /// Bytes of one region (one layer's K or V of one block on one rank).
     #[arg(long, default_value_t = 4096)]
     region_bytes: u64,
-    /// Segment name; defaults to demo-PID.
+    /// Segment name; defaults to demo-PID-RANDOM (16 random hex digits, so that nobody can
+    /// create the name first).
     #[arg(long)]
     name: Option<String>,
     /// Print one JSON object instead of text.
@@ -67,6 +71,9 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     hold: u64,
 }
+
+/// The most blocks a tier can have: block ids are u32 with one value kept as a marker.
+const MAX_BLOCKS: u32 = u32::MAX - 1;
 
 /// The worker processes; killed if the demo leaves early.
 struct Workers(Vec<Child>);
@@ -134,8 +141,56 @@ fn load_requests(args: &Args) -> anyhow::Result<(Vec<TraceRequest>, String)> {
     Ok((requests, source))
 }
 
+/// `demo-PID-RANDOM`: the pid for the person reading `kvctl ls`, 64 random bits so that another
+/// user cannot guess the name and create its objects first.
+fn default_name() -> anyhow::Result<String> {
+    let mut random = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut file| file.read_exact(&mut random))
+        .context("reading /dev/urandom for the segment name")?;
+    Ok(format!("demo-{}-{:016x}", std::process::id(), u64::from_ne_bytes(random)))
+}
+
+/// Refuses a shape the machine cannot run, naming the option, before anything is allocated.
+fn check(args: &Args) -> anyhow::Result<()> {
+    within(args.tp, 1..=MAX_RANKS, "--tp")?;
+    within(args.layers, 1..=MAX_REGIONS / 2, "--layers")?;
+    at_least(args.region_bytes, 1, "--region-bytes")?;
+    at_least(args.block_tokens, 1, "--block-tokens")?;
+    within(args.device_blocks, 1..=MAX_BLOCKS, "--device-blocks")?;
+    within(args.host_blocks, 0..=MAX_BLOCKS, "--host-blocks")?;
+    within(args.free_watermark, 0..=args.device_blocks, "--free-watermark")?;
+    let block_bytes = u128::from(args.layers) * 2 * u128::from(args.region_bytes);
+    let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
+    fits_in_dev_shm(
+        u128::from(args.tp) * blocks * block_bytes,
+        format_args!(
+            "the arenas of --tp {} x (--device-blocks {} + --host-blocks {}) blocks of {} \
+             (--layers {} x 2 x --region-bytes {})",
+            args.tp,
+            args.device_blocks,
+            args.host_blocks,
+            human_bytes(block_bytes),
+            args.layers,
+            args.region_bytes
+        ),
+    )?;
+    // The block pools (two u32 per block), and one region of scratch for the byte checks.
+    fits_in_memory(
+        blocks * 8 + u128::from(args.region_bytes),
+        format_args!(
+            "the block pools of --device-blocks {} + --host-blocks {}",
+            args.device_blocks, args.host_blocks
+        ),
+    )
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let name = args.name.clone().unwrap_or_else(|| format!("demo-{}", std::process::id()));
+    check(&args)?;
+    let name = match &args.name {
+        Some(name) => name.clone(),
+        None => default_name()?,
+    };
     let name = SegmentName::new(&name).context("segment name")?;
     let (requests, source) = load_requests(&args)?;
 

@@ -163,7 +163,27 @@ pub fn replay(requests: &[TraceRequest], config: CacheConfig) -> anyhow::Result<
     })
 }
 
+/// Refuses sizes the replay cannot have, naming the option, before anything is allocated.
+fn check(args: &Args) -> anyhow::Result<()> {
+    use super::checks::{at_least, fits_in_memory, within};
+    const MAX_BLOCKS: u32 = u32::MAX - 1;
+    at_least(args.block_tokens, 1, "--block-tokens")?;
+    within(args.device_blocks, 1..=MAX_BLOCKS, "--device-blocks")?;
+    within(args.host_blocks, 0..=MAX_BLOCKS, "--host-blocks")?;
+    within(args.free_watermark, 0..=args.device_blocks, "--free-watermark")?;
+    // The block pools are allocated up front: two u32 per block.
+    let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
+    fits_in_memory(
+        blocks * 8,
+        format_args!(
+            "the block pools of --device-blocks {} + --host-blocks {}",
+            args.device_blocks, args.host_blocks
+        ),
+    )
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
+    check(&args)?;
     let requests = read_trace(&args.trace, args.limit)?;
     let config = CacheConfig::new(args.block_tokens, args.device_blocks)
         .with_host_blocks(args.host_blocks)

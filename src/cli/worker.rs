@@ -13,6 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use kvshm_ipc::name::SegmentName;
 
+use super::checks;
 use crate::worker::process::{run_worker, BackendChoice, WorkerOptions};
 use crate::worker::run::{ServeExit, ServeOptions, DEFAULT_MAX_BATCH};
 
@@ -61,8 +62,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             BackendArg::Cuda => BackendChoice::Cuda,
         }),
         device: args.device,
-        attach_timeout: seconds(args.attach_timeout, "--attach-timeout")?,
-        handles_timeout: seconds(args.handles_timeout, "--handles-timeout")?,
+        attach_timeout: checks::seconds(args.attach_timeout, "--attach-timeout")?,
+        handles_timeout: checks::seconds(args.handles_timeout, "--handles-timeout")?,
         serve: ServeOptions { max_batch: DEFAULT_MAX_BATCH, layer_delay: layer_delay()? },
     };
     let rank = args.rank;
@@ -76,11 +77,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-fn seconds(value: f64, option: &str) -> anyhow::Result<Duration> {
-    Duration::try_from_secs_f64(value)
-        .with_context(|| format!("{option} must be a non-negative number of seconds"))
 }
 
 fn layer_delay() -> anyhow::Result<Option<Duration>> {

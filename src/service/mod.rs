@@ -225,8 +225,11 @@ impl Service {
     /// [`wait_for_workers`](Self::wait_for_workers).
     pub fn create(name: &SegmentName, config: ServiceConfig) -> Result<Service, ServiceError> {
         let geometry = config.geometry()?;
-        let manager = CacheManager::new(config.cache.clone())?;
+        config.cache.validate()?;
+        // The segment before the manager: creating it checks every size and backs the arenas (a
+        // size /dev/shm cannot hold fails here), before the pools are allocated for those blocks.
         let segment = Segment::create(name, &config.segment_config())?;
+        let manager = CacheManager::new(config.cache.clone())?;
         let ranks = (0..config.tp_size)
             .map(|rank| RankChannel::open(&segment, rank))
             .collect::<Result<Vec<_>, _>>()?;

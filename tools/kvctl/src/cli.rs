@@ -90,8 +90,9 @@ pub fn parse_timeout(text: &str) -> Result<Duration, String> {
         .trim()
         .parse()
         .map_err(|_| format!("{text:?} is not a duration like 2s or 500ms"))?;
-    Duration::try_from_secs_f64(value * scale)
-        .map_err(|_| format!("{text:?} is not a non-negative duration"))
+    Duration::try_from_secs_f64(value * scale).map_err(|_| {
+        format!("{text:?} is no duration kvctl can wait: it must be finite and not negative")
+    })
 }
 
 /// Runs the command of `cli`, writing its output to `out`.

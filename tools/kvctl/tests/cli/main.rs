@@ -1,5 +1,6 @@
 //! kvctl as a person runs it: the real binary against real objects under `/dev/shm`.
 //!
+//! - `arguments`: absurd timeouts and depths on the command line.
 //! - `broken`: garbage under our prefix, a truncated segment, a missing one, a stale one, a foreign
 //!   one and orphaned data objects; what `ls`, `stat` and `cleanup` make of each.
 //! - `live`: a live segment created by the test process, whose scheduler never polls: `stat`,
@@ -8,6 +9,7 @@
 //!   `stat`, `--prometheus`, `tree`, and `reset` refused and then forced.
 //! - `planted`: FIFOs, links, other users' objects and huge sparse files under our prefix: `ls` and
 //!   `cleanup` never hang, never follow, never remove what is not ours.
+mod arguments;
 mod broken;
 mod live;
 mod planted;

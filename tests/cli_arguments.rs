@@ -1,0 +1,175 @@
+//! Absurd numbers on the command line: every `kvshm` subcommand refuses them with an error that
+//! names the option, and a non-zero exit, before doing any work. Never a panic, an abort, a wrap
+//! or a process killed for memory.
+//!
+//! The real binary runs each case under an address-space limit, so that a defect that tries to
+//! allocate terabytes fails at once instead of pushing a shared machine out of memory.
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The address space a case may use: far more than any refusal needs.
+const ADDRESS_SPACE_LIMIT: u64 = 8 << 30;
+/// How long a case may take before the test calls it hung: far more than a refusal needs.
+const TIME_LIMIT: Duration = Duration::from_secs(120);
+
+/// Runs `kvshm ARGS`; returns its stderr after checking that it failed cleanly.
+fn refused(args: &[&str]) -> String {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvshm"));
+    command.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    // SAFETY: the closure runs in the forked child before exec and only calls setrlimit, which is
+    // async-signal-safe; it touches no memory shared with the parent.
+    unsafe {
+        command.pre_exec(|| {
+            let limit =
+                libc::rlimit { rlim_cur: ADDRESS_SPACE_LIMIT, rlim_max: ADDRESS_SPACE_LIMIT };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let mut child = command.spawn().expect("spawn kvshm");
+    let started = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > TIME_LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvshm {args:?} still ran after {TIME_LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let code = output.status.code();
+    assert!(code.is_some(), "kvshm {args:?} was killed ({}): {stderr}", output.status);
+    assert_ne!(code, Some(0), "kvshm {args:?} succeeded: {stderr}");
+    assert!(!stderr.contains("panicked"), "kvshm {args:?} panicked: {stderr}");
+    stderr
+}
+
+/// Asserts that `kvshm ARGS` is refused with a message containing every one of `words`.
+fn refused_saying(args: &[&str], words: &[&str]) {
+    let stderr = refused(args);
+    for word in words {
+        assert!(stderr.contains(word), "kvshm {args:?}: stderr lacks {word:?}: {stderr}");
+    }
+}
+
+/// A trace file of one request with the given lengths.
+fn trace_with(tag: &str, input_length: &str, output_length: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("kvshm-args-{tag}-{}.jsonl", std::process::id()));
+    let mut file = std::fs::File::create(&path).unwrap();
+    writeln!(
+        file,
+        r#"{{"timestamp": 0, "input_length": {input_length}, "output_length": {output_length}, "hash_ids": [1, 2]}}"#
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn bench_ring_refuses_durations_and_counts_it_cannot_run() {
+    for seconds in ["1e300", "nan", "-1", "0", "inf", "1e-300"] {
+        let option = format!("--seconds-per-phase={seconds}");
+        refused_saying(&["bench", "ring", &option], &["--seconds-per-phase"]);
+    }
+    refused_saying(&["bench", "ring", "--round-trips", "18446744073709551615"], &["--round-trips"]);
+    refused_saying(&["bench", "ring", "--round-trips", "0"], &["--round-trips"]);
+    refused_saying(&["bench", "ring", "--stream-records", "0"], &["--stream-records"]);
+    refused_saying(&["bench", "ring", "--stream-batch", "0"], &["--stream-batch"]);
+}
+
+#[test]
+fn bench_sched_refuses_sizes_it_cannot_run() {
+    refused_saying(&["bench", "sched", "--cached-blocks", "0"], &["--cached-blocks"]);
+    refused_saying(
+        &["bench", "sched", "--cached-blocks", "18446744073709551615"],
+        &["--cached-blocks"],
+    );
+    refused_saying(
+        &["bench", "sched", "--request-blocks", "18446744073709551615"],
+        &["--request-blocks"],
+    );
+    refused_saying(&["bench", "sched", "--request-blocks", "1"], &["--request-blocks"]);
+    refused_saying(&["bench", "sched", "--samples", "18446744073709551615"], &["--samples"]);
+    refused_saying(&["bench", "sched", "--samples", "0"], &["--samples"]);
+    refused_saying(&["bench", "sched", "--block-tokens", "0"], &["--block-tokens"]);
+}
+
+#[test]
+fn bench_copy_refuses_sizes_that_overflow_or_do_not_fit() {
+    let max = "18446744073709551615";
+    refused_saying(&["bench", "copy", "--tier-mib", max], &["--tier-mib"]);
+    refused_saying(&["bench", "copy", "--tier-mib", "0"], &["--tier-mib"]);
+    refused_saying(&["bench", "copy", "--mib-per-case", max], &["--mib-per-case"]);
+    refused_saying(&["bench", "copy", "--mib-per-case", "0"], &["--mib-per-case"]);
+    refused_saying(&["bench", "copy", "--layers", "4294967295"], &["--layers"]);
+    refused_saying(&["bench", "copy", "--layers", "0"], &["--layers"]);
+    refused_saying(&["bench", "copy", "--pairs-per-command", max], &["--pairs-per-command"]);
+}
+
+#[test]
+fn demo_refuses_shapes_the_machine_cannot_hold_before_allocating_them() {
+    let demo = ["demo", "--synthetic"];
+    let with = |extra: &[&'static str]| [&demo[..], extra].concat();
+    refused_saying(&with(&["--device-blocks", "4294967294"]), &["--device-blocks"]);
+    refused_saying(&with(&["--device-blocks", "4294967295"]), &["--device-blocks"]);
+    refused_saying(&with(&["--device-blocks", "0"]), &["--device-blocks"]);
+    refused_saying(&with(&["--host-blocks", "4294967294"]), &["--host-blocks"]);
+    refused_saying(&with(&["--region-bytes", "18446744073709551615"]), &["--region-bytes"]);
+    refused_saying(&with(&["--region-bytes", "0"]), &["--region-bytes"]);
+    refused_saying(&with(&["--layers", "4294967295"]), &["--layers"]);
+    refused_saying(&with(&["--layers", "0"]), &["--layers"]);
+    refused_saying(&with(&["--tp", "0"]), &["--tp"]);
+    refused_saying(&with(&["--tp", "4294967295"]), &["--tp"]);
+    refused_saying(&with(&["--block-tokens", "0"]), &["--block-tokens"]);
+    refused_saying(&with(&["--free-watermark", "5000"]), &["--free-watermark"]);
+}
+
+#[test]
+fn trace_lengths_near_two_to_the_64_are_refused_by_replay_and_the_demo() {
+    let max = "18446744073709551615";
+    for (tag, input, output) in [("input", max, "10"), ("output", "1000", max)] {
+        let trace = trace_with(tag, input, output);
+        let path = trace.to_str().unwrap();
+        let field = if tag == "input" { "input_length" } else { "output_length" };
+        refused_saying(&["replay", "--trace", path, "--device-blocks", "64"], &[field, "line 1"]);
+        refused_saying(&["demo", "--trace", path, "--limit", "1"], &[field, "line 1"]);
+        std::fs::remove_file(trace).unwrap();
+    }
+}
+
+#[test]
+fn replay_refuses_pools_the_machine_cannot_hold() {
+    let trace = trace_with("pools", "1000", "10");
+    let path = trace.to_str().unwrap();
+    refused_saying(
+        &["replay", "--trace", path, "--device-blocks", "4294967294"],
+        &["--device-blocks"],
+    );
+    refused_saying(
+        &["replay", "--trace", path, "--device-blocks", "64", "--host-blocks", "4294967294"],
+        &["--host-blocks"],
+    );
+    refused_saying(&["replay", "--trace", path, "--device-blocks", "0"], &["--device-blocks"]);
+    refused_saying(
+        &["replay", "--trace", path, "--device-blocks", "64", "--block-tokens", "0"],
+        &["--block-tokens"],
+    );
+    std::fs::remove_file(trace).unwrap();
+}
+
+#[test]
+fn worker_refuses_timeouts_it_cannot_wait() {
+    for option in ["--attach-timeout", "--handles-timeout"] {
+        for seconds in ["1e300", "nan", "-1"] {
+            let given = format!("{option}={seconds}");
+            refused_saying(&["worker", "--name", "nobody-here", "--rank", "0", &given], &[option]);
+        }
+    }
+    refused_saying(&["worker", "--name", "bad/name", "--rank", "0"], &["segment name"]);
+}
