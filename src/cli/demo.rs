@@ -6,7 +6,11 @@
 //! 4. print the report (text, or one JSON object with `--json`);
 //! 5. with `--hold SECONDS`, keep serving (kvctl can be tried against it), then shut down: the
 //!    segment is removed and the workers, seeing their scheduler gone, exit.
+//!
+//! SIGINT or SIGTERM (Ctrl-C) ends the replay or the hold early the same clean way, so that an
+//! interrupted demo leaves nothing in /dev/shm.
 
+use kvshm_ipc::sync::{AtomicBool, Ordering};
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -16,6 +20,7 @@ use anyhow::{bail, Context};
 use kvshm_ipc::config::{MAX_RANKS, MAX_REGIONS};
 use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
+use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
 
 use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
 use crate::demo::{workload, DemoEngine, DemoReport};
@@ -185,8 +190,34 @@ fn check(args: &Args) -> anyhow::Result<()> {
     )
 }
 
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// True once SIGINT or SIGTERM arrived: the demo stops, removes its segment and leaves.
+fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
+
+extern "C" fn on_interrupt(_signal: libc::c_int) {
+    // Only an atomic store: async-signal-safe. Relaxed: the flag carries no other data.
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// Ctrl-C (or a kill) during the replay or `--hold` ends the demo cleanly instead of leaving its
+/// segment and arenas in /dev/shm for `kvctl cleanup`.
+fn catch_interrupts() -> anyhow::Result<()> {
+    let action =
+        SigAction::new(SigHandler::Handler(on_interrupt), SaFlags::empty(), SigSet::empty());
+    for signal in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to a static atomic, which is async-signal-safe, and
+        // replaces the default action (exit), which nothing else in the demo relies on.
+        unsafe { sigaction(signal, &action) }.context("installing the interrupt handler")?;
+    }
+    Ok(())
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     check(&args)?;
+    catch_interrupts()?;
     let name = match &args.name {
         Some(name) => name.clone(),
         None => default_name()?,
@@ -206,7 +237,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let started = Instant::now();
     let mut engine = DemoEngine::new(&mut service);
-    for request in &requests {
+    for (done, request) in requests.iter().enumerate() {
+        if interrupted() {
+            drop(engine);
+            drop(service);
+            bail!("interrupted by a signal after {done} requests; segment {name} removed");
+        }
         engine.run(request)?;
     }
     let report = engine.report(started.elapsed());
@@ -231,7 +267,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             name.as_str()
         );
         let until = deadline_after(Duration::from_secs(args.hold));
-        while Instant::now() < until {
+        while Instant::now() < until && !interrupted() {
             service.poll();
             std::thread::sleep(Duration::from_millis(2));
         }

@@ -1,9 +1,11 @@
-//! The demo's segment name: unpredictable by default, and a name that someone else holds is
-//! refused with an error that names the object and its owner (never taken over or removed).
+//! The demo's segment: its default name is unpredictable, a name that someone else holds is
+//! refused with an error that names the object and its owner (never taken over or removed), and
+//! an interrupted demo (Ctrl-C, a kill) removes its segment instead of leaving it in /dev/shm.
 //!
 //! "Someone else" is made with a real chown to an unused uid, which needs root; these tests run as
 //! root in CI (`scripts/test`) and say so when they cannot.
 
+use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 
 use kvshm_ipc::listing::SHM_DIR;
@@ -87,4 +89,39 @@ fn a_name_whose_objects_another_user_created_is_refused_naming_the_object_and_it
             .collect();
         assert!(leftovers.is_empty(), "the demo left {leftovers:?}");
     }
+}
+
+#[test]
+fn an_interrupted_demo_removes_its_segment() {
+    let name = format!("interrupted-{}", std::process::id());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["demo", "--synthetic", "--limit", "20", "--device-blocks", "64"])
+        .args(["--host-blocks", "64", "--tp", "1", "--hold", "600", "--name", &name])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvshm demo");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("holding segment") {
+        line.clear();
+        assert_ne!(stderr.read_line(&mut line).unwrap(), 0, "the demo ended before holding");
+    }
+    let control = format!("{SHM_DIR}/kvshm.{name}");
+    assert!(std::path::Path::new(&control).exists());
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = child.wait().unwrap();
+    let leftovers: Vec<_> = std::fs::read_dir(SHM_DIR)
+        .unwrap()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.to_string_lossy().contains(&name))
+        .collect();
+    for path in &leftovers {
+        let _ = std::fs::remove_file(path);
+    }
+    assert!(status.code().is_some(), "the demo died of the signal: {status}");
+    assert!(leftovers.is_empty(), "the interrupted demo left {leftovers:?}");
 }
