@@ -24,3 +24,8 @@ pub mod service;
 pub mod trace;
 pub mod tree;
 pub mod worker;
+
+/// The README's Rust examples, compiled by `cargo test --doc` so that they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeExamples;

@@ -260,11 +260,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     if args.hold > 0 {
         eprintln!(
-            "holding segment {} for {} s: try `kvctl stat {}` or `kvctl tree {} --depth 2`",
-            name.as_str(),
+            "holding segment {name} for {} s (Ctrl-C ends it): from the checkout, try \
+             `cargo kvctl stat {name}` or `cargo kvctl tree {name} --depth 2`",
             args.hold,
-            name.as_str(),
-            name.as_str()
         );
         let until = deadline_after(Duration::from_secs(args.hold));
         while Instant::now() < until && !interrupted() {
