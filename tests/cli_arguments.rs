@@ -173,3 +173,18 @@ fn worker_refuses_timeouts_it_cannot_wait() {
     }
     refused_saying(&["worker", "--name", "bad/name", "--rank", "0"], &["segment name"]);
 }
+
+#[test]
+fn worker_refuses_a_rank_the_segment_does_not_have() {
+    use kvshm_ipc::segment::Segment;
+    let name =
+        kvshm_ipc::name::SegmentName::new(&format!("args-rank-{}", std::process::id())).unwrap();
+    let segment = Segment::create(&name, &Default::default()).unwrap();
+    for rank in ["1", "4294967295"] {
+        refused_saying(
+            &["worker", "--name", name.as_str(), "--rank", rank, "--attach-timeout", "1"],
+            &[&format!("rank {rank}")],
+        );
+    }
+    drop(segment);
+}
