@@ -569,9 +569,10 @@ fn a_command_whose_pair_slots_never_arrive_is_malformed_and_stops_the_worker() {
     assert!(!status.success());
     assert!(stderr.contains("out of step"), "unclear error: {stderr}");
     // The rank stays blocked until the scheduler resets its out-of-step rings.
-    assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Dead { pid: worker.pid() });
+    let verdict = segment.rank_verdict(0).unwrap();
+    assert_eq!(verdict.status, RankStatus::Dead { pid: worker.pid() });
     assert!(matches!(segment.claim_rank(0), Err(ClaimError::NotReclaimed { .. })));
-    segment.reclaim_rank(0).unwrap();
+    segment.reclaim_rank(0, verdict.word).unwrap();
     assert!(segment.claim_rank(0).is_ok());
 }
 
@@ -594,9 +595,10 @@ fn a_worker_killed_in_the_middle_of_a_copy_leaves_a_dead_rank_that_a_new_worker_
     slow.signal(Signal::SIGKILL);
     slow.wait_exit(PATIENCE);
     assert_eq!(rank.completions.len().unwrap(), 0, "a killed copy completed");
-    assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Dead { pid: slow.pid() });
+    let verdict = segment.rank_verdict(0).unwrap();
+    assert_eq!(verdict.status, RankStatus::Dead { pid: slow.pid() });
 
-    segment.reclaim_rank(0).unwrap();
+    segment.reclaim_rank(0, verdict.word).unwrap();
     let mut rank = Rank { next_id: rank.next_id, ..Rank::new(&segment, 0) };
     let worker = WorkerProcess::spawn(&name, 0, &[], &[]);
     rank.wait_alive(&worker);

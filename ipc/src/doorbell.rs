@@ -30,8 +30,9 @@
 //!
 //! The timeouts are a second line of defence and what lets a waiter notice that its peer died: a
 //! caller that passes a deadline gets [`WaitOutcome::TimedOut`] and can check liveness. A waiter
-//! that dies while registered leaves `sleepers` above zero; that costs later rings a futex wake
-//! system call each, never correctness.
+//! that dies while registered leaves `sleepers` above zero, which costs every later ring a futex
+//! wake system call (never correctness); the segment forgets those registrations when it
+//! reclaims the rank of a worker doorbell, once no waiter of it can exist.
 
 mod futex;
 
@@ -181,6 +182,16 @@ impl Doorbell {
     /// Waiters registered now (between deciding to sleep and waking up).
     pub fn sleepers(&self) -> u32 {
         self.sleepers.load(Ordering::Relaxed)
+    }
+
+    /// Forgets every registration: for a caller that knows no waiter can exist (the rank's
+    /// worker is gone and the rank is being reclaimed), so that registrations of waiters killed
+    /// in their sleep stop costing every later [`ring`](Self::ring) a wake system call.
+    #[cfg(not(loom))]
+    pub(crate) fn forget_sleepers(&self) {
+        // Relaxed: the count is only a hint for ring(); the reclaim that calls this publishes
+        // the rank's reset state with its own Release.
+        self.sleepers.store(0, Ordering::Relaxed);
     }
 }
 

@@ -15,18 +15,23 @@
 //! - [`ring`]: single-producer single-consumer rings that live in shared memory.
 //! - [`doorbell`]: spin-then-futex waiting across processes.
 //! - [`liveness`]: telling whether the process on the other side is still the one we knew.
+//! - [`process_handle`]: a pidfd on a process seen attaching, and whether a process maps a file.
+//! - [`worker_watch`]: the scheduler's record of each rank's worker, and its fencing decisions.
 //! - [`record`]: the fixed-layout command and completion records.
 //! - [`sync`]: std or loom atomics, so that the ring protocol can be model-checked.
 pub mod config;
 pub mod doorbell;
 pub mod liveness;
 pub mod name;
+pub mod process_handle;
 pub mod record;
 pub mod ring;
 pub mod sync;
+pub mod worker_slot;
+pub mod worker_watch;
 
 // Shared-memory areas hold std atomics in place; loom's are not layout-compatible, so under loom
-// only the ring protocol and its primitives are built.
+// only the ring protocol, the worker slot, the watch and their primitives are built.
 #[cfg(not(loom))]
 pub mod arena;
 #[cfg(not(loom))]
@@ -49,5 +54,3 @@ pub mod segment;
 pub mod seqlock;
 #[cfg(not(loom))]
 pub mod shm;
-#[cfg(not(loom))]
-pub mod worker_slot;

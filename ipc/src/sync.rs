@@ -11,6 +11,8 @@
 //!   closure API (`with`, `with_mut`), so that a slot in mapped memory can be viewed as a cell.
 //! - [`spin_loop`]: a CPU pause hint; under loom a yield, so that a spinning thread lets the model
 //!   schedule the thread it waits for.
+//! - `step_point`: a named point between two steps of a protocol where a unit test can pause the
+//!   calling thread, to force one interleaving deterministically (a no-op outside unit tests).
 //!
 //! Std atomics have the in-memory representation of the plain integer, which is what lets the ring
 //! and the doorbell place them in mapped memory. Loom's do not, so under loom only the heap-backed
@@ -44,6 +46,42 @@ pub fn spin_loop() {
 
 #[cfg(not(loom))]
 pub use std_cell::UnsafeCell;
+
+/// Marks the point `name` between two steps of a shared-memory protocol. A unit test may pause
+/// the calling thread here ([`step_hook::install`]) to force one interleaving with another thread;
+/// everywhere else this compiles to nothing.
+#[inline(always)]
+pub(crate) fn step_point(name: &'static str) {
+    #[cfg(all(test, not(loom)))]
+    step_hook::reached(name);
+    #[cfg(not(all(test, not(loom))))]
+    let _ = name;
+}
+
+/// The per-thread hooks behind [`step_point`] (unit tests only).
+#[cfg(all(test, not(loom)))]
+pub(crate) mod step_hook {
+    use std::cell::RefCell;
+
+    type Hook = Box<dyn FnMut(&'static str)>;
+
+    thread_local! {
+        static HOOK: RefCell<Option<Hook>> = const { RefCell::new(None) };
+    }
+
+    /// Calls `hook` with the name of every step point the calling thread reaches from now on.
+    pub(crate) fn install(hook: impl FnMut(&'static str) + 'static) {
+        HOOK.with(|slot| *slot.borrow_mut() = Some(Box::new(hook)));
+    }
+
+    pub(super) fn reached(name: &'static str) {
+        HOOK.with(|slot| {
+            if let Some(hook) = slot.borrow_mut().as_mut() {
+                hook(name);
+            }
+        });
+    }
+}
 
 #[cfg(not(loom))]
 #[allow(clippy::disallowed_types)] // the one place that wraps std's cell

@@ -84,7 +84,9 @@ fn the_scheduler_sees_a_killed_worker_die_and_can_reclaim_its_rank() {
     // Until the scheduler reclaims the rank, a new worker may not take it.
     assert!(matches!(segment.claim_rank(1), Err(ClaimError::NotReclaimed { pid: p }) if p == pid));
     worker.child.wait().unwrap();
-    segment.reclaim_rank(1).unwrap();
+    let verdict = segment.rank_verdict(1).unwrap();
+    assert_eq!(verdict.status, RankStatus::Dead { pid });
+    segment.reclaim_rank(1, verdict.word).unwrap();
     assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Empty);
     let claim = segment.claim_rank(1).unwrap();
     assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Alive { pid: std::process::id() });
@@ -103,7 +105,8 @@ fn a_hung_worker_is_declared_dead_by_its_heartbeat_and_learns_it_lost_the_rank()
         time_until(PATIENCE, || segment.rank_status(1).unwrap() == RankStatus::Dead { pid })
             .expect("the stopped worker was never seen dead");
     println!("{{\"hung_worker_detected_after_us\":{}}}", latency.as_micros());
-    segment.reclaim_rank(1).unwrap();
+    let verdict = segment.rank_verdict(1).unwrap();
+    segment.reclaim_rank(1, verdict.word).unwrap();
     worker.signal(Signal::SIGCONT);
     let status = worker.child.wait().unwrap();
     assert_eq!(status.code(), Some(EXIT_CLAIM_LOST));

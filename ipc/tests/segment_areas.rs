@@ -86,7 +86,8 @@ fn reclaiming_a_rank_empties_its_rings_and_progress() {
     }
     segment.layer_progress(0).unwrap().begin(1);
     segment.layer_progress(0).unwrap().publish(1, 2);
-    segment.reclaim_rank(0).unwrap();
+    let empty = segment.worker_slot(0).unwrap().owner();
+    segment.reclaim_rank(0, empty).unwrap();
     assert_eq!(segment.command_consumer(0).unwrap().pop().unwrap(), None);
     assert_eq!(segment.layer_progress(0).unwrap().layers_done(1), None);
 }

@@ -1,26 +1,29 @@
-//! Watching the workers: noticing a rank's worker attach, leave or die, and taking a lost rank
-//! back so that a new worker can serve it.
+//! Watching the workers: noticing a rank's worker attach, leave or die, fencing one that must
+//! stop, and taking a lost rank back so that a new worker can serve it.
 //!
-//! [`Service::poll`] calls `check_workers` at most every [`LIVENESS_INTERVAL`]. For each rank it
-//! reads the worker slot's verdict (pid, start time, heartbeat) and:
+//! Each rank has a [`WorkerWatch`]: the worker the service saw attach (its owner word, pid, start
+//! time and a pidfd opened then). Nothing the worker slot says is acted on alone: the slot is
+//! memory any process of the user can write. [`Service::poll`] calls `check_workers` at most
+//! every [`LIVENESS_INTERVAL`]; for each rank the watch observes the slot and:
 //!
-//! 1. a live worker on a down rank (or a new pid on an up one) brings the rank up;
-//! 2. a dead worker whose process still runs (it stopped heartbeating: stopped or starved, and
-//!    maybe in the middle of a copy) is killed first (`fence_worker`); its rank is lost on a later
-//!    check, once the process is gone, so that no copy of it can touch blocks the rollback hands
-//!    out again. The live worker of a rank whose command or completion ring is corrupt cannot be
-//!    heard any more and is fenced the same way (`drop_broken_rank`);
-//! 3. a dead worker, or an empty slot on an up rank (the worker left), loses the rank
+//! 1. a worker seen attaching (verified: it runs, started when its claim says, and maps the
+//!    segment) brings the rank up, or takes it over from a predecessor that exited cleanly;
+//! 2. a recorded worker that still runs but must stop (stale heartbeat: stopped or stuck; its
+//!    slot written over; it let go of the slot and did not exit) is killed first through its
+//!    pidfd (`fence_worker`), and nothing of it fails until it is gone, so that no copy of it can
+//!    touch blocks the rollback hands out again. The live worker of a rank whose command or
+//!    completion ring is corrupt cannot be heard any more and is stopped the same way
+//!    (`stop_worker`);
+//! 3. a rank whose recorded worker is gone (or whose slot names no worker of ours) is lost
 //!    (`lose_worker`): the completions the worker pushed are applied, the segment reclaims the
-//!    rank (resetting its rings), the commands still outstanding there fail with `WorkerDied`,
-//!    and the rank is down until a worker attaches again.
+//!    rank from exactly the owner word judged (resetting its rings), the commands still
+//!    outstanding there fail with `WorkerDied`, and the rank is down until a worker attaches.
 
 use std::time::{Duration, Instant};
 
+use kvshm_ipc::liveness::monotonic_ns;
 use kvshm_ipc::ring::RingError;
-use kvshm_ipc::worker_slot::{RankStatus, WorkerState};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use kvshm_ipc::worker_watch::{FenceOutcome, FenceReason, LostRank, Observation};
 use tracing::{info, warn};
 
 use super::{failure_of, RankState, Service};
@@ -38,56 +41,74 @@ impl Service {
         }
         self.liveness_checked_at = Some(now);
         for index in 0..self.ranks.len() {
-            let rank = index as u32;
-            let status = self.segment.rank_status(rank).expect("a rank of the segment has a slot");
-            match (status, self.ranks[index].state()) {
-                (RankStatus::Alive { pid }, RankState::Down) => {
-                    match self.ranks[index].set_up(&self.segment, pid) {
-                        Ok(()) => info!(rank, pid, "worker attached"),
-                        Err(error) => {
-                            warn!(rank, pid, %error, "rank stays down: its rings are bad")
-                        }
-                    }
-                }
-                (RankStatus::Alive { pid }, RankState::Up { pid: known }) if pid != known => {
-                    info!(rank, pid, "a new worker holds the rank");
-                    self.ranks[index]
-                        .set_up(&self.segment, pid)
-                        .expect("an up rank with stale ring ends is a programming error");
-                }
-                (RankStatus::Dead { pid }, _) if self.fence_worker(rank) => {
-                    self.lose_worker(index, Some(pid));
-                }
-                (RankStatus::Empty, RankState::Up { pid }) => {
-                    info!(rank, pid, "worker detached");
-                    self.lose_worker(index, None);
-                }
-                _ => {}
-            }
+            self.check_worker(index);
         }
     }
 
-    /// The worker of rank `index` died or left: apply the completions it pushed, reclaim the rank
-    /// so a new worker can attach, fail what it had in flight, and start the rank over as down.
+    /// One rank's step of the module flow.
+    fn check_worker(&mut self, index: usize) {
+        let mut observation = self.observe_worker(index);
+        if let Observation::MustFence { pid, reason } = observation {
+            if reason != FenceReason::AlreadyFenced {
+                warn!(rank = index, pid, %reason, "killing the worker before its rank is taken back");
+            }
+            if self.fence_worker(index as u32) {
+                observation = self.observe_worker(index);
+            }
+        }
+        match (observation, self.ranks[index].state()) {
+            (Observation::Alive { pid, .. }, RankState::Down) => {
+                match self.ranks[index].set_up(&self.segment, pid) {
+                    Ok(()) => info!(rank = index, pid, "worker attached"),
+                    Err(error) => {
+                        warn!(rank = index, pid, %error, "rank stays down: its rings are bad")
+                    }
+                }
+            }
+            (Observation::Alive { pid, .. }, RankState::Up { pid: known }) if pid != known => {
+                info!(rank = index, pid, "a new worker holds the rank");
+                self.ranks[index]
+                    .set_up(&self.segment, pid)
+                    .expect("an up rank with stale ring ends is a programming error");
+            }
+            (Observation::Lost(lost), _) => self.lose_worker(index, lost),
+            _ => {}
+        }
+    }
+
+    pub(super) fn observe_worker(&mut self, index: usize) -> Observation {
+        let slot =
+            self.segment.worker_slot(index as u32).expect("a rank of the segment has a slot");
+        self.watches[index].observe(slot, monotonic_ns())
+    }
+
+    /// The worker of rank `index` died or left (step 3 of the module flow): apply the completions
+    /// it pushed, reclaim the rank from exactly the owner word judged so a new worker can attach,
+    /// fail what it had in flight, and start the rank over as down.
     ///
-    /// The reclaim comes first: while it is refused (the worker is alive after all) that worker may
-    /// still execute the commands in its ring, so they stay in flight; failing them would roll
-    /// their transfers back and hand their blocks out again under a running copy.
-    pub(super) fn lose_worker(&mut self, index: usize, pid: Option<u32>) {
+    /// The reclaim comes first: if the slot changed since it was judged (a worker claimed it
+    /// meanwhile), the rank is judged again on the next check and nothing fails now.
+    pub(super) fn lose_worker(&mut self, index: usize, lost: LostRank) {
         let rank = index as u32;
         // What the worker answered before it went is final: apply it before the reclaim empties
         // the ring. A corrupt ring yields nothing; its commands fail below.
         if self.ranks[index].is_up() {
             let _ = self.reap_rank(index);
         }
-        if let Err(error) = self.segment.reclaim_rank(rank) {
+        if let Err(error) = self.segment.reclaim_rank(rank, lost.word()) {
             warn!(rank, %error, "could not reclaim the rank yet; its copies stay in flight");
             return;
         }
+        self.watches[index].forget();
         let outcomes = self.tracker.fail_rank(index);
-        if pid.is_some() || !outcomes.is_empty() {
+        if lost.worker().is_some() || !outcomes.is_empty() {
             self.stats.worker_deaths += 1;
-            warn!(rank, ?pid, failed_transfers = outcomes.len(), "worker lost; failing its copies");
+            warn!(
+                rank,
+                pid = ?lost.worker(),
+                failed_transfers = outcomes.len(),
+                "worker lost; failing its copies"
+            );
         }
         for (transfer, outcome) in outcomes {
             self.settle(TransferId(transfer), outcome.map_err(failure_of));
@@ -98,36 +119,36 @@ impl Service {
     }
 
     /// A ring of rank `index` is corrupt: its worker can no longer be heard, or told which
-    /// command slots are free. The worker is stopped, then the rank taken back (module flow).
+    /// command slots are free. The worker is stopped, then the rank taken back.
     pub(super) fn drop_broken_rank(&mut self, index: usize, ring: &'static str, error: RingError) {
         warn!(rank = index, ring, %error, "ring is corrupt; dropping the rank");
+        self.stop_worker(index);
+    }
+
+    /// Stops the recorded worker of rank `index` and, once it is gone, loses the rank: at once
+    /// if it already is, else on the check that sees it gone. The path for any verdict that a
+    /// worker must stop while its process may run (a corrupt ring, a command past its deadline).
+    pub(super) fn stop_worker(&mut self, index: usize) {
         if self.fence_worker(index as u32) {
-            self.lose_worker(index, None);
+            if let Observation::Lost(lost) = self.observe_worker(index) {
+                self.lose_worker(index, lost);
+            }
         }
     }
 
-    /// Step 2 of the module flow: whether the process of `rank`'s worker is gone; if it still
-    /// runs, it is sent SIGKILL and this says no (a later poll sees it gone).
+    /// Step 2 of the module flow: whether the recorded worker of `rank` is gone; if it still
+    /// runs, it is sent SIGKILL through the pidfd taken when it attached, and this says no.
     ///
-    /// The identity (pid and start time) comes from the slot, so a recycled pid is not killed; a
-    /// pid that is no valid process id, or this very process (a test playing the worker), is left
-    /// alone and counts as gone.
-    fn fence_worker(&self, rank: u32) -> bool {
-        let view = self.segment.worker_slot(rank).expect("a rank of the segment has a slot").view();
-        let worker = view.worker;
-        let Some(pid) = i32::try_from(worker.pid).ok().filter(|&pid| pid > 0) else {
-            return true;
-        };
-        if view.state != WorkerState::Attached
-            || worker.pid == std::process::id()
-            || !worker.is_alive()
-        {
-            return true;
+    /// Only the process the service saw attach is ever signalled, never a pid the slot names
+    /// now; this very process (a test playing the worker) is left alone and counts as gone.
+    pub(super) fn fence_worker(&mut self, rank: u32) -> bool {
+        match self.watches[rank as usize].fence() {
+            FenceOutcome::Gone => true,
+            FenceOutcome::Signalled { .. } => false,
+            FenceOutcome::Failed { pid, errno } => {
+                warn!(rank, pid, %errno, "could not kill the worker; its copies stay in flight");
+                false
+            }
         }
-        warn!(rank, pid, "worker stopped heartbeating but still runs; killing it first");
-        if let Err(error) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
-            warn!(rank, pid, %error, "could not kill the worker; its copies stay in flight");
-        }
-        false
     }
 }

@@ -39,6 +39,7 @@ use kvshm_ipc::record::{
     command_slot_count, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
 };
 use kvshm_ipc::ring::RingError;
+use kvshm_ipc::worker_watch::WorkerWatch;
 use tracing::{info, warn};
 
 use crate::hash::BlockHash;
@@ -204,6 +205,8 @@ pub struct Service {
     segment: Segment,
     manager: CacheManager,
     ranks: Vec<RankChannel>,
+    /// Per rank, the worker the service saw attach (the only process it ever signals).
+    watches: Vec<WorkerWatch>,
     tracker: CommandTracker,
     transfers: HashMap<u64, TransferMeta>,
     memory: Vec<RankMemory>,
@@ -233,6 +236,8 @@ impl Service {
         let ranks = (0..config.tp_size)
             .map(|rank| RankChannel::open(&segment, rank))
             .collect::<Result<Vec<_>, _>>()?;
+        let watches =
+            (0..config.tp_size).map(|_| segment.worker_watch()).collect::<Result<Vec<_>, _>>()?;
         let memory = if config.backend == Backend::HostArena {
             (0..config.tp_size)
                 .map(|rank| {
@@ -260,6 +265,7 @@ impl Service {
             segment,
             manager,
             ranks,
+            watches,
             transfers: HashMap::new(),
             memory,
             geometry,

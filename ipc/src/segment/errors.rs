@@ -108,4 +108,6 @@ pub enum SegmentError {
         #[source]
         source: RingError,
     },
+    #[error(transparent)]
+    Shm(ShmError),
 }

@@ -15,14 +15,17 @@ use crate::device_handles::{
 };
 use crate::doorbell::Doorbell;
 use crate::liveness::{monotonic_ns, ProcessIdentity};
+use crate::process_handle::ObjectId;
 use crate::progress::{LayerProgress, ProgressEntry};
 use crate::record::{CommandSlot, Completion};
 use crate::ring::{self, Consumer, Producer};
 use crate::shm::SharedMemory;
 use crate::sync::AtomicU64;
 use crate::worker_slot::{
-    ClaimError, ClaimLost, RankStatus, ReclaimError, WorkerSlot, HEARTBEAT_TIMEOUT,
+    ClaimError, ClaimLost, OwnerWord, RankStatus, ReclaimError, SlotVerdict, WorkerSlot,
+    HEARTBEAT_TIMEOUT,
 };
+use crate::worker_watch::{SystemProbe, WatchTiming, WorkerWatch};
 
 impl Segment {
     /// The worker slot of `rank`.
@@ -62,41 +65,56 @@ impl Segment {
         rank: u32,
         timeout: Duration,
     ) -> Result<RankStatus, SegmentError> {
-        let slot = self.worker_slot(rank)?;
-        let cache = &self.worker_liveness[rank as usize];
-        Ok(slot.status_with(monotonic_ns(), timeout, |worker| cache.is_alive(worker)))
+        Ok(self.rank_verdict_with_timeout(rank, timeout)?.status)
     }
 
-    /// Scheduler: makes a rank whose worker is dead or departed claimable again.
+    /// As [`rank_status`](Self::rank_status), with the owner word judged (to reclaim from).
+    pub fn rank_verdict(&self, rank: u32) -> Result<SlotVerdict, SegmentError> {
+        self.rank_verdict_with_timeout(rank, HEARTBEAT_TIMEOUT)
+    }
+
+    fn rank_verdict_with_timeout(
+        &self,
+        rank: u32,
+        timeout: Duration,
+    ) -> Result<SlotVerdict, SegmentError> {
+        let slot = self.worker_slot(rank)?;
+        let cache = &self.worker_liveness[rank as usize];
+        Ok(slot.verdict(monotonic_ns(), timeout, |worker| cache.is_alive(worker)))
+    }
+
+    /// Scheduler: makes `rank` claimable again, taking its slot from exactly the owner word
+    /// `judged`; fails with [`ReclaimError::Changed`] if the slot holds another word now.
     ///
-    /// Marks the slot DEAD (no worker can claim it meanwhile), resets the indices of both rings
-    /// and the progress table, and stores EMPTY. Call it before failing the rank's in-flight
-    /// commands (a refusal means the worker lives and may still run them), and re-attach the
-    /// scheduler's own ring ends afterwards: ones taken before cache indices that no longer hold.
-    /// A worker judged dead only by its heartbeat may still run: the caller kills it first (the
-    /// service does), or it learns that it lost the rank from [`RankClaim::heartbeat`] and must
-    /// stop touching the rings.
-    pub fn reclaim_rank(&self, rank: u32) -> Result<(), ReclaimError> {
+    /// Marks the slot DEAD (no worker can claim it meanwhile), resets the indices of both rings,
+    /// the progress table and the worker doorbell's sleeper count, and makes the slot EMPTY.
+    ///
+    /// The premise is the caller's: no worker can touch the rank's rings any more (the one that
+    /// held `judged` is gone, as a [`WorkerWatch`](crate::worker_watch::WorkerWatch) verdict
+    /// establishes, or `judged` names no worker). Call it before failing the rank's in-flight
+    /// commands, and re-attach the scheduler's own ring ends afterwards: ones taken before cache
+    /// indices that no longer hold.
+    pub fn reclaim_rank(&self, rank: u32, judged: OwnerWord) -> Result<(), ReclaimError> {
         let slot = self.worker_slot(rank).map_err(|_| ReclaimError::RankOutOfRange {
             rank,
             tp_size: self.fields.config.tp_size,
         })?;
-        slot.begin_reclaim(monotonic_ns(), HEARTBEAT_TIMEOUT)?;
+        let reclaim = slot.begin_reclaim(judged)?;
         let (command, completion) = self.ring_bases(rank);
         // SAFETY: 1. both ring areas lie in the mapping and were initialised by the creator;
-        // 2. the slot is DEAD, so no new worker can claim the rank until finish_reclaim(). The
-        // old worker is gone unless it was judged by its heartbeat alone (see above). If it
-        // still touches the rings, nothing becomes unsound: the reset is atomic stores of the
-        // indices, every access is masked into bounds, and what it writes are Pod records and
-        // indices that the other side checks (a stale record is a stray completion, a bad index
-        // a RingError::Corrupt).
+        // 2. no worker touches the rings (the premise above, and the slot is DEAD, so no new
+        // worker can claim the rank until the reclaim finishes); 3. the reset is atomic stores
+        // of the indices, so even a process breaking that premise races nothing in this one:
+        // what it could do is write Pod records and indices the other side validates.
         unsafe {
             ring::reset_indices(command);
             ring::reset_indices(completion);
         }
         self.layer_progress(rank).expect("rank was checked above").clear();
-        slot.finish_reclaim();
-        Ok(())
+        // A worker killed while asleep on its doorbell never deregistered; none can be registered
+        // now (the premise above), so the count restarts from zero.
+        self.command_doorbell(rank).expect("rank was checked above").forget_sleepers();
+        reclaim.finish()
     }
 
     /// Scheduler: the producer end of `rank`'s command ring.
@@ -113,6 +131,14 @@ impl Segment {
             rank,
             source,
         })?)
+    }
+
+    /// Scheduler: a watch over one rank's worker ([`WorkerWatch`]), which recognises workers by
+    /// this segment's control object in their mappings.
+    pub fn worker_watch(&self) -> Result<WorkerWatch, SegmentError> {
+        let object = self.memory.identity().map_err(SegmentError::Shm)?;
+        let object = ObjectId { dev: object.device, ino: object.inode };
+        Ok(WorkerWatch::new(SystemProbe::new(object), WatchTiming::default()))
     }
 
     /// Worker: the consumer end of `rank`'s command ring.
@@ -248,7 +274,7 @@ impl Segment {
 pub struct RankClaim {
     _memory: Arc<SharedMemory>,
     slot: *const WorkerSlot,
-    owner_word: u64,
+    owner_word: OwnerWord,
     rank: u32,
 }
 
@@ -261,6 +287,11 @@ unsafe impl Sync for RankClaim {}
 impl RankClaim {
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The owner word this claim wrote.
+    pub fn owner_word(&self) -> OwnerWord {
+        self.owner_word
     }
 
     /// Refreshes the heartbeat; `ClaimLost` means the scheduler declared this worker dead and
@@ -277,6 +308,7 @@ impl RankClaim {
 
 impl Drop for RankClaim {
     fn drop(&mut self) {
-        self.slot().release(self.owner_word);
+        // False when the scheduler took the rank first: then there is nothing to give back.
+        let _ = self.slot().release(self.owner_word);
     }
 }
