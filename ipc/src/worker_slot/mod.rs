@@ -365,6 +365,7 @@ impl WorkerSlot {
     }
 
     /// Resets everything, attach count included (segment creation, before anyone sees it).
+    #[cfg(not(loom))]
     pub(crate) fn clear(&self) {
         // Relaxed: the segment's Release store of READY publishes the whole area.
         for word in [

@@ -7,7 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::sync::{step_hook, AtomicBool};
+use crate::sync::{step_hook, AtomicBool, AtomicU64};
 
 /// A pid above any pid_max: no such process exists.
 const GHOST: ProcessIdentity = ProcessIdentity::new(2_000_000_000, 1);
@@ -180,6 +180,8 @@ fn a_release_paused_mid_reclaim_never_lets_the_reclaim_wipe_a_successors_claim()
     worker.join().unwrap();
     let successor = slot.claim(me);
     if let Some(reclaim) = reclaim {
+        // The rings would be reset here: no claim may be live meanwhile.
+        assert!(successor.is_err(), "a successor claimed the rank in the middle of a reclaim");
         reclaim.finish().unwrap();
     }
     if let Ok(q_word) = successor {
@@ -190,26 +192,33 @@ fn a_release_paused_mid_reclaim_never_lets_the_reclaim_wipe_a_successors_claim()
 }
 
 /// Claimants cycle claim, heartbeats, release as fast as they can while a reclaimer takes every
-/// slot it judges unattended; a claim, once granted, must hold until its owner releases it. A
-/// release in two steps lost a live claim within a few seconds here (~0.5 to 5 M cycles).
+/// slot it judges unattended; a claim, once granted, must hold until its owner releases it, and
+/// no claim may be live while a reclaim (which resets the rings) is. A release in two steps lost
+/// a live claim within a few seconds here (~0.5 to 5 M cycles).
 #[test]
 fn claim_release_cycles_racing_reclaims_never_lose_a_live_claim() {
     const RUN_FOR: Duration = Duration::from_secs(3);
     let slot = Arc::new(WorkerSlot::new());
     let stop = Arc::new(AtomicBool::new(false));
+    // Claims live now: raised after a claim succeeds, lowered before its release.
+    let holding = Arc::new(AtomicU64::new(0));
     let me = ProcessIdentity::current();
     let claimants: Vec<_> = (0..2)
         .map(|_| {
-            let (slot, stop) = (Arc::clone(&slot), Arc::clone(&stop));
+            let (slot, stop, holding) =
+                (Arc::clone(&slot), Arc::clone(&stop), Arc::clone(&holding));
             thread::spawn(move || {
                 let (mut cycles, mut lost) = (0u64, 0u64);
                 // Relaxed: the flag only ends the loop; join() orders the results.
                 while !stop.load(Ordering::Relaxed) {
                     let Ok(word) = slot.claim(me) else { continue };
+                    // SeqCst, here and below: the reclaimer's check must see every live claim.
+                    holding.fetch_add(1, Ordering::SeqCst);
                     cycles += 1;
                     if (0..3).any(|_| slot.heartbeat(word).is_err()) {
                         lost += 1;
                     }
+                    holding.fetch_sub(1, Ordering::SeqCst);
                     slot.release(word);
                 }
                 (cycles, lost)
@@ -217,19 +226,25 @@ fn claim_release_cycles_racing_reclaims_never_lose_a_live_claim() {
         })
         .collect();
     let reclaimer = {
-        let (slot, stop) = (Arc::clone(&slot), Arc::clone(&stop));
+        let (slot, stop, holding) = (Arc::clone(&slot), Arc::clone(&stop), Arc::clone(&holding));
         thread::spawn(move || {
-            let mut reclaims = 0u64;
+            let (mut reclaims, mut overlapped) = (0u64, 0u64);
             while !stop.load(Ordering::Relaxed) {
                 // Every claimant lives; only an empty (or dead) slot is judged unattended.
                 let verdict = slot.verdict(now(), Duration::MAX, |_| true);
-                if !matches!(verdict.status, RankStatus::Alive { .. })
-                    && reclaim(&slot, verdict.word).is_ok()
-                {
+                if matches!(verdict.status, RankStatus::Alive { .. }) {
+                    continue;
+                }
+                let Ok(reclaim) = slot.begin_reclaim(verdict.word) else { continue };
+                // The rings would be reset here.
+                if holding.load(Ordering::SeqCst) != 0 {
+                    overlapped += 1;
+                }
+                if reclaim.finish().is_ok() {
                     reclaims += 1;
                 }
             }
-            reclaims
+            (reclaims, overlapped)
         })
     };
     let started = Instant::now();
@@ -241,8 +256,9 @@ fn claim_release_cycles_racing_reclaims_never_lose_a_live_claim() {
         .into_iter()
         .map(|claimant| claimant.join().unwrap())
         .fold((0, 0), |(c, l), (cycles, lost)| (c + cycles, l + lost));
-    let reclaims = reclaimer.join().unwrap();
+    let (reclaims, overlapped) = reclaimer.join().unwrap();
     eprintln!("{cycles} claim/release cycles, {reclaims} reclaims");
     assert!(cycles > 0 && reclaims > 0, "both sides ran");
     assert_eq!(lost, 0, "a reclaim took a live claim");
+    assert_eq!(overlapped, 0, "a reclaim ran while a claim was live");
 }
