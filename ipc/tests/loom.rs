@@ -392,10 +392,8 @@ fn a_clean_exit_racing_a_successor_and_the_watch_loses_no_live_claim() {
             })
         };
         // Until W is gone and the rank is either reclaimed or taken over by Q.
-        schedule(&mut watch, &slot, &rings, 0, |observed| match observed {
-            Observation::Lost(_) => true,
-            Observation::Alive { pid: 2, .. } => true,
-            _ => false,
+        schedule(&mut watch, &slot, &rings, 0, |observed| {
+            matches!(observed, Observation::Lost(_) | Observation::Alive { pid: 2, .. })
         });
         departing.join().unwrap();
         successor.join().unwrap();
