@@ -1,5 +1,7 @@
 //! A worker SIGKILLed in the middle of a swap: the service fails and rolls back what it had in
-//! flight, leaks nothing, and a new worker for the rank serves the intact host tier.
+//! flight, leaks nothing, and a new worker for the rank serves the intact host tier. Workers that
+//! stop, whose rings or slots are written over, are fenced before anything of theirs fails, and
+//! only the process the service saw attach is ever killed.
 
 mod service_support;
 
@@ -8,7 +10,9 @@ use std::time::{Duration, Instant};
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
 use kvshm::service::{RankState, Service, ServiceConfig, WaitError};
+use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::record::CommandError;
+use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
 use service_support::*;
 
 const BLOCK_TOKENS: u32 = 16;
@@ -327,6 +331,116 @@ fn a_live_worker_whose_command_ring_head_is_corrupt_is_killed_and_its_rank_recov
         std::thread::sleep(Duration::from_millis(2));
     }
     assert!(worker.wait_exit(Duration::from_secs(5)).is_some(), "the worker was stopped first");
+    let _successor = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+}
+
+/// Writes `bytes` at `offset` of the service's control object, as another process of the same
+/// user can at any time.
+fn scribble(service: &Service, offset: u64, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let object =
+        format!("{}{}", kvshm_ipc::listing::SHM_DIR, service.segment().name().control_object());
+    let control = std::fs::OpenOptions::new().write(true).open(object).unwrap();
+    control.write_all_at(bytes, offset).unwrap();
+}
+
+/// Offset of rank `rank`'s worker slot in the control object.
+fn slot_offset(service: &Service, rank: u32) -> u64 {
+    service.segment().layout().offsets.worker_slots + u64::from(rank) * 64
+}
+
+/// Writes a complete, long-silent claim by `identity` into rank `rank`'s slot: owner word,
+/// fields_of, start time, and a heartbeat of long ago (the first four words of the slot).
+fn scribble_claim(service: &Service, rank: u32, identity: ProcessIdentity) {
+    let word = OwnerWord::new(WorkerState::Attached, identity.pid, 4_000).to_raw();
+    let words = [word, word, identity.start_time, 1];
+    scribble(service, slot_offset(service, rank), bytemuck::cast_slice(&words));
+}
+
+/// Polls for `duration`.
+fn poll_for(service: &mut Service, duration: Duration) {
+    let until = Instant::now() + duration;
+    while Instant::now() < until {
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn a_worker_slot_scribbled_with_an_unrelated_process_never_gets_that_process_killed() {
+    let name = unique_name("stranger");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS).with_host_blocks(16);
+    let mut service = Service::create(&name, ServiceConfig::new(cache, 1, 1, 2, 1024)).unwrap();
+    let mut worker = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    let mut stranger = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    let stranger_identity = ProcessIdentity::of_pid(stranger.id()).expect("sleep runs");
+
+    // "Attached, pid of an unrelated process, silent for ages" over the live worker's claim.
+    scribble_claim(&service, 0, stranger_identity);
+    let scribbled = Instant::now();
+    while service.rank_states()[0] != RankState::Down {
+        assert!(scribbled.elapsed() < WAIT, "the rank with a scribbled slot was never taken back");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(worker.wait_exit(WAIT).is_some(), "the recorded worker was stopped first");
+    poll_for(&mut service, Duration::from_millis(300));
+    assert!(stranger.try_wait().unwrap().is_none(), "the unrelated process was killed");
+
+    // The same scribble into the empty slot of a rank that has no worker.
+    scribble_claim(&service, 0, stranger_identity);
+    poll_for(&mut service, Duration::from_millis(300));
+    assert!(stranger.try_wait().unwrap().is_none(), "the unrelated process was killed");
+    assert_eq!(service.rank_states(), [RankState::Down]);
+
+    // The rank was taken back from the scribble: a real worker can claim it again.
+    let _successor = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    assert!(stranger.try_wait().unwrap().is_none());
+    stranger.kill().unwrap();
+    stranger.wait().unwrap();
+}
+
+#[test]
+fn a_slot_marked_dead_under_a_live_worker_fails_its_copy_only_once_the_worker_is_gone() {
+    let name = unique_name("marked-dead");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(WritePolicy::WriteThrough);
+    let mut service =
+        Service::create(&name, ServiceConfig::new(cache, 1, 4, 8, 16 * 1024)).unwrap();
+    // 100 ms per layer: the backup below runs for 400 ms.
+    let mut worker = WorkerProcess::spawn(&name, 0, Some(100_000));
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    let prefix = hashes(6_000, 4);
+    let request = RequestId(1);
+    let tokens = prefix.len() * BLOCK_TOKENS as usize;
+    service.match_prefix(request, &prefix, tokens).unwrap();
+    service.allocate(request, tokens, 0).unwrap();
+    service.commit(request, tokens, &prefix).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
+    std::thread::sleep(Duration::from_millis(20));
+
+    // Something writes "dead" over the worker's slot while it copies.
+    let dead = OwnerWord::new(WorkerState::Dead, worker.pid(), 4_000).to_raw();
+    scribble(&service, slot_offset(&service, 0), &dead.to_le_bytes());
+    let marked = Instant::now();
+    while service.cache().transfers_in_flight() > 0 {
+        assert!(marked.elapsed() < WAIT, "the copy of the worker marked dead never failed");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        worker.child.try_wait().unwrap().is_some(),
+        "the copy failed while the worker that runs it was still alive"
+    );
+    assert_eq!(service.stats().copy_failures, 1);
+    service.cache().check_invariants().unwrap();
     let _successor = WorkerProcess::spawn(&name, 0, None);
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
 }

@@ -64,6 +64,12 @@ impl ProcessIdentity {
         Self::new(pid, start_time)
     }
 
+    /// The process that has `pid` now, with its start time; `None` if there is none (or `/proc`
+    /// cannot tell).
+    pub fn of_pid(pid: u32) -> Option<Self> {
+        read_stat(pid).ok().map(|stat| Self::new(pid, stat.start_time))
+    }
+
     /// True for the all-zero value, which names no process.
     pub fn is_none(&self) -> bool {
         self.pid == 0
@@ -187,6 +193,8 @@ mod tests {
         assert_eq!(me.pid, std::process::id());
         assert_ne!(me.start_time, 0);
         assert!(me.is_alive());
+        assert_eq!(ProcessIdentity::of_pid(me.pid), Some(me));
+        assert_eq!(ProcessIdentity::of_pid(2_000_000_000), None);
     }
 
     #[test]

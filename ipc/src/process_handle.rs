@@ -200,10 +200,7 @@ mod tests {
     }
 
     fn identity_of(child: &std::process::Child) -> ProcessIdentity {
-        let text = std::fs::read_to_string(format!("/proc/{}/stat", child.id())).unwrap();
-        let after_comm = &text[text.rfind(')').unwrap() + 1..];
-        let start_time = after_comm.split_ascii_whitespace().nth(19).unwrap().parse().unwrap();
-        ProcessIdentity::new(child.id(), start_time)
+        ProcessIdentity::of_pid(child.id()).expect("the child runs")
     }
 
     #[test]

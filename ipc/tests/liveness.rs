@@ -1,5 +1,6 @@
 //! Each side of a segment notices, with real processes, that the other side died: the scheduler
-//! sees a killed (or hung) worker as dead, and a worker sees a killed creator.
+//! sees a killed (or hung) worker as dead, and a worker sees a killed creator; what a killed
+//! worker leaves behind (a doorbell registration) goes with the reclaim of its rank.
 //!
 //! The child processes are this test binary re-executed with `KVSHM_TEST_CHILD_ROLE` set; the test
 //! `child_process_entry` does nothing in a normal run.
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 use common::{time_until, ChildProcess, Cleanup, CHILD_ROLE, CHILD_SEGMENT};
 use kvshm_ipc::config::SegmentConfig;
+use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::listing::{self, ListingState};
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::segment::{AttachError, Segment};
@@ -24,8 +26,9 @@ const EXIT_CLAIM_LOST: i32 = 3;
 
 const ENTRY: &str = "child_process_entry";
 
-/// The child side. `claim`: attach, claim rank 1, heartbeat until the claim is lost. `create`:
-/// create the segment and sleep until killed.
+/// The child side. `claim`: attach, claim rank 1, heartbeat until the claim is lost. `sleep`:
+/// attach, claim rank 1 and sleep on its command doorbell until killed. `create`: create the
+/// segment and sleep until killed.
 #[test]
 fn child_process_entry() {
     let Ok(role) = std::env::var(CHILD_ROLE) else { return };
@@ -41,6 +44,15 @@ fn child_process_entry() {
                 std::thread::sleep(HEARTBEAT_INTERVAL);
             }
             std::process::exit(EXIT_CLAIM_LOST);
+        }
+        "sleep" => {
+            let segment = Segment::attach(&name).unwrap();
+            let _claim = segment.claim_rank(1).unwrap();
+            writeln!(stdout, "claimed").unwrap();
+            stdout.flush().unwrap();
+            let forever = WaitPolicy::new(0, Duration::from_secs(3600));
+            segment.command_doorbell(1).unwrap().wait_until(|| false, forever);
+            unreachable!("a wait without a deadline for a condition that never holds returned");
         }
         "create" => {
             let _segment =
@@ -110,6 +122,27 @@ fn a_hung_worker_is_declared_dead_by_its_heartbeat_and_learns_it_lost_the_rank()
     worker.signal(Signal::SIGCONT);
     let status = worker.child.wait().unwrap();
     assert_eq!(status.code(), Some(EXIT_CLAIM_LOST));
+}
+
+#[test]
+fn a_worker_killed_asleep_on_its_doorbell_stops_costing_rings_once_its_rank_is_reclaimed() {
+    let name = common::unique_name("sleeper-kill");
+    let _cleanup = Cleanup(name.clone());
+    let segment =
+        Segment::create(&name, &SegmentConfig { tp_size: 2, ..Default::default() }).unwrap();
+    let mut worker = ChildProcess::spawn(ENTRY, "sleep", &name);
+    worker.wait_for_line("claimed");
+    let doorbell = segment.command_doorbell(1).unwrap();
+    time_until(PATIENCE, || doorbell.sleepers() == 1).expect("the worker never went to sleep");
+
+    worker.signal(Signal::SIGKILL);
+    worker.child.wait().unwrap();
+    assert_eq!(doorbell.sleepers(), 1, "a waiter killed in its sleep never deregisters");
+    let verdict = segment.rank_verdict(1).unwrap();
+    assert_eq!(verdict.status, RankStatus::Dead { pid: worker.pid() });
+    segment.reclaim_rank(1, verdict.word).unwrap();
+    assert_eq!(doorbell.sleepers(), 0, "the reclaim forgets the dead worker's registration");
+    assert_eq!(segment.command_doorbell(0).unwrap().sleepers(), 0);
 }
 
 #[test]
