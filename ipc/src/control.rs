@@ -43,6 +43,7 @@ const SNAPSHOT_OK: u64 = 0;
 const SNAPSHOT_TOO_LARGE: u64 = 1;
 
 /// The control words as they lie in the segment. Zeroed memory means "no request ever made".
+/// Every field is an atomic: kvctl processes and the scheduler write them at any time.
 #[repr(C, align(64))]
 pub struct ControlArea {
     /// `(seq << 32) | force`, claimed by kvctl.
@@ -52,14 +53,16 @@ pub struct ControlArea {
     /// `(seq << 32) | status` of the last [`RESET_HISTORY`] resets, at `seq % RESET_HISTORY`, so
     /// that a client still gets its status after another client's request followed.
     reset_history: [AtomicU64; RESET_HISTORY],
-    _reserved0: [u64; 6],
+    _reserved0: [AtomicU64; 6],
     /// `(seq << 32) | depth`, claimed by kvctl.
     snapshot_request: AtomicU64,
     /// Seqlock version of the snapshot header words and bytes.
     snapshot_version: AtomicU64,
     /// Under the seqlock: `(seq << 32) | depth`, byte length, status.
     snapshot_header: [AtomicU64; 3],
-    _reserved1: [u64; 3],
+    /// The snapshot seqlock's writer word (the scheduler while it publishes; 0: none).
+    snapshot_writer: AtomicU64,
+    _reserved1: [AtomicU64; 2],
 }
 
 const _: () = assert!(size_of::<ControlArea>() == 2_176);
@@ -132,10 +135,13 @@ pub enum PublishSnapshotError {
     /// The JSON does not fit [`SNAPSHOT_BYTES`]; kvctl is told its size instead.
     #[error("snapshot of {len} bytes exceeds the {SNAPSHOT_BYTES}-byte snapshot area")]
     TooLarge { len: usize },
-    /// The snapshot seqlock is held although the scheduler is its only writer: something else
-    /// wrote the segment. Nothing was published; kvctl's request times out.
-    #[error("the snapshot area's lock is held by no writer (corrupt segment); nothing published")]
-    AreaLocked,
+    /// The snapshot seqlock is held by another live process, although the scheduler is its only
+    /// writer: something else wrote the segment. Nothing was published; kvctl's request times
+    /// out. (A lock left by a dead process is taken over, not reported.)
+    #[error(
+        "the snapshot area's lock is held by process {pid}, not this scheduler; nothing published"
+    )]
+    AreaLocked { pid: u32 },
 }
 
 /// A view of the control area and the snapshot bytes of one mapped segment.
@@ -321,7 +327,7 @@ impl<'a> Control<'a> {
     /// # Errors
     ///
     /// [`PublishSnapshotError::TooLarge`] as said; [`PublishSnapshotError::AreaLocked`] when the
-    /// seqlock word in shared memory says a write is under way, which only corruption can cause.
+    /// seqlock's writer word names another live process, which only corruption can cause.
     pub fn publish_snapshot(
         &self,
         request: SnapshotRequest,
@@ -333,12 +339,17 @@ impl<'a> Control<'a> {
         let body = if too_large { &[][..] } else { json };
         seqlock::write(
             &self.area.snapshot_version,
+            &self.area.snapshot_writer,
             &self.area.snapshot_header,
             &header,
             self.snapshot,
             body,
         )
-        .map_err(|SeqLockBusy| PublishSnapshotError::AreaLocked)?;
+        .map_err(|SeqLockBusy| {
+            // Relaxed: only names the holder in the error.
+            let held = self.area.snapshot_writer.load(Ordering::Relaxed);
+            PublishSnapshotError::AreaLocked { pid: held as u32 }
+        })?;
         if too_large {
             Err(PublishSnapshotError::TooLarge { len: json.len() })
         } else {
@@ -384,11 +395,12 @@ mod tests {
                 reset_request: AtomicU64::new(0),
                 reset_done: AtomicU64::new(0),
                 reset_history: std::array::from_fn(|_| AtomicU64::new(0)),
-                _reserved0: [0; 6],
+                _reserved0: std::array::from_fn(|_| AtomicU64::new(0)),
                 snapshot_request: AtomicU64::new(0),
                 snapshot_version: AtomicU64::new(0),
                 snapshot_header: std::array::from_fn(|_| AtomicU64::new(0)),
-                _reserved1: [0; 3],
+                snapshot_writer: AtomicU64::new(0),
+                _reserved1: std::array::from_fn(|_| AtomicU64::new(0)),
             }),
             snapshot: (0..SNAPSHOT_WORDS).map(|_| AtomicU64::new(0)).collect(),
         }
@@ -449,13 +461,36 @@ mod tests {
     }
 
     #[test]
-    fn a_snapshot_lock_left_held_in_shared_memory_is_an_error_not_a_panic() {
+    fn a_snapshot_lock_held_by_another_live_process_is_an_error_not_a_panic() {
         let heap = heap();
         let control = Control::new(&heap.area, &heap.snapshot);
-        control.request_snapshot(1).unwrap();
+        let seq = control.request_snapshot(1).unwrap();
+        let request = control.pending_snapshot().unwrap();
+        let mut other = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+        let holder = crate::liveness::ProcessIdentity::of_pid(other.id()).unwrap();
+        let word = (holder.start_time & u64::from(u32::MAX)) << 32 | u64::from(holder.pid);
+        heap.area.snapshot_version.store(7, Ordering::Relaxed);
+        heap.area.snapshot_writer.store(word, Ordering::Relaxed);
+        assert_eq!(
+            control.publish_snapshot(request, b"{}"),
+            Err(PublishSnapshotError::AreaLocked { pid: other.id() })
+        );
+        // Once that process is gone, the next publish takes the lock over.
+        other.kill().unwrap();
+        other.wait().unwrap();
+        control.publish_snapshot(request, b"{}").unwrap();
+        assert_eq!(control.read_snapshot(seq).unwrap(), b"{}");
+    }
+
+    #[test]
+    fn an_odd_snapshot_version_left_by_no_writer_is_repaired_by_the_next_publish() {
+        let heap = heap();
+        let control = Control::new(&heap.area, &heap.snapshot);
+        let seq = control.request_snapshot(1).unwrap();
         let request = control.pending_snapshot().unwrap();
         heap.area.snapshot_version.store(7, Ordering::Relaxed);
-        assert_eq!(control.publish_snapshot(request, b"{}"), Err(PublishSnapshotError::AreaLocked));
+        control.publish_snapshot(request, b"{}").unwrap();
+        assert_eq!(control.read_snapshot(seq).unwrap(), b"{}");
     }
 
     #[test]

@@ -8,13 +8,15 @@
 //!
 //! Flow: 1. the engine calls `Segment::publish_device_handles(rank, &handles)` (count must equal
 //! `regions`); 2. the worker polls `Segment::device_handles(rank)` until it returns `Some`, then
-//! opens each handle with `cuIpcOpenMemHandle`.
+//! opens each handle with `cuIpcOpenMemHandle`. An engine process that dies in the middle of a
+//! publish leaves the table unreadable (`Busy`) until the next publish, which takes the lock over
+//! from the dead publisher.
 
 use bytemuck::{Pod, Zeroable};
 use thiserror::Error;
 
 use crate::seqlock::{self, SeqLockBusy};
-use crate::sync::AtomicU64;
+use crate::sync::{AtomicU64, Ordering};
 
 /// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
 pub const CUDA_IPC_HANDLE_BYTES: usize = 64;
@@ -50,12 +52,15 @@ impl DeviceRegionHandle {
 }
 
 /// The per-rank header of the handle table as it lies in the segment. Zeroed: nothing published.
+/// Every field is an atomic: the engine, workers and kvctl map it at once.
 #[repr(C, align(64))]
 pub struct DeviceHandleArea {
     version: AtomicU64,
     /// Under the seqlock: number of handles published (0: none), publisher pid.
     header: [AtomicU64; 2],
-    _reserved: [u64; 5],
+    /// The seqlock's writer word: the process publishing now (0: none).
+    writer: AtomicU64,
+    _reserved: [AtomicU64; 4],
 }
 
 const _: () = assert!(size_of::<DeviceHandleArea>() == 64);
@@ -69,6 +74,8 @@ pub enum DeviceHandleError {
     WrongCount { found: usize, expected: usize },
     #[error("another process is publishing device handles for this rank; retry")]
     Busy,
+    #[error("process {pid} is publishing device handles for this rank")]
+    PublisherBusy { pid: u32 },
     #[error("the published handle count {found} exceeds the {expected} regions (corrupt segment)")]
     Corrupt { found: u64, expected: usize },
 }
@@ -94,12 +101,19 @@ impl DeviceHandles<'_> {
         let header = [handles.len() as u64, u64::from(std::process::id())];
         seqlock::write(
             &self.area.version,
+            &self.area.writer,
             &self.area.header,
             &header,
             self.words,
             bytemuck::cast_slice(handles),
         )
-        .map_err(|SeqLockBusy| DeviceHandleError::Busy)
+        .map_err(|SeqLockBusy| {
+            // Relaxed: only names the holder in the error.
+            match seqlock::live_writer(self.area.writer.load(Ordering::Relaxed)) {
+                Some(pid) => DeviceHandleError::PublisherBusy { pid },
+                None => DeviceHandleError::Busy,
+            }
+        })
     }
 
     pub(crate) fn read(&self) -> Result<Option<Vec<DeviceRegionHandle>>, DeviceHandleError> {

@@ -57,11 +57,21 @@ impl ProcessIdentity {
         Self { pid, _reserved: 0, start_time }
     }
 
-    /// The calling process.
+    /// The calling process (read from `/proc` once per process; a forked child reads its own).
     pub fn current() -> Self {
+        static CURRENT: Mutex<Option<ProcessIdentity>> = Mutex::new(None);
         let pid = std::process::id();
-        let start_time = read_stat(pid).map_or(0, |stat| stat.start_time);
-        Self::new(pid, start_time)
+        // A panic elsewhere while holding this lock cannot leave the option half-written.
+        let mut current = CURRENT.lock().unwrap_or_else(PoisonError::into_inner);
+        match *current {
+            Some(known) if known.pid == pid && known.start_time != 0 => known,
+            _ => {
+                let start_time = read_stat(pid).map_or(0, |stat| stat.start_time);
+                let known = Self::new(pid, start_time);
+                *current = Some(known);
+                known
+            }
+        }
     }
 
     /// The process that has `pid` now, with its start time; `None` if there is none (or `/proc`

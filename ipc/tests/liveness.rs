@@ -1,6 +1,7 @@
 //! Each side of a segment notices, with real processes, that the other side died: the scheduler
 //! sees a killed (or hung) worker as dead, and a worker sees a killed creator; what a killed
-//! worker leaves behind (a doorbell registration) goes with the reclaim of its rank.
+//! worker leaves behind (a doorbell registration) goes with the reclaim of its rank, and what a
+//! killed engine leaves behind (a half-published device-handle table) with its next publish.
 //!
 //! The child processes are this test binary re-executed with `KVSHM_TEST_CHILD_ROLE` set; the test
 //! `child_process_entry` does nothing in a normal run.
@@ -11,7 +12,8 @@ use std::io::Write;
 use std::time::Duration;
 
 use common::{time_until, ChildProcess, Cleanup, CHILD_ROLE, CHILD_SEGMENT};
-use kvshm_ipc::config::SegmentConfig;
+use kvshm_ipc::config::{Backend, SegmentConfig};
+use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle};
 use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::listing::{self, ListingState};
 use kvshm_ipc::name::SegmentName;
@@ -28,7 +30,8 @@ const ENTRY: &str = "child_process_entry";
 
 /// The child side. `claim`: attach, claim rank 1, heartbeat until the claim is lost. `sleep`:
 /// attach, claim rank 1 and sleep on its command doorbell until killed. `create`: create the
-/// segment and sleep until killed.
+/// segment and sleep until killed. `publish`: publish the CUDA device handles of rank 0 over and
+/// over until killed.
 #[test]
 fn child_process_entry() {
     let Ok(role) = std::env::var(CHILD_ROLE) else { return };
@@ -53,6 +56,15 @@ fn child_process_entry() {
             let forever = WaitPolicy::new(0, Duration::from_secs(3600));
             segment.command_doorbell(1).unwrap().wait_until(|| false, forever);
             unreachable!("a wait without a deadline for a condition that never holds returned");
+        }
+        "publish" => {
+            let segment = Segment::attach(&name).unwrap();
+            let handles = device_handles(1, segment.config().regions);
+            writeln!(stdout, "publishing").unwrap();
+            stdout.flush().unwrap();
+            loop {
+                segment.publish_device_handles(0, &handles).unwrap();
+            }
         }
         "create" => {
             let _segment =
@@ -176,6 +188,51 @@ fn a_worker_sees_a_killed_creator_die_and_the_segment_turns_stale() {
     assert!(replacement.creator_alive());
     drop(attached);
     assert_eq!(listed_state(&name), ListingState::Live);
+}
+
+/// `regions` region handles whose bytes say `generation`.
+fn device_handles(generation: u8, regions: u32) -> Vec<DeviceRegionHandle> {
+    (0..regions as u8)
+        .map(|region| DeviceRegionHandle::new([generation; 64], u64::from(region), 4096, 64))
+        .collect()
+}
+
+/// The seqlock version of rank 0's device-handle table, read from the control object's bytes.
+fn device_handles_version(segment: &Segment) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let layout = segment.layout();
+    let offset = layout.rank_area(0) as u64 + layout.offsets.device_handles;
+    let object = common::shm_path(&segment.name().control_object());
+    let mut version = [0u8; 8];
+    std::fs::File::open(object).unwrap().read_exact_at(&mut version, offset).unwrap();
+    u64::from_le_bytes(version)
+}
+
+#[test]
+fn device_handles_left_half_published_by_a_killed_engine_are_published_again_by_the_next() {
+    let name = common::unique_name("publisher-kill");
+    let _cleanup = Cleanup(name.clone());
+    // 64 regions: a write stores 1,000 words, so a publisher spends most of its time inside one.
+    let config =
+        SegmentConfig { tp_size: 2, regions: 64, ..Default::default() }.with_backend(Backend::Cuda);
+    let segment = Segment::create(&name, &config).unwrap();
+    // Kill publishers until one dies inside a write.
+    let mut attempts = 0;
+    while device_handles_version(&segment) % 2 == 0 {
+        attempts += 1;
+        assert!(attempts <= 200, "no publisher died inside a write in 200 attempts");
+        let mut publisher = ChildProcess::spawn(ENTRY, "publish", &name);
+        publisher.wait_for_line("publishing");
+        std::thread::sleep(Duration::from_millis(1));
+        publisher.signal(Signal::SIGKILL);
+        publisher.child.wait().unwrap();
+    }
+    println!("{{\"publisher_kills_until_one_died_mid_write\":{attempts}}}");
+    assert!(matches!(segment.device_handles(0), Err(DeviceHandleError::Busy)));
+
+    let handles = device_handles(2, segment.config().regions);
+    segment.publish_device_handles(0, &handles).expect("the dead publisher's lock is taken over");
+    assert_eq!(segment.device_handles(0).unwrap(), Some(handles));
 }
 
 fn listed_state(name: &SegmentName) -> ListingState {
