@@ -87,30 +87,21 @@ impl Tiers {
 
     fn fill(&self, arena: &Arena, at: impl Fn(u32) -> usize, tag: u32) {
         for region in 0..self.config.regions {
-            let start = at(region);
-            assert!(start + self.config.region_bytes as usize <= arena.data_len());
-            for offset in 0..self.config.region_bytes {
-                // SAFETY: in bounds (asserted above); the worker touches no block of this test
-                // while the test writes it (no command for it is in flight).
-                unsafe {
-                    arena
-                        .data_ptr()
-                        .add(start + offset as usize)
-                        .write(pattern(tag, region, offset))
-                };
-            }
+            let bytes: Vec<u8> =
+                (0..self.config.region_bytes).map(|offset| pattern(tag, region, offset)).collect();
+            // The worker touches no block of this test while the test writes it (no command for
+            // it is in flight).
+            arena.write_data(at(region), &bytes).expect("a region inside the arena");
         }
     }
 
     fn holds(&self, arena: &Arena, at: impl Fn(u32) -> usize, tag: u32) -> bool {
+        let mut bytes = vec![0u8; self.config.region_bytes as usize];
         (0..self.config.regions).all(|region| {
-            let start = at(region);
-            assert!(start + self.config.region_bytes as usize <= arena.data_len());
-            (0..self.config.region_bytes).all(|offset| {
-                // SAFETY: in bounds (asserted above); the copy that wrote it has completed.
-                let byte = unsafe { arena.data_ptr().add(start + offset as usize).read() };
-                byte == pattern(tag, region, offset)
-            })
+            // The copy that wrote it has completed.
+            arena.read_data(at(region), &mut bytes).expect("a region inside the arena");
+            (0..self.config.region_bytes)
+                .all(|offset| bytes[offset as usize] == pattern(tag, region, offset))
         })
     }
 

@@ -93,6 +93,8 @@ pub enum ArenaError {
     WrongArena { found_kind: u32, found_rank: u32, expected_kind: u32, expected_rank: u32 },
     #[error("arena header is inconsistent: {0}")]
     Corrupt(&'static str),
+    #[error("{len} bytes at offset {offset} lie beyond the arena's {data_len} data bytes")]
+    OutOfBounds { offset: usize, len: usize, data_len: usize },
 }
 
 /// A mapped arena.
@@ -133,7 +135,9 @@ impl Arena {
             reserved: [0; 2],
         };
         // SAFETY: 1. the mapping is at least ARENA_DATA_OFFSET (4096) bytes, more than the header;
-        // 2. it is page-aligned, so aligned for ArenaHeader; 3. nobody else knows the object yet.
+        // 2. it is page-aligned, so aligned for ArenaHeader; 3. no race: the object was created
+        // with O_EXCL just now, and any other process that opens it before this store copies the
+        // header with a volatile read it then validates (a torn copy fails validation).
         unsafe { memory.as_ptr().cast::<ArenaHeader>().write_volatile(header) };
         Ok(Arena { memory, header })
     }
@@ -152,14 +156,45 @@ impl Arena {
     }
 
     /// Start of block 0. Valid for [`data_len`](Self::data_len) bytes while `self` lives; other
-    /// processes write these bytes.
+    /// processes write these bytes, so they are reached through raw pointers only (never a Rust
+    /// reference), with copies whose premise is the block-ownership protocol.
     pub fn data_ptr(&self) -> *mut u8 {
-        // SAFETY: validate() checked data_offset + data_len <= the mapping's length.
+        // SAFETY: validate() checked data_offset + data_len <= the mapping's length (or create()
+        // made it so); forming the pointer accesses nothing.
         unsafe { self.memory.as_ptr().add(self.header.data_offset as usize) }
     }
 
     pub fn data_len(&self) -> usize {
         self.header.data_len as usize
+    }
+
+    /// Copies `out.len()` data bytes at `offset` into `out`. Every access to the arena is atomic
+    /// ([`shared_bytes`](crate::shared_bytes)), so a worker copying the same bytes meanwhile
+    /// makes them inconsistent, never this copy undefined.
+    pub fn read_data(&self, offset: usize, out: &mut [u8]) -> Result<(), ArenaError> {
+        self.check_data_range(offset, out.len())?;
+        // SAFETY: offset + out.len() <= data_len (checked above), inside the mapping that `self`
+        // keeps alive; `out` is this process's memory, not the arena.
+        unsafe { crate::shared_bytes::copy_from_shared(self.data_ptr().add(offset), out) };
+        Ok(())
+    }
+
+    /// Copies `bytes` into the data at `offset`, with atomic accesses as [`read_data`](Self::read_data).
+    pub fn write_data(&self, offset: usize, bytes: &[u8]) -> Result<(), ArenaError> {
+        self.check_data_range(offset, bytes.len())?;
+        // SAFETY: offset + bytes.len() <= data_len (checked above), inside the mapping that
+        // `self` keeps alive; `bytes` is a Rust slice, so it cannot lie in the mapping (no
+        // reference into the mapping's bytes is ever handed out).
+        unsafe { crate::shared_bytes::copy_to_shared(bytes, self.data_ptr().add(offset)) };
+        Ok(())
+    }
+
+    fn check_data_range(&self, offset: usize, len: usize) -> Result<(), ArenaError> {
+        let data_len = self.data_len();
+        match offset.checked_add(len) {
+            Some(end) if end <= data_len => Ok(()),
+            _ => Err(ArenaError::OutOfBounds { offset, len, data_len }),
+        }
     }
 
     pub fn blocks(&self) -> u64 {
@@ -189,7 +224,9 @@ pub(crate) fn read_header(memory: &SharedMemory) -> Result<ArenaHeader, ArenaErr
         });
     }
     // SAFETY: 1. the mapping is at least 4096 bytes, more than the header; 2. it is page-aligned;
-    // 3. ArenaHeader is Pod, so any bytes are a valid value; the volatile read copies them out.
+    // 3. a volatile copy of a Pod: any bytes are a value, read once, and validated before use.
+    // The creator writes the header once, at creation (trusted peer: another process writing it
+    // while it is copied races this read and gets a torn header that validation refuses).
     Ok(unsafe { memory.as_ptr().cast::<ArenaHeader>().read_volatile() })
 }
 

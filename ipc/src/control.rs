@@ -66,6 +66,11 @@ pub struct ControlArea {
 }
 
 const _: () = assert!(size_of::<ControlArea>() == 2_176);
+const _: () = assert!(size_of::<ControlArea>() == (RESET_HISTORY + 16) * size_of::<AtomicU64>());
+
+// SAFETY: AtomicU64 fields only, with no padding (asserted above); any bits are a valid area (a
+// request word is checked against the done word, a snapshot under its seqlock).
+unsafe impl crate::shm::SharedArea for ControlArea {}
 
 /// How a reset ended, as reported by the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -231,8 +236,9 @@ impl<'a> Control<'a> {
 
     /// The reset kvctl asked for, if one is pending.
     pub fn pending_reset(&self) -> Option<ResetRequest> {
-        // SYNC: pairs with the Release half of the CAS in request_reset().
-        let (seq, force) = unpack(self.area.reset_request.load(Ordering::Acquire));
+        // Relaxed: the request word is the whole message; the client writes nothing before it
+        // that the scheduler reads.
+        let (seq, force) = unpack(self.area.reset_request.load(Ordering::Relaxed));
         let (done, _) = unpack(self.area.reset_done.load(Ordering::Relaxed));
         (seq != done).then_some(ResetRequest { seq, force: force != 0 })
     }
@@ -258,10 +264,11 @@ impl<'a> Control<'a> {
             return if pending_depth == depth { Ok(seq) } else { Err(ControlError::Busy) };
         }
         let mine = seq.wrapping_add(1);
-        // SYNC: the Release half publishes the request to the Acquire load in pending_snapshot().
+        // Relaxed: the request word is the whole message (sequence and depth); nothing is
+        // published behind it.
         self.area
             .snapshot_request
-            .compare_exchange(request, pack(mine, depth), Ordering::AcqRel, Ordering::Relaxed)
+            .compare_exchange(request, pack(mine, depth), Ordering::Relaxed, Ordering::Relaxed)
             .map(|_| mine)
             .map_err(|_| ControlError::Busy)
     }
@@ -316,8 +323,8 @@ impl<'a> Control<'a> {
 
     /// The snapshot kvctl asked for, if one is pending.
     pub fn pending_snapshot(&self) -> Option<SnapshotRequest> {
-        // SYNC: pairs with the Release half of the CAS in request_snapshot().
-        let (seq, depth) = unpack(self.area.snapshot_request.load(Ordering::Acquire));
+        // Relaxed: the request word is the whole message (see request_snapshot()).
+        let (seq, depth) = unpack(self.area.snapshot_request.load(Ordering::Relaxed));
         (seq != self.snapshot_done_seq()).then_some(SnapshotRequest { seq, depth })
     }
 

@@ -145,7 +145,10 @@ pub struct Counters {
     slots: [AtomicU64; COUNTER_SLOTS],
 }
 
-const _: () = assert!(size_of::<Counters>() == COUNTER_SLOTS * 8);
+const _: () = assert!(size_of::<Counters>() == COUNTER_SLOTS * size_of::<AtomicU64>());
+
+// SAFETY: an array of AtomicU64 with no padding (asserted above); any bits are valid counts.
+unsafe impl crate::shm::SharedArea for Counters {}
 
 impl Counters {
     pub fn get(&self, counter: Counter) -> u64 {

@@ -63,7 +63,11 @@ pub struct DeviceHandleArea {
     _reserved: [AtomicU64; 4],
 }
 
-const _: () = assert!(size_of::<DeviceHandleArea>() == 64);
+const _: () = assert!(size_of::<DeviceHandleArea>() == 8 * size_of::<AtomicU64>());
+
+// SAFETY: eight AtomicU64 fields filling 64 bytes (asserted above); any bits are a valid area (a
+// count beyond the regions is reported as Corrupt).
+unsafe impl crate::shm::SharedArea for DeviceHandleArea {}
 
 /// Why handles could not be published or read.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

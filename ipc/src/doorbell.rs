@@ -52,15 +52,25 @@ pub struct Doorbell {
     sequence: FutexWord,
     /// Waiters between registering (step 2) and deregistering (step 5).
     sleepers: AtomicU32,
+    /// The rest of the cache line, as atomics: other processes map these bytes too, and no plain
+    /// byte (not even padding) may sit behind a shared reference to it.
+    _unused: [AtomicU32; 14],
 }
 
 #[cfg(not(loom))]
 const _: () = assert!(size_of::<Doorbell>() == 64 && align_of::<Doorbell>() == 64);
+#[cfg(not(loom))]
+const _: () = assert!(size_of::<Doorbell>() == 16 * size_of::<AtomicU32>());
 
-// SAFETY: both fields are u32 atomics (the futex word is a transparent AtomicU32), for which zero
+// SAFETY: every field is a u32 atomic (the futex word is a transparent AtomicU32), for which zero
 // is a valid value, and zero is the idle state: no sleeper, sequence 0.
 #[cfg(not(loom))]
 unsafe impl bytemuck::Zeroable for Doorbell {}
+
+// SAFETY: sixteen u32 atomics and no padding (asserted above); any bits are a valid doorbell (a
+// wrong sleeper count costs a wake system call, a wrong sequence one spurious wake-up).
+#[cfg(not(loom))]
+unsafe impl crate::shm::SharedArea for Doorbell {}
 
 /// How a waiter waits: how long it spins, how long one sleep lasts, when it gives up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,13 +128,21 @@ impl Doorbell {
     /// An idle doorbell (the same as zeroed memory).
     #[cfg(not(loom))]
     pub const fn new() -> Self {
-        Self { sequence: FutexWord::new(), sleepers: AtomicU32::new(0) }
+        Self {
+            sequence: FutexWord::new(),
+            sleepers: AtomicU32::new(0),
+            _unused: [const { AtomicU32::new(0) }; 14],
+        }
     }
 
     /// An idle doorbell built from loom primitives.
     #[cfg(loom)]
     pub fn new() -> Self {
-        Self { sequence: FutexWord::new(), sleepers: AtomicU32::new(0) }
+        Self {
+            sequence: FutexWord::new(),
+            sleepers: AtomicU32::new(0),
+            _unused: std::array::from_fn(|_| AtomicU32::new(0)),
+        }
     }
 
     /// Wakes every waiter; call it after publishing what they wait for.

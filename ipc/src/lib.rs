@@ -12,6 +12,7 @@
 //! - [`worker_slot`], [`counters`], [`control`], [`progress`], [`device_handles`]: the areas of a
 //!   segment (worker liveness, kvctl counters, kvctl requests, layer progress, CUDA handles).
 //! - [`seqlock`]: consistent reads of byte blobs that another process rewrites.
+//! - [`shared_bytes`]: race-free byte copies in and out of memory other processes write.
 //! - [`ring`]: single-producer single-consumer rings that live in shared memory.
 //! - [`doorbell`]: spin-then-futex waiting across processes.
 //! - [`liveness`]: telling whether the process on the other side is still the one we knew.
@@ -52,5 +53,7 @@ pub mod progress;
 pub mod segment;
 #[cfg(not(loom))]
 pub mod seqlock;
+#[cfg(not(loom))]
+pub mod shared_bytes;
 #[cfg(not(loom))]
 pub mod shm;

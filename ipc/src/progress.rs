@@ -20,7 +20,11 @@ pub struct ProgressEntry {
     layers_done: AtomicU64,
 }
 
-const _: () = assert!(size_of::<ProgressEntry>() == 16);
+const _: () = assert!(size_of::<ProgressEntry>() == 2 * size_of::<AtomicU64>());
+
+// SAFETY: two AtomicU64 fields with no padding (asserted above); any bits are a valid entry (the
+// id check rejects an entry of another command).
+unsafe impl crate::shm::SharedArea for ProgressEntry {}
 
 /// A rank's progress table.
 #[derive(Clone, Copy)]

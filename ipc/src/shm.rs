@@ -1,8 +1,10 @@
 //! Named POSIX shared-memory objects: creating, opening, unlinking, mapping.
 //!
 //! [`SharedMemory`] is one object under `/dev/shm` mapped read-write and shared (memmap2
-//! `MmapRaw`: another process writes the same pages, so no Rust reference into it is ever handed
-//! out; callers go through raw pointers and atomics).
+//! `MmapRaw`: another process writes the same pages, so no plain Rust reference into it is ever
+//! handed out; callers go through raw pointers, volatile copies and atomics). The one kind of
+//! reference allowed into the mapping is a shared reference to a [`SharedArea`] type: one made
+//! of atomics only, byte for byte.
 //!
 //! Creation ([`SharedMemory::create`]):
 //! 1. `shm_open(O_CREAT | O_EXCL | O_RDWR, 0600)`: never adopt an object someone else made;
@@ -30,6 +32,20 @@ use thiserror::Error;
 use crate::inspect::{
     check_object_name, io_errno, os_error, Access, CheckedObject, ObjectIdentity,
 };
+
+/// A type whose values may sit behind a shared reference in memory that other processes write.
+///
+/// # Safety
+///
+/// Implement only for a type whose every byte lies inside an atomic (no plain field, no padding)
+/// and whose every bit pattern is a valid value. Then another process writing any byte at any
+/// time neither changes a byte the reference promises is frozen nor makes the value invalid, and
+/// every access through the reference is atomic, so none of them races. Each implementation sits
+/// next to an assertion that the type's size is the sum of its atomic fields.
+pub unsafe trait SharedArea {}
+
+// SAFETY: an atomic is its own UnsafeCell, and every bit pattern is a valid integer.
+unsafe impl SharedArea for crate::sync::AtomicU64 {}
 
 /// Why a shared-memory operation failed.
 #[derive(Debug, Error)]
@@ -207,11 +223,13 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let opened = SharedMemory::open(&object).unwrap();
         assert_eq!(opened.len(), 8192);
-        // SAFETY: both mappings are 8192 bytes long and live until the end of the test.
+        // SAFETY: 1. both mappings are 8192 bytes long and live until the end of the test; 2. no
+        // race: one thread, and no other process knows the object's unique name; 3. volatile
+        // accesses, so that the two addresses of one page are each really read and written.
         unsafe {
-            assert_eq!(*opened.as_ptr().add(4000), 0);
-            *created.as_ptr().add(4000) = 7;
-            assert_eq!(*opened.as_ptr().add(4000), 7);
+            assert_eq!(opened.as_ptr().add(4000).read_volatile(), 0);
+            created.as_ptr().add(4000).write_volatile(7);
+            assert_eq!(opened.as_ptr().add(4000).read_volatile(), 7);
         }
         unlink(&object).unwrap();
     }

@@ -4,7 +4,7 @@
 //! this module (clippy's `disallowed-types` enforces it), so that `RUSTFLAGS="--cfg loom"` swaps in
 //! loom's model-checked versions without changing a line of the ring or doorbell code.
 //!
-//! - [`AtomicU32`], [`AtomicU64`], [`AtomicBool`], [`Ordering`], [`fence`]: std or loom. The std
+//! - [`AtomicU8`], [`AtomicU32`], [`AtomicU64`], [`AtomicBool`], [`Ordering`], [`fence`]: std or loom. The std
 //!   atomics are wrapped in `#[repr(transparent)]` newtypes with std's methods, because clippy's
 //!   `disallowed-types` sees through a plain re-export.
 //! - [`UnsafeCell`]: loom's tracked cell, or a `#[repr(transparent)]` std wrapper with the same
@@ -22,10 +22,10 @@
 pub use std::sync::atomic::{fence, Ordering};
 
 #[cfg(not(loom))]
-pub use std_atomic::{AtomicBool, AtomicU32, AtomicU64};
+pub use std_atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8};
 
 #[cfg(loom)]
-pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 #[cfg(loom)]
 pub use loom::cell::UnsafeCell;
@@ -209,6 +209,7 @@ mod std_atomic {
         };
     }
 
+    atomic_integer!(AtomicU8, std::sync::atomic::AtomicU8, u8);
     atomic_integer!(AtomicU32, std::sync::atomic::AtomicU32, u32);
     atomic_integer!(AtomicU64, std::sync::atomic::AtomicU64, u64);
 
@@ -270,4 +271,5 @@ mod std_atomic {
     const _: () = assert!(size_of::<AtomicU64>() == 8 && align_of::<AtomicU64>() == 8);
     const _: () = assert!(size_of::<AtomicU32>() == 4 && align_of::<AtomicU32>() == 4);
     const _: () = assert!(size_of::<AtomicBool>() == 1);
+    const _: () = assert!(size_of::<AtomicU8>() == 1);
 }

@@ -63,8 +63,9 @@ impl Channel {
     fn doorbell(&self, offset: usize) -> &Doorbell {
         assert!(offset + size_of::<Doorbell>() <= self.memory.len());
         // SAFETY: 1. the offset is inside the mapping (checked) and a multiple of 64 from a
-        // page-aligned base; 2. zeroed memory is a valid Doorbell and only doorbell operations
-        // touch these bytes; 3. the reference lives no longer than `self`, which keeps the map.
+        // page-aligned base; 2. a Doorbell is atomics only, byte for byte, and any bits are a
+        // valid doorbell, so the reference stays sound while the other process writes it;
+        // 3. the reference lives no longer than `self`, which keeps the map.
         unsafe { &*self.memory.as_ptr().add(offset).cast::<Doorbell>() }
     }
 

@@ -196,11 +196,15 @@ fn arena_bytes_written_by_one_process_are_read_by_another() {
     assert_eq!(writer.data_len() as u64, writer.blocks() * writer.block_bytes());
     assert_eq!(writer.data_ptr() as usize % 4096, 0);
     let last = writer.data_len() - 1;
-    // SAFETY: both mappings are data_len bytes long and live until the end of the test.
-    unsafe {
-        *writer.data_ptr().add(last) = 0x5A;
-        assert_eq!(*reader.data_ptr().add(last), 0x5A);
-    }
+    writer.write_data(last - 10, b"hello world").unwrap();
+    let mut read = [0u8; 11];
+    reader.read_data(last - 10, &mut read).unwrap();
+    assert_eq!(&read, b"hello world");
+    assert!(matches!(
+        reader.read_data(last, &mut read),
+        Err(ArenaError::OutOfBounds { offset, len: 11, .. }) if offset == last
+    ));
+    assert!(matches!(writer.write_data(usize::MAX, b"x"), Err(ArenaError::OutOfBounds { .. })));
     // An arena of a rank the segment does not have is not found.
     assert!(matches!(
         kvshm_ipc::arena::Arena::open(&name, ArenaKind::Device, 7),

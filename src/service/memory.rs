@@ -10,7 +10,10 @@
 //! The protocol keeps the engine and the workers off each other's bytes: the engine touches a
 //! device block only after its ticket is ready and before it finishes the request, and the
 //! scheduler never issues a copy into a block a request owns. Reads of the host tier (tests
-//! checking the copies) are only made while no copy into that block is in flight.
+//! checking the copies) are only made while no copy into that block is in flight. Every access
+//! to the arenas is atomic ([`Arena::read_data`], [`Arena::write_data`]), so an engine that
+//! breaks the protocol and races a worker on one block gets wrong bytes, never undefined
+//! behaviour: these safe functions are sound whatever the caller and the workers do.
 
 use kvshm_ipc::arena::Arena;
 
@@ -82,20 +85,9 @@ impl RankMemory {
         bytes: &[u8],
     ) -> Result<(), BlockAccessError> {
         let offset = self.device_offset(block, region, bytes.len())?;
-        // SAFETY: 1. offset + region_bytes <= device_layout.end() <= the arena's data length
-        // (checked in new() and by the layout); 2. bytes.len() == region_bytes; 3. `bytes` is the
-        // caller's memory, not the arena, so they do not overlap; 4. the arena is shared memory
-        // that worker processes also copy, as plain bytes for which every value is valid; this
-        // safe function cannot stop a misbehaving engine from racing a worker on one block, which
-        // would make the bytes wrong (the protocol in the module documentation prevents it), not
-        // this copy out of bounds.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                self.device.data_ptr().add(offset),
-                bytes.len(),
-            );
-        }
+        self.device.write_data(offset, bytes).expect(
+            "a region beyond the arena after new() checked the layout is a programming error",
+        );
         Ok(())
     }
 
@@ -107,14 +99,9 @@ impl RankMemory {
         out: &mut [u8],
     ) -> Result<(), BlockAccessError> {
         let offset = self.device_offset(block, region, out.len())?;
-        // SAFETY: as in write_device_region, with source and destination swapped.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.device.data_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            );
-        }
+        self.device.read_data(offset, out).expect(
+            "a region beyond the arena after new() checked the layout is a programming error",
+        );
         Ok(())
     }
 
@@ -129,18 +116,9 @@ impl RankMemory {
         let host = self.host.as_ref().ok_or(out_of_range)?;
         self.check_len(out.len())?;
         let offset = self.host_layout.region_offset(block, region).ok_or(out_of_range)?;
-        // SAFETY: 1. offset + region_bytes <= host_layout.len() <= the arena's data length
-        // (checked in new()) and out.len() == region_bytes (check_len); 2. `out` is the caller's
-        // memory, so the ranges do not overlap; 3. as premise 4 of write_device_region: plain
-        // bytes a worker may be writing, which a read during a copy would see torn, never out of
-        // bounds (the module documentation says when reads are made).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                host.data_ptr().add(offset as usize),
-                out.as_mut_ptr(),
-                out.len(),
-            );
-        }
+        host.read_data(offset as usize, out).expect(
+            "a region beyond the arena after new() checked the layout is a programming error",
+        );
         Ok(())
     }
 

@@ -19,8 +19,9 @@
 //! The engine never forms a Rust reference to the shared bytes, only raw-pointer copies of plain
 //! bytes, which have no invalid values. The protocol keeps the copied bytes themselves quiet: the
 //! scheduler never lets two commands or a request touch a block that an in-flight copy reads or
-//! writes (SPEC §10 invariant 2), so no one else writes a source or touches a destination while it
-//! is copied.
+//! writes, so no one else writes a source or touches a destination while it is copied. Freedom
+//! from data races on the block bytes is therefore a trusted-peer premise (the scheduler and the
+//! engine keep the protocol); the copies stay at memcpy speed instead of paying for atomic words.
 
 use std::ptr::NonNull;
 
@@ -131,7 +132,10 @@ impl HostCopyEngine {
             // 2. Both areas are mapped, readable and writable for the engine's lifetime
             //    (`MappedArea::new`'s contract).
             // 3. Source and destination lie in different areas, which `new` checked do not overlap.
-            // 4. No one else accesses these bytes during the copy (module documentation).
+            // 4. No data race: no one else accesses these bytes during the copy, by the
+            //    block-ownership protocol (module documentation). That is a trusted-peer
+            //    premise: the scheduler and the engine are other processes that keep it, and one
+            //    that breaks it races this copy.
             unsafe {
                 let device = self.device.as_ptr().add(device_at);
                 let host = self.host.as_ptr().add(host_at);

@@ -313,8 +313,9 @@ impl RankEngine {
             BackendChoice::Host => {
                 let device = open_arena(segment, ArenaKind::Device, rank)?;
                 // SAFETY: 1. the arena maps data_len() bytes at data_ptr(); 2. the arena is kept
-                // in `_arenas`, which drops after the engine; 3. the scheduler hands each block to
-                // one copy at a time (block-ownership protocol of host_engine).
+                // in `_arenas`, which drops after the engine; 3. no data race on the block bytes:
+                // the scheduler hands each block to one copy at a time and the engine keeps off
+                // blocks being copied (block-ownership protocol of host_engine; trusted peers).
                 let device_area = unsafe { MappedArea::new(device.data_ptr(), device.data_len()) }
                     .expect("a mapped arena has a non-null base");
                 let host_area = tier_area(host_tier.as_ref());

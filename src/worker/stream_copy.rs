@@ -22,7 +22,8 @@ pub const STREAMING_MIN_BYTES: usize = 1024;
 /// # Safety
 ///
 /// `src` is valid for reads and `dst` for writes of `len` bytes, and the two ranges do not overlap
-/// (as for `std::ptr::copy_nonoverlapping`).
+/// (as for `std::ptr::copy_nonoverlapping`); no other thread or process writes `src` or accesses
+/// `dst` during the copy (no data race: these are plain loads and stores).
 pub unsafe fn copy_rows_streaming(src: *const u8, dst: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if len >= STREAMING_MIN_BYTES {

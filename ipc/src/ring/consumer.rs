@@ -52,9 +52,10 @@ impl<T: Pod> Consumer<T> {
     }
 
     pub(crate) fn from_view(view: RingView<T>) -> Result<Self, RingError> {
-        // SYNC: pairs with the Release store of head by an earlier consumer of this ring
-        // (release() of a process that attached before) or by reset_indices().
-        let head = view.header().head.value.load(Ordering::Acquire);
+        // Relaxed: this side's own index; what handed the ring to this consumer (a claim's
+        // Acquire of the owner word, or this thread) orders a predecessor's last store or a
+        // reset before this load.
+        let head = view.header().head.value.load(Ordering::Relaxed);
         // SYNC: pairs with the Release store of tail in Producer::push_all().
         let tail = view.header().tail.value.load(Ordering::Acquire);
         view.occupancy(head, tail)?;
@@ -125,10 +126,14 @@ impl<T: Pod> Consumer<T> {
     fn read(&self, index: u64) -> T {
         debug_assert!(index >= self.head && index < self.cached_tail);
         self.view.slot(index).with(|slot| {
-            // SAFETY: the producer published this slot (index < cached_tail, loaded with Acquire)
-            // and will not overwrite it before our head moves past it; it is in bounds and aligned
-            // (RingView::slot), and any bytes are a valid T (Pod).
-            unsafe { slot.read() }
+            // SAFETY: 1. in bounds and aligned (RingView::slot); 2. no data race: the producer
+            // published this slot (index < cached_tail, loaded with Acquire) and writes it again
+            // only after our head moves past it; that holds as long as the peer keeps the ring
+            // protocol (trusted peer: a producer process writing a published slot anyway races
+            // this read, and gets a torn record that the reader validates like any other);
+            // 3. a volatile copy of a Pod: any bytes are a valid T, read exactly once, so the
+            // checks on the copy hold for the value used.
+            unsafe { slot.read_volatile() }
         })
     }
 

@@ -51,20 +51,28 @@ pub(crate) struct Description {
     pub(crate) magic: AtomicU64,
     pub(crate) element_size: AtomicU64,
     pub(crate) capacity: AtomicU64,
+    _unused: [AtomicU64; 5],
 }
 
 /// One free-running index alone on its cache line.
 #[repr(C, align(64))]
 pub(crate) struct IndexLine {
     pub(crate) value: AtomicU64,
+    _unused: [AtomicU64; 7],
 }
 
 /// A cache line nobody touches, keeping the indices 128 bytes apart.
 #[repr(C, align(64))]
-struct EmptyLine([u8; 64]);
+struct EmptyLine([AtomicU64; 8]);
+
+fn unused_words<const N: usize>() -> [AtomicU64; N] {
+    std::array::from_fn(|_| AtomicU64::new(0))
+}
 
 /// The start of ring memory. See the module documentation for the offsets.
-#[repr(C)]
+///
+/// Every byte is an atomic, padding lines included: both ends hold a shared reference to the
+/// header while the other process writes its indices, so no plain byte may sit behind it.
 pub(crate) struct RingHeader {
     pub(crate) description: Description,
     _gap_after_description: EmptyLine,
@@ -78,6 +86,8 @@ pub(crate) struct RingHeader {
 
 #[cfg(not(loom))]
 const _: () = assert!(size_of::<RingHeader>() == HEADER_SIZE);
+#[cfg(not(loom))]
+const _: () = assert!(HEADER_SIZE == 48 * size_of::<AtomicU64>(), "a header of atomics only");
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::offset_of!(RingHeader, tail) == 128);
 #[cfg(not(loom))]
@@ -93,12 +103,13 @@ impl RingHeader {
                 magic: AtomicU64::new(magic),
                 element_size: AtomicU64::new(element_size as u64),
                 capacity: AtomicU64::new(capacity as u64),
+                _unused: unused_words(),
             },
-            _gap_after_description: EmptyLine([0; 64]),
-            tail: IndexLine { value: AtomicU64::new(0) },
-            _gap_after_tail: EmptyLine([0; 64]),
-            head: IndexLine { value: AtomicU64::new(0) },
-            _gap_after_head: EmptyLine([0; 64]),
+            _gap_after_description: EmptyLine(unused_words()),
+            tail: IndexLine { value: AtomicU64::new(0), _unused: unused_words() },
+            _gap_after_tail: EmptyLine(unused_words()),
+            head: IndexLine { value: AtomicU64::new(0), _unused: unused_words() },
+            _gap_after_head: EmptyLine(unused_words()),
         }
     }
 }
@@ -143,9 +154,10 @@ pub unsafe fn init<T: Pod>(base: *mut u8, capacity: usize) {
     assert!(base as usize % RING_ALIGN == 0, "unaligned ring memory is a programming error");
     let header = base.cast::<RingHeader>();
     // SAFETY: premise 1 of this function: `base` is aligned and valid for writes of at least
-    // HEADER_SIZE bytes; premise 2: nobody reads it meanwhile.
+    // HEADER_SIZE bytes; premise 2: no ring end reads or writes it meanwhile (no race).
     unsafe { header.write(RingHeader::new(0, size_of::<T>(), capacity)) };
-    // SAFETY: just initialised above; shared references to atomics are what attach() creates too.
+    // SAFETY: just initialised above; the header is atomics only, byte for byte, so the reference
+    // stays sound whatever other processes write (the same reference attach() takes).
     let header = unsafe { &*header };
     // SYNC: pairs with the Acquire load of magic in RingView::attach(), which then sees the
     // description and the zeroed indices.
@@ -161,11 +173,15 @@ pub unsafe fn init<T: Pod>(base: *mut u8, capacity: usize) {
 ///    is gone); the next attach sees the reset through its Acquire loads.
 #[cfg(not(loom))]
 pub unsafe fn reset_indices(base: *mut u8) {
-    // SAFETY: premise 1: an initialised, aligned ring header lives at `base`.
+    // SAFETY: premise 1: an initialised, aligned ring header lives at `base`; it is atomics only,
+    // so the reference stays sound whatever other processes write, and the stores below are
+    // atomic (premise 2 is what makes them meaningful, not what makes them race-free).
     let header = unsafe { &*base.cast::<RingHeader>() };
-    // SYNC: both pair with the Acquire loads of tail and head in Producer/Consumer::from_view().
-    header.tail.value.store(0, Ordering::Release);
-    header.head.value.store(0, Ordering::Release);
+    // Relaxed: no ring end uses the ring meanwhile (premise 2); whoever attaches next is ordered
+    // after the reset by what hands it the ring (a reclaim's Release of the owner word, or the
+    // same thread).
+    header.tail.value.store(0, Ordering::Relaxed);
+    header.head.value.store(0, Ordering::Relaxed);
 }
 
 /// One side's checked view of a ring: where the header and slots are, and the validated capacity.
@@ -199,11 +215,12 @@ impl<T: Pod> RingView<T> {
         if len < HEADER_SIZE {
             return Err(RingError::Truncated { len, needed: HEADER_SIZE });
         }
-        // SAFETY: `base` is non-null, aligned for RingHeader (align 64) and valid for HEADER_SIZE
-        // bytes (checked above, validity by this function's contract); every field is an atomic
-        // or plain bytes, for which any bit pattern is valid.
+        // SAFETY: `base` is non-null (checked above).
         let header = unsafe { NonNull::new_unchecked(base.cast::<RingHeader>()) };
-        // SAFETY: as above; the reference lives only within this function.
+        // SAFETY: aligned for RingHeader (align 64) and valid for HEADER_SIZE bytes (checked
+        // above, validity by this function's contract); the header is atomics only, byte for
+        // byte, and any bits are a valid value, so the reference stays sound while the peer
+        // process writes its index, and every access through it is atomic.
         let description = unsafe { &header.as_ref().description };
         // SYNC: pairs with the Release store of magic in init(): the description below is complete.
         let magic = description.magic.load(Ordering::Acquire);
@@ -257,7 +274,8 @@ impl<T: Pod> RingView<T> {
     }
 
     pub(crate) fn header(&self) -> &RingHeader {
-        // SAFETY: validated at attach (or by from_parts' contract) and valid while the view lives.
+        // SAFETY: validated at attach (or by from_parts' contract) and valid while the view lives;
+        // atomics only, so sound to share with a peer that writes it (see attach()).
         unsafe { self.header.as_ref() }
     }
 
@@ -265,7 +283,9 @@ impl<T: Pod> RingView<T> {
     pub(crate) fn slot(&self, index: u64) -> &UnsafeCell<T> {
         let position = (index & self.mask) as usize;
         // SAFETY: position < capacity, and the slots hold `capacity` cells (checked against the
-        // memory length at attach, or by from_parts' contract).
+        // memory length at attach, or by from_parts' contract). The reference is to an
+        // UnsafeCell, which promises nothing about its contents: the two ends access the
+        // record through raw pointers, under the ring protocol.
         unsafe { self.slots.add(position).as_ref() }
     }
 

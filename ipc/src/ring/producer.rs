@@ -57,9 +57,10 @@ impl<T: Pod> Producer<T> {
     }
 
     pub(crate) fn from_view(view: RingView<T>) -> Result<Self, RingError> {
-        // SYNC: pairs with the Release store of tail by an earlier producer of this ring
-        // (push_all() of a process that attached before) or by reset_indices().
-        let tail = view.header().tail.value.load(Ordering::Acquire);
+        // Relaxed: this side's own index; what handed the ring to this producer (the scheduler's
+        // own thread, which also reset it) orders a predecessor's last store or a reset before
+        // this load.
+        let tail = view.header().tail.value.load(Ordering::Relaxed);
         // SYNC: pairs with the Release store of head in Consumer::release().
         let head = view.header().head.value.load(Ordering::Acquire);
         view.occupancy(head, tail)?;
@@ -102,10 +103,12 @@ impl<T: Pod> Producer<T> {
         }
         for (offset, record) in (self.tail..).zip(records) {
             self.view.slot(offset).with_mut(|slot| {
-                // SAFETY: the slot lies between tail and head + capacity, so the consumer has
-                // released it and will not read it before the tail store below publishes it;
-                // it is in bounds and aligned (RingView::slot).
-                unsafe { slot.write(*record) }
+                // SAFETY: 1. in bounds and aligned (RingView::slot); 2. no data race: the slot
+                // lies between tail and head + capacity, so the consumer has released it and
+                // reads it only after the tail store below publishes it (trusted peer: a
+                // consumer process reading it early anyway races this write, and gets a torn
+                // record); 3. a volatile store of a Pod, written exactly once.
+                unsafe { slot.write_volatile(*record) }
             });
         }
         self.tail += count;

@@ -1,5 +1,7 @@
 //! Reading and validating a control object's header, and creating a new one with its arenas.
 
+use std::ptr::addr_of;
+
 use super::{AttachError, CorruptReason, CreateError, CREATE_ATTEMPTS};
 use crate::arena::{Arena, ArenaKind};
 use crate::config::{Backend, SegmentConfig};
@@ -11,7 +13,7 @@ use crate::listing::{self, ExistingSegment};
 use crate::liveness::ProcessIdentity;
 use crate::name::SegmentName;
 use crate::shm::{SharedMemory, ShmError};
-use crate::sync::Ordering;
+use crate::sync::{AtomicU32, Ordering};
 
 /// Offset of the creator identity in the header (written first during creation).
 pub(super) const CREATOR_OFFSET: usize = std::mem::offset_of!(HeaderFields, creator);
@@ -20,13 +22,30 @@ pub(super) fn header_fields_ptr(memory: &SharedMemory) -> *mut HeaderFields {
     memory.as_ptr().cast::<HeaderFields>()
 }
 
+/// The header's `ready` word.
+///
+/// # Panics
+/// If the mapping is shorter than a [`Header`]: callers check the length first (attach) or made
+/// the mapping (create), so that is a programming error.
+pub(super) fn header_ready(memory: &SharedMemory) -> &AtomicU32 {
+    assert!(memory.len() >= size_of::<Header>(), "a mapping shorter than a header");
+    let header = memory.as_ptr().cast::<Header>();
+    // SAFETY: 1. the mapping is page-aligned and holds a whole Header (asserted above), and lives
+    // as long as `memory`; 2. the reference covers the ready atomic alone (a raw projection, never
+    // a reference to the Header, whose plain fields another process may write), so every access
+    // through it is atomic and any bits are a valid u32.
+    unsafe { &*addr_of!((*header).ready) }
+}
+
 /// The creator identity of a control object, if it is long enough and the identity was written.
 pub(crate) fn read_creator(memory: &SharedMemory) -> Option<ProcessIdentity> {
     if memory.len() < CREATOR_OFFSET + size_of::<ProcessIdentity>() {
         return None;
     }
     // SAFETY: 1. in bounds (checked above); 2. the offset is 8-aligned in a page-aligned mapping;
-    // 3. ProcessIdentity is Pod, so any bytes are a valid value.
+    // 3. a volatile copy of a Pod: any bytes are a value, read once. The creator writes these
+    // bytes before anything else and never again (trusted peer: a process writing them while
+    // they are copied gets a torn identity judged like any other, never more).
     let creator =
         unsafe { memory.as_ptr().add(CREATOR_OFFSET).cast::<ProcessIdentity>().read_volatile() };
     (!creator.is_none()).then_some(creator)
@@ -41,10 +60,11 @@ pub(crate) fn validate_header(
     if len < header_size {
         return Err(AttachError::Truncated { len, expected: header_size });
     }
-    // SAFETY: the mapping holds a whole Header (checked above) and is page-aligned; the header's
-    // atomics are only accessed atomically.
-    let header = unsafe { &*memory.as_ptr().cast::<Header>() };
-    // SAFETY: as above; HeaderFields is Pod, and a volatile copy tolerates concurrent writers.
+    // SAFETY: 1. the mapping holds a whole Header (checked above) and is page-aligned; 2. a
+    // volatile copy reads the bytes once, as they are (HeaderFields is Pod, so any bytes are a
+    // value), and nothing is trusted before it is checked. The premise is a trusted peer: another
+    // process writing the header while it is copied makes the copy torn, and the race its breach
+    // (a creator writes it only before READY).
     let early = unsafe { header_fields_ptr(memory).read_volatile() };
     if early.magic == MAGIC && early.layout_version != LAYOUT_VERSION {
         return Err(AttachError::VersionMismatch {
@@ -53,10 +73,10 @@ pub(crate) fn validate_header(
         });
     }
     // SYNC: pairs with the Release store of ready in Segment::create().
-    if header.ready.load(Ordering::Acquire) != READY {
+    if header_ready(memory).load(Ordering::Acquire) != READY {
         return Err(AttachError::NotReady { pid: early.creator.pid });
     }
-    // SAFETY: as above; read again after the Acquire so the copy is the published one.
+    // SAFETY: as for `early`; read again after the Acquire so that the copy is the published one.
     let fields = unsafe { header_fields_ptr(memory).read_volatile() };
     if fields.magic != MAGIC {
         return Err(AttachError::BadMagic);

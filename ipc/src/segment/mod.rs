@@ -23,6 +23,7 @@
 //! creating control objects; `errors` the error enums.
 
 use std::ops::{Deref, DerefMut};
+use std::ptr::addr_of;
 use std::sync::Arc;
 
 use crate::arena::{Arena, ArenaError, ArenaKind};
@@ -37,9 +38,12 @@ use crate::liveness::{LivenessCache, ProcessIdentity};
 use crate::name::SegmentName;
 use crate::record::{CommandSlot, Completion};
 use crate::ring;
+use crate::shm::SharedArea;
 use crate::shm::SharedMemory;
-use crate::sync::{AtomicU64, Ordering};
-use create::{create_arenas, create_control_object, header_fields_ptr, CREATOR_OFFSET};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
+use create::{
+    create_arenas, create_control_object, header_fields_ptr, header_ready, CREATOR_OFFSET,
+};
 
 pub use crate::listing::{list, unlink, DataObject, ListingState, SegmentListing};
 
@@ -121,8 +125,11 @@ impl Segment {
         let identity = memory.identity().inspect_err(|_| {
             let _ = crate::inspect::unlink_owned(&object);
         })?;
-        // SAFETY: the mapping is layout.total_size bytes (more than a Header), page-aligned, and
-        // nobody can read it as ready yet.
+        // SAFETY: 1. the mapping is layout.total_size bytes (more than a Header) and page-aligned,
+        // so the 8-aligned identity at CREATOR_OFFSET is in bounds; 2. a volatile store of a Pod:
+        // the object was just created with O_EXCL, so the only other accesses can be other
+        // processes' volatile copies (kvctl, a racing creator judging it), which read the bytes
+        // before or after, never anything this process relies on.
         unsafe {
             header_fields_ptr(&memory)
                 .cast::<u8>()
@@ -149,7 +156,8 @@ impl Segment {
             config: *config,
             offsets: layout.offsets,
         };
-        // SAFETY: as above; HeaderFields is the first member of Header at offset 0.
+        // SAFETY: as above; HeaderFields is the first member of Header, at offset 0. Readers trust
+        // it only after the Release store of READY below.
         unsafe { header_fields_ptr(&memory).write_volatile(fields) };
         let segment = Segment {
             memory: Arc::new(memory),
@@ -164,7 +172,7 @@ impl Segment {
         segment.initialise_areas();
         // SYNC: pairs with the Acquire load of ready in validate_header(): an attacher that sees
         // READY sees every header field and initialised area above.
-        segment.header().ready.store(READY, Ordering::Release);
+        segment.ready_word().store(READY, Ordering::Release);
         Ok(segment)
     }
 
@@ -240,39 +248,37 @@ impl Segment {
 
     /// Whether the creator shut the segment down (its handle dropped), even if its process lives on.
     pub fn is_closed(&self) -> bool {
-        // SYNC: pairs with the Release store of CLOSED in Drop: nothing is read after it, the flag
-        // alone is the message.
-        self.header().ready.load(Ordering::Acquire) == CLOSED
+        // Relaxed: the flag alone is the message; nothing is read behind it.
+        self.ready_word().load(Ordering::Relaxed) == CLOSED
     }
 
     /// The current generation; commands of other generations are refused by workers.
     pub fn generation(&self) -> u64 {
-        // SYNC: pairs with the AcqRel fetch_add in bump_generation().
-        self.header().generation.load(Ordering::Acquire)
+        // Relaxed: a value read on its own; a command that carries a new generation reaches a
+        // worker through the ring's Release/Acquire, which orders the bump before it.
+        self.generation_word().load(Ordering::Relaxed)
     }
 
     /// Scheduler: starts a new generation (on reset) and returns it.
     pub fn bump_generation(&self) -> u64 {
         // Wrapping: the word lies in shared memory, and a scribbled maximum must not panic here.
-        // SYNC: pairs with the Acquire load in generation().
-        self.header().generation.fetch_add(1, Ordering::AcqRel).wrapping_add(1)
+        // Relaxed: publishes nothing but itself (see generation()).
+        self.generation_word().fetch_add(1, Ordering::Relaxed).wrapping_add(1)
     }
 
     pub fn counters(&self) -> &Counters {
-        // SAFETY: the counters area lies inside the mapping at a 64-aligned offset (layout checked).
+        // SAFETY: the layout puts the Counters at this offset.
         unsafe { self.area::<Counters>(self.layout.offsets.counters as usize) }
     }
 
     /// The kvctl request area (reset, tree snapshot).
     pub fn control(&self) -> Control<'_> {
-        // SAFETY: the control area and the SNAPSHOT_WORDS words of the snapshot area lie inside
-        // the mapping at 64-aligned offsets (layout checked); atomics tolerate concurrent writers.
+        // SAFETY: the layout puts the ControlArea and the SNAPSHOT_WORDS words of the snapshot
+        // area at these offsets.
         unsafe {
             let area = self.area::<ControlArea>(self.layout.offsets.control as usize);
-            let words = std::slice::from_raw_parts(
-                self.ptr(self.layout.offsets.snapshot as usize).cast::<AtomicU64>(),
-                SNAPSHOT_WORDS,
-            );
+            let words =
+                self.areas::<AtomicU64>(self.layout.offsets.snapshot as usize, SNAPSHOT_WORDS);
             Control::new(area, words)
         }
     }
@@ -294,10 +300,19 @@ impl Segment {
         Ok(Mapped { value, _memory: Arc::clone(&self.memory) })
     }
 
-    fn header(&self) -> &Header {
-        // SAFETY: the mapping is longer than a Header and page-aligned; after creation only the
-        // atomics of the header change.
-        unsafe { &*self.memory.as_ptr().cast::<Header>() }
+    /// The header's `ready` word.
+    fn ready_word(&self) -> &AtomicU32 {
+        header_ready(&self.memory)
+    }
+
+    /// The header's `generation` word.
+    fn generation_word(&self) -> &AtomicU64 {
+        let header = self.memory.as_ptr().cast::<Header>();
+        // SAFETY: 1. the mapping is page-aligned and longer than a Header (validated at attach,
+        // sized at creation); 2. the reference covers the generation atomic alone (a raw
+        // projection, never a reference to the Header, whose plain fields another process may
+        // write), so every access through it is atomic and any bits are a valid u64.
+        unsafe { &*addr_of!((*header).generation) }
     }
 
     /// # Panics
@@ -308,31 +323,54 @@ impl Segment {
             offset <= self.memory.len(),
             "an offset outside the segment is a programming error"
         );
-        // SAFETY: offset is within the mapping (checked above).
+        // SAFETY: offset is within the mapping, or one past its end (checked above); forming the
+        // pointer accesses nothing.
         unsafe { self.memory.as_ptr().add(offset) }
     }
 
+    /// The `T` at `offset` of the mapping.
+    ///
     /// # Safety
-    /// `offset` must be the start of a `T` inside the mapping, aligned for `T`, whose every bit
-    /// pattern is valid and which is only mutated through atomics.
-    unsafe fn area<T>(&self, offset: usize) -> &T {
+    /// `offset` must be the start of a `T` in the layout (so aligned for `T`).
+    ///
+    /// # Panics
+    /// If the area lies beyond the mapping: offsets come from the validated layout, so that is a
+    /// programming error.
+    unsafe fn area<T: SharedArea>(&self, offset: usize) -> &T {
+        // SAFETY: one T at the caller's offset (this function's premise).
+        unsafe { &self.areas::<T>(offset, 1)[0] }
+    }
+
+    /// The `count` consecutive `T`s at `offset` of the mapping.
+    ///
+    /// # Safety
+    /// `offset` must be the start of `count` consecutive `T`s in the layout (so aligned for `T`).
+    ///
+    /// # Panics
+    /// As [`area`](Self::area).
+    unsafe fn areas<T: SharedArea>(&self, offset: usize, count: usize) -> &[T] {
+        let end = count.checked_mul(size_of::<T>()).and_then(|len| offset.checked_add(len));
         assert!(
-            offset + size_of::<T>() <= self.memory.len(),
+            end.is_some_and(|end| end <= self.memory.len()),
             "an area outside the segment is a programming error"
         );
-        // SAFETY: in bounds (checked above); alignment and validity are the caller's premise.
-        unsafe { &*self.ptr(offset).cast::<T>() }
+        // SAFETY: 1. in bounds (checked above) of the mapping, which lives as long as `self`;
+        // 2. aligned (the caller's premise); 3. T is a SharedArea: atomics only, every bit pattern
+        // valid, so the shared reference stays sound while other processes write the bytes, and
+        // all accesses through it are atomic (no data race).
+        unsafe { std::slice::from_raw_parts(self.ptr(offset).cast::<T>(), count) }
     }
 
     fn initialise_areas(&self) {
-        self.header().generation.store(FIRST_GENERATION, Ordering::Relaxed);
+        // Relaxed: published with everything else by the Release store of READY.
+        self.generation_word().store(FIRST_GENERATION, Ordering::Relaxed);
         self.counters().clear();
         for rank in 0..self.fields.config.tp_size {
             self.worker_slot(rank).expect("rank < tp_size").clear();
             let (command, completion) = self.ring_bases(rank);
-            // SAFETY: 1. each ring area is memory_size(capacity) bytes inside the mapping
-            // (layout); 2. capacities are powers of two (config validated); 3. nobody else sees
-            // the segment before ready.
+            // SAFETY: 1. each ring area is memory_size(capacity) bytes inside the mapping, 64-aligned
+            // (layout); 2. capacities are powers of two (config validated); 3. no ring end is
+            // attached: attachers refuse the segment before READY.
             unsafe {
                 ring::init::<CommandSlot>(command, self.fields.config.command_ring_slots as usize);
                 ring::init::<Completion>(
@@ -350,9 +388,9 @@ impl Drop for Segment {
             return;
         }
         if self.memory.is_intact() {
-            // SYNC: pairs with the Acquire load in is_closed(): attached workers see the
-            // scheduler go without waiting to find its process dead.
-            self.header().ready.store(CLOSED, Ordering::Release);
+            // Relaxed: the flag alone is the message (attached workers see the scheduler go
+            // without waiting to find its process dead); nothing is published behind it.
+            self.ready_word().store(CLOSED, Ordering::Relaxed);
             for rank in 0..self.fields.config.tp_size {
                 if let Ok(doorbell) = self.command_doorbell(rank) {
                     doorbell.ring();

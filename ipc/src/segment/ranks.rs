@@ -33,7 +33,7 @@ impl Segment {
         self.check_rank(rank)?;
         let offset =
             self.layout.offsets.worker_slots as usize + rank as usize * size_of::<WorkerSlot>();
-        // SAFETY: rank < tp_size, and the layout holds tp_size slots at a 64-aligned offset.
+        // SAFETY: rank < tp_size, and the layout puts tp_size slots at this offset.
         Ok(unsafe { self.area::<WorkerSlot>(offset) })
     }
 
@@ -105,7 +105,7 @@ impl Segment {
         // 2. no worker touches the rings (the premise above, and the slot is DEAD, so no new
         // worker can claim the rank until the reclaim finishes); 3. the reset is atomic stores
         // of the indices, so even a process breaking that premise races nothing in this one:
-        // what it could do is write Pod records and indices the other side validates.
+        // what it could do is write records and indices that the ring ends validate.
         unsafe {
             ring::reset_indices(command);
             ring::reset_indices(completion);
@@ -124,7 +124,9 @@ impl Segment {
     ) -> Result<Mapped<Producer<CommandSlot>>, SegmentError> {
         self.check_rank(rank)?;
         let (base, len) = (self.ring_bases(rank).0, self.layout.offsets.command_ring_len as usize);
-        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        // SAFETY: 1. the ring lies in the mapping, which the returned Mapped keeps alive; 2. the
+        // other end belongs to the peer process, and a second end of the same side is the
+        // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let producer = unsafe { Producer::attach(base, len) };
         self.mapped(producer.map_err(|source| SegmentError::Ring {
             ring: "command",
@@ -148,7 +150,9 @@ impl Segment {
     ) -> Result<Mapped<Consumer<CommandSlot>>, SegmentError> {
         self.check_rank(rank)?;
         let (base, len) = (self.ring_bases(rank).0, self.layout.offsets.command_ring_len as usize);
-        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        // SAFETY: 1. the ring lies in the mapping, which the returned Mapped keeps alive; 2. the
+        // other end belongs to the peer process, and a second end of the same side is the
+        // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let consumer = unsafe { Consumer::attach(base, len) };
         self.mapped(consumer.map_err(|source| SegmentError::Ring {
             ring: "command",
@@ -165,7 +169,9 @@ impl Segment {
         self.check_rank(rank)?;
         let (base, len) =
             (self.ring_bases(rank).1, self.layout.offsets.completion_ring_len as usize);
-        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        // SAFETY: 1. the ring lies in the mapping, which the returned Mapped keeps alive; 2. the
+        // other end belongs to the peer process, and a second end of the same side is the
+        // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let producer = unsafe { Producer::attach(base, len) };
         self.mapped(producer.map_err(|source| SegmentError::Ring {
             ring: "completion",
@@ -182,7 +188,9 @@ impl Segment {
         self.check_rank(rank)?;
         let (base, len) =
             (self.ring_bases(rank).1, self.layout.offsets.completion_ring_len as usize);
-        // SAFETY: the ring lies in the mapping, which the returned Mapped keeps alive.
+        // SAFETY: 1. the ring lies in the mapping, which the returned Mapped keeps alive; 2. the
+        // other end belongs to the peer process, and a second end of the same side is the
+        // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let consumer = unsafe { Consumer::attach(base, len) };
         self.mapped(consumer.map_err(|source| SegmentError::Ring {
             ring: "completion",
@@ -196,13 +204,13 @@ impl Segment {
         self.check_rank(rank)?;
         let offset =
             self.layout.rank_area(rank as usize) + self.layout.offsets.command_doorbell as usize;
-        // SAFETY: inside the rank's area at a 64-aligned offset; a zeroed Doorbell is valid.
+        // SAFETY: the layout puts the rank's command doorbell at this offset.
         Ok(unsafe { self.area::<Doorbell>(offset) })
     }
 
     /// The doorbell the scheduler sleeps on; any worker rings it after pushing completions.
     pub fn scheduler_doorbell(&self) -> &Doorbell {
-        // SAFETY: inside the mapping at a 64-aligned offset; a zeroed Doorbell is valid.
+        // SAFETY: the layout puts the scheduler doorbell at this offset.
         unsafe { self.area::<Doorbell>(self.layout.offsets.scheduler_doorbell as usize) }
     }
 
@@ -210,13 +218,9 @@ impl Segment {
     pub fn layer_progress(&self, rank: u32) -> Result<LayerProgress<'_>, SegmentError> {
         self.check_rank(rank)?;
         let offset = self.layout.rank_area(rank as usize) + self.layout.offsets.progress as usize;
-        // SAFETY: the table of completion_ring_slots entries lies inside the rank's area.
-        let entries = unsafe {
-            std::slice::from_raw_parts(
-                self.ptr(offset).cast::<ProgressEntry>(),
-                self.layout.completion_ring_slots,
-            )
-        };
+        // SAFETY: the layout puts completion_ring_slots entries at this offset.
+        let entries =
+            unsafe { self.areas::<ProgressEntry>(offset, self.layout.completion_ring_slots) };
         Ok(LayerProgress::new(entries))
     }
 
@@ -244,12 +248,12 @@ impl Segment {
         })?;
         let offset =
             self.layout.rank_area(rank as usize) + self.layout.offsets.device_handles as usize;
-        // SAFETY: the area header and regions x HANDLE_WORDS words follow each other inside the
-        // rank's area at a 64-aligned offset.
+        // SAFETY: the layout puts the area header at this offset and regions x HANDLE_WORDS
+        // words right after it.
         unsafe {
             let area = self.area::<DeviceHandleArea>(offset);
-            let words = std::slice::from_raw_parts(
-                self.ptr(offset + size_of::<DeviceHandleArea>()).cast::<AtomicU64>(),
+            let words = self.areas::<AtomicU64>(
+                offset + size_of::<DeviceHandleArea>(),
                 self.layout.regions * HANDLE_WORDS,
             );
             Ok(DeviceHandles { area, words })
@@ -279,7 +283,7 @@ pub struct RankClaim {
 }
 
 // SAFETY: the slot pointer targets the mapping kept alive by `_memory` and is only used through the
-// slot's atomics, which any thread may access.
+// slot's atomics (a SharedArea), which any thread may access.
 unsafe impl Send for RankClaim {}
 // SAFETY: as above; every method takes &self and uses atomics only.
 unsafe impl Sync for RankClaim {}
@@ -301,7 +305,9 @@ impl RankClaim {
     }
 
     fn slot(&self) -> &WorkerSlot {
-        // SAFETY: the slot lies in the mapping that self._memory keeps alive.
+        // SAFETY: the slot lies in the mapping that self._memory keeps alive, where
+        // Segment::worker_slot() found it; a WorkerSlot is a SharedArea (atomics only), so the
+        // reference stays sound while other processes write it.
         unsafe { &*self.slot }
     }
 }

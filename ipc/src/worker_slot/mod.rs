@@ -128,7 +128,12 @@ pub struct WorkerSlot {
 }
 
 #[cfg(not(loom))]
-const _: () = assert!(size_of::<WorkerSlot>() == 64);
+const _: () = assert!(size_of::<WorkerSlot>() == 8 * size_of::<AtomicU64>());
+
+// SAFETY: eight AtomicU64 fields filling 64 bytes (asserted above): no plain byte, no padding,
+// and any bits are a valid slot (an unknown owner word is judged, never trusted).
+#[cfg(not(loom))]
+unsafe impl crate::shm::SharedArea for WorkerSlot {}
 
 impl Default for WorkerSlot {
     fn default() -> Self {
@@ -152,9 +157,8 @@ impl WorkerSlot {
 
     /// The owner word now.
     pub fn owner(&self) -> OwnerWord {
-        // SYNC: pairs with the Release CAS in release() and Reclaim::finish(): a caller that goes
-        // on to reclaim from this word sees the last ring accesses they published.
-        OwnerWord::from_raw(self.owner.load(Ordering::Acquire))
+        // Relaxed: a judgement only; the CAS that acts on it (claim, begin_reclaim) acquires.
+        OwnerWord::from_raw(self.owner.load(Ordering::Relaxed))
     }
 
     /// The slot's fields at one moment (each field atomically; the claimant's fields only if

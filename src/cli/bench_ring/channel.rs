@@ -82,8 +82,9 @@ impl Channel {
     }
 
     fn doorbell(&self, offset: usize) -> &Doorbell {
-        // SAFETY: 1. the doorbell lies inside the mapping, 64-byte aligned; 2. zeroed memory is a
-        // valid doorbell and only doorbell operations touch these bytes; 3. the reference does not
+        // SAFETY: 1. the doorbell lies inside the mapping, 64-byte aligned; 2. a Doorbell is a
+        // SharedArea: atomics only, byte for byte, and any bits are a valid doorbell, so the
+        // reference stays sound while the peer process writes it; 3. the reference does not
         // outlive `self`, which keeps the mapping.
         unsafe { &*self.at(offset).cast::<Doorbell>() }
     }
@@ -99,7 +100,8 @@ impl Channel {
     /// The producing side of the command ring; the driver holds the only one.
     pub fn command_producer(&self) -> anyhow::Result<Producer<CommandSlot>> {
         // SAFETY: the ring lies inside the mapping, which outlives the producer (the benchmark
-        // drops its sides before the channel); one producer per ring by construction.
+        // drops its sides before the channel); one producer per ring by construction (the peer
+        // process, our own benchmark child, keeps the ring protocol: a trusted peer).
         unsafe { Producer::attach(self.at(COMMANDS), completions_offset() - COMMANDS) }
             .context("attaching the command ring")
     }

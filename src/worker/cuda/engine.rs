@@ -301,7 +301,8 @@ impl CudaCopyEngine {
         //    the whole extent is below the layout's end (checked above);
         // 2. every host row lies in the registered host tier (extent checked above), which stays
         //    mapped and registered until the engine drops, after the stream has drained;
-        // 3. no one else touches these blocks until the command completes (block ownership).
+        // 3. no data race: no one else touches these blocks until the command completes (the
+        //    block-ownership protocol, kept by the scheduler and the engine: trusted peers).
         let result = unsafe {
             if piece.is_contiguous() {
                 let bytes = width * piece.rows as usize;
