@@ -57,12 +57,15 @@ pub struct ProcessHandle {
 static NO_PIDFD_WARNING: Once = Once::new();
 
 impl ProcessHandle {
-    /// Opens a handle on the process `identity` names (pid and start time; the start time must
-    /// be known, or any process with the pid would do).
+    /// Opens a handle on the process `identity` names. A start time of 0 (a process that could
+    /// not read its own from `/proc`) leaves the pid alone to name it, with a warning.
     pub fn open(identity: ProcessIdentity) -> Result<ProcessHandle, OpenError> {
         let pid = identity.pid;
-        if identity.start_time == 0 || pid == 0 || pid > i32::MAX as u32 {
+        if pid == 0 || pid > i32::MAX as u32 {
             return Err(OpenError::Gone { pid });
+        }
+        if identity.start_time == 0 {
+            tracing::warn!(pid, "a worker without a start time is known by its pid alone");
         }
         let pidfd = match pidfd_open(pid) {
             Ok(fd) => Some(fd),
@@ -224,7 +227,7 @@ mod tests {
         let real = identity_of(&child);
         let impostor = ProcessIdentity::new(real.pid, real.start_time + 1);
         assert_eq!(ProcessHandle::open(impostor).unwrap_err(), OpenError::Gone { pid: real.pid });
-        assert!(ProcessHandle::open(ProcessIdentity::new(real.pid, 0)).is_err());
+        assert!(ProcessHandle::open(ProcessIdentity::new(real.pid, 0)).is_ok(), "the pid alone");
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(matches!(ProcessHandle::open(real), Err(OpenError::Gone { .. })));
