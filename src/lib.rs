@@ -9,6 +9,8 @@
 //! - [`pool`]: device and host block pools.
 //! - [`tree`]: the radix tree of cached blocks and its evictable sets.
 //! - [`manager`]: the engine-facing cache manager and its write policies.
+//! - [`offload`]: the host tier over engine-supplied keys, for engines that keep their own device
+//!   cache (vLLM's offloading connector).
 //! - [`percentiles`]: the p50/p99 summary of the benchmark and demo reports.
 //! - [`service`]: the cache manager wired to the segment and the workers.
 //! - [`worker`]: the worker side: validating and executing copy commands.
@@ -18,6 +20,7 @@ pub mod cli;
 pub mod demo;
 pub mod hash;
 pub mod manager;
+pub mod offload;
 pub mod percentiles;
 pub mod pool;
 pub mod service;

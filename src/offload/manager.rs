@@ -1,0 +1,789 @@
+//! [`OffloadManager`]: vLLM's `OffloadingManager` contract over engine keys, for a host tier of
+//! fixed-size chunks.
+//!
+//! The engine keeps its own device prefix cache and hands kvshm opaque keys (one per chunk of
+//! KV blocks). The manager decides which keys live in the host tier, in which chunk, and which
+//! leave it; the bytes are moved by workers ([`crate::offload::copy`]). Each key is one entry in
+//! an arena: its chunk, whether its store has completed, how many loads read it, its parent key
+//! (rebuilt from the order in which each request presents its keys) and its recency rank.
+//!
+//! The life of a key:
+//! 1. `lookup` finds it missing; the engine computes the block and offers it to `prepare_store`,
+//!    which takes a free chunk (evicting if it must) and inserts the key as pending (`HitPending`
+//!    to lookups, never evicted);
+//! 2. `complete_store(success)` makes it loadable (`Hit`), or drops it;
+//! 3. `prepare_load` pins it for a load until `complete_load`;
+//! 4. it leaves when an eviction picks it: leaf-first LRU, the least recently used key that is
+//!    loadable, unpinned, without cached children and not among the keys of the store being
+//!    prepared ([`EvictionOrder::Flat`] drops the leaf rule, which is vLLM's own LRU).
+//!
+//! Recency follows vLLM's LRU policy exactly: a key gets a new rank when inserted, when touched
+//! (the keys of one call in reverse order, so a prefix's head is the most recent) and when the
+//! request that used it finishes (its keys in prefix order, reversed). An eviction is atomic:
+//! victims are chosen first (with the parents they expose), and nothing changes when there are
+//! too few.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::Serialize;
+
+use super::candidates::{Candidates, Rank};
+use super::key::{BuildPassThrough, KeyLayout, KeyTooLong, OffloadKey, RequestName};
+use crate::pool::{BlockPool, TooManyBlocks};
+
+const NONE: u32 = u32::MAX;
+
+/// How evictions choose among loadable, unpinned keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictionOrder {
+    /// Least recently used among keys without cached children: a prefix loses its tail first and
+    /// never keeps a tail it can no longer reach.
+    #[default]
+    LeafFirst,
+    /// Least recently used among all keys, as vLLM's own LRU policy.
+    Flat,
+}
+
+/// The sizes and rules of one manager.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OffloadConfig {
+    /// Chunks of the host tier.
+    pub chunks: u32,
+    pub layout: KeyLayout,
+    pub order: EvictionOrder,
+    /// Keep stored and removed keys for `take_events`.
+    pub events: bool,
+}
+
+impl OffloadConfig {
+    pub fn new(chunks: u32) -> OffloadConfig {
+        OffloadConfig {
+            chunks,
+            layout: KeyLayout::default(),
+            order: EvictionOrder::LeafFirst,
+            events: false,
+        }
+    }
+}
+
+/// Longest chain tag a layout may name.
+pub const MAX_TAG_BYTES: usize = 8;
+
+/// Why a manager cannot be built, or an operation was refused. Nothing changed in either case.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OffloadError {
+    #[error(transparent)]
+    KeyTooLong(#[from] KeyTooLong),
+    #[error(transparent)]
+    TooManyChunks(#[from] TooManyBlocks),
+    #[error("a chain tag of {tag_bytes} bytes is longer than the {MAX_TAG_BYTES} allowed")]
+    TagTooLong { tag_bytes: usize },
+    #[error("{key:?} is not in the host tier")]
+    UnknownKey { key: OffloadKey },
+    #[error("{key:?} is still being stored and cannot be loaded yet")]
+    NotReady { key: OffloadKey },
+    #[error("{key:?} has no load in progress to complete")]
+    NotPinned { key: OffloadKey },
+    #[error("{given} positions given for the {keys} keys request {request:?} presented")]
+    PositionCount { request: String, given: usize, keys: usize },
+}
+
+/// What `lookup` says about one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LookupResult {
+    Miss,
+    /// Stored and loadable.
+    Hit,
+    /// Being stored: not readable yet.
+    HitPending,
+}
+
+/// What `prepare_store` decided; reused between calls so that they allocate nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PreparedStore {
+    /// Indices into the keys given of those to store now (the others are cached already).
+    pub to_store: Vec<u32>,
+    /// The chunk of each key to store, in the same order.
+    pub chunks: Vec<u32>,
+    /// Keys evicted to make room, in eviction order.
+    pub evicted: Vec<OffloadKey>,
+}
+
+impl PreparedStore {
+    fn clear(&mut self) {
+        self.to_store.clear();
+        self.chunks.clear();
+        self.evicted.clear();
+    }
+}
+
+/// Keys that entered or left the host tier, for the engine's KV events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffloadEvent {
+    pub keys: Vec<OffloadKey>,
+    /// Left the tier (evicted) rather than stored.
+    pub removed: bool,
+}
+
+/// The manager's counters and gauges.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct OffloadStats {
+    pub chunks: u32,
+    /// Chunks holding a key (stored or being stored).
+    pub chunks_used: u32,
+    /// Chunks being written (stores not completed).
+    pub chunks_storing: u32,
+    /// Chunks pinned by loads in progress.
+    pub chunks_loading: u32,
+    pub lookups: u64,
+    pub lookup_hits: u64,
+    pub keys_stored: u64,
+    pub stores_refused: u64,
+    pub stores_failed: u64,
+    pub keys_loaded: u64,
+    pub evictions: u64,
+    pub resets: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    key: OffloadKey,
+    chunk: u32,
+    parent: u32,
+    first_child: u32,
+    next_sibling: u32,
+    prev_sibling: u32,
+    children: u32,
+    rank: Rank,
+    pins: u32,
+    ready: bool,
+}
+
+/// What the manager remembers of a live request.
+#[derive(Debug, Default)]
+struct RequestKeys {
+    /// Keys recorded as this request's accesses (vLLM's rule: loads, and the stores it offered
+    /// that were new or loadable), in the order first seen.
+    seen: Vec<OffloadKey>,
+    seen_set: HashSet<OffloadKey, BuildPassThrough>,
+    /// Per chain tag, the last key of that chain this request presented that was cached: the
+    /// parent of the next key it stores in that chain.
+    chain_last: Vec<(OffloadKey, OffloadKey)>,
+}
+
+impl RequestKeys {
+    fn record(&mut self, key: OffloadKey) {
+        if self.seen_set.insert(key) {
+            self.seen.push(key);
+        }
+    }
+
+    fn chain_last(&self, tag: &[u8]) -> Option<OffloadKey> {
+        self.chain_last.iter().find(|(chain, _)| chain.as_bytes() == tag).map(|&(_, key)| key)
+    }
+
+    fn set_chain_last(&mut self, tag: &[u8], key: OffloadKey) {
+        match self.chain_last.iter_mut().find(|(chain, _)| chain.as_bytes() == tag) {
+            Some(slot) => slot.1 = key,
+            None => self
+                .chain_last
+                .push((OffloadKey::new(tag).expect("a chain tag is shorter than a key"), key)),
+        }
+    }
+}
+
+/// The host tier's keys, chunks and eviction order (module flow).
+#[derive(Debug)]
+pub struct OffloadManager {
+    config: OffloadConfig,
+    index: HashMap<OffloadKey, u32, BuildPassThrough>,
+    entries: Vec<Entry>,
+    free_entries: Vec<u32>,
+    pool: BlockPool,
+    candidates: Candidates,
+    requests: HashMap<RequestName, RequestKeys, BuildPassThrough>,
+    events: Vec<OffloadEvent>,
+    stats: OffloadStats,
+    /// Keys whose store has not completed.
+    storing: u32,
+    /// Keys pinned by loads.
+    loading: u32,
+    /// Scratch of the eviction dry run: children counted as gone, per entry.
+    gone_children: HashMap<u32, u32, BuildPassThrough>,
+    selected: Vec<(Rank, u32)>,
+    deferred: Vec<(Rank, u32)>,
+    selected_set: HashSet<u32, BuildPassThrough>,
+}
+
+impl OffloadManager {
+    pub fn new(config: OffloadConfig) -> Result<OffloadManager, OffloadError> {
+        if config.layout.tag_bytes > MAX_TAG_BYTES {
+            return Err(OffloadError::TagTooLong { tag_bytes: config.layout.tag_bytes });
+        }
+        let pool = BlockPool::new(config.chunks)?;
+        Ok(OffloadManager {
+            config,
+            index: HashMap::default(),
+            entries: Vec::new(),
+            free_entries: Vec::new(),
+            pool,
+            candidates: Candidates::default(),
+            requests: HashMap::default(),
+            events: Vec::new(),
+            stats: OffloadStats { chunks: config.chunks, ..OffloadStats::default() },
+            storing: 0,
+            loading: 0,
+            gone_children: HashMap::default(),
+            selected: Vec::new(),
+            deferred: Vec::new(),
+            selected_set: HashSet::default(),
+        })
+    }
+
+    pub fn config(&self) -> &OffloadConfig {
+        &self.config
+    }
+
+    /// Keys in the host tier (stored or being stored).
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Whether `key` is in the host tier, and loadable.
+    pub fn lookup(&mut self, request: &str, key: &OffloadKey) -> LookupResult {
+        self.stats.lookups += 1;
+        let Some(&id) = self.index.get(key) else { return LookupResult::Miss };
+        self.stats.lookup_hits += 1;
+        // A key found is a link in the request's chain: the parent of what it stores next.
+        if let Some(state) = self.requests.get_mut(request) {
+            state.set_chain_last(key.chain_tag(self.config.layout.tag_bytes), *key);
+        }
+        if self.entries[id as usize].ready {
+            LookupResult::Hit
+        } else {
+            LookupResult::HitPending
+        }
+    }
+
+    /// The state of `key` without counting a lookup (for tests and tools).
+    pub fn peek(&self, key: &OffloadKey) -> LookupResult {
+        match self.index.get(key) {
+            None => LookupResult::Miss,
+            Some(&id) if self.entries[id as usize].ready => LookupResult::Hit,
+            Some(_) => LookupResult::HitPending,
+        }
+    }
+
+    /// Starts tracking a request (vLLM `on_new_request`). Calling it again for a live request
+    /// keeps what it recorded.
+    pub fn on_new_request(&mut self, request: &str) {
+        if !self.requests.contains_key(request) {
+            self.requests.insert(RequestName::new(request), RequestKeys::default());
+        }
+    }
+
+    /// Pins `keys` for a load (all or none) and writes their chunks to `chunks`.
+    pub fn prepare_load(
+        &mut self,
+        request: &str,
+        keys: &[OffloadKey],
+        chunks: &mut Vec<u32>,
+    ) -> Result<(), OffloadError> {
+        for key in keys {
+            let &id = self.index.get(key).ok_or(OffloadError::UnknownKey { key: *key })?;
+            if !self.entries[id as usize].ready {
+                return Err(OffloadError::NotReady { key: *key });
+            }
+        }
+        chunks.clear();
+        let tag_bytes = self.config.layout.tag_bytes;
+        let state = request_state(&mut self.requests, request);
+        for key in keys {
+            let id = self.index[key];
+            let entry = &mut self.entries[id as usize];
+            if entry.pins == 0 {
+                self.loading += 1;
+            }
+            entry.pins += 1;
+            chunks.push(entry.chunk);
+            state.record(*key);
+            state.set_chain_last(key.chain_tag(tag_bytes), *key);
+        }
+        self.stats.keys_loaded += keys.len() as u64;
+        Ok(())
+    }
+
+    /// Ends the loads of `keys` (one pin each, all or none).
+    pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<(), OffloadError> {
+        let mut needed: HashMap<u32, u32, BuildPassThrough> = HashMap::default();
+        for key in keys {
+            let &id = self.index.get(key).ok_or(OffloadError::UnknownKey { key: *key })?;
+            let count = needed.entry(id).or_insert(0);
+            *count += 1;
+            if self.entries[id as usize].pins < *count {
+                return Err(OffloadError::NotPinned { key: *key });
+            }
+        }
+        for key in keys {
+            let id = self.index[key];
+            self.entries[id as usize].pins -= 1;
+            if self.entries[id as usize].pins == 0 {
+                self.loading -= 1;
+            }
+            self.offer_candidate(id);
+        }
+        Ok(())
+    }
+
+    /// Marks `keys` recently used: the last one least, the first one most (a prefix's head).
+    /// Unknown keys are skipped.
+    pub fn touch(&mut self, keys: &[OffloadKey]) {
+        for key in keys.iter().rev() {
+            if let Some(&id) = self.index.get(key) {
+                self.rerank(id);
+            }
+        }
+    }
+
+    /// Prepares `keys` (offered by `request`) to be stored (module flow, step 1): keys cached
+    /// already are left out, the others get chunks, evicting least recently used keys when the
+    /// free chunks do not suffice. Returns `false` (and changes nothing but the request's record
+    /// of what it offered) when not enough can be evicted.
+    pub fn prepare_store(
+        &mut self,
+        request: &str,
+        keys: &[OffloadKey],
+        out: &mut PreparedStore,
+    ) -> bool {
+        out.clear();
+        let tag_bytes = self.config.layout.tag_bytes;
+        let state = request_state(&mut self.requests, request);
+        // Recorded as the request's accesses, in the order offered: the new keys and the
+        // loadable ones (a key another request is still storing is not this one's access).
+        for (index, key) in keys.iter().enumerate() {
+            match self.index.get(key) {
+                None => {
+                    out.to_store.push(index as u32);
+                    state.record(*key);
+                }
+                Some(&id) if self.entries[id as usize].ready => state.record(*key),
+                Some(_) => {}
+            }
+        }
+        if out.to_store.is_empty() {
+            self.link_presented(request, keys);
+            return true;
+        }
+        let free = self.pool.free_count();
+        if out.to_store.len() > free {
+            let needed = out.to_store.len() - free;
+            if !self.evict(needed, keys, &mut out.evicted) {
+                self.stats.stores_refused += 1;
+                out.to_store.clear();
+                return false;
+            }
+            if self.config.events {
+                self.events.push(OffloadEvent { keys: out.evicted.clone(), removed: true });
+            }
+        }
+        self.pool
+            .allocate_into(out.to_store.len(), &mut out.chunks)
+            .expect("evictions freed enough chunks: a programming error otherwise");
+        // Insert in order, each under the last key of its chain the request presented.
+        let mut to_store = out.to_store.iter().copied().peekable();
+        let mut chunks = out.chunks.iter().copied();
+        for (index, key) in keys.iter().enumerate() {
+            let tag = key.chain_tag(tag_bytes);
+            if to_store.peek() == Some(&(index as u32)) {
+                to_store.next();
+                let chunk = chunks.next().expect("one chunk per key to store");
+                let parent = self.requests[request]
+                    .chain_last(tag)
+                    .and_then(|parent| self.index.get(&parent).copied())
+                    .unwrap_or(NONE);
+                self.insert(*key, chunk, parent);
+            }
+            if self.index.contains_key(key) {
+                request_state(&mut self.requests, request).set_chain_last(tag, *key);
+            }
+        }
+        self.stats.keys_stored += out.to_store.len() as u64;
+        true
+    }
+
+    /// Makes stored keys loadable (`success`), or drops the keys whose store failed. Keys not
+    /// being stored are skipped (a duplicate completion changes nothing).
+    pub fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
+        let mut stored = Vec::new();
+        for key in keys {
+            let Some(&id) = self.index.get(key) else { continue };
+            if self.entries[id as usize].ready {
+                continue;
+            }
+            self.storing -= 1;
+            if success {
+                self.entries[id as usize].ready = true;
+                self.offer_candidate(id);
+                if self.config.events {
+                    stored.push(*key);
+                }
+            } else {
+                self.stats.stores_failed += 1;
+                self.remove(id);
+            }
+        }
+        if !stored.is_empty() {
+            self.events.push(OffloadEvent { keys: stored, removed: false });
+        }
+    }
+
+    /// Ends a request (vLLM `on_request_finished`): the keys it used become the most recently
+    /// used, in prefix order reversed (the head most recent). `positions` (one per key the
+    /// request presented, see [`OffloadManager::request_keys`]) give that order when keys were
+    /// presented out of order; without them the order presented is used. Unknown requests are
+    /// skipped.
+    pub fn on_request_finished(
+        &mut self,
+        request: &str,
+        positions: Option<&[u64]>,
+    ) -> Result<(), OffloadError> {
+        let Some(state) = self.requests.get(request) else { return Ok(()) };
+        if let Some(positions) = positions {
+            if positions.len() != state.seen.len() {
+                return Err(OffloadError::PositionCount {
+                    request: request.to_owned(),
+                    given: positions.len(),
+                    keys: state.seen.len(),
+                });
+            }
+        }
+        let state = self.requests.remove(request).expect("found just above");
+        let mut order: Vec<usize> = (0..state.seen.len()).collect();
+        if let Some(positions) = positions {
+            // Stable: keys at one position keep the order presented (vLLM sorts the same way).
+            order.sort_by_key(|&index| positions[index]);
+        }
+        for &index in order.iter().rev() {
+            if let Some(&id) = self.index.get(&state.seen[index]) {
+                self.rerank(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The keys a live request has presented, in the order `on_request_finished` positions
+    /// refer to.
+    pub fn request_keys(&self, request: &str) -> &[OffloadKey] {
+        self.requests.get(request).map(|state| state.seen.as_slice()).unwrap_or_default()
+    }
+
+    /// Live requests.
+    pub fn request_count(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Hands out the events collected since the last call.
+    pub fn take_events(&mut self) -> Vec<OffloadEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Drops every key and request (vLLM `reset_cache`); completions of earlier stores and
+    /// loads are not expected any more.
+    pub fn reset(&mut self) {
+        self.index.clear();
+        self.entries.clear();
+        self.free_entries.clear();
+        self.pool.clear();
+        self.candidates.clear();
+        self.requests.clear();
+        self.storing = 0;
+        self.loading = 0;
+        self.stats.resets += 1;
+    }
+
+    pub fn stats(&self) -> OffloadStats {
+        OffloadStats {
+            chunks_used: self.pool.used_count() as u32,
+            chunks_storing: self.storing,
+            chunks_loading: self.loading,
+            ..self.stats
+        }
+    }
+
+    /// The chunk of `key`, if cached.
+    pub fn chunk_of(&self, key: &OffloadKey) -> Option<u32> {
+        self.index.get(key).map(|&id| self.entries[id as usize].chunk)
+    }
+
+    /// The key `key` was linked under when stored, if it is cached and has one.
+    pub fn parent_of(&self, key: &OffloadKey) -> Option<OffloadKey> {
+        let &id = self.index.get(key)?;
+        let parent = self.entries[id as usize].parent;
+        (parent != NONE).then(|| self.entries[parent as usize].key)
+    }
+
+    /// Every cached key with whether it is loadable (for tests and differential checks).
+    pub fn keys(&self) -> impl Iterator<Item = (OffloadKey, bool)> + '_ {
+        self.index.values().map(|&id| {
+            let entry = &self.entries[id as usize];
+            (entry.key, entry.ready)
+        })
+    }
+
+    fn insert(&mut self, key: OffloadKey, chunk: u32, parent: u32) {
+        let rank = self.candidates.next_rank();
+        let entry = Entry {
+            key,
+            chunk,
+            parent,
+            first_child: NONE,
+            next_sibling: NONE,
+            prev_sibling: NONE,
+            children: 0,
+            rank,
+            pins: 0,
+            ready: false,
+        };
+        let id = match self.free_entries.pop() {
+            Some(id) => {
+                self.entries[id as usize] = entry;
+                id
+            }
+            None => {
+                self.entries.push(entry);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        if parent != NONE {
+            let first = self.entries[parent as usize].first_child;
+            self.entries[id as usize].next_sibling = first;
+            if first != NONE {
+                self.entries[first as usize].prev_sibling = id;
+            }
+            let parent_entry = &mut self.entries[parent as usize];
+            parent_entry.first_child = id;
+            parent_entry.children += 1;
+        }
+        self.index.insert(key, id);
+        self.storing += 1;
+    }
+
+    /// Removes entry `id`: its chunk goes back to the pool, its children become chain heads,
+    /// and its parent may become a candidate.
+    fn remove(&mut self, id: u32) {
+        let entry = self.entries[id as usize];
+        let mut child = entry.first_child;
+        while child != NONE {
+            let next = self.entries[child as usize].next_sibling;
+            let orphan = &mut self.entries[child as usize];
+            orphan.parent = NONE;
+            orphan.prev_sibling = NONE;
+            orphan.next_sibling = NONE;
+            child = next;
+        }
+        if entry.parent != NONE {
+            if entry.prev_sibling != NONE {
+                self.entries[entry.prev_sibling as usize].next_sibling = entry.next_sibling;
+            } else {
+                self.entries[entry.parent as usize].first_child = entry.next_sibling;
+            }
+            if entry.next_sibling != NONE {
+                self.entries[entry.next_sibling as usize].prev_sibling = entry.prev_sibling;
+            }
+            self.entries[entry.parent as usize].children -= 1;
+            self.offer_candidate(entry.parent);
+        }
+        self.pool
+            .free(entry.chunk)
+            .expect("an entry's chunk is in use: a programming error otherwise");
+        self.index.remove(&entry.key);
+        self.free_entries.push(id);
+    }
+
+    /// A new rank for entry `id`, and a new candidate record if it is one.
+    fn rerank(&mut self, id: u32) {
+        self.entries[id as usize].rank = self.candidates.next_rank();
+        self.offer_candidate(id);
+    }
+
+    fn is_candidate(&self, id: u32, gone_children: u32) -> bool {
+        let entry = &self.entries[id as usize];
+        entry.ready
+            && entry.pins == 0
+            && (self.config.order == EvictionOrder::Flat || entry.children == gone_children)
+    }
+
+    /// Pushes a candidate record for entry `id` if it is a candidate now.
+    fn offer_candidate(&mut self, id: u32) {
+        if self.is_candidate(id, 0) {
+            self.candidates.push(self.entries[id as usize].rank, id);
+        }
+        let entries = &self.entries;
+        let index = &self.index;
+        let order = self.config.order;
+        self.candidates.compact_if_bloated(index.len(), || {
+            index
+                .values()
+                .filter_map(|&id| {
+                    let entry = &entries[id as usize];
+                    let candidate = entry.ready
+                        && entry.pins == 0
+                        && (order == EvictionOrder::Flat || entry.children == 0);
+                    candidate.then_some((entry.rank, id))
+                })
+                .collect()
+        });
+    }
+
+    /// Whether heap record `(rank, id)` names entry `id` as it is now.
+    fn record_is_current(&self, rank: Rank, id: u32) -> bool {
+        self.entries
+            .get(id as usize)
+            .is_some_and(|entry| entry.rank == rank && self.index.get(&entry.key) == Some(&id))
+    }
+
+    /// Evicts `count` candidates not among `protected` (module flow, step 4), appending their
+    /// keys to `evicted`; all or nothing.
+    fn evict(
+        &mut self,
+        count: usize,
+        protected: &[OffloadKey],
+        evicted: &mut Vec<OffloadKey>,
+    ) -> bool {
+        self.selected.clear();
+        self.deferred.clear();
+        self.selected_set.clear();
+        self.gone_children.clear();
+        let protected_ids: HashSet<u32, BuildPassThrough> =
+            protected.iter().filter_map(|key| self.index.get(key).copied()).collect();
+        while self.selected.len() < count {
+            let Some((rank, id)) = self.candidates.pop() else { break };
+            if !self.record_is_current(rank, id) || self.selected_set.contains(&id) {
+                continue;
+            }
+            let gone = self.gone_children.get(&id).copied().unwrap_or(0);
+            if !self.is_candidate(id, gone) {
+                continue;
+            }
+            if protected_ids.contains(&id) {
+                self.deferred.push((rank, id));
+                continue;
+            }
+            self.selected.push((rank, id));
+            self.selected_set.insert(id);
+            // Its parent may now be a leaf, with the rank it already has.
+            let parent = self.entries[id as usize].parent;
+            if parent != NONE && self.config.order == EvictionOrder::LeafFirst {
+                let gone = self.gone_children.entry(parent).or_insert(0);
+                *gone += 1;
+                let gone = *gone;
+                if self.is_candidate(parent, gone) {
+                    self.candidates.push(self.entries[parent as usize].rank, parent);
+                }
+            }
+        }
+        let enough = self.selected.len() == count;
+        for &(rank, id) in &self.deferred {
+            self.candidates.push(rank, id);
+        }
+        if !enough {
+            for &(rank, id) in &self.selected {
+                self.candidates.push(rank, id);
+            }
+            return false;
+        }
+        let selected = std::mem::take(&mut self.selected);
+        for &(_, id) in &selected {
+            evicted.push(self.entries[id as usize].key);
+            self.remove(id);
+        }
+        self.stats.evictions += selected.len() as u64;
+        self.selected = selected;
+        true
+    }
+
+    /// Records keys of a store that were all cached already as links of the request's chains.
+    fn link_presented(&mut self, request: &str, keys: &[OffloadKey]) {
+        let tag_bytes = self.config.layout.tag_bytes;
+        let Some(state) = self.requests.get_mut(request) else { return };
+        for key in keys {
+            if self.index.contains_key(key) {
+                state.set_chain_last(key.chain_tag(tag_bytes), *key);
+            }
+        }
+    }
+
+    /// Checks the manager's internal agreements; a violation is a bug in this module.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.pool.check()?;
+        if self.pool.used_count() != self.index.len() {
+            return Err(format!(
+                "{} chunks in use for {} keys",
+                self.pool.used_count(),
+                self.index.len()
+            ));
+        }
+        let mut chunks = HashSet::new();
+        let mut children: HashMap<u32, u32> = HashMap::new();
+        for (key, &id) in &self.index {
+            let entry = self.entries.get(id as usize).ok_or("an index entry out of range")?;
+            if entry.key != *key {
+                return Err(format!("entry {id} holds {:?}, indexed as {key:?}", entry.key));
+            }
+            if !self.pool.is_used(entry.chunk) || !chunks.insert(entry.chunk) {
+                return Err(format!("chunk {} of {key:?} is free or shared", entry.chunk));
+            }
+            if !entry.ready && entry.pins > 0 {
+                return Err(format!("{key:?} is pinned by a load before its store completed"));
+            }
+            if entry.parent != NONE {
+                let parent = &self.entries[entry.parent as usize];
+                if self.index.get(&parent.key) != Some(&entry.parent) {
+                    return Err(format!("{key:?} names a parent that is not cached"));
+                }
+                *children.entry(entry.parent).or_insert(0) += 1;
+            }
+        }
+        let records: HashSet<(Rank, u32)> = self.candidates.records().collect();
+        for &id in self.index.values() {
+            let entry = &self.entries[id as usize];
+            let counted = children.get(&id).copied().unwrap_or(0);
+            let mut listed = 0;
+            let mut child = entry.first_child;
+            while child != NONE {
+                if self.entries[child as usize].parent != id {
+                    return Err(format!("{:?} lists a child that is not its own", entry.key));
+                }
+                listed += 1;
+                child = self.entries[child as usize].next_sibling;
+            }
+            if entry.children != counted || listed != counted {
+                return Err(format!(
+                    "{:?} counts {} children, lists {listed}, has {counted}",
+                    entry.key, entry.children
+                ));
+            }
+            if self.is_candidate(id, 0) && !records.contains(&(entry.rank, id)) {
+                return Err(format!("candidate {:?} has no current record", entry.key));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The record of `request`, made on first use (vLLM makes it on a request's first access too).
+fn request_state<'a>(
+    requests: &'a mut HashMap<RequestName, RequestKeys, BuildPassThrough>,
+    request: &str,
+) -> &'a mut RequestKeys {
+    if !requests.contains_key(request) {
+        requests.insert(RequestName::new(request), RequestKeys::default());
+    }
+    requests.get_mut(request).expect("inserted just above")
+}

@@ -1,0 +1,23 @@
+//! Offloading for engines that keep their own device prefix cache and hash their own blocks
+//! (vLLM's `OffloadingConnector`): kvshm manages only the host tier, over the engine's keys.
+//!
+//! - [`key`]: engine keys (opaque bytes, up to 64) and their chain tags.
+//! - [`manager`]: [`OffloadManager`], vLLM's `OffloadingManager` contract: lookups, loads and
+//!   stores of keys, chunks of the host tier, leaf-first LRU evictions, events.
+//! - [`candidates`]: the eviction order (a heap of recency ranks with lazy invalidation).
+//!
+//! One key's path: the engine's scheduler asks [`OffloadManager::lookup`]; a miss is computed on
+//! the device and offered to [`OffloadManager::prepare_store`], which names its chunk; the
+//! engine's workers copy the block into that chunk of the shared-memory host tier and the
+//! scheduler calls [`OffloadManager::complete_store`]; a later request finds it, pins it with
+//! [`OffloadManager::prepare_load`], the workers copy it back, and
+//! [`OffloadManager::complete_load`] unpins it.
+pub mod candidates;
+pub mod key;
+pub mod manager;
+
+pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
+pub use manager::{
+    EvictionOrder, LookupResult, OffloadConfig, OffloadError, OffloadEvent, OffloadManager,
+    OffloadStats, PreparedStore,
+};
