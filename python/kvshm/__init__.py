@@ -1,0 +1,68 @@
+"""kvshm: a KV-cache manager for LLM serving engines, in Rust, for Python.
+
+- :class:`Service` is the scheduler API for engines that let kvshm own both KV tiers: a radix
+  prefix cache over chained block hashes, device and host block pools, and copy workers
+  (``python -m kvshm worker --name NAME --rank R``) driven through shared memory.
+- :class:`BlockHasher` turns token ids into the chained 128-bit block hashes it keys on.
+- :mod:`kvshm.vllm` plugs kvshm into vLLM's offloading connector (imported on demand, so that
+  ``import kvshm`` works without vLLM).
+- Every error is a :class:`KvshmError`; block tables are read-only buffers (``numpy.asarray``).
+"""
+
+from kvshm._kvshm import (
+    Allocation,
+    AllocationCheck,
+    BlockHasher,
+    BlockHashes,
+    CommitError,
+    ConfigError,
+    DeviceHandleError,
+    DuplicateRequestError,
+    KvshmError,
+    KvshmTimeoutError,
+    OffloadError,
+    OffloadManager,
+    OutOfBlocksError,
+    PrefixMatch,
+    RequestError,
+    RequestFailedError,
+    ResetRefusedError,
+    ResizeError,
+    SegmentError,
+    Service,
+    TicketError,
+    TransferFailedError,
+    U32Array,
+    UnknownRequestError,
+    WorkerError,
+    __version__,
+)
+
+__all__ = [
+    "Allocation",
+    "AllocationCheck",
+    "BlockHasher",
+    "BlockHashes",
+    "CommitError",
+    "ConfigError",
+    "DeviceHandleError",
+    "DuplicateRequestError",
+    "KvshmError",
+    "KvshmTimeoutError",
+    "OffloadError",
+    "OffloadManager",
+    "OutOfBlocksError",
+    "PrefixMatch",
+    "RequestError",
+    "RequestFailedError",
+    "ResetRefusedError",
+    "ResizeError",
+    "SegmentError",
+    "Service",
+    "TicketError",
+    "TransferFailedError",
+    "U32Array",
+    "UnknownRequestError",
+    "WorkerError",
+    "__version__",
+]

@@ -1,0 +1,563 @@
+//! `Service` and `BlockHasher`: the scheduler API for engines that let kvshm own both tiers.
+//!
+//! Each method converts its arguments, calls the same method of [`kvshm::service::Service`] (or
+//! [`kvshm::hash::BlockHasher`]) and converts the result; waits run with the GIL released.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvshm::hash::{BlockHasher as RustBlockHasher, MultimodalItem, Namespace};
+use kvshm::manager::{CacheConfig, RequestId, TicketId, TicketStatus, WritePolicy};
+use kvshm::service::{Backend, SegmentName, Service as RustService, ServiceConfig};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::buffers::{read_hashes, read_u32s, BlockHashes, U32Array};
+use crate::errors::{ConfigError, IntoPyResult, SegmentError, TransferFailedError};
+
+/// A timeout in seconds as a `Duration` (negative, NaN or absurd values are refused).
+pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| PyValueError::new_err(format!("{what} of {value} s is not a duration")))
+}
+
+/// What `match_prefix` found and now holds.
+#[pyclass(frozen, get_all, skip_from_py_object, module = "kvshm")]
+#[derive(Clone, Copy)]
+pub struct PrefixMatch {
+    pub device_blocks: usize,
+    pub host_blocks: usize,
+    pub cached_tokens: usize,
+}
+
+#[pymethods]
+impl PrefixMatch {
+    #[getter]
+    fn blocks(&self) -> usize {
+        self.device_blocks + self.host_blocks
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PrefixMatch(device_blocks={}, host_blocks={}, cached_tokens={})",
+            self.device_blocks, self.host_blocks, self.cached_tokens
+        )
+    }
+}
+
+impl From<kvshm::manager::PrefixMatch> for PrefixMatch {
+    fn from(found: kvshm::manager::PrefixMatch) -> PrefixMatch {
+        PrefixMatch {
+            device_blocks: found.device_blocks,
+            host_blocks: found.host_blocks,
+            cached_tokens: found.cached_tokens,
+        }
+    }
+}
+
+/// A successful allocation: the request's block table, the blocks this call added at its end,
+/// and the ticket to wait on before touching them.
+#[pyclass(frozen, get_all, module = "kvshm")]
+pub struct Allocation {
+    pub ticket: u64,
+    pub block_table: Py<U32Array>,
+    pub new_blocks: usize,
+}
+
+#[pymethods]
+impl Allocation {
+    fn __repr__(&self) -> String {
+        format!(
+            "Allocation(ticket={}, block_table={:?}, new_blocks={})",
+            self.ticket,
+            self.block_table.get().values(),
+            self.new_blocks
+        )
+    }
+}
+
+/// What `allocate` would need and could get now.
+#[pyclass(frozen, get_all, module = "kvshm")]
+pub struct AllocationCheck {
+    pub needed: usize,
+    pub available: usize,
+}
+
+#[pymethods]
+impl AllocationCheck {
+    #[getter]
+    fn fits(&self) -> bool {
+        self.available >= self.needed
+    }
+
+    fn __repr__(&self) -> String {
+        format!("AllocationCheck(needed={}, available={})", self.needed, self.available)
+    }
+}
+
+fn parse_policy(text: &str) -> PyResult<WritePolicy> {
+    text.parse::<WritePolicy>().map_err(|error| ConfigError::new_err(error.to_string()))
+}
+
+fn parse_backend(text: &str) -> PyResult<Backend> {
+    match text {
+        "host" => Ok(Backend::HostArena),
+        "cuda" => Ok(Backend::Cuda),
+        other => Err(ConfigError::new_err(format!("backend {other:?} is neither host nor cuda"))),
+    }
+}
+
+pub fn segment_name(name: &str) -> PyResult<SegmentName> {
+    SegmentName::new(name).map_err(|error| ConfigError::new_err(error.to_string()))
+}
+
+/// The cache manager of one engine, its segment and its worker processes. Usable from any
+/// thread (one call at a time).
+#[pyclass(module = "kvshm")]
+pub struct Service {
+    inner: Mutex<Option<RustService>>,
+}
+
+impl Service {
+    fn lock(&self) -> MutexGuard<'_, Option<RustService>> {
+        // A panic inside a call (a bug) does not make the service unusable for the next one.
+        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The service behind a guard, or `SegmentError` once closed.
+fn open(guard: &mut Option<RustService>) -> PyResult<&mut RustService> {
+    guard.as_mut().ok_or_else(|| SegmentError::new_err("the service is closed"))
+}
+
+#[pymethods]
+impl Service {
+    /// Creates segment `name` (replacing a stale one) and the cache manager.
+    #[new]
+    #[pyo3(signature = (
+        name, *, block_tokens, device_blocks, region_bytes, host_blocks=0, tp_size=1, layers=1,
+        regions=None, write_policy="write_back", free_watermark=0, backend="host",
+        layerwise=true, command_ring_slots=4096, completion_ring_slots=256
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        block_tokens: u32,
+        device_blocks: u32,
+        region_bytes: u64,
+        host_blocks: u32,
+        tp_size: u32,
+        layers: u32,
+        regions: Option<u32>,
+        write_policy: &str,
+        free_watermark: u32,
+        backend: &str,
+        layerwise: bool,
+        command_ring_slots: u32,
+        completion_ring_slots: u32,
+    ) -> PyResult<Service> {
+        let name = segment_name(name)?;
+        let cache = CacheConfig::new(block_tokens, device_blocks)
+            .with_host_blocks(host_blocks)
+            .with_write_policy(parse_policy(write_policy)?)
+            .with_free_watermark(free_watermark);
+        let regions = regions.unwrap_or(layers.saturating_mul(2));
+        let mut config = ServiceConfig::new(cache, tp_size, layers, regions, region_bytes);
+        config.backend = parse_backend(backend)?;
+        config.layerwise = layerwise;
+        config.command_ring_slots = command_ring_slots;
+        config.completion_ring_slots = completion_ring_slots;
+        let service = py.detach(|| RustService::create(&name, config)).py_err()?;
+        Ok(Service { inner: Mutex::new(Some(service)) })
+    }
+
+    /// The segment's name (workers attach with `python -m kvshm worker --name NAME --rank R`).
+    #[getter]
+    fn name(&self) -> PyResult<String> {
+        Ok(open(&mut self.lock())?.segment().name().as_str().to_owned())
+    }
+
+    #[getter]
+    fn tp_size(&self) -> PyResult<u32> {
+        Ok(open(&mut self.lock())?.segment().config().tp_size)
+    }
+
+    #[getter]
+    fn layers(&self) -> PyResult<u32> {
+        Ok(open(&mut self.lock())?.geometry().layers())
+    }
+
+    #[getter]
+    fn regions(&self) -> PyResult<u32> {
+        Ok(open(&mut self.lock())?.geometry().regions())
+    }
+
+    #[getter]
+    fn region_bytes(&self) -> PyResult<u64> {
+        Ok(open(&mut self.lock())?.geometry().region_bytes())
+    }
+
+    #[getter]
+    fn block_tokens(&self) -> PyResult<u32> {
+        Ok(open(&mut self.lock())?.cache().config().block_tokens)
+    }
+
+    /// Polls until every rank has a live worker (GIL released).
+    #[pyo3(signature = (timeout=10.0))]
+    fn wait_for_workers(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let timeout = seconds(timeout, "timeout")?;
+        let mut guard = self.lock();
+        let service = open(&mut guard)?;
+        py.detach(|| service.wait_for_workers(timeout)).py_err()
+    }
+
+    /// Whether each rank has a worker: `"up"` or `"down"`.
+    fn rank_states(&self) -> PyResult<Vec<&'static str>> {
+        Ok(open(&mut self.lock())?
+            .rank_states()
+            .into_iter()
+            .map(|state| match state {
+                kvshm::service::RankState::Up { .. } => "up",
+                kvshm::service::RankState::Down => "down",
+            })
+            .collect())
+    }
+
+    /// How many leading blocks hit on device and on host; no side effects.
+    fn lookup(&self, hashes: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+        let hashes = read_hashes(hashes)?;
+        let found = open(&mut self.lock())?.cache().lookup(&hashes);
+        Ok((found.device_blocks, found.host_blocks))
+    }
+
+    /// Holds the request's cached prefix. The last prompt token is always left to compute.
+    fn match_prefix(
+        &self,
+        request: u64,
+        hashes: &Bound<'_, PyAny>,
+        prompt_tokens: usize,
+    ) -> PyResult<PrefixMatch> {
+        let hashes = read_hashes(hashes)?;
+        let found =
+            open(&mut self.lock())?.match_prefix(RequestId(request), &hashes, prompt_tokens);
+        found.map(PrefixMatch::from).py_err()
+    }
+
+    /// Extends a waiting request's held prefix with blocks cached since it was matched.
+    fn rematch(
+        &self,
+        request: u64,
+        hashes: &Bound<'_, PyAny>,
+        prompt_tokens: usize,
+    ) -> PyResult<PrefixMatch> {
+        let hashes = read_hashes(hashes)?;
+        let found = open(&mut self.lock())?.rematch(RequestId(request), &hashes, prompt_tokens);
+        found.map(PrefixMatch::from).py_err()
+    }
+
+    /// Gives back the holds of a request that has not allocated.
+    fn release_match(&self, request: u64) -> PyResult<()> {
+        open(&mut self.lock())?.release_match(RequestId(request)).py_err()
+    }
+
+    /// Whether `allocate` with these arguments would succeed now; changes nothing.
+    #[pyo3(signature = (request, new_tokens, lookahead=0))]
+    fn can_allocate(
+        &self,
+        request: u64,
+        new_tokens: usize,
+        lookahead: usize,
+    ) -> PyResult<AllocationCheck> {
+        let check = open(&mut self.lock())?
+            .can_allocate(RequestId(request), new_tokens, lookahead)
+            .py_err()?;
+        Ok(AllocationCheck { needed: check.needed, available: check.available })
+    }
+
+    /// Device blocks for the host hits and `new_tokens` more tokens (plus `lookahead`).
+    #[pyo3(signature = (request, new_tokens, lookahead=0))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        new_tokens: usize,
+        lookahead: usize,
+    ) -> PyResult<Allocation> {
+        let mut guard = self.lock();
+        let allocation =
+            open(&mut guard)?.allocate(RequestId(request), new_tokens, lookahead).py_err()?;
+        let table = U32Array::new(allocation.block_table);
+        Ok(Allocation {
+            ticket: allocation.ticket.0,
+            block_table: Py::new(py, table)?,
+            new_blocks: allocation.new_blocks,
+        })
+    }
+
+    /// The block table of a live request.
+    fn block_table(&self, request: u64) -> PyResult<U32Array> {
+        let mut guard = self.lock();
+        let service = open(&mut guard)?;
+        let table = service.cache().block_table(RequestId(request)).ok_or_else(|| {
+            crate::errors::UnknownRequestError::new_err(format!("request {request} is not live"))
+        })?;
+        Ok(U32Array::new(table))
+    }
+
+    /// Caches the full blocks among the first `computed_tokens`; returns (inserted, duplicates).
+    fn commit(
+        &self,
+        request: u64,
+        computed_tokens: usize,
+        hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<(usize, usize)> {
+        let hashes = read_hashes(hashes)?;
+        let done = open(&mut self.lock())?
+            .commit(RequestId(request), computed_tokens, &hashes)
+            .py_err()?;
+        Ok((done.inserted, done.duplicates))
+    }
+
+    fn finish(&self, request: u64) -> PyResult<()> {
+        open(&mut self.lock())?.finish(RequestId(request)).py_err()
+    }
+
+    fn abort(&self, request: u64) -> PyResult<()> {
+        open(&mut self.lock())?.abort(RequestId(request)).py_err()
+    }
+
+    /// Drops every cached block; returns the requests a forced reset ended.
+    #[pyo3(signature = (force=false))]
+    fn reset(&self, force: bool) -> PyResult<Vec<u64>> {
+        let dropped = open(&mut self.lock())?.reset(force).py_err()?;
+        Ok(dropped.into_iter().map(|request| request.0).collect())
+    }
+
+    /// Requests a forced `kvctl reset` ended since the last call.
+    fn take_requests_dropped_by_kvctl(&self) -> PyResult<Vec<u64>> {
+        let dropped = open(&mut self.lock())?.take_requests_dropped_by_kvctl();
+        Ok(dropped.into_iter().map(|request| request.0).collect())
+    }
+
+    fn resize_device(&self, blocks: u32) -> PyResult<()> {
+        open(&mut self.lock())?.resize_device(blocks).py_err()
+    }
+
+    /// Leading blocks of the request's table every live request shares (cascade attention).
+    fn common_prefix_blocks(&self, request: u64) -> PyResult<usize> {
+        open(&mut self.lock())?.cache().common_prefix_blocks(RequestId(request)).py_err()
+    }
+
+    /// Reaps completions, watches workers, issues copies, serves kvctl.
+    fn poll(&self) -> PyResult<()> {
+        open(&mut self.lock())?.poll();
+        Ok(())
+    }
+
+    /// Waits until the ticket's blocks are ready (GIL released).
+    #[pyo3(signature = (ticket, timeout=30.0))]
+    fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<()> {
+        let timeout = seconds(timeout, "timeout")?;
+        let mut guard = self.lock();
+        let service = open(&mut guard)?;
+        py.detach(|| service.wait(TicketId(ticket), timeout)).py_err()
+    }
+
+    /// Polls until no copy is in flight; returns whether none is (GIL released).
+    #[pyo3(signature = (timeout=30.0))]
+    fn wait_for_copies(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let timeout = seconds(timeout, "timeout")?;
+        let mut guard = self.lock();
+        let service = open(&mut guard)?;
+        Ok(py.detach(|| service.wait_for_copies(timeout)))
+    }
+
+    /// `"ready"` or `"pending"`; a failed ticket raises `TransferFailedError`.
+    fn ticket_status(&self, ticket: u64) -> PyResult<&'static str> {
+        match open(&mut self.lock())?.ticket_status(TicketId(ticket)).py_err()? {
+            TicketStatus::Ready => Ok("ready"),
+            TicketStatus::Pending => Ok("pending"),
+            TicketStatus::Failed(failure) => Err(TransferFailedError::new_err(failure.to_string())),
+        }
+    }
+
+    /// Leading layers of the ticket's blocks that have landed on every rank.
+    fn ticket_layers_ready(&self, ticket: u64) -> PyResult<u32> {
+        open(&mut self.lock())?.ticket_layers_ready(TicketId(ticket)).py_err()
+    }
+
+    /// The manager's and the service's figures, as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let mut guard = self.lock();
+        let service = open(&mut guard)?;
+        let json = serde_json::json!({
+            "cache": service.cache().stats(),
+            "service": service.stats(),
+        });
+        py.import("json")?.call_method1("loads", (json.to_string(),))
+    }
+
+    /// Checks SPEC's invariants; raises `KvshmError` naming the broken one.
+    fn check_invariants(&self) -> PyResult<()> {
+        open(&mut self.lock())?
+            .cache()
+            .check_invariants()
+            .map_err(|violation| crate::errors::KvshmError::new_err(violation.to_string()))
+    }
+
+    /// Writes one region of a device block (host backend: the device arena in shared memory).
+    fn write_device_region(
+        &self,
+        rank: u32,
+        block: u32,
+        region: u32,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let bytes = pyo3::buffer::PyBuffer::<u8>::get(data)?.to_vec(data.py())?;
+        let mut guard = self.lock();
+        memory(open(&mut guard)?, rank)?
+            .write_device_region(block, region, &bytes)
+            .map_err(|error| PyValueError::new_err(error.to_string()))
+    }
+
+    /// One region of a device block, as bytes.
+    fn read_device_region<'py>(
+        &self,
+        py: Python<'py>,
+        rank: u32,
+        block: u32,
+        region: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut guard = self.lock();
+        let service = open(&mut guard)?;
+        let mut bytes = vec![0; service.geometry().region_bytes() as usize];
+        memory(service, rank)?
+            .read_device_region(block, region, &mut bytes)
+            .map_err(|error| PyValueError::new_err(error.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// One region of a host block, as bytes.
+    fn read_host_region<'py>(
+        &self,
+        py: Python<'py>,
+        rank: u32,
+        block: u32,
+        region: u32,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut guard = self.lock();
+        let service = open(&mut guard)?;
+        let mut bytes = vec![0; service.geometry().region_bytes() as usize];
+        memory(service, rank)?
+            .read_host_region(block, region, &mut bytes)
+            .map_err(|error| PyValueError::new_err(error.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Removes the segment and stops serving (workers then exit). Idempotent.
+    fn close(&self) {
+        *self.lock() = None;
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        _kind: &Bound<'_, PyAny>,
+        _value: &Bound<'_, PyAny>,
+        _traceback: &Bound<'_, PyAny>,
+    ) {
+        self.close();
+    }
+}
+
+/// The engine's view of `rank`'s block bytes (host backend only).
+fn memory(service: &RustService, rank: u32) -> PyResult<&kvshm::service::RankMemory> {
+    service.memory(rank).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "rank {rank} has no shared-memory arenas (out of range, or the cuda backend)"
+        ))
+    })
+}
+
+/// Hashes token ids into chained block hashes of one namespace (model, LoRA, salt).
+#[pyclass(frozen, module = "kvshm")]
+pub struct BlockHasher {
+    inner: RustBlockHasher,
+}
+
+fn read_items(items: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<MultimodalItem>> {
+    let Some(items) = items else { return Ok(Vec::new()) };
+    items
+        .try_iter()?
+        .map(|item| {
+            let (start, len, content_hash): (usize, usize, u128) = item?.extract()?;
+            Ok(MultimodalItem { start, len, content_hash })
+        })
+        .collect()
+}
+
+#[pymethods]
+impl BlockHasher {
+    #[new]
+    #[pyo3(signature = (block_tokens, model="", lora=None, salt=None))]
+    fn new(
+        block_tokens: usize,
+        model: &str,
+        lora: Option<&str>,
+        salt: Option<&[u8]>,
+    ) -> PyResult<BlockHasher> {
+        let namespace = Namespace::new(model, lora, salt);
+        Ok(BlockHasher { inner: RustBlockHasher::new(namespace, block_tokens).py_err()? })
+    }
+
+    #[getter]
+    fn block_tokens(&self) -> usize {
+        self.inner.block_tokens()
+    }
+
+    /// The hash block 0 chains to.
+    #[getter]
+    fn namespace_root(&self) -> u128 {
+        self.inner.namespace().root().0
+    }
+
+    /// The hashes of every full block of `tokens`; `mm_items` are `(start, length,
+    /// content_hash)` of multimodal inputs.
+    #[pyo3(signature = (tokens, mm_items=None))]
+    fn hash_prompt(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        mm_items: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<BlockHashes> {
+        let tokens = read_u32s(tokens)?;
+        let items = read_items(mm_items)?;
+        Ok(BlockHashes::new(self.inner.hash_prompt(&tokens, &items)))
+    }
+
+    /// `hashes` extended with the blocks of `tokens` (the whole sequence so far) that became
+    /// full since: how generated tokens get their hashes without rehashing the prompt.
+    #[pyo3(signature = (hashes, tokens, mm_items=None))]
+    fn extend(
+        &self,
+        hashes: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        mm_items: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<BlockHashes> {
+        let mut hashes = read_hashes(hashes)?;
+        let tokens = read_u32s(tokens)?;
+        if hashes.len() > tokens.len() / self.inner.block_tokens() {
+            return Err(PyValueError::new_err(format!(
+                "{} hashes but only {} full blocks of tokens",
+                hashes.len(),
+                tokens.len() / self.inner.block_tokens()
+            )));
+        }
+        self.inner.extend(&mut hashes, &tokens, &read_items(mm_items)?);
+        Ok(BlockHashes::new(hashes))
+    }
+}
