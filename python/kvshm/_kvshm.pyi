@@ -1,0 +1,260 @@
+"""Type stubs of the native module ``kvshm._kvshm`` (the PyO3 extension)."""
+
+from collections.abc import Buffer, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Literal, Self, final
+
+__version__: str
+
+class KvshmError(Exception):
+    """Base class of every kvshm error."""
+
+class ConfigError(KvshmError):
+    """A configuration kvshm refuses (sizes, geometry, names, policies)."""
+
+class SegmentError(KvshmError):
+    """Creating, attaching to or mapping shared memory failed; or the service is closed."""
+
+class RequestError(KvshmError):
+    """An operation on a request that cannot be carried out."""
+
+class UnknownRequestError(RequestError):
+    """The request is not live."""
+
+class DuplicateRequestError(RequestError):
+    """The request is live already."""
+
+class RequestFailedError(RequestError):
+    """A swap-in the request waited on failed; abort it."""
+
+class OutOfBlocksError(RequestError):
+    """Not enough device blocks can be had; nothing changed."""
+
+class CommitError(RequestError):
+    """A commit that does not fit the request."""
+
+class TicketError(KvshmError):
+    """The ticket is not known."""
+
+class TransferFailedError(KvshmError):
+    """A copy the caller waited on failed on a rank."""
+
+class KvshmTimeoutError(KvshmError):
+    """A wait ran out of time."""
+
+class ResetRefusedError(KvshmError):
+    """Requests still hold blocks; reset with force."""
+
+class ResizeError(KvshmError):
+    """The device tier cannot take that size."""
+
+class OffloadError(KvshmError):
+    """An offload-manager or host-tier call on keys or blocks that do not allow it."""
+
+class DeviceHandleError(KvshmError):
+    """A tensor that cannot be shared with the worker processes."""
+
+class WorkerError(KvshmError):
+    """A worker or kvctl run that failed."""
+
+IntegerBuffer = Buffer | Iterable[int]
+"""Token ids or block ids: a numpy integer array, ``array.array``, or a sequence of ints."""
+
+HashesLike = BlockHashes | Buffer | Iterable[int]
+"""Block hashes: a ``BlockHashes``, 16 little-endian bytes per hash, or ints below 2**128."""
+
+@final
+class U32Array:
+    """A read-only array of uint32 (buffer format ``I``): ``numpy.asarray`` wraps it."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def tolist(self) -> list[int]: ...
+
+@final
+class BlockHashes:
+    """Chained 128-bit block hashes; its buffer is 16 little-endian bytes per hash."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def tolist(self) -> list[int]: ...
+    def prefix(self, count: int) -> BlockHashes: ...
+    def to_bytes(self) -> bytes: ...
+
+@final
+class BlockHasher:
+    """Hashes token ids into chained block hashes of one namespace (model, LoRA, salt)."""
+
+    def __init__(
+        self,
+        block_tokens: int,
+        model: str = "",
+        lora: str | None = None,
+        salt: bytes | None = None,
+    ) -> None: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def namespace_root(self) -> int: ...
+    def hash_prompt(
+        self, tokens: IntegerBuffer, mm_items: Iterable[tuple[int, int, int]] | None = None
+    ) -> BlockHashes:
+        """The hashes of every full block; ``mm_items`` are (start, length, content hash)."""
+
+    def extend(
+        self,
+        hashes: HashesLike,
+        tokens: IntegerBuffer,
+        mm_items: Iterable[tuple[int, int, int]] | None = None,
+    ) -> BlockHashes:
+        """``hashes`` extended with the blocks of ``tokens`` that became full since."""
+
+@final
+class PrefixMatch:
+    device_blocks: int
+    host_blocks: int
+    cached_tokens: int
+    @property
+    def blocks(self) -> int: ...
+
+@final
+class Allocation:
+    ticket: int
+    block_table: U32Array
+    new_blocks: int
+
+@final
+class AllocationCheck:
+    needed: int
+    available: int
+    @property
+    def fits(self) -> bool: ...
+
+@final
+class Service:
+    """The cache manager of one engine, its shared-memory segment and its worker processes."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        block_tokens: int,
+        device_blocks: int,
+        region_bytes: int,
+        host_blocks: int = 0,
+        tp_size: int = 1,
+        layers: int = 1,
+        regions: int | None = None,
+        write_policy: str = "write_back",
+        free_watermark: int = 0,
+        backend: Literal["host", "cuda"] = "host",
+        layerwise: bool = True,
+        command_ring_slots: int = 4096,
+        completion_ring_slots: int = 256,
+    ) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def regions(self) -> int: ...
+    @property
+    def region_bytes(self) -> int: ...
+    @property
+    def block_tokens(self) -> int: ...
+    def wait_for_workers(self, timeout: float = 10.0) -> None:
+        """Polls until every rank has a live worker (GIL released)."""
+
+    def rank_states(self) -> list[Literal["up", "down"]]: ...
+    def lookup(self, hashes: HashesLike) -> tuple[int, int]:
+        """(device hits, host hits) of the leading blocks; no side effects."""
+
+    def match_prefix(self, request: int, hashes: HashesLike, prompt_tokens: int) -> PrefixMatch:
+        """Holds the request's cached prefix; the last prompt token is left to compute."""
+
+    def rematch(self, request: int, hashes: HashesLike, prompt_tokens: int) -> PrefixMatch: ...
+    def release_match(self, request: int) -> None: ...
+    def can_allocate(
+        self, request: int, new_tokens: int, lookahead: int = 0
+    ) -> AllocationCheck: ...
+    def allocate(self, request: int, new_tokens: int, lookahead: int = 0) -> Allocation: ...
+    def block_table(self, request: int) -> U32Array: ...
+    def commit(
+        self, request: int, computed_tokens: int, hashes: HashesLike
+    ) -> tuple[int, int]:
+        """Caches the computed full blocks; returns (inserted, duplicates)."""
+
+    def finish(self, request: int) -> None: ...
+    def abort(self, request: int) -> None: ...
+    def reset(self, force: bool = False) -> list[int]:
+        """Drops every cached block; returns the requests a forced reset ended."""
+
+    def take_requests_dropped_by_kvctl(self) -> list[int]: ...
+    def resize_device(self, blocks: int) -> None: ...
+    def common_prefix_blocks(self, request: int) -> int: ...
+    def poll(self) -> None: ...
+    def wait(self, ticket: int, timeout: float = 30.0) -> None:
+        """Waits until the ticket's blocks are ready (GIL released)."""
+
+    def wait_for_copies(self, timeout: float = 30.0) -> bool: ...
+    def ticket_status(self, ticket: int) -> Literal["ready", "pending"]: ...
+    def ticket_layers_ready(self, ticket: int) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+    def check_invariants(self) -> None: ...
+    def write_device_region(self, rank: int, block: int, region: int, data: Buffer) -> None: ...
+    def read_device_region(self, rank: int, block: int, region: int) -> bytes: ...
+    def read_host_region(self, rank: int, block: int, region: int) -> bytes: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
+@final
+class OffloadManager:
+    """The host tier's keys (opaque bytes, up to 64), chunks and leaf-first LRU evictions."""
+
+    def __init__(
+        self,
+        chunks: int,
+        *,
+        tag_bytes: int = 0,
+        eviction: Literal["leaf_first", "lru"] = "leaf_first",
+        events: bool = False,
+    ) -> None: ...
+    def lookup(self, key: bytes, request: str) -> Literal[0, 1, 2]:
+        """0 miss, 1 hit (loadable), 2 hit pending (being stored)."""
+
+    def on_new_request(self, request: str) -> None: ...
+    def prepare_load(self, keys: Iterable[bytes], request: str) -> U32Array: ...
+    def complete_load(self, keys: Iterable[bytes]) -> None: ...
+    def touch(self, keys: Iterable[bytes]) -> None: ...
+    def prepare_store(
+        self, keys: Sequence[bytes], request: str
+    ) -> tuple[list[int], U32Array, list[bytes]] | None:
+        """``None`` if it cannot store; else (indices to store, their chunks, evicted keys)."""
+
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None: ...
+    def on_request_finished(self, request: str, positions: Sequence[int] | None = None) -> None: ...
+    def request_keys(self, request: str) -> list[bytes]: ...
+    def take_events(self) -> list[tuple[bool, list[bytes]]]: ...
+    def reset(self) -> None: ...
+    def chunk_of(self, key: bytes) -> int | None: ...
+    def parent_of(self, key: bytes) -> bytes | None: ...
+    def keys(self) -> dict[bytes, bool]: ...
+    def __len__(self) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...
+
+def run_worker(argv: list[str]) -> int:
+    """``kvshm worker`` with ``argv``; returns the exit status."""
+
+def run_kvctl(argv: list[str]) -> int:
+    """``kvctl`` with ``argv``; returns the exit status."""
