@@ -60,7 +60,7 @@ class WorkerError(KvshmError):
 IntegerBuffer = Buffer | Iterable[int]
 """Token ids or block ids: a numpy integer array, ``array.array``, or a sequence of ints."""
 
-HashesLike = BlockHashes | Buffer | Iterable[int]
+HashesLike = "BlockHashes | Buffer | Iterable[int]"
 """Block hashes: a ``BlockHashes``, 16 little-endian bytes per hash, or ints below 2**128."""
 
 @final
@@ -183,9 +183,7 @@ class Service:
     ) -> AllocationCheck: ...
     def allocate(self, request: int, new_tokens: int, lookahead: int = 0) -> Allocation: ...
     def block_table(self, request: int) -> U32Array: ...
-    def commit(
-        self, request: int, computed_tokens: int, hashes: HashesLike
-    ) -> tuple[int, int]:
+    def commit(self, request: int, computed_tokens: int, hashes: HashesLike) -> tuple[int, int]:
         """Caches the computed full blocks; returns (inserted, duplicates)."""
 
     def finish(self, request: int) -> None: ...
