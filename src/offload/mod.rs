@@ -5,6 +5,8 @@
 //! - [`manager`]: [`OffloadManager`], vLLM's `OffloadingManager` contract: lookups, loads and
 //!   stores of keys, chunks of the host tier, leaf-first LRU evictions, events.
 //! - [`candidates`]: the eviction order (a heap of recency ranks with lazy invalidation).
+//! - [`transfer`]: the worker side: transfer specs turned into block pairs, in-process copies
+//!   between the engine's tensors and the shared-memory host tier.
 //!
 //! One key's path: the engine's scheduler asks [`OffloadManager::lookup`]; a miss is computed on
 //! the device and offered to [`OffloadManager::prepare_store`], which names its chunk; the
@@ -15,6 +17,7 @@
 pub mod candidates;
 pub mod key;
 pub mod manager;
+pub mod transfer;
 
 pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
 pub use manager::{

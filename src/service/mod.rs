@@ -22,6 +22,7 @@
 //! the live counters kvctl reads.
 
 mod control;
+mod direct;
 mod inflight;
 mod liveness;
 mod memory;
@@ -36,7 +37,7 @@ use kvshm_ipc::arena::ArenaKind;
 use kvshm_ipc::config::SegmentConfig;
 use kvshm_ipc::doorbell::{deadline_after, WaitPolicy};
 use kvshm_ipc::record::{
-    command_slot_count, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
+    command_slot_count, BlockPair, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
 };
 use kvshm_ipc::ring::RingError;
 use kvshm_ipc::worker_watch::WorkerWatch;
@@ -51,6 +52,7 @@ use crate::manager::{
 };
 use crate::worker::{Geometry, GeometryError, GeometryParams};
 
+pub use direct::{DirectCopyId, DirectCopyOutcome};
 pub use inflight::{CommandTracker, CompletionMismatch, RankFailure};
 // The shared-memory types that appear in this module's API, so that an engine needs no direct
 // dependency on kvshm-ipc.
@@ -219,6 +221,8 @@ pub struct Service {
     completion_scratch: Vec<kvshm_ipc::record::Completion>,
     /// Requests that a forced reset asked for by kvctl ended, until the engine takes them.
     requests_dropped_by_kvctl: Vec<RequestId>,
+    /// Copies the engine asked for directly (see [`direct`]).
+    direct: direct::DirectCopies,
 }
 
 impl Service {
@@ -276,6 +280,7 @@ impl Service {
             transfer_scratch: Vec::new(),
             completion_scratch: Vec::new(),
             requests_dropped_by_kvctl: Vec::new(),
+            direct: direct::DirectCopies::default(),
         };
         service.publish_counters();
         Ok(service)
@@ -553,6 +558,7 @@ impl Service {
             self.issue(transfer);
         }
         self.transfer_scratch = transfers;
+        self.issue_waiting_direct();
         for index in 0..self.ranks.len() {
             let rank = &mut self.ranks[index];
             if rank.pump() > 0 {
@@ -579,7 +585,12 @@ impl Service {
             self.settle(transfer.id, Ok(()));
             return;
         }
-        let op = match transfer.kind {
+        self.queue_commands(transfer.id.0, transfer.kind, &transfer.pairs);
+    }
+
+    /// Queues the commands of copy `id` on every rank (split to fit the rings) and remembers it.
+    fn queue_commands(&mut self, id: u64, kind: TransferKind, pairs: &[BlockPair]) {
+        let op = match kind {
             TransferKind::DeviceToHost => Op::CopyDeviceToHost,
             TransferKind::HostToDevice => Op::CopyHostToDevice,
         };
@@ -587,16 +598,16 @@ impl Service {
         // by layer as soon as the copy has read that layer.
         let flags = if self.layerwise { FLAG_LAYERWISE } else { 0 };
         let generation = self.segment.generation();
-        for chunk in transfer.pairs.chunks(self.max_pairs_per_command) {
+        for chunk in pairs.chunks(self.max_pairs_per_command) {
             let header =
                 CommandHeader::new(op, 0, generation, chunk.len() as u32).with_flags(flags);
             for rank in &mut self.ranks {
                 let command_id = rank.queue(header, chunk);
-                self.tracker.begin(transfer.id.0, rank.rank() as usize, command_id);
+                self.tracker.begin(id, rank.rank() as usize, command_id);
                 self.stats.commands_issued += 1;
             }
         }
-        self.transfers.insert(transfer.id.0, TransferMeta { pairs: transfer.pairs.len() });
+        self.transfers.insert(id, TransferMeta { pairs: pairs.len() });
     }
 
     fn reap_completions(&mut self) {
@@ -639,8 +650,12 @@ impl Service {
         result
     }
 
-    /// Hands a transfer's outcome to the manager.
+    /// Hands a transfer's outcome to the manager (or to the engine, for a direct copy).
     fn settle(&mut self, transfer: TransferId, outcome: Result<(), TransferFailure>) {
+        if direct::is_direct(transfer.0) {
+            self.settle_direct(transfer.0, outcome);
+            return;
+        }
         let meta = self.transfers.remove(&transfer.0);
         match (&outcome, meta) {
             (Ok(()), Some(meta)) => {

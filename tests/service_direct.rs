@@ -1,0 +1,101 @@
+//! Direct copies (an engine's own blocks, copied by the workers outside the cache manager): they
+//! land byte for byte, wait for a worker, and survive a worker killed in the middle of one.
+
+mod service_support;
+
+use std::time::{Duration, Instant};
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::{BlockPair, CacheConfig, TransferKind};
+use kvshm::service::{DirectCopyOutcome, Service, ServiceConfig};
+use service_support::*;
+
+const LAYERS: u32 = 2;
+
+fn service(test: &str, tp_size: u32) -> Service {
+    let cache = CacheConfig::new(16, 16).with_host_blocks(16);
+    let name = unique_name(test);
+    Service::create(&name, ServiceConfig::new(cache, tp_size, LAYERS, 2 * LAYERS, 4096)).unwrap()
+}
+
+/// Polls until `count` direct copies have ended.
+fn outcomes(service: &mut Service, count: usize, timeout: Duration) -> Vec<DirectCopyOutcome> {
+    let deadline = Instant::now() + timeout;
+    let mut out = Vec::new();
+    while out.len() < count {
+        assert!(Instant::now() < deadline, "direct copies still pending after {timeout:?}");
+        service.poll();
+        service.take_direct_outcomes(&mut out);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    out
+}
+
+#[test]
+fn a_direct_copy_lands_on_every_rank_byte_for_byte() {
+    let mut service = service("direct", 2);
+    let _workers = [
+        WorkerProcess::spawn(service.segment().name(), 0, None),
+        WorkerProcess::spawn(service.segment().name(), 1, None),
+    ];
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    for block in 0..4 {
+        write_block(&service, BlockHash(500 + u128::from(block)), block);
+    }
+    let pairs = (0..4).map(|block| BlockPair::new(block, 10 + block)).collect();
+    let id = service.submit_direct_copy(TransferKind::DeviceToHost, pairs);
+    let done = outcomes(&mut service, 1, Duration::from_secs(20));
+    assert_eq!((done[0].id, done[0].result, done[0].issued), (id, Ok(()), 1));
+    for block in 0..4 {
+        assert!(host_block_holds(&service, BlockHash(500 + u128::from(block)), 10 + block));
+    }
+    // And back, into other device blocks.
+    let pairs = (0..4).map(|block| BlockPair::new(10 + block, 8 + block)).collect();
+    service.submit_direct_copy(TransferKind::HostToDevice, pairs);
+    outcomes(&mut service, 1, Duration::from_secs(20));
+    for block in 0..4 {
+        assert!(device_block_holds(&service, BlockHash(500 + u128::from(block)), 8 + block));
+    }
+    assert_eq!(service.stats().copy_failures, 0);
+    service.cache().check_invariants().unwrap();
+}
+
+#[test]
+fn a_direct_copy_waits_for_a_worker_and_survives_one_killed_in_the_middle_of_it() {
+    let mut service = service("direct-crash", 1);
+    for block in 0..8 {
+        write_block(&service, BlockHash(900 + u128::from(block)), block);
+    }
+    let pairs: Vec<BlockPair> = (0..8).map(|block| BlockPair::new(block, block)).collect();
+    // No worker yet: the copy waits instead of failing.
+    service.submit_direct_copy(TransferKind::DeviceToHost, pairs);
+    service.poll();
+    let mut early = Vec::new();
+    service.take_direct_outcomes(&mut early);
+    assert!(early.is_empty());
+    assert_eq!(service.direct_copies_pending(), 1);
+
+    // A slow worker (300 ms per layer) takes it and is killed in the middle.
+    let mut slow = WorkerProcess::spawn(service.segment().name(), 0, Some(300_000));
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    service.poll();
+    std::thread::sleep(Duration::from_millis(100));
+    slow.kill_hard();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while service.rank_states()[0] != kvshm::service::RankState::Down {
+        assert!(Instant::now() < deadline, "the death is noticed");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    service.take_direct_outcomes(&mut early);
+    assert!(early.is_empty(), "a worker crash is not a failed copy: {early:?}");
+
+    // The restarted worker carries it out.
+    let _worker = WorkerProcess::spawn(service.segment().name(), 0, None);
+    let done = outcomes(&mut service, 1, Duration::from_secs(20));
+    assert_eq!(done[0].result, Ok(()));
+    assert_eq!(done[0].issued, 2, "issued again on the new worker");
+    for block in 0..8 {
+        assert!(host_block_holds(&service, BlockHash(900 + u128::from(block)), block));
+    }
+}
