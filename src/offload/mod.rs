@@ -7,6 +7,9 @@
 //! - [`candidates`]: the eviction order (a heap of recency ranks with lazy invalidation).
 //! - [`transfer`]: the worker side: transfer specs turned into block pairs, in-process copies
 //!   between the engine's tensors and the shared-memory host tier.
+//! - [`host_tier`]: [`HostTier`], one rank's host tier segment and its jobs (in process, or by
+//!   a `kvshm worker` process over CUDA IPC handles, surviving its crashes).
+//! - [`torch_ipc`]: reading the CUDA IPC handle bytes PyTorch exports for a tensor.
 //!
 //! One key's path: the engine's scheduler asks [`OffloadManager::lookup`]; a miss is computed on
 //! the device and offered to [`OffloadManager::prepare_store`], which names its chunk; the
@@ -15,10 +18,13 @@
 //! [`OffloadManager::prepare_load`], the workers copy it back, and
 //! [`OffloadManager::complete_load`] unpins it.
 pub mod candidates;
+pub mod host_tier;
 pub mod key;
 pub mod manager;
+pub mod torch_ipc;
 pub mod transfer;
 
+pub use host_tier::{HostTier, HostTierError, JobResult, TierEngine};
 pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
 pub use manager::{
     EvictionOrder, LookupResult, OffloadConfig, OffloadError, OffloadEvent, OffloadManager,

@@ -1,0 +1,113 @@
+//! One rank's host tier for an engine that keeps its own tensors: in-process stores and loads
+//! of real bytes, groups that own some tensors only, and the refusals of the worker mode.
+
+use kvshm::offload::transfer::{Direction, EngineLayout, TensorMemory};
+use kvshm::offload::{HostTier, HostTierError, TierEngine};
+use kvshm::service::SegmentName;
+
+const PAGE: usize = 32;
+const BLOCKS: usize = 16;
+
+fn name(test: &str) -> SegmentName {
+    SegmentName::new(&format!("t-hosttier-{test}-{}", std::process::id())).unwrap()
+}
+
+fn layout(groups: Vec<Vec<u32>>) -> EngineLayout {
+    EngineLayout {
+        page_bytes: PAGE as u64,
+        tensors: 2,
+        device_blocks: BLOCKS as u32,
+        chunks: 6,
+        blocks_per_chunk: 2,
+        groups,
+    }
+}
+
+fn tensors_of(buffers: &mut [Vec<u8>]) -> Vec<(usize, u64, u64)> {
+    buffers
+        .iter_mut()
+        .map(|buffer| (buffer.as_mut_ptr() as usize, BLOCKS as u64, PAGE as u64))
+        .collect()
+}
+
+#[test]
+fn blocks_stored_in_process_load_back_byte_for_byte_into_other_blocks() {
+    let mut buffers: Vec<Vec<u8>> = (0..2)
+        .map(|tensor| (0..BLOCKS * PAGE).map(|i| (i * 7 + tensor * 31) as u8).collect())
+        .collect();
+    let original = buffers.clone();
+    let layout = layout(vec![vec![0, 1], vec![1]]);
+    // SAFETY: the buffers outlive the tier and nothing else touches them while it copies.
+    let memory = unsafe { TensorMemory::new(&layout, &tensors_of(&mut buffers)) }.unwrap();
+    let mut tier =
+        HostTier::create(&name("roundtrip"), layout, TierEngine::InProcess(memory)).unwrap();
+    // Group 0: device blocks 3, 4, 5 from request block 0 -> chunks 1 (2 blocks) and 4 (1 block).
+    // Group 1: device block 9, request block 1 -> second half of chunk 2.
+    tier.submit(7, Direction::Store, &[3, 4, 5, 9], &[3, 1], &[0, 1], &[1, 4, 2]).unwrap();
+    let mut done = Vec::new();
+    tier.take_finished(&mut done);
+    assert_eq!(
+        (done[0].job, done[0].success, done[0].bytes),
+        (7, true, (3 * 2 + 1) as u64 * PAGE as u64)
+    );
+    // Wipe the sources, load into other blocks.
+    for buffer in &mut buffers {
+        buffer.fill(0);
+    }
+    tier.submit(8, Direction::Load, &[10, 11, 12, 13], &[3, 1], &[0, 1], &[1, 4, 2]).unwrap();
+    for (tensor, buffer) in buffers.iter().enumerate() {
+        for (from, to) in [(3, 10), (4, 11), (5, 12)] {
+            assert_eq!(buffer[to * PAGE..][..PAGE], original[tensor][from * PAGE..][..PAGE]);
+        }
+    }
+    // Group 1 owns tensor 1 only: tensor 0's block 13 was not written.
+    assert_eq!(buffers[1][13 * PAGE..][..PAGE], original[1][9 * PAGE..][..PAGE]);
+    assert!(buffers[0][13 * PAGE..][..PAGE].iter().all(|&byte| byte == 0));
+    // Chunk 1 holds device blocks 3 and 4, tensor 0 then tensor 1 in each host block.
+    let host = tier.host_block(2).unwrap();
+    assert_eq!(host[..PAGE], original[0][3 * PAGE..][..PAGE]);
+    assert_eq!(host[PAGE..], original[1][3 * PAGE..][..PAGE]);
+}
+
+#[test]
+fn a_bad_spec_copies_nothing_and_is_reported() {
+    let mut buffers = vec![vec![1u8; BLOCKS * PAGE]; 2];
+    let layout = layout(vec![vec![0, 1]]);
+    // SAFETY: as above.
+    let memory = unsafe { TensorMemory::new(&layout, &tensors_of(&mut buffers)) }.unwrap();
+    let mut tier =
+        HostTier::create(&name("badspec"), layout, TierEngine::InProcess(memory)).unwrap();
+    assert!(matches!(
+        tier.submit(1, Direction::Store, &[99], &[1], &[0], &[0]),
+        Err(HostTierError::Plan(_))
+    ));
+    assert!(tier.host_block(0).unwrap().iter().all(|&byte| byte == 0));
+    assert!(matches!(tier.publish_device_handles(&[]), Err(HostTierError::NoWorkers)));
+}
+
+#[test]
+fn tensors_smaller_than_the_layout_are_refused() {
+    let mut buffers = vec![vec![0u8; 4 * PAGE]; 2];
+    let layout = layout(vec![vec![0, 1]]);
+    // SAFETY: as above.
+    let result = unsafe {
+        TensorMemory::new(
+            &layout,
+            &[
+                (buffers[0].as_mut_ptr() as usize, 4, PAGE as u64),
+                (buffers[1].as_mut_ptr() as usize, 4, PAGE as u64),
+            ],
+        )
+    };
+    assert!(result.is_err());
+}
+
+#[test]
+fn worker_copies_need_every_group_to_span_every_tensor() {
+    let result =
+        HostTier::create(&name("partial"), layout(vec![vec![0, 1], vec![1]]), TierEngine::Workers);
+    assert!(matches!(result, Err(HostTierError::PartialGroup { group: 1, used: 1, tensors: 2 })));
+    let tier =
+        HostTier::create(&name("workers"), layout(vec![vec![0, 1]]), TierEngine::Workers).unwrap();
+    assert!(!tier.worker_up(), "no worker attached yet");
+}
