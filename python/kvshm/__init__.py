@@ -18,6 +18,7 @@ from kvshm._kvshm import (
     ConfigError,
     DeviceHandleError,
     DuplicateRequestError,
+    HostTier,
     KvshmError,
     KvshmTimeoutError,
     OffloadError,
@@ -36,6 +37,7 @@ from kvshm._kvshm import (
     UnknownRequestError,
     WorkerError,
     __version__,
+    parse_cuda_handle,
 )
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "ConfigError",
     "DeviceHandleError",
     "DuplicateRequestError",
+    "HostTier",
     "KvshmError",
     "KvshmTimeoutError",
     "OffloadError",
@@ -65,4 +68,5 @@ __all__ = [
     "UnknownRequestError",
     "WorkerError",
     "__version__",
+    "parse_cuda_handle",
 ]

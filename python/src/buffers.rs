@@ -237,6 +237,17 @@ fn read_integers(object: &Bound<'_, PyAny>) -> PyResult<Vec<i128>> {
         .collect()
 }
 
+/// i64 values (block ids, group sizes) from a buffer or a sequence of ints.
+pub fn read_i64s(object: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    read_integers(object)?
+        .into_iter()
+        .map(|value| {
+            i64::try_from(value)
+                .map_err(|_| PyValueError::new_err(format!("{value} is not an i64")))
+        })
+        .collect()
+}
+
 /// u32 values (token ids, block ids) from a buffer or a sequence of ints.
 pub fn read_u32s(object: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     read_integers(object)?

@@ -23,6 +23,8 @@ fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<service::Allocation>()?;
     module.add_class::<service::AllocationCheck>()?;
     module.add_class::<offload::OffloadManager>()?;
+    module.add_class::<offload::HostTier>()?;
+    module.add_function(wrap_pyfunction!(offload::parse_cuda_handle, module)?)?;
     module.add_class::<buffers::U32Array>()?;
     module.add_class::<buffers::BlockHashes>()?;
     module.add_function(wrap_pyfunction!(cli::run_worker, module)?)?;

@@ -1,0 +1,404 @@
+"""kvshm as vLLM's CPU offloading backend (vLLM 0.32).
+
+vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm", "cpu_bytes_to_use": 32000000000}}'
+
+- :class:`KvshmOffloadingSpec` builds both halves from vLLM's ``OffloadingConfig``.
+- :class:`KvshmOffloadingManager` (scheduler process) is vLLM's ``OffloadingManager`` contract
+  over kvshm's Rust manager: vLLM's keys (block hash + 4-byte group index) taken as opaque bytes,
+  prefix chains rebuilt from each request's key order, leaf-first LRU, events.
+- :class:`KvshmOffloadingWorker` (each TP worker process) copies blocks between vLLM's KV tensors
+  and the rank's shared-memory host tier: in process for CPU tensors, and for CUDA tensors through
+  a ``python -m kvshm worker --backend cuda`` process that opens the tensors by their CUDA IPC
+  handles. That process is started and, if it dies, restarted by this worker; copies in flight
+  are issued again on the new one, so vLLM never sees a failed transfer.
+
+Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
+``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``segment_name`` (prefix of
+the per-rank segments ``<name>-r<rank>``); ``spawn_workers`` (default true: start the copy
+workers; false: start ``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda``
+yourself).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Collection, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvshm._kvshm import (
+    ConfigError,
+    DeviceHandleError,
+    HostTier,
+    OffloadManager,
+    U32Array,
+    parse_cuda_handle,
+)
+
+logger = logging.getLogger(__name__)
+
+# What kvshm's manager answers, as vLLM's lookup results.
+_LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
+# vLLM's keys end in a 4-byte big-endian KV-cache group index: one prefix chain per group.
+_GROUP_TAG_BYTES = 4
+
+
+class KvshmLoadStoreSpec(LoadStoreSpec):
+    """Chunks of kvshm's host tier, one per key, in key order."""
+
+    def __init__(self, chunks: U32Array) -> None:
+        self.chunks = chunks
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        """The chunk ids as int32, as vLLM's block-id specs hold them."""
+        return np.asarray(self.chunks).view(np.int32)
+
+    def __repr__(self) -> str:
+        return f"KvshmLoadStoreSpec({self.chunks.tolist()})"
+
+
+class KvshmOffloadingManager(OffloadingManager):
+    """vLLM's ``OffloadingManager`` over kvshm's Rust manager (one call each way)."""
+
+    def __init__(self, num_chunks: int, eviction: str = "leaf_first", events: bool = False) -> None:
+        self._manager = OffloadManager(
+            num_chunks, tag_bytes=_GROUP_TAG_BYTES, eviction=eviction, events=events
+        )
+
+    @property
+    def rust(self) -> OffloadManager:
+        """The Rust manager (stats, invariants, keys)."""
+        return self._manager
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _LOOKUP[self._manager.lookup(key, req_context.req_id)]
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> KvshmLoadStoreSpec:
+        return KvshmLoadStoreSpec(self._manager.prepare_load(keys, req_context.req_id))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._manager.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._manager.complete_load(keys)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        offered = keys if isinstance(keys, list) else list(keys)
+        prepared = self._manager.prepare_store(offered, req_context.req_id)
+        if prepared is None:
+            return None
+        indices, chunks, evicted = prepared
+        return PrepareStoreOutput(
+            keys_to_store=[offered[index] for index in indices],
+            store_spec=KvshmLoadStoreSpec(chunks),
+            evicted_keys=evicted,
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self._manager.complete_store(keys, success)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._manager.on_new_request(req_context.req_id)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        # The request's keys become most recent in prefix order; the scheduler knows each key's
+        # end-token position (needed when several groups' keys interleave).
+        keys = self._manager.request_keys(req_context.req_id)
+        positions = [req_context.get_offload_key_position(key) for key in keys]
+        known = None if None in positions else positions
+        self._manager.on_request_finished(req_context.req_id, known)
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        for removed, keys in self._manager.take_events():
+            yield OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed)
+
+    def reset_cache(self) -> None:
+        self._manager.reset()
+
+    def shutdown(self) -> None:
+        return
+
+
+class _WorkerProcess:
+    """A ``python -m kvshm worker`` process for one rank, restarted whenever it exits."""
+
+    RESTART_INTERVAL_S = 0.5
+
+    def __init__(self, command: list[str]) -> None:
+        self._command = command
+        self._process = self._start()
+        self._started_at = time.monotonic()
+        self.restarts = 0
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self._command, stdin=subprocess.DEVNULL)
+
+    def ensure_running(self) -> None:
+        if self._process.poll() is None:
+            return
+        if time.monotonic() - self._started_at < self.RESTART_INTERVAL_S:
+            return
+        logger.warning(
+            "kvshm worker (%s) exited with %s; restarting it",
+            " ".join(self._command),
+            self._process.returncode,
+        )
+        self._process = self._start()
+        self._started_at = time.monotonic()
+        self.restarts += 1
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+
+def _int_list(values: Iterable[int]) -> list[int]:
+    return [int(value) for value in values]
+
+
+class KvshmOffloadingWorker(OffloadingWorker):
+    """Copies between one rank's vLLM KV tensors and its shared-memory host tier."""
+
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        segment: str,
+        num_chunks: int,
+        blocks_per_chunk: int,
+        spawn_workers: bool = True,
+        worker_command: list[str] | None = None,
+    ) -> None:
+        tensors = [entry.tensor for entry in kv_caches.tensors]
+        if not tensors:
+            raise ConfigError("vLLM registered no KV tensors to offload")
+        pages = {int(entry.page_size_bytes) for entry in kv_caches.tensors}
+        if len(pages) != 1:
+            raise ConfigError(
+                f"kvshm's host tier needs one page size for every KV tensor, got {sorted(pages)}"
+            )
+        page_bytes = pages.pop()
+        groups = [[ref.tensor_idx for ref in refs] for refs in kv_caches.group_data_refs]
+        device_blocks = int(tensors[0].shape[0])
+        self._on_gpu = tensors[0].is_cuda
+        self._worker: _WorkerProcess | None = None
+        # Jobs waiting for the compute that writes (or last wrote) their blocks: (job, is_store,
+        # device spec, chunks, event recorded on vLLM's stream).
+        self._gated: deque[tuple[int, bool, GPULoadStoreSpec, U32Array, Any]] = deque()
+        common = {
+            "page_bytes": page_bytes,
+            "device_blocks": device_blocks,
+            "chunks": num_chunks,
+            "blocks_per_chunk": blocks_per_chunk,
+            "groups": groups,
+        }
+        if not self._on_gpu:
+            views = [tensor.view(torch.uint8).numpy() for tensor in tensors]
+            self._tier = HostTier(segment, tensors=views, **common)
+            self._tensors = tensors
+            return
+        self._tier = HostTier(segment, tensor_count=len(tensors), **common)
+        self._tier.publish_device_handles([_device_handle(tensor) for tensor in tensors])
+        self._tensors = tensors
+        if spawn_workers:
+            device = tensors[0].device.index or 0
+            command = worker_command or [sys.executable, "-m", "kvshm", "worker"]
+            self._worker = _WorkerProcess(
+                [
+                    *command,
+                    *("--name", segment, "--rank", "0", "--backend", "cuda"),
+                    *("--device", str(device)),
+                ]
+            )
+
+    @property
+    def tier(self) -> HostTier:
+        return self._tier
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        assert isinstance(dst_spec, KvshmLoadStoreSpec), dst_spec
+        self._submit(job_id, True, src_spec, dst_spec.chunks)
+        return True
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        assert isinstance(src_spec, KvshmLoadStoreSpec), src_spec
+        self._submit(job_id, False, dst_spec, src_spec.chunks)
+        return True
+
+    def _submit(self, job: int, store: bool, device: GPULoadStoreSpec, chunks: U32Array) -> None:
+        if not self._on_gpu:
+            self._send(job, store, device, chunks)
+            return
+        # A store reads blocks the model is still writing, and a load writes blocks whose last
+        # writes (zeroing) may still run: both wait for the work queued on vLLM's stream.
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        self._gated.append((job, store, device, chunks, event))
+        self._release_gated()
+
+    def _send(self, job: int, store: bool, device: GPULoadStoreSpec, chunks: U32Array) -> None:
+        submit = self._tier.submit_store if store else self._tier.submit_load
+        submit(
+            job,
+            device.block_ids,
+            _int_list(device.group_sizes),
+            _int_list(device.block_indices),
+            chunks,
+        )
+
+    def _release_gated(self, block_for: set[int] | None = None) -> None:
+        """Hands jobs whose compute has finished to the worker, in order; with ``block_for``,
+        first waits for the compute of the last of those jobs (and so of every job before it:
+        the events were recorded in order on one stream)."""
+        if block_for:
+            waiting = [index for index, gated in enumerate(self._gated) if gated[0] in block_for]
+            if waiting:
+                self._gated[waiting[-1]][4].synchronize()
+        while self._gated and self._gated[0][4].query():
+            job, store, device, chunks, _ = self._gated.popleft()
+            self._send(job, store, device, chunks)
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._worker is not None:
+            self._worker.ensure_running()
+        self._release_gated()
+        return [
+            TransferResult(job_id=job, success=success, transfer_size=size, transfer_time=seconds)
+            for job, success, size, seconds in self._tier.take_finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self._release_gated(block_for=set(job_ids))
+        while not self._tier.wait(list(job_ids), timeout=1.0):
+            # A worker that died is restarted here; its copies are issued again on the new one.
+            if self._worker is not None:
+                self._worker.ensure_running()
+            self._release_gated(block_for=set(job_ids))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+        self._tier.close()
+
+
+def _device_handle(tensor: torch.Tensor) -> tuple[bytes, int, int, int]:
+    """(CUDA IPC handle, offset of block 0, bytes, block stride) of a CUDA KV tensor."""
+    shared = tensor.untyped_storage()._share_cuda_()
+    handle, storage_offset = shared[1], int(shared[3])
+    try:
+        memory_handle = parse_cuda_handle(handle)
+    except DeviceHandleError as error:
+        raise DeviceHandleError(f"KV tensor on {tensor.device}: {error}") from error
+    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+    stride = tensor.stride(0) * tensor.element_size()
+    length = stride * (tensor.shape[0] - 1) + tensor.shape[1] * tensor.element_size()
+    return memory_handle, offset, length, stride
+
+
+def _segment_prefix(config: OffloadingConfig) -> str:
+    named = config.extra_config.get("segment_name")
+    if named:
+        return str(named)
+    engine = re.sub(r"[^A-Za-z0-9_-]", "-", str(config.engine_id))[:40]
+    return f"kvshm-vllm-{engine}"
+
+
+class KvshmOffloadingSpec(OffloadingSpec):
+    """vLLM's ``OffloadingSpec`` for kvshm: a Rust manager and shared-memory host tiers."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        extra = self.extra_config
+        world = max(int(config.parallel.world_size), 1)
+        chunk_bytes = int(config.worker_kv_bytes_per_block) * int(self.blocks_per_chunk) * world
+        if "num_chunks" in extra:
+            self.num_chunks = int(extra["num_chunks"])
+        elif extra.get("cpu_bytes_to_use"):
+            self.num_chunks = int(extra["cpu_bytes_to_use"]) // chunk_bytes if chunk_bytes else 0
+        else:
+            raise ConfigError(
+                "KvshmOffloadingSpec needs cpu_bytes_to_use (or num_chunks) in "
+                "kv_connector_extra_config"
+            )
+        self.eviction = str(extra.get("eviction", "leaf_first"))
+        self.segment_prefix = _segment_prefix(config)
+        self.spawn_workers = bool(extra.get("spawn_workers", True))
+        self._manager: KvshmOffloadingManager | None = None
+        self._worker: KvshmOffloadingWorker | None = None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = KvshmOffloadingManager(
+                self.num_chunks,
+                eviction=self.eviction,
+                events=self.kv_events_config.enable_kv_cache_events,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvshmOffloadingWorker(
+                kv_caches,
+                segment=f"{self.segment_prefix}-r{self.config.parallel.rank}",
+                num_chunks=self.num_chunks,
+                blocks_per_chunk=int(self.blocks_per_chunk),
+                spawn_workers=self.spawn_workers,
+            )
+        return self._worker
