@@ -256,3 +256,89 @@ def run_worker(argv: list[str]) -> int:
 
 def run_kvctl(argv: list[str]) -> int:
     """``kvctl`` with ``argv``; returns the exit status."""
+
+@final
+class HostTier:
+    """One rank's shared-memory host tier and the copies between it and the engine's tensors."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        page_bytes: int,
+        device_blocks: int,
+        chunks: int,
+        blocks_per_chunk: int,
+        groups: list[list[int]],
+        tensors: list[Buffer] | None = None,
+        tensor_count: int | None = None,
+    ) -> None:
+        """With ``tensors`` (2-D, one row per block) copies run in process; without, a
+        ``kvshm worker --backend cuda`` process copies after ``publish_device_handles``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def worker_up(self) -> bool: ...
+    @property
+    def pending(self) -> int: ...
+    def publish_device_handles(self, handles: list[tuple[bytes, int, int, int]]) -> None:
+        """(CUDA IPC handle, offset of block 0, bytes, block stride) per tensor."""
+
+    def submit_store(
+        self,
+        job: int,
+        device: IntegerBuffer,
+        group_sizes: IntegerBuffer,
+        block_indices: IntegerBuffer,
+        chunks: IntegerBuffer,
+    ) -> None: ...
+    def submit_load(
+        self,
+        job: int,
+        device: IntegerBuffer,
+        group_sizes: IntegerBuffer,
+        block_indices: IntegerBuffer,
+        chunks: IntegerBuffer,
+    ) -> None: ...
+    def take_finished(self) -> list[tuple[int, bool, int, float]]:
+        """(job, success, bytes, seconds) of the jobs that ended."""
+
+    def wait(self, jobs: list[int], timeout: float = 60.0) -> bool: ...
+    def host_block(self, block: int) -> bytes | None: ...
+    def close(self) -> None: ...
+
+class VllmManagerCore:
+    """vLLM's ``OffloadingManager`` methods over the Rust manager (``kvshm.vllm`` subclasses it)."""
+
+    def __new__(
+        cls,
+        chunks: int,
+        *,
+        vllm_types: tuple[Any, ...],
+        eviction: Literal["leaf_first", "lru"] = "leaf_first",
+        events: bool = False,
+        tag_bytes: int = 4,
+    ) -> Self: ...
+    def lookup(self, key: bytes, req_context: Any) -> Any: ...
+    def on_new_request(self, req_context: Any) -> Any: ...
+    def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> Any: ...
+    def touch(self, keys: Iterable[bytes], req_context: Any) -> None: ...
+    def complete_load(self, keys: Iterable[bytes], req_context: Any) -> None: ...
+    def prepare_store(self, keys: Iterable[bytes], req_context: Any) -> Any: ...
+    def complete_store(
+        self, keys: Iterable[bytes], req_context: Any, success: bool = True
+    ) -> None: ...
+    def on_request_finished(self, req_context: Any) -> None: ...
+    def take_events(self) -> list[Any]: ...
+    def reset_cache(self) -> None: ...
+    def request_keys(self, request: str) -> list[bytes]: ...
+    def parent_of(self, key: bytes) -> bytes | None: ...
+    def keys(self) -> dict[bytes, bool]: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...
+    def __len__(self) -> int: ...
+
+def parse_cuda_handle(handle: bytes) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t`` in ``storage._share_cuda_()[1]``; refuses expandable
+    segments with ``DeviceHandleError``."""

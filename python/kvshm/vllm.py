@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -59,17 +59,12 @@ from kvshm._kvshm import (
     ConfigError,
     DeviceHandleError,
     HostTier,
-    OffloadManager,
     U32Array,
+    VllmManagerCore,
     parse_cuda_handle,
 )
 
 logger = logging.getLogger(__name__)
-
-# What kvshm's manager answers, as vLLM's lookup results.
-_LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
-# vLLM's keys end in a 4-byte big-endian KV-cache group index: one prefix chain per group.
-_GROUP_TAG_BYTES = 4
 
 
 class KvshmLoadStoreSpec(LoadStoreSpec):
@@ -87,76 +82,47 @@ class KvshmLoadStoreSpec(LoadStoreSpec):
         return f"KvshmLoadStoreSpec({self.chunks.tolist()})"
 
 
-class KvshmOffloadingManager(OffloadingManager):
-    """vLLM's ``OffloadingManager`` over kvshm's Rust manager (one call each way)."""
+class KvshmOffloadingManager(VllmManagerCore, OffloadingManager):
+    """vLLM's ``OffloadingManager`` over kvshm's Rust manager.
 
-    def __init__(self, num_chunks: int, eviction: str = "leaf_first", events: bool = False) -> None:
-        self._manager = OffloadManager(
-            num_chunks, tag_bytes=_GROUP_TAG_BYTES, eviction=eviction, events=events
+    The contract's methods (``lookup``, ``prepare_load``, ``touch``, ``complete_load``,
+    ``prepare_store``, ``complete_store``, ``on_new_request``, ``on_request_finished``,
+    ``take_events``, ``reset_cache``) are ``VllmManagerCore``'s, implemented in Rust: each of
+    vLLM's calls is one crossing, with no Python frame in between.
+    """
+
+    def __new__(
+        cls, num_chunks: int, eviction: str = "leaf_first", events: bool = False
+    ) -> KvshmOffloadingManager:
+        return super().__new__(
+            cls, num_chunks, vllm_types=_vllm_types(), eviction=eviction, events=events
         )
 
-    @property
-    def rust(self) -> OffloadManager:
-        """The Rust manager (stats, invariants, keys)."""
-        return self._manager
+    def __init__(self, num_chunks: int, eviction: str = "leaf_first", events: bool = False) -> None:
+        self.num_chunks = num_chunks
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return _LOOKUP[self._manager.lookup(key, req_context.req_id)]
+    @property
+    def rust(self) -> VllmManagerCore:
+        """The Rust manager (stats, invariants, keys)."""
+        return self
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
-    def prepare_load(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> KvshmLoadStoreSpec:
-        return KvshmLoadStoreSpec(self._manager.prepare_load(keys, req_context.req_id))
-
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.touch(keys)
-
-    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._manager.complete_load(keys)
-
-    def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> PrepareStoreOutput | None:
-        offered = keys if isinstance(keys, list) else list(keys)
-        prepared = self._manager.prepare_store(offered, req_context.req_id)
-        if prepared is None:
-            return None
-        indices, chunks, evicted = prepared
-        return PrepareStoreOutput(
-            keys_to_store=[offered[index] for index in indices],
-            store_spec=KvshmLoadStoreSpec(chunks),
-            evicted_keys=evicted,
-        )
-
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
-        self._manager.complete_store(keys, success)
-
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._manager.on_new_request(req_context.req_id)
-        return RequestOffloadingContext()
-
-    def on_request_finished(self, req_context: ReqContext) -> None:
-        # The request's keys become most recent in prefix order; the scheduler knows each key's
-        # end-token position (needed when several groups' keys interleave).
-        keys = self._manager.request_keys(req_context.req_id)
-        positions = [req_context.get_offload_key_position(key) for key in keys]
-        known = None if None in positions else positions
-        self._manager.on_request_finished(req_context.req_id, known)
-
-    def take_events(self) -> Iterator[OffloadingEvent]:
-        for removed, keys in self._manager.take_events():
-            yield OffloadingEvent(keys=keys, medium=Medium.CPU, removed=removed)
-
-    def reset_cache(self) -> None:
-        self._manager.reset()
-
     def shutdown(self) -> None:
         return
+
+
+def _vllm_types() -> tuple[Any, ...]:
+    """vLLM's types that the Rust core returns."""
+    return (
+        (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING),
+        PrepareStoreOutput,
+        KvshmLoadStoreSpec,
+        OffloadingEvent,
+        Medium.CPU,
+        RequestOffloadingContext,
+    )
 
 
 class _WorkerProcess:
@@ -246,8 +212,15 @@ class KvshmOffloadingWorker(OffloadingWorker):
             self._tier = HostTier(segment, tensors=views, **common)
             self._tensors = tensors
             return
+        handles = [_device_handle(tensor) for tensor in tensors]
+        strides = {stride for _, _, _, stride in handles}
+        if len(strides) != 1:
+            raise ConfigError(
+                "a kvshm worker process copies with one block stride for every KV tensor, "
+                f"got {sorted(strides)}"
+            )
         self._tier = HostTier(segment, tensor_count=len(tensors), **common)
-        self._tier.publish_device_handles([_device_handle(tensor) for tensor in tensors])
+        self._tier.publish_device_handles(handles)
         self._tensors = tensors
         if spawn_workers:
             device = tensors[0].device.index or 0

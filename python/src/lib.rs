@@ -3,6 +3,7 @@
 //!
 //! - [`service`]: `Service` (the scheduler API over both tiers) and `BlockHasher`.
 //! - [`offload`]: `OffloadManager` and `HostTier`, the pieces of the vLLM offloading backend.
+//! - [`vllm`]: `VllmManagerCore`, vLLM's manager methods straight over the Rust manager.
 //! - [`buffers`]: block tables and hashes as buffer objects; reading numpy arrays and buffers.
 //! - [`errors`]: the exception hierarchy under `KvshmError`.
 //! - [`cli`]: `python -m kvshm worker` and `python -m kvshm kvctl`.
@@ -11,6 +12,7 @@ mod cli;
 mod errors;
 mod offload;
 mod service;
+mod vllm;
 
 use pyo3::prelude::*;
 
@@ -24,6 +26,7 @@ fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<service::AllocationCheck>()?;
     module.add_class::<offload::OffloadManager>()?;
     module.add_class::<offload::HostTier>()?;
+    module.add_class::<vllm::VllmManagerCore>()?;
     module.add_function(wrap_pyfunction!(offload::parse_cuda_handle, module)?)?;
     module.add_class::<buffers::U32Array>()?;
     module.add_class::<buffers::BlockHashes>()?;

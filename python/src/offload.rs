@@ -26,14 +26,14 @@ pub const MISS: u8 = 0;
 pub const HIT: u8 = 1;
 pub const HIT_PENDING: u8 = 2;
 
-fn key_of(object: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
+pub fn key_of(object: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
     let bytes =
         object.cast::<PyBytes>().map_err(|_| PyTypeError::new_err("offload keys are bytes"))?;
     OffloadKey::new(bytes.as_bytes()).py_err()
 }
 
 /// Keys from any iterable of `bytes` (list, tuple, set), appended to `out`.
-fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<OffloadKey>) -> PyResult<()> {
+pub fn keys_into(keys: &Bound<'_, PyAny>, out: &mut Vec<OffloadKey>) -> PyResult<()> {
     out.clear();
     if let Ok(list) = keys.cast::<PyList>() {
         out.reserve(list.len());

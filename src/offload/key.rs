@@ -2,8 +2,8 @@
 //!
 //! An engine that hashes its blocks itself (vLLM's offloading keys: a 16- or 32-byte block hash
 //! and a 4-byte KV-cache group index) hands kvshm its keys as bytes. [`OffloadKey`] keeps them
-//! inline (no allocation per key) and compares them whole, so two keys are the same entry only
-//! when every byte agrees: no collision is possible, whatever the hash of the table says.
+//! inline (no allocation per key) with their XXH3-64, and compares them whole, so two keys are
+//! the same entry only when every byte agrees: no collision is possible, whatever the hash says.
 //!
 //! A key may end in a chain tag of a fixed number of bytes ([`KeyLayout::tag_bytes`]): keys of
 //! one request with the same tag form one prefix chain (vLLM: one chain per KV-cache group).
@@ -21,9 +21,10 @@ pub struct KeyTooLong {
     pub len: usize,
 }
 
-/// One engine key, inline.
+/// One engine key, inline, with the XXH3 of its bytes computed once.
 #[derive(Clone, Copy)]
 pub struct OffloadKey {
+    hash: u64,
     len: u8,
     bytes: [u8; MAX_KEY_BYTES],
 }
@@ -33,13 +34,28 @@ impl OffloadKey {
         if bytes.len() > MAX_KEY_BYTES {
             return Err(KeyTooLong { len: bytes.len() });
         }
-        let mut key = OffloadKey { len: bytes.len() as u8, bytes: [0; MAX_KEY_BYTES] };
+        let mut key = OffloadKey {
+            hash: xxhash_rust::xxh3::xxh3_64(bytes),
+            len: bytes.len() as u8,
+            bytes: [0; MAX_KEY_BYTES],
+        };
         key.bytes[..bytes.len()].copy_from_slice(bytes);
         Ok(key)
     }
 
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.len as usize]
+    }
+
+    /// A key with a chosen hash, so that tests can make keys collide.
+    #[cfg(test)]
+    pub(crate) fn with_hash_for_tests(bytes: &[u8], hash: u64) -> OffloadKey {
+        OffloadKey { hash, ..OffloadKey::new(bytes).expect("a short test key") }
+    }
+
+    /// XXH3-64 of the bytes. Equal keys have equal hashes; the converse needs the bytes.
+    pub fn hash64(&self) -> u64 {
+        self.hash
     }
 
     /// The chain this key belongs to: its last `tag_bytes` bytes (all of it when shorter).
@@ -51,7 +67,7 @@ impl OffloadKey {
 
 impl PartialEq for OffloadKey {
     fn eq(&self, other: &OffloadKey) -> bool {
-        self.as_bytes() == other.as_bytes()
+        self.hash == other.hash && self.as_bytes() == other.as_bytes()
     }
 }
 
@@ -59,8 +75,8 @@ impl Eq for OffloadKey {}
 
 impl Hash for OffloadKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        // One XXH3 of the bytes; the table's hasher passes it through.
-        state.write_u64(xxhash_rust::xxh3::xxh3_64(self.as_bytes()));
+        // The XXH3 of the bytes; the table's hasher passes it through.
+        state.write_u64(self.hash);
     }
 }
 

@@ -159,6 +159,10 @@ struct Entry {
     rank: Rank,
     pins: u32,
     ready: bool,
+    /// The next entry whose key has the same hash, or `NONE`.
+    same_hash: u32,
+    /// In the index (a freed slot keeps its last contents until reused).
+    live: bool,
 }
 
 /// What the manager remembers of a live request.
@@ -198,7 +202,12 @@ impl RequestKeys {
 #[derive(Debug)]
 pub struct OffloadManager {
     config: OffloadConfig,
-    index: HashMap<OffloadKey, u32, BuildPassThrough>,
+    /// Key hash -> the first entry with that hash; entries sharing a hash are chained through
+    /// `Entry::same_hash` and told apart by their whole keys. 16 bytes a bucket, so lookups
+    /// stay in cache where a table of whole keys would not.
+    heads: HashMap<u64, u32, BuildPassThrough>,
+    /// Live entries.
+    live: usize,
     entries: Vec<Entry>,
     free_entries: Vec<u32>,
     pool: BlockPool,
@@ -225,7 +234,8 @@ impl OffloadManager {
         let pool = BlockPool::new(config.chunks)?;
         Ok(OffloadManager {
             config,
-            index: HashMap::default(),
+            heads: HashMap::default(),
+            live: 0,
             entries: Vec::new(),
             free_entries: Vec::new(),
             pool,
@@ -248,22 +258,20 @@ impl OffloadManager {
 
     /// Keys in the host tier (stored or being stored).
     pub fn len(&self) -> usize {
-        self.index.len()
+        self.live
     }
 
     pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.live == 0
     }
 
-    /// Whether `key` is in the host tier, and loadable.
+    /// Whether `key` is in the host tier, and loadable. (`request` names the asker; the keys a
+    /// request loads and stores, not those it looks up, make its chains.)
     pub fn lookup(&mut self, request: &str, key: &OffloadKey) -> LookupResult {
+        let _ = request;
         self.stats.lookups += 1;
-        let Some(&id) = self.index.get(key) else { return LookupResult::Miss };
+        let Some(id) = self.find(key) else { return LookupResult::Miss };
         self.stats.lookup_hits += 1;
-        // A key found is a link in the request's chain: the parent of what it stores next.
-        if let Some(state) = self.requests.get_mut(request) {
-            state.set_chain_last(key.chain_tag(self.config.layout.tag_bytes), *key);
-        }
         if self.entries[id as usize].ready {
             LookupResult::Hit
         } else {
@@ -273,9 +281,9 @@ impl OffloadManager {
 
     /// The state of `key` without counting a lookup (for tests and tools).
     pub fn peek(&self, key: &OffloadKey) -> LookupResult {
-        match self.index.get(key) {
+        match self.find(key) {
             None => LookupResult::Miss,
-            Some(&id) if self.entries[id as usize].ready => LookupResult::Hit,
+            Some(id) if self.entries[id as usize].ready => LookupResult::Hit,
             Some(_) => LookupResult::HitPending,
         }
     }
@@ -296,7 +304,7 @@ impl OffloadManager {
         chunks: &mut Vec<u32>,
     ) -> Result<(), OffloadError> {
         for key in keys {
-            let &id = self.index.get(key).ok_or(OffloadError::UnknownKey { key: *key })?;
+            let id = self.find(key).ok_or(OffloadError::UnknownKey { key: *key })?;
             if !self.entries[id as usize].ready {
                 return Err(OffloadError::NotReady { key: *key });
             }
@@ -305,7 +313,7 @@ impl OffloadManager {
         let tag_bytes = self.config.layout.tag_bytes;
         let state = request_state(&mut self.requests, request);
         for key in keys {
-            let id = self.index[key];
+            let id = find(&self.heads, &self.entries, key).expect("checked above");
             let entry = &mut self.entries[id as usize];
             if entry.pins == 0 {
                 self.loading += 1;
@@ -323,7 +331,7 @@ impl OffloadManager {
     pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<(), OffloadError> {
         let mut needed: HashMap<u32, u32, BuildPassThrough> = HashMap::default();
         for key in keys {
-            let &id = self.index.get(key).ok_or(OffloadError::UnknownKey { key: *key })?;
+            let id = self.find(key).ok_or(OffloadError::UnknownKey { key: *key })?;
             let count = needed.entry(id).or_insert(0);
             *count += 1;
             if self.entries[id as usize].pins < *count {
@@ -331,7 +339,7 @@ impl OffloadManager {
             }
         }
         for key in keys {
-            let id = self.index[key];
+            let id = self.find(key).expect("checked above");
             self.entries[id as usize].pins -= 1;
             if self.entries[id as usize].pins == 0 {
                 self.loading -= 1;
@@ -345,7 +353,7 @@ impl OffloadManager {
     /// Unknown keys are skipped.
     pub fn touch(&mut self, keys: &[OffloadKey]) {
         for key in keys.iter().rev() {
-            if let Some(&id) = self.index.get(key) {
+            if let Some(id) = self.find(key) {
                 self.rerank(id);
             }
         }
@@ -367,12 +375,12 @@ impl OffloadManager {
         // Recorded as the request's accesses, in the order offered: the new keys and the
         // loadable ones (a key another request is still storing is not this one's access).
         for (index, key) in keys.iter().enumerate() {
-            match self.index.get(key) {
+            match find(&self.heads, &self.entries, key) {
                 None => {
                     out.to_store.push(index as u32);
                     state.record(*key);
                 }
-                Some(&id) if self.entries[id as usize].ready => state.record(*key),
+                Some(id) if self.entries[id as usize].ready => state.record(*key),
                 Some(_) => {}
             }
         }
@@ -405,11 +413,11 @@ impl OffloadManager {
                 let chunk = chunks.next().expect("one chunk per key to store");
                 let parent = self.requests[request]
                     .chain_last(tag)
-                    .and_then(|parent| self.index.get(&parent).copied())
+                    .and_then(|parent| self.find(&parent))
                     .unwrap_or(NONE);
                 self.insert(*key, chunk, parent);
             }
-            if self.index.contains_key(key) {
+            if self.find(key).is_some() {
                 request_state(&mut self.requests, request).set_chain_last(tag, *key);
             }
         }
@@ -422,7 +430,7 @@ impl OffloadManager {
     pub fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
         let mut stored = Vec::new();
         for key in keys {
-            let Some(&id) = self.index.get(key) else { continue };
+            let Some(id) = self.find(key) else { continue };
             if self.entries[id as usize].ready {
                 continue;
             }
@@ -470,7 +478,7 @@ impl OffloadManager {
             order.sort_by_key(|&index| positions[index]);
         }
         for &index in order.iter().rev() {
-            if let Some(&id) = self.index.get(&state.seen[index]) {
+            if let Some(id) = self.find(&state.seen[index]) {
                 self.rerank(id);
             }
         }
@@ -496,7 +504,8 @@ impl OffloadManager {
     /// Drops every key and request (vLLM `reset_cache`); completions of earlier stores and
     /// loads are not expected any more.
     pub fn reset(&mut self) {
-        self.index.clear();
+        self.heads.clear();
+        self.live = 0;
         self.entries.clear();
         self.free_entries.clear();
         self.pool.clear();
@@ -518,22 +527,19 @@ impl OffloadManager {
 
     /// The chunk of `key`, if cached.
     pub fn chunk_of(&self, key: &OffloadKey) -> Option<u32> {
-        self.index.get(key).map(|&id| self.entries[id as usize].chunk)
+        self.find(key).map(|id| self.entries[id as usize].chunk)
     }
 
     /// The key `key` was linked under when stored, if it is cached and has one.
     pub fn parent_of(&self, key: &OffloadKey) -> Option<OffloadKey> {
-        let &id = self.index.get(key)?;
+        let id = self.find(key)?;
         let parent = self.entries[id as usize].parent;
         (parent != NONE).then(|| self.entries[parent as usize].key)
     }
 
     /// Every cached key with whether it is loadable (for tests and differential checks).
     pub fn keys(&self) -> impl Iterator<Item = (OffloadKey, bool)> + '_ {
-        self.index.values().map(|&id| {
-            let entry = &self.entries[id as usize];
-            (entry.key, entry.ready)
-        })
+        self.entries.iter().filter(|entry| entry.live).map(|entry| (entry.key, entry.ready))
     }
 
     fn insert(&mut self, key: OffloadKey, chunk: u32, parent: u32) {
@@ -549,6 +555,8 @@ impl OffloadManager {
             rank,
             pins: 0,
             ready: false,
+            same_hash: NONE,
+            live: true,
         };
         let id = match self.free_entries.pop() {
             Some(id) => {
@@ -570,7 +578,9 @@ impl OffloadManager {
             parent_entry.first_child = id;
             parent_entry.children += 1;
         }
-        self.index.insert(key, id);
+        let next = self.heads.insert(key.hash64(), id).unwrap_or(NONE);
+        self.entries[id as usize].same_hash = next;
+        self.live += 1;
         self.storing += 1;
     }
 
@@ -602,8 +612,39 @@ impl OffloadManager {
         self.pool
             .free(entry.chunk)
             .expect("an entry's chunk is in use: a programming error otherwise");
-        self.index.remove(&entry.key);
+        self.unindex(id);
+        self.entries[id as usize].live = false;
+        self.live -= 1;
         self.free_entries.push(id);
+    }
+
+    /// The entry holding `key`.
+    fn find(&self, key: &OffloadKey) -> Option<u32> {
+        find(&self.heads, &self.entries, key)
+    }
+
+    /// Takes entry `id` out of its hash chain.
+    fn unindex(&mut self, id: u32) {
+        let hash = self.entries[id as usize].key.hash64();
+        let next = self.entries[id as usize].same_hash;
+        let head = self.heads[&hash];
+        if head == id {
+            if next == NONE {
+                self.heads.remove(&hash);
+            } else {
+                self.heads.insert(hash, next);
+            }
+            return;
+        }
+        let mut previous = head;
+        while self.entries[previous as usize].same_hash != id {
+            previous = self.entries[previous as usize].same_hash;
+            assert_ne!(
+                previous, NONE,
+                "an indexed entry is in its hash chain: a programming error"
+            );
+        }
+        self.entries[previous as usize].same_hash = next;
     }
 
     /// A new rank for entry `id`, and a new candidate record if it is one.
@@ -625,14 +666,13 @@ impl OffloadManager {
             self.candidates.push(self.entries[id as usize].rank, id);
         }
         let entries = &self.entries;
-        let index = &self.index;
         let order = self.config.order;
-        self.candidates.compact_if_bloated(index.len(), || {
-            index
-                .values()
-                .filter_map(|&id| {
-                    let entry = &entries[id as usize];
-                    let candidate = entry.ready
+        self.candidates.compact_if_bloated(self.live, || {
+            (0u32..)
+                .zip(entries)
+                .filter_map(|(id, entry)| {
+                    let candidate = entry.live
+                        && entry.ready
                         && entry.pins == 0
                         && (order == EvictionOrder::Flat || entry.children == 0);
                     candidate.then_some((entry.rank, id))
@@ -643,9 +683,7 @@ impl OffloadManager {
 
     /// Whether heap record `(rank, id)` names entry `id` as it is now.
     fn record_is_current(&self, rank: Rank, id: u32) -> bool {
-        self.entries
-            .get(id as usize)
-            .is_some_and(|entry| entry.rank == rank && self.index.get(&entry.key) == Some(&id))
+        self.entries.get(id as usize).is_some_and(|entry| entry.live && entry.rank == rank)
     }
 
     /// Evicts `count` candidates not among `protected` (module flow, step 4), appending their
@@ -661,7 +699,7 @@ impl OffloadManager {
         self.selected_set.clear();
         self.gone_children.clear();
         let protected_ids: HashSet<u32, BuildPassThrough> =
-            protected.iter().filter_map(|key| self.index.get(key).copied()).collect();
+            protected.iter().filter_map(|key| self.find(key)).collect();
         while self.selected.len() < count {
             let Some((rank, id)) = self.candidates.pop() else { break };
             if !self.record_is_current(rank, id) || self.selected_set.contains(&id) {
@@ -713,7 +751,7 @@ impl OffloadManager {
         let tag_bytes = self.config.layout.tag_bytes;
         let Some(state) = self.requests.get_mut(request) else { return };
         for key in keys {
-            if self.index.contains_key(key) {
+            if find(&self.heads, &self.entries, key).is_some() {
                 state.set_chain_last(key.chain_tag(tag_bytes), *key);
             }
         }
@@ -722,19 +760,37 @@ impl OffloadManager {
     /// Checks the manager's internal agreements; a violation is a bug in this module.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check()?;
-        if self.pool.used_count() != self.index.len() {
-            return Err(format!(
-                "{} chunks in use for {} keys",
-                self.pool.used_count(),
-                self.index.len()
-            ));
+        if self.pool.used_count() != self.live {
+            return Err(format!("{} chunks in use for {} keys", self.pool.used_count(), self.live));
         }
         let mut chunks = HashSet::new();
         let mut children: HashMap<u32, u32> = HashMap::new();
-        for (key, &id) in &self.index {
-            let entry = self.entries.get(id as usize).ok_or("an index entry out of range")?;
-            if entry.key != *key {
-                return Err(format!("entry {id} holds {:?}, indexed as {key:?}", entry.key));
+        let mut indexed = 0;
+        for (&hash, &head) in &self.heads {
+            let mut id = head;
+            while id != NONE {
+                let entry = self.entries.get(id as usize).ok_or("an index entry out of range")?;
+                if !entry.live || entry.key.hash64() != hash {
+                    return Err(format!("entry {id} is chained under the wrong hash, or dead"));
+                }
+                indexed += 1;
+                id = entry.same_hash;
+            }
+        }
+        let live_ids: Vec<u32> =
+            (0u32..).zip(&self.entries).filter(|(_, entry)| entry.live).map(|(id, _)| id).collect();
+        if indexed != self.live || live_ids.len() != self.live {
+            return Err(format!(
+                "{indexed} entries indexed, {} live, {} counted",
+                live_ids.len(),
+                self.live
+            ));
+        }
+        for &id in &live_ids {
+            let entry = &self.entries[id as usize];
+            let key = entry.key;
+            if self.find(&key) != Some(id) {
+                return Err(format!("{key:?} is not found at its entry {id}"));
             }
             if !self.pool.is_used(entry.chunk) || !chunks.insert(entry.chunk) {
                 return Err(format!("chunk {} of {key:?} is free or shared", entry.chunk));
@@ -743,15 +799,14 @@ impl OffloadManager {
                 return Err(format!("{key:?} is pinned by a load before its store completed"));
             }
             if entry.parent != NONE {
-                let parent = &self.entries[entry.parent as usize];
-                if self.index.get(&parent.key) != Some(&entry.parent) {
+                if !self.entries[entry.parent as usize].live {
                     return Err(format!("{key:?} names a parent that is not cached"));
                 }
                 *children.entry(entry.parent).or_insert(0) += 1;
             }
         }
         let records: HashSet<(Rank, u32)> = self.candidates.records().collect();
-        for &id in self.index.values() {
+        for &id in &live_ids {
             let entry = &self.entries[id as usize];
             let counted = children.get(&id).copied().unwrap_or(0);
             let mut listed = 0;
@@ -786,4 +841,47 @@ fn request_state<'a>(
         requests.insert(RequestName::new(request), RequestKeys::default());
     }
     requests.get_mut(request).expect("inserted just above")
+}
+
+/// The entry holding `key` in the hash chains `heads` (module documentation of the index).
+fn find(
+    heads: &HashMap<u64, u32, BuildPassThrough>,
+    entries: &[Entry],
+    key: &OffloadKey,
+) -> Option<u32> {
+    let mut id = *heads.get(&key.hash64())?;
+    while id != NONE {
+        let entry = &entries[id as usize];
+        if entry.key == *key {
+            return Some(id);
+        }
+        id = entry.same_hash;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_that_share_a_hash_stay_distinct_entries() {
+        let mut manager = OffloadManager::new(OffloadConfig::new(8)).unwrap();
+        let keys: Vec<OffloadKey> =
+            (0u8..4).map(|byte| OffloadKey::with_hash_for_tests(&[byte; 36], 7)).collect();
+        let mut out = PreparedStore::default();
+        assert!(manager.prepare_store("r", &keys, &mut out));
+        assert_eq!(out.to_store, vec![0, 1, 2, 3], "no key is taken for another");
+        manager.complete_store(&keys[..2], true);
+        assert_eq!(manager.peek(&keys[0]), LookupResult::Hit);
+        assert_eq!(manager.peek(&keys[3]), LookupResult::HitPending);
+        // Drop one from the middle of the chain, then one from its head.
+        manager.complete_store(&keys[2..3], false);
+        manager.complete_store(&keys[3..], false);
+        assert_eq!(manager.peek(&keys[2]), LookupResult::Miss);
+        assert_eq!(manager.peek(&keys[1]), LookupResult::Hit);
+        manager.check_invariants().unwrap();
+        let other = OffloadKey::with_hash_for_tests(&[9; 36], 7);
+        assert_eq!(manager.peek(&other), LookupResult::Miss);
+    }
 }

@@ -1,0 +1,112 @@
+"""kvshm's offloading worker with CPU tensors: stores and loads of real bytes through the
+shared-memory host tier, as vLLM's worker connector submits them."""
+
+import pytest
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    OffloadingWorker,
+    ReqContext,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+import kvshm
+from kvshm.vllm import KvshmLoadStoreSpec, KvshmOffloadingWorker
+
+from .test_spec_factory import offloading_config
+
+BLOCKS = 32
+PAGE = 256
+
+
+def kv_caches(groups: list[list[int]], tensors: int) -> CanonicalKVCaches:
+    return CanonicalKVCaches(
+        tensors=[
+            CanonicalKVCacheTensor(
+                tensor=torch.zeros((BLOCKS, PAGE), dtype=torch.int8), page_size_bytes=PAGE
+            )
+            for _ in range(tensors)
+        ],
+        group_data_refs=[
+            [CanonicalKVCacheRef(tensor_idx=index, page_size_bytes=PAGE) for index in group]
+            for group in groups
+        ],
+    )
+
+
+def fill(caches: CanonicalKVCaches, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    for entry in caches.tensors:
+        entry.tensor.copy_(torch.randint(-128, 127, (BLOCKS, PAGE), generator=generator))
+    return [entry.tensor.clone() for entry in caches.tensors]
+
+
+def key(n: int, group: int) -> bytes:
+    return n.to_bytes(32, "little") + group.to_bytes(4, "big")
+
+
+def finish(worker: OffloadingWorker, job: int) -> None:
+    results = worker.get_finished()
+    assert [(r.job_id, r.success) for r in results] == [(job, True)]
+    assert results[0].transfer_size > 0
+
+
+def test_blocks_stored_from_cpu_tensors_load_back_into_other_blocks(name: str) -> None:
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": 16,
+        "segment_name": name,
+    }
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+    manager = spec.get_manager()
+    caches = kv_caches([[0, 1], [2]], tensors=3)
+    worker = spec.get_worker(caches)
+    assert isinstance(worker, KvshmOffloadingWorker)
+    original = fill(caches, seed=1)
+    context = ReqContext(req_id="r")
+    manager.on_new_request(context)
+    keys = [key(n, 0) for n in range(3)] + [key(n, 1) for n in range(2)]
+    prepared = manager.prepare_store(keys, context)
+    assert prepared.keys_to_store == keys
+    # Group 0: blocks 4, 5, 6; group 1: blocks 9, 10.
+    source = GPULoadStoreSpec([4, 5, 6, 9, 10], group_sizes=[3, 2], block_indices=[0, 0])
+    assert worker.submit_store(1, source, prepared.store_spec)
+    finish(worker, 1)
+    manager.complete_store(set(keys), context)
+    for entry in caches.tensors:
+        entry.tensor.zero_()
+    load = manager.prepare_load(keys, context)
+    assert isinstance(load, KvshmLoadStoreSpec)
+    target = GPULoadStoreSpec([20, 21, 22, 27, 28], group_sizes=[3, 2], block_indices=[0, 0])
+    assert worker.submit_load(2, load, target, expedited=True)
+    worker.wait({2})
+    finish(worker, 2)
+    manager.complete_load(keys, context)
+    tensors = [entry.tensor for entry in caches.tensors]
+    for tensor in (0, 1):
+        for src, dst in [(4, 20), (5, 21), (6, 22)]:
+            assert torch.equal(tensors[tensor][dst], original[tensor][src])
+        assert not tensors[tensor][27].any(), "group 1's blocks are not in tensors 0 and 1"
+    for src, dst in [(9, 27), (10, 28)]:
+        assert torch.equal(tensors[2][dst], original[2][src])
+    worker.shutdown()
+
+
+def test_a_tensor_layout_the_host_tier_cannot_hold_is_refused(name: str) -> None:
+    caches = CanonicalKVCaches(
+        tensors=[
+            CanonicalKVCacheTensor(
+                tensor=torch.zeros((4, 64), dtype=torch.int8), page_size_bytes=64
+            ),
+            CanonicalKVCacheTensor(
+                tensor=torch.zeros((4, 32), dtype=torch.int8), page_size_bytes=32
+            ),
+        ],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=64)]],
+    )
+    with pytest.raises(kvshm.ConfigError, match="page size"):
+        KvshmOffloadingWorker(caches, segment=name, num_chunks=4, blocks_per_chunk=1)
