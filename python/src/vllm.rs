@@ -33,6 +33,11 @@ struct VllmTypes {
     request_context: Py<PyAny>,
 }
 
+/// `VllmTypes` as Python hands it over: `((MISS, HIT, HIT_PENDING), PrepareStoreOutput, spec
+/// class, OffloadingEvent, Medium.CPU, RequestOffloadingContext)`.
+type VllmTypeTuple =
+    ((Py<PyAny>, Py<PyAny>, Py<PyAny>), Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>);
+
 /// The Rust half of `kvshm.vllm.KvshmOffloadingManager`.
 #[pyclass(subclass, module = "kvshm")]
 pub struct VllmManagerCore {
@@ -56,14 +61,7 @@ impl VllmManagerCore {
     #[pyo3(signature = (chunks, *, vllm_types, eviction="leaf_first", events=false, tag_bytes=4))]
     fn new(
         chunks: u32,
-        vllm_types: (
-            (Py<PyAny>, Py<PyAny>, Py<PyAny>),
-            Py<PyAny>,
-            Py<PyAny>,
-            Py<PyAny>,
-            Py<PyAny>,
-            Py<PyAny>,
-        ),
+        vllm_types: VllmTypeTuple,
         eviction: &str,
         events: bool,
         tag_bytes: usize,
