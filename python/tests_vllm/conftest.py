@@ -2,8 +2,16 @@
 
 import itertools
 import os
+from collections.abc import Callable
 
 import pytest
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
 
 _counter = itertools.count()
 
@@ -11,3 +19,33 @@ _counter = itertools.count()
 @pytest.fixture
 def name(request: pytest.FixtureRequest) -> str:
     return f"pyv-{request.node.name.replace('_', '')[:20]}-{os.getpid()}-{next(_counter)}"
+
+
+def make_offloading_config(extra: dict, world_size: int = 2) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=64 * 1024,
+        enable_kv_cache_events=True,
+        extra_config=extra,
+        engine_id="engine/0",
+        model=OffloadingModelConfig(name="m", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+@pytest.fixture
+def offloading_config() -> Callable[..., OffloadingConfig]:
+    """Builds the OffloadingConfig vLLM hands a spec (one group, 16-token blocks)."""
+    return make_offloading_config

@@ -5,13 +5,6 @@ import json
 import pytest
 from vllm.config import KVTransferConfig
 from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 import kvshm
@@ -31,31 +24,7 @@ KV_TRANSFER_CONFIG = json.dumps(
 )
 
 
-def offloading_config(extra: dict, world_size: int = 2) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=64 * 1024,
-        enable_kv_cache_events=True,
-        extra_config=extra,
-        engine_id="engine/0",
-        model=OffloadingModelConfig(name="m", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
-
-
-def test_the_factory_loads_kvshms_spec_from_the_kv_transfer_config() -> None:
+def test_the_factory_loads_kvshms_spec_from_the_kv_transfer_config(offloading_config) -> None:
     transfer = KVTransferConfig(**json.loads(KV_TRANSFER_CONFIG))
     assert transfer.kv_connector == "OffloadingConnector"
     extra = transfer.kv_connector_extra_config
@@ -73,7 +42,7 @@ def test_the_factory_loads_kvshms_spec_from_the_kv_transfer_config() -> None:
     assert manager.rust.stats()["chunks"] == 512
 
 
-def test_a_spec_without_a_host_tier_size_is_refused_with_a_message() -> None:
+def test_a_spec_without_a_host_tier_size_is_refused_with_a_message(offloading_config) -> None:
     extra = {"spec_name": "KvshmOffloadingSpec", "spec_module_path": "kvshm.vllm"}
     with pytest.raises(kvshm.ConfigError, match="cpu_bytes_to_use"):
         OffloadingSpecFactory.create_spec(offloading_config(extra))

@@ -16,8 +16,6 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 import kvshm
 from kvshm.vllm import KvshmLoadStoreSpec, KvshmOffloadingWorker
 
-from .test_spec_factory import offloading_config
-
 BLOCKS = 32
 PAGE = 256
 
@@ -54,7 +52,9 @@ def finish(worker: OffloadingWorker, job: int) -> None:
     assert results[0].transfer_size > 0
 
 
-def test_blocks_stored_from_cpu_tensors_load_back_into_other_blocks(name: str) -> None:
+def test_blocks_stored_from_cpu_tensors_load_back_into_other_blocks(
+    name: str, offloading_config
+) -> None:
     extra = {
         "spec_name": "KvshmOffloadingSpec",
         "spec_module_path": "kvshm.vllm",
