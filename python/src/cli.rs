@@ -10,7 +10,11 @@ use pyo3::prelude::*;
 
 /// `kvshm worker`'s arguments, as the binary parses them.
 #[derive(Debug, Parser)]
-#[command(name = "python -m kvshm worker", about = "Run the copy worker of one rank of a segment")]
+#[command(
+    name = "python -m kvshm worker",
+    bin_name = "python -m kvshm worker",
+    about = "Run the copy worker of one rank of a segment"
+)]
 struct WorkerCli {
     #[command(flatten)]
     args: kvshm::cli::worker::Args,
@@ -41,7 +45,8 @@ pub fn run_worker(py: Python<'_>, argv: Vec<String>) -> i32 {
 /// Runs `kvctl` with `argv`; returns the process exit status.
 #[pyfunction]
 pub fn run_kvctl(py: Python<'_>, argv: Vec<String>) -> i32 {
-    let cli = match kvctl::Cli::try_parse_from(std::iter::once("kvctl".to_owned()).chain(argv)) {
+    let program = "python -m kvshm kvctl".to_owned();
+    let cli = match kvctl::Cli::try_parse_from(std::iter::once(program).chain(argv)) {
         Ok(cli) => cli,
         Err(error) => return clap_exit(error),
     };

@@ -179,3 +179,48 @@ def test_a_waiting_request_gives_its_holds_back_and_picks_up_blocks_cached_meanw
             service.release_match(2)
         assert service.common_prefix_blocks(3) == 4
         service.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda s: s.match_prefix(-1, [], 0), OverflowError),
+        (lambda s: s.match_prefix(1, None, 0), TypeError),
+        (lambda s: s.allocate(1, -5), OverflowError),
+        (lambda s: s.wait(2**70), OverflowError),
+        (lambda s: s.wait(1, timeout=float("nan")), ValueError),
+        (lambda s: s.wait(1, timeout=1e300), ValueError),
+        (lambda s: s.read_device_region(0, 2**31, 0), ValueError),
+        (lambda s: s.read_device_region(7, 0, 0), ValueError),
+        (lambda s: s.write_device_region(0, 0, 0, b"short"), ValueError),
+        (lambda s: s.write_device_region(0, 0, 99, bytes(64)), ValueError),
+        (lambda s: s.commit(1, 2**62, [1, 2]), kvshm.KvshmError),
+        (lambda s: s.resize_device(2**32 - 1), kvshm.ResizeError),
+        (lambda s: s.lookup([2**128]), ValueError),
+    ],
+)
+def test_bad_arguments_raise_exceptions_never_a_panic(name: str, call, error) -> None:
+    # A Rust panic would surface as pyo3's PanicException, a BaseException these do not catch.
+    with make_service(name) as service:
+        service.match_prefix(1, [], 0)
+        with pytest.raises(error):
+            call(service)
+        service.check_invariants()
+
+
+def test_offload_calls_with_bad_arguments_raise_exceptions_never_a_panic() -> None:
+    manager = kvshm.OffloadManager(4)
+    with pytest.raises(TypeError):
+        manager.prepare_store([b"a", 5], "r")
+    with pytest.raises(TypeError):
+        manager.complete_store(None)
+    manager.prepare_store([b"a"], "r")
+    with pytest.raises(ValueError, match="positions"):
+        manager.on_request_finished("r", [1, 2, 3])
+    with pytest.raises(kvshm.ConfigError):
+        kvshm.OffloadManager(4, eviction="random")
+    with pytest.raises(kvshm.ConfigError):
+        kvshm.OffloadManager(4, tag_bytes=9)
+    with pytest.raises(kvshm.ConfigError):
+        kvshm.OffloadManager(2**32 - 1)
+    manager.check_invariants()
