@@ -1,6 +1,7 @@
 //! One rank's host tier for an engine that keeps its own tensors: in-process stores and loads
 //! of real bytes, groups that own some tensors only, and the refusals of the worker mode.
 
+use kvshm::offload::host_tier::Backend;
 use kvshm::offload::transfer::{Direction, EngineLayout, TensorMemory};
 use kvshm::offload::{HostTier, HostTierError, TierEngine};
 use kvshm::service::SegmentName;
@@ -104,10 +105,80 @@ fn tensors_smaller_than_the_layout_are_refused() {
 
 #[test]
 fn worker_copies_need_every_group_to_span_every_tensor() {
-    let result =
-        HostTier::create(&name("partial"), layout(vec![vec![0, 1], vec![1]]), TierEngine::Workers);
+    let result = HostTier::create(
+        &name("partial"),
+        layout(vec![vec![0, 1], vec![1]]),
+        TierEngine::Workers(Backend::Cuda),
+    );
     assert!(matches!(result, Err(HostTierError::PartialGroup { group: 1, used: 1, tensors: 2 })));
-    let tier =
-        HostTier::create(&name("workers"), layout(vec![vec![0, 1]]), TierEngine::Workers).unwrap();
+    let tier = HostTier::create(
+        &name("workers"),
+        layout(vec![vec![0, 1]]),
+        TierEngine::Workers(Backend::Cuda),
+    )
+    .unwrap();
     assert!(!tier.worker_up(), "no worker attached yet");
+}
+
+mod service_support;
+
+use std::time::{Duration, Instant};
+
+use service_support::WorkerProcess;
+
+#[test]
+fn a_worker_killed_in_the_middle_of_a_job_is_replaced_and_the_job_still_succeeds() {
+    // The device tier is an arena of the segment here (no GPU): the same relay as on CUDA.
+    let layout = EngineLayout {
+        page_bytes: 4096,
+        tensors: 2,
+        device_blocks: 16,
+        chunks: 16,
+        blocks_per_chunk: 1,
+        groups: vec![vec![0, 1]],
+    };
+    let mut tier =
+        HostTier::create(&name("relay"), layout, TierEngine::Workers(Backend::HostArena)).unwrap();
+    let memory = tier.device_memory().unwrap();
+    let page = |block: u32, region: u32| vec![(block * 7 + region) as u8 + 1; 4096];
+    for block in 0..8 {
+        for region in 0..2 {
+            memory.write_device_region(block, region, &page(block, region)).unwrap();
+        }
+    }
+    // No worker yet: the job waits rather than failing.
+    let device: Vec<i64> = (0..8).collect();
+    let chunks: Vec<i64> = (8..16).collect();
+    tier.submit(1, Direction::Store, &device, &[8], &[0], &chunks).unwrap();
+    let mut done = Vec::new();
+    tier.take_finished(&mut done);
+    assert!(done.is_empty());
+    // A slow worker (400 ms per layer) takes the job and dies in the middle of it.
+    let mut slow = WorkerProcess::spawn(tier.name(), 0, Some(400_000));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !tier.worker_up() {
+        assert!(Instant::now() < deadline, "the worker attaches");
+        tier.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    slow.kill_hard();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while tier.worker_up() {
+        assert!(Instant::now() < deadline, "the death is noticed");
+        tier.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    tier.take_finished(&mut done);
+    assert!(done.is_empty(), "a worker crash is not a failed job: {done:?}");
+    // Its replacement carries the job out.
+    let _worker = WorkerProcess::spawn(tier.name(), 0, None);
+    assert!(tier.wait(&[1], Duration::from_secs(20)));
+    tier.take_finished(&mut done);
+    assert_eq!((done[0].job, done[0].success), (1, true));
+    for block in 0..8 {
+        let host = tier.host_block(8 + block).unwrap();
+        assert_eq!(host[..4096], page(block, 0)[..]);
+        assert_eq!(host[4096..], page(block, 1)[..]);
+    }
 }

@@ -9,7 +9,7 @@ use kvshm::offload::{
     EvictionOrder, HostTier as RustHostTier, HostTierError, KeyLayout, LookupResult, OffloadConfig,
     OffloadKey, OffloadManager as RustManager, PreparedStore, TierEngine,
 };
-use kvshm::service::{DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
+use kvshm::service::{Backend, DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -294,7 +294,7 @@ impl HostTier {
             groups,
         };
         let engine = if buffers.is_empty() {
-            TierEngine::Workers
+            TierEngine::Workers(Backend::Cuda)
         } else {
             let described = buffers
                 .iter()

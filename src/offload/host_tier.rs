@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
-use kvshm_ipc::config::Backend;
+pub use kvshm_ipc::config::Backend;
 use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle};
 use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
@@ -33,8 +33,10 @@ use crate::service::{DirectCopyId, DirectCopyOutcome, Service, ServiceConfig, Se
 pub enum TierEngine {
     /// The tensors are in this process's memory: copies run in process.
     InProcess(TensorMemory),
-    /// The tensors are on a GPU: a kvshm worker process copies.
-    Workers,
+    /// A kvshm worker process copies: on `Backend::Cuda` between the engine's GPU tensors (their
+    /// IPC handles published) and the host tier; on `Backend::HostArena` the device tier is a
+    /// shared-memory arena of the segment (machines without a GPU, and tests).
+    Workers(Backend),
 }
 
 /// Why a host tier cannot be made or a job cannot be taken; nothing was copied.
@@ -94,7 +96,7 @@ impl HostTier {
         engine: TierEngine,
     ) -> Result<HostTier, HostTierError> {
         layout.validate()?;
-        if let TierEngine::Workers = engine {
+        if let TierEngine::Workers(_) = engine {
             for (group, tensors) in layout.groups.iter().enumerate() {
                 let mut used = tensors.clone();
                 used.sort_unstable();
@@ -111,8 +113,11 @@ impl HostTier {
         let cache =
             CacheConfig::new(1, layout.device_blocks).with_host_blocks(layout.host_blocks()?);
         let mut config = ServiceConfig::new(cache, 1, 1, layout.tensors, layout.page_bytes);
-        // The device tier is the engine's own memory, never an arena of the segment.
-        config.backend = Backend::Cuda;
+        config.backend = match engine {
+            // The device tier is the engine's own memory, never an arena of the segment.
+            TierEngine::InProcess(_) => Backend::Cuda,
+            TierEngine::Workers(backend) => backend,
+        };
         config.layerwise = false;
         let service = Service::create(name, config)?;
         let host = service.segment().open_arena(ArenaKind::Host, 0)?;
@@ -146,11 +151,16 @@ impl HostTier {
         Ok(self.service.segment().publish_device_handles(0, handles)?)
     }
 
+    /// The device arena of a `Workers(Backend::HostArena)` tier, where the engine's blocks live.
+    pub fn device_memory(&self) -> Option<&crate::service::RankMemory> {
+        self.service.memory(0)
+    }
+
     /// Whether the rank has a live worker (always true for in-process copies).
     pub fn worker_up(&self) -> bool {
         match self.engine {
             TierEngine::InProcess(_) => true,
-            TierEngine::Workers => self
+            TierEngine::Workers(_) => self
                 .service
                 .rank_states()
                 .iter()
@@ -184,7 +194,7 @@ impl HostTier {
                 let seconds = started.elapsed().as_secs_f64();
                 self.finished.push(JobResult { job, success: true, bytes, seconds });
             }
-            TierEngine::Workers => {
+            TierEngine::Workers(_) => {
                 let kind = match direction {
                     Direction::Store => TransferKind::DeviceToHost,
                     Direction::Load => TransferKind::HostToDevice,
@@ -200,7 +210,7 @@ impl HostTier {
 
     /// Reaps the worker's completions, watches it, and collects ended jobs (step 3).
     pub fn poll(&mut self) {
-        if let TierEngine::Workers = self.engine {
+        if let TierEngine::Workers(_) = self.engine {
             self.service.poll();
             self.collect();
         }
