@@ -1,0 +1,80 @@
+"""The GPU side of kvshm's offloading worker, without a GPU: reading the CUDA IPC handles of
+vLLM's KV tensors (and refusing expandable segments), and publishing them for a copy worker."""
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+import kvshm
+from kvshm.vllm import KvshmOffloadingWorker, _device_handle
+
+MEMORY_HANDLE = bytes(range(64))
+
+
+class FakeCudaTensor:
+    """What the worker reads from a CUDA tensor: shape, strides, storage and its IPC handle."""
+
+    is_cuda = True
+
+    def __init__(self, handle: bytes, storage_offset_bytes: int, stride: int = 256) -> None:
+        self.shape = (16, 256)
+        self.device = SimpleNamespace(index=1)
+        self._handle = handle
+        self._storage_offset_bytes = storage_offset_bytes
+        self._stride = stride
+
+    def untyped_storage(self) -> SimpleNamespace:
+        # torch's (device, handle, size, offset, ref counter file, ref offset, event, sync)
+        shared = (1, self._handle, 1 << 20, self._storage_offset_bytes, b"ref", 0, b"", False)
+        return SimpleNamespace(_share_cuda_=lambda: shared)
+
+    def storage_offset(self) -> int:
+        return 8
+
+    def element_size(self) -> int:
+        return 1
+
+    def stride(self, dim: int) -> int:
+        return self._stride if dim == 0 else 1
+
+
+def caches(tensors: list[FakeCudaTensor]) -> CanonicalKVCaches:
+    return CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(tensor=t, page_size_bytes=256) for t in tensors],
+        group_data_refs=[
+            [CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=256) for i in range(len(tensors))]
+        ],
+    )
+
+
+def test_a_tensors_handle_offset_length_and_stride_come_from_its_storage() -> None:
+    tensor = FakeCudaTensor(b"\x02c" + MEMORY_HANDLE, storage_offset_bytes=4096)
+    handle, offset, length, stride = _device_handle(tensor)
+    assert handle == MEMORY_HANDLE
+    assert offset == 4096 + 8, "the storage's offset in its block, then the tensor's in it"
+    assert (length, stride) == (15 * 256 + 256, 256)
+
+
+def test_a_tensor_in_an_expandable_segment_is_refused_naming_the_setting() -> None:
+    tensor = FakeCudaTensor(b"\x02e" + bytes(30), storage_offset_bytes=0)
+    with pytest.raises(kvshm.DeviceHandleError, match="expandable_segments:False"):
+        _device_handle(tensor)
+    with pytest.raises(kvshm.DeviceHandleError):
+        KvshmOffloadingWorker(caches([tensor]), segment="unused", num_chunks=4, blocks_per_chunk=1)
+
+
+def test_the_worker_publishes_every_tensors_handle_for_the_copy_worker(name: str) -> None:
+    tensors = [FakeCudaTensor(b"\x02c" + MEMORY_HANDLE, 0) for _ in range(2)]
+    worker = KvshmOffloadingWorker(
+        caches(tensors), segment=name, num_chunks=8, blocks_per_chunk=1, spawn_workers=False
+    )
+    assert not worker.tier.worker_up, "no copy worker started: spawn_workers is off"
+    assert worker.tier.name == name
+    worker.shutdown()
+
+
+def test_tensors_of_different_block_strides_are_refused(name: str) -> None:
+    tensors = [FakeCudaTensor(MEMORY_HANDLE, 0, stride=256), FakeCudaTensor(MEMORY_HANDLE, 0, 512)]
+    with pytest.raises(kvshm.ConfigError, match="stride"):
+        KvshmOffloadingWorker(caches(tensors), segment=name, num_chunks=4, blocks_per_chunk=1)
