@@ -99,6 +99,7 @@ class KvshmOffloadingManager(VllmManagerCore, OffloadingManager):
         )
 
     def __init__(self, num_chunks: int, eviction: str = "leaf_first", events: bool = False) -> None:
+        OffloadingManager.__init__(self)  # later vLLMs keep state there (the lock)
         self.num_chunks = num_chunks
 
     @property
@@ -184,6 +185,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
         spawn_workers: bool = True,
         worker_command: list[str] | None = None,
     ) -> None:
+        super().__init__()
         tensors = [entry.tensor for entry in kv_caches.tensors]
         if not tensors:
             raise ConfigError("vLLM registered no KV tensors to offload")
