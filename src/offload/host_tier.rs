@@ -242,21 +242,15 @@ impl HostTier {
         }
     }
 
-    /// The bytes of host block `block` (every tensor's page), for checks and tools.
+    /// The bytes of host block `block` (every tensor's page), for checks and tools. Read with
+    /// atomic accesses: a copy writing the block meanwhile makes them a mix, never undefined.
     pub fn host_block(&self, block: u32) -> Option<Vec<u8>> {
-        let bytes = self.layout.host_block_bytes() as usize;
-        let start = (block as usize).checked_mul(bytes)?;
-        if block >= self.layout.host_blocks().ok()? || start + bytes > self.host.data_len() {
+        if block >= self.layout.host_blocks().ok()? {
             return None;
         }
+        let bytes = self.layout.host_block_bytes() as usize;
         let mut out = vec![0; bytes];
-        // SAFETY: `start + bytes` lies inside the arena's data (checked above). The arena is
-        // shared memory another process (a worker) may write: copying bytes out is sound for any
-        // content, and a block a copy is writing right now reads as a mix (callers check blocks
-        // no copy touches).
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.host.data_ptr().add(start), out.as_mut_ptr(), bytes)
-        };
+        self.host.read_data(block as usize * bytes, &mut out).ok()?;
         Some(out)
     }
 
