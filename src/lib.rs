@@ -13,6 +13,7 @@
 //!   cache (vLLM's offloading connector).
 //! - [`percentiles`]: the p50/p99 summary of the benchmark and demo reports.
 //! - [`service`]: the cache manager wired to the segment and the workers.
+//! - [`storage`]: the storage tier below host: local disk and Redis back-ends.
 //! - [`worker`]: the worker side: validating and executing copy commands.
 //! - [`trace`]: reading Mooncake-format request traces.
 //! - [`cli`]: the `kvshm` subcommands.
@@ -24,6 +25,7 @@ pub mod offload;
 pub mod percentiles;
 pub mod pool;
 pub mod service;
+pub mod storage;
 pub mod trace;
 pub mod tree;
 pub mod worker;

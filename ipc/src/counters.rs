@@ -47,11 +47,39 @@ pub enum Counter {
     WorkerCopyBytes,
     /// Nanoseconds the workers spent copying, all ranks together. Workers add to it.
     WorkerCopyNs,
+    /// Blocks the workers wrote to the storage tier (or found there already), all ranks together.
+    StorageStoredBlocks,
+    /// Blocks a STORE could not write (error, timeout, unreachable, full).
+    StorageStoreFailures,
+    /// Blocks a LOAD read back whole and verified.
+    StorageLoadHits,
+    /// Blocks a LOAD did not find (absent, corrupt or failed).
+    StorageLoadMisses,
+    /// Stored blocks whose checksum, length or layout tag was wrong: dropped, read as misses.
+    StorageCorruptBlocks,
+    /// Blocks asked about by QUERY commands.
+    StorageQueryBlocks,
+    /// Storage I/O or protocol errors (each failed block or batch once).
+    StorageErrors,
+    /// Storage operations that did not answer in time.
+    StorageTimeouts,
+    /// Blocks that missed because the storage back-end could not be reached.
+    StorageUnavailable,
+    /// Blocks not stored because the file system or server is full.
+    StorageNoSpace,
+    /// Block bytes written to the storage tier.
+    StorageBytesWritten,
+    /// Block bytes read back from the storage tier and verified.
+    StorageBytesRead,
+    /// Records a back-end dropped to make room (its own LRU).
+    StorageEvictions,
+    /// Nanoseconds the workers' storage threads spent in the back-end.
+    StorageIoNs,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 27] = [
+    pub const ALL: [Counter; 41] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -79,6 +107,20 @@ impl Counter {
         Counter::LastPollNs,
         Counter::WorkerCopyBytes,
         Counter::WorkerCopyNs,
+        Counter::StorageStoredBlocks,
+        Counter::StorageStoreFailures,
+        Counter::StorageLoadHits,
+        Counter::StorageLoadMisses,
+        Counter::StorageCorruptBlocks,
+        Counter::StorageQueryBlocks,
+        Counter::StorageErrors,
+        Counter::StorageTimeouts,
+        Counter::StorageUnavailable,
+        Counter::StorageNoSpace,
+        Counter::StorageBytesWritten,
+        Counter::StorageBytesRead,
+        Counter::StorageEvictions,
+        Counter::StorageIoNs,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -111,6 +153,20 @@ impl Counter {
             Counter::LastPollNs => "last_poll_ns",
             Counter::WorkerCopyBytes => "worker_copy_bytes",
             Counter::WorkerCopyNs => "worker_copy_ns",
+            Counter::StorageStoredBlocks => "storage_stored_blocks",
+            Counter::StorageStoreFailures => "storage_store_failures",
+            Counter::StorageLoadHits => "storage_load_hits",
+            Counter::StorageLoadMisses => "storage_load_misses",
+            Counter::StorageCorruptBlocks => "storage_corrupt_blocks",
+            Counter::StorageQueryBlocks => "storage_query_blocks",
+            Counter::StorageErrors => "storage_errors",
+            Counter::StorageTimeouts => "storage_timeouts",
+            Counter::StorageUnavailable => "storage_unavailable",
+            Counter::StorageNoSpace => "storage_no_space",
+            Counter::StorageBytesWritten => "storage_bytes_written",
+            Counter::StorageBytesRead => "storage_bytes_read",
+            Counter::StorageEvictions => "storage_evictions",
+            Counter::StorageIoNs => "storage_io_ns",
         }
     }
 
@@ -137,7 +193,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::WorkerCopyNs as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::StorageIoNs as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

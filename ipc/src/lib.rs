@@ -19,6 +19,7 @@
 //! - [`process_handle`]: a pidfd on a process seen attaching, and whether a process maps a file.
 //! - [`worker_watch`]: the scheduler's record of each rank's worker, and its fencing decisions.
 //! - [`record`]: the fixed-layout command and completion records.
+//! - [`storage_record`]: the entries of storage commands and their per-block results.
 //! - [`sync`]: std or loom atomics, so that the ring protocol can be model-checked.
 pub mod config;
 pub mod doorbell;
@@ -27,6 +28,7 @@ pub mod name;
 pub mod process_handle;
 pub mod record;
 pub mod ring;
+pub mod storage_record;
 pub mod sync;
 pub mod worker_slot;
 pub mod worker_watch;

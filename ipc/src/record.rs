@@ -13,6 +13,11 @@
 //! also sees every pair slot behind it. Block-pair lists of any length therefore travel without
 //! pointers; a list longer than one ring can hold is split by the producer into several commands.
 //! The worker answers every command with exactly one [`Completion`].
+//!
+//! Storage commands ([`Op::is_storage`]) use the same framing: their payload slots hold one
+//! 64-byte [`crate::storage_record::StorageEntry`] each instead of eight pairs, and their header's
+//! `pair_count` counts eight per entry, so that a reader finds where every command ends without
+//! knowing its op (an unknown op is skipped and refused, never misread).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -45,6 +50,12 @@ pub enum Op {
     Flush = 3,
     /// Answer at once; used to measure round trips and to probe a rank.
     Ping = 4,
+    /// Write host blocks to the storage tier (entries: [`crate::storage_record::StorageEntry`]).
+    StorageStore = 5,
+    /// Read storage blocks into host blocks; the completion says which entries hit.
+    StorageLoad = 6,
+    /// Ask which blocks the storage tier holds (metadata only: no block bytes move).
+    StorageQuery = 7,
 }
 
 impl Op {
@@ -55,12 +66,20 @@ impl Op {
             2 => Some(Op::CopyHostToDevice),
             3 => Some(Op::Flush),
             4 => Some(Op::Ping),
+            5 => Some(Op::StorageStore),
+            6 => Some(Op::StorageLoad),
+            7 => Some(Op::StorageQuery),
             _ => None,
         }
     }
 
     pub fn is_copy(self) -> bool {
         matches!(self, Op::CopyDeviceToHost | Op::CopyHostToDevice)
+    }
+
+    /// Whether the command goes to the storage tier (its payload slots hold storage entries).
+    pub fn is_storage(self) -> bool {
+        matches!(self, Op::StorageStore | Op::StorageLoad | Op::StorageQuery)
     }
 }
 
@@ -171,6 +190,8 @@ pub enum CommandError {
     CopyFailed = 6,
     /// The worker of this rank died with the command in flight (synthesised by the scheduler).
     WorkerDied = 7,
+    /// A storage command reached a worker that runs without a storage tier (`detail`: the op).
+    NoStorage = 8,
 }
 
 impl CommandError {
@@ -183,6 +204,7 @@ impl CommandError {
             5 => CommandError::Malformed,
             6 => CommandError::CopyFailed,
             7 => CommandError::WorkerDied,
+            8 => CommandError::NoStorage,
             _ => return None,
         })
     }

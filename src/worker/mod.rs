@@ -5,6 +5,7 @@
 //! - [`layout`]: where region `r` of block `b` lives in each tier (device region-major, host
 //!   block-major).
 //! - [`validate`]: decoded command + geometry + generation -> [`ValidCommand`] or [`InvalidCommand`].
+//! - [`storage_command`]: the storage part of validation (STORE, LOAD, QUERY entries).
 //! - [`plan`]: coalescing pairs into runs and runs into strided pieces, layer by layer.
 //! - [`engine`]: the [`CopyEngine`] trait and [`CopyFailure`].
 //! - [`host_engine`]: memcpy between two shared-memory mappings (the host backend).
@@ -31,6 +32,7 @@ pub mod layout;
 pub mod plan;
 pub mod process;
 pub mod run;
+pub mod storage_command;
 pub mod stream_copy;
 pub mod validate;
 

@@ -266,6 +266,11 @@ impl<'a> Server<'a> {
                 (Completion::failed(id, generation, error, detail), false)
             }
             Ok(ValidCommand::Flush | ValidCommand::Ping) => (Completion::ok(id, generation), false),
+            // With a storage tier the lane takes these before execute (serve_batch).
+            Ok(ValidCommand::Storage(_)) => (
+                Completion::failed(id, generation, CommandError::NoStorage, header.op.into()),
+                false,
+            ),
             Ok(ValidCommand::Copy { plan, layerwise }) => {
                 (self.copy(id, generation, &plan, layerwise), true)
             }

@@ -16,6 +16,9 @@
 //!    `DestinationOutOfRange`, detail: the first offending id in wire order);
 //! 7. no destination written twice (`Malformed`, detail: the block), while coalescing the pairs
 //!    into a [`CopyPlan`].
+//!
+//! Storage commands (STORE, LOAD, QUERY) pass checks 1 to 5 (their payload counted in pairs, 8 per
+//! entry) and then [`super::storage_command::validate_storage`]'s.
 
 use kvshm_ipc::record::{
     BlockPair, CommandError, CommandHeader, Op, COMMAND_TAG, FLAG_LAYERWISE, KNOWN_FLAGS,
@@ -23,6 +26,7 @@ use kvshm_ipc::record::{
 
 use super::geometry::Geometry;
 use super::plan::{CopyPlan, Direction};
+use super::storage_command::{validate_storage, InvalidStorageCommand, StorageCommand, StorageOp};
 
 /// A command that passed validation.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,6 +41,8 @@ pub enum ValidCommand {
     Flush,
     /// Complete at once.
     Ping,
+    /// A storage command whose host blocks are in range (run by the storage thread).
+    Storage(StorageCommand),
 }
 
 /// Why a command is refused. [`InvalidCommand::to_wire`] gives the completion's error and detail.
@@ -60,6 +66,8 @@ pub enum InvalidCommand {
     DestinationOutOfRange { block: u32, blocks: u32 },
     #[error("destination block {block} is written by two pairs")]
     DuplicateDestination { block: u32 },
+    #[error(transparent)]
+    Storage(#[from] InvalidStorageCommand),
 }
 
 impl InvalidCommand {
@@ -83,6 +91,7 @@ impl InvalidCommand {
             InvalidCommand::DuplicateDestination { block } => {
                 (CommandError::Malformed, block.into())
             }
+            InvalidCommand::Storage(refusal) => refusal.to_wire(),
         }
     }
 }
@@ -120,6 +129,12 @@ pub fn validate(
         Op::CopyHostToDevice => Direction::HostToDevice,
         Op::Flush | Op::Ping if header.pair_count != 0 => {
             return Err(InvalidCommand::PairsOnNonCopy { op, announced: header.pair_count });
+        }
+        Op::StorageStore | Op::StorageLoad | Op::StorageQuery => {
+            let storage_op = StorageOp::of(op).expect("a storage op");
+            return Ok(ValidCommand::Storage(validate_storage(
+                storage_op, header, pairs, geometry,
+            )?));
         }
         Op::Flush => return Ok(ValidCommand::Flush),
         Op::Ping => return Ok(ValidCommand::Ping),

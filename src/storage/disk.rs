@@ -1,0 +1,927 @@
+//! The local-disk back-end: a preallocated slab file per rank, written with O_DIRECT where the
+//! file system allows, and a persisted index, so that the cache survives a restart.
+//!
+//! Core types: [`DiskBackend`], [`DiskOptions`], [`DiskError`], and the test hook [`CrashHook`].
+//!
+//! Files, under `DIR/NAMESPACE/` (one pair per rank, locked by the worker that owns the rank):
+//! - `rank-R.slab`: `capacity` slots of `slot_bytes` (`block_bytes` rounded up to 4 KiB), each
+//!   holding one block's bytes, nothing else, so that a host block goes to disk without a copy;
+//! - `rank-R.index`: the header (layout, capacity) and one record per slot ([`super::disk_index`]).
+//!
+//! In memory: a map from block hash to slot, the free slots, and an LRU list of used slots
+//! threaded through the slot array (ids, not pointers). When no slot is free, a put takes the
+//! least recently used one (counted in `BackendStats::evictions`). A batch is touched in reverse
+//! order, so a prefix stored or read together keeps its first blocks more recent than its last:
+//! the slab drops leaves before their parents.
+//!
+//! One put batch ([`DiskBackend::put`]):
+//!
+//! 1. blocks already stored count as stored; the others get a slot (free, else the LRU one's);
+//! 2. slots that held a record get their index record zeroed first;
+//! 3. the blocks' bytes are written, consecutive slots in one vectored call, straight from the
+//!    caller's memory when it is aligned for O_DIRECT (the host tier is), else through an
+//!    aligned bounce buffer; each block's checksum is computed meanwhile;
+//! 4. the index records (hash, parent, depth, sequence, checksum) are written;
+//! 5. the map and the LRU list learn the new blocks.
+//!
+//! A failed step fails its blocks only; a full file system (`ENOSPC`, `EDQUOT`, or `EFBIG` from a
+//! file size limit) is [`Failure::NoSpace`]. One get batch: look the slots up, read them
+//! (consecutive ones in one call, into the destinations when aligned), verify each block against
+//! its record's checksum; a mismatch drops the record and is [`GetMiss::Corrupt`].
+//!
+//! Crash rules: see [`super::disk_index`]. A process killed at any point leaves every slot empty,
+//! with its old block or with its new block; the test hook [`CrashHook`] kills the process at
+//! each step so that tests can check it.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use super::backend::{
+    check_len, BackendStats, BlockLayout, ContainsOutcome, Failure, GetBlock, GetMiss, GetOutcome,
+    PutBlock, PutOutcome, StorageBackend,
+};
+use super::direct_io::{
+    failure_of, is_aligned, is_no_space, preallocate, read_exact_at, write_all_at, AlignedBuf,
+    DataFile, IoMode, IO_ALIGN,
+};
+use super::disk_index::{
+    check_header, index_path, slab_path, IndexError, IndexFile, IndexHeader, Opened, RecordState,
+    SlotRecord,
+};
+use super::format::payload_checksum;
+use crate::hash::BlockHash;
+
+/// What a disk back-end is opened with.
+#[derive(Clone, Debug)]
+pub struct DiskOptions {
+    /// The directory the user named; the namespace is a directory inside it.
+    pub dir: PathBuf,
+    /// A validated storage namespace ([`super::spec::StorageNamespace`]).
+    pub namespace: String,
+    pub rank: u32,
+    pub layout: BlockLayout,
+    /// Slots of the slab (blocks this rank can hold).
+    pub capacity_blocks: u64,
+    /// Try O_DIRECT (the default); `false` forces buffered I/O.
+    pub prefer_direct: bool,
+    /// Test hook: kill the process at a point of a write (see [`CrashHook`]).
+    pub crash: Option<CrashHook>,
+}
+
+/// Test hook: raise SIGKILL in the middle of the `write`-th block written since the back-end
+/// was opened (counting from 1), at `point`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CrashHook {
+    pub write: u64,
+    pub point: CrashPoint,
+}
+
+/// Where [`CrashHook`] kills the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrashPoint {
+    /// After the old record of the block's slot was zeroed (step 2).
+    AfterInvalidate,
+    /// After half of the block's bytes were written (step 3).
+    MidPayload,
+    /// After the block's bytes were written, before its record (between steps 3 and 4).
+    BeforeRecord,
+}
+
+impl std::str::FromStr for CrashHook {
+    type Err = String;
+
+    /// `POINT@N`, POINT one of `after-invalidate`, `mid-payload`, `before-record`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let error = || {
+            format!(
+                "crash hook {text:?} is not POINT@N (after-invalidate, mid-payload, before-record)"
+            )
+        };
+        let (point, write) = text.split_once('@').ok_or_else(error)?;
+        let point = match point {
+            "after-invalidate" => CrashPoint::AfterInvalidate,
+            "mid-payload" => CrashPoint::MidPayload,
+            "before-record" => CrashPoint::BeforeRecord,
+            _ => return Err(error()),
+        };
+        let write = write.parse().map_err(|_| error())?;
+        Ok(CrashHook { write, point })
+    }
+}
+
+/// Why a disk back-end cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error(
+        "no room for the storage slab {path} ({bytes} bytes for {blocks} blocks): {source}; \
+         free space or ask for fewer storage blocks"
+    )]
+    NoSpace { path: PathBuf, bytes: u64, blocks: u64, source: std::io::Error },
+    #[error("a storage tier of {blocks} blocks needs at least one block")]
+    ZeroCapacity { blocks: u64 },
+    #[error("a slab of {blocks} blocks of {slot_bytes} bytes is too large")]
+    TooLarge { blocks: u64, slot_bytes: u64 },
+}
+
+/// "No slot" in the LRU links.
+const NONE: u32 = u32::MAX;
+
+/// What the index file says about a slot, as far as this process knows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OnDisk {
+    Empty,
+    Valid,
+    /// A write of its record failed: zero it before reusing the slot.
+    Unknown,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    record: SlotRecord,
+    on_disk: OnDisk,
+    /// In the map and the LRU list.
+    used: bool,
+    /// Taken by the batch being run (never evicted by it).
+    pinned: bool,
+    prev: u32,
+    next: u32,
+}
+
+/// The local-disk back-end of one rank (module documentation).
+pub struct DiskBackend {
+    layout: BlockLayout,
+    rank: u32,
+    index: IndexFile,
+    data: DataFile,
+    slab: PathBuf,
+    slot_bytes: u64,
+    slots: Vec<Slot>,
+    by_hash: HashMap<BlockHash, u32>,
+    free: Vec<u32>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used: the next to go.
+    tail: u32,
+    next_sequence: u64,
+    writes: u64,
+    crash: Option<CrashHook>,
+    bounce: Option<AlignedBuf>,
+    stats: BackendStats,
+    /// Damaged records found when opening.
+    damaged_at_open: u64,
+}
+
+impl std::fmt::Debug for DiskBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskBackend")
+            .field("slab", &self.slab)
+            .field("mode", &self.data.mode())
+            .field("capacity", &self.slots.len())
+            .field("used", &self.by_hash.len())
+            .finish()
+    }
+}
+
+impl DiskBackend {
+    /// Opens (or creates) the slab and index of `options.rank` (flow in [`super::disk_index`]).
+    pub fn open(options: &DiskOptions) -> Result<DiskBackend, DiskError> {
+        let capacity = options.capacity_blocks;
+        if capacity == 0 {
+            return Err(DiskError::ZeroCapacity { blocks: capacity });
+        }
+        let slot_bytes = options.layout.block_bytes.div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64;
+        let too_large = || DiskError::TooLarge { blocks: capacity, slot_bytes };
+        let slab_bytes = slot_bytes.checked_mul(capacity).ok_or_else(too_large)?;
+        if capacity >= u64::from(NONE) || slab_bytes > i64::MAX as u64 {
+            return Err(too_large());
+        }
+        let dir = options.dir.join(&options.namespace);
+        std::fs::create_dir_all(&dir)
+            .map_err(|source| DiskError::Io { path: dir.clone(), source })?;
+        let index_file = index_path(&dir, options.rank);
+        let slab = slab_path(&dir, options.rank);
+        let (index, opened) = IndexFile::open(&index_file)?;
+        let io = |path: &Path| {
+            let path = path.to_owned();
+            move |source| DiskError::Io { path, source }
+        };
+        let no_space = |source: std::io::Error| {
+            if is_no_space(&source) {
+                DiskError::NoSpace {
+                    path: slab.clone(),
+                    bytes: slab_bytes,
+                    blocks: capacity,
+                    source,
+                }
+            } else {
+                DiskError::Io { path: slab.clone(), source }
+            }
+        };
+        let header = match opened {
+            Opened::Existing(header) => {
+                check_header(&header, &index_file, options.rank, &options.layout)?;
+                header
+            }
+            Opened::Fresh => {
+                // The slab first, the header last: a creation cut short reads as fresh again.
+                let data = DataFile::open(&slab, true, false).map_err(io(&slab))?;
+                data.file().set_len(0).map_err(io(&slab))?;
+                if let Err(source) = preallocate(data.file(), slab_bytes) {
+                    let _ = std::fs::remove_file(&slab);
+                    let _ = std::fs::remove_file(&index_file);
+                    return Err(no_space(source));
+                }
+                let header = IndexHeader::new(options.rank, &options.layout, slot_bytes, capacity);
+                index.initialise(&header).map_err(io(&index_file))?;
+                header
+            }
+        };
+        let header = if header.capacity != capacity {
+            if capacity > header.capacity {
+                let data = DataFile::open(&slab, true, false).map_err(io(&slab))?;
+                preallocate(data.file(), slab_bytes).map_err(no_space)?;
+            }
+            let header = index.resize(&header, capacity).map_err(io(&index_file))?;
+            let data = DataFile::open(&slab, true, false).map_err(io(&slab))?;
+            data.file().set_len(slab_bytes).map_err(io(&slab))?;
+            header
+        } else {
+            header
+        };
+        let data = DataFile::open(&slab, true, options.prefer_direct).map_err(io(&slab))?;
+        let length = data.file().metadata().map_err(io(&slab))?.len();
+        if length < slab_bytes {
+            // A slab cut short (created by hand, or truncated): take the room again.
+            preallocate(data.file(), slab_bytes).map_err(no_space)?;
+        }
+        let records = index.read_records(header.capacity).map_err(io(&index_file))?;
+        let mut backend = DiskBackend {
+            layout: options.layout,
+            rank: options.rank,
+            index,
+            data,
+            slab,
+            slot_bytes,
+            slots: Vec::new(),
+            by_hash: HashMap::new(),
+            free: Vec::new(),
+            head: NONE,
+            tail: NONE,
+            next_sequence: 1,
+            writes: 0,
+            crash: options.crash,
+            bounce: None,
+            stats: BackendStats { capacity_blocks: Some(capacity), ..BackendStats::default() },
+            damaged_at_open: 0,
+        };
+        backend.load_records(&records);
+        Ok(backend)
+    }
+
+    /// Builds the in-memory index from the records read at open: valid records are used slots in
+    /// sequence order (oldest at the LRU tail); a hash found twice keeps its newest record;
+    /// damaged records are zeroed.
+    fn load_records(&mut self, records: &[SlotRecord]) {
+        let capacity = records.len();
+        self.slots = vec![
+            Slot {
+                record: SlotRecord::EMPTY,
+                on_disk: OnDisk::Empty,
+                used: false,
+                pinned: false,
+                prev: NONE,
+                next: NONE,
+            };
+            capacity
+        ];
+        let mut valid: Vec<(u64, u32)> = Vec::new();
+        let mut damaged = Vec::new();
+        for (slot, record) in records.iter().enumerate() {
+            let slot = slot as u32;
+            match record.state(slot) {
+                RecordState::Empty => {}
+                RecordState::Valid => valid.push((record.sequence, slot)),
+                RecordState::Damaged => damaged.push(slot),
+            }
+        }
+        valid.sort_unstable();
+        for (sequence, slot) in valid {
+            let record = records[slot as usize];
+            if let Some(older) = self.by_hash.insert(record.hash(), slot) {
+                self.unlink(older);
+                self.slots[older as usize].used = false;
+                damaged.push(older);
+            }
+            let entry = &mut self.slots[slot as usize];
+            entry.record = record;
+            entry.on_disk = OnDisk::Valid;
+            entry.used = true;
+            self.push_front(slot);
+            self.next_sequence = self.next_sequence.max(sequence + 1);
+        }
+        self.damaged_at_open = damaged.len() as u64;
+        for slot in damaged {
+            self.slots[slot as usize].on_disk = OnDisk::Unknown;
+            self.slots[slot as usize].record = SlotRecord::EMPTY;
+            let _ = self.zero_record(slot);
+        }
+        // Free slots, lowest first, so that a fresh slab fills front to back in long runs.
+        self.free =
+            (0..capacity as u32).rev().filter(|&slot| !self.slots[slot as usize].used).collect();
+    }
+
+    /// The I/O mode the file system allowed.
+    pub fn io_mode(&self) -> IoMode {
+        self.data.mode()
+    }
+
+    pub fn slab_path(&self) -> &Path {
+        &self.slab
+    }
+
+    pub fn index_path(&self) -> &Path {
+        self.index.path()
+    }
+
+    /// Bytes between two slots in the slab.
+    pub fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+
+    /// The slot that holds `hash`, if any (tests use it to damage a record on purpose).
+    pub fn slot_of(&self, hash: BlockHash) -> Option<u32> {
+        self.by_hash.get(&hash).copied()
+    }
+
+    /// Damaged index records found (and zeroed) when the back-end was opened.
+    pub fn damaged_at_open(&self) -> u64 {
+        self.damaged_at_open
+    }
+
+    /// Blocks held now.
+    pub fn len(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_hash.is_empty()
+    }
+
+    /// Checks the in-memory structures against each other.
+    ///
+    /// # Panics
+    ///
+    /// On any disagreement: a programming error.
+    pub fn check_invariants(&self) {
+        let mut seen = 0;
+        let mut at = self.head;
+        let mut prev = NONE;
+        while at != NONE {
+            let slot = &self.slots[at as usize];
+            assert!(slot.used, "slot {at} is in the LRU list but not used");
+            assert_eq!(slot.prev, prev, "slot {at} has a broken back link");
+            assert_eq!(
+                self.by_hash.get(&slot.record.hash()),
+                Some(&at),
+                "slot {at} is not in the map"
+            );
+            assert_eq!(slot.record.state(at), RecordState::Valid);
+            assert_eq!(slot.on_disk, OnDisk::Valid);
+            prev = at;
+            at = slot.next;
+            seen += 1;
+        }
+        assert_eq!(self.tail, prev, "the LRU tail is not the last slot of the list");
+        assert_eq!(seen, self.by_hash.len(), "the LRU list and the map disagree");
+        assert_eq!(seen + self.free.len(), self.slots.len(), "slots are lost or counted twice");
+        for &slot in &self.free {
+            assert!(!self.slots[slot as usize].used, "free slot {slot} is used");
+        }
+        assert!(self.slots.iter().all(|slot| !slot.pinned), "a slot stayed pinned");
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        let Slot { prev, next, .. } = self.slots[slot as usize];
+        if prev == NONE {
+            self.head = next;
+        } else {
+            self.slots[prev as usize].next = next;
+        }
+        if next == NONE {
+            self.tail = prev;
+        } else {
+            self.slots[next as usize].prev = prev;
+        }
+        self.slots[slot as usize].prev = NONE;
+        self.slots[slot as usize].next = NONE;
+    }
+
+    fn push_front(&mut self, slot: u32) {
+        self.slots[slot as usize].prev = NONE;
+        self.slots[slot as usize].next = self.head;
+        if self.head != NONE {
+            self.slots[self.head as usize].prev = slot;
+        } else {
+            self.tail = slot;
+        }
+        self.head = slot;
+    }
+
+    fn touch(&mut self, slot: u32) {
+        self.unlink(slot);
+        self.push_front(slot);
+    }
+
+    /// A slot for a new block: a free one, else the least recently used one not pinned by this
+    /// batch (its block is forgotten here; its record is zeroed in step 2).
+    fn take_slot(&mut self) -> Option<u32> {
+        if let Some(slot) = self.free.pop() {
+            return Some(slot);
+        }
+        let mut victim = self.tail;
+        while victim != NONE && self.slots[victim as usize].pinned {
+            victim = self.slots[victim as usize].prev;
+        }
+        if victim == NONE {
+            return None;
+        }
+        self.forget(victim);
+        self.stats.evictions += 1;
+        self.free.pop()
+    }
+
+    /// Drops a used slot from the map and the LRU list into the free list; its index record
+    /// is still on disk (`on_disk` says so) until it is zeroed.
+    fn forget(&mut self, slot: u32) {
+        let hash = self.slots[slot as usize].record.hash();
+        self.by_hash.remove(&hash);
+        self.unlink(slot);
+        let entry = &mut self.slots[slot as usize];
+        entry.used = false;
+        entry.record = SlotRecord::EMPTY;
+        self.free.push(slot);
+    }
+
+    fn zero_record(&mut self, slot: u32) -> Result<(), Failure> {
+        match self.index.write_records(slot, &[SlotRecord::EMPTY]) {
+            Ok(()) => {
+                self.slots[slot as usize].on_disk = OnDisk::Empty;
+                Ok(())
+            }
+            Err(error) => {
+                self.slots[slot as usize].on_disk = OnDisk::Unknown;
+                Err(failure_of(&error))
+            }
+        }
+    }
+
+    fn slot_offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.slot_bytes
+    }
+
+    /// Whether `buf` can be transferred without a bounce buffer.
+    fn in_place(&self, buf: &[u8]) -> bool {
+        match self.data.mode() {
+            IoMode::Direct => is_aligned(buf) && buf.len() as u64 == self.slot_bytes,
+            IoMode::Buffered => true,
+        }
+    }
+
+    /// Whether consecutive slots are contiguous block bytes in the file (no padding).
+    fn slots_are_contiguous(&self) -> bool {
+        self.slot_bytes == self.layout.block_bytes
+    }
+
+    fn bounce(&mut self) -> AlignedBuf {
+        self.bounce.take().unwrap_or_else(|| AlignedBuf::zeroed(self.slot_bytes as usize))
+    }
+
+    fn crash_if(&self, write: u64, point: CrashPoint) {
+        if self.crash == Some(CrashHook { write, point }) {
+            crash_now();
+        }
+    }
+
+    /// Writes the bytes of the planned blocks `plan[run]` (consecutive slots): in one call when
+    /// they can all go in place, else (or when that call fails: a disk filling up mid-run) one
+    /// by one. Returns the plan indices that failed, with why.
+    fn write_run(
+        &mut self,
+        plan: &[Planned],
+        blocks: &[PutBlock<'_>],
+        run: Range<usize>,
+    ) -> Vec<(usize, Failure)> {
+        let first_slot = plan[run.start].slot;
+        let all_in_place = plan[run.clone()].iter().all(|p| self.in_place(blocks[p.entry].bytes));
+        let crash_in_run = self.crash.is_some_and(|hook| {
+            hook.point == CrashPoint::MidPayload
+                && plan[run.clone()].iter().any(|p| p.write == hook.write)
+        });
+        if all_in_place && self.slots_are_contiguous() && !crash_in_run {
+            let bufs: Vec<&[u8]> =
+                plan[run.clone()].iter().map(|p| blocks[p.entry].bytes).collect();
+            match write_all_at(self.data.file(), &bufs, self.slot_offset(first_slot)) {
+                Ok(()) => return Vec::new(),
+                Err(error) if run.len() == 1 => return vec![(run.start, failure_of(&error))],
+                Err(_) => {}
+            }
+        }
+        let mut failed = Vec::new();
+        for index in run {
+            let planned = &plan[index];
+            let bytes = blocks[planned.entry].bytes;
+            let offset = self.slot_offset(planned.slot);
+            let result = if self.in_place(bytes) {
+                self.write_maybe_crashing(planned.write, bytes, offset)
+            } else {
+                let mut bounce = self.bounce();
+                bounce.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+                let slot_len = self.slot_bytes as usize;
+                let result = self.write_maybe_crashing(
+                    planned.write,
+                    &bounce.as_slice()[..slot_len],
+                    offset,
+                );
+                self.bounce = Some(bounce);
+                result
+            };
+            if let Err(failure) = result {
+                failed.push((index, failure));
+            }
+        }
+        failed
+    }
+
+    fn write_maybe_crashing(&self, write: u64, bytes: &[u8], offset: u64) -> Result<(), Failure> {
+        if self.crash == Some(CrashHook { write, point: CrashPoint::MidPayload }) {
+            let half = (bytes.len() / 2).div_ceil(IO_ALIGN) * IO_ALIGN;
+            let half = half.min(bytes.len());
+            write_all_at(self.data.file(), &[&bytes[..half]], offset)
+                .map_err(|e| failure_of(&e))?;
+            crash_now();
+        }
+        write_all_at(self.data.file(), &[bytes], offset).map_err(|e| failure_of(&e))
+    }
+
+    /// Reads the blocks `plan[run]` (consecutive slots) into their destinations: in one call
+    /// when they can all go in place, else (or when that call fails) one by one. Returns the
+    /// plan indices that failed, with why.
+    fn read_run(
+        &mut self,
+        plan: &[Planned],
+        blocks: &mut [GetBlock<'_>],
+        run: Range<usize>,
+    ) -> Vec<(usize, Failure)> {
+        let first_slot = plan[run.start].slot;
+        let all_in_place = plan[run.clone()].iter().all(|p| self.in_place(blocks[p.entry].dest));
+        if all_in_place && self.slots_are_contiguous() && run.len() > 1 {
+            let offset = self.slot_offset(first_slot);
+            // Slots strictly increase along a run, so its entries are distinct blocks of the
+            // batch: take their destinations out in plan order.
+            let mut by_entry: Vec<Option<&mut [u8]>> =
+                blocks.iter_mut().map(|block| Some(&mut *block.dest)).collect();
+            let mut dests: Vec<&mut [u8]> = plan[run.clone()]
+                .iter()
+                .map(|p| by_entry[p.entry].take().expect("distinct entries along a run"))
+                .collect();
+            if read_exact_at(self.data.file(), &mut dests, offset).is_ok() {
+                return Vec::new();
+            }
+        }
+        let mut failed = Vec::new();
+        for index in run {
+            let planned = &plan[index];
+            let offset = self.slot_offset(planned.slot);
+            let result = if self.in_place(blocks[planned.entry].dest) {
+                read_exact_at(self.data.file(), &mut [&mut *blocks[planned.entry].dest], offset)
+            } else {
+                let mut bounce = self.bounce();
+                let slot_len = self.slot_bytes as usize;
+                let result = read_exact_at(
+                    self.data.file(),
+                    &mut [&mut bounce.as_mut_slice()[..slot_len]],
+                    offset,
+                );
+                let dest = &mut *blocks[planned.entry].dest;
+                if result.is_ok() {
+                    dest.copy_from_slice(&bounce.as_slice()[..dest.len()]);
+                }
+                self.bounce = Some(bounce);
+                result
+            };
+            if let Err(error) = result {
+                failed.push((index, failure_of(&error)));
+            }
+        }
+        failed
+    }
+}
+
+/// One block of a batch with its slot.
+#[derive(Clone, Debug)]
+struct Planned {
+    entry: usize,
+    slot: u32,
+    /// The write's number since open (puts), for the crash hook.
+    write: u64,
+    sequence: u64,
+    checksum: u64,
+    outcome: Option<Failure>,
+}
+
+impl Planned {
+    fn ok(&self) -> bool {
+        self.outcome.is_none()
+    }
+}
+
+/// Ranges of `plan` (sorted by slot) whose slots follow each other, among the blocks `keep`
+/// selects.
+fn consecutive_runs(plan: &[Planned], keep: impl Fn(&Planned) -> bool) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (index, planned) in plan.iter().enumerate() {
+        if !keep(planned) {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(run)
+                if run.end == index
+                    && plan[index - 1].slot.checked_add(1) == Some(planned.slot) =>
+            {
+                run.end = index + 1
+            }
+            _ => runs.push(index..index + 1),
+        }
+    }
+    runs
+}
+
+fn crash_now() -> ! {
+    let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    // SIGKILL cannot be caught; should raise fail, abort rather than go on.
+    std::process::abort();
+}
+
+impl StorageBackend for DiskBackend {
+    fn kind(&self) -> &'static str {
+        "disk"
+    }
+
+    fn layout(&self) -> BlockLayout {
+        self.layout
+    }
+
+    fn put(&mut self, blocks: &[PutBlock<'_>], outcomes: &mut Vec<PutOutcome>) {
+        outcomes.clear();
+        outcomes.resize(blocks.len(), Ok(()));
+        // Step 1: hits and slots.
+        let mut plan: Vec<Planned> = Vec::new();
+        let mut in_batch: HashMap<BlockHash, usize> = HashMap::new();
+        let mut followers: Vec<(usize, usize)> = Vec::new();
+        let mut hits: Vec<u32> = Vec::new();
+        for (entry, block) in blocks.iter().enumerate() {
+            if let Err(failure) = check_len(block.bytes.len(), &self.layout) {
+                outcomes[entry] = Err(failure);
+                continue;
+            }
+            if let Some(&slot) = self.by_hash.get(&block.key.hash) {
+                self.slots[slot as usize].pinned = true;
+                hits.push(slot);
+                continue;
+            }
+            if let Some(&leader) = in_batch.get(&block.key.hash) {
+                followers.push((entry, leader));
+                continue;
+            }
+            let Some(slot) = self.take_slot() else {
+                outcomes[entry] = Err(Failure::NoSpace);
+                continue;
+            };
+            self.slots[slot as usize].pinned = true;
+            self.writes += 1;
+            let sequence = self.next_sequence;
+            self.next_sequence += 1;
+            in_batch.insert(block.key.hash, entry);
+            plan.push(Planned {
+                entry,
+                slot,
+                write: self.writes,
+                sequence,
+                checksum: 0,
+                outcome: None,
+            });
+        }
+        plan.sort_by_key(|p| p.slot);
+
+        // Step 2: zero the records of reused slots.
+        let stale: Vec<usize> = (0..plan.len())
+            .filter(|&i| self.slots[plan[i].slot as usize].on_disk != OnDisk::Empty)
+            .collect();
+        for index in stale {
+            let slot = plan[index].slot;
+            if let Err(failure) = self.zero_record(slot) {
+                plan[index].outcome = Some(failure);
+            }
+        }
+        for planned in &plan {
+            self.crash_if(planned.write, CrashPoint::AfterInvalidate);
+        }
+
+        // Step 3: the bytes, checksummed on a second thread meanwhile.
+        let rank = self.rank;
+        let runs = consecutive_runs(&plan, Planned::ok);
+        let (checksums, failed_runs) = std::thread::scope(|scope| {
+            let plan = &plan;
+            let summer = scope.spawn(move || {
+                plan.iter()
+                    .map(|p| {
+                        let block = &blocks[p.entry];
+                        payload_checksum(block.key.hash, rank, p.sequence, block.bytes)
+                    })
+                    .collect::<Vec<u64>>()
+            });
+            let failed: Vec<(usize, Failure)> =
+                runs.into_iter().flat_map(|run| self.write_run(plan, blocks, run)).collect();
+            (summer.join().expect("checksumming does not panic"), failed)
+        });
+        for (planned, checksum) in plan.iter_mut().zip(checksums) {
+            planned.checksum = checksum;
+        }
+        for (index, failure) in failed_runs {
+            plan[index].outcome = Some(failure);
+        }
+        for planned in &plan {
+            self.crash_if(planned.write, CrashPoint::BeforeRecord);
+        }
+
+        // Step 4: the records.
+        for run in consecutive_runs(&plan, Planned::ok) {
+            let records: Vec<SlotRecord> = plan[run.clone()]
+                .iter()
+                .map(|p| {
+                    let key = blocks[p.entry].key;
+                    SlotRecord::valid(
+                        p.slot, key.hash, key.parent, key.depth, p.sequence, p.checksum,
+                    )
+                })
+                .collect();
+            match self.index.write_records(plan[run.start].slot, &records) {
+                Ok(()) => {
+                    for (planned, record) in plan[run].iter().zip(records) {
+                        let slot = &mut self.slots[planned.slot as usize];
+                        slot.record = record;
+                        slot.on_disk = OnDisk::Valid;
+                    }
+                }
+                Err(error) => {
+                    let failure = failure_of(&error);
+                    for planned in &mut plan[run] {
+                        self.slots[planned.slot as usize].on_disk = OnDisk::Unknown;
+                        planned.outcome = Some(failure.clone());
+                    }
+                }
+            }
+        }
+
+        // Step 5: the map, the outcomes, the LRU list (in reverse batch order).
+        for planned in &plan {
+            self.slots[planned.slot as usize].pinned = false;
+            match &planned.outcome {
+                None => {
+                    self.by_hash.insert(blocks[planned.entry].key.hash, planned.slot);
+                }
+                Some(failure) => {
+                    outcomes[planned.entry] = Err(failure.clone());
+                    self.free.push(planned.slot);
+                }
+            }
+        }
+        for &slot in &hits {
+            self.slots[slot as usize].pinned = false;
+        }
+        for &(entry, leader) in &followers {
+            outcomes[entry] = outcomes[leader].clone();
+        }
+        for (entry, block) in blocks.iter().enumerate().rev() {
+            if outcomes[entry].is_err() {
+                continue;
+            }
+            let Some(&slot) = self.by_hash.get(&block.key.hash) else { continue };
+            if self.slots[slot as usize].used {
+                self.touch(slot);
+            } else {
+                self.slots[slot as usize].used = true;
+                self.push_front(slot);
+            }
+        }
+        self.stats.used_blocks = Some(self.by_hash.len() as u64);
+    }
+
+    fn get(&mut self, blocks: &mut [GetBlock<'_>], outcomes: &mut Vec<GetOutcome>) {
+        outcomes.clear();
+        outcomes.resize(blocks.len(), Ok(()));
+        let mut plan: Vec<Planned> = Vec::new();
+        for (entry, block) in blocks.iter().enumerate() {
+            if let Err(failure) = check_len(block.dest.len(), &self.layout) {
+                outcomes[entry] = Err(GetMiss::Failed(failure));
+                continue;
+            }
+            match self.by_hash.get(&block.hash) {
+                None => outcomes[entry] = Err(GetMiss::Absent),
+                Some(&slot) => {
+                    let record = self.slots[slot as usize].record;
+                    plan.push(Planned {
+                        entry,
+                        slot,
+                        write: 0,
+                        sequence: record.sequence,
+                        checksum: record.checksum,
+                        outcome: None,
+                    });
+                }
+            }
+        }
+        plan.sort_by_key(|p| (p.slot, p.entry));
+        for run in consecutive_runs(&plan, |_| true) {
+            for (index, failure) in self.read_run(&plan, blocks, run) {
+                plan[index].outcome = Some(failure);
+            }
+        }
+        let rank = self.rank;
+        let mut corrupt_slots = Vec::new();
+        let mut hit_slots = Vec::new();
+        for planned in &plan {
+            let block = &blocks[planned.entry];
+            outcomes[planned.entry] = match &planned.outcome {
+                Some(failure) => Err(GetMiss::Failed(failure.clone())),
+                None if payload_checksum(block.hash, rank, planned.sequence, block.dest)
+                    == planned.checksum =>
+                {
+                    hit_slots.push((planned.entry, planned.slot));
+                    Ok(())
+                }
+                None => {
+                    corrupt_slots.push(planned.slot);
+                    Err(GetMiss::Corrupt)
+                }
+            };
+        }
+        corrupt_slots.sort_unstable();
+        corrupt_slots.dedup();
+        for slot in corrupt_slots {
+            if self.slots[slot as usize].used {
+                self.forget(slot);
+                let _ = self.zero_record(slot);
+            }
+        }
+        hit_slots.sort_unstable();
+        for &(_, slot) in hit_slots.iter().rev() {
+            if self.slots[slot as usize].used {
+                self.touch(slot);
+            }
+        }
+        self.stats.used_blocks = Some(self.by_hash.len() as u64);
+    }
+
+    fn contains(&mut self, hashes: &[BlockHash], outcomes: &mut Vec<ContainsOutcome>) {
+        outcomes.clear();
+        outcomes.extend(hashes.iter().map(|hash| Ok(self.by_hash.contains_key(hash))));
+    }
+
+    fn remove(&mut self, hashes: &[BlockHash], outcomes: &mut Vec<PutOutcome>) {
+        outcomes.clear();
+        for hash in hashes {
+            let outcome = match self.by_hash.get(hash) {
+                None => Ok(()),
+                Some(&slot) => {
+                    self.forget(slot);
+                    self.zero_record(slot)
+                }
+            };
+            outcomes.push(outcome);
+        }
+        self.stats.used_blocks = Some(self.by_hash.len() as u64);
+    }
+
+    fn sync(&mut self) -> Result<(), Failure> {
+        self.data.file().sync_data().map_err(|e| failure_of(&e))?;
+        self.index.sync().map_err(|e| failure_of(&e))
+    }
+
+    fn stats(&self) -> BackendStats {
+        BackendStats { used_blocks: Some(self.by_hash.len() as u64), ..self.stats }
+    }
+}
+
+impl Drop for DiskBackend {
+    fn drop(&mut self) {
+        if let Err(failure) = self.sync() {
+            tracing::warn!(slab = %self.slab.display(), %failure, "cannot sync the storage slab");
+        }
+    }
+}
