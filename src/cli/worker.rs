@@ -4,9 +4,13 @@
 //! exit status: 0 when stopped by SIGTERM/SIGINT or when the scheduler is gone, non-zero (with the
 //! error's message) when the worker cannot start, loses its rank or finds its command ring broken.
 //!
-//! Test hook: the environment variable [`LAYER_DELAY_ENV`] (`KVSHM_WORKER_LAYER_DELAY_US`) makes
+//! `--storage disk:DIR` or `--storage redis://…` gives the worker a storage tier below host
+//! (`crate::storage`); the `--storage-*` options tune it.
+//!
+//! Test hooks: the environment variable [`LAYER_DELAY_ENV`] (`KVSHM_WORKER_LAYER_DELAY_US`) makes
 //! the worker sleep that many microseconds after each layer of each copy, so that tests can kill it
-//! in the middle of a copy. It is meant for tests only.
+//! in the middle of a copy; [`STORAGE_CRASH_ENV`] (`KVSHM_STORAGE_CRASH=POINT@N`) makes a disk
+//! tier kill its process at a step of its N-th block write. They are meant for tests only.
 
 use std::time::Duration;
 
@@ -14,11 +18,16 @@ use anyhow::Context;
 use kvshm_ipc::name::SegmentName;
 
 use super::checks;
+use crate::storage::spec::{StorageNamespace, StorageOptions, StorageSpec};
 use crate::worker::process::{run_worker, BackendChoice, WorkerOptions};
 use crate::worker::run::{ServeExit, ServeOptions, DEFAULT_MAX_BATCH};
 
 /// The test hook's environment variable (module documentation).
 pub const LAYER_DELAY_ENV: &str = "KVSHM_WORKER_LAYER_DELAY_US";
+/// The disk tier's crash hook (module documentation).
+pub const STORAGE_CRASH_ENV: &str = "KVSHM_STORAGE_CRASH";
+/// The most Redis connections one worker may open.
+const MAX_CONNECTIONS: usize = 256;
 
 #[derive(Debug, clap::Args)]
 #[command(after_help = "Test hook: KVSHM_WORKER_LAYER_DELAY_US=N sleeps N microseconds after \
@@ -44,6 +53,29 @@ pub struct Args {
     /// Seconds a cuda worker waits for the engine to publish its device handles.
     #[arg(long, default_value_t = 300.0)]
     handles_timeout: f64,
+    /// A storage tier below host: `disk:DIR` (a slab per rank under DIR/NAMESPACE) or
+    /// `redis://HOST[:PORT][/DB]` (shared by every service using the same namespace).
+    #[arg(long)]
+    storage: Option<String>,
+    /// The storage namespace: services that should share blocks use the same one.
+    #[arg(long, default_value = "default")]
+    storage_namespace: String,
+    /// Disk tier: blocks this rank keeps on disk (default: 4 x the host tier).
+    #[arg(long)]
+    storage_blocks: Option<u64>,
+    /// Disk tier: use the page cache instead of O_DIRECT.
+    #[arg(long)]
+    storage_buffered: bool,
+    /// Redis tier: seconds a stored block lives without being read (default: until Redis
+    /// evicts it).
+    #[arg(long)]
+    storage_ttl: Option<u64>,
+    /// Redis tier: connections per worker.
+    #[arg(long, default_value_t = crate::storage::spec::DEFAULT_CONNECTIONS)]
+    storage_connections: usize,
+    /// Redis tier: seconds to wait for an answer (a late answer is a counted miss).
+    #[arg(long, default_value_t = crate::storage::spec::DEFAULT_IO_TIMEOUT.as_secs_f64())]
+    storage_timeout: f64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -65,6 +97,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         attach_timeout: checks::seconds(args.attach_timeout, "--attach-timeout")?,
         handles_timeout: checks::seconds(args.handles_timeout, "--handles-timeout")?,
         serve: ServeOptions { max_batch: DEFAULT_MAX_BATCH, layer_delay: layer_delay()? },
+        storage: storage_options(&args)?,
     };
     let rank = args.rank;
     match run_worker(&options)? {
@@ -77,6 +110,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn storage_options(args: &Args) -> anyhow::Result<Option<StorageOptions>> {
+    let Some(spec) = &args.storage else { return Ok(None) };
+    let spec: StorageSpec = spec.parse()?;
+    let mut options = StorageOptions::new(spec);
+    options.namespace = StorageNamespace::new(&args.storage_namespace)?;
+    if let Some(blocks) = args.storage_blocks {
+        checks::at_least(blocks, 1, "--storage-blocks")?;
+    }
+    options.capacity_blocks = args.storage_blocks;
+    options.prefer_direct = !args.storage_buffered;
+    if let Some(ttl) = args.storage_ttl {
+        checks::at_least(ttl, 1, "--storage-ttl")?;
+    }
+    options.ttl = args.storage_ttl.map(Duration::from_secs);
+    options.connections =
+        checks::within(args.storage_connections, 1..=MAX_CONNECTIONS, "--storage-connections")?;
+    options.io_timeout = checks::positive_seconds(args.storage_timeout, "--storage-timeout")?;
+    options.crash = match std::env::var(STORAGE_CRASH_ENV) {
+        Err(std::env::VarError::NotPresent) => None,
+        Err(error) => return Err(error).context(STORAGE_CRASH_ENV),
+        Ok(text) => Some(text.parse().map_err(anyhow::Error::msg).context(STORAGE_CRASH_ENV)?),
+    };
+    Ok(Some(options))
 }
 
 fn layer_delay() -> anyhow::Result<Option<Duration>> {

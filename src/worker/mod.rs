@@ -13,6 +13,8 @@
 //! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions.
 //! - [`command_reader`]: whole commands out of the command ring, across batch boundaries.
 //! - [`run`]: the serving loop of one claimed rank.
+//! - [`storage_lane`]: the storage thread that runs STORE, LOAD and QUERY beside the copy loop.
+//! - [`completion_sink`]: the completion producer both threads push through.
 //! - [`process`]: the `kvshm worker` process: attach, claim, build the engine, serve.
 //!
 //! One command through the worker:
@@ -23,6 +25,7 @@
 //! 3. the rank's [`CopyEngine`] executes the plan layer by layer, reporting progress;
 //! 4. the worker answers with one completion: OK, the refusal, or the copy failure.
 pub mod command_reader;
+pub mod completion_sink;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
@@ -33,6 +36,7 @@ pub mod plan;
 pub mod process;
 pub mod run;
 pub mod storage_command;
+pub mod storage_lane;
 pub mod stream_copy;
 pub mod validate;
 

@@ -15,8 +15,9 @@
 //!    host tier and lay a [`HostCopyEngine`] over them; CUDA backend (feature `cuda`): wait,
 //!    heartbeating, until the engine published the rank's device handles, then open them with the
 //!    host tier registered for DMA (a helper thread heartbeats while the driver sets up);
-//! 4. serve ([`Server::serve`]) until stopped, until the scheduler is gone, or until the rank is
-//!    lost;
+//! 4. with `--storage`, open the rank's storage back-end and start its storage thread
+//!    ([`super::storage_lane`]); serve ([`Server::serve`]) until stopped, until the scheduler is
+//!    gone, or until the rank is lost;
 //! 5. drop the engine, then the claim (a clean exit leaves the rank EMPTY and claimable again;
 //!    after a broken command ring the claim is left to die with the process, so that the
 //!    scheduler resets the rings before another worker can claim the rank).
@@ -36,6 +37,8 @@ use super::engine::CopyEngine;
 use super::geometry::{Geometry, GeometryError, GeometryParams};
 use super::host_engine::{HostCopyEngine, HostEngineError, MappedArea};
 use super::run::{ServeError, ServeExit, ServeOptions, Server, ServerSetupError};
+use super::storage_lane::{open_backend, HostTier, LaneContext, StorageLane, StorageStartError};
+use crate::storage::spec::StorageOptions;
 
 /// How long a waiting worker sleeps between attempts (attach, claim, device handles).
 const RETRY_INTERVAL: Duration = Duration::from_millis(10);
@@ -79,6 +82,8 @@ pub struct WorkerOptions {
     /// How long a CUDA worker waits for the engine to publish its device handles.
     pub handles_timeout: Duration,
     pub serve: ServeOptions,
+    /// The storage tier below host, if any (`--storage`).
+    pub storage: Option<StorageOptions>,
 }
 
 /// Why the worker could not start serving.
@@ -120,6 +125,10 @@ pub enum StartError {
     Setup(#[from] ServerSetupError),
     #[error("cannot install the stop signal handlers: {0}")]
     Signals(nix::Error),
+    #[error(transparent)]
+    Storage(#[from] StorageStartError),
+    #[error("cannot start the storage thread: {0}")]
+    StorageThread(std::io::Error),
 }
 
 /// Why a worker ended other than cleanly.
@@ -148,18 +157,48 @@ pub fn run_worker(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
 fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
     let (segment, claim) = attach_and_claim(options)?;
     let mut engine = RankEngine::build(&segment, &claim, options)?;
+    let storage = match &options.storage {
+        None => None,
+        Some(storage) => {
+            let backend =
+                open_backend(&segment, &claim, storage, options.attach_timeout, &stop_requested)
+                    .map_err(StartError::from)?;
+            Some(backend)
+        }
+    };
     tracing::info!(
         segment = %options.name,
         rank = options.rank,
         backend = engine.backend.name(),
+        storage = storage.as_ref().map(|backend| backend.kind()),
         "worker serving"
     );
+    let geometry = *engine.engine.geometry();
+    let host_area = engine.host_area;
     let stop = stop_requested;
-    let mut server = Server::new(&segment, &claim, engine.engine.as_mut(), &stop, options.serve)
-        .map_err(StartError::from)?;
-    let ending = server.serve();
-    // Step 5: the server, then the engine (its copies drained), then the claim go, in this order.
-    drop(server);
+    // The storage thread lives in this scope: it ends (answering what it was given) before the
+    // engine and the claim go.
+    let ending =
+        std::thread::scope(|scope| -> Result<Result<ServeExit, ServeError>, StartError> {
+            let mut server =
+                Server::new(&segment, &claim, engine.engine.as_mut(), &stop, options.serve)?;
+            if let Some(backend) = storage {
+                let host =
+                    HostTier::new(host_area, &geometry).ok_or(StorageStartError::NoHostTier)?;
+                let context = LaneContext {
+                    segment: &segment,
+                    claim: &claim,
+                    host,
+                    sink: server.completion_sink(),
+                };
+                let lane = StorageLane::spawn(scope, backend, context, geometry)
+                    .map_err(StartError::StorageThread)?;
+                server.set_storage(lane);
+            }
+            Ok(server.serve())
+        })?;
+    // Step 5: the server (and its storage thread), then the engine (its copies drained), then
+    // the claim go, in this order.
     drop(engine);
     match ending {
         Err(error @ ServeError::CommandRing(_)) => {
@@ -277,6 +316,8 @@ impl<'a> Waiter<'a> {
 struct RankEngine {
     engine: Box<dyn CopyEngine>,
     backend: BackendChoice,
+    /// The host tier (for the storage thread); empty without one.
+    host_area: MappedArea,
     _arenas: Vec<Arena>,
 }
 
@@ -321,11 +362,17 @@ impl RankEngine {
                 let host_area = tier_area(host_tier.as_ref());
                 let engine = HostCopyEngine::new(geometry, device_area, host_area)?;
                 let arenas = [Some(device), host_tier].into_iter().flatten().collect();
-                Ok(RankEngine { engine: Box::new(engine), backend, _arenas: arenas })
+                Ok(RankEngine { engine: Box::new(engine), backend, host_area, _arenas: arenas })
             }
             BackendChoice::Cuda => {
                 let engine = cuda_engine(segment, claim, options, geometry, host_tier.as_ref())?;
-                Ok(RankEngine { engine, backend, _arenas: host_tier.into_iter().collect() })
+                let host_area = tier_area(host_tier.as_ref());
+                Ok(RankEngine {
+                    engine,
+                    backend,
+                    host_area,
+                    _arenas: host_tier.into_iter().collect(),
+                })
             }
         }
     }

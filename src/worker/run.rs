@@ -22,6 +22,10 @@
 //! 4. publish the completions (push them, ring the scheduler doorbell) after every copy, so that
 //!    a copy's completion never waits behind the next copy, and at the end of the batch.
 //!
+//! With a storage tier, step 3 hands storage commands and FLUSH to the storage thread instead
+//! ([`super::storage_lane`], which also says what order completions keep); both threads push
+//! completions through one [`CompletionSink`].
+//!
 //! Every command gets exactly one completion, which echoes its id and generation: OK, the
 //! refusal's error and detail (`InvalidCommand::to_wire`), or `CopyFailed` with the engine's
 //! detail. The scheduler keeps at most `completion_ring_slots` commands in a rank's rings, so the
@@ -46,13 +50,15 @@ use kvshm_ipc::counters::Counter;
 use kvshm_ipc::doorbell::{Doorbell, WaitPolicy};
 use kvshm_ipc::progress::LayerProgress;
 use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, CommandSlot, Completion};
-use kvshm_ipc::ring::{Consumer, Producer};
+use kvshm_ipc::ring::Consumer;
 use kvshm_ipc::segment::{Mapped, RankClaim, Segment};
 use kvshm_ipc::worker_slot::ClaimLost;
 
 use super::command_reader::{CommandReader, ReadError};
+use super::completion_sink::CompletionSink;
 use super::engine::CopyEngine;
 use super::plan::CopyPlan;
+use super::storage_lane::StorageLane;
 use super::validate::{validate, ValidCommand};
 
 /// How often a busy worker checks that the segment's creator still runs (an idle one checks every
@@ -132,13 +138,15 @@ pub struct Server<'a> {
     stop_requested: &'a dyn Fn() -> bool,
     options: ServeOptions,
     commands: Mapped<Consumer<CommandSlot>>,
-    completions: Mapped<Producer<Completion>>,
+    completions: CompletionSink,
     command_doorbell: &'a Doorbell,
     progress: LayerProgress<'a>,
     reader: CommandReader,
     pairs: Vec<BlockPair>,
     pending: Vec<Completion>,
     last_liveness_check: Instant,
+    /// The storage thread, when the worker has a storage tier ([`super::storage_lane`]).
+    storage: Option<StorageLane<'a>>,
 }
 
 /// Why a server cannot be set up over a rank.
@@ -163,7 +171,7 @@ impl<'a> Server<'a> {
         let setup = |reason| ServerSetupError { rank, reason };
         Ok(Server {
             commands: segment.command_consumer(rank).map_err(setup)?,
-            completions: segment.completion_producer(rank).map_err(setup)?,
+            completions: CompletionSink::new(segment.completion_producer(rank).map_err(setup)?),
             command_doorbell: segment.command_doorbell(rank).map_err(setup)?,
             progress: segment.layer_progress(rank).map_err(setup)?,
             segment,
@@ -175,7 +183,18 @@ impl<'a> Server<'a> {
             pairs: Vec::new(),
             pending: Vec::new(),
             last_liveness_check: Instant::now(),
+            storage: None,
         })
+    }
+
+    /// The completion producer, for the storage thread to push through too.
+    pub fn completion_sink(&self) -> CompletionSink {
+        self.completions.clone()
+    }
+
+    /// Hands storage commands (and FLUSH) to `lane` from now on.
+    pub fn set_storage(&mut self, lane: StorageLane<'a>) {
+        self.storage = Some(lane);
     }
 
     /// Serves commands until a stop is requested, the scheduler is gone, or the rank is lost or
@@ -246,6 +265,13 @@ impl<'a> Server<'a> {
                 }
             };
             self.claim.heartbeat()?;
+            if self.storage.as_ref().is_some_and(|lane| lane.takes(&header)) {
+                // A FLUSH queued behind storage commands must also follow this loop's copies.
+                self.publish_completions()?;
+                let lane = self.storage.as_ref().expect("checked above");
+                lane.submit(&header, &self.pairs, self.segment.generation());
+                continue;
+            }
             let (completion, copied) = self.execute(&header);
             self.pending.push(completion);
             if copied {
@@ -315,11 +341,8 @@ impl<'a> Server<'a> {
         let mut pushed = 0;
         let mut warned = false;
         while pushed < self.pending.len() {
-            let room = self.completions.free_slots().min(self.pending.len() - pushed);
+            let room = self.completions.push_available(&self.pending[pushed..]);
             if room > 0 {
-                self.completions
-                    .push_all(&self.pending[pushed..pushed + room])
-                    .expect("pushing no more records than free_slots() is a programming error");
                 pushed += room;
                 self.segment.scheduler_doorbell().ring();
                 continue;

@@ -201,3 +201,318 @@ pub fn unique_namespace(tag: &str) -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     format!("t{}-{}-{tag}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
 }
+
+// ---- Driving a real `kvshm worker` with a storage tier, the way the scheduler will. ----
+
+use kvshm_ipc::arena::{Arena, ArenaKind};
+use kvshm_ipc::config::SegmentConfig;
+use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::record::{encode_command, BlockPair, CommandHeader, CommandSlot, Completion, Op};
+use kvshm_ipc::ring::{Consumer, Producer};
+use kvshm_ipc::segment::{Mapped, Segment};
+use kvshm_ipc::storage_record::{
+    encode_storage_command, storage_pair_count, StorageEntry, StorageResults,
+};
+use kvshm_ipc::worker_slot::RankStatus;
+
+/// Generous bound for anything the worker tests wait for; reaching it is a failure.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A segment name no other test (or test run) uses.
+pub fn unique_segment(tag: &str) -> SegmentName {
+    use kvshm_ipc::sync::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let serial = NEXT.fetch_add(1, Ordering::Relaxed);
+    SegmentName::new(&format!("st{}-{serial}-{tag}", std::process::id())).unwrap()
+}
+
+/// A spawned `kvshm worker`; SIGKILLed and reaped if still running when dropped.
+pub struct Worker {
+    pub child: Child,
+}
+
+impl Worker {
+    /// Spawns `kvshm worker --name NAME --rank RANK ARGS...` with `env`; `fsize_limit` sets
+    /// RLIMIT_FSIZE in the child (a disk that is "full" beyond that many bytes of any file).
+    pub fn spawn(
+        name: &SegmentName,
+        rank: u32,
+        args: &[String],
+        env: &[(&str, String)],
+        fsize_limit: Option<u64>,
+    ) -> Worker {
+        use std::os::unix::process::CommandExt;
+        let mut command = Command::new(env!("CARGO_BIN_EXE_kvshm"));
+        command
+            .args(["worker", "--name", name.as_str(), "--rank", &rank.to_string()])
+            .args(args)
+            .env_remove("KVSHM_STORAGE_CRASH")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        if let Some(bytes) = fsize_limit {
+            // SAFETY: between fork and exec the closure calls only setrlimit, which is
+            // async-signal-safe, on a struct on its own stack.
+            unsafe {
+                command.pre_exec(move || {
+                    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+                    if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                })
+            };
+        }
+        Worker { child: command.spawn().expect("spawning kvshm worker") }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the exit (at most [`PATIENCE`]); the status and everything on stderr.
+    pub fn wait_exit(&mut self) -> (std::process::ExitStatus, String) {
+        use std::io::Read;
+        let deadline = Instant::now() + PATIENCE;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "worker pid {} did not exit", self.pid());
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.child.stderr.take() {
+            pipe.read_to_string(&mut stderr).unwrap();
+        }
+        (status, stderr)
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill_hard(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn stop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        let (status, stderr) = self.wait_exit();
+        assert!(status.success(), "worker did not stop cleanly: {stderr}");
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            self.kill_hard();
+        }
+    }
+}
+
+/// The scheduler's side of one rank, with the rank's host tier.
+pub struct RankDriver<'a> {
+    pub segment: &'a Segment,
+    pub rank: u32,
+    commands: Mapped<Producer<CommandSlot>>,
+    completions: Mapped<Consumer<Completion>>,
+    next_id: u64,
+    pub host: Arena,
+    pub device: Arena,
+}
+
+impl<'a> RankDriver<'a> {
+    pub fn new(segment: &'a Segment, rank: u32) -> RankDriver<'a> {
+        RankDriver {
+            segment,
+            rank,
+            commands: segment.command_producer(rank).unwrap(),
+            completions: segment.completion_consumer(rank).unwrap(),
+            next_id: 1,
+            host: segment.open_arena(ArenaKind::Host, rank).unwrap(),
+            device: segment.open_arena(ArenaKind::Device, rank).unwrap(),
+        }
+    }
+
+    fn block_bytes(&self) -> usize {
+        self.segment.config().block_bytes() as usize
+    }
+
+    pub fn header(&mut self, op: Op, pairs: u32) -> CommandHeader {
+        let id = self.next_id;
+        self.next_id += 1;
+        CommandHeader::new(op, id, self.segment.generation(), pairs)
+    }
+
+    /// Sends a storage command; returns its header.
+    pub fn send_storage(&mut self, op: Op, entries: &[StorageEntry]) -> CommandHeader {
+        let header = self.header(op, storage_pair_count(entries.len()));
+        let mut slots = Vec::new();
+        encode_storage_command(&header, entries, &mut slots);
+        self.send_slots(&slots);
+        header
+    }
+
+    /// Sends a copy or a FLUSH/PING; returns its header.
+    pub fn send_copy(&mut self, op: Op, pairs: &[(u32, u32)]) -> CommandHeader {
+        let pairs: Vec<BlockPair> = pairs.iter().map(|&(s, d)| BlockPair::new(s, d)).collect();
+        let header = self.header(op, pairs.len() as u32);
+        let mut slots = Vec::new();
+        encode_command(&header, &pairs, &mut slots);
+        self.send_slots(&slots);
+        header
+    }
+
+    pub fn send_slots(&mut self, slots: &[CommandSlot]) {
+        self.commands.push_all(slots).expect("the command ring has room");
+        self.segment.command_doorbell(self.rank).unwrap().ring();
+    }
+
+    /// Waits for `count` completions, in arrival order.
+    pub fn completions(&mut self, count: usize) -> Vec<Completion> {
+        let deadline = Instant::now() + PATIENCE;
+        let mut out = Vec::new();
+        while out.len() < count {
+            let missing = count - out.len();
+            self.completions.pop_into(&mut out, missing).unwrap();
+            if out.len() == count {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {} of {count} completions: {out:?}",
+                out.len()
+            );
+            let completions = &mut self.completions;
+            self.segment.scheduler_doorbell().wait_until(
+                || completions.len().unwrap() > 0,
+                WaitPolicy::new(100, Duration::from_millis(5)).within(Duration::from_millis(50)),
+            );
+        }
+        out
+    }
+
+    /// Pops whatever completions have arrived into `out`; whether there were any.
+    pub fn try_completions(&mut self, out: &mut Vec<Completion>) -> bool {
+        let before = out.len();
+        self.completions.pop_into(out, usize::MAX).unwrap();
+        out.len() > before
+    }
+
+    /// Sends one storage command and waits for its completion, which must be OK; its results.
+    pub fn storage(&mut self, op: Op, entries: &[StorageEntry]) -> StorageResults {
+        let header = self.send_storage(op, entries);
+        let completion = self.completions(1)[0];
+        assert_eq!(completion.command_id, header.command_id);
+        assert!(completion.is_ok(), "{op:?} failed: {completion:?}");
+        StorageResults::from_detail(completion.detail)
+    }
+
+    pub fn wait_alive(&self, worker: &Worker) {
+        let deadline = Instant::now() + PATIENCE;
+        while self.segment.rank_status(self.rank).unwrap()
+            != (RankStatus::Alive { pid: worker.pid() })
+        {
+            assert!(Instant::now() < deadline, "worker never claimed rank {}", self.rank);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Plays the scheduler after a worker died: once the rank's worker is judged dead, reclaims
+    /// the rank from exactly the judged owner word (nothing to do when the slot is empty: the
+    /// worker released it on a clean exit).
+    pub fn reclaim_after_kill(&self) {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let verdict = self.segment.rank_verdict(self.rank).unwrap();
+            match verdict.status {
+                RankStatus::Empty => return,
+                RankStatus::Dead { .. } => {
+                    if self.segment.reclaim_rank(self.rank, verdict.word).is_ok() {
+                        return;
+                    }
+                }
+                RankStatus::Alive { .. } => {}
+            }
+            assert!(Instant::now() < deadline, "rank {} never became reclaimable", self.rank);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn host_block_ptr(&self, block: u32) -> *mut u8 {
+        let offset = block as usize * self.block_bytes();
+        assert!(offset + self.block_bytes() <= self.host.data_len());
+        // SAFETY: in bounds (asserted above).
+        unsafe { self.host.data_ptr().add(offset) }
+    }
+
+    /// Fills host block `block` with the bytes of `tag` on this rank.
+    pub fn fill_host(&self, block: u32, tag: u64) {
+        let bytes = block_content(tag, self.rank, self.block_bytes());
+        // SAFETY: in bounds; no command touching this block is in flight while the test writes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.host_block_ptr(block), bytes.len())
+        };
+    }
+
+    /// Whether host block `block` holds the bytes of `tag` on this rank.
+    pub fn host_holds(&self, block: u32, tag: u64) -> bool {
+        let expected = block_content(tag, self.rank, self.block_bytes());
+        // SAFETY: in bounds; the command that wrote the block has completed.
+        let actual =
+            unsafe { std::slice::from_raw_parts(self.host_block_ptr(block), expected.len()) };
+        actual == expected.as_slice()
+    }
+
+    /// Scribbles over host block `block` (so that a load has to bring the bytes back).
+    pub fn clear_host(&self, block: u32) {
+        // SAFETY: in bounds; no command touching this block is in flight.
+        unsafe { std::ptr::write_bytes(self.host_block_ptr(block), 0xEE, self.block_bytes()) };
+    }
+}
+
+/// The bytes of block `tag` on `rank` (every rank's part differs, as on a real TP engine).
+pub fn block_content(tag: u64, rank: u32, len: usize) -> Vec<u8> {
+    let mut state = (tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (u64::from(rank) << 40)) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
+/// The storage entry of block `tag` (hash derived from the tag, parent the previous tag, depth
+/// the tag) read from or written to `host_block`.
+pub fn entry(tag: u64, host_block: u32) -> StorageEntry {
+    StorageEntry::new(block_hash(tag), block_hash(tag.wrapping_sub(1)), tag as u32, host_block)
+}
+
+pub fn block_hash(tag: u64) -> u128 {
+    (u128::from(tag) << 64) | 0x0570_7a6e
+}
+
+/// A segment configuration for the storage worker tests: 4 KiB blocks (page-aligned in the host
+/// tier, so the disk tier writes them with O_DIRECT when it can), or 2 KiB with `small` (through
+/// the bounce buffer).
+pub fn storage_config(tp_size: u32, small: bool) -> SegmentConfig {
+    SegmentConfig {
+        tp_size,
+        device_blocks: 16,
+        host_blocks: 64,
+        regions: 4,
+        layers: 2,
+        region_bytes: if small { 512 } else { 1024 },
+        command_ring_slots: 256,
+        completion_ring_slots: 64,
+        ..SegmentConfig::default()
+    }
+}

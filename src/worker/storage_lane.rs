@@ -1,0 +1,460 @@
+//! The worker's storage thread: STORE, LOAD and QUERY commands run here, beside the copy loop,
+//! so that storage I/O (milliseconds per block on disk, a network round trip to Redis, seconds
+//! when Redis is away) never stalls the rank's device copies.
+//!
+//! Core types: [`StorageLane`] (the copy loop's handle on the thread), [`LaneContext`],
+//! [`HostTier`] (the rank's host blocks as the thread sees them), [`open_backend`].
+//!
+//! One storage command:
+//!
+//! 1. the worker opened its rank's back-end before serving ([`open_backend`]: heartbeating while
+//!    a large slab is created, retrying while a worker being replaced still holds the slab);
+//! 2. the copy loop reads commands in ring order; it hands every storage command, valid or not,
+//!    to the lane ([`StorageLane::takes`], [`StorageLane::submit`]), which validates it and queues
+//!    the job (a refusal is queued as its completion); with a lane, a FLUSH is queued too, after
+//!    the loop published its own earlier completions;
+//! 3. the storage thread takes the jobs in queue order: it heartbeats (a rank lost to the
+//!    scheduler ends the process at once, as during a copy), runs the command on the back-end
+//!    over the host blocks' memory, adds the outcomes to the segment's storage counters, and
+//!    pushes the completion (its `detail` the per-entry [`StorageResults`]) through the shared
+//!    [`CompletionSink`], ringing the scheduler's doorbell;
+//! 4. when the loop ends the queue closes, and the thread answers every queued job before it
+//!    exits, so every command popped from the ring is answered.
+//!
+//! Order, as the scheduler sees it: copies complete in ring order among themselves (the loop runs
+//! them one by one); storage commands complete in ring order among themselves (one thread, one
+//! FIFO queue); a FLUSH completes after every command before it, of either kind (the loop has
+//! finished and published its copies before it queues the FLUSH behind the storage jobs). A copy
+//! and a storage command have no order between them: the scheduler never issues a command that
+//! touches a host block another outstanding command writes (block ownership, SPEC section 10),
+//! so it waits for a LOAD's completion before copying its host blocks to the device, and for a
+//! STORE's before reusing its host blocks.
+
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::thread::{Scope, ScopedJoinHandle};
+use std::time::{Duration, Instant};
+
+use kvshm_ipc::counters::{Counter, Counters};
+use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, Completion, Op};
+use kvshm_ipc::segment::{RankClaim, Segment};
+use kvshm_ipc::storage_record::StorageResults;
+use kvshm_ipc::worker_slot::ClaimLost;
+
+use super::completion_sink::CompletionSink;
+use super::geometry::Geometry;
+use super::host_engine::MappedArea;
+use super::run::EXIT_CLAIM_LOST;
+use super::storage_command::{StorageCommand, StorageOp};
+use super::validate::{validate, ValidCommand};
+use crate::hash::BlockHash;
+use crate::storage::spec::{OpenError, StorageOptions};
+use crate::storage::tally::Tally;
+use crate::storage::{BlockKey, BlockLayout, GetBlock, GetMiss, PutBlock, StorageBackend};
+
+/// How often a storage thread facing a full completion ring looks for room.
+const FULL_RING_POLL: Duration = Duration::from_micros(500);
+/// How often the worker heartbeats while its back-end opens.
+const OPEN_POLL: Duration = Duration::from_millis(10);
+
+/// The rank's host tier as the storage thread reads and writes it: block `b` is `block_bytes`
+/// at `b * block_bytes` (block-major, as the copy engines lay it out).
+#[derive(Clone, Copy, Debug)]
+pub struct HostTier {
+    area: MappedArea,
+    block_bytes: usize,
+    blocks: u32,
+}
+
+// SAFETY: the tier is a shared mapping that outlives the worker's threads (MappedArea's premise);
+// moving the description to the storage thread moves no ownership, and the thread touches the
+// bytes only under the block-ownership protocol (see `block`).
+unsafe impl Send for HostTier {}
+
+impl HostTier {
+    /// The host tier over `area`; `None` when the area cannot hold the geometry's host blocks or
+    /// the geometry has none.
+    pub fn new(area: MappedArea, geometry: &Geometry) -> Option<HostTier> {
+        let block_bytes = usize::try_from(geometry.block_bytes()).ok()?;
+        let needed = block_bytes.checked_mul(geometry.host_blocks() as usize)?;
+        (geometry.host_blocks() > 0 && area.len() >= needed).then_some(HostTier {
+            area,
+            block_bytes,
+            blocks: geometry.host_blocks(),
+        })
+    }
+
+    /// The bytes of host block `block`.
+    ///
+    /// # Safety
+    ///
+    /// Trusted peer: while the returned slice is used, no process or thread writes the block
+    /// (the scheduler hands a block to one command at a time; a STORE only reads it).
+    ///
+    /// # Panics
+    ///
+    /// If `block` is out of range: validation refuses such ids, so this is a programming error.
+    unsafe fn block<'a>(&self, block: u32) -> &'a [u8] {
+        assert!(block < self.blocks, "host block {block} out of range is a programming error");
+        // SAFETY: in bounds of the mapped area (checked in `new` and above); the caller
+        // guarantees that no one writes the bytes while the slice lives.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.area.as_ptr().add(block as usize * self.block_bytes),
+                self.block_bytes,
+            )
+        }
+    }
+
+    /// The bytes of host block `block`, to be written.
+    ///
+    /// # Safety
+    ///
+    /// Trusted peer: while the returned slice is used, no other process or thread reads or writes
+    /// the block (a LOAD owns its destinations), and no other slice of the same block exists
+    /// (validation refuses a LOAD into one block twice).
+    ///
+    /// # Panics
+    ///
+    /// If `block` is out of range (a programming error, as for [`HostTier::block`]).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn block_mut<'a>(&self, block: u32) -> &'a mut [u8] {
+        assert!(block < self.blocks, "host block {block} out of range is a programming error");
+        // SAFETY: in bounds (as in `block`); exclusive use is the caller's guarantee.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.area.as_ptr().add(block as usize * self.block_bytes),
+                self.block_bytes,
+            )
+        }
+    }
+}
+
+/// What the storage thread needs from the worker.
+pub struct LaneContext<'env> {
+    pub segment: &'env Segment,
+    pub claim: &'env RankClaim,
+    pub host: HostTier,
+    pub sink: CompletionSink,
+}
+
+enum Job {
+    Run {
+        id: u64,
+        generation: u64,
+        command: StorageCommand,
+    },
+    /// A refusal, answered in its place in the queue.
+    Answer(Completion),
+    Flush {
+        id: u64,
+        generation: u64,
+    },
+}
+
+/// The copy loop's handle on the storage thread (module documentation).
+pub struct StorageLane<'scope> {
+    jobs: Option<Sender<Job>>,
+    thread: Option<ScopedJoinHandle<'scope, ()>>,
+    geometry: Geometry,
+    kind: &'static str,
+}
+
+impl<'scope> StorageLane<'scope> {
+    /// Starts the storage thread in `scope` over `backend`.
+    pub fn spawn<'env>(
+        scope: &'scope Scope<'scope, 'env>,
+        backend: Box<dyn StorageBackend>,
+        context: LaneContext<'env>,
+        geometry: Geometry,
+    ) -> std::io::Result<StorageLane<'scope>> {
+        let (jobs, queue) = mpsc::channel();
+        let kind = backend.kind();
+        let thread = std::thread::Builder::new()
+            .name(format!("kvshm-storage-{}", context.claim.rank()))
+            .spawn_scoped(scope, move || serve_jobs(backend, context, queue))?;
+        Ok(StorageLane { jobs: Some(jobs), thread: Some(thread), geometry, kind })
+    }
+
+    /// `"disk"` or `"redis"`.
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    /// Whether the lane answers this command: every storage op, and FLUSH (which must wait for
+    /// the storage commands before it).
+    pub fn takes(&self, header: &CommandHeader) -> bool {
+        Op::from_wire(header.op).is_some_and(|op| op.is_storage() || op == Op::Flush)
+    }
+
+    /// Validates a command the lane takes and queues it (step 2 of the module documentation).
+    pub fn submit(&self, header: &CommandHeader, pairs: &[BlockPair], generation: u64) {
+        let (id, command_generation) = (header.command_id, header.generation);
+        let job = match validate(header, pairs, &self.geometry, generation) {
+            Ok(ValidCommand::Storage(command)) => {
+                Job::Run { id, generation: command_generation, command }
+            }
+            Ok(ValidCommand::Flush) => Job::Flush { id, generation: command_generation },
+            Ok(_) => Job::Answer(Completion::failed(
+                id,
+                command_generation,
+                CommandError::Malformed,
+                header.op.into(),
+            )),
+            Err(refusal) => {
+                tracing::debug!(command = id, %refusal, "refusing a storage command");
+                let (error, detail) = refusal.to_wire();
+                Job::Answer(Completion::failed(id, command_generation, error, detail))
+            }
+        };
+        if let Some(jobs) = &self.jobs {
+            // The thread only ends when this sender is dropped (or it panicked: then the worker
+            // is broken and stops answering, which the scheduler's deadline catches).
+            let _ = jobs.send(job);
+        }
+    }
+}
+
+impl Drop for StorageLane<'_> {
+    /// Closes the queue and waits until the thread answered every job (step 4).
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!("the storage thread panicked");
+            }
+        }
+    }
+}
+
+/// Steps 3 and 4 of the module documentation, on the storage thread.
+fn serve_jobs(
+    mut backend: Box<dyn StorageBackend>,
+    context: LaneContext<'_>,
+    queue: Receiver<Job>,
+) {
+    let counters = context.segment.counters();
+    let block_bytes = backend.layout().block_bytes;
+    let mut runner = Runner { last_evictions: backend.stats().evictions, ..Runner::default() };
+    for job in queue {
+        if let Err(lost) = context.claim.heartbeat() {
+            abandon_rank(lost);
+        }
+        let completion = match job {
+            Job::Answer(completion) => completion,
+            Job::Flush { id, generation } => Completion::ok(id, generation),
+            Job::Run { id, generation, command } => {
+                let started = Instant::now();
+                let results = runner.run(backend.as_mut(), &context.host, &command);
+                counters.add(Counter::StorageIoNs, started.elapsed().as_nanos() as u64);
+                runner.publish_counters(counters, backend.as_ref(), block_bytes);
+                let mut completion = Completion::ok(id, generation);
+                completion.detail = results.to_detail();
+                completion
+            }
+        };
+        publish(&context, completion);
+    }
+    if let Err(failure) = backend.sync() {
+        tracing::warn!(%failure, "cannot sync the storage tier at exit");
+    }
+}
+
+/// Pushes one completion, waiting for room (heartbeating) while the scheduler lives.
+fn publish(context: &LaneContext<'_>, completion: Completion) {
+    loop {
+        if context.sink.push_available(&[completion]) == 1 {
+            context.segment.scheduler_doorbell().ring();
+            return;
+        }
+        if !context.segment.creator_alive() {
+            return;
+        }
+        std::thread::sleep(FULL_RING_POLL);
+        if let Err(lost) = context.claim.heartbeat() {
+            abandon_rank(lost);
+        }
+    }
+}
+
+/// Ends the process: the scheduler reclaimed the rank while storage commands were queued, and
+/// their host blocks may already belong to other commands.
+fn abandon_rank(lost: ClaimLost) -> ! {
+    tracing::error!(%lost, "rank reclaimed with storage commands queued; exiting at once");
+    eprintln!("kvshm worker: the scheduler reclaimed this rank during storage I/O ({lost})");
+    std::process::exit(EXIT_CLAIM_LOST);
+}
+
+/// Runs commands and keeps what the counters need between them.
+#[derive(Default)]
+struct Runner {
+    tally: Tally,
+    last_evictions: u64,
+    put_outcomes: Vec<crate::storage::PutOutcome>,
+    get_outcomes: Vec<crate::storage::GetOutcome>,
+    contains_outcomes: Vec<crate::storage::ContainsOutcome>,
+}
+
+impl Runner {
+    /// Runs one validated command against the back-end over the host tier.
+    fn run(
+        &mut self,
+        backend: &mut dyn StorageBackend,
+        host: &HostTier,
+        command: &StorageCommand,
+    ) -> StorageResults {
+        let mut results = StorageResults::default();
+        let entries = &command.entries;
+        match command.op {
+            StorageOp::Store => {
+                let blocks: Vec<PutBlock<'_>> = entries
+                    .iter()
+                    .map(|entry| PutBlock {
+                        key: BlockKey::new(
+                            BlockHash(entry.hash()),
+                            BlockHash(entry.parent()),
+                            entry.depth,
+                        ),
+                        // SAFETY: validated in range; the scheduler keeps a STORE's host blocks
+                        // unwritten until its completion (trusted peer).
+                        bytes: unsafe { host.block(entry.host_block) },
+                    })
+                    .collect();
+                backend.put(&blocks, &mut self.put_outcomes);
+                for (index, outcome) in self.put_outcomes.iter().enumerate() {
+                    results.set(index, outcome.is_ok(), outcome.is_err());
+                }
+                self.tally.puts(&self.put_outcomes);
+            }
+            StorageOp::Load => {
+                let mut blocks: Vec<GetBlock<'_>> = entries
+                    .iter()
+                    .map(|entry| GetBlock {
+                        hash: BlockHash(entry.hash()),
+                        // SAFETY: validated in range and distinct; the scheduler lets no one
+                        // else touch a LOAD's host blocks until its completion (trusted peer).
+                        dest: unsafe { host.block_mut(entry.host_block) },
+                    })
+                    .collect();
+                backend.get(&mut blocks, &mut self.get_outcomes);
+                for (index, outcome) in self.get_outcomes.iter().enumerate() {
+                    let failed = matches!(outcome, Err(GetMiss::Failed(_)));
+                    results.set(index, outcome.is_ok(), failed);
+                }
+                self.tally.gets(&self.get_outcomes);
+            }
+            StorageOp::Query => {
+                let hashes: Vec<BlockHash> =
+                    entries.iter().map(|entry| BlockHash(entry.hash())).collect();
+                backend.contains(&hashes, &mut self.contains_outcomes);
+                for (index, outcome) in self.contains_outcomes.iter().enumerate() {
+                    results.set(index, *outcome == Ok(true), outcome.is_err());
+                }
+                self.tally.queries(&self.contains_outcomes);
+            }
+        }
+        results.masked(entries.len())
+    }
+
+    /// Adds what happened since the last call to the segment's counters.
+    fn publish_counters(
+        &mut self,
+        counters: &Counters,
+        backend: &dyn StorageBackend,
+        block_bytes: u64,
+    ) {
+        let tally = std::mem::take(&mut self.tally);
+        let pairs = [
+            (Counter::StorageStoredBlocks, tally.stored),
+            (Counter::StorageStoreFailures, tally.store_failures),
+            (Counter::StorageLoadHits, tally.load_hits),
+            (Counter::StorageLoadMisses, tally.load_misses),
+            (Counter::StorageCorruptBlocks, tally.corrupt),
+            (Counter::StorageQueryBlocks, tally.queried),
+            (Counter::StorageErrors, tally.errors),
+            (Counter::StorageTimeouts, tally.timeouts),
+            (Counter::StorageUnavailable, tally.unavailable),
+            (Counter::StorageNoSpace, tally.no_space),
+            (Counter::StorageBytesWritten, tally.stored.saturating_mul(block_bytes)),
+            (Counter::StorageBytesRead, tally.load_hits.saturating_mul(block_bytes)),
+        ];
+        for (counter, value) in pairs {
+            if value > 0 {
+                counters.add(counter, value);
+            }
+        }
+        let evictions = backend.stats().evictions;
+        counters.add(Counter::StorageEvictions, evictions.saturating_sub(self.last_evictions));
+        self.last_evictions = evictions;
+    }
+}
+
+/// Why a worker's storage tier cannot be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum StorageStartError {
+    #[error("the storage tier of rank {rank}: {reason}")]
+    Open { rank: u32, reason: OpenError },
+    #[error("the storage tier needs a host tier, and this segment has none (host_blocks = 0)")]
+    NoHostTier,
+    #[error(
+        "the segment's block layout cannot be stored ({block_bytes} bytes, {regions} regions)"
+    )]
+    BadLayout { block_bytes: u64, regions: u32 },
+    #[error("the scheduler reclaimed the rank while its storage tier was opening: {0}")]
+    ClaimLost(#[from] ClaimLost),
+}
+
+/// The block layout of `segment`'s ranks, as the storage tier records it.
+pub fn segment_layout(segment: &Segment) -> Result<BlockLayout, StorageStartError> {
+    let config = segment.config();
+    BlockLayout::new(config.block_bytes(), config.regions, config.tp_size).ok_or(
+        StorageStartError::BadLayout { block_bytes: config.block_bytes(), regions: config.regions },
+    )
+}
+
+/// Makes a write beyond the process's file size limit fail with `EFBIG` (a counted "no space")
+/// instead of killing the worker with SIGXFSZ.
+fn ignore_file_size_signal() {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: SIG_IGN runs no handler code; nothing in the worker relies on SIGXFSZ.
+    if let Err(error) = unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) } {
+        tracing::warn!(%error, "cannot ignore SIGXFSZ");
+    }
+}
+
+/// Step 1: opens `rank`'s back-end, heartbeating meanwhile; a slab another process holds (a
+/// worker being replaced) is retried until `patience` runs out or `stop` says so.
+pub fn open_backend(
+    segment: &Segment,
+    claim: &RankClaim,
+    options: &StorageOptions,
+    patience: Duration,
+    stop: &(dyn Fn() -> bool + Sync),
+) -> Result<Box<dyn StorageBackend>, StorageStartError> {
+    let config = segment.config();
+    if config.host_blocks == 0 {
+        return Err(StorageStartError::NoHostTier);
+    }
+    let layout = segment_layout(segment)?;
+    let rank = claim.rank();
+    ignore_file_size_signal();
+    let started = Instant::now();
+    loop {
+        let opened = std::thread::scope(|scope| {
+            let opening = scope.spawn(|| options.open(rank, layout, config.host_blocks));
+            while !opening.is_finished() {
+                claim.heartbeat()?;
+                std::thread::sleep(OPEN_POLL);
+            }
+            claim.heartbeat()?;
+            Ok::<_, ClaimLost>(opening.join().expect("opening a back-end does not panic"))
+        })?;
+        match opened {
+            Ok(backend) => return Ok(backend),
+            Err(reason) if reason.is_busy() && started.elapsed() < patience && !stop() => {
+                tracing::info!(rank, %reason, "waiting for the storage slab");
+                std::thread::sleep(OPEN_POLL * 5);
+            }
+            Err(reason) => return Err(StorageStartError::Open { rank, reason }),
+        }
+    }
+}
