@@ -30,6 +30,8 @@ enum Bench {
     Copy(cli::bench_copy::Args),
     /// Scheduler operations with one million cached blocks.
     Sched(cli::bench_sched::Args),
+    /// Storage tier (disk, Redis) bandwidth against plain pwrite/pread and SET/GET.
+    Storage(cli::bench_storage::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,5 +46,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Ring(args)) => cli::bench_ring::run(args),
         Command::Bench(Bench::Copy(args)) => cli::bench_copy::run(args),
         Command::Bench(Bench::Sched(args)) => cli::bench_sched::run(args),
+        Command::Bench(Bench::Storage(args)) => cli::bench_storage::run(args),
     }
 }

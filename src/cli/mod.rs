@@ -2,6 +2,7 @@
 pub mod bench_copy;
 pub mod bench_ring;
 pub mod bench_sched;
+pub mod bench_storage;
 pub mod checks;
 pub mod demo;
 pub mod replay;

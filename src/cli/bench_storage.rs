@@ -1,0 +1,555 @@
+//! `kvshm bench storage`: the storage tier's bandwidth against plain I/O of the same bytes on the
+//! same system, measured in the same run.
+//!
+//! Disk (always; `--dir`, default the system temp directory):
+//!
+//! 1. for 64 KiB and 1 MiB blocks, fill `--mib` MiB of page-aligned memory (the host tier
+//!    stand-in) with pseudo-random bytes;
+//! 2. baseline: one file in the same directory, preallocated, written then read sequentially in
+//!    block-sized `pwrite`/`pread` calls, with O_DIRECT when the file system allows it, as the
+//!    tier does (in buffered mode both sides are synced and their pages dropped before reading,
+//!    so neither reads from the page cache);
+//! 3. the tier, through each path: `backend` (the disk back-end called in this process) and
+//!    `worker` (a `kvshm worker --storage disk:…` process driven with STORE/LOAD commands of 32
+//!    blocks through a segment's rings, 8 commands in flight: the scheduler's path). Checksums,
+//!    index records and completions are all included. Phases on a slab of exactly the blocks'
+//!    capacity: consecutive write (a fresh slab fills front to back) and read in the same order;
+//!    then every block is read once in random order (untimed) so that the slab's LRU order is
+//!    random, and a second set of blocks is written (each takes the least recently used slot:
+//!    scattered offsets, the steady state of a full cache) and read back in random order.
+//!
+//! Redis (with `--redis URL`): for both block sizes, `--redis-mib` MiB through the same two
+//! paths against plain pipelined `SET` (32 per pipeline) and `MGET` (32 keys) of the same sizes
+//! on one connection, with no header or checksum; GB/s and milliseconds per block.
+//!
+//! One JSON object (`--json`): the tables, and at the top `disk_write_over_baseline` and
+//! `disk_read_over_baseline` for 1 MiB scattered blocks through the worker.
+
+mod target;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use kvshm_ipc::name::SegmentName;
+use serde::Serialize;
+
+use crate::storage::direct_io::{
+    preallocate, read_exact_at, write_all_at, AlignedBuf, DataFile, IoMode,
+};
+use crate::storage::redis::{RedisBackend, RedisOptions};
+use crate::storage::spec::redact;
+use crate::storage::{BlockLayout, DiskBackend, DiskOptions};
+use target::{bench_hash, BackendTarget, Target, WorkerTarget};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Directory for the disk tier and its baseline file (on the file system to measure).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// A Redis server to measure too (redis://HOST:PORT); its keys are removed afterwards.
+    #[arg(long)]
+    redis: Option<String>,
+    /// MiB of blocks per disk case.
+    #[arg(long, default_value_t = 256)]
+    mib: usize,
+    /// MiB of blocks per Redis case.
+    #[arg(long, default_value_t = 64)]
+    redis_mib: usize,
+    /// Use the page cache instead of O_DIRECT (tier and baseline alike).
+    #[arg(long)]
+    buffered: bool,
+}
+
+const MIB: usize = 1 << 20;
+const BLOCK_SIZES: [usize; 2] = [64 << 10, 1 << 20];
+/// Blocks per pipeline of the Redis baseline (as many as one storage command carries).
+const PIPELINE: usize = kvshm_ipc::storage_record::MAX_STORAGE_ENTRIES;
+
+#[derive(Debug, Serialize)]
+struct Report {
+    bench: &'static str,
+    dir: String,
+    io_mode: IoMode,
+    disk_write_over_baseline: f64,
+    disk_read_over_baseline: f64,
+    disk: Vec<DiskRow>,
+    redis: Option<RedisReport>,
+    notes: Vec<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+struct DiskRow {
+    path: &'static str,
+    block_bytes: usize,
+    pattern: &'static str,
+    blocks: usize,
+    write_gbps: f64,
+    read_gbps: f64,
+    baseline_write_gbps: f64,
+    baseline_read_gbps: f64,
+    write_over_baseline: f64,
+    read_over_baseline: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct RedisReport {
+    url: String,
+    rows: Vec<RedisRow>,
+}
+
+#[derive(Debug, Serialize)]
+struct RedisRow {
+    path: &'static str,
+    block_bytes: usize,
+    blocks: usize,
+    put_gbps: f64,
+    get_gbps: f64,
+    put_ms_per_block: f64,
+    get_ms_per_block: f64,
+    baseline_set_gbps: f64,
+    baseline_get_gbps: f64,
+    baseline_set_ms_per_block: f64,
+    baseline_get_ms_per_block: f64,
+    put_over_baseline: f64,
+    get_over_baseline: f64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(args.mib >= 2, "--mib must be at least 2 (one 1 MiB block per phase and set)");
+    anyhow::ensure!(
+        args.mib <= 1 << 20 && args.redis_mib <= 1 << 20,
+        "--mib and --redis-mib must be at most 1 TiB"
+    );
+    anyhow::ensure!(args.redis_mib >= 1, "--redis-mib must be at least 1");
+    let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let dir = base.join(format!("kvshm-bench-storage-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let cleanup = RemoveOnDrop(dir.clone());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| u64::from(since.subsec_nanos()));
+    let salt = u64::from(std::process::id()) << 32 | nanos;
+
+    let mut disk = Vec::new();
+    let mut io_mode = IoMode::Buffered;
+    for block in BLOCK_SIZES {
+        let blocks = (args.mib * MIB / block).max(1);
+        let mut host = filled(blocks * block, block as u64);
+        for path in ["backend", "worker"] {
+            let baseline = disk_baseline(&dir, &host, block, !args.buffered)?;
+            io_mode = baseline.mode;
+            let phases = disk_phases(&args, &dir, path, &mut host, block, blocks, salt)?;
+            for (pattern, write, read) in
+                [("consecutive", phases[0], phases[1]), ("scattered", phases[2], phases[3])]
+            {
+                let bytes = (blocks * block) as f64;
+                let (write_gbps, read_gbps) = (bytes / write / 1e9, bytes / read / 1e9);
+                disk.push(DiskRow {
+                    path,
+                    block_bytes: block,
+                    pattern,
+                    blocks,
+                    write_gbps,
+                    read_gbps,
+                    baseline_write_gbps: baseline.write_gbps,
+                    baseline_read_gbps: baseline.read_gbps,
+                    write_over_baseline: write_gbps / baseline.write_gbps,
+                    read_over_baseline: read_gbps / baseline.read_gbps,
+                });
+            }
+        }
+    }
+    let headline = disk
+        .iter()
+        .find(|row| {
+            row.path == "worker" && row.block_bytes == 1 << 20 && row.pattern == "scattered"
+        })
+        .expect("the 1 MiB scattered worker case is always measured");
+    let redis = match &args.redis {
+        Some(url) => Some(redis_report(&args, url, salt)?),
+        None => None,
+    };
+    let report = Report {
+        bench: "storage",
+        dir: base.display().to_string(),
+        io_mode,
+        disk_write_over_baseline: headline.write_over_baseline,
+        disk_read_over_baseline: headline.read_over_baseline,
+        disk,
+        redis,
+        notes: vec![
+            "baseline: sequential block-sized pwrite/pread of the same bytes in the same directory, same io_mode as the tier",
+            "tier: checksums, index records and (worker path) commands and completions included",
+            "scattered: slots reused in random LRU order (write), random read order",
+        ],
+    };
+    drop(cleanup);
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+/// Removes the bench directory when the bench ends, however it ends.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Page-aligned memory of `len` pseudo-random bytes (xorshift; incompressible enough).
+fn filled(len: usize, seed: u64) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(len);
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for word in buf.as_mut_slice().chunks_exact_mut(8) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        word.copy_from_slice(&state.to_le_bytes());
+    }
+    buf
+}
+
+/// A permutation of `0..n` (Fisher-Yates over a xorshift stream).
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut state = seed | 1;
+    for i in (1..n).rev() {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        order.swap(i, (state % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
+struct DiskBaseline {
+    mode: IoMode,
+    write_gbps: f64,
+    read_gbps: f64,
+}
+
+/// Step 2: sequential block-sized writes, then reads, of `host` in a file in `dir`.
+fn disk_baseline(
+    dir: &Path,
+    host: &AlignedBuf,
+    block: usize,
+    direct: bool,
+) -> anyhow::Result<DiskBaseline> {
+    let path = dir.join("baseline");
+    let _ = std::fs::remove_file(&path);
+    let data = DataFile::open(&path, true, direct)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let bytes = host.as_slice();
+    preallocate(data.file(), bytes.len() as u64)?;
+    let started = Instant::now();
+    for (index, chunk) in bytes.chunks(block).enumerate() {
+        write_all_at(data.file(), &[chunk], (index * block) as u64)?;
+    }
+    if data.mode() == IoMode::Buffered {
+        data.file().sync_data()?;
+    }
+    let write = started.elapsed().as_secs_f64();
+    drop_page_cache(&path);
+    let mut back = AlignedBuf::zeroed(bytes.len());
+    let started = Instant::now();
+    for (index, chunk) in back.as_mut_slice().chunks_mut(block).enumerate() {
+        read_exact_at(data.file(), &mut [chunk], (index * block) as u64)?;
+    }
+    let read = started.elapsed().as_secs_f64();
+    anyhow::ensure!(back.as_slice() == bytes, "the baseline read back other bytes");
+    let mode = data.mode();
+    drop(data);
+    std::fs::remove_file(&path)?;
+    let len = bytes.len() as f64;
+    Ok(DiskBaseline { mode, write_gbps: len / write / 1e9, read_gbps: len / read / 1e9 })
+}
+
+/// Syncs `path` and drops its pages from the page cache (a no-op for pages O_DIRECT never
+/// cached), so that the next read goes to the device.
+fn drop_page_cache(path: &Path) {
+    use std::os::fd::AsRawFd;
+    if let Ok(file) = std::fs::File::open(path) {
+        let _ = file.sync_data();
+        // SAFETY: posix_fadvise takes a descriptor we own and integers; it only drops clean pages.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+}
+
+/// Step 3 for one path: the four timed phases, in seconds (consecutive write and read,
+/// scattered write and read).
+fn disk_phases(
+    args: &Args,
+    dir: &Path,
+    path: &'static str,
+    host: &mut AlignedBuf,
+    block: usize,
+    blocks: usize,
+    salt: u64,
+) -> anyhow::Result<[f64; 4]> {
+    let namespace = format!("bench-{path}-{block}");
+    let slab = dir.join(&namespace).join("rank-0.slab");
+    let salt = salt ^ (block as u64) ^ (path.len() as u64) << 40;
+    let run = |target: &mut dyn Target| -> anyhow::Result<[f64; 4]> {
+        let n = blocks as u64;
+        let in_order: Vec<(u64, u32)> = (0..n).map(|i| (i, i as u32)).collect();
+        let write_consecutive = timed(|| target.store(&in_order), blocks, "consecutive write")?;
+        drop_page_cache(&slab);
+        let read_consecutive = timed(|| target.load(&in_order), blocks, "consecutive read")?;
+        let scramble: Vec<(u64, u32)> =
+            shuffled(blocks, salt).into_iter().map(|i| (i as u64, i as u32)).collect();
+        target.load(&scramble)?;
+        let scattered_store: Vec<(u64, u32)> =
+            shuffled(blocks, salt ^ 1).into_iter().map(|i| (n + i as u64, i as u32)).collect();
+        let write_scattered = timed(|| target.store(&scattered_store), blocks, "scattered write")?;
+        drop_page_cache(&slab);
+        let scattered_load: Vec<(u64, u32)> =
+            shuffled(blocks, salt ^ 2).into_iter().map(|i| (n + i as u64, i as u32)).collect();
+        let read_scattered = timed(|| target.load(&scattered_load), blocks, "scattered read")?;
+        Ok([write_consecutive, read_consecutive, write_scattered, read_scattered])
+    };
+    let phases = match path {
+        "backend" => {
+            let backend = DiskBackend::open(&DiskOptions {
+                dir: dir.to_owned(),
+                namespace: namespace.clone(),
+                rank: 0,
+                layout: BlockLayout::new(block as u64, 2, 1).expect("an even block size"),
+                capacity_blocks: blocks as u64,
+                prefer_direct: !args.buffered,
+                crash: None,
+            })?;
+            run(&mut BackendTarget { backend: Box::new(backend), host, block_bytes: block, salt })?
+        }
+        _ => {
+            let name = SegmentName::new(&format!("bench-storage-{}-{block}", std::process::id()))?;
+            let mut storage_args = vec![
+                "--storage".to_owned(),
+                format!("disk:{}", dir.display()),
+                "--storage-namespace".to_owned(),
+                namespace.clone(),
+                "--storage-blocks".to_owned(),
+                blocks.to_string(),
+            ];
+            if args.buffered {
+                storage_args.push("--storage-buffered".to_owned());
+            }
+            let log = dir.join("worker.log");
+            let mut worker =
+                WorkerTarget::start(&name, block, blocks as u32, &storage_args, salt, &log)?;
+            worker.host_mut()[..host.len()].copy_from_slice(host.as_slice());
+            let phases = run(&mut worker)?;
+            worker.stop()?;
+            phases
+        }
+    };
+    let _ = std::fs::remove_dir_all(dir.join(&namespace));
+    Ok(phases)
+}
+
+/// Runs `phase` (which answers how many blocks it moved) and returns its seconds; fewer blocks
+/// than expected is an error: the tier lost some.
+fn timed(
+    phase: impl FnOnce() -> anyhow::Result<usize>,
+    expected: usize,
+    what: &str,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let moved = phase()?;
+    let seconds = started.elapsed().as_secs_f64();
+    anyhow::ensure!(moved == expected, "{what}: the tier moved {moved} of {expected} blocks");
+    Ok(seconds.max(1e-9))
+}
+
+fn redis_report(args: &Args, url: &str, salt: u64) -> anyhow::Result<RedisReport> {
+    let mut rows = Vec::new();
+    for block in BLOCK_SIZES {
+        let blocks = (args.redis_mib * MIB / block).max(1);
+        let mut host = filled(blocks * block, block as u64 ^ 0xabc);
+        for path in ["backend", "worker"] {
+            let (set, get) = redis_baseline(url, &host, block, salt)?;
+            let namespace = format!("bench-{}-{path}", std::process::id());
+            let layout = BlockLayout::new(block as u64, 2, 1).expect("an even block size");
+            let options = RedisOptions {
+                url: url.to_owned(),
+                namespace: namespace.clone(),
+                rank: 0,
+                layout,
+                ttl: None,
+                connections: crate::storage::spec::DEFAULT_CONNECTIONS,
+                io_timeout: Duration::from_secs(10),
+                connect_timeout: Duration::from_secs(2),
+            };
+            let in_order: Vec<(u64, u32)> = (0..blocks as u64).map(|i| (i, i as u32)).collect();
+            let (put, got) = match path {
+                "backend" => {
+                    let mut backend = RedisBackend::open(&options)?;
+                    backend.connect_all().map_err(|failure| {
+                        anyhow::anyhow!("redis at {}: {failure}", redact(url))
+                    })?;
+                    let mut target = BackendTarget {
+                        backend: Box::new(backend),
+                        host: &mut host,
+                        block_bytes: block,
+                        salt,
+                    };
+                    (
+                        timed(|| target.store(&in_order), blocks, "redis put")?,
+                        timed(|| target.load(&in_order), blocks, "redis get")?,
+                    )
+                }
+                _ => {
+                    let name = SegmentName::new(&format!(
+                        "bench-storage-r{}-{block}",
+                        std::process::id()
+                    ))?;
+                    let storage_args = vec![
+                        "--storage".to_owned(),
+                        url.to_owned(),
+                        "--storage-namespace".to_owned(),
+                        namespace.clone(),
+                        "--storage-timeout".to_owned(),
+                        "10".to_owned(),
+                    ];
+                    let log = std::env::temp_dir()
+                        .join(format!("kvshm-bench-storage-{}.log", std::process::id()));
+                    let started =
+                        WorkerTarget::start(&name, block, blocks as u32, &storage_args, salt, &log);
+                    let _ = std::fs::remove_file(&log);
+                    let mut worker = started?;
+                    worker.host_mut()[..host.len()].copy_from_slice(host.as_slice());
+                    let times = (
+                        timed(|| worker.store(&in_order), blocks, "redis put")?,
+                        timed(|| worker.load(&in_order), blocks, "redis get")?,
+                    );
+                    worker.stop()?;
+                    times
+                }
+            };
+            // Remove what the tier stored.
+            let mut cleaner = RedisBackend::open(&options)?;
+            let hashes: Vec<_> = (0..blocks as u64).map(|tag| bench_hash(salt, tag)).collect();
+            let mut outcomes = Vec::new();
+            for chunk in hashes.chunks(1024) {
+                crate::storage::StorageBackend::remove(&mut cleaner, chunk, &mut outcomes);
+            }
+            let bytes = (blocks * block) as f64;
+            let per_block = |seconds: f64| seconds * 1e3 / blocks as f64;
+            rows.push(RedisRow {
+                path,
+                block_bytes: block,
+                blocks,
+                put_gbps: bytes / put / 1e9,
+                get_gbps: bytes / got / 1e9,
+                put_ms_per_block: per_block(put),
+                get_ms_per_block: per_block(got),
+                baseline_set_gbps: bytes / set / 1e9,
+                baseline_get_gbps: bytes / get / 1e9,
+                baseline_set_ms_per_block: per_block(set),
+                baseline_get_ms_per_block: per_block(get),
+                put_over_baseline: set / put,
+                get_over_baseline: get / got,
+            });
+        }
+    }
+    Ok(RedisReport { url: redact(url), rows })
+}
+
+/// Plain pipelined SETs (32 per pipeline) and MGETs (32 keys) of the blocks on one connection;
+/// (set seconds, get seconds). The keys are removed afterwards.
+fn redis_baseline(
+    url: &str,
+    host: &AlignedBuf,
+    block: usize,
+    salt: u64,
+) -> anyhow::Result<(f64, f64)> {
+    let client = redis::Client::open(url).with_context(|| format!("redis url {}", redact(url)))?;
+    let mut connection = client
+        .get_connection_with_timeout(Duration::from_secs(5))
+        .with_context(|| format!("connecting to {}", redact(url)))?;
+    let keys: Vec<String> =
+        (0..host.len() / block).map(|i| format!("kvshm-bench-baseline:{salt:x}:{i}")).collect();
+    let started = Instant::now();
+    for (chunk_keys, chunk) in keys.chunks(PIPELINE).zip(host.as_slice().chunks(PIPELINE * block)) {
+        let mut pipe = redis::pipe();
+        for (key, bytes) in chunk_keys.iter().zip(chunk.chunks(block)) {
+            pipe.cmd("SET").arg(key).arg(bytes).ignore();
+        }
+        pipe.query::<()>(&mut connection)?;
+    }
+    let set = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let mut read = 0usize;
+    for chunk_keys in keys.chunks(PIPELINE) {
+        let values: Vec<Vec<u8>> = redis::cmd("MGET").arg(chunk_keys).query(&mut connection)?;
+        read += values.iter().map(Vec::len).sum::<usize>();
+    }
+    let get = started.elapsed().as_secs_f64();
+    anyhow::ensure!(read == host.len(), "the baseline read {read} of {} bytes", host.len());
+    for chunk_keys in keys.chunks(1024) {
+        redis::cmd("UNLINK").arg(chunk_keys).query::<i64>(&mut connection)?;
+    }
+    Ok((set.max(1e-9), get.max(1e-9)))
+}
+
+fn print_table(report: &Report) {
+    println!("storage tier in {} ({:?} I/O)", report.dir, report.io_mode);
+    println!(
+        "{:<8} {:>9} {:<12} {:>7} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7}",
+        "path",
+        "block",
+        "pattern",
+        "blocks",
+        "write",
+        "read",
+        "base_w",
+        "base_r",
+        "w/base",
+        "r/base"
+    );
+    for row in &report.disk {
+        println!(
+            "{:<8} {:>9} {:<12} {:>7} {:>8.2}G {:>8.2}G {:>8.2}G {:>8.2}G {:>7.2} {:>7.2}",
+            row.path,
+            row.block_bytes,
+            row.pattern,
+            row.blocks,
+            row.write_gbps,
+            row.read_gbps,
+            row.baseline_write_gbps,
+            row.baseline_read_gbps,
+            row.write_over_baseline,
+            row.read_over_baseline
+        );
+    }
+    println!(
+        "1 MiB scattered through the worker: write {:.2}x, read {:.2}x of the baseline",
+        report.disk_write_over_baseline, report.disk_read_over_baseline
+    );
+    if let Some(redis) = &report.redis {
+        println!("redis at {}", redis.url);
+        for row in &redis.rows {
+            println!(
+                "{:<8} {:>9} put {:.2} GB/s {:.3} ms/block (SET {:.2} GB/s {:.3} ms) get {:.2} GB/s {:.3} ms/block (MGET {:.2} GB/s {:.3} ms)",
+                row.path,
+                row.block_bytes,
+                row.put_gbps,
+                row.put_ms_per_block,
+                row.baseline_set_gbps,
+                row.baseline_set_ms_per_block,
+                row.get_gbps,
+                row.get_ms_per_block,
+                row.baseline_get_gbps,
+                row.baseline_get_ms_per_block
+            );
+        }
+    }
+}
