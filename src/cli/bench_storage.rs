@@ -119,12 +119,7 @@ struct RedisRow {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    anyhow::ensure!(args.mib >= 2, "--mib must be at least 2 (one 1 MiB block per phase and set)");
-    anyhow::ensure!(
-        args.mib <= 1 << 20 && args.redis_mib <= 1 << 20,
-        "--mib and --redis-mib must be at most 1 TiB"
-    );
-    anyhow::ensure!(args.redis_mib >= 1, "--redis-mib must be at least 1");
+    check(&args)?;
     let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = base.join(format!("kvshm-bench-storage-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -192,6 +187,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print_table(&report);
+    }
+    Ok(())
+}
+
+/// Refuses sizes the run cannot have, naming the option.
+fn check(args: &Args) -> anyhow::Result<()> {
+    use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, mib_to_bytes, within};
+    within(args.mib, 1..=1 << 20, "--mib")?;
+    within(args.redis_mib, 1..=1 << 20, "--redis-mib")?;
+    let bytes = mib_to_bytes(args.mib as u64, "--mib")?;
+    at_least(bytes, BLOCK_SIZES[1] as u64, "--mib (in bytes: one 1 MiB block at least)")?;
+    // The host-tier stand-in and the baseline's read-back buffer; the worker's host tier.
+    fits_in_memory(u128::from(bytes) * 2, format_args!("--mib {}: two buffers", args.mib))?;
+    fits_in_dev_shm(u128::from(bytes), format_args!("--mib {}: the worker's host tier", args.mib))?;
+    let redis_bytes = mib_to_bytes(args.redis_mib as u64, "--redis-mib")?;
+    fits_in_memory(u128::from(redis_bytes) * 2, format_args!("--redis-mib {}", args.redis_mib))?;
+    if args.redis.is_some() {
+        fits_in_dev_shm(u128::from(redis_bytes), format_args!("--redis-mib {}", args.redis_mib))?;
     }
     Ok(())
 }
