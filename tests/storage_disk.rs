@@ -466,3 +466,126 @@ fn a_full_disk_is_a_clear_error_at_creation_and_a_counted_no_space_when_writing(
     assert!(all_ok(&get(&mut backend, &[1, 2, 3], 4096)));
     assert_eq!(backend.len(), 3);
 }
+
+/// A reference model of the slab's membership and recency: the same rules in the plainest form.
+struct ModelSlab {
+    capacity: usize,
+    /// Stored tags, least recently used first.
+    order: Vec<u64>,
+    sequence: std::collections::HashMap<u64, u64>,
+    next_sequence: u64,
+}
+
+impl ModelSlab {
+    fn touch(&mut self, tag: u64) {
+        self.order.retain(|&t| t != tag);
+        self.order.push(tag);
+    }
+
+    fn put(&mut self, tags: &[u64]) -> Vec<bool> {
+        let mut pinned: Vec<u64> = Vec::new();
+        let mut new: Vec<u64> = Vec::new();
+        let mut stored = Vec::new();
+        for &tag in tags {
+            if self.order.contains(&tag) {
+                pinned.push(tag);
+                stored.push(true);
+            } else if new.contains(&tag) {
+                stored.push(true);
+            } else if self.order.len() + new.len() < self.capacity {
+                new.push(tag);
+                stored.push(true);
+            } else if let Some(victim) = self.order.iter().position(|t| !pinned.contains(t)) {
+                let evicted = self.order.remove(victim);
+                self.sequence.remove(&evicted);
+                new.push(tag);
+                stored.push(true);
+            } else {
+                stored.push(false);
+            }
+        }
+        for &tag in &new {
+            self.sequence.insert(tag, self.next_sequence);
+            self.next_sequence += 1;
+        }
+        for (&tag, _) in tags.iter().zip(&stored).rev().filter(|(_, &ok)| ok) {
+            self.touch(tag);
+        }
+        stored
+    }
+
+    fn get(&mut self, tags: &[u64]) -> Vec<bool> {
+        let hits: Vec<bool> = tags.iter().map(|t| self.order.contains(t)).collect();
+        for (&tag, _) in tags.iter().zip(&hits).rev().filter(|(_, &hit)| hit) {
+            self.touch(tag);
+        }
+        hits
+    }
+
+    fn remove(&mut self, tags: &[u64]) {
+        self.order.retain(|t| !tags.contains(t));
+    }
+
+    /// After a restart only the write order is known.
+    fn reopen(&mut self) {
+        let sequence = &self.sequence;
+        self.order.sort_by_key(|t| sequence[t]);
+    }
+}
+
+#[test]
+fn the_slab_matches_a_reference_lru_over_random_batches_and_restarts() {
+    let scratch = Scratch::new("random");
+    let block = 4096;
+    let capacity = 12;
+    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, capacity)).unwrap();
+    let mut model = ModelSlab {
+        capacity: capacity as usize,
+        order: Vec::new(),
+        sequence: Default::default(),
+        next_sequence: 0,
+    };
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |bound: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % bound
+    };
+    for step in 0..4000 {
+        // A tiny vocabulary, so that batches collide with what is stored all the time.
+        let len = 1 + next(16) as usize;
+        let tags: Vec<u64> = (0..len).map(|_| 1 + next(24)).collect();
+        match next(10) {
+            0..=3 => {
+                let stored: Vec<bool> =
+                    put(&mut backend, &tags, block).iter().map(Result::is_ok).collect();
+                assert_eq!(stored, model.put(&tags), "step {step}: put {tags:?}");
+            }
+            4..=7 => {
+                // A load writes each host block once: distinct tags only.
+                let mut distinct = tags.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                let hits: Vec<bool> =
+                    get(&mut backend, &distinct, block).iter().map(Result::is_ok).collect();
+                assert_eq!(hits, model.get(&distinct), "step {step}: get {distinct:?}");
+            }
+            8 => {
+                let hashes: Vec<BlockHash> = tags.iter().map(|&t| key(t).hash).collect();
+                let mut outcomes = Vec::new();
+                backend.remove(&hashes, &mut outcomes);
+                backend.check_invariants();
+                assert!(all_ok(&outcomes));
+                model.remove(&tags);
+            }
+            _ => {
+                drop(backend);
+                backend = DiskBackend::open(&options(&scratch.0, block as u64, capacity)).unwrap();
+                backend.check_invariants();
+                model.reopen();
+            }
+        }
+        assert_eq!(backend.len(), model.order.len(), "step {step}");
+    }
+}

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::counters::Counter;
 use kvshm_ipc::doorbell::{Doorbell, WaitPolicy};
 use kvshm_ipc::progress::LayerProgress;
-use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, CommandSlot, Completion};
+use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, CommandSlot, Completion, Op};
 use kvshm_ipc::ring::Consumer;
 use kvshm_ipc::segment::{Mapped, RankClaim, Segment};
 use kvshm_ipc::worker_slot::ClaimLost;
@@ -266,8 +266,10 @@ impl<'a> Server<'a> {
             };
             self.claim.heartbeat()?;
             if self.storage.as_ref().is_some_and(|lane| lane.takes(&header)) {
-                // A FLUSH queued behind storage commands must also follow this loop's copies.
-                self.publish_completions()?;
+                if header.op == Op::Flush as u32 {
+                    // A FLUSH queued behind storage commands must also follow this loop's copies.
+                    self.publish_completions()?;
+                }
                 let lane = self.storage.as_ref().expect("checked above");
                 lane.submit(&header, &self.pairs, self.segment.generation());
                 continue;
