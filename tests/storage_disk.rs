@@ -221,29 +221,32 @@ fn a_block_on_only_some_ranks_is_not_listed_for_the_scheduler() {
 
 #[test]
 fn a_damaged_record_is_a_miss_and_is_dropped() {
-    let scratch = Scratch::new("corrupt");
-    let block = 8192;
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
-    assert!(all_ok(&put(&mut backend, &[1, 2, 3], block)));
-    let slot = backend.slot_of(key(2).hash).unwrap();
-    let slab = backend.slab_path().to_owned();
-    let slot_bytes = backend.slot_bytes();
-    drop(backend);
-    // One flipped bit in the middle of block 2's bytes.
-    let mut bytes = std::fs::read(&slab).unwrap();
-    bytes[(u64::from(slot) * slot_bytes + 5000) as usize] ^= 0x10;
-    std::fs::write(&slab, &bytes).unwrap();
+    // Small blocks are verified inline, batches of 1 MiB or more on a second thread.
+    for block in [8192usize, 512 * 1024] {
+        let scratch = Scratch::new(&format!("corrupt-{block}"));
+        let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+        assert!(all_ok(&put(&mut backend, &[1, 2, 3], block)));
+        let slot = backend.slot_of(key(2).hash).unwrap();
+        let slab = backend.slab_path().to_owned();
+        let slot_bytes = backend.slot_bytes();
+        drop(backend);
+        // One flipped bit in the middle of block 2's bytes.
+        let mut bytes = std::fs::read(&slab).unwrap();
+        bytes[(u64::from(slot) * slot_bytes + 5000) as usize] ^= 0x10;
+        std::fs::write(&slab, &bytes).unwrap();
 
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
-    assert_eq!(get(&mut backend, &[1, 2, 3], block), vec![Ok(()), Err(GetMiss::Corrupt), Ok(())]);
-    assert_eq!(
-        get(&mut backend, &[2], block),
-        vec![Err(GetMiss::Absent)],
-        "dropped after the miss"
-    );
-    drop(backend);
-    let backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
-    assert_eq!(backend.len(), 2, "the damaged record stays dropped after a restart");
+        let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+        let outcomes = get(&mut backend, &[1, 2, 3], block);
+        assert_eq!(outcomes, vec![Ok(()), Err(GetMiss::Corrupt), Ok(())], "{block}");
+        assert_eq!(
+            get(&mut backend, &[2], block),
+            vec![Err(GetMiss::Absent)],
+            "dropped after the miss"
+        );
+        drop(backend);
+        let backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+        assert_eq!(backend.len(), 2, "the damaged record stays dropped after a restart");
+    }
 }
 
 #[test]

@@ -20,14 +20,16 @@
 //! 2. slots that held a record get their index record zeroed first;
 //! 3. the blocks' bytes are written, consecutive slots in one vectored call, straight from the
 //!    caller's memory when it is aligned for O_DIRECT (the host tier is), else through an
-//!    aligned bounce buffer; each block's checksum is computed meanwhile;
+//!    aligned bounce buffer; each block's checksum is computed meanwhile (on a second thread
+//!    for batches of 1 MiB or more);
 //! 4. the index records (hash, parent, depth, sequence, checksum) are written;
 //! 5. the map and the LRU list learn the new blocks.
 //!
 //! A failed step fails its blocks only; a full file system (`ENOSPC`, `EDQUOT`, or `EFBIG` from a
 //! file size limit) is [`Failure::NoSpace`]. One get batch: look the slots up, read them
 //! (consecutive ones in one call, into the destinations when aligned), verify each block against
-//! its record's checksum; a mismatch drops the record and is [`GetMiss::Corrupt`].
+//! its record's checksum (a run's verification overlapping the next run's read for batches of
+//! 1 MiB or more); a mismatch drops the record and is [`GetMiss::Corrupt`].
 //!
 //! Crash rules: see [`super::disk_index`]. A process killed at any point leaves every slot empty,
 //! with its old block or with its new block; the test hook [`CrashHook`] kills the process at
@@ -568,37 +570,28 @@ impl DiskBackend {
         write_all_at(self.data.file(), &[bytes], offset).map_err(|e| failure_of(&e))
     }
 
-    /// Reads the blocks `plan[run]` (consecutive slots) into their destinations: in one call
-    /// when they can all go in place, else (or when that call fails) one by one. Returns the
-    /// plan indices that failed, with why.
+    /// Reads the blocks `plan[run]` (consecutive slots) into `dests` (one per block, in plan
+    /// order): in one call when they can all go in place, else (or when that call fails) one by
+    /// one. Returns the plan indices that failed, with why.
     fn read_run(
         &mut self,
         plan: &[Planned],
-        blocks: &mut [GetBlock<'_>],
         run: Range<usize>,
+        dests: &mut [&mut [u8]],
     ) -> Vec<(usize, Failure)> {
         let first_slot = plan[run.start].slot;
-        let all_in_place = plan[run.clone()].iter().all(|p| self.in_place(blocks[p.entry].dest));
+        let all_in_place = dests.iter().all(|dest| self.in_place(dest));
         if all_in_place && self.slots_are_contiguous() && run.len() > 1 {
-            let offset = self.slot_offset(first_slot);
-            // Slots strictly increase along a run, so its entries are distinct blocks of the
-            // batch: take their destinations out in plan order.
-            let mut by_entry: Vec<Option<&mut [u8]>> =
-                blocks.iter_mut().map(|block| Some(&mut *block.dest)).collect();
-            let mut dests: Vec<&mut [u8]> = plan[run.clone()]
-                .iter()
-                .map(|p| by_entry[p.entry].take().expect("distinct entries along a run"))
-                .collect();
-            if read_exact_at(self.data.file(), &mut dests, offset).is_ok() {
+            let mut whole: Vec<&mut [u8]> = dests.iter_mut().map(|dest| &mut **dest).collect();
+            if read_exact_at(self.data.file(), &mut whole, self.slot_offset(first_slot)).is_ok() {
                 return Vec::new();
             }
         }
         let mut failed = Vec::new();
-        for index in run {
-            let planned = &plan[index];
-            let offset = self.slot_offset(planned.slot);
-            let result = if self.in_place(blocks[planned.entry].dest) {
-                read_exact_at(self.data.file(), &mut [&mut *blocks[planned.entry].dest], offset)
+        for (index, dest) in run.zip(dests.iter_mut()) {
+            let offset = self.slot_offset(plan[index].slot);
+            let result = if self.in_place(dest) {
+                read_exact_at(self.data.file(), &mut [&mut **dest], offset)
             } else {
                 let mut bounce = self.bounce();
                 let slot_len = self.slot_bytes as usize;
@@ -607,7 +600,6 @@ impl DiskBackend {
                     &mut [&mut bounce.as_mut_slice()[..slot_len]],
                     offset,
                 );
-                let dest = &mut *blocks[planned.entry].dest;
                 if result.is_ok() {
                     dest.copy_from_slice(&bounce.as_slice()[..dest.len()]);
                 }
@@ -620,7 +612,83 @@ impl DiskBackend {
         }
         failed
     }
+
+    /// Reads every planned block (sorted by slot) into its destination and verifies it; the
+    /// verification of a run overlaps the reading of the next on a second thread when the batch
+    /// is large enough to pay for one. Returns, per plan index, whether the bytes verified
+    /// (`None` when the read failed: its failure is in the plan).
+    fn read_and_verify(
+        &mut self,
+        plan: &mut [Planned],
+        blocks: &mut [GetBlock<'_>],
+    ) -> Vec<Option<bool>> {
+        let rank = self.rank;
+        let hashes: Vec<BlockHash> = blocks.iter().map(|block| block.hash).collect();
+        let mut by_entry: Vec<Option<&mut [u8]>> =
+            blocks.iter_mut().map(|block| Some(&mut *block.dest)).collect();
+        let runs = consecutive_runs(plan, |_| true);
+        let verify = |batch: Vec<(usize, BlockHash, u64, u64, &mut [u8])>| {
+            batch
+                .into_iter()
+                .map(|(index, hash, sequence, checksum, bytes)| {
+                    (index, payload_checksum(hash, rank, sequence, bytes) == checksum)
+                })
+                .collect::<Vec<(usize, bool)>>()
+        };
+        let overlap =
+            plan.len() > 1 && plan.len() as u64 * self.layout.block_bytes >= OVERLAP_BYTES;
+        let plan_view: &[Planned] = plan;
+        let (failures, verdicts) = std::thread::scope(|scope| {
+            let (sender, receiver) = std::sync::mpsc::channel();
+            let verifier = overlap.then(|| {
+                scope.spawn(move || {
+                    receiver.into_iter().flat_map(verify).collect::<Vec<(usize, bool)>>()
+                })
+            });
+            let mut failures = Vec::new();
+            let mut inline = Vec::new();
+            for run in runs {
+                let mut dests: Vec<&mut [u8]> = plan_view[run.clone()]
+                    .iter()
+                    .map(|p| by_entry[p.entry].take().expect("each entry is planned once"))
+                    .collect();
+                let failed = self.read_run(plan_view, run.clone(), &mut dests);
+                let batch: Vec<(usize, BlockHash, u64, u64, &mut [u8])> = run
+                    .zip(dests)
+                    .filter(|(index, _)| !failed.iter().any(|(f, _)| f == index))
+                    .map(|(index, dest)| {
+                        let p = &plan_view[index];
+                        (index, hashes[p.entry], p.sequence, p.checksum, dest)
+                    })
+                    .collect();
+                failures.extend(failed);
+                if overlap {
+                    sender.send(batch).expect("the verifier runs until the sender is dropped");
+                } else {
+                    inline.extend(verify(batch));
+                }
+            }
+            drop(sender);
+            let verdicts = match verifier {
+                Some(verifier) => verifier.join().expect("verifying does not panic"),
+                None => inline,
+            };
+            (failures, verdicts)
+        });
+        for (index, failure) in failures {
+            plan[index].outcome = Some(failure);
+        }
+        let mut result = vec![None; plan.len()];
+        for (index, verified) in verdicts {
+            result[index] = Some(verified);
+        }
+        result
+    }
 }
+
+/// Batches of at least this many bytes verify (or checksum) on a second thread while the I/O
+/// runs; smaller ones do not pay for the thread.
+const OVERLAP_BYTES: u64 = 1 << 20;
 
 /// One block of a batch with its slot.
 #[derive(Clone, Debug)]
@@ -732,22 +800,29 @@ impl StorageBackend for DiskBackend {
             self.crash_if(planned.write, CrashPoint::AfterInvalidate);
         }
 
-        // Step 3: the bytes, checksummed on a second thread meanwhile.
+        // Step 3: the bytes, checksummed meanwhile on a second thread when the batch is large
+        // enough to pay for one.
         let rank = self.rank;
         let runs = consecutive_runs(&plan, Planned::ok);
+        let overlap = plan.len() as u64 * self.layout.block_bytes >= OVERLAP_BYTES;
+        let checksum_all = |plan: &[Planned]| {
+            plan.iter()
+                .map(|p| {
+                    let block = &blocks[p.entry];
+                    payload_checksum(block.key.hash, rank, p.sequence, block.bytes)
+                })
+                .collect::<Vec<u64>>()
+        };
         let (checksums, failed_runs) = std::thread::scope(|scope| {
             let plan = &plan;
-            let summer = scope.spawn(move || {
-                plan.iter()
-                    .map(|p| {
-                        let block = &blocks[p.entry];
-                        payload_checksum(block.key.hash, rank, p.sequence, block.bytes)
-                    })
-                    .collect::<Vec<u64>>()
-            });
+            let summer = overlap.then(|| scope.spawn(move || checksum_all(plan)));
             let failed: Vec<(usize, Failure)> =
                 runs.into_iter().flat_map(|run| self.write_run(plan, blocks, run)).collect();
-            (summer.join().expect("checksumming does not panic"), failed)
+            let checksums = match summer {
+                Some(summer) => summer.join().expect("checksumming does not panic"),
+                None => checksum_all(plan),
+            };
+            (checksums, failed)
         });
         for (planned, checksum) in plan.iter_mut().zip(checksums) {
             planned.checksum = checksum;
@@ -847,25 +922,17 @@ impl StorageBackend for DiskBackend {
             }
         }
         plan.sort_by_key(|p| (p.slot, p.entry));
-        for run in consecutive_runs(&plan, |_| true) {
-            for (index, failure) in self.read_run(&plan, blocks, run) {
-                plan[index].outcome = Some(failure);
-            }
-        }
-        let rank = self.rank;
+        let verified = self.read_and_verify(&mut plan, blocks);
         let mut corrupt_slots = Vec::new();
         let mut hit_slots = Vec::new();
-        for planned in &plan {
-            let block = &blocks[planned.entry];
-            outcomes[planned.entry] = match &planned.outcome {
-                Some(failure) => Err(GetMiss::Failed(failure.clone())),
-                None if payload_checksum(block.hash, rank, planned.sequence, block.dest)
-                    == planned.checksum =>
-                {
+        for (planned, verified) in plan.iter().zip(verified) {
+            outcomes[planned.entry] = match (&planned.outcome, verified) {
+                (Some(failure), _) => Err(GetMiss::Failed(failure.clone())),
+                (None, Some(true)) => {
                     hit_slots.push((planned.entry, planned.slot));
                     Ok(())
                 }
-                None => {
+                (None, _) => {
                     corrupt_slots.push(planned.slot);
                     Err(GetMiss::Corrupt)
                 }
