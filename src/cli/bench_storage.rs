@@ -5,10 +5,13 @@
 //!
 //! 1. for 64 KiB and 1 MiB blocks, fill `--mib` MiB of page-aligned memory (the host tier
 //!    stand-in) with pseudo-random bytes;
-//! 2. baseline: one file in the same directory, preallocated, written then read sequentially in
-//!    block-sized `pwrite`/`pread` calls, with O_DIRECT when the file system allows it, as the
-//!    tier does (in buffered mode both sides are synced and their pages dropped before reading,
-//!    so neither reads from the page cache);
+//! 2. baseline: one file in the same directory, preallocated, written (twice: a first write into
+//!    fresh extents, which the file system converts as it goes, and an overwrite) then read
+//!    sequentially in block-sized `pwrite`/`pread` calls, with O_DIRECT when the file system
+//!    allows it, as the tier does (in buffered mode both sides are synced and their pages dropped
+//!    before reading, so neither reads from the page cache); it runs before and after each tier
+//!    path and the mean of the two is the baseline. The tier's consecutive phase (a fresh slab)
+//!    is compared with the first write, its scattered phase (reused slots) with the overwrite;
 //! 3. the tier, through each path: `backend` (the disk back-end called in this process) and
 //!    `worker` (a `kvshm worker --storage disk:…` process driven with STORE/LOAD commands of 32
 //!    blocks through a segment's rings, 8 commands in flight: the scheduler's path). Checksums,
@@ -89,8 +92,11 @@ struct DiskRow {
     blocks: usize,
     write_gbps: f64,
     read_gbps: f64,
+    /// Over the mean time of the two baseline runs (before and after the tier).
     baseline_write_gbps: f64,
     baseline_read_gbps: f64,
+    baseline_write_gbps_samples: [f64; 2],
+    baseline_read_gbps_samples: [f64; 2],
     write_over_baseline: f64,
     read_over_baseline: f64,
 }
@@ -135,14 +141,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let blocks = (args.mib * MIB / block).max(1);
         let mut host = filled(blocks * block, block as u64);
         for path in ["backend", "worker"] {
-            let baseline = disk_baseline(&dir, &host, block, !args.buffered)?;
-            io_mode = baseline.mode;
+            // The disk's speed drifts on a shared machine: bracket the tier with a baseline run
+            // before and one after, and compare against their mean.
+            let before = disk_baseline(&dir, &host, block, !args.buffered)?;
             let phases = disk_phases(&args, &dir, path, &mut host, block, blocks, salt)?;
-            for (pattern, write, read) in
-                [("consecutive", phases[0], phases[1]), ("scattered", phases[2], phases[3])]
-            {
-                let bytes = (blocks * block) as f64;
-                let (write_gbps, read_gbps) = (bytes / write / 1e9, bytes / read / 1e9);
+            let after = disk_baseline(&dir, &host, block, !args.buffered)?;
+            io_mode = before.mode;
+            let bytes = (blocks * block) as f64;
+            let gbps = |seconds: f64| bytes / seconds / 1e9;
+            let baseline_read = gbps((before.read_seconds + after.read_seconds) / 2.0);
+            let read_samples = [gbps(before.read_seconds), gbps(after.read_seconds)];
+            // A fresh slab's first writes are compared with first writes into a fresh file; the
+            // scattered phase overwrites written slots, and is compared with an overwrite.
+            let first = [before.first_write_seconds, after.first_write_seconds];
+            let over = [before.overwrite_seconds, after.overwrite_seconds];
+            for (pattern, write, read, base) in [
+                ("consecutive", phases[0], phases[1], first),
+                ("scattered", phases[2], phases[3], over),
+            ] {
+                let (write_gbps, read_gbps) = (gbps(write), gbps(read));
+                let baseline_write = gbps((base[0] + base[1]) / 2.0);
                 disk.push(DiskRow {
                     path,
                     block_bytes: block,
@@ -150,10 +168,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     blocks,
                     write_gbps,
                     read_gbps,
-                    baseline_write_gbps: baseline.write_gbps,
-                    baseline_read_gbps: baseline.read_gbps,
-                    write_over_baseline: write_gbps / baseline.write_gbps,
-                    read_over_baseline: read_gbps / baseline.read_gbps,
+                    baseline_write_gbps: baseline_write,
+                    baseline_read_gbps: baseline_read,
+                    baseline_write_gbps_samples: [gbps(base[0]), gbps(base[1])],
+                    baseline_read_gbps_samples: read_samples,
+                    write_over_baseline: write_gbps / baseline_write,
+                    read_over_baseline: read_gbps / baseline_read,
                 });
             }
         }
@@ -177,7 +197,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         disk,
         redis,
         notes: vec![
-            "baseline: sequential block-sized pwrite/pread of the same bytes in the same directory, same io_mode as the tier",
+            "baseline: sequential block-sized pwrite/pread of the same bytes in the same directory, same io_mode as the tier, run before and after each tier path (the mean time of both)",
+            "consecutive rows compare a fresh slab's writes with first writes into a fresh preallocated file; scattered rows compare reused slots with an overwrite",
             "tier: checksums, index records and (worker path) commands and completions included",
             "scattered: slots reused in random LRU order (write), random read order",
         ],
@@ -246,11 +267,15 @@ fn shuffled(n: usize, seed: u64) -> Vec<usize> {
 
 struct DiskBaseline {
     mode: IoMode,
-    write_gbps: f64,
-    read_gbps: f64,
+    /// Writing the freshly preallocated file (the file system converts its extents as it goes).
+    first_write_seconds: f64,
+    /// Writing it again, over written blocks.
+    overwrite_seconds: f64,
+    read_seconds: f64,
 }
 
-/// Step 2: sequential block-sized writes, then reads, of `host` in a file in `dir`.
+/// Step 2: sequential block-sized writes of `host` into a fresh preallocated file in `dir`, the
+/// same writes again (over written blocks), then the reads.
 fn disk_baseline(
     dir: &Path,
     host: &AlignedBuf,
@@ -263,14 +288,18 @@ fn disk_baseline(
         .with_context(|| format!("opening {}", path.display()))?;
     let bytes = host.as_slice();
     preallocate(data.file(), bytes.len() as u64)?;
-    let started = Instant::now();
-    for (index, chunk) in bytes.chunks(block).enumerate() {
-        write_all_at(data.file(), &[chunk], (index * block) as u64)?;
-    }
-    if data.mode() == IoMode::Buffered {
-        data.file().sync_data()?;
-    }
-    let write = started.elapsed().as_secs_f64();
+    let write_all = || -> anyhow::Result<f64> {
+        let started = Instant::now();
+        for (index, chunk) in bytes.chunks(block).enumerate() {
+            write_all_at(data.file(), &[chunk], (index * block) as u64)?;
+        }
+        if data.mode() == IoMode::Buffered {
+            data.file().sync_data()?;
+        }
+        Ok(started.elapsed().as_secs_f64())
+    };
+    let first_write = write_all()?;
+    let overwrite = write_all()?;
     drop_page_cache(&path);
     let mut back = AlignedBuf::zeroed(bytes.len());
     let started = Instant::now();
@@ -282,8 +311,12 @@ fn disk_baseline(
     let mode = data.mode();
     drop(data);
     std::fs::remove_file(&path)?;
-    let len = bytes.len() as f64;
-    Ok(DiskBaseline { mode, write_gbps: len / write / 1e9, read_gbps: len / read / 1e9 })
+    Ok(DiskBaseline {
+        mode,
+        first_write_seconds: first_write.max(1e-9),
+        overwrite_seconds: overwrite.max(1e-9),
+        read_seconds: read.max(1e-9),
+    })
 }
 
 /// Syncs `path` and drops its pages from the page cache (a no-op for pages O_DIRECT never

@@ -18,18 +18,18 @@
 //!
 //! 1. blocks already stored count as stored; the others get a slot (free, else the LRU one's);
 //! 2. slots that held a record get their index record zeroed first;
-//! 3. the blocks' bytes are written, consecutive slots in one vectored call, straight from the
-//!    caller's memory when it is aligned for O_DIRECT (the host tier is), else through an
-//!    aligned bounce buffer; each block's checksum is computed meanwhile (on a second thread
-//!    for batches of 1 MiB or more);
+//! 3. the blocks' bytes are written, consecutive slots in one vectored call (up to 8 blocks),
+//!    straight from the caller's memory when it is aligned for O_DIRECT (the host tier is), else
+//!    through an aligned bounce buffer; a batch of 1 MiB or more spreads these calls over up to
+//!    four threads, each computing the checksums of the blocks it wrote;
 //! 4. the index records (hash, parent, depth, sequence, checksum) are written;
 //! 5. the map and the LRU list learn the new blocks.
 //!
 //! A failed step fails its blocks only; a full file system (`ENOSPC`, `EDQUOT`, or `EFBIG` from a
 //! file size limit) is [`Failure::NoSpace`]. One get batch: look the slots up, read them
-//! (consecutive ones in one call, into the destinations when aligned), verify each block against
-//! its record's checksum (a run's verification overlapping the next run's read for batches of
-//! 1 MiB or more); a mismatch drops the record and is [`GetMiss::Corrupt`].
+//! (consecutive ones in one call, into the destinations when aligned; large batches on up to four
+//! threads), verify each block against its record's checksum on the thread that read it; a
+//! mismatch drops the record and is [`GetMiss::Corrupt`].
 //!
 //! Crash rules: see [`super::disk_index`]. A process killed at any point leaves every slot empty,
 //! with its old block or with its new block; the test hook [`CrashHook`] kills the process at
@@ -172,7 +172,6 @@ pub struct DiskBackend {
     next_sequence: u64,
     writes: u64,
     crash: Option<CrashHook>,
-    bounce: Option<AlignedBuf>,
     stats: BackendStats,
     /// Damaged records found when opening.
     damaged_at_open: u64,
@@ -277,7 +276,6 @@ impl DiskBackend {
             next_sequence: 1,
             writes: 0,
             crash: options.crash,
-            bounce: None,
             stats: BackendStats { capacity_blocks: Some(capacity), ..BackendStats::default() },
             damaged_at_open: 0,
         };
@@ -482,52 +480,165 @@ impl DiskBackend {
         }
     }
 
-    fn slot_offset(&self, slot: u32) -> u64 {
-        u64::from(slot) * self.slot_bytes
-    }
-
-    /// Whether `buf` can be transferred without a bounce buffer.
-    fn in_place(&self, buf: &[u8]) -> bool {
-        match self.data.mode() {
-            IoMode::Direct => is_aligned(buf) && buf.len() as u64 == self.slot_bytes,
-            IoMode::Buffered => true,
-        }
-    }
-
-    /// Whether consecutive slots are contiguous block bytes in the file (no padding).
-    fn slots_are_contiguous(&self) -> bool {
-        self.slot_bytes == self.layout.block_bytes
-    }
-
-    fn bounce(&mut self) -> AlignedBuf {
-        self.bounce.take().unwrap_or_else(|| AlignedBuf::zeroed(self.slot_bytes as usize))
-    }
-
     fn crash_if(&self, write: u64, point: CrashPoint) {
         if self.crash == Some(CrashHook { write, point }) {
             crash_now();
         }
     }
 
+    /// What the I/O threads of one batch share.
+    fn io(&self) -> SlabIo<'_> {
+        SlabIo {
+            file: self.data.file(),
+            mode: self.data.mode(),
+            slot_bytes: self.slot_bytes,
+            block_bytes: self.layout.block_bytes,
+            crash: self.crash,
+        }
+    }
+
+    /// Reads every planned block (sorted by slot) into its destination and verifies it (steps
+    /// of [`DiskBackend::get`]). Returns, per plan index, whether the bytes verified (`None` when
+    /// the read failed: its failure is then in the plan).
+    fn read_and_verify(
+        &self,
+        plan: &mut [Planned],
+        blocks: &mut [GetBlock<'_>],
+    ) -> Vec<Option<bool>> {
+        let (io, rank) = (self.io(), self.rank);
+        let hashes: Vec<BlockHash> = blocks.iter().map(|block| block.hash).collect();
+        let mut by_entry: Vec<Option<&mut [u8]>> =
+            blocks.iter_mut().map(|block| Some(&mut *block.dest)).collect();
+        let items = work_items(plan, |_| true);
+        let threads = io_threads(plan.len(), self.layout.block_bytes, items.len());
+        // Each item's destinations, taken out in plan order (an entry is planned once).
+        let mut groups: Vec<Vec<ReadItem<'_>>> = (0..threads).map(|_| Vec::new()).collect();
+        for (n, run) in items.into_iter().enumerate() {
+            let dests = plan[run.clone()]
+                .iter()
+                .map(|p| by_entry[p.entry].take().expect("each entry is planned once"))
+                .collect();
+            groups[n % threads].push((run, dests));
+        }
+        let plan_view: &[Planned] = plan;
+        let work = |group: Vec<ReadItem<'_>>| {
+            let mut bounce = None;
+            let mut failed = Vec::new();
+            let mut verdicts = Vec::new();
+            for (run, mut dests) in group {
+                let failed_here = io.read_run(plan_view, run.clone(), &mut dests, &mut bounce);
+                for (index, dest) in run.zip(dests) {
+                    if !failed_here.iter().any(|(f, _)| *f == index) {
+                        let p = &plan_view[index];
+                        let sum = payload_checksum(hashes[p.entry], rank, p.sequence, dest);
+                        verdicts.push((index, sum == p.checksum));
+                    }
+                }
+                failed.extend(failed_here);
+            }
+            (failed, verdicts)
+        };
+        let results = run_groups(groups, work);
+        let mut verified = vec![None; plan.len()];
+        for (failed, verdicts) in results {
+            for (index, failure) in failed {
+                plan[index].outcome = Some(failure);
+            }
+            for (index, ok) in verdicts {
+                verified[index] = Some(ok);
+            }
+        }
+        verified
+    }
+}
+
+/// One read call of a batch: its plan indices and their destinations, in plan order.
+type ReadItem<'a> = (Range<usize>, Vec<&'a mut [u8]>);
+
+/// The most I/O threads one batch uses.
+const IO_THREADS: usize = 4;
+/// Batches of at least this many bytes spread their I/O over threads (each checksumming or
+/// verifying its own blocks); smaller ones do not pay for the threads.
+const OVERLAP_BYTES: u64 = 1 << 20;
+/// The most blocks one I/O call moves (longer runs are split, so that threads share the work
+/// and verification starts early).
+const RUN_CHUNK: usize = 8;
+
+/// How many threads a batch of `blocks` blocks of `block_bytes` in `items` work items uses.
+fn io_threads(blocks: usize, block_bytes: u64, items: usize) -> usize {
+    if items > 1 && blocks as u64 * block_bytes >= OVERLAP_BYTES {
+        items.min(IO_THREADS)
+    } else {
+        1
+    }
+}
+
+/// Runs `work` on each group, on its own scoped thread when there are several; the results in
+/// group order.
+fn run_groups<G: Send, R: Send>(groups: Vec<G>, work: impl Fn(G) -> R + Sync) -> Vec<R> {
+    if groups.len() == 1 {
+        return groups.into_iter().map(&work).collect();
+    }
+    std::thread::scope(|scope| {
+        let work = &work;
+        let handles: Vec<_> =
+            groups.into_iter().map(|group| scope.spawn(move || work(group))).collect();
+        handles.into_iter().map(|h| h.join().expect("slab I/O does not panic")).collect()
+    })
+}
+
+/// The slab file as the I/O threads of one batch use it (positional I/O on one descriptor is
+/// safe from several threads; each thread has its own bounce buffer).
+#[derive(Clone, Copy)]
+struct SlabIo<'a> {
+    file: &'a std::fs::File,
+    mode: IoMode,
+    slot_bytes: u64,
+    block_bytes: u64,
+    crash: Option<CrashHook>,
+}
+
+impl SlabIo<'_> {
+    fn offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * self.slot_bytes
+    }
+
+    /// Whether `buf` can be transferred without a bounce buffer.
+    fn in_place(&self, buf: &[u8]) -> bool {
+        match self.mode {
+            IoMode::Direct => is_aligned(buf) && buf.len() as u64 == self.slot_bytes,
+            IoMode::Buffered => true,
+        }
+    }
+
+    /// Whether consecutive slots are contiguous block bytes in the file (no padding).
+    fn contiguous(&self) -> bool {
+        self.slot_bytes == self.block_bytes
+    }
+
+    fn bounce<'b>(&self, bounce: &'b mut Option<AlignedBuf>) -> &'b mut AlignedBuf {
+        bounce.get_or_insert_with(|| AlignedBuf::zeroed(self.slot_bytes as usize))
+    }
+
     /// Writes the bytes of the planned blocks `plan[run]` (consecutive slots): in one call when
     /// they can all go in place, else (or when that call fails: a disk filling up mid-run) one
     /// by one. Returns the plan indices that failed, with why.
     fn write_run(
-        &mut self,
+        &self,
         plan: &[Planned],
         blocks: &[PutBlock<'_>],
         run: Range<usize>,
+        bounce: &mut Option<AlignedBuf>,
     ) -> Vec<(usize, Failure)> {
-        let first_slot = plan[run.start].slot;
         let all_in_place = plan[run.clone()].iter().all(|p| self.in_place(blocks[p.entry].bytes));
         let crash_in_run = self.crash.is_some_and(|hook| {
             hook.point == CrashPoint::MidPayload
                 && plan[run.clone()].iter().any(|p| p.write == hook.write)
         });
-        if all_in_place && self.slots_are_contiguous() && !crash_in_run {
+        if all_in_place && self.contiguous() && !crash_in_run {
             let bufs: Vec<&[u8]> =
                 plan[run.clone()].iter().map(|p| blocks[p.entry].bytes).collect();
-            match write_all_at(self.data.file(), &bufs, self.slot_offset(first_slot)) {
+            match write_all_at(self.file, &bufs, self.offset(plan[run.start].slot)) {
                 Ok(()) => return Vec::new(),
                 Err(error) if run.len() == 1 => return vec![(run.start, failure_of(&error))],
                 Err(_) => {}
@@ -537,20 +648,14 @@ impl DiskBackend {
         for index in run {
             let planned = &plan[index];
             let bytes = blocks[planned.entry].bytes;
-            let offset = self.slot_offset(planned.slot);
+            let offset = self.offset(planned.slot);
             let result = if self.in_place(bytes) {
                 self.write_maybe_crashing(planned.write, bytes, offset)
             } else {
-                let mut bounce = self.bounce();
-                bounce.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
                 let slot_len = self.slot_bytes as usize;
-                let result = self.write_maybe_crashing(
-                    planned.write,
-                    &bounce.as_slice()[..slot_len],
-                    offset,
-                );
-                self.bounce = Some(bounce);
-                result
+                let buffer = self.bounce(bounce);
+                buffer.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
+                self.write_maybe_crashing(planned.write, &buffer.as_slice()[..slot_len], offset)
             };
             if let Err(failure) = result {
                 failed.push((index, failure));
@@ -561,49 +666,43 @@ impl DiskBackend {
 
     fn write_maybe_crashing(&self, write: u64, bytes: &[u8], offset: u64) -> Result<(), Failure> {
         if self.crash == Some(CrashHook { write, point: CrashPoint::MidPayload }) {
-            let half = (bytes.len() / 2).div_ceil(IO_ALIGN) * IO_ALIGN;
-            let half = half.min(bytes.len());
-            write_all_at(self.data.file(), &[&bytes[..half]], offset)
-                .map_err(|e| failure_of(&e))?;
+            let half = ((bytes.len() / 2).div_ceil(IO_ALIGN) * IO_ALIGN).min(bytes.len());
+            write_all_at(self.file, &[&bytes[..half]], offset).map_err(|e| failure_of(&e))?;
             crash_now();
         }
-        write_all_at(self.data.file(), &[bytes], offset).map_err(|e| failure_of(&e))
+        write_all_at(self.file, &[bytes], offset).map_err(|e| failure_of(&e))
     }
 
     /// Reads the blocks `plan[run]` (consecutive slots) into `dests` (one per block, in plan
     /// order): in one call when they can all go in place, else (or when that call fails) one by
     /// one. Returns the plan indices that failed, with why.
     fn read_run(
-        &mut self,
+        &self,
         plan: &[Planned],
         run: Range<usize>,
         dests: &mut [&mut [u8]],
+        bounce: &mut Option<AlignedBuf>,
     ) -> Vec<(usize, Failure)> {
-        let first_slot = plan[run.start].slot;
         let all_in_place = dests.iter().all(|dest| self.in_place(dest));
-        if all_in_place && self.slots_are_contiguous() && run.len() > 1 {
+        if all_in_place && self.contiguous() && run.len() > 1 {
             let mut whole: Vec<&mut [u8]> = dests.iter_mut().map(|dest| &mut **dest).collect();
-            if read_exact_at(self.data.file(), &mut whole, self.slot_offset(first_slot)).is_ok() {
+            if read_exact_at(self.file, &mut whole, self.offset(plan[run.start].slot)).is_ok() {
                 return Vec::new();
             }
         }
         let mut failed = Vec::new();
         for (index, dest) in run.zip(dests.iter_mut()) {
-            let offset = self.slot_offset(plan[index].slot);
+            let offset = self.offset(plan[index].slot);
             let result = if self.in_place(dest) {
-                read_exact_at(self.data.file(), &mut [&mut **dest], offset)
+                read_exact_at(self.file, &mut [&mut **dest], offset)
             } else {
-                let mut bounce = self.bounce();
                 let slot_len = self.slot_bytes as usize;
-                let result = read_exact_at(
-                    self.data.file(),
-                    &mut [&mut bounce.as_mut_slice()[..slot_len]],
-                    offset,
-                );
+                let buffer = self.bounce(bounce);
+                let result =
+                    read_exact_at(self.file, &mut [&mut buffer.as_mut_slice()[..slot_len]], offset);
                 if result.is_ok() {
-                    dest.copy_from_slice(&bounce.as_slice()[..dest.len()]);
+                    dest.copy_from_slice(&buffer.as_slice()[..dest.len()]);
                 }
-                self.bounce = Some(bounce);
                 result
             };
             if let Err(error) = result {
@@ -612,83 +711,7 @@ impl DiskBackend {
         }
         failed
     }
-
-    /// Reads every planned block (sorted by slot) into its destination and verifies it; the
-    /// verification of a run overlaps the reading of the next on a second thread when the batch
-    /// is large enough to pay for one. Returns, per plan index, whether the bytes verified
-    /// (`None` when the read failed: its failure is in the plan).
-    fn read_and_verify(
-        &mut self,
-        plan: &mut [Planned],
-        blocks: &mut [GetBlock<'_>],
-    ) -> Vec<Option<bool>> {
-        let rank = self.rank;
-        let hashes: Vec<BlockHash> = blocks.iter().map(|block| block.hash).collect();
-        let mut by_entry: Vec<Option<&mut [u8]>> =
-            blocks.iter_mut().map(|block| Some(&mut *block.dest)).collect();
-        let runs = consecutive_runs(plan, |_| true);
-        let verify = |batch: Vec<(usize, BlockHash, u64, u64, &mut [u8])>| {
-            batch
-                .into_iter()
-                .map(|(index, hash, sequence, checksum, bytes)| {
-                    (index, payload_checksum(hash, rank, sequence, bytes) == checksum)
-                })
-                .collect::<Vec<(usize, bool)>>()
-        };
-        let overlap =
-            plan.len() > 1 && plan.len() as u64 * self.layout.block_bytes >= OVERLAP_BYTES;
-        let plan_view: &[Planned] = plan;
-        let (failures, verdicts) = std::thread::scope(|scope| {
-            let (sender, receiver) = std::sync::mpsc::channel();
-            let verifier = overlap.then(|| {
-                scope.spawn(move || {
-                    receiver.into_iter().flat_map(verify).collect::<Vec<(usize, bool)>>()
-                })
-            });
-            let mut failures = Vec::new();
-            let mut inline = Vec::new();
-            for run in runs {
-                let mut dests: Vec<&mut [u8]> = plan_view[run.clone()]
-                    .iter()
-                    .map(|p| by_entry[p.entry].take().expect("each entry is planned once"))
-                    .collect();
-                let failed = self.read_run(plan_view, run.clone(), &mut dests);
-                let batch: Vec<(usize, BlockHash, u64, u64, &mut [u8])> = run
-                    .zip(dests)
-                    .filter(|(index, _)| !failed.iter().any(|(f, _)| f == index))
-                    .map(|(index, dest)| {
-                        let p = &plan_view[index];
-                        (index, hashes[p.entry], p.sequence, p.checksum, dest)
-                    })
-                    .collect();
-                failures.extend(failed);
-                if overlap {
-                    sender.send(batch).expect("the verifier runs until the sender is dropped");
-                } else {
-                    inline.extend(verify(batch));
-                }
-            }
-            drop(sender);
-            let verdicts = match verifier {
-                Some(verifier) => verifier.join().expect("verifying does not panic"),
-                None => inline,
-            };
-            (failures, verdicts)
-        });
-        for (index, failure) in failures {
-            plan[index].outcome = Some(failure);
-        }
-        let mut result = vec![None; plan.len()];
-        for (index, verified) in verdicts {
-            result[index] = Some(verified);
-        }
-        result
-    }
 }
-
-/// Batches of at least this many bytes verify (or checksum) on a second thread while the I/O
-/// runs; smaller ones do not pay for the thread.
-const OVERLAP_BYTES: u64 = 1 << 20;
 
 /// One block of a batch with its slot.
 #[derive(Clone, Debug)]
@@ -709,8 +732,12 @@ impl Planned {
 }
 
 /// Ranges of `plan` (sorted by slot) whose slots follow each other, among the blocks `keep`
-/// selects.
-fn consecutive_runs(plan: &[Planned], keep: impl Fn(&Planned) -> bool) -> Vec<Range<usize>> {
+/// selects, at most `longest` blocks each.
+fn consecutive_runs(
+    plan: &[Planned],
+    keep: impl Fn(&Planned) -> bool,
+    longest: usize,
+) -> Vec<Range<usize>> {
     let mut runs: Vec<Range<usize>> = Vec::new();
     for (index, planned) in plan.iter().enumerate() {
         if !keep(planned) {
@@ -719,6 +746,7 @@ fn consecutive_runs(plan: &[Planned], keep: impl Fn(&Planned) -> bool) -> Vec<Ra
         match runs.last_mut() {
             Some(run)
                 if run.end == index
+                    && run.len() < longest
                     && plan[index - 1].slot.checked_add(1) == Some(planned.slot) =>
             {
                 run.end = index + 1
@@ -727,6 +755,12 @@ fn consecutive_runs(plan: &[Planned], keep: impl Fn(&Planned) -> bool) -> Vec<Ra
         }
     }
     runs
+}
+
+/// The I/O calls of a batch: its runs of consecutive slots, cut into pieces of at most
+/// [`RUN_CHUNK`] blocks.
+fn work_items(plan: &[Planned], keep: impl Fn(&Planned) -> bool) -> Vec<Range<usize>> {
+    consecutive_runs(plan, keep, RUN_CHUNK)
 }
 
 fn crash_now() -> ! {
@@ -800,30 +834,40 @@ impl StorageBackend for DiskBackend {
             self.crash_if(planned.write, CrashPoint::AfterInvalidate);
         }
 
-        // Step 3: the bytes, checksummed meanwhile on a second thread when the batch is large
-        // enough to pay for one.
-        let rank = self.rank;
-        let runs = consecutive_runs(&plan, Planned::ok);
-        let overlap = plan.len() as u64 * self.layout.block_bytes >= OVERLAP_BYTES;
-        let checksum_all = |plan: &[Planned]| {
-            plan.iter()
-                .map(|p| {
-                    let block = &blocks[p.entry];
-                    payload_checksum(block.key.hash, rank, p.sequence, block.bytes)
-                })
-                .collect::<Vec<u64>>()
-        };
-        let (checksums, failed_runs) = std::thread::scope(|scope| {
-            let plan = &plan;
-            let summer = overlap.then(|| scope.spawn(move || checksum_all(plan)));
-            let failed: Vec<(usize, Failure)> =
-                runs.into_iter().flat_map(|run| self.write_run(plan, blocks, run)).collect();
-            let checksums = match summer {
-                Some(summer) => summer.join().expect("checksumming does not panic"),
-                None => checksum_all(plan),
-            };
-            (checksums, failed)
+        // Step 3: the bytes, spread over a few threads for large batches, each thread
+        // checksumming the blocks it wrote.
+        let (io, rank) = (self.io(), self.rank);
+        let items = work_items(&plan, Planned::ok);
+        let threads = io_threads(plan.len(), self.layout.block_bytes, items.len());
+        let mut groups: Vec<Vec<Range<usize>>> = (0..threads).map(|_| Vec::new()).collect();
+        for (n, run) in items.into_iter().enumerate() {
+            groups[n % threads].push(run);
+        }
+        let plan_view: &[Planned] = &plan;
+        let results = run_groups(groups, |group: Vec<Range<usize>>| {
+            let mut bounce = None;
+            let mut failed = Vec::new();
+            let mut sums = Vec::new();
+            for run in group {
+                failed.extend(io.write_run(plan_view, blocks, run.clone(), &mut bounce));
+                for index in run {
+                    let (p, block) = (&plan_view[index], &blocks[plan_view[index].entry]);
+                    sums.push((
+                        index,
+                        payload_checksum(block.key.hash, rank, p.sequence, block.bytes),
+                    ));
+                }
+            }
+            (failed, sums)
         });
+        let mut checksums = vec![0; plan.len()];
+        let mut failed_runs = Vec::new();
+        for (failed, sums) in results {
+            failed_runs.extend(failed);
+            for (index, sum) in sums {
+                checksums[index] = sum;
+            }
+        }
         for (planned, checksum) in plan.iter_mut().zip(checksums) {
             planned.checksum = checksum;
         }
@@ -835,7 +879,7 @@ impl StorageBackend for DiskBackend {
         }
 
         // Step 4: the records.
-        for run in consecutive_runs(&plan, Planned::ok) {
+        for run in consecutive_runs(&plan, Planned::ok, usize::MAX) {
             let records: Vec<SlotRecord> = plan[run.clone()]
                 .iter()
                 .map(|p| {
