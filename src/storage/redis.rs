@@ -36,6 +36,7 @@ use super::backend::{
     PutBlock, PutOutcome, StorageBackend,
 };
 use super::format::{check_value, encode_value_header, ValueHeader};
+use super::spec::redact;
 use crate::hash::BlockHash;
 
 /// The first pause after a failed connect.
@@ -66,6 +67,7 @@ pub struct RedisOptions {
 /// Why a Redis back-end cannot be set up (an unreachable server is not one: it is a miss).
 #[derive(Debug, thiserror::Error)]
 pub enum RedisOpenError {
+    /// `url` has its password masked.
     #[error("redis url {url:?}: {source}")]
     BadUrl { url: String, source: RedisError },
     #[error("a redis pool needs at least one connection")]
@@ -132,7 +134,7 @@ impl RedisBackend {
             Some(ttl) => return Err(RedisOpenError::BadTtl { ttl }),
         };
         let client = redis::Client::open(options.url.as_str())
-            .map_err(|source| RedisOpenError::BadUrl { url: options.url.clone(), source })?;
+            .map_err(|source| RedisOpenError::BadUrl { url: redact(&options.url), source })?;
         let pool = (0..options.connections)
             .map(|_| Pooled {
                 connection: None,
@@ -522,6 +524,10 @@ mod tests {
             RedisBackend::open(&RedisOptions { url: "http://x".into(), ..options.clone() }),
             Err(RedisOpenError::BadUrl { .. })
         ));
+        let secret =
+            RedisOptions { url: "redis://app:s3cret@host:notaport".into(), ..options.clone() };
+        let refused = RedisBackend::open(&secret).unwrap_err().to_string();
+        assert!(refused.contains("app:***@") && !refused.contains("s3cret"), "{refused}");
         assert!(matches!(
             RedisBackend::open(&RedisOptions { connections: 0, ..options.clone() }),
             Err(RedisOpenError::NoConnections)
