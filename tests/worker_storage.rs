@@ -549,3 +549,29 @@ fn a_full_disk_fails_the_blocks_that_do_not_fit_and_counts_them() {
     assert_eq!(results, all_done(3));
     drop(worker);
 }
+
+#[test]
+fn a_worker_stopped_with_storage_commands_queued_answers_every_one_before_it_exits() {
+    // A "Redis" that never answers: queued loads take their timeouts.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", silent.local_addr().unwrap());
+    let _held = std::thread::spawn(move || {
+        let connections: Vec<_> = silent.incoming().take(16).collect();
+        std::thread::sleep(Duration::from_secs(60));
+        drop(connections);
+    });
+    let name = unique_segment("drain");
+    let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
+    let args = redis_args(&url, "drain", &["--storage-timeout", "1", "--storage-connections", "1"]);
+    let mut worker = Worker::spawn(&name, 0, &args, &[], None);
+    let mut rank = RankDriver::new(&segment, 0);
+    rank.wait_alive(&worker);
+    let sent: Vec<u64> = (0..3)
+        .map(|i| rank.send_storage(Op::StorageLoad, &[entry(i, i as u32)]).command_id)
+        .collect();
+    // Stop the worker while the loads are queued behind the first.
+    std::thread::sleep(Duration::from_millis(100));
+    worker.stop();
+    let answered: Vec<u64> = rank.completions(3).iter().map(|c| c.command_id).collect();
+    assert_eq!(answered, sent, "every queued storage command is answered, in order");
+}
