@@ -3,10 +3,11 @@
 //!
 //! - [`backend`]: the [`StorageBackend`] trait (batched put, get, contains, remove with one
 //!   outcome per block), keys, layouts, outcomes.
-//! - [`format`]: the frozen formats shared by the back-ends (payload checksum, Redis values).
+//! - [`format`](mod@format): the frozen formats shared by the back-ends (payload checksum, Redis values).
 //! - [`disk`]: the local-disk back-end (slab file + persisted index per rank), the default.
 //! - [`disk_index`]: the disk index's format, and reading it back for a restarted scheduler.
 //! - [`direct_io`]: O_DIRECT probing, aligned buffers, vectored positional I/O.
+//! - `slab_io`: one disk batch's I/O calls, spread over threads.
 //! - [`redis`]: the Redis back-end (shared across machines).
 //! - [`spec`]: `disk:DIR` / `redis://...` specifications and opening a back-end from one.
 //! - [`tally`]: counting per-block outcomes.
@@ -27,6 +28,7 @@ pub mod disk;
 pub mod disk_index;
 pub mod format;
 pub mod redis;
+mod slab_io;
 pub mod spec;
 pub mod tally;
 

@@ -1,4 +1,4 @@
-//! Validation of storage commands (STORE, LOAD, QUERY): the part of [`super::validate`] that
+//! Validation of storage commands (STORE, LOAD, QUERY): the part of [`super::validate`](mod@super::validate) that
 //! knows storage entries.
 //!
 //! Core types: [`StorageCommand`] (what the storage thread may run), [`StorageOp`] and
