@@ -4,7 +4,9 @@
 //!
 //! Child processes are this test binary re-executed with [`CHILD_ENV`] naming the role.
 
-use std::path::{Path, PathBuf};
+mod storage_support;
+
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use kvshm::hash::BlockHash;
@@ -15,27 +17,10 @@ use kvshm::storage::{
     BlockKey, BlockLayout, DiskBackend, DiskError, DiskOptions, Failure, GetBlock, GetMiss,
     PutBlock, StorageBackend,
 };
+use storage_support::{pattern_bytes, Scratch};
 
 /// Set in a re-executed copy of this binary: the child's role and its arguments.
 const CHILD_ENV: &str = "KVSHM_TEST_STORAGE_DISK_CHILD";
-
-/// A scratch directory removed when the test ends.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("kvshm-disk-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn layout(block_bytes: u64) -> BlockLayout {
     BlockLayout::new(block_bytes, 2, 1).unwrap()
@@ -53,17 +38,9 @@ fn options(dir: &Path, block_bytes: u64, capacity: u64) -> DiskOptions {
     }
 }
 
-/// The bytes of block `tag` (a cheap xorshift stream: every tag differs everywhere).
+/// The bytes of block `tag`.
 fn content(tag: u64, len: usize) -> Vec<u8> {
-    let mut state = tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    pattern_bytes(tag, len)
 }
 
 fn key(tag: u64) -> BlockKey {

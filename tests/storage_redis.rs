@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvshm::hash::BlockHash;
 use kvshm::storage::redis::{block_key, key_prefix, RedisBackend, RedisOptions};
 use kvshm::storage::{BlockKey, BlockLayout, Failure, GetBlock, GetMiss, PutBlock, StorageBackend};
-use storage_support::{connect, redis_for_test, unique_namespace, RedisServer};
+use storage_support::{connect, pattern_bytes, redis_for_test, unique_namespace, RedisServer};
 
 const BLOCK: usize = 16 * 1024;
 /// Set in a re-executed copy of this binary that plays a writer to be killed.
@@ -34,15 +34,7 @@ fn options(url: &str, namespace: &str) -> RedisOptions {
 }
 
 fn content(tag: u64) -> Vec<u8> {
-    let mut state = tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..BLOCK)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        })
-        .collect()
+    pattern_bytes(tag, BLOCK)
 }
 
 fn key(tag: u64) -> BlockKey {

@@ -6,7 +6,6 @@
 
 mod storage_support;
 
-use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
 use kvshm::storage::disk_index::blocks_on_every_rank;
@@ -17,8 +16,8 @@ use kvshm_ipc::segment::Segment;
 use kvshm_ipc::storage_record::{StorageEntry, StorageResults, MAX_STORAGE_ENTRIES, NO_HOST_BLOCK};
 use kvshm_ipc::worker_slot::RankStatus;
 use storage_support::{
-    block_hash, connect, entry, redis_for_test, storage_config, unique_namespace, unique_segment,
-    RankDriver, RedisServer, Scratch, Worker,
+    block_hash, connect, entry, kill_after, redis_for_test, silent_redis, storage_config,
+    unique_namespace, unique_segment, RankDriver, RedisServer, Scratch, Worker,
 };
 
 fn disk_args(dir: &Scratch, extra: &[&str]) -> Vec<String> {
@@ -342,15 +341,7 @@ fn redis_stopped_mid_run_gives_counted_misses_and_the_worker_recovers_when_it_re
 fn a_slow_storage_tier_does_not_hold_up_copies_and_a_flush_waits_for_it() {
     // A "Redis" that accepts connections and never answers: every storage command waits for
     // the worker's timeout.
-    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("redis://{}", silent.local_addr().unwrap());
-    let held = std::thread::spawn(move || {
-        let mut connections = Vec::new();
-        for stream in silent.incoming().take(4) {
-            connections.push(stream);
-        }
-        std::thread::sleep(Duration::from_secs(30));
-    });
+    let url = silent_redis();
     let name = unique_segment("slow");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = redis_args(&url, "slow", &["--storage-timeout", "3", "--storage-connections", "1"]);
@@ -376,7 +367,6 @@ fn a_slow_storage_tier_does_not_hold_up_copies_and_a_flush_waits_for_it() {
     );
     println!("copy answered after {first_after:?}, the timed-out load after {rest_after:?}");
     drop(worker);
-    drop(held);
 }
 
 /// Stores `tags` in batches of 8 through a worker, one batch at a time, until it dies; returns
@@ -452,16 +442,7 @@ fn a_worker_killed_in_the_middle_of_disk_writes_never_serves_wrong_bytes_afterwa
             use std::os::unix::process::ExitStatusExt;
             assert_eq!(status.signal(), Some(libc::SIGKILL), "{hook:?}: {status:?}");
         } else {
-            let killer = std::thread::spawn({
-                let pid = worker.pid();
-                move || {
-                    std::thread::sleep(Duration::from_millis(3));
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid as i32),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
-            });
+            let killer = kill_after(worker.pid(), Duration::from_millis(3));
             store_until_killed(&mut rank, &tags);
             killer.join().unwrap();
             worker.kill_hard();
@@ -494,16 +475,7 @@ fn a_worker_killed_in_the_middle_of_redis_writes_never_serves_wrong_bytes_afterw
     let tags: Vec<u64> = (1..=400).collect();
     let mut worker = Worker::spawn(&name, 0, &args, &[], None);
     rank.wait_alive(&worker);
-    let killer = std::thread::spawn({
-        let pid = worker.pid();
-        move || {
-            std::thread::sleep(Duration::from_millis(20));
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    });
+    let killer = kill_after(worker.pid(), Duration::from_millis(20));
     let answered = store_until_killed(&mut rank, &tags);
     killer.join().unwrap();
     worker.kill_hard();
@@ -553,13 +525,7 @@ fn a_full_disk_fails_the_blocks_that_do_not_fit_and_counts_them() {
 #[test]
 fn a_worker_stopped_with_storage_commands_queued_answers_every_one_before_it_exits() {
     // A "Redis" that never answers: queued loads take their timeouts.
-    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("redis://{}", silent.local_addr().unwrap());
-    let _held = std::thread::spawn(move || {
-        let connections: Vec<_> = silent.incoming().take(16).collect();
-        std::thread::sleep(Duration::from_secs(60));
-        drop(connections);
-    });
+    let url = silent_redis();
     let name = unique_segment("drain");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = redis_args(&url, "drain", &["--storage-timeout", "1", "--storage-connections", "1"]);

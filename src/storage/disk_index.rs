@@ -41,7 +41,7 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::backend::BlockLayout;
 use super::direct_io::lock_exclusive;
-use super::format::{join_hash, split_hash};
+use super::format::{join_hash, split_hash, LayoutTag};
 use crate::hash::BlockHash;
 
 /// "KVSHMIDX", little-endian.
@@ -59,9 +59,7 @@ pub struct IndexHeader {
     pub magic: u64,
     pub version: u32,
     pub rank: u32,
-    pub block_bytes: u64,
-    pub regions: u32,
-    pub tp_size: u32,
+    pub layout: LayoutTag,
     /// Bytes between the starts of two slab slots (`block_bytes` rounded up to the I/O alignment).
     pub slot_bytes: u64,
     /// Slots of the slab (and records of this file).
@@ -79,9 +77,7 @@ impl IndexHeader {
             magic: INDEX_MAGIC,
             version: INDEX_VERSION,
             rank,
-            block_bytes: layout.block_bytes,
-            regions: layout.regions,
-            tp_size: layout.tp_size,
+            layout: LayoutTag::of(layout),
             slot_bytes,
             capacity,
             reserved: [0; 9],
@@ -97,7 +93,7 @@ impl IndexHeader {
 
     /// The layout recorded, if it describes one.
     pub fn layout(&self) -> Option<BlockLayout> {
-        BlockLayout::new(self.block_bytes, self.regions, self.tp_size)
+        self.layout.layout()
     }
 
     fn with_capacity(mut self, capacity: u64) -> IndexHeader {
@@ -438,13 +434,7 @@ pub fn check_header(
         });
     }
     if header.layout() != Some(*layout) {
-        let found = match header.layout() {
-            Some(found) => found.to_string(),
-            None => format!(
-                "{} bytes, {} regions, TP {}",
-                header.block_bytes, header.regions, header.tp_size
-            ),
-        };
+        let found = header.layout.to_string();
         return Err(IndexError::LayoutMismatch { path: path.to_owned(), found, expected: *layout });
     }
     Ok(())

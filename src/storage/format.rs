@@ -55,6 +55,45 @@ pub(crate) fn join_hash(words: [u64; 2]) -> BlockHash {
     BlockHash(u128::from(words[0]) | (u128::from(words[1]) << 64))
 }
 
+/// A block layout as the record formats store it: block bytes, regions, TP size (16 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct LayoutTag {
+    pub block_bytes: u64,
+    pub regions: u32,
+    pub tp_size: u32,
+}
+
+const _: () = assert!(size_of::<LayoutTag>() == 16);
+
+impl LayoutTag {
+    pub fn of(layout: &BlockLayout) -> LayoutTag {
+        LayoutTag {
+            block_bytes: layout.block_bytes,
+            regions: layout.regions,
+            tp_size: layout.tp_size,
+        }
+    }
+
+    /// The layout recorded, if it describes one.
+    pub fn layout(&self) -> Option<BlockLayout> {
+        BlockLayout::new(self.block_bytes, self.regions, self.tp_size)
+    }
+}
+
+impl std::fmt::Display for LayoutTag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.layout() {
+            Some(layout) => layout.fmt(f),
+            None => write!(
+                f,
+                "{} bytes, {} regions, TP {}",
+                self.block_bytes, self.regions, self.tp_size
+            ),
+        }
+    }
+}
+
 /// The header of a Redis value (module documentation).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -62,9 +101,7 @@ pub struct ValueHeader {
     pub magic: u64,
     pub version: u32,
     pub rank: u32,
-    pub block_bytes: u64,
-    pub regions: u32,
-    pub tp_size: u32,
+    pub layout: LayoutTag,
     pub hash: [u64; 2],
     pub parent: [u64; 2],
     pub depth: u32,
@@ -85,9 +122,7 @@ pub fn encode_value_header(
         magic: VALUE_MAGIC,
         version: VALUE_VERSION,
         rank,
-        block_bytes: layout.block_bytes,
-        regions: layout.regions,
-        tp_size: layout.tp_size,
+        layout: LayoutTag::of(layout),
         hash: split_hash(key.hash),
         parent: split_hash(key.parent),
         depth: key.depth,
@@ -126,9 +161,7 @@ pub fn check_value<'v>(
         return Err(Corrupt::Magic);
     }
     let same_block = header.hash == split_hash(hash) && header.rank == rank;
-    let same_layout = header.block_bytes == layout.block_bytes
-        && header.regions == layout.regions
-        && header.tp_size == layout.tp_size;
+    let same_layout = header.layout == LayoutTag::of(layout);
     if !(same_block && same_layout) {
         return Err(Corrupt::Identity);
     }

@@ -293,6 +293,22 @@ fn server_failure(value: &Value) -> Option<Failure> {
     }
 }
 
+/// A reply that is not what the command answers: the server's refusal, or an I/O error.
+fn unexpected(value: &Value) -> Failure {
+    server_failure(value)
+        .unwrap_or_else(|| Failure::Io(format!("unexpected redis reply {value:?}")))
+}
+
+/// The replies of one part, one per block, or the failure of the whole part (including a reply
+/// count that does not match).
+fn replies(blocks: usize, result: Result<Vec<Value>, Failure>) -> Result<Vec<Value>, Failure> {
+    match result {
+        Ok(values) if values.len() == blocks => Ok(values),
+        Ok(values) => Err(Failure::Io(format!("{} replies for {blocks} blocks", values.len()))),
+        Err(failure) => Err(failure),
+    }
+}
+
 /// A value written as one argument, header then bytes, without assembling it first.
 struct RecordArg<'a> {
     header: ValueHeader,
@@ -345,19 +361,12 @@ impl StorageBackend for RedisBackend {
             link.run(pooled, |connection| pipe.query::<Vec<Value>>(connection))
         });
         for (range, result) in parts {
-            match result {
-                Ok(values) if values.len() == range.len() => {
+            match replies(range.len(), result) {
+                Ok(values) => {
                     for (index, value) in range.zip(values) {
                         if let Some(failure) = server_failure(&value) {
                             outcomes[valid[index]] = Err(failure);
                         }
-                    }
-                }
-                Ok(values) => {
-                    let failure =
-                        Failure::Io(format!("{} replies to {} SETs", values.len(), range.len()));
-                    for index in range {
-                        outcomes[valid[index]] = Err(failure.clone());
                     }
                 }
                 Err(failure) => {
@@ -395,16 +404,8 @@ impl StorageBackend for RedisBackend {
         });
         let (rank, layout) = (self.rank, self.layout);
         for (range, result) in parts {
-            let values = match result {
-                Ok(values) if values.len() == range.len() => values,
-                Ok(values) => {
-                    let failure =
-                        Failure::Io(format!("{} replies to {} reads", values.len(), range.len()));
-                    for index in range {
-                        outcomes[valid[index]] = Err(GetMiss::Failed(failure.clone()));
-                    }
-                    continue;
-                }
+            let values = match replies(range.len(), result) {
+                Ok(values) => values,
                 Err(failure) => {
                     for index in range {
                         outcomes[valid[index]] = Err(GetMiss::Failed(failure.clone()));
@@ -429,9 +430,7 @@ impl StorageBackend for RedisBackend {
                             }
                         }
                     }
-                    other => Err(GetMiss::Failed(server_failure(&other).unwrap_or_else(|| {
-                        Failure::Io(format!("unexpected redis reply {other:?}"))
-                    }))),
+                    other => Err(GetMiss::Failed(unexpected(&other))),
                 };
             }
         }
@@ -450,18 +449,15 @@ impl StorageBackend for RedisBackend {
             link.run(pooled, |connection| pipe.query::<Vec<Value>>(connection))
         });
         for (range, result) in parts {
-            match result {
-                Ok(values) if values.len() == range.len() => {
+            match replies(range.len(), result) {
+                Ok(values) => {
                     for (index, value) in range.zip(values) {
                         outcomes[index] = match value {
                             Value::Int(count) => Ok(count > 0),
-                            other => Err(server_failure(&other).unwrap_or_else(|| {
-                                Failure::Io(format!("unexpected redis reply {other:?}"))
-                            })),
+                            other => Err(unexpected(&other)),
                         };
                     }
                 }
-                Ok(_) => fail_all(&mut outcomes[range], Failure::Io("reply count mismatch".into())),
                 Err(failure) => fail_all(&mut outcomes[range], failure),
             }
         }

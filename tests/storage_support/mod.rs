@@ -193,6 +193,18 @@ pub fn redis_for_test() -> TestRedis {
     }
 }
 
+/// The URL of a "Redis" that accepts connections and never answers (every request waits for the
+/// client's timeout). It lives until the test process exits.
+pub fn silent_redis() -> String {
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", silent.local_addr().unwrap());
+    std::thread::spawn(move || {
+        // Hold every connection open, unanswered.
+        let _held: Vec<_> = silent.incoming().collect();
+    });
+    url
+}
+
 /// A blocking connection to `url` for a test's own reads and writes.
 pub fn connect(url: &str) -> redis::Connection {
     redis::Client::open(url).unwrap().get_connection_with_timeout(Duration::from_secs(5)).unwrap()
@@ -480,9 +492,9 @@ impl<'a> RankDriver<'a> {
     }
 }
 
-/// The bytes of block `tag` on `rank` (every rank's part differs, as on a real TP engine).
-pub fn block_content(tag: u64, rank: u32, len: usize) -> Vec<u8> {
-    let mut state = (tag.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (u64::from(rank) << 40)) | 1;
+/// `len` pseudo-random bytes from `seed` (xorshift): blocks of different seeds differ everywhere.
+pub fn pattern_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..len)
         .map(|_| {
             state ^= state << 13;
@@ -491,6 +503,20 @@ pub fn block_content(tag: u64, rank: u32, len: usize) -> Vec<u8> {
             state as u8
         })
         .collect()
+}
+
+/// The bytes of block `tag` on `rank` (every rank's part differs, as on a real TP engine).
+pub fn block_content(tag: u64, rank: u32, len: usize) -> Vec<u8> {
+    pattern_bytes(tag ^ (u64::from(rank) << 40), len)
+}
+
+/// SIGKILLs process `pid` after `delay`, from a thread (the caller joins it).
+pub fn kill_after(pid: u32, delay: Duration) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        let pid = nix::unistd::Pid::from_raw(pid as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+    })
 }
 
 /// The storage entry of block `tag` (hash derived from the tag, parent the previous tag, depth
