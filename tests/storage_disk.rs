@@ -14,8 +14,8 @@ use kvshm::storage::direct_io::{AlignedBuf, IoMode};
 use kvshm::storage::disk::{CrashHook, CrashPoint};
 use kvshm::storage::disk_index::{blocks_on_every_rank, read_index, IndexError};
 use kvshm::storage::{
-    BlockKey, BlockLayout, DiskBackend, DiskError, DiskOptions, Failure, GetBlock, GetMiss,
-    PutBlock, StorageBackend,
+    BlockBytes, BlockBytesMut, BlockKey, BlockLayout, DiskBackend, DiskError, DiskOptions, Failure,
+    GetBlock, GetMiss, PutBlock, StorageBackend,
 };
 use storage_support::{pattern_bytes, Scratch};
 
@@ -61,7 +61,7 @@ fn put(backend: &mut DiskBackend, tags: &[u64], block: usize) -> Vec<Result<(), 
     let blocks: Vec<PutBlock<'_>> = tags
         .iter()
         .zip(tier.as_slice().chunks(block))
-        .map(|(&tag, bytes)| PutBlock { key: key(tag), bytes })
+        .map(|(&tag, bytes)| PutBlock { key: key(tag), bytes: BlockBytes::new(bytes) })
         .collect();
     let mut outcomes = Vec::new();
     backend.put(&blocks, &mut outcomes);
@@ -75,7 +75,7 @@ fn get(backend: &mut DiskBackend, tags: &[u64], block: usize) -> Vec<Result<(), 
     let mut blocks: Vec<GetBlock<'_>> = tags
         .iter()
         .zip(tier.as_mut_slice().chunks_mut(block))
-        .map(|(&tag, dest)| GetBlock { hash: key(tag).hash, dest })
+        .map(|(&tag, dest)| GetBlock { hash: key(tag).hash, dest: BlockBytesMut::new(dest) })
         .collect();
     let mut outcomes = Vec::new();
     backend.get(&mut blocks, &mut outcomes);
@@ -140,11 +140,12 @@ fn blocks_that_are_not_page_sized_and_buffered_io_round_trip_too() {
         // Unaligned source and destination memory (offset by one byte).
         let source = content(200, block);
         let mut outcomes = Vec::new();
-        backend.put(&[PutBlock { key: key(200), bytes: &source }], &mut outcomes);
+        backend.put(&[PutBlock { key: key(200), bytes: BlockBytes::new(&source) }], &mut outcomes);
         assert!(all_ok(&outcomes));
         let mut raw = vec![0u8; block + 1];
         let mut gets = Vec::new();
-        backend.get(&mut [GetBlock { hash: key(200).hash, dest: &mut raw[1..] }], &mut gets);
+        let dest = BlockBytesMut::new(&mut raw[1..]);
+        backend.get(&mut [GetBlock { hash: key(200).hash, dest }], &mut gets);
         assert!(all_ok(&gets));
         assert!(raw[1..] == source[..]);
     }

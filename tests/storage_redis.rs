@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
 use kvshm::storage::redis::{block_key, key_prefix, RedisBackend, RedisOptions};
-use kvshm::storage::{BlockKey, BlockLayout, Failure, GetBlock, GetMiss, PutBlock, StorageBackend};
+use kvshm::storage::{
+    BlockBytes, BlockBytesMut, BlockKey, BlockLayout, Failure, GetBlock, GetMiss, PutBlock,
+    StorageBackend,
+};
 use storage_support::{connect, pattern_bytes, redis_for_test, unique_namespace, RedisServer};
 
 const BLOCK: usize = 16 * 1024;
@@ -47,8 +50,11 @@ fn key(tag: u64) -> BlockKey {
 
 fn put(backend: &mut RedisBackend, tags: &[u64]) -> Vec<Result<(), Failure>> {
     let contents: Vec<Vec<u8>> = tags.iter().map(|&tag| content(tag)).collect();
-    let blocks: Vec<PutBlock<'_>> =
-        tags.iter().zip(&contents).map(|(&tag, bytes)| PutBlock { key: key(tag), bytes }).collect();
+    let blocks: Vec<PutBlock<'_>> = tags
+        .iter()
+        .zip(&contents)
+        .map(|(&tag, bytes)| PutBlock { key: key(tag), bytes: BlockBytes::new(bytes) })
+        .collect();
     let mut outcomes = Vec::new();
     backend.put(&blocks, &mut outcomes);
     outcomes
@@ -60,7 +66,7 @@ fn get(backend: &mut RedisBackend, tags: &[u64]) -> Vec<Result<(), GetMiss>> {
     let mut blocks: Vec<GetBlock<'_>> = tags
         .iter()
         .zip(&mut dests)
-        .map(|(&tag, dest)| GetBlock { hash: key(tag).hash, dest })
+        .map(|(&tag, dest)| GetBlock { hash: key(tag).hash, dest: BlockBytesMut::new(dest) })
         .collect();
     let mut outcomes = Vec::new();
     backend.get(&mut blocks, &mut outcomes);

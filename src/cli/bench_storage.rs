@@ -42,7 +42,7 @@ use crate::storage::direct_io::{
 };
 use crate::storage::redis::{RedisBackend, RedisOptions};
 use crate::storage::spec::redact;
-use crate::storage::{BlockLayout, DiskBackend, DiskOptions};
+use crate::storage::{BlockBytes, BlockBytesMut, BlockLayout, DiskBackend, DiskOptions};
 use target::{bench_hash, BackendTarget, Target, WorkerTarget};
 
 #[derive(Debug, clap::Args)]
@@ -291,7 +291,7 @@ fn disk_baseline(
     let write_all = || -> anyhow::Result<f64> {
         let started = Instant::now();
         for (index, chunk) in bytes.chunks(block).enumerate() {
-            write_all_at(data.file(), &[chunk], (index * block) as u64)?;
+            write_all_at(data.file(), &[BlockBytes::new(chunk)], (index * block) as u64)?;
         }
         if data.mode() == IoMode::Buffered {
             data.file().sync_data()?;
@@ -304,7 +304,7 @@ fn disk_baseline(
     let mut back = AlignedBuf::zeroed(bytes.len());
     let started = Instant::now();
     for (index, chunk) in back.as_mut_slice().chunks_mut(block).enumerate() {
-        read_exact_at(data.file(), &mut [chunk], (index * block) as u64)?;
+        read_exact_at(data.file(), &mut [BlockBytesMut::new(chunk)], (index * block) as u64)?;
     }
     let read = started.elapsed().as_secs_f64();
     anyhow::ensure!(back.as_slice() == bytes, "the baseline read back other bytes");

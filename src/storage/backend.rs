@@ -17,6 +17,7 @@
 
 use std::fmt;
 
+use super::block_bytes::{BlockBytes, BlockBytesMut};
 use crate::hash::BlockHash;
 
 /// What names one stored block (the rank is the back-end instance's).
@@ -139,14 +140,14 @@ pub type ContainsOutcome = Result<bool, Failure>;
 #[derive(Clone, Copy, Debug)]
 pub struct PutBlock<'a> {
     pub key: BlockKey,
-    pub bytes: &'a [u8],
+    pub bytes: BlockBytes<'a>,
 }
 
 /// One block to get: its hash and where its bytes go (exactly `block_bytes`).
 #[derive(Debug)]
 pub struct GetBlock<'a> {
     pub hash: BlockHash,
-    pub dest: &'a mut [u8],
+    pub dest: BlockBytesMut<'a>,
 }
 
 /// Figures a back-end keeps that per-block outcomes do not show.

@@ -25,6 +25,7 @@ use std::path::Path;
 use std::ptr::NonNull;
 
 use super::backend::Failure;
+use super::block_bytes::{BlockBytes, BlockBytesMut};
 
 /// Alignment of every direct transfer: offsets, lengths and buffer addresses (the page size,
 /// which is at least the logical block size of every common device).
@@ -92,7 +93,7 @@ impl DataFile {
 /// zero bytes, which also proves the flags are accepted).
 fn probe_direct(file: &File) -> bool {
     let mut buf = AlignedBuf::zeroed(IO_ALIGN);
-    read_some_at(file, &mut [buf.as_mut_slice()], 0).is_ok()
+    read_some_at(file, &mut [buf.bytes_mut()], 0).is_ok()
 }
 
 /// A zero-initialised heap buffer whose address and length are multiples of [`IO_ALIGN`].
@@ -137,6 +138,16 @@ impl AlignedBuf {
         // SAFETY: `len` initialised bytes owned by self, borrowed mutably with self.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
+
+    /// The whole buffer as a view to write from.
+    pub fn bytes(&self) -> BlockBytes<'_> {
+        BlockBytes::new(self.as_slice())
+    }
+
+    /// The whole buffer as a view to read into.
+    pub fn bytes_mut(&mut self) -> BlockBytesMut<'_> {
+        BlockBytesMut::new(self.as_mut_slice())
+    }
 }
 
 impl Drop for AlignedBuf {
@@ -148,9 +159,9 @@ impl Drop for AlignedBuf {
     }
 }
 
-/// Whether a buffer may be handed to a direct transfer as is.
-pub fn is_aligned(bytes: &[u8]) -> bool {
-    bytes.as_ptr() as usize % IO_ALIGN == 0 && bytes.len() % IO_ALIGN == 0
+/// Whether a buffer of `len` bytes at `ptr` may be handed to a direct transfer as is.
+pub fn is_aligned(ptr: *const u8, len: usize) -> bool {
+    ptr as usize % IO_ALIGN == 0 && len % IO_ALIGN == 0
 }
 
 /// The most buffers one vectored call takes (`IOV_MAX` on Linux).
@@ -158,8 +169,8 @@ const MAX_IOVECS: usize = 1024;
 
 /// Writes every byte of `bufs`, back to back, starting at `offset` (retrying short writes and
 /// interruptions).
-pub fn write_all_at(file: &File, bufs: &[&[u8]], mut offset: u64) -> io::Result<()> {
-    let mut pending: Vec<&[u8]> = bufs.iter().copied().filter(|buf| !buf.is_empty()).collect();
+pub fn write_all_at(file: &File, bufs: &[BlockBytes<'_>], mut offset: u64) -> io::Result<()> {
+    let mut pending: Vec<BlockBytes<'_>> = bufs.iter().copied().filter(|b| !b.is_empty()).collect();
     let mut first = 0;
     while first < pending.len() {
         let batch = &pending[first..(first + MAX_IOVECS).min(pending.len())];
@@ -172,8 +183,8 @@ pub fn write_all_at(file: &File, bufs: &[&[u8]], mut offset: u64) -> io::Result<
             .collect();
         let position =
             libc::off_t::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
-        // SAFETY: every iovec describes a live, readable slice borrowed for this call, and
-        // pwritev only reads from them.
+        // SAFETY: every iovec describes the readable bytes of a live view; pwritev only reads
+        // them (the kernel's copy or DMA is the raw access the views stand for).
         let written = unsafe {
             libc::pwritev(file.as_raw_fd(), iovecs.as_ptr(), iovecs.len() as libc::c_int, position)
         };
@@ -195,7 +206,7 @@ pub fn write_all_at(file: &File, bufs: &[&[u8]], mut offset: u64) -> io::Result<
                 written -= buf.len();
                 first += 1;
             } else {
-                pending[first] = &buf[written..];
+                pending[first] = buf.skip(written);
                 written = 0;
             }
         }
@@ -205,37 +216,37 @@ pub fn write_all_at(file: &File, bufs: &[&[u8]], mut offset: u64) -> io::Result<
 
 /// Fills every byte of `bufs`, back to back, from `offset`; a file that ends first is
 /// `UnexpectedEof`.
-pub fn read_exact_at(file: &File, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<()> {
-    let total: usize = bufs.iter().map(|buf| buf.len()).sum();
-    let mut done = 0;
-    while done < total {
-        let read = read_some_at(file, bufs, offset + done as u64)?;
+pub fn read_exact_at(file: &File, bufs: &mut [BlockBytesMut<'_>], offset: u64) -> io::Result<()> {
+    let mut pending: Vec<BlockBytesMut<'_>> =
+        bufs.iter_mut().map(|buf| buf.reborrow()).filter(|buf| !buf.is_empty()).collect();
+    let mut first = 0;
+    let mut done = 0u64;
+    while first < pending.len() {
+        let read = read_some_at(file, &mut pending[first..], offset + done)?;
         if read == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the slab file ends early"));
         }
-        // Skip what was read: shrink the slices in place.
-        let mut skip = read;
-        let mut index = 0;
-        while skip > 0 && index < bufs.len() {
-            let buf = std::mem::take(&mut bufs[index]);
-            if skip >= buf.len() {
-                skip -= buf.len();
-                index += 1;
+        done += read as u64;
+        let mut read = read;
+        while read > 0 {
+            let len = pending[first].len();
+            if read >= len {
+                read -= len;
+                first += 1;
             } else {
-                bufs[index] = &mut buf[skip..];
-                skip = 0;
+                let rest = std::mem::replace(&mut pending[first], BlockBytesMut::new(&mut []));
+                pending[first] = rest.skip(read);
+                read = 0;
             }
         }
-        done += read;
     }
     Ok(())
 }
 
-/// One `preadv` over the non-empty buffers (at most [`MAX_IOVECS`]), retried on interruption.
-fn read_some_at(file: &File, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<usize> {
+/// One `preadv` into the buffers (at most [`MAX_IOVECS`]), retried on interruption.
+fn read_some_at(file: &File, bufs: &mut [BlockBytesMut<'_>], offset: u64) -> io::Result<usize> {
     let iovecs: Vec<libc::iovec> = bufs
         .iter_mut()
-        .filter(|buf| !buf.is_empty())
         .take(MAX_IOVECS)
         .map(|buf| libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() })
         .collect();
@@ -245,7 +256,7 @@ fn read_some_at(file: &File, bufs: &mut [&mut [u8]], offset: u64) -> io::Result<
     let position =
         libc::off_t::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
     loop {
-        // SAFETY: every iovec describes a live slice borrowed mutably for this call; preadv
+        // SAFETY: every iovec describes the writable bytes of a live exclusive view; preadv
         // writes at most iov_len bytes into each.
         let read = unsafe {
             libc::preadv(file.as_raw_fd(), iovecs.as_ptr(), iovecs.len() as libc::c_int, position)
@@ -325,10 +336,10 @@ mod tests {
     fn aligned_buffers_are_aligned_and_rounded_up() {
         let mut buf = AlignedBuf::zeroed(5000);
         assert_eq!(buf.len(), 8192);
-        assert!(is_aligned(buf.as_slice()));
+        assert!(is_aligned(buf.as_slice().as_ptr(), buf.len()));
         assert!(buf.as_slice().iter().all(|&b| b == 0));
         buf.as_mut_slice()[8191] = 1;
-        assert!(!is_aligned(&buf.as_slice()[1..]));
+        assert!(!is_aligned(buf.as_slice()[1..].as_ptr(), 8191));
     }
 
     #[test]
@@ -341,15 +352,15 @@ mod tests {
             let mut b = AlignedBuf::zeroed(2 * IO_ALIGN);
             a.as_mut_slice().fill(1);
             b.as_mut_slice().fill(2);
-            write_all_at(data.file(), &[a.as_slice(), b.as_slice()], IO_ALIGN as u64).unwrap();
+            write_all_at(data.file(), &[a.bytes(), b.bytes()], IO_ALIGN as u64).unwrap();
             let mut back = AlignedBuf::zeroed(4 * IO_ALIGN);
-            read_exact_at(data.file(), &mut [back.as_mut_slice()], 0).unwrap();
+            read_exact_at(data.file(), &mut [back.bytes_mut()], 0).unwrap();
             let bytes = back.as_slice();
             assert!(bytes[..IO_ALIGN].iter().all(|&x| x == 0));
             assert!(bytes[IO_ALIGN..2 * IO_ALIGN].iter().all(|&x| x == 1));
             assert!(bytes[2 * IO_ALIGN..].iter().all(|&x| x == 2));
             let mut beyond = AlignedBuf::zeroed(IO_ALIGN);
-            let eof = read_exact_at(data.file(), &mut [beyond.as_mut_slice()], 4 * IO_ALIGN as u64);
+            let eof = read_exact_at(data.file(), &mut [beyond.bytes_mut()], 4 * IO_ALIGN as u64);
             assert_eq!(eof.unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
             std::fs::remove_dir_all(path.parent().unwrap()).unwrap();
         }

@@ -43,6 +43,7 @@ use super::backend::{
     check_len, BackendStats, BlockLayout, ContainsOutcome, Failure, GetBlock, GetMiss, GetOutcome,
     PutBlock, PutOutcome, StorageBackend,
 };
+use super::block_bytes::BlockBytesMut;
 use super::direct_io::{failure_of, is_no_space, preallocate, DataFile, IoMode, IO_ALIGN};
 use super::disk_index::{
     check_header, index_path, slab_path, IndexError, IndexFile, IndexHeader, Opened, RecordState,
@@ -507,8 +508,8 @@ impl DiskBackend {
     ) -> Vec<Option<bool>> {
         let (io, rank) = (self.io(), self.rank);
         let hashes: Vec<BlockHash> = blocks.iter().map(|block| block.hash).collect();
-        let mut by_entry: Vec<Option<&mut [u8]>> =
-            blocks.iter_mut().map(|block| Some(&mut *block.dest)).collect();
+        let mut by_entry: Vec<Option<BlockBytesMut<'_>>> =
+            blocks.iter_mut().map(|block| Some(block.dest.reborrow())).collect();
         let items = work_items(plan, |_| true);
         let threads = io_threads(plan.len(), self.layout.block_bytes, items.len());
         // Each item's destinations, taken out in plan order (an entry is planned once).
@@ -530,7 +531,8 @@ impl DiskBackend {
                 for (index, dest) in run.zip(dests) {
                     if !failed_here.iter().any(|(f, _)| *f == index) {
                         let p = &plan_view[index];
-                        let sum = payload_checksum(hashes[p.entry], rank, p.sequence, dest);
+                        let sum =
+                            payload_checksum(hashes[p.entry], rank, p.sequence, dest.as_bytes());
                         verdicts.push((index, sum == p.checksum));
                     }
                 }

@@ -27,9 +27,10 @@
 //! failure is [`Corrupt`] with the reason: a miss, never an error.
 
 use bytemuck::{Pod, Zeroable};
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use super::backend::{BlockKey, BlockLayout};
+use super::block_bytes::BlockBytes;
 use crate::hash::BlockHash;
 
 /// "KVSHMRV1", little-endian.
@@ -38,13 +39,19 @@ pub const VALUE_VERSION: u32 = 1;
 /// Bytes of the header in front of a Redis value's block bytes.
 pub const VALUE_HEADER_BYTES: usize = size_of::<ValueHeader>();
 
-/// The checksum of one record's bytes (module documentation).
-pub fn payload_checksum(hash: BlockHash, rank: u32, sequence: u64, bytes: &[u8]) -> u64 {
+/// The checksum of one record's bytes (module documentation), read a chunk at a time.
+pub fn payload_checksum(hash: BlockHash, rank: u32, sequence: u64, bytes: BlockBytes<'_>) -> u64 {
+    let mut hasher = Xxh3::with_seed(checksum_seed(hash, rank, sequence));
+    bytes.chunks(|chunk| hasher.update(chunk));
+    hasher.digest()
+}
+
+fn checksum_seed(hash: BlockHash, rank: u32, sequence: u64) -> u64 {
     let mut seed_input = [0u8; 28];
     seed_input[..16].copy_from_slice(&hash.0.to_le_bytes());
     seed_input[16..20].copy_from_slice(&rank.to_le_bytes());
     seed_input[20..].copy_from_slice(&sequence.to_le_bytes());
-    xxh3_64_with_seed(bytes, xxh3_64(&seed_input))
+    xxh3_64(&seed_input)
 }
 
 pub(crate) fn split_hash(hash: BlockHash) -> [u64; 2] {
@@ -116,7 +123,7 @@ pub fn encode_value_header(
     key: &BlockKey,
     rank: u32,
     layout: &BlockLayout,
-    bytes: &[u8],
+    bytes: BlockBytes<'_>,
 ) -> ValueHeader {
     ValueHeader {
         magic: VALUE_MAGIC,
@@ -165,7 +172,7 @@ pub fn check_value<'v>(
     if !(same_block && same_layout) {
         return Err(Corrupt::Identity);
     }
-    if payload_checksum(hash, rank, 0, bytes) != header.checksum {
+    if payload_checksum(hash, rank, 0, BlockBytes::new(bytes)) != header.checksum {
         return Err(Corrupt::Checksum);
     }
     Ok(bytes)
@@ -184,7 +191,7 @@ mod tests {
     }
 
     fn value(bytes: &[u8]) -> Vec<u8> {
-        let header = encode_value_header(&key(), 1, &layout(), bytes);
+        let header = encode_value_header(&key(), 1, &layout(), BlockBytes::new(bytes));
         let mut value = bytemuck::bytes_of(&header).to_vec();
         value.extend_from_slice(bytes);
         value
@@ -194,16 +201,26 @@ mod tests {
     fn the_checksum_is_pinned() {
         // A change of this value is a change of the on-disk and in-Redis format.
         let bytes: Vec<u8> = (0..=255u8).collect();
-        assert_eq!(payload_checksum(BlockHash(1), 0, 0, &bytes), 0xa770_e86d_67a7_2e23);
+        assert_eq!(
+            payload_checksum(BlockHash(1), 0, 0, BlockBytes::new(&bytes)),
+            0xa770_e86d_67a7_2e23
+        );
+        // Read in chunks, a long block sums as XXH3-64 of all its bytes at once would.
+        let long: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let seed = checksum_seed(BlockHash(9), 3, 4);
+        assert_eq!(
+            payload_checksum(BlockHash(9), 3, 4, BlockBytes::new(&long)),
+            xxhash_rust::xxh3::xxh3_64_with_seed(&long, seed)
+        );
     }
 
     #[test]
     fn the_checksum_depends_on_block_rank_and_sequence() {
-        let bytes = [7u8; 64];
-        let base = payload_checksum(BlockHash(1), 0, 0, &bytes);
-        assert_ne!(base, payload_checksum(BlockHash(2), 0, 0, &bytes));
-        assert_ne!(base, payload_checksum(BlockHash(1), 1, 0, &bytes));
-        assert_ne!(base, payload_checksum(BlockHash(1), 0, 1, &bytes));
+        let bytes = BlockBytes::new(&[7u8; 64]);
+        let base = payload_checksum(BlockHash(1), 0, 0, bytes);
+        assert_ne!(base, payload_checksum(BlockHash(2), 0, 0, bytes));
+        assert_ne!(base, payload_checksum(BlockHash(1), 1, 0, bytes));
+        assert_ne!(base, payload_checksum(BlockHash(1), 0, 1, bytes));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //!
 //! - [`backend`]: the [`StorageBackend`] trait (batched put, get, contains, remove with one
 //!   outcome per block), keys, layouts, outcomes.
+//! - [`block_bytes`]: views of a block's bytes reached through raw pointers (host blocks).
 //! - [`format`](mod@format): the frozen formats shared by the back-ends (payload checksum, Redis values).
 //! - [`disk`]: the local-disk back-end (slab file + persisted index per rank), the default.
 //! - [`disk_index`]: the disk index's format, and reading it back for a restarted scheduler.
@@ -23,6 +24,7 @@
 //!    them, and a missing or damaged block is a miss for that block only;
 //! 4. each completion carries one result bit per block back to the scheduler.
 pub mod backend;
+pub mod block_bytes;
 pub mod direct_io;
 pub mod disk;
 pub mod disk_index;
@@ -36,4 +38,5 @@ pub use backend::{
     BackendStats, BlockKey, BlockLayout, ContainsOutcome, Failure, GetBlock, GetMiss, GetOutcome,
     PutBlock, PutOutcome, StorageBackend,
 };
+pub use block_bytes::{BlockBytes, BlockBytesMut};
 pub use disk::{DiskBackend, DiskError, DiskOptions};

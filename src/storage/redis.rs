@@ -35,6 +35,7 @@ use super::backend::{
     check_len, BackendStats, BlockLayout, ContainsOutcome, Failure, GetBlock, GetMiss, GetOutcome,
     PutBlock, PutOutcome, StorageBackend,
 };
+use super::block_bytes::BlockBytes;
 use super::format::{check_value, encode_value_header, ValueHeader};
 use super::spec::redact;
 use crate::hash::BlockHash;
@@ -309,10 +310,10 @@ fn replies(blocks: usize, result: Result<Vec<Value>, Failure>) -> Result<Vec<Val
     }
 }
 
-/// A value written as one argument, header then bytes, without assembling it first.
+/// A value written as one argument, header then bytes, straight into the command buffer.
 struct RecordArg<'a> {
     header: ValueHeader,
-    bytes: &'a [u8],
+    bytes: BlockBytes<'a>,
 }
 
 impl ToRedisArgs for RecordArg<'_> {
@@ -320,7 +321,7 @@ impl ToRedisArgs for RecordArg<'_> {
         use std::io::Write as _;
         let mut writer = out.writer_for_next_arg();
         writer.write_all(bytemuck::bytes_of(&self.header)).expect("writing into a command buffer");
-        writer.write_all(self.bytes).expect("writing into a command buffer");
+        self.bytes.chunks(|chunk| writer.write_all(chunk).expect("writing into a command buffer"));
     }
 }
 
@@ -421,7 +422,7 @@ impl StorageBackend for RedisBackend {
                     Value::BulkString(bytes) => {
                         match check_value(&bytes, block.hash, rank, &layout) {
                             Ok(payload) => {
-                                block.dest.copy_from_slice(payload);
+                                block.dest.copy_from(payload);
                                 Ok(())
                             }
                             Err(corrupt) => {
@@ -553,7 +554,8 @@ mod tests {
         let mut backend = RedisBackend::open(&options).unwrap();
         let mut dest = vec![0u8; 4096];
         let mut outcomes = Vec::new();
-        backend.get(&mut [GetBlock { hash: BlockHash(1), dest: &mut dest }], &mut outcomes);
+        let dest = crate::storage::BlockBytesMut::new(&mut dest);
+        backend.get(&mut [GetBlock { hash: BlockHash(1), dest }], &mut outcomes);
         assert_eq!(outcomes, vec![Err(GetMiss::Failed(Failure::Unavailable))]);
         // In back-off now: the next call fails without trying.
         let mut present = Vec::new();

@@ -15,13 +15,14 @@
 use std::ops::Range;
 
 use super::backend::{Failure, PutBlock};
+use super::block_bytes::{BlockBytes, BlockBytesMut};
 use super::direct_io::{
     failure_of, is_aligned, read_exact_at, write_all_at, AlignedBuf, IoMode, IO_ALIGN,
 };
 use super::disk::{CrashHook, CrashPoint};
 
 /// One read call of a batch: its plan indices and their destinations, in plan order.
-pub(super) type ReadItem<'a> = (Range<usize>, Vec<&'a mut [u8]>);
+pub(super) type ReadItem<'a> = (Range<usize>, Vec<BlockBytesMut<'a>>);
 
 /// The most I/O threads one batch uses.
 const IO_THREADS: usize = 4;
@@ -71,10 +72,10 @@ impl SlabIo<'_> {
         u64::from(slot) * self.slot_bytes
     }
 
-    /// Whether `buf` can be transferred without a bounce buffer.
-    fn in_place(&self, buf: &[u8]) -> bool {
+    /// Whether a buffer of `len` bytes at `ptr` can be transferred without a bounce buffer.
+    fn in_place(&self, ptr: *const u8, len: usize) -> bool {
         match self.mode {
-            IoMode::Direct => is_aligned(buf) && buf.len() as u64 == self.slot_bytes,
+            IoMode::Direct => is_aligned(ptr, len) && len as u64 == self.slot_bytes,
             IoMode::Buffered => true,
         }
     }
@@ -98,13 +99,16 @@ impl SlabIo<'_> {
         run: Range<usize>,
         bounce: &mut Option<AlignedBuf>,
     ) -> Vec<(usize, Failure)> {
-        let all_in_place = plan[run.clone()].iter().all(|p| self.in_place(blocks[p.entry].bytes));
+        let all_in_place = plan[run.clone()].iter().all(|p| {
+            let bytes = blocks[p.entry].bytes;
+            self.in_place(bytes.as_ptr(), bytes.len())
+        });
         let crash_in_run = self.crash.is_some_and(|hook| {
             hook.point == CrashPoint::MidPayload
                 && plan[run.clone()].iter().any(|p| p.write == hook.write)
         });
         if all_in_place && self.contiguous() && !crash_in_run {
-            let bufs: Vec<&[u8]> =
+            let bufs: Vec<BlockBytes<'_>> =
                 plan[run.clone()].iter().map(|p| blocks[p.entry].bytes).collect();
             match write_all_at(self.file, &bufs, self.offset(plan[run.start].slot)) {
                 Ok(()) => return Vec::new(),
@@ -117,13 +121,14 @@ impl SlabIo<'_> {
             let planned = &plan[index];
             let bytes = blocks[planned.entry].bytes;
             let offset = self.offset(planned.slot);
-            let result = if self.in_place(bytes) {
+            let result = if self.in_place(bytes.as_ptr(), bytes.len()) {
                 self.write_maybe_crashing(planned.write, bytes, offset)
             } else {
                 let slot_len = self.slot_bytes as usize;
                 let buffer = self.bounce(bounce);
-                buffer.as_mut_slice()[..bytes.len()].copy_from_slice(bytes);
-                self.write_maybe_crashing(planned.write, &buffer.as_slice()[..slot_len], offset)
+                bytes.copy_to(&mut buffer.as_mut_slice()[..bytes.len()]);
+                let padded = BlockBytes::new(&buffer.as_slice()[..slot_len]);
+                self.write_maybe_crashing(planned.write, padded, offset)
             };
             if let Err(failure) = result {
                 failed.push((index, failure));
@@ -132,10 +137,15 @@ impl SlabIo<'_> {
         failed
     }
 
-    fn write_maybe_crashing(&self, write: u64, bytes: &[u8], offset: u64) -> Result<(), Failure> {
+    fn write_maybe_crashing(
+        &self,
+        write: u64,
+        bytes: BlockBytes<'_>,
+        offset: u64,
+    ) -> Result<(), Failure> {
         if self.crash == Some(CrashHook { write, point: CrashPoint::MidPayload }) {
             let half = ((bytes.len() / 2).div_ceil(IO_ALIGN) * IO_ALIGN).min(bytes.len());
-            write_all_at(self.file, &[&bytes[..half]], offset).map_err(|e| failure_of(&e))?;
+            write_all_at(self.file, &[bytes.take(half)], offset).map_err(|e| failure_of(&e))?;
             crash_now();
         }
         write_all_at(self.file, &[bytes], offset).map_err(|e| failure_of(&e))
@@ -148,28 +158,29 @@ impl SlabIo<'_> {
         &self,
         plan: &[Planned],
         run: Range<usize>,
-        dests: &mut [&mut [u8]],
+        dests: &mut [BlockBytesMut<'_>],
         bounce: &mut Option<AlignedBuf>,
     ) -> Vec<(usize, Failure)> {
-        let all_in_place = dests.iter().all(|dest| self.in_place(dest));
+        let all_in_place =
+            dests.iter_mut().all(|dest| self.in_place(dest.as_mut_ptr(), dest.len()));
         if all_in_place && self.contiguous() && run.len() > 1 {
-            let mut whole: Vec<&mut [u8]> = dests.iter_mut().map(|dest| &mut **dest).collect();
-            if read_exact_at(self.file, &mut whole, self.offset(plan[run.start].slot)).is_ok() {
+            let offset = self.offset(plan[run.start].slot);
+            if read_exact_at(self.file, dests, offset).is_ok() {
                 return Vec::new();
             }
         }
         let mut failed = Vec::new();
         for (index, dest) in run.zip(dests.iter_mut()) {
             let offset = self.offset(plan[index].slot);
-            let result = if self.in_place(dest) {
-                read_exact_at(self.file, &mut [&mut **dest], offset)
+            let result = if self.in_place(dest.as_mut_ptr(), dest.len()) {
+                read_exact_at(self.file, &mut [dest.reborrow()], offset)
             } else {
                 let slot_len = self.slot_bytes as usize;
                 let buffer = self.bounce(bounce);
-                let result =
-                    read_exact_at(self.file, &mut [&mut buffer.as_mut_slice()[..slot_len]], offset);
+                let padded = BlockBytesMut::new(&mut buffer.as_mut_slice()[..slot_len]);
+                let result = read_exact_at(self.file, &mut [padded], offset);
                 if result.is_ok() {
-                    dest.copy_from_slice(&buffer.as_slice()[..dest.len()]);
+                    dest.copy_from(&buffer.as_slice()[..dest.len()]);
                 }
                 result
             };

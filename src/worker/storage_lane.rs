@@ -30,6 +30,7 @@
 //! so it waits for a LOAD's completion before copying its host blocks to the device, and for a
 //! STORE's before reusing its host blocks.
 
+use std::ptr::NonNull;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread::{Scope, ScopedJoinHandle};
 use std::time::{Duration, Instant};
@@ -49,7 +50,9 @@ use super::validate::{validate, ValidCommand};
 use crate::hash::BlockHash;
 use crate::storage::spec::{OpenError, StorageOptions};
 use crate::storage::tally::Tally;
-use crate::storage::{BlockKey, BlockLayout, GetBlock, GetMiss, PutBlock, StorageBackend};
+use crate::storage::{
+    BlockBytes, BlockBytesMut, BlockKey, BlockLayout, GetBlock, GetMiss, PutBlock, StorageBackend,
+};
 
 /// How often a storage thread facing a full completion ring looks for room.
 const FULL_RING_POLL: Duration = Duration::from_micros(500);
@@ -83,49 +86,41 @@ impl HostTier {
         })
     }
 
-    /// The bytes of host block `block`.
-    ///
-    /// # Safety
-    ///
-    /// Trusted peer: while the returned slice is used, no process or thread writes the block
-    /// (the scheduler hands a block to one command at a time; a STORE only reads it).
+    /// Where host block `block` starts.
     ///
     /// # Panics
     ///
     /// If `block` is out of range: validation refuses such ids, so this is a programming error.
-    unsafe fn block<'a>(&self, block: u32) -> &'a [u8] {
+    fn start(&self, block: u32) -> NonNull<u8> {
         assert!(block < self.blocks, "host block {block} out of range is a programming error");
-        // SAFETY: in bounds of the mapped area (checked in `new` and above); the caller
-        // guarantees that no one writes the bytes while the slice lives.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.area.as_ptr().add(block as usize * self.block_bytes),
-                self.block_bytes,
-            )
-        }
+        // SAFETY: block * block_bytes + block_bytes <= the area's length (checked in `new` and
+        // above), so the offset stays inside the mapped area; forming the pointer reads nothing.
+        let start = unsafe { self.area.as_ptr().add(block as usize * self.block_bytes) };
+        NonNull::new(start).expect("a mapped area is not at null")
     }
 
-    /// The bytes of host block `block`, to be written.
+    /// The bytes of host block `block`, to be stored.
     ///
     /// # Safety
     ///
-    /// Trusted peer: while the returned slice is used, no other process or thread reads or writes
-    /// the block (a LOAD owns its destinations), and no other slice of the same block exists
-    /// (validation refuses a LOAD into one block twice).
+    /// Trusted peer: while the view is used, no process or thread writes the block (the
+    /// scheduler hands a block to one command at a time; a STORE only reads it).
+    unsafe fn block<'a>(&self, block: u32) -> BlockBytes<'a> {
+        // SAFETY: the block lies in the mapped area, which outlives the storage thread (the
+        // MappedArea premise); the caller guarantees no one writes it meanwhile.
+        unsafe { BlockBytes::from_raw(self.start(block), self.block_bytes) }
+    }
+
+    /// The bytes of host block `block`, to be loaded into.
     ///
-    /// # Panics
+    /// # Safety
     ///
-    /// If `block` is out of range (a programming error, as for [`HostTier::block`]).
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn block_mut<'a>(&self, block: u32) -> &'a mut [u8] {
-        assert!(block < self.blocks, "host block {block} out of range is a programming error");
-        // SAFETY: in bounds (as in `block`); exclusive use is the caller's guarantee.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.area.as_ptr().add(block as usize * self.block_bytes),
-                self.block_bytes,
-            )
-        }
+    /// Trusted peer: while the view is used, no other process or thread reads or writes the
+    /// block (a LOAD owns its destinations), and no other view of it exists (validation refuses
+    /// a LOAD into one block twice).
+    unsafe fn block_mut<'a>(&self, block: u32) -> BlockBytesMut<'a> {
+        // SAFETY: as in `block`; exclusive use is the caller's guarantee.
+        unsafe { BlockBytesMut::from_raw(self.start(block), self.block_bytes) }
     }
 }
 

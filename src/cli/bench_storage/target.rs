@@ -23,7 +23,7 @@ use kvshm_ipc::worker_slot::RankStatus;
 
 use crate::hash::BlockHash;
 use crate::storage::direct_io::AlignedBuf;
-use crate::storage::{BlockKey, GetBlock, PutBlock, StorageBackend};
+use crate::storage::{BlockBytes, BlockBytesMut, BlockKey, GetBlock, PutBlock, StorageBackend};
 
 /// The hash a bench block is stored under: the tag, salted with the run so that runs sharing a
 /// Redis never see each other's blocks.
@@ -60,7 +60,7 @@ impl Target for BackendTarget<'_> {
                     let start = block as usize * self.block_bytes;
                     PutBlock {
                         key: BlockKey::new(hash, BlockHash(0), 0),
-                        bytes: &host[start..start + self.block_bytes],
+                        bytes: BlockBytes::new(&host[start..start + self.block_bytes]),
                     }
                 })
                 .collect();
@@ -88,7 +88,10 @@ impl Target for BackendTarget<'_> {
                 let (dest, tail) = tail.split_at_mut(self.block_bytes);
                 rest = tail;
                 consumed = start + self.block_bytes;
-                gets.push(GetBlock { hash: bench_hash(self.salt, tag), dest });
+                gets.push(GetBlock {
+                    hash: bench_hash(self.salt, tag),
+                    dest: BlockBytesMut::new(dest),
+                });
             }
             self.backend.get(&mut gets, &mut outcomes);
             hits += outcomes.iter().filter(|outcome| outcome.is_ok()).count();
