@@ -72,12 +72,17 @@ unsafe impl bytemuck::Zeroable for Doorbell {}
 #[cfg(not(loom))]
 unsafe impl crate::shm::SharedArea for Doorbell {}
 
+/// The longest single sleep on the futex; longer sleep slices are cut to it (the waiter checks its
+/// condition and sleeps again). Far below what the kernel accepts, far above any useful slice.
+pub const MAX_SLEEP: Duration = Duration::from_secs(3600);
+
 /// How a waiter waits: how long it spins, how long one sleep lasts, when it gives up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WaitPolicy {
     /// Checks of the condition before the first sleep.
     pub spin: u32,
-    /// The longest single sleep; the condition is re-checked after each.
+    /// The longest single sleep; the condition is re-checked after each. Any value is accepted;
+    /// one sleep lasts at most [`MAX_SLEEP`].
     pub sleep_slice: Duration,
     /// When to give up with [`WaitOutcome::TimedOut`]; `None` waits until ready.
     pub deadline: Option<Instant>,
@@ -263,6 +268,32 @@ mod tests {
             WaitOutcome::Ready,
             "a wait with such a deadline still ends when its condition holds"
         );
+    }
+
+    #[test]
+    fn a_sleep_slice_too_long_for_the_kernel_is_a_long_sleep_not_a_panic() {
+        let doorbell = Arc::new(Doorbell::new());
+        let published = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let (doorbell, published) = (doorbell.clone(), published.clone());
+            // No deadline: every sleep asks the kernel for the whole slice.
+            thread::spawn(move || {
+                // SYNC: pairs with the Release store of `published` below.
+                doorbell.wait_until(
+                    || published.load(Ordering::Acquire),
+                    WaitPolicy::new(0, Duration::MAX),
+                )
+            })
+        };
+        while doorbell.sleepers() == 0 && !waiter.is_finished() {
+            thread::yield_now();
+        }
+        // Let the waiter reach the futex itself, not only the registration before it.
+        thread::sleep(Duration::from_millis(20));
+        // SYNC: pairs with the Acquire load of `published` in the waiter's condition.
+        published.store(true, Ordering::Release);
+        doorbell.ring();
+        assert_eq!(waiter.join().expect("the waiter does not panic"), WaitOutcome::Ready);
     }
 
     #[test]

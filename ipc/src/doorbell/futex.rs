@@ -46,10 +46,14 @@ mod real {
 
         /// Sleeps unless the word differs from `expected`, until woken, the timeout passes or a
         /// signal arrives; the caller re-checks its condition in every case.
+        ///
+        /// The timeout is clamped to [`MAX_SLEEP`](crate::doorbell::MAX_SLEEP): the kernel
+        /// refuses a `timespec` whose seconds do not fit an `i64` (`Duration::MAX` would become
+        /// -1 seconds, `EINVAL`, which linux-futex turns into a panic).
         pub(in crate::doorbell) fn sleep(&self, expected: u32, timeout: Duration) {
             // Every outcome (woken, value changed, timed out, interrupted) sends the caller back
             // to its checks, so the error carries nothing it needs.
-            let _ = self.0.wait_for(expected, timeout);
+            let _ = self.0.wait_for(expected, timeout.min(crate::doorbell::MAX_SLEEP));
         }
 
         pub(in crate::doorbell) fn wake_all(&self) {

@@ -5,7 +5,8 @@
 //! cover what the caller asks for. Popping a batch:
 //!
 //! 1. if the cached tail covers fewer records than asked, load the tail (Acquire) and check that
-//!    `tail - head` lies in `0..=capacity` and that the tail did not move backwards;
+//!    `tail - head` lies in `0..=capacity` and that the tail did not move backwards (all index
+//!    arithmetic wraps: see the ring module's index rule);
 //! 2. copy up to `max` published records out of their slots;
 //! 3. store the new head once (Release), handing all those slots back to the producer.
 //!
@@ -58,7 +59,7 @@ impl<T: Pod> Consumer<T> {
         let head = view.header().head.value.load(Ordering::Relaxed);
         // SYNC: pairs with the Release store of tail in Producer::push_all().
         let tail = view.header().tail.value.load(Ordering::Acquire);
-        view.occupancy(head, tail)?;
+        view.occupancy_at_attach(head, tail)?;
         Ok(Self { view, head, cached_tail: tail })
     }
 
@@ -108,7 +109,7 @@ impl<T: Pod> Consumer<T> {
     /// [`RingError::Corrupt`] if the tail in shared memory makes no sense; nothing was appended.
     pub fn pop_into(&mut self, out: &mut Vec<T>, max: usize) -> Result<usize, RingError> {
         let wanted = max as u64;
-        let mut available = self.cached_tail - self.head;
+        let mut available = self.cached_available();
         if available < wanted {
             available = self.refresh_tail()?;
         }
@@ -117,14 +118,20 @@ impl<T: Pod> Consumer<T> {
             return Ok(0);
         }
         out.reserve(count as usize);
-        out.extend((self.head..self.head + count).map(|index| self.read(index)));
+        let head = self.head;
+        out.extend((0..count).map(|offset| self.read(head.wrapping_add(offset))));
         self.release(count);
         Ok(count as usize)
     }
 
-    /// Copies record `index` out of its slot; `index` is in `head..cached_tail`.
+    /// Published records not yet popped, as of the cached tail (at most the capacity).
+    fn cached_available(&self) -> u64 {
+        self.cached_tail.wrapping_sub(self.head)
+    }
+
+    /// Copies record `index` out of its slot; `index` is in `head..cached_tail` (modulo 2^64).
     fn read(&self, index: u64) -> T {
-        debug_assert!(index >= self.head && index < self.cached_tail);
+        debug_assert!(index.wrapping_sub(self.head) < self.cached_available());
         self.view.slot(index).with(|slot| {
             // SAFETY: 1. in bounds and aligned (RingView::slot); 2. no data race: the producer
             // published this slot (index < cached_tail, loaded with Acquire) and writes it again
@@ -139,7 +146,7 @@ impl<T: Pod> Consumer<T> {
 
     /// Hands `count` read slots back to the producer.
     fn release(&mut self, count: u64) {
-        self.head += count;
+        self.head = self.head.wrapping_add(count);
         // SYNC: pairs with the Acquire load of head in Producer::refresh_head(), which may then
         // overwrite the slots read before this store.
         self.view.header().head.value.store(self.head, Ordering::Release);
@@ -151,12 +158,9 @@ impl<T: Pod> Consumer<T> {
         // tail is written.
         let tail = self.view.header().tail.value.load(Ordering::Acquire);
         let available = self.view.occupancy(self.head, tail)?;
-        if tail < self.cached_tail {
-            return Err(RingError::Corrupt {
-                head: self.head,
-                tail,
-                capacity: self.view.capacity(),
-            });
+        // The tail may only move forwards: `available` counts from the same head as the cache.
+        if available < self.cached_available() {
+            return Err(self.view.corrupt(self.head, tail));
         }
         self.cached_tail = tail;
         Ok(available)

@@ -295,12 +295,27 @@ impl<T: Pod> RingView<T> {
         self.capacity
     }
 
-    /// Records between `head` and `tail`, or `Corrupt` if that is not in `0..=capacity`.
+    /// Records between `head` and `tail` counted modulo 2^64 (see [`super`]'s index rule), or
+    /// `Corrupt` if that is not in `0..=capacity`.
     pub(crate) fn occupancy(&self, head: u64, tail: u64) -> Result<u64, RingError> {
         let used = tail.wrapping_sub(head);
         if used > self.capacity {
-            return Err(RingError::Corrupt { head, tail, capacity: self.capacity });
+            return Err(self.corrupt(head, tail));
         }
         Ok(used)
+    }
+
+    /// As [`occupancy`](Self::occupancy), for indices found at attach: these must also satisfy
+    /// `head <= tail` as plain integers. Indices that hold only modulo 2^64 would mean the ring has
+    /// carried 2^64 records (centuries at any rate a ring sustains): the peer scribbled them.
+    pub(crate) fn occupancy_at_attach(&self, head: u64, tail: u64) -> Result<u64, RingError> {
+        if head > tail {
+            return Err(self.corrupt(head, tail));
+        }
+        self.occupancy(head, tail)
+    }
+
+    pub(crate) fn corrupt(&self, head: u64, tail: u64) -> RingError {
+        RingError::Corrupt { head, tail, capacity: self.capacity }
     }
 }

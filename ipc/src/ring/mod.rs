@@ -18,6 +18,17 @@
 //! 4. the consumer loads the tail (Acquire), checks it, copies the slot out and stores `head + 1`
 //!    (Release), which lets the producer reuse the slot after its next Acquire load of the head.
 //!
+//! # Index arithmetic
+//!
+//! The indices count modulo 2^64: every addition and subtraction of indices wraps, on both sides,
+//! so that no value the peer writes can make an index computation overflow (a panic in debug
+//! builds, and in release a count of records that differs from the slots released). A ring holds
+//! `tail - head` records (wrapping), which must lie in `0..=capacity`; a side only ever moves its
+//! view of the peer's index forwards, within that window. At attach, where there is no earlier
+//! view to compare with, the indices must also satisfy `head <= tail` as plain integers: a ring
+//! never really carries 2^64 records, so indices that make sense only modulo 2^64 are a scribble
+//! and the attach fails with [`RingError::Corrupt`].
+//!
 //! Waiting for records or for room is not the ring's business: pair it with a
 //! [`Doorbell`](crate::doorbell::Doorbell).
 

@@ -9,8 +9,8 @@
 //! 3. copy every record into its slot;
 //! 4. store the new tail once (Release): the consumer sees the whole batch or none of it.
 //!
-//! A head read from shared memory that does not make sense (behind the cached one, or more than a
-//! capacity behind the tail) is ignored: the producer keeps its older, smaller view of the free
+//! All index arithmetic wraps (see the ring module's index rule). A head read from shared memory
+//! that does not make sense (behind the cached one, or ahead of the tail) is ignored: the producer keeps its older, smaller view of the free
 //! space, so it never overwrites a slot the consumer has not released, and reports the fault
 //! through [`Producer::consumer_fault`].
 
@@ -63,7 +63,7 @@ impl<T: Pod> Producer<T> {
         let tail = view.header().tail.value.load(Ordering::Relaxed);
         // SYNC: pairs with the Release store of head in Consumer::release().
         let head = view.header().head.value.load(Ordering::Acquire);
-        view.occupancy(head, tail)?;
+        view.occupancy_at_attach(head, tail)?;
         Ok(Self { view, tail, cached_head: head, fault: None })
     }
 
@@ -101,8 +101,8 @@ impl<T: Pod> Producer<T> {
                 return Err(RingFull);
             }
         }
-        for (offset, record) in (self.tail..).zip(records) {
-            self.view.slot(offset).with_mut(|slot| {
+        for (offset, record) in (0u64..).zip(records) {
+            self.view.slot(self.tail.wrapping_add(offset)).with_mut(|slot| {
                 // SAFETY: 1. in bounds and aligned (RingView::slot); 2. no data race: the slot
                 // lies between tail and head + capacity, so the consumer has released it and
                 // reads it only after the tail store below publishes it (trusted peer: a
@@ -111,7 +111,7 @@ impl<T: Pod> Producer<T> {
                 unsafe { slot.write_volatile(*record) }
             });
         }
-        self.tail += count;
+        self.tail = self.tail.wrapping_add(count);
         // SYNC: pairs with the Acquire load of tail in Consumer::refresh_tail(), which then sees
         // every slot written above.
         self.view.header().tail.value.store(self.tail, Ordering::Release);
@@ -124,23 +124,20 @@ impl<T: Pod> Producer<T> {
     }
 
     fn cached_free(&self) -> u64 {
-        self.view.capacity() - (self.tail - self.cached_head)
+        self.view.capacity() - self.tail.wrapping_sub(self.cached_head)
     }
 
     fn refresh_head(&mut self) {
         // SYNC: pairs with the Release store of head in Consumer::release(): slots below the head
         // have been read and may be overwritten.
         let head = self.view.header().head.value.load(Ordering::Acquire);
-        match self.view.occupancy(head, self.tail) {
-            Ok(_) if head >= self.cached_head => self.cached_head = head,
-            Ok(_) => {
-                self.fault = Some(RingError::Corrupt {
-                    head,
-                    tail: self.tail,
-                    capacity: self.view.capacity(),
-                })
-            }
-            Err(fault) => self.fault = Some(fault),
+        // The head may only move forwards, and not past the tail: it must lie in
+        // `cached_head..=tail` (modulo 2^64), which also keeps `tail - head <= capacity`.
+        let released = head.wrapping_sub(self.cached_head);
+        if released <= self.tail.wrapping_sub(self.cached_head) {
+            self.cached_head = head;
+        } else {
+            self.fault = Some(self.view.corrupt(head, self.tail));
         }
     }
 }

@@ -375,3 +375,62 @@ fn sides_move_to_other_threads() {
     };
     assert_eq!(expected, total);
 }
+
+#[test]
+fn attach_rejects_indices_that_make_sense_only_modulo_2_to_the_64() {
+    // tail - head wraps to 3: a ring would have to carry 2^64 records to get here.
+    let (memory, base) = initialised_ring::<u64>(4);
+    scribble(base, TAIL_OFFSET, 1);
+    scribble(base, HEAD_OFFSET, u64::MAX - 1);
+    let expected = RingError::Corrupt { head: u64::MAX - 1, tail: 1, capacity: 4 };
+    // SAFETY: owned memory of the given length.
+    let result = unsafe { Consumer::<u64>::attach(base, memory.len()) };
+    assert_eq!(result.err(), Some(expected));
+    // SAFETY: as above.
+    let result = unsafe { Producer::<u64>::attach(base, memory.len()) };
+    assert_eq!(result.err(), Some(expected));
+}
+
+#[test]
+fn records_cross_the_2_to_the_64_wrap_of_the_indices_in_order() {
+    let (memory, base) = initialised_ring::<u64>(4);
+    scribble(base, TAIL_OFFSET, u64::MAX - 2);
+    scribble(base, HEAD_OFFSET, u64::MAX - 2);
+    // SAFETY: owned memory of the given length, one side of each kind.
+    let mut producer = unsafe { Producer::<u64>::attach(base, memory.len()) }.unwrap();
+    // SAFETY: as above.
+    let mut consumer = unsafe { Consumer::<u64>::attach(base, memory.len()) }.unwrap();
+    let mut out = Vec::new();
+    let mut next = 0u64;
+    for round in 0..8u64 {
+        let batch: Vec<u64> = (next..next + 1 + round % 4).collect();
+        producer.push_all(&batch).unwrap();
+        next += batch.len() as u64;
+        assert_eq!(consumer.len().unwrap(), batch.len());
+        assert_eq!(consumer.pop_into(&mut out, 4).unwrap(), batch.len());
+        assert_eq!(producer.free_slots(), 4);
+    }
+    assert_eq!(out, (0..next).collect::<Vec<_>>());
+    assert_eq!(producer.consumer_fault(), None);
+}
+
+#[test]
+fn a_tail_scribbled_across_the_wrap_yields_exactly_the_records_whose_slots_it_releases() {
+    let (memory, base) = initialised_ring::<u64>(4);
+    scribble(base, TAIL_OFFSET, u64::MAX - 1);
+    scribble(base, HEAD_OFFSET, u64::MAX - 1);
+    // SAFETY: owned memory of the given length, one consumer.
+    let mut consumer = unsafe { Consumer::<u64>::attach(base, memory.len()) }.unwrap();
+    // The peer claims three records, counting across the wrap: whatever the slots hold is read,
+    // and exactly as many slots are handed back as records were returned.
+    scribble(base, TAIL_OFFSET, 1);
+    let mut out = Vec::new();
+    assert_eq!(consumer.pop_into(&mut out, 8).unwrap(), 3);
+    assert_eq!(out.len(), 3);
+    // SAFETY: reading a header word of owned memory; no other thread.
+    let head = unsafe { base.add(HEAD_OFFSET).cast::<u64>().read_volatile() };
+    assert_eq!(head, 1);
+    // A tail that then moves back across the wrap is refused.
+    scribble(base, TAIL_OFFSET, u64::MAX);
+    assert_eq!(consumer.len(), Err(RingError::Corrupt { head: 1, tail: u64::MAX, capacity: 4 }));
+}
