@@ -28,6 +28,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 const LAYER_DELAY_ENV: &str = "KVSHM_WORKER_LAYER_DELAY_US";
+const COPY_RATE_ENV: &str = "KVSHM_WORKER_COPY_RATE";
 /// Set in a re-executed copy of this test binary that plays the segment's creator.
 const CREATOR_ENV: &str = "KVSHM_TEST_WORKER_CREATOR";
 /// Generous bound for anything the tests wait for; reaching it is a failure, not a measurement.
@@ -134,6 +135,7 @@ impl WorkerProcess {
             .args(["worker", "--name", name.as_str(), "--rank", &rank.to_string()])
             .args(extra)
             .env_remove(LAYER_DELAY_ENV)
+            .env_remove(COPY_RATE_ENV)
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -440,20 +442,8 @@ fn a_worker_exits_soon_after_the_segment_creator_dies() {
         return;
     }
     let name = unique_name("orphan");
-    let mut creator = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "a_worker_exits_soon_after_the_segment_creator_dies", "--nocapture"])
-        .env(CREATOR_ENV, name.as_str())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + PATIENCE;
-    let segment = loop {
-        match Segment::attach(&name) {
-            Ok(segment) => break segment,
-            Err(error) => assert!(Instant::now() < deadline, "creator never made it: {error}"),
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    let (mut creator, segment) =
+        spawn_creator("a_worker_exits_soon_after_the_segment_creator_dies", &name);
     let mut worker = WorkerProcess::spawn(&name, 0, &[], &[]);
     Rank::new(&segment, 0).wait_alive(&worker);
 
@@ -469,9 +459,77 @@ fn a_worker_exits_soon_after_the_segment_creator_dies() {
 
 /// The creator's role in a re-executed test binary: create the segment, then wait to be killed.
 fn play_creator(name: &str) {
+    play_creator_of(name, &config());
+}
+
+fn play_creator_of(name: &str, config: &SegmentConfig) {
     let name = SegmentName::new(name).unwrap();
-    let _segment = Segment::create(&name, &config()).unwrap();
+    let _segment = Segment::create(&name, config).unwrap();
     std::thread::sleep(PATIENCE * 3);
+}
+
+/// Runs test `test` of this binary again as the creator of segment `name`.
+fn spawn_creator(test: &str, name: &SegmentName) -> (Child, Segment) {
+    let creator = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture"])
+        .env(CREATOR_ENV, name.as_str())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    let segment = loop {
+        match Segment::attach(name) {
+            Ok(segment) => break segment,
+            Err(error) => assert!(Instant::now() < deadline, "creator never made it: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    (creator, segment)
+}
+
+#[test]
+fn a_worker_in_the_middle_of_a_long_copy_exits_once_its_scheduler_dies() {
+    // Blocks of 4 regions of 128 KiB over 2 layers: a copy of 32 blocks moves 16 MiB.
+    let large = SegmentConfig {
+        tp_size: 1,
+        device_blocks: 32,
+        host_blocks: 32,
+        region_bytes: 128 * 1024,
+        ..config()
+    };
+    if let Ok(name) = std::env::var(CREATOR_ENV) {
+        play_creator_of(&name, &large);
+        return;
+    }
+    let name = unique_name("orphan-copy");
+    let (mut creator, segment) =
+        spawn_creator("a_worker_in_the_middle_of_a_long_copy_exits_once_its_scheduler_dies", &name);
+    // At 1 MiB/s the copy runs for 16 s, longer than the test waits for the worker to exit; it
+    // reports progress every 256 KiB, a quarter of a second.
+    let mut worker = WorkerProcess::spawn(&name, 0, &[], &[(COPY_RATE_ENV, "1048576")]);
+    let mut rank = Rank::new(&segment, 0);
+    rank.wait_alive(&worker);
+    let pairs: Vec<(u32, u32)> = (0..32).map(|block| (block, block)).collect();
+    let mut copy = rank.copy(Op::CopyDeviceToHost, &pairs);
+    copy.0 = copy.0.with_flags(FLAG_LAYERWISE);
+    let id = copy.0.command_id;
+    rank.send([&copy]);
+    let progress = segment.layer_progress(0).unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    while progress.layers_done(id).is_none() {
+        assert!(Instant::now() < deadline, "the copy never started");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    creator.kill().unwrap();
+    let killed = Instant::now();
+    let (status, stderr) = worker.wait_exit(PATIENCE);
+    println!("worker exited {:?} after its scheduler was killed mid-copy", killed.elapsed());
+    creator.wait().unwrap();
+    listing::unlink(&name).unwrap();
+    assert!(status.success(), "worker failed: {stderr}");
+    assert!(stderr.contains("scheduler"), "no word about the scheduler: {stderr}");
+    assert_eq!(rank.completions.len().unwrap(), 0, "nobody was left to answer");
 }
 
 #[test]

@@ -261,7 +261,7 @@ fn measure_case(
             anyhow::bail!("the bench only issues copies");
         };
         runs += plan.runs().len();
-        engine.execute(&plan, &mut |_| {})?;
+        engine.execute(&plan, &mut |_| std::ops::ControlFlow::Continue(()))?;
     }
     let seconds = start.elapsed().as_secs_f64();
     let rate = gbps(commands * per_command * block_bytes, seconds);

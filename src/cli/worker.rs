@@ -7,10 +7,15 @@
 //! `--storage disk:DIR` or `--storage redis://…` gives the worker a storage tier below host
 //! (`crate::storage`); the `--storage-*` options tune it.
 //!
-//! Test hooks: the environment variable [`LAYER_DELAY_ENV`] (`KVSHM_WORKER_LAYER_DELAY_US`) makes
-//! the worker sleep that many microseconds after each layer of each copy, so that tests can kill it
-//! in the middle of a copy; [`STORAGE_CRASH_ENV`] (`KVSHM_STORAGE_CRASH=POINT@N`) makes a disk
-//! tier kill its process at a step of its N-th block write. They are meant for tests only.
+//! Test hooks, meant for tests only:
+//! - [`LAYER_DELAY_ENV`] (`KVSHM_WORKER_LAYER_DELAY_US`) makes the worker sleep that many
+//!   microseconds after each layer of each copy (heartbeating meanwhile), so that tests can kill
+//!   it in the middle of a copy;
+//! - [`COPY_RATE_ENV`] (`KVSHM_WORKER_COPY_RATE`) makes the host engine copy at most that many
+//!   bytes per second, sleeping inside the copy itself: a slow copy, as a large copy on a slow or
+//!   busy machine would be;
+//! - [`STORAGE_CRASH_ENV`] (`KVSHM_STORAGE_CRASH=POINT@N`) makes a disk tier kill its process at a
+//!   step of its N-th block write.
 
 use std::time::Duration;
 
@@ -22,17 +27,20 @@ use crate::storage::spec::{StorageNamespace, StorageOptions, StorageSpec};
 use crate::worker::process::{run_worker, BackendChoice, WorkerOptions};
 use crate::worker::run::{ServeExit, ServeOptions, DEFAULT_MAX_BATCH};
 
-/// The test hook's environment variable (module documentation).
+/// The layer-delay test hook's environment variable (module documentation).
 pub const LAYER_DELAY_ENV: &str = "KVSHM_WORKER_LAYER_DELAY_US";
+/// The copy-rate test hook's environment variable (module documentation).
+pub const COPY_RATE_ENV: &str = "KVSHM_WORKER_COPY_RATE";
 /// The disk tier's crash hook (module documentation).
 pub const STORAGE_CRASH_ENV: &str = "KVSHM_STORAGE_CRASH";
 /// The most Redis connections one worker may open.
 const MAX_CONNECTIONS: usize = 256;
 
 #[derive(Debug, clap::Args)]
-#[command(after_help = "Test hook: KVSHM_WORKER_LAYER_DELAY_US=N sleeps N microseconds after \
-    each layer of each copy, so that a test can kill the worker in the middle of a copy. Not for \
-    production use.")]
+#[command(after_help = "Test hooks, not for production use: KVSHM_WORKER_LAYER_DELAY_US=N \
+    sleeps N microseconds after each layer of each copy, so that a test can kill the worker in the \
+    middle of a copy; KVSHM_WORKER_COPY_RATE=N makes the host engine copy at most N bytes per \
+    second, so that a test can make one copy as slow as it likes.")]
 pub struct Args {
     /// Name of the segment to attach to (as given to the scheduler).
     #[arg(long)]
@@ -96,7 +104,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         device: args.device,
         attach_timeout: checks::seconds(args.attach_timeout, "--attach-timeout")?,
         handles_timeout: checks::seconds(args.handles_timeout, "--handles-timeout")?,
-        serve: ServeOptions { max_batch: DEFAULT_MAX_BATCH, layer_delay: layer_delay()? },
+        serve: ServeOptions {
+            max_batch: DEFAULT_MAX_BATCH,
+            layer_delay: layer_delay()?,
+            copy_rate_limit: copy_rate_limit()?,
+        },
         storage: storage_options(&args)?,
     };
     let rank = args.rank;
@@ -138,14 +150,23 @@ fn storage_options(args: &Args) -> anyhow::Result<Option<StorageOptions>> {
 }
 
 fn layer_delay() -> anyhow::Result<Option<Duration>> {
-    match std::env::var(LAYER_DELAY_ENV) {
+    Ok(whole_number_env(LAYER_DELAY_ENV, "microseconds")?.map(Duration::from_micros))
+}
+
+fn copy_rate_limit() -> anyhow::Result<Option<u64>> {
+    whole_number_env(COPY_RATE_ENV, "bytes per second")
+}
+
+/// The positive whole number in environment variable `name`; `None` when unset or 0.
+fn whole_number_env(name: &str, unit: &str) -> anyhow::Result<Option<u64>> {
+    match std::env::var(name) {
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(error) => Err(error).context(LAYER_DELAY_ENV),
+        Err(error) => Err(error).context(name.to_owned()),
         Ok(text) => {
-            let micros: u64 = text.trim().parse().with_context(|| {
-                format!("{LAYER_DELAY_ENV} must be a whole number of microseconds, not {text:?}")
+            let value: u64 = text.trim().parse().with_context(|| {
+                format!("{name} must be a whole number of {unit}, not {text:?}")
             })?;
-            Ok((micros > 0).then(|| Duration::from_micros(micros)))
+            Ok((value > 0).then_some(value))
         }
     }
 }

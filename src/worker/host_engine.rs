@@ -11,6 +11,9 @@
 //!    piece's whole extent against both areas (checked arithmetic), then copies it: one copy when
 //!    the rows are contiguous on both sides, else one per row, with non-temporal stores
 //!    ([`super::stream_copy`]); a store fence ends every layer before its progress is reported.
+//! 3. Whatever the size of a piece, the engine reports [`CopyProgress::Bytes`] after every
+//!    [`COPY_CHUNK_BYTES`] it copies (a long row is cut into chunks, short rows are grouped), so
+//!    that the worker heartbeats from inside the copy (a 128 MiB layer is 512 reports).
 //!
 //! # Concurrent access
 //!
@@ -23,9 +26,13 @@
 //! from data races on the block bytes is therefore a trusted-peer premise (the scheduler and the
 //! engine keep the protocol); the copies stay at memcpy speed instead of paying for atomic words.
 
+use std::ops::ControlFlow;
 use std::ptr::NonNull;
+use std::time::Duration;
 
-use super::engine::{check_extent, CopyEngine, CopyFailure};
+use super::engine::{
+    check_extent, report, CopyEngine, CopyFailure, CopyProgress, COPY_CHUNK_BYTES,
+};
 use super::geometry::Geometry;
 use super::layout::{DeviceLayout, HostLayout};
 use super::plan::{CopyPlan, Direction, StridedCopy};
@@ -87,6 +94,8 @@ pub struct HostCopyEngine {
     host_layout: HostLayout,
     device: MappedArea,
     host: MappedArea,
+    /// Test hook: copy at most this many bytes per second.
+    rate_limit: Option<u64>,
 }
 
 impl HostCopyEngine {
@@ -108,11 +117,24 @@ impl HostCopyEngine {
         if device.overlaps(&host) {
             return Err(HostEngineError::AreasOverlap);
         }
-        Ok(HostCopyEngine { geometry, device_layout, host_layout, device, host })
+        Ok(HostCopyEngine { geometry, device_layout, host_layout, device, host, rate_limit: None })
     }
 
-    /// Copies one piece after checking its full extent on both sides.
-    fn copy_piece(&self, direction: Direction, piece: StridedCopy) -> Result<(), CopyFailure> {
+    /// Test hook: the engine copies at most `bytes_per_second` (it sleeps after each chunk, inside
+    /// the copy), so that a test can make one layer of a copy take as long as it likes.
+    pub fn with_rate_limit(mut self, bytes_per_second: Option<u64>) -> HostCopyEngine {
+        self.rate_limit = bytes_per_second.filter(|&rate| rate > 0);
+        self
+    }
+
+    /// Copies one piece after checking its full extent on both sides, in chunks of at most
+    /// [`COPY_CHUNK_BYTES`] counted by `meter` (a long row is cut, short rows are grouped).
+    fn copy_piece(
+        &self,
+        direction: Direction,
+        piece: StridedCopy,
+        meter: &mut ChunkMeter<'_>,
+    ) -> Result<(), CopyFailure> {
         check_extent(piece.device_end(), self.device.len as u64, "device")?;
         check_extent(piece.host_end(), self.host.len as u64, "host")?;
         // Both extents are inside areas of at most usize::MAX bytes, so every offset, pitch and
@@ -124,28 +146,71 @@ impl HostCopyEngine {
             (piece.rows as usize, width)
         };
         for row in 0..rows {
-            let device_at = piece.device_offset as usize + row * piece.device_pitch as usize;
-            let host_at = piece.host_offset as usize + row * piece.host_pitch as usize;
-            // SAFETY:
-            // 1. `device_at + row_len <= device.len` and `host_at + row_len <= host.len`: row `row`
-            //    ends at or before the piece's end, which `check_extent` compared with each area.
-            // 2. Both areas are mapped, readable and writable for the engine's lifetime
-            //    (`MappedArea::new`'s contract).
-            // 3. Source and destination lie in different areas, which `new` checked do not overlap.
-            // 4. No data race: no one else accesses these bytes during the copy, by the
-            //    block-ownership protocol (module documentation). That is a trusted-peer
-            //    premise: the scheduler and the engine are other processes that keep it, and one
-            //    that breaks it races this copy.
-            unsafe {
-                let device = self.device.as_ptr().add(device_at);
-                let host = self.host.as_ptr().add(host_at);
-                match direction {
-                    Direction::DeviceToHost => copy_rows_streaming(device, host, row_len),
-                    Direction::HostToDevice => copy_rows_streaming(host, device, row_len),
+            let device_row = piece.device_offset as usize + row * piece.device_pitch as usize;
+            let host_row = piece.host_offset as usize + row * piece.host_pitch as usize;
+            let mut done = 0;
+            while done < row_len {
+                let len = (row_len - done).min(meter.room());
+                // SAFETY:
+                // 1. `device_row + row_len <= device.len` and `host_row + row_len <= host.len`:
+                //    row `row` ends at or before the piece's end, which `check_extent` compared
+                //    with each area; `done + len <= row_len`.
+                // 2. Both areas are mapped, readable and writable for the engine's lifetime
+                //    (`MappedArea::new`'s contract).
+                // 3. Source and destination lie in different areas, which `new` checked do not
+                //    overlap.
+                // 4. No data race: no one else accesses these bytes during the copy, by the
+                //    block-ownership protocol (module documentation). That is a trusted-peer
+                //    premise: the scheduler and the engine are other processes that keep it, and
+                //    one that breaks it races this copy.
+                unsafe {
+                    let device = self.device.as_ptr().add(device_row + done);
+                    let host = self.host.as_ptr().add(host_row + done);
+                    match direction {
+                        Direction::DeviceToHost => copy_rows_streaming(device, host, len),
+                        Direction::HostToDevice => copy_rows_streaming(host, device, len),
+                    }
                 }
+                done += len;
+                meter.copied(len as u64)?;
             }
         }
         Ok(())
+    }
+}
+
+/// Counts the bytes copied since the last [`CopyProgress::Bytes`] report and reports every
+/// [`COPY_CHUNK_BYTES`]; the rate-limit test hook sleeps here, inside the copy.
+struct ChunkMeter<'p> {
+    progress: &'p mut dyn FnMut(CopyProgress) -> ControlFlow<()>,
+    since_report: u64,
+    rate_limit: Option<u64>,
+}
+
+impl ChunkMeter<'_> {
+    /// The most bytes that may be copied before the next report (at least 1).
+    fn room(&self) -> usize {
+        (COPY_CHUNK_BYTES - self.since_report) as usize
+    }
+
+    fn copied(&mut self, bytes: u64) -> Result<(), CopyFailure> {
+        self.since_report += bytes;
+        if self.since_report >= COPY_CHUNK_BYTES {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Reports the bytes copied since the last report, if any.
+    fn flush(&mut self) -> Result<(), CopyFailure> {
+        let bytes = std::mem::take(&mut self.since_report);
+        if bytes == 0 {
+            return Ok(());
+        }
+        if let Some(rate) = self.rate_limit {
+            std::thread::sleep(Duration::from_secs_f64(bytes as f64 / rate as f64));
+        }
+        report(self.progress, CopyProgress::Bytes(bytes))
     }
 }
 
@@ -157,21 +222,23 @@ impl CopyEngine for HostCopyEngine {
     fn execute(
         &mut self,
         plan: &CopyPlan,
-        progress: &mut dyn FnMut(u32),
+        progress: &mut dyn FnMut(CopyProgress) -> ControlFlow<()>,
     ) -> Result<(), CopyFailure> {
+        let mut meter = ChunkMeter { progress, since_report: 0, rate_limit: self.rate_limit };
         for layer in 0..self.geometry.layers() {
-            let result = plan.for_each_piece_of_layer(
+            let result: Result<(), CopyFailure> = plan.for_each_piece_of_layer(
                 layer,
                 &self.geometry,
                 &self.device_layout,
                 &self.host_layout,
-                |piece| self.copy_piece(plan.direction(), piece),
+                |piece| self.copy_piece(plan.direction(), piece, &mut meter),
             );
             // The layer's streaming stores must be visible before its progress is published, and
-            // a failed plan's before the failure: a fence in both cases.
+            // a failed or stopped plan's before the failure: a fence in every case.
             store_fence();
             result?;
-            progress(layer + 1);
+            meter.flush()?;
+            report(meter.progress, CopyProgress::Layers(layer + 1))?;
         }
         Ok(())
     }
@@ -271,7 +338,12 @@ mod tests {
         let mut layers_done = Vec::new();
         tiers
             .engine(geometry)
-            .execute(&plan(Direction::DeviceToHost, &pairs), &mut |done| layers_done.push(done))
+            .execute(&plan(Direction::DeviceToHost, &pairs), &mut |report| {
+                if let CopyProgress::Layers(done) = report {
+                    layers_done.push(done);
+                }
+                ControlFlow::Continue(())
+            })
             .unwrap();
         assert_eq!(layers_done, vec![1, 2, 3]);
         for host_block in 0..geometry.host_blocks() {
@@ -301,7 +373,7 @@ mod tests {
         let pairs = [(11, 7), (4, 0), (5, 1), (9, 4), (0, 5)];
         tiers
             .engine(geometry)
-            .execute(&plan(Direction::HostToDevice, &pairs), &mut |_| {})
+            .execute(&plan(Direction::HostToDevice, &pairs), &mut |_| ControlFlow::Continue(()))
             .unwrap();
         for device_block in 0..geometry.device_blocks() {
             let source = pairs.iter().find(|pair| pair.1 == device_block).map(|pair| pair.0);
@@ -322,7 +394,9 @@ mod tests {
         let mut tiers = Tiers::new(&geometry);
         tiers
             .engine(geometry)
-            .execute(&plan(Direction::DeviceToHost, &[(2, 6), (3, 7), (4, 8)]), &mut |_| {})
+            .execute(&plan(Direction::DeviceToHost, &[(2, 6), (3, 7), (4, 8)]), &mut |_| {
+                ControlFlow::Continue(())
+            })
             .unwrap();
         for (device_block, host_block) in [(2, 6), (3, 7), (4, 8)] {
             assert_eq!(tiers.host_region(&geometry, host_block, 0), expected(1, device_block, 0));
@@ -352,8 +426,14 @@ mod tests {
             )
         };
         let mut engine = HostCopyEngine::new(geometry, areas.0, areas.1).unwrap();
-        engine.execute(&plan(Direction::DeviceToHost, &[(4, 0), (1, 3)]), &mut |_| {}).unwrap();
-        engine.execute(&plan(Direction::HostToDevice, &[(3, 2)]), &mut |_| {}).unwrap();
+        engine
+            .execute(&plan(Direction::DeviceToHost, &[(4, 0), (1, 3)]), &mut |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+        engine
+            .execute(&plan(Direction::HostToDevice, &[(3, 2)]), &mut |_| ControlFlow::Continue(()))
+            .unwrap();
         drop(engine);
         // Device region r of block b starts at (r * 5 + b) * region; host block h at h * block.
         let device_row = |r: usize, b: usize| (r * 5 + b) * region;
@@ -375,7 +455,7 @@ mod tests {
         let mut tiers = Tiers::new(&geometry);
         let failure = tiers
             .engine(geometry)
-            .execute(&plan(Direction::HostToDevice, &[(0, 8)]), &mut |_| {})
+            .execute(&plan(Direction::HostToDevice, &[(0, 8)]), &mut |_| ControlFlow::Continue(()))
             .unwrap_err();
         assert_eq!(
             failure,
@@ -413,5 +493,93 @@ mod tests {
         );
         // SAFETY: a null base is refused before anything is described.
         assert!(unsafe { MappedArea::new(std::ptr::null_mut(), 1) }.is_none());
+    }
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+    use crate::worker::geometry::GeometryParams;
+    use kvshm_ipc::record::BlockPair;
+
+    /// One layer, one region of 1 MiB + 100 bytes: a run of 3 blocks is one contiguous piece of
+    /// over 3 MiB on the packed arena.
+    fn geometry() -> Geometry {
+        Geometry::new(GeometryParams {
+            layers: 1,
+            regions: 1,
+            region_bytes: 1024 * 1024 + 100,
+            device_blocks: 4,
+            host_blocks: 4,
+        })
+        .unwrap()
+    }
+
+    fn buffers(geometry: &Geometry) -> (Vec<u8>, Vec<u8>) {
+        let device = (0..DeviceLayout::packed(geometry).end()).map(|i| (i % 251) as u8).collect();
+        (device, vec![0u8; HostLayout::new(geometry).len() as usize])
+    }
+
+    fn engine(device: &mut [u8], host: &mut [u8]) -> HostCopyEngine {
+        // SAFETY: both buffers outlive the engine (dropped at the end of each test, first) and
+        // nothing else touches them.
+        let (device, host) = unsafe {
+            (
+                MappedArea::new(device.as_mut_ptr(), device.len()).unwrap(),
+                MappedArea::new(host.as_mut_ptr(), host.len()).unwrap(),
+            )
+        };
+        HostCopyEngine::new(geometry(), device, host).unwrap()
+    }
+
+    fn plan() -> CopyPlan {
+        let mut pairs: Vec<BlockPair> = (0..3).map(|b| BlockPair::new(b, b)).collect();
+        CopyPlan::coalesce(Direction::DeviceToHost, &mut pairs).unwrap()
+    }
+
+    #[test]
+    fn a_piece_larger_than_a_chunk_is_reported_chunk_by_chunk() {
+        let geometry = geometry();
+        let (mut device, mut host) = buffers(&geometry);
+        let mut reports = Vec::new();
+        engine(&mut device, &mut host)
+            .execute(&plan(), &mut |report| {
+                reports.push(report);
+                ControlFlow::Continue(())
+            })
+            .unwrap();
+        let piece = 3 * geometry.region_bytes();
+        let chunks: Vec<u64> = reports
+            .iter()
+            .filter_map(|report| match *report {
+                CopyProgress::Bytes(bytes) => Some(bytes),
+                CopyProgress::Layers(_) => None,
+            })
+            .collect();
+        assert!(chunks.iter().all(|&bytes| bytes <= COPY_CHUNK_BYTES), "{chunks:?}");
+        assert_eq!(chunks.iter().sum::<u64>(), piece);
+        assert_eq!(chunks.len() as u64, piece.div_ceil(COPY_CHUNK_BYTES));
+        assert_eq!(reports.last(), Some(&CopyProgress::Layers(1)));
+        assert_eq!(host[..piece as usize], device[..piece as usize]);
+    }
+
+    #[test]
+    fn a_break_stops_the_copy_at_the_next_chunk() {
+        let geometry = geometry();
+        let (mut device, mut host) = buffers(&geometry);
+        let mut reports = 0;
+        let result = engine(&mut device, &mut host).execute(&plan(), &mut |_| {
+            reports += 1;
+            if reports == 2 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        assert_eq!(result, Err(CopyFailure::Stopped));
+        assert_eq!(reports, 2);
+        let copied = 2 * COPY_CHUNK_BYTES as usize;
+        assert_eq!(host[..copied], device[..copied]);
+        assert!(host[copied..].iter().all(|&byte| byte == 0), "nothing copied after the break");
     }
 }

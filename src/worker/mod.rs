@@ -9,6 +9,7 @@
 //! - [`plan`]: coalescing pairs into runs and runs into strided pieces, layer by layer.
 //! - [`engine`]: the [`CopyEngine`] trait and [`CopyFailure`].
 //! - [`host_engine`]: memcpy between two shared-memory mappings (the host backend).
+//! - [`prefault`]: mapping the host backend's tiers in before the first copy.
 //! - [`stream_copy`]: row copies with non-temporal stores, and the fence that publishes them.
 //! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions.
 //! - [`command_reader`]: whole commands out of the command ring, across batch boundaries.
@@ -33,6 +34,7 @@ pub mod geometry;
 pub mod host_engine;
 pub mod layout;
 pub mod plan;
+pub mod prefault;
 pub mod process;
 pub mod run;
 pub mod storage_command;

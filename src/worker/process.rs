@@ -12,7 +12,8 @@
 //!    held by a dead worker the scheduler has not reclaimed yet; a rank held by a live worker, a
 //!    stale or broken segment, or a rank out of range fail at once;
 //! 3. build the engine of the segment's backend: host backend: open the rank's device arena and
-//!    host tier and lay a [`HostCopyEngine`] over them; CUDA backend (feature `cuda`): wait,
+//!    host tier, map their pages in ([`prefault`], heartbeating) so that no copy runs over cold
+//!    mappings, and lay a [`HostCopyEngine`] over them; CUDA backend (feature `cuda`): wait,
 //!    heartbeating, until the engine published the rank's device handles, then open them with the
 //!    host tier registered for DMA (a helper thread heartbeats while the driver sets up);
 //! 4. with `--storage`, open the rank's storage back-end and start its storage thread
@@ -36,6 +37,7 @@ use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal
 use super::engine::CopyEngine;
 use super::geometry::{Geometry, GeometryError, GeometryParams};
 use super::host_engine::{HostCopyEngine, HostEngineError, MappedArea};
+use super::prefault::{self, Populated};
 use super::run::{ServeError, ServeExit, ServeOptions, Server, ServerSetupError};
 use super::storage_lane::{open_backend, HostTier, LaneContext, StorageLane, StorageStartError};
 use crate::storage::spec::StorageOptions;
@@ -360,7 +362,11 @@ impl RankEngine {
                 let device_area = unsafe { MappedArea::new(device.data_ptr(), device.data_len()) }
                     .expect("a mapped arena has a non-null base");
                 let host_area = tier_area(host_tier.as_ref());
-                let engine = HostCopyEngine::new(geometry, device_area, host_area)?;
+                for (tier, area) in [("device", device_area), ("host", host_area)] {
+                    prefault_tier(tier, area, claim)?;
+                }
+                let engine = HostCopyEngine::new(geometry, device_area, host_area)?
+                    .with_rate_limit(options.serve.copy_rate_limit);
                 let arenas = [Some(device), host_tier].into_iter().flatten().collect();
                 Ok(RankEngine { engine: Box::new(engine), backend, host_area, _arenas: arenas })
             }
@@ -376,6 +382,28 @@ impl RankEngine {
             }
         }
     }
+}
+
+/// Maps `area`'s pages in before the first copy ([`prefault`]); a kernel that refuses only costs
+/// speed, and says so in the log.
+fn prefault_tier(tier: &'static str, area: MappedArea, claim: &RankClaim) -> Result<(), ClaimLost> {
+    let started = Instant::now();
+    match prefault::populate(area, || claim.heartbeat())? {
+        Populated::All => tracing::debug!(
+            tier,
+            bytes = area.len(),
+            took = ?started.elapsed(),
+            "tier mapped in before the first copy"
+        ),
+        Populated::Partly { bytes, errno } => tracing::warn!(
+            tier,
+            bytes,
+            of = area.len(),
+            error = %std::io::Error::from_raw_os_error(errno),
+            "the kernel would not map the tier in ahead of time; the first copies will be slower"
+        ),
+    }
+    Ok(())
 }
 
 fn open_arena(segment: &Segment, kind: ArenaKind, rank: u32) -> Result<Arena, StartError> {

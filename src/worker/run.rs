@@ -9,16 +9,24 @@
 //!
 //! 1. heartbeat the claim (a lost claim ends the loop: the scheduler reclaimed the rank); if a stop
 //!    was requested (SIGTERM, SIGINT) or, checked every [`LIVENESS_CHECK_INTERVAL`], the segment's
-//!    creator is gone, end cleanly. These are checked between batches only, so every command
+//!    creator is gone, end cleanly. A stop is honoured between batches only, so every command
 //!    popped from the ring has been answered when the loop ends and a successor worker can take
 //!    over the rings where this one left them;
 //! 2. pop a batch of command slots ([`CommandReader`]); if there is none, sleep on the rank's
-//!    command doorbell for one [`IDLE_SLICE`] (after a short spin) and start over;
+//!    command doorbell for at most one [`IDLE_SLICE`] (after a short spin) and start over. The
+//!    sleep ends as soon as commands arrive, the scheduler closes the segment (it rings every
+//!    command doorbell after marking the segment closed) or a stop signal arrives (it interrupts
+//!    the futex wait; the flag is part of the wait's condition);
 //! 3. for each command of the batch, in order: heartbeat, validate it against the segment's
-//!    current generation, and execute it. A copy runs layer by layer: after each layer the worker
-//!    publishes layer progress (`FLAG_LAYERWISE` commands), heartbeats, and sleeps the test delay
-//!    if one is configured. FLUSH and PING complete at once: commands run in order, so when a
-//!    FLUSH is reached every earlier command of the rank has completed;
+//!    current generation, and execute it. While a copy runs, the engine reports its progress at
+//!    least every [`COPY_CHUNK_BYTES`](super::engine::COPY_CHUNK_BYTES) it moves and after each
+//!    layer ([`CopyWatch`]): on every report the worker heartbeats, so its liveness does not depend
+//!    on the size of a copy, and at most every [`LIVENESS_CHECK_INTERVAL`] it checks that the
+//!    scheduler still runs; once it does not, the copy is abandoned and the loop ends (nobody will
+//!    read the answer). After each layer the worker also publishes layer progress
+//!    (`FLAG_LAYERWISE` commands) and sleeps the layer-delay test hook if one is configured. FLUSH
+//!    and PING complete at once: commands run in order, so when a FLUSH is reached every earlier
+//!    command of the rank has completed;
 //! 4. publish the completions (push them, ring the scheduler doorbell) after every copy, so that
 //!    a copy's completion never waits behind the next copy, and at the end of the batch.
 //!
@@ -35,19 +43,22 @@
 //! The loop stops with an error when the command ring is out of step with its producer (a header
 //! whose pair slots are not in the ring is answered `Malformed` first) or its indices are corrupt:
 //! the scheduler will find the rank departed and reclaim it. A claim lost in the middle of a copy
-//! ends the process on the spot ([`abandon_rank`]): the engines cannot be cancelled, and the
-//! rank's blocks may already serve other copies.
+//! ends the process on the spot ([`abandon_rank`]): the CUDA engine's enqueued copies cannot be
+//! cancelled, and the rank's blocks may already serve other copies.
 //!
-//! # Test hook
+//! # Test hooks
 //!
 //! [`ServeOptions::layer_delay`] (from the `KVSHM_WORKER_LAYER_DELAY_US` environment variable, see
 //! `kvshm worker --help`) sleeps after every layer of every copy, so that a test can kill a worker
 //! reliably in the middle of a copy. The worker keeps heartbeating while it sleeps.
+//! [`ServeOptions::copy_rate_limit`] (`KVSHM_WORKER_COPY_RATE`) slows the host engine's copy itself
+//! (it sleeps inside the copy, between chunks), so that a test can run one layer for a second.
 
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::counters::Counter;
-use kvshm_ipc::doorbell::{Doorbell, WaitPolicy};
+use kvshm_ipc::doorbell::{Doorbell, WaitOutcome, WaitPolicy};
 use kvshm_ipc::progress::LayerProgress;
 use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, CommandSlot, Completion, Op};
 use kvshm_ipc::ring::Consumer;
@@ -56,7 +67,7 @@ use kvshm_ipc::worker_slot::ClaimLost;
 
 use super::command_reader::{CommandReader, ReadError};
 use super::completion_sink::CompletionSink;
-use super::engine::CopyEngine;
+use super::engine::{CopyEngine, CopyFailure, CopyProgress};
 use super::plan::CopyPlan;
 use super::storage_lane::StorageLane;
 use super::validate::{validate, ValidCommand};
@@ -80,11 +91,14 @@ pub struct ServeOptions {
     pub max_batch: usize,
     /// Test hook: sleep this long after each layer of each copy (module documentation).
     pub layer_delay: Option<Duration>,
+    /// Test hook: the host engine copies at most this many bytes per second (module
+    /// documentation).
+    pub copy_rate_limit: Option<u64>,
 }
 
 impl Default for ServeOptions {
     fn default() -> Self {
-        ServeOptions { max_batch: DEFAULT_MAX_BATCH, layer_delay: None }
+        ServeOptions { max_batch: DEFAULT_MAX_BATCH, layer_delay: None, copy_rate_limit: None }
     }
 }
 
@@ -205,7 +219,7 @@ impl<'a> Server<'a> {
                 if self.reader.fill(&mut self.commands)? {
                     self.serve_batch()
                 } else {
-                    self.idle();
+                    self.wait_for_work(IDLE_SLICE);
                     Ok(())
                 }
             });
@@ -234,15 +248,20 @@ impl<'a> Server<'a> {
         Ok(())
     }
 
-    /// Waits on the command doorbell for at most one slice.
-    fn idle(&mut self) {
-        let doorbell = self.command_doorbell;
+    /// Step 2 of the loop: waits on the command doorbell for at most `slice`, until commands
+    /// arrive, the segment is closed or a stop is requested; `Ready` in these three cases.
+    fn wait_for_work(&mut self, slice: Duration) -> WaitOutcome {
+        let (segment, stop_requested) = (self.segment, self.stop_requested);
         let commands = &mut self.commands;
         // A corrupt ring reads as "ready": the next pop reports it.
-        doorbell.wait_until(
-            || commands.len().map_or(true, |len| len > 0),
-            WaitPolicy::new(IDLE_SPIN, IDLE_SLICE).within(IDLE_SLICE),
-        );
+        self.command_doorbell.wait_until(
+            || {
+                segment.is_closed()
+                    || stop_requested()
+                    || commands.len().map_or(true, |len| len > 0)
+            },
+            WaitPolicy::new(IDLE_SPIN, slice).within(slice),
+        )
     }
 
     /// Step 3 and 4 of the loop for the slots just popped.
@@ -274,7 +293,7 @@ impl<'a> Server<'a> {
                 lane.submit(&header, &self.pairs, self.segment.generation());
                 continue;
             }
-            let (completion, copied) = self.execute(&header);
+            let (completion, copied) = self.execute(&header)?;
             self.pending.push(completion);
             if copied {
                 self.publish_completions()?;
@@ -284,10 +303,10 @@ impl<'a> Server<'a> {
     }
 
     /// Validates and executes one command; returns its completion and whether it was a copy.
-    fn execute(&mut self, header: &CommandHeader) -> (Completion, bool) {
+    fn execute(&mut self, header: &CommandHeader) -> Result<(Completion, bool), Halt> {
         let (id, generation) = (header.command_id, header.generation);
         let current = self.segment.generation();
-        match validate(header, &self.pairs, self.engine.geometry(), current) {
+        Ok(match validate(header, &self.pairs, self.engine.geometry(), current) {
             Err(refusal) => {
                 tracing::debug!(command = id, %refusal, "refusing a command");
                 let (error, detail) = refusal.to_wire();
@@ -300,39 +319,51 @@ impl<'a> Server<'a> {
                 false,
             ),
             Ok(ValidCommand::Copy { plan, layerwise }) => {
-                (self.copy(id, generation, &plan, layerwise), true)
+                (self.copy(id, generation, &plan, layerwise)?, true)
             }
-        }
+        })
     }
 
-    fn copy(&mut self, id: u64, generation: u64, plan: &CopyPlan, layerwise: bool) -> Completion {
-        let (claim, progress, delay) = (self.claim, self.progress, self.options.layer_delay);
+    /// Executes a copy, heartbeating on every progress report of the engine (module
+    /// documentation, step 3). `Err` when the copy was stopped because the scheduler is gone.
+    fn copy(
+        &mut self,
+        id: u64,
+        generation: u64,
+        plan: &CopyPlan,
+        layerwise: bool,
+    ) -> Result<Completion, Halt> {
         if layerwise {
-            progress.begin(id);
+            self.progress.begin(id);
         }
+        let mut watch = CopyWatch {
+            segment: self.segment,
+            claim: self.claim,
+            progress: layerwise.then_some((self.progress, id)),
+            layer_delay: self.options.layer_delay,
+            last_liveness_check: &mut self.last_liveness_check,
+            scheduler_gone: None,
+        };
         let started = Instant::now();
-        let result = self.engine.execute(plan, &mut |layers_done| {
-            if layerwise {
-                progress.publish(id, layers_done);
-            }
-            if let Some(delay) = delay {
-                sleep_heartbeating(delay, claim);
-            }
-            if let Err(lost) = claim.heartbeat() {
-                abandon_rank(lost);
-            }
-        });
+        let result = self.engine.execute(plan, &mut |report| watch.on(report));
         let counters = self.segment.counters();
         counters.add(Counter::WorkerCopyNs, started.elapsed().as_nanos() as u64);
         match result {
             Ok(()) => {
                 let bytes = plan.blocks().saturating_mul(self.engine.geometry().block_bytes());
                 counters.add(Counter::WorkerCopyBytes, bytes);
-                Completion::ok(id, generation)
+                Ok(Completion::ok(id, generation))
+            }
+            Err(CopyFailure::Stopped) => {
+                let exit = watch
+                    .scheduler_gone
+                    .unwrap_or(ServeExit::SchedulerGone { pid: self.segment.creator().pid });
+                tracing::info!(command = id, "scheduler gone; copy abandoned");
+                Err(Halt::Exit(exit))
             }
             Err(failure) => {
                 tracing::warn!(command = id, %failure, "copy failed");
-                Completion::failed(id, generation, CommandError::CopyFailed, failure.detail())
+                Ok(Completion::failed(id, generation, CommandError::CopyFailed, failure.detail()))
             }
         }
     }
@@ -373,6 +404,44 @@ impl<'a> Server<'a> {
     }
 }
 
+/// What the worker does on each progress report of a running copy: heartbeat, publish layer
+/// progress, sleep the layer-delay test hook, and stop the copy once the scheduler is gone.
+struct CopyWatch<'a> {
+    segment: &'a Segment,
+    claim: &'a RankClaim,
+    /// The layer-progress table and the command's id, for `FLAG_LAYERWISE` commands.
+    progress: Option<(LayerProgress<'a>, u64)>,
+    layer_delay: Option<Duration>,
+    last_liveness_check: &'a mut Instant,
+    /// Set when a report found the scheduler gone and stopped the copy.
+    scheduler_gone: Option<ServeExit>,
+}
+
+impl CopyWatch<'_> {
+    fn on(&mut self, report: CopyProgress) -> ControlFlow<()> {
+        if let CopyProgress::Layers(layers_done) = report {
+            if let Some((progress, id)) = self.progress {
+                progress.publish(id, layers_done);
+            }
+            if let Some(delay) = self.layer_delay {
+                sleep_heartbeating(delay, self.claim);
+            }
+        }
+        if let Err(lost) = self.claim.heartbeat() {
+            abandon_rank(lost);
+        }
+        if self.last_liveness_check.elapsed() >= LIVENESS_CHECK_INTERVAL {
+            *self.last_liveness_check = Instant::now();
+            if !self.segment.creator_alive() {
+                self.scheduler_gone =
+                    Some(ServeExit::SchedulerGone { pid: self.segment.creator().pid });
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    }
+}
+
 /// How often a worker facing a full completion ring looks for room.
 const FULL_RING_POLL: Duration = Duration::from_micros(500);
 
@@ -399,3 +468,6 @@ fn abandon_rank(lost: ClaimLost) -> ! {
     eprintln!("kvshm worker: the scheduler reclaimed this rank in the middle of a copy ({lost})");
     std::process::exit(EXIT_CLAIM_LOST);
 }
+
+#[cfg(test)]
+mod tests;

@@ -25,12 +25,22 @@ pub struct WorkerProcess {
 
 impl WorkerProcess {
     pub fn spawn(name: &SegmentName, rank: u32, layer_delay_us: Option<u64>) -> WorkerProcess {
+        let delay = layer_delay_us.map(|delay| delay.to_string());
+        let env: Vec<(&str, &str)> =
+            delay.iter().map(|delay| ("KVSHM_WORKER_LAYER_DELAY_US", delay.as_str())).collect();
+        WorkerProcess::spawn_with_env(name, rank, &env)
+    }
+
+    /// A worker for `rank` with extra environment variables (the test hooks of `kvshm worker`).
+    pub fn spawn_with_env(name: &SegmentName, rank: u32, env: &[(&str, &str)]) -> WorkerProcess {
         let mut command = Command::new(env!("CARGO_BIN_EXE_kvshm"));
         command
             .args(["worker", "--name", name.as_str(), "--rank", &rank.to_string()])
+            .env_remove("KVSHM_WORKER_LAYER_DELAY_US")
+            .env_remove("KVSHM_WORKER_COPY_RATE")
             .stdin(Stdio::null());
-        if let Some(delay) = layer_delay_us {
-            command.env("KVSHM_WORKER_LAYER_DELAY_US", delay.to_string());
+        for (key, value) in env {
+            command.env(key, value);
         }
         WorkerProcess { child: command.spawn().expect("spawning kvshm worker") }
     }

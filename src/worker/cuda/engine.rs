@@ -20,21 +20,24 @@
 //! 1. for each layer, enqueue its pieces on the stream (a contiguous piece is one
 //!    `cuMemcpy{DtoH,HtoD}Async`, a strided one one `cuMemcpy2DAsync`, or one copy per row when a
 //!    pitch exceeds the device's maximum), then record the layer's event;
-//! 2. wait for the events in order, calling `progress(layer + 1)` as each completes, so the
-//!    scheduler sees layer `L` land while later layers are still in flight;
-//! 3. on any error, synchronise the stream before returning it: a failed command must leave no
-//!    copy running, because the scheduler frees its blocks when the failure arrives.
+//! 2. wait for the events in order, reporting the layer's bytes and `Layers(layer + 1)` as each
+//!    completes, so the worker heartbeats and the scheduler sees layer `L` land while later
+//!    layers are still in flight;
+//! 3. on any error, or when a report asks to stop, synchronise the stream before returning: a
+//!    failed command must leave no copy running, because the scheduler frees its blocks when the
+//!    failure arrives.
 //!
 //! Everything acquired is released in [`Drop`] in reverse order, also after a failed set-up.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::ops::ControlFlow;
 use std::ptr;
 
 use cudarc::driver::sys;
 
 use super::driver::{check, load_driver, DriverCallError, DriverLoadError};
-use crate::worker::engine::{check_extent, CopyEngine, CopyFailure};
+use crate::worker::engine::{check_extent, report, CopyEngine, CopyFailure, CopyProgress};
 use crate::worker::geometry::Geometry;
 use crate::worker::host_engine::MappedArea;
 use crate::worker::layout::{DeviceLayout, DeviceLayoutError, DeviceRegion, HostLayout};
@@ -335,13 +338,24 @@ impl CudaCopyEngine {
         result.map_err(driver_failure)
     }
 
-    /// Waits for the layers' events in order, reporting each.
-    fn wait_layers(&self, progress: &mut dyn FnMut(u32)) -> Result<(), CopyFailure> {
+    /// Waits for the layers' events in order, reporting each (its bytes, then the layer).
+    ///
+    /// One wait lasts as long as one layer of the command takes to land: the scheduler keeps a
+    /// command's bytes bounded (`ServiceConfig::max_command_bytes`), so even a single-layer command
+    /// lands well inside the heartbeat timeout, and the reports keep the worker heartbeating.
+    fn wait_layers(
+        &self,
+        plan: &CopyPlan,
+        progress: &mut dyn FnMut(CopyProgress) -> ControlFlow<()>,
+    ) -> Result<(), CopyFailure> {
+        let layer_bytes = plan.blocks().saturating_mul(self.geometry.block_bytes())
+            / u64::from(self.geometry.layers());
         for (layer, &event) in (1u32..).zip(&self.resources.events) {
             // SAFETY: the event belongs to this engine's current context and has been recorded.
             unsafe { check("cuEventSynchronize", sys::cuEventSynchronize(event)) }
                 .map_err(driver_failure)?;
-            progress(layer);
+            report(progress, CopyProgress::Bytes(layer_bytes))?;
+            report(progress, CopyProgress::Layers(layer))?;
         }
         Ok(())
     }
@@ -363,14 +377,14 @@ impl CopyEngine for CudaCopyEngine {
     fn execute(
         &mut self,
         plan: &CopyPlan,
-        progress: &mut dyn FnMut(u32),
+        progress: &mut dyn FnMut(CopyProgress) -> ControlFlow<()>,
     ) -> Result<(), CopyFailure> {
         let context =
             self.resources.context.expect("an engine without a context is a programming error");
         // SAFETY: the context is retained by this engine.
         unsafe { check("cuCtxSetCurrent", sys::cuCtxSetCurrent(context)) }
             .map_err(driver_failure)?;
-        let result = self.enqueue(plan).and_then(|()| self.wait_layers(progress));
+        let result = self.enqueue(plan).and_then(|()| self.wait_layers(plan, progress));
         if result.is_err() {
             self.drain();
         }

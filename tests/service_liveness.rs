@@ -1,0 +1,131 @@
+//! Liveness judged on progress, not on copy size (real worker processes): a worker busy on one
+//! long layer keeps heartbeating from inside the copy and is never fenced, while a stopped worker
+//! still is.
+
+mod service_support;
+
+use std::time::{Duration, Instant};
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
+use kvshm::service::{RankState, Service, ServiceConfig};
+use service_support::*;
+
+const BLOCK_TOKENS: u32 = 16;
+const DEVICE_BLOCKS: u32 = 16;
+/// One layer of two 256 KiB regions per block: a write-back of 16 blocks moves 8 MiB in its one
+/// layer, in two pieces of 4 MiB.
+const REGION_BYTES: u64 = 256 * 1024;
+/// The copy-rate test hook: 8 MiB per second, so that the one layer of a 16-block copy takes about
+/// a second, ten times the heartbeat timeout.
+const COPY_RATE: &str = "8388608";
+const WAIT: Duration = Duration::from_secs(60);
+
+fn service(name: &kvshm_ipc::name::SegmentName) -> Service {
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(WritePolicy::WriteBack);
+    Service::create(name, ServiceConfig::new(cache, 1, 1, 2, REGION_BYTES))
+        .expect("creating the service")
+}
+
+/// Runs one request over `hashes` to the end (match, allocate, wait, check the hits, write the new
+/// blocks, commit, finish); returns the blocks that hit on device and on host.
+fn run_request(service: &mut Service, id: u64, hashes: &[BlockHash]) -> (usize, usize) {
+    let request = RequestId(id);
+    let tokens = hashes.len() * BLOCK_TOKENS as usize;
+    let matched = service.match_prefix(request, hashes, tokens).unwrap();
+    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
+    service.wait(ticket, WAIT).expect("the request's copies land");
+    for (index, &block) in table.iter().enumerate() {
+        if index < matched.blocks() {
+            assert!(device_block_holds(service, hashes[index], block), "hit block {index} intact");
+        } else {
+            write_block(service, hashes[index], block);
+        }
+    }
+    service.commit(request, tokens, hashes).unwrap();
+    service.finish(request).unwrap();
+    service.cache().check_invariants().unwrap();
+    (matched.device_blocks, matched.host_blocks)
+}
+
+#[test]
+fn a_worker_copying_one_layer_for_a_second_is_never_fenced_and_its_write_back_lands() {
+    let name = unique_name("long-layer");
+    let mut service = service(&name);
+    let mut worker =
+        WorkerProcess::spawn_with_env(&name, 0, &[("KVSHM_WORKER_COPY_RATE", COPY_RATE)]);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    // A fills the device tier; B evicts all of it, so that A's 16 blocks are written back in one
+    // transfer whose one layer takes about a second; B's ticket waits for that write-back.
+    let prefix_a = hashes(1_000, DEVICE_BLOCKS as usize);
+    let prefix_b = hashes(2_000, DEVICE_BLOCKS as usize);
+    run_request(&mut service, 1, &prefix_a);
+    let started = Instant::now();
+    run_request(&mut service, 2, &prefix_b);
+    eprintln!("the write-back of A took {:?}", started.elapsed());
+
+    assert_eq!(service.stats().worker_deaths, 0, "the busy worker was fenced");
+    assert_eq!(service.stats().copy_failures, 0);
+    assert!(worker.child.try_wait().unwrap().is_none(), "the busy worker was killed");
+    assert_eq!(service.rank_states(), [RankState::Up { pid: worker.pid() }]);
+    // A comes back from the host tier intact (its swap-in is slow too).
+    let (device_hits, host_hits) = run_request(&mut service, 3, &prefix_a);
+    assert_eq!(device_hits, 0);
+    // All of A (but its last block, where the last-token rule applies) hits on host.
+    assert!(host_hits >= DEVICE_BLOCKS as usize - 1, "only {host_hits} blocks of A hit on host");
+    assert_eq!(service.stats().worker_deaths, 0);
+}
+
+#[test]
+fn a_worker_stopped_in_the_middle_of_a_long_layer_is_still_fenced() {
+    let name = unique_name("stopped-layer");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(WritePolicy::WriteThrough);
+    let mut service =
+        Service::create(&name, ServiceConfig::new(cache, 1, 1, 2, REGION_BYTES)).unwrap();
+    let mut worker =
+        WorkerProcess::spawn_with_env(&name, 0, &[("KVSHM_WORKER_COPY_RATE", COPY_RATE)]);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    // Committing 16 blocks starts their write-through backup: one layer of about a second.
+    let prefix = hashes(3_000, DEVICE_BLOCKS as usize);
+    let request = RequestId(1);
+    let tokens = prefix.len() * BLOCK_TOKENS as usize;
+    service.match_prefix(request, &prefix, tokens).unwrap();
+    service.allocate(request, tokens, 0).unwrap();
+    service.commit(request, tokens, &prefix).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
+    // Well inside the layer, past any start-up: the worker is copying when it stops.
+    let copying = Instant::now();
+    while copying.elapsed() < Duration::from_millis(300) {
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(service.stats().worker_deaths, 0, "the copying worker was fenced before it stopped");
+    let pid = nix::unistd::Pid::from_raw(worker.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+
+    let stopped = Instant::now();
+    while service.cache().transfers_in_flight() > 0 {
+        assert!(stopped.elapsed() < WAIT, "the stopped worker's copy never failed");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    eprintln!(
+        "the stopped worker was fenced and its copy failed {:?} after SIGSTOP",
+        stopped.elapsed()
+    );
+    let exited = worker.child.try_wait().expect("try_wait");
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+    assert!(exited.is_some(), "the copy was rolled back while the stopped worker could resume it");
+    assert_eq!(service.rank_states(), [RankState::Down]);
+    assert_eq!(service.stats().copy_failures, 1);
+    service.cache().check_invariants().unwrap();
+}
