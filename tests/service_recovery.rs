@@ -444,3 +444,84 @@ fn a_slot_marked_dead_under_a_live_worker_fails_its_copy_only_once_the_worker_is
     let _successor = WorkerProcess::spawn(&name, 0, None);
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
 }
+
+#[test]
+fn a_command_whose_id_is_corrupted_in_the_ring_fails_its_transfer_at_the_deadline() {
+    use std::os::unix::fs::FileExt;
+
+    let name = unique_name("deadline");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(WritePolicy::WriteThrough);
+    // Two layers of 400 ms each: one backup command takes 0.8 s, well inside the deadline.
+    let mut config = ServiceConfig::new(cache, 1, 2, 4, 16 * 1024);
+    config.command_deadline = Duration::from_secs(3);
+    let command_ring_slots = u64::from(config.command_ring_slots);
+    let mut service = Service::create(&name, config).unwrap();
+    let mut worker = WorkerProcess::spawn(&name, 0, Some(400_000));
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+
+    let layout = service.segment().layout();
+    let ring_at = layout.rank_area(0) as u64 + layout.offsets.command_ring;
+    let control = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(format!("{}{}", kvshm_ipc::listing::SHM_DIR, name.control_object()))
+        .unwrap();
+    let read_word = |at: u64| {
+        let mut word = [0u8; 8];
+        control.read_exact_at(&mut word, at).unwrap();
+        u64::from_le_bytes(word)
+    };
+    let (tail_at, head_at) = (ring_at + 128, ring_at + 256);
+    let commit = |service: &mut Service, id: u64, first: u128| {
+        let prefix = hashes(first, 4);
+        let request = RequestId(id);
+        let tokens = prefix.len() * BLOCK_TOKENS as usize;
+        service.match_prefix(request, &prefix, tokens).unwrap();
+        service.allocate(request, tokens, 0).unwrap();
+        service.commit(request, tokens, &prefix).unwrap();
+        service.finish(request).unwrap();
+        service.poll();
+    };
+
+    // The first backup: wait until the worker has popped it (it then copies for 0.8 s).
+    commit(&mut service, 1, 6_000);
+    let issued = Instant::now();
+    while read_word(head_at) != read_word(tail_at) {
+        assert!(issued.elapsed() < WAIT, "the worker never took the first backup");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The second backup waits in the ring behind it (a header slot and one pair slot); another
+    // process scribbles over its command id (8 bytes into the header).
+    commit(&mut service, 2, 7_000);
+    assert_eq!(service.cache().transfers_in_flight(), 2);
+    let header_index = read_word(tail_at) - 2;
+    assert!(read_word(head_at) <= header_index, "the worker already took the second backup");
+    let id_at = ring_at + 384 + (header_index % command_ring_slots) * 64 + 8;
+    let id = read_word(id_at);
+    control.write_all_at(&(id + 1_000_000).to_le_bytes(), id_at).unwrap();
+
+    // The worker copies it and answers an id nobody issued; the real command is never answered.
+    let scribbled = Instant::now();
+    while service.cache().transfers_in_flight() > 0 {
+        assert!(scribbled.elapsed() < WAIT, "the unanswered command stayed in flight");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    eprintln!("the unanswered transfer failed {:?} after the scribble", scribbled.elapsed());
+    let stats = service.stats();
+    assert_eq!(stats.stray_completions, 1);
+    assert_eq!(stats.command_deadlines_missed, 1);
+    assert_eq!(stats.copy_failures, 1, "only the unanswered backup failed");
+    let status = worker.wait_exit(Duration::from_secs(5)).expect("the silent worker was fenced");
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9));
+    assert_eq!(service.rank_states(), [RankState::Down]);
+    service.cache().check_invariants().unwrap();
+
+    // Like after a crash, a new worker takes the rank over.
+    let _successor = WorkerProcess::spawn(&name, 0, None);
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    run_request(&mut service, 3, &hashes(8_000, 4));
+    assert_eq!(service.stats().command_deadlines_missed, 1);
+}

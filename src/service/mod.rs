@@ -22,6 +22,7 @@
 //! the live counters kvctl reads.
 
 mod control;
+mod deadline;
 mod direct;
 mod inflight;
 mod liveness;
@@ -52,6 +53,7 @@ use crate::manager::{
 };
 use crate::worker::{Geometry, GeometryError, GeometryParams};
 
+pub use deadline::DEFAULT_COMMAND_DEADLINE;
 pub use direct::{DirectCopyId, DirectCopyOutcome};
 pub use inflight::{CommandTracker, CompletionMismatch, RankFailure};
 // The shared-memory types that appear in this module's API, so that an engine needs no direct
@@ -71,6 +73,8 @@ const WAIT_SLICE: Duration = Duration::from_millis(5);
 const WAIT_SPIN: u32 = 2_000;
 /// Completions reaped per ring per batch.
 const REAP_BATCH: usize = 256;
+/// The most bytes one command asks one rank to copy, unless configured otherwise.
+pub const DEFAULT_MAX_COMMAND_BYTES: u64 = 64 * 1024 * 1024;
 
 /// The shape of every rank's blocks and the service's rings.
 #[derive(Clone, Debug)]
@@ -86,6 +90,13 @@ pub struct ServiceConfig {
     pub completion_ring_slots: u32,
     /// Ask workers for per-layer progress of every copy.
     pub layerwise: bool,
+    /// The most bytes one command asks one rank to copy (all its layers together): transfers are
+    /// split into commands of at most this many bytes (at least one block each), so that one
+    /// command ends within a bounded time (the command deadline relies on it).
+    pub max_command_bytes: u64,
+    /// How long a rank that owes answers may give none before its worker is fenced and its
+    /// commands fail, as if it had crashed (`deadline` module).
+    pub command_deadline: Duration,
 }
 
 impl ServiceConfig {
@@ -107,6 +118,8 @@ impl ServiceConfig {
             command_ring_slots: 4096,
             completion_ring_slots: 256,
             layerwise: true,
+            max_command_bytes: DEFAULT_MAX_COMMAND_BYTES,
+            command_deadline: DEFAULT_COMMAND_DEADLINE,
         }
     }
 
@@ -200,6 +213,8 @@ pub struct ServiceStats {
     pub resets: u64,
     /// Completions that matched no command in flight (a misbehaving worker).
     pub stray_completions: u64,
+    /// Times a rank owed answers past the command deadline and its worker was fenced.
+    pub command_deadlines_missed: u64,
 }
 
 /// The cache manager driving worker processes through a shared-memory segment.
@@ -215,6 +230,8 @@ pub struct Service {
     geometry: Geometry,
     layerwise: bool,
     max_pairs_per_command: usize,
+    command_deadline: Duration,
+    answer_clocks: deadline::AnswerClocks,
     liveness_checked_at: Option<Instant>,
     stats: ServiceStats,
     transfer_scratch: Vec<Transfer>,
@@ -260,7 +277,12 @@ impl Service {
         // A command must fit in half a ring, so that one long command never waits for a ring
         // that can only hold it when empty behind another long one.
         let pair_slots = (config.command_ring_slots as usize / 2).saturating_sub(1).max(1);
-        let max_pairs_per_command = pair_slots * PAIRS_PER_SLOT;
+        // And a command carries at most max_command_bytes per rank, so that it ends in bounded
+        // time (at least one block, whatever the limit).
+        let block_bytes = geometry.block_bytes();
+        let pairs_by_bytes = (config.max_command_bytes / block_bytes.max(1)).max(1);
+        let max_pairs_per_command = (pair_slots * PAIRS_PER_SLOT)
+            .min(usize::try_from(pairs_by_bytes).unwrap_or(usize::MAX));
         debug_assert!(
             command_slot_count(max_pairs_per_command) <= config.command_ring_slots as usize
         );
@@ -275,6 +297,8 @@ impl Service {
             geometry,
             layerwise: config.layerwise,
             max_pairs_per_command,
+            command_deadline: config.command_deadline,
+            answer_clocks: deadline::AnswerClocks::new(config.tp_size as usize),
             liveness_checked_at: None,
             stats: ServiceStats::default(),
             transfer_scratch: Vec::new(),
@@ -442,6 +466,7 @@ impl Service {
     pub fn poll(&mut self) {
         self.check_workers();
         self.reap_completions();
+        self.check_command_deadlines();
         self.manager.poll();
         self.issue_transfers();
         self.serve_control_requests();
@@ -559,7 +584,12 @@ impl Service {
         }
         self.transfer_scratch = transfers;
         self.issue_waiting_direct();
+        let now = Instant::now();
         for index in 0..self.ranks.len() {
+            if !self.owes_answers(index) {
+                // Step 3 of the deadline flow: the wait for an answer starts with these commands.
+                self.answer_clocks.restart(index, now);
+            }
             let rank = &mut self.ranks[index];
             if rank.pump() > 0 {
                 self.segment
@@ -633,7 +663,11 @@ impl Service {
             }
             self.stats.commands_completed += completions.len() as u64;
             for completion in &completions {
-                match self.tracker.complete(index, completion) {
+                let matched = self.tracker.complete(index, completion);
+                if matched.is_ok() {
+                    self.answer_clocks.restart(index, Instant::now());
+                }
+                match matched {
                     Ok(Some((transfer, outcome))) => {
                         let outcome = outcome.map_err(failure_of);
                         self.settle(TransferId(transfer), outcome);

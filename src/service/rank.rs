@@ -88,6 +88,11 @@ impl RankChannel {
         Ok(())
     }
 
+    /// Commands queued and not yet moved into the command ring.
+    pub fn backlog_len(&self) -> usize {
+        self.backlog.len()
+    }
+
     /// Commands in the rings (issued and not yet completed).
     pub fn in_rings(&self) -> usize {
         self.completion_slots - self.credits

@@ -13,6 +13,11 @@ use crate::manager::{RequestId, WritePolicy};
 const BLOCK_TOKENS: u32 = 4;
 
 fn service(test: &str) -> Service {
+    service_with(test, |_| {})
+}
+
+/// As [`service`], with `adjust` applied to the configuration first.
+fn service_with(test: &str, adjust: impl FnOnce(&mut ServiceConfig)) -> Service {
     let name = SegmentName::new(&format!("svc-{test}-{}", std::process::id())).unwrap();
     let cache = CacheConfig::new(BLOCK_TOKENS, 8)
         .with_host_blocks(8)
@@ -20,6 +25,7 @@ fn service(test: &str) -> Service {
     let mut config = ServiceConfig::new(cache, 1, 1, 2, 64);
     config.command_ring_slots = 16;
     config.completion_ring_slots = 4;
+    adjust(&mut config);
     Service::create(&name, config).unwrap()
 }
 
@@ -158,4 +164,71 @@ fn a_ring_header_scribbled_over_leaves_its_rank_down_after_a_reclaim_instead_of_
     service.liveness_checked_at = None;
     service.poll();
     assert!(matches!(service.rank_states()[0], RankState::Up { .. }));
+}
+
+#[test]
+fn a_transfer_is_split_into_commands_of_at_most_max_command_bytes() {
+    // A block is 2 regions of 64 bytes: 300 bytes hold 2 blocks.
+    let mut service = service_with("command-bytes", |config| config.max_command_bytes = 300);
+    let (segment, _claim) = claim_rank(&mut service);
+    let request = RequestId(1);
+    let hashes: Vec<BlockHash> = (0..5).map(|i| BlockHash(40 + i)).collect();
+    let tokens = hashes.len() * BLOCK_TOKENS as usize;
+    service.match_prefix(request, &hashes, tokens).unwrap();
+    service.allocate(request, tokens, 0).unwrap();
+    service.commit(request, tokens, &hashes).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 1, "one backup of 5 blocks");
+    assert_eq!(complete_every_command(&segment), 3, "2 + 2 + 1 blocks");
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    assert_eq!(service.cache().stats().counters.backup_blocks, 5);
+}
+
+#[test]
+fn a_limit_below_one_block_still_sends_a_block_per_command() {
+    let mut service = service_with("command-bytes-tiny", |config| config.max_command_bytes = 1);
+    let (segment, _claim) = claim_rank(&mut service);
+    cache_two_blocks(&mut service);
+    assert_eq!(complete_every_command(&segment), 2);
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+}
+
+#[test]
+fn a_rank_that_owes_an_answer_past_the_deadline_is_dropped_and_an_idle_one_is_not() {
+    let mut service =
+        service_with("deadline", |config| config.command_deadline = Duration::from_millis(50));
+    let (segment, claim) = claim_rank(&mut service);
+    cache_two_blocks(&mut service);
+    assert!(service.owes_answers(0));
+    assert_eq!(complete_every_command(&segment), 1);
+    service.poll();
+    assert!(!service.owes_answers(0));
+    std::thread::sleep(Duration::from_millis(80));
+    claim.heartbeat().unwrap();
+    service.poll();
+    assert_eq!(service.stats().command_deadlines_missed, 0, "a rank that owes nothing is idle");
+
+    // A command that is never answered while the worker heartbeats: the rank is dropped at the
+    // deadline. The test thread plays the worker, which the fence leaves alone and counts as gone
+    // (a real worker is killed first: tests/service_recovery.rs).
+    let request = RequestId(2);
+    let hashes = [BlockHash(31)];
+    service.match_prefix(request, &hashes, BLOCK_TOKENS as usize).unwrap();
+    service.allocate(request, BLOCK_TOKENS as usize, 0).unwrap();
+    service.commit(request, BLOCK_TOKENS as usize, &hashes).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+    assert!(service.owes_answers(0));
+    std::thread::sleep(Duration::from_millis(80));
+    claim.heartbeat().unwrap();
+    service.poll();
+    assert_eq!(service.stats().command_deadlines_missed, 1);
+    assert_eq!(service.cache().transfers_in_flight(), 0, "the unanswered copy failed");
+    assert_eq!(service.stats().copy_failures, 1);
+    assert_eq!(service.rank_states(), [RankState::Down]);
+    service.cache().check_invariants().unwrap();
+    drop(claim);
 }
