@@ -53,7 +53,7 @@ fn child_process_entry() {
             let _claim = segment.claim_rank(1).unwrap();
             writeln!(stdout, "claimed").unwrap();
             stdout.flush().unwrap();
-            let forever = WaitPolicy::new(0, Duration::from_secs(3600));
+            let forever = WaitPolicy::new(Duration::ZERO, Duration::from_secs(3600));
             segment.command_doorbell(1).unwrap().wait_until(|| false, forever);
             unreachable!("a wait without a deadline for a condition that never holds returned");
         }

@@ -100,7 +100,7 @@ fn a_consumer_polling_a_filling_ring_reads_only_published_slots() {
 
 /// Waits on the doorbell for at least one record, with no spinning so the futex path is taken.
 fn wait_for_record(doorbell: &Doorbell, consumer: &mut Consumer<u64>) -> u64 {
-    let policy = WaitPolicy::new(0, Duration::from_secs(1));
+    let policy = WaitPolicy::new(Duration::ZERO, Duration::from_secs(1));
     let outcome = doorbell.wait_until(
         || !consumer.is_empty().expect("a sound producer never corrupts the ring"),
         policy,

@@ -112,7 +112,8 @@ fn command(sequence: u64) -> CommandSlot {
 
 /// Waits on `bell` until `ready`, failing the test if the peer stays silent for `patience`.
 fn wait_or_fail(bell: &Doorbell, ready: impl FnMut() -> bool, patience: Duration, what: &str) {
-    let policy = WaitPolicy::new(200, Duration::from_millis(20)).within(patience);
+    let policy =
+        WaitPolicy::new(Duration::from_micros(5), Duration::from_millis(20)).within(patience);
     assert_eq!(bell.wait_until(ready, policy), WaitOutcome::Ready, "{what}");
 }
 
@@ -182,8 +183,8 @@ fn a_million_records_cross_to_a_child_process_and_back_intact() {
         if !progressed && received.is_empty() {
             let bell = channel.completions_bell();
             let mut ready = || !completions.is_empty().unwrap_or(true);
-            let policy =
-                WaitPolicy::new(200, Duration::from_millis(20)).within(Duration::from_secs(1));
+            let policy = WaitPolicy::new(Duration::from_micros(5), Duration::from_millis(20))
+                .within(Duration::from_secs(1));
             if bell.wait_until(&mut ready, policy) == WaitOutcome::TimedOut {
                 let status = child.try_wait().expect("query the child");
                 assert!(status.is_none(), "child exited early with {status:?}");

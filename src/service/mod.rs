@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::ArenaKind;
 use kvshm_ipc::config::SegmentConfig;
-use kvshm_ipc::doorbell::{deadline_after, WaitPolicy};
+use kvshm_ipc::doorbell::{deadline_after, WaitPolicy, DEFAULT_SPIN};
 use kvshm_ipc::record::{
     command_slot_count, BlockPair, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
 };
@@ -69,8 +69,10 @@ pub use rank::{RankChannel, RankState};
 
 /// How long `wait` sleeps on the doorbell before it polls again (and so checks liveness).
 const WAIT_SLICE: Duration = Duration::from_millis(5);
-/// Doorbell checks before `wait` goes to sleep: a copy of a few blocks often lands within them.
-const WAIT_SPIN: u32 = 2_000;
+/// How long `wait` spins on the doorbell before it sleeps: a copy of a few blocks often lands
+/// within it, and it is about what a wake-up would cost (`kvshm_ipc::doorbell`, "How long to
+/// spin").
+const WAIT_SPIN: Duration = DEFAULT_SPIN;
 /// Completions reaped per ring per batch.
 const REAP_BATCH: usize = 256;
 /// The most bytes one command asks one rank to copy, unless configured otherwise.

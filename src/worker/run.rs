@@ -13,7 +13,8 @@
 //!    popped from the ring has been answered when the loop ends and a successor worker can take
 //!    over the rings where this one left them;
 //! 2. pop a batch of command slots ([`CommandReader`]); if there is none, sleep on the rank's
-//!    command doorbell for at most one [`IDLE_SLICE`] (after a short spin) and start over. The
+//!    command doorbell for at most one [`IDLE_SLICE`] (after spinning for
+//!    [`DEFAULT_SPIN`](kvshm_ipc::doorbell::DEFAULT_SPIN)) and start over. The
 //!    sleep ends as soon as commands arrive, the scheduler closes the segment (it rings every
 //!    command doorbell after marking the segment closed) or a stop signal arrives (it interrupts
 //!    the futex wait; the flag is part of the wait's condition);
@@ -58,7 +59,7 @@ use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::counters::Counter;
-use kvshm_ipc::doorbell::{Doorbell, WaitOutcome, WaitPolicy};
+use kvshm_ipc::doorbell::{Doorbell, WaitOutcome, WaitPolicy, DEFAULT_SPIN};
 use kvshm_ipc::progress::LayerProgress;
 use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, CommandSlot, Completion, Op};
 use kvshm_ipc::ring::Consumer;
@@ -77,8 +78,6 @@ use super::validate::{validate, ValidCommand};
 pub const LIVENESS_CHECK_INTERVAL: Duration = Duration::from_millis(10);
 /// The longest sleep of an idle worker between heartbeats and liveness checks.
 pub const IDLE_SLICE: Duration = Duration::from_millis(10);
-/// Doorbell checks before an idle worker sleeps.
-const IDLE_SPIN: u32 = 2000;
 /// The most command slots popped at once.
 pub const DEFAULT_MAX_BATCH: usize = 64;
 /// The exit status of a process that lost its rank in the middle of a copy.
@@ -260,7 +259,7 @@ impl<'a> Server<'a> {
                     || stop_requested()
                     || commands.len().map_or(true, |len| len > 0)
             },
-            WaitPolicy::new(IDLE_SPIN, slice).within(slice),
+            WaitPolicy::new(DEFAULT_SPIN, slice).within(slice),
         )
     }
 

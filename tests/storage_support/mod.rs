@@ -407,7 +407,8 @@ impl<'a> RankDriver<'a> {
             let completions = &mut self.completions;
             self.segment.scheduler_doorbell().wait_until(
                 || completions.len().unwrap() > 0,
-                WaitPolicy::new(100, Duration::from_millis(5)).within(Duration::from_millis(50)),
+                WaitPolicy::new(Duration::from_micros(5), Duration::from_millis(5))
+                    .within(Duration::from_millis(50)),
             );
         }
         out

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! The command headers carry the benchmark phase in their `generation` field, so that the peer
-//! knows how to wait for the next command and what to answer.
+//! knows how to wait for the next command and what to answer. A round-trip answer carries the
+//! CPU the peer answered from in `error` and the peer's futex sleeps so far in `detail`.
 
 use anyhow::Context;
 use kvshm_ipc::doorbell::Doorbell;
@@ -21,7 +22,10 @@ pub const COMPLETION_CAPACITY: usize = 1024;
 
 /// Phases, carried in `CommandHeader::generation`.
 pub const PHASE_BUSY: u64 = 1;
+/// Both sides spin for kvshm's default spin budget, then sleep.
 pub const PHASE_FUTEX: u64 = 2;
+/// Both sides sleep on the futex at once.
+pub const PHASE_SLEEP: u64 = 6;
 /// A record of the one-way stream; the peer answers none of them.
 pub const PHASE_STREAM: u64 = 3;
 /// Ends the stream: the peer answers with the number of stream records it saw in `detail`.

@@ -2,26 +2,28 @@
 //! messages.
 //!
 //! 1. attach to the driver's object, consume the command ring and answer:
-//!    - a busy or futex round-trip command with one completion; the phase also says how to wait
-//!      for the next command (spin without end, or sleep on the doorbell at once);
+//!    - a round-trip command (busy, futex or sleep phase) with one completion carrying the CPU the
+//!      peer answers from and its futex sleeps so far; the phase also says how to wait for the
+//!      next command (spin without end, spin then sleep, or sleep at once);
 //!    - stream records with nothing, checking their sequence, and waiting for more the way a
 //!      worker would (spin briefly, then sleep); the stream's end with one completion carrying the
 //!      count;
-//! 2. on the exit command, echo 64-byte messages from stdin as 32-byte answers on stdout until
-//!    stdin closes: the pipe round trip the rings are compared with.
+//! 2. on the exit command, echo 64-byte messages from stdin as 32-byte answers (carrying the CPU
+//!    too) on stdout until stdin closes: the pipe round trip the rings are compared with.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 
 use anyhow::{bail, ensure, Context};
-use kvshm_ipc::doorbell::WaitOutcome;
+use kvshm_ipc::doorbell::{futex_sleeps, WaitOutcome};
 use kvshm_ipc::record::{CommandSlot, Completion};
 
 use super::channel::{
-    Channel, COMMAND_CAPACITY, PHASE_BUSY, PHASE_EXIT, PHASE_FUTEX, PHASE_STREAM, PHASE_STREAM_END,
+    Channel, COMMAND_CAPACITY, PHASE_BUSY, PHASE_EXIT, PHASE_FUTEX, PHASE_SLEEP, PHASE_STREAM,
+    PHASE_STREAM_END,
 };
-use super::{busy_policy, sleep_policy, stream_policy, PEER_PATIENCE};
+use super::{busy_policy, current_cpu, futex_policy, phase_policy, PEER_PATIENCE};
 
 pub fn run(object: &str) -> anyhow::Result<()> {
     answer_ring_commands(object)?;
@@ -49,13 +51,9 @@ fn answer_ring_commands(object: &str) -> anyhow::Result<()> {
         for slot in &slots {
             let header = slot.header();
             match header.generation {
-                PHASE_BUSY | PHASE_FUTEX => {
-                    policy = if header.generation == PHASE_BUSY {
-                        busy_policy()
-                    } else {
-                        sleep_policy()
-                    };
-                    answers.push(Completion::ok(header.command_id, header.generation));
+                PHASE_BUSY | PHASE_FUTEX | PHASE_SLEEP => {
+                    policy = phase_policy(header.generation);
+                    answers.push(answer(header.command_id, header.generation));
                 }
                 PHASE_STREAM => {
                     ensure!(
@@ -64,7 +62,7 @@ fn answer_ring_commands(object: &str) -> anyhow::Result<()> {
                         header.command_id
                     );
                     stream_seen += 1;
-                    policy = stream_policy();
+                    policy = futex_policy();
                 }
                 PHASE_STREAM_END => {
                     let mut answer = Completion::ok(header.command_id, header.generation);
@@ -98,7 +96,16 @@ fn echo_pipe_messages() -> anyhow::Result<()> {
             Err(error) => return Err(error).context("reading a pipe message"),
         }
         let header = message.header();
-        let answer = Completion::ok(header.command_id, header.generation);
+        let answer = answer(header.command_id, header.generation);
         output.write_all(bytemuck::bytes_of(&answer)).context("writing a pipe answer")?;
     }
+}
+
+/// A round-trip answer: the CPU this process answers from in `error`, its futex sleeps so far in
+/// `detail` (the benchmark's own use of the fields of an OK completion).
+fn answer(command_id: u64, phase: u64) -> Completion {
+    let mut answer = Completion::ok(command_id, phase);
+    answer.error = current_cpu().unwrap_or(u32::MAX);
+    answer.detail = futex_sleeps();
+    answer
 }

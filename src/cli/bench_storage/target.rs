@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::config::SegmentConfig;
-use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::doorbell::{WaitPolicy, DEFAULT_SPIN};
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::{CommandHeader, CommandSlot, Completion, Op};
 use kvshm_ipc::ring::{Consumer, Producer};
@@ -235,7 +235,7 @@ impl WorkerTarget {
                 let completions = &mut self.completions;
                 self.segment.scheduler_doorbell().wait_until(
                     || completions.len().map_or(true, |len| len > 0),
-                    WaitPolicy::new(1000, Duration::from_millis(1))
+                    WaitPolicy::new(DEFAULT_SPIN, Duration::from_millis(1))
                         .within(Duration::from_millis(10)),
                 );
                 continue;
