@@ -48,6 +48,13 @@
 //! outlasts it costs at most twice what sleeping at once would have (the classic bound for
 //! spin-then-block). The budget is time, not a count of checks, because a pause hint lasts from a
 //! few to over a hundred cycles depending on the processor.
+//!
+//! Spinning only pays while the peer runs on another CPU. When the machine is crowded and the
+//! kernel has put both processes on one CPU, a spinning waiter keeps its peer from running and
+//! every answer waits out the whole spin. So every ring records the ringer's CPU in the doorbell
+//! (a store only when it changes), and a waiter that finds itself on the CPU the last ring came
+//! from sleeps at once: its peer then runs on the CPU it gives up, and the wake that follows is
+//! a context switch on that CPU, the same as a pipe's.
 
 mod futex;
 
@@ -67,9 +74,12 @@ pub struct Doorbell {
     sequence: FutexWord,
     /// Waiters between registering (step 2) and deregistering (step 5).
     sleepers: AtomicU32,
+    /// 1 + the CPU the last ring came from; 0 while unknown. A hint for waiters: whether to spin
+    /// (module documentation, "How long to spin").
+    ringer_cpu: AtomicU32,
     /// The rest of the cache line, as atomics: other processes map these bytes too, and no plain
     /// byte (not even padding) may sit behind a shared reference to it.
-    _unused: [AtomicU32; 14],
+    _unused: [AtomicU32; 13],
 }
 
 #[cfg(not(loom))]
@@ -160,7 +170,8 @@ impl Doorbell {
         Self {
             sequence: FutexWord::new(),
             sleepers: AtomicU32::new(0),
-            _unused: [const { AtomicU32::new(0) }; 14],
+            ringer_cpu: AtomicU32::new(0),
+            _unused: [const { AtomicU32::new(0) }; 13],
         }
     }
 
@@ -170,14 +181,17 @@ impl Doorbell {
         Self {
             sequence: FutexWord::new(),
             sleepers: AtomicU32::new(0),
+            ringer_cpu: AtomicU32::new(0),
             _unused: std::array::from_fn(|_| AtomicU32::new(0)),
         }
     }
 
     /// Wakes every waiter; call it after publishing what they wait for.
     ///
-    /// Near-free when nobody sleeps: one fence and one load.
+    /// Near-free when nobody sleeps: one fence and two loads (and a store when the ringing
+    /// process moved to another CPU).
     pub fn ring(&self) {
+        self.note_ringer_cpu();
         // SYNC: fence R of the module documentation; pairs with fence W in wait_until(): it
         // orders the caller's publishing stores before the load of `sleepers`.
         fence(Ordering::SeqCst);
@@ -192,7 +206,7 @@ impl Doorbell {
     /// `ready` must read what the publisher stores before calling [`ring`](Self::ring) (with
     /// Acquire loads if it then reads data published behind them).
     pub fn wait_until(&self, mut ready: impl FnMut() -> bool, policy: WaitPolicy) -> WaitOutcome {
-        if !policy.spin.is_zero() {
+        if !policy.spin.is_zero() && !self.ringer_shares_this_cpu() {
             let spin_until = policy.deadline.map_or(policy.spin, |deadline| {
                 policy.spin.min(deadline.saturating_duration_since(Instant::now()))
             });
@@ -252,6 +266,42 @@ impl Doorbell {
         // the rank's reset state with its own Release.
         self.sleepers.store(0, Ordering::Relaxed);
     }
+
+    /// Records the calling CPU as the last ringer's, storing only when it changed (so that a
+    /// ringer that stays on its CPU never writes the line).
+    fn note_ringer_cpu(&self) {
+        #[cfg(not(loom))]
+        if let Some(cpu) = current_cpu() {
+            let tag = cpu.wrapping_add(1);
+            // Relaxed, both: a hint that publishes nothing; any value, even a stale or scribbled
+            // one, only changes whether a waiter spins.
+            if self.ringer_cpu.load(Ordering::Relaxed) != tag {
+                self.ringer_cpu.store(tag, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether the last ring came from the CPU this thread runs on: the ringer then most likely
+    /// runs here too, and a spin would only keep it from the CPU (module documentation).
+    fn ringer_shares_this_cpu(&self) -> bool {
+        #[cfg(not(loom))]
+        {
+            // Relaxed: a hint (see note_ringer_cpu).
+            let tag = self.ringer_cpu.load(Ordering::Relaxed);
+            tag != 0 && current_cpu().map(|cpu| cpu.wrapping_add(1)) == Some(tag)
+        }
+        #[cfg(loom)]
+        {
+            false
+        }
+    }
+}
+
+/// The CPU the calling thread runs on, if the kernel says (a vDSO or rseq read, a few ns).
+#[cfg(not(loom))]
+fn current_cpu() -> Option<u32> {
+    // SAFETY: sched_getcpu has no preconditions.
+    u32::try_from(unsafe { libc::sched_getcpu() }).ok()
 }
 
 /// Futex sleeps that waits on the calling thread have begun, on any doorbell: how often a wait
@@ -369,6 +419,27 @@ mod tests {
             .within(Duration::from_millis(30));
         assert_eq!(doorbell.wait_until(|| false, policy), WaitOutcome::TimedOut);
         assert!(futex_sleeps() > sleeps, "the waiter never slept");
+    }
+
+    #[test]
+    fn a_waiter_on_the_cpu_the_last_ring_came_from_sleeps_at_once() {
+        // Pin this thread, so that the ring and the wait happen on one CPU.
+        let cpu = current_cpu().expect("the kernel tells the CPU");
+        // SAFETY: the set is a local the calls below only read and write; pid 0 is this thread,
+        // which libtest runs for this test alone.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu as usize, &mut set);
+            assert_eq!(libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set), 0);
+        }
+        let doorbell = Doorbell::new();
+        doorbell.ring();
+        let sleeps = futex_sleeps();
+        // A spin as long as the deadline would time out without ever sleeping.
+        let policy = WaitPolicy::new(Duration::from_secs(60), Duration::from_millis(5))
+            .within(Duration::from_millis(30));
+        assert_eq!(doorbell.wait_until(|| false, policy), WaitOutcome::TimedOut);
+        assert!(futex_sleeps() > sleeps, "the waiter spun on its peer's CPU");
     }
 
     #[test]
