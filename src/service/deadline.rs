@@ -23,8 +23,8 @@
 //! order and publishes each completion as soon as the command ends, so while a rank owes answers
 //! the time between two answers is at most the time of one command. The service splits transfers
 //! into commands of at most [`ServiceConfig::max_command_bytes`] per rank (64 MiB by default), so
-//! one command takes at most that many bytes at the worker's bandwidth: 6.4 s at a crawling
-//! 10 MB/s, 6 ms at 10 GB/s; the default deadline (10 s) is above the first. The clock measures
+//! one command takes at most that many bytes at the worker's bandwidth: 6.7 s at a crawling
+//! 10 MB/s, 7 ms at 10 GB/s; the default deadline (10 s) is above the first. The clock measures
 //! from answers the service has *reaped*, not from when the worker pushed them, and reaping comes
 //! before the check in every poll, so an engine that did not poll for a while finds the answers
 //! that piled up meanwhile before it judges anyone: only the worker's silence counts, never the

@@ -17,7 +17,8 @@
 //!    [`DEFAULT_SPIN`](kvshm_ipc::doorbell::DEFAULT_SPIN)) and start over. The
 //!    sleep ends as soon as commands arrive, the scheduler closes the segment (it rings every
 //!    command doorbell after marking the segment closed) or a stop signal arrives (it interrupts
-//!    the futex wait; the flag is part of the wait's condition);
+//!    the futex wait; the flag is part of the wait's condition; a signal that lands between the
+//!    last check and the sleep costs at most the slice);
 //! 3. for each command of the batch, in order: heartbeat, validate it against the segment's
 //!    current generation, and execute it. While a copy runs, the engine reports its progress at
 //!    least every [`COPY_CHUNK_BYTES`](super::engine::COPY_CHUNK_BYTES) it moves and after each
