@@ -9,7 +9,7 @@
 //! data, which catches a block reused too early, a ticket ready too soon or a copy issued too
 //! early. Hits are compared against a reference model: the set of blocks committed since the
 //! last reset. Every hit must be in it, and where the device tier never needs to evict, a
-//! lookup must find exactly the longest prefix in it.
+//! lookup must find exactly the longest prefix in it that the last-token rule lets hit.
 
 mod scheduler_support;
 
@@ -123,8 +123,10 @@ impl Engine {
         let prompt_len = self.rng.below(self.max_prompt_blocks * BLOCK_TOKENS + 1);
         let tokens = self.random_tokens(prompt_len);
         let hashes = self.hasher.hash_prompt(&tokens, &[]);
-        let reference = self.reference_prefix(&hashes);
-        let lookup = self.cache.lookup(&hashes);
+        // The last-token rule: at most (prompt - 1) / block_tokens blocks may hit.
+        let reference =
+            self.reference_prefix(&hashes).min(prompt_len.saturating_sub(1) / BLOCK_TOKENS);
+        let lookup = self.cache.lookup(&hashes, tokens.len()).unwrap();
         let id = self.next_request;
         self.next_request += 1;
         let found = self.cache.match_prefix(RequestId(id), &hashes, tokens.len()).unwrap();
@@ -133,6 +135,7 @@ impl Engine {
             (lookup.device_blocks, lookup.host_blocks)
         );
         assert!(found.blocks() <= reference, "a hit on a block never committed");
+        assert!(found.cached_tokens < tokens.len().max(1), "the last prompt token is computed");
         if self.exact {
             assert_eq!(
                 found.blocks(),

@@ -5,8 +5,8 @@ mod scheduler_support;
 
 use kvshm::hash::{BlockHasher, MultimodalItem, Namespace};
 use kvshm::manager::{
-    AllocateError, CacheConfig, CommitError, CompleteError, FinishError, MatchError, RequestId,
-    ResetError, TicketStatus, TransferId, TransferKind, WritePolicy,
+    AllocateError, CacheConfig, CommitError, CompleteError, FinishError, Lookup, MatchError,
+    PromptError, RequestId, ResetError, TicketStatus, TransferId, TransferKind, WritePolicy,
 };
 use kvshm::tree::{NodeState, SwapOut};
 use kvshm_ipc::record::BlockPair;
@@ -40,17 +40,109 @@ fn lookup_has_no_side_effects() {
     let mut cache = device_only(8);
     serve(&mut cache, 1, &hashes(&[1, 2]));
     let before = cache.tree_snapshot(8);
-    assert_eq!(cache.lookup(&hashes(&[1, 2, 3])).device_blocks, 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2, 3])).device_blocks, 2);
     let after = cache.tree_snapshot(8);
     assert_eq!(format!("{before:?}"), format!("{after:?}"));
     assert_eq!(cache.stats().counters.matches, 1);
 }
 
 #[test]
+fn a_fully_cached_block_aligned_prompt_leaves_its_last_block_to_compute() {
+    let mut cache = device_only(8);
+    serve(&mut cache, 1, &hashes(&[1, 2, 3]));
+    let request = RequestId(2);
+    let found = cache.match_prefix(request, &hashes(&[1, 2, 3]), 12).unwrap();
+    assert_eq!((found.device_blocks, found.cached_tokens), (2, 8), "block 3 is recomputed");
+    let allocation = cache.allocate(request, 12 - found.cached_tokens, 0).unwrap();
+    assert_eq!(allocation.new_blocks, 1);
+    // The block the last token is written into is the request's own, not a cached one.
+    let last = *allocation.block_table.last().unwrap();
+    let snapshot = cache.tree_snapshot(u32::MAX);
+    assert!(snapshot.nodes.iter().all(|node| node.device != Some(last)), "{snapshot:?}");
+    let committed = cache.commit(request, 12, &hashes(&[1, 2, 3])).unwrap();
+    assert_eq!((committed.inserted, committed.duplicates), (0, 1), "one cached copy of 3");
+    cache.finish(request).unwrap();
+    check(&cache);
+    assert_eq!(cache.free_device_blocks(), 5, "the recomputed copy went back to the pool");
+}
+
+#[test]
+fn a_prompt_with_a_partial_last_block_hits_every_full_block() {
+    let mut cache = device_only(8);
+    serve(&mut cache, 1, &hashes(&[1, 2, 3]));
+    for (id, prompt) in [(2, 13), (3, 15)] {
+        let found = cache.match_prefix(RequestId(id), &hashes(&[1, 2, 3]), prompt).unwrap();
+        assert_eq!((found.device_blocks, found.cached_tokens), (3, 12), "{prompt} tokens");
+    }
+    // A hash given for the trailing partial block (as traces do) never hits.
+    let found = cache.match_prefix(RequestId(4), &hashes(&[1, 2, 3]), 10).unwrap();
+    assert_eq!(found.device_blocks, 2);
+    check(&cache);
+}
+
+#[test]
+fn prompts_of_one_token_or_none_hit_nothing() {
+    let mut cache = device_only(8);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    assert_eq!(cache.match_prefix(RequestId(2), &[], 0).unwrap().blocks(), 0);
+    let one_token = cache.match_prefix(RequestId(3), &hashes(&[1]), 1).unwrap();
+    assert_eq!((one_token.blocks(), one_token.cached_tokens), (0, 0));
+    check(&cache);
+}
+
+#[test]
+fn more_hashes_than_the_prompt_has_blocks_are_refused_and_change_nothing() {
+    let mut cache = device_only(8);
+    serve(&mut cache, 1, &hashes(&[1, 2, 3]));
+    let before = format!("{:?}", cache.tree_snapshot(8));
+    let wrong = PromptError { hashes: 3, prompt_tokens: 8, block_tokens: BLOCK_TOKENS, blocks: 2 };
+    let request = RequestId(2);
+    assert_eq!(
+        cache.match_prefix(request, &hashes(&[1, 2, 3]), 8),
+        Err(MatchError::Prompt(wrong.clone()))
+    );
+    assert_eq!(cache.lookup(&hashes(&[1, 2, 3]), 8), Err(wrong));
+    assert_eq!(
+        cache.match_prefix(request, &hashes(&[1]), 0).unwrap_err(),
+        MatchError::Prompt(PromptError {
+            hashes: 1,
+            prompt_tokens: 0,
+            block_tokens: BLOCK_TOKENS,
+            blocks: 0
+        })
+    );
+    assert_eq!(format!("{:?}", cache.tree_snapshot(8)), before);
+    assert_eq!(cache.request_count(), 0, "the request is not live");
+    assert_eq!(cache.match_prefix(request, &hashes(&[1, 2, 3]), 9).unwrap().blocks(), 2);
+    check(&cache);
+}
+
+#[test]
+fn lookup_reports_what_a_match_would_hold() {
+    let mut cache = with_host(2, 4, WritePolicy::WriteBack);
+    serve(&mut cache, 1, &hashes(&[1, 2]));
+    serve(&mut cache, 2, &hashes(&[3, 4])); // 1 and 2 go to host
+    complete_all(&mut cache);
+    let prompt = hashes(&[1, 2]);
+    for (id, tokens) in [(3, 5), (4, 8), (5, 9), (6, 12)] {
+        let looked_up = cache.lookup(&prompt, tokens).unwrap();
+        let found = cache.match_prefix(RequestId(id), &prompt, tokens).unwrap();
+        let expected = if tokens > 8 { 2 } else { 1 };
+        assert_eq!(
+            looked_up,
+            Lookup { device_blocks: found.device_blocks, host_blocks: found.host_blocks }
+        );
+        assert_eq!(found.host_blocks, expected, "{tokens} tokens");
+        check(&cache);
+    }
+    assert_eq!(cache.cached_prefix(&prompt), Lookup { device_blocks: 0, host_blocks: 2 });
+}
+
+#[test]
 fn matching_holds_the_prefix_until_the_request_ends() {
     let mut cache = device_only(8);
     serve(&mut cache, 1, &hashes(&[1, 2]));
-    cache.match_prefix(RequestId(2), &hashes(&[1, 2]), 8).unwrap();
+    cache.match_prefix(RequestId(2), &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     cache.match_prefix(RequestId(3), &hashes(&[1]), 8).unwrap();
     check(&cache);
     let snapshot = cache.tree_snapshot(2);
@@ -97,11 +189,12 @@ fn eviction_follows_lru_order() {
     serve(&mut cache, 1, &hashes(&[1]));
     serve(&mut cache, 2, &hashes(&[2]));
     serve(&mut cache, 3, &hashes(&[3]));
-    serve(&mut cache, 4, &hashes(&[1])); // touches 1: now 2 is the oldest
-    serve(&mut cache, 5, &hashes(&[4]));
-    assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
+    // Hits 1 (one token past it) and needs a block for that token: 2, the oldest, goes.
+    serve_prompt(&mut cache, 4, &hashes(&[1]), prompt_hitting(1));
+    serve(&mut cache, 5, &hashes(&[4])); // takes the block of that token, freed at finish
+    assert_eq!(cache.cached_prefix(&hashes(&[2])).blocks(), 0);
     for kept in [1, 3, 4] {
-        assert_eq!(cache.lookup(&hashes(&[kept])).blocks(), 1, "block {kept}");
+        assert_eq!(cache.cached_prefix(&hashes(&[kept])).blocks(), 1, "block {kept}");
     }
     assert_eq!(cache.stats().counters.evictions.device_dropped, 1);
 }
@@ -112,9 +205,9 @@ fn eviction_is_leaf_first_and_deeper_first_on_ties() {
     serve(&mut cache, 1, &hashes(&[1, 2, 3]));
     serve(&mut cache, 2, &hashes(&[7]));
     // All of 1, 2, 3 were released at once: the tail goes first, then its parent.
-    assert_eq!(cache.lookup(&hashes(&[1, 2, 3])).blocks(), 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2, 3])).blocks(), 2);
     serve(&mut cache, 3, &hashes(&[8]));
-    assert_eq!(cache.lookup(&hashes(&[1, 2, 3])).blocks(), 1);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2, 3])).blocks(), 1);
 }
 
 #[test]
@@ -129,8 +222,8 @@ fn blocks_a_request_just_matched_are_not_evicted_before_others() {
     let allocation = cache.allocate(request, 8, 0).unwrap();
     assert_eq!(allocation.new_blocks, 2);
     check(&cache);
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).blocks(), 2);
-    assert_eq!(cache.lookup(&hashes(&[3])).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).blocks(), 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[3])).blocks(), 0);
 }
 
 #[test]
@@ -139,7 +232,7 @@ fn a_failed_allocation_changes_nothing() {
     serve(&mut cache, 1, &hashes(&[1, 2]));
     serve(&mut cache, 2, &hashes(&[3]));
     let request = RequestId(3);
-    cache.match_prefix(request, &hashes(&[1]), 4).unwrap();
+    cache.match_prefix(request, &hashes(&[1]), prompt_hitting(1)).unwrap();
     let before = (
         format!("{:?}", cache.tree_snapshot(9)),
         cache.free_device_blocks(),
@@ -164,13 +257,13 @@ fn a_failed_allocation_changes_nothing() {
 fn reset_refuses_while_blocks_are_held() {
     let mut cache = device_only(4);
     serve(&mut cache, 1, &hashes(&[1, 2]));
-    cache.match_prefix(RequestId(2), &hashes(&[1]), 4).unwrap();
+    cache.match_prefix(RequestId(2), &hashes(&[1]), prompt_hitting(1)).unwrap();
     assert_eq!(cache.reset(false), Err(ResetError::RequestsHoldBlocks { requests: 1 }));
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).blocks(), 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).blocks(), 2);
     cache.finish(RequestId(2)).unwrap();
     cache.reset(false).unwrap();
     check(&cache);
-    assert_eq!((cache.generation(), cache.lookup(&hashes(&[1])).blocks()), (1, 0));
+    assert_eq!((cache.generation(), cache.cached_prefix(&hashes(&[1])).blocks()), (1, 0));
     assert_eq!(cache.free_device_blocks(), 4);
 }
 
@@ -195,14 +288,14 @@ fn salt_and_multimodal_keys_isolate() {
     let image = |hash| [MultimodalItem { start: 5, len: 2, content_hash: hash }];
     let mut cache = device_only(16);
     serve(&mut cache, 1, &tenant(b"a").hash_prompt(&tokens, &image(1)));
-    assert_eq!(cache.lookup(&tenant(b"a").hash_prompt(&tokens, &image(1))).blocks(), 2);
-    assert_eq!(cache.lookup(&tenant(b"b").hash_prompt(&tokens, &image(1))).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&tenant(b"a").hash_prompt(&tokens, &image(1))).blocks(), 2);
+    assert_eq!(cache.cached_prefix(&tenant(b"b").hash_prompt(&tokens, &image(1))).blocks(), 0);
     assert_eq!(
-        cache.lookup(&tenant(b"a").hash_prompt(&tokens, &image(2))).blocks(),
+        cache.cached_prefix(&tenant(b"a").hash_prompt(&tokens, &image(2))).blocks(),
         1,
         "block 0 has no image"
     );
-    assert_eq!(cache.lookup(&tenant(b"a").hash_prompt(&tokens, &[])).blocks(), 1);
+    assert_eq!(cache.cached_prefix(&tenant(b"a").hash_prompt(&tokens, &[])).blocks(), 1);
 }
 
 #[test]
@@ -243,7 +336,7 @@ fn generated_tokens_are_committed_too() {
         check(&cache);
     }
     cache.finish(request).unwrap();
-    assert_eq!(cache.lookup(&hasher.hash_prompt(&tokens, &[])).blocks(), 2);
+    assert_eq!(cache.cached_prefix(&hasher.hash_prompt(&tokens, &[])).blocks(), 2);
 }
 
 #[test]
@@ -286,7 +379,7 @@ fn without_a_host_tier_evicted_blocks_are_dropped() {
     let mut cache = device_only(2);
     serve(&mut cache, 1, &hashes(&[1, 2]));
     serve(&mut cache, 2, &hashes(&[3, 4]));
-    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[1])).blocks(), 0);
     assert!(cache.take_transfers().is_empty());
     assert_eq!(cache.stats().counters.evictions.device_dropped, 2);
 }
@@ -296,7 +389,7 @@ fn write_back_moves_evicted_blocks_to_host_and_a_hit_swaps_them_in() {
     let mut cache = with_host(2, 4, WritePolicy::WriteBack);
     serve(&mut cache, 1, &hashes(&[1, 2]));
     serve(&mut cache, 2, &hashes(&[3, 4]));
-    let found = cache.lookup(&hashes(&[1, 2]));
+    let found = cache.cached_prefix(&hashes(&[1, 2]));
     assert_eq!((found.device_blocks, found.host_blocks), (0, 2));
     let stats = cache.stats();
     assert_eq!(
@@ -305,7 +398,7 @@ fn write_back_moves_evicted_blocks_to_host_and_a_hit_swaps_them_in() {
     );
 
     let request = RequestId(3);
-    let found = cache.match_prefix(request, &hashes(&[1, 2]), 8).unwrap();
+    let found = cache.match_prefix(request, &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     assert_eq!(found.host_blocks, 2);
     let allocation = cache.allocate(request, 0, 0).unwrap();
     let (ticket, table) = (allocation.ticket, allocation.block_table.to_vec());
@@ -321,7 +414,7 @@ fn write_back_moves_evicted_blocks_to_host_and_a_hit_swaps_them_in() {
     assert_eq!(swap_in[0].kind, TransferKind::HostToDevice);
     assert_eq!(swap_in[0].pairs.iter().map(|pair| pair.dst).collect::<Vec<_>>(), table);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).device_blocks, 2);
     assert_eq!(cache.block_table(request).unwrap(), table);
     assert_eq!(cache.stats().counters.swap_in_blocks, 2);
     check(&cache);
@@ -335,7 +428,7 @@ fn a_swap_in_carries_host_to_device_pairs_of_the_hits() {
     let host_block =
         cache.tree_snapshot(1).nodes.iter().find(|node| node.hash.0 == 1).unwrap().host.unwrap();
     let request = RequestId(3);
-    cache.match_prefix(request, &hashes(&[1]), 4).unwrap();
+    cache.match_prefix(request, &hashes(&[1]), prompt_hitting(1)).unwrap();
     let table = cache.allocate(request, 0, 0).unwrap().block_table.to_vec();
     let swap_in = complete_swap_outs(&mut cache);
     assert_eq!(swap_in.len(), 1);
@@ -361,7 +454,7 @@ fn a_node_hit_while_swapping_to_host_stays_on_device() {
     let out = cache.take_transfers();
     assert_eq!((out.len(), out[0].pairs.len()), (1, 1));
     let request = RequestId(2);
-    let found = cache.match_prefix(request, &hashes(&[1, 2]), 8).unwrap();
+    let found = cache.match_prefix(request, &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     assert_eq!(found.device_blocks, 2, "a node being swapped out is still a device hit");
     let table = cache.allocate(request, 0, 0).unwrap().block_table.to_vec();
     assert!(cache.take_transfers().is_empty(), "no swap-in needed");
@@ -383,15 +476,15 @@ fn a_node_hit_while_swapping_to_device_shares_the_copy_in_flight() {
     serve(&mut cache, 1, &hashes(&[1]));
     serve(&mut cache, 2, &hashes(&[2, 3, 4, 5]));
     complete_all(&mut cache);
-    assert_eq!(cache.lookup(&hashes(&[1])).host_blocks, 1);
-    cache.match_prefix(RequestId(3), &hashes(&[1]), 4).unwrap();
+    assert_eq!(cache.cached_prefix(&hashes(&[1])).host_blocks, 1);
+    cache.match_prefix(RequestId(3), &hashes(&[1]), prompt_hitting(1)).unwrap();
     let first = cache.allocate(RequestId(3), 0, 0).unwrap();
     let (first_ticket, first_table) = (first.ticket, first.block_table.to_vec());
     let copies: Vec<_> = complete_swap_outs(&mut cache);
     assert_eq!(copies.len(), 1);
     let swap_in = copies[0].clone();
     assert_eq!(swap_in.kind, TransferKind::HostToDevice);
-    let found = cache.match_prefix(RequestId(4), &hashes(&[1]), 4).unwrap();
+    let found = cache.match_prefix(RequestId(4), &hashes(&[1]), prompt_hitting(1)).unwrap();
     assert_eq!(found.device_blocks, 1);
     let second = cache.allocate(RequestId(4), 0, 0).unwrap();
     assert_eq!(second.block_table, first_table, "the same destination block");
@@ -442,14 +535,18 @@ fn an_allocation_short_of_free_blocks_claims_a_block_being_swapped_out() {
         .nodes
         .iter()
         .any(|node| node.state == NodeState::SwapToHost(SwapOut::Claimed)));
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).blocks(), 1, "a match stops at a claimed node");
+    assert_eq!(
+        cache.cached_prefix(&hashes(&[1, 2])).blocks(),
+        1,
+        "a match stops at a claimed node"
+    );
     let out = cache.take_transfers();
     assert!(out[0].pairs.iter().any(|pair| pair.src == block));
     assert_eq!(cache.commit(request, 4, &hashes(&[7])), Err(CommitError::TicketPending(request)));
     cache.complete_transfer(out[0].id, Ok(())).unwrap();
     check(&cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 1);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).host_blocks, 1);
     cache.commit(request, 4, &hashes(&[7])).unwrap();
     check(&cache);
 }
@@ -479,7 +576,7 @@ fn a_failed_swap_out_leaves_the_node_on_device_and_frees_the_host_block() {
     cache.complete_transfer(out[0].id, Err(failure())).unwrap();
     check(&cache);
     assert_eq!(cache.free_host_blocks(), 4);
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).device_blocks, 2);
     assert_eq!(cache.stats().counters.failed_transfers, 1);
 }
 
@@ -492,7 +589,7 @@ fn a_failed_claimed_swap_out_drops_the_node() {
     let out = cache.take_transfers();
     cache.complete_transfer(out[0].id, Err(failure())).unwrap();
     check(&cache);
-    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[1])).blocks(), 0);
     assert_eq!(
         cache.ticket_status(ticket),
         Ok(TicketStatus::Ready),
@@ -507,7 +604,7 @@ fn a_failed_swap_in_fails_the_ticket_and_leaves_the_node_on_host() {
     serve(&mut cache, 1, &hashes(&[1]));
     serve(&mut cache, 2, &hashes(&[2, 3, 4, 5]));
     let request = RequestId(3);
-    cache.match_prefix(request, &hashes(&[1]), 4).unwrap();
+    cache.match_prefix(request, &hashes(&[1]), prompt_hitting(1)).unwrap();
     let ticket = cache.allocate(request, 0, 0).unwrap().ticket;
     let swap_in = complete_swap_outs(&mut cache);
     let free_before = cache.free_device_blocks();
@@ -515,7 +612,7 @@ fn a_failed_swap_in_fails_the_ticket_and_leaves_the_node_on_host() {
     check(&cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Failed(failure())));
     assert_eq!(cache.free_device_blocks(), free_before + 1);
-    assert_eq!(cache.lookup(&hashes(&[1])).host_blocks, 1);
+    assert_eq!(cache.cached_prefix(&hashes(&[1])).host_blocks, 1);
     assert_eq!(cache.commit(request, 4, &hashes(&[1])), Err(CommitError::RequestFailed(request)));
     assert_eq!(cache.allocate(request, 4, 0).unwrap_err(), AllocateError::RequestFailed(request));
     cache.abort(request).unwrap();
@@ -548,7 +645,7 @@ fn write_through_backs_up_every_committed_block_on_poll() {
         ),
         (1, 0)
     );
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 1);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).host_blocks, 1);
 }
 
 #[test]
@@ -556,14 +653,15 @@ fn write_through_selective_backs_up_hot_nodes_and_drops_cold_ones() {
     let mut cache = with_host(2, 4, WritePolicy::WriteThroughSelective { threshold: 2 });
     serve(&mut cache, 1, &hashes(&[1]));
     serve(&mut cache, 2, &hashes(&[2]));
-    serve(&mut cache, 3, &hashes(&[1])); // hit count of 1 reaches 2
+    // Hits 1 (its hit count reaches 2); the block of its last token evicts 2 (cold: dropped).
+    serve_prompt(&mut cache, 3, &hashes(&[1]), prompt_hitting(1));
     cache.poll();
     assert_eq!(complete_all(&mut cache).len(), 1);
     assert_eq!(cache.stats().counters.backup_blocks, 1);
-    serve(&mut cache, 4, &hashes(&[3])); // evicts 2 (cold: dropped)
+    serve(&mut cache, 4, &hashes(&[3])); // takes the block freed by request 3
     serve(&mut cache, 5, &hashes(&[4])); // evicts 1 (backed up: metadata)
-    assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
-    assert_eq!(cache.lookup(&hashes(&[1])).host_blocks, 1);
+    assert_eq!(cache.cached_prefix(&hashes(&[2])).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[1])).host_blocks, 1);
     let stats = cache.stats();
     assert_eq!(
         (stats.counters.evictions.device_dropped, stats.counters.evictions.device_to_host_metadata),
@@ -577,8 +675,8 @@ fn write_back_with_a_full_host_tier_drops_host_leaves_first() {
     serve(&mut cache, 1, &hashes(&[1]));
     serve(&mut cache, 2, &hashes(&[2])); // 1 goes to host
     serve(&mut cache, 3, &hashes(&[3])); // host full: 1 is dropped, 2 goes to host
-    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
-    assert_eq!(cache.lookup(&hashes(&[2])).host_blocks, 1);
+    assert_eq!(cache.cached_prefix(&hashes(&[1])).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[2])).host_blocks, 1);
     assert_eq!(cache.stats().counters.evictions.host_dropped, 1);
 }
 
@@ -588,9 +686,9 @@ fn write_back_drops_the_device_node_when_no_host_block_can_go() {
     serve(&mut cache, 1, &hashes(&[1]));
     serve(&mut cache, 2, &hashes(&[2]));
     serve(&mut cache, 3, &hashes(&[3])); // 1 to host
-    cache.match_prefix(RequestId(4), &hashes(&[1]), 4).unwrap(); // holds the host copy
+    cache.match_prefix(RequestId(4), &hashes(&[1]), prompt_hitting(1)).unwrap(); // holds the host copy
     serve(&mut cache, 5, &hashes(&[5])); // evicting 2: host full and held, so 2 is dropped
-    assert_eq!(cache.lookup(&hashes(&[2])).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[2])).blocks(), 0);
     assert_eq!(cache.stats().counters.evictions.device_dropped, 1);
     cache.finish(RequestId(4)).unwrap();
     check(&cache);
@@ -612,7 +710,7 @@ fn completions_from_an_older_generation_keep_their_blocks_until_they_arrive() {
     cache.complete_transfer(out[0].id, Ok(())).unwrap();
     check(&cache);
     assert_eq!((cache.free_device_blocks(), cache.free_host_blocks()), (2, 2));
-    assert_eq!(cache.lookup(&hashes(&[1])).blocks(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[1])).blocks(), 0);
     assert_eq!(cache.stats().counters.stale_completions, 1);
 }
 
@@ -624,7 +722,7 @@ fn the_watermark_evicts_ahead_of_demand_on_poll() {
     cache.poll();
     check(&cache);
     assert_eq!(cache.free_device_blocks(), 2);
-    assert_eq!(cache.lookup(&hashes(&[1, 2, 3, 4])).blocks(), 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2, 3, 4])).blocks(), 2);
 }
 
 #[test]
@@ -667,13 +765,13 @@ fn a_failed_swap_in_cancels_the_swap_ins_held_back_below_it() {
     let mut cache = with_host(4, 8, WritePolicy::WriteBack);
     serve(&mut cache, 1, &hashes(&[1, 2]));
     serve(&mut cache, 2, &hashes(&[3, 4, 5, 6])); // 1 and 2 go to host
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 2);
-    cache.match_prefix(RequestId(3), &hashes(&[1]), 4).unwrap();
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).host_blocks, 2);
+    cache.match_prefix(RequestId(3), &hashes(&[1]), prompt_hitting(1)).unwrap();
     let first = cache.allocate(RequestId(3), 0, 0).unwrap().ticket;
     let parent_swap_in = complete_swap_outs(&mut cache);
     assert_eq!(parent_swap_in.len(), 1);
     // Request 4 shares the swap-in of 1 and swaps 2 in behind it.
-    cache.match_prefix(RequestId(4), &hashes(&[1, 2]), 8).unwrap();
+    cache.match_prefix(RequestId(4), &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     let second = cache.allocate(RequestId(4), 0, 0).unwrap().ticket;
     assert!(complete_swap_outs(&mut cache).is_empty(), "the swap-in of 2 waits for that of 1");
     check(&cache);
@@ -683,7 +781,7 @@ fn a_failed_swap_in_cancels_the_swap_ins_held_back_below_it() {
     assert!(cache.take_transfers().is_empty(), "the swap-in of 2 was cancelled");
     assert_eq!(cache.transfers_in_flight(), 0);
     assert_eq!(cache.free_device_blocks(), free + 2);
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).host_blocks, 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).host_blocks, 2);
     for ticket in [first, second] {
         assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Failed(failure())));
     }
@@ -697,10 +795,10 @@ fn a_shared_swap_in_that_lands_releases_the_one_behind_it() {
     let mut cache = with_host(4, 8, WritePolicy::WriteBack);
     serve(&mut cache, 1, &hashes(&[1, 2]));
     serve(&mut cache, 2, &hashes(&[3, 4, 5, 6]));
-    cache.match_prefix(RequestId(3), &hashes(&[1]), 4).unwrap();
+    cache.match_prefix(RequestId(3), &hashes(&[1]), prompt_hitting(1)).unwrap();
     cache.allocate(RequestId(3), 0, 0).unwrap();
     let parent_swap_in = complete_swap_outs(&mut cache);
-    cache.match_prefix(RequestId(4), &hashes(&[1, 2]), 8).unwrap();
+    cache.match_prefix(RequestId(4), &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     let ticket = cache.allocate(RequestId(4), 0, 0).unwrap().ticket;
     complete_swap_outs(&mut cache);
     cache.complete_transfer(parent_swap_in[0].id, Ok(())).unwrap();
@@ -710,7 +808,7 @@ fn a_shared_swap_in_that_lands_releases_the_one_behind_it() {
     cache.complete_transfer(behind[0].id, Ok(())).unwrap();
     check(&cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
-    assert_eq!(cache.lookup(&hashes(&[1, 2])).device_blocks, 2);
+    assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).device_blocks, 2);
 }
 
 #[test]

@@ -48,7 +48,8 @@ fn a_slow_swap_in_reports_its_layers_one_by_one_until_the_ticket_is_ready() {
     service.abort(request).unwrap();
 
     let request = RequestId(3);
-    let matched = service.match_prefix(request, &prefix, tokens).unwrap();
+    // A prompt one token past the prefix, so that all of it may hit (the last-token rule).
+    let matched = service.match_prefix(request, &prefix, tokens + 1).unwrap();
     assert_eq!(matched.host_blocks, prefix.len());
     let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
     let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);

@@ -104,9 +104,9 @@ impl ToPyErr for MatchError {
         match self {
             MatchError::DuplicateRequest(_) => DuplicateRequestError::new_err(message),
             MatchError::UnknownRequest(_) => UnknownRequestError::new_err(message),
-            MatchError::AlreadyAllocated(_) | MatchError::PrefixMismatch { .. } => {
-                RequestError::new_err(message)
-            }
+            MatchError::AlreadyAllocated(_)
+            | MatchError::PrefixMismatch { .. }
+            | MatchError::Prompt(_) => RequestError::new_err(message),
         }
     }
 }

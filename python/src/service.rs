@@ -7,14 +7,14 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvshm::hash::{BlockHasher as RustBlockHasher, MultimodalItem, Namespace};
-use kvshm::manager::{CacheConfig, RequestId, TicketId, TicketStatus, WritePolicy};
+use kvshm::manager::{CacheConfig, MatchError, RequestId, TicketId, TicketStatus, WritePolicy};
 use kvshm::service::{Backend, SegmentName, Service as RustService, ServiceConfig};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::buffers::{read_hashes, read_u32s, BlockHashes, U32Array};
-use crate::errors::{ConfigError, IntoPyResult, SegmentError, TransferFailedError};
+use crate::errors::{ConfigError, IntoPyResult, SegmentError, ToPyErr, TransferFailedError};
 
 /// A timeout in seconds as a `Duration` (negative, NaN or absurd values are refused).
 pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
@@ -225,10 +225,24 @@ impl Service {
             .collect())
     }
 
-    /// How many leading blocks hit on device and on host; no side effects.
-    fn lookup(&self, hashes: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+    /// How many leading blocks hit on device and on host; no side effects. With the prompt's
+    /// length, what `match_prefix` would hold (the last-token rule); without it, how many of
+    /// the leading blocks are cached.
+    #[pyo3(signature = (hashes, prompt_tokens=None))]
+    fn lookup(
+        &self,
+        hashes: &Bound<'_, PyAny>,
+        prompt_tokens: Option<usize>,
+    ) -> PyResult<(usize, usize)> {
         let hashes = read_hashes(hashes)?;
-        let found = open(&mut self.lock())?.cache().lookup(&hashes);
+        let mut guard = self.lock();
+        let cache = open(&mut guard)?.cache();
+        let found = match prompt_tokens {
+            Some(tokens) => {
+                cache.lookup(&hashes, tokens).map_err(|error| MatchError::from(error).to_py())?
+            }
+            None => cache.cached_prefix(&hashes),
+        };
         Ok((found.device_blocks, found.host_blocks))
     }
 

@@ -35,6 +35,12 @@ def test_a_prefix_cached_by_one_request_hits_for_the_next(name: str) -> None:
         found = service.match_prefix(2, hashes, len(prompt))
         assert (found.device_blocks, found.cached_tokens) == (3, 12)
         assert service.lookup(hashes) == (3, 0)
+        # With the prompt's length, what a match would hold: a block-aligned prompt of these
+        # three blocks recomputes its last one.
+        assert service.lookup(hashes, 13) == (3, 0)
+        assert service.lookup(hashes, 12) == (2, 0)
+        with pytest.raises(kvshm.RequestError, match="3 block hashes"):
+            service.lookup(hashes, 8)
         service.check_invariants()
 
 

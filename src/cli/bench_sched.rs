@@ -228,10 +228,13 @@ pub fn measure(
     let per_block = |nanos: f64, blocks: usize| nanos / blocks as f64;
     let (mut match_op, mut match_block, mut lookup, mut finish, mut base) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    // Each operation walks its own random path, so none finds the caches warmed by another.
+    // A prompt one token longer than a path, so that every block of the path may hit (the
+    // last-token rule). Each operation walks its own random path, so none finds the caches
+    // warmed by another.
+    let whole_path_prompt = tokens(request_blocks) + 1;
     for _ in 0..samples {
         let start = Instant::now();
-        black_box(cache.lookup(black_box(path(rng.below(paths)))));
+        black_box(cache.lookup(black_box(path(rng.below(paths))), whole_path_prompt)?);
         lookup.push(per_block(nanos_since(start), request_blocks));
         let blocks = path(rng.below(paths));
         let start = Instant::now();
@@ -242,7 +245,7 @@ pub fn measure(
         let blocks = path(rng.below(paths));
         let id = request();
         let start = Instant::now();
-        let found = cache.match_prefix(id, blocks, tokens(request_blocks))?;
+        let found = cache.match_prefix(id, blocks, whole_path_prompt)?;
         let nanos = nanos_since(start);
         anyhow::ensure!(found.device_blocks == request_blocks, "a cached path missed");
         match_op.push(nanos);

@@ -2,6 +2,22 @@
 
 use super::{RequestId, TicketId, TransferId};
 
+/// A prompt described inconsistently: more block hashes than its tokens make blocks (counting a
+/// trailing partial block). The prompt length is what the last-token rule is computed from, so a
+/// wrong one is refused rather than guessed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{hashes} block hashes for a prompt of {prompt_tokens} tokens, which makes at most {blocks} \
+     blocks of {block_tokens} tokens"
+)]
+pub struct PromptError {
+    pub hashes: usize,
+    pub prompt_tokens: usize,
+    pub block_tokens: u32,
+    /// `prompt_tokens` divided by `block_tokens`, rounded up.
+    pub blocks: usize,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MatchError {
     #[error("{0} is already live")]
@@ -12,6 +28,8 @@ pub enum MatchError {
     AlreadyAllocated(RequestId),
     #[error("{request}: hash {block} differs from the prefix it holds")]
     PrefixMismatch { request: RequestId, block: usize },
+    #[error(transparent)]
+    Prompt(#[from] PromptError),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,7 +1,17 @@
 //! `lookup` and `match_prefix` (SPEC 5.1 and 5.2): how much of a prompt is cached, and holding it.
 //!
+//! The last-token rule (SPEC 11): a match never covers the whole prompt. Of a prompt of `T` tokens
+//! at most `(T - 1) / block_tokens` leading blocks hit, so the engine always computes at least the
+//! last prompt token (it needs that token's logits to sample the first output token), and the
+//! block that token lands in is never a shared cached block: a prefill cannot write into a block
+//! another request reads. A block-aligned prompt thus recomputes its whole last block, as vLLM
+//! and SGLang do. The rule needs the prompt's length in tokens, which block hashes alone do not
+//! tell (a prompt of 8 blocks and one of 8 blocks and 100 tokens have the same full-block hashes),
+//! so both operations take it, and refuse a length that cannot go with the hashes given.
+//!
 //! Matching walks from the root by (parent, hash) and stops at the first block that is not
-//! cached. Device hits come first (device residency is prefix-closed), then host hits:
+//! cached, or at the rule's bound. Device hits come first (device residency is prefix-closed),
+//! then host hits:
 //! - `Device`, `SwapToHost(backup | evict)` and `SwapToDevice` nodes are device hits (the last
 //!   one waits on the copy already in flight; a hit on an evicting node cancels the eviction);
 //! - `Host` nodes are host hits (a swap-in at allocation);
@@ -10,7 +20,7 @@
 
 use serde::Serialize;
 
-use super::{CacheManager, MatchError, Request, RequestId, WritePolicy};
+use super::{CacheManager, MatchError, PromptError, Request, RequestId, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::{NodeId, NodeState, SwapOut};
 
@@ -32,7 +42,8 @@ impl Lookup {
 pub struct PrefixMatch {
     pub device_blocks: usize,
     pub host_blocks: usize,
-    /// Prompt tokens covered by the hits: `min(hit blocks * block_tokens, prompt_tokens)`.
+    /// Prompt tokens covered by the hits: `hit blocks * block_tokens`, always less than the
+    /// prompt's tokens (the last-token rule).
     pub cached_tokens: usize,
 }
 
@@ -43,14 +54,38 @@ impl PrefixMatch {
 }
 
 impl CacheManager {
-    /// How many leading blocks of `hashes` hit on device and on host. No side effects.
-    pub fn lookup(&self, hashes: &[BlockHash]) -> Lookup {
+    /// What [`CacheManager::match_prefix`] would hold for this prompt right now, per tier, under
+    /// the same last-token rule and with the same errors, but without holding, touching or
+    /// counting anything: no side effects.
+    pub fn lookup(
+        &self,
+        hashes: &[BlockHash],
+        prompt_tokens: usize,
+    ) -> Result<Lookup, PromptError> {
+        let matchable = self.matchable(hashes, prompt_tokens)?;
+        Ok(self.walk(matchable, |_| {}))
+    }
+
+    /// How many leading blocks of `hashes` are cached, per tier, with no last-token rule: a
+    /// question about the cache's contents (inspection, tests), not about a prompt. Engines
+    /// deciding what to compute use [`CacheManager::lookup`]. No side effects.
+    pub fn cached_prefix(&self, hashes: &[BlockHash]) -> Lookup {
         self.walk(hashes, |_| {})
     }
 
     /// Looks up the prompt of a new request and holds its cached prefix (`ref_count += 1`, one
-    /// more hit, touched now). `prompt_tokens` bounds the cached tokens reported (the last hash
-    /// may name a partial block when hashes come from a trace).
+    /// more hit, touched now).
+    ///
+    /// `hashes` are the chained hashes of the prompt's leading blocks (see
+    /// [`crate::hash::BlockHasher::hash_prompt`]: full blocks only; a trailing partial block's
+    /// hash is accepted and never hits), and `prompt_tokens` is the prompt's length in tokens.
+    /// At most `(prompt_tokens - 1) / block_tokens` blocks hit (the last-token rule, module
+    /// documentation), so `cached_tokens < prompt_tokens` always: the engine computes at least
+    /// the last prompt token, into a block of its own.
+    ///
+    /// # Errors
+    /// [`MatchError::DuplicateRequest`] for a live request; [`MatchError::Prompt`] when there are
+    /// more hashes than `prompt_tokens` make blocks (a wrong length). Nothing changes on error.
     pub fn match_prefix(
         &mut self,
         request: RequestId,
@@ -60,8 +95,9 @@ impl CacheManager {
         if self.requests.contains_key(&request) {
             return Err(MatchError::DuplicateRequest(request));
         }
+        let matchable = self.matchable(hashes, prompt_tokens)?;
         let mut path = Vec::new();
-        let found = self.walk(hashes, |id| path.push(id));
+        let found = self.walk(matchable, |id| path.push(id));
         let clock = self.tick();
         let selective = match self.config.write_policy {
             WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
@@ -92,8 +128,8 @@ impl CacheManager {
             }
         }
         let block_tokens = self.config.block_tokens as usize;
-        let cached_tokens = (found.blocks() * block_tokens).min(prompt_tokens);
-        let device_tokens = (found.device_blocks * block_tokens).min(prompt_tokens);
+        let cached_tokens = found.blocks() * block_tokens;
+        let device_tokens = found.device_blocks * block_tokens;
         self.stats.record_match(hashes.len(), found, device_tokens, cached_tokens - device_tokens);
         self.requests
             .insert(request, Request { path, tokens: cached_tokens, ..Request::default() });
@@ -102,6 +138,27 @@ impl CacheManager {
             host_blocks: found.host_blocks,
             cached_tokens,
         })
+    }
+
+    /// The leading hashes the last-token rule lets hit: at most `(prompt_tokens - 1) /
+    /// block_tokens` of them. Refuses more hashes than the prompt has blocks.
+    pub(super) fn matchable<'h>(
+        &self,
+        hashes: &'h [BlockHash],
+        prompt_tokens: usize,
+    ) -> Result<&'h [BlockHash], PromptError> {
+        let block_tokens = self.config.block_tokens as usize;
+        let blocks = prompt_tokens.div_ceil(block_tokens);
+        if hashes.len() > blocks {
+            return Err(PromptError {
+                hashes: hashes.len(),
+                prompt_tokens,
+                block_tokens: self.config.block_tokens,
+                blocks,
+            });
+        }
+        let bound = prompt_tokens.saturating_sub(1) / block_tokens;
+        Ok(&hashes[..hashes.len().min(bound)])
     }
 
     fn walk(&self, hashes: &[BlockHash], mut visit: impl FnMut(NodeId)) -> Lookup {

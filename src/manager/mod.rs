@@ -46,7 +46,7 @@ pub use commit::Committed;
 pub use config::{CacheConfig, ConfigError, ParseWritePolicyError, WritePolicy};
 pub use errors::{
     AllocateError, CommitError, CompleteError, FinishError, InvariantViolation, MatchError,
-    ResetError, ResizeError, TicketError, UnknownRequest,
+    PromptError, ResetError, ResizeError, TicketError, UnknownRequest,
 };
 pub use lookup::{Lookup, PrefixMatch};
 pub use queries::TransferStage;

@@ -59,8 +59,8 @@ impl CacheManager {
             return Err(MatchError::PrefixMismatch { request, block });
         }
         let block_tokens = self.config.block_tokens as usize;
-        // The last-token rule: the engine computes at least the last prompt token.
-        let limit = hashes.len().min(prompt_tokens.saturating_sub(1) / block_tokens);
+        // The last-token rule, as `match_prefix` applies it (and refuses a wrong length).
+        let limit = self.matchable(hashes, prompt_tokens)?.len();
         let mut parent = record.path.last().copied().unwrap_or(NodeId::ROOT);
         let mut added = Vec::new();
         for &hash in hashes.get(held..limit).unwrap_or_default() {
@@ -81,7 +81,7 @@ impl CacheManager {
         record.tokens = (path_blocks * block_tokens).min(prompt_tokens);
         let cached_tokens = record.tokens;
         // Device residency is prefix-closed: the path's device hits come first.
-        let found = self.lookup(&hashes[..path_blocks]);
+        let found = self.cached_prefix(&hashes[..path_blocks]);
         let new_device = found.device_blocks.saturating_sub(held).min(added.len());
         let hits = &mut self.stats.hits;
         hits.device_blocks += new_device as u64;

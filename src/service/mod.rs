@@ -357,7 +357,8 @@ impl Service {
         }
     }
 
-    /// SPEC 5.2: matches the request's leading blocks and holds them.
+    /// SPEC 5.2: matches the request's leading blocks and holds them, leaving at least the last
+    /// prompt token to compute (the last-token rule of [`CacheManager::match_prefix`]).
     pub fn match_prefix(
         &mut self,
         request: RequestId,

@@ -47,10 +47,26 @@ pub fn complete_all(cache: &mut CacheManager) -> Vec<Transfer> {
     }
 }
 
-/// Runs one request through match, allocate, copies, commit and finish; returns its match.
+/// The length of a prompt of `blocks` full blocks and one token more: the shortest prompt whose
+/// `blocks` blocks may all hit under the last-token rule.
+pub fn prompt_hitting(blocks: usize) -> usize {
+    blocks * BLOCK_TOKENS as usize + 1
+}
+
+/// Runs one block-aligned prompt through match, allocate, copies, commit and finish; returns its
+/// match. Under the last-token rule its last block never hits (it is recomputed).
 pub fn serve(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) -> PrefixMatch {
+    serve_prompt(cache, id, blocks, blocks.len() * BLOCK_TOKENS as usize)
+}
+
+/// Like [`serve`] for a prompt of `prompt` tokens whose full blocks are `blocks`.
+pub fn serve_prompt(
+    cache: &mut CacheManager,
+    id: u64,
+    blocks: &[BlockHash],
+    prompt: usize,
+) -> PrefixMatch {
     let request = RequestId(id);
-    let prompt = blocks.len() * BLOCK_TOKENS as usize;
     let found = cache.match_prefix(request, blocks, prompt).unwrap();
     check(cache);
     cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
