@@ -27,19 +27,25 @@ pub struct TraceRequest {
 }
 
 impl TraceRequest {
-    /// The request's block hashes. A trace id names a whole prefix already (equal ids at equal
+    /// The hashes of the prompt's full blocks of `block_tokens` tokens, the only blocks an engine
+    /// caches: the first `input_length / block_tokens` ids (the trace names a trailing partial
+    /// block too, which is left out). A trace id names a whole prefix already (equal ids at equal
     /// positions mean equal prefixes), so no chaining is needed; each id is spread over 128 bits
-    /// (XXH3-128 of its little-endian bytes, with a seed of our own) so that trace blocks look
-    /// and index like real block hashes.
-    pub fn block_hashes(&self) -> impl ExactSizeIterator<Item = BlockHash> + '_ {
-        self.hash_ids.iter().map(|&id| trace_block_hash(id))
+    /// ([`trace_block_hash`]) so that trace blocks look and index like real block hashes.
+    pub fn full_block_hashes(
+        &self,
+        block_tokens: usize,
+    ) -> impl ExactSizeIterator<Item = BlockHash> + '_ {
+        let full = (self.input_length / block_tokens).min(self.hash_ids.len());
+        self.hash_ids[..full].iter().map(|&id| trace_block_hash(id))
     }
 }
 
 /// Seed of [`trace_block_hash`]: "kvshm trace ids", fixed forever (replays must stay comparable).
 const TRACE_HASH_SEED: u64 = 0x6b76_7368_6d5f_7472;
 
-/// The block hash standing for trace id `id`.
+/// The block hash standing for trace id `id`: XXH3-128 of its little-endian bytes, with a seed
+/// of our own.
 pub fn trace_block_hash(id: u64) -> BlockHash {
     BlockHash(xxhash_rust::xxh3::xxh3_128_with_seed(&id.to_le_bytes(), TRACE_HASH_SEED))
 }
@@ -136,6 +142,20 @@ mod tests {
         assert_eq!(distinct.len(), hashes.len());
         assert_eq!(trace_block_hash(7), trace_block_hash(7));
         assert!(hashes.iter().filter(|hash| hash.0 >> 64 == 0).count() < 2, "high bits are used");
+    }
+
+    #[test]
+    fn a_trailing_partial_block_is_not_a_block() {
+        let request = TraceRequest {
+            timestamp: 0,
+            input_length: 1100,
+            output_length: 1,
+            hash_ids: vec![4, 5, 6],
+        };
+        let hashes: Vec<BlockHash> = request.full_block_hashes(512).collect();
+        assert_eq!(hashes, vec![trace_block_hash(4), trace_block_hash(5)]);
+        let aligned = TraceRequest { input_length: 1536, ..request };
+        assert_eq!(aligned.full_block_hashes(512).len(), 3);
     }
 
     #[test]

@@ -1,19 +1,11 @@
-//! `kvshm replay` end to end: the binary on a slice of the Mooncake trace that CI carries at
-//! `../shared/traces/` relative to the repository root (`../../shared/traces/` from a worktree
-//! under `wt/`).
+//! `kvshm replay` end to end: the binary on a slice of the Mooncake trace (see
+//! [`scheduler_support::mooncake_trace`]).
 
-use std::path::PathBuf;
+mod scheduler_support;
+
 use std::process::Command;
 
-fn trace() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let candidates = ["..", "../.."]
-        .map(|up| root.join(up).join("shared/traces/mooncake_conversation_trace.jsonl"));
-    let found = candidates.iter().find(|path| path.exists());
-    found
-        .unwrap_or_else(|| panic!("the Mooncake trace is missing at {}", candidates[0].display()))
-        .clone()
-}
+use scheduler_support::mooncake_trace as trace;
 
 fn replay(extra: &[&str]) -> serde_json::Value {
     let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))

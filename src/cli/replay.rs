@@ -1,16 +1,24 @@
-//! `kvshm replay`: a Mooncake-format trace through the scheduler, one request at a time.
+//! `kvshm replay`: a Mooncake-format trace through the scheduler, one request at a time, under
+//! the rules an engine follows.
 //!
-//! Each entry of `hash_ids` is one block (the last may be partial; it counts as a block, as the
-//! trace does). Per request ([`replay`]):
+//! A trace request names one id per 512-token block of its prompt, the last possibly partial.
+//! Engines cache only full blocks, so only the first `input_length / block_tokens` ids are
+//! blocks; and a match follows `match_prefix`'s last-token rule, so at most
+//! `(input_length - 1) / block_tokens` of them hit. Per request ([`replay`]):
 //! 1. `poll` (backups, watermark evictions), completing the copies at once;
-//! 2. match the request's blocks;
-//! 3. allocate the rest of the prompt plus `output_length` tokens (a request that cannot fit is
-//!    counted and aborted);
+//! 2. match the prompt's full blocks;
+//! 3. allocate the rest of the prompt plus `output_length` tokens (only the prompt with
+//!    `--prompt-only`, as vLLM's manager is driven by `benches/vllm_kv_manager.py`); a request
+//!    that cannot fit is counted and aborted;
 //! 4. complete every copy at once, successfully;
-//! 5. commit the prompt's blocks and finish.
+//! 5. commit the prompt's full blocks and finish.
 //!
-//! The time of steps 1 to 5 is the scheduler's time per request. Hit tokens are
-//! `min(hit_blocks * block_tokens, input_length)`.
+//! The time of steps 1 to 5 is the scheduler's time per request. Hit tokens are hit blocks times
+//! `block_tokens`.
+//!
+//! With `--prompt-only` this reproduces vLLM's own `KVCacheManager` request for request: vLLM
+//! keeps block 0 of its pool as a null block, so vLLM with `N` blocks caches what kvshm does with
+//! `N - 1` (the harness checks it).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -45,6 +53,12 @@ pub struct Args {
     /// Replay only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Allocate only the prompt of each request, not its `output_length` tokens more.
+    #[arg(long)]
+    pub prompt_only: bool,
+    /// Write the hit blocks of every request, one number per line, to this file.
+    #[arg(long)]
+    pub per_request_hits: Option<PathBuf>,
     /// Print one JSON object instead of a summary.
     #[arg(long)]
     pub json: bool,
@@ -56,6 +70,7 @@ pub struct ReplayReport {
     pub requests: usize,
     /// Requests whose allocation could not be satisfied (aborted).
     pub failed_requests: usize,
+    /// Full prompt blocks (the blocks an engine caches and can hit).
     pub blocks: u64,
     pub hit_blocks: u64,
     pub device_hit_blocks: u64,
@@ -77,6 +92,14 @@ pub struct ReplayReport {
     pub device_blocks: u32,
     pub host_blocks: u32,
     pub write_policy: String,
+    pub prompt_only: bool,
+}
+
+/// A replay's report and the hit blocks of each request, in trace order.
+#[derive(Clone, Debug)]
+pub struct Replayed {
+    pub report: ReplayReport,
+    pub hits_per_request: Vec<u32>,
 }
 
 /// Completes every copy the manager has to hand out, successfully, until none is left.
@@ -97,31 +120,35 @@ fn complete_all(
 }
 
 /// Replays `requests` one at a time through a fresh manager (module flow).
-pub fn replay(requests: &[TraceRequest], config: CacheConfig) -> anyhow::Result<ReplayReport> {
+pub fn replay(
+    requests: &[TraceRequest],
+    config: CacheConfig,
+    prompt_only: bool,
+) -> anyhow::Result<Replayed> {
     let block_tokens = config.block_tokens as usize;
     let write_policy = config.write_policy.to_string();
     let mut cache = CacheManager::new(config)?;
     let mut transfers = Vec::new();
     let mut hashes = Vec::new();
     let mut times = Vec::with_capacity(requests.len());
+    let mut hits_per_request = Vec::with_capacity(requests.len());
     let (mut blocks, mut device_hits, mut host_hits, mut input_tokens, mut hit_tokens) =
         (0, 0, 0, 0, 0);
     let mut failed_requests = 0;
     for (index, request) in requests.iter().enumerate() {
         let id = RequestId(index as u64);
         hashes.clear();
-        hashes.extend(request.block_hashes());
+        hashes.extend(request.full_block_hashes(block_tokens));
         let start = Instant::now();
         cache.poll();
         complete_all(&mut cache, &mut transfers)?;
         let found = cache.match_prefix(id, &hashes, request.input_length)?;
-        let new_tokens = request.input_length - found.cached_tokens + request.output_length;
+        let output_tokens = if prompt_only { 0 } else { request.output_length };
+        let new_tokens = request.input_length - found.cached_tokens + output_tokens;
         match cache.allocate(id, new_tokens, 0) {
             Ok(_) => {
                 complete_all(&mut cache, &mut transfers)?;
-                let allocated = cache.block_table(id).map_or(0, <[u32]>::len);
-                let computed = hashes.len().min(allocated) * block_tokens;
-                cache.commit(id, computed, &hashes)?;
+                cache.commit(id, hashes.len() * block_tokens, &hashes)?;
                 cache.finish(id)?;
             }
             Err(AllocateError::OutOfBlocks { .. }) => {
@@ -135,11 +162,12 @@ pub fn replay(requests: &[TraceRequest], config: CacheConfig) -> anyhow::Result<
         device_hits += found.device_blocks as u64;
         host_hits += found.host_blocks as u64;
         input_tokens += request.input_length as u64;
-        hit_tokens += (found.blocks() * block_tokens).min(request.input_length) as u64;
+        hit_tokens += found.cached_tokens as u64;
+        hits_per_request.push(found.blocks() as u32);
     }
     let stats = cache.stats();
     let ratio = |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
-    Ok(ReplayReport {
+    let report = ReplayReport {
         requests: requests.len(),
         failed_requests,
         blocks,
@@ -160,7 +188,9 @@ pub fn replay(requests: &[TraceRequest], config: CacheConfig) -> anyhow::Result<
         device_blocks: stats.device_blocks,
         host_blocks: stats.host_blocks,
         write_policy,
-    })
+        prompt_only,
+    };
+    Ok(Replayed { report, hits_per_request })
 }
 
 /// Refuses sizes the replay cannot have, naming the option, before anything is allocated.
@@ -189,7 +219,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_host_blocks(args.host_blocks)
         .with_write_policy(args.write_policy)
         .with_free_watermark(args.free_watermark);
-    let report = replay(&requests, config).context("replaying the trace")?;
+    let Replayed { report, hits_per_request } =
+        replay(&requests, config, args.prompt_only).context("replaying the trace")?;
+    if let Some(path) = &args.per_request_hits {
+        let mut text = String::with_capacity(hits_per_request.len() * 3);
+        for hits in &hits_per_request {
+            text.push_str(&hits.to_string());
+            text.push('\n');
+        }
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -227,20 +266,40 @@ mod tests {
         TraceRequest { timestamp: 0, input_length, output_length: 10, hash_ids: hash_ids.to_vec() }
     }
 
+    fn run(trace: &[TraceRequest], config: CacheConfig) -> ReplayReport {
+        replay(trace, config, false).unwrap().report
+    }
+
     #[test]
-    fn a_repeated_prefix_hits_and_partial_blocks_count_as_blocks() {
-        let trace = [request(1000, &[0, 1]), request(1100, &[0, 1, 2]), request(100, &[0])];
-        let report = replay(&trace, CacheConfig::new(512, 16)).unwrap();
-        assert_eq!((report.blocks, report.hit_blocks), (6, 2));
-        // Hits: 2 blocks of request 2 (1024 tokens); request 3 must compute its only token.
-        assert_eq!(report.hit_tokens, 1024);
-        assert_eq!(report.input_tokens, 2200);
+    fn only_full_blocks_are_cached_and_the_last_token_is_always_computed() {
+        let trace = [
+            request(1100, &[0, 1, 2]), // blocks 0 and 1; 2 is partial, never cached
+            request(1100, &[0, 1, 2]), // 0 and 1 hit; 2 was not cached
+            request(1024, &[0, 1]),    // block-aligned: 1 is recomputed
+            request(100, &[0]),        // no full block
+        ];
+        let replayed = replay(&trace, CacheConfig::new(512, 16), false).unwrap();
+        let report = &replayed.report;
+        assert_eq!(replayed.hits_per_request, vec![0, 2, 1, 0]);
+        assert_eq!((report.blocks, report.hit_blocks), (6, 3));
+        assert_eq!((report.hit_tokens, report.input_tokens), (3 * 512, 3324));
+    }
+
+    #[test]
+    fn prompt_only_allocates_no_output_blocks() {
+        // Two device blocks: the prompt fits, the prompt and its output do not.
+        let trace = [request(1000, &[0, 1])];
+        let with_output = TraceRequest { output_length: 600, ..trace[0].clone() };
+        let alone = std::slice::from_ref(&with_output);
+        assert_eq!(run(alone, CacheConfig::new(512, 2)).failed_requests, 1);
+        let replayed = replay(alone, CacheConfig::new(512, 2), true).unwrap();
+        assert_eq!((replayed.report.failed_requests, replayed.report.prompt_only), (0, true));
     }
 
     #[test]
     fn a_small_device_tier_with_a_host_tier_hits_on_host() {
         let trace = [request(1024, &[0, 1]), request(1024, &[5, 6]), request(1024, &[0, 1])];
-        let report = replay(&trace, CacheConfig::new(512, 3).with_host_blocks(8)).unwrap();
+        let report = run(&trace, CacheConfig::new(512, 3).with_host_blocks(8));
         assert_eq!((report.device_hit_blocks, report.host_hit_blocks), (0, 1));
         assert!(report.swaps_in == 1 && report.swaps_out >= 2, "{report:?}");
     }
@@ -248,7 +307,7 @@ mod tests {
     #[test]
     fn a_request_larger_than_the_device_tier_is_counted_and_skipped() {
         let trace = [request(4096, &[0, 1, 2, 3, 4, 5, 6, 7])];
-        let report = replay(&trace, CacheConfig::new(512, 4)).unwrap();
+        let report = run(&trace, CacheConfig::new(512, 4));
         assert_eq!((report.failed_requests, report.hit_blocks), (1, 0));
     }
 }

@@ -9,8 +9,11 @@
 //! 3. checks the bytes of every hit block, on every rank and region, against
 //!    [`pattern::verify`]: a hit must hold exactly what was written when the block was computed,
 //!    whichever tiers it has travelled through since;
-//! 4. "computes" the new prompt blocks by writing [`pattern::fill`] bytes into them;
-//! 5. commits the prompt's hashes and finishes the request.
+//! 4. "computes" the new full prompt blocks by writing [`pattern::fill`] bytes into them;
+//! 5. commits the prompt's full blocks and finishes the request.
+//!
+//! Like an engine, it caches only full blocks, and the last-token rule of `match_prefix` leaves
+//! at least the last prompt token to compute.
 //!
 //! [`DemoReport`] gathers hit rates per tier, swaps, copy bandwidth, ticket waits and the number
 //! of corrupted blocks (which must be 0).
@@ -105,8 +108,9 @@ impl<'a> DemoEngine<'a> {
             request: id,
             source,
         };
-        let hashes: Vec<BlockHash> = request.block_hashes().collect();
         let block_tokens = self.service.cache().config().block_tokens as usize;
+        // Engines cache only full blocks: a trailing partial block is computed, never cached.
+        let hashes: Vec<BlockHash> = request.full_block_hashes(block_tokens).collect();
         self.report.requests += 1;
         self.report.blocks += hashes.len() as u64;
 

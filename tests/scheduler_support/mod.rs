@@ -1,6 +1,8 @@
 //! Helpers shared by the scheduler test suites: a tiny engine that drives a `CacheManager`.
 #![allow(dead_code)]
 
+use std::path::PathBuf;
+
 use kvshm::hash::BlockHash;
 use kvshm::manager::{
     CacheConfig, CacheManager, PrefixMatch, RequestId, Transfer, TransferFailure,
@@ -103,4 +105,19 @@ impl Rng {
     pub fn chance(&mut self, percent: usize) -> bool {
         self.below(100) < percent
     }
+}
+
+/// The Mooncake conversation trace that CI carries at `../shared/traces/` relative to the
+/// repository root (`../../shared/traces/` from a worktree under `wt/`).
+///
+/// # Panics
+/// When it is in neither place: the tests that need it must not pass without it.
+pub fn mooncake_trace() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let candidates = ["..", "../.."]
+        .map(|up| root.join(up).join("shared/traces/mooncake_conversation_trace.jsonl"));
+    let found = candidates.iter().find(|path| path.exists());
+    found
+        .unwrap_or_else(|| panic!("the Mooncake trace is missing at {}", candidates[0].display()))
+        .clone()
 }
