@@ -1,6 +1,6 @@
 //! A seeded randomized test: 100k operations over a tiny vocabulary (so prefixes collide a lot)
-//! against every write policy, with `check_invariants()` after every step and random copy
-//! failures injected.
+//! against every write policy and every eviction policy, with `check_invariants()` after every
+//! step and random copy failures injected.
 //!
 //! The test plays the engine and the workers, and simulates the data plane: every device and host
 //! block holds the hash of the block whose KV it contains. Copies move those values when they
@@ -17,8 +17,8 @@ use std::collections::{HashMap, HashSet};
 
 use kvshm::hash::{BlockHash, BlockHasher, Namespace};
 use kvshm::manager::{
-    AllocateError, CacheConfig, CacheManager, RequestId, TicketId, TicketStatus, Transfer,
-    TransferKind, WritePolicy,
+    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, TicketId, TicketStatus,
+    Transfer, TransferKind, WritePolicy,
 };
 use kvshm::tree::{NodeId, NodeState, SnapshotNode, SwapOut};
 use scheduler_support::{check, failure, Rng};
@@ -367,28 +367,37 @@ fn run_engine(mut engine: Engine, steps: usize) -> Engine {
 
 const STEPS: usize = 100_000;
 
+/// `config` once with each registered eviction policy.
+fn every_policy(config: CacheConfig) -> impl Iterator<Item = CacheConfig> {
+    EvictionPolicy::ALL.iter().map(move |&policy| config.clone().with_eviction(policy))
+}
+
 #[test]
 fn random_operations_keep_every_invariant_without_a_host_tier() {
-    let engine = run(CacheConfig::new(BLOCK_TOKENS as u32, 12), 1, STEPS, 3, 6, false);
-    assert!(engine.hits_checked > 1000, "only {} hits checked", engine.hits_checked);
-    assert!(engine.cache.stats().counters.evictions.device_dropped > 0);
+    for config in every_policy(CacheConfig::new(BLOCK_TOKENS as u32, 12)) {
+        let engine = run(config, 1, STEPS, 3, 6, false);
+        assert!(engine.hits_checked > 1000, "only {} hits checked", engine.hits_checked);
+        assert!(engine.cache.stats().counters.evictions.device_dropped > 0);
+    }
 }
 
 #[test]
 fn random_operations_keep_every_invariant_under_write_back() {
     let config =
         CacheConfig::new(BLOCK_TOKENS as u32, 12).with_host_blocks(16).with_free_watermark(2);
-    let engine = run(config, 2, STEPS, 3, 6, false);
-    let stats = engine.cache.stats();
-    assert!(
-        stats.counters.hits.host_blocks > 100 && stats.counters.swap_in_blocks > 100,
-        "{stats:?}"
-    );
-    assert!(
-        stats.counters.failed_transfers > 10 && stats.counters.stale_completions > 0,
-        "{stats:?}"
-    );
-    assert!(engine.hits_checked > 1000);
+    for config in every_policy(config) {
+        let engine = run(config, 2, STEPS, 3, 6, false);
+        let stats = engine.cache.stats();
+        assert!(
+            stats.counters.hits.host_blocks > 100 && stats.counters.swap_in_blocks > 100,
+            "{stats:?}"
+        );
+        assert!(
+            stats.counters.failed_transfers > 10 && stats.counters.stale_completions > 0,
+            "{stats:?}"
+        );
+        assert!(engine.hits_checked > 1000);
+    }
 }
 
 #[test]
@@ -396,13 +405,15 @@ fn random_operations_keep_every_invariant_under_write_through() {
     let config = CacheConfig::new(BLOCK_TOKENS as u32, 12)
         .with_host_blocks(12)
         .with_write_policy(WritePolicy::WriteThrough);
-    let engine = run(config, 3, STEPS, 3, 6, false);
-    let stats = engine.cache.stats();
-    assert!(
-        stats.counters.backup_blocks > 100
-            && stats.counters.evictions.device_to_host_metadata > 100,
-        "{stats:?}"
-    );
+    for config in every_policy(config) {
+        let engine = run(config, 3, STEPS, 3, 6, false);
+        let stats = engine.cache.stats();
+        assert!(
+            stats.counters.backup_blocks > 100
+                && stats.counters.evictions.device_to_host_metadata > 100,
+            "{stats:?}"
+        );
+    }
 }
 
 #[test]
@@ -410,12 +421,14 @@ fn random_operations_keep_every_invariant_under_selective_write_through() {
     let policy = WritePolicy::WriteThroughSelective { threshold: 2 };
     let config =
         CacheConfig::new(BLOCK_TOKENS as u32, 12).with_host_blocks(12).with_write_policy(policy);
-    let engine = run(config, 4, STEPS, 3, 6, false);
-    let stats = engine.cache.stats();
-    assert!(
-        stats.counters.backup_blocks > 10 && stats.counters.evictions.device_dropped > 10,
-        "{stats:?}"
-    );
+    for config in every_policy(config) {
+        let engine = run(config, 4, STEPS, 3, 6, false);
+        let stats = engine.cache.stats();
+        assert!(
+            stats.counters.backup_blocks > 10 && stats.counters.evictions.device_dropped > 10,
+            "{stats:?}"
+        );
+    }
 }
 
 #[test]
@@ -423,21 +436,25 @@ fn random_operations_keep_every_invariant_with_many_swap_ins_in_flight() {
     // Two tokens and many copies in flight: requests often share a swap-in already in flight and
     // swap in more behind it, and failures then cancel those.
     let config = CacheConfig::new(BLOCK_TOKENS as u32, 10).with_host_blocks(40);
-    let mut engine = Engine::new(config, 6, 2, 6, false);
-    engine.completion_percent = 10;
-    let engine = run_engine(engine, STEPS);
-    let stats = engine.cache.stats();
-    assert!(
-        stats.counters.swap_in_blocks > 100 && stats.counters.failed_transfers > 10,
-        "{stats:?}"
-    );
+    for config in every_policy(config) {
+        let mut engine = Engine::new(config, 6, 2, 6, false);
+        engine.completion_percent = 10;
+        let engine = run_engine(engine, STEPS);
+        let stats = engine.cache.stats();
+        assert!(
+            stats.counters.swap_in_blocks > 100 && stats.counters.failed_transfers > 10,
+            "{stats:?}"
+        );
+    }
 }
 
 #[test]
 fn random_operations_hit_exactly_the_committed_prefixes_when_nothing_is_evicted() {
     // Two tokens, two-token blocks and prompts of at most four blocks: at most 340 distinct
     // blocks, plus what live requests own, fit in 600 device blocks, so nothing is ever evicted.
-    let engine = run(CacheConfig::new(BLOCK_TOKENS as u32, 600), 5, STEPS, 2, 4, true);
-    assert_eq!(engine.cache.stats().counters.evictions.device_total(), 0);
-    assert!(engine.hits_checked > 1000);
+    for config in every_policy(CacheConfig::new(BLOCK_TOKENS as u32, 600)) {
+        let engine = run(config, 5, STEPS, 2, 4, true);
+        assert_eq!(engine.cache.stats().counters.evictions.device_total(), 0);
+        assert!(engine.hits_checked > 1000);
+    }
 }

@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use super::{CacheManager, CommitError, RequestId, WritePolicy};
 use crate::hash::BlockHash;
+use crate::tree::policy::Access;
 use crate::tree::{NodeId, NodeState, SwapOut};
 
 /// What a commit did.
@@ -63,7 +64,6 @@ impl CacheManager {
             }
         }
 
-        let clock = self.tick();
         // A new node has one hit: selective write-through with a threshold of 1 backs it up at once.
         let back_up = self.host_enabled()
             && match self.config.write_policy {
@@ -87,7 +87,7 @@ impl CacheManager {
                     let id = tree.insert(parent, hash, |node| {
                         node.set_device(Some(block));
                         node.hold();
-                        node.touch(clock);
+                        node.access(Access::Commit);
                         node.set_backup_queued(back_up);
                     });
                     if back_up {
@@ -100,7 +100,7 @@ impl CacheManager {
                     NodeState::Device | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict) => {
                         tree.update(existing, |node| {
                             node.hold();
-                            node.touch(clock);
+                            node.access(Access::Commit);
                             if node.node().state() == NodeState::SwapToHost(SwapOut::Evict) {
                                 node.set_state(NodeState::SwapToHost(SwapOut::Backup));
                             }
@@ -114,7 +114,7 @@ impl CacheManager {
                             node.set_device(Some(block));
                             node.set_state(NodeState::Device);
                             node.hold();
-                            node.touch(clock);
+                            node.access(Access::Commit);
                         });
                         done.duplicates += 1;
                         existing

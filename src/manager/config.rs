@@ -1,5 +1,6 @@
 //! The cache manager's configuration and its write policies (SPEC section 6).
 
+pub use crate::tree::{EvictionPolicy, ParseEvictionPolicyError};
 pub use kvshm_ipc::config::{ParseWritePolicyError, WritePolicy};
 use serde::{Serialize, Serializer};
 
@@ -18,6 +19,8 @@ pub struct CacheConfig {
     /// `poll()` evicts ahead of demand to keep this many device blocks free (or on their way to
     /// free); 0 evicts only on demand.
     pub free_watermark: u32,
+    /// The order in which evictable blocks go (serialised by name, as `--eviction` writes it).
+    pub eviction: EvictionPolicy,
 }
 
 impl CacheConfig {
@@ -29,6 +32,7 @@ impl CacheConfig {
             host_blocks: 0,
             write_policy: WritePolicy::WriteBack,
             free_watermark: 0,
+            eviction: EvictionPolicy::default(),
         }
     }
 
@@ -47,6 +51,11 @@ impl CacheConfig {
         self
     }
 
+    pub fn with_eviction(mut self, eviction: EvictionPolicy) -> CacheConfig {
+        self.eviction = eviction;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         if self.block_tokens == 0 {
             return Err(ConfigError::ZeroBlockTokens);
@@ -56,8 +65,13 @@ impl CacheConfig {
                 return Err(ConfigError::TooManyBlocks { tier, blocks, max: MAX_BLOCKS - 1 });
             }
         }
-        if let WritePolicy::WriteThroughSelective { threshold: 0 } = self.write_policy {
-            return Err(ConfigError::ZeroThreshold);
+        if let WritePolicy::WriteThroughSelective { threshold } = self.write_policy {
+            if threshold == 0 {
+                return Err(ConfigError::ZeroThreshold);
+            }
+            if threshold > MAX_HIT_THRESHOLD {
+                return Err(ConfigError::ThresholdTooHigh { threshold, max: MAX_HIT_THRESHOLD });
+            }
         }
         if self.free_watermark > self.device_blocks {
             return Err(ConfigError::WatermarkAboveCapacity {
@@ -79,6 +93,9 @@ fn serialize_by_name<S: Serializer>(
 /// Block ids are u32 with one value kept as a marker.
 const MAX_BLOCKS: u32 = u32::MAX;
 
+/// Nodes count hits in 16 bits (saturating), so a higher threshold could never be reached.
+const MAX_HIT_THRESHOLD: u32 = u16::MAX as u32;
+
 /// A configuration the cache manager refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
@@ -88,6 +105,10 @@ pub enum ConfigError {
     TooManyBlocks { tier: &'static str, blocks: u32, max: u32 },
     #[error("the write_through_selective threshold must be at least 1")]
     ZeroThreshold,
+    #[error(
+        "the write_through_selective threshold {threshold} is above the {max} hits a node counts"
+    )]
+    ThresholdTooHigh { threshold: u32, max: u32 },
     #[error("free watermark {watermark} is above the {device_blocks} device blocks")]
     WatermarkAboveCapacity { watermark: u32, device_blocks: u32 },
 }
@@ -130,5 +151,22 @@ mod tests {
             Err(ConfigError::WatermarkAboveCapacity { watermark: 5, device_blocks: 4 })
         );
         assert_eq!(CacheConfig::new(0, 4).validate(), Err(ConfigError::ZeroBlockTokens));
+    }
+
+    #[test]
+    fn a_selective_threshold_no_hit_count_reaches_is_refused() {
+        let policy = WritePolicy::WriteThroughSelective { threshold: 65_536 };
+        assert_eq!(
+            CacheConfig::new(16, 4).with_write_policy(policy).validate(),
+            Err(ConfigError::ThresholdTooHigh { threshold: 65_536, max: 65_535 })
+        );
+        let policy = WritePolicy::WriteThroughSelective { threshold: 65_535 };
+        assert_eq!(CacheConfig::new(16, 4).with_write_policy(policy).validate(), Ok(()));
+    }
+
+    #[test]
+    fn the_eviction_policy_serialises_by_name() {
+        let json = serde_json::to_value(CacheConfig::new(16, 4)).unwrap();
+        assert_eq!(json["eviction"], "lru");
     }
 }

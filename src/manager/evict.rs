@@ -14,12 +14,16 @@
 //! a backup is dropped, or a host-only leaf leaves the tree.
 //!
 //! An allocation first counts what it could get without changing anything
-//! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched.
+//! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched. Every claimable
+//! node and every device candidate gives one block, so when there are enough of them the count
+//! is O(1); only a shortfall walks the candidates to add the parents their evictions expose.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 
 use super::{CacheManager, TransferId, WritePolicy};
-use crate::tree::{lru::BuildChildHasher, NodeId, NodeState, SwapOut, Tree};
+use crate::tree::policy::EvictSet;
+use crate::tree::{NodeId, NodeState, SwapOut, Tree};
 
 /// What evicting one device candidate gave.
 enum Evicted {
@@ -142,18 +146,15 @@ impl CacheManager {
 /// Counts, up to `limit`, the device blocks that claims and cascading evictions could free:
 /// every claimable node, every device candidate, and every node that becomes a candidate once
 /// the device children counted before it are gone. `gone` is scratch space.
-fn count_reclaimable(
-    tree: &Tree,
-    gone: &mut HashMap<NodeId, u32, BuildChildHasher>,
-    limit: usize,
-) -> usize {
-    if limit == 0 {
-        return 0;
+fn count_reclaimable(tree: &Tree, gone: &mut HashMap<NodeId, u32>, limit: usize) -> usize {
+    let direct = tree.claimable_count() + tree.device_candidate_count();
+    if direct >= limit {
+        return limit;
     }
     gone.clear();
+    let mut count = direct;
+    // Parents whose last device child was counted: a stack threaded through `exposed`.
     let mut exposed = Vec::new();
-    let mut count = 0;
-    let counted = tree.claimable().chain(tree.device_candidates()).map(|key| key.node);
     let mut expose = |id: NodeId, exposed: &mut Vec<NodeId>| {
         let parent = tree.node(id).parent().expect("a counted node is not the root");
         if parent == NodeId::ROOT {
@@ -170,17 +171,16 @@ fn count_reclaimable(
             exposed.push(parent);
         }
     };
-    for id in counted {
-        count += 1;
-        if count >= limit {
-            return count;
-        }
-        expose(id, &mut exposed);
+    for set in [EvictSet::Claimable, EvictSet::Device] {
+        tree.visit(set, |id| {
+            expose(id, &mut exposed);
+            ControlFlow::Continue(())
+        });
     }
     while let Some(id) = exposed.pop() {
         count += 1;
         if count >= limit {
-            return count;
+            return limit;
         }
         expose(id, &mut exposed);
     }

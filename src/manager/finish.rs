@@ -7,6 +7,7 @@
 //!    evictable, the tail first (deeper first on the equal access time).
 
 use super::{CacheManager, FinishError, RequestId};
+use crate::tree::policy::Access;
 
 impl CacheManager {
     /// Ends a request that ran to completion.
@@ -46,11 +47,10 @@ impl CacheManager {
                 Err(_) => self.free_device(block),
             }
         }
-        let clock = self.tick();
         for &id in record.path.iter().rev() {
             self.tree.update(id, |node| {
                 node.release();
-                node.touch(clock);
+                node.access(Access::Release);
             });
         }
         Ok(())

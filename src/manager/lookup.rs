@@ -22,6 +22,7 @@ use serde::Serialize;
 
 use super::{CacheManager, MatchError, PromptError, Request, RequestId, WritePolicy};
 use crate::hash::BlockHash;
+use crate::tree::policy::Access;
 use crate::tree::{NodeId, NodeState, SwapOut};
 
 /// How many leading blocks of a prompt are cached, per tier.
@@ -98,7 +99,7 @@ impl CacheManager {
         let matchable = self.matchable(hashes, prompt_tokens)?;
         let mut path = Vec::new();
         let found = self.walk(matchable, |id| path.push(id));
-        let clock = self.tick();
+        self.tree.request_started();
         let selective = match self.config.write_policy {
             WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
                 Some(threshold)
@@ -109,7 +110,7 @@ impl CacheManager {
             let queue = self.tree.update(id, |node| {
                 node.hold();
                 node.count_hit();
-                node.touch(clock);
+                node.access(Access::Hit);
                 if node.node().state() == NodeState::SwapToHost(SwapOut::Evict) {
                     node.set_state(NodeState::SwapToHost(SwapOut::Backup));
                 }

@@ -43,7 +43,10 @@ use std::collections::HashMap;
 pub use allocate::Allocation;
 pub use capacity::AllocationCheck;
 pub use commit::Committed;
-pub use config::{CacheConfig, ConfigError, ParseWritePolicyError, WritePolicy};
+pub use config::{
+    CacheConfig, ConfigError, EvictionPolicy, ParseEvictionPolicyError, ParseWritePolicyError,
+    WritePolicy,
+};
 pub use errors::{
     AllocateError, CommitError, CompleteError, FinishError, InvariantViolation, MatchError,
     PromptError, ResetError, ResizeError, TicketError, UnknownRequest,
@@ -58,7 +61,7 @@ pub use transfer::{
 };
 
 use crate::pool::BlockPool;
-use crate::tree::{lru::BuildChildHasher, NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
+use crate::tree::{NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
 use request::Request;
 use transfer::{InFlight, Ticket};
 
@@ -84,8 +87,7 @@ pub struct CacheManager {
     /// `backup_queued` flag is skipped).
     pending_backups: Vec<NodeId>,
     /// Scratch of the allocation dry run: device children counted as gone, per node.
-    scratch_gone: HashMap<NodeId, u32, BuildChildHasher>,
-    clock: u64,
+    scratch_gone: HashMap<NodeId, u32>,
     generation: u64,
     next_transfer: u64,
     next_ticket: u64,
@@ -96,7 +98,7 @@ impl CacheManager {
     pub fn new(config: CacheConfig) -> Result<CacheManager, ConfigError> {
         config.validate()?;
         Ok(CacheManager {
-            tree: Tree::new(),
+            tree: Tree::new(config.eviction),
             device: BlockPool::new(config.device_blocks).expect(VALIDATED_CAPACITY),
             host: BlockPool::new(config.host_blocks).expect(VALIDATED_CAPACITY),
             config,
@@ -108,7 +110,6 @@ impl CacheManager {
             open_host_to_device: None,
             pending_backups: Vec::new(),
             scratch_gone: HashMap::default(),
-            clock: 0,
             generation: 0,
             next_transfer: 1,
             next_ticket: 1,
@@ -216,11 +217,6 @@ impl CacheManager {
         self.tree.heap_bytes() + self.device.heap_bytes() + self.host.heap_bytes() + requests
     }
 
-    fn tick(&mut self) -> u64 {
-        self.clock += 1;
-        self.clock
-    }
-
     fn host_enabled(&self) -> bool {
         self.host.capacity() > 0
     }
@@ -297,15 +293,20 @@ impl CacheManager {
 
     /// Removes `id` and its whole subtree from the tree, freeing the blocks the nodes own and
     /// handing the blocks their copies in flight still touch to those copies (detaching them).
+    /// Children go before their parents, found by walking down first-child links: no stack.
     ///
     /// # Panics
     /// If a node of the subtree is held: callers drop only unheld subtrees.
     fn drop_subtree(&mut self, id: NodeId) {
-        for node_id in self.tree.subtree_post_order(id) {
-            let node = self.tree.node(node_id);
+        let mut next = id;
+        loop {
+            while let Some(child) = self.tree.first_child(next) {
+                next = child;
+            }
+            let node = self.tree.node(next);
             assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
-            let (device, host, state, transfer) =
-                (node.device(), node.host(), node.state(), node.transfer());
+            let (device, host, state, transfer, parent) =
+                (node.device(), node.host(), node.state(), node.transfer(), node.parent());
             match state {
                 NodeState::Device | NodeState::Host => {
                     if let Some(block) = device {
@@ -324,7 +325,11 @@ impl CacheManager {
                     flight.reserved_host.extend(host);
                 }
             }
-            self.tree.remove(node_id);
+            self.tree.remove(next);
+            if next == id {
+                return;
+            }
+            next = parent.expect("a node below the dropped one has a parent");
         }
     }
 

@@ -13,6 +13,7 @@
 
 use super::{CacheManager, MatchError, PrefixMatch, RequestId, WritePolicy};
 use crate::hash::BlockHash;
+use crate::tree::policy::Access;
 use crate::tree::{NodeId, NodeState, SwapOut};
 
 impl CacheManager {
@@ -25,11 +26,10 @@ impl CacheManager {
             return Err(MatchError::AlreadyAllocated(request));
         }
         let record = self.requests.remove(&request).expect("found just above");
-        let clock = self.tick();
         for &id in record.path.iter().rev() {
             self.tree.update(id, |node| {
                 node.release();
-                node.touch(clock);
+                node.access(Access::Release);
             });
         }
         Ok(())
@@ -71,9 +71,8 @@ impl CacheManager {
             added.push(id);
             parent = id;
         }
-        let clock = self.tick();
         for &id in &added {
-            self.hold_rematched(id, clock);
+            self.hold_rematched(id);
         }
         let record = self.requests.get_mut(&request).expect("found just above");
         record.path.extend_from_slice(&added);
@@ -95,7 +94,7 @@ impl CacheManager {
 
     /// Holds one more node for a request, as `match_prefix` holds the nodes it matches: one more
     /// hit, touched now, a pending eviction cancelled, a hot node queued for a selective backup.
-    fn hold_rematched(&mut self, id: NodeId, clock: u64) {
+    fn hold_rematched(&mut self, id: NodeId) {
         let selective = match self.config.write_policy {
             WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
                 Some(threshold)
@@ -105,7 +104,7 @@ impl CacheManager {
         let queue = self.tree.update(id, |node| {
             node.hold();
             node.count_hit();
-            node.touch(clock);
+            node.access(Access::Hit);
             if node.node().state() == NodeState::SwapToHost(SwapOut::Evict) {
                 node.set_state(NodeState::SwapToHost(SwapOut::Backup));
             }

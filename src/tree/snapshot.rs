@@ -33,6 +33,7 @@ pub struct SnapshotNode {
     pub host: Option<u32>,
     pub ref_count: u32,
     pub hit_count: u32,
+    /// The eviction policy's recency of the node (LRU: the order of its last release).
     pub last_access: u64,
     pub children: u32,
 }
@@ -41,24 +42,28 @@ impl Tree {
     /// The nodes from depth 1 to `max_depth`.
     pub fn snapshot(&self, max_depth: u32) -> TreeSnapshot {
         let mut nodes = Vec::new();
-        let mut stack = if max_depth > 0 { self.sorted_children(NodeId::ROOT) } else { Vec::new() };
-        while let Some(id) = stack.pop() {
+        let mut stack: Vec<(NodeId, u32)> = if max_depth > 0 {
+            self.sorted_children(NodeId::ROOT).into_iter().map(|id| (id, 1)).collect()
+        } else {
+            Vec::new()
+        };
+        while let Some((id, depth)) = stack.pop() {
             let node = self.node(id);
             nodes.push(SnapshotNode {
                 id,
                 parent: node.parent().filter(|&parent| parent != NodeId::ROOT),
-                depth: node.depth(),
+                depth,
                 hash: node.hash(),
                 state: node.state(),
                 device: node.device(),
                 host: node.host(),
                 ref_count: node.ref_count(),
                 hit_count: node.hit_count(),
-                last_access: node.last_access(),
-                children: node.child_count(),
+                last_access: self.last_access(id),
+                children: self.child_count(id) as u32,
             });
-            if node.depth() < max_depth {
-                stack.extend(self.sorted_children(id));
+            if depth < max_depth {
+                stack.extend(self.sorted_children(id).into_iter().map(|child| (child, depth + 1)));
             }
         }
         TreeSnapshot { total_nodes: self.len(), max_depth, nodes }

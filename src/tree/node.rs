@@ -1,0 +1,291 @@
+//! One cached block: the packed node record of the tree's arena, its state, and the mutable view
+//! that [`super::Tree::update`] hands out.
+//!
+//! A record is 60 bytes, ids and block numbers as `u32`: the memory of a cached block is this
+//! record, its entry in the child index and its eviction policy's per-node data. Fields a record
+//! does not need are derived instead: the depth (walking up, for snapshots only), the number of
+//! children (the child list), and the recency of the node (kept by the eviction policy).
+
+use serde::Serialize;
+
+use super::policy::{Access, Membership};
+use crate::hash::BlockHash;
+
+/// An index into the node arena. Ids of removed nodes are reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct NodeId(pub u32);
+
+impl NodeId {
+    /// The root: the empty prefix. It holds no block and is never evicted.
+    pub const ROOT: NodeId = NodeId(0);
+    /// "No node" in links and lists.
+    pub(crate) const NONE: NodeId = NodeId(u32::MAX);
+
+    pub(crate) fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    pub(crate) fn some(self) -> Option<NodeId> {
+        (self != NodeId::NONE).then_some(self)
+    }
+}
+
+/// Marker of "no block" in a node's block fields.
+pub(crate) const NO_BLOCK: u32 = u32::MAX;
+
+/// A memory tier holding copies of blocks. Per-tier fields of a node are arrays indexed by tier,
+/// so that a tier below host adds an entry, not a field.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Tier {
+    Device = 0,
+    Host = 1,
+}
+
+const TIERS: usize = 2;
+
+/// What becomes of a node when its device-to-host copy lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SwapOut {
+    /// The host copy becomes a backup and the node stays on device: a write-through backup, or an
+    /// eviction cancelled because the node was hit meanwhile.
+    Backup,
+    /// An eviction: the device block returns to the pool and the node becomes `Host`. Until then
+    /// an allocation short of blocks may claim the device block early.
+    Evict,
+    /// An eviction whose device block an allocation has already claimed: the node has no device
+    /// block and becomes `Host` when the copy lands.
+    Claimed,
+}
+
+/// The state of a node (SPEC section 4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    Device,
+    Host,
+    SwapToHost(SwapOut),
+    SwapToDevice,
+}
+
+impl NodeState {
+    /// Whether a copy for this node is in flight.
+    pub fn in_flight(self) -> bool {
+        matches!(self, NodeState::SwapToHost(_) | NodeState::SwapToDevice)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeState::Device => "device",
+            NodeState::Host => "host",
+            NodeState::SwapToHost(SwapOut::Backup) => "swap_to_host(backup)",
+            NodeState::SwapToHost(SwapOut::Evict) => "swap_to_host(evict)",
+            NodeState::SwapToHost(SwapOut::Claimed) => "swap_to_host(claimed)",
+            NodeState::SwapToDevice => "swap_to_device",
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            NodeState::Device => 0,
+            NodeState::Host => 1,
+            NodeState::SwapToHost(SwapOut::Backup) => 2,
+            NodeState::SwapToHost(SwapOut::Evict) => 3,
+            NodeState::SwapToHost(SwapOut::Claimed) => 4,
+            NodeState::SwapToDevice => 5,
+        }
+    }
+
+    fn from_code(code: u8) -> NodeState {
+        match code {
+            0 => NodeState::Device,
+            1 => NodeState::Host,
+            2 => NodeState::SwapToHost(SwapOut::Backup),
+            3 => NodeState::SwapToHost(SwapOut::Evict),
+            4 => NodeState::SwapToHost(SwapOut::Claimed),
+            5 => NodeState::SwapToDevice,
+            _ => unreachable!("state code {code} is never stored: a programming error"),
+        }
+    }
+}
+
+/// `flags`: the evictable sets the node is filed in (the low bits, a [`Membership`]), and this.
+const BACKUP_QUEUED: u8 = 0x80;
+
+/// One cached block.
+#[derive(Clone, Debug)]
+pub struct Node {
+    /// The block hash as four little-endian words: a `u128` would align the record to 16 bytes.
+    hash: [u32; 4],
+    pub(super) parent: NodeId,
+    pub(super) first_child: NodeId,
+    /// Siblings under the same parent; for a removed slot, `next_sibling` links the free slots.
+    pub(super) next_sibling: NodeId,
+    pub(super) prev_sibling: NodeId,
+    /// The block of each tier, [`NO_BLOCK`] when none.
+    blocks: [u32; TIERS],
+    /// The id of the one copy in flight for this node (0 when none), as two words.
+    transfer: [u32; 2],
+    ref_count: u32,
+    pub(super) device_child_count: u32,
+    /// Saturates at `u16::MAX` (write-through-selective thresholds are capped below it).
+    hit_count: u16,
+    state: u8,
+    pub(super) flags: u8,
+}
+
+const _: () = assert!(size_of::<Node>() == 60);
+
+impl Node {
+    pub(super) fn new(hash: BlockHash, parent: NodeId) -> Node {
+        Node {
+            hash: split(hash),
+            parent,
+            first_child: NodeId::NONE,
+            next_sibling: NodeId::NONE,
+            prev_sibling: NodeId::NONE,
+            blocks: [NO_BLOCK; TIERS],
+            transfer: [0; 2],
+            ref_count: 0,
+            device_child_count: 0,
+            hit_count: 1,
+            state: NodeState::Device.code(),
+            flags: 0,
+        }
+    }
+
+    pub fn hash(&self) -> BlockHash {
+        let [a, b, c, d] = self.hash.map(u128::from);
+        BlockHash(a | b << 32 | c << 64 | d << 96)
+    }
+
+    /// Whether the node is keyed by `hash` (without rebuilding the `u128`).
+    pub(super) fn has_hash(&self, hash: &[u32; 4]) -> bool {
+        self.hash == *hash
+    }
+
+    /// The parent, `None` for the root.
+    pub fn parent(&self) -> Option<NodeId> {
+        self.parent.some()
+    }
+
+    /// The device block: the valid copy, the source of a swap-out, or the destination of a
+    /// swap-in (by state).
+    pub fn device(&self) -> Option<u32> {
+        self.block(Tier::Device)
+    }
+
+    /// The host block: the valid copy or backup, or the destination of a swap-out (by state).
+    pub fn host(&self) -> Option<u32> {
+        self.block(Tier::Host)
+    }
+
+    pub(crate) fn block(&self, tier: Tier) -> Option<u32> {
+        let block = self.blocks[tier as usize];
+        (block != NO_BLOCK).then_some(block)
+    }
+
+    pub fn state(&self) -> NodeState {
+        NodeState::from_code(self.state)
+    }
+
+    pub fn ref_count(&self) -> u32 {
+        self.ref_count
+    }
+
+    /// 1 + the matches that hit it, saturating at `u16::MAX`.
+    pub fn hit_count(&self) -> u32 {
+        u32::from(self.hit_count)
+    }
+
+    /// Whether the node has children, in any tier.
+    pub fn has_children(&self) -> bool {
+        self.first_child != NodeId::NONE
+    }
+
+    /// The raw id of the copy in flight for this node, if any.
+    pub fn transfer(&self) -> Option<u64> {
+        let id = u64::from(self.transfer[0]) | u64::from(self.transfer[1]) << 32;
+        (id != 0).then_some(id)
+    }
+
+    pub fn backup_queued(&self) -> bool {
+        self.flags & BACKUP_QUEUED != 0
+    }
+
+    /// Whether the node has a valid host copy that no copy in flight is writing.
+    pub fn has_valid_host(&self) -> bool {
+        self.blocks[Tier::Host as usize] != NO_BLOCK
+            && matches!(self.state(), NodeState::Device | NodeState::Host)
+    }
+
+    /// The evictable sets the node is filed in.
+    pub(super) fn membership(&self) -> Membership {
+        Membership::from_bits(self.flags & Membership::ALL.bits())
+    }
+
+    pub(super) fn set_membership(&mut self, sets: Membership) {
+        self.flags = (self.flags & !Membership::ALL.bits()) | sets.bits();
+    }
+}
+
+/// The four little-endian words of a block hash, as a node stores it.
+pub(super) fn split(hash: BlockHash) -> [u32; 4] {
+    let value = hash.0;
+    [value as u32, (value >> 32) as u32, (value >> 64) as u32, (value >> 96) as u32]
+}
+
+/// A mutable view of a node's own fields, handed to [`super::Tree::update`] closures. The
+/// structural fields (parent, children, counts) stay with the tree, and so does filing the node
+/// in the evictable sets once the change is made.
+pub struct NodeMut<'a> {
+    pub(super) node: &'a mut Node,
+    /// The access recorded by [`NodeMut::access`], passed to the eviction policy.
+    pub(super) access: Option<Access>,
+}
+
+impl NodeMut<'_> {
+    pub fn set_device(&mut self, block: Option<u32>) {
+        self.node.blocks[Tier::Device as usize] = block.unwrap_or(NO_BLOCK);
+    }
+    pub fn set_host(&mut self, block: Option<u32>) {
+        self.node.blocks[Tier::Host as usize] = block.unwrap_or(NO_BLOCK);
+    }
+    pub fn set_state(&mut self, state: NodeState) {
+        self.node.state = state.code();
+    }
+    pub fn set_transfer(&mut self, transfer: Option<u64>) {
+        let id = transfer.unwrap_or(0);
+        self.node.transfer = [id as u32, (id >> 32) as u32];
+    }
+    pub fn set_backup_queued(&mut self, queued: bool) {
+        if queued {
+            self.node.flags |= BACKUP_QUEUED;
+        } else {
+            self.node.flags &= !BACKUP_QUEUED;
+        }
+    }
+    pub fn hold(&mut self) {
+        self.node.ref_count += 1;
+    }
+    /// # Panics
+    /// If the node is not held: releasing more than was held is a programming error.
+    pub fn release(&mut self) {
+        self.node.ref_count = self
+            .node
+            .ref_count
+            .checked_sub(1)
+            .expect("releasing an unheld node is a programming error");
+    }
+    pub fn count_hit(&mut self) {
+        self.node.hit_count = self.node.hit_count.saturating_add(1);
+    }
+    /// Records an access for the eviction policy (SPEC section 4: a match's hit, a commit, or
+    /// the release at the end of a request).
+    pub fn access(&mut self, access: Access) {
+        self.access = Some(access);
+    }
+    pub fn node(&self) -> &Node {
+        self.node
+    }
+}
