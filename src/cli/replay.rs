@@ -26,7 +26,10 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::manager::{AllocateError, CacheConfig, CacheManager, RequestId, WritePolicy};
+use crate::hash::BlockHash;
+use crate::manager::{
+    AllocateError, CacheConfig, CacheManager, RequestId, TransferId, WritePolicy,
+};
 use crate::percentiles::Percentiles;
 use crate::trace::{read_trace, TraceRequest};
 
@@ -103,19 +106,131 @@ pub struct Replayed {
 }
 
 /// Completes every copy the manager has to hand out, successfully, until none is left.
-fn complete_all(
-    cache: &mut CacheManager,
-    buffer: &mut Vec<crate::manager::Transfer>,
-) -> anyhow::Result<()> {
+/// `taken` is scratch space.
+fn complete_all(cache: &mut CacheManager, taken: &mut Vec<TransferId>) -> anyhow::Result<()> {
     loop {
-        buffer.clear();
-        cache.take_transfers_into(buffer);
-        if buffer.is_empty() {
+        taken.clear();
+        cache.take_transfers_with(|transfer| taken.push(transfer.id));
+        if taken.is_empty() {
             return Ok(());
         }
-        for transfer in buffer.iter() {
-            cache.complete_transfer(transfer.id, Ok(()))?;
+        for &transfer in taken.iter() {
+            cache.complete_transfer(transfer, Ok(()))?;
         }
+    }
+}
+
+/// A replay in progress: a fresh manager, served one trace request at a time (module flow).
+pub struct Replayer {
+    cache: CacheManager,
+    block_tokens: usize,
+    prompt_only: bool,
+    write_policy: String,
+    /// Buffers reused from request to request, so that serving one allocates nothing.
+    hashes: Vec<BlockHash>,
+    taken: Vec<TransferId>,
+    times: Vec<f64>,
+    hits_per_request: Vec<u32>,
+    requests: usize,
+    failed_requests: usize,
+    blocks: u64,
+    device_hits: u64,
+    host_hits: u64,
+    input_tokens: u64,
+    hit_tokens: u64,
+}
+
+impl Replayer {
+    /// A replayer with room for the figures of `expected_requests` requests.
+    pub fn new(
+        config: CacheConfig,
+        prompt_only: bool,
+        expected_requests: usize,
+    ) -> anyhow::Result<Replayer> {
+        Ok(Replayer {
+            block_tokens: config.block_tokens as usize,
+            write_policy: config.write_policy.to_string(),
+            cache: CacheManager::new(config)?,
+            prompt_only,
+            hashes: Vec::new(),
+            taken: Vec::new(),
+            times: Vec::with_capacity(expected_requests),
+            hits_per_request: Vec::with_capacity(expected_requests),
+            requests: 0,
+            failed_requests: 0,
+            blocks: 0,
+            device_hits: 0,
+            host_hits: 0,
+            input_tokens: 0,
+            hit_tokens: 0,
+        })
+    }
+
+    /// Serves the next request of the trace (module flow), timing steps 1 to 5.
+    pub fn serve(&mut self, request: &TraceRequest) -> anyhow::Result<()> {
+        let id = RequestId(self.requests as u64);
+        self.requests += 1;
+        self.hashes.clear();
+        self.hashes.extend(request.full_block_hashes(self.block_tokens));
+        let cache = &mut self.cache;
+        let start = Instant::now();
+        cache.poll();
+        complete_all(cache, &mut self.taken)?;
+        let found = cache.match_prefix(id, &self.hashes, request.input_length)?;
+        let output_tokens = if self.prompt_only { 0 } else { request.output_length };
+        let new_tokens = request.input_length - found.cached_tokens + output_tokens;
+        match cache.allocate(id, new_tokens, 0) {
+            Ok(_) => {
+                complete_all(cache, &mut self.taken)?;
+                cache.commit(id, self.hashes.len() * self.block_tokens, &self.hashes)?;
+                cache.finish(id)?;
+            }
+            Err(AllocateError::OutOfBlocks { .. }) => {
+                self.failed_requests += 1;
+                cache.abort(id)?;
+            }
+            Err(error) => return Err(error.into()),
+        }
+        self.times.push(start.elapsed().as_secs_f64() * 1e6);
+        self.blocks += self.hashes.len() as u64;
+        self.device_hits += found.device_blocks as u64;
+        self.host_hits += found.host_blocks as u64;
+        self.input_tokens += request.input_length as u64;
+        self.hit_tokens += found.cached_tokens as u64;
+        self.hits_per_request.push(found.blocks() as u32);
+        Ok(())
+    }
+
+    /// The report of the requests served so far.
+    pub fn finish(mut self) -> Replayed {
+        let stats = self.cache.stats();
+        let ratio =
+            |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
+        let hit_blocks = self.device_hits + self.host_hits;
+        let report = ReplayReport {
+            requests: self.requests,
+            failed_requests: self.failed_requests,
+            blocks: self.blocks,
+            hit_blocks,
+            device_hit_blocks: self.device_hits,
+            host_hit_blocks: self.host_hits,
+            hit_rate_blocks: ratio(hit_blocks, self.blocks),
+            input_tokens: self.input_tokens,
+            hit_tokens: self.hit_tokens,
+            hit_rate_tokens: ratio(self.hit_tokens, self.input_tokens),
+            evictions: stats.counters.evictions.device_total(),
+            host_evictions: stats.counters.evictions.host_dropped,
+            swaps_in: stats.counters.swap_in_blocks,
+            swaps_out: stats.counters.swap_out_blocks,
+            backups: stats.counters.backup_blocks,
+            sched_us_per_request: Percentiles::of(&mut self.times),
+            block_tokens: stats.block_tokens,
+            device_blocks: stats.device_blocks,
+            host_blocks: stats.host_blocks,
+            write_policy: self.write_policy,
+            prompt_only: self.prompt_only,
+        };
+        Replayed { report, hits_per_request: self.hits_per_request }
     }
 }
 
@@ -125,72 +240,11 @@ pub fn replay(
     config: CacheConfig,
     prompt_only: bool,
 ) -> anyhow::Result<Replayed> {
-    let block_tokens = config.block_tokens as usize;
-    let write_policy = config.write_policy.to_string();
-    let mut cache = CacheManager::new(config)?;
-    let mut transfers = Vec::new();
-    let mut hashes = Vec::new();
-    let mut times = Vec::with_capacity(requests.len());
-    let mut hits_per_request = Vec::with_capacity(requests.len());
-    let (mut blocks, mut device_hits, mut host_hits, mut input_tokens, mut hit_tokens) =
-        (0, 0, 0, 0, 0);
-    let mut failed_requests = 0;
-    for (index, request) in requests.iter().enumerate() {
-        let id = RequestId(index as u64);
-        hashes.clear();
-        hashes.extend(request.full_block_hashes(block_tokens));
-        let start = Instant::now();
-        cache.poll();
-        complete_all(&mut cache, &mut transfers)?;
-        let found = cache.match_prefix(id, &hashes, request.input_length)?;
-        let output_tokens = if prompt_only { 0 } else { request.output_length };
-        let new_tokens = request.input_length - found.cached_tokens + output_tokens;
-        match cache.allocate(id, new_tokens, 0) {
-            Ok(_) => {
-                complete_all(&mut cache, &mut transfers)?;
-                cache.commit(id, hashes.len() * block_tokens, &hashes)?;
-                cache.finish(id)?;
-            }
-            Err(AllocateError::OutOfBlocks { .. }) => {
-                failed_requests += 1;
-                cache.abort(id)?;
-            }
-            Err(error) => return Err(error.into()),
-        }
-        times.push(start.elapsed().as_secs_f64() * 1e6);
-        blocks += hashes.len() as u64;
-        device_hits += found.device_blocks as u64;
-        host_hits += found.host_blocks as u64;
-        input_tokens += request.input_length as u64;
-        hit_tokens += found.cached_tokens as u64;
-        hits_per_request.push(found.blocks() as u32);
+    let mut replayer = Replayer::new(config, prompt_only, requests.len())?;
+    for request in requests {
+        replayer.serve(request)?;
     }
-    let stats = cache.stats();
-    let ratio = |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
-    let report = ReplayReport {
-        requests: requests.len(),
-        failed_requests,
-        blocks,
-        hit_blocks: device_hits + host_hits,
-        device_hit_blocks: device_hits,
-        host_hit_blocks: host_hits,
-        hit_rate_blocks: ratio(device_hits + host_hits, blocks),
-        input_tokens,
-        hit_tokens,
-        hit_rate_tokens: ratio(hit_tokens, input_tokens),
-        evictions: stats.counters.evictions.device_total(),
-        host_evictions: stats.counters.evictions.host_dropped,
-        swaps_in: stats.counters.swap_in_blocks,
-        swaps_out: stats.counters.swap_out_blocks,
-        backups: stats.counters.backup_blocks,
-        sched_us_per_request: Percentiles::of(&mut times),
-        block_tokens: stats.block_tokens,
-        device_blocks: stats.device_blocks,
-        host_blocks: stats.host_blocks,
-        write_policy,
-        prompt_only,
-    };
-    Ok(Replayed { report, hits_per_request })
+    Ok(replayer.finish())
 }
 
 /// Refuses sizes the replay cannot have, naming the option, before anything is allocated.

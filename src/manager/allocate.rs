@@ -12,7 +12,7 @@
 //! 5. Append the new blocks; the ticket also waits on swap-outs still reading claimed ones.
 
 use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
-use crate::tree::{NodeState, SwapOut};
+use crate::tree::{NodeId, NodeState, SwapOut};
 
 /// A successful allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +23,22 @@ pub struct Allocation<'a> {
     pub block_table: &'a [u32],
     /// How many blocks at the end of the table this allocation added.
     pub new_blocks: usize,
+}
+
+/// Buffers `allocate` fills and empties on every call, kept by the manager so that an allocation
+/// allocates no memory once they have grown.
+#[derive(Debug, Default)]
+pub(super) struct AllocateScratch {
+    /// The request's hits without a block table entry yet.
+    hits: Vec<NodeId>,
+    /// Device blocks obtained, each with the swap-out still reading it if claimed from one.
+    blocks: Vec<(u32, Option<TransferId>)>,
+    /// Block table entries of the hits.
+    table: Vec<u32>,
+    /// Copies the swap-in must wait for.
+    after: Vec<TransferId>,
+    /// Fresh blocks claimed from swap-outs, with those copies.
+    claims: Vec<(u32, TransferId)>,
 }
 
 impl CacheManager {
@@ -40,46 +56,49 @@ impl CacheManager {
         }
         let demand = self.demand(request, record, new_tokens, lookahead)?;
         let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
-        let hits = record.path.get(record.table.len()..).unwrap_or_default().to_vec();
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.hits.clear();
+        scratch.hits.extend_from_slice(record.path.get(record.table.len()..).unwrap_or_default());
         let free = self.device.free_count();
         if needed > free {
             let available = free + self.reclaimable_up_to(needed - free);
             if available < needed {
+                self.scratch = scratch;
                 self.stats.failed_allocations += 1;
                 return Err(AllocateError::OutOfBlocks { needed, available });
             }
         }
 
-        let mut blocks = Vec::with_capacity(needed);
-        self.obtain_device_blocks(needed, &mut blocks);
+        scratch.blocks.clear();
+        self.obtain_device_blocks(needed, &mut scratch.blocks);
         let ticket = self.new_ticket(request);
-        let mut blocks = blocks.into_iter();
-        let mut table_hits = Vec::with_capacity(hits.len());
+        let mut blocks = scratch.blocks.iter();
         let mut swap_in = None;
-        let mut swap_in_after = Vec::new();
-        for id in hits {
+        scratch.table.clear();
+        scratch.after.clear();
+        for &id in &scratch.hits {
             let node = self.tree.node(id);
             match node.state() {
                 NodeState::Device | NodeState::SwapToHost(SwapOut::Backup) => {
-                    table_hits.push(node.device().expect("a device hit has a device block"));
+                    scratch.table.push(node.device().expect("a device hit has a device block"));
                 }
                 NodeState::SwapToDevice => {
                     let transfer =
                         TransferId(node.transfer().expect("a node in flight names its copy"));
-                    table_hits.push(node.device().expect("a swap-in has its destination"));
+                    scratch.table.push(node.device().expect("a swap-in has its destination"));
                     self.wait_on(ticket, transfer);
                     // Swap-ins below wait for this one, so that if it fails they are still
                     // unissued and can be cancelled.
-                    if !swap_in_after.contains(&transfer) {
-                        swap_in_after.push(transfer);
+                    if !scratch.after.contains(&transfer) {
+                        scratch.after.push(transfer);
                     }
                 }
                 NodeState::Host => {
-                    let (block, claimed_from) =
+                    let &(block, claimed_from) =
                         blocks.next().expect("a block was taken per swap-in");
                     swap_in = Some(self.start_swap_in(id, block));
-                    swap_in_after.extend(claimed_from);
-                    table_hits.push(block);
+                    scratch.after.extend(claimed_from);
+                    scratch.table.push(block);
                 }
                 state @ NodeState::SwapToHost(SwapOut::Evict | SwapOut::Claimed) => {
                     unreachable!("a held node in state {state:?} is a programming error")
@@ -88,26 +107,30 @@ impl CacheManager {
         }
         if let Some(transfer) = swap_in {
             self.stats.swap_in_blocks_issued += swap_ins as u64;
-            self.open_host_to_device.as_mut().expect("the swap-in is open").1.after = swap_in_after;
+            let flight = &mut self.open_host_to_device.as_mut().expect("the swap-in is open").1;
+            flight.after.clear();
+            flight.after.extend_from_slice(&scratch.after);
             self.wait_on(ticket, transfer);
         }
-        let mut claims = Vec::new();
-        let mut fresh_blocks = Vec::with_capacity(fresh);
-        for (block, claimed_from) in blocks {
-            fresh_blocks.push(block);
+        scratch.claims.clear();
+        let fresh_start = scratch.table.len();
+        for &(block, claimed_from) in blocks {
+            scratch.table.push(block);
             if let Some(transfer) = claimed_from {
-                claims.push((block, transfer));
+                scratch.claims.push((block, transfer));
                 self.wait_on(ticket, transfer);
             }
         }
+        debug_assert_eq!(scratch.table.len() - fresh_start, fresh);
         self.close_transfers();
 
         let record = self.requests.get_mut(&request).expect("the request was found above");
-        record.table.extend(table_hits);
-        record.table.extend(fresh_blocks);
-        record.claims.extend(claims);
+        record.table.extend_from_slice(&scratch.table);
+        record.claims.extend_from_slice(&scratch.claims);
         record.tokens += new_tokens;
         record.tickets.push(ticket);
+        self.scratch = scratch;
+        let record = &self.requests[&request];
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }
 }

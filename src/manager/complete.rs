@@ -34,6 +34,7 @@ impl CacheManager {
         }
         if flight.generation != self.generation {
             self.stats.stale_completions += 1;
+            self.recycle_flight(flight);
             return Ok(());
         }
         if outcome.is_err() {
@@ -62,6 +63,7 @@ impl CacheManager {
             _ => None,
         };
         self.resolve_tickets(&flight.tickets, failure);
+        self.recycle_flight(flight);
         Ok(())
     }
 
@@ -192,6 +194,7 @@ impl CacheManager {
         if flight.pairs.is_empty() {
             let flight = self.in_flight.remove(&transfer).expect("found just above");
             self.resolve_tickets(&flight.tickets, None);
+            self.recycle_flight(flight);
         }
         let reader = after.iter().find(|before| {
             self.in_flight.get(before).is_some_and(|flight| {

@@ -18,9 +18,9 @@
 //! node and every device candidate gives one block, so when there are enough of them the count
 //! is O(1); only a shortfall walks the candidates to add the parents their evictions expose.
 
-use std::collections::HashMap;
 use std::ops::ControlFlow;
 
+use super::ids::IdMap;
 use super::{CacheManager, TransferId, WritePolicy};
 use crate::tree::policy::EvictSet;
 use crate::tree::{NodeId, NodeState, SwapOut, Tree};
@@ -37,7 +37,8 @@ impl CacheManager {
     /// How many device blocks beyond the free ones evictions and claims could provide, counted up
     /// to `limit`. Changes nothing.
     pub(super) fn reclaimable_up_to(&mut self, limit: usize) -> usize {
-        count_reclaimable(&self.tree, &mut self.scratch_gone, limit)
+        let (gone, exposed) = &mut self.scratch_reclaim;
+        count_reclaimable(&self.tree, gone, exposed, limit)
     }
 
     /// Takes `count` device blocks, each with the swap-out still reading it when it was claimed.
@@ -51,11 +52,12 @@ impl CacheManager {
     ) {
         let from_pool = count.min(self.device.free_count());
         let start = out.len();
-        let mut blocks = Vec::with_capacity(from_pool);
-        self.device
-            .allocate_into(from_pool, &mut blocks)
-            .expect("taking free blocks that are there");
-        out.extend(blocks.into_iter().map(|block| (block, None)));
+        for _ in 0..from_pool {
+            out.push((
+                self.device.allocate_one().expect("taking free blocks that are there"),
+                None,
+            ));
+        }
         while out.len() - start < count {
             if let Some(id) = self.tree.first_claimable() {
                 out.push(self.claim(id));
@@ -145,16 +147,21 @@ impl CacheManager {
 
 /// Counts, up to `limit`, the device blocks that claims and cascading evictions could free:
 /// every claimable node, every device candidate, and every node that becomes a candidate once
-/// the device children counted before it are gone. `gone` is scratch space.
-fn count_reclaimable(tree: &Tree, gone: &mut HashMap<NodeId, u32>, limit: usize) -> usize {
+/// the device children counted before it are gone. `gone` (device children counted, per
+/// parent) and `exposed` (parents whose last device child was counted) are scratch space.
+fn count_reclaimable(
+    tree: &Tree,
+    gone: &mut IdMap<NodeId, u32>,
+    exposed: &mut Vec<NodeId>,
+    limit: usize,
+) -> usize {
     let direct = tree.claimable_count() + tree.device_candidate_count();
     if direct >= limit {
         return limit;
     }
     gone.clear();
+    exposed.clear();
     let mut count = direct;
-    // Parents whose last device child was counted: a stack threaded through `exposed`.
-    let mut exposed = Vec::new();
     let mut expose = |id: NodeId, exposed: &mut Vec<NodeId>| {
         let parent = tree.node(id).parent().expect("a counted node is not the root");
         if parent == NodeId::ROOT {
@@ -173,7 +180,7 @@ fn count_reclaimable(tree: &Tree, gone: &mut HashMap<NodeId, u32>, limit: usize)
     };
     for set in [EvictSet::Claimable, EvictSet::Device] {
         tree.visit(set, |id| {
-            expose(id, &mut exposed);
+            expose(id, exposed);
             ControlFlow::Continue(())
         });
     }
@@ -182,7 +189,7 @@ fn count_reclaimable(tree: &Tree, gone: &mut HashMap<NodeId, u32>, limit: usize)
         if count >= limit {
             return limit;
         }
-        expose(id, &mut exposed);
+        expose(id, exposed);
     }
     count
 }

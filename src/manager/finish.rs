@@ -32,8 +32,7 @@ impl CacheManager {
         }
         record.claims.retain(|(_, transfer)| self.in_flight.contains_key(transfer));
         record.claims.sort_unstable();
-        let owned: Vec<u32> = record.owned_blocks().rev().collect();
-        for block in owned {
+        for block in record.owned_blocks().rev() {
             let claim = record.claims.binary_search_by_key(&block, |&(claimed, _)| claimed);
             match claim {
                 Ok(index) => {
@@ -53,6 +52,7 @@ impl CacheManager {
                 node.access(Access::Release);
             });
         }
+        self.recycle_request(record);
         Ok(())
     }
 }

@@ -20,7 +20,7 @@
 
 use serde::Serialize;
 
-use super::{CacheManager, MatchError, PromptError, Request, RequestId, WritePolicy};
+use super::{CacheManager, MatchError, PromptError, RequestId, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
 use crate::tree::{NodeId, NodeState, SwapOut};
@@ -97,8 +97,8 @@ impl CacheManager {
             return Err(MatchError::DuplicateRequest(request));
         }
         let matchable = self.matchable(hashes, prompt_tokens)?;
-        let mut path = Vec::new();
-        let found = self.walk(matchable, |id| path.push(id));
+        let mut record = self.spare_requests.pop().unwrap_or_default();
+        let found = self.walk(matchable, |id| record.path.push(id));
         self.tree.request_started();
         let selective = match self.config.write_policy {
             WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
@@ -106,7 +106,7 @@ impl CacheManager {
             }
             _ => None,
         };
-        for &id in &path {
+        for &id in &record.path {
             let queue = self.tree.update(id, |node| {
                 node.hold();
                 node.count_hit();
@@ -132,8 +132,8 @@ impl CacheManager {
         let cached_tokens = found.blocks() * block_tokens;
         let device_tokens = found.device_blocks * block_tokens;
         self.stats.record_match(hashes.len(), found, device_tokens, cached_tokens - device_tokens);
-        self.requests
-            .insert(request, Request { path, tokens: cached_tokens, ..Request::default() });
+        record.tokens = cached_tokens;
+        self.requests.insert(request, record);
         Ok(PrefixMatch {
             device_blocks: found.device_blocks,
             host_blocks: found.host_blocks,

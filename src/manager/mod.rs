@@ -28,6 +28,7 @@ mod config;
 mod errors;
 mod evict;
 mod finish;
+mod ids;
 mod invariants;
 mod lookup;
 mod poll;
@@ -37,8 +38,6 @@ mod request;
 mod reset;
 mod stats;
 mod transfer;
-
-use std::collections::HashMap;
 
 pub use allocate::Allocation;
 pub use capacity::AllocationCheck;
@@ -57,15 +56,20 @@ pub use request::RequestId;
 pub use stats::{CacheCounters, CacheStats, Evictions, Hits};
 pub use transfer::{
     BlockPair, CommandError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId,
-    TransferKind,
+    TransferKind, TransferView,
 };
 
 use crate::pool::BlockPool;
 use crate::tree::{NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
+use allocate::AllocateScratch;
+use ids::IdMap;
 use request::Request;
 use transfer::{InFlight, Ticket};
 
 const VALIDATED_CAPACITY: &str = "validate() refuses capacities a pool cannot hold";
+
+/// Records kept for reuse at most (per kind): enough for the requests of a large batch.
+const MAX_SPARES: usize = 1024;
 
 /// The prefix cache and block pools of one engine.
 #[derive(Debug)]
@@ -74,9 +78,9 @@ pub struct CacheManager {
     tree: Tree,
     device: BlockPool,
     host: BlockPool,
-    requests: HashMap<RequestId, Request>,
-    tickets: HashMap<TicketId, Ticket>,
-    in_flight: HashMap<TransferId, InFlight>,
+    requests: IdMap<RequestId, Request>,
+    tickets: IdMap<TicketId, Ticket>,
+    in_flight: IdMap<TransferId, InFlight>,
     /// Copies created but not yet handed out by `take_transfers`, oldest first.
     outbox: Vec<TransferId>,
     /// The copies the current operation is filling (at most one per direction); moved to
@@ -86,8 +90,14 @@ pub struct CacheManager {
     /// Nodes waiting for a write-through backup (lazily checked: an entry whose node lost its
     /// `backup_queued` flag is skipped).
     pending_backups: Vec<NodeId>,
-    /// Scratch of the allocation dry run: device children counted as gone, per node.
-    scratch_gone: HashMap<NodeId, u32>,
+    /// Scratch of the allocation dry run: device children counted as gone, per node, and the
+    /// nodes that became candidates by it.
+    scratch_reclaim: (IdMap<NodeId, u32>, Vec<NodeId>),
+    /// Scratch buffers of `allocate`, kept so that an allocation allocates no memory.
+    scratch: AllocateScratch,
+    /// Emptied records of ended requests and completed copies, reused with their buffers.
+    spare_requests: Vec<Request>,
+    spare_flights: Vec<InFlight>,
     generation: u64,
     next_transfer: u64,
     next_ticket: u64,
@@ -102,14 +112,17 @@ impl CacheManager {
             device: BlockPool::new(config.device_blocks).expect(VALIDATED_CAPACITY),
             host: BlockPool::new(config.host_blocks).expect(VALIDATED_CAPACITY),
             config,
-            requests: HashMap::new(),
-            tickets: HashMap::new(),
-            in_flight: HashMap::new(),
+            requests: IdMap::default(),
+            tickets: IdMap::default(),
+            in_flight: IdMap::default(),
             outbox: Vec::new(),
             open_device_to_host: None,
             open_host_to_device: None,
             pending_backups: Vec::new(),
-            scratch_gone: HashMap::default(),
+            scratch_reclaim: Default::default(),
+            scratch: AllocateScratch::default(),
+            spare_requests: Vec::new(),
+            spare_flights: Vec::new(),
             generation: 0,
             next_transfer: 1,
             next_ticket: 1,
@@ -180,9 +193,15 @@ impl CacheManager {
         transfers
     }
 
-    /// Like [`CacheManager::take_transfers`], appending to `out`. A swap-in into blocks that a
-    /// swap-out still reads stays behind until that swap-out completes.
+    /// Like [`CacheManager::take_transfers`], appending to `out`.
     pub fn take_transfers_into(&mut self, out: &mut Vec<Transfer>) {
+        self.take_transfers_with(|transfer| out.push(transfer.to_transfer()));
+    }
+
+    /// Hands out the copies created since the last call, oldest first, each lent to `issue`
+    /// for the call: nothing is copied or allocated. A swap-in into blocks that a swap-out still
+    /// reads stays behind until that swap-out completes.
+    pub fn take_transfers_with(&mut self, mut issue: impl FnMut(TransferView<'_>)) {
         let in_flight = &mut self.in_flight;
         self.outbox.retain(|id| {
             // A copy completed before it was taken is gone from `in_flight`: drop it.
@@ -192,10 +211,10 @@ impl CacheManager {
             }
             let flight = in_flight.get_mut(id).expect("found just above");
             flight.issued = true;
-            out.push(Transfer {
+            issue(TransferView {
                 id: *id,
                 kind: flight.kind,
-                pairs: flight.pairs.clone(),
+                pairs: &flight.pairs,
                 generation: flight.generation,
             });
             false
@@ -231,7 +250,11 @@ impl CacheManager {
         if slot.is_none() {
             let id = TransferId(self.next_transfer);
             self.next_transfer += 1;
-            *slot = Some((id, InFlight::new(kind, generation)));
+            let flight = match self.spare_flights.pop() {
+                Some(spare) => spare.recycled(kind, generation),
+                None => InFlight::new(kind, generation),
+            };
+            *slot = Some((id, flight));
         }
         let (id, flight) = slot.as_mut().expect("the open transfer was just created");
         (*id, flight)
@@ -280,6 +303,20 @@ impl CacheManager {
                 }
             }
             record.pending += 1;
+        }
+    }
+
+    /// Keeps the buffers of a copy that completed, for the next one.
+    fn recycle_flight(&mut self, flight: InFlight) {
+        if self.spare_flights.len() < MAX_SPARES {
+            self.spare_flights.push(flight);
+        }
+    }
+
+    /// Keeps the buffers of a request that ended, for the next one.
+    fn recycle_request(&mut self, request: Request) {
+        if self.spare_requests.len() < MAX_SPARES {
+            self.spare_requests.push(request.recycled());
         }
     }
 

@@ -30,9 +30,9 @@ impl CacheManager {
     }
 
     fn issue_backups(&mut self) {
-        let queue = std::mem::take(&mut self.pending_backups);
+        let mut queue = std::mem::take(&mut self.pending_backups);
         let mut out_of_host = false;
-        for id in queue {
+        for &id in &queue {
             if !self.tree.is_live(id) || !self.tree.node(id).backup_queued() {
                 continue;
             }
@@ -49,5 +49,9 @@ impl CacheManager {
                 None => out_of_host = true,
             }
         }
+        // Issuing queues nothing new: the emptied queue keeps its buffer.
+        queue.clear();
+        queue.append(&mut self.pending_backups);
+        self.pending_backups = queue;
     }
 }

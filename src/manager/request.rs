@@ -41,6 +41,24 @@ pub(crate) struct Request {
 }
 
 impl Request {
+    /// The same record emptied for the next request, its buffers kept (so that serving a
+    /// request allocates nothing once the buffers have grown).
+    pub fn recycled(mut self) -> Request {
+        self.path.clear();
+        self.table.clear();
+        self.private.clear();
+        self.claims.clear();
+        self.tickets.clear();
+        Request {
+            path: self.path,
+            table: self.table,
+            private: self.private,
+            claims: self.claims,
+            tickets: self.tickets,
+            ..Request::default()
+        }
+    }
+
     /// The blocks this request owns (to free when it ends), in table order.
     pub fn owned_blocks(&self) -> impl DoubleEndedIterator<Item = u32> + '_ {
         let start = self.path.len().min(self.table.len());

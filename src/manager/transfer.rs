@@ -111,7 +111,46 @@ pub(crate) struct InFlight {
     pub issued: bool,
 }
 
+/// A copy handed out by [`super::CacheManager::take_transfers_with`], borrowed for the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferView<'a> {
+    pub id: TransferId,
+    pub kind: TransferKind,
+    pub pairs: &'a [BlockPair],
+    pub generation: u64,
+}
+
+impl TransferView<'_> {
+    pub fn to_transfer(&self) -> Transfer {
+        Transfer {
+            id: self.id,
+            kind: self.kind,
+            pairs: self.pairs.to_vec(),
+            generation: self.generation,
+        }
+    }
+}
+
 impl InFlight {
+    /// This record emptied for another copy, its buffers kept.
+    pub fn recycled(mut self, kind: TransferKind, generation: u64) -> InFlight {
+        self.pairs.clear();
+        self.nodes.clear();
+        self.tickets.clear();
+        self.reserved_device.clear();
+        self.reserved_host.clear();
+        self.after.clear();
+        InFlight {
+            pairs: self.pairs,
+            nodes: self.nodes,
+            tickets: self.tickets,
+            reserved_device: self.reserved_device,
+            reserved_host: self.reserved_host,
+            after: self.after,
+            ..InFlight::new(kind, generation)
+        }
+    }
+
     pub fn new(kind: TransferKind, generation: u64) -> InFlight {
         InFlight {
             kind,
