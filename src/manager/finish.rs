@@ -7,7 +7,6 @@
 //!    evictable, the tail first (deeper first on the equal access time).
 
 use super::{CacheManager, FinishError, RequestId};
-use crate::tree::policy::Access;
 
 impl CacheManager {
     /// Ends a request that ran to completion.
@@ -47,12 +46,9 @@ impl CacheManager {
             }
         }
         for &id in record.path.iter().rev() {
-            self.tree.update(id, |node| {
-                node.release();
-                node.access(Access::Release);
-            });
+            self.tree.release(id);
         }
-        self.recycle_request(record);
+        self.requests.recycle(record);
         Ok(())
     }
 }

@@ -23,7 +23,7 @@ use serde::Serialize;
 use super::{CacheManager, MatchError, PromptError, RequestId, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
-use crate::tree::{NodeId, NodeState, SwapOut};
+use crate::tree::{NodeId, NodeState, SwapOut, Tree};
 
 /// How many leading blocks of a prompt are cached, per tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -64,14 +64,14 @@ impl CacheManager {
         prompt_tokens: usize,
     ) -> Result<Lookup, PromptError> {
         let matchable = self.matchable(hashes, prompt_tokens)?;
-        Ok(self.walk(matchable, |_| {}))
+        Ok(walk(&self.tree, matchable, |_| {}))
     }
 
     /// How many leading blocks of `hashes` are cached, per tier, with no last-token rule: a
     /// question about the cache's contents (inspection, tests), not about a prompt. Engines
     /// deciding what to compute use [`CacheManager::lookup`]. No side effects.
     pub fn cached_prefix(&self, hashes: &[BlockHash]) -> Lookup {
-        self.walk(hashes, |_| {})
+        walk(&self.tree, hashes, |_| {})
     }
 
     /// Looks up the prompt of a new request and holds its cached prefix (`ref_count += 1`, one
@@ -93,21 +93,20 @@ impl CacheManager {
         hashes: &[BlockHash],
         prompt_tokens: usize,
     ) -> Result<PrefixMatch, MatchError> {
-        if self.requests.contains_key(&request) {
-            return Err(MatchError::DuplicateRequest(request));
-        }
         let matchable = self.matchable(hashes, prompt_tokens)?;
-        let mut record = self.spare_requests.pop().unwrap_or_default();
-        let found = self.walk(matchable, |id| record.path.push(id));
-        self.tree.request_started();
         let selective = match self.config.write_policy {
             WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
                 Some(threshold)
             }
             _ => None,
         };
+        let block_tokens = self.config.block_tokens as usize;
+        let CacheManager { requests, tree, pending_backups, stats, .. } = self;
+        let record = requests.start(request).ok_or(MatchError::DuplicateRequest(request))?;
+        let found = walk(tree, matchable, |id| record.path.push(id));
+        tree.request_started();
         for &id in &record.path {
-            let queue = self.tree.update(id, |node| {
+            let queue = tree.update(id, |node| {
                 node.hold();
                 node.count_hit();
                 node.access(Access::Hit);
@@ -125,15 +124,13 @@ impl CacheManager {
                 wants_backup
             });
             if queue {
-                self.pending_backups.push(id);
+                pending_backups.push(id);
             }
         }
-        let block_tokens = self.config.block_tokens as usize;
         let cached_tokens = found.blocks() * block_tokens;
         let device_tokens = found.device_blocks * block_tokens;
-        self.stats.record_match(hashes.len(), found, device_tokens, cached_tokens - device_tokens);
+        stats.record_match(hashes.len(), found, device_tokens, cached_tokens - device_tokens);
         record.tokens = cached_tokens;
-        self.requests.insert(request, record);
         Ok(PrefixMatch {
             device_blocks: found.device_blocks,
             host_blocks: found.host_blocks,
@@ -161,22 +158,23 @@ impl CacheManager {
         let bound = prompt_tokens.saturating_sub(1) / block_tokens;
         Ok(&hashes[..hashes.len().min(bound)])
     }
+}
 
-    fn walk(&self, hashes: &[BlockHash], mut visit: impl FnMut(NodeId)) -> Lookup {
-        let mut found = Lookup::default();
-        let mut parent = NodeId::ROOT;
-        for &hash in hashes {
-            let Some(id) = self.tree.child(parent, hash) else { break };
-            match self.tree.node(id).state() {
-                NodeState::Device
-                | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict)
-                | NodeState::SwapToDevice => found.device_blocks += 1,
-                NodeState::Host => found.host_blocks += 1,
-                NodeState::SwapToHost(SwapOut::Claimed) => break,
-            }
-            visit(id);
-            parent = id;
+/// Walks the cached prefix of `hashes` from the root, visiting each node that hits.
+fn walk(tree: &Tree, hashes: &[BlockHash], mut visit: impl FnMut(NodeId)) -> Lookup {
+    let mut found = Lookup::default();
+    let mut parent = NodeId::ROOT;
+    for &hash in hashes {
+        let Some(id) = tree.child(parent, hash) else { break };
+        match tree.node(id).state() {
+            NodeState::Device
+            | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict)
+            | NodeState::SwapToDevice => found.device_blocks += 1,
+            NodeState::Host => found.host_blocks += 1,
+            NodeState::SwapToHost(SwapOut::Claimed) => break,
         }
-        found
+        visit(id);
+        parent = id;
     }
+    found
 }

@@ -63,12 +63,12 @@ use crate::pool::BlockPool;
 use crate::tree::{NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
 use allocate::AllocateScratch;
 use ids::IdMap;
-use request::Request;
+use request::{Request, Requests};
 use transfer::{InFlight, Ticket};
 
 const VALIDATED_CAPACITY: &str = "validate() refuses capacities a pool cannot hold";
 
-/// Records kept for reuse at most (per kind): enough for the requests of a large batch.
+/// Copy records kept for reuse at most: more than the copies of a busy step.
 const MAX_SPARES: usize = 1024;
 
 /// The prefix cache and block pools of one engine.
@@ -78,7 +78,7 @@ pub struct CacheManager {
     tree: Tree,
     device: BlockPool,
     host: BlockPool,
-    requests: IdMap<RequestId, Request>,
+    requests: Requests,
     tickets: IdMap<TicketId, Ticket>,
     in_flight: IdMap<TransferId, InFlight>,
     /// Copies created but not yet handed out by `take_transfers`, oldest first.
@@ -95,8 +95,7 @@ pub struct CacheManager {
     scratch_reclaim: (IdMap<NodeId, u32>, Vec<NodeId>),
     /// Scratch buffers of `allocate`, kept so that an allocation allocates no memory.
     scratch: AllocateScratch,
-    /// Emptied records of ended requests and completed copies, reused with their buffers.
-    spare_requests: Vec<Request>,
+    /// Emptied records of completed copies, reused with their buffers.
     spare_flights: Vec<InFlight>,
     generation: u64,
     next_transfer: u64,
@@ -112,7 +111,7 @@ impl CacheManager {
             device: BlockPool::new(config.device_blocks).expect(VALIDATED_CAPACITY),
             host: BlockPool::new(config.host_blocks).expect(VALIDATED_CAPACITY),
             config,
-            requests: IdMap::default(),
+            requests: Requests::default(),
             tickets: IdMap::default(),
             in_flight: IdMap::default(),
             outbox: Vec::new(),
@@ -121,7 +120,6 @@ impl CacheManager {
             pending_backups: Vec::new(),
             scratch_reclaim: Default::default(),
             scratch: AllocateScratch::default(),
-            spare_requests: Vec::new(),
             spare_flights: Vec::new(),
             generation: 0,
             next_transfer: 1,
@@ -262,11 +260,18 @@ impl CacheManager {
 
     /// Moves the copies the current operation filled to the in-flight table and the outbox.
     fn close_transfers(&mut self) {
-        for (id, flight) in
-            [self.open_device_to_host.take(), self.open_host_to_device.take()].into_iter().flatten()
-        {
-            self.in_flight.insert(id, flight);
-            self.outbox.push(id);
+        // Device-to-host first, as they were opened; checked before taking, so that the common
+        // case (no copy) moves no record around.
+        for host_to_device in [false, true] {
+            let slot = if host_to_device {
+                &mut self.open_host_to_device
+            } else {
+                &mut self.open_device_to_host
+            };
+            if let Some((id, flight)) = slot.take() {
+                self.in_flight.insert(id, flight);
+                self.outbox.push(id);
+            }
         }
     }
 
@@ -310,13 +315,6 @@ impl CacheManager {
     fn recycle_flight(&mut self, flight: InFlight) {
         if self.spare_flights.len() < MAX_SPARES {
             self.spare_flights.push(flight);
-        }
-    }
-
-    /// Keeps the buffers of a request that ended, for the next one.
-    fn recycle_request(&mut self, request: Request) {
-        if self.spare_requests.len() < MAX_SPARES {
-            self.spare_requests.push(request.recycled());
         }
     }
 

@@ -27,11 +27,9 @@ impl CacheManager {
         }
         let record = self.requests.remove(&request).expect("found just above");
         for &id in record.path.iter().rev() {
-            self.tree.update(id, |node| {
-                node.release();
-                node.access(Access::Release);
-            });
+            self.tree.release(id);
         }
+        self.requests.recycle(record);
         Ok(())
     }
 

@@ -1,12 +1,17 @@
 //! What the manager remembers about one live request.
 //!
+//! Core types: [`Request`] (one request's record) and [`Requests`] (the live ones, by id).
+//!
 //! A request holds a path of cached nodes from the root (matched, then committed) and owns the
 //! blocks of its block table past that path, plus the blocks it computed twice ("private": a
 //! commit found the block cached already). Positions of the block table inside the path are the
 //! nodes' device blocks, except private ones.
 
+use std::collections::hash_map::Entry;
+
 use serde::Serialize;
 
+use super::ids::IdMap;
 use super::{TicketId, TransferId};
 use crate::tree::NodeId;
 
@@ -65,8 +70,111 @@ impl Request {
         self.private.iter().copied().chain(self.table[start..].iter().copied())
     }
 
+    /// Whether its vectors hold memory (a recycled record does).
+    fn has_buffers(&self) -> bool {
+        self.path.capacity() > 0 || self.table.capacity() > 0
+    }
+
     /// Whether it holds nodes or owns blocks.
     pub fn holds_anything(&self) -> bool {
         !self.path.is_empty() || !self.table.is_empty()
+    }
+}
+
+/// The live requests. Records sit in slots that keep their buffers when a request ends, so a
+/// new request reuses them; a small index finds a request's slot by id (one hash operation).
+#[derive(Debug, Default)]
+pub(crate) struct Requests {
+    index: IdMap<RequestId, u32>,
+    slots: Vec<(RequestId, Request)>,
+    /// Slots of ended requests; the last one freed may hold a recycled record.
+    free: Vec<u32>,
+}
+
+impl Requests {
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn contains_key(&self, id: &RequestId) -> bool {
+        self.index.contains_key(id)
+    }
+
+    pub fn get(&self, id: &RequestId) -> Option<&Request> {
+        self.index.get(id).map(|&slot| &self.slots[slot as usize].1)
+    }
+
+    pub fn get_mut(&mut self, id: &RequestId) -> Option<&mut Request> {
+        self.index.get(id).map(|&slot| &mut self.slots[slot as usize].1)
+    }
+
+    /// Makes `id` live with an empty record (its buffers kept from an ended request), or `None`
+    /// if it is live already.
+    pub fn start(&mut self, id: RequestId) -> Option<&mut Request> {
+        let Entry::Vacant(entry) = self.index.entry(id) else { return None };
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.slots.push((id, Request::default()));
+                u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 live requests")
+            }
+        };
+        entry.insert(slot);
+        let (slot_id, record) = &mut self.slots[slot as usize];
+        *slot_id = id;
+        Some(record)
+    }
+
+    /// Ends `id`: its record, taken out of its slot (give its buffers back with
+    /// [`Requests::recycle`]).
+    pub fn remove(&mut self, id: &RequestId) -> Option<Request> {
+        let slot = self.index.remove(id)?;
+        self.free.push(slot);
+        Some(std::mem::take(&mut self.slots[slot as usize].1))
+    }
+
+    /// Puts the buffers of a record [`Requests::remove`] took out back into the slot freed
+    /// last, for the next request.
+    pub fn recycle(&mut self, record: Request) {
+        if let Some(&slot) = self.free.last() {
+            let (_, spare) = &mut self.slots[slot as usize];
+            if !spare.has_buffers() {
+                *spare = record.recycled();
+            }
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&RequestId, &Request)> + '_ {
+        self.index.iter().map(|(id, &slot)| (id, &self.slots[slot as usize].1))
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &Request> + '_ {
+        self.iter().map(|(_, record)| record)
+    }
+
+    /// Ends every request for which `keep` is false.
+    pub fn retain(&mut self, mut keep: impl FnMut(&RequestId, &Request) -> bool) {
+        let ended: Vec<RequestId> =
+            self.iter().filter(|(id, record)| !keep(id, record)).map(|(&id, _)| id).collect();
+        for id in ended {
+            self.remove(&id);
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Requests {
+    type Item = (&'a RequestId, &'a Request);
+    type IntoIter = Box<dyn Iterator<Item = (&'a RequestId, &'a Request)> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+impl std::ops::Index<&RequestId> for Requests {
+    type Output = Request;
+
+    fn index(&self, id: &RequestId) -> &Request {
+        self.get(id).expect("indexing an unknown request is a programming error")
     }
 }

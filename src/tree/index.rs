@@ -35,20 +35,33 @@ const _: () = assert!(size_of::<Group>() == 64);
 
 const EMPTY_GROUP: Group = Group { meta: [0; 16], ids: [u32::MAX; SLOTS] };
 
-/// Bytes 0..12 of a `u128`: the tag bytes of a group's meta.
-const TAG_BYTES: u128 = (1 << (8 * SLOTS)) - 1;
-const LOW_BITS: u128 = u128::from_le_bytes([0x01; 16]);
-const HIGH_BITS: u128 = u128::from_le_bytes([0x80; 16]);
+/// The bits of the twelve slots in a [`Group::slots_tagged`] mask.
+const ALL_SLOTS: u32 = (1 << SLOTS) - 1;
 
 impl Group {
-    /// A mask with bit 7 of byte `i` set for each slot `i` whose tag is `tag` (exact: no false
-    /// positive, so that `tag` 0 finds free slots).
-    fn slots_tagged(&self, tag: u8) -> u128 {
-        let bytes = u128::from_le_bytes(self.meta) ^ (LOW_BITS * u128::from(tag));
-        // A byte of `bytes` is zero exactly when adding 0x7f to its low seven bits carries
-        // nothing into bit 7 and its own bit 7 is clear.
-        let low_seven = !HIGH_BITS;
-        !(((bytes & low_seven) + low_seven) | bytes) & HIGH_BITS & TAG_BYTES
+    /// A mask with bit `i` set for each slot `i` whose tag is `tag` (so `tag` 0 finds the free
+    /// slots): one SSE2 compare of the sixteen meta bytes, the displaced count masked off.
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    fn slots_tagged(&self, tag: u8) -> u32 {
+        use std::arch::x86_64::{
+            _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
+        };
+        // SAFETY: SSE2 is part of the x86-64 baseline, so the intrinsics exist on every x86-64
+        // processor; the unaligned load reads the 16 bytes of `self.meta`, which `&self` keeps
+        // alive and unchanged for the call.
+        let equal = unsafe {
+            let meta = _mm_loadu_si128(self.meta.as_ptr().cast());
+            _mm_movemask_epi8(_mm_cmpeq_epi8(meta, _mm_set1_epi8(tag as i8)))
+        };
+        equal as u32 & ALL_SLOTS
+    }
+
+    /// A mask with bit `i` set for each slot `i` whose tag is `tag` (portable version).
+    #[cfg(not(target_arch = "x86_64"))]
+    #[inline]
+    fn slots_tagged(&self, tag: u8) -> u32 {
+        (0..SLOTS).filter(|&slot| self.meta[slot] == tag).fold(0, |mask, slot| mask | 1 << slot)
     }
 
     fn displaced(&self) -> u32 {
@@ -61,8 +74,8 @@ impl Group {
 }
 
 /// The slot of the lowest set bit of a [`Group::slots_tagged`] mask.
-fn first_slot(mask: u128) -> usize {
-    mask.trailing_zeros() as usize / 8
+fn first_slot(mask: u32) -> usize {
+    mask.trailing_zeros() as usize
 }
 
 /// The folded and multiplied block hash: its high bits pick the home group, a middle byte is
@@ -138,7 +151,7 @@ impl ChildIndex {
         if (self.len + 1) * 8 > self.groups.len() * SLOTS * 7 {
             self.grow(nodes);
         }
-        self.place(id, &split(nodes[id.index()].hash()));
+        self.place(id, nodes[id.index()].hash_words());
         self.len += 1;
     }
 
@@ -159,12 +172,12 @@ impl ChildIndex {
         }
     }
 
-    /// Removes node `id`, keyed by `hash`.
+    /// Removes node `id`, keyed by `hash` (as the node stores it).
     ///
     /// # Panics
     /// If the index does not hold it: the tree removes only nodes it inserted.
-    pub fn remove(&mut self, id: NodeId, hash: BlockHash) {
-        let mixed = mix(&split(hash));
+    pub fn remove(&mut self, id: NodeId, hash: &[u32; 4]) {
+        let mixed = mix(hash);
         let tag = tag(mixed);
         let mut index = self.home(mixed);
         for _ in 0..self.groups.len() {
@@ -190,10 +203,10 @@ impl ChildIndex {
         let groups = (self.groups.len() * 2).max(1);
         let old = std::mem::replace(&mut self.groups, vec![EMPTY_GROUP; groups]);
         for group in &old {
-            let mut occupied = !group.slots_tagged(0) & HIGH_BITS & TAG_BYTES;
+            let mut occupied = !group.slots_tagged(0) & ALL_SLOTS;
             while occupied != 0 {
                 let id = group.ids[first_slot(occupied)];
-                self.place(NodeId(id), &split(nodes[id as usize].hash()));
+                self.place(NodeId(id), nodes[id as usize].hash_words());
                 occupied &= occupied - 1;
             }
         }
@@ -214,7 +227,7 @@ impl ChildIndex {
             for slot in (0..SLOTS).filter(|&slot| group.meta[slot] != 0) {
                 count += 1;
                 let id = group.ids[slot] as usize;
-                let mixed = mix(&split(nodes[id].hash()));
+                let mixed = mix(nodes[id].hash_words());
                 if group.meta[slot] != tag(mixed) {
                     return Err(format!("node {id} is indexed under a wrong tag"));
                 }
@@ -260,7 +273,7 @@ mod tests {
             group.meta[slot] = tag;
         }
         group.set_displaced(0x0707_0707);
-        let slots = |mask: u128| {
+        let slots = |mask: u32| {
             let mut mask = mask;
             let mut slots = Vec::new();
             while mask != 0 {
@@ -297,9 +310,9 @@ mod tests {
         }
         let at_home = (0..11).map(|_| add(&mut index, &mut nodes, 1)).last().unwrap();
         add(&mut index, &mut nodes, 0);
-        index.remove(first, nodes[first.index()].hash());
+        index.remove(first, &split(nodes[first.index()].hash()));
         add(&mut index, &mut nodes, 1);
-        index.remove(at_home, nodes[at_home.index()].hash());
+        index.remove(at_home, &split(nodes[at_home.index()].hash()));
         assert!(index.groups.iter().all(|group| group.displaced() == 1));
         index.check(&nodes).unwrap();
         assert_eq!(index.find(NodeId::ROOT, BlockHash(u128::MAX), &nodes), None);

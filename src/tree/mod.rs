@@ -99,6 +99,10 @@ impl Tree {
     }
 
     pub fn child(&self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
+        // A node without children (a block just committed, say) needs no probe.
+        if !self.nodes[parent.index()].has_children() {
+            return None;
+        }
         self.index.find(parent, hash, &self.nodes)
     }
 
@@ -214,7 +218,12 @@ impl Tree {
             "inserting a duplicate child is a programming error"
         );
         let mut node = Node::new(hash, parent);
-        node.next_sibling = self.nodes[parent.index()].first_child;
+        let mut view = NodeMut { node: &mut node, access: None };
+        init(&mut view);
+        let access = view.access;
+        let has_device = node.device().is_some();
+        let first = self.nodes[parent.index()].first_child;
+        node.next_sibling = first;
         let id = match self.free_slots.some() {
             Some(id) => {
                 self.free_slots = self.nodes[id.index()].next_sibling;
@@ -228,14 +237,15 @@ impl Tree {
                 id
             }
         };
-        let first = self.nodes[parent.index()].first_child;
         if first != NodeId::NONE {
             self.nodes[first.index()].prev_sibling = id;
         }
-        self.nodes[parent.index()].first_child = id;
+        let parent_node = &mut self.nodes[parent.index()];
+        parent_node.first_child = id;
+        parent_node.device_child_count += u32::from(has_device);
         self.index.insert(id, &self.nodes);
         self.refile(parent, None);
-        self.update(id, init);
+        self.refile(id, access);
         id
     }
 
@@ -262,6 +272,16 @@ impl Tree {
         result
     }
 
+    /// Releases one hold of `id` at the end of a request ([`Access::Release`]): the fast form of
+    /// an [`Tree::update`] that releases and records the access.
+    ///
+    /// # Panics
+    /// If the node is not held: releasing more than was held is a programming error.
+    pub fn release(&mut self, id: NodeId) {
+        self.nodes[id.index()].release_one();
+        self.refile(id, Some(Access::Release));
+    }
+
     /// Removes a node with no children. Its blocks must already be accounted for by the caller.
     ///
     /// # Panics
@@ -272,11 +292,11 @@ impl Tree {
         assert!(!node.has_children(), "removing a node with children is a programming error");
         let (parent, prev, next, sets) =
             (node.parent, node.prev_sibling, node.next_sibling, node.membership());
-        let (hash, had_device) = (node.hash(), node.device().is_some());
+        let (hash, had_device) = (*node.hash_words(), node.device().is_some());
         if !sets.is_empty() {
             self.policy.leave(id, sets);
         }
-        self.index.remove(id, hash);
+        self.index.remove(id, &hash);
         if prev == NodeId::NONE {
             self.nodes[parent.index()].first_child = next;
         } else {
@@ -288,9 +308,7 @@ impl Tree {
         if had_device {
             self.nodes[parent.index()].device_child_count -= 1;
         }
-        let mut dead = Node::new(BlockHash(0), NodeId::NONE);
-        dead.next_sibling = self.free_slots;
-        self.nodes[id.index()] = dead;
+        self.nodes[id.index()].mark_removed(self.free_slots);
         self.free_slots = id;
         self.refile(parent, None);
     }
@@ -317,13 +335,26 @@ impl Tree {
             + self.policy.heap_bytes()
     }
 
-    /// Re-files `id` in the sets it belongs in now, telling the policy about `access`.
+    /// Re-files `id` in the sets it belongs in now, telling the policy about `access`. The
+    /// usual case, nothing to tell, is decided inline.
+    #[inline]
     fn refile(&mut self, id: NodeId, access: Option<Access>) {
         let old = self.nodes[id.index()].membership();
         let new = self.membership(id);
-        if access.is_none() && old == new {
-            return;
+        let access = access.filter(|&access| self.policy.wants(access));
+        if access.is_some() || old != new {
+            self.refile_with_policy(id, old, new, access);
         }
+    }
+
+    #[inline(never)]
+    fn refile_with_policy(
+        &mut self,
+        id: NodeId,
+        old: Membership,
+        new: Membership,
+        access: Option<Access>,
+    ) {
         if !old.is_empty() {
             self.policy.leave(id, old);
         }
@@ -336,25 +367,30 @@ impl Tree {
         self.nodes[id.index()].set_membership(new);
     }
 
-    /// The evictable sets a live node belongs in (SPEC section 4).
+    /// The evictable sets a live node belongs in (SPEC section 4), computed without branches.
+    #[inline]
     fn membership(&self, id: NodeId) -> Membership {
         let node = &self.nodes[id.index()];
         if id == NodeId::ROOT || node.ref_count() > 0 {
             return Membership::NONE;
         }
-        let mut sets = Membership::NONE;
-        let state = node.state();
         let device = node.block(Tier::Device).is_some();
-        if state == NodeState::Device && device && node.device_child_count == 0 {
-            sets = sets.with(EvictSet::Device);
-        }
-        if node.has_valid_host() && !node.has_children() {
-            sets = sets.with(EvictSet::Host);
-        }
-        if state == NodeState::SwapToHost(SwapOut::Evict) && device {
-            sets = sets.with(EvictSet::Claimable);
-        }
-        sets
+        let on_device = node.is(NodeState::Device);
+        let device_candidate = on_device & device & (node.device_child_count == 0);
+        let host_candidate = node.has_valid_host() & !node.has_children();
+        let claimable = node.is(NodeState::SwapToHost(SwapOut::Evict)) & device;
+        let bit = |member: bool, set: EvictSet| {
+            if member {
+                Membership::NONE.with(set).bits()
+            } else {
+                0
+            }
+        };
+        Membership::from_bits(
+            bit(device_candidate, EvictSet::Device)
+                | bit(host_candidate, EvictSet::Host)
+                | bit(claimable, EvictSet::Claimable),
+        )
     }
 }
 

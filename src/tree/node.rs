@@ -85,7 +85,7 @@ impl NodeState {
         }
     }
 
-    fn code(self) -> u8 {
+    const fn code(self) -> u8 {
         match self {
             NodeState::Device => 0,
             NodeState::Host => 1,
@@ -137,6 +137,22 @@ pub struct Node {
 const _: () = assert!(size_of::<Node>() == 60);
 
 impl Node {
+    /// # Panics
+    /// If the node is not held: releasing more than was held is a programming error.
+    pub(super) fn release_one(&mut self) {
+        self.ref_count =
+            self.ref_count.checked_sub(1).expect("releasing an unheld node is a programming error");
+    }
+
+    /// Marks a removed slot: no parent (so not live), in no set, `next_free` next in the list of
+    /// free slots. The other fields are left as they were; [`Node::new`] rewrites them all.
+    pub(super) fn mark_removed(&mut self, next_free: NodeId) {
+        self.parent = NodeId::NONE;
+        self.first_child = NodeId::NONE;
+        self.next_sibling = next_free;
+        self.flags = 0;
+    }
+
     pub(super) fn new(hash: BlockHash, parent: NodeId) -> Node {
         Node {
             hash: split(hash),
@@ -159,9 +175,20 @@ impl Node {
         BlockHash(a | b << 32 | c << 64 | d << 96)
     }
 
+    /// The block hash as the node stores it (four little-endian words).
+    pub(super) fn hash_words(&self) -> &[u32; 4] {
+        &self.hash
+    }
+
     /// Whether the node is keyed by `hash` (without rebuilding the `u128`).
     pub(super) fn has_hash(&self, hash: &[u32; 4]) -> bool {
         self.hash == *hash
+    }
+
+    /// Whether the node is in `state` (one byte compare).
+    #[inline]
+    pub(super) fn is(&self, state: NodeState) -> bool {
+        self.state == state.code()
     }
 
     /// The parent, `None` for the root.
@@ -216,7 +243,7 @@ impl Node {
     /// Whether the node has a valid host copy that no copy in flight is writing.
     pub fn has_valid_host(&self) -> bool {
         self.blocks[Tier::Host as usize] != NO_BLOCK
-            && matches!(self.state(), NodeState::Device | NodeState::Host)
+            && (self.is(NodeState::Device) || self.is(NodeState::Host))
     }
 
     /// The evictable sets the node is filed in.
@@ -271,11 +298,7 @@ impl NodeMut<'_> {
     /// # Panics
     /// If the node is not held: releasing more than was held is a programming error.
     pub fn release(&mut self) {
-        self.node.ref_count = self
-            .node
-            .ref_count
-            .checked_sub(1)
-            .expect("releasing an unheld node is a programming error");
+        self.node.release_one();
     }
     pub fn count_hit(&mut self) {
         self.node.hit_count = self.node.hit_count.saturating_add(1);

@@ -72,18 +72,20 @@ impl Default for Lru {
 ///
 /// # Panics
 /// On a claimable node in another set too: the tree's predicates exclude it.
+#[inline]
 fn list_of(sets: Membership) -> Option<usize> {
-    let device = sets.contains(EvictSet::Device);
-    let host = sets.contains(EvictSet::Host);
-    match (device, host, sets.contains(EvictSet::Claimable)) {
-        (false, false, false) => None,
-        (true, false, false) => Some(DEVICE_ONLY),
-        (true, true, false) => Some(DEVICE_AND_HOST),
-        (false, true, false) => Some(HOST_ONLY),
-        (false, false, true) => Some(CLAIMABLE),
-        _ => unreachable!("a claimable node in another set is a programming error"),
+    /// By membership bits (device 1, host 2, claimable 4); `NO_LIST` where no node can be.
+    const LIST: [usize; 8] =
+        [NOT_FILED, DEVICE_ONLY, HOST_ONLY, DEVICE_AND_HOST, CLAIMABLE, NO_LIST, NO_LIST, NO_LIST];
+    match LIST[usize::from(sets.bits())] {
+        NOT_FILED => None,
+        NO_LIST => unreachable!("a claimable node in another set is a programming error"),
+        list => Some(list),
     }
 }
+
+const NOT_FILED: usize = LISTS;
+const NO_LIST: usize = LISTS + 1;
 
 impl Lru {
     fn link(&self, node: u32) -> &Link {
@@ -112,6 +114,7 @@ impl Lru {
     }
 
     /// Links `node` into `list` at the place of its stamp (module documentation).
+    #[inline]
     fn insert(&mut self, list: usize, node: u32) {
         let stamp = self.link(node).stamp;
         let List { head, tail, .. } = self.lists[list];
@@ -121,20 +124,8 @@ impl Lru {
             (tail, NONE)
         } else if stamp < self.link(head).stamp {
             (NONE, head)
-        } else if stamp - self.link(head).stamp <= self.link(tail).stamp - stamp {
-            // Walk from the head to the first member younger than `node`.
-            let mut next = head;
-            while self.link(next).stamp <= stamp {
-                next = self.link(next).next;
-            }
-            (self.link(next).prev, next)
         } else {
-            // Walk from the tail to the last member not younger than `node`.
-            let mut prev = tail;
-            while self.link(prev).stamp > stamp {
-                prev = self.link(prev).prev;
-            }
-            (prev, self.link(prev).next)
+            self.place_inside(head, tail, stamp)
         };
         let link = self.link_mut(node);
         link.prev = prev;
@@ -150,6 +141,28 @@ impl Lru {
         self.lists[list].len += 1;
     }
 
+    /// The neighbours of a node stamped `stamp`, to go strictly inside the list from `head` to
+    /// `tail`: a walk from the end nearer by stamp.
+    #[inline(never)]
+    fn place_inside(&self, head: u32, tail: u32, stamp: u32) -> (u32, u32) {
+        if stamp - self.link(head).stamp <= self.link(tail).stamp - stamp {
+            // Walk from the head to the first member younger than `node`.
+            let mut next = head;
+            while self.link(next).stamp <= stamp {
+                next = self.link(next).next;
+            }
+            (self.link(next).prev, next)
+        } else {
+            // Walk from the tail to the last member not younger than `node`.
+            let mut prev = tail;
+            while self.link(prev).stamp > stamp {
+                prev = self.link(prev).prev;
+            }
+            (prev, self.link(prev).next)
+        }
+    }
+
+    #[inline]
     fn unlink(&mut self, list: usize, node: u32) {
         let Link { prev, next, .. } = *self.link(node);
         match prev {
@@ -208,6 +221,12 @@ impl Policy for Lru {
         }
     }
 
+    #[inline]
+    fn wants(&self, access: Access) -> bool {
+        access == Access::Release
+    }
+
+    #[inline]
     fn touch(&mut self, node: NodeId, _key: BlockHash, access: Access) {
         if access == Access::Release {
             let stamp = self.next_stamp();
@@ -215,18 +234,21 @@ impl Policy for Lru {
         }
     }
 
+    #[inline]
     fn enter(&mut self, node: NodeId, sets: Membership) {
         if let Some(list) = list_of(sets) {
             self.insert(list, node.0);
         }
     }
 
+    #[inline]
     fn leave(&mut self, node: NodeId, sets: Membership) {
         if let Some(list) = list_of(sets) {
             self.unlink(list, node.0);
         }
     }
 
+    #[inline]
     fn first(&self, set: EvictSet) -> Option<NodeId> {
         let (a, b) = self.heads(set);
         Some(self.older(a, b)).filter(|&node| node != NONE).map(NodeId)

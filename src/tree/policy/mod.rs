@@ -109,6 +109,9 @@ pub trait Policy: Default + std::fmt::Debug {
     fn reserve_nodes(&mut self, nodes: usize);
     /// A request started (its match), for policies that count requests.
     fn request_started(&mut self) {}
+    /// Whether [`Policy::touch`] wants to hear of accesses of this kind (the tree skips the call
+    /// otherwise: most accesses of most policies change nothing).
+    fn wants(&self, access: Access) -> bool;
     /// `node`, keyed by `key`, was accessed. It is in no set while this is called.
     fn touch(&mut self, node: NodeId, key: BlockHash, access: Access);
     /// `node`, in no set before, joins `sets` (not empty).
@@ -179,6 +182,12 @@ macro_rules! registry {
             pub fn reserve_nodes(&mut self, nodes: usize) {
                 match self {
                     $(Policies::$variant(p) => p.reserve_nodes(nodes),)+
+                }
+            }
+            #[inline]
+            pub fn wants(&self, access: Access) -> bool {
+                match self {
+                    $(Policies::$variant(p) => p.wants(access),)+
                 }
             }
             #[inline]
