@@ -69,3 +69,19 @@ fn a_host_tier_turns_evictions_into_host_hits() {
     assert!(report["host_hit_blocks"].as_u64().unwrap() > 0, "{report}");
     assert!(report["swaps_out"].as_u64().unwrap() > 0 && report["swaps_in"].as_u64().unwrap() > 0);
 }
+
+#[test]
+fn the_eviction_policy_is_chosen_by_name_and_an_unknown_one_is_refused() {
+    let report = replay(&["--device-blocks", "2000", "--eviction", "lru"]);
+    check_sanity(&report);
+    assert_eq!(report["eviction"], "lru");
+    let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["replay", "--trace"])
+        .arg(trace())
+        .args(["--device-blocks", "100", "--limit", "10", "--eviction", "clairvoyant"])
+        .output()
+        .expect("the kvshm binary runs");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("unknown eviction policy") && stderr.contains("lru"), "{stderr}");
+}

@@ -24,7 +24,7 @@ use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal
 
 use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
 use crate::demo::{workload, DemoEngine, DemoReport};
-use crate::manager::{CacheConfig, WritePolicy};
+use crate::manager::{CacheConfig, EvictionPolicy, WritePolicy};
 use crate::service::{Service, ServiceConfig};
 use crate::trace::{read_trace, TraceRequest};
 
@@ -59,6 +59,9 @@ pub struct Args {
     /// so that swap-outs overlap with compute instead of delaying the next allocation.
     #[arg(long, default_value_t = 0)]
     free_watermark: u32,
+    /// The eviction policy ordering what leaves each tier first (lru).
+    #[arg(long, default_value_t = EvictionPolicy::default())]
+    eviction: EvictionPolicy,
     /// Model layers (a block holds K and V of each: 2 regions per layer).
     #[arg(long, default_value_t = 4)]
     layers: u32,
@@ -228,7 +231,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let cache = CacheConfig::new(args.block_tokens, args.device_blocks)
         .with_host_blocks(args.host_blocks)
         .with_write_policy(args.write_policy)
-        .with_free_watermark(args.free_watermark);
+        .with_free_watermark(args.free_watermark)
+        .with_eviction(args.eviction);
     let config =
         ServiceConfig::new(cache, args.tp, args.layers, args.layers * 2, args.region_bytes);
     let mut service = Service::create(&name, config).context("creating the service")?;
@@ -253,6 +257,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         value["tp"] = args.tp.into();
         value["trace"] = source.into();
         value["write_policy"] = args.write_policy.to_string().into();
+        value["eviction"] = args.eviction.to_string().into();
         println!("{value}");
     } else {
         print_report(&args, &name, &source, &report);
@@ -280,7 +285,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 fn print_report(args: &Args, name: &SegmentName, source: &str, report: &DemoReport) {
     let percent = |rate: f64| rate * 100.0;
-    println!("kvshm demo: segment {}, tp {}, {}", name.as_str(), args.tp, args.write_policy);
+    println!(
+        "kvshm demo: segment {}, tp {}, {}, {} eviction",
+        name.as_str(),
+        args.tp,
+        args.write_policy,
+        args.eviction
+    );
     println!("  workload        {source}");
     println!(
         "  requests        {} ({} skipped as too large, {} failed)",

@@ -28,7 +28,7 @@ use serde::Serialize;
 
 use crate::hash::BlockHash;
 use crate::manager::{
-    AllocateError, CacheConfig, CacheManager, RequestId, TransferId, WritePolicy,
+    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, TransferId, WritePolicy,
 };
 use crate::percentiles::Percentiles;
 use crate::trace::{read_trace, TraceRequest};
@@ -53,6 +53,9 @@ pub struct Args {
     /// Device blocks `poll` keeps free ahead of demand.
     #[arg(long, default_value_t = 0)]
     pub free_watermark: u32,
+    /// The eviction policy ordering what leaves each tier first (lru).
+    #[arg(long, default_value_t = EvictionPolicy::default())]
+    pub eviction: EvictionPolicy,
     /// Replay only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -95,6 +98,7 @@ pub struct ReplayReport {
     pub device_blocks: u32,
     pub host_blocks: u32,
     pub write_policy: String,
+    pub eviction: String,
     pub prompt_only: bool,
 }
 
@@ -126,6 +130,7 @@ pub struct Replayer {
     block_tokens: usize,
     prompt_only: bool,
     write_policy: String,
+    eviction: String,
     /// Buffers reused from request to request, so that serving one allocates nothing.
     hashes: Vec<BlockHash>,
     taken: Vec<TransferId>,
@@ -150,6 +155,7 @@ impl Replayer {
         Ok(Replayer {
             block_tokens: config.block_tokens as usize,
             write_policy: config.write_policy.to_string(),
+            eviction: config.eviction.to_string(),
             cache: CacheManager::new(config)?,
             prompt_only,
             hashes: Vec::new(),
@@ -228,6 +234,7 @@ impl Replayer {
             device_blocks: stats.device_blocks,
             host_blocks: stats.host_blocks,
             write_policy: self.write_policy,
+            eviction: self.eviction,
             prompt_only: self.prompt_only,
         };
         Replayed { report, hits_per_request: self.hits_per_request }
@@ -272,7 +279,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let config = CacheConfig::new(args.block_tokens, args.device_blocks)
         .with_host_blocks(args.host_blocks)
         .with_write_policy(args.write_policy)
-        .with_free_watermark(args.free_watermark);
+        .with_free_watermark(args.free_watermark)
+        .with_eviction(args.eviction);
     let Replayed { report, hits_per_request } =
         replay(&requests, config, args.prompt_only).context("replaying the trace")?;
     if let Some(path) = &args.per_request_hits {
