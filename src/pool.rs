@@ -228,6 +228,8 @@ impl BlockPool {
         // Push the new ids highest first so that the lowest is handed out first.
         let old = self.capacity();
         self.position.resize(capacity as usize, IN_USE);
+        // Exactly: pushing one at a time would double the stack's capacity, up to twice the ids.
+        self.free.reserve_exact((capacity - old) as usize);
         for id in (old..capacity).rev() {
             self.position[id as usize] = self.free.len() as u32;
             self.free.push(id);

@@ -19,6 +19,7 @@ fn bench_sched_prints_one_json_object_with_a_baseline() {
         "commit_ns_per_block",
         "finish_ns_per_block",
         "baseline_hashmap_get_ns_per_block",
+        "baseline_probe_ns_per_block",
     ] {
         let p50 =
             report[field]["p50"].as_f64().unwrap_or_else(|| panic!("{field} missing: {report}"));
@@ -26,4 +27,7 @@ fn bench_sched_prints_one_json_object_with_a_baseline() {
     }
     assert_eq!(report["cached_blocks"], 4096);
     assert!(report["memory"]["estimated_bytes_per_cached_block"].as_f64().unwrap() > 0.0);
+    for ratio in ["matching", "lookup", "allocate_evicting", "commit"] {
+        assert!(report["over_probe_p50"][ratio].as_f64().unwrap() > 0.0, "{ratio}: {report}");
+    }
 }

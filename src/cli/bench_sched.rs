@@ -7,7 +7,8 @@
 //!    the blocks, is the memory per cached block (measured by the caller's heap probe: glibc's
 //!    `mallinfo2` here, a counting global allocator in the bench binary);
 //! 2. match (all blocks hit), lookup and finish of random cached paths, and `HashMap<u128, u32>`
-//!    gets of the same hashes (the baseline);
+//!    gets of the same hashes, SipHash-hashed and multiply-hashed (the baselines; the second is a
+//!    plain probe of each key, the one the operations are compared with);
 //! 3. requests that hit half of a cached path and allocate and commit the other half, while free
 //!    blocks last (the pool has exactly that much headroom);
 //! 4. the same at capacity, where every allocation evicts as many least recently used blocks.
@@ -22,6 +23,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::hash::BlockHash;
+use crate::manager::ids::IdMap;
 use crate::manager::{CacheConfig, CacheManager, RequestId};
 use crate::percentiles::Percentiles;
 
@@ -111,6 +113,15 @@ pub struct MemoryReport {
     pub estimated_bytes_per_cached_block: f64,
 }
 
+/// Operations per block against a plain probe of the same keys (p50 over p50).
+#[derive(Debug, Clone, Serialize)]
+pub struct OverProbe {
+    pub matching: f64,
+    pub lookup: f64,
+    pub allocate_evicting: f64,
+    pub commit: f64,
+}
+
 /// Everything one run measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct SchedBenchReport {
@@ -128,11 +139,16 @@ pub struct SchedBenchReport {
     /// The same at capacity: each new block evicts a least recently used one.
     pub allocate_evicting_ns_per_block: Percentiles,
     pub commit_ns_per_block: Percentiles,
-    /// The baseline: `std::collections::HashMap<u128, u32>` (SipHash) gets of the same hashes a
+    /// A baseline: `std::collections::HashMap<u128, u32>` (SipHash) gets of the same hashes a
     /// match walks, per block.
     pub baseline_hashmap_get_ns_per_block: Percentiles,
+    /// The stricter baseline: the same gets from a `HashMap<u128, u32>` hashed by one multiply
+    /// (as the tree's index hashes), per block: the cost of a plain probe of each key.
+    pub baseline_probe_ns_per_block: Percentiles,
     /// `match_ns_per_block.p50 / baseline_hashmap_get_ns_per_block.p50`.
     pub match_over_baseline_p50: f64,
+    /// Each operation's p50 per block over `baseline_probe_ns_per_block.p50`.
+    pub over_probe_p50: OverProbe,
     pub memory: MemoryReport,
 }
 
@@ -224,10 +240,12 @@ pub fn measure(
     // 2. Match, lookup, finish, and the baseline.
     let baseline: HashMap<u128, u32> =
         hashes.iter().enumerate().map(|(index, hash)| (hash.0, index as u32)).collect();
+    let probe: IdMap<u128, u32> =
+        hashes.iter().enumerate().map(|(index, hash)| (hash.0, index as u32)).collect();
     let samples = options.samples;
     let per_block = |nanos: f64, blocks: usize| nanos / blocks as f64;
-    let (mut match_op, mut match_block, mut lookup, mut finish, mut base) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut match_op, mut match_block, mut lookup, mut finish, mut base, mut probed) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // A prompt one token longer than a path, so that every block of the path may hit (the
     // last-token rule). Each operation walks its own random path, so none finds the caches
     // warmed by another.
@@ -242,6 +260,12 @@ pub fn measure(
             black_box(baseline.get(&black_box(hash.0)));
         }
         base.push(per_block(nanos_since(start), request_blocks));
+        let blocks = path(rng.below(paths));
+        let start = Instant::now();
+        for hash in blocks {
+            black_box(probe.get(&black_box(hash.0)));
+        }
+        probed.push(per_block(nanos_since(start), request_blocks));
         let blocks = path(rng.below(paths));
         let id = request();
         let start = Instant::now();
@@ -288,6 +312,17 @@ pub fn measure(
 
     let match_ns_per_block = Percentiles::of(&mut match_block);
     let baseline_hashmap_get_ns_per_block = Percentiles::of(&mut base);
+    let baseline_probe_ns_per_block = Percentiles::of(&mut probed);
+    let lookup_ns_per_block = Percentiles::of(&mut lookup);
+    let allocate_evicting_ns_per_block = Percentiles::of(&mut evicting);
+    let commit_ns_per_block = Percentiles::of(&mut commit);
+    let over = |p: &Percentiles| p.p50 / baseline_probe_ns_per_block.p50;
+    let over_probe_p50 = OverProbe {
+        matching: over(&match_ns_per_block),
+        lookup: over(&lookup_ns_per_block),
+        allocate_evicting: over(&allocate_evicting_ns_per_block),
+        commit: over(&commit_ns_per_block),
+    };
     Ok(SchedBenchReport {
         options: options.clone(),
         cached_blocks,
@@ -295,12 +330,14 @@ pub fn measure(
         match_ns_per_op: Percentiles::of(&mut match_op),
         match_over_baseline_p50: match_ns_per_block.p50 / baseline_hashmap_get_ns_per_block.p50,
         match_ns_per_block,
-        lookup_ns_per_block: Percentiles::of(&mut lookup),
+        lookup_ns_per_block,
         finish_ns_per_block: Percentiles::of(&mut finish),
         allocate_ns_per_block: Percentiles::of(&mut allocate),
-        allocate_evicting_ns_per_block: Percentiles::of(&mut evicting),
-        commit_ns_per_block: Percentiles::of(&mut commit),
+        allocate_evicting_ns_per_block,
+        commit_ns_per_block,
         baseline_hashmap_get_ns_per_block,
+        baseline_probe_ns_per_block,
+        over_probe_p50,
         memory,
     })
 }
@@ -321,6 +358,7 @@ pub fn print(report: &SchedBenchReport, json: bool) -> anyhow::Result<()> {
     line("match (per block)", &report.match_ns_per_block);
     line("lookup (per block)", &report.lookup_ns_per_block);
     line("baseline HashMap get (per block)", &report.baseline_hashmap_get_ns_per_block);
+    line("baseline plain probe (per block)", &report.baseline_probe_ns_per_block);
     line("allocate (per new block)", &report.allocate_ns_per_block);
     line("allocate, evicting (per new block)", &report.allocate_evicting_ns_per_block);
     line("commit (per new block)", &report.commit_ns_per_block);

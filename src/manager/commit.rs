@@ -75,7 +75,18 @@ impl CacheManager {
         let record = requests.get_mut(&request).expect("the request was found above");
         let mut parent = record.path.last().copied().unwrap_or(NodeId::ROOT);
         let mut done = Committed::default();
-        for (&hash, &block) in hashes[start..blocks].iter().zip(&record.table[start..blocks]) {
+        // Ask for the index groups of the blocks a few steps ahead (see `Tree::prefetch_child`).
+        const AHEAD: usize = 4;
+        let new_hashes = &hashes[start..blocks];
+        for &hash in &new_hashes[..new_hashes.len().min(AHEAD)] {
+            tree.prefetch_child(hash);
+        }
+        for (index, (&hash, &block)) in
+            new_hashes.iter().zip(&record.table[start..blocks]).enumerate()
+        {
+            if let Some(&ahead) = new_hashes.get(index + AHEAD) {
+                tree.prefetch_child(ahead);
+            }
             let parent_valid = parent == NodeId::ROOT
                 || matches!(
                     tree.node(parent).state(),

@@ -1,4 +1,5 @@
-//! Hash maps keyed by the manager's own ids: requests, tickets, copies.
+//! Hash maps keyed by the manager's own ids: requests, tickets, copies (and the scheduler
+//! benchmark's fast baseline, a map of block hashes).
 //!
 //! The keys are integers the engine picks (requests) or the manager counts (tickets, copies),
 //! not input that an attacker shapes to flood a table, so a multiply replaces SipHash, which
@@ -27,6 +28,10 @@ impl Hasher for IdHasher {
 
     fn write_u64(&mut self, value: u64) {
         self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(MULTIPLIER);
+    }
+
+    fn write_u128(&mut self, value: u128) {
+        self.write_u64(value as u64 ^ (value >> 64) as u64);
     }
 
     fn finish(&self) -> u64 {

@@ -106,6 +106,12 @@ impl CacheManager {
         let found = walk(tree, matchable, |id| record.path.push(id));
         tree.request_started();
         for &id in &record.path {
+            // The usual hit (on device, no backup to consider) takes the fast path.
+            if selective.is_none() && tree.node(id).state() != NodeState::SwapToHost(SwapOut::Evict)
+            {
+                tree.hold_hit(id);
+                continue;
+            }
             let queue = tree.update(id, |node| {
                 node.hold();
                 node.count_hit();
@@ -162,9 +168,17 @@ impl CacheManager {
 
 /// Walks the cached prefix of `hashes` from the root, visiting each node that hits.
 fn walk(tree: &Tree, hashes: &[BlockHash], mut visit: impl FnMut(NodeId)) -> Lookup {
+    /// How far ahead the walk asks for the index groups of the blocks to come.
+    const AHEAD: usize = 4;
     let mut found = Lookup::default();
     let mut parent = NodeId::ROOT;
-    for &hash in hashes {
+    for &hash in &hashes[..hashes.len().min(AHEAD)] {
+        tree.prefetch_child(hash);
+    }
+    for (index, &hash) in hashes.iter().enumerate() {
+        if let Some(&ahead) = hashes.get(index + AHEAD) {
+            tree.prefetch_child(ahead);
+        }
         let Some(id) = tree.child(parent, hash) else { break };
         match tree.node(id).state() {
             NodeState::Device

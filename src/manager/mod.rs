@@ -28,7 +28,7 @@ mod config;
 mod errors;
 mod evict;
 mod finish;
-mod ids;
+pub(crate) mod ids;
 mod invariants;
 mod lookup;
 mod poll;

@@ -117,6 +117,24 @@ impl ChildIndex {
         }
     }
 
+    /// Starts loading the group a lookup of `hash` reads first, so that a walk down a prompt can
+    /// overlap the cache misses of its next blocks with the work on this one.
+    #[inline]
+    pub fn prefetch(&self, hash: BlockHash) {
+        if self.groups.is_empty() {
+            return;
+        }
+        let group: *const Group = &self.groups[self.home(mix(&split(hash)))];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is a hint that never faults nor changes memory; SSE (and so
+        // `_mm_prefetch`) is part of the x86-64 baseline; `group` points into `self.groups`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(group.cast());
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = group;
+    }
+
     /// The child of `parent` keyed by `hash`.
     pub fn find(&self, parent: NodeId, hash: BlockHash, nodes: &[Node]) -> Option<NodeId> {
         if self.groups.is_empty() {

@@ -106,6 +106,12 @@ impl Tree {
         self.index.find(parent, hash, &self.nodes)
     }
 
+    /// A hint that [`Tree::child`] will look `hash` up soon (see [`index::ChildIndex::prefetch`]).
+    #[inline]
+    pub fn prefetch_child(&self, hash: BlockHash) {
+        self.index.prefetch(hash);
+    }
+
     /// The children of `id`, most recently inserted first.
     pub fn children(&self, id: NodeId) -> Children<'_> {
         Children { tree: self, next: self.node(id).first_child }
@@ -270,6 +276,15 @@ impl Tree {
         }
         self.refile(id, access);
         result
+    }
+
+    /// Holds `id` for a match that hit it: one more holder, one more hit, the access recorded
+    /// (the fast form of an [`Tree::update`] doing that).
+    pub fn hold_hit(&mut self, id: NodeId) {
+        let node = &mut self.nodes[id.index()];
+        node.hold_one();
+        node.count_hit();
+        self.refile(id, Some(Access::Hit));
     }
 
     /// Releases one hold of `id` at the end of a request ([`Access::Release`]): the fast form of

@@ -137,6 +137,14 @@ pub struct Node {
 const _: () = assert!(size_of::<Node>() == 60);
 
 impl Node {
+    pub(super) fn hold_one(&mut self) {
+        self.ref_count += 1;
+    }
+
+    pub(super) fn count_hit(&mut self) {
+        self.hit_count = self.hit_count.saturating_add(1);
+    }
+
     /// # Panics
     /// If the node is not held: releasing more than was held is a programming error.
     pub(super) fn release_one(&mut self) {
@@ -293,7 +301,7 @@ impl NodeMut<'_> {
         }
     }
     pub fn hold(&mut self) {
-        self.node.ref_count += 1;
+        self.node.hold_one();
     }
     /// # Panics
     /// If the node is not held: releasing more than was held is a programming error.
@@ -301,7 +309,7 @@ impl NodeMut<'_> {
         self.node.release_one();
     }
     pub fn count_hit(&mut self) {
-        self.node.hit_count = self.node.hit_count.saturating_add(1);
+        self.node.count_hit();
     }
     /// Records an access for the eviction policy (SPEC section 4: a match's hit, a commit, or
     /// the release at the end of a request).
