@@ -32,6 +32,8 @@ enum Bench {
     Sched(cli::bench_sched::Args),
     /// Storage tier (disk, Redis) bandwidth against plain pwrite/pread and SET/GET.
     Storage(cli::bench_storage::Args),
+    /// Chained block hashing of the trace's prompts, against XXH3 and vLLM's hasher.
+    Hash(cli::bench_hash::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -47,5 +49,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Copy(args)) => cli::bench_copy::run(args),
         Command::Bench(Bench::Sched(args)) => cli::bench_sched::run(args),
         Command::Bench(Bench::Storage(args)) => cli::bench_storage::run(args),
+        Command::Bench(Bench::Hash(args)) => cli::bench_hash::run(args),
     }
 }

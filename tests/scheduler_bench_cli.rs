@@ -1,5 +1,5 @@
-//! `kvshm bench sched --json` end to end, at a small size: one JSON object with the operations,
-//! the baseline and the memory per cached block.
+//! `kvshm bench sched --json` and `kvshm bench hash --json` end to end, at a small size: each
+//! prints one JSON object with its baselines (and the memory per cached block, for sched).
 
 use std::process::Command;
 
@@ -30,4 +30,29 @@ fn bench_sched_prints_one_json_object_with_a_baseline() {
     for ratio in ["matching", "lookup", "allocate_evicting", "commit"] {
         assert!(report["over_probe_p50"][ratio].as_f64().unwrap() > 0.0, "{ratio}: {report}");
     }
+}
+
+#[test]
+fn bench_hash_prints_one_json_object_with_the_xxh3_floor() {
+    let trace = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let trace = ["..", "../.."]
+        .map(|up| trace.join(up).join("shared/traces/mooncake_conversation_trace.jsonl"))
+        .into_iter()
+        .find(|path| path.exists())
+        .expect("the Mooncake trace is beside the checkout");
+    let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["bench", "hash", "--json", "--limit", "50", "--vllm-python", "/nonexistent/python"])
+        .arg("--trace")
+        .arg(trace)
+        .output()
+        .expect("the kvshm binary runs");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("one JSON object");
+    for field in ["xxh3_floor", "kvshm", "kvshm_extra_keys"] {
+        assert!(report[field]["gb_per_s"].as_f64().unwrap() > 0.0, "{field}: {report}");
+    }
+    assert_eq!(report["requests"], 50);
+    assert!(report["vllm"].is_null());
+    assert!(report["vllm_missing"].as_str().unwrap().contains("/nonexistent/python"));
 }

@@ -1,5 +1,6 @@
 //! The `kvshm` subcommands, one module each; `main.rs` only parses and dispatches.
 pub mod bench_copy;
+pub mod bench_hash;
 pub mod bench_ring;
 pub mod bench_sched;
 pub mod bench_storage;
