@@ -98,6 +98,7 @@ fn bench_sched_refuses_sizes_it_cannot_run() {
     refused_saying(&["bench", "sched", "--samples", "18446744073709551615"], &["--samples"]);
     refused_saying(&["bench", "sched", "--samples", "0"], &["--samples"]);
     refused_saying(&["bench", "sched", "--block-tokens", "0"], &["--block-tokens"]);
+    refused_saying(&["bench", "hash", "--block-tokens", "0"], &["--block-tokens"]);
 }
 
 #[test]

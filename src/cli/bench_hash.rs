@@ -152,11 +152,10 @@ pub fn measure(
     block_tokens: usize,
     vllm_python: Option<PathBuf>,
 ) -> anyhow::Result<HashBenchReport> {
-    anyhow::ensure!(block_tokens > 0, "blocks need at least one token");
+    let hasher = BlockHasher::new(Namespace::new("bench", None, None), block_tokens)?;
     let longest = prompts.iter().copied().max().unwrap_or(0);
     let mut rng = Rng(0x7E57_AB1E_0000_0001);
     let tokens: Vec<u32> = (0..longest).map(|_| (rng.next() >> 47) as u32).collect();
-    let hasher = BlockHasher::new(Namespace::new("bench", None, None), block_tokens);
     let blocks: u64 = prompts.iter().map(|&prompt| (prompt / block_tokens) as u64).sum();
     let bytes = blocks * block_tokens as u64 * 4;
     let mut hashes: Vec<BlockHash> = Vec::with_capacity(longest / block_tokens);
@@ -258,6 +257,8 @@ fn run_vllm(
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // A block of more tokens than a prompt could ever hold measures nothing.
+    super::checks::within(args.block_tokens, 1..=1 << 24, "--block-tokens")?;
     let requests = read_trace(&args.trace, args.limit)?;
     let prompts: Vec<usize> = requests.iter().map(|request| request.input_length).collect();
     let report = measure(&prompts, args.block_tokens, args.vllm_python)?;
