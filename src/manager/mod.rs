@@ -338,34 +338,44 @@ impl CacheManager {
             while let Some(child) = self.tree.first_child(next) {
                 next = child;
             }
-            let node = self.tree.node(next);
-            assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
-            let (device, host, state, transfer, parent) =
-                (node.device(), node.host(), node.state(), node.transfer(), node.parent());
-            match state {
-                NodeState::Device | NodeState::Host => {
-                    if let Some(block) = device {
-                        self.free_device(block);
-                    }
-                    if let Some(block) = host {
-                        self.free_host(block);
-                    }
-                }
-                NodeState::SwapToHost(_) | NodeState::SwapToDevice => {
-                    let transfer = TransferId(transfer.expect("a node in flight names its copy"));
-                    let flight = self.flight_mut(transfer).expect(
-                        "the copy of a node in flight is known: a programming error otherwise",
-                    );
-                    flight.reserved_device.extend(device);
-                    flight.reserved_host.extend(host);
-                }
-            }
-            self.tree.remove(next);
+            let parent = self.tree.node(next).parent();
+            self.drop_leaf(next);
             if next == id {
                 return;
             }
             next = parent.expect("a node below the dropped one has a parent");
         }
+    }
+
+    /// Removes node `id`, which has no children, freeing its blocks, or handing them to the copy
+    /// in flight that still touches them.
+    ///
+    /// # Panics
+    /// If the node is held.
+    fn drop_leaf(&mut self, id: NodeId) {
+        let node = self.tree.node(id);
+        assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
+        let (device, host, state, transfer) =
+            (node.device(), node.host(), node.state(), node.transfer());
+        match state {
+            NodeState::Device | NodeState::Host => {
+                if let Some(block) = device {
+                    self.free_device(block);
+                }
+                if let Some(block) = host {
+                    self.free_host(block);
+                }
+            }
+            NodeState::SwapToHost(_) | NodeState::SwapToDevice => {
+                let transfer = TransferId(transfer.expect("a node in flight names its copy"));
+                let flight = self
+                    .flight_mut(transfer)
+                    .expect("the copy of a node in flight is known: a programming error otherwise");
+                flight.reserved_device.extend(device);
+                flight.reserved_host.extend(host);
+            }
+        }
+        self.tree.remove(id);
     }
 
     /// Gives a device block to a host-resident node and starts its swap-in (within the current

@@ -357,8 +357,11 @@ impl Tree {
         let old = self.nodes[id.index()].membership();
         let new = self.membership(id);
         let access = access.filter(|&access| self.policy.wants(access));
-        if access.is_some() || old != new {
+        if old != new || (access.is_some() && !old.is_empty()) {
             self.refile_with_policy(id, old, new, access);
+        } else if let Some(access) = access {
+            // In no set before or after (an inner node of a path, say): only the access.
+            self.policy.touch(id, self.nodes[id.index()].hash(), access);
         }
     }
 

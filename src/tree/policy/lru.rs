@@ -180,6 +180,8 @@ impl Lru {
     }
 
     /// Renumbers every stamp from 0, keeping the order (list order among equal stamps).
+    #[cold]
+    #[inline(never)]
     fn renumber(&mut self) {
         let mut rank = vec![0u32; self.links.len()];
         for list in &self.lists {
@@ -199,6 +201,7 @@ impl Lru {
     }
 
     /// The next stamp, renumbering first if the counter ran out.
+    #[inline]
     fn next_stamp(&mut self) -> u32 {
         if self.clock == u32::MAX {
             self.renumber();
