@@ -12,16 +12,21 @@
 //! 1. `h[-1]` is the namespace hash.
 //! 2. For every full block `i` (only full blocks are cached), collect the content hashes of the
 //!    multimodal items that overlap tokens `[i*B, (i+1)*B)` (an item spanning blocks is in each).
-//! 3. `h[i] = XXH3-128(encode_block(h[i-1], tokens of block i, extras of block i))`.
+//! 3. `c[i] = XXH3-128(tokens of block i)`, the block's content hash, read straight from the
+//!    token memory (little-endian `u32`s);
+//! 4. `h[i] = XXH3-128(encode_block(h[i-1], token count, c[i], extras of block i))`.
 //!
 //! The encoding, all integers little-endian (XXH3-128, seed 0, is a frozen specification):
 //! - namespace: `"kvshm/namespace/v1\0"`, then for each of model, LoRA and salt a `u8` presence
 //!   flag (the model is always present), and when present a `u32` byte length and the bytes.
-//! - block: `"kvshm/block/v1\0"`, the parent hash as 16 bytes, a `u32` token count, each token as
-//!   `u32`, a `u32` extra count, each extra as 16 bytes.
+//! - block: `"kvshm/block/v2\0"`, the parent hash as 16 bytes, a `u32` token count, the content
+//!   hash as 16 bytes, a `u32` extra count, each extra as 16 bytes.
 //!
 //! The distinct tags keep a namespace from ever colliding with a block by construction of the
-//! input, and the explicit lengths keep field boundaries unambiguous.
+//! input, and the explicit lengths keep field boundaries unambiguous. Hashing the tokens apart
+//! (step 3) costs what hashing their bytes costs, without copying them into an encoding first;
+//! chaining then hashes a few dozen bytes per block. (Format v1 hashed the tokens inside the
+//! chained encoding, which meant a copy of every block; its keys are not v2's.)
 
 use std::fmt;
 use std::str::FromStr;
@@ -31,8 +36,8 @@ use xxhash_rust::xxh3::Xxh3Default;
 
 /// Domain tag of namespace hashes (format version 1).
 const NAMESPACE_TAG: &[u8] = b"kvshm/namespace/v1\0";
-/// Domain tag of block hashes (format version 1).
-const BLOCK_TAG: &[u8] = b"kvshm/block/v1\0";
+/// Domain tag of block hashes (format version 2).
+const BLOCK_TAG: &[u8] = b"kvshm/block/v2\0";
 
 /// The hash of one cached block together with everything before it.
 ///
@@ -118,51 +123,61 @@ fn encoded_len(len: usize) -> u32 {
     u32::try_from(len).expect("a hashed field longer than u32::MAX is a programming error")
 }
 
-/// Hashes one block chained to `parent`: step 3 of the module flow. `extras` are the content
-/// hashes of the multimodal items overlapping the block, in prompt order.
+/// Hashes one block chained to `parent`: steps 3 and 4 of the module flow. `extras` are the
+/// content hashes of the multimodal items overlapping the block, in prompt order.
 pub fn chain_hash(parent: BlockHash, tokens: &[u32], extras: &[u128]) -> BlockHash {
-    BlockEncoder::default().hash(parent, tokens, extras)
-}
-
-/// Encodes blocks (module documentation) into one reused buffer and hashes each encoding with
-/// one-shot XXH3-128: faster than feeding the fields to a streaming hasher, the copy of the
-/// tokens costing a fraction of their hashing.
-#[derive(Default)]
-struct BlockEncoder {
-    buffer: Vec<u8>,
-}
-
-impl BlockEncoder {
-    /// An encoder whose buffer holds a block of `tokens` tokens and `extras` extra keys.
-    fn with_room(tokens: usize, extras: usize) -> BlockEncoder {
-        BlockEncoder { buffer: Vec::with_capacity(BLOCK_TAG.len() + 24 + 4 * tokens + 16 * extras) }
+    let content = content_hash(tokens);
+    let mut head = [0u8; CHAIN_HEAD];
+    head[..BLOCK_TAG.len()].copy_from_slice(BLOCK_TAG);
+    head[CHAIN_PARENT..CHAIN_PARENT + 16].copy_from_slice(&parent.0.to_le_bytes());
+    head[CHAIN_TOKENS..CHAIN_TOKENS + 4].copy_from_slice(&encoded_len(tokens.len()).to_le_bytes());
+    head[CHAIN_CONTENT..CHAIN_CONTENT + 16].copy_from_slice(&content.to_le_bytes());
+    head[CHAIN_EXTRAS..].copy_from_slice(&encoded_len(extras.len()).to_le_bytes());
+    if extras.is_empty() {
+        return BlockHash(xxhash_rust::xxh3::xxh3_128(&head));
     }
-
-    fn hash(&mut self, parent: BlockHash, tokens: &[u32], extras: &[u128]) -> BlockHash {
-        let buffer = &mut self.buffer;
-        buffer.clear();
-        buffer.extend_from_slice(BLOCK_TAG);
-        buffer.extend_from_slice(&parent.0.to_le_bytes());
-        buffer.extend_from_slice(&encoded_len(tokens.len()).to_le_bytes());
-        extend_tokens(buffer, tokens);
-        buffer.extend_from_slice(&encoded_len(extras.len()).to_le_bytes());
-        for extra in extras {
-            buffer.extend_from_slice(&extra.to_le_bytes());
+    if extras.len() <= INLINE_EXTRAS {
+        // A block overlaps few multimodal items: its encoding fits on the stack.
+        let mut encoding = [0u8; CHAIN_HEAD + 16 * INLINE_EXTRAS];
+        let len = CHAIN_HEAD + 16 * extras.len();
+        encoding[..CHAIN_HEAD].copy_from_slice(&head);
+        for (slot, extra) in encoding[CHAIN_HEAD..len].chunks_exact_mut(16).zip(extras) {
+            slot.copy_from_slice(&extra.to_le_bytes());
         }
-        BlockHash(xxhash_rust::xxh3::xxh3_128(buffer))
+        return BlockHash(xxhash_rust::xxh3::xxh3_128(&encoding[..len]));
     }
+    let mut encoding = Vec::with_capacity(CHAIN_HEAD + 16 * extras.len());
+    encoding.extend_from_slice(&head);
+    for extra in extras {
+        encoding.extend_from_slice(&extra.to_le_bytes());
+    }
+    BlockHash(xxhash_rust::xxh3::xxh3_128(&encoding))
 }
 
-/// Appends `tokens` as little-endian `u32`s: on a little-endian machine, their memory as is.
+/// Extra keys per block encoded on the stack; a block overlapping more items is encoded on the
+/// heap (same bytes).
+const INLINE_EXTRAS: usize = 8;
+
+/// Where the fields of a block's chained encoding lie (module documentation, format v2).
+const CHAIN_PARENT: usize = BLOCK_TAG.len();
+const CHAIN_TOKENS: usize = CHAIN_PARENT + 16;
+const CHAIN_CONTENT: usize = CHAIN_TOKENS + 4;
+const CHAIN_EXTRAS: usize = CHAIN_CONTENT + 16;
+/// The encoding up to and including the extra count: all of it for a block without extras.
+const CHAIN_HEAD: usize = CHAIN_EXTRAS + 4;
+
+/// Step 3 of the module flow: XXH3-128 of the tokens as little-endian `u32`s, which on a
+/// little-endian machine is their memory as is.
 #[cfg(target_endian = "little")]
-fn extend_tokens(buffer: &mut Vec<u8>, tokens: &[u32]) {
-    buffer.extend_from_slice(bytemuck::cast_slice(tokens));
+fn content_hash(tokens: &[u32]) -> u128 {
+    xxhash_rust::xxh3::xxh3_128(bytemuck::cast_slice(tokens))
 }
 
-/// Appends `tokens` as little-endian `u32`s.
+/// Step 3 of the module flow: XXH3-128 of the tokens as little-endian `u32`s.
 #[cfg(target_endian = "big")]
-fn extend_tokens(buffer: &mut Vec<u8>, tokens: &[u32]) {
-    buffer.extend(tokens.iter().flat_map(|token| token.to_le_bytes()));
+fn content_hash(tokens: &[u32]) -> u128 {
+    let bytes: Vec<u8> = tokens.iter().flat_map(|token| token.to_le_bytes()).collect();
+    xxhash_rust::xxh3::xxh3_128(&bytes)
 }
 
 /// A multimodal input (an image, an audio clip) occupying `len` placeholder tokens from token
@@ -221,7 +236,6 @@ impl BlockHasher {
     /// generated tokens get their hashes without rehashing the prompt.
     pub fn extend(&self, hashes: &mut Vec<BlockHash>, tokens: &[u32], items: &[MultimodalItem]) {
         let mut extras = Vec::new();
-        let mut encoder = BlockEncoder::with_room(self.block_tokens, items.len());
         let full_blocks = tokens.len() / self.block_tokens;
         for index in hashes.len()..full_blocks {
             let begin = index * self.block_tokens;
@@ -231,7 +245,7 @@ impl BlockHasher {
                 items.iter().filter(|item| item.overlaps(begin, end)).map(|item| item.content_hash),
             );
             let parent = hashes.last().copied().unwrap_or(self.namespace.root());
-            hashes.push(encoder.hash(parent, &tokens[begin..end], &extras));
+            hashes.push(chain_hash(parent, &tokens[begin..end], &extras));
         }
     }
 }
@@ -263,10 +277,10 @@ mod tests {
             .map(|hash| hash.to_string());
         let expected = [
             "62df333b2e126563e930d1345f6d7f80",
-            "1c45c132fda9cb6e918b6d7a955549a8",
-            "da70d24d1914ec86eeaa8e0e4d4fc1c7",
+            "89ad8f2b3272b04c9222c390eb3f2718",
+            "40fa9ec68a7c65a65d9e06f34df05859",
             "07e2ebad019b3b1e18bfdc8943850b57",
-            "65798972166f754f7020cebde6e23097",
+            "cdda6238054d803a46e677cabf7387a4",
         ];
         assert_eq!(actual, expected);
     }
@@ -280,12 +294,33 @@ mod tests {
         let root = xxhash_rust::xxh3::xxh3_128(&namespace);
         assert_eq!(Namespace::new("abc", None, Some(b"")).root(), BlockHash(root));
 
-        let mut block = b"kvshm/block/v1\0".to_vec();
+        let content = xxhash_rust::xxh3::xxh3_128(&[7, 0, 0, 0, 0x04, 0x03, 0x02, 0x01]);
+        let mut block = b"kvshm/block/v2\0".to_vec();
         block.extend(root.to_le_bytes());
-        block.extend([2, 0, 0, 0, 7, 0, 0, 0, 0x04, 0x03, 0x02, 0x01, 1, 0, 0, 0]);
+        block.extend([2, 0, 0, 0]);
+        block.extend(content.to_le_bytes());
+        block.extend([1, 0, 0, 0]);
         block.extend(9u128.to_le_bytes());
         let expected = BlockHash(xxhash_rust::xxh3::xxh3_128(&block));
         assert_eq!(chain_hash(BlockHash(root), &[7, 0x0102_0304], &[9]), expected);
+
+        // Without extras the encoding ends at the extra count.
+        block.truncate(block.len() - 20);
+        block.extend([0, 0, 0, 0]);
+        let expected = BlockHash(xxhash_rust::xxh3::xxh3_128(&block));
+        assert_eq!(chain_hash(BlockHash(root), &[7, 0x0102_0304], &[]), expected);
+
+        // Any number of extras, on either side of the stack encoding's capacity, is the same
+        // layout.
+        for count in [INLINE_EXTRAS - 1, INLINE_EXTRAS, INLINE_EXTRAS + 1, 3 * INLINE_EXTRAS] {
+            let extras: Vec<u128> = (0..count as u128).map(|i| i * 0x0101 + 5).collect();
+            block.truncate(block.len() - 4);
+            block.extend(u32::try_from(count).unwrap().to_le_bytes());
+            extras.iter().for_each(|extra| block.extend(extra.to_le_bytes()));
+            let expected = BlockHash(xxhash_rust::xxh3::xxh3_128(&block));
+            assert_eq!(chain_hash(BlockHash(root), &[7, 0x0102_0304], &extras), expected);
+            block.truncate(block.len() - 16 * count);
+        }
     }
 
     #[test]
