@@ -4,7 +4,7 @@ Run it with the Python of a venv holding the pinned vLLM (scripts/test-vllm make
 is $KVSHM_VLLM_VENV):
 
     $KVSHM_VLLM_VENV/bin/python benches/vllm_kv_manager.py \
-        --trace ../shared/traces/mooncake_conversation_trace.jsonl --device-blocks 5859 \
+        --trace traces/mooncake_conversation_trace.jsonl --device-blocks 5859 \
         [--kvshm target/release/kvshm] [--per-request-hits FILE] [--limit N]
 
 It prints one JSON object. For each trace request, in order (vLLM's "prompt mode", as its

@@ -31,13 +31,13 @@ TRACE_BLOCK_TOKENS = 512
 
 
 def default_trace() -> str:
-    """``$KVSHM_TRACE``, or ``shared/traces/<trace>`` beside the checkout (found upwards)."""
+    """``$KVSHM_TRACE``, or the checkout's ``traces/<trace>`` (found upwards)."""
     named = os.environ.get("KVSHM_TRACE")
     if named:
         return named
     here = Path.cwd().resolve()
     for folder in (here, *here.parents):
-        candidate = folder / "shared" / "traces" / TRACE_NAME
+        candidate = folder / "traces" / TRACE_NAME
         if candidate.exists():
             return str(candidate)
     raise FileNotFoundError(f"{TRACE_NAME} not found; set KVSHM_TRACE or pass --trace")

@@ -36,7 +36,7 @@ const VLLM_SCRIPT: &str = include_str!("../../benches/vllm_block_hash.py");
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// The trace whose prompt lengths are hashed.
-    #[arg(long, default_value = "../shared/traces/mooncake_conversation_trace.jsonl")]
+    #[arg(long, default_value = "traces/mooncake_conversation_trace.jsonl")]
     pub trace: PathBuf,
     /// Tokens per block.
     #[arg(long, default_value_t = 512)]

@@ -33,8 +33,8 @@ pub struct Args {
     /// Tensor-parallel size: worker processes, one per rank.
     #[arg(long, default_value_t = 2)]
     tp: u32,
-    /// Mooncake-format trace to replay; defaults to shared/traces/ beside the checkout, else a
-    /// built-in synthetic conversation workload.
+    /// Mooncake-format trace to replay; defaults to the repository's traces/, else a built-in
+    /// synthetic conversation workload.
     #[arg(long, conflicts_with = "synthetic")]
     trace: Option<PathBuf>,
     /// Use the built-in synthetic conversation workload even when a trace is available.

@@ -1,7 +1,7 @@
 //! Where the demo's requests come from: the conversation trace, or a built-in stand-in.
 //!
-//! The demo prefers the Mooncake conversation trace (`--trace FILE`, else the copy that sits in
-//! `shared/traces/` beside a checkout). Where there is none, [`synthetic_conversations`] makes a
+//! The demo prefers the Mooncake conversation trace (`--trace FILE`, else the copy the repository
+//! carries in `traces/`). Where there is none, [`synthetic_conversations`] makes a
 //! deterministic workload of the same shape: sessions that share a system prompt and whose turns
 //! grow their own history, interleaved so that older sessions come back after others pushed them
 //! out of the device tier.
@@ -10,18 +10,14 @@ use std::path::{Path, PathBuf};
 
 use crate::trace::TraceRequest;
 
-/// The trace file name in `shared/traces/`.
+/// The trace file name in the repository's `traces/`.
 const TRACE_FILE: &str = "mooncake_conversation_trace.jsonl";
 
-/// The conversation trace beside the checkout, if there is one: `../shared/traces/` from the
-/// working directory, or from the source tree this binary was built from.
+/// The repository's copy of the conversation trace, if it is at hand: `traces/` under the working
+/// directory, or under the source tree this binary was built from.
 pub fn default_trace() -> Option<PathBuf> {
-    let from_cwd = Path::new("..").join("shared").join("traces").join(TRACE_FILE);
-    let from_source = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("shared")
-        .join("traces")
-        .join(TRACE_FILE);
+    let from_cwd = Path::new("traces").join(TRACE_FILE);
+    let from_source = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces").join(TRACE_FILE);
     [from_cwd, from_source].into_iter().find(|path| path.is_file())
 }
 

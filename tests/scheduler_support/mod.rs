@@ -107,17 +107,13 @@ impl Rng {
     }
 }
 
-/// The Mooncake conversation trace that CI carries at `../shared/traces/` relative to the
-/// repository root (`../../shared/traces/` from a worktree under `wt/`).
+/// The Mooncake conversation trace the repository carries in `traces/`.
 ///
 /// # Panics
-/// When it is in neither place: the tests that need it must not pass without it.
+/// When it is missing: the tests that need it must not pass without it.
 pub fn mooncake_trace() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let candidates = ["..", "../.."]
-        .map(|up| root.join(up).join("shared/traces/mooncake_conversation_trace.jsonl"));
-    let found = candidates.iter().find(|path| path.exists());
-    found
-        .unwrap_or_else(|| panic!("the Mooncake trace is missing at {}", candidates[0].display()))
-        .clone()
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake_conversation_trace.jsonl");
+    assert!(path.is_file(), "the Mooncake trace is missing at {}", path.display());
+    path
 }
