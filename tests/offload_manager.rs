@@ -281,8 +281,13 @@ impl Model {
     }
 
     fn prepare_store(&mut self, request: u32, offered: &[u32]) -> Option<(Vec<u32>, Vec<u32>)> {
-        let to_store: Vec<u32> =
-            offered.iter().copied().filter(|key| !self.keys.contains_key(key)).collect();
+        // A key offered twice is stored once, at its first place.
+        let mut to_store: Vec<u32> = Vec::new();
+        for &key in offered {
+            if !self.keys.contains_key(&key) && !to_store.contains(&key) {
+                to_store.push(key);
+            }
+        }
         let state = self.requests.entry(request).or_default();
         for key in offered {
             let record = match self.keys.get(key) {
@@ -317,7 +322,7 @@ impl Model {
             }
         }
         for key in offered {
-            if to_store.contains(key) {
+            if to_store.contains(key) && !self.keys.contains_key(key) {
                 let parent = self.requests[&request].1.filter(|p| self.keys.contains_key(p));
                 let rank = self.next_rank();
                 self.keys.insert(*key, (rank, false, 0, parent));
@@ -379,7 +384,12 @@ fn run_against_model(order: EvictionOrder, seed: u64) {
                 let root = rng.below(4) as u32 * 100;
                 let start = rng.below(6) as u32;
                 let len = 1 + rng.below(4) as u32;
-                let blocks: Vec<u32> = (start..start + len).map(|i| root + i).collect();
+                let mut blocks: Vec<u32> = (start..start + len).map(|i| root + i).collect();
+                if rng.chance(8) {
+                    // An engine offering a key twice in one call.
+                    let twice = blocks[rng.below(blocks.len())];
+                    blocks.insert(rng.below(blocks.len() + 1), twice);
+                }
                 // Lookups first, as vLLM does, up to the first miss.
                 manager.on_new_request(&name);
                 model.requests.entry(request).or_default();
@@ -411,13 +421,17 @@ fn run_against_model(order: EvictionOrder, seed: u64) {
                 model.complete_store(&job, success);
             }
             6 => {
-                let ready: Vec<u32> = model
+                let mut ready: Vec<u32> = model
                     .keys
                     .iter()
                     .filter(|(_, entry)| entry.1)
                     .map(|(&key, _)| key)
                     .take(1 + rng.below(2))
                     .collect();
+                if !ready.is_empty() && rng.chance(8) {
+                    // A load naming a key twice pins it twice.
+                    ready.push(ready[0]);
+                }
                 if !ready.is_empty() {
                     manager.prepare_load(&name, &keys(&ready), &mut Vec::new()).unwrap();
                     let state = model.requests.entry(request).or_default();
@@ -464,4 +478,36 @@ fn randomized_flat_decisions_match_a_naive_model() {
     for seed in 1..=3 {
         run_against_model(EvictionOrder::Flat, seed);
     }
+}
+
+#[test]
+fn a_key_offered_twice_in_one_store_is_stored_once() {
+    let mut manager = manager(4, EvictionOrder::LeafFirst);
+    let twice = keys(&[1, 2, 1]);
+    let mut out = PreparedStore::default();
+    assert!(manager.prepare_store("a", &twice, &mut out));
+    assert_eq!((out.to_store.as_slice(), out.chunks.len()), (&[0, 1][..], 2));
+    check(&manager);
+    manager.complete_store(&keys(&[1, 2]), true);
+    let stats = manager.stats();
+    assert_eq!((stats.chunks_used, stats.chunks_storing), (2, 0), "no chunk is left behind");
+    assert_eq!(manager.parent_of(&key(2, 0)), Some(key(1, 0)));
+    check(&manager);
+}
+
+#[test]
+fn a_load_completion_naming_a_key_more_often_than_it_is_pinned_changes_nothing() {
+    let mut manager = manager(4, EvictionOrder::LeafFirst);
+    store(&mut manager, "a", &[1, 2]);
+    manager.prepare_load("b", &keys(&[1, 2, 2]), &mut Vec::new()).unwrap();
+    assert_eq!(manager.stats().chunks_loading, 2);
+    assert_eq!(
+        manager.complete_load(&keys(&[2, 1, 1])),
+        Err(OffloadError::NotPinned { key: key(1, 0) })
+    );
+    assert_eq!(manager.stats().chunks_loading, 2, "the pins taken back are restored");
+    check(&manager);
+    manager.complete_load(&keys(&[2, 1, 2])).unwrap();
+    assert_eq!(manager.stats().chunks_loading, 0);
+    check(&manager);
 }

@@ -174,13 +174,18 @@ def test_a_host_tier_refuses_bad_specs_and_bad_tensors(name: str) -> None:
         device_blocks=8,
         chunks=4,
         blocks_per_chunk=2,
-        groups=[[0]],
+        groups=[[0], [0], [0], [0]],
         tensors=gpu,
     )
     with pytest.raises(kvshm.OffloadError, match="device block 8"):
-        tier.submit_store(1, [8], [1], [0], [0])
+        tier.submit_store(1, [8], [1, 0, 0, 0], [0] * 4, [0])
     with pytest.raises(kvshm.OffloadError, match="chunks"):
-        tier.submit_store(1, [1, 2, 3], [3], [0], [0])
+        tier.submit_store(1, [1, 2, 3], [3, 0, 0, 0], [0] * 4, [0])
+    # Sizes that add up to the (zero) blocks given only modulo 2**64.
+    with pytest.raises(kvshm.OffloadError, match="add up to 18446744073709551616"):
+        tier.submit_store(1, [], [2**62] * 4, [0] * 4, [])
+    with pytest.raises(kvshm.OffloadError, match="add up to"):
+        tier.submit_load(1, [], [2**63 - 1] * 4, [2**63 - 1] * 4, [])
     assert tier.take_finished() == []
     with pytest.raises(kvshm.DeviceHandleError):
         tier.publish_device_handles([(b"\0" * 64, 0, 8 * PAGE, PAGE)])

@@ -3,7 +3,7 @@
 //!
 //! The engine keeps its own device prefix cache and hands kvshm opaque keys (one per chunk of
 //! KV blocks). The manager decides which keys live in the host tier, in which chunk, and which
-//! leave it; the bytes are moved by workers ([`crate::offload::copy`]). Each key is one entry in
+//! leave it; the bytes are moved by the host tier ([`crate::offload::HostTier`]). Each key is one entry in
 //! an arena: its chunk, whether its store has completed, how many loads read it, its parent key
 //! (rebuilt from the order in which each request presents its keys) and its recency rank.
 //!
@@ -224,6 +224,11 @@ pub struct OffloadManager {
     selected: Vec<(Rank, u32)>,
     deferred: Vec<(Rank, u32)>,
     selected_set: HashSet<u32, BuildPassThrough>,
+    /// Scratch of one call: the entries of its keys (`prepare_load`, `complete_load`), the new
+    /// keys it chose to store (`prepare_store`), the entries an eviction must spare (`evict`).
+    call_ids: Vec<u32>,
+    call_new_keys: HashSet<OffloadKey, BuildPassThrough>,
+    protected: HashSet<u32, BuildPassThrough>,
 }
 
 impl OffloadManager {
@@ -249,6 +254,9 @@ impl OffloadManager {
             selected: Vec::new(),
             deferred: Vec::new(),
             selected_set: HashSet::default(),
+            call_ids: Vec::new(),
+            call_new_keys: HashSet::default(),
+            protected: HashSet::default(),
         })
     }
 
@@ -296,24 +304,27 @@ impl OffloadManager {
         }
     }
 
-    /// Pins `keys` for a load (all or none) and writes their chunks to `chunks`.
+    /// Pins `keys` for a load (all or none) and writes their chunks to `chunks`. A key named
+    /// twice is pinned twice.
     pub fn prepare_load(
         &mut self,
         request: &str,
         keys: &[OffloadKey],
         chunks: &mut Vec<u32>,
     ) -> Result<(), OffloadError> {
+        self.call_ids.clear();
         for key in keys {
-            let id = self.find(key).ok_or(OffloadError::UnknownKey { key: *key })?;
+            let id = find(&self.heads, &self.entries, key)
+                .ok_or(OffloadError::UnknownKey { key: *key })?;
             if !self.entries[id as usize].ready {
                 return Err(OffloadError::NotReady { key: *key });
             }
+            self.call_ids.push(id);
         }
         chunks.clear();
         let tag_bytes = self.config.layout.tag_bytes;
         let state = request_state(&mut self.requests, request);
-        for key in keys {
-            let id = find(&self.heads, &self.entries, key).expect("checked above");
+        for (key, &id) in keys.iter().zip(&self.call_ids) {
             let entry = &mut self.entries[id as usize];
             if entry.pins == 0 {
                 self.loading += 1;
@@ -327,25 +338,42 @@ impl OffloadManager {
         Ok(())
     }
 
-    /// Ends the loads of `keys` (one pin each, all or none).
+    /// Ends the loads of `keys` (one pin each, all or none: a key named twice needs two pins).
     pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<(), OffloadError> {
-        let mut needed: HashMap<u32, u32, BuildPassThrough> = HashMap::default();
+        self.call_ids.clear();
         for key in keys {
-            let id = self.find(key).ok_or(OffloadError::UnknownKey { key: *key })?;
-            let count = needed.entry(id).or_insert(0);
-            *count += 1;
-            if self.entries[id as usize].pins < *count {
-                return Err(OffloadError::NotPinned { key: *key });
+            let id = find(&self.heads, &self.entries, key);
+            let refusal = match id {
+                None => Some(OffloadError::UnknownKey { key: *key }),
+                Some(id) if self.entries[id as usize].pins == 0 => {
+                    Some(OffloadError::NotPinned { key: *key })
+                }
+                Some(_) => None,
+            };
+            if let Some(refusal) = refusal {
+                // Give back the pins taken so far: nothing changed.
+                for &id in &self.call_ids {
+                    let entry = &mut self.entries[id as usize];
+                    if entry.pins == 0 {
+                        self.loading += 1;
+                    }
+                    entry.pins += 1;
+                }
+                return Err(refusal);
             }
-        }
-        for key in keys {
-            let id = self.find(key).expect("checked above");
-            self.entries[id as usize].pins -= 1;
-            if self.entries[id as usize].pins == 0 {
+            let id = id.expect("refused above when missing");
+            let entry = &mut self.entries[id as usize];
+            entry.pins -= 1;
+            if entry.pins == 0 {
                 self.loading -= 1;
             }
+            self.call_ids.push(id);
+        }
+        let ids = std::mem::take(&mut self.call_ids);
+        for &id in &ids {
             self.offer_candidate(id);
         }
+        self.call_ids = ids;
         Ok(())
     }
 
@@ -361,8 +389,9 @@ impl OffloadManager {
 
     /// Prepares `keys` (offered by `request`) to be stored (module flow, step 1): keys cached
     /// already are left out, the others get chunks, evicting least recently used keys when the
-    /// free chunks do not suffice. Returns `false` (and changes nothing but the request's record
-    /// of what it offered) when not enough can be evicted.
+    /// free chunks do not suffice; a key offered twice is stored once, at its first place.
+    /// Returns `false` (and changes nothing but the request's record of what it offered) when
+    /// not enough can be evicted.
     pub fn prepare_store(
         &mut self,
         request: &str,
@@ -372,12 +401,15 @@ impl OffloadManager {
         out.clear();
         let tag_bytes = self.config.layout.tag_bytes;
         let state = request_state(&mut self.requests, request);
+        self.call_new_keys.clear();
         // Recorded as the request's accesses, in the order offered: the new keys and the
         // loadable ones (a key another request is still storing is not this one's access).
         for (index, key) in keys.iter().enumerate() {
             match find(&self.heads, &self.entries, key) {
                 None => {
-                    out.to_store.push(index as u32);
+                    if self.call_new_keys.insert(*key) {
+                        out.to_store.push(index as u32);
+                    }
                     state.record(*key);
                 }
                 Some(id) if self.entries[id as usize].ready => state.record(*key),
@@ -698,8 +730,12 @@ impl OffloadManager {
         self.deferred.clear();
         self.selected_set.clear();
         self.gone_children.clear();
-        let protected_ids: HashSet<u32, BuildPassThrough> =
-            protected.iter().filter_map(|key| self.find(key)).collect();
+        self.protected.clear();
+        for key in protected {
+            if let Some(id) = find(&self.heads, &self.entries, key) {
+                self.protected.insert(id);
+            }
+        }
         while self.selected.len() < count {
             let Some((rank, id)) = self.candidates.pop() else { break };
             if !self.record_is_current(rank, id) || self.selected_set.contains(&id) {
@@ -709,7 +745,7 @@ impl OffloadManager {
             if !self.is_candidate(id, gone) {
                 continue;
             }
-            if protected_ids.contains(&id) {
+            if self.protected.contains(&id) {
                 self.deferred.push((rank, id));
                 continue;
             }

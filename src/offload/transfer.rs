@@ -57,12 +57,17 @@ pub enum PlanError {
     TensorOutOfRange { group: usize, tensor: u32, tensors: u32 },
     #[error("{chunks} chunks of {blocks_per_chunk} blocks is more host blocks than a u32 names")]
     TooManyHostBlocks { chunks: u32, blocks_per_chunk: u32 },
+    #[error(
+        "{host_blocks} host blocks of {tensors} pages of {page_bytes} bytes is more bytes than a \
+         u64 counts"
+    )]
+    TierTooLarge { host_blocks: u32, tensors: u32, page_bytes: u64 },
     #[error("{given} group sizes or block indices for {groups} KV-cache groups")]
     GroupCount { given: usize, groups: usize },
     #[error("the group sizes add up to {sum}, but {blocks} device blocks were given")]
-    GroupSizes { sum: u64, blocks: usize },
+    GroupSizes { sum: u128, blocks: usize },
     #[error("{needed} chunks are needed for the groups' blocks, {given} were given")]
-    ChunkCount { needed: u64, given: usize },
+    ChunkCount { needed: u128, given: usize },
     #[error("device block {id} is outside 0..{device_blocks}")]
     DeviceBlockOutOfRange { id: i64, device_blocks: u32 },
     #[error("chunk {id} is outside 0..{chunks}")]
@@ -80,7 +85,8 @@ pub struct GroupCopy {
 
 impl EngineLayout {
     /// Checks the layout: tensors and groups present, group tensors in range, host blocks
-    /// nameable.
+    /// nameable, the tier's bytes countable (so that [`host_block_bytes`](Self::host_block_bytes)
+    /// and every offset inside the tier are exact).
     pub fn validate(&self) -> Result<(), PlanError> {
         if self.tensors == 0 || self.groups.is_empty() || self.page_bytes == 0 {
             return Err(PlanError::EmptyLayout);
@@ -93,8 +99,21 @@ impl EngineLayout {
                 return Err(PlanError::TensorOutOfRange { group, tensor, tensors: self.tensors });
             }
         }
-        self.host_blocks()?;
+        self.host_tier_bytes()?;
         Ok(())
+    }
+
+    /// Bytes of the whole host tier, or why they cannot be counted.
+    pub fn host_tier_bytes(&self) -> Result<u64, PlanError> {
+        let host_blocks = self.host_blocks()?;
+        self.page_bytes
+            .checked_mul(u64::from(self.tensors))
+            .and_then(|block| block.checked_mul(u64::from(host_blocks)))
+            .ok_or(PlanError::TierTooLarge {
+                host_blocks,
+                tensors: self.tensors,
+                page_bytes: self.page_bytes,
+            })
     }
 
     /// Blocks of the host tier: chunks times blocks per chunk.
@@ -105,7 +124,8 @@ impl EngineLayout {
         })
     }
 
-    /// Bytes of one host block: every tensor's page.
+    /// Bytes of one host block: every tensor's page. Exact for a layout that
+    /// [`validate`](Self::validate) accepted.
     pub fn host_block_bytes(&self) -> u64 {
         self.page_bytes * u64::from(self.tensors)
     }
@@ -127,20 +147,23 @@ impl EngineLayout {
             return Err(PlanError::GroupCount { given, groups });
         }
         let k = u64::from(self.blocks_per_chunk);
-        let mut sum = 0u64;
-        let mut needed_chunks = 0u64;
+        // The caller's numbers are summed in u128: each term is below 2^64 and there are as many
+        // terms as the layout has groups, so no sum can overflow, and a spec whose sizes only
+        // add up modulo 2^64 is refused like any other that does not add up.
+        let mut sum = 0u128;
+        let mut needed_chunks = 0u128;
         for (&size, &index) in group_sizes.iter().zip(block_indices) {
-            let size = non_negative(size)?;
-            let skip = non_negative(index)? % k;
+            let size = u128::from(non_negative(size)?);
+            let skip = u128::from(non_negative(index)? % k);
             sum += size;
             if size > 0 {
-                needed_chunks += (skip + size).div_ceil(k);
+                needed_chunks += (skip + size).div_ceil(u128::from(k));
             }
         }
-        if sum != device.len() as u64 {
+        if sum != device.len() as u128 {
             return Err(PlanError::GroupSizes { sum, blocks: device.len() });
         }
-        if needed_chunks != chunks.len() as u64 {
+        if needed_chunks != chunks.len() as u128 {
             return Err(PlanError::ChunkCount { needed: needed_chunks, given: chunks.len() });
         }
         let device_id = |id: i64| {
@@ -154,6 +177,17 @@ impl EngineLayout {
                 .ok()
                 .filter(|&id| id < self.chunks)
                 .ok_or(PlanError::ChunkOutOfRange { id, chunks: self.chunks })
+        };
+        // From here on every size is at most `device.len()` and every chunk position within
+        // `chunks` (the sums above matched), so the indexing below stays in bounds.
+        let host_blocks_per_chunk = self.blocks_per_chunk;
+        let host_block = |chunk: u32, within: u64| {
+            u32::try_from(u64::from(chunk) * u64::from(host_blocks_per_chunk) + within).map_err(
+                |_| PlanError::TooManyHostBlocks {
+                    chunks: self.chunks,
+                    blocks_per_chunk: host_blocks_per_chunk,
+                },
+            )
         };
         let mut copies = Vec::with_capacity(groups);
         let (mut device_at, mut chunk_at) = (0usize, 0usize);
@@ -169,7 +203,7 @@ impl EngineLayout {
                 let block = device_id(device[device_at + i])?;
                 let position = skip + i;
                 let chunk = chunk_id(chunks[chunk_at + position / k as usize])?;
-                let host = chunk * self.blocks_per_chunk + (position as u64 % k) as u32;
+                let host = host_block(chunk, position as u64 % k)?;
                 pairs.push(match direction {
                     Direction::Store => BlockPair::new(block, host),
                     Direction::Load => BlockPair::new(host, block),
@@ -198,6 +232,8 @@ pub enum CopyError {
     HostTierTooSmall { len: usize, needed: u64 },
     #[error("group {group} is not one of the layout's {groups}")]
     UnknownGroup { group: usize, groups: usize },
+    #[error("layout: {0}")]
+    Layout(#[from] PlanError),
 }
 
 /// The engine's KV tensors of one rank, in this process's memory (CPU tensors).
@@ -247,8 +283,8 @@ impl TensorMemory {
         direction: Direction,
         copy: &GroupCopy,
     ) -> Result<u64, CopyError> {
-        let host_blocks = u64::from(layout.host_blocks().unwrap_or(u32::MAX));
-        let needed = host_blocks * layout.host_block_bytes();
+        let host_blocks = u64::from(layout.host_blocks()?);
+        let needed = layout.host_tier_bytes()?;
         if (host.data_len() as u64) < needed {
             return Err(CopyError::HostTierTooSmall { len: host.data_len(), needed });
         }
@@ -361,6 +397,17 @@ mod tests {
             layout.plan(Direction::Store, &[1], &[1, 0], &[0], &[0]),
             Err(PlanError::GroupCount { given: 2, groups: 1 })
         );
+        // Sizes that add up to the blocks given only modulo 2^64 (four times 2^62 is 0 then).
+        let four_groups = self::layout(1, vec![vec![0]; 4]);
+        assert_eq!(
+            four_groups.plan(Direction::Store, &[], &[1 << 62; 4], &[0; 4], &[]),
+            Err(PlanError::GroupSizes { sum: 1 << 64, blocks: 0 })
+        );
+        let huge = i64::MAX;
+        assert_eq!(
+            four_groups.plan(Direction::Store, &[], &[huge; 4], &[huge; 4], &[]),
+            Err(PlanError::GroupSizes { sum: 4 * huge as u128, blocks: 0 })
+        );
     }
 
     #[test]
@@ -373,5 +420,11 @@ mod tests {
         huge.chunks = 1 << 20;
         assert!(matches!(huge.validate(), Err(PlanError::TooManyHostBlocks { .. })));
         assert_eq!(layout(1, vec![]).validate(), Err(PlanError::EmptyLayout));
+        let mut wide_pages = layout(1, vec![vec![0]]);
+        wide_pages.page_bytes = u64::MAX / 2;
+        assert_eq!(
+            wide_pages.validate(),
+            Err(PlanError::TierTooLarge { host_blocks: 8, tensors: 3, page_bytes: u64::MAX / 2 })
+        );
     }
 }
