@@ -11,6 +11,7 @@ use kvshm_ipc::config::{Backend, SegmentConfig, WritePolicy};
 use kvshm_ipc::control::ResetStatus;
 use kvshm_ipc::counters::Counter;
 use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle};
+use kvshm_ipc::doorbell::{WaitOutcome, WaitPolicy};
 use kvshm_ipc::record::{CommandHeader, CommandSlot, Completion, Op};
 use kvshm_ipc::segment::{Segment, SegmentError, FIRST_GENERATION};
 
@@ -58,6 +59,38 @@ fn commands_and_completions_flow_between_handles() {
     assert_eq!(outbox.pop().unwrap(), None);
     // Rank 0's rings are separate.
     assert_eq!(scheduler.completion_consumer(0).unwrap().pop().unwrap(), None);
+}
+
+#[test]
+fn a_completion_bell_wakes_its_waiter_once_a_completion_ring_moves_past_what_it_noted() {
+    let name = unique_name("bell");
+    let _cleanup = Cleanup(name.clone());
+    let scheduler = Segment::create(&name, &config()).unwrap();
+    let worker = Segment::attach(&name).unwrap();
+    let bell = scheduler.completion_bell().unwrap();
+    let mut seen = Vec::new();
+    bell.tails(&mut seen);
+    assert_eq!(seen, vec![0, 0], "one tail per rank, nothing pushed yet");
+    let slice = WaitPolicy::new(Duration::ZERO, Duration::from_millis(5));
+    assert_eq!(
+        bell.wait_for_answers(&seen, slice.within(Duration::from_millis(20))),
+        WaitOutcome::TimedOut
+    );
+    // A worker answers on rank 1 from another thread while the bell's waiter sleeps.
+    let answer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        let mut completions = worker.completion_producer(1).unwrap();
+        completions.push(Completion::ok(1, FIRST_GENERATION)).unwrap();
+        worker.scheduler_doorbell().ring();
+    });
+    let waited = bell.wait_for_answers(&seen, slice.within(Duration::from_secs(60)));
+    assert_eq!(waited, WaitOutcome::Ready);
+    answer.join().unwrap();
+    bell.tails(&mut seen);
+    assert_eq!(seen, vec![0, 1]);
+    // The bell keeps the mapping alive after the segment handle is gone.
+    drop(scheduler);
+    assert_eq!(bell.wait_for_answers(&seen, slice.within(Duration::ZERO)), WaitOutcome::TimedOut);
 }
 
 #[test]

@@ -2,17 +2,22 @@
 //! crates (`kvshm`, `kvctl`), which stay usable without Python.
 //!
 //! - [`service`]: `Service` (the scheduler API over both tiers) and `BlockHasher`.
-//! - [`offload`]: `OffloadManager` and `HostTier`, the pieces of the vLLM offloading backend.
+//! - [`offload`]: `OffloadManager`, the scheduler side of the vLLM offloading backend.
+//! - [`host_tier`]: `HostTier`, one worker rank's host tier and copies (the worker side).
 //! - [`vllm`]: `VllmManagerCore`, vLLM's manager methods straight over the Rust manager.
 //! - [`buffers`]: block tables and hashes as buffer objects; reading numpy arrays and buffers.
 //! - [`errors`]: the exception hierarchy under `KvshmError`.
 //! - [`cli`]: `python -m kvshm worker` and `python -m kvshm kvctl`.
+//! - [`waiting`]: one Rust object shared by Python threads: locking without the GIL, waiting
+//!   without the lock.
 mod buffers;
 mod cli;
 mod errors;
+mod host_tier;
 mod offload;
 mod service;
 mod vllm;
+mod waiting;
 
 use pyo3::prelude::*;
 
@@ -25,9 +30,9 @@ fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<service::Allocation>()?;
     module.add_class::<service::AllocationCheck>()?;
     module.add_class::<offload::OffloadManager>()?;
-    module.add_class::<offload::HostTier>()?;
+    module.add_class::<host_tier::HostTier>()?;
     module.add_class::<vllm::VllmManagerCore>()?;
-    module.add_function(wrap_pyfunction!(offload::parse_cuda_handle, module)?)?;
+    module.add_function(wrap_pyfunction!(host_tier::parse_cuda_handle, module)?)?;
     module.add_class::<buffers::U32Array>()?;
     module.add_class::<buffers::BlockHashes>()?;
     module.add_function(wrap_pyfunction!(cli::run_worker, module)?)?;

@@ -4,17 +4,20 @@
 //! [`kvshm::hash::BlockHasher`]) and converts the result; waits run with the GIL released.
 
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvshm::hash::{BlockHasher as RustBlockHasher, MultimodalItem, Namespace};
 use kvshm::manager::{CacheConfig, MatchError, RequestId, TicketId, TicketStatus, WritePolicy};
-use kvshm::service::{Backend, SegmentName, Service as RustService, ServiceConfig};
+use kvshm::service::{
+    Backend, SegmentName, Service as RustService, ServiceConfig, ServiceError, WaitError,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::buffers::{read_hashes, read_u32s, BlockHashes, U32Array};
 use crate::errors::{ConfigError, IntoPyResult, SegmentError, ToPyErr, TransferFailedError};
+use crate::waiting::{self, wait_unlocked};
 
 /// A timeout in seconds as a `Duration` (negative, NaN or absurd values are refused).
 pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
@@ -113,16 +116,16 @@ pub fn segment_name(name: &str) -> PyResult<SegmentName> {
 }
 
 /// The cache manager of one engine, its segment and its worker processes. Usable from any
-/// thread (one call at a time).
-#[pyclass(module = "kvshm")]
+/// thread: calls run one at a time, and a wait lets other threads' calls run between its polls
+/// (see `waiting`).
+#[pyclass(frozen, module = "kvshm")]
 pub struct Service {
     inner: Mutex<Option<RustService>>,
 }
 
 impl Service {
-    fn lock(&self) -> MutexGuard<'_, Option<RustService>> {
-        // A panic inside a call (a bug) does not make the service unusable for the next one.
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Option<RustService>> {
+        waiting::lock(py, &self.inner)
     }
 }
 
@@ -175,47 +178,58 @@ impl Service {
 
     /// The segment's name (workers attach with `python -m kvshm worker --name NAME --rank R`).
     #[getter]
-    fn name(&self) -> PyResult<String> {
-        Ok(open(&mut self.lock())?.segment().name().as_str().to_owned())
+    fn name(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(open(&mut self.lock(py))?.segment().name().as_str().to_owned())
     }
 
     #[getter]
-    fn tp_size(&self) -> PyResult<u32> {
-        Ok(open(&mut self.lock())?.segment().config().tp_size)
+    fn tp_size(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(open(&mut self.lock(py))?.segment().config().tp_size)
     }
 
     #[getter]
-    fn layers(&self) -> PyResult<u32> {
-        Ok(open(&mut self.lock())?.geometry().layers())
+    fn layers(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(open(&mut self.lock(py))?.geometry().layers())
     }
 
     #[getter]
-    fn regions(&self) -> PyResult<u32> {
-        Ok(open(&mut self.lock())?.geometry().regions())
+    fn regions(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(open(&mut self.lock(py))?.geometry().regions())
     }
 
     #[getter]
-    fn region_bytes(&self) -> PyResult<u64> {
-        Ok(open(&mut self.lock())?.geometry().region_bytes())
+    fn region_bytes(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(open(&mut self.lock(py))?.geometry().region_bytes())
     }
 
     #[getter]
-    fn block_tokens(&self) -> PyResult<u32> {
-        Ok(open(&mut self.lock())?.cache().config().block_tokens)
+    fn block_tokens(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(open(&mut self.lock(py))?.cache().config().block_tokens)
     }
 
-    /// Polls until every rank has a live worker (GIL released).
+    /// Polls until every rank has a live worker (GIL released between polls).
     #[pyo3(signature = (timeout=10.0))]
     fn wait_for_workers(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let started = Instant::now();
         let timeout = seconds(timeout, "timeout")?;
-        let mut guard = self.lock();
-        let service = open(&mut guard)?;
-        py.detach(|| service.wait_for_workers(timeout)).py_err()
+        let mut missing = 0;
+        let all_up = wait_unlocked(py, &self.inner, open, timeout, |service| {
+            Ok(match service.poll_workers() {
+                None => Some(()),
+                Some(rank) => {
+                    missing = rank;
+                    None
+                }
+            })
+        })?;
+        all_up.ok_or_else(|| {
+            ServiceError::WorkerMissing { rank: missing, waited: started.elapsed() }.to_py()
+        })
     }
 
     /// Whether each rank has a worker: `"up"` or `"down"`.
-    fn rank_states(&self) -> PyResult<Vec<&'static str>> {
-        Ok(open(&mut self.lock())?
+    fn rank_states(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
+        Ok(open(&mut self.lock(py))?
             .rank_states()
             .into_iter()
             .map(|state| match state {
@@ -231,11 +245,12 @@ impl Service {
     #[pyo3(signature = (hashes, prompt_tokens=None))]
     fn lookup(
         &self,
+        py: Python<'_>,
         hashes: &Bound<'_, PyAny>,
         prompt_tokens: Option<usize>,
     ) -> PyResult<(usize, usize)> {
         let hashes = read_hashes(hashes)?;
-        let mut guard = self.lock();
+        let mut guard = self.lock(py);
         let cache = open(&mut guard)?.cache();
         let found = match prompt_tokens {
             Some(tokens) => {
@@ -249,42 +264,45 @@ impl Service {
     /// Holds the request's cached prefix. The last prompt token is always left to compute.
     fn match_prefix(
         &self,
+        py: Python<'_>,
         request: u64,
         hashes: &Bound<'_, PyAny>,
         prompt_tokens: usize,
     ) -> PyResult<PrefixMatch> {
         let hashes = read_hashes(hashes)?;
         let found =
-            open(&mut self.lock())?.match_prefix(RequestId(request), &hashes, prompt_tokens);
+            open(&mut self.lock(py))?.match_prefix(RequestId(request), &hashes, prompt_tokens);
         found.map(PrefixMatch::from).py_err()
     }
 
     /// Extends a waiting request's held prefix with blocks cached since it was matched.
     fn rematch(
         &self,
+        py: Python<'_>,
         request: u64,
         hashes: &Bound<'_, PyAny>,
         prompt_tokens: usize,
     ) -> PyResult<PrefixMatch> {
         let hashes = read_hashes(hashes)?;
-        let found = open(&mut self.lock())?.rematch(RequestId(request), &hashes, prompt_tokens);
+        let found = open(&mut self.lock(py))?.rematch(RequestId(request), &hashes, prompt_tokens);
         found.map(PrefixMatch::from).py_err()
     }
 
     /// Gives back the holds of a request that has not allocated.
-    fn release_match(&self, request: u64) -> PyResult<()> {
-        open(&mut self.lock())?.release_match(RequestId(request)).py_err()
+    fn release_match(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        open(&mut self.lock(py))?.release_match(RequestId(request)).py_err()
     }
 
     /// Whether `allocate` with these arguments would succeed now; changes nothing.
     #[pyo3(signature = (request, new_tokens, lookahead=0))]
     fn can_allocate(
         &self,
+        py: Python<'_>,
         request: u64,
         new_tokens: usize,
         lookahead: usize,
     ) -> PyResult<AllocationCheck> {
-        let check = open(&mut self.lock())?
+        let check = open(&mut self.lock(py))?
             .can_allocate(RequestId(request), new_tokens, lookahead)
             .py_err()?;
         Ok(AllocationCheck { needed: check.needed, available: check.available })
@@ -299,7 +317,7 @@ impl Service {
         new_tokens: usize,
         lookahead: usize,
     ) -> PyResult<Allocation> {
-        let mut guard = self.lock();
+        let mut guard = self.lock(py);
         let allocation =
             open(&mut guard)?.allocate(RequestId(request), new_tokens, lookahead).py_err()?;
         let table = U32Array::new(allocation.block_table);
@@ -311,8 +329,8 @@ impl Service {
     }
 
     /// The block table of a live request.
-    fn block_table(&self, request: u64) -> PyResult<U32Array> {
-        let mut guard = self.lock();
+    fn block_table(&self, py: Python<'_>, request: u64) -> PyResult<U32Array> {
+        let mut guard = self.lock(py);
         let service = open(&mut guard)?;
         let table = service.cache().block_table(RequestId(request)).ok_or_else(|| {
             crate::errors::UnknownRequestError::new_err(format!("request {request} is not live"))
@@ -323,74 +341,78 @@ impl Service {
     /// Caches the full blocks among the first `computed_tokens`; returns (inserted, duplicates).
     fn commit(
         &self,
+        py: Python<'_>,
         request: u64,
         computed_tokens: usize,
         hashes: &Bound<'_, PyAny>,
     ) -> PyResult<(usize, usize)> {
         let hashes = read_hashes(hashes)?;
-        let done = open(&mut self.lock())?
+        let done = open(&mut self.lock(py))?
             .commit(RequestId(request), computed_tokens, &hashes)
             .py_err()?;
         Ok((done.inserted, done.duplicates))
     }
 
-    fn finish(&self, request: u64) -> PyResult<()> {
-        open(&mut self.lock())?.finish(RequestId(request)).py_err()
+    fn finish(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        open(&mut self.lock(py))?.finish(RequestId(request)).py_err()
     }
 
-    fn abort(&self, request: u64) -> PyResult<()> {
-        open(&mut self.lock())?.abort(RequestId(request)).py_err()
+    fn abort(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        open(&mut self.lock(py))?.abort(RequestId(request)).py_err()
     }
 
     /// Drops every cached block; returns the requests a forced reset ended.
     #[pyo3(signature = (force=false))]
-    fn reset(&self, force: bool) -> PyResult<Vec<u64>> {
-        let dropped = open(&mut self.lock())?.reset(force).py_err()?;
+    fn reset(&self, py: Python<'_>, force: bool) -> PyResult<Vec<u64>> {
+        let dropped = open(&mut self.lock(py))?.reset(force).py_err()?;
         Ok(dropped.into_iter().map(|request| request.0).collect())
     }
 
     /// Requests a forced `kvctl reset` ended since the last call.
-    fn take_requests_dropped_by_kvctl(&self) -> PyResult<Vec<u64>> {
-        let dropped = open(&mut self.lock())?.take_requests_dropped_by_kvctl();
+    fn take_requests_dropped_by_kvctl(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let dropped = open(&mut self.lock(py))?.take_requests_dropped_by_kvctl();
         Ok(dropped.into_iter().map(|request| request.0).collect())
     }
 
-    fn resize_device(&self, blocks: u32) -> PyResult<()> {
-        open(&mut self.lock())?.resize_device(blocks).py_err()
+    fn resize_device(&self, py: Python<'_>, blocks: u32) -> PyResult<()> {
+        open(&mut self.lock(py))?.resize_device(blocks).py_err()
     }
 
     /// Leading blocks of the request's table every live request shares (cascade attention).
-    fn common_prefix_blocks(&self, request: u64) -> PyResult<usize> {
-        open(&mut self.lock())?.cache().common_prefix_blocks(RequestId(request)).py_err()
+    fn common_prefix_blocks(&self, py: Python<'_>, request: u64) -> PyResult<usize> {
+        open(&mut self.lock(py))?.cache().common_prefix_blocks(RequestId(request)).py_err()
     }
 
     /// Reaps completions, watches workers, issues copies, serves kvctl.
-    fn poll(&self) -> PyResult<()> {
-        open(&mut self.lock())?.poll();
+    fn poll(&self, py: Python<'_>) -> PyResult<()> {
+        open(&mut self.lock(py))?.poll();
         Ok(())
     }
 
-    /// Waits until the ticket's blocks are ready (GIL released).
+    /// Waits until the ticket's blocks are ready (GIL released between polls).
     #[pyo3(signature = (ticket, timeout=30.0))]
     fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<()> {
-        let timeout = seconds(timeout, "timeout")?;
-        let mut guard = self.lock();
-        let service = open(&mut guard)?;
-        py.detach(|| service.wait(TicketId(ticket), timeout)).py_err()
+        let started = Instant::now();
+        let (ticket, timeout) = (TicketId(ticket), seconds(timeout, "timeout")?);
+        let ready = wait_unlocked(py, &self.inner, open, timeout, |service| {
+            Ok(service.poll_ticket(ticket).py_err()?.then_some(()))
+        })?;
+        ready.ok_or_else(|| WaitError::TimedOut { ticket, waited: started.elapsed() }.to_py())
     }
 
-    /// Polls until no copy is in flight; returns whether none is (GIL released).
+    /// Polls until no copy is in flight; returns whether none is (GIL released between polls).
     #[pyo3(signature = (timeout=30.0))]
     fn wait_for_copies(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         let timeout = seconds(timeout, "timeout")?;
-        let mut guard = self.lock();
-        let service = open(&mut guard)?;
-        Ok(py.detach(|| service.wait_for_copies(timeout)))
+        let done = wait_unlocked(py, &self.inner, open, timeout, |service| {
+            Ok(service.poll_copies().then_some(()))
+        })?;
+        Ok(done.is_some())
     }
 
     /// `"ready"` or `"pending"`; a failed ticket raises `TransferFailedError`.
-    fn ticket_status(&self, ticket: u64) -> PyResult<&'static str> {
-        match open(&mut self.lock())?.ticket_status(TicketId(ticket)).py_err()? {
+    fn ticket_status(&self, py: Python<'_>, ticket: u64) -> PyResult<&'static str> {
+        match open(&mut self.lock(py))?.ticket_status(TicketId(ticket)).py_err()? {
             TicketStatus::Ready => Ok("ready"),
             TicketStatus::Pending => Ok("pending"),
             TicketStatus::Failed(failure) => Err(TransferFailedError::new_err(failure.to_string())),
@@ -398,13 +420,13 @@ impl Service {
     }
 
     /// Leading layers of the ticket's blocks that have landed on every rank.
-    fn ticket_layers_ready(&self, ticket: u64) -> PyResult<u32> {
-        open(&mut self.lock())?.ticket_layers_ready(TicketId(ticket)).py_err()
+    fn ticket_layers_ready(&self, py: Python<'_>, ticket: u64) -> PyResult<u32> {
+        open(&mut self.lock(py))?.ticket_layers_ready(TicketId(ticket)).py_err()
     }
 
     /// The manager's and the service's figures, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let mut guard = self.lock();
+        let mut guard = self.lock(py);
         let service = open(&mut guard)?;
         let json = serde_json::json!({
             "cache": service.cache().stats(),
@@ -414,8 +436,8 @@ impl Service {
     }
 
     /// Checks SPEC's invariants; raises `KvshmError` naming the broken one.
-    fn check_invariants(&self) -> PyResult<()> {
-        open(&mut self.lock())?
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        open(&mut self.lock(py))?
             .cache()
             .check_invariants()
             .map_err(|violation| crate::errors::KvshmError::new_err(violation.to_string()))
@@ -424,13 +446,14 @@ impl Service {
     /// Writes one region of a device block (host backend: the device arena in shared memory).
     fn write_device_region(
         &self,
+        py: Python<'_>,
         rank: u32,
         block: u32,
         region: u32,
         data: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let bytes = pyo3::buffer::PyBuffer::<u8>::get(data)?.to_vec(data.py())?;
-        let mut guard = self.lock();
+        let mut guard = self.lock(py);
         memory(open(&mut guard)?, rank)?
             .write_device_region(block, region, &bytes)
             .map_err(|error| PyValueError::new_err(error.to_string()))
@@ -444,7 +467,7 @@ impl Service {
         block: u32,
         region: u32,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mut guard = self.lock();
+        let mut guard = self.lock(py);
         let service = open(&mut guard)?;
         let mut bytes = vec![0; service.geometry().region_bytes() as usize];
         memory(service, rank)?
@@ -461,7 +484,7 @@ impl Service {
         block: u32,
         region: u32,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mut guard = self.lock();
+        let mut guard = self.lock(py);
         let service = open(&mut guard)?;
         let mut bytes = vec![0; service.geometry().region_bytes() as usize];
         memory(service, rank)?
@@ -471,8 +494,8 @@ impl Service {
     }
 
     /// Removes the segment and stops serving (workers then exit). Idempotent.
-    fn close(&self) {
-        *self.lock() = None;
+    fn close(&self, py: Python<'_>) {
+        *self.lock(py) = None;
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -481,11 +504,12 @@ impl Service {
 
     fn __exit__(
         &self,
+        py: Python<'_>,
         _kind: &Bound<'_, PyAny>,
         _value: &Bound<'_, PyAny>,
         _traceback: &Bound<'_, PyAny>,
     ) {
-        self.close();
+        self.close(py);
     }
 }
 

@@ -1,6 +1,6 @@
-//! `VllmManagerCore`: vLLM's `OffloadingManager` methods implemented directly over
-//! [`kvshm::offload::OffloadManager`], so that each of vLLM's calls is one crossing into Rust
-//! with no Python frame in between.
+//! `VllmManagerCore`: vLLM's `OffloadingManager` methods implemented directly over the
+//! `OffloadManager` binding ([`crate::offload`], which it extends), so that each of vLLM's calls
+//! is one crossing into Rust with no Python frame in between.
 //!
 //! `kvshm.vllm.KvshmOffloadingManager` subclasses it together with vLLM's `OffloadingManager`
 //! ABC. This class knows no vLLM import: the Python side hands it vLLM's types (the lookup
@@ -9,22 +9,18 @@
 
 use std::collections::HashMap;
 
-use kvshm::offload::{
-    EvictionOrder, KeyLayout, LookupResult, OffloadConfig, OffloadKey,
-    OffloadManager as RustManager, PreparedStore,
-};
-use pyo3::exceptions::PyValueError;
+use kvshm::offload::OffloadKey;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::buffers::U32Array;
-use crate::errors::{ConfigError, IntoPyResult};
-use crate::offload::{key_of, keys_into};
+use crate::errors::IntoPyResult;
+use crate::offload::{key_of, keys_into, lookup_code, OffloadManager};
 
 /// vLLM's classes and values the core returns, handed over by the Python side.
 struct VllmTypes {
-    /// `LookupResult.MISS`, `.HIT`, `.HIT_PENDING`.
+    /// `LookupResult.MISS`, `.HIT`, `.HIT_PENDING`, indexed by [`lookup_code`].
     lookup: [Py<PyAny>; 3],
     prepare_store_output: Py<PyAny>,
     load_store_spec: Py<PyAny>,
@@ -38,14 +34,12 @@ struct VllmTypes {
 type VllmTypeTuple =
     ((Py<PyAny>, Py<PyAny>, Py<PyAny>), Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>);
 
-/// The Rust half of `kvshm.vllm.KvshmOffloadingManager`.
-#[pyclass(subclass, module = "kvshm")]
+/// The Rust half of `kvshm.vllm.KvshmOffloadingManager`: an [`OffloadManager`] whose contract
+/// methods take vLLM's arguments and return vLLM's types (the inspection methods are the base
+/// class's).
+#[pyclass(extends = OffloadManager, subclass, module = "kvshm")]
 pub struct VllmManagerCore {
-    inner: RustManager,
     types: VllmTypes,
-    keys: Vec<OffloadKey>,
-    prepared: PreparedStore,
-    chunks: Vec<u32>,
 }
 
 fn request_id<'py>(context: &Bound<'py, PyAny>) -> PyResult<Bound<'py, pyo3::types::PyString>> {
@@ -65,203 +59,161 @@ impl VllmManagerCore {
         eviction: &str,
         events: bool,
         tag_bytes: usize,
-    ) -> PyResult<Self> {
-        let order = match eviction {
-            "leaf_first" => EvictionOrder::LeafFirst,
-            "lru" => EvictionOrder::Flat,
-            other => {
-                return Err(ConfigError::new_err(format!(
-                    "eviction {other:?} is neither leaf_first nor lru"
-                )))
-            }
-        };
-        let config = OffloadConfig { chunks, layout: KeyLayout { tag_bytes }, order, events };
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let base = OffloadManager::build(chunks, tag_bytes, eviction, events)?;
         let ((miss, hit, pending), output, spec, event, medium, context) = vllm_types;
-        Ok(VllmManagerCore {
-            inner: RustManager::new(config).py_err()?,
-            types: VllmTypes {
-                lookup: [miss, hit, pending],
-                prepare_store_output: output,
-                load_store_spec: spec,
-                event,
-                medium,
-                request_context: context,
-            },
-            keys: Vec::new(),
-            prepared: PreparedStore::default(),
-            chunks: Vec::new(),
-        })
+        let types = VllmTypes {
+            lookup: [miss, hit, pending],
+            prepare_store_output: output,
+            load_store_spec: spec,
+            event,
+            medium,
+            request_context: context,
+        };
+        Ok(PyClassInitializer::from(base).add_subclass(VllmManagerCore { types }))
     }
 
     fn lookup(
-        &mut self,
-        py: Python<'_>,
+        mut slf: PyRefMut<'_, Self>,
         key: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
         let key = key_of(key)?;
         let request = request_id(req_context)?;
-        let result = self.inner.lookup(request.to_str()?, &key);
-        let index = match result {
-            LookupResult::Miss => 0,
-            LookupResult::Hit => 1,
-            LookupResult::HitPending => 2,
-        };
-        Ok(self.types.lookup[index].clone_ref(py))
+        let code = lookup_code(slf.as_super().inner.lookup(request.to_str()?, &key));
+        Ok(slf.types.lookup[usize::from(code)].clone_ref(slf.py()))
     }
 
     fn on_new_request(
-        &mut self,
-        py: Python<'_>,
+        mut slf: PyRefMut<'_, Self>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        self.inner.on_new_request(request_id(req_context)?.to_str()?);
-        self.types.request_context.call0(py)
+        slf.as_super().inner.on_new_request(request_id(req_context)?.to_str()?);
+        slf.types.request_context.call0(slf.py())
     }
 
     fn prepare_load(
-        &mut self,
-        py: Python<'_>,
+        mut slf: PyRefMut<'_, Self>,
         keys: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
-        keys_into(keys, &mut self.keys)?;
+        let py = slf.py();
         let request = request_id(req_context)?;
-        self.inner.prepare_load(request.to_str()?, &self.keys, &mut self.chunks).py_err()?;
-        let chunks = Py::new(py, U32Array::new(self.chunks.as_slice()))?;
-        self.types.load_store_spec.call1(py, (chunks,))
+        let chunks = {
+            let base: &mut OffloadManager = &mut *slf.as_super();
+            keys_into(keys, &mut base.keys)?;
+            base.inner.prepare_load(request.to_str()?, &base.keys, &mut base.chunks).py_err()?;
+            Py::new(py, U32Array::new(base.chunks.as_slice()))?
+        };
+        slf.types.load_store_spec.call1(py, (chunks,))
     }
 
-    fn touch(&mut self, keys: &Bound<'_, PyAny>, req_context: &Bound<'_, PyAny>) -> PyResult<()> {
-        let _ = req_context;
-        keys_into(keys, &mut self.keys)?;
-        self.inner.touch(&self.keys);
-        Ok(())
-    }
-
-    fn complete_load(
-        &mut self,
+    fn touch(
+        mut slf: PyRefMut<'_, Self>,
         keys: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let _ = req_context;
-        keys_into(keys, &mut self.keys)?;
-        self.inner.complete_load(&self.keys).py_err()
+        let base: &mut OffloadManager = &mut *slf.as_super();
+        keys_into(keys, &mut base.keys)?;
+        base.inner.touch(&base.keys);
+        Ok(())
+    }
+
+    fn complete_load(
+        mut slf: PyRefMut<'_, Self>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        let base: &mut OffloadManager = &mut *slf.as_super();
+        keys_into(keys, &mut base.keys)?;
+        base.inner.complete_load(&base.keys).py_err()
     }
 
     fn prepare_store(
-        &mut self,
-        py: Python<'_>,
+        mut slf: PyRefMut<'_, Self>,
         keys: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
         // The keys to store are the caller's own objects, picked out of a list of them.
         let offered = match keys.cast::<PyList>() {
             Ok(list) => list.clone(),
             Err(_) => PyList::new(py, keys.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
         };
-        keys_into(offered.as_any(), &mut self.keys)?;
         let request = request_id(req_context)?;
-        if !self.inner.prepare_store(request.to_str()?, &self.keys, &mut self.prepared) {
-            return Ok(py.None());
-        }
-        let to_store = PyList::empty(py);
-        for &index in &self.prepared.to_store {
-            to_store.append(offered.get_item(index as usize)?)?;
-        }
-        let evicted = PyList::empty(py);
-        for key in &self.prepared.evicted {
-            evicted.append(PyBytes::new(py, key.as_bytes()))?;
-        }
-        let chunks = Py::new(py, U32Array::new(self.prepared.chunks.as_slice()))?;
-        let spec = self.types.load_store_spec.call1(py, (chunks,))?;
+        let (to_store, chunks, evicted) = {
+            let base: &mut OffloadManager = &mut *slf.as_super();
+            keys_into(offered.as_any(), &mut base.keys)?;
+            if !base.inner.prepare_store(request.to_str()?, &base.keys, &mut base.prepared) {
+                return Ok(py.None());
+            }
+            let to_store = PyList::empty(py);
+            for &index in &base.prepared.to_store {
+                to_store.append(offered.get_item(index as usize)?)?;
+            }
+            let evicted = PyList::empty(py);
+            for key in &base.prepared.evicted {
+                evicted.append(PyBytes::new(py, key.as_bytes()))?;
+            }
+            (to_store, Py::new(py, U32Array::new(base.prepared.chunks.as_slice()))?, evicted)
+        };
+        let spec = slf.types.load_store_spec.call1(py, (chunks,))?;
         let arguments = PyDict::new(py);
         arguments.set_item(intern!(py, "keys_to_store"), to_store)?;
         arguments.set_item(intern!(py, "store_spec"), spec)?;
         arguments.set_item(intern!(py, "evicted_keys"), evicted)?;
-        self.types.prepare_store_output.call(py, (), Some(&arguments))
+        slf.types.prepare_store_output.call(py, (), Some(&arguments))
     }
 
     #[pyo3(signature = (keys, req_context, success=true))]
     fn complete_store(
-        &mut self,
+        mut slf: PyRefMut<'_, Self>,
         keys: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
         success: bool,
     ) -> PyResult<()> {
         let _ = req_context;
-        keys_into(keys, &mut self.keys)?;
-        self.inner.complete_store(&self.keys, success);
+        let base: &mut OffloadManager = &mut *slf.as_super();
+        keys_into(keys, &mut base.keys)?;
+        base.inner.complete_store(&base.keys, success);
         Ok(())
     }
 
     /// The request's keys become the most recent, in prefix order: their end-token positions
     /// come from the `ReqContext` (its position table when present, else its accessor).
-    fn on_request_finished(&mut self, req_context: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn on_request_finished(
+        mut slf: PyRefMut<'_, Self>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let request = request_id(req_context)?;
         let request = request.to_str()?;
-        let positions = positions_of(req_context, self.inner.request_keys(request))?;
-        self.inner.on_request_finished(request, positions.as_deref()).py_err()
+        let base: &mut OffloadManager = &mut *slf.as_super();
+        let positions = positions_of(req_context, base.inner.request_keys(request))?;
+        base.inner.on_request_finished(request, positions.as_deref()).py_err()
     }
 
-    fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    fn take_events<'py>(mut slf: PyRefMut<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let taken = slf.as_super().inner.take_events();
         let events = PyList::empty(py);
-        for event in self.inner.take_events() {
+        for event in taken {
             let keys = PyList::empty(py);
             for key in &event.keys {
                 keys.append(PyBytes::new(py, key.as_bytes()))?;
             }
             let arguments = PyDict::new(py);
             arguments.set_item(intern!(py, "keys"), keys)?;
-            arguments.set_item(intern!(py, "medium"), self.types.medium.clone_ref(py))?;
+            arguments.set_item(intern!(py, "medium"), slf.types.medium.clone_ref(py))?;
             arguments.set_item(intern!(py, "removed"), event.removed)?;
-            events.append(self.types.event.call(py, (), Some(&arguments))?)?;
+            events.append(slf.types.event.call(py, (), Some(&arguments))?)?;
         }
         Ok(events)
     }
 
-    fn reset_cache(&mut self) {
-        self.inner.reset();
-    }
-
-    // Inspection, as `OffloadManager` has it (tests, differential checks).
-
-    fn request_keys<'py>(&self, py: Python<'py>, request: &str) -> Vec<Bound<'py, PyBytes>> {
-        self.inner
-            .request_keys(request)
-            .iter()
-            .map(|key| PyBytes::new(py, key.as_bytes()))
-            .collect()
-    }
-
-    fn parent_of<'py>(
-        &self,
-        py: Python<'py>,
-        key: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        Ok(self.inner.parent_of(&key_of(key)?).map(|parent| PyBytes::new(py, parent.as_bytes())))
-    }
-
-    fn keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let dict = PyDict::new(py);
-        for (key, ready) in self.inner.keys() {
-            dict.set_item(PyBytes::new(py, key.as_bytes()), ready)?;
-        }
-        Ok(dict)
-    }
-
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let json = serde_json::to_string(&self.inner.stats())
-            .map_err(|error| PyValueError::new_err(error.to_string()))?;
-        py.import("json")?.call_method1("loads", (json,))
-    }
-
-    fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().map_err(crate::errors::KvshmError::new_err)
-    }
-
-    fn __len__(&self) -> usize {
-        self.inner.len()
+    fn reset_cache(mut slf: PyRefMut<'_, Self>) {
+        slf.as_super().inner.reset();
     }
 }
 

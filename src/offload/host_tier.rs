@@ -26,7 +26,10 @@ use kvshm_ipc::name::SegmentName;
 
 use super::transfer::{CopyError, Direction, EngineLayout, PlanError, TensorMemory};
 use crate::manager::{CacheConfig, TransferKind};
-use crate::service::{DirectCopyId, DirectCopyOutcome, Service, ServiceConfig, ServiceError};
+use crate::service::{
+    CompletionBell, DirectCopyId, DirectCopyOutcome, Service, ServiceConfig, ServiceError,
+    WAIT_SLICE,
+};
 
 /// How the host tier reaches the engine's tensors.
 #[derive(Debug)]
@@ -227,19 +230,32 @@ impl HostTier {
         self.jobs.len()
     }
 
-    /// Polls until none of `jobs` is pending or `timeout` passes; returns whether none is.
+    /// Polls until none of `jobs` is pending or `timeout` passes; returns whether none is. Sleeps
+    /// on the scheduler doorbell between polls, as [`Service::wait`] does.
     pub fn wait(&mut self, jobs: &[u64], timeout: Duration) -> bool {
         let deadline = deadline_after(timeout);
         loop {
-            self.poll();
-            if !self.jobs.values().any(|(job, _)| jobs.contains(job)) {
+            if self.poll_jobs(jobs) {
                 return true;
             }
-            if Instant::now() >= deadline {
+            let now = Instant::now();
+            if now >= deadline {
                 return false;
             }
-            std::thread::sleep(Duration::from_micros(200));
+            self.service.sleep_until_completion(deadline.min(now + WAIT_SLICE));
         }
+    }
+
+    /// One step of [`wait`](Self::wait): polls, then says whether none of `jobs` is pending.
+    pub fn poll_jobs(&mut self, jobs: &[u64]) -> bool {
+        self.poll();
+        !self.jobs.values().any(|(job, _)| jobs.contains(job))
+    }
+
+    /// What a thread needs to sleep until the worker answers without holding the tier (see
+    /// [`CompletionBell`]); [`poll_jobs`](Self::poll_jobs) is the step between sleeps.
+    pub fn completion_bell(&self) -> Result<CompletionBell, ServiceError> {
+        Ok(self.service.completion_bell()?)
     }
 
     /// The bytes of host block `block` (every tensor's page), for checks and tools. Read with

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::ArenaKind;
 use kvshm_ipc::config::SegmentConfig;
-use kvshm_ipc::doorbell::{deadline_after, WaitPolicy, DEFAULT_SPIN};
+use kvshm_ipc::doorbell::{deadline_after, DEFAULT_SPIN};
 use kvshm_ipc::record::{
     command_slot_count, BlockPair, CommandError, CommandHeader, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
 };
@@ -62,17 +62,18 @@ pub use kvshm_ipc::arena::ArenaError;
 pub use kvshm_ipc::config::Backend;
 pub use kvshm_ipc::counters::Counter;
 pub use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
+pub use kvshm_ipc::doorbell::{WaitOutcome, WaitPolicy};
 pub use kvshm_ipc::name::{NameError, SegmentName};
-pub use kvshm_ipc::segment::{CreateError, Segment, SegmentError};
+pub use kvshm_ipc::segment::{CompletionBell, CreateError, Segment, SegmentError};
 pub use memory::{BlockAccessError, RankMemory};
 pub use rank::{RankChannel, RankState};
 
 /// How long `wait` sleeps on the doorbell before it polls again (and so checks liveness).
-const WAIT_SLICE: Duration = Duration::from_millis(5);
+pub const WAIT_SLICE: Duration = Duration::from_millis(5);
 /// How long `wait` spins on the doorbell before it sleeps: a copy of a few blocks often lands
 /// within it, and it is about what a wake-up would cost (`kvshm_ipc::doorbell`, "How long to
 /// spin").
-const WAIT_SPIN: Duration = DEFAULT_SPIN;
+pub const WAIT_SPIN: Duration = DEFAULT_SPIN;
 /// Completions reaped per ring per batch.
 const REAP_BATCH: usize = 256;
 /// The most bytes one command asks one rank to copy, unless configured otherwise.
@@ -342,19 +343,29 @@ impl Service {
     pub fn wait_for_workers(&mut self, timeout: Duration) -> Result<(), ServiceError> {
         let started = Instant::now();
         loop {
-            self.liveness_checked_at = None;
-            self.poll();
-            match self.ranks.iter().find(|rank| !rank.is_up()) {
+            match self.poll_workers() {
                 None => return Ok(()),
                 Some(rank) if started.elapsed() >= timeout => {
-                    return Err(ServiceError::WorkerMissing {
-                        rank: rank.rank(),
-                        waited: started.elapsed(),
-                    })
+                    return Err(ServiceError::WorkerMissing { rank, waited: started.elapsed() })
                 }
                 Some(_) => std::thread::sleep(Duration::from_millis(2)),
             }
         }
+    }
+
+    /// One step of [`wait_for_workers`](Self::wait_for_workers): watches the workers now (not
+    /// only when the liveness interval has passed) and polls; returns the first rank without a
+    /// worker, `None` once every rank has one.
+    pub fn poll_workers(&mut self) -> Option<u32> {
+        self.liveness_checked_at = None;
+        self.poll();
+        self.ranks.iter().find(|rank| !rank.is_up()).map(RankChannel::rank)
+    }
+
+    /// What a thread needs to sleep until a worker answers without holding the service (see
+    /// [`CompletionBell`]); the `poll_*` methods are the steps it takes between sleeps.
+    pub fn completion_bell(&self) -> Result<CompletionBell, SegmentError> {
+        self.segment.completion_bell()
     }
 
     /// SPEC 5.2: matches the request's leading blocks and holds them, leaving at least the last
@@ -487,17 +498,25 @@ impl Service {
         let started = Instant::now();
         let deadline = deadline_after(timeout);
         loop {
-            self.poll();
-            match self.manager.ticket_status(ticket)? {
-                TicketStatus::Ready => return Ok(()),
-                TicketStatus::Failed(failure) => return Err(WaitError::TransferFailed(failure)),
-                TicketStatus::Pending => {}
+            if self.poll_ticket(ticket)? {
+                return Ok(());
             }
             let now = Instant::now();
             if now >= deadline {
                 return Err(WaitError::TimedOut { ticket, waited: now - started });
             }
             self.sleep_until_completion(deadline.min(now + WAIT_SLICE));
+        }
+    }
+
+    /// One step of [`wait`](Self::wait): polls, then says whether `ticket` is ready (an error if
+    /// a copy it waited on failed).
+    pub fn poll_ticket(&mut self, ticket: TicketId) -> Result<bool, WaitError> {
+        self.poll();
+        match self.manager.ticket_status(ticket)? {
+            TicketStatus::Ready => Ok(true),
+            TicketStatus::Failed(failure) => Err(WaitError::TransferFailed(failure)),
+            TicketStatus::Pending => Ok(false),
         }
     }
 
@@ -519,8 +538,7 @@ impl Service {
     pub fn wait_for_copies(&mut self, timeout: Duration) -> bool {
         let deadline = deadline_after(timeout);
         loop {
-            self.poll();
-            if self.manager.transfers_in_flight() == 0 {
+            if self.poll_copies() {
                 return true;
             }
             let now = Instant::now();
@@ -529,6 +547,13 @@ impl Service {
             }
             self.sleep_until_completion(deadline.min(now + WAIT_SLICE));
         }
+    }
+
+    /// One step of [`wait_for_copies`](Self::wait_for_copies): polls, then says whether no copy
+    /// of the manager's is in flight.
+    pub fn poll_copies(&mut self) -> bool {
+        self.poll();
+        self.manager.transfers_in_flight() == 0
     }
 
     /// How many leading layers of `ticket`'s blocks the engine may use already: every copy the
@@ -571,7 +596,7 @@ impl Service {
     }
 
     /// Spins, then sleeps on the scheduler doorbell until a completion is waiting or `until`.
-    fn sleep_until_completion(&mut self, until: Instant) {
+    pub(crate) fn sleep_until_completion(&mut self, until: Instant) {
         let Service { segment, ranks, .. } = self;
         segment.scheduler_doorbell().wait_until(
             || ranks.iter_mut().any(|rank| rank.is_up() && rank.has_completions()),

@@ -41,6 +41,8 @@ mod producer;
 pub use consumer::Consumer;
 pub use error::{RingError, RingFull};
 pub use heap::heap;
+#[cfg(not(loom))]
+pub(crate) use layout::RingView;
 pub use layout::{capacity_is_valid, memory_size, MAX_CAPACITY, RING_ALIGN};
 #[cfg(not(loom))]
 pub use layout::{init, reset_indices};

@@ -19,8 +19,9 @@
 //! [`list`] and [`unlink`] (from `listing`) find and remove segments by name.
 //!
 //! Files: this one holds [`Segment`] itself (create, attach, whole-segment accessors, drop);
-//! `ranks` the per-rank areas and the worker's [`RankClaim`]; `create` reading, validating and
-//! creating control objects; `errors` the error enums.
+//! `ranks` the per-rank areas and the worker's [`RankClaim`]; `bell` the [`CompletionBell`] a
+//! scheduler thread waits on without the ring ends; `create` reading, validating and creating
+//! control objects; `errors` the error enums.
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::addr_of;
@@ -55,12 +56,15 @@ const _: fn() = || {
     fn shareable<T: Send + Sync>() {}
     shareable::<Segment>();
     shareable::<RankClaim>();
+    shareable::<CompletionBell>();
 };
 
+mod bell;
 mod create;
 mod errors;
 mod ranks;
 
+pub use bell::CompletionBell;
 pub(crate) use create::{read_creator, validate_header};
 pub use errors::{AttachError, CorruptReason, CreateError, SegmentError};
 pub use ranks::RankClaim;

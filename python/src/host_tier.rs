@@ -1,0 +1,274 @@
+//! `HostTier`: one vLLM worker rank's shared-memory host tier and its copies
+//! ([`kvshm::offload::HostTier`]), with the engine's tensors described from Python buffers, and
+//! `parse_cuda_handle` for the CUDA path.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvshm::offload::transfer::{Direction, EngineLayout, TensorMemory};
+use kvshm::offload::{HostTier as RustHostTier, HostTierError, TierEngine};
+use kvshm::service::{Backend, DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::buffers::read_i64s;
+use crate::errors::{ConfigError, DeviceHandleError, OffloadError, SegmentError, ToPyErr};
+use crate::service::segment_name;
+use crate::waiting::{self, wait_unlocked};
+
+/// One rank's shared-memory host tier, and the copies between it and the engine's KV tensors.
+/// Usable from any thread, as `Service` is.
+#[pyclass(frozen, module = "kvshm")]
+pub struct HostTier {
+    /// Dropped before `tensors`: the tier copies into the tensors' memory while it lives.
+    inner: Mutex<Option<RustHostTier>>,
+    /// The engine's tensors (in-process copies), held so that their memory stays valid; let go
+    /// of only after the tier is gone.
+    tensors: Mutex<Vec<PyUntypedBuffer>>,
+}
+
+impl HostTier {
+    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Option<RustHostTier>> {
+        waiting::lock(py, &self.inner)
+    }
+}
+
+fn open_tier(guard: &mut Option<RustHostTier>) -> PyResult<&mut RustHostTier> {
+    guard.as_mut().ok_or_else(|| SegmentError::new_err("the host tier is closed"))
+}
+
+fn tier_error(error: HostTierError) -> PyErr {
+    let message = error.to_string();
+    match error {
+        HostTierError::Plan(_) | HostTierError::Copy(_) | HostTierError::DuplicateJob { .. } => {
+            OffloadError::new_err(message)
+        }
+        HostTierError::PartialGroup { .. } => ConfigError::new_err(message),
+        HostTierError::NoWorkers | HostTierError::DeviceHandles(_) => {
+            DeviceHandleError::new_err(message)
+        }
+        HostTierError::Service(error) => error.to_py(),
+        HostTierError::Arena(_) => SegmentError::new_err(message),
+    }
+}
+
+#[pymethods]
+impl HostTier {
+    /// Creates the host tier segment `name`. With `tensors` (one writable, C-contiguous buffer
+    /// per KV tensor, `page_bytes` per block) copies run in process; without, a `kvshm worker
+    /// --backend cuda` process copies after `publish_device_handles`.
+    #[new]
+    #[pyo3(signature = (
+        name, *, page_bytes, device_blocks, chunks, blocks_per_chunk, groups, tensors=None,
+        tensor_count=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        page_bytes: u64,
+        device_blocks: u32,
+        chunks: u32,
+        blocks_per_chunk: u32,
+        groups: Vec<Vec<u32>>,
+        tensors: Option<Vec<Bound<'_, PyAny>>>,
+        tensor_count: Option<u32>,
+    ) -> PyResult<HostTier> {
+        let name = segment_name(name)?;
+        let buffers = tensors
+            .unwrap_or_default()
+            .iter()
+            .map(PyUntypedBuffer::get)
+            .collect::<PyResult<Vec<_>>>()?;
+        let count = match tensor_count {
+            Some(count) if buffers.is_empty() => count,
+            Some(_) => return Err(PyValueError::new_err("give tensors or tensor_count, not both")),
+            None => buffers.len() as u32,
+        };
+        let layout = EngineLayout {
+            page_bytes,
+            tensors: count,
+            device_blocks,
+            chunks,
+            blocks_per_chunk,
+            groups,
+        };
+        let engine = if buffers.is_empty() {
+            TierEngine::Workers(Backend::Cuda)
+        } else {
+            let described = buffers
+                .iter()
+                .enumerate()
+                .map(|(index, buffer)| describe_tensor(index, buffer, page_bytes))
+                .collect::<PyResult<Vec<_>>>()?;
+            // SAFETY: every buffer is held in `self.tensors` for as long as the tier lives (`close`
+            // drops the tier first), so its memory stays valid; `describe_tensor` checked that
+            // each is writable and that its rows (`rows` of `page_bytes` contiguous bytes, `stride`
+            // apart) lie inside it; the engine does not write a transfer's blocks while it runs
+            // (vLLM fences them).
+            let memory = unsafe { TensorMemory::new(&layout, &described) }
+                .map_err(|error| tier_error(error.into()))?;
+            TierEngine::InProcess(memory)
+        };
+        let tier = py.detach(|| RustHostTier::create(&name, layout, engine)).map_err(tier_error)?;
+        Ok(HostTier { inner: Mutex::new(Some(tier)), tensors: Mutex::new(buffers) })
+    }
+
+    #[getter]
+    fn name(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(open_tier(&mut self.lock(py))?.name().as_str().to_owned())
+    }
+
+    /// Whether a worker serves the tier (always true for in-process copies).
+    #[getter]
+    fn worker_up(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(open_tier(&mut self.lock(py))?.worker_up())
+    }
+
+    /// Jobs handed to the worker and not ended yet.
+    #[getter]
+    fn pending(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(open_tier(&mut self.lock(py))?.pending())
+    }
+
+    /// Publishes `(handle, offset, length, block_stride)` of every tensor for the worker.
+    fn publish_device_handles(
+        &self,
+        py: Python<'_>,
+        handles: Vec<(Vec<u8>, u64, u64, u64)>,
+    ) -> PyResult<()> {
+        let handles = handles
+            .into_iter()
+            .map(|(handle, offset, len, stride)| {
+                let handle: [u8; CUDA_IPC_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+                    DeviceHandleError::new_err("a CUDA IPC memory handle is 64 bytes")
+                })?;
+                Ok(DeviceRegionHandle::new(handle, offset, len, stride))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        open_tier(&mut self.lock(py))?.publish_device_handles(&handles).map_err(tier_error)
+    }
+
+    /// Copies device blocks into host chunks (vLLM `submit_store`).
+    fn submit_store(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        device: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        block_indices: &Bound<'_, PyAny>,
+        chunks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.submit(py, job, Direction::Store, [device, group_sizes, block_indices, chunks])
+    }
+
+    /// Copies host chunks into device blocks (vLLM `submit_load`).
+    fn submit_load(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        device: &Bound<'_, PyAny>,
+        group_sizes: &Bound<'_, PyAny>,
+        block_indices: &Bound<'_, PyAny>,
+        chunks: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        self.submit(py, job, Direction::Load, [device, group_sizes, block_indices, chunks])
+    }
+
+    /// `[(job, success, bytes, seconds)]` of the jobs that ended.
+    fn take_finished(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool, u64, f64)>> {
+        let mut out = Vec::new();
+        open_tier(&mut self.lock(py))?.take_finished(&mut out);
+        Ok(out.into_iter().map(|done| (done.job, done.success, done.bytes, done.seconds)).collect())
+    }
+
+    /// Waits until none of `jobs` is pending (GIL released between polls); returns whether none
+    /// is.
+    #[pyo3(signature = (jobs, timeout=60.0))]
+    fn wait(&self, py: Python<'_>, jobs: Vec<u64>, timeout: f64) -> PyResult<bool> {
+        let timeout: Duration = crate::service::seconds(timeout, "timeout")?;
+        let done = wait_unlocked(py, &self.inner, open_tier, timeout, |tier| {
+            Ok(tier.poll_jobs(&jobs).then_some(()))
+        })?;
+        Ok(done.is_some())
+    }
+
+    /// The bytes of host block `block`, or `None` out of range.
+    fn host_block<'py>(
+        &self,
+        py: Python<'py>,
+        block: u32,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let bytes = open_tier(&mut self.lock(py))?.host_block(block);
+        Ok(bytes.map(|bytes| PyBytes::new(py, &bytes)))
+    }
+
+    /// Removes the segment (its worker then exits) and lets go of the tensors. Idempotent.
+    fn close(&self, py: Python<'_>) {
+        *self.lock(py) = None;
+        waiting::lock(py, &self.tensors).clear();
+    }
+}
+
+impl HostTier {
+    /// `spec`: the device blocks, group sizes, block indices and chunks, as vLLM gives them.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        direction: Direction,
+        spec: [&Bound<'_, PyAny>; 4],
+    ) -> PyResult<()> {
+        let [device, sizes, indices, chunks] = spec.map(read_i64s);
+        let (device, sizes, indices, chunks) = (device?, sizes?, indices?, chunks?);
+        let mut guard = self.lock(py);
+        let tier = open_tier(&mut guard)?;
+        tier.submit(job, direction, &device, &sizes, &indices, &chunks).map_err(tier_error)
+    }
+}
+
+/// `(address of block 0, blocks, bytes between blocks)` of a KV tensor given as a buffer: a
+/// 2-D array whose rows are blocks (contiguous within a row, any row stride), or a contiguous
+/// 1-D buffer of whole pages.
+fn describe_tensor(
+    index: usize,
+    buffer: &PyUntypedBuffer,
+    page_bytes: u64,
+) -> PyResult<(usize, u64, u64)> {
+    let refuse = |why: &str| PyValueError::new_err(format!("tensor {index}: {why}"));
+    if buffer.readonly() {
+        return Err(refuse("the buffer is read-only"));
+    }
+    if page_bytes == 0 {
+        return Err(refuse("page_bytes must be at least 1"));
+    }
+    let item = buffer.item_size() as u64;
+    match (buffer.shape(), buffer.strides()) {
+        ([len], [stride]) if *stride == item as isize => {
+            Ok((buffer.buf_ptr() as usize, *len as u64 * item / page_bytes, page_bytes))
+        }
+        ([rows, columns], [row_stride, column_stride])
+            if *column_stride == item as isize && *row_stride > 0 =>
+        {
+            if (*columns as u64) * item < page_bytes {
+                return Err(refuse("a row holds fewer bytes than a page"));
+            }
+            if (*row_stride as u64) < page_bytes {
+                return Err(refuse("rows overlap: the row stride is smaller than a page"));
+            }
+            Ok((buffer.buf_ptr() as usize, *rows as u64, *row_stride as u64))
+        }
+        _ => Err(refuse("expected rows of contiguous bytes (a 2-D array, or a 1-D buffer)")),
+    }
+}
+
+/// The 64-byte `cudaIpcMemHandle_t` in the handle bytes of `storage._share_cuda_()[1]`;
+/// `DeviceHandleError` for an expandable segment or bytes of another shape.
+#[pyfunction]
+pub fn parse_cuda_handle<'py>(py: Python<'py>, handle: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let parsed = kvshm::offload::torch_ipc::parse_cuda_handle(handle)
+        .map_err(|error| DeviceHandleError::new_err(error.to_string()))?;
+    Ok(PyBytes::new(py, &parsed))
+}
