@@ -129,3 +129,66 @@ fn a_worker_stopped_in_the_middle_of_a_long_layer_is_still_fenced() {
     assert_eq!(service.stats().copy_failures, 1);
     service.cache().check_invariants().unwrap();
 }
+
+/// The start-up test's host tier: 384 blocks of two 1 MiB regions, 768 MiB that a worker maps in
+/// (prefaults) before it can copy: hundreds of milliseconds even on an idle machine.
+const START_UP_HOST_BLOCKS: u32 = 384;
+const START_UP_REGION_BYTES: u64 = 1 << 20;
+/// The command deadline of the start-up test, scaled down from 10 s: well under the set-up of the
+/// tier above, well over the copy of a few MiB by a worker that serves.
+const START_UP_DEADLINE: Duration = Duration::from_millis(100);
+
+#[test]
+fn a_worker_gets_copies_only_once_its_tiers_are_mapped_so_its_set_up_never_misses_a_deadline() {
+    let name = unique_name("start-up");
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(START_UP_HOST_BLOCKS)
+        .with_write_policy(WritePolicy::WriteThrough);
+    let mut config = ServiceConfig::new(cache, 1, 1, 2, START_UP_REGION_BYTES);
+    config.command_deadline = START_UP_DEADLINE;
+    let mut service = Service::create(&name, config).expect("creating the service");
+    let slots = kvshm_ipc::segment::Segment::attach(&name).unwrap();
+    let mut worker = WorkerProcess::spawn(&name, 0, None);
+
+    // The rank comes up only once its worker says it serves.
+    let started = Instant::now();
+    while service.poll_workers().is_some() {
+        assert!(started.elapsed() < WAIT, "the worker never came up");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        slots.worker_slot(0).unwrap().view().serving,
+        "the rank is up before its worker serves"
+    );
+    eprintln!("the worker came up after {:?}", started.elapsed());
+
+    // A write-through backup right away: the worker answers it, nobody is fenced.
+    let prefix = hashes(4_000, 4);
+    commit_and_poll(&mut service, RequestId(1), &prefix);
+    let issued = Instant::now();
+    while service.cache().transfers_in_flight() > 0 {
+        assert!(issued.elapsed() < WAIT, "the backup never landed");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let stats = service.stats();
+    assert_eq!(stats.command_deadlines_missed, 0, "the starting worker was taken for a silent one");
+    assert_eq!((stats.worker_deaths, stats.copy_failures), (0, 0));
+    assert!(worker.child.try_wait().unwrap().is_none(), "the worker was killed");
+    assert_eq!(service.rank_states(), [RankState::Up { pid: worker.pid() }]);
+    service.cache().check_invariants().unwrap();
+}
+
+/// Writes `hashes` into fresh device blocks of `request`, commits them and polls once, which
+/// issues their write-through backup.
+fn commit_and_poll(service: &mut Service, request: RequestId, hashes: &[BlockHash]) {
+    let tokens = hashes.len() * BLOCK_TOKENS as usize;
+    service.match_prefix(request, hashes, tokens).unwrap();
+    let table = service.allocate(request, tokens, 0).unwrap().block_table.to_vec();
+    for (&hash, &block) in hashes.iter().zip(&table) {
+        write_block(service, hash, block);
+    }
+    service.commit(request, tokens, hashes).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+}

@@ -41,7 +41,7 @@ use crate::worker_slot::WorkerSlot;
 /// "KVSHMSEG", little-endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVSHMSEG");
 /// Bumped on any change of a record, an area or their order.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 /// The value of `ready` once the creator finished initialising (not 1, so that stray bytes are
 /// unlikely to look ready).
 pub const READY: u32 = 0x5245_4459; // "READY" in spirit: 'R' 'E' 'D' 'Y'

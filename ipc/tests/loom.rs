@@ -314,9 +314,14 @@ fn schedule(
     }
 }
 
-/// A worker that heartbeats and pops, stopping when killed (SIGKILL: no release) or when it
+/// A worker that marks itself serving, then heartbeats and pops, stopping when killed (SIGKILL: no release) or when it
 /// lost its claim, releasing otherwise.
 fn serve(slot: &WorkerSlot, rings: &UnsafeCell<u64>, me: &ModelProcess, word: OwnerWord) {
+    // Setting up done: from now on the watch may call it serving.
+    if me.is_killed() || slot.mark_serving(word).is_err() {
+        me.exit();
+        return;
+    }
     for _ in 0..2 {
         if me.is_killed() || slot.heartbeat(word).is_err() {
             me.exit();
@@ -331,8 +336,9 @@ fn serve(slot: &WorkerSlot, rings: &UnsafeCell<u64>, me: &ModelProcess, word: Ow
     me.exit();
 }
 
-/// The fence: a worker judged stuck (every heartbeat counts as stale here) is killed and its rank
-/// reclaimed only once it is gone, never under a ring access it may still make.
+/// The fence: a worker judged stuck (every heartbeat counts as stale here), while it still sets up
+/// or once it serves, is killed and its rank reclaimed only once it is gone, never under a ring
+/// access it may still make.
 #[test]
 fn a_fenced_worker_is_gone_before_its_rings_are_reset() {
     loom::model(|| {
@@ -342,7 +348,7 @@ fn a_fenced_worker_is_gone_before_its_rings_are_reset() {
         let timing = WatchTiming { heartbeat_timeout: Duration::ZERO, exit_grace: Duration::ZERO };
         let mut watch = WorkerWatch::new(probe.clone(), timing);
         let word = slot.claim(model_identity(1)).unwrap();
-        assert!(matches!(watch.observe(&slot, 0), Observation::Alive { pid: 1, attached: true }));
+        assert!(matches!(watch.observe(&slot, 0), Observation::Starting { pid: 1 }));
         let worker = {
             let (slot, rings, probe) = (slot.clone(), rings.clone(), probe.clone());
             thread::spawn(move || serve(&slot, &rings, probe.process(1), word))
@@ -354,9 +360,9 @@ fn a_fenced_worker_is_gone_before_its_rings_are_reset() {
     });
 }
 
-/// The issue-7 race through the watch: W leaves cleanly while a successor Q claims, and the
-/// scheduler judges, fences and reclaims by the watch. No ring reset overlaps W's or Q's ring
-/// accesses, and Q's claim is never taken while Q lives.
+/// The issue-7 race through the watch: W leaves cleanly while a successor Q claims and marks
+/// itself serving, and the scheduler judges, fences and reclaims by the watch. No ring reset
+/// overlaps W's or Q's ring accesses, and Q's claim is never taken while Q lives.
 #[test]
 fn a_clean_exit_racing_a_successor_and_the_watch_loses_no_live_claim() {
     loom::model(|| {
@@ -366,6 +372,7 @@ fn a_clean_exit_racing_a_successor_and_the_watch_loses_no_live_claim() {
         let timing = WatchTiming { heartbeat_timeout: Duration::MAX, exit_grace: Duration::ZERO };
         let mut watch = WorkerWatch::new(probe.clone(), timing);
         let w_word = slot.claim(model_identity(1)).unwrap();
+        slot.mark_serving(w_word).unwrap();
         assert!(matches!(watch.observe(&slot, 0), Observation::Alive { pid: 1, attached: true }));
         let departing = {
             let (slot, rings, probe) = (slot.clone(), rings.clone(), probe.clone());
@@ -384,6 +391,7 @@ fn a_clean_exit_racing_a_successor_and_the_watch_loses_no_live_claim() {
             thread::spawn(move || {
                 let me = probe.process(2);
                 if let Ok(q_word) = slot.claim(model_identity(2)) {
+                    assert!(slot.mark_serving(q_word).is_ok(), "the scheduler took a live claim");
                     // SAFETY: Q holds the claim; loom checks no reset overlaps this access.
                     rings.with_mut(|pops| unsafe { *pops += 1 });
                     assert!(slot.heartbeat(q_word).is_ok(), "the scheduler took a live claim");
@@ -394,6 +402,51 @@ fn a_clean_exit_racing_a_successor_and_the_watch_loses_no_live_claim() {
         // Until W is gone and the rank is either reclaimed or taken over by Q.
         schedule(&mut watch, &slot, &rings, 0, |observed| {
             matches!(observed, Observation::Lost(_) | Observation::Alive { pid: 2, .. })
+        });
+        departing.join().unwrap();
+        successor.join().unwrap();
+    });
+}
+
+/// The serving mark across a hand-over: W serves and leaves cleanly while a successor Q claims and
+/// is still setting up (it never marks itself serving here). Whatever the interleaving, the watch
+/// never calls Q serving on the strength of W's mark, never takes Q's claim while Q lives, and no
+/// ring reset overlaps a ring access.
+#[test]
+fn a_predecessors_serving_mark_never_makes_a_starting_successor_serve() {
+    loom::model(|| {
+        let probe = ModelProbe { processes: Arc::new(Default::default()) };
+        let slot = Arc::new(WorkerSlot::new());
+        let rings = Arc::new(UnsafeCell::new(0u64));
+        let timing = WatchTiming { heartbeat_timeout: Duration::MAX, exit_grace: Duration::ZERO };
+        let mut watch = WorkerWatch::new(probe.clone(), timing);
+        let w_word = slot.claim(model_identity(1)).unwrap();
+        slot.mark_serving(w_word).unwrap();
+        assert!(matches!(watch.observe(&slot, 0), Observation::Alive { pid: 1, attached: true }));
+        let departing = {
+            let (slot, rings, probe) = (slot.clone(), rings.clone(), probe.clone());
+            thread::spawn(move || {
+                // SAFETY: W holds the claim; loom checks no reset overlaps this access.
+                rings.with_mut(|pops| unsafe { *pops += 1 });
+                slot.release(w_word);
+                probe.process(1).exit();
+            })
+        };
+        let successor = {
+            let (slot, probe) = (slot.clone(), probe.clone());
+            thread::spawn(move || {
+                if let Ok(q_word) = slot.claim(model_identity(2)) {
+                    assert!(slot.heartbeat(q_word).is_ok(), "the scheduler took a live claim");
+                }
+                probe.process(2).exit();
+            })
+        };
+        schedule(&mut watch, &slot, &rings, 0, |observed| {
+            assert!(
+                !matches!(observed, Observation::Alive { pid: 2, .. }),
+                "a successor that never marked itself was called serving"
+            );
+            matches!(observed, Observation::Lost(_) | Observation::Starting { pid: 2 })
         });
         departing.join().unwrap();
         successor.join().unwrap();

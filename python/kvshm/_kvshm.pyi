@@ -169,7 +169,7 @@ class Service:
     def wait_for_workers(self, timeout: float = 10.0) -> None:
         """Polls until every rank has a live worker (GIL released)."""
 
-    def rank_states(self) -> list[Literal["up", "down"]]: ...
+    def rank_states(self) -> list[Literal["up", "starting", "down"]]: ...
     def lookup(self, hashes: HashesLike, prompt_tokens: int | None = None) -> tuple[int, int]:
         """(device hits, host hits) of the leading blocks; no side effects. With the prompt's
         length, what match_prefix would hold (the last prompt token is left to compute)."""

@@ -227,13 +227,14 @@ impl Service {
         })
     }
 
-    /// Whether each rank has a worker: `"up"` or `"down"`.
+    /// Whether each rank has a worker: `"up"`, `"starting"` (a worker still setting up) or `"down"`.
     fn rank_states(&self, py: Python<'_>) -> PyResult<Vec<&'static str>> {
         Ok(open(&mut self.lock(py))?
             .rank_states()
             .into_iter()
             .map(|state| match state {
                 kvshm::service::RankState::Up { .. } => "up",
+                kvshm::service::RankState::Starting { .. } => "starting",
                 kvshm::service::RankState::Down => "down",
             })
             .collect())

@@ -7,7 +7,9 @@
 //! every [`LIVENESS_INTERVAL`]; for each rank the watch observes the slot and:
 //!
 //! 1. a worker seen attaching (verified: it runs, started when its claim says, and maps the
-//!    segment) brings the rank up, or takes it over from a predecessor that exited cleanly;
+//!    segment) makes the rank Starting while it sets up (its copies wait in the backlog) and Up
+//!    once it marked itself serving, or takes the rank over from a predecessor that exited
+//!    cleanly the same way;
 //! 2. a recorded worker that still runs but must stop (stale heartbeat: stopped or stuck; its
 //!    slot written over; it let go of the slot and did not exit) is killed first through its
 //!    pidfd (`fence_worker`), and nothing of it fails until it is gone, so that no copy of it can
@@ -56,23 +58,19 @@ impl Service {
                 observation = self.observe_worker(index);
             }
         }
-        match (observation, self.ranks[index].state()) {
-            (Observation::Alive { pid, .. }, RankState::Down) => {
-                match self.ranks[index].set_up(&self.segment, pid) {
-                    Ok(()) => info!(rank = index, pid, "worker attached"),
-                    Err(error) => {
-                        warn!(rank = index, pid, %error, "rank stays down: its rings are bad")
-                    }
-                }
-            }
-            (Observation::Alive { pid, .. }, RankState::Up { pid: known }) if pid != known => {
-                info!(rank = index, pid, "a new worker holds the rank");
-                self.ranks[index]
-                    .set_up(&self.segment, pid)
-                    .expect("an up rank with stale ring ends is a programming error");
-            }
-            (Observation::Lost(lost), _) => self.lose_worker(index, lost),
-            _ => {}
+        let state = match observation {
+            Observation::Alive { pid, .. } => RankState::Up { pid },
+            Observation::Starting { pid } => RankState::Starting { pid },
+            Observation::Lost(lost) => return self.lose_worker(index, lost),
+            _ => return,
+        };
+        let known = self.ranks[index].state();
+        if state == known {
+            return;
+        }
+        match self.ranks[index].set_worker(&self.segment, state) {
+            Ok(()) => info!(rank = index, ?state, was = ?known, "worker state changed"),
+            Err(error) => warn!(rank = index, %error, "rank stays down: its rings are bad"),
         }
     }
 
@@ -92,7 +90,7 @@ impl Service {
         let rank = index as u32;
         // What the worker answered before it went is final: apply it before the reclaim empties
         // the ring. A corrupt ring yields nothing; its commands fail below.
-        if self.ranks[index].is_up() {
+        if !self.ranks[index].is_down() {
             let _ = self.reap_rank(index);
         }
         if let Err(error) = self.segment.reclaim_rank(rank, lost.word()) {

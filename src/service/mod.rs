@@ -599,7 +599,7 @@ impl Service {
     pub(crate) fn sleep_until_completion(&mut self, until: Instant) {
         let Service { segment, ranks, .. } = self;
         segment.scheduler_doorbell().wait_until(
-            || ranks.iter_mut().any(|rank| rank.is_up() && rank.has_completions()),
+            || ranks.iter_mut().any(|rank| !rank.is_down() && rank.has_completions()),
             WaitPolicy::new(WAIT_SPIN, WAIT_SLICE).until(until),
         );
     }
@@ -632,7 +632,7 @@ impl Service {
     }
 
     fn issue(&mut self, transfer: Transfer) {
-        if let Some(down) = self.ranks.iter().find(|rank| !rank.is_up()) {
+        if let Some(down) = self.ranks.iter().find(|rank| rank.is_down()) {
             let failure =
                 TransferFailure { rank: down.rank(), error: CommandError::WorkerDied, detail: 0 };
             // `settle` counts the failure.
@@ -670,7 +670,8 @@ impl Service {
 
     fn reap_completions(&mut self) {
         for index in 0..self.ranks.len() {
-            if !self.ranks[index].is_up() {
+            // A Starting rank may hold answers of a predecessor that left cleanly.
+            if self.ranks[index].is_down() {
                 continue;
             }
             if let Err(error) = self.reap_rank(index) {

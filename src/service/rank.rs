@@ -24,7 +24,11 @@ use kvshm_ipc::segment::{Mapped, Segment, SegmentError};
 pub enum RankState {
     /// No worker has attached yet, or the last one died and the rank was reclaimed.
     Down,
-    /// A live worker holds the rank.
+    /// A live worker holds the rank but is still setting up (mapping its tiers, registering
+    /// memory, opening its storage): commands for the rank wait in its backlog, and nothing it
+    /// owes counts against the command deadline.
+    Starting { pid: u32 },
+    /// A live worker holds the rank and serves its rings.
     Up { pid: u32 },
 }
 
@@ -74,17 +78,25 @@ impl RankChannel {
         self.state
     }
 
+    /// A worker serves the rank: commands go into its ring.
     pub fn is_up(&self) -> bool {
         matches!(self.state, RankState::Up { .. })
     }
 
-    /// The rank has a live worker `pid`. After a reclaim whose fresh ring ends could not be
-    /// taken, they are taken now; if that still fails the rank stays down.
-    pub fn set_up(&mut self, segment: &Segment, pid: u32) -> Result<(), SegmentError> {
+    /// No worker holds the rank: its transfers fail at once.
+    pub fn is_down(&self) -> bool {
+        self.state == RankState::Down
+    }
+
+    /// The rank has a live worker `pid` that serves (`state` Up) or still sets up (Starting).
+    /// After a reclaim whose fresh ring ends could not be taken, they are taken now; if that
+    /// still fails the rank stays down.
+    pub fn set_worker(&mut self, segment: &Segment, state: RankState) -> Result<(), SegmentError> {
+        debug_assert!(state != RankState::Down, "set_worker names a worker");
         if self.stale_ends {
             self.attach_ends(segment)?;
         }
-        self.state = RankState::Up { pid };
+        self.state = state;
         Ok(())
     }
 
@@ -164,7 +176,7 @@ impl RankChannel {
     /// # Errors
     ///
     /// The rings in shared memory no longer validate (a header written over): the rank stays down
-    /// until [`set_up`](Self::set_up) manages to take fresh ends.
+    /// until [`set_worker`](Self::set_worker) manages to take fresh ends.
     pub fn reset_after_reclaim(&mut self, segment: &Segment) -> Result<(), SegmentError> {
         self.backlog.clear();
         self.credits = self.completion_slots;

@@ -33,6 +33,7 @@ fn service_with(test: &str, adjust: impl FnOnce(&mut ServiceConfig)) -> Service 
 fn claim_rank(service: &mut Service) -> (Segment, RankClaim) {
     let segment = Segment::attach(service.segment().name()).unwrap();
     let claim = segment.claim_rank(0).unwrap();
+    claim.mark_serving().unwrap();
     service.wait_for_workers(Duration::from_secs(5)).unwrap();
     (segment, claim)
 }
@@ -81,6 +82,7 @@ fn copies_stay_in_flight_when_a_successor_claims_between_the_verdict_and_the_rec
         panic!("a worker that let go of its slot is lost")
     };
     let successor = segment.claim_rank(0).unwrap();
+    successor.mark_serving().unwrap();
     service.lose_worker(0, lost);
     assert_eq!(
         service.cache().transfers_in_flight(),
@@ -154,6 +156,7 @@ fn a_ring_header_scribbled_over_leaves_its_rank_down_after_a_reclaim_instead_of_
     // A worker attaching while the header is still bad does not bring the rank up.
     let segment = Segment::attach(service.segment().name()).unwrap();
     let claim = segment.claim_rank(0).unwrap();
+    claim.mark_serving().unwrap();
     service.liveness_checked_at = None;
     service.poll();
     assert_eq!(service.rank_states(), [RankState::Down]);

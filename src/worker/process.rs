@@ -17,8 +17,10 @@
 //!    heartbeating, until the engine published the rank's device handles, then open them with the
 //!    host tier registered for DMA (a helper thread heartbeats while the driver sets up);
 //! 4. with `--storage`, open the rank's storage back-end and start its storage thread
-//!    ([`super::storage_lane`]); serve ([`Server::serve`]) until stopped, until the scheduler is
-//!    gone, or until the rank is lost;
+//!    ([`super::storage_lane`]); mark the claim serving ([`RankClaim::mark_serving`]: until now
+//!    the scheduler kept the rank Starting and sent it nothing, so no copy waits behind the set-up
+//!    and no command deadline runs during it); serve ([`Server::serve`]) until stopped, until the
+//!    scheduler is gone, or until the rank is lost;
 //! 5. drop the engine, then the claim (a clean exit leaves the rank EMPTY and claimable again;
 //!    after a broken command ring the claim is left to die with the process, so that the
 //!    scheduler resets the rings before another worker can claim the rank).
@@ -197,6 +199,8 @@ fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
                     .map_err(StartError::StorageThread)?;
                 server.set_storage(lane);
             }
+            // Set up: from now on the scheduler sends this rank copies (step 4).
+            claim.mark_serving()?;
             Ok(server.serve())
         })?;
     // Step 5: the server (and its storage thread), then the engine (its copies drained), then

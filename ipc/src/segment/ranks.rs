@@ -298,6 +298,12 @@ impl RankClaim {
         self.owner_word
     }
 
+    /// Tells the scheduler that this worker finished setting up and serves the rank's rings from
+    /// now on; until then the rank gets no commands. `ClaimLost` as for a heartbeat.
+    pub fn mark_serving(&self) -> Result<(), ClaimLost> {
+        self.slot().mark_serving(self.owner_word)
+    }
+
     /// Refreshes the heartbeat; `ClaimLost` means the scheduler declared this worker dead and
     /// reclaimed the rank, so the worker must stop using its rings.
     pub fn heartbeat(&self) -> Result<(), ClaimLost> {

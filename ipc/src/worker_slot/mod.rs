@@ -5,14 +5,18 @@
 //! every transition is that one CAS: no party ever stores a state blindly, so no transition can
 //! undo another's. States: EMPTY, ATTACHED (a worker holds the rank), DEAD (the scheduler is
 //! reclaiming the rank). The claimant's identity, heartbeat and attach time follow the owner word
-//! in the slot, valid for the word named by `fields_of`.
+//! in the slot, valid for the word named by `fields_of`; `serving_of` names the claim whose worker
+//! finished setting up (its copy engine built, its storage opened) and serves its rings.
 //!
 //! Worker side (`Segment::claim_rank`, [`RankClaim`](crate::segment::RankClaim)):
 //! 1. [`WorkerSlot::claim`]: CAS the owner word from EMPTY to ATTACHED with its pid (refused
 //!    while another worker holds the rank, and while the scheduler has not reclaimed a dead one);
 //! 2. store its start time, attach time and a first heartbeat, then `fields_of` = its word;
-//! 3. [`WorkerSlot::heartbeat`] every [`HEARTBEAT_INTERVAL`] while its word still owns the slot;
-//! 4. [`WorkerSlot::release`] on clean exit: CAS its word to EMPTY (nothing if the word changed).
+//! 3. [`WorkerSlot::heartbeat`] every [`HEARTBEAT_INTERVAL`] while its word still owns the slot,
+//!    from the claim on (setting up a copy engine over tens of GB takes seconds);
+//! 4. [`WorkerSlot::mark_serving`] once it is ready to answer commands: until then the scheduler
+//!    keeps the rank out of service (no copies reach a worker still mapping its tiers);
+//! 5. [`WorkerSlot::release`] on clean exit: CAS its word to EMPTY (nothing if the word changed).
 //!
 //! Scheduler side ([`WorkerWatch`](crate::worker_watch::WorkerWatch) decides, the slot executes):
 //! 1. [`WorkerSlot::verdict`] judges the owner word of one load ([`SlotVerdict`]);
@@ -94,6 +98,8 @@ pub struct ClaimFields {
     /// `CLOCK_MONOTONIC` ns of the last heartbeat.
     pub heartbeat_ns: u64,
     pub attached_at_ns: u64,
+    /// The claimant finished setting up and serves its rings ([`WorkerSlot::mark_serving`]).
+    pub serving: bool,
 }
 
 /// Everything a slot says, copied out at one moment (for kvctl).
@@ -106,6 +112,8 @@ pub struct WorkerSlotView {
     /// `CLOCK_MONOTONIC` ns of the last heartbeat; 0 when not attached.
     pub heartbeat_ns: u64,
     pub attached_at_ns: u64,
+    /// The claimant serves its rings (false while it sets up, and when not attached).
+    pub serving: bool,
     /// How many times any worker claimed this rank.
     pub attach_count: u64,
 }
@@ -124,7 +132,9 @@ pub struct WorkerSlot {
     heartbeat_ns: AtomicU64,
     attached_at_ns: AtomicU64,
     attach_count: AtomicU64,
-    _reserved: [AtomicU64; 2],
+    /// The owner word whose claimant marked itself serving; another value: not serving (yet).
+    serving_of: AtomicU64,
+    _reserved: AtomicU64,
 }
 
 #[cfg(not(loom))]
@@ -151,7 +161,8 @@ impl WorkerSlot {
             heartbeat_ns: AtomicU64::new(0),
             attached_at_ns: AtomicU64::new(0),
             attach_count: AtomicU64::new(0),
-            _reserved: [AtomicU64::new(0), AtomicU64::new(0)],
+            serving_of: AtomicU64::new(0),
+            _reserved: AtomicU64::new(0),
         }
     }
 
@@ -172,6 +183,7 @@ impl WorkerSlot {
             worker: ProcessIdentity::new(owner.pid(), fields.map_or(0, |f| f.start_time)),
             heartbeat_ns: fields.map_or(0, |f| f.heartbeat_ns),
             attached_at_ns: fields.map_or(0, |f| f.attached_at_ns),
+            serving: fields.is_some_and(|f| f.serving),
             // Relaxed: a statistic, read on its own.
             attach_count: self.attach_count.load(Ordering::Relaxed),
         }
@@ -193,6 +205,9 @@ impl WorkerSlot {
             start_time: self.start_time.load(Ordering::Relaxed),
             heartbeat_ns: self.heartbeat_ns.load(Ordering::Relaxed),
             attached_at_ns: self.attached_at_ns.load(Ordering::Relaxed),
+            // Relaxed: the mark publishes no data, and only the claimant of `word` ever stores
+            // `word` here (versions make every claim's word new), so a match is that claim's own.
+            serving: self.serving_of.load(Ordering::Relaxed) == word.to_raw(),
         };
         // SYNC: pairs with the Release fence in claim(): if a load above saw a field of a later
         // claim, the load of the owner word below sees that claim's CAS (or something later).
@@ -320,7 +335,19 @@ impl WorkerSlot {
         Ok(())
     }
 
-    /// Gives the slot back after a clean exit (step 4): one CAS from `mine` to EMPTY. Returns
+    /// Marks the claim of `mine` as serving (step 4): its worker finished setting up and answers
+    /// commands from now on. Fails, changing nothing the scheduler would believe, if `mine` no
+    /// longer owns the slot.
+    pub fn mark_serving(&self, mine: OwnerWord) -> Result<(), ClaimLost> {
+        self.heartbeat(mine)?;
+        // Relaxed: the mark publishes no data (the rings synchronise what they carry), and a
+        // word stored after the claim was taken names a claim that no longer exists.
+        self.serving_of.store(mine.to_raw(), Ordering::Relaxed);
+        step_point("serving: marked");
+        Ok(())
+    }
+
+    /// Gives the slot back after a clean exit (step 5): one CAS from `mine` to EMPTY. Returns
     /// false, changing nothing, if the slot no longer holds `mine` (the scheduler took it).
     pub fn release(&self, mine: OwnerWord) -> bool {
         // SYNC: the Release pairs with the Acquire CAS in claim() and begin_reclaim(): this
@@ -379,6 +406,7 @@ impl WorkerSlot {
             &self.heartbeat_ns,
             &self.attached_at_ns,
             &self.attach_count,
+            &self.serving_of,
         ] {
             word.store(0, Ordering::Relaxed);
         }

@@ -9,14 +9,15 @@
 //! production), so that models can run this very logic.
 //!
 //! [`WorkerWatch::observe`], on one load of the owner word `w`, with the recorded worker `r`:
-//! 1. `r` runs and `w` is its word: heartbeat fresh: [`Observation::Alive`]; stale (stopped,
-//!    stuck): [`Observation::MustFence`];
+//! 1. `r` runs and `w` is its word: heartbeat fresh: [`Observation::Alive`] once `r` marked itself
+//!    serving, [`Observation::Starting`] while it still sets up; stale (stopped, stuck):
+//!    [`Observation::MustFence`];
 //! 2. `r` runs and `w` is not its word: EMPTY or another claim looks like a clean exit (and a
 //!    successor), so `r` gets [`WatchTiming::exit_grace`] to exit ([`Observation::Waiting`]) and
 //!    is fenced after it; DEAD or garbage is fenced at once. Nothing fails while `r` runs;
 //! 3. `r` is gone (or none was recorded), `w` is a claim: a claim still being set up is waited
 //!    for while its process lives and maps the segment; a complete one is verified and recorded
-//!    ([`Observation::Alive`] with `attached`); a claimant that is gone, or a stranger (a process
+//!    ([`Observation::Alive`] with `attached`, or [`Observation::Starting`]); a claimant that is gone, or a stranger (a process
 //!    that does not map the segment, named by whatever wrote the slot), makes the rank lost;
 //! 4. `r` is gone, `w` is `r`'s word, EMPTY, DEAD or garbage: [`Observation::Lost`] with exactly
 //!    `w`, to reclaim from. Nothing recorded and EMPTY: [`Observation::Empty`].
@@ -200,8 +201,12 @@ impl LostRank {
 pub enum Observation {
     /// No worker holds the rank, and none is recorded.
     Empty,
-    /// The recorded worker runs and heartbeats; `attached`: it was recorded just now.
+    /// The recorded worker runs, heartbeats and serves its rings; `attached`: it was recorded
+    /// just now.
     Alive { pid: u32, attached: bool },
+    /// The recorded worker runs and heartbeats but is still setting up (mapping its tiers,
+    /// registering memory, opening storage): it must get no commands yet.
+    Starting { pid: u32 },
     /// Nothing to do yet: a claim being set up, or a worker the slot no longer names that may be
     /// exiting.
     Waiting { pid: u32 },
@@ -324,7 +329,11 @@ impl<P: ProcessProbe> WorkerWatch<P> {
                     unnamed_since: None,
                     fenced: false,
                 });
-                Observation::Alive { pid, attached: true }
+                if fields.serving {
+                    Observation::Alive { pid, attached: true }
+                } else {
+                    Observation::Starting { pid }
+                }
             }
             Probed::Gone => lost,
             Probed::Stranger => {
@@ -361,8 +370,10 @@ fn judge_running<H>(
                 let age = Duration::from_nanos(now_ns.saturating_sub(fields.heartbeat_ns));
                 if age > timing.heartbeat_timeout {
                     Observation::MustFence { pid, reason: FenceReason::HeartbeatStale { age } }
-                } else {
+                } else if fields.serving {
                     Observation::Alive { pid, attached: false }
+                } else {
+                    Observation::Starting { pid }
                 }
             }
             None => {

@@ -82,8 +82,17 @@ fn watch(probe: &FakeProbe) -> WorkerWatch<&FakeProbe> {
     WorkerWatch::new(probe, WatchTiming::default())
 }
 
-/// A slot claimed by `identity`, with its heartbeat at `heartbeat_ns`; returns its word.
+/// A slot claimed by `identity`, whose worker serves, with its heartbeat at `heartbeat_ns`;
+/// returns its word.
 fn claimed(slot: &WorkerSlot, identity: ProcessIdentity, heartbeat_ns: u64) -> OwnerWord {
+    let word = starting(slot, identity, heartbeat_ns);
+    slot.mark_serving(word).unwrap();
+    slot.overwrite_heartbeat(heartbeat_ns);
+    word
+}
+
+/// As [`claimed`], with the worker still setting up (not marked serving).
+fn starting(slot: &WorkerSlot, identity: ProcessIdentity, heartbeat_ns: u64) -> OwnerWord {
     let word = slot.claim(identity).unwrap();
     slot.overwrite_heartbeat(heartbeat_ns);
     word
@@ -105,6 +114,54 @@ fn a_worker_seen_attaching_is_recorded_and_judged_by_its_handle() {
     assert_eq!(watch.observe(&slot, 30 * MS), Observation::Alive { pid: 100, attached: false });
     probe.exit(100);
     assert_eq!(watch.observe(&slot, 40 * MS), lost(word, Some(100)));
+}
+
+#[test]
+fn a_worker_still_setting_up_is_starting_until_it_marks_itself_serving() {
+    let probe = FakeProbe::default();
+    let mut watch = watch(&probe);
+    let slot = WorkerSlot::new();
+    let word = starting(&slot, probe.spawn(100, true), 10 * MS);
+    assert_eq!(watch.observe(&slot, 20 * MS), Observation::Starting { pid: 100 });
+    assert_eq!(watch.recorded_pid(), Some(100));
+    assert_eq!(watch.observe(&slot, 30 * MS), Observation::Starting { pid: 100 });
+    assert!(!slot.view().serving);
+    slot.mark_serving(word).unwrap();
+    slot.overwrite_heartbeat(40 * MS);
+    assert!(slot.view().serving);
+    assert_eq!(watch.observe(&slot, 50 * MS), Observation::Alive { pid: 100, attached: false });
+}
+
+#[test]
+fn a_worker_that_stops_heartbeating_while_setting_up_is_fenced() {
+    let probe = FakeProbe::default();
+    let mut watch = watch(&probe);
+    let slot = WorkerSlot::new();
+    starting(&slot, probe.spawn(100, true), 10 * MS);
+    assert_eq!(watch.observe(&slot, 20 * MS), Observation::Starting { pid: 100 });
+    assert!(matches!(
+        watch.observe(&slot, 500 * MS),
+        Observation::MustFence { pid: 100, reason: FenceReason::HeartbeatStale { .. } }
+    ));
+}
+
+#[test]
+fn a_predecessors_serving_mark_never_makes_its_successor_serving() {
+    let probe = FakeProbe::default();
+    let mut watch = watch(&probe);
+    let slot = WorkerSlot::new();
+    let word = claimed(&slot, probe.spawn(100, true), 10 * MS);
+    watch.observe(&slot, 10 * MS);
+    slot.release(word);
+    probe.exit(100);
+    let successor = starting(&slot, probe.spawn(101, true), 15 * MS);
+    assert_eq!(watch.observe(&slot, 20 * MS), Observation::Starting { pid: 101 });
+    // A mark stored by a claim that lost its slot names that claim only.
+    assert!(slot.mark_serving(word).is_err());
+    assert_eq!(watch.observe(&slot, 25 * MS), Observation::Starting { pid: 101 });
+    slot.mark_serving(successor).unwrap();
+    slot.overwrite_heartbeat(30 * MS);
+    assert_eq!(watch.observe(&slot, 30 * MS), Observation::Alive { pid: 101, attached: false });
 }
 
 #[test]

@@ -38,6 +38,9 @@ pub struct WorkerRow {
     pub attached_for_seconds: Option<f64>,
     /// How many times any worker claimed this rank.
     pub attach_count: u64,
+    /// The worker finished setting up and serves its rings (a live worker that does not yet gets
+    /// no copies from the scheduler).
+    pub serving: bool,
     pub verdict: Verdict,
     /// Why a worker is judged dead.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -73,6 +76,7 @@ pub fn judge_slot(rank: u32, slot: &WorkerSlot, now_ns: u64) -> WorkerRow {
         heartbeat_age_seconds: heartbeat_age.map(|age| age.as_secs_f64()),
         attached_for_seconds: since(view.attached_at_ns).map(|age| age.as_secs_f64()),
         attach_count: view.attach_count,
+        serving: view.serving,
         verdict,
         reason,
     }
@@ -129,7 +133,8 @@ impl WorkersReport {
             };
             let verdict = match (&row.verdict, &row.reason) {
                 (Verdict::Dead, Some(reason)) => format!("dead: {reason}"),
-                (Verdict::Alive, _) => "alive".to_owned(),
+                (Verdict::Alive, _) if row.serving => "alive".to_owned(),
+                (Verdict::Alive, _) => "alive, setting up".to_owned(),
                 (Verdict::Dead, None) => "dead".to_owned(),
                 (Verdict::Empty, _) => "no worker".to_owned(),
             };

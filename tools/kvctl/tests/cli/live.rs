@@ -101,7 +101,7 @@ fn workers_judges_each_rank_alive_dead_or_empty() {
     let silent = segment.claim_rank(1).unwrap();
     // Rank 1 never beats again; past the heartbeat timeout its worker counts as dead.
     std::thread::sleep(kvshm_ipc::worker_slot::HEARTBEAT_TIMEOUT + Duration::from_millis(50));
-    alive.heartbeat().unwrap();
+    alive.mark_serving().unwrap();
 
     let report = kvctl(&["workers", segment.name().as_str(), "--json"]).assert_ok().json();
     let ranks = report["ranks"].as_array().unwrap();
@@ -110,7 +110,9 @@ fn workers_judges_each_rank_alive_dead_or_empty() {
     assert_eq!(ranks[0]["state"], "attached");
     assert_eq!(ranks[0]["pid"], std::process::id());
     assert_eq!(ranks[0]["attach_count"], 1);
+    assert_eq!(ranks[0]["serving"], true);
     assert_eq!(ranks[1]["verdict"], "dead");
+    assert_eq!(ranks[1]["serving"], false);
     assert!(ranks[1]["reason"].as_str().unwrap().contains("no heartbeat"), "{report}");
     assert_eq!(ranks[2]["verdict"], "empty");
     assert_eq!(ranks[2]["pid"], serde_json::Value::Null);
