@@ -558,6 +558,33 @@ fn sigterm_stops_a_worker_cleanly_and_frees_its_rank() {
 }
 
 #[test]
+fn a_worker_stopped_while_its_answers_wait_for_room_leaves_its_rank_to_be_reclaimed() {
+    let name = unique_name("term-unanswered");
+    let segment = Segment::create(&name, &config()).unwrap();
+    let mut rank = Rank::new(&segment, 1);
+    let mut worker = WorkerProcess::spawn(&name, 1, &[], &[]);
+    // More commands than the completion ring holds, never reaped: a misbehaving scheduler. The
+    // worker answers until the ring is full, then waits for room with the rest unpushed.
+    let room = config().completion_ring_slots as usize;
+    let pings: Vec<_> = (0..room + 8).map(|_| rank.ping()).collect();
+    rank.send(&pings);
+    let deadline = Instant::now() + PATIENCE;
+    while rank.completions.len().unwrap() < room {
+        assert!(Instant::now() < deadline, "the worker never filled its completion ring");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+
+    worker.signal(Signal::SIGTERM);
+    let (status, stderr) = worker.wait_exit(PATIENCE);
+    assert!(!status.success(), "a stop with unanswered commands passed for a clean exit: {stderr}");
+    assert!(stderr.contains("no room"), "{stderr}");
+    // The slot still names the exited worker: the rank must be reclaimed (its rings reset), not
+    // taken over as it is by a successor.
+    assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Dead { pid: worker.pid() });
+    assert!(matches!(segment.claim_rank(1), Err(ClaimError::NotReclaimed { .. })));
+}
+
+#[test]
 fn a_second_worker_for_a_rank_held_by_a_live_worker_is_refused() {
     let name = unique_name("twice");
     let segment = Segment::create(&name, &config()).unwrap();

@@ -242,3 +242,24 @@ fn listed_state(name: &SegmentName) -> ListingState {
         .map(|listing| listing.state)
         .unwrap()
 }
+
+#[test]
+fn a_claim_dropped_by_a_panic_is_not_released_as_a_clean_exit() {
+    let name = common::unique_name("claim-panic");
+    let _cleanup = Cleanup(name.clone());
+    let segment =
+        Segment::create(&name, &SegmentConfig { tp_size: 2, ..Default::default() }).unwrap();
+    let unwound = std::panic::catch_unwind(|| {
+        let _claim = segment.claim_rank(1).unwrap();
+        panic!("a bug while commands are popped and unanswered");
+    });
+    assert!(unwound.is_err());
+    // The slot still names this process: a successor cannot take the rings over as they are.
+    let word = segment.worker_slot(1).unwrap().owner();
+    assert_eq!(word.state(), kvshm_ipc::worker_slot::WorkerState::Attached);
+    assert_eq!(word.pid(), std::process::id());
+    assert!(segment.claim_rank(1).is_err(), "a successor took the rank over as it was");
+    // The scheduler takes it back from exactly that word once it judges the worker gone.
+    segment.reclaim_rank(1, word).unwrap();
+    assert!(segment.claim_rank(1).is_ok());
+}

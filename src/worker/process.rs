@@ -22,8 +22,9 @@
 //!    and no command deadline runs during it); serve ([`Server::serve`]) until stopped, until the
 //!    scheduler is gone, or until the rank is lost;
 //! 5. drop the engine, then the claim (a clean exit leaves the rank EMPTY and claimable again;
-//!    after a broken command ring the claim is left to die with the process, so that the
-//!    scheduler resets the rings before another worker can claim the rank).
+//!    after a broken command ring, a stop with answers unpushed or a panic the claim is left to die
+//!    with the process, so that the scheduler resets the rings before another worker can claim the
+//!    rank).
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
@@ -207,10 +208,11 @@ fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
     // the claim go, in this order.
     drop(engine);
     match ending {
-        Err(error @ ServeError::CommandRing(_)) => {
+        Err(error @ (ServeError::CommandRing(_) | ServeError::StoppedUnanswered { .. })) => {
             // Keep the slot ATTACHED to this soon-dead process instead of releasing it: the
             // scheduler then judges the rank dead and resets its rings before any worker can
-            // claim it, whereas a release would hand the out-of-step rings to the next worker.
+            // claim it, whereas a release would hand the out-of-step rings (or commands popped
+            // and never answered) to the next worker.
             std::mem::forget(claim);
             Err(error.into())
         }

@@ -43,8 +43,10 @@
 //! watching the scheduler), never dropping a completion.
 //!
 //! The loop stops with an error when the command ring is out of step with its producer (a header
-//! whose pair slots are not in the ring is answered `Malformed` first) or its indices are corrupt:
-//! the scheduler will find the rank departed and reclaim it. A claim lost in the middle of a copy
+//! whose pair slots are not in the ring is answered `Malformed` first) or its indices are corrupt,
+//! and when a stop arrives while it waits for room for answers
+//! ([`ServeError::StoppedUnanswered`]): the worker then exits without releasing its rank, and the
+//! scheduler finds the rank departed and reclaims it (resetting its rings). A claim lost in the middle of a copy
 //! ends the process on the spot ([`abandon_rank`]): the CUDA engine's enqueued copies cannot be
 //! cancelled, and the rank's blocks may already serve other copies.
 //!
@@ -118,6 +120,10 @@ pub enum ServeError {
     ClaimLost(#[from] ClaimLost),
     #[error(transparent)]
     CommandRing(#[from] ReadError),
+    /// A stop arrived while the completion ring had no room for `unanswered` answers (the
+    /// scheduler stopped reaping): the rank is left to the scheduler to reclaim, not released.
+    #[error("stopped with {unanswered} answers the completion ring had no room for")]
+    StoppedUnanswered { unanswered: usize },
 }
 
 /// How one step of the loop can end it.
@@ -396,7 +402,11 @@ impl<'a> Server<'a> {
                 }));
             }
             if (self.stop_requested)() {
-                return Err(Halt::Exit(ServeExit::StopRequested));
+                // Not a clean stop: answers are owed (these, and maybe more commands popped).
+                return Err(ServeError::StoppedUnanswered {
+                    unanswered: self.pending.len() - pushed,
+                }
+                .into());
             }
         }
         self.pending.clear();

@@ -274,7 +274,11 @@ impl Segment {
 /// Call [`heartbeat`](Self::heartbeat) every [`HEARTBEAT_INTERVAL`](crate::worker_slot::HEARTBEAT_INTERVAL),
 /// also between the chunks of a long copy: a heartbeat older than [`HEARTBEAT_TIMEOUT`] makes the
 /// scheduler declare the worker dead. Before dropping the claim, complete every command popped
-/// from the ring: the scheduler may hand the rest of the ring to the next worker.
+/// from the ring: the scheduler may hand the rest of the ring to the next worker. A worker that
+/// cannot (its command ring broke, it stops with answers unpushed) forgets the claim instead
+/// (`std::mem::forget`), and a claim dropped while its thread unwinds from a panic is not released
+/// either: the slot then names a process that exits, and the scheduler reclaims the rank and resets
+/// its rings before another worker can claim it.
 pub struct RankClaim {
     _memory: Arc<SharedMemory>,
     slot: *const WorkerSlot,
@@ -320,6 +324,11 @@ impl RankClaim {
 
 impl Drop for RankClaim {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // A panic may have left popped commands unanswered: a release would hand out-of-step
+            // rings to the next worker as if this were a clean exit.
+            return;
+        }
         // False when the scheduler took the rank first: then there is nothing to give back.
         let _ = self.slot().release(self.owner_word);
     }
