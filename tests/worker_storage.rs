@@ -537,7 +537,25 @@ fn a_worker_stopped_with_storage_commands_queued_answers_every_one_before_it_exi
         .collect();
     // Stop the worker while the loads are queued behind the first.
     std::thread::sleep(Duration::from_millis(100));
-    worker.stop();
-    let answered: Vec<u64> = rank.completions(3).iter().map(|c| c.command_id).collect();
+    let pid = nix::unistd::Pid::from_raw(worker.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    // The drain takes seconds (a timeout per load); the exiting worker keeps heartbeating all
+    // along, so the scheduler never takes it for a hung one.
+    let mut answered = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while answered.len() < sent.len() {
+        assert!(Instant::now() < deadline, "only {answered:?} of {sent:?} were answered");
+        // Alive while it drains; empty once it answered the last and let go of the rank.
+        let status = segment.rank_status(0).unwrap();
+        assert!(
+            !matches!(status, RankStatus::Dead { .. }),
+            "the draining worker stopped heartbeating: {status:?}"
+        );
+        rank.try_completions(&mut answered);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let answered: Vec<u64> = answered.iter().map(|c| c.command_id).collect();
     assert_eq!(answered, sent, "every queued storage command is answered, in order");
+    let (status, stderr) = worker.wait_exit();
+    assert!(status.success(), "worker did not stop cleanly: {stderr}");
 }

@@ -176,6 +176,8 @@ pub struct DiskBackend {
     stats: BackendStats,
     /// Damaged records found when opening.
     damaged_at_open: u64,
+    /// Something may have been written since the last successful sync (so the drop syncs).
+    unsynced: bool,
 }
 
 impl std::fmt::Debug for DiskBackend {
@@ -279,6 +281,8 @@ impl DiskBackend {
             crash: options.crash,
             stats: BackendStats { capacity_blocks: Some(capacity), ..BackendStats::default() },
             damaged_at_open: 0,
+            // Opening may have zeroed damaged records.
+            unsynced: true,
         };
         backend.load_records(&records);
         Ok(backend)
@@ -469,6 +473,7 @@ impl DiskBackend {
     }
 
     fn zero_record(&mut self, slot: u32) -> Result<(), Failure> {
+        self.unsynced = true;
         match self.index.write_records(slot, &[SlotRecord::EMPTY]) {
             Ok(()) => {
                 self.slots[slot as usize].on_disk = OnDisk::Empty;
@@ -564,6 +569,7 @@ impl StorageBackend for DiskBackend {
     }
 
     fn put(&mut self, blocks: &[PutBlock<'_>], outcomes: &mut Vec<PutOutcome>) {
+        self.unsynced = true;
         outcomes.clear();
         outcomes.resize(blocks.len(), Ok(()));
         // Step 1: hits and slots.
@@ -790,6 +796,7 @@ impl StorageBackend for DiskBackend {
     }
 
     fn remove(&mut self, hashes: &[BlockHash], outcomes: &mut Vec<PutOutcome>) {
+        self.unsynced = true;
         outcomes.clear();
         for hash in hashes {
             let outcome = match self.by_hash.get(hash) {
@@ -806,7 +813,9 @@ impl StorageBackend for DiskBackend {
 
     fn sync(&mut self) -> Result<(), Failure> {
         self.data.file().sync_data().map_err(|e| failure_of(&e))?;
-        self.index.sync().map_err(|e| failure_of(&e))
+        self.index.sync().map_err(|e| failure_of(&e))?;
+        self.unsynced = false;
+        Ok(())
     }
 
     fn stats(&self) -> BackendStats {
@@ -815,7 +824,12 @@ impl StorageBackend for DiskBackend {
 }
 
 impl Drop for DiskBackend {
+    /// Syncs what was written since the last sync (a worker syncs at exit already: once is
+    /// enough).
     fn drop(&mut self) {
+        if !self.unsynced {
+            return;
+        }
         if let Err(failure) = self.sync() {
             tracing::warn!(slab = %self.slab.display(), %failure, "cannot sync the storage slab");
         }

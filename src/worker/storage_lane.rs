@@ -18,8 +18,9 @@
 //!    over the host blocks' memory, adds the outcomes to the segment's storage counters, and
 //!    pushes the completion (its `detail` the per-entry [`StorageResults`]) through the shared
 //!    [`CompletionSink`], ringing the scheduler's doorbell;
-//! 4. when the loop ends the queue closes, and the thread answers every queued job before it
-//!    exits, so every command popped from the ring is answered.
+//! 4. when the loop ends the queue closes, and the thread answers every queued job and syncs the
+//!    back-end before it exits, so every command popped from the ring is answered; the worker's
+//!    main thread heartbeats meanwhile ([`StorageLane`]'s drop), however long one job takes.
 //!
 //! Order, as the scheduler sees it: copies complete in ring order among themselves (the loop runs
 //! them one by one); storage commands complete in ring order among themselves (one thread, one
@@ -39,7 +40,7 @@ use kvshm_ipc::counters::{Counter, Counters};
 use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, Completion, Op};
 use kvshm_ipc::segment::{RankClaim, Segment};
 use kvshm_ipc::storage_record::StorageResults;
-use kvshm_ipc::worker_slot::ClaimLost;
+use kvshm_ipc::worker_slot::{ClaimLost, HEARTBEAT_INTERVAL};
 
 use super::completion_sink::CompletionSink;
 use super::geometry::Geometry;
@@ -150,6 +151,8 @@ enum Job {
 pub struct StorageLane<'scope> {
     jobs: Option<Sender<Job>>,
     thread: Option<ScopedJoinHandle<'scope, ()>>,
+    /// The worker's claim, heartbeaten while the thread drains its queue at exit.
+    claim: &'scope RankClaim,
     geometry: Geometry,
     kind: &'static str,
 }
@@ -164,10 +167,11 @@ impl<'scope> StorageLane<'scope> {
     ) -> std::io::Result<StorageLane<'scope>> {
         let (jobs, queue) = mpsc::channel();
         let kind = backend.kind();
+        let claim = context.claim;
         let thread = std::thread::Builder::new()
             .name(format!("kvshm-storage-{}", context.claim.rank()))
             .spawn_scoped(scope, move || serve_jobs(backend, context, queue))?;
-        Ok(StorageLane { jobs: Some(jobs), thread: Some(thread), geometry, kind })
+        Ok(StorageLane { jobs: Some(jobs), thread: Some(thread), claim, geometry, kind })
     }
 
     /// `"disk"` or `"redis"`.
@@ -210,13 +214,20 @@ impl<'scope> StorageLane<'scope> {
 }
 
 impl Drop for StorageLane<'_> {
-    /// Closes the queue and waits until the thread answered every job (step 4).
+    /// Closes the queue and waits until the thread answered every job (step 4), heartbeating
+    /// meanwhile: one job (a Redis part waiting out its timeout, the exit sync of a large slab)
+    /// may take far longer than the heartbeat timeout, and the storage thread heartbeats only
+    /// between jobs.
     fn drop(&mut self) {
         drop(self.jobs.take());
-        if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                tracing::error!("the storage thread panicked");
-            }
+        let Some(thread) = self.thread.take() else { return };
+        while !thread.is_finished() {
+            // A lost claim: the storage thread ends the process at its next heartbeat.
+            let _ = self.claim.heartbeat();
+            std::thread::sleep(HEARTBEAT_INTERVAL);
+        }
+        if thread.join().is_err() {
+            tracing::error!("the storage thread panicked");
         }
     }
 }
