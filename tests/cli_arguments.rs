@@ -176,6 +176,23 @@ fn worker_refuses_timeouts_it_cannot_wait() {
 }
 
 #[test]
+fn worker_refuses_storage_options_that_do_not_apply_to_its_tier() {
+    let worker = ["worker", "--name", "nobody-here", "--rank", "0"];
+    let disk = [&worker[..], &["--storage", "disk:/nonexistent-kvshm-test"]].concat();
+    let redis = [&worker[..], &["--storage", "redis://127.0.0.1:1"]].concat();
+    for option in
+        [&["--storage-ttl", "5"][..], &["--storage-connections", "2"], &["--storage-timeout", "1"]]
+    {
+        refused_saying(&[&disk[..], option].concat(), &[option[0], "Redis tier only"]);
+        refused_saying(&[&worker[..], option].concat(), &[option[0], "no --storage"]);
+    }
+    for option in [&["--storage-blocks", "8"][..], &["--storage-buffered"]] {
+        refused_saying(&[&redis[..], option].concat(), &[option[0], "disk tier only"]);
+        refused_saying(&[&worker[..], option].concat(), &[option[0], "no --storage"]);
+    }
+}
+
+#[test]
 fn worker_refuses_a_rank_the_segment_does_not_have() {
     use kvshm_ipc::segment::Segment;
     let name =

@@ -20,7 +20,7 @@ Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes o
 ``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``segment_name`` (prefix of
 the per-rank segments ``<name>-r<rank>``); ``spawn_workers`` (default true: start the copy
 workers; false: start ``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda``
-yourself).
+yourself; a wait for copies that no worker answers is logged as a warning every 30 s).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from kvshm._kvshm import (
     VllmManagerCore,
     parse_cuda_handle,
 )
+from kvshm._vllm_support import SlowWaitWarning, block_span
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
             self._tier = HostTier(segment, tensors=views, **common)
             self._tensors = tensors
             return
-        handles = [_device_handle(tensor) for tensor in tensors]
+        handles = [_device_handle(tensor, page_bytes) for tensor in tensors]
         strides = {stride for _, _, _, stride in handles}
         if len(strides) != 1:
             raise ConfigError(
@@ -301,11 +302,13 @@ class KvshmOffloadingWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         self._release_gated(block_for=set(job_ids))
+        slow = SlowWaitWarning(job_ids, spawned_worker=self._worker is not None)
         while not self._tier.wait(list(job_ids), timeout=1.0):
             # A worker that died is restarted here; its copies are issued again on the new one.
             if self._worker is not None:
                 self._worker.ensure_running()
             self._release_gated(block_for=set(job_ids))
+            slow.check()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -313,8 +316,12 @@ class KvshmOffloadingWorker(OffloadingWorker):
         self._tier.close()
 
 
-def _device_handle(tensor: torch.Tensor) -> tuple[bytes, int, int, int]:
-    """(CUDA IPC handle, offset of block 0, bytes, block stride) of a CUDA KV tensor."""
+def _device_handle(tensor: torch.Tensor, page_bytes: int) -> tuple[bytes, int, int, int]:
+    """(CUDA IPC handle, offset of block 0, bytes its blocks span, block stride) of a CUDA KV
+    tensor whose blocks are ``page_bytes`` long."""
+    length, stride = block_span(
+        tuple(tensor.shape), tensor.stride(), tensor.element_size(), page_bytes
+    )
     shared = tensor.untyped_storage()._share_cuda_()
     handle, storage_offset = shared[1], int(shared[3])
     try:
@@ -322,8 +329,6 @@ def _device_handle(tensor: torch.Tensor) -> tuple[bytes, int, int, int]:
     except DeviceHandleError as error:
         raise DeviceHandleError(f"KV tensor on {tensor.device}: {error}") from error
     offset = storage_offset + tensor.storage_offset() * tensor.element_size()
-    stride = tensor.stride(0) * tensor.element_size()
-    length = stride * (tensor.shape[0] - 1) + tensor.shape[1] * tensor.element_size()
     return memory_handle, offset, length, stride
 
 

@@ -5,7 +5,8 @@
 //! error's message) when the worker cannot start, loses its rank or finds its command ring broken.
 //!
 //! `--storage disk:DIR` or `--storage redis://…` gives the worker a storage tier below host
-//! (`crate::storage`); the `--storage-*` options tune it.
+//! (`crate::storage`); the `--storage-*` options tune it, and one that does not apply to the tier
+//! chosen (or given without `--storage`) is refused rather than ignored.
 //!
 //! Test hooks, meant for tests only:
 //! - [`LAYER_DELAY_ENV`] (`KVSHM_WORKER_LAYER_DELAY_US`) makes the worker sleep that many
@@ -78,12 +79,12 @@ pub struct Args {
     /// evicts it).
     #[arg(long)]
     storage_ttl: Option<u64>,
-    /// Redis tier: connections per worker.
-    #[arg(long, default_value_t = crate::storage::spec::DEFAULT_CONNECTIONS)]
-    storage_connections: usize,
-    /// Redis tier: seconds to wait for an answer (a late answer is a counted miss).
-    #[arg(long, default_value_t = crate::storage::spec::DEFAULT_IO_TIMEOUT.as_secs_f64())]
-    storage_timeout: f64,
+    /// Redis tier: connections per worker [default: 4].
+    #[arg(long)]
+    storage_connections: Option<usize>,
+    /// Redis tier: seconds to wait for an answer (a late answer is a counted miss) [default: 2].
+    #[arg(long)]
+    storage_timeout: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -124,9 +125,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tier-specific `--storage-*` options given, with the tier each applies to.
+fn tier_options_given(args: &Args) -> [(&'static str, bool, bool); 5] {
+    // (option, given, applies to disk rather than Redis)
+    [
+        ("--storage-blocks", args.storage_blocks.is_some(), true),
+        ("--storage-buffered", args.storage_buffered, true),
+        ("--storage-ttl", args.storage_ttl.is_some(), false),
+        ("--storage-connections", args.storage_connections.is_some(), false),
+        ("--storage-timeout", args.storage_timeout.is_some(), false),
+    ]
+}
+
 fn storage_options(args: &Args) -> anyhow::Result<Option<StorageOptions>> {
-    let Some(spec) = &args.storage else { return Ok(None) };
+    let Some(spec) = &args.storage else {
+        if let Some((option, ..)) = tier_options_given(args).iter().find(|(_, given, _)| *given) {
+            anyhow::bail!("{option} tunes a storage tier, and no --storage was given");
+        }
+        return Ok(None);
+    };
     let spec: StorageSpec = spec.parse()?;
+    let is_disk = matches!(spec, StorageSpec::Disk { .. });
+    for (option, given, for_disk) in tier_options_given(args) {
+        if given && for_disk != is_disk {
+            let (tier, other) = if is_disk { ("disk", "Redis") } else { ("Redis", "disk") };
+            anyhow::bail!(
+                "{option} applies to a {other} tier only, and --storage names a {tier} tier"
+            );
+        }
+    }
     let mut options = StorageOptions::new(spec);
     options.namespace = StorageNamespace::new(&args.storage_namespace)?;
     if let Some(blocks) = args.storage_blocks {
@@ -138,9 +165,13 @@ fn storage_options(args: &Args) -> anyhow::Result<Option<StorageOptions>> {
         checks::at_least(ttl, 1, "--storage-ttl")?;
     }
     options.ttl = args.storage_ttl.map(Duration::from_secs);
-    options.connections =
-        checks::within(args.storage_connections, 1..=MAX_CONNECTIONS, "--storage-connections")?;
-    options.io_timeout = checks::positive_seconds(args.storage_timeout, "--storage-timeout")?;
+    if let Some(connections) = args.storage_connections {
+        options.connections =
+            checks::within(connections, 1..=MAX_CONNECTIONS, "--storage-connections")?;
+    }
+    if let Some(timeout) = args.storage_timeout {
+        options.io_timeout = checks::positive_seconds(timeout, "--storage-timeout")?;
+    }
     options.crash = match std::env::var(STORAGE_CRASH_ENV) {
         Err(std::env::VarError::NotPresent) => None,
         Err(error) => return Err(error).context(STORAGE_CRASH_ENV),
