@@ -67,7 +67,8 @@ pub enum Counter {
     StorageUnavailable,
     /// Blocks not stored because the file system or server is full.
     StorageNoSpace,
-    /// Block bytes written to the storage tier.
+    /// Block bytes of the blocks counted by `StorageStoredBlocks`: stored, including blocks the
+    /// tier held already and did not write again.
     StorageBytesWritten,
     /// Block bytes read back from the storage tier and verified.
     StorageBytesRead,

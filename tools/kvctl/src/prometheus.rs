@@ -53,7 +53,9 @@ pub fn help(counter: Counter) -> String {
         Counter::LastPollNs => "CLOCK_MONOTONIC nanoseconds of the scheduler's last poll.",
         Counter::WorkerCopyBytes => "Bytes the workers copied, all ranks together.",
         Counter::WorkerCopyNs => "Nanoseconds the workers spent copying, all ranks together.",
-        Counter::StorageStoredBlocks => "Blocks the workers wrote to the storage tier.",
+        Counter::StorageStoredBlocks => {
+            "Blocks the workers stored in the storage tier (including ones it held already)."
+        }
         Counter::StorageStoreFailures => "Blocks a storage write could not store.",
         Counter::StorageLoadHits => "Blocks read back from the storage tier and verified.",
         Counter::StorageLoadMisses => "Blocks a storage load did not find.",
@@ -65,7 +67,9 @@ pub fn help(counter: Counter) -> String {
         Counter::StorageTimeouts => "Storage operations that timed out.",
         Counter::StorageUnavailable => "Blocks that missed because storage was unreachable.",
         Counter::StorageNoSpace => "Blocks not stored because storage is full.",
-        Counter::StorageBytesWritten => "Block bytes written to the storage tier.",
+        Counter::StorageBytesWritten => {
+            "Block bytes stored in the storage tier (including blocks it held already)."
+        }
         Counter::StorageBytesRead => "Block bytes read back from the storage tier.",
         Counter::StorageEvictions => "Records the storage back-ends dropped to make room.",
         Counter::StorageIoNs => "Nanoseconds the workers spent in storage I/O.",
