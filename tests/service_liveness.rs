@@ -6,7 +6,6 @@ mod service_support;
 
 use std::time::{Duration, Instant};
 
-use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
 use kvshm::service::{RankState, Service, ServiceConfig};
 use service_support::*;
@@ -29,28 +28,6 @@ fn service(name: &kvshm_ipc::name::SegmentName) -> Service {
         .expect("creating the service")
 }
 
-/// Runs one request over `hashes` to the end (match, allocate, wait, check the hits, write the new
-/// blocks, commit, finish); returns the blocks that hit on device and on host.
-fn run_request(service: &mut Service, id: u64, hashes: &[BlockHash]) -> (usize, usize) {
-    let request = RequestId(id);
-    let tokens = hashes.len() * BLOCK_TOKENS as usize;
-    let matched = service.match_prefix(request, hashes, tokens).unwrap();
-    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
-    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
-    service.wait(ticket, WAIT).expect("the request's copies land");
-    for (index, &block) in table.iter().enumerate() {
-        if index < matched.blocks() {
-            assert!(device_block_holds(service, hashes[index], block), "hit block {index} intact");
-        } else {
-            write_block(service, hashes[index], block);
-        }
-    }
-    service.commit(request, tokens, hashes).unwrap();
-    service.finish(request).unwrap();
-    service.cache().check_invariants().unwrap();
-    (matched.device_blocks, matched.host_blocks)
-}
-
 #[test]
 fn a_worker_copying_one_layer_for_a_second_is_never_fenced_and_its_write_back_lands() {
     let name = unique_name("long-layer");
@@ -63,9 +40,9 @@ fn a_worker_copying_one_layer_for_a_second_is_never_fenced_and_its_write_back_la
     // transfer whose one layer takes about a second; B's ticket waits for that write-back.
     let prefix_a = hashes(1_000, DEVICE_BLOCKS as usize);
     let prefix_b = hashes(2_000, DEVICE_BLOCKS as usize);
-    run_request(&mut service, 1, &prefix_a);
+    run_request(&mut service, 1, &prefix_a, WAIT);
     let started = Instant::now();
-    run_request(&mut service, 2, &prefix_b);
+    run_request(&mut service, 2, &prefix_b, WAIT);
     eprintln!("the write-back of A took {:?}", started.elapsed());
 
     assert_eq!(service.stats().worker_deaths, 0, "the busy worker was fenced");
@@ -73,7 +50,7 @@ fn a_worker_copying_one_layer_for_a_second_is_never_fenced_and_its_write_back_la
     assert!(worker.child.try_wait().unwrap().is_none(), "the busy worker was killed");
     assert_eq!(service.rank_states(), [RankState::Up { pid: worker.pid() }]);
     // A comes back from the host tier intact (its swap-in is slow too).
-    let (device_hits, host_hits) = run_request(&mut service, 3, &prefix_a);
+    let (device_hits, host_hits) = run_request(&mut service, 3, &prefix_a, WAIT);
     assert_eq!(device_hits, 0);
     // All of A (but its last block, where the last-token rule applies) hits on host.
     assert!(host_hits >= DEVICE_BLOCKS as usize - 1, "only {host_hits} blocks of A hit on host");
@@ -94,13 +71,7 @@ fn a_worker_stopped_in_the_middle_of_a_long_layer_is_still_fenced() {
 
     // Committing 16 blocks starts their write-through backup: one layer of about a second.
     let prefix = hashes(3_000, DEVICE_BLOCKS as usize);
-    let request = RequestId(1);
-    let tokens = prefix.len() * BLOCK_TOKENS as usize;
-    service.match_prefix(request, &prefix, tokens).unwrap();
-    service.allocate(request, tokens, 0).unwrap();
-    service.commit(request, tokens, &prefix).unwrap();
-    service.finish(request).unwrap();
-    service.poll();
+    commit_new_blocks(&mut service, RequestId(1), &prefix);
     assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
     // Well inside the layer, past any start-up: the worker is copying when it stops.
     let copying = Instant::now();
@@ -164,7 +135,7 @@ fn a_worker_gets_copies_only_once_its_tiers_are_mapped_so_its_set_up_never_misse
 
     // A write-through backup right away: the worker answers it, nobody is fenced.
     let prefix = hashes(4_000, 4);
-    commit_and_poll(&mut service, RequestId(1), &prefix);
+    commit_new_blocks(&mut service, RequestId(1), &prefix);
     let issued = Instant::now();
     while service.cache().transfers_in_flight() > 0 {
         assert!(issued.elapsed() < WAIT, "the backup never landed");
@@ -177,18 +148,4 @@ fn a_worker_gets_copies_only_once_its_tiers_are_mapped_so_its_set_up_never_misse
     assert!(worker.child.try_wait().unwrap().is_none(), "the worker was killed");
     assert_eq!(service.rank_states(), [RankState::Up { pid: worker.pid() }]);
     service.cache().check_invariants().unwrap();
-}
-
-/// Writes `hashes` into fresh device blocks of `request`, commits them and polls once, which
-/// issues their write-through backup.
-fn commit_and_poll(service: &mut Service, request: RequestId, hashes: &[BlockHash]) {
-    let tokens = hashes.len() * BLOCK_TOKENS as usize;
-    service.match_prefix(request, hashes, tokens).unwrap();
-    let table = service.allocate(request, tokens, 0).unwrap().block_table.to_vec();
-    for (&hash, &block) in hashes.iter().zip(&table) {
-        write_block(service, hash, block);
-    }
-    service.commit(request, tokens, hashes).unwrap();
-    service.finish(request).unwrap();
-    service.poll();
 }

@@ -28,28 +28,6 @@ fn service(name: &kvshm_ipc::name::SegmentName) -> Service {
     Service::create(name, config).expect("creating the service")
 }
 
-/// Runs one request over `hashes` to the end: match, allocate, wait, write the new blocks,
-/// commit, finish. Returns how many blocks hit on device and on host.
-fn run_request(service: &mut Service, id: u64, hashes: &[BlockHash]) -> (usize, usize) {
-    let request = RequestId(id);
-    let tokens = hashes.len() * BLOCK_TOKENS as usize;
-    let matched = service.match_prefix(request, hashes, tokens).unwrap();
-    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
-    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
-    service.wait(ticket, WAIT).expect("the request's copies land");
-    for (index, &block) in table.iter().enumerate() {
-        if index < matched.blocks() {
-            assert!(device_block_holds(service, hashes[index], block), "hit block {index} intact");
-        } else {
-            write_block(service, hashes[index], block);
-        }
-    }
-    service.commit(request, tokens, hashes).unwrap();
-    service.finish(request).unwrap();
-    service.cache().check_invariants().unwrap();
-    (matched.device_blocks, matched.host_blocks)
-}
-
 /// The host block of every node whose hash is in `hashes`.
 fn host_blocks_of(service: &Service, hashes: &[BlockHash]) -> Vec<(BlockHash, u32)> {
     let snapshot = service.cache().tree_snapshot(u32::MAX);
@@ -72,8 +50,8 @@ fn a_worker_killed_mid_swap_is_recovered_and_the_host_tier_stays_intact() {
     // Cache prefix A on device, then push it to host with prefix B (write-back evictions).
     let prefix_a = hashes(1_000, 8);
     let prefix_b = hashes(2_000, 16);
-    assert_eq!(run_request(&mut service, 1, &prefix_a), (0, 0));
-    assert_eq!(run_request(&mut service, 2, &prefix_b), (0, 0));
+    assert_eq!(run_request(&mut service, 1, &prefix_a, WAIT), (0, 0));
+    assert_eq!(run_request(&mut service, 2, &prefix_b, WAIT), (0, 0));
     let on_host = host_blocks_of(&service, &prefix_a);
     assert_eq!(on_host.len(), 8, "every block of A was written back to host");
     for &(hash, block) in &on_host {
@@ -118,7 +96,7 @@ fn a_worker_killed_mid_swap_is_recovered_and_the_host_tier_stays_intact() {
     for &(hash, block) in &host_blocks_of(&service, &prefix_a) {
         assert!(host_block_holds(&service, hash, block), "host copy of {hash:?} survived");
     }
-    let (device_hits, host_hits) = run_request(&mut service, 4, &prefix_a);
+    let (device_hits, host_hits) = run_request(&mut service, 4, &prefix_a, WAIT);
     // A's last block is recomputed (the last-token rule); the rest hits.
     assert_eq!(device_hits + host_hits, 7, "all of A hits after the recovery");
     assert!(host_hits > 0, "and some of it came back from host");
@@ -187,8 +165,8 @@ fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_
 
     let prefix_a = hashes(3_000, 8);
     let prefix_b = hashes(4_000, 16);
-    run_request(&mut service, 1, &prefix_a);
-    run_request(&mut service, 2, &prefix_b);
+    run_request(&mut service, 1, &prefix_a, WAIT);
+    run_request(&mut service, 2, &prefix_b, WAIT);
 
     // A swap-in (plus write-backs) in flight on the slow worker; stop it politely and start a
     // successor at once, before the scheduler polls again.
@@ -225,7 +203,7 @@ fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_
     }
     service.cache().check_invariants().unwrap();
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
-    let (device_hits, host_hits) = run_request(&mut service, 4, &prefix_a);
+    let (device_hits, host_hits) = run_request(&mut service, 4, &prefix_a, WAIT);
     assert_eq!(device_hits + host_hits, 7, "all of A but its recomputed last block");
 }
 
@@ -244,15 +222,7 @@ fn a_worker_stopped_mid_copy_is_killed_before_its_copies_are_rolled_back() {
     // is running when it is stopped. Stopped, it sends no heartbeat; resumed, it would go on
     // copying into blocks the rollback handed out again.
     let prefix = hashes(5_000, 4);
-    let request = RequestId(1);
-    let tokens = prefix.len() * BLOCK_TOKENS as usize;
-    service.match_prefix(request, &prefix, tokens).unwrap();
-    service.allocate(request, tokens, 0).unwrap();
-    service.commit(request, tokens, &prefix).unwrap();
-    service.finish(request).unwrap();
-    service.poll();
-    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
-    std::thread::sleep(Duration::from_millis(20));
+    start_backup(&mut service, RequestId(1), &prefix);
     let pid = nix::unistd::Pid::from_raw(worker.pid() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
 
@@ -419,15 +389,7 @@ fn a_slot_marked_dead_under_a_live_worker_fails_its_copy_only_once_the_worker_is
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
 
     let prefix = hashes(6_000, 4);
-    let request = RequestId(1);
-    let tokens = prefix.len() * BLOCK_TOKENS as usize;
-    service.match_prefix(request, &prefix, tokens).unwrap();
-    service.allocate(request, tokens, 0).unwrap();
-    service.commit(request, tokens, &prefix).unwrap();
-    service.finish(request).unwrap();
-    service.poll();
-    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
-    std::thread::sleep(Duration::from_millis(20));
+    start_backup(&mut service, RequestId(1), &prefix);
 
     // Something writes "dead" over the worker's slot while it copies.
     let dead = OwnerWord::new(WorkerState::Dead, worker.pid(), 4_000).to_raw();
@@ -478,14 +440,7 @@ fn a_command_whose_id_is_corrupted_in_the_ring_fails_its_transfer_at_the_deadlin
     };
     let (tail_at, head_at) = (ring_at + 128, ring_at + 256);
     let commit = |service: &mut Service, id: u64, first: u128| {
-        let prefix = hashes(first, 4);
-        let request = RequestId(id);
-        let tokens = prefix.len() * BLOCK_TOKENS as usize;
-        service.match_prefix(request, &prefix, tokens).unwrap();
-        service.allocate(request, tokens, 0).unwrap();
-        service.commit(request, tokens, &prefix).unwrap();
-        service.finish(request).unwrap();
-        service.poll();
+        commit_new_blocks(service, RequestId(id), &hashes(first, 4));
     };
 
     // The first backup: wait until the worker has popped it (it then copies for 0.8 s).
@@ -525,6 +480,6 @@ fn a_command_whose_id_is_corrupted_in_the_ring_fails_its_transfer_at_the_deadlin
     // Like after a crash, a new worker takes the rank over.
     let _successor = WorkerProcess::spawn(&name, 0, None);
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
-    run_request(&mut service, 3, &hashes(8_000, 4));
+    run_request(&mut service, 3, &hashes(8_000, 4), WAIT);
     assert_eq!(service.stats().command_deadlines_missed, 1);
 }

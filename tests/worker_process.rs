@@ -6,6 +6,8 @@
 //! is region-major (region `r` of block `b` at `(r * device_blocks + b) * region_bytes`), the host
 //! tier block-major (at `(b * regions + r) * region_bytes`).
 
+mod ring_driver;
+
 use std::io::Read;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -13,19 +15,15 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::config::{Backend, SegmentConfig};
 use kvshm_ipc::counters::Counter;
-use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::listing;
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::record::{
-    encode_command, BlockPair, CommandError, CommandHeader, CommandSlot, Completion, Op,
-    FLAG_LAYERWISE,
-};
-use kvshm_ipc::ring::{Consumer, Producer};
-use kvshm_ipc::segment::{Mapped, Segment};
+use kvshm_ipc::record::{CommandError, CommandHeader, CommandSlot, Completion, Op, FLAG_LAYERWISE};
+use kvshm_ipc::segment::Segment;
 use kvshm_ipc::sync::{AtomicU32, Ordering};
 use kvshm_ipc::worker_slot::{ClaimError, RankStatus};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use ring_driver::RingDriver;
 
 const LAYER_DELAY_ENV: &str = "KVSHM_WORKER_LAYER_DELAY_US";
 const COPY_RATE_ENV: &str = "KVSHM_WORKER_COPY_RATE";
@@ -183,94 +181,8 @@ impl Drop for WorkerProcess {
     }
 }
 
-/// The scheduler's side of one rank: the command producer and the completion consumer.
-struct Rank<'a> {
-    segment: &'a Segment,
-    rank: u32,
-    commands: Mapped<Producer<CommandSlot>>,
-    completions: Mapped<Consumer<Completion>>,
-    next_id: u64,
-}
-
-impl<'a> Rank<'a> {
-    fn new(segment: &'a Segment, rank: u32) -> Self {
-        Rank {
-            segment,
-            rank,
-            commands: segment.command_producer(rank).unwrap(),
-            completions: segment.completion_consumer(rank).unwrap(),
-            next_id: 1,
-        }
-    }
-
-    /// A header for `op` with the next command id and the current generation.
-    fn header(&mut self, op: Op, pairs: usize) -> CommandHeader {
-        let id = self.next_id;
-        self.next_id += 1;
-        CommandHeader::new(op, id, self.segment.generation(), pairs as u32)
-    }
-
-    /// Queues `commands` with one push and rings the worker's doorbell.
-    fn send<'c>(
-        &mut self,
-        commands: impl IntoIterator<Item = &'c (CommandHeader, Vec<BlockPair>)>,
-    ) {
-        let mut slots = Vec::new();
-        for (header, pairs) in commands {
-            encode_command(header, pairs, &mut slots);
-        }
-        self.send_slots(&slots);
-    }
-
-    fn send_slots(&mut self, slots: &[CommandSlot]) {
-        self.commands.push_all(slots).expect("the command ring has room");
-        self.segment.command_doorbell(self.rank).unwrap().ring();
-    }
-
-    fn copy(&mut self, op: Op, pairs: &[(u32, u32)]) -> (CommandHeader, Vec<BlockPair>) {
-        let pairs: Vec<BlockPair> = pairs.iter().map(|&(s, d)| BlockPair::new(s, d)).collect();
-        (self.header(op, pairs.len()), pairs)
-    }
-
-    fn ping(&mut self) -> (CommandHeader, Vec<BlockPair>) {
-        (self.header(Op::Ping, 0), Vec::new())
-    }
-
-    /// Waits for `count` completions, sleeping on the scheduler doorbell.
-    fn completions(&mut self, count: usize) -> Vec<Completion> {
-        let deadline = Instant::now() + PATIENCE;
-        let mut out = Vec::new();
-        while out.len() < count {
-            let missing = count - out.len();
-            self.completions.pop_into(&mut out, missing).unwrap();
-            if out.len() == count {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {count} completions arrived: {out:?}",
-                out.len()
-            );
-            let completions = &mut self.completions;
-            self.segment.scheduler_doorbell().wait_until(
-                || completions.len().unwrap() > 0,
-                WaitPolicy::new(Duration::from_micros(5), Duration::from_millis(5))
-                    .within(Duration::from_millis(50)),
-            );
-        }
-        out
-    }
-
-    fn wait_alive(&self, worker: &WorkerProcess) {
-        let deadline = Instant::now() + PATIENCE;
-        while self.segment.rank_status(self.rank).unwrap()
-            != (RankStatus::Alive { pid: worker.pid() })
-        {
-            assert!(Instant::now() < deadline, "worker never claimed rank {}", self.rank);
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-}
+/// The scheduler's side of one rank.
+type Rank<'a> = RingDriver<'a>;
 
 fn ok(header: &CommandHeader) -> Completion {
     Completion::ok(header.command_id, header.generation)
@@ -422,7 +334,7 @@ fn a_layerwise_copy_publishes_its_progress_layer_by_layer() {
                 seen.push(layers);
             }
         }
-        if rank.completions.len().unwrap() == 2 {
+        if rank.waiting_completions() == 2 {
             break rank.completions(2);
         }
         assert!(Instant::now() < deadline, "the copies never completed");
@@ -446,7 +358,7 @@ fn a_worker_exits_soon_after_the_segment_creator_dies() {
     let (mut creator, segment) =
         spawn_creator("a_worker_exits_soon_after_the_segment_creator_dies", &name);
     let mut worker = WorkerProcess::spawn(&name, 0, &[], &[]);
-    Rank::new(&segment, 0).wait_alive(&worker);
+    Rank::new(&segment, 0).wait_alive(worker.pid());
 
     creator.kill().unwrap();
     let killed = Instant::now();
@@ -509,7 +421,7 @@ fn a_worker_in_the_middle_of_a_long_copy_exits_once_its_scheduler_dies() {
     // reports progress every 256 KiB, a quarter of a second.
     let mut worker = WorkerProcess::spawn(&name, 0, &[], &[(COPY_RATE_ENV, "1048576")]);
     let mut rank = Rank::new(&segment, 0);
-    rank.wait_alive(&worker);
+    rank.wait_alive(worker.pid());
     let pairs: Vec<(u32, u32)> = (0..32).map(|block| (block, block)).collect();
     let mut copy = rank.copy(Op::CopyDeviceToHost, &pairs);
     copy.0 = copy.0.with_flags(FLAG_LAYERWISE);
@@ -530,7 +442,7 @@ fn a_worker_in_the_middle_of_a_long_copy_exits_once_its_scheduler_dies() {
     listing::unlink(&name).unwrap();
     assert!(status.success(), "worker failed: {stderr}");
     assert!(stderr.contains("scheduler"), "no word about the scheduler: {stderr}");
-    assert_eq!(rank.completions.len().unwrap(), 0, "nobody was left to answer");
+    assert_eq!(rank.waiting_completions(), 0, "nobody was left to answer");
 }
 
 #[test]
@@ -569,7 +481,7 @@ fn a_worker_stopped_while_its_answers_wait_for_room_leaves_its_rank_to_be_reclai
     let pings: Vec<_> = (0..room + 8).map(|_| rank.ping()).collect();
     rank.send(&pings);
     let deadline = Instant::now() + PATIENCE;
-    while rank.completions.len().unwrap() < room {
+    while rank.waiting_completions() < room {
         assert!(Instant::now() < deadline, "the worker never filled its completion ring");
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -590,7 +502,7 @@ fn a_second_worker_for_a_rank_held_by_a_live_worker_is_refused() {
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 0);
     let first = WorkerProcess::spawn(&name, 0, &[], &[]);
-    rank.wait_alive(&first);
+    rank.wait_alive(first.pid());
 
     let mut second = WorkerProcess::spawn(&name, 0, &["--attach-timeout", "0.5"], &[]);
     let (status, stderr) = second.wait_exit(PATIENCE);
@@ -612,7 +524,7 @@ fn a_worker_started_before_its_segment_waits_for_it() {
     std::thread::sleep(Duration::from_millis(50));
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 0);
-    rank.wait_alive(&worker);
+    rank.wait_alive(worker.pid());
     let ping = rank.ping();
     rank.send([&ping]);
     assert_eq!(rank.completions(1), vec![ok(&ping.0)]);
@@ -671,14 +583,14 @@ fn a_worker_killed_in_the_middle_of_a_copy_leaves_a_dead_rank_that_a_new_worker_
     }
     slow.signal(Signal::SIGKILL);
     slow.wait_exit(PATIENCE);
-    assert_eq!(rank.completions.len().unwrap(), 0, "a killed copy completed");
+    assert_eq!(rank.waiting_completions(), 0, "a killed copy completed");
     let verdict = segment.rank_verdict(0).unwrap();
     assert_eq!(verdict.status, RankStatus::Dead { pid: slow.pid() });
 
     segment.reclaim_rank(0, verdict.word).unwrap();
-    let mut rank = Rank { next_id: rank.next_id, ..Rank::new(&segment, 0) };
+    let mut rank = rank.after_reclaim();
     let worker = WorkerProcess::spawn(&name, 0, &[], &[]);
-    rank.wait_alive(&worker);
+    rank.wait_alive(worker.pid());
     let ping = rank.ping();
     rank.send([&ping]);
     assert_eq!(rank.completions(1), vec![ok(&ping.0)]);
@@ -737,7 +649,7 @@ fn a_worker_facing_a_full_completion_ring_waits_for_room_and_drops_nothing() {
     let pings: Vec<_> = (0..8).map(|_| rank.ping()).collect();
     rank.send(&pings);
     let deadline = Instant::now() + PATIENCE;
-    while rank.completions.len().unwrap() < 4 {
+    while rank.waiting_completions() < 4 {
         assert!(Instant::now() < deadline, "the first completions never arrived");
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -2,7 +2,7 @@
 //! the self-describing value a Redis key holds. (The disk's index records live in
 //! [`super::disk_index`].)
 //!
-//! Core items: [`payload_checksum`], [`ValueHeader`], [`encode_value_header`], [`check_value`].
+//! Core items: [`payload_checksum`], [`ValueHeader`], [`encode_value`], [`check_value`].
 //!
 //! Records outlive the process and are shared between services, so these formats are versioned
 //! and pinned by tests; a change is a new magic. All integers are little-endian.
@@ -118,14 +118,25 @@ pub struct ValueHeader {
 
 const _: () = assert!(size_of::<ValueHeader>() == 80);
 
-/// The header of the value that stores `bytes` as block `key` of `rank`.
-pub fn encode_value_header(
+/// Writes into `value` (replacing what it held) the Redis value that stores `bytes` as block
+/// `key` of `rank`: the header, then the bytes. The block is read once: its checksum is taken
+/// from the very chunks copied into the value, and the header written last.
+pub fn encode_value(
     key: &BlockKey,
     rank: u32,
     layout: &BlockLayout,
     bytes: BlockBytes<'_>,
-) -> ValueHeader {
-    ValueHeader {
+    value: &mut Vec<u8>,
+) {
+    value.clear();
+    value.resize(VALUE_HEADER_BYTES, 0);
+    value.reserve(bytes.len());
+    let mut hasher = Xxh3::with_seed(checksum_seed(key.hash, rank, 0));
+    bytes.chunks(|chunk| {
+        hasher.update(chunk);
+        value.extend_from_slice(chunk);
+    });
+    let header = ValueHeader {
         magic: VALUE_MAGIC,
         version: VALUE_VERSION,
         rank,
@@ -134,8 +145,9 @@ pub fn encode_value_header(
         parent: split_hash(key.parent),
         depth: key.depth,
         reserved: 0,
-        checksum: payload_checksum(key.hash, rank, 0, bytes),
-    }
+        checksum: hasher.digest(),
+    };
+    value[..VALUE_HEADER_BYTES].copy_from_slice(bytemuck::bytes_of(&header));
 }
 
 /// Why a stored value is not the block asked for.
@@ -191,10 +203,21 @@ mod tests {
     }
 
     fn value(bytes: &[u8]) -> Vec<u8> {
-        let header = encode_value_header(&key(), 1, &layout(), BlockBytes::new(bytes));
-        let mut value = bytemuck::bytes_of(&header).to_vec();
-        value.extend_from_slice(bytes);
+        let mut value = vec![0xAA; 7];
+        encode_value(&key(), 1, &layout(), BlockBytes::new(bytes), &mut value);
         value
+    }
+
+    #[test]
+    fn an_encoded_value_is_its_header_then_the_bytes_and_checks_out_whole() {
+        // Longer than one chunk of BlockBytes::chunks, not a multiple of it.
+        let bytes: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let mut value = Vec::new();
+        encode_value(&key(), 1, &layout(), BlockBytes::new(&bytes), &mut value);
+        assert_eq!(value.len(), VALUE_HEADER_BYTES + bytes.len());
+        let header: ValueHeader = bytemuck::pod_read_unaligned(&value[..VALUE_HEADER_BYTES]);
+        assert_eq!(header.checksum, payload_checksum(key().hash, 1, 0, BlockBytes::new(&bytes)));
+        assert_eq!(&value[VALUE_HEADER_BYTES..], bytes.as_slice());
     }
 
     #[test]

@@ -29,14 +29,13 @@
 
 use std::time::{Duration, Instant};
 
-use redis::{Connection, RedisError, RedisWrite, ToRedisArgs, Value};
+use redis::{Connection, RedisError, Value};
 
 use super::backend::{
     check_len, BackendStats, BlockLayout, ContainsOutcome, Failure, GetBlock, GetMiss, GetOutcome,
     PutBlock, PutOutcome, StorageBackend,
 };
-use super::block_bytes::BlockBytes;
-use super::format::{check_value, encode_value_header, ValueHeader};
+use super::format::{check_value, encode_value};
 use super::spec::redact;
 use crate::hash::BlockHash;
 
@@ -310,21 +309,6 @@ fn replies(blocks: usize, result: Result<Vec<Value>, Failure>) -> Result<Vec<Val
     }
 }
 
-/// A value written as one argument, header then bytes, straight into the command buffer.
-struct RecordArg<'a> {
-    header: ValueHeader,
-    bytes: BlockBytes<'a>,
-}
-
-impl ToRedisArgs for RecordArg<'_> {
-    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
-        use std::io::Write as _;
-        let mut writer = out.writer_for_next_arg();
-        writer.write_all(bytemuck::bytes_of(&self.header)).expect("writing into a command buffer");
-        self.bytes.chunks(|chunk| writer.write_all(chunk).expect("writing into a command buffer"));
-    }
-}
-
 /// Fills `outcomes[range]` with `failure`.
 fn fail_all<T>(outcomes: &mut [Result<T, Failure>], failure: Failure) {
     for outcome in outcomes {
@@ -350,11 +334,12 @@ impl StorageBackend for RedisBackend {
         let parts = self.for_parts(valid.len(), |link, pooled, range| {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
+            // One value at a time: `arg` copies it into the pipeline's buffer.
+            let mut value = Vec::new();
             for index in range.clone() {
                 let block = &blocks[valid[index]];
-                let header = encode_value_header(&block.key, rank, &layout, block.bytes);
-                let set =
-                    pipe.cmd("SET").arg(&keys[index]).arg(RecordArg { header, bytes: block.bytes });
+                encode_value(&block.key, rank, &layout, block.bytes, &mut value);
+                let set = pipe.cmd("SET").arg(&keys[index]).arg(value.as_slice());
                 if let Some(seconds) = ttl {
                     set.arg("EX").arg(seconds);
                 }

@@ -1,4 +1,5 @@
-//! Shared set-up for the service tests: unique names, worker processes, block bytes.
+//! Shared set-up for the service tests: unique names, worker processes, block bytes, and a
+//! request run end to end.
 #![allow(dead_code)]
 
 use std::process::{Child, Command, Stdio};
@@ -6,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvshm::demo::pattern::{self, RegionIdentity};
 use kvshm::hash::BlockHash;
+use kvshm::manager::RequestId;
 use kvshm::service::Service;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::sync::{AtomicU32, Ordering};
@@ -115,4 +117,54 @@ pub fn host_block_holds(service: &Service, hash: BlockHash, block: u32) -> bool 
 /// Block hashes `first..first + count`.
 pub fn hashes(first: u128, count: usize) -> Vec<BlockHash> {
     (0..count as u128).map(|i| BlockHash(first + i)).collect()
+}
+
+/// Runs one request over `hashes` to the end: match, allocate, wait (at most `wait`) for its
+/// copies, check that the hit blocks hold their bytes, write the new blocks, commit, finish.
+/// Returns how many blocks hit on device and on host.
+pub fn run_request(
+    service: &mut Service,
+    id: u64,
+    hashes: &[BlockHash],
+    wait: Duration,
+) -> (usize, usize) {
+    let request = RequestId(id);
+    let tokens = hashes.len() * service.cache().config().block_tokens as usize;
+    let matched = service.match_prefix(request, hashes, tokens).unwrap();
+    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
+    service.wait(ticket, wait).expect("the request's copies land");
+    for (index, &block) in table.iter().enumerate() {
+        if index < matched.blocks() {
+            assert!(device_block_holds(service, hashes[index], block), "hit block {index} intact");
+        } else {
+            write_block(service, hashes[index], block);
+        }
+    }
+    service.commit(request, tokens, hashes).unwrap();
+    service.finish(request).unwrap();
+    service.cache().check_invariants().unwrap();
+    (matched.device_blocks, matched.host_blocks)
+}
+
+/// Caches `hashes` as the new blocks of `request` (their bytes written, committed, finished)
+/// and polls once: under write-through, that issues their backup to the host tier.
+pub fn commit_new_blocks(service: &mut Service, request: RequestId, hashes: &[BlockHash]) {
+    let tokens = hashes.len() * service.cache().config().block_tokens as usize;
+    service.match_prefix(request, hashes, tokens).unwrap();
+    let table = service.allocate(request, tokens, 0).unwrap().block_table.to_vec();
+    for (&hash, &block) in hashes.iter().zip(&table) {
+        write_block(service, hash, block);
+    }
+    service.commit(request, tokens, hashes).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+}
+
+/// As [`commit_new_blocks`] under write-through, then checks that the backup is in flight and
+/// gives the worker a moment to pop it (it is then copying).
+pub fn start_backup(service: &mut Service, request: RequestId, hashes: &[BlockHash]) {
+    commit_new_blocks(service, request, hashes);
+    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
+    std::thread::sleep(Duration::from_millis(20));
 }

@@ -7,6 +7,9 @@
 //! the test fails. Without `redis-server` installed the tests fail loudly: they never skip.
 #![allow(dead_code)]
 
+#[path = "../ring_driver/mod.rs"]
+mod ring_driver;
+
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -221,15 +224,14 @@ pub fn unique_namespace(tag: &str) -> String {
 
 use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::config::SegmentConfig;
-use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::record::{encode_command, BlockPair, CommandHeader, CommandSlot, Completion, Op};
-use kvshm_ipc::ring::{Consumer, Producer};
-use kvshm_ipc::segment::{Mapped, Segment};
+use kvshm_ipc::record::{CommandHeader, Op};
+use kvshm_ipc::segment::Segment;
 use kvshm_ipc::storage_record::{
     encode_storage_command, storage_pair_count, StorageEntry, StorageResults,
 };
 use kvshm_ipc::worker_slot::RankStatus;
+pub use ring_driver::RingDriver;
 
 /// Generous bound for anything the worker tests wait for; reaching it is a failure.
 pub const PATIENCE: Duration = Duration::from_secs(20);
@@ -331,25 +333,31 @@ impl Drop for Worker {
     }
 }
 
-/// The scheduler's side of one rank, with the rank's host tier.
+/// The scheduler's side of one rank ([`RingDriver`]), with the rank's tiers and the storage
+/// commands.
 pub struct RankDriver<'a> {
-    pub segment: &'a Segment,
-    pub rank: u32,
-    commands: Mapped<Producer<CommandSlot>>,
-    completions: Mapped<Consumer<Completion>>,
-    next_id: u64,
+    pub ring: RingDriver<'a>,
     pub host: Arena,
     pub device: Arena,
+}
+
+impl<'a> std::ops::Deref for RankDriver<'a> {
+    type Target = RingDriver<'a>;
+    fn deref(&self) -> &RingDriver<'a> {
+        &self.ring
+    }
+}
+
+impl std::ops::DerefMut for RankDriver<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.ring
+    }
 }
 
 impl<'a> RankDriver<'a> {
     pub fn new(segment: &'a Segment, rank: u32) -> RankDriver<'a> {
         RankDriver {
-            segment,
-            rank,
-            commands: segment.command_producer(rank).unwrap(),
-            completions: segment.completion_consumer(rank).unwrap(),
-            next_id: 1,
+            ring: RingDriver::new(segment, rank),
             host: segment.open_arena(ArenaKind::Host, rank).unwrap(),
             device: segment.open_arena(ArenaKind::Device, rank).unwrap(),
         }
@@ -357,12 +365,6 @@ impl<'a> RankDriver<'a> {
 
     fn block_bytes(&self) -> usize {
         self.segment.config().block_bytes() as usize
-    }
-
-    pub fn header(&mut self, op: Op, pairs: u32) -> CommandHeader {
-        let id = self.next_id;
-        self.next_id += 1;
-        CommandHeader::new(op, id, self.segment.generation(), pairs)
     }
 
     /// Sends a storage command; returns its header.
@@ -376,49 +378,9 @@ impl<'a> RankDriver<'a> {
 
     /// Sends a copy or a FLUSH/PING; returns its header.
     pub fn send_copy(&mut self, op: Op, pairs: &[(u32, u32)]) -> CommandHeader {
-        let pairs: Vec<BlockPair> = pairs.iter().map(|&(s, d)| BlockPair::new(s, d)).collect();
-        let header = self.header(op, pairs.len() as u32);
-        let mut slots = Vec::new();
-        encode_command(&header, &pairs, &mut slots);
-        self.send_slots(&slots);
-        header
-    }
-
-    pub fn send_slots(&mut self, slots: &[CommandSlot]) {
-        self.commands.push_all(slots).expect("the command ring has room");
-        self.segment.command_doorbell(self.rank).unwrap().ring();
-    }
-
-    /// Waits for `count` completions, in arrival order.
-    pub fn completions(&mut self, count: usize) -> Vec<Completion> {
-        let deadline = Instant::now() + PATIENCE;
-        let mut out = Vec::new();
-        while out.len() < count {
-            let missing = count - out.len();
-            self.completions.pop_into(&mut out, missing).unwrap();
-            if out.len() == count {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {count} completions: {out:?}",
-                out.len()
-            );
-            let completions = &mut self.completions;
-            self.segment.scheduler_doorbell().wait_until(
-                || completions.len().unwrap() > 0,
-                WaitPolicy::new(Duration::from_micros(5), Duration::from_millis(5))
-                    .within(Duration::from_millis(50)),
-            );
-        }
-        out
-    }
-
-    /// Pops whatever completions have arrived into `out`; whether there were any.
-    pub fn try_completions(&mut self, out: &mut Vec<Completion>) -> bool {
-        let before = out.len();
-        self.completions.pop_into(out, usize::MAX).unwrap();
-        out.len() > before
+        let command = self.ring.copy(op, pairs);
+        self.ring.send([&command]);
+        command.0
     }
 
     /// Sends one storage command and waits for its completion, which must be OK; its results.
@@ -431,13 +393,7 @@ impl<'a> RankDriver<'a> {
     }
 
     pub fn wait_alive(&self, worker: &Worker) {
-        let deadline = Instant::now() + PATIENCE;
-        while self.segment.rank_status(self.rank).unwrap()
-            != (RankStatus::Alive { pid: worker.pid() })
-        {
-            assert!(Instant::now() < deadline, "worker never claimed rank {}", self.rank);
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        self.ring.wait_alive(worker.pid());
     }
 
     /// Plays the scheduler after a worker died: once the rank's worker is judged dead, reclaims
