@@ -2,7 +2,8 @@
 //! of real bytes, groups that own some tensors only, and the refusals of the worker mode.
 
 use kvshm::offload::host_tier::Backend;
-use kvshm::offload::transfer::{Direction, EngineLayout, TensorMemory};
+use kvshm::offload::tensor_memory::TensorMemory;
+use kvshm::offload::transfer::{Direction, EngineLayout};
 use kvshm::offload::{HostTier, HostTierError, TierEngine};
 use kvshm::service::SegmentName;
 

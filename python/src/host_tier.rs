@@ -5,7 +5,8 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use kvshm::offload::transfer::{Direction, EngineLayout, TensorMemory};
+use kvshm::offload::tensor_memory::TensorMemory;
+use kvshm::offload::transfer::{Direction, EngineLayout};
 use kvshm::offload::{HostTier as RustHostTier, HostTierError, TierEngine};
 use kvshm::service::{Backend, DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
 use pyo3::buffer::PyUntypedBuffer;

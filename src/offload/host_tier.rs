@@ -24,7 +24,8 @@ use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle};
 use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
 
-use super::transfer::{CopyError, Direction, EngineLayout, PlanError, TensorMemory};
+use super::tensor_memory::{CopyError, TensorMemory};
+use super::transfer::{Direction, EngineLayout, PlanError};
 use crate::manager::{CacheConfig, TransferKind};
 use crate::service::{
     CompletionBell, DirectCopyId, DirectCopyOutcome, Service, ServiceConfig, ServiceError,

@@ -5,8 +5,9 @@
 //! - [`manager`]: [`OffloadManager`], vLLM's `OffloadingManager` contract: lookups, loads and
 //!   stores of keys, chunks of the host tier, leaf-first LRU evictions, events.
 //! - [`candidates`]: the eviction order (a heap of recency ranks with lazy invalidation).
-//! - [`transfer`]: the worker side: transfer specs turned into block pairs, in-process copies
-//!   between the engine's tensors and the shared-memory host tier.
+//! - [`transfer`]: the worker side: transfer specs turned into block pairs.
+//! - [`tensor_memory`]: in-process copies of those pairs between the engine's tensors and the
+//!   shared-memory host tier.
 //! - [`host_tier`]: [`HostTier`], one rank's host tier segment and its jobs (in process, or by
 //!   a `kvshm worker` process over CUDA IPC handles, surviving its crashes).
 //! - [`torch_ipc`]: reading the CUDA IPC handle bytes PyTorch exports for a tensor.
@@ -21,6 +22,7 @@ pub mod candidates;
 pub mod host_tier;
 pub mod key;
 pub mod manager;
+pub mod tensor_memory;
 pub mod torch_ipc;
 pub mod transfer;
 

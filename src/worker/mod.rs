@@ -14,6 +14,7 @@
 //! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions.
 //! - [`command_reader`]: whole commands out of the command ring, across batch boundaries.
 //! - [`run`]: the serving loop of one claimed rank.
+//! - [`storage_open`]: opening the rank's storage back-end before serving.
 //! - [`storage_lane`]: the storage thread that runs STORE, LOAD and QUERY beside the copy loop.
 //! - [`completion_sink`]: the completion producer both threads push through.
 //! - [`process`]: the `kvshm worker` process: attach, claim, build the engine, serve.
@@ -39,6 +40,7 @@ pub mod process;
 pub mod run;
 pub mod storage_command;
 pub mod storage_lane;
+pub mod storage_open;
 pub mod stream_copy;
 pub mod validate;
 

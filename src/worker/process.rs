@@ -17,7 +17,7 @@
 //!    heartbeating, until the engine published the rank's device handles, then open them with the
 //!    host tier registered for DMA (a helper thread heartbeats while the driver sets up);
 //! 4. with `--storage`, open the rank's storage back-end and start its storage thread
-//!    ([`super::storage_lane`]); mark the claim serving ([`RankClaim::mark_serving`]: until now
+//!    ([`super::storage_open`], [`super::storage_lane`]); mark the claim serving ([`RankClaim::mark_serving`]: until now
 //!    the scheduler kept the rank Starting and sent it nothing, so no copy waits behind the set-up
 //!    and no command deadline runs during it); serve ([`Server::serve`]) until stopped, until the
 //!    scheduler is gone, or until the rank is lost;
@@ -42,7 +42,8 @@ use super::geometry::{Geometry, GeometryError, GeometryParams};
 use super::host_engine::{HostCopyEngine, HostEngineError, MappedArea};
 use super::prefault::{self, Populated};
 use super::run::{ServeError, ServeExit, ServeOptions, Server, ServerSetupError};
-use super::storage_lane::{open_backend, HostTier, LaneContext, StorageLane, StorageStartError};
+use super::storage_lane::{HostBlocks, LaneContext, StorageLane};
+use super::storage_open::{open_backend, StorageStartError};
 use crate::storage::spec::StorageOptions;
 
 /// How long a waiting worker sleeps between attempts (attach, claim, device handles).
@@ -189,7 +190,7 @@ fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
                 Server::new(&segment, &claim, engine.engine.as_mut(), &stop, options.serve)?;
             if let Some(backend) = storage {
                 let host =
-                    HostTier::new(host_area, &geometry).ok_or(StorageStartError::NoHostTier)?;
+                    HostBlocks::new(host_area, &geometry).ok_or(StorageStartError::NoHostTier)?;
                 let context = LaneContext {
                     segment: &segment,
                     claim: &claim,

@@ -3,11 +3,12 @@
 //! when Redis is away) never stalls the rank's device copies.
 //!
 //! Core types: [`StorageLane`] (the copy loop's handle on the thread), [`LaneContext`],
-//! [`HostTier`] (the rank's host blocks as the thread sees them), [`open_backend`].
+//! [`HostBlocks`] (the rank's host blocks as the thread sees them). Opening the back-end before
+//! the lane starts is [`super::storage_open`]'s.
 //!
 //! One storage command:
 //!
-//! 1. the worker opened its rank's back-end before serving ([`open_backend`]: heartbeating while
+//! 1. the worker opened its rank's back-end before serving ([`open_backend`](super::storage_open::open_backend): heartbeating while
 //!    a large slab is created, retrying while a worker being replaced still holds the slab);
 //! 2. the copy loop reads commands in ring order; it hands every storage command, valid or not,
 //!    to the lane ([`StorageLane::takes`], [`StorageLane::submit`]), which validates it and queues
@@ -49,21 +50,18 @@ use super::run::EXIT_CLAIM_LOST;
 use super::storage_command::{StorageCommand, StorageOp};
 use super::validate::{validate, ValidCommand};
 use crate::hash::BlockHash;
-use crate::storage::spec::{OpenError, StorageOptions};
 use crate::storage::tally::Tally;
 use crate::storage::{
-    BlockBytes, BlockBytesMut, BlockKey, BlockLayout, GetBlock, GetMiss, PutBlock, StorageBackend,
+    BlockBytes, BlockBytesMut, BlockKey, GetBlock, GetMiss, PutBlock, StorageBackend,
 };
 
 /// How often a storage thread facing a full completion ring looks for room.
 const FULL_RING_POLL: Duration = Duration::from_micros(500);
-/// How often the worker heartbeats while its back-end opens.
-const OPEN_POLL: Duration = Duration::from_millis(10);
 
 /// The rank's host tier as the storage thread reads and writes it: block `b` is `block_bytes`
 /// at `b * block_bytes` (block-major, as the copy engines lay it out).
 #[derive(Clone, Copy, Debug)]
-pub struct HostTier {
+pub struct HostBlocks {
     area: MappedArea,
     block_bytes: usize,
     blocks: u32,
@@ -72,15 +70,15 @@ pub struct HostTier {
 // SAFETY: the tier is a shared mapping that outlives the worker's threads (MappedArea's premise);
 // moving the description to the storage thread moves no ownership, and the thread touches the
 // bytes only under the block-ownership protocol (see `block`).
-unsafe impl Send for HostTier {}
+unsafe impl Send for HostBlocks {}
 
-impl HostTier {
+impl HostBlocks {
     /// The host tier over `area`; `None` when the area cannot hold the geometry's host blocks or
     /// the geometry has none.
-    pub fn new(area: MappedArea, geometry: &Geometry) -> Option<HostTier> {
+    pub fn new(area: MappedArea, geometry: &Geometry) -> Option<HostBlocks> {
         let block_bytes = usize::try_from(geometry.block_bytes()).ok()?;
         let needed = block_bytes.checked_mul(geometry.host_blocks() as usize)?;
-        (geometry.host_blocks() > 0 && area.len() >= needed).then_some(HostTier {
+        (geometry.host_blocks() > 0 && area.len() >= needed).then_some(HostBlocks {
             area,
             block_bytes,
             blocks: geometry.host_blocks(),
@@ -129,7 +127,7 @@ impl HostTier {
 pub struct LaneContext<'env> {
     pub segment: &'env Segment,
     pub claim: &'env RankClaim,
-    pub host: HostTier,
+    pub host: HostBlocks,
     pub sink: CompletionSink,
 }
 
@@ -305,7 +303,7 @@ impl Runner {
     fn run(
         &mut self,
         backend: &mut dyn StorageBackend,
-        host: &HostTier,
+        host: &HostBlocks,
         command: &StorageCommand,
     ) -> StorageResults {
         let mut results = StorageResults::default();
@@ -391,76 +389,5 @@ impl Runner {
         let evictions = backend.stats().evictions;
         counters.add(Counter::StorageEvictions, evictions.saturating_sub(self.last_evictions));
         self.last_evictions = evictions;
-    }
-}
-
-/// Why a worker's storage tier cannot be opened.
-#[derive(Debug, thiserror::Error)]
-pub enum StorageStartError {
-    #[error("the storage tier of rank {rank}: {reason}")]
-    Open { rank: u32, reason: OpenError },
-    #[error("the storage tier needs a host tier, and this segment has none (host_blocks = 0)")]
-    NoHostTier,
-    #[error(
-        "the segment's block layout cannot be stored ({block_bytes} bytes, {regions} regions)"
-    )]
-    BadLayout { block_bytes: u64, regions: u32 },
-    #[error("the scheduler reclaimed the rank while its storage tier was opening: {0}")]
-    ClaimLost(#[from] ClaimLost),
-}
-
-/// The block layout of `segment`'s ranks, as the storage tier records it.
-pub fn segment_layout(segment: &Segment) -> Result<BlockLayout, StorageStartError> {
-    let config = segment.config();
-    BlockLayout::new(config.block_bytes(), config.regions, config.tp_size).ok_or(
-        StorageStartError::BadLayout { block_bytes: config.block_bytes(), regions: config.regions },
-    )
-}
-
-/// Makes a write beyond the process's file size limit fail with `EFBIG` (a counted "no space")
-/// instead of killing the worker with SIGXFSZ.
-fn ignore_file_size_signal() {
-    use nix::sys::signal::{signal, SigHandler, Signal};
-    // SAFETY: SIG_IGN runs no handler code; nothing in the worker relies on SIGXFSZ.
-    if let Err(error) = unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) } {
-        tracing::warn!(%error, "cannot ignore SIGXFSZ");
-    }
-}
-
-/// Step 1: opens `rank`'s back-end, heartbeating meanwhile; a slab another process holds (a
-/// worker being replaced) is retried until `patience` runs out or `stop` says so.
-pub fn open_backend(
-    segment: &Segment,
-    claim: &RankClaim,
-    options: &StorageOptions,
-    patience: Duration,
-    stop: &(dyn Fn() -> bool + Sync),
-) -> Result<Box<dyn StorageBackend>, StorageStartError> {
-    let config = segment.config();
-    if config.host_blocks == 0 {
-        return Err(StorageStartError::NoHostTier);
-    }
-    let layout = segment_layout(segment)?;
-    let rank = claim.rank();
-    ignore_file_size_signal();
-    let started = Instant::now();
-    loop {
-        let opened = std::thread::scope(|scope| {
-            let opening = scope.spawn(|| options.open(rank, layout, config.host_blocks));
-            while !opening.is_finished() {
-                claim.heartbeat()?;
-                std::thread::sleep(OPEN_POLL);
-            }
-            claim.heartbeat()?;
-            Ok::<_, ClaimLost>(opening.join().expect("opening a back-end does not panic"))
-        })?;
-        match opened {
-            Ok(backend) => return Ok(backend),
-            Err(reason) if reason.is_busy() && started.elapsed() < patience && !stop() => {
-                tracing::info!(rank, %reason, "waiting for the storage slab");
-                std::thread::sleep(OPEN_POLL * 5);
-            }
-            Err(reason) => return Err(StorageStartError::Open { rank, reason }),
-        }
     }
 }
