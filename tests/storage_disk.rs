@@ -8,6 +8,7 @@ mod storage_support;
 
 use std::path::Path;
 use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
 use kvshm::storage::direct_io::{AlignedBuf, IoMode};
@@ -24,6 +25,21 @@ const CHILD_ENV: &str = "KVSHM_TEST_STORAGE_DISK_CHILD";
 
 fn layout(block_bytes: u64) -> BlockLayout {
     BlockLayout::new(block_bytes, 2, 1).unwrap()
+}
+
+/// Opens a slab, waiting while its lock is busy: a test of this binary that spawns a child
+/// process shares every descriptor with that child from its fork to its exec, the lock of a
+/// slab another test just closed with them.
+fn open(options: &DiskOptions) -> Result<DiskBackend, DiskError> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match DiskBackend::open(options) {
+            Err(DiskError::Index(IndexError::Busy { .. })) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            result => return result,
+        }
+    }
 }
 
 fn options(dir: &Path, block_bytes: u64, capacity: u64) -> DiskOptions {
@@ -101,7 +117,7 @@ fn all_ok<E: std::fmt::Debug>(outcomes: &[Result<(), E>]) -> bool {
 fn blocks_round_trip_through_the_slab_in_any_order() {
     let scratch = Scratch::new("roundtrip");
     let block = 64 * 1024;
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 64)).unwrap();
+    let mut backend = open(&options(&scratch.0, block as u64, 64)).unwrap();
     println!("io mode: {:?}", backend.io_mode());
     let tags: Vec<u64> = (1..=40).collect();
     assert!(all_ok(&put(&mut backend, &tags, block)));
@@ -129,7 +145,7 @@ fn blocks_that_are_not_page_sized_and_buffered_io_round_trip_too() {
         let scratch = Scratch::new(&format!("odd-{block}-{prefer_direct}"));
         let mut options = options(&scratch.0, block as u64, 16);
         options.prefer_direct = prefer_direct;
-        let mut backend = DiskBackend::open(&options).unwrap();
+        let mut backend = open(&options).unwrap();
         if !prefer_direct {
             assert_eq!(backend.io_mode(), IoMode::Buffered);
         }
@@ -157,10 +173,10 @@ fn a_reopened_slab_finds_its_blocks_and_their_prefix_chain() {
     let block = 16 * 1024;
     let tags: Vec<u64> = (1..=12).collect();
     {
-        let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 32)).unwrap();
+        let mut backend = open(&options(&scratch.0, block as u64, 32)).unwrap();
         assert!(all_ok(&put(&mut backend, &tags, block)));
     }
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 32)).unwrap();
+    let mut backend = open(&options(&scratch.0, block as u64, 32)).unwrap();
     assert_eq!(backend.len(), 12);
     assert!(all_ok(&get(&mut backend, &tags, block)));
     drop(backend);
@@ -184,12 +200,9 @@ fn a_block_on_only_some_ranks_is_not_listed_for_the_scheduler() {
     let block = 8192;
     let two_ranks = BlockLayout::new(block as u64, 2, 2).unwrap();
     for (rank, tags) in [(0u32, vec![1u64, 2, 3]), (1, vec![2, 3, 4])] {
-        let mut backend = DiskBackend::open(&DiskOptions {
-            rank,
-            layout: two_ranks,
-            ..options(&scratch.0, block as u64, 8)
-        })
-        .unwrap();
+        let mut backend =
+            open(&DiskOptions { rank, layout: two_ranks, ..options(&scratch.0, block as u64, 8) })
+                .unwrap();
         assert!(all_ok(&put(&mut backend, &tags, block)));
     }
     let listed = blocks_on_every_rank(&scratch.0.join("test"), &two_ranks).unwrap();
@@ -202,7 +215,7 @@ fn a_damaged_record_is_a_miss_and_is_dropped() {
     // Small blocks are verified inline, batches of 1 MiB or more on a second thread.
     for block in [8192usize, 512 * 1024] {
         let scratch = Scratch::new(&format!("corrupt-{block}"));
-        let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+        let mut backend = open(&options(&scratch.0, block as u64, 8)).unwrap();
         assert!(all_ok(&put(&mut backend, &[1, 2, 3], block)));
         let slot = backend.slot_of(key(2).hash).unwrap();
         let slab = backend.slab_path().to_owned();
@@ -213,7 +226,7 @@ fn a_damaged_record_is_a_miss_and_is_dropped() {
         bytes[(u64::from(slot) * slot_bytes + 5000) as usize] ^= 0x10;
         std::fs::write(&slab, &bytes).unwrap();
 
-        let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+        let mut backend = open(&options(&scratch.0, block as u64, 8)).unwrap();
         let outcomes = get(&mut backend, &[1, 2, 3], block);
         assert_eq!(outcomes, vec![Ok(()), Err(GetMiss::Corrupt), Ok(())], "{block}");
         assert_eq!(
@@ -222,7 +235,7 @@ fn a_damaged_record_is_a_miss_and_is_dropped() {
             "dropped after the miss"
         );
         drop(backend);
-        let backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+        let backend = open(&options(&scratch.0, block as u64, 8)).unwrap();
         assert_eq!(backend.len(), 2, "the damaged record stays dropped after a restart");
     }
 }
@@ -231,7 +244,7 @@ fn a_damaged_record_is_a_miss_and_is_dropped() {
 fn a_damaged_index_record_is_zeroed_at_open() {
     let scratch = Scratch::new("torn-index");
     let block = 8192;
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+    let mut backend = open(&options(&scratch.0, block as u64, 8)).unwrap();
     assert!(all_ok(&put(&mut backend, &[1, 2], block)));
     let slot = backend.slot_of(key(1).hash).unwrap();
     let index = backend.index_path().to_owned();
@@ -239,7 +252,7 @@ fn a_damaged_index_record_is_zeroed_at_open() {
     let mut bytes = std::fs::read(&index).unwrap();
     bytes[4096 + slot as usize * 64 + 20] ^= 1;
     std::fs::write(&index, &bytes).unwrap();
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+    let mut backend = open(&options(&scratch.0, block as u64, 8)).unwrap();
     assert_eq!(backend.damaged_at_open(), 1);
     assert_eq!(get(&mut backend, &[1, 2], block), vec![Err(GetMiss::Absent), Ok(())]);
 }
@@ -248,7 +261,7 @@ fn a_damaged_index_record_is_zeroed_at_open() {
 fn a_full_slab_reuses_its_least_recent_slots_leaves_before_parents() {
     let scratch = Scratch::new("lru");
     let block = 4096;
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 4)).unwrap();
+    let mut backend = open(&options(&scratch.0, block as u64, 4)).unwrap();
     // A prefix of three blocks stored together, then one more block and one more after that.
     assert!(all_ok(&put(&mut backend, &[1, 2, 3], block)));
     assert!(all_ok(&put(&mut backend, &[10], block)));
@@ -278,15 +291,15 @@ fn a_slab_grows_and_shrinks_with_the_capacity_it_is_reopened_with() {
     let scratch = Scratch::new("resize");
     let block = 4096;
     {
-        let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 4)).unwrap();
+        let mut backend = open(&options(&scratch.0, block as u64, 4)).unwrap();
         assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4], block)));
     }
     {
-        let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 8)).unwrap();
+        let mut backend = open(&options(&scratch.0, block as u64, 8)).unwrap();
         assert!(all_ok(&put(&mut backend, &[5, 6, 7, 8], block)));
         assert!(all_ok(&get(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8], block)));
     }
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, 2)).unwrap();
+    let mut backend = open(&options(&scratch.0, block as u64, 2)).unwrap();
     assert_eq!(backend.len(), 2);
     let outcomes = get(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8], block);
     assert_eq!(outcomes.iter().filter(|o| o.is_ok()).count(), 2);
@@ -297,18 +310,17 @@ fn a_slab_grows_and_shrinks_with_the_capacity_it_is_reopened_with() {
 #[test]
 fn a_slab_of_another_layout_or_held_by_another_process_is_refused_clearly() {
     let scratch = Scratch::new("refuse");
-    let held = DiskBackend::open(&options(&scratch.0, 4096, 4)).unwrap();
+    let held = open(&options(&scratch.0, 4096, 4)).unwrap();
     let busy = DiskBackend::open(&options(&scratch.0, 4096, 4)).unwrap_err();
     assert!(matches!(busy, DiskError::Index(IndexError::Busy { .. })), "{busy}");
     drop(held);
-    let other = DiskBackend::open(&options(&scratch.0, 8192, 4)).unwrap_err();
+    let other = open(&options(&scratch.0, 8192, 4)).unwrap_err();
     assert!(matches!(other, DiskError::Index(IndexError::LayoutMismatch { .. })), "{other}");
     assert!(other.to_string().contains("another storage namespace"), "{other}");
     // A file that is not ours is never overwritten.
     let foreign = scratch.0.join("test").join("rank-1.index");
     std::fs::write(&foreign, b"not a kvshm index at all, but somebody's data").unwrap();
-    let refused =
-        DiskBackend::open(&DiskOptions { rank: 1, ..options(&scratch.0, 4096, 4) }).unwrap_err();
+    let refused = open(&DiskOptions { rank: 1, ..options(&scratch.0, 4096, 4) }).unwrap_err();
     assert!(matches!(refused, DiskError::Index(IndexError::Foreign { .. })), "{refused}");
     assert!(std::fs::read(&foreign).unwrap().starts_with(b"not a kvshm"));
 }
@@ -396,7 +408,7 @@ fn a_writer_killed_at_any_step_of_a_write_leaves_no_record_with_wrong_bytes() {
             "{hook}: the child was not killed ({status:?})"
         );
 
-        let mut backend = DiskBackend::open(&options(&scratch.0, 8192, 4)).unwrap();
+        let mut backend = open(&options(&scratch.0, 8192, 4)).unwrap();
         assert_eq!(backend.damaged_at_open(), 0, "{hook}");
         // `get` checks every hit's bytes; what matters is which blocks are there.
         let outcomes = get(&mut backend, &[1, 2, 3, 4, 5, 6], 8192);
@@ -440,10 +452,10 @@ fn a_full_disk_is_a_clear_error_at_creation_and_a_counted_no_space_when_writing(
     // Writing: a slab made without a limit, then written under a limit that covers only its
     // first 3 slots: 3 blocks stored, 5 "no space", and the stored ones read back.
     let scratch = Scratch::new("full-write");
-    drop(DiskBackend::open(&options(&scratch.0, 4096, 8)).unwrap());
+    drop(open(&options(&scratch.0, 4096, 8)).unwrap());
     let status = run_child(test, &format!("fsize|{}|{}|8", scratch.0.display(), 3 * 4096));
     assert_eq!(status.code(), Some(23), "{status:?}");
-    let mut backend = DiskBackend::open(&options(&scratch.0, 4096, 8)).unwrap();
+    let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
     assert!(all_ok(&get(&mut backend, &[1, 2, 3], 4096)));
     assert_eq!(backend.len(), 3);
 }
@@ -519,7 +531,7 @@ fn the_slab_matches_a_reference_lru_over_random_batches_and_restarts() {
     let scratch = Scratch::new("random");
     let block = 4096;
     let capacity = 12;
-    let mut backend = DiskBackend::open(&options(&scratch.0, block as u64, capacity)).unwrap();
+    let mut backend = open(&options(&scratch.0, block as u64, capacity)).unwrap();
     let mut model = ModelSlab {
         capacity: capacity as usize,
         order: Vec::new(),
@@ -562,7 +574,7 @@ fn the_slab_matches_a_reference_lru_over_random_batches_and_restarts() {
             }
             _ => {
                 drop(backend);
-                backend = DiskBackend::open(&options(&scratch.0, block as u64, capacity)).unwrap();
+                backend = open(&options(&scratch.0, block as u64, capacity)).unwrap();
                 backend.check_invariants();
                 model.reopen();
             }
