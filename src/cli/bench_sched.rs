@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use crate::hash::BlockHash;
 use crate::manager::ids::IdMap;
-use crate::manager::{CacheConfig, CacheManager, RequestId};
+use crate::manager::{CacheConfig, CacheManager, EvictionPolicy, RequestId};
 use crate::percentiles::Percentiles;
 
 #[derive(Debug, clap::Args)]
@@ -51,6 +51,9 @@ pub struct BenchOptions {
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     pub block_tokens: u32,
+    /// The eviction policy of the cache (an online one).
+    #[arg(long, default_value_t = EvictionPolicy::default())]
+    pub eviction: EvictionPolicy,
 }
 
 impl Default for BenchOptions {
@@ -60,6 +63,7 @@ impl Default for BenchOptions {
             request_blocks: 64,
             samples: 5_000,
             block_tokens: 16,
+            eviction: EvictionPolicy::default(),
         }
     }
 }
@@ -79,6 +83,11 @@ impl BenchOptions {
         within(self.cached_blocks, self.request_blocks..=MAX_BLOCKS, "--cached-blocks")?;
         at_least(self.samples, 1, "--samples")?;
         at_least(self.block_tokens, 1, "--block-tokens")?;
+        anyhow::ensure!(
+            !self.eviction.is_offline(),
+            "--eviction {} needs a trace's future: only `kvshm replay` runs it",
+            self.eviction
+        );
         let paths = self.cached_blocks.div_ceil(self.request_blocks);
         let fresh = self.request_blocks - self.request_blocks / 2;
         let device_blocks = paths
@@ -213,7 +222,9 @@ pub fn measure(
 
     // 1. Fill.
     let heap_before = heap_in_use();
-    let mut cache = CacheManager::new(CacheConfig::new(options.block_tokens, device_blocks))?;
+    let config =
+        CacheConfig::new(options.block_tokens, device_blocks).with_eviction(options.eviction);
+    let mut cache = CacheManager::new(config)?;
     let start = Instant::now();
     for index in 0..paths {
         let id = request();
@@ -387,10 +398,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_small_run_measures_every_operation() {
-        let options =
-            BenchOptions { cached_blocks: 640, request_blocks: 8, samples: 20, block_tokens: 4 };
-        let report = measure(&options, &glibc_heap_in_use, "mallinfo2").unwrap();
+    fn a_small_run_measures_every_operation_with_every_online_policy() {
+        for eviction in EvictionPolicy::online() {
+            let options = BenchOptions {
+                cached_blocks: 640,
+                request_blocks: 8,
+                samples: 20,
+                block_tokens: 4,
+                eviction,
+            };
+            small_run(&options);
+        }
+        let offline = BenchOptions { eviction: EvictionPolicy::Optimal, ..BenchOptions::default() };
+        let error = offline.check().unwrap_err().to_string();
+        assert!(error.contains("--eviction optimal"), "{error}");
+    }
+
+    fn small_run(options: &BenchOptions) {
+        let report = measure(options, &glibc_heap_in_use, "mallinfo2").unwrap();
         assert_eq!(report.cached_blocks, 640);
         for percentiles in [
             report.match_ns_per_block,

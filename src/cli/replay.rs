@@ -19,6 +19,11 @@
 //! With `--prompt-only` this reproduces vLLM's own `KVCacheManager` request for request: vLLM
 //! keeps block 0 of its pool as a null block, so vLLM with `N` blocks caches what kvshm does with
 //! `N - 1` (the harness checks it).
+//!
+//! `--eviction optimal` replays with the offline optimum (farthest next use first, see
+//! `tree::policy::optimal`): before serving, the replay records in which requests each block may
+//! hit ([`future_uses`]). It is an upper bound for the online policies, not a policy to serve
+//! with.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -28,7 +33,8 @@ use serde::Serialize;
 
 use crate::hash::BlockHash;
 use crate::manager::{
-    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, TransferId, WritePolicy,
+    AllocateError, CacheConfig, CacheManager, EvictionPolicy, FutureUses, RequestId, TransferId,
+    WritePolicy,
 };
 use crate::percentiles::Percentiles;
 use crate::trace::{read_trace, TraceRequest};
@@ -53,7 +59,8 @@ pub struct Args {
     /// Device blocks `poll` keeps free ahead of demand.
     #[arg(long, default_value_t = 0)]
     pub free_watermark: u32,
-    /// The eviction policy ordering what leaves each tier first (lru).
+    /// The eviction policy ordering what leaves each tier first: lru, conv, or optimal (the
+    /// offline optimum, an upper bound: it reads the whole trace first).
     #[arg(long, default_value_t = EvictionPolicy::default())]
     pub eviction: EvictionPolicy,
     /// Replay only the first N requests.
@@ -146,17 +153,40 @@ pub struct Replayer {
 }
 
 impl Replayer {
-    /// A replayer with room for the figures of `expected_requests` requests.
+    /// A replayer with room for the figures of `expected_requests` requests; its eviction
+    /// policy must be online.
     pub fn new(
         config: CacheConfig,
         prompt_only: bool,
         expected_requests: usize,
     ) -> anyhow::Result<Replayer> {
-        Ok(Replayer {
+        let cache = CacheManager::new(config.clone())?;
+        Ok(Replayer::with_cache(cache, config, prompt_only, expected_requests))
+    }
+
+    /// A replayer whose offline eviction policy orders by `future` (see [`future_uses`]): the
+    /// requests must then be served in the order `future` was built from.
+    pub fn with_future(
+        config: CacheConfig,
+        prompt_only: bool,
+        future: FutureUses,
+    ) -> anyhow::Result<Replayer> {
+        let expected_requests = future.requests() as usize;
+        let cache = CacheManager::with_future(config.clone(), future)?;
+        Ok(Replayer::with_cache(cache, config, prompt_only, expected_requests))
+    }
+
+    fn with_cache(
+        cache: CacheManager,
+        config: CacheConfig,
+        prompt_only: bool,
+        expected_requests: usize,
+    ) -> Replayer {
+        Replayer {
             block_tokens: config.block_tokens as usize,
             write_policy: config.write_policy.to_string(),
             eviction: config.eviction.to_string(),
-            cache: CacheManager::new(config)?,
+            cache,
             prompt_only,
             hashes: Vec::new(),
             taken: Vec::new(),
@@ -169,7 +199,7 @@ impl Replayer {
             host_hits: 0,
             input_tokens: 0,
             hit_tokens: 0,
-        })
+        }
     }
 
     /// Serves the next request of the trace (module flow), timing steps 1 to 5.
@@ -207,6 +237,11 @@ impl Replayer {
         Ok(())
     }
 
+    /// The cache manager being replayed into (for inspection and invariant checks).
+    pub fn cache(&self) -> &CacheManager {
+        &self.cache
+    }
+
     /// The report of the requests served so far.
     pub fn finish(mut self) -> Replayed {
         let stats = self.cache.stats();
@@ -241,13 +276,31 @@ impl Replayer {
     }
 }
 
-/// Replays `requests` one at a time through a fresh manager (module flow).
+/// In which of `requests` each block may hit: its position is below the request's last-token
+/// bound, `(input_length - 1) / block_tokens` (the future the offline optimum orders by).
+pub fn future_uses(requests: &[TraceRequest], block_tokens: u32) -> FutureUses {
+    let block_tokens = block_tokens as usize;
+    let mut future = FutureUses::default();
+    for request in requests {
+        let bound = request.input_length.saturating_sub(1) / block_tokens;
+        future.push_request(request.full_block_hashes(block_tokens).take(bound));
+    }
+    future
+}
+
+/// Replays `requests` one at a time through a fresh manager (module flow); an offline eviction
+/// policy gets their future first.
 pub fn replay(
     requests: &[TraceRequest],
     config: CacheConfig,
     prompt_only: bool,
 ) -> anyhow::Result<Replayed> {
-    let mut replayer = Replayer::new(config, prompt_only, requests.len())?;
+    let mut replayer = if config.eviction.is_offline() {
+        let future = future_uses(requests, config.block_tokens);
+        Replayer::with_future(config, prompt_only, future)?
+    } else {
+        Replayer::new(config, prompt_only, requests.len())?
+    };
     for request in requests {
         replayer.serve(request)?;
     }

@@ -111,6 +111,12 @@ pub enum ConfigError {
     ThresholdTooHigh { threshold: u32, max: u32 },
     #[error("free watermark {watermark} is above the {device_blocks} device blocks")]
     WatermarkAboveCapacity { watermark: u32, device_blocks: u32 },
+    #[error(
+        "the {0} eviction policy needs the future of the trace: only `kvshm replay` can run it"
+    )]
+    OfflinePolicy(EvictionPolicy),
+    #[error("the {0} eviction policy is online: it takes no future")]
+    OnlinePolicy(EvictionPolicy),
 }
 
 #[cfg(test)]

@@ -4,26 +4,27 @@
 //! 2. Give its own blocks back in reverse order (the tail first), except a block claimed from a
 //!    swap-out that is still reading it: that copy keeps it until it completes.
 //! 3. Release its nodes in reverse order, touching them now: at ref count 0 they become
-//!    evictable, the tail first (deeper first on the equal access time).
+//!    evictable, the tail first (deeper first on the equal access time). The eviction policy
+//!    hears which request ends before, and after a finish that its path's end ended a turn.
 
 use super::{CacheManager, FinishError, RequestId};
 
 impl CacheManager {
     /// Ends a request that ran to completion.
     pub fn finish(&mut self, request: RequestId) -> Result<(), FinishError> {
-        self.end(request)?;
+        self.end(request, true)?;
         self.stats.finished_requests += 1;
         Ok(())
     }
 
     /// Ends a request early (cancelled, preempted, or its ticket failed).
     pub fn abort(&mut self, request: RequestId) -> Result<(), FinishError> {
-        self.end(request)?;
+        self.end(request, false)?;
         self.stats.aborted_requests += 1;
         Ok(())
     }
 
-    fn end(&mut self, request: RequestId) -> Result<(), FinishError> {
+    fn end(&mut self, request: RequestId, finished: bool) -> Result<(), FinishError> {
         let mut record =
             self.requests.remove(&request).ok_or(FinishError::UnknownRequest(request))?;
         for ticket in &record.tickets {
@@ -45,8 +46,12 @@ impl CacheManager {
                 Err(_) => self.free_device(block),
             }
         }
+        self.tree.request_ending(record.policy_tag);
         for &id in record.path.iter().rev() {
             self.tree.release(id);
+        }
+        if let (true, Some(&last)) = (finished, record.path.last()) {
+            self.tree.turn_ended(last);
         }
         self.requests.recycle(record);
         Ok(())

@@ -104,7 +104,8 @@ impl CacheManager {
         let CacheManager { requests, tree, pending_backups, stats, .. } = self;
         let record = requests.start(request).ok_or(MatchError::DuplicateRequest(request))?;
         let found = walk(tree, matchable, |id| record.path.push(id));
-        tree.request_started();
+        record.policy_tag = tree
+            .request_started(record.path.last().copied(), hashes.get(record.path.len()).copied());
         for &id in &record.path {
             // The usual hit (on device, no backup to consider) takes the fast path.
             if selective.is_none() && tree.node(id).state() != NodeState::SwapToHost(SwapOut::Evict)

@@ -60,6 +60,7 @@ pub use transfer::{
 };
 
 use crate::pool::BlockPool;
+pub use crate::tree::FutureUses;
 use crate::tree::{NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
 use allocate::AllocateScratch;
 use ids::IdMap;
@@ -104,10 +105,35 @@ pub struct CacheManager {
 }
 
 impl CacheManager {
+    /// A cache manager for `config`. An offline eviction policy (one that needs the future) is
+    /// refused: see [`CacheManager::with_future`].
     pub fn new(config: CacheConfig) -> Result<CacheManager, ConfigError> {
+        if config.eviction.is_offline() {
+            return Err(ConfigError::OfflinePolicy(config.eviction));
+        }
+        CacheManager::build(config)
+    }
+
+    /// A cache manager whose offline eviction policy (`optimal`) orders by `future`: the uses
+    /// of every block in the requests to come, which only a replay of a known trace has. The
+    /// requests must then be matched in the order `future` numbers them, each once.
+    pub fn with_future(
+        config: CacheConfig,
+        future: FutureUses,
+    ) -> Result<CacheManager, ConfigError> {
+        let mut cache = CacheManager::build(config)?;
+        if !cache.tree.foresee(future) {
+            return Err(ConfigError::OnlinePolicy(cache.config.eviction));
+        }
+        Ok(cache)
+    }
+
+    fn build(config: CacheConfig) -> Result<CacheManager, ConfigError> {
         config.validate()?;
+        let mut tree = Tree::new(config.eviction);
+        tree.configure_policy(config.device_blocks, config.host_blocks);
         Ok(CacheManager {
-            tree: Tree::new(config.eviction),
+            tree,
             device: BlockPool::new(config.device_blocks).expect(VALIDATED_CAPACITY),
             host: BlockPool::new(config.host_blocks).expect(VALIDATED_CAPACITY),
             config,

@@ -26,6 +26,7 @@ impl CacheManager {
             return Err(MatchError::AlreadyAllocated(request));
         }
         let record = self.requests.remove(&request).expect("found just above");
+        self.tree.request_ending(record.policy_tag);
         for &id in record.path.iter().rev() {
             self.tree.release(id);
         }

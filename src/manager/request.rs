@@ -43,6 +43,8 @@ pub(crate) struct Request {
     pub pending_tickets: u32,
     /// Set when a swap-in it waited on failed; only finish or abort are accepted afterwards.
     pub failed: bool,
+    /// The eviction policy's tag for the request (from its match), told back at its end.
+    pub policy_tag: u8,
 }
 
 impl Request {

@@ -93,6 +93,7 @@ impl CacheManager {
             }
         })?;
         self.config.device_blocks = blocks;
+        self.tree.configure_policy(blocks, self.config.host_blocks);
         Ok(())
     }
 }

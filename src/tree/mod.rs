@@ -37,8 +37,8 @@ use crate::hash::BlockHash;
 use index::ChildIndex;
 use node::Tier;
 pub use node::{Node, NodeId, NodeMut, NodeState, SwapOut};
-use policy::{Access, EvictSet, Membership, Policies};
-pub use policy::{EvictionPolicy, ParseEvictionPolicyError};
+use policy::{Access, EvictSet, MatchEnd, Membership, Policies, TierShape};
+pub use policy::{EvictionPolicy, FutureUses, ParseEvictionPolicyError};
 pub use snapshot::{SnapshotNode, TreeSnapshot};
 
 /// The radix tree: arena, child index and evictable sets.
@@ -202,9 +202,32 @@ impl Tree {
         self.node(id).device_child_count
     }
 
-    /// Tells the eviction policy that a request started (its match).
-    pub fn request_started(&mut self) {
-        self.policy.request_started();
+    /// Tells the eviction policy that a request started: its match ended at `deepest` (none: no
+    /// block hit), and `next_key` is the prompt's first block past the match. Returns the
+    /// policy's tag for the request, to hand to [`Tree::request_ending`].
+    pub fn request_started(&mut self, deepest: Option<NodeId>, next_key: Option<BlockHash>) -> u8 {
+        let deepest = deepest.map(|id| (id, !self.node(id).has_children()));
+        self.policy.request_started(MatchEnd { deepest, next_key })
+    }
+
+    /// Tells the eviction policy that the releases that follow end the request tagged `tag`.
+    pub fn request_ending(&mut self, tag: u8) {
+        self.policy.request_ending(tag);
+    }
+
+    /// Tells the eviction policy that a request finished with `last` the end of its path.
+    pub fn turn_ended(&mut self, last: NodeId) {
+        self.policy.turn_ended(last);
+    }
+
+    /// Tells the eviction policy the tiers' sizes (once, before the first node).
+    pub fn configure_policy(&mut self, device_blocks: u32, host_blocks: u32) {
+        self.policy.configure(TierShape { device_blocks, host_blocks });
+    }
+
+    /// Hands an offline eviction policy the future it orders by; `false` for an online one.
+    pub fn foresee(&mut self, future: FutureUses) -> bool {
+        self.policy.foresee(future)
     }
 
     /// Inserts a new node under `parent` and lets `init` set its fields; it starts as `Device`
@@ -307,10 +330,12 @@ impl Tree {
         assert!(!node.has_children(), "removing a node with children is a programming error");
         let (parent, prev, next, sets) =
             (node.parent, node.prev_sibling, node.next_sibling, node.membership());
-        let (hash, had_device) = (*node.hash_words(), node.device().is_some());
+        let (hash, key, had_device) = (*node.hash_words(), node.hash(), node.device().is_some());
         if !sets.is_empty() {
             self.policy.leave(id, sets);
         }
+        let sole_child = parent != NodeId::ROOT && prev == NodeId::NONE && next == NodeId::NONE;
+        self.policy.removing(id, key, sole_child.then_some(parent));
         self.index.remove(id, &hash);
         if prev == NodeId::NONE {
             self.nodes[parent.index()].first_child = next;

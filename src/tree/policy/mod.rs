@@ -25,12 +25,22 @@
 //! parent is used whenever a child is, such an order never puts a parent before its descendants,
 //! and the tree only files leaves anyway.
 //!
+//! Besides the changes of nodes, a policy hears of requests (all hooks have no-op defaults, so a
+//! policy that needs none implements none): [`Policy::request_started`] at a match, with where
+//! the match ended, returning a tag the manager keeps with the request; [`Policy::request_ending`]
+//! with that tag before the end of the request releases its path, and [`Policy::turn_ended`]
+//! after a finish; [`Policy::removing`] when a node leaves the tree; [`Policy::configure`] with
+//! the shape of the tiers. `conv` uses them to follow conversations; `optimal` counts requests.
+//!
 //! Adding a policy: write `policy/NAME.rs` with a type implementing [`Policy`], and add one line
 //! to the `registry!` invocation below (its name, variant and type). Everything else (the
 //! `--eviction` options, `CacheConfig`, `check_invariants`, the randomized tests, which run for
-//! every registered policy) picks it up from there.
+//! every registered online policy) picks it up from there. An offline policy (one that needs
+//! the future, as `optimal`) is named in [`EvictionPolicy::is_offline`] too.
 
+mod conv;
 mod lru;
+mod optimal;
 
 use std::ops::ControlFlow;
 
@@ -38,6 +48,7 @@ use serde::{Serialize, Serializer};
 
 use super::NodeId;
 use crate::hash::BlockHash;
+pub use optimal::FutureUses;
 
 /// A kind of victim, with the set of nodes that can be it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,13 +113,43 @@ pub enum Access {
     Release,
 }
 
+/// Where a request's match ended, for [`Policy::request_started`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MatchEnd {
+    /// The deepest node matched, if any, and whether it has no children.
+    pub deepest: Option<(NodeId, bool)>,
+    /// The key of the prompt's first block past the match, if the prompt has one.
+    pub next_key: Option<BlockHash>,
+}
+
+/// The tiers a cache has, for [`Policy::configure`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierShape {
+    pub device_blocks: u32,
+    /// 0: no host tier.
+    pub host_blocks: u32,
+}
+
 /// The contract of an eviction policy. The tree calls it on every change of a node's sets
 /// (module flow); a policy keeps whatever per-node state it needs, indexed by node id.
 pub trait Policy: Default + std::fmt::Debug {
     /// Makes room for per-node state of ids below `nodes` (the arena grew).
     fn reserve_nodes(&mut self, nodes: usize);
-    /// A request started (its match), for policies that count requests.
-    fn request_started(&mut self) {}
+    /// A request started: its match ended at `matched` (see [`MatchEnd`]). Returns a tag that
+    /// the manager keeps with the request and hands to [`Policy::request_ending`].
+    fn request_started(&mut self, _matched: MatchEnd) -> u8 {
+        0
+    }
+    /// The releases that follow (until the next call) end the request tagged `tag`.
+    fn request_ending(&mut self, _tag: u8) {}
+    /// A request finished (not aborted): `last` is the last node of its path, its prompt's end.
+    fn turn_ended(&mut self, _last: NodeId) {}
+    /// `node`, keyed by `key`, leaves the tree (after it left its sets). `sole_child_of` is its
+    /// parent when that is not the root and has no other child: the parent becomes the end of
+    /// the chain.
+    fn removing(&mut self, _node: NodeId, _key: BlockHash, _sole_child_of: Option<NodeId>) {}
+    /// The shape of the tiers, told once before any node and kept across [`Policy::clear`].
+    fn configure(&mut self, _tiers: TierShape) {}
     /// Whether [`Policy::touch`] wants to hear of accesses of this kind (the tree skips the call
     /// otherwise: most accesses of most policies change nothing).
     fn wants(&self, access: Access) -> bool;
@@ -191,9 +232,32 @@ macro_rules! registry {
                 }
             }
             #[inline]
-            pub fn request_started(&mut self) {
+            pub fn request_started(&mut self, matched: MatchEnd) -> u8 {
                 match self {
-                    $(Policies::$variant(p) => p.request_started(),)+
+                    $(Policies::$variant(p) => p.request_started(matched),)+
+                }
+            }
+            #[inline]
+            pub fn request_ending(&mut self, tag: u8) {
+                match self {
+                    $(Policies::$variant(p) => p.request_ending(tag),)+
+                }
+            }
+            #[inline]
+            pub fn turn_ended(&mut self, last: NodeId) {
+                match self {
+                    $(Policies::$variant(p) => p.turn_ended(last),)+
+                }
+            }
+            #[inline]
+            pub fn removing(&mut self, node: NodeId, key: BlockHash, sole_child_of: Option<NodeId>) {
+                match self {
+                    $(Policies::$variant(p) => p.removing(node, key, sole_child_of),)+
+                }
+            }
+            pub fn configure(&mut self, tiers: TierShape) {
+                match self {
+                    $(Policies::$variant(p) => p.configure(tiers),)+
                 }
             }
             #[inline]
@@ -262,6 +326,35 @@ macro_rules! registry {
 
 registry! {
     "lru" => Lru(lru::Lru), "Least recently used first (deeper first on equal recency); the default.";
+    "conv" => Conv(conv::Conv), "Conversation-generation aging: blocks of conversations continued more often are kept longer, by the median think time per continuation.";
+    "optimal" => Optimal(optimal::Optimal), "The offline optimum (farthest next use first): needs the trace's future, so `kvshm replay` only; an upper bound, not a policy to serve with.";
+}
+
+impl EvictionPolicy {
+    /// Whether the policy needs the future (the requests to come), so that only a replay of a
+    /// known trace can run it.
+    pub fn is_offline(self) -> bool {
+        matches!(self, EvictionPolicy::Optimal)
+    }
+
+    /// Every registered policy that can serve live requests.
+    pub fn online() -> impl Iterator<Item = EvictionPolicy> {
+        EvictionPolicy::ALL.iter().copied().filter(|policy| !policy.is_offline())
+    }
+}
+
+impl Policies {
+    /// Hands the offline policy the future it orders by; `false` (and nothing done) for an
+    /// online one.
+    pub fn foresee(&mut self, future: FutureUses) -> bool {
+        match self {
+            Policies::Optimal(optimal) => {
+                optimal.foresee(future);
+                true
+            }
+            _ => false,
+        }
+    }
 }
 
 // The default is chosen here, not by the order of the registry (which the derive would need).
@@ -314,6 +407,8 @@ mod tests {
             assert_eq!(Policies::new(policy).kind(), policy);
         }
         assert_eq!(EvictionPolicy::default(), EvictionPolicy::Lru);
+        let online: Vec<_> = EvictionPolicy::online().collect();
+        assert_eq!(online, [EvictionPolicy::Lru, EvictionPolicy::Conv]);
         let error = "fifo".parse::<EvictionPolicy>().unwrap_err();
         assert!(error.to_string().contains("lru"), "{error}");
     }

@@ -1,0 +1,842 @@
+//! Conversation-generation aging ("conv"): blocks of conversations that were continued more
+//! often are kept longer, by one typical think time per continuation.
+//!
+//! In a multi-turn workload a conversation that has been continued is more likely to be
+//! continued again, and every continuation comes after a human think time, far longer than LRU's
+//! memory of a few hundred requests. So a block's eviction age is shifted by `tau` per class of
+//! its conversation's generation, `tau` being the median gap between a turn and its continuation,
+//! measured online. The rules, per request:
+//! 1. *Generation* (at its match, [`Policy::request_started`]): if the deepest matched node has
+//!    no children and carries the turn-end mark (the end of an earlier finished prompt), the
+//!    request continues that conversation: generation = the node's + 1. Else, if the prompt's
+//!    first block past the match is in the ghost table (rule 4), generation = the ghost's + 1
+//!    (its slot is emptied). Else 1. A continuation records its gap (in release stamps) for rule 5.
+//! 2. *Release* (the end of the request): every node it releases takes a fresh stamp (as LRU)
+//!    and the request's generation; after a finish, the last node of its path is marked as a
+//!    turn's end.
+//! 3. *Class* (when a node joins a set): `min(5, max(generation, hit count)) - 1`, the hit count
+//!    lifting a hot shared prefix (a system prompt) that the last request through it happened to
+//!    release at generation 1.
+//! 4. *Removal*: a marked node whose parent is not the root and has no other child passes the
+//!    mark to the parent (now the end of the cached chain); any other marked node leaves a ghost
+//!    (its key, stamp and generation) in a small table, so that a conversation evicted entirely
+//!    is still recognised when it comes back.
+//! 5. *tau*: a histogram of gaps in quarter-octave bins, halved every 256 observations; every 8th
+//!    observation `tau` becomes the median bin's centre. 0 (plain LRU) until 32 gaps were seen.
+//! 6. *Victim*: on the last tier (device without a host tier, else host) the member with the
+//!    smallest `stamp + tau * class`, ties to the older stamp; the device tier above a host tier
+//!    is plain LRU (evicting there writes back and loses nothing, and protecting continued chains
+//!    on device only duplicates their host copies).
+//!
+//! Every parameter is fixed and none depends on the cache's size; the time scale is learned.
+//!
+//! Structures: per class, the lists of LRU (device only, device and host, host only), sorted by
+//! stamp and threaded through 12-byte per-node links, plus one claimable list; a set's first
+//! member is the best of at most ten list heads, whose stamps are cached with a mask of the
+//! non-empty lists. Per node one more byte: generation (3 bits), hits beyond the first (3 bits)
+//! and the turn-end mark; a node's class is derived from it, so its list needs no field. The
+//! ghost table has one 4-byte slot per four device blocks, in 4-way buckets (the oldest slot of
+//! a full bucket is overwritten). Every operation is O(1) but a late joiner's placement (as LRU).
+//! Stamps are `u32`, renumbered in order when they run out (the ghosts are then forgotten).
+
+use std::ops::ControlFlow;
+
+use super::{Access, EvictSet, MatchEnd, Membership, Policy, TierShape};
+use crate::hash::BlockHash;
+use crate::tree::NodeId;
+
+const NONE: u32 = u32::MAX;
+
+/// Classes of generation (rule 3).
+const CLASSES: usize = 5;
+/// Lists per class, by the sets of their members.
+const DEVICE_ONLY: usize = 0;
+const DEVICE_AND_HOST: usize = 1;
+const HOST_ONLY: usize = 2;
+const KINDS: usize = 3;
+/// The claimable list follows the class lists.
+const CLAIMABLE: usize = CLASSES * KINDS;
+const LISTS: usize = CLAIMABLE + 1;
+
+/// Per-node byte: generation in bits 0-2 (0: none yet, counted as 1), hits beyond the first in
+/// bits 3-5, the turn-end mark in bit 7.
+const GENERATION: u8 = 0b0000_0111;
+const HITS_SHIFT: u8 = 3;
+const HITS: u8 = 0b0011_1000;
+const TURN_END: u8 = 0b1000_0000;
+/// Generations and hits saturate here: anything from `CLASSES` up is the top class anyway.
+const SATURATED: u8 = 7;
+
+/// Gaps seen before `tau` follows them (rule 5).
+const WARMUP: u32 = 32;
+/// Observations between two halvings of the histogram.
+const HALVING_PERIOD: u32 = 256;
+/// `tau` is recomputed every this many observations.
+const RECOMPUTE_EVERY: u32 = 8;
+/// Quarter-octave bins up to a gap of 2^24 stamps.
+const BINS: usize = 96;
+/// The weight of one observation in the histogram (halvings keep fractions this fine).
+const WEIGHT: u32 = 256;
+
+/// Ghost slots per device block, as a divisor, and per bucket.
+const DEVICE_BLOCKS_PER_GHOST: u32 = 4;
+const WAYS: usize = 4;
+/// A ghost slot: generation (3 bits, 0: empty), tag (11 bits), stamp / 64 modulo 2^18.
+const GHOST_TAG_BITS: u32 = 11;
+const GHOST_STAMP_BITS: u32 = 18;
+const GHOST_STAMP_SHIFT: u32 = 6;
+const GHOST_STAMP_MASK: u32 = (1 << GHOST_STAMP_BITS) - 1;
+
+/// A node's place in the recency order.
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    stamp: u32,
+    prev: u32,
+    next: u32,
+}
+
+const UNLINKED: Link = Link { stamp: 0, prev: NONE, next: NONE };
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct List {
+    head: u32,
+    tail: u32,
+    len: u32,
+}
+
+const EMPTY: List = List { head: NONE, tail: NONE, len: 0 };
+
+/// The conversation-generation aging policy.
+#[derive(Debug)]
+pub struct Conv {
+    links: Vec<Link>,
+    /// Generation, hits and mark of each node (module constants).
+    meta: Vec<u8>,
+    lists: [List; LISTS],
+    /// Bit `list`: that list (not the claimable one) has members.
+    nonempty: u16,
+    /// The stamp of each class list's head, where `nonempty`.
+    head_stamps: [u32; CLAIMABLE],
+    /// The next stamp.
+    clock: u32,
+    /// The generation of the request whose releases come now.
+    releasing: u8,
+    /// The age credited per class, in stamps.
+    tau: u64,
+    gaps: GapHistogram,
+    /// Ghost buckets of `WAYS` slots each (empty without a configured device tier).
+    ghosts: Vec<[u32; WAYS]>,
+    /// Whether a host tier sits below the device tier (which is then plain LRU).
+    host_tier: bool,
+}
+
+impl Default for Conv {
+    fn default() -> Conv {
+        Conv {
+            links: Vec::new(),
+            meta: Vec::new(),
+            lists: [EMPTY; LISTS],
+            nonempty: 0,
+            head_stamps: [0; CLAIMABLE],
+            clock: 0,
+            releasing: 1,
+            tau: 0,
+            gaps: GapHistogram::default(),
+            ghosts: Vec::new(),
+            host_tier: false,
+        }
+    }
+}
+
+/// Gaps between a turn and its continuation, in quarter-octave bins (rule 5).
+#[derive(Debug)]
+struct GapHistogram {
+    bins: [u32; BINS],
+    total: u32,
+    observed: u32,
+}
+
+impl Default for GapHistogram {
+    fn default() -> GapHistogram {
+        GapHistogram { bins: [0; BINS], total: 0, observed: 0 }
+    }
+}
+
+impl GapHistogram {
+    /// Counts `gap`; returns the new median gap when it is time to recompute it.
+    fn observe(&mut self, gap: u32) -> Option<u64> {
+        let bin = ((4.0 * (f64::from(gap) + 1.0).log2()) as usize).min(BINS - 1);
+        self.bins[bin] += WEIGHT;
+        self.total += WEIGHT;
+        self.observed = self.observed.saturating_add(1);
+        if self.observed % HALVING_PERIOD == 0 {
+            for count in &mut self.bins {
+                *count /= 2;
+            }
+            self.total = self.bins.iter().sum();
+        }
+        if self.observed < WARMUP || self.observed % RECOMPUTE_EVERY != 0 {
+            return None;
+        }
+        let mut below = 0;
+        let median = self.bins.iter().position(|&count| {
+            below += count;
+            2 * below >= self.total
+        })?;
+        Some((2f64.powf((median as f64 + 0.5) / 4.0) - 1.0) as u64)
+    }
+}
+
+/// The kind of list of a node in `sets`: a class list's kind, `CLAIMABLE`, or none.
+///
+/// # Panics
+/// On a claimable node in another set too: the tree's predicates exclude it.
+#[inline]
+fn kind_of(sets: Membership) -> Option<usize> {
+    const NOT_FILED: usize = LISTS;
+    const NO_LIST: usize = LISTS + 1;
+    /// By membership bits (device 1, host 2, claimable 4).
+    const KIND: [usize; 8] =
+        [NOT_FILED, DEVICE_ONLY, HOST_ONLY, DEVICE_AND_HOST, CLAIMABLE, NO_LIST, NO_LIST, NO_LIST];
+    match KIND[usize::from(sets.bits())] {
+        NOT_FILED => None,
+        NO_LIST => unreachable!("a claimable node in another set is a programming error"),
+        kind => Some(kind),
+    }
+}
+
+/// The class of a node with per-node byte `meta` (rule 3).
+#[inline]
+fn class_of(meta: u8) -> usize {
+    let generation = (meta & GENERATION).max(1);
+    let hits = ((meta & HITS) >> HITS_SHIFT) + 1;
+    usize::from(generation.max(hits)).min(CLASSES) - 1
+}
+
+/// The bits of `nonempty` of the lists of `set`'s members (all classes).
+const fn set_mask(set: EvictSet) -> u16 {
+    let kinds: [usize; 2] = match set {
+        EvictSet::Device => [DEVICE_ONLY, DEVICE_AND_HOST],
+        EvictSet::Host => [HOST_ONLY, DEVICE_AND_HOST],
+        EvictSet::Claimable => return 0,
+    };
+    let mut mask = 0;
+    let mut class = 0;
+    while class < CLASSES {
+        mask |= 1 << (class * KINDS + kinds[0]);
+        mask |= 1 << (class * KINDS + kinds[1]);
+        class += 1;
+    }
+    mask
+}
+
+/// The ghost slot of a removed chain end, or its tag, from its key: a bucket and an 11-bit tag
+/// from independent bits of a mix of the key.
+fn ghost_position(key: BlockHash, buckets: usize) -> (usize, u32) {
+    let mixed = ((key.0 as u64) ^ ((key.0 >> 64) as u64)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let bucket = ((u128::from(mixed) * buckets as u128) >> 64) as usize;
+    let tag = (mixed as u32) & ((1 << GHOST_TAG_BITS) - 1);
+    (bucket, tag)
+}
+
+impl Conv {
+    fn link(&self, node: u32) -> &Link {
+        &self.links[node as usize]
+    }
+
+    fn link_mut(&mut self, node: u32) -> &mut Link {
+        &mut self.links[node as usize]
+    }
+
+    /// The list `node` is in when in `sets`.
+    #[inline]
+    fn list_of(&self, node: u32, sets: Membership) -> Option<usize> {
+        kind_of(sets).map(|kind| match kind {
+            CLAIMABLE => CLAIMABLE,
+            kind => class_of(self.meta[node as usize]) * KINDS + kind,
+        })
+    }
+
+    fn generation(&self, node: u32) -> u8 {
+        (self.meta[node as usize] & GENERATION).max(1)
+    }
+
+    /// Whether `set` is ordered by plain recency (the device tier above a host tier).
+    fn plain(&self, set: EvictSet) -> bool {
+        set == EvictSet::Device && self.host_tier
+    }
+
+    /// The eviction score of a member of `list`: smaller goes first (rule 6).
+    fn score(&self, stamp: u32, list: usize, plain: bool) -> u64 {
+        let class = if plain || list == CLAIMABLE { 0 } else { (list / KINDS) as u64 };
+        u64::from(stamp) + self.tau * class
+    }
+
+    fn set_head(&mut self, list: usize, head: u32) {
+        self.lists[list].head = head;
+        if list != CLAIMABLE && head != NONE {
+            self.head_stamps[list] = self.link(head).stamp;
+        }
+    }
+
+    /// Links `node` into `list` at the place of its stamp (as LRU does).
+    #[inline]
+    fn insert(&mut self, list: usize, node: u32) {
+        let stamp = self.link(node).stamp;
+        let List { head, tail, .. } = self.lists[list];
+        let (prev, next) = if tail == NONE {
+            (NONE, NONE)
+        } else if self.link(tail).stamp <= stamp {
+            (tail, NONE)
+        } else if stamp < self.link(head).stamp {
+            (NONE, head)
+        } else {
+            self.place_inside(head, tail, stamp)
+        };
+        let link = self.link_mut(node);
+        link.prev = prev;
+        link.next = next;
+        match prev {
+            NONE => self.set_head(list, node),
+            prev => self.link_mut(prev).next = node,
+        }
+        match next {
+            NONE => self.lists[list].tail = node,
+            next => self.link_mut(next).prev = node,
+        }
+        self.lists[list].len += 1;
+        if list != CLAIMABLE {
+            self.nonempty |= 1 << list;
+        }
+    }
+
+    /// The neighbours of a node stamped `stamp`, strictly inside the list from `head` to
+    /// `tail`: a walk from the end nearer by stamp.
+    #[inline(never)]
+    fn place_inside(&self, head: u32, tail: u32, stamp: u32) -> (u32, u32) {
+        if stamp - self.link(head).stamp <= self.link(tail).stamp - stamp {
+            let mut next = head;
+            while self.link(next).stamp <= stamp {
+                next = self.link(next).next;
+            }
+            (self.link(next).prev, next)
+        } else {
+            let mut prev = tail;
+            while self.link(prev).stamp > stamp {
+                prev = self.link(prev).prev;
+            }
+            (prev, self.link(prev).next)
+        }
+    }
+
+    #[inline]
+    fn unlink(&mut self, list: usize, node: u32) {
+        let Link { prev, next, .. } = *self.link(node);
+        match prev {
+            NONE => self.set_head(list, next),
+            prev => self.link_mut(prev).next = next,
+        }
+        match next {
+            NONE => self.lists[list].tail = prev,
+            next => self.link_mut(next).prev = prev,
+        }
+        let link = self.link_mut(node);
+        link.prev = NONE;
+        link.next = NONE;
+        self.lists[list].len -= 1;
+        if list != CLAIMABLE && self.lists[list].len == 0 {
+            self.nonempty &= !(1 << list);
+        }
+    }
+
+    /// Renumbers every stamp from 0, keeping the order (list order among equal stamps); the
+    /// ghosts' stamps mean nothing afterwards, so they are forgotten.
+    #[cold]
+    #[inline(never)]
+    fn renumber(&mut self) {
+        let mut rank = vec![0u32; self.links.len()];
+        for list in &self.lists {
+            let (mut node, mut position) = (list.head, 0);
+            while node != NONE {
+                rank[node as usize] = position;
+                position += 1;
+                node = self.link(node).next;
+            }
+        }
+        let mut order: Vec<u32> = (0..self.links.len() as u32).collect();
+        order.sort_unstable_by_key(|&node| (self.link(node).stamp, rank[node as usize]));
+        for (stamp, &node) in order.iter().enumerate() {
+            self.link_mut(node).stamp = stamp as u32;
+        }
+        self.clock = order.len() as u32;
+        for list in 0..CLAIMABLE {
+            let head = self.lists[list].head;
+            self.set_head(list, head);
+        }
+        self.ghosts.fill([0; WAYS]);
+    }
+
+    #[inline]
+    fn next_stamp(&mut self) -> u32 {
+        if self.clock == u32::MAX {
+            self.renumber();
+        }
+        let stamp = self.clock;
+        self.clock += 1;
+        stamp
+    }
+
+    fn observe_gap(&mut self, gap: u32) {
+        if let Some(tau) = self.gaps.observe(gap) {
+            self.tau = tau;
+        }
+    }
+
+    /// Leaves a ghost of a removed chain end keyed `key` (rule 4).
+    fn remember(&mut self, key: BlockHash, stamp: u32, generation: u8) {
+        if self.ghosts.is_empty() {
+            return;
+        }
+        let (bucket, tag) = ghost_position(key, self.ghosts.len());
+        let coarse = (stamp >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
+        let slot = u32::from(generation) << (GHOST_TAG_BITS + GHOST_STAMP_BITS)
+            | tag << GHOST_STAMP_BITS
+            | coarse;
+        let now = (self.clock >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
+        let age = |slot: u32| match slot {
+            0 => u32::MAX,
+            slot => now.wrapping_sub(slot & GHOST_STAMP_MASK) & GHOST_STAMP_MASK,
+        };
+        let ways = &mut self.ghosts[bucket];
+        let same =
+            ways.iter().position(|&way| way != 0 && (way >> GHOST_STAMP_BITS) & 0x7ff == tag);
+        let way = same.unwrap_or_else(|| {
+            (0..WAYS).max_by_key(|&way| age(ways[way])).expect("a bucket has ways")
+        });
+        ways[way] = slot;
+    }
+
+    /// Takes the ghost keyed `key`, if any: its generation and the gap since its stamp.
+    fn recall(&mut self, key: BlockHash) -> Option<(u8, u32)> {
+        if self.ghosts.is_empty() {
+            return None;
+        }
+        let (bucket, tag) = ghost_position(key, self.ghosts.len());
+        let ways = &mut self.ghosts[bucket];
+        let way =
+            ways.iter().position(|&way| way != 0 && (way >> GHOST_STAMP_BITS) & 0x7ff == tag)?;
+        let slot = std::mem::take(&mut ways[way]);
+        let generation = (slot >> (GHOST_TAG_BITS + GHOST_STAMP_BITS)) as u8;
+        let now = (self.clock >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
+        let gap =
+            (now.wrapping_sub(slot & GHOST_STAMP_MASK) & GHOST_STAMP_MASK) << GHOST_STAMP_SHIFT;
+        Some((generation, gap))
+    }
+
+    #[cfg(test)]
+    fn with_clock(clock: u32) -> Conv {
+        Conv { clock, ..Conv::default() }
+    }
+}
+
+impl Policy for Conv {
+    fn reserve_nodes(&mut self, nodes: usize) {
+        if nodes > self.links.len() {
+            self.links.resize(nodes, UNLINKED);
+            self.meta.resize(nodes, 0);
+        }
+    }
+
+    fn configure(&mut self, tiers: TierShape) {
+        self.host_tier = tiers.host_blocks > 0;
+        let slots = tiers.device_blocks.div_ceil(DEVICE_BLOCKS_PER_GHOST) as usize;
+        let buckets = slots.div_ceil(WAYS).max(1);
+        if buckets != self.ghosts.len() {
+            self.ghosts = vec![[0; WAYS]; buckets];
+        }
+    }
+
+    fn request_started(&mut self, matched: MatchEnd) -> u8 {
+        if let Some((node, true)) = matched.deepest {
+            if self.meta[node.index()] & TURN_END != 0 {
+                let gap = self.clock - self.link(node.0).stamp;
+                self.observe_gap(gap);
+                return (self.generation(node.0) + 1).min(SATURATED);
+            }
+        }
+        if let Some((generation, gap)) = matched.next_key.and_then(|key| self.recall(key)) {
+            self.observe_gap(gap);
+            return (generation + 1).min(SATURATED);
+        }
+        1
+    }
+
+    fn request_ending(&mut self, tag: u8) {
+        self.releasing = tag.clamp(1, SATURATED);
+    }
+
+    fn turn_ended(&mut self, last: NodeId) {
+        self.meta[last.index()] |= TURN_END;
+    }
+
+    fn removing(&mut self, node: NodeId, key: BlockHash, sole_child_of: Option<NodeId>) {
+        let meta = std::mem::take(&mut self.meta[node.index()]);
+        if meta & TURN_END == 0 {
+            return;
+        }
+        match sole_child_of {
+            Some(parent) => self.meta[parent.index()] |= TURN_END,
+            None => self.remember(key, self.link(node.0).stamp, (meta & GENERATION).max(1)),
+        }
+    }
+
+    #[inline]
+    fn wants(&self, access: Access) -> bool {
+        access != Access::Commit
+    }
+
+    #[inline]
+    fn touch(&mut self, node: NodeId, _key: BlockHash, access: Access) {
+        match access {
+            Access::Release => {
+                let stamp = self.next_stamp();
+                self.link_mut(node.0).stamp = stamp;
+                let meta = &mut self.meta[node.index()];
+                *meta = (*meta & !GENERATION) | self.releasing;
+            }
+            Access::Hit => {
+                let meta = &mut self.meta[node.index()];
+                let hits = ((*meta & HITS) >> HITS_SHIFT).saturating_add(1).min(SATURATED);
+                *meta = (*meta & !HITS) | hits << HITS_SHIFT;
+            }
+            Access::Commit => {}
+        }
+    }
+
+    #[inline]
+    fn enter(&mut self, node: NodeId, sets: Membership) {
+        if let Some(list) = self.list_of(node.0, sets) {
+            self.insert(list, node.0);
+        }
+    }
+
+    #[inline]
+    fn leave(&mut self, node: NodeId, sets: Membership) {
+        if let Some(list) = self.list_of(node.0, sets) {
+            self.unlink(list, node.0);
+        }
+    }
+
+    #[inline]
+    fn first(&self, set: EvictSet) -> Option<NodeId> {
+        if set == EvictSet::Claimable {
+            return Some(self.lists[CLAIMABLE].head).filter(|&node| node != NONE).map(NodeId);
+        }
+        let plain = self.plain(set);
+        let mut mask = self.nonempty & set_mask(set);
+        let mut best = (u64::MAX, u32::MAX, LISTS);
+        while mask != 0 {
+            let list = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            let stamp = self.head_stamps[list];
+            let score = self.score(stamp, list, plain);
+            if (score, stamp) < (best.0, best.1) {
+                best = (score, stamp, list);
+            }
+        }
+        (best.2 != LISTS).then(|| NodeId(self.lists[best.2].head))
+    }
+
+    fn len(&self, set: EvictSet) -> usize {
+        if set == EvictSet::Claimable {
+            return self.lists[CLAIMABLE].len as usize;
+        }
+        let mask = set_mask(set);
+        (0..CLAIMABLE)
+            .filter(|&list| mask & 1 << list != 0)
+            .map(|list| self.lists[list].len as usize)
+            .sum()
+    }
+
+    fn visit(&self, set: EvictSet, visit: &mut dyn FnMut(NodeId) -> ControlFlow<()>) {
+        let plain = self.plain(set);
+        let mask = match set {
+            EvictSet::Claimable => 1 << CLAIMABLE,
+            set => u32::from(set_mask(set)),
+        };
+        let mut cursors = [NONE; LISTS];
+        for (list, cursor) in cursors.iter_mut().enumerate() {
+            if mask & 1 << list != 0 {
+                *cursor = self.lists[list].head;
+            }
+        }
+        loop {
+            let mut best: Option<(u64, u32, usize)> = None;
+            for (list, &node) in cursors.iter().enumerate() {
+                if node == NONE {
+                    continue;
+                }
+                let stamp = self.link(node).stamp;
+                let key = (self.score(stamp, list, plain), stamp, list);
+                if best.is_none_or(|best| (key.0, key.1) < (best.0, best.1)) {
+                    best = Some(key);
+                }
+            }
+            let Some((_, _, list)) = best else { return };
+            let node = cursors[list];
+            cursors[list] = self.link(node).next;
+            if visit(NodeId(node)).is_break() {
+                return;
+            }
+        }
+    }
+
+    fn stamp(&self, node: NodeId) -> u64 {
+        u64::from(self.link(node.0).stamp)
+    }
+
+    fn clear(&mut self) {
+        let (host_tier, buckets) = (self.host_tier, self.ghosts.len());
+        *self = Conv { host_tier, ghosts: vec![[0; WAYS]; buckets], ..Conv::default() };
+    }
+
+    fn check(&self, membership: &dyn Fn(NodeId) -> Option<Membership>) -> Result<(), String> {
+        let mut filed = 0usize;
+        for (list, state) in self.lists.iter().enumerate() {
+            let (mut node, mut prev, mut count) = (state.head, NONE, 0u32);
+            while node != NONE {
+                let link = self
+                    .links
+                    .get(node as usize)
+                    .ok_or(format!("conv list {list} names {node}"))?;
+                let sets = membership(NodeId(node))
+                    .ok_or_else(|| format!("conv list {list} holds {node}, not a live node"))?;
+                if self.list_of(node, sets) != Some(list) {
+                    return Err(format!(
+                        "node {node} is in conv list {list} but filed as {sets:?} with class {}",
+                        class_of(self.meta[node as usize])
+                    ));
+                }
+                if link.prev != prev {
+                    return Err(format!("node {node} of conv list {list} has a wrong back link"));
+                }
+                if prev != NONE && self.link(prev).stamp > link.stamp {
+                    return Err(format!("conv list {list} is out of order at node {node}"));
+                }
+                count += 1;
+                if count > state.len {
+                    return Err(format!(
+                        "conv list {list} is longer than its length {}",
+                        state.len
+                    ));
+                }
+                prev = node;
+                node = link.next;
+            }
+            if prev != state.tail || count != state.len {
+                return Err(format!("conv list {list} has a wrong tail or length"));
+            }
+            if list != CLAIMABLE {
+                let nonempty = self.nonempty & 1 << list != 0;
+                if nonempty != (state.len > 0) {
+                    return Err(format!("conv list {list}: the mask of non-empty lists is wrong"));
+                }
+                if nonempty && self.head_stamps[list] != self.link(state.head).stamp {
+                    return Err(format!("conv list {list}: the cached head stamp is stale"));
+                }
+            }
+            filed += count as usize;
+        }
+        let mut members = 0;
+        for node in 0..self.links.len() as u32 {
+            match membership(NodeId(node)) {
+                Some(sets) => members += usize::from(kind_of(sets).is_some()),
+                None if self.meta[node as usize] != 0 => {
+                    return Err(format!("removed node {node} keeps conv state"));
+                }
+                None => {}
+            }
+        }
+        if members != filed {
+            return Err(format!("conv lists hold {filed} nodes but {members} are filed"));
+        }
+        Ok(())
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.links.capacity() * size_of::<Link>()
+            + self.meta.capacity()
+            + self.ghosts.capacity() * size_of::<[u32; WAYS]>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEVICE: Membership = Membership::from_bits(1);
+    const HOST: Membership = Membership::from_bits(2);
+
+    fn key(value: u128) -> BlockHash {
+        BlockHash(value)
+    }
+
+    fn conv(device_blocks: u32, host_blocks: u32) -> Conv {
+        let mut conv = Conv::default();
+        conv.reserve_nodes(16);
+        conv.configure(TierShape { device_blocks, host_blocks });
+        conv
+    }
+
+    /// Ends a request of generation `generation` that held `path` (tail released first), filing
+    /// each node in `sets`; marks the path's end as a turn's end.
+    fn finished(conv: &mut Conv, generation: u8, path: &[u32], sets: Membership) {
+        conv.request_ending(generation);
+        for &node in path.iter().rev() {
+            conv.touch(NodeId(node), key(node.into()), Access::Release);
+            conv.enter(NodeId(node), sets);
+        }
+        conv.turn_ended(NodeId(*path.last().unwrap()));
+    }
+
+    fn started(conv: &mut Conv, deepest: Option<(u32, bool)>, next_key: Option<u128>) -> u8 {
+        let deepest = deepest.map(|(node, leaf)| (NodeId(node), leaf));
+        conv.request_started(MatchEnd { deepest, next_key: next_key.map(key) })
+    }
+
+    fn order(conv: &Conv, set: EvictSet) -> Vec<u32> {
+        let mut order = Vec::new();
+        conv.visit(set, &mut |node| {
+            order.push(node.0);
+            ControlFlow::Continue(())
+        });
+        order
+    }
+
+    #[test]
+    fn only_a_request_extending_a_marked_leaf_continues_a_conversation() {
+        let mut conv = conv(64, 0);
+        finished(&mut conv, 1, &[1, 2], DEVICE);
+        assert_eq!(started(&mut conv, Some((2, true)), None), 2, "the end of the turn");
+        assert_eq!(started(&mut conv, Some((1, false)), None), 1, "inside the turn");
+        conv.request_ending(1);
+        conv.touch(NodeId(3), key(3), Access::Release); // a leaf never finished: no mark
+        assert_eq!(started(&mut conv, Some((3, true)), None), 1);
+        assert_eq!(started(&mut conv, None, Some(2)), 1, "no ghost of a live node");
+    }
+
+    #[test]
+    fn a_conversation_evicted_whole_is_recognised_by_its_ghost_once() {
+        let mut conv = conv(64, 0);
+        finished(&mut conv, 3, &[1], DEVICE);
+        conv.leave(NodeId(1), DEVICE);
+        conv.removing(NodeId(1), key(1), None);
+        assert_eq!(conv.meta[1], 0, "the removed node's state is cleared");
+        assert_eq!(started(&mut conv, None, Some(99)), 1, "another key");
+        assert_eq!(started(&mut conv, None, Some(1)), 4, "the ghost's generation + 1");
+        assert_eq!(started(&mut conv, None, Some(1)), 1, "a ghost is taken once");
+    }
+
+    #[test]
+    fn a_trimmed_chain_passes_its_turn_end_to_its_parent() {
+        let mut conv = conv(64, 0);
+        finished(&mut conv, 2, &[1, 2], DEVICE);
+        conv.leave(NodeId(2), DEVICE);
+        conv.removing(NodeId(2), key(2), Some(NodeId(1)));
+        assert_eq!(started(&mut conv, None, Some(2)), 1, "no ghost: the parent took the mark");
+        assert_eq!(started(&mut conv, Some((1, true)), None), 3);
+    }
+
+    #[test]
+    fn continued_chains_and_hot_prefixes_are_kept_tau_longer_per_class() {
+        let mut conv = conv(64, 0);
+        conv.tau = 100;
+        finished(&mut conv, 3, &[1], DEVICE); // class 2, stamp 0: score 200
+        conv.touch(NodeId(2), key(2), Access::Hit);
+        conv.touch(NodeId(2), key(2), Access::Hit);
+        conv.touch(NodeId(2), key(2), Access::Hit);
+        finished(&mut conv, 1, &[2], DEVICE); // 4 hits: class 3, stamp 1: score 301
+        finished(&mut conv, 1, &[3], DEVICE); // class 0, stamp 2: score 2
+        assert_eq!(order(&conv, EvictSet::Device), vec![3, 1, 2]);
+        assert_eq!(conv.first(EvictSet::Device), Some(NodeId(3)));
+        let membership =
+            |node: NodeId| Some(if (1..=3).contains(&node.0) { DEVICE } else { Membership::NONE });
+        conv.check(&membership).unwrap();
+        conv.tau = 0;
+        assert_eq!(order(&conv, EvictSet::Device), vec![1, 2, 3], "tau 0: plain LRU");
+    }
+
+    #[test]
+    fn the_device_tier_above_a_host_tier_is_plain_lru_and_the_host_tier_ages() {
+        let mut conv = conv(64, 256);
+        conv.tau = 100;
+        let both = DEVICE.with(EvictSet::Host);
+        finished(&mut conv, 3, &[1], both);
+        finished(&mut conv, 1, &[2], HOST);
+        finished(&mut conv, 1, &[3], DEVICE);
+        assert_eq!(order(&conv, EvictSet::Device), vec![1, 3]);
+        assert_eq!(order(&conv, EvictSet::Host), vec![2, 1]);
+        assert_eq!((conv.len(EvictSet::Device), conv.len(EvictSet::Host)), (2, 2));
+        assert_eq!(conv.first(EvictSet::Host), Some(NodeId(2)));
+    }
+
+    #[test]
+    fn tau_stays_zero_until_32_gaps_then_follows_their_median() {
+        let mut conv = conv(64, 0);
+        for _ in 0..WARMUP - 1 {
+            conv.observe_gap(1000);
+        }
+        assert_eq!(conv.tau, 0);
+        conv.observe_gap(1000);
+        assert!((830..=1200).contains(&conv.tau), "tau {}", conv.tau);
+        for _ in 0..3 * HALVING_PERIOD {
+            conv.observe_gap(40_000);
+        }
+        assert!((33_000..=48_000).contains(&conv.tau), "tau {}", conv.tau);
+    }
+
+    #[test]
+    fn ghost_gaps_are_measured_to_within_a_coarse_stamp() {
+        let mut conv = Conv::with_clock(5_000);
+        conv.reserve_nodes(4);
+        conv.configure(TierShape { device_blocks: 64, host_blocks: 0 });
+        conv.remember(key(1), 1_000, 2);
+        let (generation, gap) = conv.recall(key(1)).unwrap();
+        assert_eq!(generation, 2);
+        assert!(gap.abs_diff(4_000) <= 64, "gap {gap}");
+    }
+
+    #[test]
+    fn a_full_ghost_bucket_forgets_its_oldest_ghost() {
+        let mut conv = conv(4, 0); // one bucket
+        for value in 1..=WAYS as u128 + 1 {
+            conv.clock += 1 << GHOST_STAMP_SHIFT;
+            conv.remember(key(value), conv.clock, 1);
+        }
+        assert!(conv.recall(key(1)).is_none(), "the oldest went");
+        for value in 2..=WAYS as u128 + 1 {
+            assert!(conv.recall(key(value)).is_some(), "ghost {value}");
+        }
+    }
+
+    #[test]
+    fn running_out_of_stamps_renumbers_them_in_order() {
+        let mut conv = Conv::with_clock(u32::MAX - 2);
+        conv.reserve_nodes(6);
+        conv.request_ending(1);
+        for node in [4, 2] {
+            conv.touch(NodeId(node), key(0), Access::Release);
+            conv.enter(NodeId(node), DEVICE);
+        }
+        conv.touch(NodeId(5), key(0), Access::Release); // not filed: keeps its place too
+        for node in [0, 3] {
+            conv.touch(NodeId(node), key(0), Access::Release);
+            conv.enter(NodeId(node), DEVICE);
+        }
+        assert!(conv.clock < 10, "renumbered: clock {}", conv.clock);
+        conv.enter(NodeId(5), DEVICE);
+        assert_eq!(order(&conv, EvictSet::Device), vec![4, 2, 5, 0, 3]);
+        let membership = |node: NodeId| Some(if node.0 != 1 { DEVICE } else { Membership::NONE });
+        conv.check(&membership).unwrap();
+    }
+}
