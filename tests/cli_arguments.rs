@@ -98,6 +98,7 @@ fn bench_sched_refuses_sizes_it_cannot_run() {
     refused_saying(&["bench", "sched", "--samples", "18446744073709551615"], &["--samples"]);
     refused_saying(&["bench", "sched", "--samples", "0"], &["--samples"]);
     refused_saying(&["bench", "sched", "--block-tokens", "0"], &["--block-tokens"]);
+    refused_saying(&["bench", "sched", "--eviction", "optimal"], &["--eviction optimal"]);
     refused_saying(&["bench", "hash", "--block-tokens", "0"], &["--block-tokens"]);
 }
 
@@ -129,6 +130,7 @@ fn demo_refuses_shapes_the_machine_cannot_hold_before_allocating_them() {
     refused_saying(&with(&["--tp", "4294967295"]), &["--tp"]);
     refused_saying(&with(&["--block-tokens", "0"]), &["--block-tokens"]);
     refused_saying(&with(&["--free-watermark", "5000"]), &["--free-watermark"]);
+    refused_saying(&with(&["--eviction", "optimal"]), &["--eviction optimal", "kvshm replay"]);
 }
 
 #[test]

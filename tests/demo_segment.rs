@@ -125,3 +125,12 @@ fn an_interrupted_demo_removes_its_segment() {
     assert!(status.code().is_some(), "the demo died of the signal: {status}");
     assert!(leftovers.is_empty(), "the interrupted demo left {leftovers:?}");
 }
+
+#[test]
+fn the_demo_serves_with_the_eviction_policy_it_is_given() {
+    let (output, _) = demo(&["--eviction", "conv"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    segment_name(&output); // succeeded
+    let first = stdout.lines().next().unwrap_or_default();
+    assert!(first.ends_with("conv eviction"), "{first}");
+}

@@ -72,9 +72,15 @@ fn a_host_tier_turns_evictions_into_host_hits() {
 
 #[test]
 fn the_eviction_policy_is_chosen_by_name_and_an_unknown_one_is_refused() {
-    let report = replay(&["--device-blocks", "2000", "--eviction", "lru"]);
-    check_sanity(&report);
-    assert_eq!(report["eviction"], "lru");
+    let mut hit_blocks = Vec::new();
+    for policy in ["lru", "conv", "optimal"] {
+        let report = replay(&["--device-blocks", "300", "--eviction", policy]);
+        check_sanity(&report);
+        assert_eq!(report["eviction"], policy);
+        hit_blocks.push(report["hit_blocks"].as_u64().unwrap());
+    }
+    // The offline optimum bounds the online policies from above.
+    assert!(hit_blocks[2] > hit_blocks[0] && hit_blocks[2] >= hit_blocks[1], "{hit_blocks:?}");
     let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
         .args(["replay", "--trace"])
         .arg(trace())

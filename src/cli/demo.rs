@@ -59,7 +59,7 @@ pub struct Args {
     /// so that swap-outs overlap with compute instead of delaying the next allocation.
     #[arg(long, default_value_t = 0)]
     free_watermark: u32,
-    /// The eviction policy ordering what leaves each tier first (lru).
+    /// The eviction policy ordering what leaves each tier first: lru or conv.
     #[arg(long, default_value_t = EvictionPolicy::default())]
     eviction: EvictionPolicy,
     /// Model layers (a block holds K and V of each: 2 regions per layer).
@@ -168,6 +168,11 @@ fn check(args: &Args) -> anyhow::Result<()> {
     within(args.device_blocks, 1..=MAX_BLOCKS, "--device-blocks")?;
     within(args.host_blocks, 0..=MAX_BLOCKS, "--host-blocks")?;
     within(args.free_watermark, 0..=args.device_blocks, "--free-watermark")?;
+    anyhow::ensure!(
+        !args.eviction.is_offline(),
+        "--eviction {} needs a trace's future: only `kvshm replay` runs it",
+        args.eviction
+    );
     let block_bytes = u128::from(args.layers) * 2 * u128::from(args.region_bytes);
     let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
     fits_in_dev_shm(
