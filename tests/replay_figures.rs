@@ -4,6 +4,10 @@
 //! work must leave them alone; they are re-pinned only when the replay's rules or an eviction
 //! policy change on purpose (say so in the commit).
 //!
+//! The eviction policies other than LRU are pinned too (`conv` at every configuration of the
+//! README's table, the offline `optimal` at two), each replay checking the cache's invariants
+//! every 2,000 requests and at its end.
+//!
 //! The prompt-only rows are vLLM's own figures: `benches/vllm_kv_manager.py` drives vLLM's
 //! `KVCacheManager` over the same trace and gets 40,637 hit blocks with 5,859 blocks and 84,165
 //! with 19,531, request for request what kvshm gets with one block fewer (vLLM keeps block 0 of
@@ -11,8 +15,8 @@
 
 mod scheduler_support;
 
-use kvshm::cli::replay::{replay, Replayed};
-use kvshm::manager::{CacheConfig, WritePolicy};
+use kvshm::cli::replay::{future_uses, Replayed, Replayer};
+use kvshm::manager::{CacheConfig, EvictionPolicy, WritePolicy};
 use kvshm::trace::{read_trace, TraceRequest};
 
 /// One pinned configuration and what its replay must report.
@@ -34,11 +38,30 @@ fn digest(hits: &[u32]) -> u64 {
 }
 
 fn check(trace: &[TraceRequest], pinned: &Pinned) {
+    check_with(trace, pinned, EvictionPolicy::Lru);
+}
+
+/// Replays `trace` with `eviction` as [`kvshm::cli::replay::replay`] does, checking the cache's
+/// invariants along the way, and compares the figures with `pinned`.
+fn check_with(trace: &[TraceRequest], pinned: &Pinned, eviction: EvictionPolicy) {
     let config = CacheConfig::new(512, pinned.device_blocks)
         .with_host_blocks(pinned.host_blocks)
-        .with_write_policy(pinned.write_policy);
-    let Replayed { report, hits_per_request } =
-        replay(trace, config, pinned.prompt_only).expect("the replay runs");
+        .with_write_policy(pinned.write_policy)
+        .with_eviction(eviction);
+    let mut replayer = if eviction.is_offline() {
+        Replayer::with_future(config, pinned.prompt_only, future_uses(trace, 512))
+    } else {
+        Replayer::new(config, pinned.prompt_only, trace.len())
+    }
+    .expect("the replayer starts");
+    for (served, request) in trace.iter().enumerate() {
+        replayer.serve(request).expect("the request is served");
+        if served % 2_000 == 1_999 {
+            replayer.cache().check_invariants().expect("invariants hold during the replay");
+        }
+    }
+    replayer.cache().check_invariants().expect("invariants hold after the replay");
+    let Replayed { report, hits_per_request } = replayer.finish();
     let figures = (
         report.device_hit_blocks,
         report.host_hit_blocks,
@@ -48,7 +71,7 @@ fn check(trace: &[TraceRequest], pinned: &Pinned) {
         report.backups,
     );
     let name = format!(
-        "{} device + {} host blocks, {}{}",
+        "{eviction}: {} device + {} host blocks, {}{}",
         pinned.device_blocks,
         pinned.host_blocks,
         pinned.write_policy,
@@ -134,4 +157,79 @@ fn host_tier_figures_are_pinned() {
         };
         check(&trace, &pinned);
     }
+}
+
+/// Figures of `eviction` with no host tier and with a 4x host tier in write-back:
+/// (device blocks, host blocks, figures, digest of the hits per request).
+fn check_policy(
+    eviction: EvictionPolicy,
+    rows: &[(u32, u32, (u64, u64, u64, u64, u64, u64), u64)],
+) {
+    let trace = whole_trace();
+    for &(device_blocks, host_blocks, figures, hits_digest) in rows {
+        let pinned = Pinned {
+            device_blocks,
+            host_blocks,
+            write_policy: WritePolicy::WriteBack,
+            prompt_only: false,
+            figures,
+            hits_digest,
+        };
+        check_with(&trace, &pinned, eviction);
+    }
+}
+
+#[test]
+fn conv_figures_without_a_host_tier_are_pinned() {
+    check_policy(
+        EvictionPolicy::Conv,
+        &[
+            (1_953, 0, (29_414, 0, 245_126, 0, 0, 0), 13_933_926_614_897_214_001),
+            (5_859, 0, (50_459, 0, 220_175, 0, 0, 0), 9_290_532_173_908_936_430),
+            (19_531, 0, (87_117, 0, 169_845, 0, 0, 0), 17_528_207_272_709_769_970),
+        ],
+    );
+}
+
+#[test]
+fn conv_figures_with_a_host_tier_are_pinned() {
+    check_policy(
+        EvictionPolicy::Conv,
+        &[
+            (
+                1_953,
+                7_812,
+                (15_797, 49_514, 258_743, 49_514, 209_500, 0),
+                13_897_925_620_570_292_718,
+            ),
+            (
+                5_859,
+                23_436,
+                (40_638, 53_730, 229_996, 53_730, 177_774, 0),
+                13_790_990_346_384_007_903,
+            ),
+            (
+                19_531,
+                78_124,
+                (84_165, 20_624, 172_797, 20_624, 155_430, 0),
+                11_190_222_274_385_041_858,
+            ),
+        ],
+    );
+}
+
+#[test]
+fn the_offline_optimum_figures_are_pinned() {
+    check_policy(
+        EvictionPolicy::Optimal,
+        &[
+            (5_859, 0, (101_336, 0, 169_298, 0, 0, 0), 6_601_225_716_967_819_289),
+            (
+                1_953,
+                7_812,
+                (71_128, 34_464, 203_412, 34_464, 169_446, 0),
+                18_442_766_531_123_785_627,
+            ),
+        ],
+    );
 }
