@@ -224,3 +224,33 @@ fn clearing_leaves_an_empty_consistent_tree() {
         tree.check().unwrap();
     }
 }
+
+#[test]
+fn under_conv_a_trimmed_chain_moves_its_turn_end_up_and_a_removed_branch_leaves_a_ghost() {
+    let mut tree = Tree::new(EvictionPolicy::Conv);
+    tree.configure_policy(64, 0);
+    // Turn 1: [1, 2], finished.
+    let first = chain(&mut tree, NodeId::ROOT, &[1, 2], 0);
+    tree.request_ending(1);
+    release(&mut tree, &first);
+    tree.turn_ended(first[1]);
+    // Its tail is evicted: the head, a sole child's parent, is now the end of the turn.
+    tree.remove(first[1]);
+    assert_eq!(tree.request_started(Some(first[0]), None), 2);
+    tree.check().unwrap();
+    // Turn 2 (generation 2) branches off the head with [3] and finishes; a sibling [4] is cached.
+    let second = chain(&mut tree, first[0], &[3], 2);
+    tree.update(first[0], |node| {
+        node.hold();
+        node.access(Access::Hit);
+    });
+    tree.request_ending(2);
+    release(&mut tree, &[first[0], second[0]]);
+    tree.turn_ended(second[0]);
+    served(&mut tree, first[0], &[4], 3);
+    // Removing [3], which has a sibling, leaves a ghost: the next turn is recognised by it.
+    tree.remove(second[0]);
+    assert_eq!(tree.request_started(Some(first[0]), Some(hash(3))), 3);
+    assert_eq!(tree.request_started(Some(first[0]), Some(hash(3))), 1, "taken once");
+    tree.check().unwrap();
+}
