@@ -19,14 +19,16 @@ use kvshm::cli::replay::{future_uses, Replayed, Replayer};
 use kvshm::manager::{CacheConfig, EvictionPolicy, WritePolicy};
 use kvshm::trace::{read_trace, TraceRequest};
 
+/// (device hit blocks, host hit blocks, device evictions, swaps in, swaps out, backups)
+type Figures = (u64, u64, u64, u64, u64, u64);
+
 /// One pinned configuration and what its replay must report.
 struct Pinned {
     device_blocks: u32,
     host_blocks: u32,
     write_policy: WritePolicy,
     prompt_only: bool,
-    /// (device hit blocks, host hit blocks, device evictions, swaps in, swaps out, backups)
-    figures: (u64, u64, u64, u64, u64, u64),
+    figures: Figures,
     /// FNV-1a of the per-request hit counts: the same totals spread differently still differ.
     hits_digest: u64,
 }
@@ -161,10 +163,7 @@ fn host_tier_figures_are_pinned() {
 
 /// Figures of `eviction` with no host tier and with a 4x host tier in write-back:
 /// (device blocks, host blocks, figures, digest of the hits per request).
-fn check_policy(
-    eviction: EvictionPolicy,
-    rows: &[(u32, u32, (u64, u64, u64, u64, u64, u64), u64)],
-) {
+fn check_policy(eviction: EvictionPolicy, rows: &[(u32, u32, Figures, u64)]) {
     let trace = whole_trace();
     for &(device_blocks, host_blocks, figures, hits_digest) in rows {
         let pinned = Pinned {

@@ -198,6 +198,9 @@ macro_rules! registry {
 
         /// The policy of one tree, dispatched statically (a policy is consulted several times
         /// per block, too often for an indirect call).
+        // One per tree: the size of the largest variant costs nothing, where a box would add an
+        // indirection to every call.
+        #[allow(clippy::large_enum_variant)]
         #[derive(Debug)]
         pub enum Policies {
             $($variant($policy),)+
