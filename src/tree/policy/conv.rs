@@ -83,6 +83,7 @@ const DEVICE_BLOCKS_PER_GHOST: u32 = 4;
 const WAYS: usize = 4;
 /// A ghost slot: generation (3 bits, 0: empty), tag (11 bits), stamp / 64 modulo 2^18.
 const GHOST_TAG_BITS: u32 = 11;
+const GHOST_TAG_MASK: u32 = (1 << GHOST_TAG_BITS) - 1;
 const GHOST_STAMP_BITS: u32 = 18;
 const GHOST_STAMP_SHIFT: u32 = 6;
 const GHOST_STAMP_MASK: u32 = (1 << GHOST_STAMP_BITS) - 1;
@@ -152,13 +153,16 @@ impl Default for Conv {
 #[derive(Debug)]
 struct GapHistogram {
     bins: [u32; BINS],
+    /// The sum of `bins` (at most twice `HALVING_PERIOD * WEIGHT`).
     total: u32,
+    /// Observations, saturating: only compared with `WARMUP`.
     observed: u32,
+    since_halving: u32,
 }
 
 impl Default for GapHistogram {
     fn default() -> GapHistogram {
-        GapHistogram { bins: [0; BINS], total: 0, observed: 0 }
+        GapHistogram { bins: [0; BINS], total: 0, observed: 0, since_halving: 0 }
     }
 }
 
@@ -169,13 +173,15 @@ impl GapHistogram {
         self.bins[bin] += WEIGHT;
         self.total += WEIGHT;
         self.observed = self.observed.saturating_add(1);
-        if self.observed % HALVING_PERIOD == 0 {
+        self.since_halving += 1;
+        if self.since_halving == HALVING_PERIOD {
+            self.since_halving = 0;
             for count in &mut self.bins {
                 *count /= 2;
             }
             self.total = self.bins.iter().sum();
         }
-        if self.observed < WARMUP || self.observed % RECOMPUTE_EVERY != 0 {
+        if self.observed < WARMUP || self.since_halving % RECOMPUTE_EVERY != 0 {
             return None;
         }
         let mut below = 0;
@@ -235,7 +241,7 @@ const fn set_mask(set: EvictSet) -> u16 {
 fn ghost_position(key: BlockHash, buckets: usize) -> (usize, u32) {
     let mixed = ((key.0 as u64) ^ ((key.0 >> 64) as u64)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let bucket = ((u128::from(mixed) * buckets as u128) >> 64) as usize;
-    let tag = (mixed as u32) & ((1 << GHOST_TAG_BITS) - 1);
+    let tag = (mixed as u32) & GHOST_TAG_MASK;
     (bucket, tag)
 }
 
@@ -408,8 +414,9 @@ impl Conv {
             slot => now.wrapping_sub(slot & GHOST_STAMP_MASK) & GHOST_STAMP_MASK,
         };
         let ways = &mut self.ghosts[bucket];
-        let same =
-            ways.iter().position(|&way| way != 0 && (way >> GHOST_STAMP_BITS) & 0x7ff == tag);
+        let same = ways
+            .iter()
+            .position(|&way| way != 0 && (way >> GHOST_STAMP_BITS) & GHOST_TAG_MASK == tag);
         let way = same.unwrap_or_else(|| {
             (0..WAYS).max_by_key(|&way| age(ways[way])).expect("a bucket has ways")
         });
@@ -423,8 +430,9 @@ impl Conv {
         }
         let (bucket, tag) = ghost_position(key, self.ghosts.len());
         let ways = &mut self.ghosts[bucket];
-        let way =
-            ways.iter().position(|&way| way != 0 && (way >> GHOST_STAMP_BITS) & 0x7ff == tag)?;
+        let way = ways
+            .iter()
+            .position(|&way| way != 0 && (way >> GHOST_STAMP_BITS) & GHOST_TAG_MASK == tag)?;
         let slot = std::mem::take(&mut ways[way]);
         let generation = (slot >> (GHOST_TAG_BITS + GHOST_STAMP_BITS)) as u8;
         let now = (self.clock >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
@@ -459,7 +467,7 @@ impl Policy for Conv {
     fn request_started(&mut self, matched: MatchEnd) -> u8 {
         if let Some((node, true)) = matched.deepest {
             if self.meta[node.index()] & TURN_END != 0 {
-                let gap = self.clock - self.link(node.0).stamp;
+                let gap = self.clock.saturating_sub(self.link(node.0).stamp);
                 self.observe_gap(gap);
                 return (self.generation(node.0) + 1).min(SATURATED);
             }

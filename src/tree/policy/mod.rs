@@ -148,7 +148,8 @@ pub trait Policy: Default + std::fmt::Debug {
     /// parent when that is not the root and has no other child: the parent becomes the end of
     /// the chain.
     fn removing(&mut self, _node: NodeId, _key: BlockHash, _sole_child_of: Option<NodeId>) {}
-    /// The shape of the tiers, told once before any node and kept across [`Policy::clear`].
+    /// The shape of the tiers, told before the first node and again when a tier is resized;
+    /// kept across [`Policy::clear`].
     fn configure(&mut self, _tiers: TierShape) {}
     /// Whether [`Policy::touch`] wants to hear of accesses of this kind (the tree skips the call
     /// otherwise: most accesses of most policies change nothing).
