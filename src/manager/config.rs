@@ -174,5 +174,23 @@ mod tests {
     fn the_eviction_policy_serialises_by_name() {
         let json = serde_json::to_value(CacheConfig::new(16, 4)).unwrap();
         assert_eq!(json["eviction"], "lru");
+        let conv = CacheConfig::new(16, 4).with_eviction(EvictionPolicy::Conv);
+        assert_eq!(serde_json::to_value(conv).unwrap()["eviction"], "conv");
+    }
+
+    #[test]
+    fn only_the_offline_policy_takes_the_future_and_it_needs_it() {
+        use crate::manager::{CacheManager, FutureUses};
+        let optimal = CacheConfig::new(16, 4).with_eviction(EvictionPolicy::Optimal);
+        let refused = CacheManager::new(optimal.clone()).unwrap_err();
+        assert_eq!(refused, ConfigError::OfflinePolicy(EvictionPolicy::Optimal));
+        assert!(refused.to_string().contains("kvshm replay"), "{refused}");
+        assert!(CacheManager::with_future(optimal, FutureUses::default()).is_ok());
+        for online in EvictionPolicy::online() {
+            let config = CacheConfig::new(16, 4).with_eviction(online);
+            assert!(CacheManager::new(config.clone()).is_ok());
+            let refused = CacheManager::with_future(config, FutureUses::default()).unwrap_err();
+            assert_eq!(refused, ConfigError::OnlinePolicy(online));
+        }
     }
 }
