@@ -5,8 +5,9 @@ mod scheduler_support;
 
 use kvshm::hash::{BlockHasher, MultimodalItem, Namespace};
 use kvshm::manager::{
-    AllocateError, CacheConfig, CommitError, CompleteError, FinishError, Lookup, MatchError,
-    PromptError, RequestId, ResetError, TicketStatus, TransferId, TransferKind, WritePolicy,
+    AllocateError, CacheConfig, CommitError, CompleteError, EvictionPolicy, FinishError, Lookup,
+    MatchError, PromptError, RequestId, ResetError, TicketStatus, TransferId, TransferKind,
+    WritePolicy,
 };
 use kvshm::tree::{NodeState, SwapOut};
 use kvshm_ipc::record::BlockPair;
@@ -818,4 +819,49 @@ fn selective_write_through_with_threshold_one_backs_up_on_commit() {
     cache.poll();
     assert_eq!(complete_all(&mut cache).len(), 1);
     assert_eq!(cache.stats().counters.backup_blocks, 2);
+}
+
+/// Serves the same workload under `eviction`: 48 two-turn conversations whose second turn comes
+/// 12 releases after the first (the think time `conv` learns), then a three-turn conversation X,
+/// then `fresh` one-turn requests. Returns how many of X's blocks are still cached.
+fn conversation_survival(eviction: EvictionPolicy, fresh: u128) -> usize {
+    let mut cache = manager(CacheConfig::new(BLOCK_TOKENS, 64).with_eviction(eviction));
+    let turn = |blocks: &[u128]| (hashes(blocks), prompt_hitting(blocks.len()));
+    let mut id = 0;
+    let mut serve_turn = |cache: &mut kvshm::manager::CacheManager, blocks: &[u128]| {
+        id += 1;
+        let (blocks, prompt) = turn(blocks);
+        serve_prompt(cache, id, &blocks, prompt)
+    };
+    for conversation in 0..52u128 {
+        if conversation < 48 {
+            serve_turn(&mut cache, &[1_000 + conversation]);
+        }
+        if conversation >= 4 {
+            let earlier = conversation - 4;
+            let found = serve_turn(&mut cache, &[1_000 + earlier, 2_000 + earlier]);
+            assert_eq!(found.device_blocks, 1, "the first turn is still cached");
+        }
+    }
+    let x = [3_000, 3_001, 3_002];
+    for turns in 1..=3 {
+        serve_turn(&mut cache, &x[..turns]);
+    }
+    for request in 0..fresh {
+        serve_turn(&mut cache, &[10_000 + request]);
+    }
+    let (blocks, prompt) = turn(&x);
+    cache.lookup(&blocks, prompt).unwrap().blocks()
+}
+
+#[test]
+fn under_conv_a_conversation_continued_twice_outlives_newer_first_turns() {
+    // 68 fresh blocks after X overflow the 64-block tier: LRU has evicted X by then. conv keeps
+    // X's third-generation blocks two think times (2 x ~13 releases) longer than first turns.
+    assert_eq!(conversation_survival(EvictionPolicy::Lru, 68), 0);
+    assert_eq!(conversation_survival(EvictionPolicy::Conv, 68), 3);
+    // Both keep X without pressure, and conv too gives it up once its credit is spent.
+    assert_eq!(conversation_survival(EvictionPolicy::Lru, 40), 3);
+    assert_eq!(conversation_survival(EvictionPolicy::Conv, 40), 3);
+    assert_eq!(conversation_survival(EvictionPolicy::Conv, 120), 0);
 }
