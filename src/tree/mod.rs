@@ -220,7 +220,8 @@ impl Tree {
         self.policy.turn_ended(last);
     }
 
-    /// Tells the eviction policy the tiers' sizes (once, before the first node).
+    /// Tells the eviction policy the tiers' sizes: before the first node, and again when a tier
+    /// is resized.
     pub fn configure_policy(&mut self, device_blocks: u32, host_blocks: u32) {
         self.policy.configure(TierShape { device_blocks, host_blocks });
     }

@@ -19,11 +19,11 @@
 //! blocks in order, and the end of a request releases its path tail first, so that for equal
 //! recency a deeper block goes first (the tail of a prefix before its head). A node's key
 //! (its block hash) and [`Policy::request_started`] give a policy what it needs to index the
-//! future: an offline optimum (Belady under the prefix constraint) would be built with each
-//! key's future request numbers, count requests with `request_started`, and at each touch
-//! advance the node's next use, keeping its members ordered by farthest next use. Because a
-//! parent is used whenever a child is, such an order never puts a parent before its descendants,
-//! and the tree only files leaves anyway.
+//! future: the offline optimum (`optimal`, Belady under the prefix constraint) is built with
+//! each key's future request numbers, counts requests with `request_started`, and at each touch
+//! sets the node's next use, keeping its members ordered by farthest next use. Because a parent
+//! is used whenever a child is, such an order never puts a parent before its descendants, and
+//! the tree only files leaves anyway.
 //!
 //! Besides the changes of nodes, a policy hears of requests (all hooks have no-op defaults, so a
 //! policy that needs none implements none): [`Policy::request_started`] at a match, with where
