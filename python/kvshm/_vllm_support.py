@@ -90,3 +90,68 @@ class SlowWaitWarning:
             hint,
         )
         return True
+
+
+#: The host tier's occupancy, as fractions of its chunks: (metric name, stats field, help).
+USAGE_GAUGES: tuple[tuple[str, str, str], ...] = (
+    (
+        "vllm:kv_offload_kvshm_cache_usage_perc",
+        "chunks_used",
+        "Fraction of kvshm's host-tier chunks that hold a key (stored or being stored).",
+    ),
+    (
+        "vllm:kv_offload_kvshm_cache_write_usage_perc",
+        "chunks_storing",
+        "Fraction of kvshm's host-tier chunks being written by stores not yet completed.",
+    ),
+    (
+        "vllm:kv_offload_kvshm_cache_read_usage_perc",
+        "chunks_loading",
+        "Fraction of kvshm's host-tier chunks pinned by loads not yet completed.",
+    ),
+)
+
+#: What the manager did since the previous report: (metric name, stats field, help).
+ACTIVITY_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("vllm:kv_offload_kvshm_lookups", "lookups", "Keys looked up in kvshm's host tier."),
+    ("vllm:kv_offload_kvshm_lookup_hits", "lookup_hits", "Keys found in kvshm's host tier."),
+    ("vllm:kv_offload_kvshm_keys_stored", "keys_stored", "Keys stored into kvshm's host tier."),
+    ("vllm:kv_offload_kvshm_keys_loaded", "keys_loaded", "Keys loaded from kvshm's host tier."),
+    (
+        "vllm:kv_offload_kvshm_stores_refused",
+        "stores_refused",
+        "Stores refused because no chunk could be freed (every chunk pinned or being written).",
+    ),
+    (
+        "vllm:kv_offload_kvshm_stores_failed",
+        "stores_failed",
+        "Stores whose copy failed (their chunks were returned).",
+    ),
+    ("vllm:kv_offload_kvshm_evictions", "evictions", "Keys evicted from kvshm's host tier."),
+)
+
+
+class StatsReport:
+    """Turns the Rust manager's cumulative statistics into what vLLM's ``get_stats`` reports:
+    the occupancy gauges, and for each counter the increase since the previous report (a counter
+    that went down, as after the manager was rebuilt, reports its whole new value)."""
+
+    def __init__(self) -> None:
+        self._previous: dict[str, int] = {}
+
+    def sample(self, stats: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
+        """(gauges, counter increases) for the statistics ``stats`` (``VllmManagerCore.stats``).
+        Counters that did not move are left out."""
+        chunks = stats["chunks"]
+        gauges = {
+            name: (stats[field] / chunks if chunks else 0.0) for name, field, _ in USAGE_GAUGES
+        }
+        increases: dict[str, int] = {}
+        for name, field, _ in ACTIVITY_COUNTERS:
+            now = stats[field]
+            before = self._previous.get(field, 0)
+            increase = now - before if now >= before else now
+            if increase:
+                increases[name] = increase
+            self._previous[field] = now
+        return gauges, increases

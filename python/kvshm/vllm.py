@@ -36,14 +36,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
     LookupResult,
     Medium,
+    OffloadingCounterMetadata,
     OffloadingEvent,
+    OffloadingGaugeMetadata,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
     OffloadKey,
@@ -63,7 +69,13 @@ from kvshm._kvshm import (
     VllmManagerCore,
     parse_cuda_handle,
 )
-from kvshm._vllm_support import SlowWaitWarning, block_span
+from kvshm._vllm_support import (
+    ACTIVITY_COUNTERS,
+    USAGE_GAUGES,
+    SlowWaitWarning,
+    StatsReport,
+    block_span,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +101,8 @@ class KvshmOffloadingManager(VllmManagerCore, OffloadingManager):
     The contract's methods (``lookup``, ``prepare_load``, ``touch``, ``complete_load``,
     ``prepare_store``, ``complete_store``, ``on_new_request``, ``on_request_finished``,
     ``take_events``, ``reset_cache``) are ``VllmManagerCore``'s, implemented in Rust: each of
-    vLLM's calls is one crossing, with no Python frame in between.
+    vLLM's calls is one crossing, with no Python frame in between. ``get_stats`` (once per
+    engine step at most) reports the host tier's occupancy and what the manager did since.
     """
 
     def __new__(
@@ -102,11 +115,21 @@ class KvshmOffloadingManager(VllmManagerCore, OffloadingManager):
     def __init__(self, num_chunks: int, eviction: str = "leaf_first", events: bool = False) -> None:
         OffloadingManager.__init__(self)  # later vLLMs keep state there (the lock)
         self.num_chunks = num_chunks
+        self._stats_report = StatsReport()
 
     @property
     def rust(self) -> VllmManagerCore:
         """The Rust manager (stats, invariants, keys)."""
         return self
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        gauges, counters = self._stats_report.sample(self.stats())
+        stats = OffloadingConnectorStats()
+        for name, value in gauges.items():
+            stats.set_gauge(name, value)
+        for name, increase in counters.items():
+            stats.increase_counter(name, increase)
+        return stats
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -342,6 +365,17 @@ def _segment_prefix(config: OffloadingConfig) -> str:
 
 class KvshmOffloadingSpec(OffloadingSpec):
     """vLLM's ``OffloadingSpec`` for kvshm: a Rust manager and shared-memory host tiers."""
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        definitions: dict[str, OffloadingMetricMetadata] = {
+            name: OffloadingGaugeMetadata(documentation=doc) for name, _, doc in USAGE_GAUGES
+        }
+        for name, _, doc in ACTIVITY_COUNTERS:
+            definitions[name] = OffloadingCounterMetadata(documentation=doc)
+        return definitions
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)

@@ -6,7 +6,13 @@ import logging
 import pytest
 
 import kvshm
-from kvshm._vllm_support import SlowWaitWarning, block_span
+from kvshm._vllm_support import (
+    ACTIVITY_COUNTERS,
+    USAGE_GAUGES,
+    SlowWaitWarning,
+    StatsReport,
+    block_span,
+)
 
 
 def test_the_span_of_contiguous_blocks_ends_with_the_last_page_whatever_the_rank_of_the_tensor():
@@ -51,3 +57,70 @@ def test_a_long_wait_warns_after_a_while_and_again_every_interval(caplog):
     assert "[3, 7]" in messages[0]
     assert "spawn_workers is false" in messages[0]
     assert "after 61 s" in messages[1] or "after 62 s" in messages[1]
+
+
+def test_stats_reports_occupancy_as_fractions_and_counters_as_increases() -> None:
+    report = StatsReport()
+    stats = {
+        "chunks": 8,
+        "chunks_used": 4,
+        "chunks_storing": 2,
+        "chunks_loading": 1,
+        "lookups": 10,
+        "lookup_hits": 3,
+        "keys_stored": 4,
+        "keys_loaded": 0,
+        "stores_refused": 0,
+        "stores_failed": 0,
+        "evictions": 0,
+        "resets": 0,
+    }
+    gauges, counters = report.sample(stats)
+    assert gauges == {
+        "vllm:kv_offload_kvshm_cache_usage_perc": 0.5,
+        "vllm:kv_offload_kvshm_cache_write_usage_perc": 0.25,
+        "vllm:kv_offload_kvshm_cache_read_usage_perc": 0.125,
+    }
+    assert counters == {
+        "vllm:kv_offload_kvshm_lookups": 10,
+        "vllm:kv_offload_kvshm_lookup_hits": 3,
+        "vllm:kv_offload_kvshm_keys_stored": 4,
+    }
+    # The next report carries only what happened since.
+    _, counters = report.sample({**stats, "lookups": 15, "evictions": 2})
+    assert counters == {"vllm:kv_offload_kvshm_lookups": 5, "vllm:kv_offload_kvshm_evictions": 2}
+    _, counters = report.sample({**stats, "lookups": 15, "evictions": 2})
+    assert counters == {}
+    # A counter that went down (a rebuilt manager) reports its new value whole.
+    _, counters = report.sample({**stats, "lookups": 1, "evictions": 2})
+    assert counters == {"vllm:kv_offload_kvshm_lookups": 1}
+
+
+def test_stats_of_an_empty_tier_are_zero_not_a_division_by_zero() -> None:
+    gauges, _ = StatsReport().sample(
+        {
+            field: 0
+            for field in (
+                "chunks",
+                "chunks_used",
+                "chunks_storing",
+                "chunks_loading",
+                "lookups",
+                "lookup_hits",
+                "keys_stored",
+                "keys_loaded",
+                "stores_refused",
+                "stores_failed",
+                "evictions",
+            )
+        }
+    )
+    assert set(gauges.values()) == {0.0}
+
+
+def test_the_stats_fields_reported_are_those_the_rust_manager_has() -> None:
+    from kvshm._kvshm import OffloadManager
+
+    stats = OffloadManager(4).stats()
+    for _, field, _ in USAGE_GAUGES + ACTIVITY_COUNTERS:
+        assert field in stats, field

@@ -4,7 +4,12 @@ import json
 
 import pytest
 from vllm.config import KVTransferConfig
-from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec
+from vllm.v1.kv_offload.base import (
+    OffloadingManager,
+    OffloadingSpec,
+    ReqContext,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 import kvshm
@@ -46,3 +51,23 @@ def test_a_spec_without_a_host_tier_size_is_refused_with_a_message(offloading_co
     extra = {"spec_name": "KvshmOffloadingSpec", "spec_module_path": "kvshm.vllm"}
     with pytest.raises(kvshm.ConfigError, match="cpu_bytes_to_use"):
         OffloadingSpecFactory.create_spec(offloading_config(extra))
+
+
+def test_get_stats_reports_only_metrics_the_spec_defines(offloading_config) -> None:
+    extra = json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"]
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
+    definitions = type(spec).build_metric_definitions(extra)
+    manager = spec.get_manager()
+    context = ReqContext(req_id="r")
+    manager.on_new_request(context)
+    key = make_offload_key(b"\x01" * 32, 0)
+    manager.lookup(key, context)
+    assert manager.prepare_store([key], context) is not None
+    manager.complete_store({key}, context)
+    reduced = manager.get_stats().reduce()
+    assert set(reduced) <= set(definitions)
+    assert reduced["vllm:kv_offload_kvshm_cache_usage_perc"] == pytest.approx(1 / 512)
+    assert reduced["vllm:kv_offload_kvshm_keys_stored"] == 1
+    assert reduced["vllm:kv_offload_kvshm_lookups"] == 1
+    # Counters report what happened since the previous call.
+    assert "vllm:kv_offload_kvshm_keys_stored" not in manager.get_stats().reduce()

@@ -35,8 +35,9 @@ class FakeCudaTensor:
     def element_size(self) -> int:
         return 1
 
-    def stride(self, dim: int) -> int:
-        return self._stride if dim == 0 else 1
+    def stride(self, dim: int | None = None) -> int | tuple[int, int]:
+        strides = (self._stride, 1)
+        return strides if dim is None else strides[dim]
 
 
 def caches(tensors: list[FakeCudaTensor]) -> CanonicalKVCaches:
@@ -50,7 +51,7 @@ def caches(tensors: list[FakeCudaTensor]) -> CanonicalKVCaches:
 
 def test_a_tensors_handle_offset_length_and_stride_come_from_its_storage() -> None:
     tensor = FakeCudaTensor(b"\x02c" + MEMORY_HANDLE, storage_offset_bytes=4096)
-    handle, offset, length, stride = _device_handle(tensor)
+    handle, offset, length, stride = _device_handle(tensor, 256)
     assert handle == MEMORY_HANDLE
     assert offset == 4096 + 8, "the storage's offset in its block, then the tensor's in it"
     assert (length, stride) == (15 * 256 + 256, 256)
@@ -59,7 +60,7 @@ def test_a_tensors_handle_offset_length_and_stride_come_from_its_storage() -> No
 def test_a_tensor_in_an_expandable_segment_is_refused_naming_the_setting() -> None:
     tensor = FakeCudaTensor(b"\x02e" + bytes(30), storage_offset_bytes=0)
     with pytest.raises(kvshm.DeviceHandleError, match="expandable_segments:False"):
-        _device_handle(tensor)
+        _device_handle(tensor, 256)
     with pytest.raises(kvshm.DeviceHandleError):
         KvshmOffloadingWorker(caches([tensor]), segment="unused", num_chunks=4, blocks_per_chunk=1)
 
