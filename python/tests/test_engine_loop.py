@@ -27,6 +27,18 @@ def pattern(block_hash: int, region: int, rank: int) -> bytes:
     return hashlib.shake_128(seed).digest(REGION_BYTES)
 
 
+def wait_layer_by_layer(service: kvshm.Service, ticket: int) -> None:
+    """Waits for a ticket as a layer-wise engine does, checking what it is told: the count of
+    ready layers never goes back and ends at every layer."""
+    ready, deadline = 0, time.monotonic() + 30
+    while ready < LAYERS:
+        assert time.monotonic() < deadline, f"ticket {ticket}: {ready} of {LAYERS} layers ready"
+        service.poll()
+        now = service.ticket_layers_ready(ticket)
+        assert ready <= now <= LAYERS
+        ready = now
+
+
 def run_engine(service: kvshm.Service, requests: int, seed: int) -> dict[str, int]:
     hasher = kvshm.BlockHasher(BLOCK_TOKENS, model="test-model")
     rng = random.Random(seed)
@@ -39,6 +51,8 @@ def run_engine(service: kvshm.Service, requests: int, seed: int) -> dict[str, in
         hashes = hasher.hash_prompt(prompt)
         found = service.match_prefix(request, hashes, len(prompt))
         allocation = service.allocate(request, len(prompt) - found.cached_tokens)
+        if request % 2:
+            wait_layer_by_layer(service, allocation.ticket)
         service.wait(allocation.ticket, timeout=30)
         table = np.asarray(allocation.block_table)
         for position in range(found.blocks):  # hits: the bytes must be what was computed

@@ -119,6 +119,30 @@ def test_extending_hashes_with_generated_tokens_matches_hashing_the_whole_sequen
     assert other_tenant.hash_prompt(tokens)[0] != hasher.hash_prompt(tokens)[0]
 
 
+def test_python_hashes_are_the_rust_crates_frozen_test_vectors() -> None:
+    # The same vectors as kvshm::hash's known_vectors test: a key computed in Python names the
+    # same block as one computed in Rust, on any machine.
+    hasher = kvshm.BlockHasher(4, model="llama-3-8b")
+    hashes = [f"{block:032x}" for block in hasher.hash_prompt(list(range(8))).tolist()]
+    assert hashes == ["89ad8f2b3272b04c9222c390eb3f2718", "40fa9ec68a7c65a65d9e06f34df05859"]
+    image = hasher.hash_prompt(list(range(8)), [(2, 4, 0xFEED)]).tolist()
+    assert f"{image[0]:032x}" == "cdda6238054d803a46e677cabf7387a4"
+
+
+def test_a_multimodal_item_changes_exactly_the_blocks_it_overlaps() -> None:
+    hasher = kvshm.BlockHasher(4, model="m")
+    tokens = list(range(20))
+    plain = hasher.hash_prompt(tokens).tolist()
+    # Tokens 6..10 lie in blocks 1 and 2; every later block changes with them (the chain).
+    with_item = hasher.hash_prompt(tokens, [(6, 4, 0xC0FFEE)]).tolist()
+    assert with_item[0] == plain[0]
+    assert all(a != b for a, b in zip(with_item[1:], plain[1:], strict=True))
+    # Another content hash for the same placeholder tokens is another key.
+    other = hasher.hash_prompt(tokens, [(6, 4, 0xBEEF)]).tolist()
+    assert other[0] == plain[0]
+    assert other[1] != with_item[1]
+
+
 def test_every_rust_error_is_a_kvshm_exception_with_its_meaning(name: str) -> None:
     with make_service(name, device_blocks=4, host_blocks=0) as service:
         with pytest.raises(kvshm.UnknownRequestError):
