@@ -1,10 +1,12 @@
 //! A seeded randomized test: 100k operations over a tiny vocabulary (so prefixes collide a lot)
-//! against every write policy and every online eviction policy, with `check_invariants()` after every
-//! step and random copy failures injected.
+//! against every write policy and every online eviction policy, with and without a storage tier,
+//! with `check_invariants()` after every step and random copy failures injected (and, on the
+//! storage tier, blocks that vanish, as from a shared Redis).
 //!
 //! The test plays the engine and the workers, and simulates the data plane: every device and host
-//! block holds the hash of the block whose KV it contains. Copies move those values when they
-//! complete (a failed copy poisons its destinations), and the engine writes its computed blocks
+//! block holds the hash of the block whose KV it contains, and the storage tier maps a block hash
+//! to what was stored under it. Copies move those values when they complete (a failed copy
+//! poisons its destinations; a LOAD of a block the tier lacks fails), and the engine writes its computed blocks
 //! only once its ticket is ready. So every hit the manager reports is checked to hold the right
 //! data, which catches a block reused too early, a ticket ready too soon or a copy issued too
 //! early. Hits are compared against a reference model: the set of blocks committed since the
@@ -17,8 +19,8 @@ use std::collections::{HashMap, HashSet};
 
 use kvshm::hash::{BlockHash, BlockHasher, Namespace};
 use kvshm::manager::{
-    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, TicketId, TicketStatus,
-    Transfer, TransferKind, WritePolicy,
+    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, StorageWritePolicy,
+    TicketId, TicketStatus, Transfer, TransferKind, WritePolicy,
 };
 use kvshm::tree::{NodeId, NodeState, SnapshotNode, SwapOut};
 use scheduler_support::{check, failure, Rng};
@@ -48,6 +50,9 @@ struct Engine {
     completion_percent: usize,
     device_data: Vec<Option<BlockHash>>,
     host_data: Vec<Option<BlockHash>>,
+    storage_data: HashMap<BlockHash, Option<BlockHash>>,
+    /// Percent of steps on which the storage tier loses a random block.
+    vanish_percent: usize,
     live: HashMap<u64, Live>,
     copies: Vec<Transfer>,
     committed: HashSet<BlockHash>,
@@ -75,6 +80,8 @@ impl Engine {
             completion_percent: 100,
             device_data: vec![None; device * 2],
             host_data: vec![None; host],
+            storage_data: HashMap::new(),
+            vanish_percent: 0,
             live: HashMap::new(),
             copies: Vec::new(),
             committed: HashSet::new(),
@@ -113,6 +120,13 @@ impl Engine {
             98 => self.resize(),
             _ => self.reset(),
         }
+        if self.vanish_percent > 0 && self.rng.chance(self.vanish_percent) {
+            let mut keys: Vec<BlockHash> = self.storage_data.keys().copied().collect();
+            keys.sort_unstable();
+            if !keys.is_empty() {
+                self.storage_data.remove(&keys[self.rng.below(keys.len())]);
+            }
+        }
         check(&self.cache);
     }
 
@@ -131,8 +145,8 @@ impl Engine {
         self.next_request += 1;
         let found = self.cache.match_prefix(RequestId(id), &hashes, tokens.len()).unwrap();
         assert_eq!(
-            (found.device_blocks, found.host_blocks),
-            (lookup.device_blocks, lookup.host_blocks)
+            (found.device_blocks, found.host_blocks, found.storage_blocks),
+            (lookup.device_blocks, lookup.host_blocks, lookup.storage_blocks)
         );
         assert!(found.blocks() <= reference, "a hit on a block never committed");
         assert!(found.cached_tokens < tokens.len().max(1), "the last prompt token is computed");
@@ -191,6 +205,15 @@ impl Engine {
                 assert_eq!(before, after, "a failed allocation changes nothing");
                 assert!(self.cache.take_transfers().is_empty());
             }
+            Err(AllocateError::OutOfHostBlocks { .. }) => {
+                let after = (
+                    self.cache.free_device_blocks(),
+                    self.cache.free_host_blocks(),
+                    self.cache.stats().cached_blocks,
+                );
+                assert_eq!(before, after, "a failed allocation changes nothing");
+                assert!(self.cache.take_transfers().is_empty());
+            }
             Err(error) => panic!("unexpected {error}"),
         }
     }
@@ -228,8 +251,8 @@ impl Engine {
             return;
         }
         let copy = self.copies.swap_remove(self.rng.below(self.copies.len()));
-        let fails = self.rng.chance(10);
-        for pair in &copy.pairs {
+        let mut fails = self.rng.chance(10);
+        for (index, pair) in copy.pairs.iter().enumerate() {
             let (src, dst) = (pair.src as usize, pair.dst as usize);
             match copy.kind {
                 TransferKind::DeviceToHost => {
@@ -237,6 +260,18 @@ impl Engine {
                 }
                 TransferKind::HostToDevice => {
                     self.device_data[dst] = if fails { Some(POISON) } else { self.host_data[src] };
+                }
+                TransferKind::HostToStorage => {
+                    // A failed write leaves nothing; a hash already stored keeps its bytes.
+                    if !fails {
+                        self.storage_data.insert(copy.blocks[index].hash, self.host_data[src]);
+                    }
+                }
+                TransferKind::StorageToHost => {
+                    let stored = self.storage_data.get(&copy.blocks[index].hash).copied();
+                    // A block the tier lost fails the LOAD (every block of it counts as missed).
+                    fails |= stored.is_none();
+                    self.host_data[dst] = if fails { Some(POISON) } else { stored.flatten() };
                 }
             }
         }
@@ -446,6 +481,50 @@ fn random_operations_keep_every_invariant_with_many_swap_ins_in_flight() {
             stats.counters.swap_in_blocks > 100 && stats.counters.failed_transfers > 10,
             "{stats:?}"
         );
+    }
+}
+
+#[test]
+fn random_operations_keep_every_invariant_with_a_storage_tier_that_fails_and_loses_blocks() {
+    let config = CacheConfig::new(BLOCK_TOKENS as u32, 10)
+        .with_host_blocks(8)
+        .with_storage_blocks(24)
+        .with_free_watermark(2);
+    for config in every_policy(config) {
+        let mut engine = Engine::new(config, 7, 3, 6, false);
+        engine.vanish_percent = 2;
+        let engine = run_engine(engine, STEPS);
+        let counters = engine.cache.stats().counters;
+        assert!(
+            counters.hits.storage_blocks > 100
+                && counters.loaded_blocks > 100
+                && counters.stored_blocks > 100
+                && counters.evictions.storage_dropped > 10
+                && counters.evictions.host_written_back > 100,
+            "{counters:?}"
+        );
+        assert!(
+            counters.load_failed_blocks > 10 && counters.store_failed_blocks > 10,
+            "{counters:?}"
+        );
+        assert!(engine.hits_checked > 1000);
+    }
+}
+
+#[test]
+fn random_operations_keep_every_invariant_with_a_write_through_storage_tier_and_copies_in_flight() {
+    let config = CacheConfig::new(BLOCK_TOKENS as u32, 10)
+        .with_host_blocks(12)
+        .with_storage_blocks(30)
+        .with_storage_write_policy(StorageWritePolicy::WriteThrough);
+    for config in every_policy(config) {
+        let mut engine = Engine::new(config, 8, 3, 6, false);
+        engine.completion_percent = 20;
+        engine.vanish_percent = 1;
+        let engine = run_engine(engine, STEPS);
+        let counters = engine.cache.stats().counters;
+        assert!(counters.hits.storage_blocks > 100 && counters.stored_blocks > 100, "{counters:?}");
+        assert!(engine.hits_checked > 500, "{} hits checked", engine.hits_checked);
     }
 }
 

@@ -131,12 +131,19 @@ fn lookup_reports_what_a_match_would_hold() {
         let expected = if tokens > 8 { 2 } else { 1 };
         assert_eq!(
             looked_up,
-            Lookup { device_blocks: found.device_blocks, host_blocks: found.host_blocks }
+            Lookup {
+                device_blocks: found.device_blocks,
+                host_blocks: found.host_blocks,
+                storage_blocks: 0
+            }
         );
         assert_eq!(found.host_blocks, expected, "{tokens} tokens");
         check(&cache);
     }
-    assert_eq!(cache.cached_prefix(&prompt), Lookup { device_blocks: 0, host_blocks: 2 });
+    assert_eq!(
+        cache.cached_prefix(&prompt),
+        Lookup { device_blocks: 0, host_blocks: 2, storage_blocks: 0 }
+    );
 }
 
 #[test]

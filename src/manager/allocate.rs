@@ -1,14 +1,18 @@
 //! `allocate` (SPEC 5.3): device blocks for a request's host hits and new tokens, all or nothing.
 //!
-//! 1. Count what is needed ([`super::capacity`]): a block per host hit not yet swapped in, and
-//!    blocks for the new and lookahead tokens beyond what the block table covers.
+//! 1. Count what is needed ([`super::capacity`]): a block per host or storage hit not yet swapped
+//!    in, and blocks for the new and lookahead tokens beyond what the block table covers; a host
+//!    block per storage hit.
 //! 2. Count what can be had without changing anything: free blocks, claimable blocks and the
-//!    cascade of device candidates. Short: fail, nothing changed.
-//! 3. Take the blocks (free, claimed, evicted; see [`super::evict`]).
+//!    cascade of device candidates; free host blocks and host candidates. Short: fail, nothing
+//!    changed.
+//! 3. Take the host blocks of the loads, then the device blocks (free, claimed, evicted; see
+//!    [`super::evict`]).
 //! 4. Fill the block table's hit positions: device hits as they are; hits whose swap-in is in
-//!    flight share it; host hits get a block and one batched host-to-device copy. That copy is
-//!    held back until the swap-outs reading its claimed blocks and the shared swap-ins above it
-//!    have completed.
+//!    flight share it; host hits get a block and one batched host-to-device copy; storage hits
+//!    get a host block, one batched LOAD into it, and a device block in that same swap-in. The
+//!    swap-in is held back until the swap-outs reading its claimed blocks, the shared swap-ins
+//!    above it and the LOAD have completed (see [`super::storage`]).
 //! 5. Append the new blocks; the ticket also waits on swap-outs still reading claimed ones.
 
 use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
@@ -37,6 +41,8 @@ pub(super) struct AllocateScratch {
     table: Vec<u32>,
     /// Copies the swap-in must wait for.
     after: Vec<TransferId>,
+    /// Host blocks for the loads, each with the STORE still reading it if claimed from one.
+    host_blocks: Vec<(u32, Option<TransferId>)>,
     /// Fresh blocks claimed from swap-outs, with those copies.
     claims: Vec<(u32, TransferId)>,
 }
@@ -68,11 +74,25 @@ impl CacheManager {
                 return Err(AllocateError::OutOfBlocks { needed, available });
             }
         }
+        if demand.loads > 0 {
+            let available = self.obtainable_host_blocks(demand.loads);
+            if available < demand.loads {
+                self.scratch = scratch;
+                self.stats.failed_allocations += 1;
+                return Err(AllocateError::OutOfHostBlocks { needed: demand.loads, available });
+            }
+        }
 
+        scratch.host_blocks.clear();
+        for _ in 0..demand.loads {
+            let block = self.obtain_host_block().expect("the host blocks were counted above");
+            scratch.host_blocks.push(block);
+        }
         scratch.blocks.clear();
         self.obtain_device_blocks(needed, &mut scratch.blocks);
         let ticket = self.new_ticket(request);
         let mut blocks = scratch.blocks.iter();
+        let mut host_blocks = scratch.host_blocks.iter();
         let mut swap_in = None;
         scratch.table.clear();
         scratch.after.clear();
@@ -100,7 +120,36 @@ impl CacheManager {
                     scratch.after.extend(claimed_from);
                     scratch.table.push(block);
                 }
-                state @ NodeState::SwapToHost(SwapOut::Evict | SwapOut::Claimed) => {
+                NodeState::Storage => {
+                    let &(block, claimed_from) =
+                        blocks.next().expect("a block was taken per swap-in");
+                    let &host = host_blocks.next().expect("a host block was taken per load");
+                    let (load, transfer) = self.start_load(id, host, block);
+                    swap_in = Some(transfer);
+                    scratch.after.extend(claimed_from);
+                    if !scratch.after.contains(&load) {
+                        scratch.after.push(load);
+                        self.wait_on(ticket, load);
+                    }
+                    scratch.table.push(block);
+                }
+                NodeState::StorageToHost => {
+                    // Another request's load: wait on it and on the swap-in behind it.
+                    let load =
+                        TransferId(node.transfer().expect("a node in flight names its copy"));
+                    scratch
+                        .table
+                        .push(node.device().expect("a load has its swap-in's destination"));
+                    let then = self.flight_mut(load).and_then(|flight| flight.then);
+                    let then = then.expect("a load names the swap-in behind it");
+                    self.wait_on(ticket, load);
+                    self.wait_on(ticket, then);
+                    if !scratch.after.contains(&then) {
+                        scratch.after.push(then);
+                    }
+                }
+                state @ (NodeState::SwapToHost(SwapOut::Evict | SwapOut::Claimed)
+                | NodeState::HostToStorage(_)) => {
                     unreachable!("a held node in state {state:?} is a programming error")
                 }
             }

@@ -2,7 +2,7 @@
 //! `can_fit_full_sequence`, SGLang's "free + evictable".
 //!
 //! 1. [`CacheManager::demand`] counts the device blocks `allocate` would take for a request: one
-//!    per host hit not yet given a block, and the blocks for the new and lookahead tokens beyond
+//!    per host or storage hit not yet given a block (a storage hit also takes a host block), and the blocks for the new and lookahead tokens beyond
 //!    what the block table covers (checked arithmetic: an absurd count is a typed error).
 //! 2. [`CacheManager::obtainable_device_blocks`] counts free blocks, then what claims and
 //!    evictions could free, up to a limit (the count is O(limit), never a scan of the tree).
@@ -33,8 +33,10 @@ impl AllocationCheck {
 /// The device blocks one allocation takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Demand {
-    /// Host hits that get a device block and a swap-in.
+    /// Host and storage hits that get a device block and a swap-in.
     pub swap_ins: usize,
+    /// Storage hits, which also get a host block and a load.
+    pub loads: usize,
     /// Blocks for the new and lookahead tokens.
     pub fresh: usize,
 }
@@ -58,8 +60,13 @@ impl CacheManager {
         if record.failed {
             return Err(AllocateError::RequestFailed(request));
         }
-        let needed = self.demand(request, record, new_tokens, lookahead)?.blocks();
+        let demand = self.demand(request, record, new_tokens, lookahead)?;
+        let needed = demand.blocks();
         let available = self.obtainable_device_blocks(needed);
+        if available >= needed && self.obtainable_host_blocks(demand.loads) < demand.loads {
+            // The loads cannot get their host blocks: it does not fit, whatever the device has.
+            return Ok(AllocationCheck { needed, available: needed - 1 });
+        }
         Ok(AllocationCheck { needed, available })
     }
 
@@ -74,6 +81,17 @@ impl CacheManager {
         free + self.reclaimable_up_to(limit - free)
     }
 
+    /// Host blocks an allocation's loads could get now, counted up to `limit`: free ones, then
+    /// what evictions of host candidates could give (the cascade included). Changes nothing.
+    pub(super) fn obtainable_host_blocks(&mut self, limit: usize) -> usize {
+        let free = self.host.free_count();
+        if free >= limit {
+            return limit;
+        }
+        let (gone, exposed) = &mut self.scratch_reclaim;
+        free + super::evict::count_host_obtainable(&self.tree, gone, exposed, limit - free)
+    }
+
     /// The device blocks `allocate` takes for `record` (module flow, step 1).
     pub(super) fn demand(
         &self,
@@ -84,8 +102,15 @@ impl CacheManager {
     ) -> Result<Demand, AllocateError> {
         let block_tokens = self.config.block_tokens as usize;
         let hits = record.path.get(record.table.len()..).unwrap_or_default();
-        let swap_ins =
-            hits.iter().filter(|&&id| self.tree.node(id).state() == NodeState::Host).count();
+        let (mut swap_ins, mut loads) = (0, 0);
+        for &id in hits {
+            match self.tree.node(id).state() {
+                NodeState::Host => swap_ins += 1,
+                NodeState::Storage => loads += 1,
+                _ => {}
+            }
+        }
+        swap_ins += loads;
         let covered = record.table.len().max(record.path.len());
         let fresh = record
             .tokens
@@ -94,6 +119,6 @@ impl CacheManager {
             .ok_or(AllocateError::TooManyTokens { request, new_tokens, lookahead })?
             .div_ceil(block_tokens)
             .saturating_sub(covered);
-        Ok(Demand { swap_ins, fresh })
+        Ok(Demand { swap_ins, loads, fresh })
     }
 }

@@ -11,7 +11,9 @@
 //!    - host-to-device failed: the device block is freed and the node is `Host` again, and so is
 //!      every device copy below it: those are swap-ins held back behind this one (see
 //!      `allocate`), so they are cancelled before any worker saw them.
-//! 4. Every ticket waiting on it counts it done; a failed swap-in fails them and their requests.
+//!    - a STORE or LOAD: see [`super::storage`].
+//! 4. Every ticket waiting on it counts it done; a failed swap-in or LOAD fails them and their
+//!    requests.
 
 use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
 use crate::tree::{NodeId, NodeState, SwapOut};
@@ -56,10 +58,17 @@ impl CacheManager {
                     });
                 }
                 (TransferKind::HostToDevice, false) => self.swap_in_failed(node, id),
+                (TransferKind::HostToStorage, landed) => self.store_completed(node, landed),
+                (TransferKind::StorageToHost, landed) => {
+                    let swap_in = flight.then.expect("a load names the swap-in behind it");
+                    self.load_completed(node, swap_in, landed);
+                }
             }
         }
         let failure = match (flight.kind, outcome) {
-            (TransferKind::HostToDevice, Err(failure)) => Some(failure),
+            (TransferKind::HostToDevice | TransferKind::StorageToHost, Err(failure)) => {
+                Some(failure)
+            }
             _ => None,
         };
         self.resolve_tickets(&flight.tickets, failure);
@@ -68,7 +77,11 @@ impl CacheManager {
     }
 
     /// Counts a copy done for each ticket waiting on it, failing them with `failure`.
-    fn resolve_tickets(&mut self, tickets: &[TicketId], failure: Option<TransferFailure>) {
+    pub(super) fn resolve_tickets(
+        &mut self,
+        tickets: &[TicketId],
+        failure: Option<TransferFailure>,
+    ) {
         for ticket_id in tickets {
             let Some(ticket) = self.tickets.get_mut(ticket_id) else { continue };
             ticket.pending -= 1;
@@ -159,6 +172,10 @@ impl CacheManager {
                     TransferId(node.transfer().expect("a node in flight names its copy"));
                 self.cancel_swap_in(id, transfer, block);
             }
+            NodeState::StorageToHost => {
+                self.abandon_load(id);
+                return;
+            }
             state => unreachable!(
                 "a device copy in state {state:?} below a swap-in is a programming error"
             ),
@@ -174,6 +191,7 @@ impl CacheManager {
             node.set_state(NodeState::Host);
             node.set_transfer(None);
         });
+        self.settled_on_host(id);
     }
 
     /// Removes the pair of node `id` from swap-in `transfer`, which no worker has seen yet, and
@@ -196,6 +214,12 @@ impl CacheManager {
             self.resolve_tickets(&flight.tickets, None);
             self.recycle_flight(flight);
         }
+        self.release_swap_in_destination(&after, block);
+    }
+
+    /// Gives back `block`, the destination of a cancelled swap-in that waited on the copies
+    /// `after`: to the swap-out still reading it if it was claimed from one, else to the pool.
+    pub(super) fn release_swap_in_destination(&mut self, after: &[TransferId], block: u32) {
         let reader = after.iter().find(|before| {
             self.in_flight.get(before).is_some_and(|flight| {
                 flight.kind == TransferKind::DeviceToHost

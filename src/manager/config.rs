@@ -21,6 +21,63 @@ pub struct CacheConfig {
     pub free_watermark: u32,
     /// The order in which evictable blocks go (serialised by name, as `--eviction` writes it).
     pub eviction: EvictionPolicy,
+    /// Blocks of the storage tier below host (per rank: the slab's slots, or a budget for
+    /// Redis); 0 disables it. It needs a host tier: blocks reach storage through host blocks.
+    pub storage_blocks: u32,
+    /// When host blocks are written to the storage tier (serialised by name).
+    #[serde(serialize_with = "serialize_storage_policy")]
+    pub storage_write_policy: StorageWritePolicy,
+}
+
+/// When blocks of the host tier are written to the storage tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StorageWritePolicy {
+    /// A host block is written when it leaves the host tier (its eviction), unless the tier holds
+    /// it already: the default.
+    #[default]
+    WriteBack,
+    /// Every block that settles in the host tier is also written at once (by `poll`), so that
+    /// its later eviction from host costs no write.
+    WriteThrough,
+}
+
+impl StorageWritePolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            StorageWritePolicy::WriteBack => "write_back",
+            StorageWritePolicy::WriteThrough => "write_through",
+        }
+    }
+}
+
+impl std::fmt::Display for StorageWritePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A storage write policy name that is not known.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown storage write policy {0:?} (known: write_back, write_through)")]
+pub struct ParseStorageWritePolicyError(pub String);
+
+impl std::str::FromStr for StorageWritePolicy {
+    type Err = ParseStorageWritePolicyError;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        match name {
+            "write_back" => Ok(StorageWritePolicy::WriteBack),
+            "write_through" => Ok(StorageWritePolicy::WriteThrough),
+            _ => Err(ParseStorageWritePolicyError(name.to_owned())),
+        }
+    }
+}
+
+fn serialize_storage_policy<S: Serializer>(
+    policy: &StorageWritePolicy,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.collect_str(policy)
 }
 
 impl CacheConfig {
@@ -33,7 +90,19 @@ impl CacheConfig {
             write_policy: WritePolicy::WriteBack,
             free_watermark: 0,
             eviction: EvictionPolicy::default(),
+            storage_blocks: 0,
+            storage_write_policy: StorageWritePolicy::WriteBack,
         }
+    }
+
+    pub fn with_storage_blocks(mut self, storage_blocks: u32) -> CacheConfig {
+        self.storage_blocks = storage_blocks;
+        self
+    }
+
+    pub fn with_storage_write_policy(mut self, policy: StorageWritePolicy) -> CacheConfig {
+        self.storage_write_policy = policy;
+        self
     }
 
     pub fn with_host_blocks(mut self, host_blocks: u32) -> CacheConfig {
@@ -59,6 +128,9 @@ impl CacheConfig {
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         if self.block_tokens == 0 {
             return Err(ConfigError::ZeroBlockTokens);
+        }
+        if self.storage_blocks > 0 && self.host_blocks == 0 {
+            return Err(ConfigError::StorageWithoutHost { storage_blocks: self.storage_blocks });
         }
         for (tier, blocks) in [("device", self.device_blocks), ("host", self.host_blocks)] {
             if blocks == MAX_BLOCKS {
@@ -117,6 +189,11 @@ pub enum ConfigError {
     OfflinePolicy(EvictionPolicy),
     #[error("the {0} eviction policy is online: it takes no future")]
     OnlinePolicy(EvictionPolicy),
+    #[error(
+        "a storage tier of {storage_blocks} blocks needs a host tier: blocks reach storage \
+         through host blocks"
+    )]
+    StorageWithoutHost { storage_blocks: u32 },
 }
 
 #[cfg(test)]
@@ -168,6 +245,22 @@ mod tests {
         );
         let policy = WritePolicy::WriteThroughSelective { threshold: 65_535 };
         assert_eq!(CacheConfig::new(16, 4).with_write_policy(policy).validate(), Ok(()));
+    }
+
+    #[test]
+    fn a_storage_tier_needs_a_host_tier_and_its_policy_round_trips_by_name() {
+        let config = CacheConfig::new(16, 4).with_storage_blocks(8);
+        assert_eq!(config.validate(), Err(ConfigError::StorageWithoutHost { storage_blocks: 8 }));
+        assert_eq!(config.with_host_blocks(2).validate(), Ok(()));
+        for policy in [StorageWritePolicy::WriteBack, StorageWritePolicy::WriteThrough] {
+            assert_eq!(policy.to_string().parse::<StorageWritePolicy>(), Ok(policy));
+        }
+        assert!("write_through_selective:2".parse::<StorageWritePolicy>().is_err());
+        let json = serde_json::to_value(CacheConfig::new(16, 4)).unwrap();
+        assert_eq!(
+            (json["storage_blocks"].as_u64(), json["storage_write_policy"].as_str()),
+            (Some(0), Some("write_back"))
+        );
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub enum AllocateError {
     RequestFailed(RequestId),
     #[error("{needed} device blocks needed but only {available} can be had")]
     OutOfBlocks { needed: usize, available: usize },
+    #[error("{needed} host blocks needed to load storage hits but only {available} can be had")]
+    OutOfHostBlocks { needed: usize, available: usize },
     #[error(
         "{request}: {new_tokens} new and {lookahead} lookahead tokens overflow its token count"
     )]

@@ -11,7 +11,11 @@
 //!    them again), and its block is free.
 //!
 //! Host blocks come from the free host pool, then from the least recently used host candidate:
-//! a backup is dropped, or a host-only leaf leaves the tree.
+//! a backup is dropped; a host-only node the storage tier holds becomes storage-only (metadata
+//! only); with a storage tier, any other host-only node is written back: a STORE starts, the node
+//! becomes `HostToStorage(evict)` and its host block is claimed at once, the caller's copy into
+//! it waiting for the STORE (see [`super::storage`]); without one, a host-only node leaves the
+//! tree.
 //!
 //! An allocation first counts what it could get without changing anything
 //! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched. Every claimable
@@ -23,7 +27,7 @@ use std::ops::ControlFlow;
 use super::ids::IdMap;
 use super::{CacheManager, TransferId, WritePolicy};
 use crate::tree::policy::EvictSet;
-use crate::tree::{NodeId, NodeState, SwapOut, Tree};
+use crate::tree::{NodeId, NodeState, StoreOut, SwapOut, Tree};
 
 /// What evicting one device candidate gave.
 enum Evicted {
@@ -107,6 +111,7 @@ impl CacheManager {
             });
             self.free_device(block);
             self.stats.evictions.device_to_host_metadata += 1;
+            self.settled_on_host(id);
             return Evicted::Freed;
         }
         let wants_copy = self.host_enabled()
@@ -115,8 +120,9 @@ impl CacheManager {
                 WritePolicy::WriteThroughSelective { threshold } => node.hit_count() >= threshold,
             };
         if wants_copy {
-            if let Some(host_block) = self.obtain_host_block() {
-                self.start_swap_out(id, host_block, SwapOut::Evict);
+            if let Some((host_block, store)) = self.obtain_host_block() {
+                let transfer = self.start_swap_out(id, host_block, SwapOut::Evict);
+                self.order_after_store(transfer, store);
                 self.stats.evictions.device_written_back += 1;
                 return Evicted::SwappingOut;
             }
@@ -126,23 +132,88 @@ impl CacheManager {
         Evicted::Freed
     }
 
-    /// A host block, from the pool or by evicting the least recently used host candidate.
-    pub(super) fn obtain_host_block(&mut self) -> Option<u32> {
+    /// A host block, from the pool or by evicting the least recently used host candidate
+    /// (module documentation), with the STORE still reading it when it was claimed from a
+    /// write-back: the caller's copy into the block must wait for that STORE.
+    pub(super) fn obtain_host_block(&mut self) -> Option<(u32, Option<TransferId>)> {
         if let Some(block) = self.host.allocate_one() {
-            return Some(block);
+            return Some((block, None));
         }
         let victim = self.tree.first_host_candidate()?;
         let node = self.tree.node(victim);
         let block = node.host().expect("a host candidate has a host block");
-        if node.device().is_some() {
+        let (has_device, stored) = (node.device().is_some(), node.stored());
+        // The block changes owner without passing through the pool.
+        if has_device {
             self.tree.update(victim, |node| node.set_host(None));
+        } else if stored {
+            self.tree.update(victim, |node| {
+                node.set_host(None);
+                node.set_state(NodeState::Storage);
+            });
+            self.stats.evictions.host_to_storage_metadata += 1;
+            return Some((block, None));
+        } else if self.storage_enabled() && self.reserve_storage_block() {
+            let store = self.start_store(victim, block, StoreOut::Evict);
+            self.stats.evictions.host_written_back += 1;
+            return Some((block, Some(store)));
         } else {
+            // Storage-only children (a storage tier that is full) go with it.
+            while let Some(child) = self.tree.first_child(victim) {
+                self.drop_subtree(child);
+            }
             self.tree.remove(victim);
         }
         self.stats.evictions.host_dropped += 1;
-        // The block changes owner without passing through the pool.
-        Some(block)
+        Some((block, None))
     }
+}
+
+/// Counts, up to `limit`, the host blocks that evictions of host candidates could give: every
+/// candidate, and every node that becomes one once its children counted before it have left the
+/// host tier (a host-only candidate leaves it; one with a device copy stays above storage).
+/// `gone` and `exposed` are scratch space, as for [`count_reclaimable`].
+pub(super) fn count_host_obtainable(
+    tree: &Tree,
+    gone: &mut IdMap<NodeId, u32>,
+    exposed: &mut Vec<NodeId>,
+    limit: usize,
+) -> usize {
+    let direct = tree.host_candidate_count();
+    if direct >= limit {
+        return limit;
+    }
+    gone.clear();
+    exposed.clear();
+    let mut count = direct;
+    let mut expose = |id: NodeId, exposed: &mut Vec<NodeId>| {
+        let node = tree.node(id);
+        let parent = node.parent().expect("a counted node is not the root");
+        if node.device().is_some() || parent == NodeId::ROOT {
+            return;
+        }
+        let removed = gone.entry(parent).or_insert(0);
+        *removed += 1;
+        let node = tree.node(parent);
+        if *removed == tree.upper_child_count(parent)
+            && node.has_valid_host()
+            && node.ref_count() == 0
+        {
+            exposed.push(parent);
+        }
+    };
+    tree.visit(EvictSet::Host, |id| {
+        expose(id, exposed);
+        ControlFlow::Continue(())
+    });
+    while let Some(id) = exposed.pop() {
+        count += 1;
+        if count >= limit {
+            return limit;
+        }
+        expose(id, exposed);
+    }
+    count
 }
 
 /// Counts, up to `limit`, the device blocks that claims and cascading evictions could free:

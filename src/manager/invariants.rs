@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::{CacheManager, InvariantViolation, TransferId, TransferKind};
-use crate::tree::{NodeId, NodeState, SwapOut};
+use crate::tree::{NodeId, NodeState, StoreOut, SwapOut};
 
 fn broken(number: u8, detail: impl Into<String>) -> InvariantViolation {
     InvariantViolation { number, detail: detail.into() }
@@ -49,7 +49,58 @@ impl CacheManager {
         self.tree.check().map_err(|(number, detail)| broken(number, detail))?;
         self.check_ownership()?;
         self.check_ref_counts()?;
-        self.check_copies()
+        self.check_copies()?;
+        self.check_storage()
+    }
+
+    /// The storage tier's count: the blocks it holds (`stored` nodes) and those being written
+    /// (`HostToStorage`), within its capacity; a LOAD has its swap-in behind it, unissued, serving
+    /// the same node with the same host block.
+    fn check_storage(&self) -> Result<(), InvariantViolation> {
+        let mut used = 0u32;
+        for id in self.tree.ids() {
+            let node = self.tree.node(id);
+            let state = node.state();
+            if node.stored() || matches!(state, NodeState::HostToStorage(_)) {
+                used += 1;
+            }
+            if state == NodeState::StorageToHost {
+                let load = TransferId(node.transfer().expect("checked by invariant 6"));
+                let then = self.in_flight.get(&load).and_then(|flight| flight.then);
+                let swap_in = then.and_then(|then| self.in_flight.get(&then));
+                let serves = swap_in.is_some_and(|flight| {
+                    !flight.issued
+                        && flight.after.contains(&load)
+                        && flight.nodes.iter().zip(&flight.pairs).any(|(&served, pair)| {
+                            served == id
+                                && Some(pair.src) == node.host()
+                                && Some(pair.dst) == node.device()
+                        })
+                });
+                if !serves {
+                    return Err(broken(
+                        6,
+                        format!("load {} of {id:?} has no swap-in behind it", load.0),
+                    ));
+                }
+            }
+        }
+        if used != self.storage_used {
+            return Err(broken(
+                2,
+                format!(
+                    "the storage tier counts {} blocks but {used} nodes are on it",
+                    self.storage_used
+                ),
+            ));
+        }
+        if used > self.config.storage_blocks {
+            return Err(broken(
+                2,
+                format!("{used} blocks on a storage tier of {}", self.config.storage_blocks),
+            ));
+        }
+        Ok(())
     }
 
     /// Invariant 2: every used block has exactly one owner, no free block has one, and no free
@@ -61,13 +112,18 @@ impl CacheManager {
             let node = self.tree.node(id);
             let owner = || format!("node {id:?} ({})", node.state().name());
             match node.state() {
-                NodeState::Device | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict) => {
+                NodeState::Device
+                | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict)
+                | NodeState::StorageToHost => {
                     let block = node
                         .device()
                         .ok_or_else(|| broken(2, format!("{} has no device block", owner())))?;
                     device.own(block, owner)?;
                 }
-                NodeState::Host | NodeState::SwapToHost(SwapOut::Claimed) => {
+                NodeState::Host
+                | NodeState::SwapToHost(SwapOut::Claimed)
+                | NodeState::Storage
+                | NodeState::HostToStorage(_) => {
                     if node.device().is_some() {
                         return Err(broken(2, format!("{} has a device block", owner())));
                     }
@@ -75,12 +131,16 @@ impl CacheManager {
                 NodeState::SwapToDevice => {}
             }
             match node.state() {
-                NodeState::Device | NodeState::Host | NodeState::SwapToDevice => {
+                NodeState::Device
+                | NodeState::Host
+                | NodeState::SwapToDevice
+                | NodeState::HostToStorage(_)
+                | NodeState::StorageToHost => {
                     if let Some(block) = node.host() {
                         host.own(block, owner)?;
                     }
                 }
-                NodeState::SwapToHost(_) => {}
+                NodeState::SwapToHost(_) | NodeState::Storage => {}
             }
         }
         for (request_id, request) in &self.requests {
@@ -97,6 +157,9 @@ impl CacheManager {
                 match flight.kind {
                     TransferKind::DeviceToHost => host.own(pair.dst, owner)?,
                     TransferKind::HostToDevice => device.own(pair.dst, owner)?,
+                    // The node owns the host block of a LOAD or a backup STORE; an evicting
+                    // STORE's host block belongs to whoever claimed it.
+                    TransferKind::HostToStorage | TransferKind::StorageToHost => {}
                 }
             }
             for &block in &flight.reserved_device {
@@ -126,13 +189,19 @@ impl CacheManager {
         for (&transfer, flight) in &self.in_flight {
             for pair in &flight.pairs {
                 let (device_block, host_block) = match flight.kind {
-                    TransferKind::DeviceToHost => (pair.src, pair.dst),
-                    TransferKind::HostToDevice => (pair.dst, pair.src),
+                    TransferKind::DeviceToHost => (Some(pair.src), pair.dst),
+                    TransferKind::HostToDevice => (Some(pair.dst), pair.src),
+                    TransferKind::HostToStorage | TransferKind::StorageToHost => (None, pair.src),
                 };
-                if !self.device.is_used(device_block) || !self.host.is_used(host_block) {
+                let device_free = device_block.is_some_and(|block| !self.device.is_used(block));
+                if device_free || !self.host.is_used(host_block) {
                     return Err(broken(
                         2,
-                        format!("copy {} touches a free block ({device_block} device, {host_block} host)", transfer.0),
+                        format!(
+                            "copy {} ({:?}) touches a free block ({device_block:?} device, \
+                             {host_block} host)",
+                            transfer.0, flight.kind
+                        ),
                     ));
                 }
             }
@@ -209,6 +278,8 @@ impl CacheManager {
             };
             let expected_kind = match node.state() {
                 NodeState::SwapToDevice => TransferKind::HostToDevice,
+                NodeState::HostToStorage(_) => TransferKind::HostToStorage,
+                NodeState::StorageToHost => TransferKind::StorageToHost,
                 _ => TransferKind::DeviceToHost,
             };
             if flight.kind != expected_kind || flight.generation != self.generation {
@@ -229,6 +300,10 @@ impl CacheManager {
                     Some(pair.src) == node.host() && Some(pair.dst) == node.device()
                 }
                 NodeState::SwapToHost(SwapOut::Claimed) => Some(pair.dst) == node.host(),
+                NodeState::HostToStorage(StoreOut::Backup) | NodeState::StorageToHost => {
+                    Some(pair.src) == node.host()
+                }
+                NodeState::HostToStorage(StoreOut::Evict) => true,
                 _ => Some(pair.src) == node.device() && Some(pair.dst) == node.host(),
             };
             if !matches {

@@ -11,12 +11,14 @@
 //!
 //! Matching walks from the root by (parent, hash) and stops at the first block that is not
 //! cached, or at the rule's bound. Device hits come first (device residency is prefix-closed),
-//! then host hits:
+//! then host hits, then storage hits (below a storage-only node all nodes are storage-only):
 //! - `Device`, `SwapToHost(backup | evict)` and `SwapToDevice` nodes are device hits (the last
 //!   one waits on the copy already in flight; a hit on an evicting node cancels the eviction);
 //! - `Host` nodes are host hits (a swap-in at allocation);
+//! - `Storage` nodes are storage hits (a load, then a swap-in, at allocation);
 //! - a `SwapToHost(claimed)` node ends the match: its device block already serves another
-//!   request and its host copy is not written yet.
+//!   request and its host copy is not written yet; so do nodes with a storage copy in flight
+//!   (`HostToStorage`, `StorageToHost`): their one copy in flight is taken.
 
 use serde::Serialize;
 
@@ -30,11 +32,12 @@ use crate::tree::{NodeId, NodeState, SwapOut, Tree};
 pub struct Lookup {
     pub device_blocks: usize,
     pub host_blocks: usize,
+    pub storage_blocks: usize,
 }
 
 impl Lookup {
     pub fn blocks(&self) -> usize {
-        self.device_blocks + self.host_blocks
+        self.device_blocks + self.host_blocks + self.storage_blocks
     }
 }
 
@@ -43,6 +46,8 @@ impl Lookup {
 pub struct PrefixMatch {
     pub device_blocks: usize,
     pub host_blocks: usize,
+    /// Hits on the storage tier: `allocate` loads them into host blocks, then the device.
+    pub storage_blocks: usize,
     /// Prompt tokens covered by the hits: `hit blocks * block_tokens`, always less than the
     /// prompt's tokens (the last-token rule).
     pub cached_tokens: usize,
@@ -50,7 +55,39 @@ pub struct PrefixMatch {
 
 impl PrefixMatch {
     pub fn blocks(&self) -> usize {
-        self.device_blocks + self.host_blocks
+        self.device_blocks + self.host_blocks + self.storage_blocks
+    }
+}
+
+/// The tier a node hits on, or `None` where a match stops at it (module documentation).
+#[inline]
+pub(super) fn hit_tier(state: NodeState) -> Option<HitTier> {
+    match state {
+        NodeState::Device
+        | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict)
+        | NodeState::SwapToDevice => Some(HitTier::Device),
+        NodeState::Host => Some(HitTier::Host),
+        NodeState::Storage => Some(HitTier::Storage),
+        NodeState::SwapToHost(SwapOut::Claimed)
+        | NodeState::HostToStorage(_)
+        | NodeState::StorageToHost => None,
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum HitTier {
+    Device,
+    Host,
+    Storage,
+}
+
+impl Lookup {
+    pub(super) fn count(&mut self, tier: HitTier) {
+        match tier {
+            HitTier::Device => self.device_blocks += 1,
+            HitTier::Host => self.host_blocks += 1,
+            HitTier::Storage => self.storage_blocks += 1,
+        }
     }
 }
 
@@ -135,12 +172,12 @@ impl CacheManager {
             }
         }
         let cached_tokens = found.blocks() * block_tokens;
-        let device_tokens = found.device_blocks * block_tokens;
-        stats.record_match(hashes.len(), found, device_tokens, cached_tokens - device_tokens);
+        stats.record_match(hashes.len(), found, block_tokens);
         record.tokens = cached_tokens;
         Ok(PrefixMatch {
             device_blocks: found.device_blocks,
             host_blocks: found.host_blocks,
+            storage_blocks: found.storage_blocks,
             cached_tokens,
         })
     }
@@ -181,13 +218,8 @@ fn walk(tree: &Tree, hashes: &[BlockHash], mut visit: impl FnMut(NodeId)) -> Loo
             tree.prefetch_child(ahead);
         }
         let Some(id) = tree.child(parent, hash) else { break };
-        match tree.node(id).state() {
-            NodeState::Device
-            | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict)
-            | NodeState::SwapToDevice => found.device_blocks += 1,
-            NodeState::Host => found.host_blocks += 1,
-            NodeState::SwapToHost(SwapOut::Claimed) => break,
-        }
+        let Some(tier) = hit_tier(tree.node(id).state()) else { break };
+        found.count(tier);
         visit(id);
         parent = id;
     }

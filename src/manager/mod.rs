@@ -8,17 +8,22 @@
 //!
 //! The life of one request:
 //! 1. [`CacheManager::match_prefix`] holds the longest cached prefix of its block hashes (device
-//!    hits first, then host hits).
-//! 2. [`CacheManager::allocate`] gives the host hits and the new tokens device blocks, taking free
-//!    blocks first, then claiming blocks being swapped out, then evicting under the write policy
-//!    ([`evict`]); it fails without changing anything when not enough can be had. It returns the
-//!    block table and a ticket.
+//!    hits first, then host hits, then storage hits).
+//! 2. [`CacheManager::allocate`] gives the host and storage hits and the new tokens device
+//!    blocks, taking free blocks first, then claiming blocks being swapped out, then evicting
+//!    under the write policy ([`evict`]); storage hits also get host blocks, loaded (LOAD) and
+//!    then swapped in. It fails without changing anything when not enough can be had. It returns
+//!    the block table and a ticket.
 //! 3. The engine hands the copies of [`CacheManager::take_transfers`] to the workers and reports
 //!    each with [`CacheManager::complete_transfer`]; the ticket becomes ready (or failed).
 //! 4. [`CacheManager::commit`] caches the request's computed full blocks under its path.
 //! 5. [`CacheManager::finish`] (or [`CacheManager::abort`]) releases what it holds.
 //!
 //! [`CacheManager::poll`] issues write-through backups and evicts ahead of demand.
+//!
+//! The storage tier below host ([`storage`]) holds blocks by hash, not in a pool: the manager
+//! counts its used blocks against `storage_blocks` and the workers do the I/O (STORE and LOAD
+//! copies).
 
 mod allocate;
 mod capacity;
@@ -37,14 +42,15 @@ mod rematch;
 mod request;
 mod reset;
 mod stats;
+mod storage;
 mod transfer;
 
 pub use allocate::Allocation;
 pub use capacity::AllocationCheck;
 pub use commit::Committed;
 pub use config::{
-    CacheConfig, ConfigError, EvictionPolicy, ParseEvictionPolicyError, ParseWritePolicyError,
-    WritePolicy,
+    CacheConfig, ConfigError, EvictionPolicy, ParseEvictionPolicyError,
+    ParseStorageWritePolicyError, ParseWritePolicyError, StorageWritePolicy, WritePolicy,
 };
 pub use errors::{
     AllocateError, CommitError, CompleteError, FinishError, InvariantViolation, MatchError,
@@ -55,8 +61,8 @@ pub use queries::TransferStage;
 pub use request::RequestId;
 pub use stats::{CacheCounters, CacheStats, Evictions, Hits};
 pub use transfer::{
-    BlockPair, CommandError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId,
-    TransferKind, TransferView,
+    BlockPair, CommandError, StorageBlock, TicketId, TicketStatus, Transfer, TransferFailure,
+    TransferId, TransferKind, TransferView,
 };
 
 use crate::pool::BlockPool;
@@ -88,6 +94,12 @@ pub struct CacheManager {
     /// `in_flight` when the operation ends.
     open_device_to_host: Option<(TransferId, InFlight)>,
     open_host_to_device: Option<(TransferId, InFlight)>,
+    open_host_to_storage: Option<(TransferId, InFlight)>,
+    open_storage_to_host: Option<(TransferId, InFlight)>,
+    /// Blocks the storage tier holds or is being written (nodes `stored` or `HostToStorage`).
+    storage_used: u32,
+    /// Nodes settled on host that write-through wants stored (lazily checked, as backups).
+    pending_stores: Vec<NodeId>,
     /// Nodes waiting for a write-through backup (lazily checked: an entry whose node lost its
     /// `backup_queued` flag is skipped).
     pending_backups: Vec<NodeId>,
@@ -143,6 +155,10 @@ impl CacheManager {
             outbox: Vec::new(),
             open_device_to_host: None,
             open_host_to_device: None,
+            open_host_to_storage: None,
+            open_storage_to_host: None,
+            storage_used: 0,
+            pending_stores: Vec::new(),
             pending_backups: Vec::new(),
             scratch_reclaim: Default::default(),
             scratch: AllocateScratch::default(),
@@ -239,6 +255,7 @@ impl CacheManager {
                 id: *id,
                 kind: flight.kind,
                 pairs: &flight.pairs,
+                blocks: &flight.blocks,
                 generation: flight.generation,
             });
             false
@@ -267,34 +284,41 @@ impl CacheManager {
     /// The copy of `kind` that the current operation fills, opened on first use.
     fn open_transfer(&mut self, kind: TransferKind) -> (TransferId, &mut InFlight) {
         let generation = self.generation;
-        let slot = match kind {
-            TransferKind::DeviceToHost => &mut self.open_device_to_host,
-            TransferKind::HostToDevice => &mut self.open_host_to_device,
-        };
-        if slot.is_none() {
+        if self.open_slot(kind).is_none() {
             let id = TransferId(self.next_transfer);
             self.next_transfer += 1;
             let flight = match self.spare_flights.pop() {
                 Some(spare) => spare.recycled(kind, generation),
                 None => InFlight::new(kind, generation),
             };
-            *slot = Some((id, flight));
+            *self.open_slot(kind) = Some((id, flight));
         }
-        let (id, flight) = slot.as_mut().expect("the open transfer was just created");
+        let (id, flight) =
+            self.open_slot(kind).as_mut().expect("the open transfer was just created");
         (*id, flight)
+    }
+
+    fn open_slot(&mut self, kind: TransferKind) -> &mut Option<(TransferId, InFlight)> {
+        match kind {
+            TransferKind::DeviceToHost => &mut self.open_device_to_host,
+            TransferKind::HostToDevice => &mut self.open_host_to_device,
+            TransferKind::HostToStorage => &mut self.open_host_to_storage,
+            TransferKind::StorageToHost => &mut self.open_storage_to_host,
+        }
     }
 
     /// Moves the copies the current operation filled to the in-flight table and the outbox.
     fn close_transfers(&mut self) {
-        // Device-to-host first, as they were opened; checked before taking, so that the common
-        // case (no copy) moves no record around.
-        for host_to_device in [false, true] {
-            let slot = if host_to_device {
-                &mut self.open_host_to_device
-            } else {
-                &mut self.open_device_to_host
-            };
-            if let Some((id, flight)) = slot.take() {
+        // In the order copies depend on each other (a swap-out or load into a host block waits
+        // for the store reading it; a swap-in for the load); checked before taking, so that the
+        // common case (no copy) moves no record around.
+        for kind in [
+            TransferKind::HostToStorage,
+            TransferKind::DeviceToHost,
+            TransferKind::StorageToHost,
+            TransferKind::HostToDevice,
+        ] {
+            if let Some((id, flight)) = self.open_slot(kind).take() {
                 self.in_flight.insert(id, flight);
                 self.outbox.push(id);
             }
@@ -303,8 +327,14 @@ impl CacheManager {
 
     /// The in-flight record of `id`, open or closed.
     fn flight_mut(&mut self, id: TransferId) -> Option<&mut InFlight> {
-        for (open_id, flight) in
-            [&mut self.open_device_to_host, &mut self.open_host_to_device].into_iter().flatten()
+        for (open_id, flight) in [
+            &mut self.open_device_to_host,
+            &mut self.open_host_to_device,
+            &mut self.open_host_to_storage,
+            &mut self.open_storage_to_host,
+        ]
+        .into_iter()
+        .flatten()
         {
             if *open_id == id {
                 return Some(flight);
@@ -383,8 +413,11 @@ impl CacheManager {
         assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
         let (device, host, state, transfer) =
             (node.device(), node.host(), node.state(), node.transfer());
+        if node.stored() || matches!(state, NodeState::HostToStorage(_)) {
+            self.storage_used -= 1;
+        }
         match state {
-            NodeState::Device | NodeState::Host => {
+            NodeState::Device | NodeState::Host | NodeState::Storage => {
                 if let Some(block) = device {
                     self.free_device(block);
                 }
@@ -392,8 +425,19 @@ impl CacheManager {
                     self.free_host(block);
                 }
             }
-            NodeState::SwapToHost(_) | NodeState::SwapToDevice => {
-                let transfer = TransferId(transfer.expect("a node in flight names its copy"));
+            NodeState::SwapToHost(_)
+            | NodeState::SwapToDevice
+            | NodeState::HostToStorage(_)
+            | NodeState::StorageToHost => {
+                let mut transfer = TransferId(transfer.expect("a node in flight names its copy"));
+                if state == NodeState::StorageToHost {
+                    // The swap-in behind the load reads the host block and writes the device
+                    // block, after the load: it keeps both until it completes.
+                    transfer = self
+                        .flight_mut(transfer)
+                        .and_then(|load| load.then)
+                        .expect("a load names the swap-in behind it");
+                }
                 let flight = self
                     .flight_mut(transfer)
                     .expect("the copy of a node in flight is known: a programming error otherwise");

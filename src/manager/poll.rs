@@ -4,6 +4,7 @@
 //!    from the pool or from host candidates; when none can be had the rest are dropped from the
 //!    queue (an eviction will copy them in an emergency instead).
 //! 2. Evict ahead of demand until `free_watermark` device blocks are free or on their way.
+//! 3. Issue the pending write-through STOREs of blocks settled on host (storage tier).
 //!
 //! Completions are applied as they arrive through `complete_transfer`.
 
@@ -17,6 +18,9 @@ impl CacheManager {
         let watermark = self.config.free_watermark as usize;
         if watermark > 0 {
             self.evict_toward(watermark);
+        }
+        if !self.pending_stores.is_empty() {
+            self.issue_stores();
         }
         self.close_transfers();
     }
@@ -42,8 +46,9 @@ impl CacheManager {
                 continue;
             }
             match self.obtain_host_block() {
-                Some(block) => {
-                    self.start_swap_out(id, block, SwapOut::Backup);
+                Some((block, store)) => {
+                    let transfer = self.start_swap_out(id, block, SwapOut::Backup);
+                    self.order_after_store(transfer, store);
                     self.stats.backups_issued += 1;
                 }
                 None => out_of_host = true,

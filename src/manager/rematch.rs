@@ -11,7 +11,8 @@
 //!   2. walk on from the last held node as `match_prefix` does, at most to the last-token limit;
 //!   3. hold the new nodes (one more hit each, touched now) and count their hits.
 
-use super::{CacheManager, MatchError, PrefixMatch, RequestId, WritePolicy};
+use super::lookup::hit_tier;
+use super::{CacheManager, Lookup, MatchError, PrefixMatch, RequestId, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
 use crate::tree::{NodeId, NodeState, SwapOut};
@@ -64,7 +65,7 @@ impl CacheManager {
         let mut added = Vec::new();
         for &hash in hashes.get(held..limit).unwrap_or_default() {
             let Some(id) = self.tree.child(parent, hash) else { break };
-            if self.tree.node(id).state() == NodeState::SwapToHost(SwapOut::Claimed) {
+            if hit_tier(self.tree.node(id).state()).is_none() {
                 break;
             }
             added.push(id);
@@ -78,15 +79,16 @@ impl CacheManager {
         let path_blocks = record.path.len();
         record.tokens = (path_blocks * block_tokens).min(prompt_tokens);
         let cached_tokens = record.tokens;
-        // Device residency is prefix-closed: the path's device hits come first.
+        let mut new = Lookup::default();
+        for &id in &added {
+            new.count(hit_tier(self.tree.node(id).state()).expect("a held node hits"));
+        }
+        self.stats.record_hits(new, block_tokens);
         let found = self.cached_prefix(&hashes[..path_blocks]);
-        let new_device = found.device_blocks.saturating_sub(held).min(added.len());
-        let hits = &mut self.stats.hits;
-        hits.device_blocks += new_device as u64;
-        hits.host_blocks += (added.len() - new_device) as u64;
         Ok(PrefixMatch {
             device_blocks: found.device_blocks,
             host_blocks: found.host_blocks,
+            storage_blocks: found.storage_blocks,
             cached_tokens,
         })
     }

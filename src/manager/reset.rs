@@ -39,6 +39,12 @@ impl CacheManager {
                 TransferKind::HostToDevice => {
                     flight.pairs.iter().map(|pair| (pair.dst, pair.src)).unzip()
                 }
+                // A STORE reads its host blocks, a LOAD writes them. No surviving copy shares
+                // one: a copy into a block a STORE reads, and the swap-in behind a LOAD, are
+                // held back until it completes, so they are unissued and dropped above.
+                TransferKind::HostToStorage | TransferKind::StorageToHost => {
+                    (Vec::new(), flight.pairs.iter().map(|pair| pair.src).collect())
+                }
             };
             flight.reserved_device = device;
             flight.reserved_host = host;
@@ -50,6 +56,8 @@ impl CacheManager {
         self.tickets.retain(|_, ticket| requests.contains_key(&ticket.request));
         self.tree.clear();
         self.pending_backups.clear();
+        self.pending_stores.clear();
+        self.storage_used = 0;
         self.device.clear();
         self.host.clear();
         // In block order, so that the pools come out the same whatever the map's order.

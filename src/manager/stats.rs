@@ -11,6 +11,8 @@ pub struct Hits {
     pub host_blocks: u64,
     pub device_tokens: u64,
     pub host_tokens: u64,
+    pub storage_blocks: u64,
+    pub storage_tokens: u64,
 }
 
 /// Blocks that left a tier to make room.
@@ -22,8 +24,15 @@ pub struct Evictions {
     pub device_to_host_metadata: u64,
     /// Device copies written to host before leaving (write-back or emergency copies).
     pub device_written_back: u64,
-    /// Host copies dropped.
+    /// Host copies dropped (no storage copy kept: the node left the tree, or kept its device
+    /// copy).
     pub host_dropped: u64,
+    /// Host copies dropped because the storage tier held the block (metadata only).
+    pub host_to_storage_metadata: u64,
+    /// Host copies written to storage before leaving (write-back).
+    pub host_written_back: u64,
+    /// Storage-only blocks dropped to make room on the storage tier.
+    pub storage_dropped: u64,
 }
 
 impl Evictions {
@@ -59,22 +68,33 @@ pub struct CacheCounters {
     pub finished_requests: u64,
     pub aborted_requests: u64,
     pub resets: u64,
+    /// Blocks whose host-to-storage write (STORE) was issued, and landed.
+    pub store_blocks_issued: u64,
+    pub stored_blocks: u64,
+    /// Blocks whose storage-to-host read (LOAD) was issued, and landed.
+    pub load_blocks_issued: u64,
+    pub loaded_blocks: u64,
+    /// Blocks of failed STOREs and LOADs (a miss or an error of the tier).
+    pub store_failed_blocks: u64,
+    pub load_failed_blocks: u64,
 }
 
 impl CacheCounters {
-    pub fn record_match(
-        &mut self,
-        queried: usize,
-        found: Lookup,
-        device_tokens: usize,
-        host_tokens: usize,
-    ) {
+    pub fn record_match(&mut self, queried: usize, found: Lookup, block_tokens: usize) {
         self.matches += 1;
         self.queried_blocks += queried as u64;
+        self.record_hits(found, block_tokens);
+    }
+
+    /// Counts hits per tier, in blocks and tokens.
+    pub fn record_hits(&mut self, found: Lookup, block_tokens: usize) {
+        let tokens = |blocks: usize| (blocks * block_tokens) as u64;
         self.hits.device_blocks += found.device_blocks as u64;
         self.hits.host_blocks += found.host_blocks as u64;
-        self.hits.device_tokens += device_tokens as u64;
-        self.hits.host_tokens += host_tokens as u64;
+        self.hits.storage_blocks += found.storage_blocks as u64;
+        self.hits.device_tokens += tokens(found.device_blocks);
+        self.hits.host_tokens += tokens(found.host_blocks);
+        self.hits.storage_tokens += tokens(found.storage_blocks);
     }
 }
 
@@ -87,6 +107,9 @@ pub struct CacheStats {
     pub device_free: usize,
     pub host_blocks: u32,
     pub host_free: usize,
+    /// Capacity of the storage tier (0: none), and the blocks it holds or is being written.
+    pub storage_blocks: u32,
+    pub storage_used: u32,
     /// Nodes in the tree (cached blocks, any tier).
     pub cached_blocks: usize,
     pub live_requests: usize,
@@ -105,6 +128,8 @@ impl CacheManager {
             device_free: self.device.free_count(),
             host_blocks: self.host.capacity(),
             host_free: self.host.free_count(),
+            storage_blocks: self.config.storage_blocks,
+            storage_used: self.storage_used,
             cached_blocks: self.tree.len(),
             live_requests: self.requests.len(),
             transfers_in_flight: self.in_flight.len(),

@@ -1,7 +1,9 @@
 //! Copies between the tiers, and the tickets that wait on them.
 //!
 //! A [`Transfer`] is what leaves the manager: one direction, a list of (src, dst) block pairs and
-//! the generation it was issued in. Inside, an [`InFlight`] remembers whom each pair serves (a
+//! the generation it was issued in. A copy to or from the storage tier (a STORE or a LOAD) names
+//! its host block in each pair (as both src and dst) and the block's hash, parent hash and depth
+//! in [`StorageBlock`]s beside the pairs. Inside, an [`InFlight`] remembers whom each pair serves (a
 //! node, by id) and which tickets wait on it, until `complete_transfer` applies or rolls it back.
 //!
 //! A pair stays attached to its node while the node is live and names this copy as its one copy
@@ -29,6 +31,26 @@ pub enum TransferKind {
     DeviceToHost,
     /// Host blocks (src) to device blocks (dst): a swap-in.
     HostToDevice,
+    /// Host blocks written to the storage tier (a worker STORE): a write-back or write-through.
+    HostToStorage,
+    /// Storage blocks read into host blocks (a worker LOAD); a swap-in follows in the ticket.
+    StorageToHost,
+}
+
+impl TransferKind {
+    /// Whether the copy moves blocks to or from the storage tier.
+    pub fn is_storage(self) -> bool {
+        matches!(self, TransferKind::HostToStorage | TransferKind::StorageToHost)
+    }
+}
+
+/// What the storage tier names a block by: its hash, and where it hangs (parent hash, depth in
+/// blocks, 1 for a prompt's first block), which a restarted service needs to rebuild its tree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StorageBlock {
+    pub hash: crate::hash::BlockHash,
+    pub parent: crate::hash::BlockHash,
+    pub depth: u32,
 }
 
 /// A copy for the workers to carry out on every rank.
@@ -37,6 +59,8 @@ pub struct Transfer {
     pub id: TransferId,
     pub kind: TransferKind,
     pub pairs: Vec<BlockPair>,
+    /// One per pair for a storage copy, empty otherwise.
+    pub blocks: Vec<StorageBlock>,
     pub generation: u64,
 }
 
@@ -67,7 +91,8 @@ pub enum TicketStatus {
     Ready,
     /// Some copies are still in flight.
     Pending,
-    /// A swap-in it waited on failed: the request must be aborted.
+    /// A swap-in (or the storage load before it) that it waited on failed: the request must be
+    /// aborted.
     Failed(TransferFailure),
 }
 
@@ -96,6 +121,8 @@ pub(crate) struct InFlight {
     pub kind: TransferKind,
     pub generation: u64,
     pub pairs: Vec<BlockPair>,
+    /// The storage names of the pairs' blocks (storage copies only).
+    pub blocks: Vec<StorageBlock>,
     /// The node each pair serves (attached while that node names this copy).
     pub nodes: Vec<NodeId>,
     pub tickets: Vec<TicketId>,
@@ -109,6 +136,8 @@ pub(crate) struct InFlight {
     pub after: Vec<TransferId>,
     /// Whether it has been handed out by `take_transfers`.
     pub issued: bool,
+    /// For a LOAD: the swap-in that copies its blocks on to the device once it lands.
+    pub then: Option<TransferId>,
 }
 
 /// A copy handed out by [`super::CacheManager::take_transfers_with`], borrowed for the call.
@@ -117,6 +146,8 @@ pub struct TransferView<'a> {
     pub id: TransferId,
     pub kind: TransferKind,
     pub pairs: &'a [BlockPair],
+    /// One per pair for a storage copy, empty otherwise.
+    pub blocks: &'a [StorageBlock],
     pub generation: u64,
 }
 
@@ -126,6 +157,7 @@ impl TransferView<'_> {
             id: self.id,
             kind: self.kind,
             pairs: self.pairs.to_vec(),
+            blocks: self.blocks.to_vec(),
             generation: self.generation,
         }
     }
@@ -135,6 +167,7 @@ impl InFlight {
     /// This record emptied for another copy, its buffers kept.
     pub fn recycled(mut self, kind: TransferKind, generation: u64) -> InFlight {
         self.pairs.clear();
+        self.blocks.clear();
         self.nodes.clear();
         self.tickets.clear();
         self.reserved_device.clear();
@@ -142,6 +175,7 @@ impl InFlight {
         self.after.clear();
         InFlight {
             pairs: self.pairs,
+            blocks: self.blocks,
             nodes: self.nodes,
             tickets: self.tickets,
             reserved_device: self.reserved_device,
@@ -156,12 +190,14 @@ impl InFlight {
             kind,
             generation,
             pairs: Vec::new(),
+            blocks: Vec::new(),
             nodes: Vec::new(),
             tickets: Vec::new(),
             reserved_device: Vec::new(),
             reserved_host: Vec::new(),
             after: Vec::new(),
             issued: false,
+            then: None,
         }
     }
 

@@ -651,6 +651,9 @@ impl Service {
         let op = match kind {
             TransferKind::DeviceToHost => Op::CopyDeviceToHost,
             TransferKind::HostToDevice => Op::CopyHostToDevice,
+            TransferKind::HostToStorage | TransferKind::StorageToHost => {
+                unreachable!("the service's cache has no storage tier: it issues no storage copy")
+            }
         };
         // Swap-outs report layers too: a new block claimed from a swap-out may be written layer
         // by layer as soon as the copy has read that layer.

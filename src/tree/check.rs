@@ -3,7 +3,7 @@
 //!
 //! Everything here scans the whole tree; it is for tests and debugging, never the hot path.
 
-use super::{Membership, NodeId, Tree};
+use super::{Membership, NodeId, NodeState, Tree};
 
 impl Tree {
     /// Checks SPEC invariants 3 (prefix closure, reachability) and 5 (evictable sets), plus the
@@ -25,7 +25,7 @@ impl Tree {
             if id != NodeId::ROOT {
                 self.check_links(id)?;
             }
-            let (mut children, mut device_children) = (0, 0);
+            let (mut children, mut device_children, mut upper_children) = (0, 0, 0u32);
             let mut previous = NodeId::NONE;
             for child in self.children(id) {
                 let child_node = &self.nodes[child.index()];
@@ -34,16 +34,28 @@ impl Tree {
                 }
                 children += 1;
                 device_children += u32::from(child_node.device().is_some());
+                upper_children += u32::from(child_node.is_upper());
+                if id != NodeId::ROOT && node.state().storage_only() && child_node.is_upper() {
+                    return Err(format!("{child:?} is above storage under storage-only {id:?}"));
+                }
                 previous = child;
                 if children > self.nodes.len() {
                     return Err(format!("the child list of {id:?} loops"));
                 }
             }
-            if device_children != node.device_child_count {
-                return Err(format!(
-                    "{id:?} counts {} children on device but has {device_children}",
-                    node.device_child_count
-                ));
+            for (what, counted, actual) in [
+                ("on device", node.device_children, device_children),
+                ("above storage", node.upper_children, upper_children),
+            ] {
+                let agrees = match counted {
+                    super::COUNT_SATURATED => actual >= u32::from(counted),
+                    counted => actual == u32::from(counted),
+                };
+                if !agrees {
+                    return Err(format!(
+                        "{id:?} counts {counted} children {what} but has {actual}"
+                    ));
+                }
             }
         }
         if live != self.index.len() + 1 {
@@ -103,8 +115,16 @@ impl Tree {
         if node.device().is_some() && node.parent != NodeId::ROOT && parent.device().is_none() {
             return Err(format!("{id:?} has a device block but its parent does not"));
         }
-        if node.device().is_none() && node.host().is_none() {
-            return Err(format!("{id:?} holds no block at all"));
+        let state = node.state();
+        if node.device().is_none() && node.host().is_none() && !state.storage_only() {
+            return Err(format!("{id:?} ({}) holds no block at all", state.name()));
+        }
+        if state.storage_only() && (node.device().is_some() || node.host().is_some()) {
+            return Err(format!("{id:?} is storage-only but holds a block"));
+        }
+        let needs_storage = matches!(state, NodeState::Storage | NodeState::StorageToHost);
+        if needs_storage && !node.stored() {
+            return Err(format!("{id:?} is {} without a storage copy", state.name()));
         }
         Ok(())
     }

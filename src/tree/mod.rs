@@ -21,9 +21,18 @@
 //! - `Host`: host valid, no device block;
 //! - `SwapToHost(_)`: a device-to-host copy is in flight; see [`SwapOut`] for what happens when
 //!   it lands;
-//! - `SwapToDevice`: a host-to-device copy is in flight into `device`; host valid.
+//! - `SwapToDevice`: a host-to-device copy is in flight into `device`; host valid;
+//! - `Storage`: on the storage tier only (no block);
+//! - `HostToStorage(_)`: a STORE is in flight; see [`StoreOut`] for the host block meanwhile;
+//! - `StorageToHost`: a LOAD is in flight into `host`, a swap-in into `device` behind it.
 //!
-//! The loading state of the storage tier arrives with that tier.
+//! Any node may also have a storage copy (its `stored` flag). Below a storage-only node every
+//! node is storage-only: a node leaves the host tier only when none of its children is above
+//! storage ([`Node`]'s `upper_children`), and new blocks are inserted only under device copies.
+//!
+//! Child counts are 16 bits, saturating: a count at its maximum means "at least that many", and
+//! the tree walks the child list to recount it when it would fall (only a node with 65,535
+//! children on a tier ever pays that).
 
 mod check;
 mod index;
@@ -35,8 +44,8 @@ use std::ops::ControlFlow;
 
 use crate::hash::BlockHash;
 use index::ChildIndex;
-use node::Tier;
-pub use node::{Node, NodeId, NodeMut, NodeState, SwapOut};
+pub use node::{Node, NodeId, NodeMut, NodeState, StoreOut, SwapOut};
+use node::{Tier, COUNT_SATURATED};
 use policy::{Access, EvictSet, MatchEnd, Membership, Policies, TierShape};
 pub use policy::{EvictionPolicy, FutureUses, ParseEvictionPolicyError};
 pub use snapshot::{SnapshotNode, TreeSnapshot};
@@ -193,13 +202,65 @@ impl Tree {
         id != NodeId::ROOT
             && node.state() == NodeState::Device
             && node.device().is_some()
-            && node.device_child_count == 0
+            && node.device_children == 0
             && node.ref_count() == 0
     }
 
     /// How many children of `id` have a device block.
     pub fn device_child_count(&self, id: NodeId) -> u32 {
-        self.node(id).device_child_count
+        match self.node(id).device_children {
+            COUNT_SATURATED => self.count_children(id, |child| child.device().is_some()),
+            count => u32::from(count),
+        }
+    }
+
+    /// How many children of `id` are not storage-only.
+    pub fn upper_child_count(&self, id: NodeId) -> u32 {
+        match self.node(id).upper_children {
+            COUNT_SATURATED => self.count_children(id, Node::is_upper),
+            count => u32::from(count),
+        }
+    }
+
+    /// The storage candidate to evict next: storage-only, no children, not held, nothing in
+    /// flight.
+    pub fn first_storage_candidate(&self) -> Option<NodeId> {
+        self.policy.first(EvictSet::Storage)
+    }
+
+    pub fn storage_candidate_count(&self) -> usize {
+        self.policy.len(EvictSet::Storage)
+    }
+
+    /// Walks the child list of `id`, counting the children `counted` says.
+    fn count_children(&self, id: NodeId, counted: impl Fn(&Node) -> bool) -> u32 {
+        self.children(id).filter(|&child| counted(&self.nodes[child.index()])).count() as u32
+    }
+
+    /// Adds `delta` (+1 or -1) to a saturating child count of `parent`, after the child's change:
+    /// a count leaving saturation is recounted.
+    fn add_child_count(&mut self, parent: NodeId, upper: bool, delta: i32) {
+        let node = &self.nodes[parent.index()];
+        let count = if upper { node.upper_children } else { node.device_children };
+        let new = match (count, delta > 0) {
+            (COUNT_SATURATED, true) => COUNT_SATURATED,
+            (COUNT_SATURATED, false) => {
+                let exact = if upper {
+                    self.count_children(parent, Node::is_upper)
+                } else {
+                    self.count_children(parent, |child| child.device().is_some())
+                };
+                u16::try_from(exact).unwrap_or(COUNT_SATURATED)
+            }
+            (count, true) => count + 1,
+            (count, false) => count - 1,
+        };
+        let node = &mut self.nodes[parent.index()];
+        if upper {
+            node.upper_children = new;
+        } else {
+            node.device_children = new;
+        }
     }
 
     /// Tells the eviction policy that a request started: its match ended at `deepest` (none: no
@@ -252,6 +313,7 @@ impl Tree {
         init(&mut view);
         let access = view.access;
         let has_device = node.device().is_some();
+        let is_upper = node.is_upper();
         let first = self.nodes[parent.index()].first_child;
         node.next_sibling = first;
         let id = match self.free_slots.some() {
@@ -270,9 +332,13 @@ impl Tree {
         if first != NodeId::NONE {
             self.nodes[first.index()].prev_sibling = id;
         }
-        let parent_node = &mut self.nodes[parent.index()];
-        parent_node.first_child = id;
-        parent_node.device_child_count += u32::from(has_device);
+        self.nodes[parent.index()].first_child = id;
+        if has_device {
+            self.add_child_count(parent, false, 1);
+        }
+        if is_upper {
+            self.add_child_count(parent, true, 1);
+        }
         self.index.insert(id, &self.nodes);
         self.refile(parent, None);
         self.refile(id, access);
@@ -282,19 +348,19 @@ impl Tree {
     /// Changes a node's own fields and keeps the derived state in step (module flow).
     pub fn update<R>(&mut self, id: NodeId, change: impl FnOnce(&mut NodeMut<'_>) -> R) -> R {
         let node = &mut self.nodes[id.index()];
-        let had_device = node.device().is_some();
+        let (had_device, was_upper) = (node.device().is_some(), node.is_upper());
         let mut view = NodeMut { node, access: None };
         let result = change(&mut view);
         let access = view.access;
         let node = &self.nodes[id.index()];
-        let has_device = node.device().is_some();
-        if had_device != has_device && node.parent != NodeId::NONE {
+        let (has_device, is_upper) = (node.device().is_some(), node.is_upper());
+        if (had_device != has_device || was_upper != is_upper) && node.parent != NodeId::NONE {
             let parent = node.parent;
-            let count = &mut self.nodes[parent.index()].device_child_count;
-            if has_device {
-                *count += 1;
-            } else {
-                *count -= 1;
+            if had_device != has_device {
+                self.add_child_count(parent, false, if has_device { 1 } else { -1 });
+            }
+            if was_upper != is_upper {
+                self.add_child_count(parent, true, if is_upper { 1 } else { -1 });
             }
             self.refile(parent, None);
         }
@@ -331,7 +397,8 @@ impl Tree {
         assert!(!node.has_children(), "removing a node with children is a programming error");
         let (parent, prev, next, sets) =
             (node.parent, node.prev_sibling, node.next_sibling, node.membership());
-        let (hash, key, had_device) = (*node.hash_words(), node.hash(), node.device().is_some());
+        let (hash, key, had_device, was_upper) =
+            (*node.hash_words(), node.hash(), node.device().is_some(), node.is_upper());
         if !sets.is_empty() {
             self.policy.leave(id, sets);
         }
@@ -346,11 +413,14 @@ impl Tree {
         if next != NodeId::NONE {
             self.nodes[next.index()].prev_sibling = prev;
         }
-        if had_device {
-            self.nodes[parent.index()].device_child_count -= 1;
-        }
         self.nodes[id.index()].mark_removed(self.free_slots);
         self.free_slots = id;
+        if had_device {
+            self.add_child_count(parent, false, -1);
+        }
+        if was_upper {
+            self.add_child_count(parent, true, -1);
+        }
         self.refile(parent, None);
     }
 
@@ -420,9 +490,10 @@ impl Tree {
         }
         let device = node.block(Tier::Device).is_some();
         let on_device = node.is(NodeState::Device);
-        let device_candidate = on_device & device & (node.device_child_count == 0);
-        let host_candidate = node.has_valid_host() & !node.has_children();
+        let device_candidate = on_device & device & (node.device_children == 0);
+        let host_candidate = node.has_valid_host() & (node.upper_children == 0);
         let claimable = node.is(NodeState::SwapToHost(SwapOut::Evict)) & device;
+        let storage_candidate = node.is(NodeState::Storage) & !node.has_children();
         let bit = |member: bool, set: EvictSet| {
             if member {
                 Membership::NONE.with(set).bits()
@@ -433,7 +504,8 @@ impl Tree {
         Membership::from_bits(
             bit(device_candidate, EvictSet::Device)
                 | bit(host_candidate, EvictSet::Host)
-                | bit(claimable, EvictSet::Claimable),
+                | bit(claimable, EvictSet::Claimable)
+                | bit(storage_candidate, EvictSet::Storage),
         )
     }
 }

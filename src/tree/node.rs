@@ -4,7 +4,9 @@
 //! A record is 60 bytes, ids and block numbers as `u32`: the memory of a cached block is this
 //! record, its entry in the child index and its eviction policy's per-node data. Fields a record
 //! does not need are derived instead: the depth (walking up, for snapshots only), the number of
-//! children (the child list), and the recency of the node (kept by the eviction policy).
+//! children (the child list), and the recency of the node (kept by the eviction policy). The
+//! storage tier needs no field of its own: a block there is named by its hash, so a node records
+//! only that the tier holds it (a flag bit) and the state of a copy to or from it.
 
 use serde::Serialize;
 
@@ -33,8 +35,8 @@ impl NodeId {
 /// Marker of "no block" in a node's block fields.
 pub(crate) const NO_BLOCK: u32 = u32::MAX;
 
-/// A memory tier holding copies of blocks. Per-tier fields of a node are arrays indexed by tier,
-/// so that a tier below host adds an entry, not a field.
+/// A memory tier holding copies of blocks in numbered blocks. Per-tier fields of a node are arrays
+/// indexed by tier. The storage tier below host is keyed by block hash, so it has no entry here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Tier {
     Device = 0,
@@ -58,6 +60,18 @@ pub enum SwapOut {
     Claimed,
 }
 
+/// What becomes of a node when its host-to-storage write (a STORE) lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreOut {
+    /// A write-through copy: the host block stays the node's, valid and read by the STORE; the
+    /// node is `Host` again, with its storage copy, when the STORE lands.
+    Backup,
+    /// A write-back eviction whose host block an allocation has already claimed: the node has no
+    /// block and becomes `Storage` when the STORE lands (or leaves the tree if it fails).
+    Evict,
+}
+
 /// The state of a node (SPEC section 4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -66,12 +80,30 @@ pub enum NodeState {
     Host,
     SwapToHost(SwapOut),
     SwapToDevice,
+    /// On the storage tier only: no device or host block.
+    Storage,
+    /// A STORE of the node's host block to the storage tier is in flight.
+    HostToStorage(StoreOut),
+    /// A LOAD from the storage tier into the node's host block is in flight; a swap-in into its
+    /// device block follows it in the same ticket.
+    StorageToHost,
 }
 
 impl NodeState {
     /// Whether a copy for this node is in flight.
     pub fn in_flight(self) -> bool {
-        matches!(self, NodeState::SwapToHost(_) | NodeState::SwapToDevice)
+        matches!(
+            self,
+            NodeState::SwapToHost(_)
+                | NodeState::SwapToDevice
+                | NodeState::HostToStorage(_)
+                | NodeState::StorageToHost
+        )
+    }
+
+    /// Whether the node is on the storage tier alone: no block above it, no copy upward.
+    pub fn storage_only(self) -> bool {
+        matches!(self, NodeState::Storage | NodeState::HostToStorage(StoreOut::Evict))
     }
 
     pub fn name(self) -> &'static str {
@@ -82,6 +114,10 @@ impl NodeState {
             NodeState::SwapToHost(SwapOut::Evict) => "swap_to_host(evict)",
             NodeState::SwapToHost(SwapOut::Claimed) => "swap_to_host(claimed)",
             NodeState::SwapToDevice => "swap_to_device",
+            NodeState::Storage => "storage",
+            NodeState::HostToStorage(StoreOut::Backup) => "host_to_storage(backup)",
+            NodeState::HostToStorage(StoreOut::Evict) => "host_to_storage(evict)",
+            NodeState::StorageToHost => "storage_to_host",
         }
     }
 
@@ -93,6 +129,10 @@ impl NodeState {
             NodeState::SwapToHost(SwapOut::Evict) => 3,
             NodeState::SwapToHost(SwapOut::Claimed) => 4,
             NodeState::SwapToDevice => 5,
+            NodeState::Storage => 6,
+            NodeState::HostToStorage(StoreOut::Backup) => 7,
+            NodeState::HostToStorage(StoreOut::Evict) => 8,
+            NodeState::StorageToHost => 9,
         }
     }
 
@@ -104,13 +144,24 @@ impl NodeState {
             3 => NodeState::SwapToHost(SwapOut::Evict),
             4 => NodeState::SwapToHost(SwapOut::Claimed),
             5 => NodeState::SwapToDevice,
+            6 => NodeState::Storage,
+            7 => NodeState::HostToStorage(StoreOut::Backup),
+            8 => NodeState::HostToStorage(StoreOut::Evict),
+            9 => NodeState::StorageToHost,
             _ => unreachable!("state code {code} is never stored: a programming error"),
         }
     }
 }
 
-/// `flags`: the evictable sets the node is filed in (the low bits, a [`Membership`]), and this.
+/// `flags`: the evictable sets the node is filed in (the low bits, a [`Membership`]), and these.
 const BACKUP_QUEUED: u8 = 0x80;
+/// The storage tier holds the block (a STORE landed and nothing dropped it since).
+const STORED: u8 = 0x40;
+
+/// A child count at this value means "at least this many": the tree recounts the children when
+/// it would fall (see [`super::Tree`]'s counts). Counts are 16 bits so that the record keeps its
+/// 60 bytes with two of them.
+pub(super) const COUNT_SATURATED: u16 = u16::MAX;
 
 /// One cached block.
 #[derive(Clone, Debug)]
@@ -127,7 +178,11 @@ pub struct Node {
     /// The id of the one copy in flight for this node (0 when none), as two words.
     transfer: [u32; 2],
     ref_count: u32,
-    pub(super) device_child_count: u32,
+    /// Children with a device block (saturating, see [`COUNT_SATURATED`]).
+    pub(super) device_children: u16,
+    /// Children that are not storage-only (saturating, see [`COUNT_SATURATED`]): a node with
+    /// none may leave the host tier, its children staying reachable on storage.
+    pub(super) upper_children: u16,
     /// Saturates at `u16::MAX` (write-through-selective thresholds are capped below it).
     hit_count: u16,
     state: u8,
@@ -171,7 +226,8 @@ impl Node {
             blocks: [NO_BLOCK; TIERS],
             transfer: [0; 2],
             ref_count: 0,
-            device_child_count: 0,
+            device_children: 0,
+            upper_children: 0,
             hit_count: 1,
             state: NodeState::Device.code(),
             flags: 0,
@@ -248,6 +304,17 @@ impl Node {
         self.flags & BACKUP_QUEUED != 0
     }
 
+    /// Whether the storage tier holds the block (counted in the tier's used blocks).
+    pub fn stored(&self) -> bool {
+        self.flags & STORED != 0
+    }
+
+    /// Whether the node is not storage-only: its parent counts it in `upper_children`.
+    #[inline]
+    pub(super) fn is_upper(&self) -> bool {
+        !self.is(NodeState::Storage) && !self.is(NodeState::HostToStorage(StoreOut::Evict))
+    }
+
     /// Whether the node has a valid host copy that no copy in flight is writing.
     pub fn has_valid_host(&self) -> bool {
         self.blocks[Tier::Host as usize] != NO_BLOCK
@@ -298,6 +365,13 @@ impl NodeMut<'_> {
             self.node.flags |= BACKUP_QUEUED;
         } else {
             self.node.flags &= !BACKUP_QUEUED;
+        }
+    }
+    pub fn set_stored(&mut self, stored: bool) {
+        if stored {
+            self.node.flags |= STORED;
+        } else {
+            self.node.flags &= !STORED;
         }
     }
     pub fn hold(&mut self) {

@@ -54,9 +54,11 @@ const DEVICE_ONLY: usize = 0;
 const DEVICE_AND_HOST: usize = 1;
 const HOST_ONLY: usize = 2;
 const KINDS: usize = 3;
-/// The claimable list follows the class lists.
+/// The claimable list follows the class lists, then the storage list (storage-only leaves, by
+/// recency alone); both are plain lists, not classed.
 const CLAIMABLE: usize = CLASSES * KINDS;
-const LISTS: usize = CLAIMABLE + 1;
+const STORAGE_ONLY: usize = CLAIMABLE + 1;
+const LISTS: usize = STORAGE_ONLY + 1;
 
 /// Per-node byte: generation in bits 0-2 (0: none yet, counted as 1), hits beyond the first in
 /// bits 3-5, the turn-end mark in bit 7.
@@ -201,12 +203,30 @@ impl GapHistogram {
 fn kind_of(sets: Membership) -> Option<usize> {
     const NOT_FILED: usize = LISTS;
     const NO_LIST: usize = LISTS + 1;
-    /// By membership bits (device 1, host 2, claimable 4).
-    const KIND: [usize; 8] =
-        [NOT_FILED, DEVICE_ONLY, HOST_ONLY, DEVICE_AND_HOST, CLAIMABLE, NO_LIST, NO_LIST, NO_LIST];
+    /// By membership bits (device 1, host 2, claimable 4, storage 8).
+    const KIND: [usize; 16] = [
+        NOT_FILED,
+        DEVICE_ONLY,
+        HOST_ONLY,
+        DEVICE_AND_HOST,
+        CLAIMABLE,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        STORAGE_ONLY,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+    ];
     match KIND[usize::from(sets.bits())] {
         NOT_FILED => None,
-        NO_LIST => unreachable!("a claimable node in another set is a programming error"),
+        NO_LIST => {
+            unreachable!("a claimable or storage node in another set is a programming error")
+        }
         kind => Some(kind),
     }
 }
@@ -219,12 +239,21 @@ fn class_of(meta: u8) -> usize {
     usize::from(generation.max(hits)).min(CLASSES) - 1
 }
 
+/// The one unclassed list of `set`'s members (claimable, storage), if it is not classed.
+fn plain_list(set: EvictSet) -> Option<usize> {
+    match set {
+        EvictSet::Claimable => Some(CLAIMABLE),
+        EvictSet::Storage => Some(STORAGE_ONLY),
+        EvictSet::Device | EvictSet::Host => None,
+    }
+}
+
 /// The bits of `nonempty` of the lists of `set`'s members (all classes).
 const fn set_mask(set: EvictSet) -> u16 {
     let kinds: [usize; 2] = match set {
         EvictSet::Device => [DEVICE_ONLY, DEVICE_AND_HOST],
         EvictSet::Host => [HOST_ONLY, DEVICE_AND_HOST],
-        EvictSet::Claimable => return 0,
+        EvictSet::Claimable | EvictSet::Storage => return 0,
     };
     let mut mask = 0;
     let mut class = 0;
@@ -258,7 +287,7 @@ impl Conv {
     #[inline]
     fn list_of(&self, node: u32, sets: Membership) -> Option<usize> {
         kind_of(sets).map(|kind| match kind {
-            CLAIMABLE => CLAIMABLE,
+            CLAIMABLE | STORAGE_ONLY => kind,
             kind => class_of(self.meta[node as usize]) * KINDS + kind,
         })
     }
@@ -274,13 +303,13 @@ impl Conv {
 
     /// The eviction score of a member of `list`: smaller goes first (rule 6).
     fn score(&self, stamp: u32, list: usize, plain: bool) -> u64 {
-        let class = if plain || list == CLAIMABLE { 0 } else { (list / KINDS) as u64 };
+        let class = if plain || list >= CLAIMABLE { 0 } else { (list / KINDS) as u64 };
         u64::from(stamp) + self.tau * class
     }
 
     fn set_head(&mut self, list: usize, head: u32) {
         self.lists[list].head = head;
-        if list != CLAIMABLE && head != NONE {
+        if list < CLAIMABLE && head != NONE {
             self.head_stamps[list] = self.link(head).stamp;
         }
     }
@@ -311,7 +340,7 @@ impl Conv {
             next => self.link_mut(next).prev = node,
         }
         self.lists[list].len += 1;
-        if list != CLAIMABLE {
+        if list < CLAIMABLE {
             self.nonempty |= 1 << list;
         }
     }
@@ -350,7 +379,7 @@ impl Conv {
         link.prev = NONE;
         link.next = NONE;
         self.lists[list].len -= 1;
-        if list != CLAIMABLE && self.lists[list].len == 0 {
+        if list < CLAIMABLE && self.lists[list].len == 0 {
             self.nonempty &= !(1 << list);
         }
     }
@@ -537,8 +566,8 @@ impl Policy for Conv {
 
     #[inline]
     fn first(&self, set: EvictSet) -> Option<NodeId> {
-        if set == EvictSet::Claimable {
-            return Some(self.lists[CLAIMABLE].head).filter(|&node| node != NONE).map(NodeId);
+        if let Some(list) = plain_list(set) {
+            return Some(self.lists[list].head).filter(|&node| node != NONE).map(NodeId);
         }
         let plain = self.plain(set);
         let mut mask = self.nonempty & set_mask(set);
@@ -556,8 +585,8 @@ impl Policy for Conv {
     }
 
     fn len(&self, set: EvictSet) -> usize {
-        if set == EvictSet::Claimable {
-            return self.lists[CLAIMABLE].len as usize;
+        if let Some(list) = plain_list(set) {
+            return self.lists[list].len as usize;
         }
         let mask = set_mask(set);
         (0..CLAIMABLE)
@@ -568,9 +597,9 @@ impl Policy for Conv {
 
     fn visit(&self, set: EvictSet, visit: &mut dyn FnMut(NodeId) -> ControlFlow<()>) {
         let plain = self.plain(set);
-        let mask = match set {
-            EvictSet::Claimable => 1 << CLAIMABLE,
-            set => u32::from(set_mask(set)),
+        let mask = match plain_list(set) {
+            Some(list) => 1 << list,
+            None => u32::from(set_mask(set)),
         };
         let mut cursors = [NONE; LISTS];
         for (list, cursor) in cursors.iter_mut().enumerate() {
@@ -644,7 +673,7 @@ impl Policy for Conv {
             if prev != state.tail || count != state.len {
                 return Err(format!("conv list {list} has a wrong tail or length"));
             }
-            if list != CLAIMABLE {
+            if list < CLAIMABLE {
                 let nonempty = self.nonempty & 1 << list != 0;
                 if nonempty != (state.len > 0) {
                     return Err(format!("conv list {list}: the mask of non-empty lists is wrong"));

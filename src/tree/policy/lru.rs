@@ -7,8 +7,8 @@
 //! them. A node that joins a set for another reason (its last device child went, a copy landed)
 //! keeps the stamp of its last release.
 //!
-//! Each node is in at most one of four lists, by its sets: device only, device and host, host
-//! only, claimable. Each list is sorted by stamp, oldest first, and threaded through a per-node
+//! Each node is in at most one of five lists, by its sets: device only, device and host, host
+//! only, claimable, storage. Each list is sorted by stamp, oldest first, and threaded through a per-node
 //! record of 12 bytes (stamp, previous, next). The first device candidate is the older of the
 //! heads of "device only" and "device and host", the first host candidate the older of "host
 //! only" and "device and host". A node joins with the newest stamp in the usual case (just
@@ -32,7 +32,8 @@ const DEVICE_ONLY: usize = 0;
 const DEVICE_AND_HOST: usize = 1;
 const HOST_ONLY: usize = 2;
 const CLAIMABLE: usize = 3;
-const LISTS: usize = 4;
+const STORAGE_ONLY: usize = 4;
+const LISTS: usize = 5;
 
 /// A node's place in the recency order.
 #[derive(Clone, Copy, Debug)]
@@ -71,15 +72,34 @@ impl Default for Lru {
 /// The list of a node in `sets`, if any.
 ///
 /// # Panics
-/// On a claimable node in another set too: the tree's predicates exclude it.
+/// On a claimable or storage node in another set too: the tree's predicates exclude it.
 #[inline]
 fn list_of(sets: Membership) -> Option<usize> {
-    /// By membership bits (device 1, host 2, claimable 4); `NO_LIST` where no node can be.
-    const LIST: [usize; 8] =
-        [NOT_FILED, DEVICE_ONLY, HOST_ONLY, DEVICE_AND_HOST, CLAIMABLE, NO_LIST, NO_LIST, NO_LIST];
+    /// By membership bits (device 1, host 2, claimable 4, storage 8); `NO_LIST` where no node
+    /// can be.
+    const LIST: [usize; 16] = [
+        NOT_FILED,
+        DEVICE_ONLY,
+        HOST_ONLY,
+        DEVICE_AND_HOST,
+        CLAIMABLE,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        STORAGE_ONLY,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+    ];
     match LIST[usize::from(sets.bits())] {
         NOT_FILED => None,
-        NO_LIST => unreachable!("a claimable node in another set is a programming error"),
+        NO_LIST => {
+            unreachable!("a claimable or storage node in another set is a programming error")
+        }
         list => Some(list),
     }
 }
@@ -110,6 +130,7 @@ impl Lru {
             EvictSet::Device => (self.lists[DEVICE_ONLY].head, self.lists[DEVICE_AND_HOST].head),
             EvictSet::Host => (self.lists[HOST_ONLY].head, self.lists[DEVICE_AND_HOST].head),
             EvictSet::Claimable => (self.lists[CLAIMABLE].head, NONE),
+            EvictSet::Storage => (self.lists[STORAGE_ONLY].head, NONE),
         }
     }
 
@@ -263,6 +284,7 @@ impl Policy for Lru {
             EvictSet::Device => len(DEVICE_ONLY) + len(DEVICE_AND_HOST),
             EvictSet::Host => len(HOST_ONLY) + len(DEVICE_AND_HOST),
             EvictSet::Claimable => len(CLAIMABLE),
+            EvictSet::Storage => len(STORAGE_ONLY),
         }
     }
 

@@ -2,9 +2,10 @@
 //!
 //! The tree decides *which* nodes may be evicted (SPEC section 4), and keeps one evictable set
 //! per kind of victim ([`EvictSet`]): device candidates (a device copy, no child with one, not
-//! held, nothing in flight), host candidates (a valid host copy, no children, not held) and
-//! claimable nodes (an eviction to host in flight whose device block is not claimed yet). A node
-//! may be in the device and host sets at once. The policy decides *in which order*: it is told
+//! held, nothing in flight), host candidates (a valid host copy, no child above the storage tier,
+//! not held), claimable nodes (an eviction to host in flight whose device block is not claimed
+//! yet) and storage candidates (storage-only leaves, not held). A node may be in the device and
+//! host sets at once; a storage candidate is in no other set. The policy decides *in which order*: it is told
 //! every change of membership and every access, and answers with the first member of a set.
 //!
 //! Core types: [`Policy`] (the contract), [`EvictionPolicy`] (the names a configuration picks
@@ -59,16 +60,21 @@ pub enum EvictSet {
     Host,
     /// Nodes being evicted to host whose device block an allocation may claim at once.
     Claimable,
+    /// Storage candidates: storage-only leaves, not held; evicting one frees a storage block.
+    /// A storage-only node is in no other set.
+    Storage,
 }
 
 impl EvictSet {
-    pub const ALL: [EvictSet; 3] = [EvictSet::Device, EvictSet::Host, EvictSet::Claimable];
+    pub const ALL: [EvictSet; 4] =
+        [EvictSet::Device, EvictSet::Host, EvictSet::Claimable, EvictSet::Storage];
 
     fn bit(self) -> u8 {
         match self {
             EvictSet::Device => 1,
             EvictSet::Host => 2,
             EvictSet::Claimable => 4,
+            EvictSet::Storage => 8,
         }
     }
 }
@@ -79,7 +85,7 @@ pub struct Membership(u8);
 
 impl Membership {
     pub const NONE: Membership = Membership(0);
-    pub const ALL: Membership = Membership(7);
+    pub const ALL: Membership = Membership(15);
 
     pub const fn from_bits(bits: u8) -> Membership {
         Membership(bits & Membership::ALL.0)
@@ -422,6 +428,7 @@ mod tests {
         let both = Membership::NONE.with(EvictSet::Device).with(EvictSet::Host);
         assert!(both.contains(EvictSet::Device) && both.contains(EvictSet::Host));
         assert!(!both.contains(EvictSet::Claimable) && !both.is_empty());
+        assert!(!both.contains(EvictSet::Storage));
         assert_eq!(Membership::from_bits(0xff), Membership::ALL);
     }
 }

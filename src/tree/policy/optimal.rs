@@ -39,7 +39,8 @@ const DEVICE_ONLY: usize = 0;
 const DEVICE_AND_HOST: usize = 1;
 const HOST_ONLY: usize = 2;
 const CLAIMABLE: usize = 3;
-const LISTS: usize = 4;
+const STORAGE_ONLY: usize = 4;
+const LISTS: usize = 5;
 
 /// For each block key, the requests (numbered from 0 in the order they are matched) in which
 /// it may hit.
@@ -110,11 +111,29 @@ pub struct Optimal {
 fn list_of(sets: Membership) -> Option<usize> {
     const NOT_FILED: usize = LISTS;
     const NO_LIST: usize = LISTS + 1;
-    const LIST: [usize; 8] =
-        [NOT_FILED, DEVICE_ONLY, HOST_ONLY, DEVICE_AND_HOST, CLAIMABLE, NO_LIST, NO_LIST, NO_LIST];
+    const LIST: [usize; 16] = [
+        NOT_FILED,
+        DEVICE_ONLY,
+        HOST_ONLY,
+        DEVICE_AND_HOST,
+        CLAIMABLE,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        STORAGE_ONLY,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+        NO_LIST,
+    ];
     match LIST[usize::from(sets.bits())] {
         NOT_FILED => None,
-        NO_LIST => unreachable!("a claimable node in another set is a programming error"),
+        NO_LIST => {
+            unreachable!("a claimable or storage node in another set is a programming error")
+        }
         list => Some(list),
     }
 }
@@ -135,6 +154,7 @@ impl Optimal {
             EvictSet::Device => &[DEVICE_ONLY, DEVICE_AND_HOST],
             EvictSet::Host => &[HOST_ONLY, DEVICE_AND_HOST],
             EvictSet::Claimable => &[CLAIMABLE],
+            EvictSet::Storage => &[STORAGE_ONLY],
         }
     }
 }

@@ -1,0 +1,191 @@
+//! The scheduler's use of the storage tier, step by step: write-back of blocks leaving the host
+//! tier, storage hits, a storage -> host -> device load as one ticket, and failed loads.
+
+mod scheduler_support;
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::{
+    CacheConfig, CacheManager, RequestId, StorageWritePolicy, TicketStatus, TransferKind,
+};
+use kvshm::tree::NodeState;
+use scheduler_support::{
+    check, complete_all, failure, hashes, manager, prompt_hitting, serve, BLOCK_TOKENS,
+};
+
+/// Four device blocks, two host blocks, eight storage blocks.
+fn three_tiers() -> CacheManager {
+    manager(CacheConfig::new(BLOCK_TOKENS, 4).with_host_blocks(2).with_storage_blocks(8))
+}
+
+/// Serves prompts of two blocks until the first one's blocks have gone down to storage: the
+/// third prompt pushes it to host, the fourth on to storage.
+fn push_first_prompt_to_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
+    let first = hashes(&[1, 2]);
+    serve(cache, 0, &first);
+    for (index, base) in [10u128, 20, 30].into_iter().enumerate() {
+        serve(cache, 1 + index as u64, &hashes(&[base, base + 1]));
+    }
+    first
+}
+
+#[test]
+fn blocks_leaving_the_host_tier_are_written_back_and_then_hit_on_storage() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.device_blocks, found.host_blocks), (0, 0), "{found:?}");
+    assert!(found.storage_blocks >= 2, "{found:?}");
+    let counters = cache.stats().counters;
+    assert!(counters.evictions.host_written_back >= 2, "{counters:?}");
+    assert_eq!(counters.stored_blocks, counters.store_blocks_issued);
+    assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
+    check(&cache);
+}
+
+#[test]
+fn stores_name_each_block_by_hash_parent_and_depth() {
+    let mut cache = three_tiers();
+    let first = hashes(&[1, 2]);
+    serve(&mut cache, 0, &first);
+    let mut stored = Vec::new();
+    for (index, base) in [10u128, 20, 30].into_iter().enumerate() {
+        let request = RequestId(1 + index as u64);
+        let blocks = hashes(&[base, base + 1]);
+        let found = cache.match_prefix(request, &blocks, 8).unwrap();
+        cache.allocate(request, 8 - found.cached_tokens, 0).unwrap();
+        for transfer in complete_all(&mut cache) {
+            if transfer.kind == TransferKind::HostToStorage {
+                assert_eq!(transfer.blocks.len(), transfer.pairs.len());
+                stored.extend(transfer.blocks);
+            }
+        }
+        cache.commit(request, 8, &blocks).unwrap();
+        cache.finish(request).unwrap();
+    }
+    let block = |value: u128| stored.iter().find(|block| block.hash == BlockHash(value));
+    let one = block(1).expect("block 1 was stored");
+    assert_eq!((one.parent, one.depth), (BlockHash(0), 1));
+    let two = block(2).expect("block 2 was stored");
+    assert_eq!((two.parent, two.depth), (BlockHash(1), 2));
+}
+
+#[test]
+fn a_storage_hit_loads_into_host_then_device_under_one_ticket() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let request = RequestId(9);
+    let found = cache.match_prefix(request, &first, prompt_hitting(2)).unwrap();
+    assert_eq!((found.device_blocks, found.host_blocks, found.storage_blocks), (0, 0, 2));
+    let ticket = cache.allocate(request, 1, 0).unwrap().ticket;
+    check(&cache);
+    let mut loads = 0;
+    let mut swap_ins_after_load = 0;
+    loop {
+        let transfers = cache.take_transfers();
+        if transfers.is_empty() {
+            break;
+        }
+        for transfer in transfers {
+            match transfer.kind {
+                TransferKind::StorageToHost => {
+                    loads += transfer.pairs.len();
+                    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Pending));
+                    // The swap-in behind it is not handed out before it lands.
+                    assert!(cache
+                        .take_transfers()
+                        .iter()
+                        .all(|t| t.kind != TransferKind::HostToDevice));
+                }
+                TransferKind::HostToDevice => {
+                    assert_eq!(loads, 2, "the swap-in comes after the load");
+                    swap_ins_after_load += transfer.pairs.len();
+                }
+                _ => {}
+            }
+            cache.complete_transfer(transfer.id, Ok(())).unwrap();
+            check(&cache);
+        }
+    }
+    assert_eq!((loads, swap_ins_after_load), (2, 2));
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
+    let now = cache.cached_prefix(&first);
+    assert_eq!(now.device_blocks, 2, "{now:?}");
+    let counters = cache.stats().counters;
+    assert_eq!((counters.hits.storage_blocks, counters.loaded_blocks), (2, 2));
+    cache.finish(request).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_failed_load_fails_the_ticket_and_leaves_the_blocks_on_storage() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let request = RequestId(9);
+    cache.match_prefix(request, &first, prompt_hitting(2)).unwrap();
+    let ticket = cache.allocate(request, 1, 0).unwrap().ticket;
+    // The stores writing back the host blocks the load takes go first.
+    let load = loop {
+        let transfers = cache.take_transfers();
+        assert!(!transfers.is_empty(), "the load is handed out");
+        let mut load = None;
+        for transfer in transfers {
+            match transfer.kind {
+                TransferKind::StorageToHost => load = Some(transfer),
+                _ => cache.complete_transfer(transfer.id, Ok(())).unwrap(),
+            }
+        }
+        if let Some(load) = load {
+            break load;
+        }
+    };
+    let free_host = cache.free_host_blocks();
+    cache.complete_transfer(load.id, Err(failure())).unwrap();
+    check(&cache);
+    assert!(matches!(cache.ticket_status(ticket), Ok(TicketStatus::Failed(_))));
+    assert_eq!(cache.free_host_blocks(), free_host + 2, "the load's host blocks are free again");
+    assert!(cache.take_transfers().iter().all(|t| t.kind != TransferKind::HostToDevice));
+    cache.abort(request).unwrap();
+    check(&cache);
+    let found = cache.cached_prefix(&first);
+    assert_eq!(found.storage_blocks, 2, "{found:?}");
+    let node = cache.tree().child(kvshm::tree::NodeId::ROOT, first[0]).unwrap();
+    assert_eq!(cache.tree().node(node).state(), NodeState::Storage);
+}
+
+#[test]
+fn a_full_storage_tier_drops_its_least_recently_used_leaves() {
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 4).with_host_blocks(2).with_storage_blocks(2));
+    for base in 0..8u128 {
+        serve(&mut cache, base as u64, &hashes(&[100 * base + 1, 100 * base + 2]));
+    }
+    let stats = cache.stats();
+    assert!(stats.storage_used <= 2);
+    assert!(stats.counters.evictions.storage_dropped > 0, "{stats:?}");
+    check(&cache);
+}
+
+#[test]
+fn write_through_stores_blocks_as_they_settle_on_host_so_their_eviction_writes_nothing() {
+    let config = CacheConfig::new(BLOCK_TOKENS, 4)
+        .with_host_blocks(2)
+        .with_storage_blocks(8)
+        .with_storage_write_policy(StorageWritePolicy::WriteThrough);
+    let mut cache = manager(config);
+    let first = push_first_prompt_to_storage(&mut cache);
+    for index in 0..3 {
+        cache.poll();
+        complete_all(&mut cache);
+        serve(&mut cache, 20 + index, &hashes(&[500 + u128::from(index as u8), 600]));
+    }
+    let counters = cache.stats().counters;
+    assert!(counters.evictions.host_to_storage_metadata > 0, "{counters:?}");
+    assert!(cache.cached_prefix(&first).storage_blocks >= 1);
+    check(&cache);
+}
+
+#[test]
+fn a_storage_tier_without_a_host_tier_is_refused() {
+    let config = CacheConfig::new(BLOCK_TOKENS, 3).with_storage_blocks(2);
+    assert!(CacheManager::new(config).is_err());
+}
