@@ -163,6 +163,14 @@ fn replay_refuses_pools_the_machine_cannot_hold() {
         &["replay", "--trace", path, "--device-blocks", "64", "--block-tokens", "0"],
         &["--block-tokens"],
     );
+    refused_saying(
+        &["replay", "--trace", path, "--device-blocks", "64", "--storage-blocks", "4294967295"],
+        &["--storage-blocks"],
+    );
+    refused_saying(
+        &["replay", "--trace", path, "--device-blocks", "64", "--storage-blocks", "8"],
+        &["--storage-blocks", "--host-blocks"],
+    );
     std::fs::remove_file(trace).unwrap();
 }
 

@@ -15,8 +15,8 @@
 
 mod scheduler_support;
 
-use kvshm::cli::replay::{future_uses, Replayed, Replayer};
-use kvshm::manager::{CacheConfig, EvictionPolicy, WritePolicy};
+use kvshm::cli::replay::{future_uses, reference_lru, replay, Replayed, Replayer};
+use kvshm::manager::{CacheConfig, EvictionPolicy, StorageWritePolicy, WritePolicy};
 use kvshm::trace::{read_trace, TraceRequest};
 
 /// (device hit blocks, host hit blocks, device evictions, swaps in, swaps out, backups)
@@ -231,4 +231,53 @@ fn the_offline_optimum_figures_are_pinned() {
             ),
         ],
     );
+}
+
+#[test]
+fn three_tier_figures_are_pinned_and_come_within_0_02_of_a_plain_lru_of_the_combined_capacity() {
+    let trace = whole_trace();
+    let (device_blocks, host_blocks, storage_blocks) = (1_953, 7_812, 39_062);
+    let reference = reference_lru(&trace, 512, device_blocks + host_blocks + storage_blocks);
+    assert_eq!(reference.capacity_blocks, 48_827);
+    assert_eq!((reference.hit_blocks, reference.hit_tokens), (102_377, 52_417_024));
+    // (device, host, storage hit blocks, hit tokens, stores, loads, storage evictions), digest
+    let rows = [
+        (
+            StorageWritePolicy::WriteBack,
+            (15_797, 42_591, 43_972, 52_408_320, 209_124, 43_972, 126_090),
+            9_195_126_102_775_409_625,
+        ),
+        (
+            StorageWritePolicy::WriteThrough,
+            (15_797, 42_602, 43_180, 52_008_448, 216_448, 43_180, 134_206),
+            10_609_219_992_857_056_818,
+        ),
+    ];
+    for (policy, figures, hits_digest) in rows {
+        let config = CacheConfig::new(512, device_blocks as u32)
+            .with_host_blocks(host_blocks as u32)
+            .with_storage_blocks(storage_blocks as u32)
+            .with_storage_write_policy(policy);
+        let Replayed { report, hits_per_request } =
+            replay(&trace, config, false).expect("the replay runs");
+        assert_eq!((report.requests, report.failed_requests, report.blocks), (12_031, 0, 276_491));
+        let actual = (
+            report.device_hit_blocks,
+            report.host_hit_blocks,
+            report.storage_hit_blocks,
+            report.hit_tokens,
+            report.storage_stores,
+            report.storage_loads,
+            report.storage_evictions,
+        );
+        assert_eq!(actual, figures, "storage {policy}");
+        assert_eq!(digest(&hits_per_request), hits_digest, "storage {policy}: hits per request");
+        let gap = (report.hit_rate_tokens - reference.hit_rate_tokens).abs();
+        assert!(
+            gap < 0.02,
+            "storage {policy}: {} against {}",
+            report.hit_rate_tokens,
+            reference.hit_rate_tokens
+        );
+    }
 }

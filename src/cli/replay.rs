@@ -33,8 +33,8 @@ use serde::Serialize;
 
 use crate::hash::BlockHash;
 use crate::manager::{
-    AllocateError, CacheConfig, CacheManager, EvictionPolicy, FutureUses, RequestId, TransferId,
-    WritePolicy,
+    AllocateError, CacheConfig, CacheManager, EvictionPolicy, FutureUses, RequestId,
+    StorageWritePolicy, TransferId, WritePolicy,
 };
 use crate::percentiles::Percentiles;
 use crate::trace::{read_trace, TraceRequest};
@@ -53,6 +53,17 @@ pub struct Args {
     /// Blocks of the host tier (0: no host tier).
     #[arg(long, default_value_t = 0)]
     pub host_blocks: u32,
+    /// Blocks of the storage tier below host (0: none; needs a host tier). Its LOADs and STOREs
+    /// complete at once, as the copies between device and host do.
+    #[arg(long, default_value_t = 0)]
+    pub storage_blocks: u32,
+    /// When host blocks are written to storage: write_back (on host eviction) or write_through.
+    #[arg(long, default_value_t = StorageWritePolicy::WriteBack)]
+    pub storage_write_policy: StorageWritePolicy,
+    /// Also replay a plain LRU cache of device + host + storage blocks (the reference the tiers
+    /// are compared with) and report its hit rate.
+    #[arg(long)]
+    pub reference_lru: bool,
     /// write_back, write_through or write_through_selective:T.
     #[arg(long, default_value_t = WritePolicy::WriteBack)]
     pub write_policy: WritePolicy,
@@ -88,25 +99,38 @@ pub struct ReplayReport {
     pub hit_blocks: u64,
     pub device_hit_blocks: u64,
     pub host_hit_blocks: u64,
+    pub storage_hit_blocks: u64,
     pub hit_rate_blocks: f64,
     pub input_tokens: u64,
     pub hit_tokens: u64,
     pub hit_rate_tokens: f64,
     /// Blocks evicted from the device tier (dropped, demoted to their backup, or written back).
     pub evictions: u64,
+    /// Blocks that left the host tier (dropped, or to storage).
     pub host_evictions: u64,
     /// Blocks copied host to device, and device to host by evictions.
     pub swaps_in: u64,
     pub swaps_out: u64,
     /// Blocks backed up to host (write-through).
     pub backups: u64,
+    /// Blocks written to storage (STOREs landed) and read back (LOADs landed).
+    pub storage_stores: u64,
+    pub storage_loads: u64,
+    /// Storage-only blocks dropped to make room on the storage tier.
+    pub storage_evictions: u64,
     pub sched_us_per_request: Percentiles,
     pub block_tokens: u32,
     pub device_blocks: u32,
     pub host_blocks: u32,
+    pub storage_blocks: u32,
     pub write_policy: String,
+    pub storage_write_policy: String,
     pub eviction: String,
     pub prompt_only: bool,
+    /// With `--reference-lru`: a plain LRU cache of the tiers' combined capacity on the same
+    /// trace under the same rules.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference_lru: Option<ReferenceLru>,
 }
 
 /// A replay's report and the hit blocks of each request, in trace order.
@@ -137,6 +161,7 @@ pub struct Replayer {
     block_tokens: usize,
     prompt_only: bool,
     write_policy: String,
+    storage_write_policy: String,
     eviction: String,
     /// Buffers reused from request to request, so that serving one allocates nothing.
     hashes: Vec<BlockHash>,
@@ -148,6 +173,7 @@ pub struct Replayer {
     blocks: u64,
     device_hits: u64,
     host_hits: u64,
+    storage_hits: u64,
     input_tokens: u64,
     hit_tokens: u64,
 }
@@ -185,6 +211,7 @@ impl Replayer {
         Replayer {
             block_tokens: config.block_tokens as usize,
             write_policy: config.write_policy.to_string(),
+            storage_write_policy: config.storage_write_policy.to_string(),
             eviction: config.eviction.to_string(),
             cache,
             prompt_only,
@@ -197,6 +224,7 @@ impl Replayer {
             blocks: 0,
             device_hits: 0,
             host_hits: 0,
+            storage_hits: 0,
             input_tokens: 0,
             hit_tokens: 0,
         }
@@ -221,7 +249,7 @@ impl Replayer {
                 cache.commit(id, self.hashes.len() * self.block_tokens, &self.hashes)?;
                 cache.finish(id)?;
             }
-            Err(AllocateError::OutOfBlocks { .. }) => {
+            Err(AllocateError::OutOfBlocks { .. } | AllocateError::OutOfHostBlocks { .. }) => {
                 self.failed_requests += 1;
                 cache.abort(id)?;
             }
@@ -231,6 +259,7 @@ impl Replayer {
         self.blocks += self.hashes.len() as u64;
         self.device_hits += found.device_blocks as u64;
         self.host_hits += found.host_blocks as u64;
+        self.storage_hits += found.storage_blocks as u64;
         self.input_tokens += request.input_length as u64;
         self.hit_tokens += found.cached_tokens as u64;
         self.hits_per_request.push(found.blocks() as u32);
@@ -247,7 +276,7 @@ impl Replayer {
         let stats = self.cache.stats();
         let ratio =
             |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
-        let hit_blocks = self.device_hits + self.host_hits;
+        let hit_blocks = self.device_hits + self.host_hits + self.storage_hits;
         let report = ReplayReport {
             requests: self.requests,
             failed_requests: self.failed_requests,
@@ -255,22 +284,31 @@ impl Replayer {
             hit_blocks,
             device_hit_blocks: self.device_hits,
             host_hit_blocks: self.host_hits,
+            storage_hit_blocks: self.storage_hits,
             hit_rate_blocks: ratio(hit_blocks, self.blocks),
             input_tokens: self.input_tokens,
             hit_tokens: self.hit_tokens,
             hit_rate_tokens: ratio(self.hit_tokens, self.input_tokens),
             evictions: stats.counters.evictions.device_total(),
-            host_evictions: stats.counters.evictions.host_dropped,
+            host_evictions: stats.counters.evictions.host_dropped
+                + stats.counters.evictions.host_written_back
+                + stats.counters.evictions.host_to_storage_metadata,
             swaps_in: stats.counters.swap_in_blocks,
             swaps_out: stats.counters.swap_out_blocks,
             backups: stats.counters.backup_blocks,
+            storage_stores: stats.counters.stored_blocks,
+            storage_loads: stats.counters.loaded_blocks,
+            storage_evictions: stats.counters.evictions.storage_dropped,
             sched_us_per_request: Percentiles::of(&mut self.times),
             block_tokens: stats.block_tokens,
             device_blocks: stats.device_blocks,
             host_blocks: stats.host_blocks,
+            storage_blocks: stats.storage_blocks,
             write_policy: self.write_policy,
+            storage_write_policy: self.storage_write_policy,
             eviction: self.eviction,
             prompt_only: self.prompt_only,
+            reference_lru: None,
         };
         Replayed { report, hits_per_request: self.hits_per_request }
     }
@@ -307,6 +345,101 @@ pub fn replay(
     Ok(replayer.finish())
 }
 
+/// What a plain LRU cache of blocks hit on a trace: the reference a tiered cache is compared
+/// with.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReferenceLru {
+    pub capacity_blocks: u64,
+    pub hit_blocks: u64,
+    pub hit_rate_blocks: f64,
+    pub hit_tokens: u64,
+    pub hit_rate_tokens: f64,
+}
+
+/// Replays `requests` through a plain LRU cache of `capacity` blocks, one tier, no copies, under
+/// the replay's rules: only full prompt blocks are cached, a request hits the leading blocks it
+/// finds, at most `(input_length - 1) / block_tokens` of them (the last-token rule), then every
+/// full block of its prompt is used, in order, the least recently used blocks leaving first. A
+/// trace's block id names its whole prefix (Mooncake ids are chained), so blocks are keyed by id.
+///
+/// Written on its own (an index map and a recency list in a slab), sharing nothing with the
+/// scheduler it is the reference for.
+pub fn reference_lru(
+    requests: &[TraceRequest],
+    block_tokens: usize,
+    capacity: u64,
+) -> ReferenceLru {
+    /// A cached block: its id and its neighbours in recency order (indices into the slab).
+    struct Entry {
+        id: u64,
+        older: usize,
+        newer: usize,
+    }
+    const NIL: usize = usize::MAX;
+    let mut index: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut slab: Vec<Entry> = Vec::new();
+    let (mut oldest, mut newest) = (NIL, NIL);
+    let unlink = |slab: &mut Vec<Entry>, slot: usize, oldest: &mut usize, newest: &mut usize| {
+        let (older, newer) = (slab[slot].older, slab[slot].newer);
+        match older {
+            NIL => *oldest = newer,
+            older => slab[older].newer = newer,
+        }
+        match newer {
+            NIL => *newest = older,
+            newer => slab[newer].older = older,
+        }
+    };
+    let (mut blocks, mut hit_blocks, mut input_tokens, mut hit_tokens) = (0u64, 0u64, 0u64, 0u64);
+    for request in requests {
+        let full =
+            &request.hash_ids[..(request.input_length / block_tokens).min(request.hash_ids.len())];
+        let bound = request.input_length.saturating_sub(1) / block_tokens;
+        let hits = full.iter().take(bound).take_while(|id| index.contains_key(id)).count();
+        blocks += full.len() as u64;
+        hit_blocks += hits as u64;
+        input_tokens += request.input_length as u64;
+        hit_tokens += (hits * block_tokens) as u64;
+        for &id in full {
+            let slot = match index.get(&id) {
+                Some(&slot) => {
+                    unlink(&mut slab, slot, &mut oldest, &mut newest);
+                    slot
+                }
+                None if (index.len() as u64) < capacity => {
+                    slab.push(Entry { id, older: NIL, newer: NIL });
+                    index.insert(id, slab.len() - 1);
+                    slab.len() - 1
+                }
+                None if oldest != NIL => {
+                    let slot = oldest;
+                    unlink(&mut slab, slot, &mut oldest, &mut newest);
+                    index.remove(&slab[slot].id);
+                    slab[slot].id = id;
+                    index.insert(id, slot);
+                    slot
+                }
+                None => continue,
+            };
+            slab[slot].older = newest;
+            slab[slot].newer = NIL;
+            match newest {
+                NIL => oldest = slot,
+                newest => slab[newest].newer = slot,
+            }
+            newest = slot;
+        }
+    }
+    let ratio = |part: u64, whole: u64| if whole == 0 { 0.0 } else { part as f64 / whole as f64 };
+    ReferenceLru {
+        capacity_blocks: capacity,
+        hit_blocks,
+        hit_rate_blocks: ratio(hit_blocks, blocks),
+        hit_tokens,
+        hit_rate_tokens: ratio(hit_tokens, input_tokens),
+    }
+}
+
 /// Refuses sizes the replay cannot have, naming the option, before anything is allocated.
 fn check(args: &Args) -> anyhow::Result<()> {
     use super::checks::{at_least, fits_in_memory, within};
@@ -314,6 +447,10 @@ fn check(args: &Args) -> anyhow::Result<()> {
     at_least(args.block_tokens, 1, "--block-tokens")?;
     within(args.device_blocks, 1..=MAX_BLOCKS, "--device-blocks")?;
     within(args.host_blocks, 0..=MAX_BLOCKS, "--host-blocks")?;
+    within(args.storage_blocks, 0..=MAX_BLOCKS, "--storage-blocks")?;
+    if args.storage_blocks > 0 && args.host_blocks == 0 {
+        anyhow::bail!("--storage-blocks needs a host tier (--host-blocks): blocks reach storage through host blocks");
+    }
     within(args.free_watermark, 0..=args.device_blocks, "--free-watermark")?;
     // The block pools are allocated up front: two u32 per block.
     let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
@@ -333,9 +470,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_host_blocks(args.host_blocks)
         .with_write_policy(args.write_policy)
         .with_free_watermark(args.free_watermark)
-        .with_eviction(args.eviction);
-    let Replayed { report, hits_per_request } =
+        .with_eviction(args.eviction)
+        .with_storage_blocks(args.storage_blocks)
+        .with_storage_write_policy(args.storage_write_policy);
+    let Replayed { mut report, hits_per_request } =
         replay(&requests, config, args.prompt_only).context("replaying the trace")?;
+    if args.reference_lru {
+        let capacity = u64::from(args.device_blocks)
+            + u64::from(args.host_blocks)
+            + u64::from(args.storage_blocks);
+        report.reference_lru = Some(reference_lru(&requests, args.block_tokens as usize, capacity));
+    }
     if let Some(path) = &args.per_request_hits {
         let mut text = String::with_capacity(hits_per_request.len() * 3);
         for hits in &hits_per_request {
@@ -348,14 +493,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{} requests, {} blocks: hit rate {:.4} by blocks ({} device + {} host), {:.4} by tokens",
+            "{} requests, {} blocks: hit rate {:.4} by blocks ({} device + {} host + {} storage), \
+             {:.4} by tokens",
             report.requests,
             report.blocks,
             report.hit_rate_blocks,
             report.device_hit_blocks,
             report.host_hit_blocks,
+            report.storage_hit_blocks,
             report.hit_rate_tokens
         );
+        if let Some(reference) = &report.reference_lru {
+            println!(
+                "plain LRU of {} blocks: hit rate {:.4} by blocks, {:.4} by tokens",
+                reference.capacity_blocks, reference.hit_rate_blocks, reference.hit_rate_tokens
+            );
+        }
         println!(
             "evictions {} (host {}), swaps in {} out {}, backups {}, failed requests {}",
             report.evictions,
@@ -417,6 +570,39 @@ mod tests {
         let report = run(&trace, CacheConfig::new(512, 3).with_host_blocks(8));
         assert_eq!((report.device_hit_blocks, report.host_hit_blocks), (0, 1));
         assert!(report.swaps_in == 1 && report.swaps_out >= 2, "{report:?}");
+    }
+
+    #[test]
+    fn the_reference_lru_evicts_the_least_recently_used_block_and_follows_the_last_token_rule() {
+        let trace = [
+            request(1100, &[0, 1, 2]), // caches 0 and 1 (2 is partial)
+            request(1100, &[0, 1, 2]), // hits 0 and 1
+            request(1100, &[5, 6, 7]), // with room for 3: 0 goes, then 1
+            request(1100, &[0, 1, 2]), // 0 is gone: nothing hits
+            request(1024, &[0, 1]),    // block-aligned: at most 1 may hit
+        ];
+        let reference = reference_lru(&trace, 512, 3);
+        assert_eq!((reference.capacity_blocks, reference.hit_blocks), (3, 3));
+        assert_eq!(reference.hit_tokens, 3 * 512);
+        let roomy = reference_lru(&trace, 512, 100);
+        assert_eq!(roomy.hit_blocks, 2 + 2 + 1);
+        assert_eq!(reference_lru(&trace, 512, 0).hit_blocks, 0);
+    }
+
+    #[test]
+    fn a_storage_tier_hits_what_fell_out_of_device_and_host() {
+        let trace = [
+            request(1100, &[0, 1, 2]),
+            request(1100, &[5, 6, 7]),
+            request(1100, &[8, 9, 10]),
+            request(1100, &[11, 12, 13]),
+            request(1100, &[0, 1, 2]),
+        ];
+        let config = CacheConfig::new(512, 4).with_host_blocks(2);
+        assert_eq!(run(&trace, config.clone()).hit_blocks, 0);
+        let report = run(&trace, config.with_storage_blocks(8));
+        assert_eq!((report.storage_hit_blocks, report.hit_blocks), (2, 2), "{report:?}");
+        assert!(report.storage_stores >= 2 && report.storage_loads == 2, "{report:?}");
     }
 
     #[test]
