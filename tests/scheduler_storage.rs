@@ -64,9 +64,9 @@ fn stores_name_each_block_by_hash_parent_and_depth() {
     }
     let block = |value: u128| stored.iter().find(|block| block.hash == BlockHash(value));
     let one = block(1).expect("block 1 was stored");
-    assert_eq!((one.parent, one.depth), (BlockHash(0), 1));
+    assert_eq!((one.parent, one.depth), (BlockHash(0), 0));
     let two = block(2).expect("block 2 was stored");
-    assert_eq!((two.parent, two.depth), (BlockHash(1), 2));
+    assert_eq!((two.parent, two.depth), (BlockHash(1), 1));
 }
 
 #[test]
@@ -188,4 +188,26 @@ fn write_through_stores_blocks_as_they_settle_on_host_so_their_eviction_writes_n
 fn a_storage_tier_without_a_host_tier_is_refused() {
     let config = CacheConfig::new(BLOCK_TOKENS, 3).with_storage_blocks(2);
     assert!(CacheManager::new(config).is_err());
+}
+
+#[test]
+fn stored_blocks_found_at_start_join_the_tree_at_once_or_when_their_parent_is_committed() {
+    let mut cache = three_tiers();
+    let adopted = cache.adopt_stored_blocks([
+        (BlockHash(1), BlockHash(0), 0),
+        (BlockHash(2), BlockHash(1), 1),
+        (BlockHash(12), BlockHash(11), 1), // its parent is not cached
+        (BlockHash(99), BlockHash(98), 0), // a first block chains to 0: not a first block
+    ]);
+    assert_eq!(adopted, 2);
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 2);
+    check(&cache);
+    let found = cache.cached_prefix(&hashes(&[1, 2]));
+    assert_eq!(found.storage_blocks, 2, "{found:?}");
+    serve(&mut cache, 0, &hashes(&[11, 40]));
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 1);
+    let found = cache.cached_prefix(&hashes(&[11, 12]));
+    assert_eq!((found.device_blocks, found.storage_blocks), (1, 1), "{found:?}");
+    assert_eq!(cache.storage_used_blocks(), 3);
+    check(&cache);
 }

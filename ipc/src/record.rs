@@ -192,6 +192,9 @@ pub enum CommandError {
     WorkerDied = 7,
     /// A storage command reached a worker that runs without a storage tier (`detail`: the op).
     NoStorage = 8,
+    /// Some block of a storage command missed on this rank: absent, corrupt, or the tier failed
+    /// (synthesised by the scheduler from the completion's result bits, which are the `detail`).
+    StorageMiss = 9,
 }
 
 impl CommandError {
@@ -205,6 +208,7 @@ impl CommandError {
             6 => CommandError::CopyFailed,
             7 => CommandError::WorkerDied,
             8 => CommandError::NoStorage,
+            9 => CommandError::StorageMiss,
             _ => return None,
         })
     }

@@ -1,7 +1,9 @@
 //! `kvshm demo`: a service, its TP worker processes and a conversation replayed with real data.
 //!
 //! 1. create the service (segment, arenas, cache manager) for a small model shape;
-//! 2. spawn one `kvshm worker` process per rank and wait until each has attached;
+//! 2. spawn one `kvshm worker` process per rank (with `--storage`, each with its storage tier)
+//!    and wait until each has attached; a disk tier that already holds blocks of this layout
+//!    (a previous run) has them put back into the cache through its persisted index;
 //! 3. replay the requests through [`DemoEngine`], which writes and verifies block bytes;
 //! 4. print the report (text, or one JSON object with `--json`);
 //! 5. with `--hold SECONDS`, keep serving (kvctl can be tried against it), then shut down: the
@@ -24,8 +26,10 @@ use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal
 
 use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
 use crate::demo::{workload, DemoEngine, DemoReport};
-use crate::manager::{CacheConfig, EvictionPolicy, WritePolicy};
+use crate::manager::{CacheConfig, EvictionPolicy, StorageWritePolicy, WritePolicy};
 use crate::service::{Service, ServiceConfig};
+use crate::storage::backend::BlockLayout;
+use crate::storage::spec::{StorageNamespace, StorageSpec};
 use crate::trace::{read_trace, TraceRequest};
 
 #[derive(Debug, clap::Args)]
@@ -62,6 +66,19 @@ pub struct Args {
     /// The eviction policy ordering what leaves each tier first: lru or conv.
     #[arg(long, default_value_t = EvictionPolicy::default())]
     eviction: EvictionPolicy,
+    /// A storage tier below host: `disk:DIR` (a slab per rank under DIR/NAMESPACE, found again
+    /// by the next run) or `redis://HOST[:PORT][/DB]`.
+    #[arg(long)]
+    storage: Option<StorageSpec>,
+    /// Storage blocks per rank (default: 4 times the host tier).
+    #[arg(long)]
+    storage_blocks: Option<u32>,
+    /// The storage namespace: runs that should share blocks use the same one.
+    #[arg(long, default_value = crate::storage::spec::DEFAULT_NAMESPACE)]
+    storage_namespace: String,
+    /// When host blocks are written to storage: write_back or write_through.
+    #[arg(long, default_value_t = StorageWritePolicy::WriteBack)]
+    storage_write_policy: StorageWritePolicy,
     /// Model layers (a block holds K and V of each: 2 regions per layer).
     #[arg(long, default_value_t = 4)]
     layers: u32,
@@ -87,12 +104,14 @@ const MAX_BLOCKS: u32 = u32::MAX - 1;
 struct Workers(Vec<Child>);
 
 impl Workers {
-    fn spawn(name: &str, tp: u32) -> anyhow::Result<Workers> {
+    /// Spawns one worker per rank, each given `storage` (its `--storage*` options).
+    fn spawn(name: &str, tp: u32, storage: &[String]) -> anyhow::Result<Workers> {
         let exe = std::env::current_exe().context("locating the kvshm executable")?;
         let mut workers = Workers(Vec::new());
         for rank in 0..tp {
             let child = Command::new(&exe)
                 .args(["worker", "--name", name, "--rank", &rank.to_string()])
+                .args(storage)
                 .stdin(Stdio::null())
                 .spawn()
                 .with_context(|| format!("spawning the worker of rank {rank}"))?;
@@ -173,6 +192,15 @@ fn check(args: &Args) -> anyhow::Result<()> {
         "--eviction {} needs a trace's future: only `kvshm replay` runs it",
         args.eviction
     );
+    if args.storage.is_some() {
+        if args.host_blocks == 0 {
+            bail!("--storage needs a host tier (--host-blocks): blocks reach storage through host blocks");
+        }
+        within(storage_blocks(args), 1..=MAX_BLOCKS, "--storage-blocks")?;
+        StorageNamespace::new(&args.storage_namespace)?;
+    } else if args.storage_blocks.is_some() {
+        bail!("--storage-blocks needs --storage disk:DIR or --storage redis://...");
+    }
     let block_bytes = u128::from(args.layers) * 2 * u128::from(args.region_bytes);
     let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
     fits_in_dev_shm(
@@ -196,6 +224,48 @@ fn check(args: &Args) -> anyhow::Result<()> {
             args.device_blocks, args.host_blocks
         ),
     )
+}
+
+/// The storage tier's blocks per rank: as given, or 4 times the host tier.
+fn storage_blocks(args: &Args) -> u32 {
+    args.storage_blocks.unwrap_or(args.host_blocks.saturating_mul(4))
+}
+
+/// The `--storage*` options of each worker (none without `--storage`).
+fn worker_storage_args(args: &Args) -> Vec<String> {
+    let Some(spec) = &args.storage else { return Vec::new() };
+    let spec = match spec {
+        StorageSpec::Disk { dir } => format!("disk:{}", dir.display()),
+        StorageSpec::Redis { url } => url.clone(),
+    };
+    vec![
+        "--storage".into(),
+        spec,
+        "--storage-blocks".into(),
+        storage_blocks(args).to_string(),
+        "--storage-namespace".into(),
+        args.storage_namespace.clone(),
+    ]
+}
+
+/// Puts back the blocks a disk tier holds on every rank from a previous run (its persisted
+/// index), so that they hit; returns how many were found (some wait for their parent to be
+/// cached again). Redis is not listed up front.
+fn adopt_disk_blocks(args: &Args, service: &mut Service) -> anyhow::Result<usize> {
+    let Some(StorageSpec::Disk { dir }) = &args.storage else { return Ok(0) };
+    let regions = args.layers * 2;
+    let layout = BlockLayout::new(u64::from(regions) * args.region_bytes, regions, args.tp)
+        .context("the block layout of the storage tier")?;
+    let namespace_dir = dir.join(&args.storage_namespace);
+    let blocks = crate::storage::disk_index::blocks_on_every_rank(&namespace_dir, &layout)
+        .with_context(|| {
+            format!("reading the disk tier's index under {}", namespace_dir.display())
+        })?;
+    service.adopt_stored_blocks(
+        blocks.into_iter().map(|block| (block.hash, block.parent, block.depth)),
+    );
+    Ok(service.cache().storage_used_blocks() as usize
+        + service.cache().storage_blocks_waiting_for_parent())
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -237,12 +307,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_host_blocks(args.host_blocks)
         .with_write_policy(args.write_policy)
         .with_free_watermark(args.free_watermark)
-        .with_eviction(args.eviction);
+        .with_eviction(args.eviction)
+        .with_storage_blocks(if args.storage.is_some() { storage_blocks(&args) } else { 0 })
+        .with_storage_write_policy(args.storage_write_policy);
     let config =
         ServiceConfig::new(cache, args.tp, args.layers, args.layers * 2, args.region_bytes);
     let mut service = Service::create(&name, config).context("creating the service")?;
-    let workers = Workers::spawn(name.as_str(), args.tp)?;
-    service.wait_for_workers(Duration::from_secs(10)).context("waiting for the workers")?;
+    let workers = Workers::spawn(name.as_str(), args.tp, &worker_storage_args(&args))?;
+    // A storage tier takes a while to open (a slab is preallocated).
+    let attach = if args.storage.is_some() { 120 } else { 10 };
+    service.wait_for_workers(Duration::from_secs(attach)).context("waiting for the workers")?;
+    let adopted = adopt_disk_blocks(&args, &mut service)?;
 
     let started = Instant::now();
     let mut engine = DemoEngine::new(&mut service);
@@ -263,9 +338,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         value["trace"] = source.into();
         value["write_policy"] = args.write_policy.to_string().into();
         value["eviction"] = args.eviction.to_string().into();
+        value["storage"] = args.storage.as_ref().map(|spec| spec.to_string()).into();
+        value["storage_blocks"] = service.cache().config().storage_blocks.into();
+        value["adopted_storage_blocks"] = adopted.into();
         println!("{value}");
     } else {
         print_report(&args, &name, &source, &report);
+        if let Some(spec) = &args.storage {
+            println!(
+                "  storage         {spec}: {} blocks per rank, {} found from a previous run; {:.1}% \
+                 of blocks hit there, {} stored, {} loaded",
+                storage_blocks(&args),
+                adopted,
+                percent(report.storage_hit_rate_blocks),
+                report.storage_stores,
+                report.storage_loads
+            );
+        }
     }
 
     if args.hold > 0 {
@@ -288,8 +377,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn percent(rate: f64) -> f64 {
+    rate * 100.0
+}
+
 fn print_report(args: &Args, name: &SegmentName, source: &str, report: &DemoReport) {
-    let percent = |rate: f64| rate * 100.0;
     println!(
         "kvshm demo: segment {}, tp {}, {}, {} eviction",
         name.as_str(),

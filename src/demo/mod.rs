@@ -47,9 +47,15 @@ pub struct DemoReport {
     pub hit_blocks: u64,
     pub device_hit_blocks: u64,
     pub host_hit_blocks: u64,
+    /// Hits on the storage tier: loaded into host blocks, then swapped in, then verified.
+    pub storage_hit_blocks: u64,
     pub hit_rate_blocks: f64,
     pub device_hit_rate_blocks: f64,
     pub host_hit_rate_blocks: f64,
+    pub storage_hit_rate_blocks: f64,
+    /// Blocks written to the storage tier (STOREs landed) and read back (LOADs landed).
+    pub storage_stores: u64,
+    pub storage_loads: u64,
     /// Blocks whose bytes were checked (hits, on every rank and region).
     pub verified_blocks: u64,
     pub corrupted_blocks: u64,
@@ -118,8 +124,9 @@ impl<'a> DemoEngine<'a> {
             .service
             .match_prefix(RequestId(id), &hashes, request.input_length)
             .map_err(|error| cache_error(error.into()))?;
-        let (device_hits, host_hits) = (matched.device_blocks, matched.host_blocks);
-        let hits = device_hits + host_hits;
+        let (device_hits, host_hits, storage_hits) =
+            (matched.device_blocks, matched.host_blocks, matched.storage_blocks);
+        let hits = device_hits + host_hits + storage_hits;
         let new_tokens = request.input_length - matched.cached_tokens + request.output_length;
         let owned =
             |allocation: Allocation<'_>| (allocation.block_table.to_vec(), allocation.ticket);
@@ -150,11 +157,12 @@ impl<'a> DemoEngine<'a> {
         }
         let waited = waited.elapsed();
         self.waits.push(waited);
-        if host_hits > 0 {
+        if host_hits + storage_hits > 0 {
             self.swap_in_waits.push(waited);
         }
         self.report.device_hit_blocks += device_hits as u64;
         self.report.host_hit_blocks += host_hits as u64;
+        self.report.storage_hit_blocks += storage_hits as u64;
         self.report.hit_blocks += hits as u64;
 
         for (index, &block) in table.iter().enumerate().take(hits) {
@@ -219,6 +227,9 @@ impl<'a> DemoEngine<'a> {
         report.hit_rate_blocks = ratio(report.hit_blocks, report.blocks);
         report.device_hit_rate_blocks = ratio(report.device_hit_blocks, report.blocks);
         report.host_hit_rate_blocks = ratio(report.host_hit_blocks, report.blocks);
+        report.storage_hit_rate_blocks = ratio(report.storage_hit_blocks, report.blocks);
+        report.storage_stores = stats.counters.stored_blocks;
+        report.storage_loads = stats.counters.loaded_blocks;
         report.swap_in_blocks = stats.counters.swap_in_blocks;
         report.swap_out_blocks = stats.counters.swap_out_blocks;
         report.backup_blocks = stats.counters.backup_blocks;

@@ -43,6 +43,8 @@ pub(super) struct AllocateScratch {
     after: Vec<TransferId>,
     /// Host blocks for the loads, each with the STORE still reading it if claimed from one.
     host_blocks: Vec<(u32, Option<TransferId>)>,
+    /// Other requests' loads of blocks above this request's storage hits.
+    loads_before: Vec<TransferId>,
     /// Fresh blocks claimed from swap-outs, with those copies.
     claims: Vec<(u32, TransferId)>,
 }
@@ -94,6 +96,7 @@ impl CacheManager {
         let mut blocks = scratch.blocks.iter();
         let mut host_blocks = scratch.host_blocks.iter();
         let mut swap_in = None;
+        scratch.loads_before.clear();
         scratch.table.clear();
         scratch.after.clear();
         for &id in &scratch.hits {
@@ -142,6 +145,8 @@ impl CacheManager {
                         .push(node.device().expect("a load has its swap-in's destination"));
                     let then = self.flight_mut(load).and_then(|flight| flight.then);
                     let then = then.expect("a load names the swap-in behind it");
+                    // This request's own loads, below, go after it.
+                    scratch.loads_before.push(load);
                     self.wait_on(ticket, load);
                     self.wait_on(ticket, then);
                     if !scratch.after.contains(&then) {
@@ -151,6 +156,13 @@ impl CacheManager {
                 state @ (NodeState::SwapToHost(SwapOut::Evict | SwapOut::Claimed)
                 | NodeState::HostToStorage(_)) => {
                     unreachable!("a held node in state {state:?} is a programming error")
+                }
+            }
+        }
+        if let Some((_, load)) = self.open_storage_to_host.as_mut() {
+            for &before in &scratch.loads_before {
+                if !load.after.contains(&before) {
+                    load.after.push(before);
                 }
             }
         }

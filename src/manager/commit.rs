@@ -136,6 +136,14 @@ impl CacheManager {
             record.path.push(id);
             parent = id;
         }
+        if !self.orphans.is_empty() {
+            // Blocks a restarted service found on storage whose parent was not cached: they hang
+            // under it now (see `adopt_stored_blocks`).
+            let path = self.requests[&request].path[start..].to_vec();
+            for id in path {
+                self.adopt_orphans_under(id);
+            }
+        }
         self.stats.committed_blocks += done.inserted as u64;
         self.stats.duplicate_blocks += done.duplicates as u64;
         Ok(done)

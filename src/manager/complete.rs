@@ -52,10 +52,18 @@ impl CacheManager {
                 (TransferKind::DeviceToHost, false) => self.swap_out_failed(node, pair.dst),
                 (TransferKind::HostToDevice, true) => {
                     self.stats.swap_in_blocks += 1;
+                    let passing = self.tree.node(node).passing_through_host();
                     self.tree.update(node, |node| {
                         node.set_state(NodeState::Device);
                         node.set_transfer(None);
+                        if passing {
+                            node.set_host(None);
+                            node.set_passing_through_host(false);
+                        }
                     });
+                    if passing {
+                        self.free_host(pair.src);
+                    }
                 }
                 (TransferKind::HostToDevice, false) => self.swap_in_failed(node, id),
                 (TransferKind::HostToStorage, landed) => self.store_completed(node, landed),
@@ -71,6 +79,9 @@ impl CacheManager {
             }
             _ => None,
         };
+        if let (TransferKind::StorageToHost, Some(failure)) = (flight.kind, failure) {
+            self.cancel_loads_after(id, failure);
+        }
         self.resolve_tickets(&flight.tickets, failure);
         self.recycle_flight(flight);
         Ok(())
@@ -190,6 +201,7 @@ impl CacheManager {
             node.set_device(None);
             node.set_state(NodeState::Host);
             node.set_transfer(None);
+            node.set_passing_through_host(false);
         });
         self.settled_on_host(id);
     }

@@ -100,6 +100,11 @@ pub struct CacheManager {
     storage_used: u32,
     /// Nodes settled on host that write-through wants stored (lazily checked, as backups).
     pending_stores: Vec<NodeId>,
+    /// Blocks the storage tier holds whose parent is not cached, by parent hash: (hash, depth).
+    /// They join the tree under their parent when it is committed (`adopt_stored_blocks`).
+    orphans: std::collections::HashMap<crate::hash::BlockHash, Vec<(crate::hash::BlockHash, u32)>>,
+    /// The blocks in `orphans`.
+    orphan_count: usize,
     /// Nodes waiting for a write-through backup (lazily checked: an entry whose node lost its
     /// `backup_queued` flag is skipped).
     pending_backups: Vec<NodeId>,
@@ -159,6 +164,8 @@ impl CacheManager {
             open_storage_to_host: None,
             storage_used: 0,
             pending_stores: Vec::new(),
+            orphans: std::collections::HashMap::new(),
+            orphan_count: 0,
             pending_backups: Vec::new(),
             scratch_reclaim: Default::default(),
             scratch: AllocateScratch::default(),

@@ -18,11 +18,15 @@
 //!    writes the host block, and a swap-in (held back until the LOAD lands) copies it on to the
 //!    device block, both in the allocation's ticket;
 //! 2. when the LOAD lands the node is `SwapToDevice` under that swap-in, and the tier's copy is
-//!    forgotten (the tiers are exclusive, as one cache of their combined size: the block is
-//!    written back again if it leaves the host tier later);
+//!    forgotten; when the swap-in lands the host block is freed too (the tiers are exclusive, as
+//!    one cache of their combined size: the block is written back to host, then storage, when
+//!    it leaves the device; a host backup kept instead would pin host blocks under every loaded
+//!    prefix);
 //! 3. when it fails (a block missing or damaged on some rank, or the tier failing), every node
 //!    of the LOAD is `Storage` again, its blocks are freed, its pair leaves the unissued swap-in,
-//!    and the ticket fails: the request must be aborted, as for a failed swap-in.
+//!    and the ticket fails: the request must be aborted, as for a failed swap-in. A LOAD of
+//!    blocks below a block another LOAD brings is ordered after that one (so that storage-only
+//!    nodes keep storage-only children), and is cancelled with it, unissued.
 
 use super::transfer::StorageBlock;
 use super::{CacheManager, TransferId, TransferKind};
@@ -53,14 +57,14 @@ impl CacheManager {
     }
 
     /// The name the storage tier keeps node `id` under: hash, parent hash (0 under the root),
-    /// depth. O(depth).
+    /// depth (0 for a prompt's first block). O(depth).
     fn storage_block(&self, id: NodeId) -> StorageBlock {
         let node = self.tree.node(id);
         let parent = match node.parent() {
             Some(parent) if parent != NodeId::ROOT => self.tree.node(parent).hash(),
             _ => BlockHash(0),
         };
-        StorageBlock { hash: node.hash(), parent, depth: self.tree.depth(id) }
+        StorageBlock { hash: node.hash(), parent, depth: self.tree.depth(id) - 1 }
     }
 
     /// Starts writing `host_block`, node `id`'s host copy, to a reserved storage block (module
@@ -196,11 +200,75 @@ impl CacheManager {
                 node.set_state(NodeState::SwapToDevice);
                 node.set_transfer(Some(swap_in.0));
                 node.set_stored(false);
+                node.set_passing_through_host(true);
             });
             return;
         }
         self.stats.load_failed_blocks += 1;
+        let host = self.tree.node(id).host().expect("a load has its destination");
         self.back_to_storage(id, swap_in, None);
+        self.free_host(host);
+    }
+
+    /// Gives back `block`, the host block of a LOAD that never ran and waited on the copies
+    /// `after`: to the STORE still reading it if it was claimed from one, else to the pool.
+    fn release_host_block(&mut self, after: &[TransferId], block: u32) {
+        let reader = after.iter().copied().find(|before| {
+            self.in_flight.get(before).is_some_and(|flight| {
+                flight.kind == TransferKind::HostToStorage
+                    && flight.pairs.iter().any(|pair| pair.src == block)
+            })
+        });
+        match reader {
+            Some(reader) => {
+                self.in_flight.get_mut(&reader).expect("found just above").reserved_host.push(block)
+            }
+            None => self.free_host(block),
+        }
+    }
+
+    /// LOAD `failed` failed: the LOADs ordered after it (of blocks below its blocks), unissued,
+    /// are cancelled, their nodes `Storage` again and their tickets failed, and so on below.
+    pub(super) fn cancel_loads_after(
+        &mut self,
+        failed: TransferId,
+        failure: super::TransferFailure,
+    ) {
+        let mut failed_loads = vec![failed];
+        while let Some(before) = failed_loads.pop() {
+            let dependents: Vec<TransferId> = self
+                .in_flight
+                .iter()
+                .filter(|(_, flight)| {
+                    flight.kind == TransferKind::StorageToHost && flight.after.contains(&before)
+                })
+                .map(|(&id, _)| id)
+                .collect();
+            for load in dependents {
+                let flight = self.in_flight.remove(&load).expect("listed just above");
+                assert!(!flight.issued, "a load ordered after one in flight was issued");
+                let swap_in = flight.then.expect("a load names the swap-in behind it");
+                for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
+                    let attached =
+                        self.tree.is_live(node) && self.tree.node(node).transfer() == Some(load.0);
+                    if attached {
+                        self.stats.load_failed_blocks += 1;
+                        self.back_to_storage(node, swap_in, None);
+                        // Its host block may have been claimed from a STORE still reading it.
+                        self.release_host_block(&flight.after, pair.src);
+                    }
+                }
+                for &block in &flight.reserved_host {
+                    self.free_host(block);
+                }
+                for &block in &flight.reserved_device {
+                    self.free_device(block);
+                }
+                self.resolve_tickets(&flight.tickets, Some(failure));
+                self.recycle_flight(flight);
+                failed_loads.push(load);
+            }
+        }
     }
 
     /// Takes node `id`, loading, back to `Storage` while its LOAD is still in flight: a swap-in
@@ -217,8 +285,8 @@ impl CacheManager {
     }
 
     /// Node `id` (loading) is `Storage` again: its pair leaves the unissued `swap_in` behind the
-    /// LOAD, its device block goes back, and its host block too, or to the LOAD `still_writing`
-    /// it.
+    /// LOAD and its device block goes back; its host block goes to the LOAD `still_writing` it,
+    /// or, with none, is the caller's to give back.
     fn back_to_storage(
         &mut self,
         id: NodeId,
@@ -246,11 +314,8 @@ impl CacheManager {
             self.resolve_tickets(&flight.tickets, None);
             self.recycle_flight(flight);
         }
-        match still_writing {
-            Some(load) => {
-                self.flight_mut(load).expect("the load is in flight").reserved_host.push(host)
-            }
-            None => self.free_host(host),
+        if let Some(load) = still_writing {
+            self.flight_mut(load).expect("the load is in flight").reserved_host.push(host);
         }
         // The device block may have been claimed from a swap-out still reading it.
         self.release_swap_in_destination(&after, device);
@@ -260,5 +325,84 @@ impl CacheManager {
             node.set_state(NodeState::Storage);
             node.set_transfer(None);
         });
+    }
+
+    /// Puts blocks the storage tier already holds into the tree as storage-only nodes (a
+    /// restarted service finding its disk blocks): `blocks` as (hash, parent hash, depth from 0),
+    /// parents before children. A first block (depth 0, parent 0) hangs under the root, a block
+    /// whose parent is cached under its parent (if that parent may have storage-only children);
+    /// a block whose parent is not cached waits, and joins the tree when its parent is committed
+    /// (a prompt's first blocks are usually hot and never reach storage). Blocks already cached
+    /// and those beyond the tier's capacity are skipped. Returns how many joined the tree now.
+    pub fn adopt_stored_blocks(
+        &mut self,
+        blocks: impl IntoIterator<Item = (BlockHash, BlockHash, u32)>,
+    ) -> usize {
+        let mut by_hash: std::collections::HashMap<BlockHash, NodeId> =
+            std::collections::HashMap::new();
+        let mut adopted = 0;
+        for (hash, parent, depth) in blocks {
+            let known = self.storage_used as usize + self.storage_blocks_waiting_for_parent();
+            if known >= self.config.storage_blocks as usize {
+                break;
+            }
+            let parent_id = if depth == 0 && parent == BlockHash(0) {
+                Some(NodeId::ROOT)
+            } else {
+                by_hash.get(&parent).copied().filter(|&id| self.tree.is_live(id))
+            };
+            let Some(parent_id) = parent_id else {
+                self.orphans.entry(parent).or_default().push((hash, depth));
+                self.orphan_count += 1;
+                continue;
+            };
+            if let Some(id) = self.adopt_one(parent_id, hash) {
+                by_hash.insert(hash, id);
+                adopted += 1;
+            }
+        }
+        adopted
+    }
+
+    /// Blocks of the storage tier waiting for their parent to be cached (see
+    /// [`CacheManager::adopt_stored_blocks`]).
+    pub fn storage_blocks_waiting_for_parent(&self) -> usize {
+        self.orphan_count
+    }
+
+    /// Inserts storage-only node `hash` under `parent`, if it is not there, there is room, and
+    /// `parent` may have storage-only children (the root, or a node that is not storage-only).
+    fn adopt_one(&mut self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
+        let parent_ok = parent == NodeId::ROOT
+            || !self.tree.node(parent).state().storage_only()
+            || self.tree.node(parent).state() == NodeState::Storage;
+        if !parent_ok
+            || self.storage_used >= self.config.storage_blocks
+            || self.tree.child(parent, hash).is_some()
+        {
+            return None;
+        }
+        let id = self.tree.insert(parent, hash, |node| {
+            node.set_state(NodeState::Storage);
+            node.set_stored(true);
+        });
+        self.storage_used += 1;
+        Some(id)
+    }
+
+    /// Node `id` was just committed: the stored blocks waiting for it as their parent join the
+    /// tree under it, and theirs under them.
+    pub(super) fn adopt_orphans_under(&mut self, id: NodeId) {
+        let mut stack = vec![id];
+        while let Some(parent) = stack.pop() {
+            let hash = self.tree.node(parent).hash();
+            let Some(children) = self.orphans.remove(&hash) else { continue };
+            self.orphan_count -= children.len();
+            for (child, _depth) in children {
+                if let Some(child) = self.adopt_one(parent, child) {
+                    stack.push(child);
+                }
+            }
+        }
     }
 }

@@ -44,8 +44,9 @@ impl TransferKind {
     }
 }
 
-/// What the storage tier names a block by: its hash, and where it hangs (parent hash, depth in
-/// blocks, 1 for a prompt's first block), which a restarted service needs to rebuild its tree.
+/// What the storage tier names a block by: its hash, and where it hangs (parent hash, 0 for a
+/// prompt's first block; depth, its position in the prompt from 0), which a restarted service
+/// needs to rebuild its tree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct StorageBlock {
     pub hash: crate::hash::BlockHash,

@@ -202,6 +202,7 @@ pub enum DeviceResizeError {
 #[derive(Clone, Copy, Debug)]
 struct TransferMeta {
     pairs: usize,
+    kind: TransferKind,
 }
 
 /// Figures the service keeps besides the manager's statistics.
@@ -218,6 +219,8 @@ pub struct ServiceStats {
     pub stray_completions: u64,
     /// Times a rank owed answers past the command deadline and its worker was fenced.
     pub command_deadlines_missed: u64,
+    /// Storage commands (STORE, LOAD) that completed with some block missed on their rank.
+    pub storage_misses: u64,
 }
 
 /// The cache manager driving worker processes through a shared-memory segment.
@@ -243,6 +246,9 @@ pub struct Service {
     requests_dropped_by_kvctl: Vec<RequestId>,
     /// Copies the engine asked for directly (see [`direct`]).
     direct: direct::DirectCopies,
+    /// The entries of each storage command in flight, by (rank index, command id): a STORE or
+    /// LOAD succeeds on a rank only if its completion's result bits say every entry was done.
+    storage_commands: HashMap<(usize, u64), usize>,
 }
 
 impl Service {
@@ -308,6 +314,7 @@ impl Service {
             completion_scratch: Vec::new(),
             requests_dropped_by_kvctl: Vec::new(),
             direct: direct::DirectCopies::default(),
+            storage_commands: HashMap::new(),
         };
         service.publish_counters();
         Ok(service)
@@ -320,6 +327,17 @@ impl Service {
     /// The cache manager, read-only: lookup, stats, tree, invariants.
     pub fn cache(&self) -> &CacheManager {
         &self.manager
+    }
+
+    /// Puts blocks the workers' storage tier already holds into the cache as storage-only blocks
+    /// (see [`CacheManager::adopt_stored_blocks`]): a restarted service finds its disk blocks
+    /// through the persisted index (`storage::disk_index::blocks_on_every_rank`). Returns how
+    /// many were adopted.
+    pub fn adopt_stored_blocks(
+        &mut self,
+        blocks: impl IntoIterator<Item = (BlockHash, BlockHash, u32)>,
+    ) -> usize {
+        self.manager.adopt_stored_blocks(blocks)
     }
 
     pub fn geometry(&self) -> &Geometry {
@@ -643,7 +661,73 @@ impl Service {
             self.settle(transfer.id, Ok(()));
             return;
         }
-        self.queue_commands(transfer.id.0, transfer.kind, &transfer.pairs);
+        if transfer.kind.is_storage() {
+            self.queue_storage_commands(&transfer);
+        } else {
+            self.queue_commands(transfer.id.0, transfer.kind, &transfer.pairs);
+        }
+    }
+
+    /// Queues the STOREs or LOADs of storage copy `transfer` on every rank, at most
+    /// `MAX_STORAGE_ENTRIES` blocks per command, and remembers each command's entry count.
+    fn queue_storage_commands(&mut self, transfer: &Transfer) {
+        use kvshm_ipc::storage_record::{storage_pair_count, StorageEntry, MAX_STORAGE_ENTRIES};
+        let op = match transfer.kind {
+            TransferKind::HostToStorage => Op::StorageStore,
+            TransferKind::StorageToHost => Op::StorageLoad,
+            kind => unreachable!("{kind:?} is not a storage copy"),
+        };
+        let entries: Vec<StorageEntry> = transfer
+            .pairs
+            .iter()
+            .zip(&transfer.blocks)
+            .map(|(pair, block)| {
+                StorageEntry::new(block.hash.0, block.parent.0, block.depth, pair.src)
+            })
+            .collect();
+        let generation = self.segment.generation();
+        for chunk in entries.chunks(MAX_STORAGE_ENTRIES) {
+            let header = CommandHeader::new(op, 0, generation, storage_pair_count(chunk.len()));
+            for (index, rank) in self.ranks.iter_mut().enumerate() {
+                let command_id = rank.queue_storage(header, chunk);
+                self.tracker.begin(transfer.id.0, rank.rank() as usize, command_id);
+                self.storage_commands.insert((index, command_id), chunk.len());
+                self.stats.commands_issued += 1;
+            }
+        }
+        self.transfers.insert(
+            transfer.id.0,
+            TransferMeta { pairs: transfer.pairs.len(), kind: transfer.kind },
+        );
+    }
+
+    /// A storage command's completion as the tracker should see it: an OK completion whose result
+    /// bits miss an entry is a failure of the command ([`CommandError::StorageMiss`]), since the
+    /// manager applies a storage copy whole. Other completions pass unchanged.
+    fn storage_outcome(
+        &mut self,
+        index: usize,
+        completion: &kvshm_ipc::record::Completion,
+    ) -> kvshm_ipc::record::Completion {
+        use kvshm_ipc::storage_record::StorageResults;
+        let Some(entries) = self.storage_commands.remove(&(index, completion.command_id)) else {
+            return *completion;
+        };
+        if !completion.is_ok() {
+            return *completion;
+        }
+        let results = StorageResults::from_detail(completion.detail).masked(entries);
+        let all = if entries == 32 { u32::MAX } else { (1u32 << entries) - 1 };
+        if results.done == all {
+            return *completion;
+        }
+        self.stats.storage_misses += 1;
+        kvshm_ipc::record::Completion::failed(
+            completion.command_id,
+            completion.generation,
+            CommandError::StorageMiss,
+            completion.detail,
+        )
     }
 
     /// Queues the commands of copy `id` on every rank (split to fit the rings) and remembers it.
@@ -652,7 +736,7 @@ impl Service {
             TransferKind::DeviceToHost => Op::CopyDeviceToHost,
             TransferKind::HostToDevice => Op::CopyHostToDevice,
             TransferKind::HostToStorage | TransferKind::StorageToHost => {
-                unreachable!("the service's cache has no storage tier: it issues no storage copy")
+                unreachable!("storage copies are queued by queue_storage_commands")
             }
         };
         // Swap-outs report layers too: a new block claimed from a swap-out may be written layer
@@ -668,7 +752,7 @@ impl Service {
                 self.stats.commands_issued += 1;
             }
         }
-        self.transfers.insert(id, TransferMeta { pairs: pairs.len() });
+        self.transfers.insert(id, TransferMeta { pairs: pairs.len(), kind });
     }
 
     fn reap_completions(&mut self) {
@@ -695,6 +779,7 @@ impl Service {
             }
             self.stats.commands_completed += completions.len() as u64;
             for completion in &completions {
+                let completion = &self.storage_outcome(index, completion);
                 let matched = self.tracker.complete(index, completion);
                 if matched.is_ok() {
                     self.answer_clocks.restart(index, Instant::now());
@@ -724,11 +809,12 @@ impl Service {
         }
         let meta = self.transfers.remove(&transfer.0);
         match (&outcome, meta) {
-            (Ok(()), Some(meta)) => {
+            (Ok(()), Some(meta)) if !meta.kind.is_storage() => {
                 let bytes =
                     meta.pairs as u64 * self.geometry.block_bytes() * self.ranks.len() as u64;
                 self.stats.bytes_copied += bytes;
             }
+            (Ok(()), Some(_)) => {}
             (Err(failure), _) => {
                 self.stats.copy_failures += 1;
                 warn!(transfer = transfer.0, %failure, "copy failed; rolling back");

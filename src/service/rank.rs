@@ -122,6 +122,23 @@ impl RankChannel {
         command_id
     }
 
+    /// Queues a storage command (STORE, LOAD or QUERY) of `entries` behind the others; returns
+    /// its command id.
+    pub fn queue_storage(
+        &mut self,
+        header: CommandHeader,
+        entries: &[kvshm_ipc::storage_record::StorageEntry],
+    ) -> u64 {
+        let command_id = self.next_command_id;
+        self.next_command_id += 1;
+        let mut header = header;
+        header.command_id = command_id;
+        let mut slots = Vec::new();
+        kvshm_ipc::storage_record::encode_storage_command(&header, entries, &mut slots);
+        self.backlog.push_back(QueuedCommand { slots });
+        command_id
+    }
+
     /// Moves as many queued commands as credits and ring space allow into the command ring, in
     /// one batch; returns how many it published.
     pub fn pump(&mut self) -> usize {

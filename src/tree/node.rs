@@ -157,6 +157,9 @@ impl NodeState {
 const BACKUP_QUEUED: u8 = 0x80;
 /// The storage tier holds the block (a STORE landed and nothing dropped it since).
 const STORED: u8 = 0x40;
+/// The node's host copy came from a LOAD and only passes through on its way to the device: the
+/// swap-in behind the LOAD frees it when it lands.
+const PASSING_THROUGH_HOST: u8 = 0x20;
 
 /// A child count at this value means "at least this many": the tree recounts the children when
 /// it would fall (see [`super::Tree`]'s counts). Counts are 16 bits so that the record keeps its
@@ -309,6 +312,11 @@ impl Node {
         self.flags & STORED != 0
     }
 
+    /// Whether the host copy only passes through from a LOAD to the device.
+    pub fn passing_through_host(&self) -> bool {
+        self.flags & PASSING_THROUGH_HOST != 0
+    }
+
     /// Whether the node is not storage-only: its parent counts it in `upper_children`.
     #[inline]
     pub(super) fn is_upper(&self) -> bool {
@@ -372,6 +380,13 @@ impl NodeMut<'_> {
             self.node.flags |= STORED;
         } else {
             self.node.flags &= !STORED;
+        }
+    }
+    pub fn set_passing_through_host(&mut self, passing: bool) {
+        if passing {
+            self.node.flags |= PASSING_THROUGH_HOST;
+        } else {
+            self.node.flags &= !PASSING_THROUGH_HOST;
         }
     }
     pub fn hold(&mut self) {
