@@ -76,11 +76,17 @@ pub enum Counter {
     StorageEvictions,
     /// Nanoseconds the workers' storage threads spent in the back-end.
     StorageIoNs,
+    /// Capacity of the storage tier in blocks per rank (0: none), as the scheduler counts it.
+    StorageBlocksTotal,
+    /// Blocks the scheduler counts on the storage tier (held, or being written).
+    StorageBlocksUsed,
+    /// Queried blocks that hit on the storage tier.
+    StorageHitBlocks,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 41] = [
+    pub const ALL: [Counter; 44] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -122,6 +128,9 @@ impl Counter {
         Counter::StorageBytesRead,
         Counter::StorageEvictions,
         Counter::StorageIoNs,
+        Counter::StorageBlocksTotal,
+        Counter::StorageBlocksUsed,
+        Counter::StorageHitBlocks,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -168,6 +177,9 @@ impl Counter {
             Counter::StorageBytesRead => "storage_bytes_read",
             Counter::StorageEvictions => "storage_evictions",
             Counter::StorageIoNs => "storage_io_ns",
+            Counter::StorageBlocksTotal => "storage_blocks_total",
+            Counter::StorageBlocksUsed => "storage_blocks_used",
+            Counter::StorageHitBlocks => "storage_hit_blocks",
         }
     }
 
@@ -179,6 +191,8 @@ impl Counter {
                 | Counter::DeviceBlocksFree
                 | Counter::HostBlocksTotal
                 | Counter::HostBlocksFree
+                | Counter::StorageBlocksTotal
+                | Counter::StorageBlocksUsed
                 | Counter::CachedNodes
                 | Counter::RequestsLive
                 | Counter::CommandsInFlight
@@ -194,7 +208,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::StorageIoNs as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::StorageHitBlocks as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

@@ -58,15 +58,21 @@ impl Service {
             (Counter::CachedNodes, cache.cached_blocks as u64),
             (Counter::DeviceHitBlocks, cache.counters.hits.device_blocks),
             (Counter::HostHitBlocks, cache.counters.hits.host_blocks),
+            (Counter::StorageHitBlocks, cache.counters.hits.storage_blocks),
+            (Counter::StorageBlocksTotal, u64::from(cache.storage_blocks)),
+            (Counter::StorageBlocksUsed, u64::from(cache.storage_used)),
             (
                 Counter::MissBlocks,
                 cache.counters.queried_blocks
                     - cache.counters.hits.device_blocks
-                    - cache.counters.hits.host_blocks,
+                    - cache.counters.hits.host_blocks
+                    - cache.counters.hits.storage_blocks,
             ),
             (
                 Counter::HitTokens,
-                cache.counters.hits.device_tokens + cache.counters.hits.host_tokens,
+                cache.counters.hits.device_tokens
+                    + cache.counters.hits.host_tokens
+                    + cache.counters.hits.storage_tokens,
             ),
             (Counter::Lookups, cache.counters.matches),
             (Counter::RequestsLive, cache.live_requests as u64),

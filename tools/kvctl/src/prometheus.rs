@@ -73,6 +73,9 @@ pub fn help(counter: Counter) -> String {
         Counter::StorageBytesRead => "Block bytes read back from the storage tier.",
         Counter::StorageEvictions => "Records the storage back-ends dropped to make room.",
         Counter::StorageIoNs => "Nanoseconds the workers spent in storage I/O.",
+        Counter::StorageBlocksTotal => "Blocks per rank the storage tier can hold (0: none).",
+        Counter::StorageBlocksUsed => "Blocks the scheduler counts on the storage tier.",
+        Counter::StorageHitBlocks => "Queried blocks that hit on the storage tier.",
     };
     text.to_owned()
 }

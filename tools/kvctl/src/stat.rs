@@ -120,18 +120,26 @@ pub struct HitRates {
     pub queried_blocks: u64,
     pub device: Option<f64>,
     pub host: Option<f64>,
+    pub storage: Option<f64>,
     pub total: Option<f64>,
 }
 
 impl HitRates {
-    pub fn from_counts(device_hits: u64, host_hits: u64, misses: u64) -> HitRates {
-        let queried = device_hits.saturating_add(host_hits).saturating_add(misses);
+    pub fn from_counts(
+        device_hits: u64,
+        host_hits: u64,
+        storage_hits: u64,
+        misses: u64,
+    ) -> HitRates {
+        let hits = device_hits.saturating_add(host_hits).saturating_add(storage_hits);
+        let queried = hits.saturating_add(misses);
         let rate = |hits: u64| (queried > 0).then(|| hits as f64 / queried as f64);
         HitRates {
             queried_blocks: queried,
             device: rate(device_hits),
             host: rate(host_hits),
-            total: rate(device_hits.saturating_add(host_hits)),
+            storage: rate(storage_hits),
+            total: rate(hits),
         }
     }
 }
@@ -199,6 +207,7 @@ impl StatReport {
         let hit_rate = HitRates::from_counts(
             counters.get(Counter::DeviceHitBlocks),
             counters.get(Counter::HostHitBlocks),
+            counters.get(Counter::StorageHitBlocks),
             counters.get(Counter::MissBlocks),
         );
         let worker_copy = CopyRate::from_counts(
@@ -257,12 +266,34 @@ impl StatReport {
         let rates = &self.hit_rate;
         writeln!(
             out,
-            "hit rate   {} of {} queried blocks (device {}, host {})",
+            "hit rate   {} of {} queried blocks (device {}, host {}, storage {})",
             text::percent(rates.total),
             rates.queried_blocks,
             text::percent(rates.device),
-            text::percent(rates.host)
+            text::percent(rates.host),
+            text::percent(rates.storage)
         )?;
+        let storage_total = self.counters.get(Counter::StorageBlocksTotal);
+        if storage_total > 0 {
+            let value = |counter| self.counters.get(counter);
+            writeln!(
+                out,
+                "storage    {} of {} blocks used; {} stored, {} loaded, {} missed, {} corrupt; \
+                 {} written, {} read; {} errors, {} timeouts, {} unavailable, {} no space",
+                value(Counter::StorageBlocksUsed),
+                storage_total,
+                value(Counter::StorageStoredBlocks),
+                value(Counter::StorageLoadHits),
+                value(Counter::StorageLoadMisses),
+                value(Counter::StorageCorruptBlocks),
+                text::bytes(value(Counter::StorageBytesWritten)),
+                text::bytes(value(Counter::StorageBytesRead)),
+                value(Counter::StorageErrors),
+                value(Counter::StorageTimeouts),
+                value(Counter::StorageUnavailable),
+                value(Counter::StorageNoSpace)
+            )?;
+        }
         let copy = &self.worker_copy;
         let copy_rate = copy.bytes_per_second.map_or_else(
             || "no copies yet".to_owned(),
@@ -301,11 +332,11 @@ mod tests {
 
     #[test]
     fn hit_rates_are_fractions_of_queried_blocks() {
-        let rates = HitRates::from_counts(6, 2, 2);
+        let rates = HitRates::from_counts(5, 2, 1, 2);
         assert_eq!(rates.queried_blocks, 10);
         assert_eq!(rates.total, Some(0.8));
-        assert_eq!(rates.device, Some(0.6));
-        assert_eq!(HitRates::from_counts(0, 0, 0).total, None);
+        assert_eq!((rates.device, rates.storage), (Some(0.5), Some(0.1)));
+        assert_eq!(HitRates::from_counts(0, 0, 0, 0).total, None);
     }
 
     #[test]

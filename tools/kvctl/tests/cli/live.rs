@@ -58,6 +58,31 @@ fn stat_reads_the_configuration_counters_and_hit_rate() {
     assert!(text.contains("80.0% of 10 queried blocks"), "{text}");
     assert!(text.contains("write_through_selective (threshold 3)"), "{text}");
     assert!(text.contains("scheduler  polling"), "{text}");
+    assert!(!text.contains("storage    "), "no storage tier, no storage line: {text}");
+}
+
+#[test]
+fn stat_shows_the_storage_tier_capacity_use_and_hits() {
+    let (segment, _cleanup) = create("storage", SegmentConfig::default());
+    with_counters(&segment);
+    let counters = segment.counters();
+    counters.set(Counter::DeviceHitBlocks, 5);
+    counters.set(Counter::StorageHitBlocks, 1);
+    counters.set(Counter::StorageBlocksTotal, 4096);
+    counters.set(Counter::StorageBlocksUsed, 1500);
+    counters.set(Counter::StorageStoredBlocks, 1700);
+    counters.set(Counter::StorageLoadHits, 300);
+    let name = segment.name().as_str();
+    let report = kvctl(&["stat", name, "--json"]).assert_ok().json();
+    assert_eq!(report["counters"]["storage_blocks_used"], 1500);
+    assert_eq!(report["hit_rate"]["storage"], 0.1);
+    assert_eq!(report["hit_rate"]["total"], 0.8);
+    let text = kvctl(&["stat", name]).assert_ok().stdout.clone();
+    assert!(
+        text.contains("storage    1500 of 4096 blocks used; 1700 stored, 300 loaded"),
+        "{text}"
+    );
+    assert!(text.contains("device 50.0%, host 20.0%, storage 10.0%"), "{text}");
 }
 
 #[test]
