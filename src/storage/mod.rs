@@ -8,6 +8,7 @@
 //! - [`disk`]: the local-disk back-end (slab file + persisted index per rank), the default.
 //! - [`disk_index`]: the disk index's format, and reading it back for a restarted scheduler.
 //! - [`direct_io`]: O_DIRECT probing, aligned buffers, vectored positional I/O.
+//! - [`drop`](mod@drop): dropping a whole namespace (`kvctl reset-storage`).
 //! - `slab_io`: one disk batch's I/O calls, spread over threads.
 //! - [`redis`]: the Redis back-end (shared across machines).
 //! - [`spec`]: `disk:DIR` / `redis://...` specifications and opening a back-end from one.
@@ -28,6 +29,7 @@ pub mod block_bytes;
 pub mod direct_io;
 pub mod disk;
 pub mod disk_index;
+pub mod drop;
 pub mod format;
 pub mod redis;
 mod slab_io;

@@ -67,6 +67,16 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Drop every block stored under a storage namespace (all ranks, all services using it): the
+    /// disk tier's slabs and indexes (refused while a worker serves the namespace), or the
+    /// namespace's Redis keys.
+    ResetStorage {
+        /// `disk:DIR` or `redis://HOST[:PORT][/DB]`, as the workers were given it.
+        storage: String,
+        /// The namespace to drop.
+        #[arg(long, default_value = kvshm::storage::spec::DEFAULT_NAMESPACE)]
+        namespace: String,
+    },
     /// Remove stale segments, garbage under the kvshm prefix and orphaned data objects.
     Cleanup {
         /// Only these segments (all when none are named).
@@ -131,6 +141,22 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), KvctlError> {
             let report = reset::reset(&segment, *force, cli.timeout)?;
             emit(cli, out, &report, |out| report.write_text(out))?;
             report.ensure_done()
+        }
+        Command::ResetStorage { storage, namespace } => {
+            use kvshm::storage::spec::{StorageNamespace, StorageSpec};
+            let spec: StorageSpec =
+                storage.parse().map_err(|error| KvctlError::Storage(format!("{error}")))?;
+            let namespace = StorageNamespace::new(namespace)
+                .map_err(|error| KvctlError::Storage(format!("{error}")))?;
+            let report = kvshm::storage::drop::drop_namespace(&spec, &namespace, cli.timeout)
+                .map_err(|error| KvctlError::Storage(error.to_string()))?;
+            emit(cli, out, &report, |out| {
+                writeln!(
+                    out,
+                    "storage namespace {} of {} dropped: {} files ({} bytes), {} keys",
+                    report.namespace, report.storage, report.files, report.bytes, report.keys
+                )
+            })
         }
         Command::Cleanup { names, dry_run } => {
             let names = names.iter().map(|name| parse_name(name)).collect::<Result<Vec<_>, _>>()?;

@@ -40,6 +40,8 @@ pub enum KvctlError {
     ResetFailed { segment: String },
     #[error("cleanup could not remove {count} object(s)")]
     CleanupIncomplete { count: usize },
+    #[error("storage: {0}")]
+    Storage(String),
     #[error("writing the output failed: {0}")]
     Output(#[from] io::Error),
 }

@@ -14,4 +14,5 @@ mod broken;
 mod live;
 mod planted;
 mod service;
+mod storage;
 mod support;
