@@ -117,7 +117,9 @@ impl ToPyErr for AllocateError {
         match self {
             AllocateError::UnknownRequest(_) => UnknownRequestError::new_err(message),
             AllocateError::RequestFailed(_) => RequestFailedError::new_err(message),
-            AllocateError::OutOfBlocks { .. } => OutOfBlocksError::new_err(message),
+            AllocateError::OutOfBlocks { .. } | AllocateError::OutOfHostBlocks { .. } => {
+                OutOfBlocksError::new_err(message)
+            }
             AllocateError::TooManyTokens { .. } => pyo3::exceptions::PyValueError::new_err(message),
         }
     }
