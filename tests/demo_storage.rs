@@ -2,7 +2,9 @@
 //! disk:DIR` runs the scheduler and one worker per rank; blocks go device -> host -> disk and
 //! back, and every hit is checked byte for byte on every rank and region. A second run of the
 //! whole service over the same directory finds the first run's blocks through the persisted
-//! index and hits them.
+//! index and hits them. With `--storage redis://...` the same round trip goes through Redis.
+
+mod storage_support;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -31,12 +33,16 @@ impl Drop for Scratch {
 /// Runs the demo on the synthetic workload with a small device and host tier over a disk tier in
 /// `dir`, two ranks; returns its JSON report.
 fn demo_over(dir: &Scratch, extra: &[&str]) -> Value {
-    let storage = format!("disk:{}", dir.0.display());
+    demo_with(&format!("disk:{}", dir.0.display()), extra)
+}
+
+/// Like [`demo_over`] with any `--storage` specification.
+fn demo_with(storage: &str, extra: &[&str]) -> Value {
     let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
         .args(["demo", "--synthetic", "--json", "--tp", "2", "--limit", "500"])
         .args(["--layers", "1", "--region-bytes", "2048"])
         .args(["--device-blocks", "128", "--host-blocks", "64"])
-        .args(["--storage", &storage, "--storage-blocks", "4096"])
+        .args(["--storage", storage, "--storage-blocks", "4096"])
         .args(extra)
         .stdin(Stdio::null())
         .output()
@@ -98,4 +104,28 @@ fn the_demo_refuses_a_storage_tier_without_a_host_tier() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("--storage") && stderr.contains("--host-blocks"), "{stderr}");
+    let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["demo", "--synthetic", "--storage-blocks", "8"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvshm demo");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("--storage disk:DIR"), "{stderr}");
+}
+
+#[test]
+fn blocks_make_the_round_trip_through_redis_with_their_bytes_intact() {
+    let redis = storage_support::redis_for_test();
+    let namespace = storage_support::unique_namespace("demo");
+    let report = demo_with(&redis.url(), &["--storage-namespace", &namespace]);
+    assert!(number(&report, "storage_hit_blocks") > 100, "{report}");
+    assert_eq!(number(&report, "verified_blocks"), number(&report, "hit_blocks"), "{report}");
+    assert_eq!(number(&report, "corrupted_blocks"), 0, "{report}");
+    assert_eq!(number(&report, "failed_requests"), 0, "{report}");
+    let mut connection = storage_support::connect(&redis.url());
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg(format!("kvshm:{namespace}:*")).query(&mut connection).unwrap();
+    assert!(keys.len() >= 2 * 100, "both ranks stored their parts: {} keys", keys.len());
+    let _: i64 = redis::cmd("DEL").arg(&keys).query(&mut connection).unwrap();
 }
