@@ -70,7 +70,8 @@ pub struct Args {
     /// by the next run) or `redis://HOST[:PORT][/DB]`.
     #[arg(long)]
     storage: Option<StorageSpec>,
-    /// Storage blocks per rank (default: 4 times the host tier).
+    /// Storage blocks per rank (default: 4 times the host tier): the disk slab's slots, or for
+    /// Redis the budget the scheduler keeps to.
     #[arg(long)]
     storage_blocks: Option<u32>,
     /// The storage namespace: runs that should share blocks use the same one.
@@ -234,18 +235,19 @@ fn storage_blocks(args: &Args) -> u32 {
 /// The `--storage*` options of each worker (none without `--storage`).
 fn worker_storage_args(args: &Args) -> Vec<String> {
     let Some(spec) = &args.storage else { return Vec::new() };
-    let spec = match spec {
-        StorageSpec::Disk { dir } => format!("disk:{}", dir.display()),
-        StorageSpec::Redis { url } => url.clone(),
-    };
-    vec![
-        "--storage".into(),
-        spec,
-        "--storage-blocks".into(),
-        storage_blocks(args).to_string(),
-        "--storage-namespace".into(),
-        args.storage_namespace.clone(),
-    ]
+    let mut worker_args = vec!["--storage-namespace".into(), args.storage_namespace.clone()];
+    match spec {
+        // The slab's slots are the tier's capacity.
+        StorageSpec::Disk { dir } => worker_args.extend([
+            "--storage".into(),
+            format!("disk:{}", dir.display()),
+            "--storage-blocks".into(),
+            storage_blocks(args).to_string(),
+        ]),
+        // Redis holds what its memory does: the capacity is the scheduler's budget alone.
+        StorageSpec::Redis { url } => worker_args.extend(["--storage".into(), url.clone()]),
+    }
+    worker_args
 }
 
 /// Puts back the blocks a disk tier holds on every rank from a previous run (its persisted
