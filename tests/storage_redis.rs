@@ -320,3 +320,34 @@ fn a_writer_killed_in_the_middle_of_its_pipelines_leaves_no_block_with_wrong_byt
     assert!(hits >= 40, "only {hits} blocks readable");
     println!("{hits} blocks stored before the kill, all with the right bytes");
 }
+
+#[test]
+fn dropping_a_namespace_unlinks_its_keys_and_no_other_namespaces() {
+    use kvshm::storage::drop::drop_namespace;
+    use kvshm::storage::spec::{StorageNamespace, StorageSpec};
+    let redis = redis_for_test();
+    let (dropped_ns, kept_ns) = (unique_namespace("drop"), unique_namespace("keep"));
+    let mut connection = connect(&redis.url());
+    for index in 0..2_500 {
+        for namespace in [&dropped_ns, &kept_ns] {
+            let _: () = redis::cmd("SET")
+                .arg(format!("kvshm:{namespace}:tp1-r2x64:{index:032x}:0"))
+                .arg(b"x".as_slice())
+                .query(&mut connection)
+                .unwrap();
+        }
+    }
+    let spec = StorageSpec::Redis { url: redis.url() };
+    let namespace = StorageNamespace::new(&dropped_ns).unwrap();
+    let dropped = drop_namespace(&spec, &namespace, Duration::from_secs(5)).unwrap();
+    assert_eq!(dropped.keys, 2_500);
+    let left = |namespace: &str, connection: &mut redis::Connection| -> usize {
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(format!("kvshm:{namespace}:*")).query(connection).unwrap();
+        keys.len()
+    };
+    assert_eq!(left(&dropped_ns, &mut connection), 0);
+    assert_eq!(left(&kept_ns, &mut connection), 2_500);
+    let kept = StorageNamespace::new(&kept_ns).unwrap();
+    assert_eq!(drop_namespace(&spec, &kept, Duration::from_secs(5)).unwrap().keys, 2_500);
+}

@@ -373,9 +373,10 @@ impl CacheManager {
     /// Inserts storage-only node `hash` under `parent`, if it is not there, there is room, and
     /// `parent` may have storage-only children (the root, or a node that is not storage-only).
     fn adopt_one(&mut self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
+        // Any node may have storage-only children but one whose write-back is in flight (it
+        // may fail and leave the tree).
         let parent_ok = parent == NodeId::ROOT
-            || !self.tree.node(parent).state().storage_only()
-            || self.tree.node(parent).state() == NodeState::Storage;
+            || self.tree.node(parent).state() != NodeState::HostToStorage(StoreOut::Evict);
         if !parent_ok
             || self.storage_used >= self.config.storage_blocks
             || self.tree.child(parent, hash).is_some()
