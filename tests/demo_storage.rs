@@ -129,3 +129,26 @@ fn blocks_make_the_round_trip_through_redis_with_their_bytes_intact() {
     assert!(keys.len() >= 2 * 100, "both ranks stored their parts: {} keys", keys.len());
     let _: i64 = redis::cmd("DEL").arg(&keys).query(&mut connection).unwrap();
 }
+
+#[test]
+fn a_second_service_on_the_same_redis_namespace_hits_the_first_ones_blocks() {
+    let redis = storage_support::redis_for_test();
+    let namespace = storage_support::unique_namespace("shared");
+    let first = demo_with(&redis.url(), &["--storage-namespace", &namespace]);
+    let second = demo_with(&redis.url(), &["--storage-namespace", &namespace]);
+    assert_eq!(number(&first, "adopted_storage_blocks"), 0, "{first}");
+    assert!(number(&second, "adopted_storage_blocks") > 500, "{second}");
+    let second_hits = number(&second, "hit_blocks");
+    assert!(
+        second_hits
+            >= number(&first, "device_hit_blocks") + number(&first, "storage_hit_blocks") / 2,
+        "first {first}\nsecond {second}"
+    );
+    assert_eq!(number(&second, "verified_blocks"), second_hits, "{second}");
+    assert_eq!(number(&second, "corrupted_blocks"), 0, "{second}");
+    assert_eq!(number(&second, "failed_requests"), 0, "{second}");
+    let mut connection = storage_support::connect(&redis.url());
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg(format!("kvshm:{namespace}:*")).query(&mut connection).unwrap();
+    let _: i64 = redis::cmd("DEL").arg(&keys).query(&mut connection).unwrap();
+}

@@ -351,3 +351,35 @@ fn dropping_a_namespace_unlinks_its_keys_and_no_other_namespaces() {
     let kept = StorageNamespace::new(&kept_ns).unwrap();
     assert_eq!(drop_namespace(&spec, &kept, Duration::from_secs(5)).unwrap().keys, 2_500);
 }
+
+#[test]
+fn a_starting_scheduler_lists_the_blocks_every_rank_holds_with_their_parents_and_depths() {
+    use kvshm::storage::redis_listing::blocks_on_every_rank;
+    let redis = redis_for_test();
+    let namespace = unique_namespace("listing");
+    let mut rank_0 =
+        RedisBackend::open(&RedisOptions { rank: 0, ..options(&redis.url(), &namespace) }).unwrap();
+    let mut rank_1 = RedisBackend::open(&options(&redis.url(), &namespace)).unwrap();
+    assert!(put(&mut rank_0, &[3, 4, 5]).iter().all(Result::is_ok));
+    assert!(put(&mut rank_1, &[3, 4]).iter().all(Result::is_ok), "block 5 lacks rank 1's part");
+    // A damaged rank-0 value of a block both ranks seem to hold is not listed either.
+    assert!(put(&mut rank_0, &[6]).iter().all(Result::is_ok));
+    assert!(put(&mut rank_1, &[6]).iter().all(Result::is_ok));
+    let prefix = key_prefix(&namespace, &layout());
+    let mut connection = connect(&redis.url());
+    let _: () = redis::cmd("SETRANGE")
+        .arg(block_key(&prefix, key(6).hash, 0))
+        .arg(0)
+        .arg(b"garbage!".as_slice())
+        .query(&mut connection)
+        .unwrap();
+    let listed =
+        blocks_on_every_rank(&redis.url(), &namespace, &layout(), Duration::from_secs(5)).unwrap();
+    let found: Vec<(BlockHash, BlockHash, u32)> =
+        listed.iter().map(|block| (block.hash, block.parent, block.depth)).collect();
+    assert_eq!(found, [3, 4].map(|tag| (key(tag).hash, key(tag).parent, key(tag).depth)));
+    let other = unique_namespace("listing-empty");
+    assert!(blocks_on_every_rank(&redis.url(), &other, &layout(), Duration::from_secs(5))
+        .unwrap()
+        .is_empty());
+}

@@ -2,8 +2,9 @@
 //!
 //! 1. create the service (segment, arenas, cache manager) for a small model shape;
 //! 2. spawn one `kvshm worker` process per rank (with `--storage`, each with its storage tier)
-//!    and wait until each has attached; a disk tier that already holds blocks of this layout
-//!    (a previous run) has them put back into the cache through its persisted index;
+//!    and wait until each has attached; a storage tier that already holds blocks of this layout
+//!    (a previous run's, or another service's) has them put back into the cache (a disk tier
+//!    through its persisted index, Redis through its keys);
 //! 3. replay the requests through [`DemoEngine`], which writes and verifies block bytes;
 //! 4. print the report (text, or one JSON object with `--json`);
 //! 5. with `--hold SECONDS`, keep serving (kvctl can be tried against it), then shut down: the
@@ -66,8 +67,9 @@ pub struct Args {
     /// The eviction policy ordering what leaves each tier first: lru or conv.
     #[arg(long, default_value_t = EvictionPolicy::default())]
     eviction: EvictionPolicy,
-    /// A storage tier below host: `disk:DIR` (a slab per rank under DIR/NAMESPACE, found again
-    /// by the next run) or `redis://HOST[:PORT][/DB]`.
+    /// A storage tier below host: `disk:DIR` (a slab per rank under DIR/NAMESPACE) or
+    /// `redis://HOST[:PORT][/DB]`; what it holds at start (an earlier run's blocks, another
+    /// service's) is hit.
     #[arg(long)]
     storage: Option<StorageSpec>,
     /// Storage blocks per rank (default: 4 times the host tier): the disk slab's slots, or for
@@ -250,19 +252,29 @@ fn worker_storage_args(args: &Args) -> Vec<String> {
     worker_args
 }
 
-/// Puts back the blocks a disk tier holds on every rank from a previous run (its persisted
-/// index), so that they hit; returns how many were found (some wait for their parent to be
-/// cached again). Redis is not listed up front.
-fn adopt_disk_blocks(args: &Args, service: &mut Service) -> anyhow::Result<usize> {
-    let Some(StorageSpec::Disk { dir }) = &args.storage else { return Ok(0) };
+/// Puts back the blocks the storage tier holds on every rank (a previous run's, or another
+/// service's sharing the namespace): a disk tier's persisted index, a Redis tier's keys and value
+/// headers. Returns how many were found (some wait for their parent to be cached again).
+fn adopt_stored_blocks(args: &Args, service: &mut Service) -> anyhow::Result<usize> {
+    let Some(spec) = &args.storage else { return Ok(0) };
     let regions = args.layers * 2;
     let layout = BlockLayout::new(u64::from(regions) * args.region_bytes, regions, args.tp)
         .context("the block layout of the storage tier")?;
-    let namespace_dir = dir.join(&args.storage_namespace);
-    let blocks = crate::storage::disk_index::blocks_on_every_rank(&namespace_dir, &layout)
-        .with_context(|| {
-            format!("reading the disk tier's index under {}", namespace_dir.display())
-        })?;
+    let blocks = match spec {
+        StorageSpec::Disk { dir } => {
+            let namespace_dir = dir.join(&args.storage_namespace);
+            crate::storage::disk_index::blocks_on_every_rank(&namespace_dir, &layout).with_context(
+                || format!("reading the disk tier's index under {}", namespace_dir.display()),
+            )?
+        }
+        StorageSpec::Redis { url } => crate::storage::redis_listing::blocks_on_every_rank(
+            url,
+            &args.storage_namespace,
+            &layout,
+            Duration::from_secs(10),
+        )
+        .with_context(|| format!("listing the blocks of {spec}"))?,
+    };
     service.adopt_stored_blocks(
         blocks.into_iter().map(|block| (block.hash, block.parent, block.depth)),
     );
@@ -319,7 +331,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // A storage tier takes a while to open (a slab is preallocated).
     let attach = if args.storage.is_some() { 120 } else { 10 };
     service.wait_for_workers(Duration::from_secs(attach)).context("waiting for the workers")?;
-    let adopted = adopt_disk_blocks(&args, &mut service)?;
+    let adopted = adopt_stored_blocks(&args, &mut service)?;
 
     let started = Instant::now();
     let mut engine = DemoEngine::new(&mut service);

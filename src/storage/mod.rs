@@ -11,6 +11,7 @@
 //! - [`drop`](mod@drop): dropping a whole namespace (`kvctl reset-storage`).
 //! - `slab_io`: one disk batch's I/O calls, spread over threads.
 //! - [`redis`]: the Redis back-end (shared across machines).
+//! - [`redis_listing`]: what a Redis tier holds for a namespace, for a starting scheduler.
 //! - [`spec`]: `disk:DIR` / `redis://...` specifications and opening a back-end from one.
 //! - [`tally`]: counting per-block outcomes.
 //!
@@ -32,6 +33,7 @@ pub mod disk_index;
 pub mod drop;
 pub mod format;
 pub mod redis;
+pub mod redis_listing;
 mod slab_io;
 pub mod spec;
 pub mod tally;
