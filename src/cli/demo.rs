@@ -234,17 +234,26 @@ fn storage_blocks(args: &Args) -> u32 {
     args.storage_blocks.unwrap_or(args.host_blocks.saturating_mul(4))
 }
 
+/// A disk worker's slab slots: the tier's blocks plus one per device and host block (see
+/// [`worker_storage_args`]).
+fn slab_blocks(args: &Args) -> u64 {
+    u64::from(storage_blocks(args)) + u64::from(args.host_blocks) + u64::from(args.device_blocks)
+}
+
 /// The `--storage*` options of each worker (none without `--storage`).
 fn worker_storage_args(args: &Args) -> Vec<String> {
     let Some(spec) = &args.storage else { return Vec::new() };
     let mut worker_args = vec!["--storage-namespace".into(), args.storage_namespace.clone()];
     match spec {
-        // The slab's slots are the tier's capacity.
+        // The slab keeps, beside the blocks the scheduler counts on the tier, the blocks it
+        // loaded back above storage (the tiers are exclusive: the scheduler forgets the copy, the
+        // slab keeps it and the block's next write-back finds it there): room for those too, so
+        // that its own LRU does not drop blocks the scheduler still counts.
         StorageSpec::Disk { dir } => worker_args.extend([
             "--storage".into(),
             format!("disk:{}", dir.display()),
             "--storage-blocks".into(),
-            storage_blocks(args).to_string(),
+            slab_blocks(args).to_string(),
         ]),
         // Redis holds what its memory does: the capacity is the scheduler's budget alone.
         StorageSpec::Redis { url } => worker_args.extend(["--storage".into(), url.clone()]),

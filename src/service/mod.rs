@@ -236,6 +236,9 @@ pub struct Service {
     geometry: Geometry,
     layerwise: bool,
     max_pairs_per_command: usize,
+    /// The most blocks one STORE or LOAD carries: 32 (the result bits), and bounded as a copy is
+    /// (half a ring, one slot per block; `max_command_bytes` of each rank's bytes).
+    max_storage_entries: usize,
     command_deadline: Duration,
     answer_clocks: deadline::AnswerClocks,
     liveness_checked_at: Option<Instant>,
@@ -295,6 +298,9 @@ impl Service {
         debug_assert!(
             command_slot_count(max_pairs_per_command) <= config.command_ring_slots as usize
         );
+        let max_storage_entries = kvshm_ipc::storage_record::MAX_STORAGE_ENTRIES
+            .min(pair_slots)
+            .min(usize::try_from(pairs_by_bytes).unwrap_or(usize::MAX));
         let service = Service {
             tracker: CommandTracker::new(config.tp_size as usize),
             segment,
@@ -306,6 +312,7 @@ impl Service {
             geometry,
             layerwise: config.layerwise,
             max_pairs_per_command,
+            max_storage_entries,
             command_deadline: config.command_deadline,
             answer_clocks: deadline::AnswerClocks::new(config.tp_size as usize),
             liveness_checked_at: None,
@@ -669,9 +676,9 @@ impl Service {
     }
 
     /// Queues the STOREs or LOADs of storage copy `transfer` on every rank, at most
-    /// `MAX_STORAGE_ENTRIES` blocks per command, and remembers each command's entry count.
+    /// `max_storage_entries` blocks per command, and remembers each command's entry count.
     fn queue_storage_commands(&mut self, transfer: &Transfer) {
-        use kvshm_ipc::storage_record::{storage_pair_count, StorageEntry, MAX_STORAGE_ENTRIES};
+        use kvshm_ipc::storage_record::{storage_pair_count, StorageEntry};
         let op = match transfer.kind {
             TransferKind::HostToStorage => Op::StorageStore,
             TransferKind::StorageToHost => Op::StorageLoad,
@@ -686,7 +693,7 @@ impl Service {
             })
             .collect();
         let generation = self.segment.generation();
-        for chunk in entries.chunks(MAX_STORAGE_ENTRIES) {
+        for chunk in entries.chunks(self.max_storage_entries) {
             let header = CommandHeader::new(op, 0, generation, storage_pair_count(chunk.len()));
             for (index, rank) in self.ranks.iter_mut().enumerate() {
                 let command_id = rank.queue_storage(header, chunk);
