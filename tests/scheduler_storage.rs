@@ -117,7 +117,7 @@ fn a_storage_hit_loads_into_host_then_device_under_one_ticket() {
 }
 
 #[test]
-fn a_failed_load_fails_the_ticket_and_leaves_the_blocks_on_storage() {
+fn a_failed_load_fails_the_ticket_and_its_blocks_are_forgotten_once_unheld() {
     let mut cache = three_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let request = RequestId(9);
@@ -150,6 +150,11 @@ fn a_failed_load_fails_the_ticket_and_leaves_the_blocks_on_storage() {
     assert_eq!(found.storage_blocks, 2, "{found:?}");
     let node = cache.tree().child(kvshm::tree::NodeId::ROOT, first[0]).unwrap();
     assert_eq!(cache.tree().node(node).state(), NodeState::Storage);
+    // Unheld now: the next poll forgets them, so that a retry computes them instead.
+    cache.poll();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&first).blocks(), 0);
+    assert_eq!(cache.storage_used_blocks(), cache.stats().storage_used);
 }
 
 #[test]

@@ -100,6 +100,9 @@ pub struct CacheManager {
     storage_used: u32,
     /// Nodes settled on host that write-through wants stored (lazily checked, as backups).
     pending_stores: Vec<NodeId>,
+    /// Storage-only nodes whose LOAD failed, with their hash (an id may be reused): `poll` drops
+    /// them once unheld.
+    unloadable: Vec<(NodeId, crate::hash::BlockHash)>,
     /// Blocks the storage tier holds whose parent is not cached, by parent hash: (hash, depth).
     /// They join the tree under their parent when it is committed (`adopt_stored_blocks`).
     orphans: std::collections::HashMap<crate::hash::BlockHash, Vec<(crate::hash::BlockHash, u32)>>,
@@ -164,6 +167,7 @@ impl CacheManager {
             open_storage_to_host: None,
             storage_used: 0,
             pending_stores: Vec::new(),
+            unloadable: Vec::new(),
             orphans: std::collections::HashMap::new(),
             orphan_count: 0,
             pending_backups: Vec::new(),

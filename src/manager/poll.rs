@@ -4,7 +4,8 @@
 //!    from the pool or from host candidates; when none can be had the rest are dropped from the
 //!    queue (an eviction will copy them in an emergency instead).
 //! 2. Evict ahead of demand until `free_watermark` device blocks are free or on their way.
-//! 3. Issue the pending write-through STOREs of blocks settled on host (storage tier).
+//! 3. Issue the pending write-through STOREs of blocks settled on host (storage tier), and drop
+//!    the storage-only blocks whose LOAD failed once no request holds them.
 //!
 //! Completions are applied as they arrive through `complete_transfer`.
 
@@ -21,6 +22,9 @@ impl CacheManager {
         }
         if !self.pending_stores.is_empty() {
             self.issue_stores();
+        }
+        if !self.unloadable.is_empty() {
+            self.drop_unloadable();
         }
         self.close_transfers();
     }

@@ -57,6 +57,7 @@ impl CacheManager {
         self.tree.clear();
         self.pending_backups.clear();
         self.pending_stores.clear();
+        self.unloadable.clear();
         self.orphans.clear();
         self.orphan_count = 0;
         self.storage_used = 0;

@@ -24,7 +24,9 @@
 //!    prefix);
 //! 3. when it fails (a block missing or damaged on some rank, or the tier failing), every node
 //!    of the LOAD is `Storage` again, its blocks are freed, its pair leaves the unissued swap-in,
-//!    and the ticket fails: the request must be aborted, as for a failed swap-in. A LOAD of
+//!    and the ticket fails: the request must be aborted, as for a failed swap-in; once no request
+//!    holds them, `poll` drops those nodes (with the storage-only nodes below them), so that a
+//!    retried request computes the blocks instead of failing on them again. A LOAD of
 //!    blocks below a block another LOAD brings is ordered after that one (so that storage-only
 //!    nodes keep storage-only children), and is cancelled with it, unissued.
 
@@ -208,6 +210,33 @@ impl CacheManager {
         let host = self.tree.node(id).host().expect("a load has its destination");
         self.back_to_storage(id, swap_in, None);
         self.free_host(host);
+        // The tier did not give the block back: forget it once no request holds it, so that
+        // the request, retried, computes it instead of failing on it again.
+        self.unloadable.push((id, self.tree.node(id).hash()));
+    }
+
+    /// Drops the storage-only nodes whose LOAD failed, with the storage-only nodes below them,
+    /// once no request holds them (`poll`); those still held wait.
+    pub(super) fn drop_unloadable(&mut self) {
+        let mut waiting = std::mem::take(&mut self.unloadable);
+        waiting.retain(|&(id, hash)| {
+            // An id whose node went (and was perhaps reused) is done with.
+            if !self.tree.is_live(id) || self.tree.node(id).hash() != hash {
+                return false;
+            }
+            let node = self.tree.node(id);
+            if node.state() != NodeState::Storage {
+                return false;
+            }
+            if node.ref_count() > 0 {
+                return true;
+            }
+            self.drop_subtree(id);
+            self.stats.evictions.storage_dropped += 1;
+            false
+        });
+        waiting.append(&mut self.unloadable);
+        self.unloadable = waiting;
     }
 
     /// Gives back `block`, the host block of a LOAD that never ran and waited on the copies
