@@ -207,7 +207,8 @@ impl BlockPool {
         (self.free.capacity() + self.position.capacity()) * size_of::<u32>()
     }
 
-    /// Checks that the free and used ids are disjoint and cover `0..capacity` (SPEC invariant 1).
+    /// Checks that the free and used ids are disjoint and cover `0..capacity` (DESIGN §6,
+    /// invariant 1).
     pub fn check(&self) -> Result<(), String> {
         for (index, &id) in self.free.iter().enumerate() {
             if self.position.get(id as usize) != Some(&(index as u32)) {

@@ -1,4 +1,4 @@
-//! One test per rule of the scheduler (SPEC sections 3 to 6), plus the scenarios engines check
+//! One test per rule of the scheduler (DESIGN §3, §4, §6), plus the scenarios engines check
 //! in their own suites. Every test checks the invariants after each step.
 
 mod scheduler_support;

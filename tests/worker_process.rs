@@ -2,7 +2,7 @@
 //! segment in-process, spawns the worker binary for a rank, writes commands into the rank's
 //! command ring, rings its doorbell, and reads the completions and the tiers' bytes back.
 //!
-//! Block layouts the bytes are checked against (SPEC section 1): the host backend's device arena
+//! Block layouts the bytes are checked against (DESIGN §2.4): the host backend's device arena
 //! is region-major (region `r` of block `b` at `(r * device_blocks + b) * region_bytes`), the host
 //! tier block-major (at `(b * regions + r) * region_bytes`).
 

@@ -22,7 +22,7 @@ pub const MAX_COMPLETION_RING_SLOTS: u32 = 1 << 16;
 /// The smallest ring: a command needs a header slot and at least one pair slot.
 pub const MIN_RING_SLOTS: u32 = 2;
 
-/// How device blocks reach the host tier (SPEC section 6).
+/// How device blocks reach the host tier (DESIGN §4.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WritePolicy {
     /// Copy to host only when a device block is evicted.

@@ -436,7 +436,7 @@ impl Service {
         py.import("json")?.call_method1("loads", (json.to_string(),))
     }
 
-    /// Checks SPEC's invariants; raises `KvshmError` naming the broken one.
+    /// Checks the invariants of DESIGN §6; raises `KvshmError` naming the broken one.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         open(&mut self.lock(py))?
             .cache()

@@ -1,4 +1,4 @@
-//! `allocate` (SPEC 5.3): device blocks for a request's host hits and new tokens, all or nothing.
+//! `allocate` (DESIGN §4.5): device blocks for a request's hits and new tokens, all or nothing.
 //!
 //! 1. Count what is needed ([`super::capacity`]): a block per host or storage hit not yet swapped
 //!    in, and blocks for the new and lookahead tokens beyond what the block table covers; a host

@@ -1,4 +1,4 @@
-//! `commit` (SPEC 5.4): caching a request's computed full blocks under its path.
+//! `commit` (DESIGN §4.5): caching a request's computed full blocks under its path.
 //!
 //! For each full block past the request's path, in order:
 //! 1. not cached: a new node takes the request's block (the node is held by the request);

@@ -1,4 +1,4 @@
-//! `complete_transfer` (SPEC 7): applying a copy that every rank finished, or rolling it back.
+//! `complete_transfer` (DESIGN §4.3): applying a copy that every rank finished, or rolling it back.
 //!
 //! 1. The blocks the copy kept reserved (for detached pairs) go back to their pools.
 //! 2. A copy of an older generation changes nothing else: its nodes were dropped by the reset.

@@ -1,4 +1,4 @@
-//! The cache manager's configuration and its write policies (SPEC section 6).
+//! The cache manager's configuration and its write policies (DESIGN §4.3).
 
 pub use crate::tree::{EvictionPolicy, ParseEvictionPolicyError};
 pub use kvshm_ipc::config::{ParseWritePolicyError, WritePolicy};

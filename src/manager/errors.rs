@@ -103,11 +103,11 @@ pub enum ResizeError {
     TooManyBlocks { blocks: u32, max: u32 },
 }
 
-/// A broken invariant of SPEC section 10: always a bug in the manager.
+/// A broken invariant of DESIGN §6: always a bug in the manager.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invariant {number} broken: {detail}")]
 pub struct InvariantViolation {
-    /// The invariant's number in SPEC section 10.
+    /// The invariant's number in DESIGN §6.
     pub number: u8,
     pub detail: String,
 }

@@ -1,4 +1,4 @@
-//! Finding device and host blocks when the pools run short (SPEC 5.3 and 6).
+//! Finding device and host blocks when the pools run short (DESIGN §4.3, §4.4).
 //!
 //! Device blocks come, in this order, from the free pool, from nodes being swapped out whose
 //! block no allocation has claimed yet (the claimer's ticket then covers that copy), and from

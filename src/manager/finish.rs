@@ -1,4 +1,4 @@
-//! `finish` and `abort` (SPEC 5.5): ending a request.
+//! `finish` and `abort` (DESIGN §4.5): ending a request.
 //!
 //! 1. Forget its tickets.
 //! 2. Give its own blocks back in reverse order (the tail first), except a block claimed from a

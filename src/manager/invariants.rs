@@ -1,4 +1,4 @@
-//! `check_invariants()`: the six invariants of SPEC section 10, checked by scanning everything.
+//! `check_invariants()`: the six invariants of DESIGN §6, checked by scanning everything.
 //!
 //! Tests call it after every operation; it costs O(tree + pools + requests + copies).
 
@@ -40,7 +40,7 @@ impl Owners {
 }
 
 impl CacheManager {
-    /// Checks SPEC section 10; the error names the broken invariant and what is wrong.
+    /// Checks the invariants of DESIGN §6; the error names the broken invariant and what is wrong.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         // 1. Pools.
         self.device.check().map_err(|detail| broken(1, format!("device pool: {detail}")))?;

@@ -1,13 +1,13 @@
-//! `lookup` and `match_prefix` (SPEC 5.1 and 5.2): how much of a prompt is cached, and holding it.
+//! `lookup` and `match_prefix` (DESIGN §4.5): how much of a prompt is cached, and holding it.
 //!
-//! The last-token rule (SPEC 11): a match never covers the whole prompt. Of a prompt of `T` tokens
-//! at most `(T - 1) / block_tokens` leading blocks hit, so the engine always computes at least the
-//! last prompt token (it needs that token's logits to sample the first output token), and the
-//! block that token lands in is never a shared cached block: a prefill cannot write into a block
-//! another request reads. A block-aligned prompt thus recomputes its whole last block, as vLLM
-//! and SGLang do. The rule needs the prompt's length in tokens, which block hashes alone do not
-//! tell (a prompt of 8 blocks and one of 8 blocks and 100 tokens have the same full-block hashes),
-//! so both operations take it, and refuse a length that cannot go with the hashes given.
+//! The last-token rule (DESIGN §4.5): a match never covers the whole prompt. Of a prompt of `T`
+//! tokens at most `(T - 1) / block_tokens` leading blocks hit, so the engine always computes at
+//! least the last prompt token (it needs that token's logits to sample the first output token), and
+//! the block that token lands in is never a shared cached block: a prefill cannot write into a
+//! block another request reads. A block-aligned prompt thus recomputes its whole last block, as
+//! vLLM and SGLang do. The rule needs the prompt's length in tokens, which block hashes alone do
+//! not tell (a prompt of 8 blocks and one of 8 blocks and 100 tokens have the same full-block
+//! hashes), so both operations take it, and refuse a length that cannot go with the hashes given.
 //!
 //! Matching walks from the root by (parent, hash) and stops at the first block that is not
 //! cached, or at the rule's bound. Device hits come first (device residency is prefix-closed),

@@ -1,4 +1,4 @@
-//! The engine-facing cache manager (SPEC sections 3 to 6): prefix matching, all-or-nothing
+//! The engine-facing cache manager (DESIGN §3, §4, §6): prefix matching, all-or-nothing
 //! allocation with eviction under a write policy, commits, and the copies between the tiers.
 //!
 //! It owns the radix tree ([`crate::tree`]), the device and host pools ([`crate::pool`]), the live

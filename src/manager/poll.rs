@@ -1,4 +1,4 @@
-//! `poll` (SPEC 5.7): the work that does not belong to one request.
+//! `poll`: the work that does not belong to one request.
 //!
 //! 1. Issue the pending write-through backups as one device-to-host copy, taking host blocks
 //!    from the pool or from host candidates; when none can be had the rest are dropped from the

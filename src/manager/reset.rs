@@ -1,4 +1,4 @@
-//! `reset` (SPEC 5.6) and `resize_device`.
+//! `reset` (DESIGN §4.5) and `resize_device`.
 //!
 //! A reset drops every cached block of every tier and bumps the generation:
 //! 1. refuse, unless forced, while a request holds blocks; a forced reset ends every request;

@@ -31,7 +31,8 @@ use tracing::{info, warn};
 use super::{failure_of, RankState, Service};
 use crate::manager::TransferId;
 
-/// How often `poll` checks that the workers are alive (SPEC: a death is noticed within 100 ms).
+/// How often `poll` checks that the workers are alive (a death is noticed within 100 ms:
+/// DESIGN §7.2).
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(5);
 
 impl Service {

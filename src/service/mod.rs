@@ -393,7 +393,7 @@ impl Service {
         self.segment.completion_bell()
     }
 
-    /// SPEC 5.2: matches the request's leading blocks and holds them, leaving at least the last
+    /// Matches the request's leading blocks and holds them, leaving at least the last
     /// prompt token to compute (the last-token rule of [`CacheManager::match_prefix`]).
     pub fn match_prefix(
         &mut self,
@@ -431,7 +431,7 @@ impl Service {
         self.manager.can_allocate(request, new_tokens, lookahead_tokens)
     }
 
-    /// SPEC 5.3: blocks for the host hits and the new tokens; returns the request's block table,
+    /// Blocks for the host hits and the new tokens; returns the request's block table,
     /// how many blocks this call added at its end, and the ticket to wait on before touching
     /// them (as [`CacheManager::allocate`], with the copies handed to the workers).
     pub fn allocate(
@@ -449,7 +449,7 @@ impl Service {
         Ok(Allocation { ticket, block_table, new_blocks })
     }
 
-    /// SPEC 5.4: caches the full blocks among the request's first `computed_tokens` tokens.
+    /// Caches the full blocks among the request's first `computed_tokens` tokens.
     pub fn commit(
         &mut self,
         request: RequestId,
@@ -459,17 +459,17 @@ impl Service {
         self.manager.commit(request, computed_tokens, hashes)
     }
 
-    /// SPEC 5.5: releases the request's holds and private blocks.
+    /// Releases the request's holds and private blocks.
     pub fn finish(&mut self, request: RequestId) -> Result<(), FinishError> {
         self.manager.finish(request)
     }
 
-    /// SPEC 5.5: as `finish`, for a request that will not complete.
+    /// As `finish`, for a request that will not complete.
     pub fn abort(&mut self, request: RequestId) -> Result<(), FinishError> {
         self.manager.abort(request)
     }
 
-    /// SPEC 5.8: grows or shrinks the device tier, within the blocks the segment was created
+    /// Grows or shrinks the device tier, within the blocks the segment was created
     /// with; shrinking needs every block at or above `blocks` free.
     pub fn resize_device(&mut self, blocks: u32) -> Result<(), DeviceResizeError> {
         let capacity = self.geometry.device_blocks();
@@ -481,7 +481,7 @@ impl Service {
         Ok(())
     }
 
-    /// SPEC 5.6: drops every cached block and bumps the generation (in the manager and in the
+    /// Drops every cached block and bumps the generation (in the manager and in the
     /// segment, so that workers refuse commands of the old one). Copies of the old generation
     /// still in flight keep their blocks reserved in the manager until their completions arrive.
     /// Returns the requests a forced reset ended, in id order.

@@ -6,7 +6,7 @@
 use super::{Membership, NodeId, NodeState, Tree};
 
 impl Tree {
-    /// Checks SPEC invariants 3 (prefix closure, reachability) and 5 (evictable sets), plus the
+    /// Checks invariants 3 (prefix closure, reachability) and 5 (evictable sets), plus the
     /// tree's own bookkeeping (index, sibling lists, device child counts, the policy's order).
     /// Returns the number of the broken invariant and what is wrong.
     pub fn check(&self) -> Result<(), (u8, String)> {

@@ -10,13 +10,13 @@
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
 //! 2. if the node gained or lost its device copy, adjust the parent's count of device children
 //!    and re-file the parent (it may have become, or stopped being, a device candidate);
-//! 3. re-file the node under the predicates of SPEC section 4 ([`policy::EvictSet`]), telling
+//! 3. re-file the node under the predicates of DESIGN §4 ([`policy::EvictSet`]), telling
 //!    the policy what left, what was accessed and what joined (the flow of [`policy`]).
 //!
 //! Every operation is O(1) but for the policy's placement of a node that joins a set late (see
 //! [`policy`]); nothing allocates once the arena and the index have grown to the tree's size.
 //!
-//! Node states ([`NodeState`], SPEC section 4), with which copies are valid:
+//! Node states ([`NodeState`], DESIGN §4.2), with which copies are valid:
 //! - `Device`: device valid, host maybe (a backup);
 //! - `Host`: host valid, no device block;
 //! - `SwapToHost(_)`: a device-to-host copy is in flight; see [`SwapOut`] for what happens when
@@ -481,7 +481,7 @@ impl Tree {
         self.nodes[id.index()].set_membership(new);
     }
 
-    /// The evictable sets a live node belongs in (SPEC section 4), computed without branches.
+    /// The evictable sets a live node belongs in (DESIGN §4), computed without branches.
     #[inline]
     fn membership(&self, id: NodeId) -> Membership {
         let node = &self.nodes[id.index()];

@@ -72,7 +72,7 @@ pub enum StoreOut {
     Evict,
 }
 
-/// The state of a node (SPEC section 4).
+/// The state of a node (DESIGN §4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum NodeState {
@@ -400,7 +400,7 @@ impl NodeMut<'_> {
     pub fn count_hit(&mut self) {
         self.node.count_hit();
     }
-    /// Records an access for the eviction policy (SPEC section 4: a match's hit, a commit, or
+    /// Records an access for the eviction policy (DESIGN §4: a match's hit, a commit, or
     /// the release at the end of a request).
     pub fn access(&mut self, access: Access) {
         self.access = Some(access);

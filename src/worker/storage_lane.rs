@@ -28,8 +28,8 @@
 //! FIFO queue); a FLUSH completes after every command before it, of either kind (the loop has
 //! finished and published its copies before it queues the FLUSH behind the storage jobs). A copy
 //! and a storage command have no order between them: the scheduler never issues a command that
-//! touches a host block another outstanding command writes (block ownership, SPEC section 10),
-//! so it waits for a LOAD's completion before copying its host blocks to the device, and for a
+//! touches a host block another outstanding command writes (block ownership: DESIGN §6,
+//! invariant 2), so it waits for a LOAD's completion before copying its host blocks to the device, and for a
 //! STORE's before reusing its host blocks.
 
 use std::ptr::NonNull;

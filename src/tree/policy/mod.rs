@@ -1,6 +1,6 @@
 //! Eviction policies: the order in which the tree's evictable sets give up their members.
 //!
-//! The tree decides *which* nodes may be evicted (SPEC section 4), and keeps one evictable set
+//! The tree decides *which* nodes may be evicted (DESIGN §4), and keeps one evictable set
 //! per kind of victim ([`EvictSet`]): device candidates (a device copy, no child with one, not
 //! held, nothing in flight), host candidates (a valid host copy, no child above the storage tier,
 //! not held), claimable nodes (an eviction to host in flight whose device block is not claimed

@@ -1,4 +1,4 @@
-//! kvctl: inspect and operate kvshm segments from any shell on the host (SPEC section 9).
+//! kvctl: inspect and operate kvshm segments from any shell on the host (DESIGN §5.7).
 //!
 //! kvctl never stops the scheduler and never writes cache state. It reads what the segment
 //! publishes (header, live counters, worker slots) and leaves requests in the segment's control
