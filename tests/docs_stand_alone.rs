@@ -94,3 +94,34 @@ fn every_design_section_the_readme_links_to_exists() {
         }
     }
 }
+
+/// The source files under `dir` (recursively) whose name ends in one of `extensions`.
+fn sources(dir: &Path, extensions: &[&str], found: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy();
+        if path.is_dir() && !name.starts_with('.') && name != "target" {
+            sources(&path, extensions, found);
+        } else if extensions.iter().any(|extension| name.ends_with(extension)) {
+            found.push(path);
+        }
+    }
+}
+
+#[test]
+fn code_comments_cite_the_design_document_not_a_brief_outside_the_repository() {
+    let root = Path::new(ROOT);
+    let mut files = Vec::new();
+    for dir in ["src", "ipc", "tools", "tests", "python", "benches", "scripts"] {
+        sources(&root.join(dir), &[".rs", ".py", ".pyi", ".sh"], &mut files);
+    }
+    assert!(files.len() > 100, "the walk found the sources: {}", files.len());
+    for file in files.iter().filter(|file| !file.ends_with("tests/docs_stand_alone.rs")) {
+        let text = std::fs::read_to_string(file).unwrap();
+        for cited in
+            ["SPEC section", "SPEC invariant", "SPEC 1", "SPEC 5", "SPEC 7", "SPEC's", "../shared"]
+        {
+            assert!(!text.contains(cited), "{} cites {cited:?}", file.display());
+        }
+    }
+}
