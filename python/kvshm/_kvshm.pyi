@@ -115,6 +115,7 @@ class BlockHasher:
 class PrefixMatch:
     device_blocks: int
     host_blocks: int
+    storage_blocks: int
     cached_tokens: int
     @property
     def blocks(self) -> int: ...
@@ -153,7 +154,12 @@ class Service:
         layerwise: bool = True,
         command_ring_slots: int = 4096,
         completion_ring_slots: int = 256,
-    ) -> None: ...
+        storage_blocks: int = 0,
+        storage_write_policy: Literal["write_back", "write_through"] = "write_back",
+    ) -> None:
+        """``storage_blocks`` (per rank) puts a storage tier below the host tier: start each
+        worker with ``--storage disk:DIR`` (and ``--storage-blocks``, at least this many) or
+        ``--storage redis://HOST:PORT``."""
     @property
     def name(self) -> str: ...
     @property

@@ -7,7 +7,9 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvshm::hash::{BlockHasher as RustBlockHasher, MultimodalItem, Namespace};
-use kvshm::manager::{CacheConfig, MatchError, RequestId, TicketId, TicketStatus, WritePolicy};
+use kvshm::manager::{
+    CacheConfig, MatchError, RequestId, StorageWritePolicy, TicketId, TicketStatus, WritePolicy,
+};
 use kvshm::service::{
     Backend, SegmentName, Service as RustService, ServiceConfig, ServiceError, WaitError,
 };
@@ -31,6 +33,8 @@ pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
 pub struct PrefixMatch {
     pub device_blocks: usize,
     pub host_blocks: usize,
+    /// Hits on the storage tier (a service with one): loaded through host by `allocate`.
+    pub storage_blocks: usize,
     pub cached_tokens: usize,
 }
 
@@ -38,13 +42,13 @@ pub struct PrefixMatch {
 impl PrefixMatch {
     #[getter]
     fn blocks(&self) -> usize {
-        self.device_blocks + self.host_blocks
+        self.device_blocks + self.host_blocks + self.storage_blocks
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "PrefixMatch(device_blocks={}, host_blocks={}, cached_tokens={})",
-            self.device_blocks, self.host_blocks, self.cached_tokens
+            "PrefixMatch(device_blocks={}, host_blocks={}, storage_blocks={}, cached_tokens={})",
+            self.device_blocks, self.host_blocks, self.storage_blocks, self.cached_tokens
         )
     }
 }
@@ -54,6 +58,7 @@ impl From<kvshm::manager::PrefixMatch> for PrefixMatch {
         PrefixMatch {
             device_blocks: found.device_blocks,
             host_blocks: found.host_blocks,
+            storage_blocks: found.storage_blocks,
             cached_tokens: found.cached_tokens,
         }
     }
@@ -141,7 +146,8 @@ impl Service {
     #[pyo3(signature = (
         name, *, block_tokens, device_blocks, region_bytes, host_blocks=0, tp_size=1, layers=1,
         regions=None, write_policy="write_back", free_watermark=0, backend="host",
-        layerwise=true, command_ring_slots=4096, completion_ring_slots=256
+        layerwise=true, command_ring_slots=4096, completion_ring_slots=256, storage_blocks=0,
+        storage_write_policy="write_back"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -160,12 +166,19 @@ impl Service {
         layerwise: bool,
         command_ring_slots: u32,
         completion_ring_slots: u32,
+        storage_blocks: u32,
+        storage_write_policy: &str,
     ) -> PyResult<Service> {
         let name = segment_name(name)?;
+        let storage_write_policy = storage_write_policy
+            .parse::<StorageWritePolicy>()
+            .map_err(|error| ConfigError::new_err(error.to_string()))?;
         let cache = CacheConfig::new(block_tokens, device_blocks)
             .with_host_blocks(host_blocks)
             .with_write_policy(parse_policy(write_policy)?)
-            .with_free_watermark(free_watermark);
+            .with_free_watermark(free_watermark)
+            .with_storage_blocks(storage_blocks)
+            .with_storage_write_policy(storage_write_policy);
         let regions = regions.unwrap_or(layers.saturating_mul(2));
         let mut config = ServiceConfig::new(cache, tp_size, layers, regions, region_bytes);
         config.backend = parse_backend(backend)?;

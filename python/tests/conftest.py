@@ -27,9 +27,10 @@ def spawn_worker() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
 
     def spawn(
-        segment: str, rank: int, env: dict[str, str] | None = None
+        segment: str, rank: int, env: dict[str, str] | None = None, args: list[str] | None = None
     ) -> subprocess.Popen[bytes]:
         command = [sys.executable, "-m", "kvshm", "worker", "--name", segment, "--rank", str(rank)]
+        command += args or []
         process = subprocess.Popen(
             command, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL
         )

@@ -143,3 +143,29 @@ def test_wait_releases_the_gil_while_a_slow_copy_lands(name: str, spawn_worker) 
         counter.join()
         assert waited > 0.1, "the copy was slow"
         assert ticks > 20, f"another thread ran while wait() blocked ({ticks} ticks)"
+
+
+def test_an_engine_loop_over_three_tiers_reads_back_every_storage_hit_byte_for_byte(
+    name: str, spawn_worker, tmp_path
+) -> None:
+    # A host tier too small for the working set: prefixes go down to a disk tier and come back
+    # through host to device, on both ranks, in one ticket.
+    with kvshm.Service(
+        name,
+        block_tokens=BLOCK_TOKENS,
+        device_blocks=16,
+        host_blocks=16,
+        region_bytes=REGION_BYTES,
+        tp_size=TP,
+        layers=LAYERS,
+        storage_blocks=256,
+    ) as service:
+        storage = ["--storage", f"disk:{tmp_path}", "--storage-blocks", "512"]
+        for rank in range(TP):
+            spawn_worker(name, rank, args=storage)
+        service.wait_for_workers(timeout=20)
+        figures = run_engine(service, requests=160, seed=11)
+        stats = service.stats()
+        assert figures["verified"] == figures["hits"] * TP * REGIONS
+        assert stats["cache"]["hits"]["storage_blocks"] > 0, stats["cache"]["hits"]
+        assert stats["service"]["copy_failures"] == 0

@@ -184,6 +184,10 @@ def test_bad_configurations_are_config_errors(name: str) -> None:
         make_service(name, write_policy="sometimes")
     with pytest.raises(kvshm.ConfigError):
         make_service(name, backend="tpu")
+    with pytest.raises(kvshm.ConfigError, match="storage write policy"):
+        make_service(name, storage_blocks=8, storage_write_policy="sometimes")
+    with pytest.raises(kvshm.ConfigError, match="host"):
+        make_service(name, host_blocks=0, storage_blocks=8)
     with pytest.raises(kvshm.ConfigError):
         make_service(name, layers=3, regions=4)
     with pytest.raises(OverflowError):
