@@ -6,29 +6,10 @@
 
 mod storage_support;
 
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use serde_json::Value;
-
-/// A directory under the target dir, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("demo-storage-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use storage_support::Scratch;
 
 /// Runs the demo on the synthetic workload with a small device and host tier over a disk tier in
 /// `dir`, two ranks; returns its JSON report.
