@@ -45,7 +45,7 @@ use std::ops::ControlFlow;
 use crate::hash::BlockHash;
 use index::ChildIndex;
 pub use node::{Node, NodeId, NodeMut, NodeState, StoreOut, SwapOut};
-use node::{Tier, COUNT_SATURATED};
+use node::{ParentCounts, Tier, COUNT_SATURATED};
 use policy::{Access, EvictSet, MatchEnd, Membership, Policies, TierShape};
 pub use policy::{EvictionPolicy, FutureUses, ParseEvictionPolicyError};
 pub use snapshot::{SnapshotNode, TreeSnapshot};
@@ -65,6 +65,22 @@ impl Default for Tree {
         Tree::new(EvictionPolicy::default())
     }
 }
+
+/// By state code, the evictable sets a node in that state may be in (DESIGN §4): a device
+/// candidate is `Device` (with a device block, no device child); a host candidate is `Device` or
+/// `Host` (with a host block, no child above storage); a claimable node is `SwapToHost(evict)`
+/// (with its device block); a storage candidate is `Storage` (no child).
+const SETS_OF_STATE: [u8; node::STATE_CODES] = {
+    let mut sets = [0; node::STATE_CODES];
+    let device = Membership::NONE.with(EvictSet::Device).bits();
+    let host = Membership::NONE.with(EvictSet::Host).bits();
+    sets[NodeState::Device.code() as usize] = device | host;
+    sets[NodeState::Host.code() as usize] = host;
+    sets[NodeState::SwapToHost(SwapOut::Evict).code() as usize] =
+        Membership::NONE.with(EvictSet::Claimable).bits();
+    sets[NodeState::Storage.code() as usize] = Membership::NONE.with(EvictSet::Storage).bits();
+    sets
+};
 
 impl Tree {
     pub fn new(policy: EvictionPolicy) -> Tree {
@@ -237,29 +253,42 @@ impl Tree {
         self.children(id).filter(|&child| counted(&self.nodes[child.index()])).count() as u32
     }
 
-    /// Adds `delta` (+1 or -1) to a saturating child count of `parent`, after the child's change:
-    /// a count leaving saturation is recounted.
-    fn add_child_count(&mut self, parent: NodeId, upper: bool, delta: i32) {
-        let node = &self.nodes[parent.index()];
-        let count = if upper { node.upper_children } else { node.device_children };
-        let new = match (count, delta > 0) {
-            (COUNT_SATURATED, true) => COUNT_SATURATED,
-            (COUNT_SATURATED, false) => {
-                let exact = if upper {
-                    self.count_children(parent, Node::is_upper)
-                } else {
-                    self.count_children(parent, |child| child.device().is_some())
-                };
-                u16::try_from(exact).unwrap_or(COUNT_SATURATED)
-            }
-            (count, true) => count + 1,
-            (count, false) => count - 1,
+    /// Counts one more child of `parent` with a device block (`upper` false) or above storage
+    /// (`upper` true). A saturated count stays saturated: it means "at least that many".
+    #[inline]
+    fn count_child_in(&mut self, parent: NodeId, upper: bool) {
+        let node = &mut self.nodes[parent.index()];
+        let count = if upper { &mut node.upper_children } else { &mut node.device_children };
+        *count = count.saturating_add(1);
+    }
+
+    /// Counts one child fewer, after the child's change; a saturated count is recounted.
+    #[inline]
+    fn count_child_out(&mut self, parent: NodeId, upper: bool) {
+        let node = &mut self.nodes[parent.index()];
+        let count = if upper { &mut node.upper_children } else { &mut node.device_children };
+        if *count == COUNT_SATURATED {
+            self.recount_children(parent, upper);
+        } else {
+            *count -= 1;
+        }
+    }
+
+    /// Recounts a saturated child count of `parent` by walking its child list.
+    #[cold]
+    #[inline(never)]
+    fn recount_children(&mut self, parent: NodeId, upper: bool) {
+        let exact = if upper {
+            self.count_children(parent, Node::is_upper)
+        } else {
+            self.count_children(parent, |child| child.device().is_some())
         };
+        let exact = u16::try_from(exact).unwrap_or(COUNT_SATURATED);
         let node = &mut self.nodes[parent.index()];
         if upper {
-            node.upper_children = new;
+            node.upper_children = exact;
         } else {
-            node.device_children = new;
+            node.device_children = exact;
         }
     }
 
@@ -334,10 +363,10 @@ impl Tree {
         }
         self.nodes[parent.index()].first_child = id;
         if has_device {
-            self.add_child_count(parent, false, 1);
+            self.count_child_in(parent, false);
         }
         if is_upper {
-            self.add_child_count(parent, true, 1);
+            self.count_child_in(parent, true);
         }
         self.index.insert(id, &self.nodes);
         self.refile(parent, None);
@@ -348,24 +377,39 @@ impl Tree {
     /// Changes a node's own fields and keeps the derived state in step (module flow).
     pub fn update<R>(&mut self, id: NodeId, change: impl FnOnce(&mut NodeMut<'_>) -> R) -> R {
         let node = &mut self.nodes[id.index()];
-        let (had_device, was_upper) = (node.device().is_some(), node.is_upper());
+        let before = node.parent_counts();
         let mut view = NodeMut { node, access: None };
         let result = change(&mut view);
         let access = view.access;
         let node = &self.nodes[id.index()];
-        let (has_device, is_upper) = (node.device().is_some(), node.is_upper());
-        if (had_device != has_device || was_upper != is_upper) && node.parent != NodeId::NONE {
-            let parent = node.parent;
-            if had_device != has_device {
-                self.add_child_count(parent, false, if has_device { 1 } else { -1 });
-            }
-            if was_upper != is_upper {
-                self.add_child_count(parent, true, if is_upper { 1 } else { -1 });
-            }
-            self.refile(parent, None);
+        if node.parent_counts() != before && node.parent != NodeId::NONE {
+            self.recount_parent(id, before);
         }
         self.refile(id, access);
         result
+    }
+
+    /// Applies a change of what node `id`'s parent counts it in (`before`, see
+    /// [`Node::parent_counts`]) to the parent's counts and sets.
+    #[inline(never)]
+    fn recount_parent(&mut self, id: NodeId, before: ParentCounts) {
+        let node = &self.nodes[id.index()];
+        let (parent, after) = (node.parent, node.parent_counts());
+        if before.device != after.device {
+            if after.device {
+                self.count_child_in(parent, false);
+            } else {
+                self.count_child_out(parent, false);
+            }
+        }
+        if before.upper != after.upper {
+            if after.upper {
+                self.count_child_in(parent, true);
+            } else {
+                self.count_child_out(parent, true);
+            }
+        }
+        self.refile(parent, None);
     }
 
     /// Holds `id` for a match that hit it: one more holder, one more hit, the access recorded
@@ -416,10 +460,10 @@ impl Tree {
         self.nodes[id.index()].mark_removed(self.free_slots);
         self.free_slots = id;
         if had_device {
-            self.add_child_count(parent, false, -1);
+            self.count_child_out(parent, false);
         }
         if was_upper {
-            self.add_child_count(parent, true, -1);
+            self.count_child_out(parent, true);
         }
         self.refile(parent, None);
     }
@@ -481,7 +525,8 @@ impl Tree {
         self.nodes[id.index()].set_membership(new);
     }
 
-    /// The evictable sets a live node belongs in (DESIGN §4), computed without branches.
+    /// The evictable sets a live node belongs in (DESIGN §4), computed without branches: the
+    /// sets its state allows ([`SETS_OF_STATE`]) that its blocks and children admit.
     #[inline]
     fn membership(&self, id: NodeId) -> Membership {
         let node = &self.nodes[id.index()];
@@ -489,11 +534,7 @@ impl Tree {
             return Membership::NONE;
         }
         let device = node.block(Tier::Device).is_some();
-        let on_device = node.is(NodeState::Device);
-        let device_candidate = on_device & device & (node.device_children == 0);
-        let host_candidate = node.has_valid_host() & (node.upper_children == 0);
-        let claimable = node.is(NodeState::SwapToHost(SwapOut::Evict)) & device;
-        let storage_candidate = node.is(NodeState::Storage) & !node.has_children();
+        let host = node.block(Tier::Host).is_some();
         let bit = |member: bool, set: EvictSet| {
             if member {
                 Membership::NONE.with(set).bits()
@@ -501,12 +542,11 @@ impl Tree {
                 0
             }
         };
-        Membership::from_bits(
-            bit(device_candidate, EvictSet::Device)
-                | bit(host_candidate, EvictSet::Host)
-                | bit(claimable, EvictSet::Claimable)
-                | bit(storage_candidate, EvictSet::Storage),
-        )
+        let admitted = bit(device & (node.device_children == 0), EvictSet::Device)
+            | bit(host & (node.upper_children == 0), EvictSet::Host)
+            | bit(device, EvictSet::Claimable)
+            | bit(!node.has_children(), EvictSet::Storage);
+        Membership::from_bits(admitted & SETS_OF_STATE[usize::from(node.state_code())])
     }
 }
 

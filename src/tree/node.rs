@@ -121,7 +121,7 @@ impl NodeState {
         }
     }
 
-    const fn code(self) -> u8 {
+    pub(super) const fn code(self) -> u8 {
         match self {
             NodeState::Device => 0,
             NodeState::Host => 1,
@@ -129,10 +129,11 @@ impl NodeState {
             NodeState::SwapToHost(SwapOut::Evict) => 3,
             NodeState::SwapToHost(SwapOut::Claimed) => 4,
             NodeState::SwapToDevice => 5,
-            NodeState::Storage => 6,
-            NodeState::HostToStorage(StoreOut::Backup) => 7,
-            NodeState::HostToStorage(StoreOut::Evict) => 8,
-            NodeState::StorageToHost => 9,
+            NodeState::HostToStorage(StoreOut::Backup) => 6,
+            NodeState::StorageToHost => 7,
+            // The storage-only states come last: `Node::is_upper` is one comparison.
+            NodeState::Storage => FIRST_STORAGE_ONLY_CODE,
+            NodeState::HostToStorage(StoreOut::Evict) => FIRST_STORAGE_ONLY_CODE + 1,
         }
     }
 
@@ -144,14 +145,21 @@ impl NodeState {
             3 => NodeState::SwapToHost(SwapOut::Evict),
             4 => NodeState::SwapToHost(SwapOut::Claimed),
             5 => NodeState::SwapToDevice,
-            6 => NodeState::Storage,
-            7 => NodeState::HostToStorage(StoreOut::Backup),
-            8 => NodeState::HostToStorage(StoreOut::Evict),
-            9 => NodeState::StorageToHost,
+            6 => NodeState::HostToStorage(StoreOut::Backup),
+            7 => NodeState::StorageToHost,
+            8 => NodeState::Storage,
+            9 => NodeState::HostToStorage(StoreOut::Evict),
             _ => unreachable!("state code {code} is never stored: a programming error"),
         }
     }
 }
+
+/// How many state codes there are ([`NodeState::code`]).
+pub(super) const STATE_CODES: usize = 10;
+
+/// The code of the first storage-only state ([`NodeState::storage_only`]); every state code from
+/// it on is storage-only, every one below it is not.
+const FIRST_STORAGE_ONLY_CODE: u8 = 8;
 
 /// `flags`: the evictable sets the node is filed in (the low bits, a [`Membership`]), and these.
 const BACKUP_QUEUED: u8 = 0x80;
@@ -165,6 +173,15 @@ const PASSING_THROUGH_HOST: u8 = 0x20;
 /// it would fall (see [`super::Tree`]'s counts). Counts are 16 bits so that the record keeps its
 /// 60 bytes with two of them.
 pub(super) const COUNT_SATURATED: u16 = u16::MAX;
+
+/// The child counts of its parent a node is in (see [`Node::parent_counts`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) struct ParentCounts {
+    /// In `device_children`: the node has a device block.
+    pub device: bool,
+    /// In `upper_children`: the node is not storage-only.
+    pub upper: bool,
+}
 
 /// One cached block.
 #[derive(Clone, Debug)]
@@ -279,6 +296,12 @@ impl Node {
         (block != NO_BLOCK).then_some(block)
     }
 
+    /// The state's code ([`NodeState::code`]), for tables indexed by state.
+    #[inline]
+    pub(super) fn state_code(&self) -> u8 {
+        self.state
+    }
+
     pub fn state(&self) -> NodeState {
         NodeState::from_code(self.state)
     }
@@ -320,7 +343,13 @@ impl Node {
     /// Whether the node is not storage-only: its parent counts it in `upper_children`.
     #[inline]
     pub(super) fn is_upper(&self) -> bool {
-        !self.is(NodeState::Storage) && !self.is(NodeState::HostToStorage(StoreOut::Evict))
+        self.state < FIRST_STORAGE_ONLY_CODE
+    }
+
+    /// What the parent counts this node in: its device children, its children above storage.
+    #[inline]
+    pub(super) fn parent_counts(&self) -> ParentCounts {
+        ParentCounts { device: self.device().is_some(), upper: self.is_upper() }
     }
 
     /// Whether the node has a valid host copy that no copy in flight is writing.
@@ -407,5 +436,34 @@ impl NodeMut<'_> {
     }
     pub fn node(&self) -> &Node {
         self.node
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STATES: [NodeState; 10] = [
+        NodeState::Device,
+        NodeState::Host,
+        NodeState::SwapToHost(SwapOut::Backup),
+        NodeState::SwapToHost(SwapOut::Evict),
+        NodeState::SwapToHost(SwapOut::Claimed),
+        NodeState::SwapToDevice,
+        NodeState::Storage,
+        NodeState::HostToStorage(StoreOut::Backup),
+        NodeState::HostToStorage(StoreOut::Evict),
+        NodeState::StorageToHost,
+    ];
+
+    #[test]
+    fn every_state_code_decodes_to_its_state_and_only_storage_only_codes_are_not_upper() {
+        for state in STATES {
+            assert!(usize::from(state.code()) < STATE_CODES, "{state:?}");
+            assert_eq!(NodeState::from_code(state.code()), state);
+            let mut node = Node::new(crate::hash::BlockHash(7), NodeId::ROOT);
+            node.state = state.code();
+            assert_eq!(node.is_upper(), !state.storage_only(), "{state:?}");
+        }
     }
 }

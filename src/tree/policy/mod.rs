@@ -69,7 +69,7 @@ impl EvictSet {
     pub const ALL: [EvictSet; 4] =
         [EvictSet::Device, EvictSet::Host, EvictSet::Claimable, EvictSet::Storage];
 
-    fn bit(self) -> u8 {
+    const fn bit(self) -> u8 {
         match self {
             EvictSet::Device => 1,
             EvictSet::Host => 2,
@@ -91,11 +91,11 @@ impl Membership {
         Membership(bits & Membership::ALL.0)
     }
 
-    pub fn bits(self) -> u8 {
+    pub const fn bits(self) -> u8 {
         self.0
     }
 
-    pub fn with(self, set: EvictSet) -> Membership {
+    pub const fn with(self, set: EvictSet) -> Membership {
         Membership(self.0 | set.bit())
     }
 
