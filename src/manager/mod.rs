@@ -295,17 +295,23 @@ impl CacheManager {
     /// The copy of `kind` that the current operation fills, opened on first use.
     fn open_transfer(&mut self, kind: TransferKind) -> (TransferId, &mut InFlight) {
         let generation = self.generation;
-        if self.open_slot(kind).is_none() {
-            let id = TransferId(self.next_transfer);
-            self.next_transfer += 1;
-            let flight = match self.spare_flights.pop() {
+        // One match on the kind; the other fields are borrowed beside the slot.
+        let (next_transfer, spare_flights) = (&mut self.next_transfer, &mut self.spare_flights);
+        let slot = match kind {
+            TransferKind::DeviceToHost => &mut self.open_device_to_host,
+            TransferKind::HostToDevice => &mut self.open_host_to_device,
+            TransferKind::HostToStorage => &mut self.open_host_to_storage,
+            TransferKind::StorageToHost => &mut self.open_storage_to_host,
+        };
+        let (id, flight) = slot.get_or_insert_with(|| {
+            let id = TransferId(*next_transfer);
+            *next_transfer += 1;
+            let flight = match spare_flights.pop() {
                 Some(spare) => spare.recycled(kind, generation),
                 None => InFlight::new(kind, generation),
             };
-            *self.open_slot(kind) = Some((id, flight));
-        }
-        let (id, flight) =
-            self.open_slot(kind).as_mut().expect("the open transfer was just created");
+            (id, flight)
+        });
         (*id, flight)
     }
 

@@ -95,6 +95,7 @@ impl CacheManager {
 
     /// Makes the open copy `transfer` wait for `store`, the STORE still reading a host block it
     /// writes.
+    #[inline]
     pub(super) fn order_after_store(&mut self, transfer: TransferId, store: Option<TransferId>) {
         let Some(store) = store else { return };
         let flight = self.flight_mut(transfer).expect("ordering a copy that is open");
