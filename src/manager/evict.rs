@@ -142,30 +142,49 @@ impl CacheManager {
         let victim = self.tree.first_host_candidate()?;
         let node = self.tree.node(victim);
         let block = node.host().expect("a host candidate has a host block");
-        let (has_device, stored) = (node.device().is_some(), node.stored());
         // The block changes owner without passing through the pool.
-        if has_device {
+        if node.device().is_some() {
             self.tree.update(victim, |node| node.set_host(None));
-        } else if stored {
+        } else if self.storage_enabled() {
+            return Some(self.evict_host_only_above_storage(victim, block));
+        } else {
+            // Without a storage tier no node is storage-only: a host candidate is a leaf.
+            self.tree.remove(victim);
+        }
+        self.stats.evictions.host_dropped += 1;
+        Some((block, None))
+    }
+
+    /// Evicts host-only candidate `victim` (its host block `block`) with a storage tier below
+    /// (module documentation): to storage-only when the tier holds it, else written back when the
+    /// tier has room, else dropped with its storage-only children. Returns the block and the
+    /// STORE still reading it.
+    #[inline(never)]
+    fn evict_host_only_above_storage(
+        &mut self,
+        victim: NodeId,
+        block: u32,
+    ) -> (u32, Option<TransferId>) {
+        if self.tree.node(victim).stored() {
             self.tree.update(victim, |node| {
                 node.set_host(None);
                 node.set_state(NodeState::Storage);
             });
             self.stats.evictions.host_to_storage_metadata += 1;
-            return Some((block, None));
-        } else if self.storage_enabled() && self.reserve_storage_block() {
+            return (block, None);
+        }
+        if self.reserve_storage_block() {
             let store = self.start_store(victim, block, StoreOut::Evict);
             self.stats.evictions.host_written_back += 1;
-            return Some((block, Some(store)));
-        } else {
-            // Storage-only children (a storage tier that is full) go with it.
-            while let Some(child) = self.tree.first_child(victim) {
-                self.drop_subtree(child);
-            }
-            self.tree.remove(victim);
+            return (block, Some(store));
         }
+        // Storage-only children (a storage tier that is full) go with it.
+        while let Some(child) = self.tree.first_child(victim) {
+            self.drop_subtree(child);
+        }
+        self.tree.remove(victim);
         self.stats.evictions.host_dropped += 1;
-        Some((block, None))
+        (block, None)
     }
 }
 
