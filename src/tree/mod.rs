@@ -123,6 +123,7 @@ impl Tree {
             .is_some_and(|node| id == NodeId::ROOT || node.parent != NodeId::NONE)
     }
 
+    #[inline]
     pub fn child(&self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
         // A node without children (a block just committed, say) needs no probe.
         if !self.nodes[parent.index()].has_children() {
@@ -361,13 +362,12 @@ impl Tree {
         if first != NodeId::NONE {
             self.nodes[first.index()].prev_sibling = id;
         }
-        self.nodes[parent.index()].first_child = id;
-        if has_device {
-            self.count_child_in(parent, false);
-        }
-        if is_upper {
-            self.count_child_in(parent, true);
-        }
+        let parent_node = &mut self.nodes[parent.index()];
+        parent_node.first_child = id;
+        // Saturating: a saturated count means "at least that many".
+        parent_node.device_children =
+            parent_node.device_children.saturating_add(u16::from(has_device));
+        parent_node.upper_children = parent_node.upper_children.saturating_add(u16::from(is_upper));
         self.index.insert(id, &self.nodes);
         self.refile(parent, None);
         self.refile(id, access);
