@@ -45,7 +45,7 @@ use std::ops::ControlFlow;
 use crate::hash::BlockHash;
 use index::ChildIndex;
 pub use node::{Node, NodeId, NodeMut, NodeState, StoreOut, SwapOut};
-use node::{ParentCounts, Tier, COUNT_SATURATED};
+use node::{Tier, COUNT_SATURATED};
 use policy::{Access, EvictSet, MatchEnd, Membership, Policies, TierShape};
 pub use policy::{EvictionPolicy, FutureUses, ParseEvictionPolicyError};
 pub use snapshot::{SnapshotNode, TreeSnapshot};
@@ -339,7 +339,7 @@ impl Tree {
             "inserting a duplicate child is a programming error"
         );
         let mut node = Node::new(hash, parent);
-        let mut view = NodeMut { node: &mut node, access: None };
+        let mut view = NodeMut { node: &mut node, access: None, upper_changed: false };
         init(&mut view);
         let access = view.access;
         let has_device = node.device().is_some();
@@ -377,33 +377,34 @@ impl Tree {
     /// Changes a node's own fields and keeps the derived state in step (module flow).
     pub fn update<R>(&mut self, id: NodeId, change: impl FnOnce(&mut NodeMut<'_>) -> R) -> R {
         let node = &mut self.nodes[id.index()];
-        let before = node.parent_counts();
-        let mut view = NodeMut { node, access: None };
+        let had_device = node.device().is_some();
+        let mut view = NodeMut { node, access: None, upper_changed: false };
         let result = change(&mut view);
-        let access = view.access;
+        let (access, upper_changed) = (view.access, view.upper_changed);
         let node = &self.nodes[id.index()];
-        if node.parent_counts() != before && node.parent != NodeId::NONE {
-            self.recount_parent(id, before);
+        if (had_device != node.device().is_some() || upper_changed) && node.parent != NodeId::NONE {
+            self.recount_parent(id, had_device, upper_changed);
         }
         self.refile(id, access);
         result
     }
 
-    /// Applies a change of what node `id`'s parent counts it in (`before`, see
-    /// [`Node::parent_counts`]) to the parent's counts and sets.
+    /// Applies a change of node `id` to its parent's child counts (a device block gained or lost
+    /// beside `had_device`; `upper_changed`: above storage now, or no longer) and sets.
     #[inline(never)]
-    fn recount_parent(&mut self, id: NodeId, before: ParentCounts) {
+    fn recount_parent(&mut self, id: NodeId, had_device: bool, upper_changed: bool) {
         let node = &self.nodes[id.index()];
-        let (parent, after) = (node.parent, node.parent_counts());
-        if before.device != after.device {
-            if after.device {
+        let (parent, has_device, is_upper) =
+            (node.parent, node.device().is_some(), node.is_upper());
+        if had_device != has_device {
+            if has_device {
                 self.count_child_in(parent, false);
             } else {
                 self.count_child_out(parent, false);
             }
         }
-        if before.upper != after.upper {
-            if after.upper {
+        if upper_changed {
+            if is_upper {
                 self.count_child_in(parent, true);
             } else {
                 self.count_child_out(parent, true);

@@ -174,15 +174,6 @@ const PASSING_THROUGH_HOST: u8 = 0x20;
 /// 60 bytes with two of them.
 pub(super) const COUNT_SATURATED: u16 = u16::MAX;
 
-/// The child counts of its parent a node is in (see [`Node::parent_counts`]).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) struct ParentCounts {
-    /// In `device_children`: the node has a device block.
-    pub device: bool,
-    /// In `upper_children`: the node is not storage-only.
-    pub upper: bool,
-}
-
 /// One cached block.
 #[derive(Clone, Debug)]
 pub struct Node {
@@ -346,12 +337,6 @@ impl Node {
         self.state < FIRST_STORAGE_ONLY_CODE
     }
 
-    /// What the parent counts this node in: its device children, its children above storage.
-    #[inline]
-    pub(super) fn parent_counts(&self) -> ParentCounts {
-        ParentCounts { device: self.device().is_some(), upper: self.is_upper() }
-    }
-
     /// Whether the node has a valid host copy that no copy in flight is writing.
     pub fn has_valid_host(&self) -> bool {
         self.blocks[Tier::Host as usize] != NO_BLOCK
@@ -381,6 +366,10 @@ pub struct NodeMut<'a> {
     pub(super) node: &'a mut Node,
     /// The access recorded by [`NodeMut::access`], passed to the eviction policy.
     pub(super) access: Option<Access>,
+    /// Whether the node went from above storage to storage-only or back (an odd number of
+    /// times): its parent's `upper_children` must follow. Tracked by `set_state`, so that an
+    /// update that changes no state pays nothing for it.
+    pub(super) upper_changed: bool,
 }
 
 impl NodeMut<'_> {
@@ -391,7 +380,9 @@ impl NodeMut<'_> {
         self.node.blocks[Tier::Host as usize] = block.unwrap_or(NO_BLOCK);
     }
     pub fn set_state(&mut self, state: NodeState) {
+        let was_upper = self.node.is_upper();
         self.node.state = state.code();
+        self.upper_changed ^= was_upper != self.node.is_upper();
     }
     pub fn set_transfer(&mut self, transfer: Option<u64>) {
         let id = transfer.unwrap_or(0);
