@@ -254,3 +254,49 @@ fn under_conv_a_trimmed_chain_moves_its_turn_end_up_and_a_removed_branch_leaves_
     assert_eq!(tree.request_started(Some(first[0]), Some(hash(3))), 1, "taken once");
     tree.check().unwrap();
 }
+
+#[test]
+fn child_counts_saturate_past_65535_children_and_are_recounted_exactly_on_the_way_down() {
+    let mut tree = Tree::new(EvictionPolicy::Lru);
+    let parent = served(&mut tree, NodeId::ROOT, &[1], 0)[0];
+    let children: Vec<NodeId> = (0..65_537u32)
+        .map(|index| {
+            tree.insert(parent, hash(1_000 + u128::from(index)), |node| {
+                node.set_device(Some(1 + index));
+                node.set_host(Some(index));
+            })
+        })
+        .collect();
+    assert_eq!(tree.node(parent).device_children, COUNT_SATURATED);
+    assert_eq!(tree.device_child_count(parent), 65_537);
+    assert_eq!(tree.upper_child_count(parent), 65_537);
+    tree.check().unwrap();
+    // All but two children leave the device, then all but one the host tier (storage-only):
+    // each count falls through saturation to an exact count.
+    for &child in &children[2..] {
+        tree.update(child, |node| {
+            node.set_device(None);
+            node.set_state(NodeState::Host);
+        });
+    }
+    assert_eq!(tree.node(parent).device_children, 2);
+    for &child in &children[1..] {
+        tree.update(child, |node| {
+            node.set_device(None);
+            node.set_host(None);
+            node.set_state(NodeState::Storage);
+            node.set_stored(true);
+        });
+    }
+    assert_eq!(tree.node(parent).device_children, 1);
+    assert_eq!(tree.node(parent).upper_children, 1);
+    assert!(tree.first_device_candidate() != Some(parent));
+    tree.check().unwrap();
+    tree.update(children[0], |node| {
+        node.set_device(None);
+        node.set_state(NodeState::Host);
+    });
+    assert_eq!(tree.node(parent).device_children, 0);
+    assert!(tree.is_device_candidate(parent), "its last device child left");
+    tree.check().unwrap();
+}
