@@ -127,31 +127,16 @@ impl CacheManager {
                     let &(block, claimed_from) =
                         blocks.next().expect("a block was taken per swap-in");
                     let &host = host_blocks.next().expect("a host block was taken per load");
-                    let (load, transfer) = self.start_load(id, host, block);
-                    swap_in = Some(transfer);
                     scratch.after.extend(claimed_from);
-                    if !scratch.after.contains(&load) {
-                        scratch.after.push(load);
-                        self.wait_on(ticket, load);
-                    }
+                    swap_in =
+                        Some(self.load_storage_hit(id, ticket, host, block, &mut scratch.after));
                     scratch.table.push(block);
                 }
                 NodeState::StorageToHost => {
-                    // Another request's load: wait on it and on the swap-in behind it.
-                    let load =
-                        TransferId(node.transfer().expect("a node in flight names its copy"));
-                    scratch
-                        .table
-                        .push(node.device().expect("a load has its swap-in's destination"));
-                    let then = self.flight_mut(load).and_then(|flight| flight.then);
-                    let then = then.expect("a load names the swap-in behind it");
+                    let (device, load) = self.share_load(id, ticket, &mut scratch.after);
                     // This request's own loads, below, go after it.
                     scratch.loads_before.push(load);
-                    self.wait_on(ticket, load);
-                    self.wait_on(ticket, then);
-                    if !scratch.after.contains(&then) {
-                        scratch.after.push(then);
-                    }
+                    scratch.table.push(device);
                 }
                 state @ (NodeState::SwapToHost(SwapOut::Evict | SwapOut::Claimed)
                 | NodeState::HostToStorage(_)) => {
@@ -193,5 +178,49 @@ impl CacheManager {
         self.scratch = scratch;
         let record = &self.requests[&request];
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
+    }
+
+    /// Storage hit `id` (module flow, step 4): a LOAD into `host` (a host block, with the STORE
+    /// still reading it if claimed from one), then a swap-in into `device` behind it; the ticket
+    /// and the request's swap-in (`after`) wait for the LOAD. Returns the swap-in. Out of line:
+    /// a cache without a storage tier never comes here.
+    #[inline(never)]
+    fn load_storage_hit(
+        &mut self,
+        id: NodeId,
+        ticket: TicketId,
+        host: (u32, Option<TransferId>),
+        device: u32,
+        after: &mut Vec<TransferId>,
+    ) -> TransferId {
+        let (load, swap_in) = self.start_load(id, host, device);
+        if !after.contains(&load) {
+            after.push(load);
+            self.wait_on(ticket, load);
+        }
+        swap_in
+    }
+
+    /// A hit on node `id`, which another request's LOAD is bringing up: the ticket waits on that
+    /// LOAD and on the swap-in behind it, and so does the request's own swap-in (`after`).
+    /// Returns the node's device block and the LOAD.
+    #[inline(never)]
+    fn share_load(
+        &mut self,
+        id: NodeId,
+        ticket: TicketId,
+        after: &mut Vec<TransferId>,
+    ) -> (u32, TransferId) {
+        let node = self.tree.node(id);
+        let load = TransferId(node.transfer().expect("a node in flight names its copy"));
+        let device = node.device().expect("a load has its swap-in's destination");
+        let then = self.flight_mut(load).and_then(|flight| flight.then);
+        let then = then.expect("a load names the swap-in behind it");
+        self.wait_on(ticket, load);
+        self.wait_on(ticket, then);
+        if !after.contains(&then) {
+            after.push(then);
+        }
+        (device, load)
     }
 }

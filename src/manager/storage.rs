@@ -71,6 +71,7 @@ impl CacheManager {
 
     /// Starts writing `host_block`, node `id`'s host copy, to a reserved storage block (module
     /// flow, write step 2), within the current operation's STORE.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn start_store(
         &mut self,
         id: NodeId,
@@ -107,6 +108,7 @@ impl CacheManager {
     /// Starts loading storage node `id` into `host_block`, and its swap-in from there into
     /// `device_block` behind the load (module flow, read step 1), within the current operation's
     /// LOAD and swap-in. Returns (LOAD, swap-in).
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn start_load(
         &mut self,
         id: NodeId,
@@ -135,6 +137,7 @@ impl CacheManager {
 
     /// Write-through: issues the queued STOREs of nodes settled on host (module flow), as far as
     /// the tier has room.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn issue_stores(&mut self) {
         let mut queue = std::mem::take(&mut self.pending_stores);
         for &id in &queue {
@@ -167,6 +170,7 @@ impl CacheManager {
     }
 
     /// Applies a STORE's outcome to node `id`, attached to it (module flow, write step 3).
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn store_completed(&mut self, id: NodeId, landed: bool) {
         let NodeState::HostToStorage(mode) = self.tree.node(id).state() else {
             unreachable!("a node attached to a STORE is being stored")
@@ -195,6 +199,7 @@ impl CacheManager {
 
     /// Applies a LOAD's outcome to node `id`, attached to it (module flow, read steps 2 and 3).
     /// `swap_in` is the copy behind the LOAD, unissued until the LOAD completes.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn load_completed(&mut self, id: NodeId, swap_in: TransferId, landed: bool) {
         if landed {
             self.stats.loaded_blocks += 1;
@@ -218,6 +223,7 @@ impl CacheManager {
 
     /// Drops the storage-only nodes whose LOAD failed, with the storage-only nodes below them,
     /// once no request holds them (`poll`); those still held wait.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn drop_unloadable(&mut self) {
         let mut waiting = std::mem::take(&mut self.unloadable);
         waiting.retain(|&(id, hash)| {
@@ -259,6 +265,7 @@ impl CacheManager {
 
     /// LOAD `failed` failed: the LOADs ordered after it (of blocks below its blocks), unissued,
     /// are cancelled, their nodes `Storage` again and their tickets failed, and so on below.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn cancel_loads_after(
         &mut self,
         failed: TransferId,
@@ -304,6 +311,7 @@ impl CacheManager {
     /// Takes node `id`, loading, back to `Storage` while its LOAD is still in flight: a swap-in
     /// above it failed, so device residency must end above it. The LOAD keeps writing the host
     /// block, so the block stays reserved by it until it completes; the node is detached.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn abandon_load(&mut self, id: NodeId) {
         let load =
             TransferId(self.tree.node(id).transfer().expect("a node in flight names its copy"));
@@ -423,6 +431,7 @@ impl CacheManager {
 
     /// Node `id` was just committed: the stored blocks waiting for it as their parent join the
     /// tree under it, and theirs under them.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn adopt_orphans_under(&mut self, id: NodeId) {
         let mut stack = vec![id];
         while let Some(parent) = stack.pop() {
