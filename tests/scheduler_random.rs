@@ -529,6 +529,23 @@ fn random_operations_keep_every_invariant_with_a_write_through_storage_tier_and_
 }
 
 #[test]
+fn random_operations_keep_every_invariant_with_a_selective_write_through_storage_tier() {
+    let config = CacheConfig::new(BLOCK_TOKENS as u32, 10)
+        .with_host_blocks(12)
+        .with_storage_blocks(30)
+        .with_storage_write_policy(StorageWritePolicy::WriteThroughSelective { threshold: 2 });
+    for config in every_policy(config) {
+        let mut engine = Engine::new(config, 8, 3, 6, false);
+        engine.completion_percent = 20;
+        engine.vanish_percent = 1;
+        let engine = run_engine(engine, STEPS);
+        let counters = engine.cache.stats().counters;
+        assert!(counters.hits.storage_blocks > 100 && counters.stored_blocks > 100, "{counters:?}");
+        assert!(engine.hits_checked > 500, "{} hits checked", engine.hits_checked);
+    }
+}
+
+#[test]
 fn random_operations_hit_exactly_the_committed_prefixes_when_nothing_is_evicted() {
     // Two tokens, two-token blocks and prompts of at most four blocks: at most 340 distinct
     // blocks, plus what live requests own, fit in 600 device blocks, so nothing is ever evicted.

@@ -216,3 +216,37 @@ fn stored_blocks_found_at_start_join_the_tree_at_once_or_when_their_parent_is_co
     assert_eq!(cache.storage_used_blocks(), 3);
     check(&cache);
 }
+
+/// Serves a workload whose prompts come back (so that blocks gather hits) through a small device
+/// and host tier over storage, under `policy`; returns the manager after the last request.
+fn serve_recurring_prompts(policy: StorageWritePolicy) -> CacheManager {
+    let config = CacheConfig::new(BLOCK_TOKENS, 4)
+        .with_host_blocks(2)
+        .with_storage_blocks(16)
+        .with_storage_write_policy(policy);
+    let mut cache = manager(config);
+    // Prompt k is blocks [k, k + 100, k + 200]; prompts 0 and 1 come back often, the others once.
+    let order = [0u128, 1, 2, 0, 3, 1, 4, 0, 5, 1, 6, 0, 7, 1];
+    for (id, &k) in order.iter().enumerate() {
+        cache.poll();
+        complete_all(&mut cache);
+        serve(&mut cache, id as u64, &hashes(&[k, k + 100, k + 200]));
+        check(&cache);
+    }
+    cache
+}
+
+#[test]
+fn selective_write_through_stores_at_once_only_the_blocks_with_enough_hits() {
+    let counters = |policy| serve_recurring_prompts(policy).stats().counters;
+    let selective = |threshold| StorageWritePolicy::WriteThroughSelective { threshold };
+    // The two ends: a threshold every block meets is write-through, one none meets write-back.
+    assert_eq!(counters(selective(1)), counters(StorageWritePolicy::WriteThrough));
+    assert_eq!(counters(selective(65_535)), counters(StorageWritePolicy::WriteBack));
+    // In between, blocks of the recurring prompts are stored as they settle on host (their later
+    // eviction from host costs no write), the others are written back when they leave.
+    let through = counters(StorageWritePolicy::WriteThrough).evictions.host_to_storage_metadata;
+    let back = counters(StorageWritePolicy::WriteBack).evictions.host_to_storage_metadata;
+    let between = counters(selective(2)).evictions.host_to_storage_metadata;
+    assert!(back < between && between < through, "{back} < {between} < {through}");
+}

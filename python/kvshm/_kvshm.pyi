@@ -155,7 +155,7 @@ class Service:
         command_ring_slots: int = 4096,
         completion_ring_slots: int = 256,
         storage_blocks: int = 0,
-        storage_write_policy: Literal["write_back", "write_through"] = "write_back",
+        storage_write_policy: str = "write_back",
     ) -> None:
         """``storage_blocks`` (per rank) puts a storage tier below the host tier: start each
         worker with ``--storage disk:DIR`` (and ``--storage-blocks``, at least this many) or

@@ -79,7 +79,8 @@ pub struct Args {
     /// The storage namespace: runs that should share blocks use the same one.
     #[arg(long, default_value = crate::storage::spec::DEFAULT_NAMESPACE)]
     storage_namespace: String,
-    /// When host blocks are written to storage: write_back or write_through.
+    /// When host blocks are written to storage: write_back (on host eviction), write_through, or
+    /// write_through_selective:T (blocks with at least T hits written through).
     #[arg(long, default_value_t = StorageWritePolicy::WriteBack)]
     storage_write_policy: StorageWritePolicy,
     /// Model layers (a block holds K and V of each: 2 regions per layer).

@@ -57,7 +57,8 @@ pub struct Args {
     /// complete at once, as the copies between device and host do.
     #[arg(long, default_value_t = 0)]
     pub storage_blocks: u32,
-    /// When host blocks are written to storage: write_back (on host eviction) or write_through.
+    /// When host blocks are written to storage: write_back (on host eviction), write_through, or
+    /// write_through_selective:T (blocks with at least T hits written through).
     #[arg(long, default_value_t = StorageWritePolicy::WriteBack)]
     pub storage_write_policy: StorageWritePolicy,
     /// Also replay a plain LRU cache of device + host + storage blocks (the reference the tiers

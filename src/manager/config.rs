@@ -39,36 +39,60 @@ pub enum StorageWritePolicy {
     /// Every block that settles in the host tier is also written at once (by `poll`), so that
     /// its later eviction from host costs no write.
     WriteThrough,
+    /// As `WriteThrough`, for the blocks that settle in the host tier with at least `threshold`
+    /// hits (as the host tier's selective policy); the others are written back when they leave.
+    WriteThroughSelective { threshold: u32 },
 }
 
 impl StorageWritePolicy {
-    pub fn name(self) -> &'static str {
+    /// Whether a block that settles in the host tier with `hits` hits is written at once.
+    pub(crate) fn writes_through(self, hits: u32) -> bool {
         match self {
-            StorageWritePolicy::WriteBack => "write_back",
-            StorageWritePolicy::WriteThrough => "write_through",
+            StorageWritePolicy::WriteBack => false,
+            StorageWritePolicy::WriteThrough => true,
+            StorageWritePolicy::WriteThroughSelective { threshold } => hits >= threshold,
         }
     }
 }
 
 impl std::fmt::Display for StorageWritePolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        match self {
+            StorageWritePolicy::WriteBack => f.write_str("write_back"),
+            StorageWritePolicy::WriteThrough => f.write_str("write_through"),
+            StorageWritePolicy::WriteThroughSelective { threshold } => {
+                write!(f, "write_through_selective:{threshold}")
+            }
+        }
     }
 }
 
 /// A storage write policy name that is not known.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown storage write policy {0:?} (known: write_back, write_through)")]
+#[error(
+    "unknown storage write policy {0:?} (known: write_back, write_through, \
+     write_through_selective:T with T >= 1)"
+)]
 pub struct ParseStorageWritePolicyError(pub String);
 
 impl std::str::FromStr for StorageWritePolicy {
     type Err = ParseStorageWritePolicyError;
 
     fn from_str(name: &str) -> Result<Self, Self::Err> {
+        let unknown = || ParseStorageWritePolicyError(name.to_owned());
         match name {
             "write_back" => Ok(StorageWritePolicy::WriteBack),
             "write_through" => Ok(StorageWritePolicy::WriteThrough),
-            _ => Err(ParseStorageWritePolicyError(name.to_owned())),
+            _ => {
+                let threshold =
+                    name.strip_prefix("write_through_selective:").ok_or_else(unknown)?;
+                match threshold.parse::<u32>() {
+                    Ok(threshold) if threshold >= 1 => {
+                        Ok(StorageWritePolicy::WriteThroughSelective { threshold })
+                    }
+                    _ => Err(unknown()),
+                }
+            }
         }
     }
 }
@@ -138,6 +162,14 @@ impl CacheConfig {
             }
         }
         if let WritePolicy::WriteThroughSelective { threshold } = self.write_policy {
+            if threshold == 0 {
+                return Err(ConfigError::ZeroThreshold);
+            }
+            if threshold > MAX_HIT_THRESHOLD {
+                return Err(ConfigError::ThresholdTooHigh { threshold, max: MAX_HIT_THRESHOLD });
+            }
+        }
+        if let StorageWritePolicy::WriteThroughSelective { threshold } = self.storage_write_policy {
             if threshold == 0 {
                 return Err(ConfigError::ZeroThreshold);
             }
@@ -252,10 +284,29 @@ mod tests {
         let config = CacheConfig::new(16, 4).with_storage_blocks(8);
         assert_eq!(config.validate(), Err(ConfigError::StorageWithoutHost { storage_blocks: 8 }));
         assert_eq!(config.with_host_blocks(2).validate(), Ok(()));
-        for policy in [StorageWritePolicy::WriteBack, StorageWritePolicy::WriteThrough] {
+        for policy in [
+            StorageWritePolicy::WriteBack,
+            StorageWritePolicy::WriteThrough,
+            StorageWritePolicy::WriteThroughSelective { threshold: 2 },
+        ] {
             assert_eq!(policy.to_string().parse::<StorageWritePolicy>(), Ok(policy));
         }
-        assert!("write_through_selective:2".parse::<StorageWritePolicy>().is_err());
+        for bad in ["write_through_selective:0", "write_through_selective:", "sometimes"] {
+            assert!(bad.parse::<StorageWritePolicy>().is_err(), "{bad}");
+        }
+        let selective = |threshold| {
+            CacheConfig::new(16, 4)
+                .with_host_blocks(2)
+                .with_storage_blocks(8)
+                .with_storage_write_policy(StorageWritePolicy::WriteThroughSelective { threshold })
+                .validate()
+        };
+        assert_eq!(selective(3), Ok(()));
+        assert_eq!(selective(0), Err(ConfigError::ZeroThreshold));
+        assert_eq!(
+            selective(70_000),
+            Err(ConfigError::ThresholdTooHigh { threshold: 70_000, max: 65_535 })
+        );
         let json = serde_json::to_value(CacheConfig::new(16, 4)).unwrap();
         assert_eq!(
             (json["storage_blocks"].as_u64(), json["storage_write_policy"].as_str()),

@@ -43,7 +43,7 @@ impl Evictions {
 }
 
 /// What the manager counts as it works; part of every [`CacheStats`].
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct CacheCounters {
     /// `match_prefix` calls and the blocks they asked about.
     pub matches: u64,

@@ -159,11 +159,13 @@ impl CacheManager {
         self.pending_stores = queue;
     }
 
-    /// Queues node `id`, just settled on host, for a write-through STORE.
+    /// Queues node `id`, just settled on host, for a write-through STORE (every such node, or
+    /// under the selective policy those with enough hits).
     pub(super) fn settled_on_host(&mut self, id: NodeId) {
+        let node = self.tree.node(id);
         if self.storage_enabled()
-            && self.config.storage_write_policy == super::StorageWritePolicy::WriteThrough
-            && !self.tree.node(id).stored()
+            && self.config.storage_write_policy.writes_through(node.hit_count())
+            && !node.stored()
         {
             self.pending_stores.push(id);
         }
