@@ -297,8 +297,10 @@ impl CacheManager {
                         self.release_host_block(&flight.after, pair.src);
                     }
                 }
+                // Reserved host blocks came from abandoned loads, whose blocks may also have been
+                // claimed from a STORE still reading them: freed only once it has read them.
                 for &block in &flight.reserved_host {
-                    self.free_host(block);
+                    self.release_host_block(&flight.after, block);
                 }
                 for &block in &flight.reserved_device {
                     self.free_device(block);
