@@ -250,3 +250,28 @@ fn selective_write_through_stores_at_once_only_the_blocks_with_enough_hits() {
     let between = counters(selective(2)).evictions.host_to_storage_metadata;
     assert!(back < between && between < through, "{back} < {between} < {through}");
 }
+
+#[test]
+fn a_recomputed_block_found_on_storage_takes_the_requests_copy_and_its_decode_blocks_follow() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    assert_eq!(cache.cached_prefix(&first).storage_blocks, 2);
+    // The same block-aligned prompt again, with two blocks of output: its first block hits on
+    // storage, its last is recomputed (the last-token rule) though the tier holds it.
+    let request = RequestId(40);
+    let prompt = first.len() * BLOCK_TOKENS as usize;
+    let found = cache.match_prefix(request, &first, prompt).unwrap();
+    assert_eq!(found.storage_blocks, 1);
+    let output = 2 * BLOCK_TOKENS as usize;
+    cache.allocate(request, prompt - found.cached_tokens + output, 0).unwrap();
+    complete_all(&mut cache);
+    let mut all = first.clone();
+    all.extend(hashes(&[3, 4]));
+    cache.commit(request, prompt + output, &all).unwrap();
+    check(&cache);
+    cache.finish(request).unwrap();
+    check(&cache);
+    let now = cache.cached_prefix(&all);
+    assert_eq!(now.blocks(), 4, "the decode blocks are cached under the prompt: {now:?}");
+    assert_eq!(now.device_blocks, 4, "{now:?}");
+}

@@ -6,7 +6,10 @@
 //!    node and keeps its own copy privately until it ends, so one copy stays cached;
 //! 3. cached on host only: the request's copy becomes the node's device copy (the host copy stays
 //!    as a backup);
-//! 4. cached but in flight: the commit stops here; the rest stays the request's own.
+//! 4. cached on storage only: the same, the storage copy staying (a block-aligned prompt
+//!    recomputes its last block, often one that went down to storage, and its decode blocks go
+//!    on under it);
+//! 5. cached but in flight: the commit stops here; the rest stays the request's own.
 //!
 //! A block is inserted only under a parent with a valid device copy, so device residency stays
 //! prefix-closed.
@@ -120,7 +123,7 @@ impl CacheManager {
                         done.duplicates += 1;
                         existing
                     }
-                    NodeState::Host if parent_valid => {
+                    NodeState::Host | NodeState::Storage if parent_valid => {
                         tree.update(existing, |node| {
                             node.set_device(Some(block));
                             node.set_state(NodeState::Device);
