@@ -360,7 +360,9 @@ pub struct ReferenceLru {
 /// Replays `requests` through a plain LRU cache of `capacity` blocks, one tier, no copies, under
 /// the replay's rules: only full prompt blocks are cached, a request hits the leading blocks it
 /// finds, at most `(input_length - 1) / block_tokens` of them (the last-token rule), then every
-/// full block of its prompt is used, in order, the least recently used blocks leaving first. A
+/// full block of its prompt is used, the least recently used blocks leaving first. A prompt's
+/// blocks are used from its last to its first, so that its head is the most recent and its tail
+/// leaves first (evicting a head first would leave the blocks after it unreachable). A
 /// trace's block id names its whole prefix (Mooncake ids are chained), so blocks are keyed by id.
 ///
 /// Written on its own (an index map and a recency list in a slab), sharing nothing with the
@@ -401,7 +403,7 @@ pub fn reference_lru(
         hit_blocks += hits as u64;
         input_tokens += request.input_length as u64;
         hit_tokens += (hits * block_tokens) as u64;
-        for &id in full {
+        for &id in full.iter().rev() {
             let slot = match index.get(&id) {
                 Some(&slot) => {
                     unlink(&mut slab, slot, &mut oldest, &mut newest);
@@ -578,13 +580,17 @@ mod tests {
         let trace = [
             request(1100, &[0, 1, 2]), // caches 0 and 1 (2 is partial)
             request(1100, &[0, 1, 2]), // hits 0 and 1
-            request(1100, &[5, 6, 7]), // with room for 3: 0 goes, then 1
-            request(1100, &[0, 1, 2]), // 0 is gone: nothing hits
+            request(1100, &[5, 6, 7]), // with room for 3: the tail 1 goes, the head 0 stays
+            request(1100, &[0, 1, 2]), // 0 hits, 1 is gone
             request(1024, &[0, 1]),    // block-aligned: at most 1 may hit
         ];
         let reference = reference_lru(&trace, 512, 3);
-        assert_eq!((reference.capacity_blocks, reference.hit_blocks), (3, 3));
-        assert_eq!(reference.hit_tokens, 3 * 512);
+        assert_eq!((reference.capacity_blocks, reference.hit_blocks), (3, 4));
+        assert_eq!(reference.hit_tokens, 4 * 512);
+        // A prompt's tail leaves before its head: the head and what follows it still hit.
+        let tail_first =
+            [request(1537, &[0, 1, 2]), request(513, &[5]), request(2049, &[0, 1, 2, 9])];
+        assert_eq!(reference_lru(&tail_first, 512, 3).hit_blocks, 2);
         let roomy = reference_lru(&trace, 512, 100);
         assert_eq!(roomy.hit_blocks, 2 + 2 + 1);
         assert_eq!(reference_lru(&trace, 512, 0).hit_blocks, 0);
