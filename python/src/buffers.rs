@@ -42,12 +42,7 @@ impl U32Array {
     }
 
     fn __getitem__(&self, index: isize) -> PyResult<u32> {
-        let len = self.values.len() as isize;
-        let position = if index < 0 { index + len } else { index };
-        if !(0..len).contains(&position) {
-            return Err(PyIndexError::new_err(format!("index {index} out of range 0..{len}")));
-        }
-        Ok(self.values[position as usize])
+        Ok(self.values[sequence_index(index, self.values.len())?])
     }
 
     fn tolist(&self) -> Vec<u32> {
@@ -114,12 +109,7 @@ impl BlockHashes {
 
     /// The hash of block `index` as an int.
     fn __getitem__(&self, index: isize) -> PyResult<u128> {
-        let len = self.hashes.len() as isize;
-        let position = if index < 0 { index + len } else { index };
-        if !(0..len).contains(&position) {
-            return Err(PyIndexError::new_err(format!("index {index} out of range 0..{len}")));
-        }
-        Ok(self.hashes[position as usize].0)
+        Ok(self.hashes[sequence_index(index, self.hashes.len())?].0)
     }
 
     fn tolist(&self) -> Vec<u128> {
@@ -214,6 +204,16 @@ unsafe fn fill_readonly_view(
 }
 
 /// Integers from a buffer of any integer type or a sequence of ints, as i128 for range checks.
+/// Position `index` of a sequence of `len` items, counted from the end when negative, as
+/// Python's sequences do; an `IndexError` past either end.
+fn sequence_index(index: isize, len: usize) -> PyResult<usize> {
+    let position = if index < 0 { index.checked_add_unsigned(len) } else { Some(index) };
+    match position.and_then(|position| usize::try_from(position).ok()) {
+        Some(position) if position < len => Ok(position),
+        _ => Err(PyIndexError::new_err(format!("index {index} out of range 0..{len}"))),
+    }
+}
+
 fn read_integers(object: &Bound<'_, PyAny>) -> PyResult<Vec<i128>> {
     let py = object.py();
     macro_rules! try_buffer {

@@ -11,7 +11,8 @@ use kvshm::manager::{
     CacheConfig, MatchError, RequestId, StorageWritePolicy, TicketId, TicketStatus, WritePolicy,
 };
 use kvshm::service::{
-    Backend, SegmentName, Service as RustService, ServiceConfig, ServiceError, WaitError,
+    Backend, BlockAccessError, SegmentName, Service as RustService, ServiceConfig, ServiceError,
+    WaitError,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -131,6 +132,21 @@ pub struct Service {
 impl Service {
     fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Option<RustService>> {
         waiting::lock(py, &self.inner)
+    }
+
+    /// One region of `rank`'s memory as bytes, read by `read` (a device or a host region).
+    fn read_region<'py>(
+        &self,
+        py: Python<'py>,
+        rank: u32,
+        read: impl FnOnce(&kvshm::service::RankMemory, &mut [u8]) -> Result<(), BlockAccessError>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut guard = self.lock(py);
+        let service = open(&mut guard)?;
+        let mut bytes = vec![0; service.geometry().region_bytes() as usize];
+        read(memory(service, rank)?, &mut bytes)
+            .map_err(|error| PyValueError::new_err(error.to_string()))?;
+        Ok(PyBytes::new(py, &bytes))
     }
 }
 
@@ -481,13 +497,7 @@ impl Service {
         block: u32,
         region: u32,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mut guard = self.lock(py);
-        let service = open(&mut guard)?;
-        let mut bytes = vec![0; service.geometry().region_bytes() as usize];
-        memory(service, rank)?
-            .read_device_region(block, region, &mut bytes)
-            .map_err(|error| PyValueError::new_err(error.to_string()))?;
-        Ok(PyBytes::new(py, &bytes))
+        self.read_region(py, rank, |memory, bytes| memory.read_device_region(block, region, bytes))
     }
 
     /// One region of a host block, as bytes.
@@ -498,13 +508,7 @@ impl Service {
         block: u32,
         region: u32,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mut guard = self.lock(py);
-        let service = open(&mut guard)?;
-        let mut bytes = vec![0; service.geometry().region_bytes() as usize];
-        memory(service, rank)?
-            .read_host_region(block, region, &mut bytes)
-            .map_err(|error| PyValueError::new_err(error.to_string()))?;
-        Ok(PyBytes::new(py, &bytes))
+        self.read_region(py, rank, |memory, bytes| memory.read_host_region(block, region, bytes))
     }
 
     /// Removes the segment and stops serving (workers then exit). Idempotent.
