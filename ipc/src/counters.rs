@@ -82,11 +82,21 @@ pub enum Counter {
     StorageBlocksUsed,
     /// Queried blocks that hit on the storage tier.
     StorageHitBlocks,
+    /// Blocks FORGET commands told the workers' back-ends the scheduler dropped (per rank, summed).
+    StorageForgottenBlocks,
+    /// Prefetch calls that started work (a LOAD or a QUERY) and got a ticket.
+    Prefetches,
+    /// Blocks prefetches loaded from storage into host blocks, issued.
+    PrefetchLoadBlocks,
+    /// Blocks prefetches found on a shared storage tier by QUERY and adopted.
+    PrefetchFoundBlocks,
+    /// Blocks whose prefetch LOAD failed (storage-only again).
+    PrefetchFailedBlocks,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 44] = [
+    pub const ALL: [Counter; 49] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -131,6 +141,11 @@ impl Counter {
         Counter::StorageBlocksTotal,
         Counter::StorageBlocksUsed,
         Counter::StorageHitBlocks,
+        Counter::StorageForgottenBlocks,
+        Counter::Prefetches,
+        Counter::PrefetchLoadBlocks,
+        Counter::PrefetchFoundBlocks,
+        Counter::PrefetchFailedBlocks,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -180,6 +195,11 @@ impl Counter {
             Counter::StorageBlocksTotal => "storage_blocks_total",
             Counter::StorageBlocksUsed => "storage_blocks_used",
             Counter::StorageHitBlocks => "storage_hit_blocks",
+            Counter::StorageForgottenBlocks => "storage_forgotten_blocks",
+            Counter::Prefetches => "prefetches",
+            Counter::PrefetchLoadBlocks => "prefetch_load_blocks",
+            Counter::PrefetchFoundBlocks => "prefetch_found_blocks",
+            Counter::PrefetchFailedBlocks => "prefetch_failed_blocks",
         }
     }
 
@@ -208,7 +228,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::StorageHitBlocks as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::PrefetchFailedBlocks as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

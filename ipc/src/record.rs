@@ -56,6 +56,9 @@ pub enum Op {
     StorageLoad = 6,
     /// Ask which blocks the storage tier holds (metadata only: no block bytes move).
     StorageQuery = 7,
+    /// Tell the storage tier that the scheduler no longer counts these blocks (fire-and-forget):
+    /// a tier that owns its room (disk) frees them; a shared one (Redis) keeps them.
+    StorageForget = 8,
 }
 
 impl Op {
@@ -69,6 +72,7 @@ impl Op {
             5 => Some(Op::StorageStore),
             6 => Some(Op::StorageLoad),
             7 => Some(Op::StorageQuery),
+            8 => Some(Op::StorageForget),
             _ => None,
         }
     }
@@ -79,7 +83,10 @@ impl Op {
 
     /// Whether the command goes to the storage tier (its payload slots hold storage entries).
     pub fn is_storage(self) -> bool {
-        matches!(self, Op::StorageStore | Op::StorageLoad | Op::StorageQuery)
+        matches!(
+            self,
+            Op::StorageStore | Op::StorageLoad | Op::StorageQuery | Op::StorageForget
+        )
     }
 }
 

@@ -1,4 +1,4 @@
-//! The records of storage commands: what travels behind a STORE, LOAD or QUERY header, and how
+//! The records of storage commands: what travels behind a STORE, LOAD, QUERY or FORGET header, and how
 //! the per-block results come back inside the 32-byte completion.
 //!
 //! Core types: [`StorageEntry`] (one block of a storage command, one 64-byte ring slot),
@@ -14,7 +14,7 @@
 //!    entries, refusing a count that is not a whole number of entries or too large;
 //! 3. the worker's storage thread runs the command and answers with an OK completion whose
 //!    `detail` is a [`StorageResults`]: bit `i` of the low word says entry `i` hit (LOAD), was
-//!    stored (STORE) or is present (QUERY); bit `i` of the high word says that entry `i` missed
+//!    stored (STORE), is present (QUERY) or is forgotten (FORGET); bit `i` of the high word says that entry `i` missed
 //!    because the storage tier failed (error, timeout, unreachable, full), not because the block
 //!    is absent, so the scheduler can tell "not there" from "could not tell".
 //!
@@ -33,7 +33,7 @@ use crate::record::{BlockPair, CommandHeader, CommandSlot, PAIRS_PER_SLOT};
 /// The most entries one storage command carries (the width of each result map).
 pub const MAX_STORAGE_ENTRIES: usize = 32;
 
-/// The host block field of a QUERY entry, which names no host block.
+/// The host block field of a QUERY or FORGET entry, which names no host block.
 pub const NO_HOST_BLOCK: u32 = u32::MAX;
 
 /// One block of a storage command, as it lies in one ring slot.
@@ -46,7 +46,8 @@ pub struct StorageEntry {
     /// block), low word first. Stored with the block so that a restarted scheduler can rebuild
     /// the prefix chain from the storage index.
     pub parent: [u64; 2],
-    /// The host block read from (STORE) or written into (LOAD); [`NO_HOST_BLOCK`] for QUERY.
+    /// The host block read from (STORE) or written into (LOAD); [`NO_HOST_BLOCK`] for QUERY and
+    /// FORGET.
     pub host_block: u32,
     /// The block's position in its prefix (0: the first block).
     pub depth: u32,
@@ -162,7 +163,8 @@ pub fn entries_from_pairs(
 /// The per-entry results of a storage command, carried in its completion's `detail`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct StorageResults {
-    /// Bit `i`: entry `i` hit (LOAD), was stored (STORE) or is present (QUERY).
+    /// Bit `i`: entry `i` hit (LOAD), was stored (STORE), is present (QUERY) or was forgotten
+    /// (FORGET).
     pub done: u32,
     /// Bit `i`: entry `i` missed because the storage tier failed, not because it is absent.
     pub failed: u32,

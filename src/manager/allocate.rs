@@ -132,6 +132,17 @@ impl CacheManager {
                         Some(self.load_storage_hit(id, ticket, host, block, &mut scratch.after));
                     scratch.table.push(block);
                 }
+                NodeState::StorageToHost if node.device().is_none() => {
+                    // A prefetch brings it to host: this request's swap-in follows its LOAD.
+                    let &(block, claimed_from) =
+                        blocks.next().expect("a block was taken per swap-in");
+                    scratch.after.extend(claimed_from);
+                    let (load, follow) =
+                        self.follow_prefetch_load(id, ticket, block, &mut scratch.after);
+                    swap_in = Some(follow);
+                    scratch.loads_before.push(load);
+                    scratch.table.push(block);
+                }
                 NodeState::StorageToHost => {
                     let (device, load) = self.share_load(id, ticket, &mut scratch.after);
                     // This request's own loads, below, go after it.
@@ -214,8 +225,10 @@ impl CacheManager {
         let node = self.tree.node(id);
         let load = TransferId(node.transfer().expect("a node in flight names its copy"));
         let device = node.device().expect("a load has its swap-in's destination");
-        let then = self.flight_mut(load).and_then(|flight| flight.then);
-        let then = then.expect("a load names the swap-in behind it");
+        let then = self.flight(load).and_then(|flight| flight.then);
+        let then = self
+            .swap_in_behind(load, then, id)
+            .expect("a node with a device block being loaded has a swap-in behind it");
         self.wait_on(ticket, load);
         self.wait_on(ticket, then);
         if !after.contains(&then) {

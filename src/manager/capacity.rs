@@ -107,6 +107,10 @@ impl CacheManager {
             match self.tree.node(id).state() {
                 NodeState::Host => swap_ins += 1,
                 NodeState::Storage => loads += 1,
+                // A prefetch brings it to host; it needs a device block to go on.
+                NodeState::StorageToHost => {
+                    swap_ins += usize::from(self.tree.node(id).device().is_none());
+                }
                 _ => {}
             }
         }

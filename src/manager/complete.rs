@@ -42,9 +42,12 @@ impl CacheManager {
         if outcome.is_err() {
             self.stats.failed_transfers += 1;
         }
-        for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
+        for (index, (pair, &node)) in flight.pairs.iter().zip(&flight.nodes).enumerate() {
             let attached = self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
             if !attached {
+                if flight.kind.is_storage() {
+                    self.forget_detached(flight.blocks[index].hash);
+                }
                 continue;
             }
             match (flight.kind, outcome.is_ok()) {
@@ -68,7 +71,7 @@ impl CacheManager {
                 (TransferKind::HostToDevice, false) => self.swap_in_failed(node, id),
                 (TransferKind::HostToStorage, landed) => self.store_completed(node, landed),
                 (TransferKind::StorageToHost, landed) => {
-                    let swap_in = flight.then.expect("a load names the swap-in behind it");
+                    let swap_in = self.swap_in_behind(id, flight.then, node);
                     self.load_completed(node, swap_in, landed);
                 }
             }
@@ -99,7 +102,7 @@ impl CacheManager {
             if failure.is_some() {
                 ticket.failure = failure;
             }
-            if let Some(request) = self.requests.get_mut(&ticket.request) {
+            if let Some(request) = ticket.request.and_then(|id| self.requests.get_mut(&id)) {
                 request.failed |= failure.is_some();
                 if ticket.pending == 0 {
                     request.pending_tickets -= 1;

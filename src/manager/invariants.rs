@@ -67,7 +67,19 @@ impl CacheManager {
             if state == NodeState::StorageToHost {
                 let load = TransferId(node.transfer().expect("checked by invariant 6"));
                 let then = self.in_flight.get(&load).and_then(|flight| flight.then);
-                let swap_in = then.and_then(|then| self.in_flight.get(&then));
+                if node.device().is_none() {
+                    // A prefetch LOAD: no swap-in behind it, the node lands on host.
+                    if then.is_some() || node.host().is_none() {
+                        return Err(broken(
+                            6,
+                            format!("{id:?}, loading with no device block, is not a prefetch"),
+                        ));
+                    }
+                    continue;
+                }
+                let swap_in = self
+                    .swap_in_behind(load, then, id)
+                    .and_then(|swap_in| self.in_flight.get(&swap_in));
                 let serves = swap_in.is_some_and(|flight| {
                     !flight.issued
                         && flight.after.contains(&load)
@@ -112,9 +124,13 @@ impl CacheManager {
             let node = self.tree.node(id);
             let owner = || format!("node {id:?} ({})", node.state().name());
             match node.state() {
-                NodeState::Device
-                | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict)
-                | NodeState::StorageToHost => {
+                // Without a device block: a prefetch brings it to host (see `check_storage`).
+                NodeState::StorageToHost => {
+                    if let Some(block) = node.device() {
+                        device.own(block, owner)?;
+                    }
+                }
+                NodeState::Device | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict) => {
                     let block = node
                         .device()
                         .ok_or_else(|| broken(2, format!("{} has no device block", owner())))?;
@@ -325,6 +341,9 @@ impl CacheManager {
                     ));
                 }
             }
+        }
+        for ticket in self.prefetch.query_tickets() {
+            *waits.entry(ticket).or_default() += 1;
         }
         for (ticket_id, ticket) in &self.tickets {
             let expected = waits.get(ticket_id).copied().unwrap_or(0);

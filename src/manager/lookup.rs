@@ -15,10 +15,12 @@
 //! - `Device`, `SwapToHost(backup | evict)` and `SwapToDevice` nodes are device hits (the last
 //!   one waits on the copy already in flight; a hit on an evicting node cancels the eviction);
 //! - `Host` nodes are host hits (a swap-in at allocation);
-//! - `Storage` nodes are storage hits (a load, then a swap-in, at allocation);
+//! - `Storage` nodes are storage hits (a load, then a swap-in, at allocation), and so are
+//!   `StorageToHost` nodes (a LOAD of another request or of a prefetch is bringing them up:
+//!   the allocation shares it, and its swap-in follows it);
 //! - a `SwapToHost(claimed)` node ends the match: its device block already serves another
-//!   request and its host copy is not written yet; so do nodes with a storage copy in flight
-//!   (`HostToStorage`, `StorageToHost`): their one copy in flight is taken.
+//!   request and its host copy is not written yet; so does a node being written to storage
+//!   (`HostToStorage`): its one copy in flight is taken.
 
 use serde::Serialize;
 
@@ -67,10 +69,9 @@ pub(super) fn hit_tier(state: NodeState) -> Option<HitTier> {
         | NodeState::SwapToHost(SwapOut::Backup | SwapOut::Evict)
         | NodeState::SwapToDevice => Some(HitTier::Device),
         NodeState::Host => Some(HitTier::Host),
-        NodeState::Storage => Some(HitTier::Storage),
-        NodeState::SwapToHost(SwapOut::Claimed)
-        | NodeState::HostToStorage(_)
-        | NodeState::StorageToHost => None,
+        // Being loaded (by an allocation or a prefetch): `allocate` shares the LOAD.
+        NodeState::Storage | NodeState::StorageToHost => Some(HitTier::Storage),
+        NodeState::SwapToHost(SwapOut::Claimed) | NodeState::HostToStorage(_) => None,
     }
 }
 

@@ -33,10 +33,12 @@ mod config;
 mod errors;
 mod evict;
 mod finish;
+mod forget;
 pub(crate) mod ids;
 mod invariants;
 mod lookup;
 mod poll;
+mod prefetch;
 mod queries;
 mod rematch;
 mod request;
@@ -57,6 +59,7 @@ pub use errors::{
     PromptError, ResetError, ResizeError, TicketError, UnknownRequest,
 };
 pub use lookup::{Lookup, PrefixMatch};
+pub use prefetch::{PrefetchError, QueryError, StorageQuery, MAX_PREFETCH_TICKETS};
 pub use queries::TransferStage;
 pub use request::RequestId;
 pub use stats::{CacheCounters, CacheStats, Evictions, Hits};
@@ -108,6 +111,15 @@ pub struct CacheManager {
     orphans: std::collections::HashMap<crate::hash::BlockHash, Vec<(crate::hash::BlockHash, u32)>>,
     /// The blocks in `orphans`.
     orphan_count: usize,
+    /// `committed_blocks` past which the blocks in `orphans` are given up (forgotten).
+    orphans_expire_at: u64,
+    /// Hashes of blocks the tree dropped that the storage tier may hold, for the service to
+    /// send in FORGET commands ([`CacheManager::take_forgotten_blocks`]).
+    forgotten: Vec<crate::hash::BlockHash>,
+    /// Prefetch tickets and storage queries in flight.
+    prefetch: prefetch::Prefetches,
+    /// Scratch of `prefetch`: the path walked.
+    scratch_prefetch_path: Vec<NodeId>,
     /// Nodes waiting for a write-through backup (lazily checked: an entry whose node lost its
     /// `backup_queued` flag is skipped).
     pending_backups: Vec<NodeId>,
@@ -170,6 +182,10 @@ impl CacheManager {
             unloadable: Vec::new(),
             orphans: std::collections::HashMap::new(),
             orphan_count: 0,
+            orphans_expire_at: 0,
+            forgotten: Vec::new(),
+            prefetch: prefetch::Prefetches::default(),
+            scratch_prefetch_path: Vec::new(),
             pending_backups: Vec::new(),
             scratch_reclaim: Default::default(),
             scratch: AllocateScratch::default(),
@@ -363,7 +379,7 @@ impl CacheManager {
     fn new_ticket(&mut self, request: RequestId) -> TicketId {
         let id = TicketId(self.next_ticket);
         self.next_ticket += 1;
-        self.tickets.insert(id, Ticket { request, pending: 0, failure: None });
+        self.tickets.insert(id, Ticket { request: Some(request), pending: 0, failure: None });
         id
     }
 
@@ -376,7 +392,7 @@ impl CacheManager {
         if added {
             let record = self.tickets.get_mut(&ticket).expect("a ticket just made is known");
             if record.pending == 0 {
-                if let Some(request) = self.requests.get_mut(&record.request) {
+                if let Some(request) = record.request.and_then(|id| self.requests.get_mut(&id)) {
                     request.pending_tickets += 1;
                 }
             }
@@ -428,10 +444,15 @@ impl CacheManager {
     fn drop_leaf(&mut self, id: NodeId) {
         let node = self.tree.node(id);
         assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
-        let (device, host, state, transfer) =
-            (node.device(), node.host(), node.state(), node.transfer());
+        let (device, host, state, transfer, hash) =
+            (node.device(), node.host(), node.state(), node.transfer(), node.hash());
         if node.stored() || matches!(state, NodeState::HostToStorage(_)) {
             self.storage_used -= 1;
+        }
+        if self.storage_enabled() {
+            // The tier may hold it (stored, or loaded from it once): told to forget it, but a
+            // node whose STORE or LOAD is in flight only once that copy completed (detached).
+            self.forget_dropped(hash, state);
         }
         match state {
             NodeState::Device | NodeState::Host | NodeState::Storage => {
@@ -449,11 +470,10 @@ impl CacheManager {
                 let mut transfer = TransferId(transfer.expect("a node in flight names its copy"));
                 if state == NodeState::StorageToHost {
                     // The swap-in behind the load reads the host block and writes the device
-                    // block, after the load: it keeps both until it completes.
-                    transfer = self
-                        .flight_mut(transfer)
-                        .and_then(|load| load.then)
-                        .expect("a load names the swap-in behind it");
+                    // block, after the load: it keeps both until it completes. A prefetch load
+                    // with no swap-in behind keeps its host block itself.
+                    let then = self.flight(transfer).and_then(|load| load.then);
+                    transfer = self.swap_in_behind(transfer, then, id).unwrap_or(transfer);
                 }
                 let flight = self
                     .flight_mut(transfer)

@@ -5,7 +5,8 @@
 //!    queue (an eviction will copy them in an emergency instead).
 //! 2. Evict ahead of demand until `free_watermark` device blocks are free or on their way.
 //! 3. Issue the pending write-through STOREs of blocks settled on host (storage tier), and drop
-//!    the storage-only blocks whose LOAD failed once no request holds them.
+//!    the storage-only blocks whose LOAD failed once no request holds them, and give up stored
+//!    blocks whose parent never came back (`forget`).
 //!
 //! Completions are applied as they arrive through `complete_transfer`.
 
@@ -25,6 +26,9 @@ impl CacheManager {
         }
         if !self.unloadable.is_empty() {
             self.drop_unloadable();
+        }
+        if !self.orphans.is_empty() {
+            self.expire_orphans();
         }
         self.close_transfers();
     }

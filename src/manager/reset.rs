@@ -26,6 +26,7 @@ impl CacheManager {
             return Err(ResetError::RequestsHoldBlocks { requests: dropped.len() });
         }
         dropped.sort_unstable();
+        self.forget_everything();
         for id in self.outbox.drain(..) {
             if self.in_flight.get(&id).is_some_and(|flight| !flight.issued) {
                 self.in_flight.remove(&id);
@@ -53,7 +54,9 @@ impl CacheManager {
         }
         self.requests.retain(|_, request| !request.holds_anything());
         let requests = &self.requests;
-        self.tickets.retain(|_, ticket| requests.contains_key(&ticket.request));
+        // Prefetch tickets go too: the copies they waited on are forgotten.
+        self.tickets.retain(|_, ticket| ticket.request.is_some_and(|id| requests.contains_key(&id)));
+        self.prefetch.clear();
         self.tree.clear();
         self.pending_backups.clear();
         self.pending_stores.clear();

@@ -77,6 +77,17 @@ pub struct CacheCounters {
     /// Blocks of failed STOREs and LOADs (a miss or an error of the tier).
     pub store_failed_blocks: u64,
     pub load_failed_blocks: u64,
+    /// Prefetch calls that started a LOAD or a QUERY (and returned a ticket).
+    pub prefetches: u64,
+    /// Blocks prefetch LOADs were issued for (also counted in `load_blocks_issued`).
+    pub prefetch_load_blocks: u64,
+    /// Blocks whose prefetch LOAD failed or was cancelled (storage-only again).
+    pub prefetch_failed_blocks: u64,
+    /// Blocks prefetches asked the tier about (QUERY), and those found and adopted.
+    pub prefetch_query_blocks: u64,
+    pub prefetch_found_blocks: u64,
+    /// Stored blocks given up because their parent never came back (forgotten on the tier).
+    pub expired_orphans: u64,
 }
 
 impl CacheCounters {

@@ -182,6 +182,8 @@ impl CacheManager {
         } else {
             self.stats.store_failed_blocks += 1;
             self.storage_used -= 1;
+            // Some rank may have stored it: the tier must not keep what the tree does not count.
+            self.forget_detached(self.tree.node(id).hash());
         }
         let state = match mode {
             StoreOut::Backup => NodeState::Host,
@@ -200,24 +202,48 @@ impl CacheManager {
     }
 
     /// Applies a LOAD's outcome to node `id`, attached to it (module flow, read steps 2 and 3).
-    /// `swap_in` is the copy behind the LOAD, unissued until the LOAD completes.
+    /// `swap_in` is the copy behind the LOAD, unissued until the LOAD completes; `None` for a
+    /// prefetch LOAD no allocation shared (the node lands on host and keeps its storage copy).
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
-    pub(super) fn load_completed(&mut self, id: NodeId, swap_in: TransferId, landed: bool) {
-        if landed {
-            self.stats.loaded_blocks += 1;
-            self.storage_used -= 1;
-            self.tree.update(id, |node| {
-                node.set_state(NodeState::SwapToDevice);
-                node.set_transfer(Some(swap_in.0));
-                node.set_stored(false);
-                node.set_passing_through_host(true);
-            });
-            return;
+    pub(super) fn load_completed(
+        &mut self,
+        id: NodeId,
+        swap_in: Option<TransferId>,
+        landed: bool,
+    ) {
+        match (swap_in, landed) {
+            (Some(swap_in), true) => {
+                self.stats.loaded_blocks += 1;
+                self.storage_used -= 1;
+                self.tree.update(id, |node| {
+                    node.set_state(NodeState::SwapToDevice);
+                    node.set_transfer(Some(swap_in.0));
+                    node.set_stored(false);
+                    node.set_passing_through_host(true);
+                });
+                return;
+            }
+            (None, true) => {
+                self.stats.loaded_blocks += 1;
+                self.tree.update(id, |node| {
+                    node.set_state(NodeState::Host);
+                    node.set_transfer(None);
+                });
+                return;
+            }
+            (Some(swap_in), false) => {
+                self.stats.load_failed_blocks += 1;
+                let host = self.tree.node(id).host().expect("a load has its destination");
+                self.back_to_storage(id, swap_in, None);
+                self.free_host(host);
+            }
+            (None, false) => {
+                self.stats.load_failed_blocks += 1;
+                let host = self.tree.node(id).host().expect("a load has its destination");
+                self.prefetch_back_to_storage(id);
+                self.free_host(host);
+            }
         }
-        self.stats.load_failed_blocks += 1;
-        let host = self.tree.node(id).host().expect("a load has its destination");
-        self.back_to_storage(id, swap_in, None);
-        self.free_host(host);
         // The tier did not give the block back: forget it once no request holds it, so that
         // the request, retried, computes it instead of failing on it again.
         self.unloadable.push((id, self.tree.node(id).hash()));
@@ -286,15 +312,19 @@ impl CacheManager {
             for load in dependents {
                 let flight = self.in_flight.remove(&load).expect("listed just above");
                 assert!(!flight.issued, "a load ordered after one in flight was issued");
-                let swap_in = flight.then.expect("a load names the swap-in behind it");
-                for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
+                for (index, (pair, &node)) in flight.pairs.iter().zip(&flight.nodes).enumerate() {
                     let attached =
                         self.tree.is_live(node) && self.tree.node(node).transfer() == Some(load.0);
                     if attached {
                         self.stats.load_failed_blocks += 1;
-                        self.back_to_storage(node, swap_in, None);
+                        match self.swap_in_behind(load, flight.then, node) {
+                            Some(swap_in) => self.back_to_storage(node, swap_in, None),
+                            None => self.prefetch_back_to_storage(node),
+                        }
                         // Its host block may have been claimed from a STORE still reading it.
                         self.release_host_block(&flight.after, pair.src);
+                    } else {
+                        self.forget_detached(flight.blocks[index].hash);
                     }
                 }
                 // Reserved host blocks came from abandoned loads, whose blocks may also have been
@@ -319,10 +349,10 @@ impl CacheManager {
     pub(super) fn abandon_load(&mut self, id: NodeId) {
         let load =
             TransferId(self.tree.node(id).transfer().expect("a node in flight names its copy"));
+        let then = self.flight(load).and_then(|flight| flight.then);
         let swap_in = self
-            .flight_mut(load)
-            .and_then(|flight| flight.then)
-            .expect("a load names the swap-in behind it");
+            .swap_in_behind(load, then, id)
+            .expect("a node with a device block being loaded has a swap-in behind it");
         self.back_to_storage(id, swap_in, Some(load));
     }
 
@@ -374,8 +404,10 @@ impl CacheManager {
     /// parents before children. A first block (depth 0, parent 0) hangs under the root, a block
     /// whose parent is cached under its parent (if that parent may have storage-only children);
     /// a block whose parent is not cached waits, and joins the tree when its parent is committed
-    /// (a prompt's first blocks are usually hot and never reach storage). Blocks already cached
-    /// and those beyond the tier's capacity are skipped. Returns how many joined the tree now.
+    /// (a prompt's first blocks are usually hot and never reach storage), or is given up once
+    /// as many blocks as the tier holds were committed without its parent. Blocks already cached
+    /// are skipped; those beyond the tier's capacity are skipped and forgotten (a disk slab frees
+    /// them). Returns how many joined the tree now.
     pub fn adopt_stored_blocks(
         &mut self,
         blocks: impl IntoIterator<Item = (BlockHash, BlockHash, u32)>,
@@ -383,10 +415,13 @@ impl CacheManager {
         let mut by_hash: std::collections::HashMap<BlockHash, NodeId> =
             std::collections::HashMap::new();
         let mut adopted = 0;
+        let capacity = self.config.storage_blocks as usize;
         for (hash, parent, depth) in blocks {
-            let known = self.storage_used as usize + self.storage_blocks_waiting_for_parent();
-            if known >= self.config.storage_blocks as usize {
-                break;
+            if self.storage_used as usize >= capacity {
+                // Beyond the tier's capacity: the scheduler will never count it, so the tier
+                // must not keep it either (a disk slab frees it; a shared tier keeps it).
+                self.forget_detached(hash);
+                continue;
             }
             let parent_id = if depth == 0 && parent == BlockHash(0) {
                 Some(NodeId::ROOT)
@@ -394,8 +429,15 @@ impl CacheManager {
                 by_hash.get(&parent).copied().filter(|&id| self.tree.is_live(id))
             };
             let Some(parent_id) = parent_id else {
+                // Orphans do not count against the capacity (they may never join), but there
+                // are never more of them than the tier holds, and they expire (`forget`).
+                if self.orphan_count >= capacity {
+                    self.forget_detached(hash);
+                    continue;
+                }
                 self.orphans.entry(parent).or_default().push((hash, depth));
                 self.orphan_count += 1;
+                self.orphans_expire_at = self.stats.committed_blocks + capacity as u64;
                 continue;
             };
             if let Some(id) = self.adopt_one(parent_id, hash) {
@@ -414,7 +456,7 @@ impl CacheManager {
 
     /// Inserts storage-only node `hash` under `parent`, if it is not there, there is room, and
     /// `parent` may have storage-only children (the root, or a node that is not storage-only).
-    fn adopt_one(&mut self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
+    pub(super) fn adopt_one(&mut self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
         // Any node may have storage-only children but one whose write-back is in flight (it
         // may fail and leave the tree).
         let parent_ok = parent == NodeId::ROOT

@@ -100,7 +100,8 @@ pub enum TicketStatus {
 /// The manager's record of one ticket.
 #[derive(Clone, Debug)]
 pub(crate) struct Ticket {
-    pub request: RequestId,
+    /// The request it serves; `None` for a prefetch.
+    pub request: Option<RequestId>,
     /// Copies in flight that it waits on.
     pub pending: u32,
     pub failure: Option<TransferFailure>,

@@ -61,6 +61,10 @@ impl Service {
             (Counter::StorageHitBlocks, cache.counters.hits.storage_blocks),
             (Counter::StorageBlocksTotal, u64::from(cache.storage_blocks)),
             (Counter::StorageBlocksUsed, u64::from(cache.storage_used)),
+            (Counter::Prefetches, cache.counters.prefetches),
+            (Counter::PrefetchLoadBlocks, cache.counters.prefetch_load_blocks),
+            (Counter::PrefetchFoundBlocks, cache.counters.prefetch_found_blocks),
+            (Counter::PrefetchFailedBlocks, cache.counters.prefetch_failed_blocks),
             (
                 Counter::MissBlocks,
                 cache.counters.queried_blocks

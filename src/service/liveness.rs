@@ -101,6 +101,7 @@ impl Service {
         self.watches[index].forget();
         let outcomes = self.tracker.fail_rank(index);
         self.storage_commands.retain(|&(rank, _), _| rank != index);
+        self.meta.forget_rank(index);
         if lost.worker().is_some() || !outcomes.is_empty() {
             self.stats.worker_deaths += 1;
             warn!(

@@ -28,6 +28,7 @@ mod inflight;
 mod liveness;
 mod memory;
 mod rank;
+mod storage_meta;
 #[cfg(test)]
 mod tests;
 
@@ -47,7 +48,8 @@ use tracing::{info, warn};
 use crate::hash::BlockHash;
 use crate::manager::{
     AllocateError, Allocation, AllocationCheck, CacheConfig, CacheManager, CommitError, Committed,
-    ConfigError as CacheConfigError, FinishError, MatchError, PrefixMatch, RequestId, ResetError,
+    ConfigError as CacheConfigError, FinishError, MatchError, PrefetchError, PrefixMatch,
+    RequestId, ResetError,
     ResizeError, TicketError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId,
     TransferKind, TransferStage,
 };
@@ -221,6 +223,11 @@ pub struct ServiceStats {
     pub command_deadlines_missed: u64,
     /// Storage commands (STORE, LOAD) that completed with some block missed on their rank.
     pub storage_misses: u64,
+    /// Blocks sent to every rank in FORGET commands, FORGET commands that failed on some rank,
+    /// and blocks not sent because a rank had no worker.
+    pub storage_forgets_sent: u64,
+    pub storage_forget_failures: u64,
+    pub storage_forgets_dropped: u64,
 }
 
 /// The cache manager driving worker processes through a shared-memory segment.
@@ -252,6 +259,8 @@ pub struct Service {
     /// The entries of each storage command in flight, by (rank index, command id): a STORE or
     /// LOAD succeeds on a rank only if its completion's result bits say every entry was done.
     storage_commands: HashMap<(usize, u64), usize>,
+    /// QUERY and FORGET commands in flight (see [`storage_meta`]).
+    meta: storage_meta::MetaCommands,
 }
 
 impl Service {
@@ -322,6 +331,7 @@ impl Service {
             requests_dropped_by_kvctl: Vec::new(),
             direct: direct::DirectCopies::default(),
             storage_commands: HashMap::new(),
+            meta: storage_meta::MetaCommands::default(),
         };
         service.publish_counters();
         Ok(service)
@@ -429,6 +439,23 @@ impl Service {
         lookahead_tokens: usize,
     ) -> Result<AllocationCheck, AllocateError> {
         self.manager.can_allocate(request, new_tokens, lookahead_tokens)
+    }
+
+    /// Starts bringing `hashes`' blocks on the storage tier up to host before their request is
+    /// scheduled, and asks every rank's tier about the blocks past the cache's end (another
+    /// service may have written them to a shared tier), as [`CacheManager::prefetch`], with the
+    /// commands handed to the workers. Wait on the ticket with [`wait`](Self::wait) or read it
+    /// with [`prefetch_status`](Self::prefetch_status) (which forgets it once done).
+    pub fn prefetch(&mut self, hashes: &[BlockHash]) -> Result<Option<TicketId>, PrefetchError> {
+        let ticket = self.manager.prefetch(hashes)?;
+        self.issue_transfers();
+        Ok(ticket)
+    }
+
+    /// Where prefetch ticket `ticket` stands after a poll; forgotten once read as done.
+    pub fn prefetch_status(&mut self, ticket: TicketId) -> Result<TicketStatus, TicketError> {
+        self.poll();
+        self.manager.prefetch_status(ticket)
     }
 
     /// Blocks for the host hits and the new tokens; returns the request's block table,
@@ -630,6 +657,7 @@ impl Service {
     }
 
     fn issue_transfers(&mut self) {
+        self.issue_storage_meta();
         let mut transfers = std::mem::take(&mut self.transfer_scratch);
         self.manager.take_transfers_into(&mut transfers);
         for transfer in transfers.drain(..) {
@@ -786,6 +814,7 @@ impl Service {
             }
             self.stats.commands_completed += completions.len() as u64;
             for completion in &completions {
+                self.meta.note_completion(index, completion);
                 let completion = &self.storage_outcome(index, completion);
                 let matched = self.tracker.complete(index, completion);
                 if matched.is_ok() {
@@ -812,6 +841,10 @@ impl Service {
     fn settle(&mut self, transfer: TransferId, outcome: Result<(), TransferFailure>) {
         if direct::is_direct(transfer.0) {
             self.settle_direct(transfer.0, outcome);
+            return;
+        }
+        if storage_meta::is_meta(transfer.0) {
+            self.settle_meta(transfer.0, outcome);
             return;
         }
         let meta = self.transfers.remove(&transfer.0);

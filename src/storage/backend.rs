@@ -1,6 +1,6 @@
 //! The interface of a storage back-end: one shard (one rank) of the tier below host.
 //!
-//! Core types: [`StorageBackend`] (batched put, get, contains and remove with one outcome per
+//! Core types: [`StorageBackend`] (batched put, get, contains, remove and forget with one outcome per
 //! block), [`BlockKey`], [`BlockLayout`], the outcomes [`PutOutcome`] and [`GetOutcome`] with
 //! their reasons [`Failure`] and [`GetMiss`], and [`BackendStats`].
 //!
@@ -187,6 +187,13 @@ pub trait StorageBackend: Send {
 
     /// Forgets each block (absent ones too); `Ok` once it can no longer be read.
     fn remove(&mut self, hashes: &[BlockHash], outcomes: &mut Vec<PutOutcome>);
+
+    /// The scheduler that counts this shard dropped these blocks (a FORGET command): a back-end
+    /// that owns its room frees them ([`StorageBackend::remove`]: the disk slab, so that its own
+    /// LRU never has to drop a block the scheduler still counts); a back-end shared by several
+    /// services keeps them, since another service may count them (Redis: its TTL and its
+    /// `maxmemory` policy govern what leaves). `Ok` per block once done (or deliberately kept).
+    fn forget(&mut self, hashes: &[BlockHash], outcomes: &mut Vec<PutOutcome>);
 
     /// Makes every record written so far durable across a power loss where the medium allows
     /// (a disk's fdatasync); a no-op for a server that owns its own persistence.

@@ -811,6 +811,12 @@ impl StorageBackend for DiskBackend {
         self.stats.used_blocks = Some(self.by_hash.len() as u64);
     }
 
+    /// The slab owns its room: a block the scheduler dropped is removed (its slot freed, its
+    /// index record zeroed like any other index change).
+    fn forget(&mut self, hashes: &[BlockHash], outcomes: &mut Vec<PutOutcome>) {
+        self.remove(hashes, outcomes);
+    }
+
     fn sync(&mut self) -> Result<(), Failure> {
         self.data.file().sync_data().map_err(|e| failure_of(&e))?;
         self.index.sync().map_err(|e| failure_of(&e))?;

@@ -2,7 +2,7 @@
 //! the benchmark and tests report.
 //!
 //! Core type: [`Tally`]. Flow: 1. a caller runs a batch on a back-end; 2. it adds the outcomes
-//! with [`Tally::puts`], [`Tally::gets`] or [`Tally::queries`]; 3. it reads the fields (the worker
+//! with [`Tally::puts`], [`Tally::gets`], [`Tally::queries`] or [`Tally::forgets`]; 3. it reads the fields (the worker
 //! adds them to `Counter::Storage*`).
 
 use super::backend::{ContainsOutcome, Failure, GetMiss, GetOutcome, PutOutcome};
@@ -17,6 +17,8 @@ pub struct Tally {
     pub corrupt: u64,
     pub queried: u64,
     pub query_hits: u64,
+    /// Blocks FORGET commands named (forgotten, or kept by a shared tier).
+    pub forgotten: u64,
     pub errors: u64,
     pub timeouts: u64,
     pub unavailable: u64,
@@ -67,6 +69,15 @@ impl Tally {
             match outcome {
                 Ok(present) => self.query_hits += u64::from(*present),
                 Err(failure) => self.failure(failure),
+            }
+        }
+    }
+
+    pub fn forgets(&mut self, outcomes: &[PutOutcome]) {
+        for outcome in outcomes {
+            self.forgotten += 1;
+            if let Err(failure) = outcome {
+                self.failure(failure);
             }
         }
     }

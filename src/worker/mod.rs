@@ -5,7 +5,7 @@
 //! - [`layout`]: where region `r` of block `b` lives in each tier (device region-major, host
 //!   block-major).
 //! - [`validate`]: decoded command + geometry + generation -> [`ValidCommand`] or [`InvalidCommand`].
-//! - [`storage_command`]: the storage part of validation (STORE, LOAD, QUERY entries).
+//! - [`storage_command`]: the storage part of validation (STORE, LOAD, QUERY, FORGET entries).
 //! - [`plan`]: coalescing pairs into runs and runs into strided pieces, layer by layer.
 //! - [`engine`]: the [`CopyEngine`] trait and [`CopyFailure`].
 //! - [`host_engine`]: memcpy between two shared-memory mappings (the host backend).
@@ -15,7 +15,7 @@
 //! - [`command_reader`]: whole commands out of the command ring, across batch boundaries.
 //! - [`run`]: the serving loop of one claimed rank.
 //! - [`storage_open`]: opening the rank's storage back-end before serving.
-//! - [`storage_lane`]: the storage thread that runs STORE, LOAD and QUERY beside the copy loop.
+//! - [`storage_lane`]: the storage thread that runs STORE, LOAD, QUERY and FORGET beside the copy loop.
 //! - [`completion_sink`]: the completion producer both threads push through.
 //! - [`process`]: the `kvshm worker` process: attach, claim, build the engine, serve.
 //!

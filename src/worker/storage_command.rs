@@ -1,4 +1,4 @@
-//! Validation of storage commands (STORE, LOAD, QUERY): the part of [`super::validate`](mod@super::validate) that
+//! Validation of storage commands (STORE, LOAD, QUERY, FORGET): the part of [`super::validate`](mod@super::validate) that
 //! knows storage entries.
 //!
 //! Core types: [`StorageCommand`] (what the storage thread may run), [`StorageOp`] and
@@ -13,8 +13,8 @@
 //! 3. every entry's reserved words are zero (`Malformed`, detail: the entry's index);
 //! 4. STORE: every host block is in range (`SourceOutOfRange`, detail: the id); LOAD: every host
 //!    block is in range (`DestinationOutOfRange`) and none is written twice (`Malformed`,
-//!    detail: the block); QUERY: every host block is `NO_HOST_BLOCK` (`Malformed`, detail: the
-//!    entry's index).
+//!    detail: the block); QUERY and FORGET: every host block is `NO_HOST_BLOCK` (`Malformed`,
+//!    detail: the entry's index).
 //!
 //! A command that passes touches only host blocks of the rank's tier, each LOAD destination once.
 
@@ -31,6 +31,7 @@ pub enum StorageOp {
     Store,
     Load,
     Query,
+    Forget,
 }
 
 impl StorageOp {
@@ -40,6 +41,7 @@ impl StorageOp {
             Op::StorageStore => Some(StorageOp::Store),
             Op::StorageLoad => Some(StorageOp::Load),
             Op::StorageQuery => Some(StorageOp::Query),
+            Op::StorageForget => Some(StorageOp::Forget),
             _ => None,
         }
     }
@@ -65,7 +67,7 @@ pub enum InvalidStorageCommand {
     HostBlockOutOfRange { op: StorageOp, block: u32, blocks: u32 },
     #[error("host block {block} is loaded into twice")]
     DuplicateLoad { block: u32 },
-    #[error("query entry {entry} names a host block")]
+    #[error("query or forget entry {entry} names a host block")]
     HostBlockOnQuery { entry: usize },
 }
 
@@ -112,7 +114,7 @@ pub fn validate_storage(
     }
     let blocks = geometry.host_blocks();
     match op {
-        StorageOp::Query => {
+        StorageOp::Query | StorageOp::Forget => {
             if let Some(entry) = entries.iter().position(|entry| entry.host_block != NO_HOST_BLOCK)
             {
                 return Err(InvalidStorageCommand::HostBlockOnQuery { entry });

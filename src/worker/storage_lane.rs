@@ -1,4 +1,4 @@
-//! The worker's storage thread: STORE, LOAD and QUERY commands run here, beside the copy loop,
+//! The worker's storage thread: STORE, LOAD, QUERY and FORGET commands run here, beside the copy loop,
 //! so that storage I/O (milliseconds per block on disk, a network round trip to Redis, seconds
 //! when Redis is away) never stalls the rank's device copies.
 //!
@@ -355,6 +355,15 @@ impl Runner {
                 }
                 self.tally.queries(&self.contains_outcomes);
             }
+            StorageOp::Forget => {
+                let hashes: Vec<BlockHash> =
+                    entries.iter().map(|entry| BlockHash(entry.hash())).collect();
+                backend.forget(&hashes, &mut self.put_outcomes);
+                for (index, outcome) in self.put_outcomes.iter().enumerate() {
+                    results.set(index, outcome.is_ok(), outcome.is_err());
+                }
+                self.tally.forgets(&self.put_outcomes);
+            }
         }
         results.masked(entries.len())
     }
@@ -374,6 +383,7 @@ impl Runner {
             (Counter::StorageLoadMisses, tally.load_misses),
             (Counter::StorageCorruptBlocks, tally.corrupt),
             (Counter::StorageQueryBlocks, tally.queried),
+            (Counter::StorageForgottenBlocks, tally.forgotten),
             (Counter::StorageErrors, tally.errors),
             (Counter::StorageTimeouts, tally.timeouts),
             (Counter::StorageUnavailable, tally.unavailable),

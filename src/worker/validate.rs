@@ -17,7 +17,7 @@
 //! 7. no destination written twice (`Malformed`, detail: the block), while coalescing the pairs
 //!    into a [`CopyPlan`].
 //!
-//! Storage commands (STORE, LOAD, QUERY) pass checks 1 to 5 (their payload counted in pairs, 8 per
+//! Storage commands (STORE, LOAD, QUERY, FORGET) pass checks 1 to 5 (their payload counted in pairs, 8 per
 //! entry) and then [`super::storage_command::validate_storage`]'s.
 
 use kvshm_ipc::record::{
@@ -130,7 +130,7 @@ pub fn validate(
         Op::Flush | Op::Ping if header.pair_count != 0 => {
             return Err(InvalidCommand::PairsOnNonCopy { op, announced: header.pair_count });
         }
-        Op::StorageStore | Op::StorageLoad | Op::StorageQuery => {
+        Op::StorageStore | Op::StorageLoad | Op::StorageQuery | Op::StorageForget => {
             let storage_op = StorageOp::of(op).expect("a storage op");
             return Ok(ValidCommand::Storage(validate_storage(
                 storage_op, header, pairs, geometry,

@@ -76,6 +76,13 @@ pub fn help(counter: Counter) -> String {
         Counter::StorageBlocksTotal => "Blocks per rank the storage tier can hold (0: none).",
         Counter::StorageBlocksUsed => "Blocks the scheduler counts on the storage tier.",
         Counter::StorageHitBlocks => "Queried blocks that hit on the storage tier.",
+        Counter::StorageForgottenBlocks => {
+            "Blocks the scheduler dropped and told the storage back-ends to forget."
+        }
+        Counter::Prefetches => "Prefetch calls that started storage loads or queries.",
+        Counter::PrefetchLoadBlocks => "Blocks prefetches loaded from storage into host blocks.",
+        Counter::PrefetchFoundBlocks => "Blocks prefetches found on a shared tier and adopted.",
+        Counter::PrefetchFailedBlocks => "Blocks whose prefetch load failed.",
     };
     text.to_owned()
 }

@@ -293,6 +293,16 @@ impl StatReport {
                 value(Counter::StorageUnavailable),
                 value(Counter::StorageNoSpace)
             )?;
+            writeln!(
+                out,
+                "prefetch   {} prefetches; {} blocks loaded, {} found on a shared tier, {} failed; \
+                 {} blocks forgotten",
+                value(Counter::Prefetches),
+                value(Counter::PrefetchLoadBlocks),
+                value(Counter::PrefetchFoundBlocks),
+                value(Counter::PrefetchFailedBlocks),
+                value(Counter::StorageForgottenBlocks)
+            )?;
         }
         let copy = &self.worker_copy;
         let copy_rate = copy.bytes_per_second.map_or_else(

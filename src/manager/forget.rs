@@ -1,0 +1,83 @@
+//! Telling the storage tier which blocks the tree dropped (FORGET, DESIGN §9), and giving up
+//! stored blocks whose parent never came back.
+//!
+//! The tier's own room must follow the scheduler's count: a disk slab that keeps blocks the tree
+//! dropped fills with them, and its own LRU then drops blocks the tree still counts, which a later
+//! LOAD misses. So every block that leaves the tree while the tier may hold it is queued here:
+//! 1. a node dropped from the tree (`drop_leaf`: a capacity drop, a failed LOAD, an eviction
+//!    with no room below, a failed write-back's subtree) is queued at once, unless its STORE or
+//!    LOAD is still in flight: then it is queued when that copy completes, detached, so that
+//!    the FORGET follows the STORE in each rank's ring;
+//! 2. a STORE that failed (on some rank: the others may hold the block) is queued;
+//! 3. a reset queues every block of the tree and of the storage copies in flight;
+//! 4. stored blocks beyond the tier's capacity at adoption, and orphans that expire, are queued;
+//! 5. the service takes the queue ([`CacheManager::take_forgotten_blocks`]) before it issues
+//!    the copies of the same step, and sends FORGET commands to every rank, fire-and-forget.
+//!
+//! A back-end that owns its room (disk) frees each block; a shared one (Redis) keeps it, since
+//! another service may count it.
+
+use super::CacheManager;
+use crate::hash::BlockHash;
+use crate::tree::NodeState;
+
+impl CacheManager {
+    /// Hands out (appending to `out`) the hashes of blocks the tree dropped that the storage tier
+    /// may hold (module flow), oldest first. Empty without a storage tier.
+    pub fn take_forgotten_blocks(&mut self, out: &mut Vec<BlockHash>) {
+        out.append(&mut self.forgotten);
+    }
+
+    /// Blocks queued for a FORGET and not taken yet.
+    pub fn forgotten_blocks_waiting(&self) -> usize {
+        self.forgotten.len()
+    }
+
+    /// Node `hash`, in `state`, leaves the tree (module flow, step 1).
+    #[inline(never)] // off the hot paths of a cache without the tier
+    pub(super) fn forget_dropped(&mut self, hash: BlockHash, state: NodeState) {
+        if !matches!(state, NodeState::HostToStorage(_) | NodeState::StorageToHost) {
+            self.forgotten.push(hash);
+        }
+    }
+
+    /// A STORE or LOAD completed for a block whose node left the tree meanwhile (module flow,
+    /// step 1), or a STORE failed (step 2).
+    #[inline(never)]
+    pub(super) fn forget_detached(&mut self, hash: BlockHash) {
+        if self.storage_enabled() {
+            self.forgotten.push(hash);
+        }
+    }
+
+    /// Before a reset clears the tree (module flow, step 3).
+    #[inline(never)]
+    pub(super) fn forget_everything(&mut self) {
+        if !self.storage_enabled() {
+            return;
+        }
+        let tree = &self.tree;
+        self.forgotten.extend(tree.ids().map(|id| tree.node(id).hash()));
+        for flight in self.in_flight.values().filter(|flight| flight.kind.is_storage()) {
+            self.forgotten.extend(flight.blocks.iter().map(|block| block.hash));
+        }
+        let orphans = std::mem::take(&mut self.orphans);
+        self.forgotten.extend(orphans.into_values().flatten().map(|(hash, _)| hash));
+        self.orphan_count = 0;
+    }
+
+    /// Gives up the stored blocks still waiting for their parent once as many blocks as the tier
+    /// holds were committed since they were adopted (module flow, step 4): their parent did not
+    /// come back, and they would otherwise slow every commit and hold the tier's room.
+    #[inline(never)]
+    pub(super) fn expire_orphans(&mut self) {
+        if self.stats.committed_blocks < self.orphans_expire_at {
+            return;
+        }
+        let orphans = std::mem::take(&mut self.orphans);
+        let expired = self.orphan_count;
+        self.forgotten.extend(orphans.into_values().flatten().map(|(hash, _)| hash));
+        self.orphan_count = 0;
+        self.stats.expired_orphans += expired as u64;
+    }
+}
