@@ -1,0 +1,310 @@
+//! Prefetch, storage queries and FORGET, on the scheduler alone: storage-only blocks brought up to
+//! host before their request, a LOAD shared by an allocation that arrives meanwhile, a failed
+//! prefetch that fails nothing else, the prefetch ticket's life, blocks found by a QUERY, and
+//! the blocks the tree drops handed out for FORGET commands.
+
+mod scheduler_support;
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::{
+    CacheConfig, CacheManager, PrefetchError, RequestId, TicketError, TicketId, TicketStatus,
+    TransferKind, MAX_PREFETCH_TICKETS,
+};
+use kvshm::tree::NodeState;
+use scheduler_support::{check, complete_all, failure, hashes, manager, prompt_hitting, serve};
+
+/// Four device blocks, two host blocks, eight storage blocks.
+fn three_tiers() -> CacheManager {
+    manager(
+        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 4)
+            .with_host_blocks(2)
+            .with_storage_blocks(8),
+    )
+}
+
+/// Serves prompts of two blocks until the first one's blocks are on storage only.
+fn push_first_prompt_to_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
+    let first = hashes(&[1, 2]);
+    serve(cache, 0, &first);
+    for (index, base) in [10u128, 20, 30].into_iter().enumerate() {
+        serve(cache, 1 + index as u64, &hashes(&[base, base + 1]));
+    }
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.device_blocks, found.host_blocks, found.storage_blocks), (0, 0, 2));
+    first
+}
+
+/// Completes every copy as it is handed out, the LOADs with `load_ok`; returns them all.
+fn complete_loads(cache: &mut CacheManager, load_ok: bool) -> Vec<kvshm::manager::Transfer> {
+    let mut all = Vec::new();
+    loop {
+        let transfers = cache.take_transfers();
+        if transfers.is_empty() {
+            return all;
+        }
+        for transfer in transfers {
+            let outcome = if transfer.kind == TransferKind::StorageToHost && !load_ok {
+                Err(failure())
+            } else {
+                Ok(())
+            };
+            cache.complete_transfer(transfer.id, outcome).unwrap();
+            check(cache);
+            all.push(transfer);
+        }
+    }
+}
+
+/// Completes every copy handed out but the one LOAD, which it returns, unfinished.
+fn hold_the_load(cache: &mut CacheManager) -> kvshm::manager::Transfer {
+    let mut load = None;
+    loop {
+        let transfers = cache.take_transfers();
+        if transfers.is_empty() {
+            return load.expect("a LOAD was handed out");
+        }
+        for transfer in transfers {
+            if transfer.kind == TransferKind::StorageToHost {
+                assert!(load.is_none(), "one LOAD");
+                load = Some(transfer);
+            } else {
+                cache.complete_transfer(transfer.id, Ok(())).unwrap();
+            }
+            check(cache);
+        }
+    }
+}
+
+#[test]
+fn a_prefetch_brings_storage_blocks_to_host_and_a_later_match_hits_them_there() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let ticket = cache.prefetch(&first).unwrap().expect("two blocks to load");
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Pending));
+    let transfers = complete_loads(&mut cache, true);
+    let loads: Vec<_> =
+        transfers.iter().filter(|transfer| transfer.kind == TransferKind::StorageToHost).collect();
+    assert_eq!(loads.len(), 1, "one LOAD: {transfers:?}");
+    assert_eq!(loads[0].pairs.len(), 2);
+    assert!(
+        transfers.iter().all(|transfer| transfer.kind != TransferKind::HostToDevice),
+        "no swap-in behind a prefetch"
+    );
+    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(
+        cache.prefetch_status(ticket),
+        Err(TicketError::UnknownTicket(ticket)),
+        "a prefetch ticket read as done is forgotten"
+    );
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.host_blocks, found.storage_blocks), (2, 0), "{found:?}");
+    // The blocks keep their storage copy: leaving host again writes nothing.
+    let id = cache.tree().child(kvshm::tree::NodeId::ROOT, first[0]).unwrap();
+    assert!(cache.tree().node(id).stored());
+    let request = RequestId(50);
+    let matched = cache.match_prefix(request, &first, prompt_hitting(2)).unwrap();
+    assert_eq!((matched.host_blocks, matched.storage_blocks), (2, 0));
+    cache.allocate(request, 1, 0).unwrap();
+    let transfers = complete_loads(&mut cache, true);
+    assert!(transfers.iter().all(|transfer| transfer.kind != TransferKind::StorageToHost));
+    cache.finish(request).unwrap();
+    check(&cache);
+    let counters = cache.stats().counters;
+    assert_eq!((counters.prefetches, counters.prefetch_load_blocks), (1, 2));
+}
+
+#[test]
+fn an_allocation_arriving_while_a_prefetch_loads_shares_its_load_and_swaps_in_after_it() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let ticket = cache.prefetch(&first).unwrap().unwrap();
+    // The host blocks were claimed from write-backs: their STOREs come first.
+    let prefetch_load = hold_the_load(&mut cache);
+    let request = RequestId(60);
+    let matched = cache.match_prefix(request, &first, prompt_hitting(2)).unwrap();
+    assert_eq!(matched.storage_blocks, 2, "a block being loaded is a storage hit");
+    let allocation = cache.allocate(request, 1, 0).unwrap().ticket;
+    check(&cache);
+    let held = cache.take_transfers();
+    assert!(
+        held.iter().all(|transfer| transfer.kind != TransferKind::StorageToHost
+            && transfer.kind != TransferKind::HostToDevice),
+        "no second LOAD, and the swap-in waits for the prefetch's: {held:?}"
+    );
+    for transfer in held {
+        cache.complete_transfer(transfer.id, Ok(())).unwrap();
+    }
+    cache.complete_transfer(prefetch_load.id, Ok(())).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.ticket_status(allocation), Ok(TicketStatus::Pending));
+    let swap_ins = complete_loads(&mut cache, true);
+    assert_eq!(
+        swap_ins.iter().filter(|transfer| transfer.kind == TransferKind::HostToDevice).count(),
+        1
+    );
+    assert_eq!(cache.ticket_status(allocation), Ok(TicketStatus::Ready));
+    assert_eq!(cache.cached_prefix(&first).device_blocks, 2);
+    cache.finish(request).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_failed_prefetch_load_fails_its_ticket_and_nothing_else() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let ticket = cache.prefetch(&first).unwrap().unwrap();
+    let other = RequestId(70);
+    let unrelated = hashes(&[80, 81]);
+    cache.match_prefix(other, &unrelated, 8).unwrap();
+    let allocation = cache.allocate(other, 8, 0).unwrap().ticket;
+    complete_loads(&mut cache, false);
+    assert!(matches!(cache.prefetch_status(ticket), Ok(TicketStatus::Failed(_))));
+    assert_eq!(cache.ticket_status(allocation), Ok(TicketStatus::Ready));
+    cache.commit(other, 8, &unrelated).unwrap();
+    cache.finish(other).unwrap();
+    cache.poll();
+    check(&cache);
+    // The blocks went storage-only, then (unheld) were dropped, so a request computes them.
+    assert_eq!(cache.cached_prefix(&first).blocks(), 0);
+    let counters = cache.stats().counters;
+    assert_eq!(counters.prefetch_failed_blocks, 2);
+    assert_eq!(counters.failed_allocations, 0);
+}
+
+#[test]
+fn prefetch_needs_a_storage_tier_and_a_path_with_nothing_to_load_gives_no_ticket() {
+    let mut cache = manager(CacheConfig::new(scheduler_support::BLOCK_TOKENS, 4));
+    assert_eq!(cache.prefetch(&hashes(&[1])), Err(PrefetchError::NoStorageTier));
+    let mut cache = three_tiers();
+    let blocks = hashes(&[1, 2]);
+    serve(&mut cache, 0, &blocks);
+    // Cached on device, and the tier is asked nothing (the hashes end inside the tree).
+    assert_eq!(cache.prefetch(&blocks), Ok(None));
+    assert_eq!(
+        cache.prefetch_status(TicketId(12345)),
+        Err(TicketError::UnknownTicket(TicketId(12345)))
+    );
+}
+
+#[test]
+fn prefetch_tickets_never_read_are_forgotten_past_the_bound() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let mut tickets = Vec::new();
+    // Each prefetch of blocks past the tree asks the tier (a QUERY), and gets a ticket.
+    for round in 0..MAX_PREFETCH_TICKETS as u128 + 2 {
+        let ticket = cache.prefetch(&hashes(&[1000 + round])).unwrap().unwrap();
+        let mut queries = Vec::new();
+        cache.take_storage_queries(&mut queries);
+        cache.complete_storage_query(queries[0].id, Ok(0)).unwrap();
+        tickets.push(ticket);
+    }
+    assert_eq!(
+        cache.ticket_status(tickets[0]),
+        Err(TicketError::UnknownTicket(tickets[0])),
+        "the oldest went"
+    );
+    assert_eq!(cache.ticket_status(*tickets.last().unwrap()), Ok(TicketStatus::Ready));
+    check(&cache);
+    drop(first);
+}
+
+#[test]
+fn blocks_a_query_finds_past_the_tree_are_adopted_and_loaded_in_the_same_ticket() {
+    let mut cache = three_tiers();
+    let prompt = hashes(&[1, 2, 3, 4]);
+    serve(&mut cache, 0, &prompt[..1]);
+    let ticket = cache.prefetch(&prompt).unwrap().expect("a query past the tree");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    assert_eq!(queries.len(), 1);
+    assert_eq!(queries[0].hashes, prompt[1..].to_vec());
+    check(&cache);
+    // Blocks 2 and 3 are on every rank; block 4 is not.
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Pending), "loading");
+    let transfers = complete_loads(&mut cache, true);
+    assert_eq!(
+        transfers
+            .iter()
+            .filter(|transfer| transfer.kind == TransferKind::StorageToHost)
+            .map(|transfer| transfer.pairs.len())
+            .sum::<usize>(),
+        2
+    );
+    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    let found = cache.cached_prefix(&prompt);
+    assert_eq!((found.device_blocks, found.host_blocks, found.blocks()), (1, 2, 3), "{found:?}");
+    let counters = cache.stats().counters;
+    assert_eq!((counters.prefetch_query_blocks, counters.prefetch_found_blocks), (3, 2));
+    assert!(cache.complete_storage_query(queries[0].id, Ok(0)).is_err(), "answered once");
+}
+
+#[test]
+fn a_query_that_fails_adopts_nothing_and_fails_its_ticket() {
+    let mut cache = three_tiers();
+    let prompt = hashes(&[1, 2]);
+    let ticket = cache.prefetch(&prompt).unwrap().unwrap();
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    cache.complete_storage_query(queries[0].id, Err(failure())).unwrap();
+    assert!(matches!(cache.prefetch_status(ticket), Ok(TicketStatus::Failed(_))));
+    assert_eq!(cache.cached_prefix(&prompt).blocks(), 0);
+    check(&cache);
+}
+
+#[test]
+fn blocks_the_tree_drops_from_storage_are_handed_out_to_be_forgotten() {
+    // Two storage blocks: the third prompt's write-back drops the oldest storage block.
+    let mut cache = manager(
+        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 1)
+            .with_host_blocks(1)
+            .with_storage_blocks(2),
+    );
+    let mut forgotten = Vec::new();
+    for value in 1..=5u128 {
+        serve(&mut cache, value as u64, &hashes(&[value]));
+        complete_all(&mut cache);
+        cache.take_forgotten_blocks(&mut forgotten);
+        check(&cache);
+    }
+    assert!(cache.stats().counters.evictions.storage_dropped >= 1);
+    assert!(forgotten.contains(&BlockHash(1)), "{forgotten:?}");
+    assert!(!forgotten.contains(&BlockHash(5)), "{forgotten:?}");
+    // Whatever is forgotten is not counted on the tier any more.
+    for hash in &forgotten {
+        let node = cache.tree().child(kvshm::tree::NodeId::ROOT, *hash);
+        assert!(node.is_none_or(|id| !cache.tree().node(id).stored()), "{hash:?}");
+    }
+    // A reset forgets everything the tree had.
+    cache.reset(true).unwrap();
+    forgotten.clear();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&BlockHash(5)), "{forgotten:?}");
+}
+
+#[test]
+fn stored_blocks_whose_parent_never_comes_back_expire_and_are_forgotten() {
+    let mut cache = three_tiers();
+    // Eight orphans (parent 99 is never cached), then the tier's capacity worth of commits.
+    let orphans: Vec<_> =
+        (0..8u128).map(|i| (BlockHash(200 + i), BlockHash(99), 1 + i as u32)).collect();
+    assert_eq!(cache.adopt_stored_blocks(orphans), 0);
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 8);
+    // Orphans do not eat the budget: a block under the root is still adopted.
+    assert_eq!(cache.adopt_stored_blocks([(BlockHash(7), BlockHash(0), 0)]), 1);
+    for value in 0..8u128 {
+        serve(&mut cache, 300 + value as u64, &hashes(&[400 + value]));
+        cache.poll();
+    }
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&BlockHash(200)), "{forgotten:?}");
+    assert_eq!(cache.stats().counters.expired_orphans, 8);
+    check(&cache);
+    let _ = NodeState::Storage;
+}
