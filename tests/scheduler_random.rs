@@ -19,8 +19,8 @@ use std::collections::{HashMap, HashSet};
 
 use kvshm::hash::{BlockHash, BlockHasher, Namespace};
 use kvshm::manager::{
-    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, StorageWritePolicy,
-    TicketId, TicketStatus, Transfer, TransferKind, WritePolicy,
+    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, StorageQuery,
+    StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferKind, WritePolicy,
 };
 use kvshm::tree::{NodeId, NodeState, SnapshotNode, SwapOut};
 use scheduler_support::{check, failure, Rng};
@@ -53,11 +53,20 @@ struct Engine {
     storage_data: HashMap<BlockHash, Option<BlockHash>>,
     /// Percent of steps on which the storage tier loses a random block.
     vanish_percent: usize,
+    /// Whether the tier is shared (as Redis is): it keeps the blocks the tree forgets, so that
+    /// prefetches find them again by QUERY.
+    shared_tier: bool,
     live: HashMap<u64, Live>,
     copies: Vec<Transfer>,
     committed: HashSet<BlockHash>,
     next_request: u64,
     hits_checked: u64,
+    /// Prefetch: the queries not answered yet, the tickets not read yet, and each block hash's
+    /// parent (to find a forgotten block's node).
+    queries: Vec<StorageQuery>,
+    prefetch_tickets: Vec<TicketId>,
+    parents: HashMap<BlockHash, BlockHash>,
+    forgotten_checked: u64,
 }
 
 impl Engine {
@@ -82,11 +91,16 @@ impl Engine {
             host_data: vec![None; host],
             storage_data: HashMap::new(),
             vanish_percent: 0,
+            shared_tier: false,
             live: HashMap::new(),
             copies: Vec::new(),
             committed: HashSet::new(),
             next_request: 0,
             hits_checked: 0,
+            queries: Vec::new(),
+            prefetch_tickets: Vec::new(),
+            parents: HashMap::new(),
+            forgotten_checked: 0,
         }
     }
 
@@ -120,6 +134,19 @@ impl Engine {
             98 => self.resize(),
             _ => self.reset(),
         }
+        if self.cache.config().storage_blocks > 0 {
+            // Only with a storage tier, so that the runs without one draw the same numbers.
+            // The service sends the FORGETs of a step before its QUERYs.
+            self.forget();
+            if self.rng.chance(5) {
+                self.prefetch();
+                self.forget();
+            }
+            if !self.queries.is_empty() && self.rng.chance(30) {
+                self.answer_query();
+            }
+            self.forget();
+        }
         if self.vanish_percent > 0 && self.rng.chance(self.vanish_percent) {
             let mut keys: Vec<BlockHash> = self.storage_data.keys().copied().collect();
             keys.sort_unstable();
@@ -130,6 +157,99 @@ impl Engine {
         check(&self.cache);
     }
 
+    /// Records each block's parent, to find the node of a hash later.
+    fn remember_chain(&mut self, hashes: &[BlockHash]) {
+        let mut parent = BlockHash(0);
+        for &hash in hashes {
+            self.parents.insert(hash, parent);
+            parent = hash;
+        }
+    }
+
+    /// The node of block `hash` in the tree, if its whole chain is there.
+    fn node_of(&self, hash: BlockHash) -> Option<NodeId> {
+        let mut chain = vec![hash];
+        while let Some(&parent) = self.parents.get(chain.last().unwrap()) {
+            if parent == BlockHash(0) {
+                break;
+            }
+            chain.push(parent);
+        }
+        let mut node = NodeId::ROOT;
+        for hash in chain.iter().rev() {
+            node = self.cache.tree().child(node, *hash)?;
+        }
+        Some(node)
+    }
+
+    /// A prefetch of a random prompt (often one a live request has, so that it loads, and is
+    /// shared by that request's allocation).
+    fn prefetch(&mut self) {
+        let hashes = match self.pick_live() {
+            Some(id) if self.rng.chance(50) => self.live[&id].hashes.clone(),
+            _ => {
+                let prompt_len = self.rng.below(self.max_prompt_blocks * BLOCK_TOKENS + 1);
+                let tokens = self.random_tokens(prompt_len);
+                self.hasher.hash_prompt(&tokens, &[])
+            }
+        };
+        self.remember_chain(&hashes);
+        if let Some(ticket) = self.cache.prefetch(&hashes).unwrap() {
+            self.prefetch_tickets.push(ticket);
+        }
+        self.cache.take_storage_queries(&mut self.queries);
+        if self.prefetch_tickets.len() > 8 {
+            let ticket = self.prefetch_tickets.remove(0);
+            // Known, or forgotten by a reset.
+            let _ = self.cache.prefetch_status(ticket);
+        }
+    }
+
+    /// Answers a QUERY from the simulated tier (what it holds of blocks committed since the
+    /// last reset, so that every hit stays checkable), or fails it.
+    fn answer_query(&mut self) {
+        let query = self.queries.swap_remove(self.rng.below(self.queries.len()));
+        let outcome = if self.rng.chance(10) {
+            Err(failure())
+        } else {
+            Ok(query
+                .hashes
+                .iter()
+                .take_while(|hash| {
+                    self.committed.contains(hash)
+                        && self.storage_data.get(hash).is_some_and(|data| data.is_some())
+                })
+                .count())
+        };
+        // A reset forgets the queries in flight: their answers are refused.
+        let _ = self.cache.complete_storage_query(query.id, outcome);
+    }
+
+    /// Takes the blocks the tree dropped: the tier forgets them (as a disk slab does), and the
+    /// tree must count none of them.
+    fn forget(&mut self) {
+        let mut forgotten = Vec::new();
+        self.cache.take_forgotten_blocks(&mut forgotten);
+        for hash in forgotten {
+            if let Some(id) = self.node_of(hash) {
+                let node = self.cache.tree().node(id);
+                assert!(
+                    !node.stored()
+                        && !matches!(
+                            node.state(),
+                            NodeState::HostToStorage(_) | NodeState::StorageToHost
+                        ),
+                    "block {hash:?} forgotten while the tree counts it on storage ({:?})",
+                    node.state()
+                );
+            }
+            if !self.shared_tier {
+                self.storage_data.remove(&hash);
+            }
+            self.forgotten_checked += 1;
+        }
+    }
+
     fn start_request(&mut self) {
         if self.live.len() >= 6 {
             return;
@@ -137,6 +257,7 @@ impl Engine {
         let prompt_len = self.rng.below(self.max_prompt_blocks * BLOCK_TOKENS + 1);
         let tokens = self.random_tokens(prompt_len);
         let hashes = self.hasher.hash_prompt(&tokens, &[]);
+        self.remember_chain(&hashes);
         // The last-token rule: at most (prompt - 1) / block_tokens blocks may hit.
         let reference =
             self.reference_prefix(&hashes).min(prompt_len.saturating_sub(1) / BLOCK_TOKENS);
@@ -294,6 +415,9 @@ impl Engine {
         let table = self.cache.block_table(RequestId(id)).unwrap().to_vec();
         let live = self.live.get_mut(&id).unwrap();
         self.hasher.extend(&mut live.hashes, &live.tokens, &[]);
+        let hashes = live.hashes.clone();
+        self.remember_chain(&hashes);
+        let live = self.live.get_mut(&id).unwrap();
         for (position, &block) in table.iter().enumerate().take(live.matched_blocks) {
             assert_eq!(
                 self.device_data[block as usize],
@@ -493,6 +617,7 @@ fn random_operations_keep_every_invariant_with_a_storage_tier_that_fails_and_los
     for config in every_policy(config) {
         let mut engine = Engine::new(config, 7, 3, 6, false);
         engine.vanish_percent = 2;
+        engine.shared_tier = true;
         let engine = run_engine(engine, STEPS);
         let counters = engine.cache.stats().counters;
         assert!(
@@ -506,6 +631,14 @@ fn random_operations_keep_every_invariant_with_a_storage_tier_that_fails_and_los
         assert!(
             counters.load_failed_blocks > 10 && counters.store_failed_blocks > 10,
             "{counters:?}"
+        );
+        assert!(
+            counters.prefetches > 100
+                && counters.prefetch_load_blocks > 100
+                && counters.prefetch_found_blocks > 10
+                && engine.forgotten_checked > 100,
+            "{counters:?} forgotten {}",
+            engine.forgotten_checked
         );
         assert!(engine.hits_checked > 1000);
     }

@@ -7,7 +7,8 @@
 //! 1. a node dropped from the tree (`drop_leaf`: a capacity drop, a failed LOAD, an eviction
 //!    with no room below, a failed write-back's subtree) is queued at once, unless its STORE or
 //!    LOAD is still in flight: then it is queued when that copy completes, detached, so that
-//!    the FORGET follows the STORE in each rank's ring;
+//!    the FORGET follows the STORE in each rank's ring, and not at all if a node of the same
+//!    block was stored or adopted meanwhile (the tier's copy is counted again);
 //! 2. a STORE that failed (on some rank: the others may hold the block) is queued;
 //! 3. a reset queues every block of the tree and of the storage copies in flight;
 //! 4. stored blocks beyond the tier's capacity at adoption, and orphans that expire, are queued;
@@ -36,18 +37,45 @@ impl CacheManager {
     /// Node `hash`, in `state`, leaves the tree (module flow, step 1).
     #[inline(never)] // off the hot paths of a cache without the tier
     pub(super) fn forget_dropped(&mut self, hash: BlockHash, state: NodeState) {
-        if !matches!(state, NodeState::HostToStorage(_) | NodeState::StorageToHost) {
-            self.forgotten.push(hash);
+        if matches!(state, NodeState::HostToStorage(_) | NodeState::StorageToHost) {
+            self.forget_after_copy.insert(hash);
+        } else {
+            self.push_forgotten(hash);
         }
     }
 
-    /// A STORE or LOAD completed for a block whose node left the tree meanwhile (module flow,
-    /// step 1), or a STORE failed (step 2).
+    /// A STORE or LOAD completed (or was cancelled) for a block whose node left the tree
+    /// meanwhile (module flow, step 1): forgotten now, unless a node of the same block got a
+    /// storage copy since (a STORE issued after this copy, or an adoption): the tier's copy is
+    /// then counted again.
     #[inline(never)]
     pub(super) fn forget_detached(&mut self, hash: BlockHash) {
-        if self.storage_enabled() {
-            self.forgotten.push(hash);
+        if self.forget_after_copy.remove(&hash) {
+            self.push_forgotten(hash);
         }
+    }
+
+    /// A node of block `hash` gets a storage copy (a STORE, an adoption): a FORGET waiting for
+    /// an older copy of the same block is called off.
+    #[inline]
+    pub(super) fn counted_on_storage(&mut self, hash: BlockHash) {
+        if !self.forget_after_copy.is_empty() {
+            self.forget_after_copy.remove(&hash);
+        }
+    }
+
+    /// A block some rank may hold that the tree does not count (a failed STORE, a block beyond
+    /// the capacity at adoption): forgotten now (module flow, steps 2 and 4).
+    #[inline(never)]
+    pub(super) fn forget_now(&mut self, hash: BlockHash) {
+        if self.storage_enabled() {
+            self.push_forgotten(hash);
+        }
+    }
+
+    fn push_forgotten(&mut self, hash: BlockHash) {
+        self.forgotten.push(hash);
+        self.prefetch.forgotten(hash);
     }
 
     /// Before a reset clears the tree (module flow, step 3).
@@ -64,6 +92,7 @@ impl CacheManager {
         let orphans = std::mem::take(&mut self.orphans);
         self.forgotten.extend(orphans.into_values().flatten().map(|(hash, _)| hash));
         self.orphan_count = 0;
+        self.forget_after_copy.clear();
     }
 
     /// Gives up the stored blocks still waiting for their parent once as many blocks as the tier
@@ -76,7 +105,9 @@ impl CacheManager {
         }
         let orphans = std::mem::take(&mut self.orphans);
         let expired = self.orphan_count;
-        self.forgotten.extend(orphans.into_values().flatten().map(|(hash, _)| hash));
+        for hash in orphans.into_values().flatten().map(|(hash, _)| hash) {
+            self.push_forgotten(hash);
+        }
         self.orphan_count = 0;
         self.stats.expired_orphans += expired as u64;
     }

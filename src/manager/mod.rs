@@ -116,10 +116,13 @@ pub struct CacheManager {
     /// Hashes of blocks the tree dropped that the storage tier may hold, for the service to
     /// send in FORGET commands ([`CacheManager::take_forgotten_blocks`]).
     forgotten: Vec<crate::hash::BlockHash>,
+    /// Blocks dropped while their STORE or LOAD was in flight: forgotten when it completes.
+    forget_after_copy: std::collections::HashSet<crate::hash::BlockHash>,
     /// Prefetch tickets and storage queries in flight.
     prefetch: prefetch::Prefetches,
-    /// Scratch of `prefetch`: the path walked.
+    /// Scratch of `prefetch`: the path walked, and the LOADs in flight on it.
     scratch_prefetch_path: Vec<NodeId>,
+    scratch_prefetch_loads: Vec<TransferId>,
     /// Nodes waiting for a write-through backup (lazily checked: an entry whose node lost its
     /// `backup_queued` flag is skipped).
     pending_backups: Vec<NodeId>,
@@ -184,8 +187,10 @@ impl CacheManager {
             orphan_count: 0,
             orphans_expire_at: 0,
             forgotten: Vec::new(),
+            forget_after_copy: std::collections::HashSet::new(),
             prefetch: prefetch::Prefetches::default(),
             scratch_prefetch_path: Vec::new(),
+            scratch_prefetch_loads: Vec::new(),
             pending_backups: Vec::new(),
             scratch_reclaim: Default::default(),
             scratch: AllocateScratch::default(),

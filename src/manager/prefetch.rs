@@ -74,6 +74,9 @@ struct PendingQuery {
     hashes: Vec<BlockHash>,
     /// The index in `hashes` of the first queried block.
     first: usize,
+    /// How many of the queried blocks may be adopted: fewer once one of them was forgotten
+    /// after the QUERY was made (the FORGET may reach the tier after the QUERY).
+    limit: usize,
     generation: u64,
 }
 
@@ -94,6 +97,16 @@ impl Prefetches {
         self.tickets.clear();
         self.queries.clear();
         self.outbox.clear();
+    }
+
+    /// Block `hash` was forgotten: no query in flight adopts it or anything after it.
+    pub(super) fn forgotten(&mut self, hash: BlockHash) {
+        for query in self.queries.values_mut() {
+            let queried = &query.hashes[query.first..];
+            if let Some(position) = queried.iter().position(|&queried| queried == hash) {
+                query.limit = query.limit.min(position);
+            }
+        }
     }
 
     /// The ticket of each QUERY in flight (each counts one in its ticket's `pending`).
@@ -130,6 +143,7 @@ impl CacheManager {
                     ticket,
                     hashes: hashes[..path + asked].to_vec(),
                     first: path,
+                    limit: asked,
                     generation: self.generation,
                 },
             );
@@ -187,6 +201,7 @@ impl CacheManager {
         let mut ticket = Some(query.ticket);
         let failure = match outcome {
             Ok(present) if query.generation == self.generation => {
+                let present = present.min(query.limit);
                 let known = &query.hashes[..query.first + present];
                 let adopted = self.adopt_queried(known, query.first);
                 self.stats.prefetch_found_blocks += adopted as u64;
@@ -259,10 +274,21 @@ impl CacheManager {
             self.tree.update(id, |node| node.hold());
         }
         let mut load = None;
+        // LOADs in flight above: this one goes after them (and is cancelled if they fail, so
+        // that nothing lands above a block that went back to storage).
+        let mut loads_above = std::mem::take(&mut self.scratch_prefetch_loads);
+        loads_above.clear();
         for (index, &id) in path.iter().enumerate() {
-            let state = self.tree.node(id).state();
+            let node = self.tree.node(id);
+            let state = node.state();
             if state == NodeState::HostToStorage(StoreOut::Evict) {
                 break;
+            }
+            if state == NodeState::StorageToHost {
+                let above = TransferId(node.transfer().expect("a node in flight names its copy"));
+                if !loads_above.contains(&above) {
+                    loads_above.push(above);
+                }
             }
             if state != NodeState::Storage {
                 continue;
@@ -272,6 +298,15 @@ impl CacheManager {
             let block = StorageBlock { hash: hashes[index], parent, depth: index as u32 };
             load = Some(self.start_prefetch_load(id, host, block));
         }
+        if let Some(load) = load {
+            let flight = self.flight_mut(load).expect("the load is open");
+            for &above in &loads_above {
+                if above != load && !flight.after.contains(&above) {
+                    flight.after.push(above);
+                }
+            }
+        }
+        self.scratch_prefetch_loads = loads_above;
         for &id in &path {
             self.tree.update(id, |node| {
                 node.release();

@@ -79,6 +79,7 @@ impl CacheManager {
         mode: StoreOut,
     ) -> TransferId {
         let block = self.storage_block(id);
+        self.counted_on_storage(block.hash);
         let (transfer, flight) = self.open_transfer(TransferKind::HostToStorage);
         flight.pairs.push(BlockPair::new(host_block, host_block));
         flight.blocks.push(block);
@@ -183,7 +184,7 @@ impl CacheManager {
             self.stats.store_failed_blocks += 1;
             self.storage_used -= 1;
             // Some rank may have stored it: the tier must not keep what the tree does not count.
-            self.forget_detached(self.tree.node(id).hash());
+            self.forget_now(self.tree.node(id).hash());
         }
         let state = match mode {
             StoreOut::Backup => NodeState::Host,
@@ -420,7 +421,7 @@ impl CacheManager {
             if self.storage_used as usize >= capacity {
                 // Beyond the tier's capacity: the scheduler will never count it, so the tier
                 // must not keep it either (a disk slab frees it; a shared tier keeps it).
-                self.forget_detached(hash);
+                self.forget_now(hash);
                 continue;
             }
             let parent_id = if depth == 0 && parent == BlockHash(0) {
@@ -432,7 +433,7 @@ impl CacheManager {
                 // Orphans do not count against the capacity (they may never join), but there
                 // are never more of them than the tier holds, and they expire (`forget`).
                 if self.orphan_count >= capacity {
-                    self.forget_detached(hash);
+                    self.forget_now(hash);
                     continue;
                 }
                 self.orphans.entry(parent).or_default().push((hash, depth));
@@ -467,6 +468,7 @@ impl CacheManager {
         {
             return None;
         }
+        self.counted_on_storage(hash);
         let id = self.tree.insert(parent, hash, |node| {
             node.set_state(NodeState::Storage);
             node.set_stored(true);
