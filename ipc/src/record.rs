@@ -83,10 +83,7 @@ impl Op {
 
     /// Whether the command goes to the storage tier (its payload slots hold storage entries).
     pub fn is_storage(self) -> bool {
-        matches!(
-            self,
-            Op::StorageStore | Op::StorageLoad | Op::StorageQuery | Op::StorageForget
-        )
+        matches!(self, Op::StorageStore | Op::StorageLoad | Op::StorageQuery | Op::StorageForget)
     }
 }
 

@@ -30,10 +30,10 @@
 use std::collections::VecDeque;
 
 use super::ids::IdMap;
-use super::transfer::{StorageBlock, Ticket};
-use super::{CacheManager, TicketError, TicketId, TicketStatus, TransferFailure, TransferId};
 use super::transfer::InFlight;
+use super::transfer::{StorageBlock, Ticket};
 use super::TransferKind;
+use super::{CacheManager, TicketError, TicketId, TicketStatus, TransferFailure, TransferId};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
 use crate::tree::{NodeId, NodeState, StoreOut};

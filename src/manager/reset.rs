@@ -55,7 +55,8 @@ impl CacheManager {
         self.requests.retain(|_, request| !request.holds_anything());
         let requests = &self.requests;
         // Prefetch tickets go too: the copies they waited on are forgotten.
-        self.tickets.retain(|_, ticket| ticket.request.is_some_and(|id| requests.contains_key(&id)));
+        self.tickets
+            .retain(|_, ticket| ticket.request.is_some_and(|id| requests.contains_key(&id)));
         self.prefetch.clear();
         self.tree.clear();
         self.pending_backups.clear();

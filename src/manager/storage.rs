@@ -206,12 +206,7 @@ impl CacheManager {
     /// `swap_in` is the copy behind the LOAD, unissued until the LOAD completes; `None` for a
     /// prefetch LOAD no allocation shared (the node lands on host and keeps its storage copy).
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
-    pub(super) fn load_completed(
-        &mut self,
-        id: NodeId,
-        swap_in: Option<TransferId>,
-        landed: bool,
-    ) {
+    pub(super) fn load_completed(&mut self, id: NodeId, swap_in: Option<TransferId>, landed: bool) {
         match (swap_in, landed) {
             (Some(swap_in), true) => {
                 self.stats.loaded_blocks += 1;

@@ -49,9 +49,8 @@ use crate::hash::BlockHash;
 use crate::manager::{
     AllocateError, Allocation, AllocationCheck, CacheConfig, CacheManager, CommitError, Committed,
     ConfigError as CacheConfigError, FinishError, MatchError, PrefetchError, PrefixMatch,
-    RequestId, ResetError,
-    ResizeError, TicketError, TicketId, TicketStatus, Transfer, TransferFailure, TransferId,
-    TransferKind, TransferStage,
+    RequestId, ResetError, ResizeError, TicketError, TicketId, TicketStatus, Transfer,
+    TransferFailure, TransferId, TransferKind, TransferStage,
 };
 use crate::worker::{Geometry, GeometryError, GeometryParams};
 

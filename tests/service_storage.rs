@@ -1,0 +1,163 @@
+//! The service over real workers with a storage tier: the blocks the scheduler drops are
+//! forgotten by the disk slab (so that its own LRU never drops a block the scheduler still
+//! counts), and a prefetch discovers, through QUERY, the blocks another service wrote to a
+//! shared Redis after this one started.
+
+mod service_support;
+mod storage_support;
+
+use std::time::Duration;
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::{CacheConfig, RequestId, StorageWritePolicy, TicketStatus};
+use kvshm::service::{Service, ServiceConfig};
+use kvshm_ipc::name::SegmentName;
+use service_support::{device_block_holds, unique_name, write_block};
+use storage_support::{redis_for_test, unique_namespace, Scratch, Worker};
+
+const TP: u32 = 2;
+const LAYERS: u32 = 2;
+const BLOCK_TOKENS: u32 = 4;
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A service of `TP` ranks whose workers keep a storage tier `storage_args`.
+fn service_with_workers(
+    name: &SegmentName,
+    cache: CacheConfig,
+    storage_args: &[String],
+) -> (Service, Vec<Worker>) {
+    let mut service =
+        Service::create(name, ServiceConfig::new(cache, TP, LAYERS, 2 * LAYERS, 4096)).unwrap();
+    let workers: Vec<Worker> =
+        (0..TP).map(|rank| Worker::spawn(name, rank, storage_args, &[], None)).collect();
+    service.wait_for_workers(WAIT).unwrap();
+    (service, workers)
+}
+
+/// Runs a request whose prompt is `hashes` and one token more (so every block may hit): match,
+/// allocate, wait, check the hit bytes, write the others, commit, finish. Returns the match's
+/// (device, host, storage) hits.
+fn serve(service: &mut Service, id: u64, hashes: &[BlockHash]) -> (usize, usize, usize) {
+    let request = RequestId(id);
+    let tokens = hashes.len() * BLOCK_TOKENS as usize + 1;
+    let matched = service.match_prefix(request, hashes, tokens).unwrap();
+    let allocation = service.allocate(request, tokens - matched.cached_tokens, 0).unwrap();
+    let (table, ticket) = (allocation.block_table.to_vec(), allocation.ticket);
+    service.wait(ticket, WAIT).expect("the request's copies land");
+    for (index, (&hash, &block)) in hashes.iter().zip(&table).enumerate() {
+        if index < matched.blocks() {
+            assert!(device_block_holds(service, hash, block), "hit block {index} holds its bytes");
+        } else {
+            write_block(service, hash, block);
+        }
+    }
+    service.commit(request, tokens, hashes).unwrap();
+    service.finish(request).unwrap();
+    service.cache().check_invariants().unwrap();
+    (matched.device_blocks, matched.host_blocks, matched.storage_blocks)
+}
+
+/// Matches `hashes` for a request that is aborted at once: the blocks are touched (newest for
+/// the scheduler's LRU) without any copy.
+fn touch(service: &mut Service, id: u64, hashes: &[BlockHash]) {
+    let request = RequestId(id);
+    let tokens = hashes.len() * BLOCK_TOKENS as usize + 1;
+    service.match_prefix(request, hashes, tokens).unwrap();
+    service.abort(request).unwrap();
+}
+
+#[test]
+fn the_disk_slab_forgets_what_the_scheduler_drops_so_a_block_it_keeps_is_never_evicted_below_it() {
+    // The sequence of the storage review: a tier of 2 blocks, host 1, device 2, and a slab sized
+    // as the demo sizes it (storage + host + device). Block X is written back, then touched
+    // after every write-back so that the scheduler always keeps it and drops the others; the
+    // slab, which never sees those touches, must not drop X for them.
+    let dir = Scratch::new("forget");
+    let name = unique_name("forget");
+    let cache = CacheConfig::new(BLOCK_TOKENS, 2).with_host_blocks(1).with_storage_blocks(2);
+    let args: Vec<String> = [
+        "--storage".to_owned(),
+        format!("disk:{}", dir.0.display()),
+        "--storage-blocks".to_owned(),
+        "5".to_owned(),
+        "--storage-namespace".to_owned(),
+        "forget".to_owned(),
+    ]
+    .into();
+    let (mut service, _workers) = service_with_workers(&name, cache, &args);
+    let x = [BlockHash(0x1000)];
+    serve(&mut service, 0, &x);
+    let mut next = 1u64;
+    for value in 0..12u128 {
+        serve(&mut service, next, &[BlockHash(0x2000 + value)]);
+        assert!(service.wait_for_copies(WAIT));
+        touch(&mut service, next + 1000, &x);
+        next += 1;
+    }
+    assert!(service.wait_for_copies(WAIT));
+    let found = service.cache().cached_prefix(&x);
+    assert_eq!(found.storage_blocks, 1, "the scheduler kept X on storage: {found:?}");
+    assert!(service.cache().stats().counters.evictions.storage_dropped >= 8);
+    // X loads from the slab, with its bytes.
+    let (_, _, storage_hits) = serve(&mut service, 999, &x);
+    assert_eq!(storage_hits, 1);
+    let stats = service.stats();
+    assert_eq!(stats.storage_misses, 0, "{stats:?}");
+    assert!(stats.storage_forgets_sent >= 8, "{stats:?}");
+    let counters = service.segment().counters();
+    assert_eq!(
+        counters.get(kvshm::service::Counter::StorageEvictions),
+        0,
+        "the slab never evicted"
+    );
+    assert!(counters.get(kvshm::service::Counter::StorageForgottenBlocks) >= 16, "both ranks");
+}
+
+#[test]
+fn a_prefetch_finds_blocks_another_service_wrote_to_the_shared_redis_after_it_started() {
+    let redis = redis_for_test();
+    let namespace = unique_namespace("discover");
+    let args: Vec<String> =
+        ["--storage".to_owned(), redis.url(), "--storage-namespace".to_owned(), namespace.clone()]
+            .into();
+    let cache = |device: u32, storage: StorageWritePolicy| {
+        CacheConfig::new(BLOCK_TOKENS, device)
+            .with_host_blocks(16)
+            .with_storage_blocks(64)
+            .with_storage_write_policy(storage)
+    };
+    // B starts first: at its start the namespace holds nothing it could adopt.
+    let name_b = unique_name("discover-b");
+    let (mut b, _workers_b) =
+        service_with_workers(&name_b, cache(16, StorageWritePolicy::WriteBack), &args);
+    let name_a = unique_name("discover-a");
+    let (mut a, _workers_a) =
+        service_with_workers(&name_a, cache(7, StorageWritePolicy::WriteThrough), &args);
+    let prompt: Vec<BlockHash> = (0..6u128).map(|i| BlockHash(0xd15c_0000 + i)).collect();
+    serve(&mut a, 0, &prompt);
+    // Another prompt pushes A's blocks to host, where write-through stores them in Redis.
+    let filler: Vec<BlockHash> = (0..6u128).map(|i| BlockHash(0xf111_0000 + i)).collect();
+    serve(&mut a, 1, &filler);
+    let deadline = std::time::Instant::now() + WAIT;
+    while a.cache().stats().counters.stored_blocks < prompt.len() as u64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "A stored its blocks: {:?} {:?}",
+            a.cache().stats(),
+            a.stats()
+        );
+        a.poll();
+        a.wait_for_copies(Duration::from_millis(100));
+    }
+    assert_eq!(b.cache().cached_prefix(&prompt).blocks(), 0, "B knows nothing yet");
+    let ticket = b.prefetch(&prompt).unwrap().expect("B asks the tier about the prompt");
+    b.wait(ticket, WAIT).expect("the query and the loads land");
+    assert_eq!(b.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    let found = b.cache().cached_prefix(&prompt);
+    assert_eq!(found.host_blocks, prompt.len(), "B found every block and loaded it: {found:?}");
+    let (device, host, storage) = serve(&mut b, 1, &prompt);
+    assert_eq!((device, host, storage), (0, prompt.len(), 0));
+    let counters = b.cache().stats().counters;
+    assert_eq!(counters.prefetch_found_blocks, prompt.len() as u64, "{counters:?}");
+    assert_eq!(b.stats().storage_misses, 0);
+}
