@@ -24,7 +24,7 @@
 use kvshm::hash::ZeroBlockTokens;
 use kvshm::manager::{
     AllocateError, CommitError as RustCommitError, ConfigError as CacheConfigError, FinishError,
-    MatchError, ResetError, TicketError as RustTicketError, UnknownRequest,
+    MatchError, PrefetchError, ResetError, TicketError as RustTicketError, UnknownRequest,
 };
 use kvshm::offload::OffloadError as RustOffloadError;
 use kvshm::service::{DeviceResizeError, ServiceError, WaitError};
@@ -167,6 +167,12 @@ impl ToPyErr for DeviceResizeError {
 }
 
 impl ToPyErr for CacheConfigError {
+    fn to_py(self) -> PyErr {
+        ConfigError::new_err(self.to_string())
+    }
+}
+
+impl ToPyErr for PrefetchError {
     fn to_py(self) -> PyErr {
         ConfigError::new_err(self.to_string())
     }

@@ -440,6 +440,26 @@ impl Service {
         Ok(done.is_some())
     }
 
+    /// Starts loading the prompt's blocks on the storage tier into host blocks before its request
+    /// is scheduled, and asks every rank's tier about the blocks past the cache's end (another
+    /// service may have written them to a shared tier). Returns the ticket, or `None` with
+    /// nothing to do. Raises `ConfigError` without a storage tier.
+    fn prefetch(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        let hashes = read_hashes(hashes)?;
+        let ticket = open(&mut self.lock(py))?.prefetch(&hashes).py_err()?;
+        Ok(ticket.map(|ticket| ticket.0))
+    }
+
+    /// A prefetch ticket's status after a poll: `"ready"` or `"pending"`; a failed prefetch
+    /// raises `TransferFailedError`. A ticket read as done is forgotten (`TicketError` after).
+    fn prefetch_status(&self, py: Python<'_>, ticket: u64) -> PyResult<&'static str> {
+        match open(&mut self.lock(py))?.prefetch_status(TicketId(ticket)).py_err()? {
+            TicketStatus::Ready => Ok("ready"),
+            TicketStatus::Pending => Ok("pending"),
+            TicketStatus::Failed(failure) => Err(TransferFailedError::new_err(failure.to_string())),
+        }
+    }
+
     /// `"ready"` or `"pending"`; a failed ticket raises `TransferFailedError`.
     fn ticket_status(&self, py: Python<'_>, ticket: u64) -> PyResult<&'static str> {
         match open(&mut self.lock(py))?.ticket_status(TicketId(ticket)).py_err()? {

@@ -11,6 +11,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import kvshm
 
@@ -169,3 +170,68 @@ def test_an_engine_loop_over_three_tiers_reads_back_every_storage_hit_byte_for_b
         assert figures["verified"] == figures["hits"] * TP * REGIONS
         assert stats["cache"]["hits"]["storage_blocks"] > 0, stats["cache"]["hits"]
         assert stats["service"]["copy_failures"] == 0
+
+
+def serve_prompt(service: kvshm.Service, request: int, hashes: list[int], tokens: int) -> int:
+    """Runs one request over real workers, checking its hit bytes; returns its host hits."""
+    found = service.match_prefix(request, hashes, tokens)
+    allocation = service.allocate(request, tokens - found.cached_tokens)
+    service.wait(allocation.ticket, timeout=30)
+    table = np.asarray(allocation.block_table)
+    for position, block_hash in enumerate(hashes):
+        for rank in range(TP):
+            for region in range(REGIONS):
+                if position < found.blocks:
+                    got = service.read_device_region(rank, int(table[position]), region)
+                    assert got == pattern(block_hash, region, rank), (request, position)
+                else:
+                    data = pattern(block_hash, region, rank)
+                    service.write_device_region(rank, int(table[position]), region, data)
+    service.commit(request, tokens, hashes)
+    service.finish(request)
+    service.check_invariants()
+    return found.host_blocks
+
+
+def test_a_prefetch_brings_a_prompt_up_from_disk_so_its_request_hits_on_host(
+    name: str, spawn_worker, tmp_path
+) -> None:
+    with kvshm.Service(
+        name,
+        block_tokens=BLOCK_TOKENS,
+        device_blocks=8,
+        host_blocks=8,
+        region_bytes=REGION_BYTES,
+        tp_size=TP,
+        layers=LAYERS,
+        storage_blocks=64,
+    ) as service:
+        storage = ["--storage", f"disk:{tmp_path}", "--storage-blocks", "80"]
+        for rank in range(TP):
+            spawn_worker(name, rank, args=storage)
+        service.wait_for_workers(timeout=20)
+        hasher = kvshm.BlockHasher(BLOCK_TOKENS, model="prefetch")
+        prompt = hasher.hash_prompt(range(4 * BLOCK_TOKENS))
+        serve_prompt(service, 0, prompt, 4 * BLOCK_TOKENS)
+        # Other prompts push it through host down to the disk tier.
+        for request in range(1, 6):
+            other = hasher.hash_prompt(range(1000 * request, 1000 * request + 4 * BLOCK_TOKENS))
+            serve_prompt(service, request, other, 4 * BLOCK_TOKENS)
+        assert service.wait_for_copies(timeout=30)
+        ticket = service.prefetch(prompt)
+        assert ticket is not None
+        service.wait(ticket, timeout=30)
+        assert service.prefetch_status(ticket) == "ready"
+        with pytest.raises(kvshm.TicketError):
+            service.prefetch_status(ticket)  # read as done: forgotten
+        assert serve_prompt(service, 10, prompt, 4 * BLOCK_TOKENS + 1) == 4
+        stats = service.stats()
+        assert stats["cache"]["prefetch_load_blocks"] >= 1, stats["cache"]
+
+
+def test_prefetch_without_a_storage_tier_is_a_config_error(name: str) -> None:
+    with kvshm.Service(
+        name, block_tokens=BLOCK_TOKENS, device_blocks=4, region_bytes=REGION_BYTES, layers=LAYERS
+    ) as service:
+        with pytest.raises(kvshm.ConfigError):
+            service.prefetch([1, 2])

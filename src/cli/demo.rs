@@ -247,9 +247,10 @@ fn worker_storage_args(args: &Args) -> Vec<String> {
     let mut worker_args = vec!["--storage-namespace".into(), args.storage_namespace.clone()];
     match spec {
         // The slab keeps, beside the blocks the scheduler counts on the tier, the blocks it
-        // loaded back above storage (the tiers are exclusive: the scheduler forgets the copy, the
-        // slab keeps it and the block's next write-back finds it there): room for those too, so
-        // that its own LRU does not drop blocks the scheduler still counts.
+        // loaded back above storage (the scheduler no longer counts that copy, the slab keeps it
+        // and the block's next write-back finds it there): at most one per device and host
+        // block. Every block the scheduler drops is forgotten (FORGET), so with this room the
+        // slab's own LRU never drops a block the scheduler still counts.
         StorageSpec::Disk { dir } => worker_args.extend([
             "--storage".into(),
             format!("disk:{}", dir.display()),

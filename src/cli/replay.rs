@@ -167,6 +167,8 @@ pub struct Replayer {
     /// Buffers reused from request to request, so that serving one allocates nothing.
     hashes: Vec<BlockHash>,
     taken: Vec<TransferId>,
+    /// The blocks the tree dropped from a storage tier (no tier to tell here): drained per request.
+    forgotten: Vec<crate::hash::BlockHash>,
     times: Vec<f64>,
     hits_per_request: Vec<u32>,
     requests: usize,
@@ -218,6 +220,7 @@ impl Replayer {
             prompt_only,
             hashes: Vec::new(),
             taken: Vec::new(),
+            forgotten: Vec::new(),
             times: Vec::with_capacity(expected_requests),
             hits_per_request: Vec::with_capacity(expected_requests),
             requests: 0,
@@ -257,6 +260,8 @@ impl Replayer {
             Err(error) => return Err(error.into()),
         }
         self.times.push(start.elapsed().as_secs_f64() * 1e6);
+        self.cache.take_forgotten_blocks(&mut self.forgotten);
+        self.forgotten.clear();
         self.blocks += self.hashes.len() as u64;
         self.device_hits += found.device_blocks as u64;
         self.host_hits += found.host_blocks as u64;

@@ -95,6 +95,9 @@ impl MetaCommands {
 impl Service {
     /// Steps 1 and 2 of the module flow.
     pub(super) fn issue_storage_meta(&mut self) {
+        if self.manager.config().storage_blocks == 0 {
+            return;
+        }
         let mut forgotten = std::mem::take(&mut self.meta.forgotten);
         self.manager.take_forgotten_blocks(&mut forgotten);
         if !forgotten.is_empty() {
