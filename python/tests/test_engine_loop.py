@@ -230,8 +230,14 @@ def test_a_prefetch_brings_a_prompt_up_from_disk_so_its_request_hits_on_host(
 
 
 def test_prefetch_without_a_storage_tier_is_a_config_error(name: str) -> None:
-    with kvshm.Service(
-        name, block_tokens=BLOCK_TOKENS, device_blocks=4, region_bytes=REGION_BYTES, layers=LAYERS
-    ) as service:
-        with pytest.raises(kvshm.ConfigError):
-            service.prefetch([1, 2])
+    with (
+        kvshm.Service(
+            name,
+            block_tokens=BLOCK_TOKENS,
+            device_blocks=4,
+            region_bytes=REGION_BYTES,
+            layers=LAYERS,
+        ) as service,
+        pytest.raises(kvshm.ConfigError),
+    ):
+        service.prefetch([1, 2])
