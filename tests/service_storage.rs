@@ -87,12 +87,10 @@ fn the_disk_slab_forgets_what_the_scheduler_drops_so_a_block_it_keeps_is_never_e
     let (mut service, _workers) = service_with_workers(&name, cache, &args);
     let x = [BlockHash(0x1000)];
     serve(&mut service, 0, &x);
-    let mut next = 1u64;
-    for value in 0..12u128 {
-        serve(&mut service, next, &[BlockHash(0x2000 + value)]);
+    for value in 0..12u64 {
+        serve(&mut service, 1 + value, &[BlockHash(0x2000 + u128::from(value))]);
         assert!(service.wait_for_copies(WAIT));
-        touch(&mut service, next + 1000, &x);
-        next += 1;
+        touch(&mut service, 1000 + value, &x);
     }
     assert!(service.wait_for_copies(WAIT));
     let found = service.cache().cached_prefix(&x);

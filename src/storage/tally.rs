@@ -103,6 +103,7 @@ mod tests {
             Err(GetMiss::Failed(Failure::Timeout)),
         ]);
         tally.queries(&[Ok(true), Ok(false), Err(Failure::Unavailable)]);
+        tally.forgets(&[Ok(()), Err(Failure::Io("y".into()))]);
         assert_eq!(
             tally,
             Tally {
@@ -113,12 +114,13 @@ mod tests {
                 corrupt: 1,
                 queried: 3,
                 query_hits: 1,
-                errors: 1,
+                forgotten: 2,
+                errors: 2,
                 timeouts: 1,
                 unavailable: 1,
                 no_space: 1,
             }
         );
-        assert_eq!(tally.failures(), 4);
+        assert_eq!(tally.failures(), 5);
     }
 }
