@@ -198,7 +198,8 @@ impl CacheManager {
             }
         }
         let query = self.prefetch.queries.remove(&id).expect("found just above");
-        let mut ticket = Some(query.ticket);
+        // A ticket pushed out by newer ones: the loads still run, under a ticket of their own.
+        let mut ticket = Some(query.ticket).filter(|ticket| self.tickets.contains_key(ticket));
         let failure = match outcome {
             Ok(present) if query.generation == self.generation => {
                 let present = present.min(query.limit);

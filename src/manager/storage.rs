@@ -29,6 +29,11 @@
 //!    retried request computes the blocks instead of failing on them again. A LOAD of
 //!    blocks below a block another LOAD brings is ordered after that one (so that storage-only
 //!    nodes keep storage-only children), and is cancelled with it, unissued.
+//!
+//! A prefetch LOAD ([`super::prefetch`]) has no swap-in behind it: its nodes land on host and keep
+//! their storage copy; an allocation that meets one of them gives it a swap-in ordered after the
+//! LOAD (`swap_in_behind` finds it). Blocks the tree drops are told to the tier
+//! ([`super::forget`]).
 
 use super::transfer::StorageBlock;
 use super::{CacheManager, TransferId, TransferKind};
