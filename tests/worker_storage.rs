@@ -100,13 +100,27 @@ fn blocks_go_to_disk_and_back_on_every_rank_with_per_block_results() {
             rank.storage(Op::StorageQuery, &query),
             StorageResults { done: 0b01, failed: 0 }
         );
+        // FORGET frees the slot: the block is absent afterwards (an absent one is forgotten too).
+        let forget = [
+            StorageEntry::new(block_hash(7), 0, 0, NO_HOST_BLOCK),
+            StorageEntry::new(block_hash(999), 0, 0, NO_HOST_BLOCK),
+        ];
+        assert_eq!(
+            rank.storage(Op::StorageForget, &forget),
+            StorageResults { done: 0b11, failed: 0 }
+        );
+        assert_eq!(
+            rank.storage(Op::StorageQuery, &query[..1]),
+            StorageResults { done: 0, failed: 0 }
+        );
     }
     let counters = segment.counters();
     let n = tags.len() as u64;
     assert_eq!(counters.get(Counter::StorageStoredBlocks), 2 * n);
     assert_eq!(counters.get(Counter::StorageLoadHits), 2 * (n + 2));
     assert_eq!(counters.get(Counter::StorageLoadMisses), 2);
-    assert_eq!(counters.get(Counter::StorageQueryBlocks), 4);
+    assert_eq!(counters.get(Counter::StorageQueryBlocks), 6);
+    assert_eq!(counters.get(Counter::StorageForgottenBlocks), 4);
     assert_eq!(counters.get(Counter::StorageBytesWritten), 2 * n * 4096);
     assert_eq!(
         counters.get(Counter::StorageErrors) + counters.get(Counter::StorageCorruptBlocks),
@@ -265,6 +279,9 @@ fn two_services_on_one_redis_load_each_others_blocks() {
         assert_eq!(rank.storage(Op::StorageQuery, &queries), all_done(tags.len()));
         assert_eq!(rank.storage(Op::StorageLoad, &loads), all_done(tags.len()));
         assert!(tags.iter().all(|&t| rank.host_holds(40 + t as u32, t)), "rank {}", rank.rank);
+        // A FORGET leaves a shared tier's values alone: the first service may count them.
+        assert_eq!(rank.storage(Op::StorageForget, &queries), all_done(tags.len()));
+        assert_eq!(rank.storage(Op::StorageQuery, &queries), all_done(tags.len()));
     }
     assert_eq!(second.counters().get(Counter::StorageLoadHits), 2 * tags.len() as u64);
     drop(workers);

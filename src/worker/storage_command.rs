@@ -229,6 +229,9 @@ mod tests {
             (CommandError::Malformed, 1)
         );
         assert_eq!(wire(check(Op::StorageQuery, &[entry(3)], 0)), (CommandError::Malformed, 0));
+        let forget = [StorageEntry::new(5, 0, 0, NO_HOST_BLOCK), entry(3)];
+        assert_eq!(wire(check(Op::StorageForget, &forget, 0)), (CommandError::Malformed, 1));
+        assert!(check(Op::StorageForget, &forget[..1], 0).is_ok());
     }
 
     #[test]
