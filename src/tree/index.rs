@@ -194,6 +194,7 @@ impl ChildIndex {
     ///
     /// # Panics
     /// If the index does not hold it: the tree removes only nodes it inserted.
+    #[inline]
     pub fn remove(&mut self, id: NodeId, hash: &[u32; 4]) {
         let mixed = mix(hash);
         let tag = tag(mixed);

@@ -30,35 +30,34 @@
 //!
 //! Every parameter is fixed and none depends on the cache's size; the time scale is learned.
 //!
-//! Structures: per class, the lists of LRU (device only, device and host, host only), sorted by
-//! stamp and threaded through 12-byte per-node links, plus one claimable list; a set's first
-//! member is the best of at most ten list heads, whose stamps are cached with a mask of the
-//! non-empty lists. Per node one more byte: generation (3 bits), hits beyond the first (3 bits)
-//! and the turn-end mark; a node's class is derived from it, so its list needs no field. The
-//! ghost table has one 4-byte slot per four device blocks, in 4-way buckets (the oldest slot of
-//! a full bucket is overwritten). Every operation is O(1) but a late joiner's placement (as LRU).
-//! Stamps are `u32`, renumbered in order when they run out (the ghosts are then forgotten).
+//! Structures: per class, the recency lists of LRU ([`super::recency`]: device only, device and
+//! host, host only), plus one claimable and one storage list; a set's first member is the best of
+//! at most ten list heads, read from the lists' cached head stamps under a mask of the non-empty
+//! lists. Per node one more byte: generation (3 bits), hits beyond the first (3 bits) and the
+//! turn-end mark; a node's class is derived from it, so its list needs no field. The ghost table
+//! has one 4-byte slot per four device blocks, in 4-way buckets (the oldest slot of a full bucket
+//! is overwritten). Every operation is O(1) but a late joiner's placement (as LRU). Stamps are
+//! `u32`, renumbered in order when they run out (the ghosts are then forgotten).
 
 use std::ops::ControlFlow;
 
+use super::recency::{
+    kind_of, RecencyLists, CLAIMABLE, DEVICE_AND_HOST, DEVICE_ONLY, HOST_ONLY, NONE, STORAGE_ONLY,
+};
 use super::{Access, EvictSet, MatchEnd, Membership, Policy, TierShape};
 use crate::hash::BlockHash;
 use crate::tree::NodeId;
 
-const NONE: u32 = u32::MAX;
-
 /// Classes of generation (rule 3).
 const CLASSES: usize = 5;
-/// Lists per class, by the sets of their members.
-const DEVICE_ONLY: usize = 0;
-const DEVICE_AND_HOST: usize = 1;
-const HOST_ONLY: usize = 2;
-const KINDS: usize = 3;
+/// Lists per class: the kinds of [`kind_of`] a class divides (device only, device and host, host
+/// only), numbered as there.
+const CLASS_KINDS: usize = 3;
 /// The claimable list follows the class lists, then the storage list (storage-only leaves, by
 /// recency alone); both are plain lists, not classed.
-const CLAIMABLE: usize = CLASSES * KINDS;
-const STORAGE_ONLY: usize = CLAIMABLE + 1;
-const LISTS: usize = STORAGE_ONLY + 1;
+const CLAIMABLE_LIST: usize = CLASSES * CLASS_KINDS;
+const STORAGE_LIST: usize = CLAIMABLE_LIST + 1;
+const LISTS: usize = STORAGE_LIST + 1;
 
 /// Per-node byte: generation in bits 0-2 (0: none yet, counted as 1), hits beyond the first in
 /// bits 3-5, the turn-end mark in bit 7.
@@ -90,38 +89,16 @@ const GHOST_STAMP_BITS: u32 = 18;
 const GHOST_STAMP_SHIFT: u32 = 6;
 const GHOST_STAMP_MASK: u32 = (1 << GHOST_STAMP_BITS) - 1;
 
-/// A node's place in the recency order.
-#[derive(Clone, Copy, Debug)]
-struct Link {
-    stamp: u32,
-    prev: u32,
-    next: u32,
-}
-
-const UNLINKED: Link = Link { stamp: 0, prev: NONE, next: NONE };
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct List {
-    head: u32,
-    tail: u32,
-    len: u32,
-}
-
-const EMPTY: List = List { head: NONE, tail: NONE, len: 0 };
-
 /// The conversation-generation aging policy.
 #[derive(Debug)]
 pub struct Conv {
-    links: Vec<Link>,
+    lists: RecencyLists<LISTS>,
     /// Generation, hits and mark of each node (module constants).
     meta: Vec<u8>,
-    lists: [List; LISTS],
-    /// Bit `list`: that list (not the claimable one) has members.
+    /// Bit `list`: that class list has members.
     nonempty: u16,
     /// The stamp of each class list's head, where `nonempty`.
-    head_stamps: [u32; CLAIMABLE],
-    /// The next stamp.
-    clock: u32,
+    head_stamps: [u32; CLAIMABLE_LIST],
     /// The generation of the request whose releases come now.
     releasing: u8,
     /// The age credited per class, in stamps.
@@ -136,12 +113,10 @@ pub struct Conv {
 impl Default for Conv {
     fn default() -> Conv {
         Conv {
-            links: Vec::new(),
+            lists: RecencyLists::default(),
             meta: Vec::new(),
-            lists: [EMPTY; LISTS],
             nonempty: 0,
-            head_stamps: [0; CLAIMABLE],
-            clock: 0,
+            head_stamps: [0; CLAIMABLE_LIST],
             releasing: 1,
             tau: 0,
             gaps: GapHistogram::default(),
@@ -195,42 +170,6 @@ impl GapHistogram {
     }
 }
 
-/// The kind of list of a node in `sets`: a class list's kind, `CLAIMABLE`, or none.
-///
-/// # Panics
-/// On a claimable node in another set too: the tree's predicates exclude it.
-#[inline]
-fn kind_of(sets: Membership) -> Option<usize> {
-    const NOT_FILED: usize = LISTS;
-    const NO_LIST: usize = LISTS + 1;
-    /// By membership bits (device 1, host 2, claimable 4, storage 8).
-    const KIND: [usize; 16] = [
-        NOT_FILED,
-        DEVICE_ONLY,
-        HOST_ONLY,
-        DEVICE_AND_HOST,
-        CLAIMABLE,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        STORAGE_ONLY,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-    ];
-    match KIND[usize::from(sets.bits())] {
-        NOT_FILED => None,
-        NO_LIST => {
-            unreachable!("a claimable or storage node in another set is a programming error")
-        }
-        kind => Some(kind),
-    }
-}
-
 /// The class of a node with per-node byte `meta` (rule 3).
 #[inline]
 fn class_of(meta: u8) -> usize {
@@ -242,8 +181,8 @@ fn class_of(meta: u8) -> usize {
 /// The one unclassed list of `set`'s members (claimable, storage), if it is not classed.
 fn plain_list(set: EvictSet) -> Option<usize> {
     match set {
-        EvictSet::Claimable => Some(CLAIMABLE),
-        EvictSet::Storage => Some(STORAGE_ONLY),
+        EvictSet::Claimable => Some(CLAIMABLE_LIST),
+        EvictSet::Storage => Some(STORAGE_LIST),
         EvictSet::Device | EvictSet::Host => None,
     }
 }
@@ -258,8 +197,8 @@ const fn set_mask(set: EvictSet) -> u16 {
     let mut mask = 0;
     let mut class = 0;
     while class < CLASSES {
-        mask |= 1 << (class * KINDS + kinds[0]);
-        mask |= 1 << (class * KINDS + kinds[1]);
+        mask |= 1 << (class * CLASS_KINDS + kinds[0]);
+        mask |= 1 << (class * CLASS_KINDS + kinds[1]);
         class += 1;
     }
     mask
@@ -275,20 +214,13 @@ fn ghost_position(key: BlockHash, buckets: usize) -> (usize, u32) {
 }
 
 impl Conv {
-    fn link(&self, node: u32) -> &Link {
-        &self.links[node as usize]
-    }
-
-    fn link_mut(&mut self, node: u32) -> &mut Link {
-        &mut self.links[node as usize]
-    }
-
     /// The list `node` is in when in `sets`.
     #[inline]
     fn list_of(&self, node: u32, sets: Membership) -> Option<usize> {
         kind_of(sets).map(|kind| match kind {
-            CLAIMABLE | STORAGE_ONLY => kind,
-            kind => class_of(self.meta[node as usize]) * KINDS + kind,
+            CLAIMABLE => CLAIMABLE_LIST,
+            STORAGE_ONLY => STORAGE_LIST,
+            kind => class_of(self.meta[node as usize]) * CLASS_KINDS + kind,
         })
     }
 
@@ -303,122 +235,44 @@ impl Conv {
 
     /// The eviction score of a member of `list`: smaller goes first (rule 6).
     fn score(&self, stamp: u32, list: usize, plain: bool) -> u64 {
-        let class = if plain || list >= CLAIMABLE { 0 } else { (list / KINDS) as u64 };
+        let class = if plain || list >= CLAIMABLE_LIST { 0 } else { (list / CLASS_KINDS) as u64 };
         u64::from(stamp) + self.tau * class
     }
 
-    fn set_head(&mut self, list: usize, head: u32) {
-        self.lists[list].head = head;
-        if list < CLAIMABLE && head != NONE {
-            self.head_stamps[list] = self.link(head).stamp;
-        }
-    }
-
-    /// Links `node` into `list` at the place of its stamp (as LRU does).
+    /// Links `node` into `list`, keeping the head stamp and the mask of a class list.
     #[inline]
     fn insert(&mut self, list: usize, node: u32) {
-        let stamp = self.link(node).stamp;
-        let List { head, tail, .. } = self.lists[list];
-        let (prev, next) = if tail == NONE {
-            (NONE, NONE)
-        } else if self.link(tail).stamp <= stamp {
-            (tail, NONE)
-        } else if stamp < self.link(head).stamp {
-            (NONE, head)
-        } else {
-            self.place_inside(head, tail, stamp)
-        };
-        let link = self.link_mut(node);
-        link.prev = prev;
-        link.next = next;
-        match prev {
-            NONE => self.set_head(list, node),
-            prev => self.link_mut(prev).next = node,
-        }
-        match next {
-            NONE => self.lists[list].tail = node,
-            next => self.link_mut(next).prev = node,
-        }
-        self.lists[list].len += 1;
-        if list < CLAIMABLE {
+        self.lists.insert(list, node);
+        if list < CLAIMABLE_LIST {
             self.nonempty |= 1 << list;
+            if self.lists.head(list) == node {
+                self.head_stamps[list] = self.lists.stamp(node);
+            }
         }
     }
 
-    /// The neighbours of a node stamped `stamp`, strictly inside the list from `head` to
-    /// `tail`: a walk from the end nearer by stamp.
-    #[inline(never)]
-    fn place_inside(&self, head: u32, tail: u32, stamp: u32) -> (u32, u32) {
-        if stamp - self.link(head).stamp <= self.link(tail).stamp - stamp {
-            let mut next = head;
-            while self.link(next).stamp <= stamp {
-                next = self.link(next).next;
-            }
-            (self.link(next).prev, next)
-        } else {
-            let mut prev = tail;
-            while self.link(prev).stamp > stamp {
-                prev = self.link(prev).prev;
-            }
-            (prev, self.link(prev).next)
-        }
-    }
-
+    /// Unlinks `node` from `list`, keeping the head stamp and the mask of a class list.
     #[inline]
     fn unlink(&mut self, list: usize, node: u32) {
-        let Link { prev, next, .. } = *self.link(node);
-        match prev {
-            NONE => self.set_head(list, next),
-            prev => self.link_mut(prev).next = next,
-        }
-        match next {
-            NONE => self.lists[list].tail = prev,
-            next => self.link_mut(next).prev = prev,
-        }
-        let link = self.link_mut(node);
-        link.prev = NONE;
-        link.next = NONE;
-        self.lists[list].len -= 1;
-        if list < CLAIMABLE && self.lists[list].len == 0 {
-            self.nonempty &= !(1 << list);
-        }
-    }
-
-    /// Renumbers every stamp from 0, keeping the order (list order among equal stamps); the
-    /// ghosts' stamps mean nothing afterwards, so they are forgotten.
-    #[cold]
-    #[inline(never)]
-    fn renumber(&mut self) {
-        let mut rank = vec![0u32; self.links.len()];
-        for list in &self.lists {
-            let (mut node, mut position) = (list.head, 0);
-            while node != NONE {
-                rank[node as usize] = position;
-                position += 1;
-                node = self.link(node).next;
+        let was_head = self.lists.head(list) == node;
+        self.lists.unlink(list, node);
+        if list < CLAIMABLE_LIST {
+            match self.lists.head(list) {
+                NONE => self.nonempty &= !(1 << list),
+                head if was_head => self.head_stamps[list] = self.lists.stamp(head),
+                _ => {}
             }
         }
-        let mut order: Vec<u32> = (0..self.links.len() as u32).collect();
-        order.sort_unstable_by_key(|&node| (self.link(node).stamp, rank[node as usize]));
-        for (stamp, &node) in order.iter().enumerate() {
-            self.link_mut(node).stamp = stamp as u32;
-        }
-        self.clock = order.len() as u32;
-        for list in 0..CLAIMABLE {
-            let head = self.lists[list].head;
-            self.set_head(list, head);
-        }
-        self.ghosts.fill([0; WAYS]);
     }
 
-    #[inline]
-    fn next_stamp(&mut self) -> u32 {
-        if self.clock == u32::MAX {
-            self.renumber();
+    /// Caches the head stamps anew (the stamps were renumbered).
+    fn refresh_head_stamps(&mut self) {
+        for list in 0..CLAIMABLE_LIST {
+            let head = self.lists.head(list);
+            if head != NONE {
+                self.head_stamps[list] = self.lists.stamp(head);
+            }
         }
-        let stamp = self.clock;
-        self.clock += 1;
-        stamp
     }
 
     fn observe_gap(&mut self, gap: u32) {
@@ -437,7 +291,7 @@ impl Conv {
         let slot = u32::from(generation) << (GHOST_TAG_BITS + GHOST_STAMP_BITS)
             | tag << GHOST_STAMP_BITS
             | coarse;
-        let now = (self.clock >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
+        let now = (self.lists.clock() >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
         let age = |slot: u32| match slot {
             0 => u32::MAX,
             slot => now.wrapping_sub(slot & GHOST_STAMP_MASK) & GHOST_STAMP_MASK,
@@ -464,7 +318,7 @@ impl Conv {
             .position(|&way| way != 0 && (way >> GHOST_STAMP_BITS) & GHOST_TAG_MASK == tag)?;
         let slot = std::mem::take(&mut ways[way]);
         let generation = (slot >> (GHOST_TAG_BITS + GHOST_STAMP_BITS)) as u8;
-        let now = (self.clock >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
+        let now = (self.lists.clock() >> GHOST_STAMP_SHIFT) & GHOST_STAMP_MASK;
         let gap =
             (now.wrapping_sub(slot & GHOST_STAMP_MASK) & GHOST_STAMP_MASK) << GHOST_STAMP_SHIFT;
         Some((generation, gap))
@@ -472,14 +326,14 @@ impl Conv {
 
     #[cfg(test)]
     fn with_clock(clock: u32) -> Conv {
-        Conv { clock, ..Conv::default() }
+        Conv { lists: RecencyLists::with_clock(clock), ..Conv::default() }
     }
 }
 
 impl Policy for Conv {
     fn reserve_nodes(&mut self, nodes: usize) {
-        if nodes > self.links.len() {
-            self.links.resize(nodes, UNLINKED);
+        self.lists.reserve_nodes(nodes);
+        if nodes > self.meta.len() {
             self.meta.resize(nodes, 0);
         }
     }
@@ -496,7 +350,7 @@ impl Policy for Conv {
     fn request_started(&mut self, matched: MatchEnd) -> u8 {
         if let Some((node, true)) = matched.deepest {
             if self.meta[node.index()] & TURN_END != 0 {
-                let gap = self.clock.saturating_sub(self.link(node.0).stamp);
+                let gap = self.lists.clock().saturating_sub(self.lists.stamp(node.0));
                 self.observe_gap(gap);
                 return (self.generation(node.0) + 1).min(SATURATED);
             }
@@ -523,7 +377,7 @@ impl Policy for Conv {
         }
         match sole_child_of {
             Some(parent) => self.meta[parent.index()] |= TURN_END,
-            None => self.remember(key, self.link(node.0).stamp, (meta & GENERATION).max(1)),
+            None => self.remember(key, self.lists.stamp(node.0), (meta & GENERATION).max(1)),
         }
     }
 
@@ -536,8 +390,11 @@ impl Policy for Conv {
     fn touch(&mut self, node: NodeId, _key: BlockHash, access: Access) {
         match access {
             Access::Release => {
-                let stamp = self.next_stamp();
-                self.link_mut(node.0).stamp = stamp;
+                if self.lists.stamp_now(node.0) {
+                    // The stamps were renumbered: the ghosts' mean nothing now.
+                    self.ghosts.fill([0; WAYS]);
+                    self.refresh_head_stamps();
+                }
                 let meta = &mut self.meta[node.index()];
                 *meta = (*meta & !GENERATION) | self.releasing;
             }
@@ -567,7 +424,7 @@ impl Policy for Conv {
     #[inline]
     fn first(&self, set: EvictSet) -> Option<NodeId> {
         if let Some(list) = plain_list(set) {
-            return Some(self.lists[list].head).filter(|&node| node != NONE).map(NodeId);
+            return Some(self.lists.head(list)).filter(|&node| node != NONE).map(NodeId);
         }
         let plain = self.plain(set);
         let mut mask = self.nonempty & set_mask(set);
@@ -581,17 +438,17 @@ impl Policy for Conv {
                 best = (score, stamp, list);
             }
         }
-        (best.2 != LISTS).then(|| NodeId(self.lists[best.2].head))
+        (best.2 != LISTS).then(|| NodeId(self.lists.head(best.2)))
     }
 
     fn len(&self, set: EvictSet) -> usize {
         if let Some(list) = plain_list(set) {
-            return self.lists[list].len as usize;
+            return self.lists.len(list) as usize;
         }
         let mask = set_mask(set);
-        (0..CLAIMABLE)
+        (0..CLAIMABLE_LIST)
             .filter(|&list| mask & 1 << list != 0)
-            .map(|list| self.lists[list].len as usize)
+            .map(|list| self.lists.len(list) as usize)
             .sum()
     }
 
@@ -604,7 +461,7 @@ impl Policy for Conv {
         let mut cursors = [NONE; LISTS];
         for (list, cursor) in cursors.iter_mut().enumerate() {
             if mask & 1 << list != 0 {
-                *cursor = self.lists[list].head;
+                *cursor = self.lists.head(list);
             }
         }
         loop {
@@ -613,7 +470,7 @@ impl Policy for Conv {
                 if node == NONE {
                     continue;
                 }
-                let stamp = self.link(node).stamp;
+                let stamp = self.lists.stamp(node);
                 let key = (self.score(stamp, list, plain), stamp, list);
                 if best.is_none_or(|best| (key.0, key.1) < (best.0, best.1)) {
                     best = Some(key);
@@ -621,7 +478,7 @@ impl Policy for Conv {
             }
             let Some((_, _, list)) = best else { return };
             let node = cursors[list];
-            cursors[list] = self.link(node).next;
+            cursors[list] = self.lists.next(node);
             if visit(NodeId(node)).is_break() {
                 return;
             }
@@ -629,7 +486,7 @@ impl Policy for Conv {
     }
 
     fn stamp(&self, node: NodeId) -> u64 {
-        u64::from(self.link(node.0).stamp)
+        u64::from(self.lists.stamp(node.0))
     }
 
     fn clear(&mut self) {
@@ -638,70 +495,29 @@ impl Policy for Conv {
     }
 
     fn check(&self, membership: &dyn Fn(NodeId) -> Option<Membership>) -> Result<(), String> {
-        let mut filed = 0usize;
-        for (list, state) in self.lists.iter().enumerate() {
-            let (mut node, mut prev, mut count) = (state.head, NONE, 0u32);
-            while node != NONE {
-                let link = self
-                    .links
-                    .get(node as usize)
-                    .ok_or(format!("conv list {list} names {node}"))?;
-                let sets = membership(NodeId(node))
-                    .ok_or_else(|| format!("conv list {list} holds {node}, not a live node"))?;
-                if self.list_of(node, sets) != Some(list) {
-                    return Err(format!(
-                        "node {node} is in conv list {list} but filed as {sets:?} with class {}",
-                        class_of(self.meta[node as usize])
-                    ));
-                }
-                if link.prev != prev {
-                    return Err(format!("node {node} of conv list {list} has a wrong back link"));
-                }
-                if prev != NONE && self.link(prev).stamp > link.stamp {
-                    return Err(format!("conv list {list} is out of order at node {node}"));
-                }
-                count += 1;
-                if count > state.len {
-                    return Err(format!(
-                        "conv list {list} is longer than its length {}",
-                        state.len
-                    ));
-                }
-                prev = node;
-                node = link.next;
-            }
-            if prev != state.tail || count != state.len {
-                return Err(format!("conv list {list} has a wrong tail or length"));
-            }
-            if list < CLAIMABLE {
-                let nonempty = self.nonempty & 1 << list != 0;
-                if nonempty != (state.len > 0) {
-                    return Err(format!("conv list {list}: the mask of non-empty lists is wrong"));
-                }
-                if nonempty && self.head_stamps[list] != self.link(state.head).stamp {
-                    return Err(format!("conv list {list}: the cached head stamp is stale"));
-                }
-            }
-            filed += count as usize;
-        }
-        let mut members = 0;
-        for node in 0..self.links.len() as u32 {
-            match membership(NodeId(node)) {
-                Some(sets) => members += usize::from(kind_of(sets).is_some()),
-                None if self.meta[node as usize] != 0 => {
-                    return Err(format!("removed node {node} keeps conv state"));
-                }
-                None => {}
+        self.lists.check("conv", &|node| match membership(NodeId(node)) {
+            Some(sets) => Ok(self.list_of(node, sets)),
+            None => Err(format!("{node} is not a live node")),
+        })?;
+        for (node, &meta) in self.meta.iter().enumerate() {
+            if meta != 0 && membership(NodeId(node as u32)).is_none() {
+                return Err(format!("removed node {node} keeps conv state"));
             }
         }
-        if members != filed {
-            return Err(format!("conv lists hold {filed} nodes but {members} are filed"));
+        for list in 0..CLAIMABLE_LIST {
+            let nonempty = self.nonempty & 1 << list != 0;
+            if nonempty != (self.lists.len(list) > 0) {
+                return Err(format!("conv list {list}: the mask of non-empty lists is wrong"));
+            }
+            if nonempty && self.head_stamps[list] != self.lists.stamp(self.lists.head(list)) {
+                return Err(format!("conv list {list}: the cached head stamp is stale"));
+            }
         }
         Ok(())
     }
 
     fn heap_bytes(&self) -> usize {
-        self.links.capacity() * size_of::<Link>()
+        self.lists.heap_bytes()
             + self.meta.capacity()
             + self.ghosts.capacity() * size_of::<[u32; WAYS]>()
     }
@@ -847,8 +663,8 @@ mod tests {
     fn a_full_ghost_bucket_forgets_its_oldest_ghost() {
         let mut conv = conv(4, 0); // one bucket
         for value in 1..=WAYS as u128 + 1 {
-            conv.clock += 1 << GHOST_STAMP_SHIFT;
-            conv.remember(key(value), conv.clock, 1);
+            conv.lists.advance_clock(1 << GHOST_STAMP_SHIFT);
+            conv.remember(key(value), conv.lists.clock(), 1);
         }
         assert!(conv.recall(key(1)).is_none(), "the oldest went");
         for value in 2..=WAYS as u128 + 1 {
@@ -870,7 +686,7 @@ mod tests {
             conv.touch(NodeId(node), key(0), Access::Release);
             conv.enter(NodeId(node), DEVICE);
         }
-        assert!(conv.clock < 10, "renumbered: clock {}", conv.clock);
+        assert!(conv.lists.clock() < 10, "renumbered: clock {}", conv.lists.clock());
         conv.enter(NodeId(5), DEVICE);
         assert_eq!(order(&conv, EvictSet::Device), vec![4, 2, 5, 0, 3]);
         let membership = |node: NodeId| Some(if node.0 != 1 { DEVICE } else { Membership::NONE });

@@ -42,6 +42,7 @@
 mod conv;
 mod lru;
 mod optimal;
+mod recency;
 
 use std::ops::ControlFlow;
 

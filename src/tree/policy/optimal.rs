@@ -27,20 +27,15 @@ use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap};
 use std::ops::ControlFlow;
 
+use super::recency::{
+    kind_of, CLAIMABLE, DEVICE_AND_HOST, DEVICE_ONLY, HOST_ONLY, KINDS, STORAGE_ONLY,
+};
 use super::{Access, EvictSet, MatchEnd, Membership, Policy};
 use crate::hash::BlockHash;
 use crate::tree::NodeId;
 
 /// "Never used again".
 const NEVER: u32 = u32::MAX;
-
-/// The lists, by the sets of their members (as LRU's).
-const DEVICE_ONLY: usize = 0;
-const DEVICE_AND_HOST: usize = 1;
-const HOST_ONLY: usize = 2;
-const CLAIMABLE: usize = 3;
-const STORAGE_ONLY: usize = 4;
-const LISTS: usize = 5;
 
 /// For each block key, the requests (numbered from 0 in the order they are matched) in which
 /// it may hit.
@@ -100,42 +95,11 @@ const UNSEEN: NodeState = NodeState { next_use: NEVER, stamp: 0 };
 pub struct Optimal {
     future: FutureUses,
     nodes: Vec<NodeState>,
-    lists: [BTreeSet<Key>; LISTS],
+    lists: [BTreeSet<Key>; KINDS],
     /// The request being served: the number of matches so far, minus one.
     request: u32,
     started: u32,
     clock: u64,
-}
-
-/// The list of a node in `sets`, if any (as LRU's).
-fn list_of(sets: Membership) -> Option<usize> {
-    const NOT_FILED: usize = LISTS;
-    const NO_LIST: usize = LISTS + 1;
-    const LIST: [usize; 16] = [
-        NOT_FILED,
-        DEVICE_ONLY,
-        HOST_ONLY,
-        DEVICE_AND_HOST,
-        CLAIMABLE,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        STORAGE_ONLY,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-        NO_LIST,
-    ];
-    match LIST[usize::from(sets.bits())] {
-        NOT_FILED => None,
-        NO_LIST => {
-            unreachable!("a claimable or storage node in another set is a programming error")
-        }
-        list => Some(list),
-    }
 }
 
 impl Optimal {
@@ -187,14 +151,14 @@ impl Policy for Optimal {
     }
 
     fn enter(&mut self, node: NodeId, sets: Membership) {
-        if let Some(list) = list_of(sets) {
+        if let Some(list) = kind_of(sets) {
             let key = self.key(node);
             self.lists[list].insert(key);
         }
     }
 
     fn leave(&mut self, node: NodeId, sets: Membership) {
-        if let Some(list) = list_of(sets) {
+        if let Some(list) = kind_of(sets) {
             let key = self.key(node);
             self.lists[list].remove(&key);
         }
@@ -233,9 +197,9 @@ impl Policy for Optimal {
     }
 
     fn check(&self, membership: &dyn Fn(NodeId) -> Option<Membership>) -> Result<(), String> {
-        let mut filed = [0usize; LISTS];
+        let mut filed = [0usize; KINDS];
         for node in 0..self.nodes.len() as u32 {
-            let Some(list) = membership(NodeId(node)).and_then(list_of) else { continue };
+            let Some(list) = membership(NodeId(node)).and_then(kind_of) else { continue };
             filed[list] += 1;
             if !self.lists[list].contains(&self.key(NodeId(node))) {
                 return Err(format!("node {node} is filed but not in optimal list {list}"));
