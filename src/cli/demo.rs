@@ -220,11 +220,13 @@ fn check(args: &Args) -> anyhow::Result<()> {
             args.region_bytes
         ),
     )?;
-    // The block pools (two u32 per block), and one region of scratch for the byte checks.
+    // The block pools (two u32 per block), the tree's index sized for every block, and one region of
+    // scratch for the byte checks.
+    let per_block = 8 + crate::tree::PRESIZED_BYTES_PER_BLOCK as u128;
     fits_in_memory(
-        blocks * 8 + u128::from(args.region_bytes),
+        blocks * per_block + u128::from(args.region_bytes),
         format_args!(
-            "the block pools of --device-blocks {} + --host-blocks {}",
+            "the block pools and the cache's index of --device-blocks {} + --host-blocks {}",
             args.device_blocks, args.host_blocks
         ),
     )

@@ -460,12 +460,13 @@ fn check(args: &Args) -> anyhow::Result<()> {
         anyhow::bail!("--storage-blocks needs a host tier (--host-blocks): blocks reach storage through host blocks");
     }
     within(args.free_watermark, 0..=args.device_blocks, "--free-watermark")?;
-    // The block pools are allocated up front: two u32 per block.
+    // The block pools (two u32 per block) and the tree's index sized for every block are allocated up
+    // front.
     let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
     fits_in_memory(
-        blocks * 8,
+        blocks * (8 + crate::tree::PRESIZED_BYTES_PER_BLOCK as u128),
         format_args!(
-            "the block pools of --device-blocks {} + --host-blocks {}",
+            "the block pools and the cache's index of --device-blocks {} + --host-blocks {}",
             args.device_blocks, args.host_blocks
         ),
     )

@@ -165,7 +165,10 @@ impl CacheManager {
 
     fn build(config: CacheConfig) -> Result<CacheManager, ConfigError> {
         config.validate()?;
-        let mut tree = Tree::new(config.eviction);
+        // An index for every block of the device and host tiers up front (storage-only nodes
+        // beyond them grow it as they come).
+        let blocks = config.device_blocks as usize + config.host_blocks as usize;
+        let mut tree = Tree::with_capacity(config.eviction, blocks);
         tree.configure_policy(config.device_blocks, config.host_blocks);
         Ok(CacheManager {
             tree,

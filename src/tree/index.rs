@@ -14,7 +14,8 @@
 //!   and (2) stops at the first group that counts no displaced entry, or goes on to the next;
 //! - a removal empties its slot and uncounts the groups the entry had passed: no tombstones, no
 //!   shifting, nothing to rebuild;
-//! - past 7/8 full, the table doubles and every entry is placed again.
+//! - past 7/8 full, the table doubles and every entry is placed again. A tree sized for its
+//!   tiers ([`ChildIndex::with_capacity`]) never gets there unless the storage tier holds more.
 
 use super::node::{split, Node};
 use super::NodeId;
@@ -101,6 +102,14 @@ pub struct ChildIndex {
 }
 
 impl ChildIndex {
+    /// An index that holds `entries` without growing: the number of groups that doubling would
+    /// reach for them, allocated (and written) now.
+    pub fn with_capacity(entries: usize) -> ChildIndex {
+        let groups =
+            if entries == 0 { 0 } else { (entries * 8).div_ceil(SLOTS * 7).next_power_of_two() };
+        ChildIndex { groups: vec![EMPTY_GROUP; groups], len: 0 }
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -272,8 +281,10 @@ impl ChildIndex {
         Ok(())
     }
 
+    /// Removes every entry, keeping the table's size.
     pub fn clear(&mut self) {
-        *self = ChildIndex::default();
+        self.groups.fill(EMPTY_GROUP);
+        self.len = 0;
     }
 
     pub fn heap_bytes(&self) -> usize {

@@ -66,6 +66,10 @@ impl Default for Tree {
     }
 }
 
+/// Heap bytes per block that [`Tree::with_capacity`] sets aside at most: the child index (a
+/// power of two of 64-byte groups of twelve slots, at least 7/16 full).
+pub const PRESIZED_BYTES_PER_BLOCK: usize = (2 * 64 * 8usize).div_ceil(12 * 7);
+
 /// By state code, the evictable sets a node in that state may be in (DESIGN §4): a device
 /// candidate is `Device` (with a device block, no device child); a host candidate is `Device` or
 /// `Host` (with a host block, no child above storage); a claimable node is `SwapToHost(evict)`
@@ -84,14 +88,23 @@ const SETS_OF_STATE: [u8; node::STATE_CODES] = {
 
 impl Tree {
     pub fn new(policy: EvictionPolicy) -> Tree {
-        let mut policy = Policies::new(policy);
-        policy.reserve_nodes(1);
-        Tree {
+        Tree::with_capacity(policy, 0)
+    }
+
+    /// A tree whose child index holds `blocks` cached blocks without growing (at most
+    /// [`PRESIZED_BYTES_PER_BLOCK`] each, the size doubling would reach anyway), so that no
+    /// request pays for a rehash of the whole index. The arena grows by doubling, touching the
+    /// new half at once (see [`Tree::insert`]).
+    pub fn with_capacity(policy: EvictionPolicy, blocks: usize) -> Tree {
+        let mut tree = Tree {
             nodes: vec![Node::new(BlockHash(0), NodeId::NONE)],
             free_slots: NodeId::NONE,
-            index: ChildIndex::default(),
-            policy,
-        }
+            index: ChildIndex::with_capacity(blocks),
+            policy: Policies::new(policy),
+        };
+        // The arena always has a spare slot, so that `insert`'s push never reallocates.
+        tree.grow_arena();
+        tree
     }
 
     /// The eviction policy ordering the evictable sets.
@@ -355,7 +368,9 @@ impl Tree {
             None => {
                 let id = NodeId(u32::try_from(self.nodes.len()).expect("fewer than 2^32 nodes"));
                 self.nodes.push(node);
-                self.policy.reserve_nodes(self.nodes.capacity());
+                if self.nodes.len() == self.nodes.capacity() {
+                    self.grow_arena();
+                }
                 id
             }
         };
@@ -372,6 +387,20 @@ impl Tree {
         self.refile(parent, None);
         self.refile(id, access);
         id
+    }
+
+    /// Doubles the arena, which is full (or holds the root only), and touches the new half now
+    /// (the policy's per-node state too): writing the spare slots
+    /// (they stay outside the vector) makes the kernel map their pages in this one call rather
+    /// than in the first insertion into each page, one request after another.
+    #[cold]
+    #[inline(never)]
+    fn grow_arena(&mut self) {
+        self.nodes.reserve(self.nodes.len());
+        for slot in self.nodes.spare_capacity_mut() {
+            slot.write(Node::new(BlockHash(0), NodeId::NONE));
+        }
+        self.policy.reserve_nodes(self.nodes.capacity());
     }
 
     /// Changes a node's own fields and keeps the derived state in step (module flow).
