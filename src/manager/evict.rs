@@ -31,8 +31,9 @@ use crate::tree::{NodeId, NodeState, StoreOut, SwapOut, Tree};
 
 /// What evicting one device candidate gave.
 enum Evicted {
-    /// Its device block is back in the pool.
-    Freed,
+    /// Its device block is back in the pool; `exposed`: its parent, left unfiled as the next
+    /// device candidate (see [`Tree::remove_exposing`]), when the caller asked for it.
+    Freed { exposed: Option<NodeId> },
     /// A swap-out started; the node's block is claimable.
     SwappingOut,
 }
@@ -62,19 +63,30 @@ impl CacheManager {
                 None,
             ));
         }
+        // The parent a drop left unfiled as the next device candidate: the next victim.
+        let mut exposed = None;
         while out.len() - start < count {
             if let Some(id) = self.tree.first_claimable() {
+                // A claim changes the tree: the parent is filed first, and found again below.
+                if let Some(parent) = exposed.take() {
+                    self.tree.file(parent);
+                }
                 out.push(self.claim(id));
                 continue;
             }
-            let victim = self
-                .tree
-                .first_device_candidate()
-                .expect("evicting past what the dry run counted is a programming error");
-            if let Evicted::Freed = self.evict_device(victim) {
+            let victim = exposed.take().unwrap_or_else(|| {
+                self.tree
+                    .first_device_candidate()
+                    .expect("evicting past what the dry run counted is a programming error")
+            });
+            if let Evicted::Freed { exposed: parent } = self.evict_device(victim, true) {
+                exposed = parent;
                 let block = self.device.allocate_one().expect("a block was just freed");
                 out.push((block, None));
             }
+        }
+        if let Some(parent) = exposed {
+            self.tree.file(parent);
         }
     }
 
@@ -83,7 +95,7 @@ impl CacheManager {
     pub(super) fn evict_toward(&mut self, target: usize) {
         while self.device.free_count() + self.tree.claimable_count() < target {
             let Some(victim) = self.tree.first_device_candidate() else { break };
-            self.evict_device(victim);
+            self.evict_device(victim, false);
         }
     }
 
@@ -100,8 +112,10 @@ impl CacheManager {
         (block, Some(transfer))
     }
 
-    /// Evicts one device candidate under the write policy (module flow, steps 1 to 3).
-    fn evict_device(&mut self, id: NodeId) -> Evicted {
+    /// Evicts one device candidate under the write policy (module flow, steps 1 to 3). With
+    /// `expose`, a drop of a leaf may leave its parent unfiled as the next victim (see
+    /// [`Evicted::Freed`]).
+    fn evict_device(&mut self, id: NodeId, expose: bool) -> Evicted {
         let node = self.tree.node(id);
         let block = node.device().expect("a device candidate has a device block");
         if node.has_valid_host() {
@@ -112,7 +126,7 @@ impl CacheManager {
             self.free_device(block);
             self.stats.evictions.device_to_host_metadata += 1;
             self.settled_on_host(id);
-            return Evicted::Freed;
+            return Evicted::Freed { exposed: None };
         }
         let wants_copy = self.host_enabled()
             && match self.config.write_policy {
@@ -127,9 +141,14 @@ impl CacheManager {
                 return Evicted::SwappingOut;
             }
         }
-        self.drop_subtree(id);
+        let exposed = if expose && !self.tree.node(id).has_children() {
+            self.drop_leaf_exposing(id)
+        } else {
+            self.drop_subtree(id);
+            None
+        };
         self.stats.evictions.device_dropped += 1;
-        Evicted::Freed
+        Evicted::Freed { exposed }
     }
 
     /// A host block, from the pool or by evicting the least recently used host candidate

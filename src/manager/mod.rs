@@ -450,6 +450,22 @@ impl CacheManager {
     /// # Panics
     /// If the node is held.
     fn drop_leaf(&mut self, id: NodeId) {
+        self.give_up_blocks_of_leaf(id);
+        self.tree.remove(id);
+    }
+
+    /// [`CacheManager::drop_leaf`] for an eviction that goes on evicting: returns the parent
+    /// when it is the next device candidate to evict, left for the caller to evict or file
+    /// (see [`Tree::remove_exposing`]).
+    fn drop_leaf_exposing(&mut self, id: NodeId) -> Option<NodeId> {
+        self.give_up_blocks_of_leaf(id);
+        self.tree.remove_exposing(id)
+    }
+
+    /// The blocks part of [`CacheManager::drop_leaf`]: frees them, or hands them to the copy in
+    /// flight that still touches them.
+    #[inline]
+    fn give_up_blocks_of_leaf(&mut self, id: NodeId) {
         let node = self.tree.node(id);
         assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
         let (device, host, state, transfer, hash) =
@@ -490,7 +506,6 @@ impl CacheManager {
                 flight.reserved_host.extend(host);
             }
         }
-        self.tree.remove(id);
     }
 
     /// Gives a device block to a host-resident node and starts its swap-in (within the current

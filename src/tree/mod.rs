@@ -466,6 +466,42 @@ impl Tree {
     /// # Panics
     /// If the node has children or is the root.
     pub fn remove(&mut self, id: NodeId) {
+        let parent = self.unlink(id);
+        self.refile(parent, None);
+    }
+
+    /// Removes a node with no children, as [`Tree::remove`] does, for an eviction that goes on
+    /// evicting: when the removal makes the parent a device candidate (and nothing else) that
+    /// the policy would give up next, the parent is left out of the sets and returned. The
+    /// caller then evicts it at once, or files it with [`Tree::file`] before any other change:
+    /// this saves filing a node only to take it out again, the usual step of evicting a chain
+    /// tail first.
+    ///
+    /// # Panics
+    /// If the node has children or is the root.
+    pub fn remove_exposing(&mut self, id: NodeId) -> Option<NodeId> {
+        let parent = self.unlink(id);
+        let device_only = Membership::NONE.with(EvictSet::Device);
+        if self.nodes[parent.index()].membership().is_empty()
+            && self.membership(parent) == device_only
+            && self.policy.would_come_first(parent, EvictSet::Device)
+        {
+            return Some(parent);
+        }
+        self.refile(parent, None);
+        None
+    }
+
+    /// Files `id` in the sets it belongs in: a parent that [`Tree::remove_exposing`] returned
+    /// and that is not evicted after all.
+    pub fn file(&mut self, id: NodeId) {
+        self.refile(id, None);
+    }
+
+    /// Takes a node with no children out of the tree (its sets, the index, its parent's child
+    /// list and counts), all but re-filing the parent, which it returns.
+    #[inline]
+    fn unlink(&mut self, id: NodeId) -> NodeId {
         assert!(id != NodeId::ROOT, "removing the root is a programming error");
         let node = &self.nodes[id.index()];
         assert!(!node.has_children(), "removing a node with children is a programming error");
@@ -495,7 +531,7 @@ impl Tree {
         if was_upper {
             self.count_child_out(parent, true);
         }
-        self.refile(parent, None);
+        parent
     }
 
     /// Drops every node.

@@ -84,6 +84,34 @@ fn a_parent_exposed_by_its_released_childs_eviction_goes_first() {
 }
 
 #[test]
+fn removing_a_leaf_for_an_eviction_leaves_its_parent_unfiled_only_when_it_would_go_next() {
+    for mut tree in trees() {
+        let older = served(&mut tree, NodeId::ROOT, &[9], 5);
+        let chain = served(&mut tree, NodeId::ROOT, &[1, 2, 3], 0);
+        let newer = served(&mut tree, NodeId::ROOT, &[4], 3);
+        // The parent was released after `older`, which goes first: the parent is filed.
+        assert_eq!(tree.remove_exposing(chain[2]), None);
+        assert_eq!(tree.first_device_candidate(), Some(older[0]));
+        tree.check().unwrap();
+        tree.remove(older[0]);
+        let exposed = tree.remove_exposing(chain[1]);
+        if tree.eviction_policy() == EvictionPolicy::Lru {
+            // Now the parent is the oldest: left out of the sets, handed back as the next victim.
+            assert_eq!(exposed, Some(chain[0]));
+            assert_eq!(tree.candidates(EvictSet::Device), vec![newer[0]]);
+            tree.file(chain[0]);
+        } else {
+            assert_eq!(exposed, None, "a policy that cannot tell files the parent");
+        }
+        assert_eq!(tree.first_device_candidate(), Some(chain[0]));
+        tree.check().unwrap();
+        tree.remove(chain[0]);
+        assert_eq!(tree.remove_exposing(newer[0]), None, "the root is never exposed");
+        tree.check().unwrap();
+    }
+}
+
+#[test]
 fn a_held_node_is_not_a_candidate_until_released() {
     for mut tree in trees() {
         let ids = served(&mut tree, NodeId::ROOT, &[1], 0);

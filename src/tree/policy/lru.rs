@@ -90,6 +90,13 @@ impl Policy for Lru {
         Some(head).filter(|&node| node != NONE).map(NodeId)
     }
 
+    #[inline]
+    fn would_come_first(&self, node: NodeId, set: EvictSet) -> bool {
+        // Stamps are unique: older than the first member, it would go in front of its list's
+        // head and before the other list's.
+        self.first(set).is_none_or(|first| self.lists.stamp(node.0) < self.lists.stamp(first.0))
+    }
+
     fn len(&self, set: EvictSet) -> usize {
         let (a, b) = Lru::lists_of(set);
         (self.lists.len(a) + b.map_or(0, |b| self.lists.len(b))) as usize

@@ -169,6 +169,11 @@ pub trait Policy: Default + std::fmt::Debug {
     fn leave(&mut self, node: NodeId, sets: Membership);
     /// The member of `set` to give up next.
     fn first(&self, set: EvictSet) -> Option<NodeId>;
+    /// Whether `node`, in no set, would be [`Policy::first`] of `set` if it joined `set` alone
+    /// now. `false` when unsure: the tree then files it, and the eviction asks `first`.
+    fn would_come_first(&self, _node: NodeId, _set: EvictSet) -> bool {
+        false
+    }
     fn len(&self, set: EvictSet) -> usize;
     /// Visits the members of `set` in the order they would be given up, until `visit` breaks.
     fn visit(&self, set: EvictSet, visit: &mut dyn FnMut(NodeId) -> ControlFlow<()>);
@@ -293,6 +298,12 @@ macro_rules! registry {
             pub fn first(&self, set: EvictSet) -> Option<NodeId> {
                 match self {
                     $(Policies::$variant(p) => p.first(set),)+
+                }
+            }
+            #[inline]
+            pub fn would_come_first(&self, node: NodeId, set: EvictSet) -> bool {
+                match self {
+                    $(Policies::$variant(p) => p.would_come_first(node, set),)+
                 }
             }
             #[inline]
