@@ -486,6 +486,8 @@ impl Tree {
             && self.membership(parent) == device_only
             && self.policy.would_come_first(parent, EvictSet::Device)
         {
+            // Its removal comes next: start loading its index group now.
+            self.index.prefetch(self.nodes[parent.index()].hash());
             return Some(parent);
         }
         self.refile(parent, None);
