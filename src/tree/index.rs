@@ -173,12 +173,14 @@ impl ChildIndex {
         None
     }
 
-    /// Adds node `id`, whose key is in `nodes[id]` and absent from the index.
-    pub fn insert(&mut self, id: NodeId, nodes: &[Node]) {
+    /// Adds node `id`, keyed by `words` (its hash words, as `nodes[id]` holds them) and absent
+    /// from the index. The caller passes the words it has at hand: reading them back from a
+    /// node record just written would stall on the stores.
+    pub fn insert(&mut self, id: NodeId, words: &[u32; 4], nodes: &[Node]) {
         if (self.len + 1) * 8 > self.groups.len() * SLOTS * 7 {
             self.grow(nodes);
         }
-        self.place(id, nodes[id.index()].hash_words());
+        self.place(id, words);
         self.len += 1;
     }
 

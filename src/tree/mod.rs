@@ -357,6 +357,7 @@ impl Tree {
         let access = view.access;
         let has_device = node.device().is_some();
         let is_upper = node.is_upper();
+        let words = *node.hash_words();
         let first = self.nodes[parent.index()].first_child;
         node.next_sibling = first;
         let id = match self.free_slots.some() {
@@ -383,7 +384,7 @@ impl Tree {
         parent_node.device_children =
             parent_node.device_children.saturating_add(u16::from(has_device));
         parent_node.upper_children = parent_node.upper_children.saturating_add(u16::from(is_upper));
-        self.index.insert(id, &self.nodes);
+        self.index.insert(id, &words, &self.nodes);
         self.refile(parent, None);
         self.refile(id, access);
         id
