@@ -36,6 +36,9 @@ enum Evicted {
     Freed { exposed: Option<NodeId> },
     /// A swap-out started; the node's block is claimable.
     SwappingOut,
+    /// A swap-out started and the caller took the node's block at once: `block`, still read by
+    /// `transfer`.
+    Claimed { block: u32, transfer: TransferId },
 }
 
 impl CacheManager {
@@ -79,10 +82,16 @@ impl CacheManager {
                     .first_device_candidate()
                     .expect("evicting past what the dry run counted is a programming error")
             });
-            if let Evicted::Freed { exposed: parent } = self.evict_device(victim, true) {
-                exposed = parent;
-                let block = self.device.allocate_one().expect("a block was just freed");
-                out.push((block, None));
+            // No node is claimable here, so a swap-out the eviction starts would be the next
+            // claim: it takes the block at once.
+            match self.evict_device(victim, true) {
+                Evicted::Freed { exposed: parent } => {
+                    exposed = parent;
+                    let block = self.device.allocate_one().expect("a block was just freed");
+                    out.push((block, None));
+                }
+                Evicted::Claimed { block, transfer } => out.push((block, Some(transfer))),
+                Evicted::SwappingOut => {}
             }
         }
         if let Some(parent) = exposed {
@@ -112,10 +121,12 @@ impl CacheManager {
         (block, Some(transfer))
     }
 
-    /// Evicts one device candidate under the write policy (module flow, steps 1 to 3). With
-    /// `expose`, a drop of a leaf may leave its parent unfiled as the next victim (see
-    /// [`Evicted::Freed`]).
-    fn evict_device(&mut self, id: NodeId, expose: bool) -> Evicted {
+    /// Evicts one device candidate under the write policy (module flow, steps 1 to 3).
+    /// `for_allocation`: the caller takes the block now, and no node is claimable: a swap-out
+    /// is claimed as it starts (what the next claim would do, without filing the node as
+    /// claimable in between), and a drop of a leaf may leave its parent unfiled as the next
+    /// victim (see [`Evicted`]).
+    fn evict_device(&mut self, id: NodeId, for_allocation: bool) -> Evicted {
         let node = self.tree.node(id);
         let block = node.device().expect("a device candidate has a device block");
         if node.has_valid_host() {
@@ -135,13 +146,17 @@ impl CacheManager {
             };
         if wants_copy {
             if let Some((host_block, store)) = self.obtain_host_block() {
-                let transfer = self.start_swap_out(id, host_block, SwapOut::Evict);
+                let swap = if for_allocation { SwapOut::Claimed } else { SwapOut::Evict };
+                let transfer = self.start_swap_out(id, host_block, swap);
                 self.order_after_store(transfer, store);
                 self.stats.evictions.device_written_back += 1;
-                return Evicted::SwappingOut;
+                return match swap {
+                    SwapOut::Claimed => Evicted::Claimed { block, transfer },
+                    _ => Evicted::SwappingOut,
+                };
             }
         }
-        let exposed = if expose && !self.tree.node(id).has_children() {
+        let exposed = if for_allocation && !self.tree.node(id).has_children() {
             self.drop_leaf_exposing(id)
         } else {
             self.drop_subtree(id);

@@ -524,7 +524,8 @@ impl CacheManager {
     }
 
     /// Starts copying a device node to `host_block` (within the current operation's
-    /// device-to-host copy).
+    /// device-to-host copy). With [`SwapOut::Claimed`] the caller takes the node's device block
+    /// at once, as [`CacheManager::claim`] would.
     fn start_swap_out(&mut self, id: NodeId, host_block: u32, swap: SwapOut) -> TransferId {
         let device = self.tree.node(id).device().expect("a device node has a device block");
         let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
@@ -534,6 +535,10 @@ impl CacheManager {
             node.set_host(Some(host_block));
             node.set_state(NodeState::SwapToHost(swap));
             node.set_transfer(Some(transfer.0));
+            if swap == SwapOut::Claimed {
+                // Its device block goes to the caller at once (see `claim`).
+                node.set_device(None);
+            }
         });
         transfer
     }
