@@ -6,9 +6,12 @@
 //! 1. a node with a valid host copy just drops its device copy (metadata only);
 //! 2. else, if the policy wants a copy (write-back; write-through for a node whose backup has
 //!    not happened; selective for a node hit `threshold` times) and a host block can be had, it
-//!    starts a swap-out, and the block becomes claimable at once;
+//!    starts a swap-out, and the block becomes claimable at once (an allocation, which would
+//!    claim it next, takes it as the swap-out starts);
 //! 3. else the node is dropped, with the host-only nodes under it (a match could never reach
-//!    them again), and its block is free.
+//!    them again), and its block is free. When an allocation drops a leaf whose parent becomes
+//!    the device candidate the policy gives up next (a chain evicted tail first), the tree hands
+//!    the parent back unfiled as the next victim ([`Tree::remove_exposing`]).
 //!
 //! Host blocks come from the free host pool, then from the least recently used host candidate:
 //! a backup is dropped; a host-only node the storage tier holds becomes storage-only (metadata
@@ -91,6 +94,7 @@ impl CacheManager {
                     out.push((block, None));
                 }
                 Evicted::Claimed { block, transfer } => out.push((block, Some(transfer))),
+                // Only without `for_allocation`.
                 Evicted::SwappingOut => {}
             }
         }
