@@ -2,7 +2,9 @@
 //! disk:DIR` runs the scheduler and one worker per rank; blocks go device -> host -> disk and
 //! back, and every hit is checked byte for byte on every rank and region. A second run of the
 //! whole service over the same directory finds the first run's blocks through the persisted
-//! index and hits them. With `--storage redis://...` the same round trip goes through Redis.
+//! index and hits them; damaged records are misses for their blocks, and the requests that hit
+//! them compute those blocks instead (never aborted). With `--storage redis://...` the same round
+//! trip goes through Redis.
 
 mod storage_support;
 
@@ -71,6 +73,31 @@ fn a_restarted_service_finds_its_disk_blocks_and_hits_them_with_the_right_bytes(
     assert_eq!(number(&second, "verified_blocks"), second_hits, "{second}");
     assert_eq!(number(&second, "corrupted_blocks"), 0, "{second}");
     assert_eq!(number(&second, "failed_requests"), 0, "{second}");
+}
+
+#[test]
+fn damaged_disk_records_are_misses_for_their_blocks_and_every_request_is_still_served() {
+    let dir = Scratch::new("damaged");
+    let first = demo_over(&dir, &[]);
+    assert!(number(&first, "storage_stores") > 100, "{first}");
+    // Flip one byte in every other 4 KiB record of rank 0's slab (a block is 4 KiB per rank
+    // here): those blocks fail their checksum there.
+    let slab = dir.0.join("default").join("rank-0.slab");
+    let mut bytes = std::fs::read(&slab).unwrap();
+    for offset in (100..bytes.len()).step_by(2 * 4096) {
+        bytes[offset] ^= 0x5a;
+    }
+    std::fs::write(&slab, &bytes).unwrap();
+    let second = demo_over(&dir, &[]);
+    assert!(number(&second, "adopted_storage_blocks") > 500, "{second}");
+    // Served, not aborted: the requests whose hits missed computed those blocks.
+    assert_eq!(number(&second, "failed_requests"), 0, "{second}");
+    assert!(number(&second, "shortened_requests") > 0, "{second}");
+    assert!(number(&second, "storage_missed_blocks") > 0, "{second}");
+    assert!(number(&second, "storage_misses") > 0, "counted by the service: {second}");
+    assert!(number(&second, "storage_hit_blocks") > 0, "the intact records still hit: {second}");
+    assert_eq!(number(&second, "verified_blocks"), number(&second, "hit_blocks"), "{second}");
+    assert_eq!(number(&second, "corrupted_blocks"), 0, "{second}");
 }
 
 #[test]

@@ -249,8 +249,8 @@ fn three_tier_figures_are_pinned_and_come_within_0_02_of_a_plain_lru_of_the_comb
         ),
         (
             StorageWritePolicy::WriteThrough,
-            (15_797, 44_273, 41_509, 52_008_448, 214_782, 41_509, 134_211),
-            10_609_219_992_857_056_818,
+            (15_797, 44_273, 42_074, 52_297_728, 208_649, 42_074, 127_513),
+            6_777_938_795_277_570_823,
         ),
     ];
     for (policy, figures, hits_digest) in rows {

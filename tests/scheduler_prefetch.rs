@@ -166,8 +166,9 @@ fn a_failed_prefetch_load_fails_its_ticket_and_nothing_else() {
     cache.finish(other).unwrap();
     cache.poll();
     check(&cache);
-    // The blocks went storage-only, then (unheld) were dropped, so a request computes them.
-    assert_eq!(cache.cached_prefix(&first).blocks(), 0);
+    // The tier failed as a whole (a miss, not a lost block): the blocks are storage-only again
+    // and stay cached for the next match.
+    assert_eq!(cache.cached_prefix(&first).storage_blocks, first.len());
     let counters = cache.stats().counters;
     assert_eq!(counters.prefetch_failed_blocks, 2);
     assert_eq!(counters.failed_allocations, 0);

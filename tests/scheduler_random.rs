@@ -6,8 +6,9 @@
 //! The test plays the engine and the workers, and simulates the data plane: every device and host
 //! block holds the hash of the block whose KV it contains, and the storage tier maps a block hash
 //! to what was stored under it. Copies move those values when they complete (a failed copy
-//! poisons its destinations; a LOAD of a block the tier lacks fails), and the engine writes its computed blocks
-//! only once its ticket is ready. So every hit the manager reports is checked to hold the right
+//! poisons its destinations; a LOAD of a block the tier lacks misses that block, which shortens
+//! the hits of the requests waiting on it), and the engine writes its computed blocks only once
+//! its ticket is ready. So every hit the manager reports is checked to hold the right
 //! data, which catches a block reused too early, a ticket ready too soon or a copy issued too
 //! early. Hits are compared against a reference model: the set of blocks committed since the
 //! last reset. Every hit must be in it, and where the device tier never needs to evict, a
@@ -19,8 +20,8 @@ use std::collections::{HashMap, HashSet};
 
 use kvshm::hash::{BlockHash, BlockHasher, Namespace};
 use kvshm::manager::{
-    AllocateError, CacheConfig, CacheManager, EvictionPolicy, RequestId, StorageQuery,
-    StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferKind, WritePolicy,
+    AllocateError, BlockOutcome, CacheConfig, CacheManager, EvictionPolicy, RequestId,
+    StorageQuery, StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferKind, WritePolicy,
 };
 use kvshm::tree::{NodeId, NodeState, SnapshotNode, SwapOut};
 use scheduler_support::{check, failure, Rng};
@@ -352,8 +353,10 @@ impl Engine {
     fn extend(&mut self) {
         let Some(id) = self.pick_live() else { return };
         let Some(ticket) = self.live[&id].ticket else { return };
-        if self.cache.ticket_status(ticket) != Ok(TicketStatus::Ready) {
-            return;
+        match self.cache.ticket_status(ticket) {
+            Ok(TicketStatus::Ready) => {}
+            Ok(TicketStatus::Shortened { cached_blocks }) => self.shorten(id, cached_blocks),
+            _ => return,
         }
         let generated = 1 + self.rng.below(3);
         if let Ok(allocation) = self.cache.allocate(RequestId(id), generated, 0) {
@@ -372,8 +375,12 @@ impl Engine {
             return;
         }
         let copy = self.copies.swap_remove(self.rng.below(self.copies.len()));
-        let mut fails = self.rng.chance(10);
-        for (index, pair) in copy.pairs.iter().enumerate() {
+        let fails = self.rng.chance(if copy.kind.is_storage() { 3 } else { 10 });
+        if copy.kind.is_storage() {
+            self.complete_storage_copy(copy, fails);
+            return;
+        }
+        for pair in &copy.pairs {
             let (src, dst) = (pair.src as usize, pair.dst as usize);
             match copy.kind {
                 TransferKind::DeviceToHost => {
@@ -382,22 +389,49 @@ impl Engine {
                 TransferKind::HostToDevice => {
                     self.device_data[dst] = if fails { Some(POISON) } else { self.host_data[src] };
                 }
-                TransferKind::HostToStorage => {
-                    // A failed write leaves nothing; a hash already stored keeps its bytes.
-                    if !fails {
-                        self.storage_data.insert(copy.blocks[index].hash, self.host_data[src]);
-                    }
-                }
-                TransferKind::StorageToHost => {
-                    let stored = self.storage_data.get(&copy.blocks[index].hash).copied();
-                    // A block the tier lost fails the LOAD (every block of it counts as missed).
-                    fails |= stored.is_none();
-                    self.host_data[dst] = if fails { Some(POISON) } else { stored.flatten() };
+                TransferKind::HostToStorage | TransferKind::StorageToHost => {
+                    unreachable!("storage copies complete in complete_storage_copy")
                 }
             }
         }
         let outcome = if fails { Err(failure()) } else { Ok(()) };
         self.cache.complete_transfer(copy.id, outcome).unwrap();
+    }
+
+    /// Completes a STORE or LOAD block by block: a whole command fails when `fails` (every
+    /// block unavailable), else each block lands unless the tier lost it (LOAD: missing) or,
+    /// one time in ten, misses on its own (a damaged record or a full tier: missing; a tier
+    /// that timed out: unavailable).
+    fn complete_storage_copy(&mut self, copy: Transfer, fails: bool) {
+        let mut outcomes = Vec::with_capacity(copy.pairs.len());
+        for (pair, block) in copy.pairs.iter().zip(&copy.blocks) {
+            let src = pair.src as usize;
+            let mut outcome = match self.rng.below(20) {
+                0 => BlockOutcome::Missing,
+                1 => BlockOutcome::Unavailable,
+                _ => BlockOutcome::Landed,
+            };
+            match copy.kind {
+                TransferKind::HostToStorage => {
+                    // A failed write leaves nothing; a hash already stored keeps its bytes.
+                    if outcome == BlockOutcome::Landed {
+                        self.storage_data.insert(block.hash, self.host_data[src]);
+                    }
+                }
+                TransferKind::StorageToHost => {
+                    let stored = self.storage_data.get(&block.hash).copied();
+                    if stored.is_none() {
+                        outcome = BlockOutcome::Missing;
+                    }
+                    let lands = !fails && outcome == BlockOutcome::Landed;
+                    self.host_data[src] = if lands { stored.flatten() } else { Some(POISON) };
+                }
+                kind => unreachable!("{kind:?} is not a storage copy"),
+            }
+            outcomes.push(outcome);
+        }
+        let outcome = if fails { Err(failure()) } else { Ok(Some(outcomes.as_slice())) };
+        self.cache.complete_storage_transfer(copy.id, outcome).unwrap();
     }
 
     fn commit(&mut self) {
@@ -411,6 +445,7 @@ impl Engine {
                 return;
             }
             TicketStatus::Ready => {}
+            TicketStatus::Shortened { cached_blocks } => self.shorten(id, cached_blocks),
         }
         let table = self.cache.block_table(RequestId(id)).unwrap().to_vec();
         let live = self.live.get_mut(&id).unwrap();
@@ -438,6 +473,16 @@ impl Engine {
         for hash in &live.hashes[..live.held_blocks] {
             self.committed.insert(*hash);
         }
+    }
+
+    /// A storage miss shortened request `id`'s hit to `cached_blocks`: the hits from there on are
+    /// computed like new blocks.
+    fn shorten(&mut self, id: u64, cached_blocks: u32) {
+        let live = self.live.get_mut(&id).unwrap();
+        let cached = cached_blocks as usize;
+        assert!(cached <= live.matched_blocks, "a shortened hit is shorter");
+        live.matched_blocks = cached;
+        live.held_blocks = live.held_blocks.min(cached);
     }
 
     fn end_request(&mut self) {
@@ -629,7 +674,10 @@ fn random_operations_keep_every_invariant_with_a_storage_tier_that_fails_and_los
             "{counters:?}"
         );
         assert!(
-            counters.load_failed_blocks > 10 && counters.store_failed_blocks > 10,
+            counters.load_failed_blocks > 10
+                && counters.store_failed_blocks > 10
+                && counters.load_missing_blocks > 10
+                && counters.shortened_tickets > 10,
             "{counters:?}"
         );
         assert!(

@@ -5,9 +5,9 @@ mod scheduler_support;
 
 use kvshm::hash::BlockHash;
 use kvshm::manager::{
-    CacheConfig, CacheManager, RequestId, StorageWritePolicy, TicketStatus, TransferKind,
+    BlockOutcome, CacheConfig, CacheManager, RequestId, StorageWritePolicy, TicketStatus,
+    TransferKind,
 };
-use kvshm::tree::NodeState;
 use scheduler_support::{
     check, complete_all, failure, hashes, manager, prompt_hitting, serve, BLOCK_TOKENS,
 };
@@ -117,7 +117,7 @@ fn a_storage_hit_loads_into_host_then_device_under_one_ticket() {
 }
 
 #[test]
-fn a_failed_load_fails_the_ticket_and_its_blocks_are_forgotten_once_unheld() {
+fn a_load_whose_first_block_is_missing_shortens_the_hit_and_forgets_the_chain_at_once() {
     let mut cache = three_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let request = RequestId(9);
@@ -139,22 +139,26 @@ fn a_failed_load_fails_the_ticket_and_its_blocks_are_forgotten_once_unheld() {
         }
     };
     let free_host = cache.free_host_blocks();
-    cache.complete_transfer(load.id, Err(failure())).unwrap();
+    cache
+        .complete_storage_transfer(
+            load.id,
+            Ok(Some(&[BlockOutcome::Missing, BlockOutcome::Landed])),
+        )
+        .unwrap();
     check(&cache);
-    assert!(matches!(cache.ticket_status(ticket), Ok(TicketStatus::Failed(_))));
+    // Not a failure: the request computes both blocks into the blocks it was given.
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
     assert_eq!(cache.free_host_blocks(), free_host + 2, "the load's host blocks are free again");
     assert!(cache.take_transfers().iter().all(|t| t.kind != TransferKind::HostToDevice));
-    cache.abort(request).unwrap();
-    check(&cache);
-    let found = cache.cached_prefix(&first);
-    assert_eq!(found.storage_blocks, 2, "{found:?}");
-    let node = cache.tree().child(kvshm::tree::NodeId::ROOT, first[0]).unwrap();
-    assert_eq!(cache.tree().node(node).state(), NodeState::Storage);
-    // Unheld now: the next poll forgets them, so that a retry computes them instead.
-    cache.poll();
-    check(&cache);
+    // The missing block and the one below it are gone before any poll: a retry computes them.
     assert_eq!(cache.cached_prefix(&first).blocks(), 0);
     assert_eq!(cache.storage_used_blocks(), cache.stats().storage_used);
+    let prompt = first.len() * BLOCK_TOKENS as usize;
+    cache.commit(request, prompt, &first).unwrap();
+    check(&cache);
+    cache.finish(request).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&first).device_blocks, 2, "computed and cached again");
 }
 
 #[test]
@@ -274,4 +278,107 @@ fn a_recomputed_block_found_on_storage_takes_the_requests_copy_and_its_decode_bl
     let now = cache.cached_prefix(&all);
     assert_eq!(now.blocks(), 4, "the decode blocks are cached under the prompt: {now:?}");
     assert_eq!(now.device_blocks, 4, "{now:?}");
+}
+
+/// The storage-only blocks the tree counts (the tier's only copies).
+fn storage_only_blocks(cache: &CacheManager) -> usize {
+    let tree = cache.tree();
+    tree.ids().filter(|&id| tree.node(id).state() == kvshm::tree::NodeState::Storage).count()
+}
+
+#[test]
+fn write_through_never_drops_a_storage_only_block_to_back_up_one_still_on_host() {
+    let config = CacheConfig::new(BLOCK_TOKENS, 4)
+        .with_host_blocks(4)
+        .with_storage_blocks(6)
+        .with_storage_write_policy(StorageWritePolicy::WriteThrough);
+    let mut cache = manager(config);
+    for base in 0..24u128 {
+        serve(&mut cache, base as u64, &hashes(&[100 * base + 1, 100 * base + 2]));
+        // The write-through STOREs are issued by poll: they may only take free room.
+        let before = storage_only_blocks(&cache);
+        cache.poll();
+        check(&cache);
+        assert!(
+            storage_only_blocks(&cache) >= before,
+            "a write-through dropped a storage-only block"
+        );
+        complete_all(&mut cache);
+    }
+    let counters = cache.stats().counters;
+    assert!(counters.write_through_skipped > 0, "the tier was full: {counters:?}");
+    assert!(storage_only_blocks(&cache) > 0, "{counters:?}");
+}
+
+/// Review finding 1: a LOAD (L2) ordered after a STORE (T) still reading the host block L2 was
+/// given, and after another LOAD (L1); a swap-in above both fails (its nodes abandon their loads,
+/// L2's host block becomes its reservation), then L1 fails: the host block T still reads must
+/// not go back to the pool before T completes.
+#[test]
+fn a_load_behind_a_failed_one_keeps_the_host_block_a_store_still_reads_until_that_store_lands() {
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 6).with_host_blocks(9).with_storage_blocks(16));
+    let chain = hashes(&[1, 2, 3]);
+    serve(&mut cache, 1, &chain);
+    for (index, base) in [10u128, 20, 30, 40, 50, 60, 70].into_iter().enumerate() {
+        serve(&mut cache, 10 + index as u64, &hashes(&[base, base + 1]));
+    }
+    // A on host, B and C on storage only, the host tier full of blocks never stored.
+    let found = cache.cached_prefix(&chain);
+    assert_eq!((found.host_blocks, found.storage_blocks), (1, 2), "set-up: {found:?}");
+    assert_eq!(cache.free_host_blocks(), 0);
+    for (id, blocks) in [(20u64, 1usize), (21, 2), (22, 3)] {
+        let found = cache.match_prefix(RequestId(id), &chain[..blocks], prompt_hitting(blocks));
+        assert_eq!(found.unwrap().blocks(), blocks);
+    }
+    for id in [20, 21, 22] {
+        cache.allocate(RequestId(id), 1, 0).unwrap();
+        check(&cache);
+    }
+    // Everything runs but the last request's STORE (T, writing back the host block C's LOAD
+    // L2 was given) until A's swap-in (S0) and B's LOAD (L1) are handed out; L2 waits for T.
+    let (mut swap_in, mut load, mut last_store) = (None, None, None);
+    let mut stores = Vec::new();
+    for transfer in cache.take_transfers() {
+        if transfer.kind == TransferKind::HostToStorage {
+            stores.push(transfer.id);
+            last_store = Some(transfer.id);
+        } else {
+            stores.push(transfer.id);
+        }
+        match transfer.kind {
+            TransferKind::HostToDevice => swap_in = Some(transfer.id),
+            TransferKind::StorageToHost => load = Some(transfer.id),
+            _ => {}
+        }
+    }
+    let last_store = last_store.expect("the claimed host blocks are written back");
+    let mut pending: Vec<_> =
+        stores.into_iter().filter(|&id| Some(id) != swap_in && Some(id) != load).collect();
+    while swap_in.is_none() || load.is_none() {
+        let next = pending.iter().position(|&id| id != last_store);
+        let id = pending.remove(next.expect("something else to complete"));
+        cache.complete_transfer(id, Ok(())).unwrap();
+        check(&cache);
+        for transfer in cache.take_transfers() {
+            match transfer.kind {
+                TransferKind::HostToDevice if swap_in.is_none() => swap_in = Some(transfer.id),
+                TransferKind::StorageToHost if load.is_none() => load = Some(transfer.id),
+                _ => pending.push(transfer.id),
+            }
+        }
+    }
+    let (swap_in, load) = (swap_in.unwrap(), load.unwrap());
+    assert!(cache.transfer_stage(last_store) == kvshm::manager::TransferStage::Issued);
+    cache.complete_transfer(swap_in, Err(failure())).unwrap();
+    check(&cache);
+    cache.complete_transfer(load, Err(failure())).unwrap();
+    check(&cache);
+    for id in [20, 21, 22] {
+        cache.abort(RequestId(id)).unwrap();
+        check(&cache);
+    }
+    complete_all(&mut cache);
+    cache.poll();
+    check(&cache);
 }

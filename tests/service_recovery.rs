@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
-use kvshm::service::{RankState, Service, ServiceConfig, WaitError};
+use kvshm::service::{RankState, Service, ServiceConfig, TicketReady, WaitError};
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::record::CommandError;
 use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
@@ -188,13 +188,14 @@ fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_
 
     // Whatever the first worker had not answered, the successor (or a clean failure) finishes.
     match service.wait(ticket, WAIT) {
-        Ok(()) => {
+        Ok(TicketReady::AllHits) => {
             for (index, &block) in table.iter().enumerate() {
                 assert!(device_block_holds(&service, prefix_a[index], block), "block {index}");
             }
             service.commit(request, tokens, &prefix_a).unwrap();
             service.finish(request).unwrap();
         }
+        Ok(ready @ TicketReady::Shortened { .. }) => panic!("no storage tier, yet {ready:?}"),
         Err(WaitError::TransferFailed(failure)) => {
             assert_eq!(failure.error, CommandError::WorkerDied);
             service.abort(request).unwrap();

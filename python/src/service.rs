@@ -12,7 +12,7 @@ use kvshm::manager::{
 };
 use kvshm::service::{
     Backend, BlockAccessError, SegmentName, Service as RustService, ServiceConfig, ServiceError,
-    WaitError,
+    TicketReady, WaitError,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -419,15 +419,21 @@ impl Service {
         Ok(())
     }
 
-    /// Waits until the ticket's blocks are ready (GIL released between polls).
+    /// Waits until the ticket's blocks are ready (GIL released between polls). Returns `None`
+    /// when every hit is in its blocks, or the number of leading block-table positions still
+    /// cached when the storage tier missed some hits (the engine computes the rest).
     #[pyo3(signature = (ticket, timeout=30.0))]
-    fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<()> {
+    fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<u32>> {
         let started = Instant::now();
         let (ticket, timeout) = (TicketId(ticket), seconds(timeout, "timeout")?);
         let ready = wait_unlocked(py, &self.inner, open, timeout, |service| {
-            Ok(service.poll_ticket(ticket).py_err()?.then_some(()))
+            service.poll_ticket(ticket).py_err()
         })?;
-        ready.ok_or_else(|| WaitError::TimedOut { ticket, waited: started.elapsed() }.to_py())
+        match ready {
+            Some(TicketReady::AllHits) => Ok(None),
+            Some(TicketReady::Shortened { cached_blocks }) => Ok(Some(cached_blocks)),
+            None => Err(WaitError::TimedOut { ticket, waited: started.elapsed() }.to_py()),
+        }
     }
 
     /// Polls until no copy is in flight; returns whether none is (GIL released between polls).
@@ -454,19 +460,30 @@ impl Service {
     /// raises `TransferFailedError`. A ticket read as done is forgotten (`TicketError` after).
     fn prefetch_status(&self, py: Python<'_>, ticket: u64) -> PyResult<&'static str> {
         match open(&mut self.lock(py))?.prefetch_status(TicketId(ticket)).py_err()? {
-            TicketStatus::Ready => Ok("ready"),
+            // A prefetch belongs to no request: nothing is shortened.
+            TicketStatus::Ready | TicketStatus::Shortened { .. } => Ok("ready"),
             TicketStatus::Pending => Ok("pending"),
             TicketStatus::Failed(failure) => Err(TransferFailedError::new_err(failure.to_string())),
         }
     }
 
-    /// `"ready"` or `"pending"`; a failed ticket raises `TransferFailedError`.
+    /// `"ready"`, `"shortened"` (ready, but the storage tier missed some hits: see
+    /// `ticket_cached_blocks`) or `"pending"`; a failed ticket raises `TransferFailedError`.
     fn ticket_status(&self, py: Python<'_>, ticket: u64) -> PyResult<&'static str> {
         match open(&mut self.lock(py))?.ticket_status(TicketId(ticket)).py_err()? {
             TicketStatus::Ready => Ok("ready"),
+            TicketStatus::Shortened { .. } => Ok("shortened"),
             TicketStatus::Pending => Ok("pending"),
             TicketStatus::Failed(failure) => Err(TransferFailedError::new_err(failure.to_string())),
         }
+    }
+
+    /// Leading block-table positions still cached when a storage miss shortened the ticket's
+    /// hit, else `None`. Known once the ticket's storage loads completed, before any layer of
+    /// the swap-ins behind them lands: a layer-wise engine reads it once `ticket_layers_ready`
+    /// is above 0.
+    fn ticket_cached_blocks(&self, py: Python<'_>, ticket: u64) -> PyResult<Option<u32>> {
+        open(&mut self.lock(py))?.ticket_cached_blocks(TicketId(ticket)).py_err()
     }
 
     /// Leading layers of the ticket's blocks that have landed on every rank.

@@ -44,7 +44,7 @@ def run_engine(service: kvshm.Service, requests: int, seed: int) -> dict[str, in
     hasher = kvshm.BlockHasher(BLOCK_TOKENS, model="test-model")
     rng = random.Random(seed)
     conversations = [rng.sample(range(1000), 5 * BLOCK_TOKENS) for _ in range(6)]
-    verified = hits = 0
+    verified = hits = shortenings = 0
     for request in range(requests):
         # A conversation prefix plus a fresh tail: prefixes repeat, tails do not.
         shared = conversations[rng.randrange(len(conversations))][: rng.randrange(1, 5) * 16]
@@ -54,15 +54,19 @@ def run_engine(service: kvshm.Service, requests: int, seed: int) -> dict[str, in
         allocation = service.allocate(request, len(prompt) - found.cached_tokens)
         if request % 2:
             wait_layer_by_layer(service, allocation.ticket)
-        service.wait(allocation.ticket, timeout=30)
+        shortened = service.wait(allocation.ticket, timeout=30)
+        # A storage miss shortens the hit: the positions from there on are computed below.
+        cached = found.blocks if shortened is None else shortened
+        assert cached <= found.blocks
+        assert service.ticket_cached_blocks(allocation.ticket) == shortened
         table = np.asarray(allocation.block_table)
-        for position in range(found.blocks):  # hits: the bytes must be what was computed
+        for position in range(cached):  # hits: the bytes must be what was computed
             for rank in range(TP):
                 for region in range(REGIONS):
                     got = service.read_device_region(rank, int(table[position]), region)
                     assert got == pattern(hashes[position], region, rank), (request, position)
                     verified += 1
-        for position in range(found.blocks, len(hashes)):  # "compute" the new full blocks
+        for position in range(cached, len(hashes)):  # "compute" the new full blocks
             for rank in range(TP):
                 for region in range(REGIONS):
                     data = pattern(hashes[position], region, rank)
@@ -70,8 +74,9 @@ def run_engine(service: kvshm.Service, requests: int, seed: int) -> dict[str, in
         service.commit(request, len(prompt), hashes)
         service.finish(request)
         service.check_invariants()
-        hits += found.blocks
-    return {"verified": verified, "hits": hits}
+        hits += cached
+        shortenings += shortened is not None
+    return {"verified": verified, "hits": hits, "shortened": shortenings}
 
 
 def test_an_engine_loop_over_real_workers_reads_back_every_hit_byte_for_byte(
@@ -241,3 +246,39 @@ def test_prefetch_without_a_storage_tier_is_a_config_error(name: str) -> None:
         pytest.raises(kvshm.ConfigError),
     ):
         service.prefetch([1, 2])
+
+
+def test_damaged_disk_records_shorten_hits_and_the_engine_computes_those_blocks(
+    name: str, spawn_worker, tmp_path
+) -> None:
+    # A storage miss is never a failed request: `wait` says how many leading blocks are still
+    # cached, and the engine computes (and commits) the rest.
+    with kvshm.Service(
+        name,
+        block_tokens=BLOCK_TOKENS,
+        device_blocks=16,
+        host_blocks=16,
+        region_bytes=REGION_BYTES,
+        tp_size=TP,
+        layers=LAYERS,
+        storage_blocks=256,
+    ) as service:
+        storage = ["--storage", f"disk:{tmp_path}", "--storage-blocks", "512"]
+        for rank in range(TP):
+            spawn_worker(name, rank, args=storage)
+        service.wait_for_workers(timeout=20)
+        run_engine(service, requests=80, seed=11)
+        assert service.wait_for_copies(timeout=30)
+        slab = tmp_path / "default" / "rank-0.slab"
+        damaged = bytearray(slab.read_bytes())
+        for offset in range(100, len(damaged), 512):  # every record on rank 0
+            damaged[offset] ^= 0x5A
+        slab.write_bytes(bytes(damaged))
+        figures = run_engine(service, requests=80, seed=11)
+        stats = service.stats()
+        assert figures["shortened"] > 0, stats["cache"]
+        assert figures["verified"] == figures["hits"] * TP * REGIONS
+        assert stats["cache"]["load_missing_blocks"] > 0, stats["cache"]
+        assert stats["cache"]["shortening_failed"] == 0
+        assert stats["service"]["copy_failures"] == 0
+        service.check_invariants()

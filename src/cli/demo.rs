@@ -368,6 +368,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         value["storage"] = args.storage.as_ref().map(|spec| spec.to_string()).into();
         value["storage_blocks"] = service.cache().config().storage_blocks.into();
         value["adopted_storage_blocks"] = adopted.into();
+        value["storage_misses"] = service.stats().storage_misses.into();
         println!("{value}");
     } else {
         print_report(&args, &name, &source, &report);

@@ -6,6 +6,8 @@
 //! 1. matches the request's block hashes ([`Service::match_prefix`]);
 //! 2. allocates blocks for the rest of the prompt and the output, and waits on the ticket (host
 //!    hits arrive by copy from the host tier, through the worker processes);
+//!    A hit the storage tier misses shortens the ticket's hit ([`TicketReady::Shortened`]): the
+//!    blocks from the first miss on are computed in step 4 like new ones;
 //! 3. checks the bytes of every hit block, on every rank and region, against
 //!    [`pattern::verify`]: a hit must hold exactly what was written when the block was computed,
 //!    whichever tiers it has travelled through since;
@@ -28,7 +30,7 @@ use serde::Serialize;
 use crate::hash::BlockHash;
 use crate::manager::{Allocation, RequestId};
 use crate::percentiles::Percentiles;
-use crate::service::{Service, WaitError};
+use crate::service::{Service, TicketReady, WaitError};
 use crate::trace::TraceRequest;
 use pattern::RegionIdentity;
 
@@ -43,6 +45,10 @@ pub struct DemoReport {
     pub skipped_requests: u64,
     /// Requests whose ticket failed (a copy failed) and that were aborted.
     pub failed_requests: u64,
+    /// Requests whose hit a storage miss shortened (served: they computed the missed blocks).
+    pub shortened_requests: u64,
+    /// Storage hits the tier missed (missing, damaged, or the tier down), computed instead.
+    pub storage_missed_blocks: u64,
     pub blocks: u64,
     pub hit_blocks: u64,
     pub device_hit_blocks: u64,
@@ -124,9 +130,9 @@ impl<'a> DemoEngine<'a> {
             .service
             .match_prefix(RequestId(id), &hashes, request.input_length)
             .map_err(|error| cache_error(error.into()))?;
-        let (device_hits, host_hits, storage_hits) =
+        let (device_hits, host_hits, mut storage_hits) =
             (matched.device_blocks, matched.host_blocks, matched.storage_blocks);
-        let hits = device_hits + host_hits + storage_hits;
+        let mut hits = device_hits + host_hits + storage_hits;
         let new_tokens = request.input_length - matched.cached_tokens + request.output_length;
         let owned =
             |allocation: Allocation<'_>| (allocation.block_table.to_vec(), allocation.ticket);
@@ -147,7 +153,16 @@ impl<'a> DemoEngine<'a> {
         };
         let waited = Instant::now();
         match self.service.wait(ticket, TICKET_TIMEOUT) {
-            Ok(()) => {}
+            Ok(TicketReady::AllHits) => {}
+            Ok(TicketReady::Shortened { cached_blocks }) => {
+                // The storage tier missed some hits (a lost or damaged record, a tier that is
+                // down): the blocks from there on are computed below, like any new block.
+                let cached = (cached_blocks as usize).min(hits);
+                self.report.shortened_requests += 1;
+                self.report.storage_missed_blocks += (hits - cached) as u64;
+                storage_hits -= (hits - cached).min(storage_hits);
+                hits = cached;
+            }
             Err(WaitError::TransferFailed(_)) => {
                 self.service.abort(RequestId(id)).map_err(|error| cache_error(error.into()))?;
                 self.report.failed_requests += 1;

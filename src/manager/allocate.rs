@@ -65,6 +65,8 @@ impl CacheManager {
         let demand = self.demand(request, record, new_tokens, lookahead)?;
         let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
         let mut scratch = std::mem::take(&mut self.scratch);
+        // The path position of the first hit without a table entry (a storage block's depth).
+        let first_hit = record.table.len();
         scratch.hits.clear();
         scratch.hits.extend_from_slice(record.path.get(record.table.len()..).unwrap_or_default());
         let free = self.device.free_count();
@@ -99,7 +101,7 @@ impl CacheManager {
         scratch.loads_before.clear();
         scratch.table.clear();
         scratch.after.clear();
-        for &id in &scratch.hits {
+        for (index, &id) in scratch.hits.iter().enumerate() {
             let node = self.tree.node(id);
             match node.state() {
                 NodeState::Device | NodeState::SwapToHost(SwapOut::Backup) => {
@@ -128,8 +130,14 @@ impl CacheManager {
                         blocks.next().expect("a block was taken per swap-in");
                     let &host = host_blocks.next().expect("a host block was taken per load");
                     scratch.after.extend(claimed_from);
-                    swap_in =
-                        Some(self.load_storage_hit(id, ticket, host, block, &mut scratch.after));
+                    let depth = u32::try_from(first_hit + index).expect("a path of < 2^32 blocks");
+                    swap_in = Some(self.load_storage_hit(
+                        (id, depth),
+                        ticket,
+                        host,
+                        block,
+                        &mut scratch.after,
+                    ));
                     scratch.table.push(block);
                 }
                 NodeState::StorageToHost if node.device().is_none() => {
@@ -191,20 +199,20 @@ impl CacheManager {
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }
 
-    /// Storage hit `id` (module flow, step 4): a LOAD into `host` (a host block, with the STORE
+    /// Storage hit `id` at `depth` in the prompt (module flow, step 4): a LOAD into `host` (a host block, with the STORE
     /// still reading it if claimed from one), then a swap-in into `device` behind it; the ticket
     /// and the request's swap-in (`after`) wait for the LOAD. Returns the swap-in. Out of line:
     /// a cache without a storage tier never comes here.
     #[inline(never)]
     fn load_storage_hit(
         &mut self,
-        id: NodeId,
+        (id, depth): (NodeId, u32),
         ticket: TicketId,
         host: (u32, Option<TransferId>),
         device: u32,
         after: &mut Vec<TransferId>,
     ) -> TransferId {
-        let (load, swap_in) = self.start_load(id, host, device);
+        let (load, swap_in) = self.start_load(id, host, device, depth);
         if !after.contains(&load) {
             after.push(load);
             self.wait_on(ticket, load);

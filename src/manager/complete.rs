@@ -12,42 +12,39 @@
 //!      every device copy below it: those are swap-ins held back behind this one (see
 //!      `allocate`), so they are cancelled before any worker saw them.
 //!    - a STORE or LOAD: see [`super::storage`].
-//! 4. Every ticket waiting on it counts it done; a failed swap-in or LOAD fails them and their
-//!    requests.
+//! 4. Every ticket waiting on it counts it done; a failed swap-in fails them and their requests.
+//!    A LOAD never fails a ticket: its misses shorten the hits of the requests waiting on it
+//!    ([`super::load_outcome`]).
 
+use super::load_outcome::{BlockOutcome, LoadOutcome};
+use super::transfer::InFlight;
 use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
 use crate::tree::{NodeId, NodeState, SwapOut};
 
 impl CacheManager {
     /// Applies the outcome of copy `id` (module flow). Call it once per copy, when every rank has
-    /// reported: `Ok` when all succeeded, the first failure otherwise. An unknown id (never
-    /// issued, or completed already) is an error that changes nothing.
+    /// reported: `Ok` when all succeeded, the first failure otherwise. For a storage copy (STORE or
+    /// LOAD) a failure is an error of the whole command: a miss for every block, none of them
+    /// known to be gone (see [`CacheManager::complete_storage_transfer`] for per-block results). An
+    /// unknown id (never issued, or completed already) is an error that changes nothing.
     pub fn complete_transfer(
         &mut self,
         id: TransferId,
         outcome: Result<(), TransferFailure>,
     ) -> Result<(), CompleteError> {
         let flight = self.in_flight.remove(&id).ok_or(CompleteError::UnknownTransfer(id))?;
-        for &block in &flight.reserved_device {
-            self.free_device(block);
-        }
-        for &block in &flight.reserved_host {
-            self.free_host(block);
-        }
-        if flight.generation != self.generation {
-            self.stats.stale_completions += 1;
-            self.recycle_flight(flight);
+        if flight.kind.is_storage() {
+            let outcome = match outcome {
+                Ok(()) => LoadOutcome::AllLanded,
+                Err(failure) => LoadOutcome::Unavailable(failure),
+            };
+            self.complete_storage(id, flight, outcome);
             return Ok(());
         }
-        if outcome.is_err() {
-            self.stats.failed_transfers += 1;
-        }
-        for (index, (pair, &node)) in flight.pairs.iter().zip(&flight.nodes).enumerate() {
+        let Some(flight) = self.release_completed(flight, outcome.is_ok()) else { return Ok(()) };
+        for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
             let attached = self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
             if !attached {
-                if flight.kind.is_storage() {
-                    self.forget_detached(flight.blocks[index].hash);
-                }
                 continue;
             }
             match (flight.kind, outcome.is_ok()) {
@@ -69,25 +66,102 @@ impl CacheManager {
                     }
                 }
                 (TransferKind::HostToDevice, false) => self.swap_in_failed(node, id),
-                (TransferKind::HostToStorage, landed) => self.store_completed(node, landed),
-                (TransferKind::StorageToHost, landed) => {
-                    let swap_in = self.swap_in_behind(id, flight.then, node);
-                    self.load_completed(node, swap_in, landed);
+                (TransferKind::HostToStorage | TransferKind::StorageToHost, _) => {
+                    unreachable!("storage copies complete in complete_storage_transfer")
                 }
             }
         }
         let failure = match (flight.kind, outcome) {
-            (TransferKind::HostToDevice | TransferKind::StorageToHost, Err(failure)) => {
-                Some(failure)
-            }
+            (TransferKind::HostToDevice, Err(failure)) => Some(failure),
             _ => None,
         };
-        if let (TransferKind::StorageToHost, Some(failure)) = (flight.kind, failure) {
-            self.cancel_loads_after(id, failure);
-        }
         self.resolve_tickets(&flight.tickets, failure);
         self.recycle_flight(flight);
         Ok(())
+    }
+
+    /// Applies the outcome of storage copy `id` (a STORE or a LOAD), block by block:
+    /// `Ok(Some(blocks))` with one [`BlockOutcome`] per pair, in the order of the copy's pairs,
+    /// `Ok(None)` when every block landed, `Err` when the whole command failed (the tier
+    /// unreachable, a timeout, a worker error: every block unavailable, none known to be gone).
+    /// A STORE keeps the blocks that landed; a LOAD's misses shorten the hits of the requests
+    /// waiting on it, never fail them (see [`super::load_outcome`]). An unknown id, or a copy
+    /// that is not a storage copy, is an error that changes nothing; so is a wrong number of
+    /// outcomes.
+    pub fn complete_storage_transfer(
+        &mut self,
+        id: TransferId,
+        outcome: Result<Option<&[BlockOutcome]>, TransferFailure>,
+    ) -> Result<(), CompleteError> {
+        let flight = self.in_flight.get(&id).ok_or(CompleteError::UnknownTransfer(id))?;
+        if !flight.kind.is_storage() {
+            return Err(CompleteError::NotStorage(id));
+        }
+        if let Ok(Some(landed)) = outcome {
+            if landed.len() != flight.pairs.len() {
+                return Err(CompleteError::BlockCount {
+                    transfer: id,
+                    expected: flight.pairs.len(),
+                    got: landed.len(),
+                });
+            }
+        }
+        let flight = self.in_flight.remove(&id).expect("found just above");
+        let outcome = match outcome {
+            Ok(None) => LoadOutcome::AllLanded,
+            Ok(Some(blocks)) => LoadOutcome::Blocks(blocks),
+            Err(failure) => LoadOutcome::Unavailable(failure),
+        };
+        self.complete_storage(id, flight, outcome);
+        Ok(())
+    }
+
+    /// Applies storage copy `id`'s outcome; `flight` is out of the in-flight table already.
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
+    fn complete_storage(&mut self, id: TransferId, flight: InFlight, outcome: LoadOutcome) {
+        let all_landed = match outcome {
+            LoadOutcome::AllLanded => true,
+            LoadOutcome::Blocks(blocks) => {
+                blocks.iter().all(|&block| block == BlockOutcome::Landed)
+            }
+            LoadOutcome::Unavailable(_) => false,
+        };
+        let Some(flight) = self.release_completed(flight, all_landed) else { return };
+        if flight.kind == TransferKind::StorageToHost {
+            self.complete_load(id, flight, outcome);
+            return;
+        }
+        for (index, &node) in flight.nodes.iter().enumerate() {
+            let attached = self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
+            if attached {
+                self.store_completed(node, outcome.landed(index));
+            } else {
+                // Its node left the tree meanwhile: the tier must not keep what it wrote.
+                self.forget_detached(flight.blocks[index].hash);
+            }
+        }
+        self.resolve_tickets(&flight.tickets, None);
+        self.recycle_flight(flight);
+    }
+
+    /// Gives back the blocks completed copy `flight` kept reserved (module flow, steps 1 and 2).
+    /// `None` when it was of an older generation: nothing else changes.
+    fn release_completed(&mut self, flight: InFlight, succeeded: bool) -> Option<InFlight> {
+        for &block in &flight.reserved_device {
+            self.free_device(block);
+        }
+        for &block in &flight.reserved_host {
+            self.free_host(block);
+        }
+        if flight.generation != self.generation {
+            self.stats.stale_completions += 1;
+            self.recycle_flight(flight);
+            return None;
+        }
+        if !succeeded {
+            self.stats.failed_transfers += 1;
+        }
+        Some(flight)
     }
 
     /// Counts a copy done for each ticket waiting on it, failing them with `failure`.
@@ -223,25 +297,50 @@ impl CacheManager {
             .expect("a copy serves the node naming it");
         flight.nodes.swap_remove(index);
         flight.pairs.swap_remove(index);
-        let after = flight.after.clone();
-        if flight.pairs.is_empty() {
-            let flight = self.in_flight.remove(&transfer).expect("found just above");
-            self.resolve_tickets(&flight.tickets, None);
-            self.recycle_flight(flight);
+        let (after, empty) = (flight.after.clone(), flight.pairs.is_empty());
+        if empty {
+            self.forget_empty_swap_in(transfer, &[]);
         }
         self.release_swap_in_destination(&after, block);
+    }
+
+    /// Forgets `swap_in`, left with no pairs before any worker saw it: its tickets count it done,
+    /// and the blocks it kept reserved (of nodes dropped meanwhile) go back. A device block goes
+    /// to the swap-out still reading it, if claimed from one; a host block, written by the LOAD
+    /// in front of the swap-in, to that LOAD if it is still in flight, else (it completed, or was
+    /// cancelled before it ran and waited on `load_after`) to the STORE still reading it, if
+    /// claimed from one, or to the pool.
+    pub(super) fn forget_empty_swap_in(&mut self, swap_in: TransferId, load_after: &[TransferId]) {
+        let flight = self.in_flight.remove(&swap_in).expect("forgetting a swap-in in flight");
+        self.resolve_tickets(&flight.tickets, None);
+        for &block in &flight.reserved_device {
+            self.release_swap_in_destination(&flight.after, block);
+        }
+        if !flight.reserved_host.is_empty() {
+            let load = self
+                .in_flight
+                .iter()
+                .find(|(_, load)| load.then == Some(swap_in))
+                .map(|(&id, _)| id);
+            match load {
+                Some(load) => {
+                    let load = self.in_flight.get_mut(&load).expect("found just above");
+                    load.reserved_host.extend_from_slice(&flight.reserved_host);
+                }
+                None => {
+                    for &block in &flight.reserved_host {
+                        self.release_host_block(load_after, block);
+                    }
+                }
+            }
+        }
+        self.recycle_flight(flight);
     }
 
     /// Gives back `block`, the destination of a cancelled swap-in that waited on the copies
     /// `after`: to the swap-out still reading it if it was claimed from one, else to the pool.
     pub(super) fn release_swap_in_destination(&mut self, after: &[TransferId], block: u32) {
-        let reader = after.iter().find(|before| {
-            self.in_flight.get(before).is_some_and(|flight| {
-                flight.kind == TransferKind::DeviceToHost
-                    && flight.pairs.iter().any(|pair| pair.src == block)
-            })
-        });
-        match reader.copied() {
+        match self.swap_out_reading(after, block) {
             Some(reader) => self
                 .in_flight
                 .get_mut(&reader)
@@ -250,5 +349,15 @@ impl CacheManager {
                 .push(block),
             None => self.free_device(block),
         }
+    }
+
+    /// The swap-out among `after` still reading device `block`, if any.
+    pub(super) fn swap_out_reading(&self, after: &[TransferId], block: u32) -> Option<TransferId> {
+        after.iter().copied().find(|before| {
+            self.in_flight.get(before).is_some_and(|flight| {
+                flight.kind == TransferKind::DeviceToHost
+                    && flight.pairs.iter().any(|pair| pair.src == block)
+            })
+        })
     }
 }

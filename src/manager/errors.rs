@@ -85,6 +85,10 @@ pub enum TicketError {
 pub enum CompleteError {
     #[error("transfer {} is not in flight", .0 .0)]
     UnknownTransfer(TransferId),
+    #[error("transfer {} is not a storage copy: it has no per-block results", .0 .0)]
+    NotStorage(TransferId),
+    #[error("transfer {} has {expected} blocks, not {got}", .transfer.0)]
+    BlockCount { transfer: TransferId, expected: usize, got: usize },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

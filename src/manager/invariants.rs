@@ -50,7 +50,66 @@ impl CacheManager {
         self.check_ownership()?;
         self.check_ref_counts()?;
         self.check_copies()?;
+        self.check_store_order()?;
         self.check_storage()
+    }
+
+    /// Part of invariant 6: a copy in flight that writes a host block (a swap-out's destination,
+    /// a LOAD's) that a STORE in flight still reads waits for that STORE, directly or through the
+    /// copies it waits for, so that it is never handed out before the STORE has read the block.
+    fn check_store_order(&self) -> Result<(), InvariantViolation> {
+        let mut read_by: HashMap<u32, Vec<TransferId>> = HashMap::new();
+        for (&id, flight) in &self.in_flight {
+            if flight.kind == TransferKind::HostToStorage {
+                for pair in &flight.pairs {
+                    read_by.entry(pair.src).or_default().push(id);
+                }
+            }
+        }
+        if read_by.is_empty() {
+            return Ok(());
+        }
+        for (&id, flight) in &self.in_flight {
+            let written = |pair: &kvshm_ipc::record::BlockPair| match flight.kind {
+                TransferKind::DeviceToHost => Some(pair.dst),
+                TransferKind::StorageToHost => Some(pair.src),
+                TransferKind::HostToDevice | TransferKind::HostToStorage => None,
+            };
+            for block in flight.pairs.iter().filter_map(written) {
+                for &store in read_by.get(&block).into_iter().flatten() {
+                    if !self.waits_for(id, store) {
+                        return Err(broken(
+                            6,
+                            format!(
+                                "copy {} ({:?}) writes host block {block}, which STORE {} still \
+                                 reads, without waiting for it",
+                                id.0, flight.kind, store.0
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether copy `copy` waits for `before`, directly or through copies in flight it waits for.
+    fn waits_for(&self, copy: TransferId, before: TransferId) -> bool {
+        let mut stack = vec![copy];
+        let mut seen = Vec::new();
+        while let Some(next) = stack.pop() {
+            let Some(flight) = self.in_flight.get(&next) else { continue };
+            for &after in &flight.after {
+                if after == before {
+                    return true;
+                }
+                if !seen.contains(&after) {
+                    seen.push(after);
+                    stack.push(after);
+                }
+            }
+        }
+        false
     }
 
     /// The storage tier's count: the blocks it holds (`stored` nodes) and those being written

@@ -36,6 +36,7 @@ mod finish;
 mod forget;
 pub(crate) mod ids;
 mod invariants;
+mod load_outcome;
 mod lookup;
 mod poll;
 mod prefetch;
@@ -58,6 +59,7 @@ pub use errors::{
     AllocateError, CommitError, CompleteError, FinishError, InvariantViolation, MatchError,
     PromptError, ResetError, ResizeError, TicketError, UnknownRequest,
 };
+pub use load_outcome::BlockOutcome;
 pub use lookup::{Lookup, PrefixMatch};
 pub use prefetch::{PrefetchError, QueryError, StorageQuery, MAX_PREFETCH_TICKETS};
 pub use queries::TransferStage;
@@ -252,6 +254,16 @@ impl CacheManager {
         self.tickets.get(&ticket).map(Ticket::status).ok_or(TicketError::UnknownTicket(ticket))
     }
 
+    /// The positions of `ticket`'s block table still cached when a storage miss shortened its
+    /// request's hit (`None` otherwise; see [`TicketStatus::Shortened`]). Set as soon as the
+    /// LOADs it waits on complete, before the swap-ins behind them are issued.
+    pub fn ticket_cached_blocks(&self, ticket: TicketId) -> Result<Option<u32>, TicketError> {
+        self.tickets
+            .get(&ticket)
+            .map(|ticket| ticket.cached_blocks)
+            .ok_or(TicketError::UnknownTicket(ticket))
+    }
+
     /// The copies in flight that `ticket` still waits on (for per-layer progress, which lives with
     /// the copies). Linear in the copies in flight, which are few.
     pub fn ticket_transfers(&self, ticket: TicketId) -> impl Iterator<Item = TransferId> + '_ {
@@ -387,7 +399,10 @@ impl CacheManager {
     fn new_ticket(&mut self, request: RequestId) -> TicketId {
         let id = TicketId(self.next_ticket);
         self.next_ticket += 1;
-        self.tickets.insert(id, Ticket { request: Some(request), pending: 0, failure: None });
+        self.tickets.insert(
+            id,
+            Ticket { request: Some(request), pending: 0, failure: None, cached_blocks: None },
+        );
         id
     }
 

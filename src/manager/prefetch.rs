@@ -19,9 +19,10 @@
 //!    in the same ticket;
 //! 4. the ticket is ready once the QUERY and the LOADs completed. It belongs to no request:
 //!    it is forgotten once [`CacheManager::prefetch_status`] has read it done, or once
-//!    [`MAX_PREFETCH_TICKETS`] newer prefetch tickets exist. A failed prefetch LOAD fails its
-//!    ticket (and the tickets of requests that shared it), nothing else: its nodes are
-//!    storage-only again and, once unheld, dropped (a retried request computes them).
+//!    [`MAX_PREFETCH_TICKETS`] newer prefetch tickets exist. A prefetch LOAD that misses fails
+//!    its ticket; the requests that shared it are shortened, as for any LOAD (see
+//!    [`super::load_outcome`]); its nodes from the first miss on are storage-only again (a block
+//!    the tier reported missing is dropped with its subtree).
 //!
 //! An allocation that meets a node a prefetch is loading shares the LOAD: it gives the node a
 //! device block and a swap-in ordered after the LOAD (see `allocate`), and the LOAD then lands
@@ -351,7 +352,8 @@ impl CacheManager {
     fn new_prefetch_ticket(&mut self) -> TicketId {
         let id = TicketId(self.next_ticket);
         self.next_ticket += 1;
-        self.tickets.insert(id, Ticket { request: None, pending: 0, failure: None });
+        self.tickets
+            .insert(id, Ticket { request: None, pending: 0, failure: None, cached_blocks: None });
         self.prefetch.tickets.push_back(id);
         while self.prefetch.tickets.len() > MAX_PREFETCH_TICKETS {
             let oldest = self.prefetch.tickets.pop_front().expect("longer than its bound");

@@ -88,6 +88,15 @@ pub struct CacheCounters {
     pub prefetch_found_blocks: u64,
     /// Stored blocks given up because their parent never came back (forgotten on the tier).
     pub expired_orphans: u64,
+    /// Blocks a LOAD found missing or damaged on the tier (each dropped with its subtree).
+    pub load_missing_blocks: u64,
+    /// Tickets whose hit a LOAD's miss shortened (the request computes the rest).
+    pub shortened_tickets: u64,
+    /// Shortenings that found no device block for a request sharing a lost block with another
+    /// (its ticket failed instead).
+    pub shortening_failed: u64,
+    /// Write-through STOREs skipped because the tier was full of blocks it holds alone.
+    pub write_through_skipped: u64,
 }
 
 impl CacheCounters {

@@ -22,13 +22,11 @@
 //!    one cache of their combined size: the block is written back to host, then storage, when
 //!    it leaves the device; a host backup kept instead would pin host blocks under every loaded
 //!    prefix);
-//! 3. when it fails (a block missing or damaged on some rank, or the tier failing), every node
-//!    of the LOAD is `Storage` again, its blocks are freed, its pair leaves the unissued swap-in,
-//!    and the ticket fails: the request must be aborted, as for a failed swap-in; once no request
-//!    holds them, `poll` drops those nodes (with the storage-only nodes below them), so that a
-//!    retried request computes the blocks instead of failing on them again. A LOAD of
-//!    blocks below a block another LOAD brings is ordered after that one (so that storage-only
-//!    nodes keep storage-only children), and is cancelled with it, unissued.
+//! 3. a block that misses (missing or damaged on some rank, or the tier failing) is a miss for
+//!    that block and those below it, never a failure of the request: the hits of the requests
+//!    waiting are shortened there ([`super::load_outcome`]). A LOAD of blocks below a block
+//!    another LOAD brings is ordered after that one (so that storage-only nodes keep
+//!    storage-only children), and is cancelled with it, unissued, when that block misses.
 //!
 //! A prefetch LOAD ([`super::prefetch`]) has no swap-in behind it: its nodes land on host and keep
 //! their storage copy; an allocation that meets one of them gives it a swap-in ordered after the
@@ -64,14 +62,35 @@ impl CacheManager {
     }
 
     /// The name the storage tier keeps node `id` under: hash, parent hash (0 under the root),
-    /// depth (0 for a prompt's first block). O(depth).
-    fn storage_block(&self, id: NodeId) -> StorageBlock {
+    /// and `depth` (0 for a prompt's first block), which the caller knows.
+    fn storage_block(&self, id: NodeId, depth: u32) -> StorageBlock {
         let node = self.tree.node(id);
         let parent = match node.parent() {
             Some(parent) if parent != NodeId::ROOT => self.tree.node(parent).hash(),
             _ => BlockHash(0),
         };
-        StorageBlock { hash: node.hash(), parent, depth: self.tree.depth(id) - 1 }
+        debug_assert_eq!(depth + 1, self.tree.depth(id), "the depth a caller passes is the node's");
+        StorageBlock { hash: node.hash(), parent, depth }
+    }
+
+    /// The depth of node `id`, about to be stored: from the block the current STORE took last
+    /// when it is `id`'s child or parent (write-backs go leaf first, so a chain costs O(1) per
+    /// block), else by walking to the root.
+    fn depth_for_store(&self, id: NodeId) -> u32 {
+        let parent = self.tree.node(id).parent();
+        if let Some((_, flight)) = &self.open_host_to_storage {
+            if let (Some(&last), Some(block)) = (flight.nodes.last(), flight.blocks.last()) {
+                if self.tree.is_live(last) {
+                    if self.tree.node(last).parent() == Some(id) {
+                        return block.depth - 1;
+                    }
+                    if parent == Some(last) {
+                        return block.depth + 1;
+                    }
+                }
+            }
+        }
+        self.tree.depth(id) - 1
     }
 
     /// Starts writing `host_block`, node `id`'s host copy, to a reserved storage block (module
@@ -83,7 +102,7 @@ impl CacheManager {
         host_block: u32,
         mode: StoreOut,
     ) -> TransferId {
-        let block = self.storage_block(id);
+        let block = self.storage_block(id, self.depth_for_store(id));
         self.counted_on_storage(block.hash);
         let (transfer, flight) = self.open_transfer(TransferKind::HostToStorage);
         flight.pairs.push(BlockPair::new(host_block, host_block));
@@ -111,17 +130,18 @@ impl CacheManager {
         }
     }
 
-    /// Starts loading storage node `id` into `host_block`, and its swap-in from there into
-    /// `device_block` behind the load (module flow, read step 1), within the current operation's
-    /// LOAD and swap-in. Returns (LOAD, swap-in).
+    /// Starts loading storage node `id`, at `depth` in its prompt (0 first), into `host_block`,
+    /// and its swap-in from there into `device_block` behind the load (module flow, read step
+    /// 1), within the current operation's LOAD and swap-in. Returns (LOAD, swap-in).
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn start_load(
         &mut self,
         id: NodeId,
         (host_block, store): (u32, Option<TransferId>),
         device_block: u32,
+        depth: u32,
     ) -> (TransferId, TransferId) {
-        let block = self.storage_block(id);
+        let block = self.storage_block(id, depth);
         let (swap_in, flight) = self.open_transfer(TransferKind::HostToDevice);
         flight.pairs.push(BlockPair::new(host_block, device_block));
         flight.nodes.push(id);
@@ -142,7 +162,8 @@ impl CacheManager {
     }
 
     /// Write-through: issues the queued STOREs of nodes settled on host (module flow), as far as
-    /// the tier has room.
+    /// the tier has free room; the others are skipped (counted) and written back when they leave
+    /// the host tier.
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn issue_stores(&mut self) {
         let mut queue = std::mem::take(&mut self.pending_stores);
@@ -155,9 +176,14 @@ impl CacheManager {
                 continue;
             }
             let host = node.host().expect("a host node has a host block");
-            if !self.reserve_storage_block() {
-                break;
+            // A backup takes free room only: dropping a storage-only block (its only copy) to
+            // back up a block the host tier still holds would lose a block for nothing. It is
+            // written back when it leaves the host tier instead.
+            if self.storage_used >= self.config.storage_blocks {
+                self.stats.write_through_skipped += 1;
+                continue;
             }
+            self.storage_used += 1;
             self.start_store(id, host, StoreOut::Backup);
         }
         queue.clear();
@@ -207,47 +233,25 @@ impl CacheManager {
         }
     }
 
-    /// Applies a LOAD's outcome to node `id`, attached to it (module flow, read steps 2 and 3).
-    /// `swap_in` is the copy behind the LOAD, unissued until the LOAD completes; `None` for a
-    /// prefetch LOAD no allocation shared (the node lands on host and keeps its storage copy).
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
-    pub(super) fn load_completed(&mut self, id: NodeId, swap_in: Option<TransferId>, landed: bool) {
-        match (swap_in, landed) {
-            (Some(swap_in), true) => {
-                self.stats.loaded_blocks += 1;
-                self.storage_used -= 1;
-                self.tree.update(id, |node| {
-                    node.set_state(NodeState::SwapToDevice);
-                    node.set_transfer(Some(swap_in.0));
-                    node.set_stored(false);
-                    node.set_passing_through_host(true);
-                });
-                return;
-            }
-            (None, true) => {
-                self.stats.loaded_blocks += 1;
-                self.tree.update(id, |node| {
-                    node.set_state(NodeState::Host);
-                    node.set_transfer(None);
-                });
-                return;
-            }
-            (Some(swap_in), false) => {
-                self.stats.load_failed_blocks += 1;
-                let host = self.tree.node(id).host().expect("a load has its destination");
-                self.back_to_storage(id, swap_in, None);
-                self.free_host(host);
-            }
-            (None, false) => {
-                self.stats.load_failed_blocks += 1;
-                let host = self.tree.node(id).host().expect("a load has its destination");
-                self.prefetch_back_to_storage(id);
-                self.free_host(host);
-            }
-        }
-        // The tier did not give the block back: forget it once no request holds it, so that
-        // the request, retried, computes it instead of failing on it again.
-        self.unloadable.push((id, self.tree.node(id).hash()));
+    /// LOAD node `id`, attached to it, landed (module flow, read step 2). `swap_in` is the copy
+    /// behind the LOAD, unissued until the LOAD completes; `None` for a prefetch LOAD no
+    /// allocation shared (the node lands on host and keeps its storage copy).
+    pub(super) fn load_landed(&mut self, id: NodeId, swap_in: Option<TransferId>) {
+        self.stats.loaded_blocks += 1;
+        let Some(swap_in) = swap_in else {
+            self.tree.update(id, |node| {
+                node.set_state(NodeState::Host);
+                node.set_transfer(None);
+            });
+            return;
+        };
+        self.storage_used -= 1;
+        self.tree.update(id, |node| {
+            node.set_state(NodeState::SwapToDevice);
+            node.set_transfer(Some(swap_in.0));
+            node.set_stored(false);
+            node.set_passing_through_host(true);
+        });
     }
 
     /// Drops the storage-only nodes whose LOAD failed, with the storage-only nodes below them,
@@ -277,7 +281,7 @@ impl CacheManager {
 
     /// Gives back `block`, the host block of a LOAD that never ran and waited on the copies
     /// `after`: to the STORE still reading it if it was claimed from one, else to the pool.
-    fn release_host_block(&mut self, after: &[TransferId], block: u32) {
+    pub(super) fn release_host_block(&mut self, after: &[TransferId], block: u32) {
         let reader = after.iter().copied().find(|before| {
             self.in_flight.get(before).is_some_and(|flight| {
                 flight.kind == TransferKind::HostToStorage
@@ -292,57 +296,6 @@ impl CacheManager {
         }
     }
 
-    /// LOAD `failed` failed: the LOADs ordered after it (of blocks below its blocks), unissued,
-    /// are cancelled, their nodes `Storage` again and their tickets failed, and so on below.
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
-    pub(super) fn cancel_loads_after(
-        &mut self,
-        failed: TransferId,
-        failure: super::TransferFailure,
-    ) {
-        let mut failed_loads = vec![failed];
-        while let Some(before) = failed_loads.pop() {
-            let dependents: Vec<TransferId> = self
-                .in_flight
-                .iter()
-                .filter(|(_, flight)| {
-                    flight.kind == TransferKind::StorageToHost && flight.after.contains(&before)
-                })
-                .map(|(&id, _)| id)
-                .collect();
-            for load in dependents {
-                let flight = self.in_flight.remove(&load).expect("listed just above");
-                assert!(!flight.issued, "a load ordered after one in flight was issued");
-                for (index, (pair, &node)) in flight.pairs.iter().zip(&flight.nodes).enumerate() {
-                    let attached =
-                        self.tree.is_live(node) && self.tree.node(node).transfer() == Some(load.0);
-                    if attached {
-                        self.stats.load_failed_blocks += 1;
-                        match self.swap_in_behind(load, flight.then, node) {
-                            Some(swap_in) => self.back_to_storage(node, swap_in, None),
-                            None => self.prefetch_back_to_storage(node),
-                        }
-                        // Its host block may have been claimed from a STORE still reading it.
-                        self.release_host_block(&flight.after, pair.src);
-                    } else {
-                        self.forget_detached(flight.blocks[index].hash);
-                    }
-                }
-                // Reserved host blocks came from abandoned loads, whose blocks may also have been
-                // claimed from a STORE still reading them: freed only once it has read them.
-                for &block in &flight.reserved_host {
-                    self.release_host_block(&flight.after, block);
-                }
-                for &block in &flight.reserved_device {
-                    self.free_device(block);
-                }
-                self.resolve_tickets(&flight.tickets, Some(failure));
-                self.recycle_flight(flight);
-                failed_loads.push(load);
-            }
-        }
-    }
-
     /// Takes node `id`, loading, back to `Storage` while its LOAD is still in flight: a swap-in
     /// above it failed, so device residency must end above it. The LOAD keeps writing the host
     /// block, so the block stays reserved by it until it completes; the node is detached.
@@ -354,23 +307,24 @@ impl CacheManager {
         let swap_in = self
             .swap_in_behind(load, then, id)
             .expect("a node with a device block being loaded has a swap-in behind it");
-        self.back_to_storage(id, swap_in, Some(load));
+        self.back_to_storage(id, swap_in, Some(load), &[]);
     }
 
     /// Node `id` (loading) is `Storage` again: its pair leaves the unissued `swap_in` behind the
     /// LOAD and its device block goes back; its host block goes to the LOAD `still_writing` it,
-    /// or, with none, is the caller's to give back.
-    fn back_to_storage(
+    /// or, with none, is the caller's to give back. A swap-in left with no pairs is forgotten
+    /// (`load_after`: the copies the LOAD in front of it waited on, see
+    /// [`CacheManager::forget_empty_swap_in`]).
+    pub(super) fn back_to_storage(
         &mut self,
         id: NodeId,
         swap_in: TransferId,
         still_writing: Option<TransferId>,
+        load_after: &[TransferId],
     ) {
         let node = self.tree.node(id);
-        let (host, device) = (
-            node.host().expect("a load has its destination"),
-            node.device().expect("a load has its swap-in's destination"),
-        );
+        // No device block: a request shortened at this node took it (see `load_outcome`).
+        let (host, device) = (node.host().expect("a load has its destination"), node.device());
         let flight =
             self.in_flight.get_mut(&swap_in).expect("the swap-in behind a load is in flight");
         assert!(!flight.issued, "a swap-in behind a load in flight was issued");
@@ -381,17 +335,17 @@ impl CacheManager {
             .expect("the swap-in behind a load serves its nodes");
         flight.nodes.swap_remove(index);
         flight.pairs.swap_remove(index);
-        let after = flight.after.clone();
-        if flight.pairs.is_empty() {
-            let flight = self.in_flight.remove(&swap_in).expect("found just above");
-            self.resolve_tickets(&flight.tickets, None);
-            self.recycle_flight(flight);
+        let (after, empty) = (flight.after.clone(), flight.pairs.is_empty());
+        if empty {
+            self.forget_empty_swap_in(swap_in, load_after);
         }
         if let Some(load) = still_writing {
             self.flight_mut(load).expect("the load is in flight").reserved_host.push(host);
         }
         // The device block may have been claimed from a swap-out still reading it.
-        self.release_swap_in_destination(&after, device);
+        if let Some(device) = device {
+            self.release_swap_in_destination(&after, device);
+        }
         self.tree.update(id, |node| {
             node.set_host(None);
             node.set_device(None);

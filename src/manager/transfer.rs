@@ -90,10 +90,15 @@ pub struct TicketId(pub u64);
 pub enum TicketStatus {
     /// Every copy it waited on has landed (or it waited on none).
     Ready,
+    /// Every copy it waited on has completed, but the storage tier missed some of its hits: the
+    /// first `cached_blocks` positions of the request's block table hold cached KV, and the
+    /// engine computes the rest into the blocks the table gives (they are the request's own now,
+    /// committed as usual).
+    Shortened { cached_blocks: u32 },
     /// Some copies are still in flight.
     Pending,
-    /// A swap-in (or the storage load before it) that it waited on failed: the request must be
-    /// aborted.
+    /// A swap-in that it waited on failed (a device copy, or a dead worker; never a storage
+    /// miss): the request must be aborted.
     Failed(TransferFailure),
 }
 
@@ -105,14 +110,17 @@ pub(crate) struct Ticket {
     /// Copies in flight that it waits on.
     pub pending: u32,
     pub failure: Option<TransferFailure>,
+    /// Set when a LOAD's miss shortened the request's hit: the positions still cached.
+    pub cached_blocks: Option<u32>,
 }
 
 impl Ticket {
     pub fn status(&self) -> TicketStatus {
-        match (self.failure, self.pending) {
-            (Some(failure), _) => TicketStatus::Failed(failure),
-            (None, 0) => TicketStatus::Ready,
-            (None, _) => TicketStatus::Pending,
+        match (self.failure, self.pending, self.cached_blocks) {
+            (Some(failure), _, _) => TicketStatus::Failed(failure),
+            (None, 0, None) => TicketStatus::Ready,
+            (None, 0, Some(cached_blocks)) => TicketStatus::Shortened { cached_blocks },
+            (None, _, _) => TicketStatus::Pending,
         }
     }
 }

@@ -47,10 +47,10 @@ use tracing::{info, warn};
 
 use crate::hash::BlockHash;
 use crate::manager::{
-    AllocateError, Allocation, AllocationCheck, CacheConfig, CacheManager, CommitError, Committed,
-    ConfigError as CacheConfigError, FinishError, MatchError, PrefetchError, PrefixMatch,
-    RequestId, ResetError, ResizeError, TicketError, TicketId, TicketStatus, Transfer,
-    TransferFailure, TransferId, TransferKind, TransferStage,
+    AllocateError, Allocation, AllocationCheck, BlockOutcome, CacheConfig, CacheManager,
+    CommitError, Committed, ConfigError as CacheConfigError, FinishError, MatchError,
+    PrefetchError, PrefixMatch, RequestId, ResetError, ResizeError, TicketError, TicketId,
+    TicketStatus, Transfer, TransferFailure, TransferId, TransferKind, TransferStage,
 };
 use crate::worker::{Geometry, GeometryError, GeometryParams};
 
@@ -177,6 +177,17 @@ pub enum ServiceError {
     WorkerMissing { rank: u32, waited: Duration },
 }
 
+/// How a ticket became ready.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TicketReady {
+    /// Every hit of the allocation is in its blocks.
+    AllHits,
+    /// The storage tier missed some hits: the first `cached_blocks` positions of the request's
+    /// block table hold cached KV, and the engine computes the rest into the blocks the table
+    /// gives (see [`TicketStatus::Shortened`]).
+    Shortened { cached_blocks: u32 },
+}
+
 /// Why waiting on a ticket ended without the blocks being ready.
 #[derive(Debug, thiserror::Error)]
 pub enum WaitError {
@@ -220,7 +231,8 @@ pub struct ServiceStats {
     pub stray_completions: u64,
     /// Times a rank owed answers past the command deadline and its worker was fenced.
     pub command_deadlines_missed: u64,
-    /// Storage commands (STORE, LOAD) that completed with some block missed on their rank.
+    /// Blocks of storage commands (STORE, LOAD) that a rank reported missed (missing, damaged,
+    /// or not written), counted once per rank and command.
     pub storage_misses: u64,
     /// Blocks sent to every rank in FORGET commands, FORGET commands that failed on some rank,
     /// and blocks not sent because a rank had no worker.
@@ -255,9 +267,12 @@ pub struct Service {
     requests_dropped_by_kvctl: Vec<RequestId>,
     /// Copies the engine asked for directly (see [`direct`]).
     direct: direct::DirectCopies,
-    /// The entries of each storage command in flight, by (rank index, command id): a STORE or
-    /// LOAD succeeds on a rank only if its completion's result bits say every entry was done.
-    storage_commands: HashMap<(usize, u64), usize>,
+    /// Each storage command in flight, by (rank index, command id): its transfer, and the
+    /// transfer's blocks it carries (first, count).
+    storage_commands: HashMap<(usize, u64), (u64, usize, usize)>,
+    /// Per storage transfer in flight, per block: what the ranks said so far (a block landed only
+    /// if it did on every rank; missing on one rank, it is missing).
+    storage_landed: HashMap<u64, Vec<BlockOutcome>>,
     /// QUERY and FORGET commands in flight (see [`storage_meta`]).
     meta: storage_meta::MetaCommands,
 }
@@ -331,6 +346,7 @@ impl Service {
             direct: direct::DirectCopies::default(),
             storage_commands: HashMap::new(),
             meta: storage_meta::MetaCommands::default(),
+            storage_landed: HashMap::new(),
         };
         service.publish_counters();
         Ok(service)
@@ -544,13 +560,15 @@ impl Service {
     }
 
     /// Waits until `ticket` is ready: polls, spins briefly on the scheduler doorbell, then sleeps
-    /// on it in short slices so that worker deaths are still noticed.
-    pub fn wait(&mut self, ticket: TicketId, timeout: Duration) -> Result<(), WaitError> {
+    /// on it in short slices so that worker deaths are still noticed. Says whether every hit is
+    /// cached, or the storage tier missed some and the engine computes them
+    /// ([`TicketReady::Shortened`]).
+    pub fn wait(&mut self, ticket: TicketId, timeout: Duration) -> Result<TicketReady, WaitError> {
         let started = Instant::now();
         let deadline = deadline_after(timeout);
         loop {
-            if self.poll_ticket(ticket)? {
-                return Ok(());
+            if let Some(ready) = self.poll_ticket(ticket)? {
+                return Ok(ready);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -560,15 +578,27 @@ impl Service {
         }
     }
 
-    /// One step of [`wait`](Self::wait): polls, then says whether `ticket` is ready (an error if
-    /// a copy it waited on failed).
-    pub fn poll_ticket(&mut self, ticket: TicketId) -> Result<bool, WaitError> {
+    /// One step of [`wait`](Self::wait): polls, then says whether `ticket` is ready and how
+    /// (`None` while pending; an error if a copy it waited on failed).
+    pub fn poll_ticket(&mut self, ticket: TicketId) -> Result<Option<TicketReady>, WaitError> {
         self.poll();
         match self.manager.ticket_status(ticket)? {
-            TicketStatus::Ready => Ok(true),
+            TicketStatus::Ready => Ok(Some(TicketReady::AllHits)),
+            TicketStatus::Shortened { cached_blocks } => {
+                Ok(Some(TicketReady::Shortened { cached_blocks }))
+            }
             TicketStatus::Failed(failure) => Err(WaitError::TransferFailed(failure)),
-            TicketStatus::Pending => Ok(false),
+            TicketStatus::Pending => Ok(None),
         }
+    }
+
+    /// The positions of `ticket`'s block table still cached, when a storage miss shortened the
+    /// request's hit (`None` otherwise). Known once the ticket's storage LOADs have completed,
+    /// which is before any layer of the swap-ins behind them lands: a layer-wise engine reads it
+    /// once [`ticket_layers_ready`](Self::ticket_layers_ready) is above 0, and computes the
+    /// positions from there on.
+    pub fn ticket_cached_blocks(&self, ticket: TicketId) -> Result<Option<u32>, TicketError> {
+        self.manager.ticket_cached_blocks(ticket)
     }
 
     /// Bandwidth of the workers while copying, from their own counters: bytes over the time they
@@ -612,7 +642,7 @@ impl Service {
     /// while a copy is queued or runs without layer-wise progress.
     pub fn ticket_layers_ready(&self, ticket: TicketId) -> Result<u32, WaitError> {
         match self.manager.ticket_status(ticket)? {
-            TicketStatus::Ready => Ok(self.geometry.layers()),
+            TicketStatus::Ready | TicketStatus::Shortened { .. } => Ok(self.geometry.layers()),
             TicketStatus::Failed(failure) => Err(WaitError::TransferFailed(failure)),
             TicketStatus::Pending => Ok(self
                 .manager
@@ -720,48 +750,50 @@ impl Service {
             })
             .collect();
         let generation = self.segment.generation();
-        for chunk in entries.chunks(self.max_storage_entries) {
+        for (chunk_index, chunk) in entries.chunks(self.max_storage_entries).enumerate() {
+            let first = chunk_index * self.max_storage_entries;
             let header = CommandHeader::new(op, 0, generation, storage_pair_count(chunk.len()));
             for (index, rank) in self.ranks.iter_mut().enumerate() {
                 let command_id = rank.queue_storage(header, chunk);
                 self.tracker.begin(transfer.id.0, rank.rank() as usize, command_id);
-                self.storage_commands.insert((index, command_id), chunk.len());
+                self.storage_commands
+                    .insert((index, command_id), (transfer.id.0, first, chunk.len()));
                 self.stats.commands_issued += 1;
             }
         }
+        self.storage_landed.insert(transfer.id.0, vec![BlockOutcome::Landed; entries.len()]);
         self.transfers.insert(
             transfer.id.0,
             TransferMeta { pairs: transfer.pairs.len(), kind: transfer.kind },
         );
     }
 
-    /// A storage command's completion as the tracker should see it: an OK completion whose result
-    /// bits miss an entry is a failure of the command ([`CommandError::StorageMiss`]), since the
-    /// manager applies a storage copy whole. Other completions pass unchanged.
-    fn storage_outcome(
-        &mut self,
-        index: usize,
-        completion: &kvshm_ipc::record::Completion,
-    ) -> kvshm_ipc::record::Completion {
+    /// Applies the result bits of a storage command's completion to its transfer's blocks: a
+    /// block a rank did not report done missed (per block, not a failure of the command): it is
+    /// missing, or unavailable when the rank says its tier failed. A failed completion is a
+    /// failure of the whole command, which the tracker reports.
+    fn record_storage_results(&mut self, index: usize, completion: &kvshm_ipc::record::Completion) {
         use kvshm_ipc::storage_record::StorageResults;
-        let Some(entries) = self.storage_commands.remove(&(index, completion.command_id)) else {
-            return *completion;
+        let Some((transfer, first, entries)) =
+            self.storage_commands.remove(&(index, completion.command_id))
+        else {
+            return;
         };
         if !completion.is_ok() {
-            return *completion;
+            return;
         }
         let results = StorageResults::from_detail(completion.detail).masked(entries);
-        let all = if entries == 32 { u32::MAX } else { (1u32 << entries) - 1 };
-        if results.done == all {
-            return *completion;
+        let Some(landed) = self.storage_landed.get_mut(&transfer) else { return };
+        for (entry, outcome) in landed.iter_mut().skip(first).take(entries).enumerate() {
+            if results.is_done(entry) {
+                continue;
+            }
+            self.stats.storage_misses += 1;
+            *outcome = match (*outcome, results.is_failed(entry)) {
+                (BlockOutcome::Missing, _) | (_, false) => BlockOutcome::Missing,
+                (_, true) => BlockOutcome::Unavailable,
+            };
         }
-        self.stats.storage_misses += 1;
-        kvshm_ipc::record::Completion::failed(
-            completion.command_id,
-            completion.generation,
-            CommandError::StorageMiss,
-            completion.detail,
-        )
     }
 
     /// Queues the commands of copy `id` on every rank (split to fit the rings) and remembers it.
@@ -814,7 +846,7 @@ impl Service {
             self.stats.commands_completed += completions.len() as u64;
             for completion in &completions {
                 self.meta.note_completion(index, completion);
-                let completion = &self.storage_outcome(index, completion);
+                self.record_storage_results(index, completion);
                 let matched = self.tracker.complete(index, completion);
                 if matched.is_ok() {
                     self.answer_clocks.restart(index, Instant::now());
@@ -860,7 +892,14 @@ impl Service {
             }
             (Ok(()), None) => {}
         }
-        if let Err(error) = self.manager.complete_transfer(transfer, outcome) {
+        let landed = self.storage_landed.remove(&transfer.0);
+        let completed = match landed {
+            Some(landed) => self
+                .manager
+                .complete_storage_transfer(transfer, outcome.map(|()| Some(landed.as_slice()))),
+            None => self.manager.complete_transfer(transfer, outcome),
+        };
+        if let Err(error) = completed {
             warn!(transfer = transfer.0, %error, "the cache manager refused a completion");
         }
     }

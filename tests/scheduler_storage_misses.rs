@@ -1,0 +1,320 @@
+//! A storage miss is a miss for that block, never a failure of the request: a LOAD whose blocks
+//! miss shortens the hits of the requests waiting on it, which compute the rest and commit it.
+
+mod scheduler_support;
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::BlockOutcome::{self, Landed, Missing, Unavailable};
+use kvshm::manager::{
+    CacheConfig, CacheManager, RequestId, TicketId, TicketStatus, Transfer, TransferKind,
+};
+use scheduler_support::{
+    check, complete_all, failure, hashes, manager, prompt_hitting, BLOCK_TOKENS,
+};
+
+/// Eight device blocks, four host blocks, thirty-two storage blocks.
+fn three_tiers() -> CacheManager {
+    manager(CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(4).with_storage_blocks(32))
+}
+
+/// Serves `blocks` (block-aligned) to the end: match, allocate, copies, commit, finish.
+fn serve(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
+    let request = RequestId(id);
+    let prompt = blocks.len() * BLOCK_TOKENS as usize;
+    let found = cache.match_prefix(request, blocks, prompt).unwrap();
+    cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
+    complete_all(cache);
+    cache.commit(request, prompt, blocks).unwrap();
+    cache.finish(request).unwrap();
+    check(cache);
+}
+
+/// Serves a four-block prompt, then others until all four of its blocks are on storage only.
+fn four_blocks_on_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
+    let first = hashes(&[1, 2, 3, 4]);
+    serve(cache, 1, &first);
+    let mut round = 0u128;
+    while cache.cached_prefix(&first).storage_blocks < 4 {
+        round += 1;
+        assert!(round < 20, "set-up: the first prompt never reached storage");
+        let base = 100 * round;
+        serve(cache, 10 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
+    }
+    let found = cache.cached_prefix(&first);
+    assert_eq!(found.storage_blocks, 4, "set-up: {found:?}");
+    first
+}
+
+/// Hands out and completes every copy but the LOADs, which it returns (once there are some).
+fn run_until_loads(cache: &mut CacheManager) -> Vec<Transfer> {
+    loop {
+        let transfers = cache.take_transfers();
+        assert!(!transfers.is_empty(), "the loads are handed out");
+        let mut loads = Vec::new();
+        for transfer in transfers {
+            if transfer.kind == TransferKind::StorageToHost {
+                loads.push(transfer);
+            } else {
+                cache.complete_transfer(transfer.id, Ok(())).unwrap();
+                check(cache);
+            }
+        }
+        if !loads.is_empty() {
+            return loads;
+        }
+    }
+}
+
+fn allocate_hitting_all(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) -> TicketId {
+    let request = RequestId(id);
+    let found = cache.match_prefix(request, blocks, prompt_hitting(blocks.len())).unwrap();
+    assert_eq!(found.storage_blocks, blocks.len(), "{found:?}");
+    let ticket = cache.allocate(request, 1, 0).unwrap().ticket;
+    check(cache);
+    ticket
+}
+
+#[test]
+fn a_load_missing_its_third_block_shortens_the_hit_to_two_and_the_request_caches_what_it_computes()
+{
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let table = cache.block_table(RequestId(50)).unwrap().to_vec();
+    let loads = run_until_loads(&mut cache);
+    assert_eq!(loads.len(), 1);
+    let load = &loads[0];
+    let order: Vec<BlockHash> = load.blocks.iter().map(|block| block.hash).collect();
+    assert_eq!(order, first, "a LOAD carries its chain block 0 first");
+    cache.complete_storage_transfer(load.id, Ok(Some(&[Landed, Landed, Missing, Landed]))).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_cached_blocks(ticket), Ok(Some(2)), "known before the swap-in runs");
+    // The swap-in behind it carries the two blocks that landed.
+    let swap_ins: Vec<Transfer> = cache.take_transfers();
+    let pairs: usize = swap_ins
+        .iter()
+        .filter(|transfer| transfer.kind == TransferKind::HostToDevice)
+        .map(|transfer| transfer.pairs.len())
+        .sum();
+    assert_eq!(pairs, 2);
+    for transfer in swap_ins {
+        cache.complete_transfer(transfer.id, Ok(())).unwrap();
+        check(&cache);
+    }
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 2 }));
+    assert_eq!(cache.block_table(RequestId(50)).unwrap(), table, "the table keeps its blocks");
+    // The missed block left at once, with the block below it: no match sees them any more.
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.device_blocks, found.storage_blocks), (2, 0), "{found:?}");
+    assert_eq!(cache.stats().counters.load_missing_blocks, 1);
+    // The request computes blocks 3 and 4 into its table and commits them.
+    cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
+    check(&cache);
+    cache.finish(RequestId(50)).unwrap();
+    check(&cache);
+    let found = cache.cached_prefix(&first);
+    assert_eq!(found.device_blocks, 4, "blocks 1-2 kept, 3-4 cached from the request: {found:?}");
+    assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
+}
+
+#[test]
+fn two_requests_sharing_one_load_are_both_shortened_each_with_blocks_of_its_own() {
+    // Room on device for the second request's own copies of the blocks it shared.
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 12).with_host_blocks(4).with_storage_blocks(32));
+    let first = four_blocks_on_storage(&mut cache);
+    // Both match before either allocates: the second one's allocation shares the first one's
+    // LOAD (a match stops at a block being loaded).
+    for id in [50, 51] {
+        let found = cache.match_prefix(RequestId(id), &first, prompt_hitting(4)).unwrap();
+        assert_eq!(found.storage_blocks, 4, "{found:?}");
+    }
+    let one = cache.allocate(RequestId(50), 1, 0).unwrap().ticket;
+    let two = cache.allocate(RequestId(51), 1, 0).unwrap().ticket;
+    check(&cache);
+    let loads = run_until_loads(&mut cache);
+    assert_eq!(loads.len(), 1, "the second request shares the first one's LOAD");
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Missing, Landed, Landed])))
+        .unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    for ticket in [one, two] {
+        assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    }
+    let tables = [RequestId(50), RequestId(51)].map(|id| cache.block_table(id).unwrap().to_vec());
+    assert_eq!(tables[0][0], tables[1][0], "the block that landed is shared");
+    for (one, two) in tables[0][1..4].iter().zip(&tables[1][1..4]) {
+        assert_ne!(one, two, "each computes into its own block");
+    }
+    for id in [50, 51] {
+        cache.commit(RequestId(id), 4 * BLOCK_TOKENS as usize, &first).unwrap();
+        check(&cache);
+        cache.finish(RequestId(id)).unwrap();
+        check(&cache);
+    }
+    assert_eq!(cache.cached_prefix(&first).device_blocks, 4);
+    assert_eq!(cache.stats().counters.shortened_tickets, 2);
+}
+
+#[test]
+fn a_whole_load_failing_is_a_miss_for_every_block_and_drops_none_of_them() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    let free_host = cache.free_host_blocks();
+    let free_device = cache.free_device_blocks();
+    cache.complete_transfer(loads[0].id, Err(failure())).unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
+    assert!(cache.take_transfers().iter().all(|t| t.kind != TransferKind::HostToDevice));
+    assert_eq!(cache.free_host_blocks(), free_host + 4, "the load's host blocks are free again");
+    assert_eq!(cache.free_device_blocks(), free_device, "the request owns its device blocks");
+    cache.abort(RequestId(50)).unwrap();
+    check(&cache);
+    cache.poll();
+    check(&cache);
+    // The tier may have been down for a moment: the blocks are still there for the next match.
+    let found = cache.cached_prefix(&first);
+    assert_eq!(found.storage_blocks, 4, "{found:?}");
+    let again = allocate_hitting_all(&mut cache, 51, &first);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(again), Ok(TicketStatus::Ready));
+    cache.finish(RequestId(51)).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_missing_first_block_shortens_to_nothing_and_forgets_the_chain_once_unheld() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Missing, Landed, Landed, Landed])))
+        .unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
+    assert_eq!(cache.cached_prefix(&first).blocks(), 0, "no longer matchable, before any poll");
+    cache.abort(RequestId(50)).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_store_keeps_the_blocks_that_landed_and_gives_back_only_those_that_missed() {
+    let mut cache = three_tiers();
+    let first = hashes(&[1, 2, 3, 4]);
+    serve(&mut cache, 1, &first);
+    let mut stores = Vec::new();
+    for round in 0..6u128 {
+        let request = RequestId(10 + round as u64);
+        let base = 100 * (round + 1);
+        let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+        let prompt = 4 * BLOCK_TOKENS as usize;
+        let found = cache.match_prefix(request, &blocks, prompt).unwrap();
+        cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
+        loop {
+            let transfers = cache.take_transfers();
+            if transfers.is_empty() {
+                break;
+            }
+            for transfer in transfers {
+                if transfer.kind == TransferKind::HostToStorage && transfer.pairs.len() >= 2 {
+                    // Every other block is not written.
+                    let written: Vec<BlockOutcome> = (0..transfer.pairs.len())
+                        .map(|i| if i % 2 == 0 { Landed } else { Missing })
+                        .collect();
+                    cache.complete_storage_transfer(transfer.id, Ok(Some(&written))).unwrap();
+                    stores.push(written);
+                } else {
+                    cache.complete_transfer(transfer.id, Ok(())).unwrap();
+                }
+                check(&cache);
+            }
+        }
+        cache.commit(request, prompt, &blocks).unwrap();
+        cache.finish(request).unwrap();
+        check(&cache);
+    }
+    assert!(!stores.is_empty(), "some STORE carried several blocks");
+    let counters = cache.stats().counters;
+    let missed: usize =
+        stores.iter().map(|written| written.iter().filter(|&&b| b != Landed).count()).sum();
+    assert_eq!(counters.store_failed_blocks as usize, missed, "{counters:?}");
+    assert_eq!(counters.stored_blocks + counters.store_failed_blocks, counters.store_blocks_issued);
+    assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
+}
+
+#[test]
+fn per_block_results_of_a_copy_that_is_not_a_storage_copy_or_of_the_wrong_length_are_refused() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    let wrong = cache.complete_storage_transfer(loads[0].id, Ok(Some(&[Landed])));
+    assert!(wrong.is_err(), "{wrong:?}");
+    check(&cache);
+    cache.complete_storage_transfer(loads[0].id, Ok(None)).unwrap();
+    let swap_in = cache.take_transfers().into_iter().find(|t| t.kind == TransferKind::HostToDevice);
+    let swap_in = swap_in.expect("the swap-in follows the load");
+    let refused = cache.complete_storage_transfer(swap_in.id, Ok(Some(&[Landed; 4])));
+    assert!(refused.is_err(), "{refused:?}");
+    cache.complete_transfer(swap_in.id, Ok(())).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_block_the_tier_could_not_read_shortens_the_hit_but_stays_cached() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    let blocks = [Landed, Unavailable, Landed, Landed];
+    cache.complete_storage_transfer(loads[0].id, Ok(Some(&blocks))).unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    cache.abort(RequestId(50)).unwrap();
+    cache.poll();
+    check(&cache);
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.device_blocks, found.storage_blocks), (1, 3), "{found:?}");
+    assert_eq!(cache.stats().counters.load_missing_blocks, 0);
+}
+
+#[test]
+fn a_request_shortened_by_a_tier_that_was_down_caches_what_it_computes_over_the_stored_blocks() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    cache.complete_transfer(loads[0].id, Err(failure())).unwrap();
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
+    // The nodes are still there, storage-only: the commit takes the request's copies for them.
+    cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
+    check(&cache);
+    cache.finish(RequestId(50)).unwrap();
+    check(&cache);
+    let found = cache.cached_prefix(&first);
+    assert_eq!(found.device_blocks, 4, "{found:?}");
+    assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
+}
+
+#[test]
+fn a_missing_block_below_one_the_tier_could_not_read_is_dropped_and_the_one_above_kept() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    let blocks = [Landed, Unavailable, Missing, Landed];
+    cache.complete_storage_transfer(loads[0].id, Ok(Some(&blocks))).unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.device_blocks, found.storage_blocks), (1, 1), "{found:?}");
+    cache.abort(RequestId(50)).unwrap();
+    check(&cache);
+}
