@@ -318,3 +318,42 @@ fn a_missing_block_below_one_the_tier_could_not_read_is_dropped_and_the_one_abov
     cache.abort(RequestId(50)).unwrap();
     check(&cache);
 }
+
+#[test]
+fn a_missing_block_recomputed_while_another_request_holds_it_is_no_longer_counted_on_storage() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    // Request 60 matches the four blocks and waits; request 50 allocates them.
+    let found = cache.match_prefix(RequestId(60), &first, prompt_hitting(4)).unwrap();
+    assert_eq!(found.storage_blocks, 4, "{found:?}");
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Landed, Missing, Landed])))
+        .unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 2 }));
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    // Block 3 is still held by request 60, so it stays until the next poll; request 50 computes
+    // it and commits it, and the node becomes the device copy of a block the tier lost.
+    cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
+    check(&cache);
+    let tree = cache.tree();
+    let mut node = tree.child(kvshm::tree::NodeId::ROOT, first[0]).unwrap();
+    for &hash in &first[1..3] {
+        node = tree.child(node, hash).unwrap();
+    }
+    assert!(!tree.node(node).stored(), "the tier's copy of block 3 is gone: not counted as stored");
+    assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&first[2]), "the tier is told to forget its damaged copy");
+    for id in [50, 60] {
+        cache.abort(RequestId(id)).unwrap();
+        check(&cache);
+    }
+    cache.poll();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&first).device_blocks, 4, "the recomputed blocks stay cached");
+}

@@ -11,6 +11,10 @@
 //!    on under it);
 //! 5. cached but in flight: the commit stops here; the rest stays the request's own.
 //!
+//! A node of step 3 or 4 whose block the tier reported missing (still held when its LOAD
+//! missed, so not dropped yet) is then no longer counted on storage, and the tier is told to
+//! forget its copy.
+//!
 //! A block is inserted only under a parent with a valid device copy, so device residency stays
 //! prefix-closed.
 
@@ -138,6 +142,9 @@ impl CacheManager {
             };
             record.path.push(id);
             parent = id;
+        }
+        if !self.unloadable.is_empty() {
+            self.uncount_lost_copies(request, start);
         }
         if !self.orphans.is_empty() {
             // Blocks a restarted service found on storage whose parent was not cached: they hang

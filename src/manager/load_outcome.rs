@@ -191,6 +191,27 @@ impl CacheManager {
     /// The unissued LOADs ordered after `load` whose chain hangs below a node of `lost`, taken out
     /// of the in-flight table, and after them those below theirs; their attached nodes join
     /// `lost` (module flow, step 2).
+    /// A commit of `request` made device copies of nodes from path position `start` on: those
+    /// the tier reported missing (waiting in `unloadable`, held when their LOAD missed) are no
+    /// longer counted on storage, and the tier is told to forget its damaged copy; without this
+    /// a later eviction would trust the lost copy and skip the write-back.
+    #[inline(never)] // off the hot paths (only while a missing block is still held)
+    pub(super) fn uncount_lost_copies(&mut self, request: super::RequestId, start: usize) {
+        let end = self.requests[&request].path.len();
+        for index in start..end {
+            let id = self.requests[&request].path[index];
+            let Some(position) = self.unloadable.iter().position(|&(lost, _)| lost == id) else {
+                continue;
+            };
+            let (_, hash) = self.unloadable.swap_remove(position);
+            if self.tree.node(id).stored() {
+                self.tree.update(id, |node| node.set_stored(false));
+                self.storage_used -= 1;
+                self.forget_now(hash);
+            }
+        }
+    }
+
     fn loads_below_lost(
         &mut self,
         load: TransferId,
