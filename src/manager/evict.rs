@@ -7,7 +7,8 @@
 //! 2. else, if the policy wants a copy (write-back; write-through for a node whose backup has
 //!    not happened; selective for a node hit `threshold` times) and a host block can be had, it
 //!    starts a swap-out, and the block becomes claimable at once (an allocation, which would
-//!    claim it next, takes it as the swap-out starts);
+//!    claim it next, takes it as the swap-out starts, and gets the parent back unfiled when it
+//!    is the next victim, as in step 3: [`Tree::update_exposing`]);
 //! 3. else the node is dropped, with the host-only nodes under it (a match could never reach
 //!    them again), and its block is free. When an allocation drops a leaf whose parent becomes
 //!    the device candidate the policy gives up next (a chain evicted tail first), the tree hands
@@ -40,8 +41,8 @@ enum Evicted {
     /// A swap-out started; the node's block is claimable.
     SwappingOut,
     /// A swap-out started and the caller took the node's block at once: `block`, still read by
-    /// `transfer`.
-    Claimed { block: u32, transfer: TransferId },
+    /// `transfer`; `exposed` as for `Freed`.
+    Claimed { block: u32, transfer: TransferId, exposed: Option<NodeId> },
 }
 
 impl CacheManager {
@@ -93,7 +94,10 @@ impl CacheManager {
                     let block = self.device.allocate_one().expect("a block was just freed");
                     out.push((block, None));
                 }
-                Evicted::Claimed { block, transfer } => out.push((block, Some(transfer))),
+                Evicted::Claimed { block, transfer, exposed: parent } => {
+                    exposed = parent;
+                    out.push((block, Some(transfer)));
+                }
                 // Only without `for_allocation`.
                 Evicted::SwappingOut => {}
             }
@@ -150,14 +154,15 @@ impl CacheManager {
             };
         if wants_copy {
             if let Some((host_block, store)) = self.obtain_host_block() {
-                let swap = if for_allocation { SwapOut::Claimed } else { SwapOut::Evict };
-                let transfer = self.start_swap_out(id, host_block, swap);
-                self.order_after_store(transfer, store);
                 self.stats.evictions.device_written_back += 1;
-                return match swap {
-                    SwapOut::Claimed => Evicted::Claimed { block, transfer },
-                    _ => Evicted::SwappingOut,
-                };
+                if for_allocation {
+                    let (transfer, exposed) = self.start_claimed_swap_out(id, host_block);
+                    self.order_after_store(transfer, store);
+                    return Evicted::Claimed { block, transfer, exposed };
+                }
+                let transfer = self.start_swap_out(id, host_block, SwapOut::Evict);
+                self.order_after_store(transfer, store);
+                return Evicted::SwappingOut;
             }
         }
         let exposed = if for_allocation && !self.tree.node(id).has_children() {

@@ -539,22 +539,44 @@ impl CacheManager {
     }
 
     /// Starts copying a device node to `host_block` (within the current operation's
-    /// device-to-host copy). With [`SwapOut::Claimed`] the caller takes the node's device block
-    /// at once, as [`CacheManager::claim`] would.
+    /// device-to-host copy), as a backup or an eviction whose block stays claimable.
     fn start_swap_out(&mut self, id: NodeId, host_block: u32, swap: SwapOut) -> TransferId {
-        let device = self.tree.node(id).device().expect("a device node has a device block");
-        let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
-        flight.pairs.push(kvshm_ipc::record::BlockPair::new(device, host_block));
-        flight.nodes.push(id);
+        let transfer = self.open_swap_out(id, host_block);
         self.tree.update(id, |node| {
             node.set_host(Some(host_block));
             node.set_state(NodeState::SwapToHost(swap));
             node.set_transfer(Some(transfer.0));
-            if swap == SwapOut::Claimed {
-                // Its device block goes to the caller at once (see `claim`).
-                node.set_device(None);
-            }
         });
+        transfer
+    }
+
+    /// [`CacheManager::start_swap_out`] with [`SwapOut::Claimed`], for an allocation that goes
+    /// on evicting: the caller takes the node's device block at once (as
+    /// [`CacheManager::claim`] would), and gets the parent back unfiled when it is the next
+    /// victim (see [`Tree::update_exposing`]).
+    fn start_claimed_swap_out(
+        &mut self,
+        id: NodeId,
+        host_block: u32,
+    ) -> (TransferId, Option<NodeId>) {
+        let transfer = self.open_swap_out(id, host_block);
+        let exposed = self.tree.update_exposing(id, |node| {
+            node.set_host(Some(host_block));
+            node.set_state(NodeState::SwapToHost(SwapOut::Claimed));
+            node.set_transfer(Some(transfer.0));
+            node.set_device(None);
+        });
+        (transfer, exposed)
+    }
+
+    /// Adds the pair of node `id` (its device block to `host_block`) to the current operation's
+    /// device-to-host copy.
+    #[inline]
+    fn open_swap_out(&mut self, id: NodeId, host_block: u32) -> TransferId {
+        let device = self.tree.node(id).device().expect("a device node has a device block");
+        let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
+        flight.pairs.push(kvshm_ipc::record::BlockPair::new(device, host_block));
+        flight.nodes.push(id);
         transfer
     }
 }

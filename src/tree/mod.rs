@@ -482,17 +482,57 @@ impl Tree {
     /// If the node has children or is the root.
     pub fn remove_exposing(&mut self, id: NodeId) -> Option<NodeId> {
         let parent = self.unlink(id);
-        let device_only = Membership::NONE.with(EvictSet::Device);
-        if self.nodes[parent.index()].membership().is_empty()
-            && self.membership(parent) == device_only
-            && self.policy.would_come_first(parent, EvictSet::Device)
-        {
-            // Its removal comes next: start loading its index group now.
+        if self.is_next_device_victim(parent) {
+            // Its removal may come next: start loading its index group now.
             self.index.prefetch(self.nodes[parent.index()].hash());
             return Some(parent);
         }
         self.refile(parent, None);
         None
+    }
+
+    /// [`Tree::update`] for a change that takes the device copy of device candidate `id` (a
+    /// swap-out claimed as it starts), for an eviction that goes on evicting: as with
+    /// [`Tree::remove_exposing`], when the parent becomes the device candidate the policy would
+    /// give up next (and nothing else), it is left out of the sets and returned, for the caller
+    /// to evict at once or file with [`Tree::file`].
+    pub fn update_exposing(
+        &mut self,
+        id: NodeId,
+        change: impl FnOnce(&mut NodeMut<'_>),
+    ) -> Option<NodeId> {
+        let node = &mut self.nodes[id.index()];
+        let had_device = node.device().is_some();
+        let mut view = NodeMut { node, access: None, upper_changed: false };
+        change(&mut view);
+        let (access, upper_changed) = (view.access, view.upper_changed);
+        let node = &self.nodes[id.index()];
+        let parent = node.parent;
+        if !had_device || node.device().is_some() || upper_changed || parent == NodeId::NONE {
+            // Not the change this is for: as `update`.
+            if (had_device != node.device().is_some() || upper_changed) && parent != NodeId::NONE {
+                self.recount_parent(id, had_device, upper_changed);
+            }
+            self.refile(id, access);
+            return None;
+        }
+        self.count_child_out(parent, false);
+        // The node leaves its sets first, so that the parent is compared with the others.
+        self.refile(id, access);
+        if self.is_next_device_victim(parent) {
+            return Some(parent);
+        }
+        self.refile(parent, None);
+        None
+    }
+
+    /// Whether unfiled `parent` has just become a device candidate (and nothing else) that the
+    /// policy would give up next: what the exposing changes leave out of the sets.
+    #[inline(always)]
+    fn is_next_device_victim(&self, parent: NodeId) -> bool {
+        self.nodes[parent.index()].membership().is_empty()
+            && self.membership(parent) == Membership::NONE.with(EvictSet::Device)
+            && self.policy.would_come_first(parent, EvictSet::Device)
     }
 
     /// Files `id` in the sets it belongs in: a parent that [`Tree::remove_exposing`] returned
