@@ -72,6 +72,9 @@ impl CacheManager {
         }
         // The parent a drop left unfiled as the next device candidate: the next victim.
         let mut exposed = None;
+        // The host-only parent a host eviction left unfiled: the next host victim, if nothing
+        // older has become a host candidate meanwhile.
+        let mut exposed_host = None;
         while out.len() - start < count {
             if let Some(id) = self.tree.first_claimable() {
                 // A claim changes the tree: the parent is filed first, and found again below.
@@ -88,7 +91,7 @@ impl CacheManager {
             });
             // No node is claimable here, so a swap-out the eviction starts would be the next
             // claim: it takes the block at once.
-            match self.evict_device(victim, true) {
+            match self.evict_device(victim, Some(&mut exposed_host)) {
                 Evicted::Freed { exposed: parent } => {
                     exposed = parent;
                     let block = self.device.allocate_one().expect("a block was just freed");
@@ -105,6 +108,10 @@ impl CacheManager {
         if let Some(parent) = exposed {
             self.tree.file(parent);
         }
+        // A node the dry run's evictions then dropped (below a dropped device node) is gone.
+        if let Some(parent) = exposed_host.filter(|&parent| self.tree.is_live(parent)) {
+            self.tree.file(parent);
+        }
     }
 
     /// Evicts device candidates until `target` blocks are free or on their way to free, or no
@@ -112,7 +119,7 @@ impl CacheManager {
     pub(super) fn evict_toward(&mut self, target: usize) {
         while self.device.free_count() + self.tree.claimable_count() < target {
             let Some(victim) = self.tree.first_device_candidate() else { break };
-            self.evict_device(victim, false);
+            self.evict_device(victim, None);
         }
     }
 
@@ -130,11 +137,13 @@ impl CacheManager {
     }
 
     /// Evicts one device candidate under the write policy (module flow, steps 1 to 3).
-    /// `for_allocation`: the caller takes the block now, and no node is claimable: a swap-out
-    /// is claimed as it starts (what the next claim would do, without filing the node as
-    /// claimable in between), and a drop of a leaf may leave its parent unfiled as the next
-    /// victim (see [`Evicted`]).
-    fn evict_device(&mut self, id: NodeId, for_allocation: bool) -> Evicted {
+    /// `allocation` (the host parent a host eviction left unfiled, see
+    /// [`CacheManager::obtain_host_block_exposing`]) when the caller takes the block now and no
+    /// node is claimable: a swap-out is claimed as it starts (what the next claim would do,
+    /// without filing the node as claimable in between), and a drop of a leaf or a swap-out may
+    /// leave its parent unfiled as the next victim (see [`Evicted`]).
+    fn evict_device(&mut self, id: NodeId, allocation: Option<&mut Option<NodeId>>) -> Evicted {
+        let for_allocation = allocation.is_some();
         let node = self.tree.node(id);
         let block = node.device().expect("a device candidate has a device block");
         if node.has_valid_host() {
@@ -153,7 +162,11 @@ impl CacheManager {
                 WritePolicy::WriteThroughSelective { threshold } => node.hit_count() >= threshold,
             };
         if wants_copy {
-            if let Some((host_block, store)) = self.obtain_host_block() {
+            let host = match allocation {
+                Some(exposed_host) => self.obtain_host_block_exposing(exposed_host),
+                None => self.obtain_host_block(),
+            };
+            if let Some((host_block, store)) = host {
                 self.stats.evictions.device_written_back += 1;
                 if for_allocation {
                     let (transfer, exposed) = self.start_claimed_swap_out(id, host_block);
@@ -183,19 +196,57 @@ impl CacheManager {
             return Some((block, None));
         }
         let victim = self.tree.first_host_candidate()?;
+        Some(self.evict_host(victim, None))
+    }
+
+    /// [`CacheManager::obtain_host_block`] for an allocation that goes on evicting: `exposed` is
+    /// the host-only parent that the previous host eviction left unfiled (see
+    /// [`Tree::remove_exposing_host`]), evicted now if it is still the first host candidate and
+    /// filed otherwise; this eviction may leave the next one there.
+    fn obtain_host_block_exposing(
+        &mut self,
+        exposed: &mut Option<NodeId>,
+    ) -> Option<(u32, Option<TransferId>)> {
+        if let Some(block) = self.host.allocate_one() {
+            return Some((block, None));
+        }
+        let victim = match exposed.take() {
+            Some(parent) if self.tree.is_next_host_victim(parent) => parent,
+            parent => {
+                if let Some(parent) = parent.filter(|&parent| self.tree.is_live(parent)) {
+                    self.tree.file(parent);
+                }
+                self.tree.first_host_candidate()?
+            }
+        };
+        Some(self.evict_host(victim, Some(exposed)))
+    }
+
+    /// Evicts host candidate `victim` for its host block (module documentation); `exposed`:
+    /// where to leave the parent a removal exposes as the next host victim, if the caller goes
+    /// on evicting.
+    #[inline]
+    fn evict_host(
+        &mut self,
+        victim: NodeId,
+        exposed: Option<&mut Option<NodeId>>,
+    ) -> (u32, Option<TransferId>) {
         let node = self.tree.node(victim);
         let block = node.host().expect("a host candidate has a host block");
         // The block changes owner without passing through the pool.
         if node.device().is_some() {
             self.tree.update(victim, |node| node.set_host(None));
         } else if self.storage_enabled() {
-            return Some(self.evict_host_only_above_storage(victim, block));
+            return self.evict_host_only_above_storage(victim, block);
         } else {
             // Without a storage tier no node is storage-only: a host candidate is a leaf.
-            self.tree.remove(victim);
+            match exposed {
+                Some(exposed) => *exposed = self.tree.remove_exposing_host(victim),
+                None => self.tree.remove(victim),
+            }
         }
         self.stats.evictions.host_dropped += 1;
-        Some((block, None))
+        (block, None)
     }
 
     /// Evicts host-only candidate `victim` (its host block `block`) with a storage tier below

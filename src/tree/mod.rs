@@ -491,6 +491,34 @@ impl Tree {
         None
     }
 
+    /// Removes a host candidate, as [`Tree::remove`] does, for an allocation that goes on
+    /// evicting host blocks: when the removal makes the parent a host candidate (and nothing
+    /// else) that the policy would give up next, the parent is left out of the sets and
+    /// returned, as with [`Tree::remove_exposing`]. The caller evicts it next if
+    /// [`Tree::is_next_host_victim`] still says so, and files it with [`Tree::file`] otherwise
+    /// (if it is still live) before its operation ends.
+    ///
+    /// # Panics
+    /// If the node has children or is the root.
+    pub fn remove_exposing_host(&mut self, id: NodeId) -> Option<NodeId> {
+        let parent = self.unlink(id);
+        if self.is_next_host_victim(parent) {
+            return Some(parent);
+        }
+        self.refile(parent, None);
+        None
+    }
+
+    /// Whether `id` is a live node left unfiled that is a host candidate (and nothing else) the
+    /// policy would give up before every filed one.
+    #[inline]
+    pub fn is_next_host_victim(&self, id: NodeId) -> bool {
+        self.is_live(id)
+            && self.nodes[id.index()].membership().is_empty()
+            && self.membership(id) == Membership::NONE.with(EvictSet::Host)
+            && self.policy.would_come_first(id, EvictSet::Host)
+    }
+
     /// [`Tree::update`] for a change that takes the device copy of device candidate `id` (a
     /// swap-out claimed as it starts), for an eviction that goes on evicting: as with
     /// [`Tree::remove_exposing`], when the parent becomes the device candidate the policy would
