@@ -183,7 +183,14 @@ impl CacheManager {
             scratch.table.push(block);
             if let Some(transfer) = claimed_from {
                 scratch.claims.push((block, transfer));
+            }
+        }
+        // Claims come in runs from one copy (the operation's swap-out): one wait per run.
+        let mut waited = None;
+        for &(_, transfer) in &scratch.claims {
+            if waited != Some(transfer) {
                 self.wait_on(ticket, transfer);
+                waited = Some(transfer);
             }
         }
         debug_assert_eq!(scratch.table.len() - fresh_start, fresh);
