@@ -458,8 +458,19 @@ impl Tree {
     /// # Panics
     /// If the node is not held: releasing more than was held is a programming error.
     pub fn release(&mut self, id: NodeId) {
-        self.nodes[id.index()].release_one();
-        self.refile(id, Some(Access::Release));
+        let node = &mut self.nodes[id.index()];
+        node.release_one();
+        // A held node is in no set (see `membership`): only the access and the sets it joins
+        // now (if it is unheld now) are left to tell, in `refile_with_policy`'s order.
+        debug_assert!(node.membership().is_empty(), "a held node is filed");
+        if self.policy.wants(Access::Release) {
+            self.policy.touch(id, self.nodes[id.index()].hash(), Access::Release);
+        }
+        let sets = self.membership(id);
+        if !sets.is_empty() {
+            self.policy.enter(id, sets);
+            self.nodes[id.index()].set_membership(sets);
+        }
     }
 
     /// Removes a node with no children. Its blocks must already be accounted for by the caller.
