@@ -19,7 +19,8 @@
 //! only); with a storage tier, any other host-only node is written back: a STORE starts, the node
 //! becomes `HostToStorage(evict)` and its host block is claimed at once, the caller's copy into
 //! it waiting for the STORE (see [`super::storage`]); without one, a host-only node leaves the
-//! tree.
+//! tree, and in an allocation its host-only parent, when it would be the next host victim, is
+//! handed back unfiled for the next host eviction ([`Tree::remove_exposing_host`]).
 //!
 //! An allocation first counts what it could get without changing anything
 //! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched. Every claimable
