@@ -25,7 +25,8 @@
 //! An allocation first counts what it could get without changing anything
 //! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched. Every claimable
 //! node and every device candidate gives one block, so when there are enough of them the count
-//! is O(1); only a shortfall walks the candidates to add the parents their evictions expose.
+//! is O(1); only a shortfall walks the candidates to add the parents their evictions expose,
+//! following each cascade as it is found and stopping once there are enough.
 
 use std::ops::ControlFlow;
 
@@ -363,18 +364,26 @@ fn count_reclaimable(
             exposed.push(parent);
         }
     };
+    // The count does not depend on the order in which nodes are counted: each candidate's cascade
+    // is followed as soon as it is found, so that a shortfall that a few chains cover stops
+    // before visiting every candidate.
+    let mut reached = false;
     for set in [EvictSet::Claimable, EvictSet::Device] {
         tree.visit(set, |id| {
             expose(id, exposed);
+            while let Some(parent) = exposed.pop() {
+                count += 1;
+                if count >= limit {
+                    reached = true;
+                    return ControlFlow::Break(());
+                }
+                expose(parent, exposed);
+            }
             ControlFlow::Continue(())
         });
-    }
-    while let Some(id) = exposed.pop() {
-        count += 1;
-        if count >= limit {
+        if reached {
             return limit;
         }
-        expose(id, exposed);
     }
     count
 }
