@@ -355,6 +355,7 @@ impl Tree {
         let mut view = NodeMut { node: &mut node, access: None, upper_changed: false };
         init(&mut view);
         let access = view.access;
+        let held = node.ref_count() > 0;
         let has_device = node.device().is_some();
         let is_upper = node.is_upper();
         let words = *node.hash_words();
@@ -385,8 +386,18 @@ impl Tree {
             parent_node.device_children.saturating_add(u16::from(has_device));
         parent_node.upper_children = parent_node.upper_children.saturating_add(u16::from(is_upper));
         self.index.insert(id, &words, &self.nodes);
-        self.refile(parent, None);
-        self.refile(id, access);
+        // A held node is in no set before or after (see `membership`): a commit's parent, on the
+        // request's path, and the new node its commit holds need no refile, only the access.
+        if self.nodes[parent.index()].ref_count() == 0 {
+            self.refile(parent, None);
+        }
+        if held {
+            if let Some(access) = access.filter(|&access| self.policy.wants(access)) {
+                self.policy.touch(id, self.nodes[id.index()].hash(), access);
+            }
+        } else {
+            self.refile(id, access);
+        }
         id
     }
 
