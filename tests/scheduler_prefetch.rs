@@ -10,7 +10,7 @@ use kvshm::manager::{
     CacheConfig, CacheManager, PrefetchError, RequestId, TicketError, TicketId, TicketStatus,
     TransferKind, MAX_PREFETCH_TICKETS,
 };
-use kvshm::tree::NodeState;
+use kvshm::tree::{NodeId, NodeState};
 use scheduler_support::{check, complete_all, failure, hashes, manager, prompt_hitting, serve};
 
 /// Four device blocks, two host blocks, eight storage blocks.
@@ -100,7 +100,7 @@ fn a_prefetch_brings_storage_blocks_to_host_and_a_later_match_hits_them_there() 
     let found = cache.cached_prefix(&first);
     assert_eq!((found.host_blocks, found.storage_blocks), (2, 0), "{found:?}");
     // The blocks keep their storage copy: leaving host again writes nothing.
-    let id = cache.tree().child(kvshm::tree::NodeId::ROOT, first[0]).unwrap();
+    let id = cache.tree().child(NodeId::ROOT, first[0]).unwrap();
     assert!(cache.tree().node(id).stored());
     let request = RequestId(50);
     let matched = cache.match_prefix(request, &first, prompt_hitting(2)).unwrap();
@@ -277,7 +277,7 @@ fn blocks_the_tree_drops_from_storage_are_handed_out_to_be_forgotten() {
     assert!(!forgotten.contains(&BlockHash(5)), "{forgotten:?}");
     // Whatever is forgotten is not counted on the tier any more.
     for hash in &forgotten {
-        let node = cache.tree().child(kvshm::tree::NodeId::ROOT, *hash);
+        let node = cache.tree().child(NodeId::ROOT, *hash);
         assert!(node.is_none_or(|id| !cache.tree().node(id).stored()), "{hash:?}");
     }
     // A reset forgets everything the tree had.
@@ -307,5 +307,95 @@ fn stored_blocks_whose_parent_never_comes_back_expire_and_are_forgotten() {
     assert!(forgotten.contains(&BlockHash(200)), "{forgotten:?}");
     assert_eq!(cache.stats().counters.expired_orphans, 8);
     check(&cache);
-    let _ = NodeState::Storage;
+}
+
+/// Completes every copy handed out but those `hold` picks, which it returns, unfinished.
+fn complete_all_but(
+    cache: &mut CacheManager,
+    hold: impl Fn(&kvshm::manager::Transfer) -> bool,
+) -> Vec<kvshm::manager::Transfer> {
+    let mut held = Vec::new();
+    loop {
+        let transfers = cache.take_transfers();
+        if transfers.is_empty() {
+            return held;
+        }
+        for transfer in transfers {
+            if hold(&transfer) {
+                held.push(transfer);
+            } else {
+                cache.complete_transfer(transfer.id, Ok(())).unwrap();
+            }
+            check(cache);
+        }
+    }
+}
+
+/// The node of `blocks` (a chain from block 0).
+fn node_of(cache: &CacheManager, blocks: &[BlockHash]) -> NodeId {
+    blocks.iter().fold(NodeId::ROOT, |parent, &hash| {
+        cache.tree().child(parent, hash).expect("the chain is cached")
+    })
+}
+
+#[test]
+fn a_swap_in_failing_above_a_node_a_prefetch_loads_keeps_the_blocks_below_it_storage_only() {
+    let mut cache = manager(
+        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 4)
+            .with_host_blocks(4)
+            .with_storage_blocks(16),
+    );
+    let first = hashes(&[1, 2, 3]);
+    serve(&mut cache, 0, &first);
+    for round in 0..20u128 {
+        if cache.cached_prefix(&first).storage_blocks == 3 {
+            break;
+        }
+        serve(&mut cache, 1 + round as u64, &hashes(&[100 + 2 * round, 101 + 2 * round]));
+    }
+    assert_eq!(cache.cached_prefix(&first).storage_blocks, 3);
+    // P (block 1) back on host; S0 and S1 (blocks 2 and 3) on storage below it.
+    cache.prefetch(&first[..1]).unwrap().expect("P to load");
+    complete_loads(&mut cache, true);
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.host_blocks, found.storage_blocks), (1, 2), "{found:?}");
+    // R0 swaps P in (F0), held.
+    let first_request = RequestId(90);
+    cache.match_prefix(first_request, &first[..1], prompt_hitting(1)).unwrap();
+    cache.allocate(first_request, 1, 0).unwrap();
+    let swap_in =
+        complete_all_but(&mut cache, |transfer| transfer.kind == TransferKind::HostToDevice);
+    assert_eq!(swap_in.len(), 1, "{swap_in:?}");
+    // A prefetch loads S0 and S1 (L), held.
+    cache.prefetch(&first).unwrap().expect("S0 and S1 to load");
+    let load =
+        complete_all_but(&mut cache, |transfer| transfer.kind == TransferKind::StorageToHost);
+    assert_eq!(load.len(), 1, "{load:?}");
+    assert_eq!(load[0].pairs.len(), 2);
+    // R meets S0 loading: it follows the LOAD with a swap-in after F0 and L.
+    let second_request = RequestId(91);
+    let matched = cache.match_prefix(second_request, &first[..2], prompt_hitting(2)).unwrap();
+    assert_eq!(matched.storage_blocks, 1, "{matched:?}");
+    cache.allocate(second_request, 1, 0).unwrap();
+    let held = complete_all_but(&mut cache, |transfer| {
+        matches!(transfer.kind, TransferKind::HostToDevice | TransferKind::StorageToHost)
+    });
+    assert!(held.is_empty(), "no second LOAD, and the follow waits for F0 and L: {held:?}");
+    // F0 fails: P is host-only again, S0 storage-only, and so must S1 be (it was only loading
+    // for the prefetch).
+    cache.complete_transfer(swap_in[0].id, Err(failure())).unwrap();
+    check(&cache);
+    cache.complete_transfer(load[0].id, Ok(())).unwrap();
+    check(&cache);
+    let s0 = node_of(&cache, &first[..2]);
+    let s1 = node_of(&cache, &first);
+    assert_eq!(cache.tree().node(s0).state(), NodeState::Storage);
+    assert_eq!(cache.tree().node(s1).state(), NodeState::Storage);
+    assert!(cache.tree().node(s1).stored(), "S1 keeps its storage copy");
+    for request in [first_request, second_request] {
+        cache.finish(request).unwrap();
+    }
+    complete_all(&mut cache);
+    cache.poll();
+    check(&cache);
 }

@@ -30,7 +30,10 @@
 //!
 //! A prefetch LOAD ([`super::prefetch`]) has no swap-in behind it: its nodes land on host and keep
 //! their storage copy; an allocation that meets one of them gives it a swap-in ordered after the
-//! LOAD (`swap_in_behind` finds it). Blocks the tree drops are told to the tier
+//! LOAD (`swap_in_behind` finds it). A node whose swap-in above failed while it was still loading
+//! goes back to `Storage` with its LOAD running (`abandon_load`), and so do the prefetch nodes
+//! loading below it (detached: their LOAD keeps their host blocks until it completes), so that
+//! nothing lands on host under a storage-only parent. Blocks the tree drops are told to the tier
 //! ([`super::forget`]).
 
 use super::transfer::StorageBlock;
@@ -308,6 +311,27 @@ impl CacheManager {
             .swap_in_behind(load, then, id)
             .expect("a node with a device block being loaded has a swap-in behind it");
         self.back_to_storage(id, swap_in, Some(load), &[]);
+        self.detach_prefetch_loads_below(id);
+    }
+
+    /// Node `id` just went back to `Storage` with its LOAD still running: the nodes below it
+    /// that a prefetch is loading with no swap-in behind them (no device block: those with one
+    /// are taken back by the caller's walk) would land on host under a storage-only parent, so
+    /// they are `Storage` again now (they keep their storage copy), detached from their LOAD,
+    /// which keeps their host blocks reserved until it completes or is cancelled.
+    fn detach_prefetch_loads_below(&mut self, id: NodeId) {
+        let mut below: Vec<NodeId> = self.tree.children(id).collect();
+        while let Some(node_id) = below.pop() {
+            let node = self.tree.node(node_id);
+            if node.state() != NodeState::StorageToHost || node.device().is_some() {
+                continue;
+            }
+            let load = TransferId(node.transfer().expect("a node in flight names its copy"));
+            let host = node.host().expect("a load has its destination");
+            self.flight_mut(load).expect("the load is in flight").reserved_host.push(host);
+            self.prefetch_back_to_storage(node_id);
+            below.extend(self.tree.children(node_id));
+        }
     }
 
     /// Node `id` (loading) is `Storage` again: its pair leaves the unissued `swap_in` behind the
