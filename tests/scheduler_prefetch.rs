@@ -399,3 +399,70 @@ fn a_swap_in_failing_above_a_node_a_prefetch_loads_keeps_the_blocks_below_it_sto
     cache.poll();
     check(&cache);
 }
+
+#[test]
+fn a_prefetch_on_a_full_tier_still_asks_it_and_makes_room_for_the_blocks_found() {
+    let mut cache = three_tiers();
+    for round in 0..40u128 {
+        if cache.storage_used_blocks() == 8 {
+            break;
+        }
+        serve(&mut cache, round as u64, &hashes(&[100 + 2 * round, 101 + 2 * round]));
+        complete_all(&mut cache);
+    }
+    assert_eq!(cache.storage_used_blocks(), 8, "the tier is full");
+    let prompt = hashes(&[900, 901]);
+    let ticket = cache.prefetch(&prompt).unwrap().expect("the tier is asked");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    assert_eq!(queries.len(), 1);
+    assert_eq!(queries[0].hashes, prompt);
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    check(&cache);
+    complete_loads(&mut cache, true);
+    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    let found = cache.cached_prefix(&prompt);
+    assert_eq!(found.blocks(), 2, "both adopted and loaded: {found:?}");
+    assert_eq!(cache.stats().counters.prefetch_found_blocks, 2);
+    assert!(cache.storage_used_blocks() <= 8);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.len() >= 2, "the blocks dropped to make room are forgotten: {forgotten:?}");
+    check(&cache);
+}
+
+#[test]
+fn blocks_a_query_finds_never_push_out_blocks_a_request_holds() {
+    let mut cache = three_tiers();
+    for round in 0..40u128 {
+        if cache.storage_used_blocks() == 8 {
+            break;
+        }
+        serve(&mut cache, round as u64, &hashes(&[100 + 2 * round, 101 + 2 * round]));
+        complete_all(&mut cache);
+    }
+    assert_eq!(cache.storage_used_blocks(), 8, "the tier is full");
+    // A request holds every storage-only block (matched, not allocated yet).
+    let mut holders = Vec::new();
+    for round in 0..40u128 {
+        let blocks = hashes(&[100 + 2 * round, 101 + 2 * round]);
+        if cache.cached_prefix(&blocks).storage_blocks > 0 {
+            let request = RequestId(500 + round as u64);
+            cache.match_prefix(request, &blocks, prompt_hitting(2)).unwrap();
+            holders.push(request);
+        }
+    }
+    assert_eq!(cache.tree().storage_candidate_count(), 0, "every storage block is held");
+    let prompt = hashes(&[900, 901]);
+    cache.prefetch(&prompt).unwrap().expect("the tier is asked");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&prompt).blocks(), 0, "no room without dropping held blocks");
+    assert_eq!(cache.storage_used_blocks(), 8);
+    for request in holders {
+        cache.finish(request).unwrap();
+    }
+    check(&cache);
+}

@@ -118,19 +118,28 @@ fn a_prefetch_finds_blocks_another_service_wrote_to_the_shared_redis_after_it_st
     let args: Vec<String> =
         ["--storage".to_owned(), redis.url(), "--storage-namespace".to_owned(), namespace.clone()]
             .into();
-    let cache = |device: u32, storage: StorageWritePolicy| {
+    let cache = |device: u32, storage_blocks: u32, storage: StorageWritePolicy| {
         CacheConfig::new(BLOCK_TOKENS, device)
             .with_host_blocks(16)
-            .with_storage_blocks(64)
+            .with_storage_blocks(storage_blocks)
             .with_storage_write_policy(storage)
     };
     // B starts first: at its start the namespace holds nothing it could adopt.
     let name_b = unique_name("discover-b");
     let (mut b, _workers_b) =
-        service_with_workers(&name_b, cache(16, StorageWritePolicy::WriteBack), &args);
+        service_with_workers(&name_b, cache(16, 8, StorageWritePolicy::WriteBack), &args);
+    // B's own traffic fills its tier (device 16 + host 16 + storage 8 blocks, then more):
+    // discovery must go on once the tier is full, making room by its LRU.
+    for round in 0..12u128 {
+        let own: Vec<BlockHash> =
+            (0..4u128).map(|i| BlockHash(0xb0b0_0000 + 16 * round + i)).collect();
+        serve(&mut b, 100 + round as u64, &own);
+        assert!(b.wait_for_copies(WAIT));
+    }
+    assert_eq!(b.cache().storage_used_blocks(), 8, "B's tier is full");
     let name_a = unique_name("discover-a");
     let (mut a, _workers_a) =
-        service_with_workers(&name_a, cache(7, StorageWritePolicy::WriteThrough), &args);
+        service_with_workers(&name_a, cache(7, 64, StorageWritePolicy::WriteThrough), &args);
     let prompt: Vec<BlockHash> = (0..6u128).map(|i| BlockHash(0xd15c_0000 + i)).collect();
     serve(&mut a, 0, &prompt);
     // Another prompt pushes A's blocks to host, where write-through stores them in Redis.

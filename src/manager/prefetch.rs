@@ -11,12 +11,13 @@
 //!    as can be had, shallowest first, stopping at the first that cannot, and one LOAD with no
 //!    swap-in behind it brings them up; when it lands they are host-resident and keep their
 //!    storage copy (`stored`: leaving host again costs no write);
-//! 3. when the tree ends before the hashes do, a QUERY of the hashes past its end (as many as
-//!    the tier has room for) goes to every rank ([`CacheManager::take_storage_queries`]); its
+//! 3. when the tree ends before the hashes do, a QUERY of the hashes past its end (at most as
+//!    many as the tier holds) goes to every rank ([`CacheManager::take_storage_queries`]); its
 //!    answer ([`CacheManager::complete_storage_query`]) is the leading run present on every
 //!    rank, which is adopted as storage-only nodes (the adoption rules: within the tier's
-//!    capacity, under a parent that may have storage-only children) and loaded as in step 2,
-//!    in the same ticket;
+//!    capacity, under a parent that may have storage-only children; a full tier makes room by
+//!    dropping its least recently used storage candidates, one per block adopted, never a block
+//!    held or in flight) and loaded as in step 2, in the same ticket;
 //! 4. the ticket is ready once the QUERY and the LOADs completed. It belongs to no request:
 //!    it is forgotten once [`CacheManager::prefetch_status`] has read it done, or once
 //!    [`MAX_PREFETCH_TICKETS`] newer prefetch tickets exist. A prefetch LOAD that misses fails
@@ -132,10 +133,11 @@ impl CacheManager {
         let mut ticket = None;
         let path = self.load_path(hashes, &mut ticket);
         let past = &hashes[path..];
-        let room = self.config.storage_blocks.saturating_sub(self.storage_used) as usize;
-        if !past.is_empty() && room > 0 && self.may_adopt_after(hashes, path) {
+        if !past.is_empty() && self.may_adopt_after(hashes, path) {
             let ticket = *ticket.get_or_insert_with(|| self.new_prefetch_ticket());
-            let asked = past.len().min(room);
+            // A full tier is asked too: what it finds is about to be used, so it is worth more
+            // than the least recently used storage-only blocks it pushes out (step 3).
+            let asked = past.len().min(self.config.storage_blocks as usize);
             let id = self.prefetch.next_query;
             self.prefetch.next_query += 1;
             self.prefetch.queries.insert(
@@ -241,20 +243,35 @@ impl CacheManager {
     }
 
     /// Adopts `known[first..]` as storage-only nodes under the node `known[..first]` leads to,
-    /// as far as the adoption rules allow (blocks already cached are passed through). Returns
-    /// how many joined.
+    /// as far as the adoption rules allow (blocks already cached are passed through), making
+    /// room on a full tier by dropping its least recently used storage candidates (never a
+    /// block held or in flight, nor one of the chain being adopted: it is held meanwhile), at
+    /// most one per block adopted. Returns how many joined.
     fn adopt_queried(&mut self, known: &[BlockHash], first: usize) -> usize {
         let Some(mut parent) = self.node_at(known, first) else { return 0 };
+        let mut held = std::mem::take(&mut self.scratch_prefetch_path);
+        held.clear();
         let mut adopted = 0;
         for &hash in &known[first..] {
+            if parent != NodeId::ROOT {
+                self.tree.update(parent, |node| node.hold());
+                held.push(parent);
+            }
             if let Some(existing) = self.tree.child(parent, hash) {
                 parent = existing;
                 continue;
+            }
+            if !self.make_storage_room() {
+                break;
             }
             let Some(id) = self.adopt_one(parent, hash) else { break };
             adopted += 1;
             parent = id;
         }
+        for &id in &held {
+            self.tree.update(id, |node| node.release());
+        }
+        self.scratch_prefetch_path = held;
         adopted
     }
 

@@ -55,12 +55,22 @@ impl CacheManager {
     /// Counts one more block on the storage tier, first dropping the least recently used
     /// storage candidate when the tier is full. False when it is full and nothing can go.
     pub(super) fn reserve_storage_block(&mut self) -> bool {
+        if !self.make_storage_room() {
+            return false;
+        }
+        self.storage_used += 1;
+        true
+    }
+
+    /// Makes room for one more block on the storage tier when it is full, by dropping the least
+    /// recently used storage candidate (unheld, nothing in flight). False when it is full and
+    /// nothing can go.
+    pub(super) fn make_storage_room(&mut self) -> bool {
         if self.storage_used >= self.config.storage_blocks {
             let Some(victim) = self.tree.first_storage_candidate() else { return false };
             self.drop_leaf(victim);
             self.stats.evictions.storage_dropped += 1;
         }
-        self.storage_used += 1;
         true
     }
 
