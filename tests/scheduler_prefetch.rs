@@ -466,3 +466,35 @@ fn blocks_a_query_finds_never_push_out_blocks_a_request_holds() {
     }
     check(&cache);
 }
+
+#[test]
+fn a_host_block_dropped_because_the_tier_below_has_no_room_is_forgotten() {
+    // Device 2, host 1, storage 2: blocks 1 and 2 end on storage, 3 on host, 4 and 5 on device.
+    let mut cache = manager(
+        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 2)
+            .with_host_blocks(1)
+            .with_storage_blocks(2),
+    );
+    for value in 1..=5u128 {
+        serve(&mut cache, value as u64, &hashes(&[value]));
+        complete_all(&mut cache);
+    }
+    let on_host = hashes(&[3]);
+    assert_eq!(cache.cached_prefix(&on_host).host_blocks, 1);
+    // Requests hold both storage blocks: the tier can make no room.
+    for value in 1..=2u128 {
+        let matched = cache.match_prefix(RequestId(10 + value as u64), &hashes(&[value]), 5);
+        assert_eq!(matched.unwrap().storage_blocks, 1);
+    }
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    // A new prompt evicts a device block to host, which drops block 3 (the slab may hold it:
+    // it may have been loaded back from storage).
+    serve(&mut cache, 6, &hashes(&[6]));
+    complete_all(&mut cache);
+    assert_eq!(cache.cached_prefix(&on_host).blocks(), 0, "block 3 was dropped");
+    forgotten.clear();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&BlockHash(3)), "{forgotten:?}");
+    check(&cache);
+}

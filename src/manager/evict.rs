@@ -278,6 +278,8 @@ impl CacheManager {
         while let Some(child) = self.tree.first_child(victim) {
             self.drop_subtree(child);
         }
+        // The tier may hold the block all the same (a block loaded back keeps its slab copy).
+        self.forget_dropped(self.tree.node(victim).hash(), NodeState::Host);
         self.tree.remove(victim);
         self.stats.evictions.host_dropped += 1;
         (block, None)
