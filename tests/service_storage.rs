@@ -168,3 +168,64 @@ fn a_prefetch_finds_blocks_another_service_wrote_to_the_shared_redis_after_it_st
     assert_eq!(counters.prefetch_found_blocks, prompt.len() as u64, "{counters:?}");
     assert_eq!(b.stats().storage_misses, 0);
 }
+
+/// Polls `service` until the segment's `StorageForgottenBlocks` reaches `at_least`, or panics.
+fn wait_for_forgotten(service: &mut Service, at_least: u64) -> u64 {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let forgotten =
+            service.segment().counters().get(kvshm::service::Counter::StorageForgottenBlocks);
+        if forgotten >= at_least {
+            return forgotten;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the tier forgot {forgotten} blocks, not {at_least}: {:?}",
+            service.stats()
+        );
+        service.poll();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_reset_while_a_worker_is_gone_forgets_on_the_live_rank_at_once_and_on_the_other_once_back() {
+    let dir = Scratch::new("forget-down");
+    let name = unique_name("forget-down");
+    let cache = CacheConfig::new(BLOCK_TOKENS, 4).with_host_blocks(4).with_storage_blocks(8);
+    let args: Vec<String> = [
+        "--storage".to_owned(),
+        format!("disk:{}", dir.0.display()),
+        "--storage-namespace".to_owned(),
+        "forget-down".to_owned(),
+    ]
+    .into();
+    let (mut service, mut workers) = service_with_workers(&name, cache, &args);
+    for round in 0..4u128 {
+        let blocks: Vec<BlockHash> =
+            (0..3u128).map(|i| BlockHash(0x3000 + 8 * round + i)).collect();
+        serve(&mut service, round as u64, &blocks);
+    }
+    assert!(service.wait_for_copies(WAIT));
+    // Rank 1's worker dies; the service notices.
+    workers[1].kill_hard();
+    let deadline = std::time::Instant::now() + WAIT;
+    while service.stats().worker_deaths == 0 {
+        assert!(std::time::Instant::now() < deadline, "the death is noticed");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let before = service.segment().counters().get(kvshm::service::Counter::StorageForgottenBlocks);
+    // A reset forgets every block of the tree: rank 0 is told now.
+    service.reset(true).unwrap();
+    service.poll();
+    let waiting = service.storage_forgets_waiting() as u64;
+    assert!(waiting >= 12, "rank 1's share waits: {waiting}");
+    let after_live = wait_for_forgotten(&mut service, before + waiting);
+    // A new worker serves rank 1: it is told too.
+    workers[1] = Worker::spawn(&name, 1, &args, &[], None);
+    service.wait_for_workers(WAIT).unwrap();
+    wait_for_forgotten(&mut service, after_live + waiting);
+    assert_eq!(service.storage_forgets_waiting(), 0);
+    assert_eq!(service.stats().storage_forgets_dropped, 0, "{:?}", service.stats());
+}

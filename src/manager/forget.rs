@@ -13,7 +13,8 @@
 //! 3. a reset queues every block of the tree and of the storage copies in flight;
 //! 4. stored blocks beyond the tier's capacity at adoption, and orphans that expire, are queued;
 //! 5. the service takes the queue ([`CacheManager::take_forgotten_blocks`]) before it issues
-//!    the copies of the same step, and sends FORGET commands to every rank, fire-and-forget.
+//!    the copies of the same step, and sends FORGET commands to every rank (a rank without a
+//!    worker gets them once it has one; a failed FORGET is sent once more: `storage_meta`).
 //!
 //! A back-end that owns its room (disk) frees each block; a shared one (Redis) keeps it, since
 //! another service may count it.

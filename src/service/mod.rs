@@ -234,8 +234,9 @@ pub struct ServiceStats {
     /// Blocks of storage commands (STORE, LOAD) that a rank reported missed (missing, damaged,
     /// or not written), counted once per rank and command.
     pub storage_misses: u64,
-    /// Blocks sent to every rank in FORGET commands, FORGET commands that failed on some rank,
-    /// and blocks not sent because a rank had no worker.
+    /// Blocks sent in FORGET commands (to the ranks with a worker), FORGET commands that failed
+    /// on some rank (sent once more), and blocks given up: a second failure, or past a
+    /// worker-less rank's backlog (`storage_meta`).
     pub storage_forgets_sent: u64,
     pub storage_forget_failures: u64,
     pub storage_forgets_dropped: u64,

@@ -6,9 +6,13 @@
 //! command tracker joins their per-rank completions like any other.
 //!
 //! 1. Before the copies of a step are issued, the service takes the manager's forgotten blocks
-//!    and sends them as FORGET commands to every rank (at most `max_storage_entries` per
-//!    command, fire-and-forget: a failure is only counted), so that a FORGET precedes, in each
-//!    rank's ring, the STOREs the same step issues;
+//!    and sends them as FORGET commands to every rank that has a worker (at most
+//!    `max_storage_entries` per command), so that a FORGET precedes, in each rank's ring, the
+//!    STOREs the same step issues. A rank without a worker keeps them in a backlog of its own
+//!    (at most [`MAX_FORGET_BACKLOG`] blocks; beyond, they are dropped and counted), sent once a
+//!    worker serves it again; a FORGET that failed (a worker that died with it, an error) is
+//!    sent once more on the next step, then dropped and counted. A worker runs a FORGET whatever
+//!    its generation, so those queued before a reset still free their blocks;
 //! 2. then it takes the manager's QUERYs and sends each to every rank in the same way, keeping
 //!    per command where its entries start;
 //! 3. each QUERY completion's result bits are ANDed into the query's per-block presence (a
@@ -34,10 +38,17 @@ pub(super) fn is_meta(id: u64) -> bool {
     id & META_BIT != 0 && !super::direct::is_direct(id)
 }
 
+/// Blocks kept at most, per rank without a worker, for the FORGETs it missed (16 bytes each).
+pub const MAX_FORGET_BACKLOG: usize = 1 << 16;
+
 /// What one QUERY or FORGET in flight is.
 #[derive(Debug)]
 enum Meta {
-    Forget,
+    Forget {
+        hashes: Vec<BlockHash>,
+        /// Whether this is the second sending (a failure is then final).
+        retried: bool,
+    },
     Query {
         /// The manager's query id.
         query: u64,
@@ -56,6 +67,10 @@ pub(super) struct MetaCommands {
     /// Scratch for the manager's forgotten blocks and queries.
     forgotten: Vec<BlockHash>,
     queries: Vec<StorageQuery>,
+    /// Per rank index: blocks its missing worker was not told about (module flow, step 1).
+    backlogs: Vec<Vec<BlockHash>>,
+    /// Blocks of failed FORGETs, sent once more on the next step.
+    retries: Vec<BlockHash>,
 }
 
 impl MetaCommands {
@@ -90,9 +105,32 @@ impl MetaCommands {
     pub(super) fn forget_rank(&mut self, index: usize) {
         self.query_commands.retain(|&(rank, _), _| rank != index);
     }
+
+    /// Keeps `hashes` for rank `index`, which has no worker; returns how many did not fit.
+    fn keep_for_rank(&mut self, index: usize, hashes: &[BlockHash]) -> usize {
+        if self.backlogs.len() <= index {
+            self.backlogs.resize_with(index + 1, Vec::new);
+        }
+        let backlog = &mut self.backlogs[index];
+        let kept = hashes.len().min(MAX_FORGET_BACKLOG - backlog.len());
+        backlog.extend_from_slice(&hashes[..kept]);
+        hashes.len() - kept
+    }
+
+    /// Blocks waiting, over all ranks, for a FORGET (backlogs of ranks without a worker, and
+    /// retries).
+    pub(super) fn forgets_waiting(&self) -> usize {
+        self.backlogs.iter().map(Vec::len).sum::<usize>() + self.retries.len()
+    }
 }
 
 impl Service {
+    /// Blocks waiting for a FORGET: kept for ranks without a worker, or to be sent again after
+    /// a failure (module flow, step 1).
+    pub fn storage_forgets_waiting(&self) -> usize {
+        self.meta.forgets_waiting()
+    }
+
     /// Steps 1 and 2 of the module flow.
     pub(super) fn issue_storage_meta(&mut self) {
         if self.manager.config().storage_blocks == 0 {
@@ -101,8 +139,18 @@ impl Service {
         let mut forgotten = std::mem::take(&mut self.meta.forgotten);
         self.manager.take_forgotten_blocks(&mut forgotten);
         if !forgotten.is_empty() {
-            self.send_forgets(&forgotten);
+            self.send_forgets(&forgotten, false);
             forgotten.clear();
+        }
+        if !self.meta.retries.is_empty() {
+            let retries = std::mem::take(&mut self.meta.retries);
+            self.send_forgets(&retries, true);
+        }
+        for index in 0..self.meta.backlogs.len() {
+            if !self.meta.backlogs[index].is_empty() && !self.ranks[index].is_down() {
+                let backlog = std::mem::take(&mut self.meta.backlogs[index]);
+                self.send_forgets_to(&backlog, &[index], false);
+            }
         }
         self.meta.forgotten = forgotten;
         let mut queries = std::mem::take(&mut self.meta.queries);
@@ -113,16 +161,28 @@ impl Service {
         self.meta.queries = queries;
     }
 
-    fn send_forgets(&mut self, hashes: &[BlockHash]) {
-        if self.ranks.iter().any(|rank| rank.is_down()) {
-            // A rank without a worker cannot be told; its slab keeps them (counted).
-            self.stats.storage_forgets_dropped += hashes.len() as u64;
-            return;
+    /// Step 1: FORGETs of `hashes` to every rank with a worker; the others keep them.
+    fn send_forgets(&mut self, hashes: &[BlockHash], retried: bool) {
+        let mut live = Vec::with_capacity(self.ranks.len());
+        for (index, rank) in self.ranks.iter().enumerate() {
+            if !rank.is_down() {
+                live.push(index);
+                continue;
+            }
+            // A rank without a worker is told once one serves it again.
+            let dropped = self.meta.keep_for_rank(index, hashes);
+            self.stats.storage_forgets_dropped += dropped as u64;
         }
-        let id = self.meta.new_id(Meta::Forget);
+        if !live.is_empty() {
+            self.send_forgets_to(hashes, &live, retried);
+        }
+    }
+
+    fn send_forgets_to(&mut self, hashes: &[BlockHash], ranks: &[usize], retried: bool) {
+        let id = self.meta.new_id(Meta::Forget { hashes: hashes.to_vec(), retried });
         let entries: Vec<StorageEntry> =
             hashes.iter().map(|hash| StorageEntry::new(hash.0, 0, 0, NO_HOST_BLOCK)).collect();
-        self.queue_meta_commands(id, Op::StorageForget, &entries, false);
+        self.queue_meta_commands(id, Op::StorageForget, &entries, Some(ranks));
         self.stats.storage_forgets_sent += hashes.len() as u64;
     }
 
@@ -145,16 +205,27 @@ impl Service {
             .iter()
             .map(|hash| StorageEntry::new(hash.0, 0, 0, NO_HOST_BLOCK))
             .collect();
-        self.queue_meta_commands(id, Op::StorageQuery, &entries, true);
+        self.queue_meta_commands(id, Op::StorageQuery, &entries, None);
     }
 
-    /// Queues `entries` as commands of `op` on every rank under tracker id `id`.
-    fn queue_meta_commands(&mut self, id: u64, op: Op, entries: &[StorageEntry], query: bool) {
+    /// Queues `entries` as commands of `op` under tracker id `id` on `ranks` (indexes), or on
+    /// every rank for `None`; a QUERY's commands are recorded for step 3.
+    fn queue_meta_commands(
+        &mut self,
+        id: u64,
+        op: Op,
+        entries: &[StorageEntry],
+        ranks: Option<&[usize]>,
+    ) {
+        let query = op == Op::StorageQuery;
         let generation = self.segment.generation();
         let chunk_len = self.max_storage_entries;
         for (chunk_index, chunk) in entries.chunks(chunk_len).enumerate() {
             let header = CommandHeader::new(op, 0, generation, storage_pair_count(chunk.len()));
             for (index, rank) in self.ranks.iter_mut().enumerate() {
+                if ranks.is_some_and(|ranks| !ranks.contains(&index)) {
+                    continue;
+                }
                 let command_id = rank.queue_storage(header, chunk);
                 self.tracker.begin(id, rank.rank() as usize, command_id);
                 if query {
@@ -169,10 +240,17 @@ impl Service {
     /// Step 4: every command of QUERY or FORGET `id` completed on every rank.
     pub(super) fn settle_meta(&mut self, id: u64, outcome: Result<(), TransferFailure>) {
         match self.meta.by_id.remove(&id) {
-            Some(Meta::Forget) => {
+            Some(Meta::Forget { hashes, retried }) => {
                 if let Err(failure) = outcome {
                     self.stats.storage_forget_failures += 1;
-                    warn!(%failure, "a FORGET failed; the tier keeps those blocks");
+                    if retried {
+                        self.stats.storage_forgets_dropped += hashes.len() as u64;
+                        warn!(%failure, "a FORGET failed twice; the tier keeps those blocks");
+                    } else {
+                        // Sent again (to every rank: it is idempotent) on the next step, once
+                        // the ranks' states are settled.
+                        self.meta.retries.extend_from_slice(&hashes);
+                    }
                 }
             }
             Some(Meta::Query { query, present }) => {

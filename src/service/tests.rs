@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use kvshm_ipc::record::{CommandSlot, Completion};
+use kvshm_ipc::record::{CommandError, CommandSlot, Completion, Op};
 use kvshm_ipc::segment::RankClaim;
 use kvshm_ipc::worker_watch::Observation;
 
@@ -234,4 +234,55 @@ fn a_rank_that_owes_an_answer_past_the_deadline_is_dropped_and_an_idle_one_is_no
     assert_eq!(service.rank_states(), [RankState::Down]);
     service.cache().check_invariants().unwrap();
     drop(claim);
+}
+
+/// Pops every command slot published to rank 0 and answers each with `error` (success for
+/// `None`); returns the ops answered.
+fn answer_every_command(segment: &Segment, error: Option<CommandError>) -> Vec<u32> {
+    let mut commands = segment.command_consumer(0).unwrap();
+    let mut completions = segment.completion_producer(0).unwrap();
+    let mut slots: Vec<CommandSlot> = Vec::new();
+    commands.pop_into(&mut slots, usize::MAX).unwrap();
+    let mut pairs = Vec::new();
+    let mut ops = Vec::new();
+    let mut rest = &slots[..];
+    while !rest.is_empty() {
+        let (header, used) = kvshm_ipc::record::decode_command(rest, &mut pairs).unwrap();
+        let completion = match error {
+            None => Completion::ok(header.command_id, header.generation),
+            Some(error) => Completion::failed(header.command_id, header.generation, error, 0),
+        };
+        completions.push(completion).unwrap();
+        ops.push(header.op);
+        rest = &rest[used..];
+    }
+    ops
+}
+
+#[test]
+fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
+    let mut service = service_with("forget-retry", |config| {
+        config.cache = config.cache.clone().with_storage_blocks(8);
+    });
+    let (segment, _claim) = claim_rank(&mut service);
+    cache_two_blocks(&mut service);
+    answer_every_command(&segment, None);
+    service.poll();
+    service.reset(true).unwrap();
+    service.poll();
+    let forget = Op::StorageForget as u32;
+    assert_eq!(answer_every_command(&segment, Some(CommandError::NoStorage)), [forget]);
+    service.poll();
+    service.poll();
+    assert_eq!(
+        answer_every_command(&segment, Some(CommandError::NoStorage)),
+        [forget],
+        "sent once more"
+    );
+    service.poll();
+    service.poll();
+    assert!(answer_every_command(&segment, None).is_empty(), "then given up");
+    let stats = service.stats();
+    assert_eq!((stats.storage_forget_failures, stats.storage_forgets_dropped), (2, 2), "{stats:?}");
+    assert_eq!(stats.storage_forgets_sent, 4);
 }

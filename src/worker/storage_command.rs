@@ -235,6 +235,29 @@ mod tests {
     }
 
     #[test]
+    fn a_forget_of_an_older_generation_is_still_run_and_other_storage_commands_are_stale() {
+        let forget = [StorageEntry::new(5, 0, 0, NO_HOST_BLOCK)];
+        let decode = |op: Op, entries: &[StorageEntry], generation: u64| {
+            let header = CommandHeader::new(op, 1, generation, storage_pair_count(entries.len()));
+            let mut slots = Vec::new();
+            encode_storage_command(&header, entries, &mut slots);
+            let mut pairs = Vec::new();
+            let (header, _) = decode_command(&slots, &mut pairs).unwrap();
+            validate(&header, &pairs, &geometry(), GENERATION)
+        };
+        // Queued before a reset, read after it: the blocks must still leave the tier.
+        assert!(decode(Op::StorageForget, &forget, GENERATION - 1).is_ok());
+        assert_eq!(
+            wire(decode(Op::StorageQuery, &forget, GENERATION - 1)),
+            (CommandError::StaleGeneration, GENERATION - 1)
+        );
+        assert_eq!(
+            wire(decode(Op::StorageStore, &[entry(1)], GENERATION - 1)),
+            (CommandError::StaleGeneration, GENERATION - 1)
+        );
+    }
+
+    #[test]
     fn pair_counts_that_are_not_whole_entries_or_too_many_are_malformed() {
         let geometry = geometry();
         let header = CommandHeader::new(Op::StorageLoad, 1, GENERATION, 9);

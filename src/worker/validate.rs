@@ -9,7 +9,9 @@
 //! 1. the header tag (`Malformed`, detail: the tag);
 //! 2. the op (`UnknownOp`, detail: the value);
 //! 3. the flags (`Malformed`, detail: the unknown bits);
-//! 4. the generation (`StaleGeneration`, detail: the command's generation);
+//! 4. the generation (`StaleGeneration`, detail: the command's generation), but for FORGET,
+//!    which runs whatever its generation (the blocks a scheduler dropped before a reset must
+//!    still leave a disk slab);
 //! 5. the pair count against the pairs carried, and no pairs on FLUSH or PING (`Malformed`,
 //!    detail: the announced count);
 //! 6. every source id, then every destination id, against its tier (`SourceOutOfRange` /
@@ -112,7 +114,9 @@ pub fn validate(
     if unknown != 0 {
         return Err(InvalidCommand::UnknownFlags { unknown });
     }
-    if header.generation != generation {
+    // A FORGET is idempotent and frees only what the scheduler dropped: one queued before a
+    // reset still runs (ring order puts it before any STORE of the same block made after).
+    if header.generation != generation && op != Op::StorageForget {
         return Err(InvalidCommand::StaleGeneration {
             found: header.generation,
             current: generation,
