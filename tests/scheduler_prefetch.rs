@@ -498,3 +498,20 @@ fn a_host_block_dropped_because_the_tier_below_has_no_room_is_forgotten() {
     assert!(forgotten.contains(&BlockHash(3)), "{forgotten:?}");
     check(&cache);
 }
+
+#[test]
+fn an_orphan_that_finds_no_room_when_its_parent_arrives_is_forgotten() {
+    let mut cache = three_tiers();
+    assert_eq!(cache.adopt_stored_blocks([(BlockHash(201), BlockHash(99), 1)]), 0);
+    let full: Vec<_> = (0..8u128).map(|i| (BlockHash(300 + i), BlockHash(0), 0)).collect();
+    assert_eq!(cache.adopt_stored_blocks(full), 8);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.is_empty(), "{forgotten:?}");
+    serve(&mut cache, 1, &hashes(&[99]));
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    assert_eq!(cache.cached_prefix(&hashes(&[99, 201])).blocks(), 1, "not adopted");
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert_eq!(forgotten, [BlockHash(201)], "the tier must not keep what the tree does not count");
+    check(&cache);
+}

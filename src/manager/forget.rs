@@ -11,7 +11,8 @@
 //!    block was stored or adopted meanwhile (the tier's copy is counted again);
 //! 2. a STORE that failed (on some rank: the others may hold the block) is queued;
 //! 3. a reset queues every block of the tree and of the storage copies in flight;
-//! 4. stored blocks beyond the tier's capacity at adoption, and orphans that expire, are queued;
+//! 4. stored blocks beyond the tier's capacity at adoption (or when their parent arrives), and
+//!    orphans that expire, are queued;
 //! 5. the service takes the queue ([`CacheManager::take_forgotten_blocks`]) before it issues
 //!    the copies of the same step, and sends FORGET commands to every rank (a rank without a
 //!    worker gets them once it has one; a failed FORGET is sent once more: `storage_meta`).

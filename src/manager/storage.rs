@@ -429,7 +429,7 @@ impl CacheManager {
                 self.orphans_expire_at = self.stats.committed_blocks + capacity as u64;
                 continue;
             };
-            if let Some(id) = self.adopt_one(parent_id, hash) {
+            if let Some(id) = self.adopt_or_forget(parent_id, hash) {
                 by_hash.insert(hash, id);
                 adopted += 1;
             }
@@ -465,8 +465,19 @@ impl CacheManager {
         Some(id)
     }
 
+    /// As [`CacheManager::adopt_one`] for a block the tier holds; one that cannot join (no room,
+    /// or a parent that may not have storage-only children) is forgotten, since the tree will
+    /// not count it (one already cached is left alone).
+    fn adopt_or_forget(&mut self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
+        let adopted = self.adopt_one(parent, hash);
+        if adopted.is_none() && self.tree.child(parent, hash).is_none() {
+            self.forget_now(hash);
+        }
+        adopted
+    }
+
     /// Node `id` was just committed: the stored blocks waiting for it as their parent join the
-    /// tree under it, and theirs under them.
+    /// tree under it, and theirs under them (those that cannot are forgotten).
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn adopt_orphans_under(&mut self, id: NodeId) {
         let mut stack = vec![id];
@@ -475,7 +486,7 @@ impl CacheManager {
             let Some(children) = self.orphans.remove(&hash) else { continue };
             self.orphan_count -= children.len();
             for (child, _depth) in children {
-                if let Some(child) = self.adopt_one(parent, child) {
+                if let Some(child) = self.adopt_or_forget(parent, child) {
                     stack.push(child);
                 }
             }
