@@ -119,6 +119,12 @@ impl CacheConfig {
         }
     }
 
+    /// A storage tier of `storage_blocks` blocks (0: none). A manager driven without the service
+    /// must then also drain what it queues for the tier, after each operation, as the service
+    /// does: the blocks to forget ([`super::CacheManager::take_forgotten_blocks`]) and the QUERYs
+    /// of prefetches ([`super::CacheManager::take_storage_queries`], each answered with
+    /// [`super::CacheManager::complete_storage_query`]); both queues grow until taken, and a
+    /// prefetch ticket waits for its QUERY's answer.
     pub fn with_storage_blocks(mut self, storage_blocks: u32) -> CacheConfig {
         self.storage_blocks = storage_blocks;
         self

@@ -123,6 +123,10 @@ impl CacheManager {
     /// do (no storage-only block on the path and nothing past it to ask about, or no host block
     /// to be had).
     ///
+    /// A QUERY waits in the manager until [`CacheManager::take_storage_queries`] hands it out
+    /// (the service does after every operation; a caller driving the manager alone must too,
+    /// and answer it, or the ticket stays pending).
+    ///
     /// # Errors
     /// [`PrefetchError::NoStorageTier`] without a storage tier. Nothing changes on error.
     #[inline(never)] // off the hot paths (storage tier only)
@@ -204,6 +208,8 @@ impl CacheManager {
         // A ticket pushed out by newer ones: the loads still run, under a ticket of their own.
         let mut ticket = Some(query.ticket).filter(|ticket| self.tickets.contains_key(ticket));
         let failure = match outcome {
+            // Defensive: a reset clears the queries, so an answer of an older generation is
+            // refused above as unknown; were one kept, it would adopt nothing.
             Ok(present) if query.generation == self.generation => {
                 let present = present.min(query.limit);
                 let known = &query.hashes[..query.first + present];

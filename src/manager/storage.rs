@@ -18,7 +18,8 @@
 //!    writes the host block, and a swap-in (held back until the LOAD lands) copies it on to the
 //!    device block, both in the allocation's ticket;
 //! 2. when the LOAD lands the node is `SwapToDevice` under that swap-in, and the tier's copy is
-//!    forgotten; when the swap-in lands the host block is freed too (the tiers are exclusive, as
+//!    no longer counted (no FORGET: a disk slab keeps it, so that the block's next write-back
+//!    writes nothing; it is forgotten if the node leaves the tree); when the swap-in lands the host block is freed too (the tiers are exclusive, as
 //!    one cache of their combined size: the block is written back to host, then storage, when
 //!    it leaves the device; a host backup kept instead would pin host blocks under every loaded
 //!    prefix);

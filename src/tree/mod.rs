@@ -24,11 +24,13 @@
 //! - `SwapToDevice`: a host-to-device copy is in flight into `device`; host valid;
 //! - `Storage`: on the storage tier only (no block);
 //! - `HostToStorage(_)`: a STORE is in flight; see [`StoreOut`] for the host block meanwhile;
-//! - `StorageToHost`: a LOAD is in flight into `host`, a swap-in into `device` behind it.
+//! - `StorageToHost`: a LOAD is in flight into `host`, a swap-in into `device` behind it (a
+//!   prefetch's LOAD has none until an allocation meets it: no device block, it lands on host).
 //!
 //! Any node may also have a storage copy (its `stored` flag). Below a storage-only node every
 //! node is storage-only: a node leaves the host tier only when none of its children is above
-//! storage ([`Node`]'s `upper_children`), and new blocks are inserted only under device copies.
+//! storage ([`Node`]'s `upper_children`), and new blocks are inserted under device copies (a
+//! commit) or, storage-only, under any node but one being written back (an adoption).
 //!
 //! Child counts are 16 bits, saturating: a count at its maximum means "at least that many", and
 //! the tree walks the child list to recount it when it would fall (only a node with 65,535

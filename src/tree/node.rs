@@ -85,7 +85,8 @@ pub enum NodeState {
     /// A STORE of the node's host block to the storage tier is in flight.
     HostToStorage(StoreOut),
     /// A LOAD from the storage tier into the node's host block is in flight; a swap-in into its
-    /// device block follows it in the same ticket.
+    /// device block follows it in the same ticket, or, for a prefetch no allocation met yet, none
+    /// (no device block: the node lands on host).
     StorageToHost,
 }
 
