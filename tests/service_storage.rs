@@ -166,6 +166,13 @@ fn a_prefetch_finds_blocks_another_service_wrote_to_the_shared_redis_after_it_st
     assert_eq!((device, host, storage), (0, prompt.len(), 0));
     let counters = b.cache().stats().counters;
     assert_eq!(counters.prefetch_found_blocks, prompt.len() as u64, "{counters:?}");
+    let published = b.segment().counters();
+    assert_eq!(
+        published.get(kvshm::service::Counter::PrefetchQueryBlocks),
+        counters.prefetch_query_blocks,
+        "kvctl sees the blocks asked about"
+    );
+    assert!(counters.prefetch_query_blocks >= prompt.len() as u64);
     assert_eq!(b.stats().storage_misses, 0);
 }
 

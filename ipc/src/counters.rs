@@ -92,11 +92,20 @@ pub enum Counter {
     PrefetchFoundBlocks,
     /// Blocks whose prefetch LOAD failed (storage-only again).
     PrefetchFailedBlocks,
+    /// Blocks prefetches asked the storage tier about (QUERY), past what the cache knew.
+    PrefetchQueryBlocks,
+    /// Stored blocks given up because their parent never came back to the cache.
+    ExpiredOrphans,
+    /// FORGET commands that failed on some rank (each is sent once more).
+    StorageForgetFailures,
+    /// Blocks whose FORGET was given up (a second failure, or past the backlog of a rank
+    /// without a worker): a disk slab keeps them.
+    StorageForgetsDropped,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 49] = [
+    pub const ALL: [Counter; 53] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -146,6 +155,10 @@ impl Counter {
         Counter::PrefetchLoadBlocks,
         Counter::PrefetchFoundBlocks,
         Counter::PrefetchFailedBlocks,
+        Counter::PrefetchQueryBlocks,
+        Counter::ExpiredOrphans,
+        Counter::StorageForgetFailures,
+        Counter::StorageForgetsDropped,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -200,6 +213,10 @@ impl Counter {
             Counter::PrefetchLoadBlocks => "prefetch_load_blocks",
             Counter::PrefetchFoundBlocks => "prefetch_found_blocks",
             Counter::PrefetchFailedBlocks => "prefetch_failed_blocks",
+            Counter::PrefetchQueryBlocks => "prefetch_query_blocks",
+            Counter::ExpiredOrphans => "expired_orphans",
+            Counter::StorageForgetFailures => "storage_forget_failures",
+            Counter::StorageForgetsDropped => "storage_forgets_dropped",
         }
     }
 
@@ -228,7 +245,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::PrefetchFailedBlocks as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::StorageForgetsDropped as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

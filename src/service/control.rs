@@ -65,6 +65,10 @@ impl Service {
             (Counter::PrefetchLoadBlocks, cache.counters.prefetch_load_blocks),
             (Counter::PrefetchFoundBlocks, cache.counters.prefetch_found_blocks),
             (Counter::PrefetchFailedBlocks, cache.counters.prefetch_failed_blocks),
+            (Counter::PrefetchQueryBlocks, cache.counters.prefetch_query_blocks),
+            (Counter::ExpiredOrphans, cache.counters.expired_orphans),
+            (Counter::StorageForgetFailures, service.storage_forget_failures),
+            (Counter::StorageForgetsDropped, service.storage_forgets_dropped),
             (
                 Counter::MissBlocks,
                 cache.counters.queried_blocks

@@ -285,4 +285,7 @@ fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
     let stats = service.stats();
     assert_eq!((stats.storage_forget_failures, stats.storage_forgets_dropped), (2, 2), "{stats:?}");
     assert_eq!(stats.storage_forgets_sent, 4);
+    let counters = service.segment().counters();
+    assert_eq!(counters.get(Counter::StorageForgetFailures), 2, "published for kvctl");
+    assert_eq!(counters.get(Counter::StorageForgetsDropped), 2);
 }

@@ -83,6 +83,14 @@ pub fn help(counter: Counter) -> String {
         Counter::PrefetchLoadBlocks => "Blocks prefetches loaded from storage into host blocks.",
         Counter::PrefetchFoundBlocks => "Blocks prefetches found on a shared tier and adopted.",
         Counter::PrefetchFailedBlocks => "Blocks whose prefetch load failed.",
+        Counter::PrefetchQueryBlocks => "Blocks prefetches asked the storage tier about.",
+        Counter::ExpiredOrphans => {
+            "Stored blocks given up because their parent never came back to the cache."
+        }
+        Counter::StorageForgetFailures => "Storage forget commands that failed on some rank.",
+        Counter::StorageForgetsDropped => {
+            "Blocks whose storage forget was given up (a disk tier keeps them)."
+        }
     };
     text.to_owned()
 }

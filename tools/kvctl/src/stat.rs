@@ -295,13 +295,18 @@ impl StatReport {
             )?;
             writeln!(
                 out,
-                "prefetch   {} prefetches; {} blocks loaded, {} found on a shared tier, {} failed; \
-                 {} blocks forgotten",
+                "prefetch   {} prefetches; {} blocks loaded, {} asked about, {} found on a shared \
+                 tier, {} failed; {} blocks forgotten, {} forget failures, {} forgets given up, \
+                 {} orphans expired",
                 value(Counter::Prefetches),
                 value(Counter::PrefetchLoadBlocks),
+                value(Counter::PrefetchQueryBlocks),
                 value(Counter::PrefetchFoundBlocks),
                 value(Counter::PrefetchFailedBlocks),
-                value(Counter::StorageForgottenBlocks)
+                value(Counter::StorageForgottenBlocks),
+                value(Counter::StorageForgetFailures),
+                value(Counter::StorageForgetsDropped),
+                value(Counter::ExpiredOrphans)
             )?;
         }
         let copy = &self.worker_copy;
