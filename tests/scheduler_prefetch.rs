@@ -515,3 +515,28 @@ fn an_orphan_that_finds_no_room_when_its_parent_arrives_is_forgotten() {
     assert_eq!(forgotten, [BlockHash(201)], "the tier must not keep what the tree does not count");
     check(&cache);
 }
+
+#[test]
+fn a_block_forgotten_after_its_query_was_made_is_not_adopted_from_the_answer() {
+    let mut cache = three_tiers();
+    let prompt = hashes(&[1, 2]);
+    let ticket = cache.prefetch(&prompt).unwrap().expect("a query");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    // Meanwhile a request computes the blocks, and other traffic pushes them off every tier.
+    serve(&mut cache, 0, &prompt);
+    for round in 0..12u128 {
+        serve(&mut cache, 1 + round as u64, &hashes(&[100 + 2 * round, 101 + 2 * round]));
+        complete_all(&mut cache);
+    }
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&BlockHash(1)), "{forgotten:?}");
+    assert_eq!(cache.cached_prefix(&prompt).blocks(), 0);
+    // The answer says both are on the tier, but the FORGET of block 1 may reach it later.
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    assert_eq!(cache.cached_prefix(&prompt).blocks(), 0, "nothing adopted");
+    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.stats().counters.prefetch_found_blocks, 0);
+    check(&cache);
+}

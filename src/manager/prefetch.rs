@@ -88,6 +88,9 @@ pub(super) struct Prefetches {
     /// Live prefetch tickets, oldest first.
     tickets: VecDeque<TicketId>,
     queries: IdMap<u64, PendingQuery>,
+    /// Per queried block: the queries in flight that asked about it (so that a forgotten block
+    /// finds them in O(1)).
+    asked: IdMap<BlockHash, Vec<u64>>,
     /// Queries not yet handed out, oldest first.
     outbox: Vec<u64>,
     next_query: u64,
@@ -98,12 +101,40 @@ impl Prefetches {
     pub(super) fn clear(&mut self) {
         self.tickets.clear();
         self.queries.clear();
+        self.asked.clear();
         self.outbox.clear();
+    }
+
+    /// Records QUERY `id`, indexing the blocks it asks about.
+    fn insert(&mut self, id: u64, query: PendingQuery) {
+        for &hash in &query.hashes[query.first..] {
+            self.asked.entry(hash).or_default().push(id);
+        }
+        self.queries.insert(id, query);
+    }
+
+    /// Takes QUERY `id` out, with its index entries.
+    fn remove(&mut self, id: u64) -> Option<PendingQuery> {
+        let query = self.queries.remove(&id)?;
+        for hash in &query.hashes[query.first..] {
+            if let Some(ids) = self.asked.get_mut(hash) {
+                ids.retain(|&asked| asked != id);
+                if ids.is_empty() {
+                    self.asked.remove(hash);
+                }
+            }
+        }
+        Some(query)
     }
 
     /// Block `hash` was forgotten: no query in flight adopts it or anything after it.
     pub(super) fn forgotten(&mut self, hash: BlockHash) {
-        for query in self.queries.values_mut() {
+        if self.asked.is_empty() {
+            return;
+        }
+        let Some(ids) = self.asked.get(&hash) else { return };
+        for id in ids {
+            let query = self.queries.get_mut(id).expect("an indexed query is in flight");
             let queried = &query.hashes[query.first..];
             if let Some(position) = queried.iter().position(|&queried| queried == hash) {
                 query.limit = query.limit.min(position);
@@ -144,7 +175,7 @@ impl CacheManager {
             let asked = past.len().min(self.config.storage_blocks as usize);
             let id = self.prefetch.next_query;
             self.prefetch.next_query += 1;
-            self.prefetch.queries.insert(
+            self.prefetch.insert(
                 id,
                 PendingQuery {
                     ticket,
@@ -204,7 +235,7 @@ impl CacheManager {
                 return Err(QueryError::TooManyAnswers { id, asked, answered: present });
             }
         }
-        let query = self.prefetch.queries.remove(&id).expect("found just above");
+        let query = self.prefetch.remove(id).expect("found just above");
         // A ticket pushed out by newer ones: the loads still run, under a ticket of their own.
         let mut ticket = Some(query.ticket).filter(|ticket| self.tickets.contains_key(ticket));
         let failure = match outcome {
