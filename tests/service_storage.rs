@@ -236,3 +236,41 @@ fn a_reset_while_a_worker_is_gone_forgets_on_the_live_rank_at_once_and_on_the_ot
     assert_eq!(service.storage_forgets_waiting(), 0);
     assert_eq!(service.stats().storage_forgets_dropped, 0, "{:?}", service.stats());
 }
+
+#[test]
+fn a_prefetch_past_the_cache_asks_a_shared_tier_but_not_a_disk_slab_only_this_service_writes() {
+    let dir = Scratch::new("no-query");
+    let name = unique_name("no-query");
+    let cache = CacheConfig::new(BLOCK_TOKENS, 4).with_host_blocks(4).with_storage_blocks(8);
+    let args: Vec<String> = [
+        "--storage".to_owned(),
+        format!("disk:{}", dir.0.display()),
+        "--storage-namespace".to_owned(),
+        "no-query".to_owned(),
+    ]
+    .into();
+    let (mut service, _workers) = service_with_workers(&name, cache.clone(), &args);
+    let prompt: Vec<BlockHash> = (0..3u128).map(|i| BlockHash(0x4000 + i)).collect();
+    assert_eq!(service.prefetch(&prompt), Ok(None), "nothing to load, nothing to ask");
+    assert!(service.wait_for_copies(WAIT));
+    assert_eq!(service.cache().stats().counters.prefetch_query_blocks, 0);
+    let counters = service.segment().counters();
+    assert_eq!(counters.get(kvshm::service::Counter::StorageQueryBlocks), 0);
+    assert_eq!(counters.get(kvshm::service::Counter::StorageSharedTier), 0);
+    drop(service);
+
+    let redis = redis_for_test();
+    let args: Vec<String> = [
+        "--storage".to_owned(),
+        redis.url(),
+        "--storage-namespace".to_owned(),
+        unique_namespace("query"),
+    ]
+    .into();
+    let name = unique_name("query");
+    let (mut service, _workers) = service_with_workers(&name, cache, &args);
+    assert_eq!(service.segment().counters().get(kvshm::service::Counter::StorageSharedTier), 1);
+    let ticket = service.prefetch(&prompt).unwrap().expect("a shared tier is asked");
+    service.wait(ticket, WAIT).expect("the query lands");
+    assert_eq!(service.cache().stats().counters.prefetch_query_blocks, prompt.len() as u64);
+}

@@ -101,11 +101,15 @@ pub enum Counter {
     /// Blocks whose FORGET was given up (a second failure, or past the backlog of a rank
     /// without a worker): a disk slab keeps them.
     StorageForgetsDropped,
+    /// 1 once a worker runs a storage back-end other services may write to (Redis): the
+    /// scheduler then asks it about blocks past what it knows (prefetch discovery). Set by the
+    /// workers, never by the scheduler.
+    StorageSharedTier,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 53] = [
+    pub const ALL: [Counter; 54] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -159,6 +163,7 @@ impl Counter {
         Counter::ExpiredOrphans,
         Counter::StorageForgetFailures,
         Counter::StorageForgetsDropped,
+        Counter::StorageSharedTier,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -217,6 +222,7 @@ impl Counter {
             Counter::ExpiredOrphans => "expired_orphans",
             Counter::StorageForgetFailures => "storage_forget_failures",
             Counter::StorageForgetsDropped => "storage_forgets_dropped",
+            Counter::StorageSharedTier => "storage_shared_tier",
         }
     }
 
@@ -235,6 +241,7 @@ impl Counter {
                 | Counter::CommandsInFlight
                 | Counter::Generation
                 | Counter::LastPollNs
+                | Counter::StorageSharedTier
         )
     }
 
@@ -245,7 +252,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::StorageForgetsDropped as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::StorageSharedTier as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

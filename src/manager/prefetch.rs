@@ -11,7 +11,8 @@
 //!    as can be had, shallowest first, stopping at the first that cannot, and one LOAD with no
 //!    swap-in behind it brings them up; when it lands they are host-resident and keep their
 //!    storage copy (`stored`: leaving host again costs no write);
-//! 3. when the tree ends before the hashes do, a QUERY of the hashes past its end (at most as
+//! 3. when the tree ends before the hashes do and the tier is shared (other services write to
+//!    it: [`CacheManager::set_storage_shared`]), a QUERY of the hashes past its end (at most as
 //!    many as the tier holds) goes to every rank ([`CacheManager::take_storage_queries`]); its
 //!    answer ([`CacheManager::complete_storage_query`]) is the leading run present on every
 //!    rank, which is adopted as storage-only nodes (the adoption rules: within the tier's
@@ -94,6 +95,9 @@ pub(super) struct Prefetches {
     /// Queries not yet handed out, oldest first.
     outbox: Vec<u64>,
     next_query: u64,
+    /// The tier is written by this cache alone (a disk slab): asking it about blocks past the
+    /// tree would find nothing, so no QUERY is made ([`CacheManager::set_storage_shared`]).
+    private_tier: bool,
 }
 
 impl Prefetches {
@@ -168,7 +172,7 @@ impl CacheManager {
         let mut ticket = None;
         let path = self.load_path(hashes, &mut ticket);
         let past = &hashes[path..];
-        if !past.is_empty() && self.may_adopt_after(hashes, path) {
+        if !past.is_empty() && !self.prefetch.private_tier && self.may_adopt_after(hashes, path) {
             let ticket = *ticket.get_or_insert_with(|| self.new_prefetch_ticket());
             // A full tier is asked too: what it finds is about to be used, so it is worth more
             // than the least recently used storage-only blocks it pushes out (step 3).
@@ -193,6 +197,14 @@ impl CacheManager {
             self.stats.prefetches += 1;
         }
         Ok(ticket)
+    }
+
+    /// Whether other services may write to the storage tier (a shared Redis; the default), so
+    /// that a prefetch asks it about the blocks past the tree (module flow, step 3); a tier only
+    /// this cache writes (a disk slab) is not asked: it could only find blocks the cache already
+    /// adopted. The service sets it from what its workers' back-ends report.
+    pub fn set_storage_shared(&mut self, shared: bool) {
+        self.prefetch.private_tier = !shared;
     }
 
     /// Where prefetch ticket `ticket` stands, like [`CacheManager::ticket_status`]; a ticket read

@@ -458,11 +458,16 @@ impl Service {
     }
 
     /// Starts bringing `hashes`' blocks on the storage tier up to host before their request is
-    /// scheduled, and asks every rank's tier about the blocks past the cache's end (another
-    /// service may have written them to a shared tier), as [`CacheManager::prefetch`], with the
+    /// scheduled, and asks every rank's tier about the blocks past the cache's end if the tier is
+    /// shared (Redis: another service may have written them; a disk slab is not asked), as
+    /// [`CacheManager::prefetch`], with the
     /// commands handed to the workers. Wait on the ticket with [`wait`](Self::wait) or read it
     /// with [`prefetch_status`](Self::prefetch_status) (which forgets it once done).
     pub fn prefetch(&mut self, hashes: &[BlockHash]) -> Result<Option<TicketId>, PrefetchError> {
+        // Only a tier other services write to is asked about blocks past the tree: a worker
+        // with a shared back-end says so before it serves.
+        let shared = self.segment.counters().get(Counter::StorageSharedTier) != 0;
+        self.manager.set_storage_shared(shared);
         let ticket = self.manager.prefetch(hashes)?;
         self.issue_transfers();
         Ok(ticket)

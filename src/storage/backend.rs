@@ -172,6 +172,11 @@ pub trait StorageBackend: Send {
     /// `"disk"` or `"redis"`.
     fn kind(&self) -> &'static str;
 
+    /// Whether other services may write to this back-end's blocks (Redis), so that asking it
+    /// which blocks it holds (QUERY) can find blocks the scheduler does not know; a back-end
+    /// only this rank writes (the disk slab) answers only what the scheduler adopted at start.
+    fn is_shared(&self) -> bool;
+
     /// The layout every record of this back-end has.
     fn layout(&self) -> BlockLayout;
 

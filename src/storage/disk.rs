@@ -564,6 +564,10 @@ impl StorageBackend for DiskBackend {
         "disk"
     }
 
+    fn is_shared(&self) -> bool {
+        false
+    }
+
     fn layout(&self) -> BlockLayout {
         self.layout
     }

@@ -321,6 +321,10 @@ impl StorageBackend for RedisBackend {
         "redis"
     }
 
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     fn layout(&self) -> BlockLayout {
         self.layout
     }

@@ -165,6 +165,11 @@ impl<'scope> StorageLane<'scope> {
     ) -> std::io::Result<StorageLane<'scope>> {
         let (jobs, queue) = mpsc::channel();
         let kind = backend.kind();
+        if backend.is_shared() {
+            // Before the rank is marked serving: the scheduler asks a shared tier about blocks
+            // it does not know (prefetch discovery), and only a shared one.
+            context.segment.counters().set(Counter::StorageSharedTier, 1);
+        }
         let claim = context.claim;
         let thread = std::thread::Builder::new()
             .name(format!("kvshm-storage-{}", context.claim.rank()))

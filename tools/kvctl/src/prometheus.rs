@@ -91,6 +91,9 @@ pub fn help(counter: Counter) -> String {
         Counter::StorageForgetsDropped => {
             "Blocks whose storage forget was given up (a disk tier keeps them)."
         }
+        Counter::StorageSharedTier => {
+            "1 when the storage tier is shared with other services (prefetch asks it)."
+        }
     };
     text.to_owned()
 }
