@@ -7,8 +7,8 @@ mod scheduler_support;
 
 use kvshm::hash::BlockHash;
 use kvshm::manager::{
-    CacheConfig, CacheManager, PrefetchError, RequestId, TicketError, TicketId, TicketStatus,
-    TransferKind, MAX_PREFETCH_TICKETS,
+    CacheConfig, CacheManager, PrefetchError, QueryError, RequestId, TicketError, TicketId,
+    TicketStatus, TransferKind, MAX_PREFETCH_TICKETS,
 };
 use kvshm::tree::{NodeId, NodeState};
 use scheduler_support::{check, complete_all, failure, hashes, manager, prompt_hitting, serve};
@@ -538,5 +538,58 @@ fn a_block_forgotten_after_its_query_was_made_is_not_adopted_from_the_answer() {
     assert_eq!(cache.cached_prefix(&prompt).blocks(), 0, "nothing adopted");
     assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
     assert_eq!(cache.stats().counters.prefetch_found_blocks, 0);
+    check(&cache);
+}
+
+#[test]
+fn a_prefetch_load_landing_after_a_reset_changes_nothing_and_gives_its_host_block_back() {
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    cache.prefetch(&first).unwrap().expect("two blocks to load");
+    let load = hold_the_load(&mut cache);
+    cache.reset(true).unwrap();
+    check(&cache);
+    assert_eq!(cache.stats().host_free, 0, "the LOAD still writes its host blocks");
+    cache.complete_transfer(load.id, Ok(())).unwrap();
+    check(&cache);
+    assert_eq!(cache.stats().host_free, 2, "given back once it landed");
+    assert_eq!(cache.cached_prefix(&first).blocks(), 0);
+    assert_eq!(cache.stats().counters.stale_completions, 1);
+}
+
+#[test]
+fn a_query_answered_after_a_reset_is_unknown_and_adopts_nothing() {
+    let mut cache = three_tiers();
+    let prompt = hashes(&[1, 2]);
+    cache.prefetch(&prompt).unwrap().expect("a query");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    cache.reset(true).unwrap();
+    let id = queries[0].id;
+    assert_eq!(cache.complete_storage_query(id, Ok(2)), Err(QueryError::UnknownQuery(id)));
+    assert_eq!(cache.cached_prefix(&prompt).blocks(), 0);
+    check(&cache);
+}
+
+#[test]
+fn the_query_of_a_ticket_pushed_out_by_newer_ones_still_adopts_and_loads_its_blocks() {
+    let mut cache = three_tiers();
+    let prompt = hashes(&[1, 2]);
+    let first = cache.prefetch(&prompt).unwrap().expect("a query");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    let asked = queries.remove(0);
+    for round in 0..MAX_PREFETCH_TICKETS as u128 {
+        cache.prefetch(&hashes(&[1000 + round])).unwrap().expect("a query");
+        cache.take_storage_queries(&mut queries);
+        cache.complete_storage_query(queries.remove(0).id, Ok(0)).unwrap();
+    }
+    assert_eq!(cache.ticket_status(first), Err(TicketError::UnknownTicket(first)), "pushed out");
+    check(&cache);
+    cache.complete_storage_query(asked.id, Ok(2)).unwrap();
+    check(&cache);
+    complete_loads(&mut cache, true);
+    let found = cache.cached_prefix(&prompt);
+    assert_eq!((found.host_blocks, found.blocks()), (2, 2), "{found:?}");
     check(&cache);
 }
