@@ -593,3 +593,38 @@ fn the_query_of_a_ticket_pushed_out_by_newer_ones_still_adopts_and_loads_its_blo
     assert_eq!((found.host_blocks, found.blocks()), (2, 2), "{found:?}");
     check(&cache);
 }
+
+#[test]
+fn a_node_dropped_while_its_store_is_in_flight_is_forgotten_once_the_store_completes() {
+    // Device 2, host 1, write-through to storage: block 2 settles on host and its STORE is held.
+    let mut cache = manager(
+        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 2)
+            .with_host_blocks(1)
+            .with_storage_blocks(8)
+            .with_storage_write_policy(kvshm::manager::StorageWritePolicy::WriteThrough),
+    );
+    let chain = hashes(&[1, 2]);
+    serve(&mut cache, 0, &chain);
+    serve(&mut cache, 1, &hashes(&[10]));
+    cache.poll();
+    let store =
+        complete_all_but(&mut cache, |transfer| transfer.kind == TransferKind::HostToStorage);
+    assert_eq!(store.len(), 1, "{store:?}");
+    assert_eq!(store[0].blocks[0].hash, BlockHash(2));
+    // Block 1 is evicted from the device with no host block to be had: it leaves with block 2.
+    let request = RequestId(2);
+    cache.match_prefix(request, &hashes(&[20]), 4).unwrap();
+    cache.allocate(request, 4, 0).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&chain).blocks(), 0, "dropped");
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(!forgotten.contains(&BlockHash(2)), "not before its STORE is done: {forgotten:?}");
+    cache.complete_transfer(store[0].id, Ok(())).unwrap();
+    check(&cache);
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&BlockHash(2)), "once it is: {forgotten:?}");
+    complete_all(&mut cache);
+    cache.finish(request).unwrap();
+    check(&cache);
+}
