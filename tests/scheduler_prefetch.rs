@@ -628,3 +628,58 @@ fn a_node_dropped_while_its_store_is_in_flight_is_forgotten_once_the_store_compl
     cache.finish(request).unwrap();
     check(&cache);
 }
+
+/// Matches `blocks` for a request aborted at once: they become the most recently used.
+fn touch(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
+    cache.match_prefix(RequestId(id), blocks, prompt_hitting(blocks.len())).unwrap();
+    cache.abort(RequestId(id)).unwrap();
+}
+
+#[test]
+fn a_claimed_parent_whose_swap_out_fails_drops_the_prefetch_node_loading_below_it() {
+    let mut cache = manager(
+        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 2)
+            .with_host_blocks(2)
+            .with_storage_blocks(8),
+    );
+    let chain = hashes(&[1, 2]);
+    serve(&mut cache, 0, &chain);
+    serve(&mut cache, 1, &hashes(&[10]));
+    touch(&mut cache, 100, &chain[..1]);
+    serve(&mut cache, 2, &hashes(&[20]));
+    touch(&mut cache, 101, &chain[..1]);
+    serve(&mut cache, 3, &hashes(&[30]));
+    complete_all(&mut cache);
+    let found = cache.cached_prefix(&chain);
+    assert_eq!((found.device_blocks, found.storage_blocks), (1, 1), "{found:?}");
+    // A prefetch loads block 2 below block 1 (on device), held.
+    cache.prefetch(&chain).unwrap().expect("block 2 to load");
+    let load =
+        complete_all_but(&mut cache, |transfer| transfer.kind == TransferKind::StorageToHost);
+    assert_eq!(load.len(), 1);
+    // An allocation claims block 1's device block; its swap-out fails.
+    touch(&mut cache, 102, &hashes(&[30]));
+    let request = RequestId(4);
+    cache.match_prefix(request, &hashes(&[40]), 4).unwrap();
+    cache.allocate(request, 4, 0).unwrap();
+    let swap_out = complete_all_but(&mut cache, |transfer| {
+        matches!(transfer.kind, TransferKind::DeviceToHost | TransferKind::StorageToHost)
+    });
+    assert_eq!(swap_out.len(), 1, "{swap_out:?}");
+    assert_eq!(swap_out[0].kind, TransferKind::DeviceToHost);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    cache.complete_transfer(swap_out[0].id, Err(failure())).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&chain).blocks(), 0, "block 1 left with block 2");
+    forgotten.clear();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(!forgotten.contains(&BlockHash(2)), "not while its LOAD runs: {forgotten:?}");
+    cache.complete_transfer(load[0].id, Ok(())).unwrap();
+    check(&cache);
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&BlockHash(2)), "{forgotten:?}");
+    complete_all(&mut cache);
+    cache.finish(request).unwrap();
+    check(&cache);
+}
