@@ -851,7 +851,8 @@ impl Service {
             }
             self.stats.commands_completed += completions.len() as u64;
             for completion in &completions {
-                self.meta.note_completion(index, completion);
+                let given_up = self.meta.note_completion(index, completion);
+                self.stats.storage_forgets_dropped += given_up as u64;
                 self.record_storage_results(index, completion);
                 let matched = self.tracker.complete(index, completion);
                 if matched.is_ok() {

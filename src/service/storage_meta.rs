@@ -16,7 +16,8 @@
 //! 2. then it takes the manager's QUERYs and sends each to every rank in the same way, keeping
 //!    per command where its entries start;
 //! 3. each QUERY completion's result bits are ANDed into the query's per-block presence (a
-//!    block the tier could not tell about counts as absent);
+//!    block the tier could not tell about counts as absent); the blocks a FORGET completion
+//!    says the back-end failed to forget are sent once more, as for a failed FORGET;
 //! 4. when every command of a QUERY completed on every rank, the manager gets the leading run
 //!    of blocks present everywhere (or the failure, when a command failed or a rank died).
 
@@ -62,8 +63,9 @@ enum Meta {
 pub(super) struct MetaCommands {
     next: u64,
     by_id: HashMap<u64, Meta>,
-    /// Per (rank index, command id) of a QUERY command: its tracker id, first entry and entries.
-    query_commands: HashMap<(usize, u64), (u64, usize, usize)>,
+    /// Per (rank index, command id) of a QUERY or FORGET command: its tracker id, first entry and
+    /// entries.
+    meta_commands: HashMap<(usize, u64), (u64, usize, usize)>,
     /// Scratch for the manager's forgotten blocks and queries.
     forgotten: Vec<BlockHash>,
     queries: Vec<StorageQuery>,
@@ -81,29 +83,44 @@ impl MetaCommands {
         id
     }
 
-    /// Step 3: folds a QUERY command's result bits into its query's presence.
-    pub(super) fn note_completion(&mut self, index: usize, completion: &Completion) {
-        if self.query_commands.is_empty() {
-            return;
+    /// Step 3: folds a QUERY command's result bits into its query's presence; the blocks a
+    /// FORGET command's back-end failed to forget are sent once more (step 1). Returns how many
+    /// blocks were given up (failed a second time).
+    pub(super) fn note_completion(&mut self, index: usize, completion: &Completion) -> usize {
+        if self.meta_commands.is_empty() {
+            return 0;
         }
-        let Some((id, first, entries)) =
-            self.query_commands.remove(&(index, completion.command_id))
+        let Some((id, first, entries)) = self.meta_commands.remove(&(index, completion.command_id))
         else {
-            return;
+            return 0;
         };
-        let Some(Meta::Query { present, .. }) = self.by_id.get_mut(&id) else { return };
         if !completion.is_ok() {
-            return;
+            // The whole command failed: `settle_meta` sees it.
+            return 0;
         }
         let results = StorageResults::from_detail(completion.detail).masked(entries);
-        for (offset, slot) in present[first..first + entries].iter_mut().enumerate() {
-            *slot &= results.is_done(offset);
+        match self.by_id.get_mut(&id) {
+            Some(Meta::Query { present, .. }) => {
+                for (offset, slot) in present[first..first + entries].iter_mut().enumerate() {
+                    *slot &= results.is_done(offset);
+                }
+                0
+            }
+            Some(Meta::Forget { hashes, retried }) => {
+                let failed = (0..entries).filter(|&offset| results.is_failed(offset));
+                if *retried {
+                    return failed.count();
+                }
+                self.retries.extend(failed.map(|offset| hashes[first + offset]));
+                0
+            }
+            None => 0,
         }
     }
 
-    /// A rank was lost: its QUERY commands will not answer (the tracker fails them).
+    /// A rank was lost: its QUERY and FORGET commands will not answer (the tracker fails them).
     pub(super) fn forget_rank(&mut self, index: usize) {
-        self.query_commands.retain(|&(rank, _), _| rank != index);
+        self.meta_commands.retain(|&(rank, _), _| rank != index);
     }
 
     /// Keeps `hashes` for rank `index`, which has no worker; returns how many did not fit.
@@ -217,7 +234,6 @@ impl Service {
         entries: &[StorageEntry],
         ranks: Option<&[usize]>,
     ) {
-        let query = op == Op::StorageQuery;
         let generation = self.segment.generation();
         let chunk_len = self.max_storage_entries;
         for (chunk_index, chunk) in entries.chunks(chunk_len).enumerate() {
@@ -228,10 +244,8 @@ impl Service {
                 }
                 let command_id = rank.queue_storage(header, chunk);
                 self.tracker.begin(id, rank.rank() as usize, command_id);
-                if query {
-                    let first = chunk_index * chunk_len;
-                    self.meta.query_commands.insert((index, command_id), (id, first, chunk.len()));
-                }
+                let first = chunk_index * chunk_len;
+                self.meta.meta_commands.insert((index, command_id), (id, first, chunk.len()));
                 self.stats.commands_issued += 1;
             }
         }

@@ -289,3 +289,45 @@ fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
     assert_eq!(counters.get(Counter::StorageForgetFailures), 2, "published for kvctl");
     assert_eq!(counters.get(Counter::StorageForgetsDropped), 2);
 }
+
+#[test]
+fn blocks_a_forget_completion_says_the_tier_failed_to_forget_are_sent_once_more() {
+    use kvshm_ipc::storage_record::StorageResults;
+
+    let mut service = service_with("forget-entries", |config| {
+        config.cache = config.cache.clone().with_storage_blocks(8);
+    });
+    let (segment, _claim) = claim_rank(&mut service);
+    cache_two_blocks(&mut service);
+    answer_every_command(&segment, None);
+    service.poll();
+    service.reset(true).unwrap();
+    service.poll();
+    // The back-end forgot the second block, not the first.
+    let answer = |segment: &Segment, failed: u32| {
+        let mut commands = segment.command_consumer(0).unwrap();
+        let mut completions = segment.completion_producer(0).unwrap();
+        let mut slots: Vec<CommandSlot> = Vec::new();
+        commands.pop_into(&mut slots, usize::MAX).unwrap();
+        let mut pairs = Vec::new();
+        let (header, used) = kvshm_ipc::record::decode_command(&slots, &mut pairs).unwrap();
+        assert_eq!(used, slots.len(), "one command");
+        assert_eq!(header.op, Op::StorageForget as u32);
+        let mut entries = Vec::new();
+        kvshm_ipc::storage_record::entries_from_pairs(&pairs, &mut entries).unwrap();
+        let mut completion = Completion::ok(header.command_id, header.generation);
+        let done = (1u32 << entries.len()) - 1;
+        completion.detail = StorageResults { done: done & !failed, failed }.to_detail();
+        completions.push(completion).unwrap();
+        entries.iter().map(|entry| entry.hash()).collect::<Vec<_>>()
+    };
+    let first = answer(&segment, 0b01);
+    assert_eq!(first.len(), 2);
+    service.poll();
+    service.poll();
+    assert_eq!(answer(&segment, 0b01), [first[0]], "only the block that failed, once more");
+    service.poll();
+    service.poll();
+    assert!(answer_every_command(&segment, None).is_empty(), "then given up");
+    assert_eq!(service.stats().storage_forgets_dropped, 1);
+}
