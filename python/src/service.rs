@@ -447,8 +447,8 @@ impl Service {
     }
 
     /// Starts loading the prompt's blocks on the storage tier into host blocks before its request
-    /// is scheduled, and asks every rank's tier about the blocks past the cache's end (another
-    /// service may have written them to a shared tier). Returns the ticket, or `None` with
+    /// is scheduled, and asks a shared tier (Redis, not a disk slab) about the blocks past the
+    /// cache's end (another service may have written them). Returns the ticket, or `None` with
     /// nothing to do. Raises `ConfigError` without a storage tier.
     fn prefetch(&self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
         let hashes = read_hashes(hashes)?;
