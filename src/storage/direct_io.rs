@@ -307,6 +307,24 @@ pub fn lock_exclusive(file: &File) -> io::Result<bool> {
     }
 }
 
+/// Releases the lock [`lock_exclusive`] took on `file`'s open file description, at once.
+/// Closing the descriptor is not enough where another thread may be starting a child process:
+/// between its fork and its exec the child holds a duplicate of every descriptor, and a `flock`
+/// lives until the last duplicate closes.
+pub fn unlock(file: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock takes a descriptor we own and flags; it touches no memory of ours.
+        let status = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_UN) };
+        if status == 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() != Some(libc::EINTR) {
+            return Err(error);
+        }
+    }
+}
+
 /// Whether an I/O error means "no room": the file system is full, the quota spent, or the
 /// process's file size limit reached.
 pub fn is_no_space(error: &io::Error) -> bool {

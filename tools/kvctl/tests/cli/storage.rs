@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::path::PathBuf;
 
-use kvshm::storage::direct_io::lock_exclusive;
+use kvshm::storage::direct_io::{lock_exclusive, unlock};
 
 use crate::support::*;
 
@@ -29,6 +29,9 @@ fn reset_storage_drops_a_disk_namespace_unless_a_worker_holds_it() {
     kvctl(&["reset-storage", &spec, "--namespace", "ns"])
         .assert_fails_saying(&["rank-0.index", "stop the service"]);
     assert!(dir.join("ns/rank-1.slab").exists(), "a refused drop removes nothing");
+    // Unlocked, not only closed: a child process another test starts meanwhile may hold a
+    // duplicate of the descriptor for a moment, and with it the lock.
+    unlock(&worker).unwrap();
     drop(worker);
     let report = kvctl(&["reset-storage", &spec, "--namespace", "ns", "--json"]).assert_ok().json();
     assert_eq!((report["files"].as_u64(), report["bytes"].as_u64()), (Some(4), Some(4 * 4096)));
