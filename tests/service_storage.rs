@@ -1,7 +1,8 @@
 //! The service over real workers with a storage tier: the blocks the scheduler drops are
 //! forgotten by the disk slab (so that its own LRU never drops a block the scheduler still
 //! counts), and a prefetch discovers, through QUERY, the blocks another service wrote to a
-//! shared Redis after this one started.
+//! shared Redis after this one started; two requests that shared a LOAD which missed a block
+//! compute into the tables `wait` returns, and the cache serves the right bytes after them.
 
 mod service_support;
 mod storage_support;
@@ -10,10 +11,10 @@ use std::time::Duration;
 
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, StorageWritePolicy, TicketStatus};
-use kvshm::service::{Service, ServiceConfig};
+use kvshm::service::{Service, ServiceConfig, TicketReady};
 use kvshm_ipc::name::SegmentName;
 use service_support::{device_block_holds, unique_name, write_block};
-use storage_support::{redis_for_test, unique_namespace, Scratch, Worker};
+use storage_support::{connect, redis_for_test, unique_namespace, Scratch, Worker};
 
 const TP: u32 = 2;
 const LAYERS: u32 = 2;
@@ -273,4 +274,77 @@ fn a_prefetch_past_the_cache_asks_a_shared_tier_but_not_a_disk_slab_only_this_se
     let ticket = service.prefetch(&prompt).unwrap().expect("a shared tier is asked");
     service.wait(ticket, WAIT).expect("the query lands");
     assert_eq!(service.cache().stats().counters.prefetch_query_blocks, prompt.len() as u64);
+}
+
+#[test]
+fn two_requests_sharing_a_load_that_misses_compute_into_the_tables_wait_returns_and_cache_right_bytes(
+) {
+    let redis = redis_for_test();
+    let namespace = unique_namespace("shared-load");
+    let args: Vec<String> =
+        ["--storage".to_owned(), redis.url(), "--storage-namespace".to_owned(), namespace.clone()]
+            .into();
+    let cache = CacheConfig::new(BLOCK_TOKENS, 16).with_host_blocks(4).with_storage_blocks(64);
+    let name = unique_name("shared-load");
+    let (mut service, _workers) = service_with_workers(&name, cache, &args);
+    let prompt: Vec<BlockHash> = (0..4u128).map(|i| BlockHash(0x5a4e_0000 + i)).collect();
+    serve(&mut service, 0, &prompt);
+    // Other prompts push it down to host, then (written back) to storage only.
+    let mut next_id = 1;
+    while service.cache().cached_prefix(&prompt).storage_blocks < prompt.len() {
+        assert!(next_id < 40, "the prompt reached storage: {:?}", service.cache().stats());
+        let base = 0xf111_0000 + 16 * u128::from(next_id);
+        let filler: Vec<BlockHash> = (0..4u128).map(|i| BlockHash(base + i)).collect();
+        serve(&mut service, next_id, &filler);
+        service.wait_for_copies(WAIT);
+        next_id += 1;
+    }
+    // Block 1 goes missing on the tier (every rank).
+    let mut redis_connection = connect(&redis.url());
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("kvshm:{namespace}:*:{}:*", prompt[1]))
+        .query(&mut redis_connection)
+        .unwrap();
+    assert_eq!(keys.len(), TP as usize, "{keys:?}");
+    let _: () = redis::cmd("DEL").arg(&keys).query(&mut redis_connection).unwrap();
+
+    // Two requests scheduled together: both match, both allocate, then both wait. The second
+    // shares the first one's LOAD.
+    let tokens = prompt.len() * BLOCK_TOKENS as usize + 1;
+    let mut scheduled = Vec::new();
+    for id in [50, 51] {
+        let found = service.match_prefix(RequestId(id), &prompt, tokens).unwrap();
+        assert_eq!(found.storage_blocks, prompt.len(), "{found:?}");
+        let allocation = service.allocate(RequestId(id), tokens - found.cached_tokens, 0).unwrap();
+        scheduled.push((id, allocation.ticket, allocation.block_table.to_vec()));
+    }
+    let mut tables = Vec::new();
+    for (id, ticket, allocated) in scheduled {
+        let ready = service.wait(ticket, WAIT).expect("a storage miss never fails a request");
+        let TicketReady::Shortened { cached_blocks, block_table } = ready else {
+            panic!("block 1 is missing: {ready:?}");
+        };
+        assert_eq!(cached_blocks, 1);
+        assert_eq!(block_table[..1], allocated[..1], "the cached position keeps its block");
+        assert_eq!(service.block_table(RequestId(id)), Some(&block_table[..]));
+        tables.push((id, block_table));
+    }
+    assert_ne!(tables[0].1[1..4], tables[1].1[1..4], "each computes into blocks of its own");
+    // The engine checks the cached block, computes the rest into the tables `wait` returned, and
+    // the second request commits first (its blocks become the cached copies).
+    for (id, table) in tables.iter().rev() {
+        assert!(device_block_holds(&service, prompt[0], table[0]), "request {id}'s hit");
+        for position in 1..prompt.len() {
+            write_block(&service, prompt[position], table[position]);
+        }
+        service.commit(RequestId(*id), tokens, &prompt).unwrap();
+        service.cache().check_invariants().unwrap();
+    }
+    for (id, _) in &tables {
+        service.finish(RequestId(*id)).unwrap();
+    }
+    service.cache().check_invariants().unwrap();
+    // A later request hits every block on device, byte for byte (checked in `serve`).
+    let (device, _, _) = serve(&mut service, 60, &prompt);
+    assert_eq!(device, prompt.len());
 }

@@ -127,6 +127,18 @@ class Allocation:
     new_blocks: int
 
 @final
+class ShortenedHit:
+    """What ``wait`` returns when the storage tier missed some hits (always truthy).
+
+    The first ``cached_blocks`` positions hold cached KV; the engine computes the rest into
+    ``block_table``, the request's table now. From ``cached_blocks`` on it may differ from
+    ``Allocation.block_table`` (a request that shared a storage load with another one gets
+    blocks of its own there): use this one."""
+
+    cached_blocks: int
+    block_table: U32Array
+
+@final
 class AllocationCheck:
     needed: int
     available: int
@@ -202,13 +214,14 @@ class Service:
     def resize_device(self, blocks: int) -> None: ...
     def common_prefix_blocks(self, request: int) -> int: ...
     def poll(self) -> None: ...
-    def wait(self, ticket: int, timeout: float = 30.0) -> int | None:
+    def wait(self, ticket: int, timeout: float = 30.0) -> ShortenedHit | None:
         """Waits until the ticket's blocks are ready (GIL released).
 
-        Returns ``None`` when every hit is in its blocks, or the number of leading block-table
-        positions still cached when the storage tier missed some hits (a lost or damaged
-        object, a tier that is down): the engine computes the positions from there on into the
-        blocks the table gives, and commits them as usual. A storage miss never fails a request.
+        Returns ``None`` when every hit is in its blocks, or a :class:`ShortenedHit` when the
+        storage tier missed some hits (a lost or damaged object, a tier that is down): its
+        ``cached_blocks`` leading positions are cached, and the engine computes the positions
+        from there on into its ``block_table`` (not ``Allocation.block_table``, which may be
+        stale from there on), and commits them as usual. A storage miss never fails a request.
         """
 
     def wait_for_copies(self, timeout: float = 30.0) -> bool: ...

@@ -29,6 +29,7 @@ fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<service::PrefixMatch>()?;
     module.add_class::<service::Allocation>()?;
     module.add_class::<service::AllocationCheck>()?;
+    module.add_class::<service::ShortenedHit>()?;
     module.add_class::<offload::OffloadManager>()?;
     module.add_class::<host_tier::HostTier>()?;
     module.add_class::<vllm::VllmManagerCore>()?;

@@ -86,6 +86,28 @@ impl Allocation {
     }
 }
 
+/// What `wait` returns when the storage tier missed some hits: the leading block-table positions
+/// still cached, and the request's block table as it is now. From `cached_blocks` on it may
+/// differ from the one `allocate` returned (a request that shared a LOAD with another one gets
+/// blocks of its own there): the engine computes those positions into this table. Always truthy,
+/// even with `cached_blocks == 0`.
+#[pyclass(frozen, get_all, module = "kvshm")]
+pub struct ShortenedHit {
+    pub cached_blocks: u32,
+    pub block_table: Py<U32Array>,
+}
+
+#[pymethods]
+impl ShortenedHit {
+    fn __repr__(&self) -> String {
+        format!(
+            "ShortenedHit(cached_blocks={}, block_table={:?})",
+            self.cached_blocks,
+            self.block_table.get().values()
+        )
+    }
+}
+
 /// What `allocate` would need and could get now.
 #[pyclass(frozen, get_all, module = "kvshm")]
 pub struct AllocationCheck {
@@ -420,10 +442,10 @@ impl Service {
     }
 
     /// Waits until the ticket's blocks are ready (GIL released between polls). Returns `None`
-    /// when every hit is in its blocks, or the number of leading block-table positions still
-    /// cached when the storage tier missed some hits (the engine computes the rest).
+    /// when every hit is in its blocks, or a `ShortenedHit` when the storage tier missed some
+    /// hits: the leading positions still cached and the block table to compute the rest into.
     #[pyo3(signature = (ticket, timeout=30.0))]
-    fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<u32>> {
+    fn wait(&self, py: Python<'_>, ticket: u64, timeout: f64) -> PyResult<Option<ShortenedHit>> {
         let started = Instant::now();
         let (ticket, timeout) = (TicketId(ticket), seconds(timeout, "timeout")?);
         let ready = wait_unlocked(py, &self.inner, open, timeout, |service| {
@@ -431,7 +453,10 @@ impl Service {
         })?;
         match ready {
             Some(TicketReady::AllHits) => Ok(None),
-            Some(TicketReady::Shortened { cached_blocks }) => Ok(Some(cached_blocks)),
+            Some(TicketReady::Shortened { cached_blocks, block_table }) => Ok(Some(ShortenedHit {
+                cached_blocks,
+                block_table: Py::new(py, U32Array::new(block_table))?,
+            })),
             None => Err(WaitError::TimedOut { ticket, waited: started.elapsed() }.to_py()),
         }
     }

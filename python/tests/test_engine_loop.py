@@ -55,11 +55,17 @@ def run_engine(service: kvshm.Service, requests: int, seed: int) -> dict[str, in
         if request % 2:
             wait_layer_by_layer(service, allocation.ticket)
         shortened = service.wait(allocation.ticket, timeout=30)
-        # A storage miss shortens the hit: the positions from there on are computed below.
-        cached = found.blocks if shortened is None else shortened
+        # A storage miss shortens the hit: the positions from there on are computed below, into
+        # the table the shortened hit carries (the allocation's may be stale from there on).
+        if shortened is None:
+            cached, table = found.blocks, np.asarray(allocation.block_table)
+        else:
+            cached, table = shortened.cached_blocks, np.asarray(shortened.block_table)
+            assert list(table) == list(service.block_table(request))
         assert cached <= found.blocks
-        assert service.ticket_cached_blocks(allocation.ticket) == shortened
-        table = np.asarray(allocation.block_table)
+        assert service.ticket_cached_blocks(allocation.ticket) == (
+            None if shortened is None else shortened.cached_blocks
+        )
         for position in range(cached):  # hits: the bytes must be what was computed
             for rank in range(TP):
                 for region in range(REGIONS):

@@ -7,7 +7,8 @@
 //! 2. allocates blocks for the rest of the prompt and the output, and waits on the ticket (host
 //!    hits arrive by copy from the host tier, through the worker processes);
 //!    A hit the storage tier misses shortens the ticket's hit ([`TicketReady::Shortened`]): the
-//!    blocks from the first miss on are computed in step 4 like new ones;
+//!    blocks from the first miss on are computed in step 4 like new ones, into the block table
+//!    that status carries (a request that shared a LOAD has blocks of its own there);
 //! 3. checks the bytes of every hit block, on every rank and region, against
 //!    [`pattern::verify`]: a hit must hold exactly what was written when the block was computed,
 //!    whichever tiers it has travelled through since;
@@ -141,7 +142,7 @@ impl<'a> DemoEngine<'a> {
             // The blocks it would evict were being copied (backups, swap-outs); they have landed.
             allocated = self.service.allocate(RequestId(id), new_tokens, 0).map(owned);
         }
-        let (table, ticket) = match allocated {
+        let (mut table, ticket) = match allocated {
             Ok(allocated) => allocated,
             Err(_) => {
                 // Larger than what the device tier can free: an engine would reject or chunk it.
@@ -154,9 +155,11 @@ impl<'a> DemoEngine<'a> {
         let waited = Instant::now();
         match self.service.wait(ticket, TICKET_TIMEOUT) {
             Ok(TicketReady::AllHits) => {}
-            Ok(TicketReady::Shortened { cached_blocks }) => {
+            Ok(TicketReady::Shortened { cached_blocks, block_table }) => {
                 // The storage tier missed some hits (a lost or damaged record, a tier that is
-                // down): the blocks from there on are computed below, like any new block.
+                // down): the blocks from there on are computed below, like any new block, into
+                // the table as it is now (a request that shared the LOAD has new blocks there).
+                table = block_table;
                 let cached = (cached_blocks as usize).min(hits);
                 self.report.shortened_requests += 1;
                 self.report.storage_missed_blocks += (hits - cached) as u64;

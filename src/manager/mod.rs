@@ -254,6 +254,11 @@ impl CacheManager {
         self.tickets.get(&ticket).map(Ticket::status).ok_or(TicketError::UnknownTicket(ticket))
     }
 
+    /// The request `ticket` serves (`None` for a prefetch's ticket).
+    pub fn ticket_request(&self, ticket: TicketId) -> Option<RequestId> {
+        self.tickets.get(&ticket).and_then(|ticket| ticket.request)
+    }
+
     /// The positions of `ticket`'s block table still cached when a storage miss shortened its
     /// request's hit (`None` otherwise; see [`TicketStatus::Shortened`]). Set as soon as the
     /// LOADs it waits on complete, before the swap-ins behind them are issued.

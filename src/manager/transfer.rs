@@ -92,8 +92,10 @@ pub enum TicketStatus {
     Ready,
     /// Every copy it waited on has completed, but the storage tier missed some of its hits: the
     /// first `cached_blocks` positions of the request's block table hold cached KV, and the
-    /// engine computes the rest into the blocks the table gives (they are the request's own now,
-    /// committed as usual).
+    /// engine computes the rest into the blocks the table gives *now* (they are the request's
+    /// own, committed as usual). From `cached_blocks` on the table may have changed since
+    /// `allocate`: a request that shared a LOAD with another one gets blocks of its own there.
+    /// Read [`CacheManager::block_table`](super::CacheManager::block_table) again.
     Shortened { cached_blocks: u32 },
     /// Some copies are still in flight.
     Pending,

@@ -178,14 +178,17 @@ pub enum ServiceError {
 }
 
 /// How a ticket became ready.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TicketReady {
     /// Every hit of the allocation is in its blocks.
     AllHits,
     /// The storage tier missed some hits: the first `cached_blocks` positions of the request's
-    /// block table hold cached KV, and the engine computes the rest into the blocks the table
-    /// gives (see [`TicketStatus::Shortened`]).
-    Shortened { cached_blocks: u32 },
+    /// block table hold cached KV, and the engine computes the rest into `block_table`, the
+    /// request's table *now* (see [`TicketStatus::Shortened`]). From `cached_blocks` on it may
+    /// differ from the table `allocate` returned (a request that shared a LOAD with another one
+    /// gets blocks of its own there): the engine must drop the old table and use this one (or
+    /// read [`Service::block_table`] again). Empty for a prefetch's ticket.
+    Shortened { cached_blocks: u32, block_table: Vec<u32> },
 }
 
 /// Why waiting on a ticket ended without the blocks being ready.
@@ -560,6 +563,12 @@ impl Service {
         self.publish_counters();
     }
 
+    /// The block table of a live request, as it is now (a storage miss may have changed it
+    /// from the position where the hit was shortened on: [`TicketReady::Shortened`]).
+    pub fn block_table(&self, request: RequestId) -> Option<&[u32]> {
+        self.manager.block_table(request)
+    }
+
     /// Whether `ticket`'s blocks are ready, without waiting.
     pub fn ticket_status(&self, ticket: TicketId) -> Result<TicketStatus, TicketError> {
         self.manager.ticket_status(ticket)
@@ -567,8 +576,15 @@ impl Service {
 
     /// Waits until `ticket` is ready: polls, spins briefly on the scheduler doorbell, then sleeps
     /// on it in short slices so that worker deaths are still noticed. Says whether every hit is
-    /// cached, or the storage tier missed some and the engine computes them
-    /// ([`TicketReady::Shortened`]).
+    /// cached, or the storage tier missed some and the engine computes them into the block table
+    /// that [`TicketReady::Shortened`] carries (not the one `allocate` returned):
+    ///
+    /// ```text
+    /// let (table, cached) = match service.wait(ticket, timeout)? {
+    ///     TicketReady::AllHits => (allocated_table, matched_blocks),
+    ///     TicketReady::Shortened { cached_blocks, block_table } => (block_table, cached_blocks),
+    /// };
+    /// ```
     pub fn wait(&mut self, ticket: TicketId, timeout: Duration) -> Result<TicketReady, WaitError> {
         let started = Instant::now();
         let deadline = deadline_after(timeout);
@@ -591,7 +607,13 @@ impl Service {
         match self.manager.ticket_status(ticket)? {
             TicketStatus::Ready => Ok(Some(TicketReady::AllHits)),
             TicketStatus::Shortened { cached_blocks } => {
-                Ok(Some(TicketReady::Shortened { cached_blocks }))
+                let block_table = self
+                    .manager
+                    .ticket_request(ticket)
+                    .and_then(|request| self.manager.block_table(request))
+                    .map(<[u32]>::to_vec)
+                    .unwrap_or_default();
+                Ok(Some(TicketReady::Shortened { cached_blocks, block_table }))
             }
             TicketStatus::Failed(failure) => Err(WaitError::TransferFailed(failure)),
             TicketStatus::Pending => Ok(None),
