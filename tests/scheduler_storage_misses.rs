@@ -357,3 +357,54 @@ fn a_missing_block_recomputed_while_another_request_holds_it_is_no_longer_counte
     check(&cache);
     assert_eq!(cache.cached_prefix(&first).device_blocks, 4, "the recomputed blocks stay cached");
 }
+
+#[test]
+fn a_missing_block_still_held_is_no_hit_for_new_matches_and_its_holder_allocates_without_a_load() {
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 12).with_host_blocks(4).with_storage_blocks(32));
+    let first = four_blocks_on_storage(&mut cache);
+    // Request 51 matches the four blocks and waits; request 50 allocates them.
+    let found = cache.match_prefix(RequestId(51), &first, prompt_hitting(4)).unwrap();
+    assert_eq!(found.storage_blocks, 4, "{found:?}");
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Missing, Landed, Landed])))
+        .unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    // Block 2 is still held by request 51, but no match counts it (or anything below it).
+    let found = cache.match_prefix(RequestId(52), &first, prompt_hitting(4)).unwrap();
+    assert_eq!((found.blocks(), found.storage_blocks), (1, 0), "{found:?}");
+    assert_eq!(cache.lookup(&first, prompt_hitting(4)).unwrap().blocks(), 1);
+    assert_eq!(cache.cached_prefix(&first).blocks(), 1);
+    check(&cache);
+    // Request 51 allocates: no LOAD of a block the tier does not have; its hit ends at block 2
+    // at once, and the positions from there on get blocks of their own.
+    let allocation = cache.allocate(RequestId(51), 1, 0).unwrap();
+    let (two, table) = (allocation.ticket, allocation.block_table.to_vec());
+    assert_eq!(table.len(), 5, "four prompt positions and the new token");
+    check(&cache);
+    let transfers = cache.take_transfers();
+    assert!(
+        transfers.iter().all(|transfer| transfer.kind != TransferKind::StorageToHost),
+        "{transfers:?}"
+    );
+    for transfer in transfers {
+        cache.complete_transfer(transfer.id, Ok(())).unwrap();
+        check(&cache);
+    }
+    assert_eq!(cache.ticket_status(two), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    assert_eq!(cache.stats().counters.load_missing_blocks, 1, "no second LOAD missed it");
+    for id in [50, 51] {
+        cache.commit(RequestId(id), 4 * BLOCK_TOKENS as usize, &first).unwrap();
+        check(&cache);
+        cache.finish(RequestId(id)).unwrap();
+        check(&cache);
+    }
+    cache.abort(RequestId(52)).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&first).device_blocks, 4);
+    assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
+}

@@ -62,13 +62,17 @@ impl CacheManager {
         if record.failed {
             return Err(AllocateError::RequestFailed(request));
         }
-        let demand = self.demand(request, record, new_tokens, lookahead)?;
+        let hits_end = self.hits_end(record);
+        let demand = self.demand(request, record, hits_end, new_tokens, lookahead)?;
         let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
         let mut scratch = std::mem::take(&mut self.scratch);
         // The path position of the first hit without a table entry (a storage block's depth).
         let first_hit = record.table.len();
         scratch.hits.clear();
-        scratch.hits.extend_from_slice(record.path.get(record.table.len()..).unwrap_or_default());
+        scratch
+            .hits
+            .extend_from_slice(record.path.get(record.table.len()..hits_end).unwrap_or_default());
+        let lost_cut = (hits_end < record.path.len()).then_some(hits_end);
         let free = self.device.free_count();
         if needed > free {
             let available = free + self.reclaimable_up_to(needed - free);
@@ -87,6 +91,9 @@ impl CacheManager {
             }
         }
 
+        if let Some(cut) = lost_cut {
+            self.cut_hits_at_lost(request, cut);
+        }
         scratch.host_blocks.clear();
         for _ in 0..demand.loads {
             let block = self.obtain_host_block().expect("the host blocks were counted above");
@@ -95,6 +102,9 @@ impl CacheManager {
         scratch.blocks.clear();
         self.obtain_device_blocks(needed, &mut scratch.blocks);
         let ticket = self.new_ticket(request);
+        if let Some(cut) = lost_cut {
+            self.born_shortened(ticket, cut);
+        }
         let mut blocks = scratch.blocks.iter();
         let mut host_blocks = scratch.host_blocks.iter();
         let mut swap_in = None;

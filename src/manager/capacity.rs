@@ -60,7 +60,8 @@ impl CacheManager {
         if record.failed {
             return Err(AllocateError::RequestFailed(request));
         }
-        let demand = self.demand(request, record, new_tokens, lookahead)?;
+        let hits_end = self.hits_end(record);
+        let demand = self.demand(request, record, hits_end, new_tokens, lookahead)?;
         let needed = demand.blocks();
         let available = self.obtainable_device_blocks(needed);
         if available >= needed && self.obtainable_host_blocks(demand.loads) < demand.loads {
@@ -92,16 +93,27 @@ impl CacheManager {
         free + super::evict::count_host_obtainable(&self.tree, gone, exposed, limit - free)
     }
 
-    /// The device blocks `allocate` takes for `record` (module flow, step 1).
+    /// Where `record`'s hits end for an allocation: its path's end, or the first block of it the
+    /// storage tier reported missing (still held by some request: no hit, DESIGN §9).
+    pub(super) fn hits_end(&self, record: &Request) -> usize {
+        if self.unloadable.is_empty() {
+            return record.path.len();
+        }
+        self.first_lost_hit(record).unwrap_or(record.path.len())
+    }
+
+    /// The device blocks `allocate` takes for `record` (module flow, step 1), its hits ending at
+    /// path position `hits_end`.
     pub(super) fn demand(
         &self,
         request: RequestId,
         record: &Request,
+        hits_end: usize,
         new_tokens: usize,
         lookahead: usize,
     ) -> Result<Demand, AllocateError> {
         let block_tokens = self.config.block_tokens as usize;
-        let hits = record.path.get(record.table.len()..).unwrap_or_default();
+        let hits = record.path.get(record.table.len()..hits_end).unwrap_or_default();
         let (mut swap_ins, mut loads) = (0, 0);
         for &id in hits {
             match self.tree.node(id).state() {
@@ -115,7 +127,7 @@ impl CacheManager {
             }
         }
         swap_ins += loads;
-        let covered = record.table.len().max(record.path.len());
+        let covered = record.table.len().max(hits_end);
         let fresh = record
             .tokens
             .checked_add(new_tokens)

@@ -23,10 +23,12 @@
 //! 4. The lost nodes are `Storage` again, their pairs leave the swap-ins (a swap-in left with none
 //!    is cancelled), and their host blocks go back.
 //! 5. A block the tier reported missing is dropped with its subtree as soon as no request holds
-//!    it (now, usually: step 3 released the waiting requests), so that the next match no longer
-//!    sees it; a node still held (a request matched it and has not allocated) waits for the next
-//!    `poll`.
+//!    it (now, usually: step 3 released the waiting requests). A node still held (a request
+//!    matched it and has not allocated) waits in `unloadable` for the next `poll`; meanwhile it
+//!    is no hit (matches stop before it) and its holder's allocation cuts its hits there
+//!    (`cut_hits_at_lost`) instead of loading it.
 
+use super::lookup::is_lost;
 use super::transfer::InFlight;
 use super::{CacheManager, TicketId, TransferFailure, TransferId, TransferKind};
 use crate::tree::NodeId;
@@ -350,6 +352,40 @@ impl CacheManager {
             self.stats.shortened_tickets += 1;
         }
         ticket.cached_blocks = Some(ticket.cached_blocks.map_or(cached, |was| was.min(cached)));
+    }
+
+    /// The path position of the first hit of `record` without a block table entry that is a
+    /// block the tier reported missing, still held (it matched before the LOAD that found it
+    /// missing): the request's hits end there, as if its match had ended there (DESIGN §9).
+    #[inline(never)] // off the hot paths (only while a missing block is still held)
+    pub(super) fn first_lost_hit(&self, record: &super::request::Request) -> Option<usize> {
+        let start = record.table.len();
+        let lost = |&id: &NodeId| is_lost(&self.tree, &self.unloadable, id);
+        Some(start + record.path.get(start..)?.iter().position(lost)?)
+    }
+
+    /// An allocation of `request` whose hits end at `cut`, before a lost block
+    /// ([`first_lost_hit`](Self::first_lost_hit)): the nodes from there on leave its path, and
+    /// the allocation gives those positions fresh device blocks like new ones.
+    #[inline(never)] // off the hot paths (only while a missing block is still held)
+    pub(super) fn cut_hits_at_lost(&mut self, request: super::RequestId, cut: usize) {
+        let record = self.requests.get_mut(&request).expect("an allocated request is live");
+        let released: Vec<NodeId> = record.path.drain(cut..).collect();
+        for &node in released.iter().rev() {
+            self.tree.release(node);
+        }
+        // The lost block may be unheld now.
+        self.drop_unloadable();
+    }
+
+    /// `ticket`, the allocation of a request whose hits were cut at `cut`
+    /// ([`cut_hits_at_lost`](Self::cut_hits_at_lost)), ends `Shortened` once its copies land.
+    #[inline(never)] // off the hot paths (only while a missing block is still held)
+    pub(super) fn born_shortened(&mut self, ticket: TicketId, cut: usize) {
+        let record = self.tickets.get_mut(&ticket).expect("a ticket just made");
+        record.cached_blocks =
+            Some(u32::try_from(cut).expect("a path is shorter than 2^32 blocks"));
+        self.stats.shortened_tickets += 1;
     }
 
     /// The swap-out still reading `block`, a destination of `swap_in`, when the block was claimed

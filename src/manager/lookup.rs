@@ -102,14 +102,24 @@ impl CacheManager {
         prompt_tokens: usize,
     ) -> Result<Lookup, PromptError> {
         let matchable = self.matchable(hashes, prompt_tokens)?;
-        Ok(walk(&self.tree, matchable, |_| {}))
+        Ok(self.walk_hits(matchable, &mut |_| {}))
     }
 
     /// How many leading blocks of `hashes` are cached, per tier, with no last-token rule: a
     /// question about the cache's contents (inspection, tests), not about a prompt. Engines
     /// deciding what to compute use [`CacheManager::lookup`]. No side effects.
     pub fn cached_prefix(&self, hashes: &[BlockHash]) -> Lookup {
-        walk(&self.tree, hashes, |_| {})
+        self.walk_hits(hashes, &mut |_| {})
+    }
+
+    /// Walks the cached prefix of `hashes`, visiting each node that hits; a block the storage
+    /// tier reported missing ends it (it waits for its holders to let go, DESIGN §9).
+    fn walk_hits(&self, hashes: &[BlockHash], visit: &mut dyn FnMut(NodeId)) -> Lookup {
+        if self.unloadable.is_empty() {
+            walk(&self.tree, hashes, |_| false, visit)
+        } else {
+            walk_before_lost(&self.tree, &self.unloadable, hashes, visit)
+        }
     }
 
     /// Looks up the prompt of a new request and holds its cached prefix (`ref_count += 1`, one
@@ -139,9 +149,13 @@ impl CacheManager {
             _ => None,
         };
         let block_tokens = self.config.block_tokens as usize;
-        let CacheManager { requests, tree, pending_backups, stats, .. } = self;
+        let CacheManager { requests, tree, pending_backups, stats, unloadable, .. } = self;
         let record = requests.start(request).ok_or(MatchError::DuplicateRequest(request))?;
-        let found = walk(tree, matchable, |id| record.path.push(id));
+        let found = if unloadable.is_empty() {
+            walk(tree, matchable, |_| false, |id| record.path.push(id))
+        } else {
+            walk_before_lost(tree, unloadable, matchable, &mut |id| record.path.push(id))
+        };
         record.policy_tag = tree
             .request_started(record.path.last().copied(), hashes.get(record.path.len()).copied());
         for &id in &record.path {
@@ -205,8 +219,34 @@ impl CacheManager {
     }
 }
 
-/// Walks the cached prefix of `hashes` from the root, visiting each node that hits.
-fn walk(tree: &Tree, hashes: &[BlockHash], mut visit: impl FnMut(NodeId)) -> Lookup {
+/// [`walk`] stopping before a block the storage tier reported missing (one of `unloadable`). Out
+/// of line: only while such a block is still held.
+#[inline(never)]
+fn walk_before_lost(
+    tree: &Tree,
+    unloadable: &[(NodeId, BlockHash)],
+    hashes: &[BlockHash],
+    visit: &mut dyn FnMut(NodeId),
+) -> Lookup {
+    walk(tree, hashes, |id| is_lost(tree, unloadable, id), visit)
+}
+
+/// Whether live node `id` is a block the storage tier reported missing, still held (DESIGN §9):
+/// storage-only and listed in `unloadable` under its hash.
+pub(super) fn is_lost(tree: &Tree, unloadable: &[(NodeId, BlockHash)], id: NodeId) -> bool {
+    let node = tree.node(id);
+    node.state() == NodeState::Storage
+        && unloadable.iter().any(|&(lost, hash)| lost == id && node.hash() == hash)
+}
+
+/// Walks the cached prefix of `hashes` from the root, visiting each node that hits, until `stop`
+/// says a node ends it.
+fn walk(
+    tree: &Tree,
+    hashes: &[BlockHash],
+    stop: impl Fn(NodeId) -> bool,
+    mut visit: impl FnMut(NodeId),
+) -> Lookup {
     /// How far ahead the walk asks for the index groups of the blocks to come.
     const AHEAD: usize = 4;
     let mut found = Lookup::default();
@@ -220,6 +260,9 @@ fn walk(tree: &Tree, hashes: &[BlockHash], mut visit: impl FnMut(NodeId)) -> Loo
         }
         let Some(id) = tree.child(parent, hash) else { break };
         let Some(tier) = hit_tier(tree.node(id).state()) else { break };
+        if stop(id) {
+            break;
+        }
         found.count(tier);
         visit(id);
         parent = id;

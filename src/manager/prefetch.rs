@@ -361,6 +361,12 @@ impl CacheManager {
             if state != NodeState::Storage {
                 continue;
             }
+            // A block the tier reported missing (still held): nothing below it can be loaded.
+            if !self.unloadable.is_empty()
+                && super::lookup::is_lost(&self.tree, &self.unloadable, id)
+            {
+                break;
+            }
             let Some(host) = self.obtain_host_block() else { break };
             let parent = if index == 0 { BlockHash(0) } else { hashes[index - 1] };
             let block = StorageBlock { hash: hashes[index], parent, depth: index as u32 };

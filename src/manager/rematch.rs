@@ -65,7 +65,10 @@ impl CacheManager {
         let mut added = Vec::new();
         for &hash in hashes.get(held..limit).unwrap_or_default() {
             let Some(id) = self.tree.child(parent, hash) else { break };
-            if hit_tier(self.tree.node(id).state()).is_none() {
+            if hit_tier(self.tree.node(id).state()).is_none()
+                || (!self.unloadable.is_empty()
+                    && super::lookup::is_lost(&self.tree, &self.unloadable, id))
+            {
                 break;
             }
             added.push(id);
