@@ -408,3 +408,63 @@ fn a_missing_block_still_held_is_no_hit_for_new_matches_and_its_holder_allocates
     assert_eq!(cache.cached_prefix(&first).device_blocks, 4);
     assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
 }
+
+#[test]
+fn every_missing_block_of_a_load_recomputed_while_held_stops_counting_on_storage_and_is_written_back(
+) {
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 12).with_host_blocks(4).with_storage_blocks(32));
+    let first = four_blocks_on_storage(&mut cache);
+    // Request 51 matches the four blocks and never allocates; request 50 allocates them.
+    let found = cache.match_prefix(RequestId(51), &first, prompt_hitting(4)).unwrap();
+    assert_eq!(found.storage_blocks, 4, "{found:?}");
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let loads = run_until_loads(&mut cache);
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Missing, Missing, Landed])))
+        .unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    assert_eq!(cache.stats().counters.load_missing_blocks, 2, "counted per block");
+    // Request 50 computes blocks 2-4 and commits them: blocks 2 and 3 (missing) are no longer
+    // counted on storage; block 4 (landed) keeps its copy there.
+    let stored = cache.storage_used_blocks();
+    cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
+    check(&cache);
+    assert_eq!(cache.storage_used_blocks(), stored - 2);
+    assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&first[1]) && forgotten.contains(&first[2]), "{forgotten:?}");
+    for id in [50, 51] {
+        cache.finish(RequestId(id)).unwrap();
+        check(&cache);
+    }
+    // Other prompts push the four blocks down again: block 3 is written back to storage.
+    let mut written = Vec::new();
+    for round in 0..20u128 {
+        let base = 1000 + 100 * round;
+        let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+        let request = RequestId(200 + round as u64);
+        let prompt = blocks.len() * BLOCK_TOKENS as usize;
+        let found = cache.match_prefix(request, &blocks, prompt).unwrap();
+        cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
+        for transfer in cache.take_transfers() {
+            if transfer.kind == TransferKind::HostToStorage {
+                written.extend(transfer.blocks.iter().map(|block| block.hash));
+            }
+            cache.complete_transfer(transfer.id, Ok(())).unwrap();
+            check(&cache);
+        }
+        complete_all(&mut cache);
+        cache.commit(request, prompt, &blocks).unwrap();
+        cache.finish(request).unwrap();
+        check(&cache);
+        if cache.cached_prefix(&first).storage_blocks == 4 {
+            break;
+        }
+    }
+    assert_eq!(cache.cached_prefix(&first).storage_blocks, 4, "back on storage only");
+    assert!(written.contains(&first[2]), "block 3 was written back: {written:?}");
+}

@@ -216,10 +216,10 @@ impl CacheManager {
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }
 
-    /// Storage hit `id` at `depth` in the prompt (module flow, step 4): a LOAD into `host` (a host block, with the STORE
-    /// still reading it if claimed from one), then a swap-in into `device` behind it; the ticket
-    /// and the request's swap-in (`after`) wait for the LOAD. Returns the swap-in. Out of line:
-    /// a cache without a storage tier never comes here.
+    /// Storage hit `id` at `depth` in the prompt (module flow, step 4): a LOAD into `host` (a host
+    /// block, with the STORE still reading it if claimed from one), then a swap-in into `device`
+    /// behind it; the ticket and the request's swap-in (`after`) wait for the LOAD. Returns the
+    /// swap-in. Out of line: a cache without a storage tier never comes here.
     #[inline(never)]
     fn load_storage_hit(
         &mut self,

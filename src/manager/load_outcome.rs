@@ -4,8 +4,9 @@
 //! The tier answers for each block of a LOAD: landed, missing (the object is absent, corrupt or
 //! torn on some rank: the block is gone), or unavailable (the tier failed for it: it may still be
 //! there). An error of the whole command (tier down, timeout, a worker error) is an unavailable
-//! block for every block of it. Only a missing block is dropped. A LOAD carries one chain of one request's path, block 0
-//! first, so its blocks before the first miss are exactly the part of the hit that still holds.
+//! block for every block of it. Only a missing block is dropped. A LOAD carries one chain of one
+//! request's path, block 0 first, so its blocks before the first miss are exactly the part of the
+//! hit that still holds.
 //!
 //! Core types: [`BlockOutcome`] (what the service reports per block), `LoadOutcome` (per
 //! copy).
@@ -26,7 +27,9 @@
 //!    it (now, usually: step 3 released the waiting requests). A node still held (a request
 //!    matched it and has not allocated) waits in `unloadable` for the next `poll`; meanwhile it
 //!    is no hit (matches stop before it) and its holder's allocation cuts its hits there
-//!    (`cut_hits_at_lost`) instead of loading it.
+//!    (`cut_hits_at_lost`) instead of loading it. A holder that computes it and commits it
+//!    makes it a device copy no longer counted on storage (`uncount_lost_copies`, from
+//!    `commit`).
 
 use super::lookup::is_lost;
 use super::transfer::InFlight;
@@ -115,12 +118,15 @@ impl CacheManager {
             .map(|&node| (node, self.swap_in_behind(load, flight.then, node)))
             .collect();
         let cancelled = self.loads_below_lost(load, &mut lost);
-        // The shallowest block the tier reported missing (the ones below it go with it).
-        let missing = (first_miss..flight.nodes.len())
-            .find(|&index| {
+        // Every block the tier reported missing: the shallowest takes the ones below it along once
+        // unheld, but while a request holds it each one is lost on its own (a holder that
+        // recomputes it must not count the tier's copy).
+        let missing: Vec<NodeId> = (first_miss..flight.nodes.len())
+            .filter(|&index| {
                 attached(self, flight.nodes[index]) && outcome.of(index) == BlockOutcome::Missing
             })
-            .map(|index| flight.nodes[index]);
+            .map(|index| flight.nodes[index])
+            .collect();
         // Step 3: the waiting requests are shortened.
         let mut tickets = flight.tickets.clone();
         for (_, cancelled) in &cancelled {
@@ -179,9 +185,11 @@ impl CacheManager {
             self.recycle_flight(cancelled);
         }
         // Step 5: a block the tier no longer has leaves, with its subtree, once unheld.
-        if let Some(node) = missing {
-            self.stats.load_missing_blocks += 1;
-            self.unloadable.push((node, self.tree.node(node).hash()));
+        if !missing.is_empty() {
+            for node in missing {
+                self.stats.load_missing_blocks += 1;
+                self.unloadable.push((node, self.tree.node(node).hash()));
+            }
             self.drop_unloadable();
         }
         self.resolve_tickets(&flight.tickets, None);
@@ -190,9 +198,6 @@ impl CacheManager {
         self.close_transfers();
     }
 
-    /// The unissued LOADs ordered after `load` whose chain hangs below a node of `lost`, taken out
-    /// of the in-flight table, and after them those below theirs; their attached nodes join
-    /// `lost` (module flow, step 2).
     /// A commit of `request` made device copies of nodes from path position `start` on: those
     /// the tier reported missing (waiting in `unloadable`, held when their LOAD missed) are no
     /// longer counted on storage, and the tier is told to forget its damaged copy; without this
@@ -202,7 +207,11 @@ impl CacheManager {
         let end = self.requests[&request].path.len();
         for index in start..end {
             let id = self.requests[&request].path[index];
-            let Some(position) = self.unloadable.iter().position(|&(lost, _)| lost == id) else {
+            // An id whose node left the tree may have been reused: the hash tells.
+            let hash = self.tree.node(id).hash();
+            let Some(position) =
+                self.unloadable.iter().position(|&(lost, was)| lost == id && was == hash)
+            else {
                 continue;
             };
             let (_, hash) = self.unloadable.swap_remove(position);
@@ -214,6 +223,9 @@ impl CacheManager {
         }
     }
 
+    /// The unissued LOADs ordered after `load` whose chain hangs below a node of `lost`, taken out
+    /// of the in-flight table, and after them those below theirs; their attached nodes join
+    /// `lost` (module flow, step 2).
     fn loads_below_lost(
         &mut self,
         load: TransferId,
