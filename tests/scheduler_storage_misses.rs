@@ -84,6 +84,7 @@ fn a_load_missing_its_third_block_shortens_the_hit_to_two_and_the_request_caches
     let loads = run_until_loads(&mut cache);
     assert_eq!(loads.len(), 1);
     let load = &loads[0];
+    let counters = cache.stats().counters;
     let order: Vec<BlockHash> = load.blocks.iter().map(|block| block.hash).collect();
     assert_eq!(order, first, "a LOAD carries its chain block 0 first");
     cache.complete_storage_transfer(load.id, Ok(Some(&[Landed, Landed, Missing, Landed]))).unwrap();
@@ -106,7 +107,11 @@ fn a_load_missing_its_third_block_shortens_the_hit_to_two_and_the_request_caches
     // The missed block left at once, with the block below it: no match sees them any more.
     let found = cache.cached_prefix(&first);
     assert_eq!((found.device_blocks, found.storage_blocks), (2, 0), "{found:?}");
-    assert_eq!(cache.stats().counters.load_missing_blocks, 1);
+    let after = cache.stats().counters;
+    assert_eq!(after.load_missing_blocks, 1);
+    assert_eq!(after.lost_blocks_dropped, 2, "the missing block and the one below it");
+    assert_eq!(after.evictions.storage_dropped, counters.evictions.storage_dropped, "no eviction");
+    assert_eq!(after.failed_transfers, counters.failed_transfers, "a miss is no failed copy");
     // The request computes blocks 3 and 4 into its table and commits them.
     cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
     check(&cache);

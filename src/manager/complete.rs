@@ -119,14 +119,10 @@ impl CacheManager {
     /// Applies storage copy `id`'s outcome; `flight` is out of the in-flight table already.
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
     fn complete_storage(&mut self, id: TransferId, flight: InFlight, outcome: LoadOutcome) {
-        let all_landed = match outcome {
-            LoadOutcome::AllLanded => true,
-            LoadOutcome::Blocks(blocks) => {
-                blocks.iter().all(|&block| block == BlockOutcome::Landed)
-            }
-            LoadOutcome::Unavailable(_) => false,
-        };
-        let Some(flight) = self.release_completed(flight, all_landed) else { return };
+        // A block the tier missed is a miss, counted per block; only a whole command that failed
+        // is a failed copy.
+        let command_done = !matches!(outcome, LoadOutcome::Unavailable(_));
+        let Some(flight) = self.release_completed(flight, command_done) else { return };
         if flight.kind == TransferKind::StorageToHost {
             self.complete_load(id, flight, outcome);
             return;

@@ -58,6 +58,9 @@ pub struct CacheCounters {
     /// Backups issued, and landed.
     pub backups_issued: u64,
     pub backup_blocks: u64,
+    /// Copies that failed as a whole (a device copy, a worker error, a dead worker, a storage
+    /// command the tier failed); a storage copy with only some blocks missed is not one
+    /// (`store_failed_blocks`, `load_failed_blocks` count those).
     pub failed_transfers: u64,
     /// Completions of copies from before a reset.
     pub stale_completions: u64,
@@ -88,8 +91,12 @@ pub struct CacheCounters {
     pub prefetch_found_blocks: u64,
     /// Stored blocks given up because their parent never came back (forgotten on the tier).
     pub expired_orphans: u64,
-    /// Blocks a LOAD found missing or damaged on the tier (each dropped with its subtree).
+    /// Blocks a LOAD found missing or damaged on the tier, per block (each no hit from then on,
+    /// dropped with its subtree once no request holds it; a holder may recompute it instead).
     pub load_missing_blocks: u64,
+    /// Blocks dropped because the tier lost them: a missing block and the storage-only blocks
+    /// below it, once unheld (not counted as storage evictions).
+    pub lost_blocks_dropped: u64,
     /// Tickets whose hit a LOAD's miss shortened (the request computes the rest).
     pub shortened_tickets: u64,
     /// Shortenings that found no device block for a request sharing a lost block with another

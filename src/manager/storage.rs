@@ -285,8 +285,10 @@ impl CacheManager {
             if node.ref_count() > 0 {
                 return true;
             }
+            // A tier's loss, not an eviction: counted apart, per block.
+            let before = self.tree.len();
             self.drop_subtree(id);
-            self.stats.evictions.storage_dropped += 1;
+            self.stats.lost_blocks_dropped += (before - self.tree.len()) as u64;
             false
         });
         waiting.append(&mut self.unloadable);
