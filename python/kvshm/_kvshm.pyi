@@ -229,7 +229,9 @@ class Service:
         """Starts storage loads (and a query of a shared tier) for a prompt; returns the ticket."""
 
     def prefetch_status(self, ticket: int) -> Literal["ready", "pending"]:
-        """A prefetch ticket's status; forgotten once read as done."""
+        """A prefetch ticket's status; forgotten once read as done. A storage miss is no
+        failure: the ticket ends ``"ready"`` (the blocks that landed are on host; ``stats()``
+        counts the misses)."""
 
     def ticket_status(self, ticket: int) -> Literal["ready", "shortened", "pending"]: ...
     def ticket_cached_blocks(self, ticket: int) -> int | None:

@@ -481,8 +481,9 @@ impl Service {
         Ok(ticket.map(|ticket| ticket.0))
     }
 
-    /// A prefetch ticket's status after a poll: `"ready"` or `"pending"`; a failed prefetch
-    /// raises `TransferFailedError`. A ticket read as done is forgotten (`TicketError` after).
+    /// A prefetch ticket's status after a poll: `"ready"` or `"pending"`. A storage miss ends it
+    /// ready too (a prefetch is advisory; `stats()` counts the misses), so it never raises for
+    /// one. A ticket read as done is forgotten (`TicketError` after).
     fn prefetch_status(&self, py: Python<'_>, ticket: u64) -> PyResult<&'static str> {
         match open(&mut self.lock(py))?.prefetch_status(TicketId(ticket)).py_err()? {
             // A prefetch belongs to no request: nothing is shortened.

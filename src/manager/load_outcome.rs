@@ -274,7 +274,7 @@ impl CacheManager {
 
     /// Shortens the hit of `ticket`'s request where its path first reaches a node of `lost`
     /// (module flow, step 3). `failure` fails the ticket in the one case where the request
-    /// cannot be given a device block of its own.
+    /// cannot be given a device block of its own; a prefetch's ticket is left as it is.
     fn shorten(
         &mut self,
         ticket: TicketId,
@@ -283,9 +283,9 @@ impl CacheManager {
     ) {
         let Some(record) = self.tickets.get_mut(&ticket) else { return };
         let Some(request_id) = record.request else {
-            // A prefetch's ticket belongs to no request: its LOAD missed, it fails (nothing
-            // else does; the blocks that landed are on host).
-            record.failure = Some(failure);
+            // A prefetch's ticket belongs to no request and is advisory: a miss ends it ready
+            // like a hit (the blocks that landed are on host; `prefetch_failed_blocks` counts the
+            // others), never failed.
             return;
         };
         let Some(request) = self.requests.get(&request_id) else { return };

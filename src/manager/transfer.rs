@@ -99,8 +99,11 @@ pub enum TicketStatus {
     Shortened { cached_blocks: u32 },
     /// Some copies are still in flight.
     Pending,
-    /// A swap-in that it waited on failed (a device copy, or a dead worker; never a storage
-    /// miss): the request must be aborted.
+    /// A device copy that it waited on failed (a copy error, or a worker that died during a
+    /// swap-in), or, rarely, a storage miss shortened a request that shared the lost blocks with
+    /// another one and no device block could be had for it (`CommandError::StorageMiss`,
+    /// counted in `shortening_failed`): the request must be aborted. A storage miss otherwise
+    /// never fails a ticket (it shortens the hit), and a prefetch's ticket never fails.
     Failed(TransferFailure),
 }
 
