@@ -707,3 +707,51 @@ fn a_prefetch_load_missing_a_block_ends_its_ticket_ready_with_the_blocks_above_o
     assert_eq!((found.host_blocks, found.storage_blocks), (1, 0), "{found:?}");
     assert_eq!(cache.stats().counters.load_missing_blocks, 1);
 }
+
+#[test]
+fn an_allocation_following_a_prefetch_load_that_misses_a_block_is_shortened_and_the_block_dropped()
+{
+    let mut cache = three_tiers();
+    let first = push_first_prompt_to_storage(&mut cache);
+    let prefetch = cache.prefetch(&first).unwrap().unwrap();
+    let load = hold_the_load(&mut cache);
+    check(&cache);
+    // The request matches both blocks while the prefetch loads them, and follows its LOAD.
+    let request = RequestId(60);
+    let found = cache.match_prefix(request, &first, prompt_hitting(first.len())).unwrap();
+    assert_eq!(found.storage_blocks, first.len(), "{found:?}");
+    let ticket = cache.allocate(request, 1, 0).unwrap().ticket;
+    check(&cache);
+    let transfers = cache.take_transfers();
+    assert!(
+        transfers.iter().all(|transfer| transfer.kind != TransferKind::StorageToHost),
+        "no LOAD of its own: {transfers:?}"
+    );
+    cache
+        .complete_storage_transfer(
+            load.id,
+            Ok(Some(&[
+                kvshm::manager::BlockOutcome::Landed,
+                kvshm::manager::BlockOutcome::Missing,
+            ])),
+        )
+        .unwrap();
+    check(&cache);
+    assert_eq!(cache.ticket_cached_blocks(ticket), Ok(Some(1)));
+    for transfer in transfers {
+        cache.complete_transfer(transfer.id, Ok(())).unwrap();
+        check(&cache);
+    }
+    complete_all(&mut cache);
+    check(&cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    assert_eq!(cache.prefetch_status(prefetch), Ok(TicketStatus::Ready));
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.device_blocks, found.storage_blocks), (1, 0), "block 2 is gone: {found:?}");
+    let blocks = first.len() * scheduler_support::BLOCK_TOKENS as usize;
+    cache.commit(request, blocks, &first).unwrap();
+    check(&cache);
+    cache.finish(request).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&first).device_blocks, first.len());
+}

@@ -473,3 +473,112 @@ fn every_missing_block_of_a_load_recomputed_while_held_stops_counting_on_storage
     assert_eq!(cache.cached_prefix(&first).storage_blocks, 4, "back on storage only");
     assert!(written.contains(&first[2]), "block 3 was written back: {written:?}");
 }
+
+#[test]
+fn a_second_request_sharing_a_lost_block_with_no_device_block_to_be_had_fails_and_frees_nothing_twice(
+) {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    for id in [50, 51] {
+        let found = cache.match_prefix(RequestId(id), &first, prompt_hitting(4)).unwrap();
+        assert_eq!(found.storage_blocks, 4, "{found:?}");
+    }
+    let one = cache.allocate(RequestId(50), 1, 0).unwrap().ticket;
+    let two = cache.allocate(RequestId(51), 1, 0).unwrap().ticket;
+    check(&cache);
+    // A third request takes every device block left: nothing free, nothing reclaimable.
+    let rest = cache.obtainable_device_blocks(usize::MAX);
+    cache.match_prefix(RequestId(52), &[], rest * BLOCK_TOKENS as usize).unwrap();
+    cache.allocate(RequestId(52), rest * BLOCK_TOKENS as usize, 0).unwrap();
+    check(&cache);
+    assert_eq!(cache.obtainable_device_blocks(usize::MAX), 0);
+    let loads = run_until_loads(&mut cache);
+    assert_eq!(loads.len(), 1, "the second request shares the first one's LOAD");
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Missing, Landed, Landed])))
+        .unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    check(&cache);
+    assert_eq!(cache.ticket_status(one), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
+    match cache.ticket_status(two) {
+        Ok(TicketStatus::Failed(failure)) => {
+            assert_eq!(failure.error, kvshm::manager::CommandError::StorageMiss);
+        }
+        status => panic!("the second request has no device block of its own: {status:?}"),
+    }
+    assert_eq!(cache.stats().counters.shortening_failed, 1);
+    let free = cache.free_device_blocks();
+    cache.abort(RequestId(51)).unwrap();
+    check(&cache);
+    assert_eq!(cache.free_device_blocks(), free + 1, "only its own new block comes back");
+    cache.poll();
+    check(&cache);
+    let found = cache.cached_prefix(&first);
+    assert_eq!((found.device_blocks, found.storage_blocks), (1, 0), "{found:?}");
+    cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
+    check(&cache);
+    for id in [50, 52] {
+        cache.finish(RequestId(id)).unwrap();
+        check(&cache);
+    }
+    assert_eq!(cache.cached_prefix(&first).device_blocks, 4);
+}
+
+#[test]
+fn a_load_ordered_after_one_that_misses_but_hanging_below_a_block_that_landed_is_kept_and_issued() {
+    // Host room for both LOADs at once.
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 12).with_host_blocks(16).with_storage_blocks(64));
+    // Two prompts sharing blocks 1-2, both on storage only.
+    let one = hashes(&[1, 2, 3, 4]);
+    let two = hashes(&[1, 2, 9, 10]);
+    serve(&mut cache, 1, &one);
+    serve(&mut cache, 2, &two);
+    let mut round = 0u128;
+    while cache.cached_prefix(&one).storage_blocks < 4
+        || cache.cached_prefix(&two).storage_blocks < 4
+    {
+        round += 1;
+        assert!(round < 20, "set-up: the prompts never reached storage");
+        let base = 100 * round;
+        serve(&mut cache, 10 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
+    }
+    complete_all(&mut cache); // the STOREs still reading host blocks
+                              // Request 51 matches first; request 50 allocates (LOAD 1 of blocks 1-4), then request 51
+                              // (sharing blocks 1-2 of LOAD 1, and LOAD 2 of blocks 9-10, ordered after LOAD 1).
+    let found = cache.match_prefix(RequestId(51), &two, prompt_hitting(4)).unwrap();
+    assert_eq!(found.storage_blocks, 4, "{found:?}");
+    let first_ticket = allocate_hitting_all(&mut cache, 50, &one);
+    let second_ticket = cache.allocate(RequestId(51), 1, 0).unwrap().ticket;
+    check(&cache);
+    let loads = run_until_loads(&mut cache);
+    assert_eq!(loads.len(), 1, "the second LOAD waits for the first");
+    let order: Vec<BlockHash> = loads[0].blocks.iter().map(|block| block.hash).collect();
+    assert_eq!(order, one);
+    // LOAD 1 misses block 3, below the blocks request 51 shares: its own LOAD is kept.
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Landed, Missing, Landed])))
+        .unwrap();
+    check(&cache);
+    let loads = run_until_loads(&mut cache);
+    let order: Vec<BlockHash> =
+        loads.iter().flat_map(|load| &load.blocks).map(|b| b.hash).collect();
+    assert_eq!(order, two[2..], "the second LOAD is issued");
+    for load in loads {
+        cache.complete_storage_transfer(load.id, Ok(None)).unwrap();
+        check(&cache);
+    }
+    complete_all(&mut cache);
+    check(&cache);
+    assert_eq!(cache.ticket_status(first_ticket), Ok(TicketStatus::Shortened { cached_blocks: 2 }));
+    assert_eq!(cache.ticket_status(second_ticket), Ok(TicketStatus::Ready), "not shortened");
+    for (id, blocks) in [(50, &one), (51, &two)] {
+        cache.commit(RequestId(id), 4 * BLOCK_TOKENS as usize, blocks).unwrap();
+        check(&cache);
+        cache.finish(RequestId(id)).unwrap();
+        check(&cache);
+    }
+    assert_eq!(cache.cached_prefix(&one).device_blocks, 4);
+    assert_eq!(cache.cached_prefix(&two).device_blocks, 4);
+}

@@ -320,7 +320,20 @@ fn two_requests_sharing_a_load_that_misses_compute_into_the_tables_wait_returns_
     }
     let mut tables = Vec::new();
     for (id, ticket, allocated) in scheduled {
-        let ready = service.wait(ticket, WAIT).expect("a storage miss never fails a request");
+        // Layer by layer: no layer reads as ready before the cut is known (a storage command
+        // publishes no layer progress; the swap-ins behind the LOAD come after it).
+        let deadline = std::time::Instant::now() + WAIT;
+        let ready = loop {
+            let layers = service.ticket_layers_ready(ticket).unwrap();
+            if layers > 0 {
+                let cached = service.ticket_cached_blocks(ticket).unwrap();
+                assert!(cached.is_some(), "{layers} layers ready before the cut is known");
+            }
+            if let Some(ready) = service.poll_ticket(ticket).expect("a miss fails no request") {
+                break ready;
+            }
+            assert!(std::time::Instant::now() < deadline, "ticket {ticket:?} never ready");
+        };
         let TicketReady::Shortened { cached_blocks, block_table } = ready else {
             panic!("block 1 is missing: {ready:?}");
         };
