@@ -348,13 +348,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let started = Instant::now();
     let mut engine = DemoEngine::new(&mut service);
-    for (done, request) in requests.iter().enumerate() {
+    // Two requests per engine step, as a batching engine schedules them.
+    for (step, batch) in requests.chunks(2).enumerate() {
         if interrupted() {
+            let done = 2 * step;
             drop(engine);
             drop(service);
             bail!("interrupted by a signal after {done} requests; segment {name} removed");
         }
-        engine.run(request)?;
+        engine.run_batch(batch)?;
     }
     let report = engine.report(started.elapsed());
     service.cache().check_invariants().context("cache invariants after the replay")?;

@@ -1,7 +1,9 @@
 //! `kvshm demo`: an engine stand-in that drives a [`Service`] with real bytes.
 //!
-//! The demo plays the engine of a tensor-parallel model on the host backend. For each request of
-//! a conversation trace it:
+//! The demo plays the engine of a tensor-parallel model on the host backend. It serves a
+//! conversation trace two requests per engine step ([`DemoEngine::run_batch`]: both matched and
+//! allocated before either waits, so that requests sharing a prefix share its storage LOADs).
+//! For each request it:
 //!
 //! 1. matches the request's block hashes ([`Service::match_prefix`]);
 //! 2. allocates blocks for the rest of the prompt and the output, and waits on the ticket (host
@@ -79,6 +81,17 @@ pub struct DemoReport {
     pub elapsed_s: f64,
 }
 
+/// A request matched and allocated in an engine step, waiting to be served.
+struct Scheduled {
+    id: u64,
+    hashes: Vec<BlockHash>,
+    /// The block table `allocate` returned (a shortened ticket brings the current one).
+    table: Vec<u32>,
+    ticket: crate::manager::TicketId,
+    /// The match's (device, host, storage) hits.
+    hits: (usize, usize, usize),
+}
+
 /// The engine stand-in.
 pub struct DemoEngine<'a> {
     service: &'a mut Service,
@@ -115,8 +128,49 @@ impl<'a> DemoEngine<'a> {
 
     /// Runs one trace request through the cache with data verification.
     pub fn run(&mut self, request: &TraceRequest) -> Result<(), DemoError> {
-        let id = self.next_request;
-        self.next_request += 1;
+        self.run_batch(std::slice::from_ref(request))
+    }
+
+    /// Runs trace requests as one engine step, with data verification: every one is matched and
+    /// allocated before any waits (requests sharing a prefix then share its storage LOADs, as in
+    /// a batching engine), then each is served, the last one first. A request that finds no room
+    /// while others of the step hold blocks is scheduled again once those are served.
+    pub fn run_batch(&mut self, requests: &[TraceRequest]) -> Result<(), DemoError> {
+        let mut step: Vec<Scheduled> = Vec::with_capacity(requests.len());
+        for request in requests {
+            let id = self.next_request;
+            self.next_request += 1;
+            let mut scheduled = self.schedule(id, request)?;
+            if scheduled.is_none() && !step.is_empty() {
+                while let Some(earlier) = step.pop() {
+                    self.serve(earlier)?;
+                }
+                scheduled = self.schedule(id, request)?;
+            }
+            match scheduled {
+                Some(scheduled) => step.push(scheduled),
+                // Larger than what the device tier can free: an engine would reject or chunk it.
+                None => {
+                    let block_tokens = self.service.cache().config().block_tokens as usize;
+                    self.report.requests += 1;
+                    self.report.blocks += request.full_block_hashes(block_tokens).count() as u64;
+                    self.report.skipped_requests += 1;
+                }
+            }
+        }
+        while let Some(scheduled) = step.pop() {
+            self.serve(scheduled)?;
+        }
+        Ok(())
+    }
+
+    /// Steps 1 and 2 up to the wait: matches request `id` and allocates its blocks; `None` (its
+    /// holds released) when the device tier cannot give them.
+    fn schedule(
+        &mut self,
+        id: u64,
+        request: &TraceRequest,
+    ) -> Result<Option<Scheduled>, DemoError> {
         let cache_error = |source: Box<dyn std::error::Error + Send + Sync>| DemoError::Cache {
             request: id,
             source,
@@ -124,16 +178,10 @@ impl<'a> DemoEngine<'a> {
         let block_tokens = self.service.cache().config().block_tokens as usize;
         // Engines cache only full blocks: a trailing partial block is computed, never cached.
         let hashes: Vec<BlockHash> = request.full_block_hashes(block_tokens).collect();
-        self.report.requests += 1;
-        self.report.blocks += hashes.len() as u64;
-
         let matched = self
             .service
             .match_prefix(RequestId(id), &hashes, request.input_length)
             .map_err(|error| cache_error(error.into()))?;
-        let (device_hits, host_hits, mut storage_hits) =
-            (matched.device_blocks, matched.host_blocks, matched.storage_blocks);
-        let mut hits = device_hits + host_hits + storage_hits;
         let new_tokens = request.input_length - matched.cached_tokens + request.output_length;
         let owned =
             |allocation: Allocation<'_>| (allocation.block_table.to_vec(), allocation.ticket);
@@ -142,16 +190,30 @@ impl<'a> DemoEngine<'a> {
             // The blocks it would evict were being copied (backups, swap-outs); they have landed.
             allocated = self.service.allocate(RequestId(id), new_tokens, 0).map(owned);
         }
-        let (mut table, ticket) = match allocated {
-            Ok(allocated) => allocated,
-            Err(_) => {
-                // Larger than what the device tier can free: an engine would reject or chunk it.
-                // Release the holds and move on.
-                self.service.abort(RequestId(id)).map_err(|error| cache_error(error.into()))?;
-                self.report.skipped_requests += 1;
-                return Ok(());
-            }
+        let Ok((table, ticket)) = allocated else {
+            self.service.abort(RequestId(id)).map_err(|error| cache_error(error.into()))?;
+            return Ok(None);
         };
+        self.report.requests += 1;
+        self.report.blocks += hashes.len() as u64;
+        Ok(Some(Scheduled {
+            id,
+            hashes,
+            table,
+            ticket,
+            hits: (matched.device_blocks, matched.host_blocks, matched.storage_blocks),
+        }))
+    }
+
+    /// Steps 2 (the wait) to 5 for a scheduled request.
+    fn serve(&mut self, scheduled: Scheduled) -> Result<(), DemoError> {
+        let Scheduled { id, hashes, mut table, ticket, hits } = scheduled;
+        let cache_error = |source: Box<dyn std::error::Error + Send + Sync>| DemoError::Cache {
+            request: id,
+            source,
+        };
+        let (device_hits, host_hits, mut storage_hits) = hits;
+        let mut hits = device_hits + host_hits + storage_hits;
         let waited = Instant::now();
         match self.service.wait(ticket, TICKET_TIMEOUT) {
             Ok(TicketReady::AllHits) => {}
@@ -189,6 +251,7 @@ impl<'a> DemoEngine<'a> {
         for (index, &block) in table.iter().enumerate().take(hashes.len()).skip(hits) {
             self.write_block(id, hashes[index], block)?;
         }
+        let block_tokens = self.service.cache().config().block_tokens as usize;
         let computed_tokens = hashes.len() * block_tokens;
         self.service
             .commit(RequestId(id), computed_tokens, &hashes)
