@@ -2,7 +2,9 @@
 //!
 //! 1. Count what is needed ([`super::capacity`]): a block per host or storage hit not yet swapped
 //!    in, and blocks for the new and lookahead tokens beyond what the block table covers; a host
-//!    block per storage hit.
+//!    block per storage hit. Hits end before a block the storage tier reported missing that a
+//!    request still holds (DESIGN §9): from there on the positions get fresh blocks like new
+//!    ones, and the ticket ends `Shortened` (the cut is applied once the allocation fits).
 //! 2. Count what can be had without changing anything: free blocks, claimable blocks and the
 //!    cascade of device candidates; free host blocks and host candidates. Short: fail, nothing
 //!    changed.
