@@ -401,8 +401,8 @@ fn a_swap_in_failing_above_a_node_a_prefetch_loads_keeps_the_blocks_below_it_sto
     check(&cache);
 }
 
-#[test]
-fn a_prefetch_on_a_full_tier_still_asks_it_and_makes_room_for_the_blocks_found() {
+/// Three tiers whose storage tier is full, of two-block prompts `[100 + 2r, 101 + 2r]`.
+fn full_tier() -> CacheManager {
     let mut cache = three_tiers();
     for round in 0..40u128 {
         if cache.storage_used_blocks() == 8 {
@@ -412,6 +412,12 @@ fn a_prefetch_on_a_full_tier_still_asks_it_and_makes_room_for_the_blocks_found()
         complete_all(&mut cache);
     }
     assert_eq!(cache.storage_used_blocks(), 8, "the tier is full");
+    cache
+}
+
+#[test]
+fn a_prefetch_on_a_full_tier_still_asks_it_and_makes_room_for_the_blocks_found() {
+    let mut cache = full_tier();
     let prompt = hashes(&[900, 901]);
     let ticket = cache.prefetch(&prompt).unwrap().expect("the tier is asked");
     let mut queries = Vec::new();
@@ -434,15 +440,7 @@ fn a_prefetch_on_a_full_tier_still_asks_it_and_makes_room_for_the_blocks_found()
 
 #[test]
 fn blocks_a_query_finds_never_push_out_blocks_a_request_holds() {
-    let mut cache = three_tiers();
-    for round in 0..40u128 {
-        if cache.storage_used_blocks() == 8 {
-            break;
-        }
-        serve(&mut cache, round as u64, &hashes(&[100 + 2 * round, 101 + 2 * round]));
-        complete_all(&mut cache);
-    }
-    assert_eq!(cache.storage_used_blocks(), 8, "the tier is full");
+    let mut cache = full_tier();
     // A request holds every storage-only block (matched, not allocated yet).
     let mut holders = Vec::new();
     for round in 0..40u128 {

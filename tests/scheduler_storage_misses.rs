@@ -74,6 +74,24 @@ fn allocate_hitting_all(cache: &mut CacheManager, id: u64, blocks: &[BlockHash])
     ticket
 }
 
+/// Request `holder` matches the four blocks of `first` and waits; request 50 allocates them, and
+/// its LOAD ends with `outcomes`; every other copy completes. Returns request 50's ticket.
+fn load_while_another_holds(
+    cache: &mut CacheManager,
+    first: &[BlockHash],
+    holder: u64,
+    outcomes: &[BlockOutcome],
+) -> TicketId {
+    let found = cache.match_prefix(RequestId(holder), first, prompt_hitting(4)).unwrap();
+    assert_eq!(found.storage_blocks, 4, "{found:?}");
+    let ticket = allocate_hitting_all(cache, 50, first);
+    let loads = run_until_loads(cache);
+    cache.complete_storage_transfer(loads[0].id, Ok(Some(outcomes))).unwrap();
+    check(cache);
+    complete_all(cache);
+    ticket
+}
+
 #[test]
 fn a_load_missing_its_third_block_shortens_the_hit_to_two_and_the_request_caches_what_it_computes()
 {
@@ -328,16 +346,8 @@ fn a_missing_block_below_one_the_tier_could_not_read_is_dropped_and_the_one_abov
 fn a_missing_block_recomputed_while_another_request_holds_it_is_no_longer_counted_on_storage() {
     let mut cache = three_tiers();
     let first = four_blocks_on_storage(&mut cache);
-    // Request 60 matches the four blocks and waits; request 50 allocates them.
-    let found = cache.match_prefix(RequestId(60), &first, prompt_hitting(4)).unwrap();
-    assert_eq!(found.storage_blocks, 4, "{found:?}");
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
-    cache
-        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Landed, Missing, Landed])))
-        .unwrap();
-    check(&cache);
-    complete_all(&mut cache);
+    let ticket =
+        load_while_another_holds(&mut cache, &first, 60, &[Landed, Landed, Missing, Landed]);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 2 }));
     let mut forgotten = Vec::new();
     cache.take_forgotten_blocks(&mut forgotten);
@@ -368,16 +378,8 @@ fn a_missing_block_still_held_is_no_hit_for_new_matches_and_its_holder_allocates
     let mut cache =
         manager(CacheConfig::new(BLOCK_TOKENS, 12).with_host_blocks(4).with_storage_blocks(32));
     let first = four_blocks_on_storage(&mut cache);
-    // Request 51 matches the four blocks and waits; request 50 allocates them.
-    let found = cache.match_prefix(RequestId(51), &first, prompt_hitting(4)).unwrap();
-    assert_eq!(found.storage_blocks, 4, "{found:?}");
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
-    cache
-        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Missing, Landed, Landed])))
-        .unwrap();
-    check(&cache);
-    complete_all(&mut cache);
+    let ticket =
+        load_while_another_holds(&mut cache, &first, 51, &[Landed, Missing, Landed, Landed]);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
     // Block 2 is still held by request 51, but no match counts it (or anything below it).
     let found = cache.match_prefix(RequestId(52), &first, prompt_hitting(4)).unwrap();
@@ -420,16 +422,8 @@ fn every_missing_block_of_a_load_recomputed_while_held_stops_counting_on_storage
     let mut cache =
         manager(CacheConfig::new(BLOCK_TOKENS, 12).with_host_blocks(4).with_storage_blocks(32));
     let first = four_blocks_on_storage(&mut cache);
-    // Request 51 matches the four blocks and never allocates; request 50 allocates them.
-    let found = cache.match_prefix(RequestId(51), &first, prompt_hitting(4)).unwrap();
-    assert_eq!(found.storage_blocks, 4, "{found:?}");
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
-    cache
-        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Missing, Missing, Landed])))
-        .unwrap();
-    check(&cache);
-    complete_all(&mut cache);
+    let ticket =
+        load_while_another_holds(&mut cache, &first, 51, &[Landed, Missing, Missing, Landed]);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
     assert_eq!(cache.stats().counters.load_missing_blocks, 2, "counted per block");
     // Request 50 computes blocks 2-4 and commits them: blocks 2 and 3 (missing) are no longer
