@@ -5,10 +5,12 @@ The loop is the one the README shows: hash the prompt, match, allocate, wait for
 prefixes move to the host tier and back, through the workers, on both ranks.
 """
 
+import contextlib
 import hashlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -172,25 +174,37 @@ def test_wait_releases_the_gil_while_a_slow_copy_lands(name: str, spawn_worker) 
         assert ticks > 20, f"another thread ran while wait() blocked ({ticks} ticks)"
 
 
+@contextlib.contextmanager
+def three_tier_service(
+    name: str, spawn_worker, tmp_path, *, device: int, host: int, storage: int, slab: int
+) -> Iterator[kvshm.Service]:
+    """A service with a disk tier of `storage` blocks (slabs of `slab` blocks in `tmp_path`),
+    its workers started on every rank."""
+    with kvshm.Service(
+        name,
+        block_tokens=BLOCK_TOKENS,
+        device_blocks=device,
+        host_blocks=host,
+        region_bytes=REGION_BYTES,
+        tp_size=TP,
+        layers=LAYERS,
+        storage_blocks=storage,
+    ) as service:
+        args = ["--storage", f"disk:{tmp_path}", "--storage-blocks", str(slab)]
+        for rank in range(TP):
+            spawn_worker(name, rank, args=args)
+        service.wait_for_workers(timeout=20)
+        yield service
+
+
 def test_an_engine_loop_over_three_tiers_reads_back_every_storage_hit_byte_for_byte(
     name: str, spawn_worker, tmp_path
 ) -> None:
     # A host tier too small for the working set: prefixes go down to a disk tier and come back
     # through host to device, on both ranks, in one ticket.
-    with kvshm.Service(
-        name,
-        block_tokens=BLOCK_TOKENS,
-        device_blocks=16,
-        host_blocks=16,
-        region_bytes=REGION_BYTES,
-        tp_size=TP,
-        layers=LAYERS,
-        storage_blocks=256,
+    with three_tier_service(
+        name, spawn_worker, tmp_path, device=16, host=16, storage=256, slab=512
     ) as service:
-        storage = ["--storage", f"disk:{tmp_path}", "--storage-blocks", "512"]
-        for rank in range(TP):
-            spawn_worker(name, rank, args=storage)
-        service.wait_for_workers(timeout=20)
         figures = run_engine(service, requests=160, seed=11)
         stats = service.stats()
         assert figures["verified"] == figures["hits"] * TP * REGIONS
@@ -222,20 +236,9 @@ def serve_prompt(service: kvshm.Service, request: int, hashes: list[int], tokens
 def test_a_prefetch_brings_a_prompt_up_from_disk_so_its_request_hits_on_host(
     name: str, spawn_worker, tmp_path
 ) -> None:
-    with kvshm.Service(
-        name,
-        block_tokens=BLOCK_TOKENS,
-        device_blocks=8,
-        host_blocks=8,
-        region_bytes=REGION_BYTES,
-        tp_size=TP,
-        layers=LAYERS,
-        storage_blocks=64,
+    with three_tier_service(
+        name, spawn_worker, tmp_path, device=8, host=8, storage=64, slab=80
     ) as service:
-        storage = ["--storage", f"disk:{tmp_path}", "--storage-blocks", "80"]
-        for rank in range(TP):
-            spawn_worker(name, rank, args=storage)
-        service.wait_for_workers(timeout=20)
         hasher = kvshm.BlockHasher(BLOCK_TOKENS, model="prefetch")
         prompt = hasher.hash_prompt(range(4 * BLOCK_TOKENS))
         serve_prompt(service, 0, prompt, 4 * BLOCK_TOKENS)
@@ -274,20 +277,9 @@ def test_damaged_disk_records_shorten_hits_and_the_engine_computes_those_blocks(
 ) -> None:
     # A storage miss is never a failed request: `wait` says how many leading blocks are still
     # cached, and the engine computes (and commits) the rest.
-    with kvshm.Service(
-        name,
-        block_tokens=BLOCK_TOKENS,
-        device_blocks=16,
-        host_blocks=16,
-        region_bytes=REGION_BYTES,
-        tp_size=TP,
-        layers=LAYERS,
-        storage_blocks=256,
+    with three_tier_service(
+        name, spawn_worker, tmp_path, device=16, host=16, storage=256, slab=512
     ) as service:
-        storage = ["--storage", f"disk:{tmp_path}", "--storage-blocks", "512"]
-        for rank in range(TP):
-            spawn_worker(name, rank, args=storage)
-        service.wait_for_workers(timeout=20)
         run_engine(service, requests=80, seed=11)
         assert service.wait_for_copies(timeout=30)
         slab = tmp_path / "default" / "rank-0.slab"
