@@ -74,6 +74,15 @@ fn allocate_hitting_all(cache: &mut CacheManager, id: u64, blocks: &[BlockHash])
     ticket
 }
 
+/// Request `id`, its ticket done, commits the four blocks of `first` it holds or computed, and
+/// finishes.
+fn commit_and_finish(cache: &mut CacheManager, id: u64, first: &[BlockHash]) {
+    cache.commit(RequestId(id), 4 * BLOCK_TOKENS as usize, first).unwrap();
+    check(cache);
+    cache.finish(RequestId(id)).unwrap();
+    check(cache);
+}
+
 /// Request `holder` matches the four blocks of `first` and waits; request 50 allocates them, and
 /// its LOAD ends with `outcomes`; every other copy completes. Returns request 50's ticket.
 fn load_while_another_holds(
@@ -131,10 +140,7 @@ fn a_load_missing_its_third_block_shortens_the_hit_to_two_and_the_request_caches
     assert_eq!(after.evictions.storage_dropped, counters.evictions.storage_dropped, "no eviction");
     assert_eq!(after.failed_transfers, counters.failed_transfers, "a miss is no failed copy");
     // The request computes blocks 3 and 4 into its table and commits them.
-    cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
-    check(&cache);
-    cache.finish(RequestId(50)).unwrap();
-    check(&cache);
+    commit_and_finish(&mut cache, 50, &first);
     let found = cache.cached_prefix(&first);
     assert_eq!(found.device_blocks, 4, "blocks 1-2 kept, 3-4 cached from the request: {found:?}");
     assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
@@ -171,10 +177,7 @@ fn two_requests_sharing_one_load_are_both_shortened_each_with_blocks_of_its_own(
         assert_ne!(one, two, "each computes into its own block");
     }
     for id in [50, 51] {
-        cache.commit(RequestId(id), 4 * BLOCK_TOKENS as usize, &first).unwrap();
-        check(&cache);
-        cache.finish(RequestId(id)).unwrap();
-        check(&cache);
+        commit_and_finish(&mut cache, id, &first);
     }
     assert_eq!(cache.cached_prefix(&first).device_blocks, 4);
     assert_eq!(cache.stats().counters.shortened_tickets, 2);
@@ -316,10 +319,7 @@ fn a_request_shortened_by_a_tier_that_was_down_caches_what_it_computes_over_the_
     complete_all(&mut cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
     // The nodes are still there, storage-only: the commit takes the request's copies for them.
-    cache.commit(RequestId(50), 4 * BLOCK_TOKENS as usize, &first).unwrap();
-    check(&cache);
-    cache.finish(RequestId(50)).unwrap();
-    check(&cache);
+    commit_and_finish(&mut cache, 50, &first);
     let found = cache.cached_prefix(&first);
     assert_eq!(found.device_blocks, 4, "{found:?}");
     assert_eq!(cache.stats().storage_used, cache.storage_used_blocks());
@@ -405,10 +405,7 @@ fn a_missing_block_still_held_is_no_hit_for_new_matches_and_its_holder_allocates
     assert_eq!(cache.ticket_status(two), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
     assert_eq!(cache.stats().counters.load_missing_blocks, 1, "no second LOAD missed it");
     for id in [50, 51] {
-        cache.commit(RequestId(id), 4 * BLOCK_TOKENS as usize, &first).unwrap();
-        check(&cache);
-        cache.finish(RequestId(id)).unwrap();
-        check(&cache);
+        commit_and_finish(&mut cache, id, &first);
     }
     cache.abort(RequestId(52)).unwrap();
     check(&cache);
