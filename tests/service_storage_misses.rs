@@ -153,4 +153,10 @@ fn redis_stopped_mid_run_shortens_hits_without_failing_a_request_and_hits_return
     let counters = service.cache().stats().counters;
     assert!(counters.loaded_blocks >= 2 && counters.shortened_tickets >= 2, "{counters:?}");
     assert_eq!(counters.shortening_failed, 0);
+    let published = service.segment().counters();
+    assert_eq!(
+        published.get(kvshm::service::Counter::ShortenedTickets),
+        counters.shortened_tickets,
+        "kvctl sees the shortened hits"
+    );
 }

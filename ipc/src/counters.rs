@@ -105,11 +105,19 @@ pub enum Counter {
     /// scheduler then asks it about blocks past what it knows (prefetch discovery). Set by the
     /// workers, never by the scheduler.
     StorageSharedTier,
+    /// Blocks a LOAD found missing or damaged on the storage tier (no hit from then on).
+    LoadMissingBlocks,
+    /// Blocks dropped because the tier lost them (a missing block and the storage-only blocks below it).
+    LostBlocksDropped,
+    /// Tickets whose hit a LOAD's miss shortened (the request computes the rest).
+    ShortenedTickets,
+    /// Write-through STOREs skipped because the tier was full of blocks it holds alone (written back later).
+    WriteThroughSkipped,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 54] = [
+    pub const ALL: [Counter; 58] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -164,6 +172,10 @@ impl Counter {
         Counter::StorageForgetFailures,
         Counter::StorageForgetsDropped,
         Counter::StorageSharedTier,
+        Counter::LoadMissingBlocks,
+        Counter::LostBlocksDropped,
+        Counter::ShortenedTickets,
+        Counter::WriteThroughSkipped,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -223,6 +235,10 @@ impl Counter {
             Counter::StorageForgetFailures => "storage_forget_failures",
             Counter::StorageForgetsDropped => "storage_forgets_dropped",
             Counter::StorageSharedTier => "storage_shared_tier",
+            Counter::LoadMissingBlocks => "load_missing_blocks",
+            Counter::LostBlocksDropped => "lost_blocks_dropped",
+            Counter::ShortenedTickets => "shortened_tickets",
+            Counter::WriteThroughSkipped => "write_through_skipped",
         }
     }
 
@@ -252,7 +268,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::StorageSharedTier as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::WriteThroughSkipped as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

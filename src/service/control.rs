@@ -67,6 +67,10 @@ impl Service {
             (Counter::PrefetchFailedBlocks, cache.counters.prefetch_failed_blocks),
             (Counter::PrefetchQueryBlocks, cache.counters.prefetch_query_blocks),
             (Counter::ExpiredOrphans, cache.counters.expired_orphans),
+            (Counter::LoadMissingBlocks, cache.counters.load_missing_blocks),
+            (Counter::LostBlocksDropped, cache.counters.lost_blocks_dropped),
+            (Counter::ShortenedTickets, cache.counters.shortened_tickets),
+            (Counter::WriteThroughSkipped, cache.counters.write_through_skipped),
             (Counter::StorageForgetFailures, service.storage_forget_failures),
             (Counter::StorageForgetsDropped, service.storage_forgets_dropped),
             (

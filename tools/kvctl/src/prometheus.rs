@@ -94,6 +94,16 @@ pub fn help(counter: Counter) -> String {
         Counter::StorageSharedTier => {
             "1 when the storage tier is shared with other services (prefetch asks it)."
         }
+        Counter::LoadMissingBlocks => {
+            "Blocks a storage LOAD found missing or damaged (no hit from then on)."
+        }
+        Counter::LostBlocksDropped => "Blocks dropped because the storage tier lost them.",
+        Counter::ShortenedTickets => {
+            "Tickets whose hit a storage miss shortened (the request computes the rest)."
+        }
+        Counter::WriteThroughSkipped => {
+            "Write-through stores skipped for lack of free storage room."
+        }
     };
     text.to_owned()
 }

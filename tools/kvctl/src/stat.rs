@@ -308,6 +308,15 @@ impl StatReport {
                 value(Counter::StorageForgetsDropped),
                 value(Counter::ExpiredOrphans)
             )?;
+            writeln!(
+                out,
+                "misses     {} blocks missing on the tier, {} lost blocks dropped, {} hits \
+                 shortened; {} write-throughs skipped for room",
+                value(Counter::LoadMissingBlocks),
+                value(Counter::LostBlocksDropped),
+                value(Counter::ShortenedTickets),
+                value(Counter::WriteThroughSkipped)
+            )?;
         }
         let copy = &self.worker_copy;
         let copy_rate = copy.bytes_per_second.map_or_else(
