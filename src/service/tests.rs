@@ -259,17 +259,24 @@ fn answer_every_command(segment: &Segment, error: Option<CommandError>) -> Vec<u
     ops
 }
 
-#[test]
-fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
-    let mut service = service_with("forget-retry", |config| {
+/// A service with a storage tier of 8 blocks and one claimed rank that cached two blocks, had
+/// every command answered, and was reset: the two blocks' FORGETs are queued next.
+fn reset_after_caching_two_stored_blocks(name: &str) -> (Service, Segment, RankClaim) {
+    let mut service = service_with(name, |config| {
         config.cache = config.cache.clone().with_storage_blocks(8);
     });
-    let (segment, _claim) = claim_rank(&mut service);
+    let (segment, claim) = claim_rank(&mut service);
     cache_two_blocks(&mut service);
     answer_every_command(&segment, None);
     service.poll();
     service.reset(true).unwrap();
     service.poll();
+    (service, segment, claim)
+}
+
+#[test]
+fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
+    let (mut service, segment, _claim) = reset_after_caching_two_stored_blocks("forget-retry");
     let forget = Op::StorageForget as u32;
     assert_eq!(answer_every_command(&segment, Some(CommandError::NoStorage)), [forget]);
     service.poll();
@@ -294,15 +301,7 @@ fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
 fn blocks_a_forget_completion_says_the_tier_failed_to_forget_are_sent_once_more() {
     use kvshm_ipc::storage_record::StorageResults;
 
-    let mut service = service_with("forget-entries", |config| {
-        config.cache = config.cache.clone().with_storage_blocks(8);
-    });
-    let (segment, _claim) = claim_rank(&mut service);
-    cache_two_blocks(&mut service);
-    answer_every_command(&segment, None);
-    service.poll();
-    service.reset(true).unwrap();
-    service.poll();
+    let (mut service, segment, _claim) = reset_after_caching_two_stored_blocks("forget-entries");
     // The back-end forgot the second block, not the first.
     let answer = |segment: &Segment, failed: u32| {
         let mut commands = segment.command_consumer(0).unwrap();
