@@ -8,7 +8,7 @@
 //!    not happened; selective for a node hit `threshold` times) and a host block can be had, it
 //!    starts a swap-out, and the block becomes claimable at once (an allocation, which would
 //!    claim it next, takes it as the swap-out starts, and gets the parent back unfiled when it
-//!    is the next victim, as in step 3: [`Tree::update_exposing`]);
+//!    is the next victim, as in step 3: [`Tree::start_claimed_swap_out`]);
 //! 3. else the node is dropped, with the host-only nodes under it (a match could never reach
 //!    them again), and its block is free. When an allocation drops a leaf whose parent becomes
 //!    the device candidate the policy gives up next (a chain evicted tail first), the tree hands
@@ -171,7 +171,7 @@ impl CacheManager {
             if let Some((host_block, store)) = host {
                 self.stats.evictions.device_written_back += 1;
                 if for_allocation {
-                    let (transfer, exposed) = self.start_claimed_swap_out(id, host_block);
+                    let (transfer, exposed) = self.start_claimed_swap_out(id, block, host_block);
                     self.order_after_store(transfer, store);
                     return Evicted::Claimed { block, transfer, exposed };
                 }

@@ -555,22 +555,20 @@ impl CacheManager {
         transfer
     }
 
-    /// [`CacheManager::start_swap_out`] with [`SwapOut::Claimed`], for an allocation that goes
-    /// on evicting: the caller takes the node's device block at once (as
-    /// [`CacheManager::claim`] would), and gets the parent back unfiled when it is the next
-    /// victim (see [`Tree::update_exposing`]).
+    /// [`CacheManager::start_swap_out`] with [`SwapOut::Claimed`] of device candidate `id`
+    /// (its device block `device`), for an allocation that goes on evicting: the caller takes
+    /// the device block at once (as [`CacheManager::claim`] would), and gets the parent back
+    /// unfiled when it is the next victim (see [`Tree::start_claimed_swap_out`]).
     fn start_claimed_swap_out(
         &mut self,
         id: NodeId,
+        device: u32,
         host_block: u32,
     ) -> (TransferId, Option<NodeId>) {
-        let transfer = self.open_swap_out(id, host_block);
-        let exposed = self.tree.update_exposing(id, |node| {
-            node.set_host(Some(host_block));
-            node.set_state(NodeState::SwapToHost(SwapOut::Claimed));
-            node.set_transfer(Some(transfer.0));
-            node.set_device(None);
-        });
+        let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
+        flight.pairs.push(kvshm_ipc::record::BlockPair::new(device, host_block));
+        flight.nodes.push(id);
+        let exposed = self.tree.start_claimed_swap_out(id, host_block, transfer.0);
         (transfer, exposed)
     }
 

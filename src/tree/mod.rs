@@ -543,34 +543,42 @@ impl Tree {
             && self.policy.would_come_first(id, EvictSet::Host)
     }
 
-    /// [`Tree::update`] for a change that takes the device copy of device candidate `id` (a
-    /// swap-out claimed as it starts), for an eviction that goes on evicting: as with
-    /// [`Tree::remove_exposing`], when the parent becomes the device candidate the policy would
-    /// give up next (and nothing else), it is left out of the sets and returned, for the caller
-    /// to evict at once or file with [`Tree::file`].
-    pub fn update_exposing(
+    /// Starts the swap-out of device candidate `id` to `host_block` by copy `transfer`, its
+    /// device block claimed at once by an allocation that goes on evicting (the node becomes
+    /// `SwapToHost(Claimed)`, in no set): the fast form of an [`Tree::update`] doing that. As
+    /// with [`Tree::remove_exposing`], when the parent becomes the device candidate the policy
+    /// would give up next (and nothing else), it is left out of the sets and returned, for the
+    /// caller to evict at once or file with [`Tree::file`].
+    ///
+    /// # Panics
+    /// In debug builds, if `id` is not a device candidate (filed or left unfiled as exposed).
+    pub fn start_claimed_swap_out(
         &mut self,
         id: NodeId,
-        change: impl FnOnce(&mut NodeMut<'_>),
+        host_block: u32,
+        transfer: u64,
     ) -> Option<NodeId> {
+        debug_assert!(
+            id != NodeId::ROOT && self.membership(id) == Membership::NONE.with(EvictSet::Device),
+            "a claimed swap-out starts from a device candidate without a host copy"
+        );
         let node = &mut self.nodes[id.index()];
-        let had_device = node.device().is_some();
-        let mut view = NodeMut { node, access: None, upper_changed: false };
-        change(&mut view);
-        let (access, upper_changed) = (view.access, view.upper_changed);
-        let node = &self.nodes[id.index()];
-        let parent = node.parent;
-        if !had_device || node.device().is_some() || upper_changed || parent == NodeId::NONE {
-            // Not the change this is for: as `update`.
-            if (had_device != node.device().is_some() || upper_changed) && parent != NodeId::NONE {
-                self.recount_parent(id, had_device, upper_changed);
-            }
-            self.refile(id, access);
-            return None;
+        let (parent, sets) = (node.parent, node.membership());
+        {
+            // Both states are above storage: the parent's count of upper children stays.
+            let mut view = NodeMut { node, access: None, upper_changed: false };
+            view.set_device(None);
+            view.set_host(Some(host_block));
+            view.set_state(NodeState::SwapToHost(SwapOut::Claimed));
+            view.set_transfer(Some(transfer));
+        }
+        // Its new state admits no set without a device block: it leaves the ones it was in (none
+        // when it is a parent left unfiled by the previous eviction).
+        if !sets.is_empty() {
+            self.policy.leave(id, sets);
+            self.nodes[id.index()].set_membership(Membership::NONE);
         }
         self.count_child_out(parent, false);
-        // The node leaves its sets first, so that the parent is compared with the others.
-        self.refile(id, access);
         if self.is_next_device_victim(parent) {
             return Some(parent);
         }
