@@ -19,8 +19,9 @@
 //! only); with a storage tier, any other host-only node is written back: a STORE starts, the node
 //! becomes `HostToStorage(evict)` and its host block is claimed at once, the caller's copy into
 //! it waiting for the STORE (see [`super::storage`]); without one, a host-only node leaves the
-//! tree, and in an allocation its host-only parent, when it would be the next host victim, is
-//! handed back unfiled for the next host eviction ([`Tree::remove_exposing_host`]).
+//! tree, and in an allocation its host-only parent, when it becomes a host candidate, is handed
+//! back unfiled to the next host eviction, which takes it if it comes first and files it
+//! otherwise ([`Tree::remove_exposing_host`]).
 //!
 //! An allocation first counts what it could get without changing anything
 //! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched. Every claimable
@@ -74,8 +75,8 @@ impl CacheManager {
         }
         // The parent a drop left unfiled as the next device candidate: the next victim.
         let mut exposed = None;
-        // The host-only parent a host eviction left unfiled: the next host victim, if nothing
-        // older has become a host candidate meanwhile.
+        // The host-only parent a host eviction left unfiled: the next host victim, if no host
+        // candidate comes before it.
         let mut exposed_host = None;
         while out.len() - start < count {
             if let Some(id) = self.tree.first_claimable() {
@@ -203,8 +204,8 @@ impl CacheManager {
 
     /// [`CacheManager::obtain_host_block`] for an allocation that goes on evicting: `exposed` is
     /// the host-only parent that the previous host eviction left unfiled (see
-    /// [`Tree::remove_exposing_host`]), evicted now if it is still the first host candidate and
-    /// filed otherwise; this eviction may leave the next one there.
+    /// [`Tree::remove_exposing_host`]), evicted now if it comes before every host candidate
+    /// and filed otherwise; this eviction may leave the next one there.
     fn obtain_host_block_exposing(
         &mut self,
         exposed: &mut Option<NodeId>,
@@ -225,7 +226,7 @@ impl CacheManager {
     }
 
     /// Evicts host candidate `victim` for its host block (module documentation); `exposed`:
-    /// where to leave the parent a removal exposes as the next host victim, if the caller goes
+    /// where to leave the parent a removal makes a host candidate (unfiled), if the caller goes
     /// on evicting.
     #[inline]
     fn evict_host(

@@ -517,16 +517,19 @@ impl Tree {
 
     /// Removes a host candidate, as [`Tree::remove`] does, for an allocation that goes on
     /// evicting host blocks: when the removal makes the parent a host candidate (and nothing
-    /// else) that the policy would give up next, the parent is left out of the sets and
-    /// returned, as with [`Tree::remove_exposing`]. The caller evicts it next if
-    /// [`Tree::is_next_host_victim`] still says so, and files it with [`Tree::file`] otherwise
+    /// else), the parent is left out of the sets and returned, as with [`Tree::remove_exposing`]
+    /// but without asking the policy yet whether it comes first: other nodes may join the host
+    /// candidates before the next host eviction, which must ask anyway. The caller evicts it
+    /// next if [`Tree::is_next_host_victim`] says so, and files it with [`Tree::file`] otherwise
     /// (if it is still live) before its operation ends.
     ///
     /// # Panics
     /// If the node has children or is the root.
     pub fn remove_exposing_host(&mut self, id: NodeId) -> Option<NodeId> {
         let parent = self.unlink(id);
-        if self.is_next_host_victim(parent) {
+        if self.nodes[parent.index()].membership().is_empty()
+            && self.membership(parent) == Membership::NONE.with(EvictSet::Host)
+        {
             return Some(parent);
         }
         self.refile(parent, None);
