@@ -19,7 +19,7 @@
 use super::load_outcome::{BlockOutcome, LoadOutcome};
 use super::transfer::InFlight;
 use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
-use crate::tree::{NodeId, NodeState, SwapOut};
+use crate::tree::{Node, NodeId, NodeState, SwapOut};
 
 impl CacheManager {
     /// Applies the outcome of copy `id` (module flow). Call it once per copy, when every rank has
@@ -43,12 +43,9 @@ impl CacheManager {
         }
         let Some(flight) = self.release_completed(flight, outcome.is_ok()) else { return Ok(()) };
         for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
-            let attached = self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
-            if !attached {
-                continue;
-            }
+            let Some(state) = self.tree.attached_to(node, id.0).map(Node::state) else { continue };
             match (flight.kind, outcome.is_ok()) {
-                (TransferKind::DeviceToHost, true) => self.swap_out_landed(node),
+                (TransferKind::DeviceToHost, true) => self.swap_out_landed(node, state),
                 (TransferKind::DeviceToHost, false) => self.swap_out_failed(node, pair.dst),
                 (TransferKind::HostToDevice, true) => {
                     self.stats.swap_in_blocks += 1;
@@ -181,9 +178,9 @@ impl CacheManager {
         }
     }
 
-    fn swap_out_landed(&mut self, id: NodeId) {
-        let node = self.tree.node(id);
-        let NodeState::SwapToHost(swap) = node.state() else {
+    /// The swap-out of node `id`, in `state`, landed (module flow, step 3).
+    fn swap_out_landed(&mut self, id: NodeId, state: NodeState) {
+        let NodeState::SwapToHost(swap) = state else {
             unreachable!("a node attached to a swap-out is swapping out")
         };
         match swap {
@@ -194,13 +191,21 @@ impl CacheManager {
                     node.set_transfer(None);
                 });
             }
-            SwapOut::Evict | SwapOut::Claimed => {
+            SwapOut::Claimed => {
+                // The usual eviction of an allocation (see `super::evict`): the device block is
+                // the claimer's already.
                 self.stats.swap_out_blocks += 1;
-                if swap == SwapOut::Evict {
-                    let block =
-                        node.device().expect("an unclaimed eviction keeps its device block");
-                    self.free_device(block);
-                }
+                self.tree.land_claimed_swap_out(id);
+                self.settled_on_host(id);
+            }
+            SwapOut::Evict => {
+                self.stats.swap_out_blocks += 1;
+                let block = self
+                    .tree
+                    .node(id)
+                    .device()
+                    .expect("an unclaimed eviction keeps its device block");
+                self.free_device(block);
                 self.settle_on_host(id);
             }
         }

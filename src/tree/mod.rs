@@ -589,6 +589,39 @@ impl Tree {
         None
     }
 
+    /// The swap-out of `id`, whose device block was claimed (`SwapToHost(Claimed)`), landed: the
+    /// node is `Host` now, with no copy in flight, and joins the host candidates if nothing
+    /// below it is above storage. The fast form of an [`Tree::update`] doing that: neither
+    /// block nor tier changes, so the parent's counts and sets stay.
+    ///
+    /// # Panics
+    /// In debug builds, if the node is not a claimed swap-out.
+    pub fn land_claimed_swap_out(&mut self, id: NodeId) {
+        let node = &mut self.nodes[id.index()];
+        debug_assert!(
+            node.is(NodeState::SwapToHost(SwapOut::Claimed)) && node.membership().is_empty(),
+            "landing a swap-out that is not claimed is a programming error"
+        );
+        let mut view = NodeMut { node, access: None, upper_changed: false };
+        view.set_state(NodeState::Host);
+        view.set_transfer(None);
+        view.set_passing_through_host(false);
+        let sets = self.membership(id);
+        if !sets.is_empty() {
+            self.policy.enter(id, sets);
+            self.nodes[id.index()].set_membership(sets);
+        }
+    }
+
+    /// The node `id` names if it is live and names `transfer` as its copy in flight: a pair
+    /// of that copy still attached to it.
+    #[inline]
+    pub fn attached_to(&self, id: NodeId, transfer: u64) -> Option<&Node> {
+        self.nodes
+            .get(id.index())
+            .filter(|node| node.parent != NodeId::NONE && node.transfer() == Some(transfer))
+    }
+
     /// Whether unfiled `parent` has just become a device candidate (and nothing else) that the
     /// policy would give up next: what the exposing changes leave out of the sets.
     #[inline(always)]
