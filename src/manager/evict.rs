@@ -3,7 +3,9 @@
 //! Device blocks come, in this order, from the free pool, from nodes being swapped out whose
 //! block no allocation has claimed yet (the claimer's ticket then covers that copy), and from
 //! evicting the least recently used device candidate under the write policy:
-//! 1. a node with a valid host copy just drops its device copy (metadata only);
+//! 1. a node with a valid host copy just drops its device copy (metadata only; in an
+//!    allocation the parent comes back unfiled when it is the next victim, as in step 3:
+//!    [`Tree::drop_device_copy_exposing`]);
 //! 2. else, if the policy wants a copy (write-back; write-through for a node whose backup has
 //!    not happened; selective for a node hit `threshold` times) and a host block can be had, it
 //!    starts a swap-out, and the block becomes claimable at once (an allocation, which would
@@ -143,21 +145,26 @@ impl CacheManager {
     /// `allocation` (the host parent a host eviction left unfiled, see
     /// [`CacheManager::obtain_host_block_exposing`]) when the caller takes the block now and no
     /// node is claimable: a swap-out is claimed as it starts (what the next claim would do,
-    /// without filing the node as claimable in between), and a drop of a leaf or a swap-out may
-    /// leave its parent unfiled as the next victim (see [`Evicted`]).
+    /// without filing the node as claimable in between), and a drop of a leaf or of a device
+    /// copy, or a swap-out, may leave its parent unfiled as the next victim (see [`Evicted`]).
     fn evict_device(&mut self, id: NodeId, allocation: Option<&mut Option<NodeId>>) -> Evicted {
         let for_allocation = allocation.is_some();
         let node = self.tree.node(id);
         let block = node.device().expect("a device candidate has a device block");
         if node.has_valid_host() {
-            self.tree.update(id, |node| {
-                node.set_device(None);
-                node.set_state(NodeState::Host);
-            });
+            let exposed = if for_allocation {
+                self.tree.drop_device_copy_exposing(id)
+            } else {
+                self.tree.update(id, |node| {
+                    node.set_device(None);
+                    node.set_state(NodeState::Host);
+                });
+                None
+            };
             self.free_device(block);
             self.stats.evictions.device_to_host_metadata += 1;
             self.settled_on_host(id);
-            return Evicted::Freed { exposed: None };
+            return Evicted::Freed { exposed };
         }
         let wants_copy = self.host_enabled()
             && match self.config.write_policy {

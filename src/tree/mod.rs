@@ -589,6 +589,45 @@ impl Tree {
         None
     }
 
+    /// Drops the device copy of device candidate `id`, whose host copy is valid (its backup):
+    /// the node becomes `Host`, and joins the host candidates if nothing below it is above
+    /// storage. The fast form of an [`Tree::update`] doing that, for an allocation that goes on
+    /// evicting: as with [`Tree::remove_exposing`], when the parent becomes the device candidate
+    /// the policy would give up next (and nothing else), it is left out of the sets and
+    /// returned, for the caller to evict at once or file with [`Tree::file`].
+    ///
+    /// # Panics
+    /// In debug builds, if `id` is not a device candidate with a valid host copy.
+    pub fn drop_device_copy_exposing(&mut self, id: NodeId) -> Option<NodeId> {
+        debug_assert!(
+            id != NodeId::ROOT
+                && self.nodes[id.index()].has_valid_host()
+                && self.membership(id).contains(EvictSet::Device),
+            "dropping the device copy of a node that is not a device candidate with a backup"
+        );
+        let node = &mut self.nodes[id.index()];
+        let (parent, sets) = (node.parent, node.membership());
+        // The node leaves its sets first, so that the parent is compared with the others.
+        if !sets.is_empty() {
+            self.policy.leave(id, sets);
+        }
+        let node = &mut self.nodes[id.index()];
+        node.set_membership(Membership::NONE);
+        {
+            // Both states are above storage: the parent's count of upper children stays.
+            let mut view = NodeMut { node, access: None, upper_changed: false };
+            view.set_device(None);
+            view.set_state(NodeState::Host);
+        }
+        self.count_child_out(parent, false);
+        let exposed = self.is_next_device_victim(parent);
+        if !exposed {
+            self.refile(parent, None);
+        }
+        self.refile(id, None);
+        exposed.then_some(parent)
+    }
+
     /// The swap-out of `id`, whose device block was claimed (`SwapToHost(Claimed)`), landed: the
     /// node is `Host` now, with no copy in flight, and joins the host candidates if nothing
     /// below it is above storage. The fast form of an [`Tree::update`] doing that: neither
