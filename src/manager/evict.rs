@@ -75,20 +75,22 @@ impl CacheManager {
                 None,
             ));
         }
+        // Claims first: the evictions below start no claimable swap-out (an allocation takes
+        // the block of the swap-out it starts at once), so none is left once they begin.
+        while out.len() - start < count {
+            let Some(id) = self.tree.first_claimable() else { break };
+            out.push(self.claim(id));
+        }
         // The parent a drop left unfiled as the next device candidate: the next victim.
         let mut exposed = None;
         // The host-only parent a host eviction left unfiled: the next host victim, if no host
         // candidate comes before it.
         let mut exposed_host = None;
         while out.len() - start < count {
-            if let Some(id) = self.tree.first_claimable() {
-                // A claim changes the tree: the parent is filed first, and found again below.
-                if let Some(parent) = exposed.take() {
-                    self.tree.file(parent);
-                }
-                out.push(self.claim(id));
-                continue;
-            }
+            debug_assert!(
+                self.tree.first_claimable().is_none(),
+                "an eviction left a claimable node"
+            );
             let victim = exposed.take().unwrap_or_else(|| {
                 self.tree
                     .first_device_candidate()
