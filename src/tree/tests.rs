@@ -112,6 +112,82 @@ fn removing_a_leaf_for_an_eviction_leaves_its_parent_unfiled_only_when_it_would_
 }
 
 #[test]
+fn a_claimed_swap_out_leaves_every_set_and_lands_as_a_host_candidate_handing_back_its_parent() {
+    for mut tree in trees() {
+        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
+        let newer = served(&mut tree, NodeId::ROOT, &[3], 2);
+        let exposed = tree.start_claimed_swap_out(chain[1], 7, 5);
+        let node = tree.node(chain[1]);
+        assert_eq!(node.state(), NodeState::SwapToHost(SwapOut::Claimed));
+        assert_eq!((node.device(), node.host(), node.transfer()), (None, Some(7), Some(5)));
+        assert_eq!(tree.first_claimable(), None, "claimed already: not claimable");
+        if tree.eviction_policy() == EvictionPolicy::Lru {
+            // Released before `newer`: the next device victim, left out of the sets.
+            assert_eq!(exposed, Some(chain[0]));
+            assert_eq!(tree.candidates(EvictSet::Device), vec![newer[0]]);
+            tree.file(chain[0]);
+        } else {
+            assert_eq!(exposed, None, "a policy that cannot tell files the parent");
+        }
+        assert_eq!(tree.device_candidate_count(), 2);
+        tree.check().unwrap();
+        tree.land_claimed_swap_out(chain[1]);
+        let node = tree.node(chain[1]);
+        assert_eq!((node.state(), node.transfer()), (NodeState::Host, None));
+        assert_eq!(tree.first_host_candidate(), Some(chain[1]));
+        tree.check().unwrap();
+    }
+}
+
+#[test]
+fn dropping_a_device_copy_over_its_backup_hands_back_the_parent_that_goes_next() {
+    for mut tree in trees() {
+        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
+        let newer = served(&mut tree, NodeId::ROOT, &[3], 2);
+        tree.update(chain[1], |node| node.set_host(Some(4)));
+        let exposed = tree.drop_device_copy_exposing(chain[1]);
+        let node = tree.node(chain[1]);
+        assert_eq!((node.state(), node.device(), node.host()), (NodeState::Host, None, Some(4)));
+        assert_eq!(tree.first_host_candidate(), Some(chain[1]));
+        if tree.eviction_policy() == EvictionPolicy::Lru {
+            assert_eq!(exposed, Some(chain[0]));
+            assert_eq!(tree.candidates(EvictSet::Device), vec![newer[0]]);
+            tree.file(chain[0]);
+        } else {
+            assert_eq!(exposed, None, "a policy that cannot tell files the parent");
+        }
+        assert_eq!(tree.first_device_candidate(), Some(chain[0]));
+        tree.check().unwrap();
+    }
+}
+
+#[test]
+fn removing_a_host_leaf_hands_back_its_host_only_parent_unfiled_whether_or_not_it_goes_next() {
+    for mut tree in trees() {
+        let older = served(&mut tree, NodeId::ROOT, &[9], 5);
+        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
+        for id in [older[0], chain[1], chain[0]] {
+            tree.update(id, |node| {
+                node.set_host(node.node().device());
+                node.set_device(None);
+                node.set_state(NodeState::Host);
+            });
+        }
+        assert_eq!(tree.candidates(EvictSet::Host), vec![older[0], chain[1]]);
+        // `older` still goes first: the parent is handed back all the same, for the next host
+        // eviction to compare, and filed by the caller.
+        assert_eq!(tree.remove_exposing_host(chain[1]), Some(chain[0]));
+        assert!(!tree.is_next_host_victim(chain[0]));
+        assert_eq!(tree.candidates(EvictSet::Host), vec![older[0]]);
+        tree.file(chain[0]);
+        assert_eq!(tree.candidates(EvictSet::Host), vec![older[0], chain[0]]);
+        tree.check().unwrap();
+        assert_eq!(tree.remove_exposing_host(older[0]), None, "the root is never exposed");
+        tree.check().unwrap();
+    }
+}
+
+#[test]
 fn a_held_node_is_not_a_candidate_until_released() {
     for mut tree in trees() {
         let ids = served(&mut tree, NodeId::ROOT, &[1], 0);
