@@ -21,9 +21,10 @@
 //! only); with a storage tier, any other host-only node is written back: a STORE starts, the node
 //! becomes `HostToStorage(evict)` and its host block is claimed at once, the caller's copy into
 //! it waiting for the STORE (see [`super::storage`]); without one, a host-only node leaves the
-//! tree, and in an allocation its host-only parent, when it becomes a host candidate, is handed
-//! back unfiled to the next host eviction, which takes it if it comes first and files it
-//! otherwise ([`Tree::remove_exposing_host`]).
+//! tree. In an allocation, when a host-only node leaves the host tier (to storage, or out of
+//! the tree) and its host-only parent becomes a host candidate, the parent is handed back
+//! unfiled to the next host eviction, which takes it if it comes first and files it otherwise
+//! ([`Tree::remove_exposing_host`], [`Tree::update_exposing_host`]).
 //!
 //! An allocation first counts what it could get without changing anything
 //! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched. Every claimable
@@ -36,7 +37,7 @@ use std::ops::ControlFlow;
 use super::ids::IdMap;
 use super::{CacheManager, TransferId, WritePolicy};
 use crate::tree::policy::EvictSet;
-use crate::tree::{NodeId, NodeState, StoreOut, SwapOut, Tree};
+use crate::tree::{NodeId, NodeMut, NodeState, StoreOut, SwapOut, Tree};
 
 /// What evicting one device candidate gave.
 enum Evicted {
@@ -249,7 +250,7 @@ impl CacheManager {
         if node.device().is_some() {
             self.tree.update(victim, |node| node.set_host(None));
         } else if self.storage_enabled() {
-            return self.evict_host_only_above_storage(victim, block);
+            return self.evict_host_only_above_storage(victim, block, exposed);
         } else {
             // Without a storage tier no node is storage-only: a host candidate is a leaf.
             match exposed {
@@ -264,23 +265,35 @@ impl CacheManager {
     /// Evicts host-only candidate `victim` (its host block `block`) with a storage tier below
     /// (module documentation): to storage-only when the tier holds it, else written back when the
     /// tier has room, else dropped with its storage-only children. Returns the block and the
-    /// STORE still reading it.
+    /// STORE still reading it. `exposed`: as for [`CacheManager::evict_host`], for the first two.
     #[inline(never)]
     fn evict_host_only_above_storage(
         &mut self,
         victim: NodeId,
         block: u32,
+        exposed: Option<&mut Option<NodeId>>,
     ) -> (u32, Option<TransferId>) {
         if self.tree.node(victim).stored() {
-            self.tree.update(victim, |node| {
+            let to_storage = |node: &mut NodeMut<'_>| {
                 node.set_host(None);
                 node.set_state(NodeState::Storage);
-            });
+            };
+            match exposed {
+                Some(exposed) => *exposed = self.tree.update_exposing_host(victim, to_storage),
+                None => self.tree.update(victim, to_storage),
+            }
             self.stats.evictions.host_to_storage_metadata += 1;
             return (block, None);
         }
         if self.reserve_storage_block() {
-            let store = self.start_store(victim, block, StoreOut::Evict);
+            let store = match exposed {
+                Some(exposed) => {
+                    let (store, parent) = self.start_write_back_exposing(victim, block);
+                    *exposed = parent;
+                    store
+                }
+                None => self.start_store(victim, block, StoreOut::Evict),
+            };
             self.stats.evictions.host_written_back += 1;
             return (block, Some(store));
         }

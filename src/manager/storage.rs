@@ -116,13 +116,7 @@ impl CacheManager {
         host_block: u32,
         mode: StoreOut,
     ) -> TransferId {
-        let block = self.storage_block(id, self.depth_for_store(id));
-        self.counted_on_storage(block.hash);
-        let (transfer, flight) = self.open_transfer(TransferKind::HostToStorage);
-        flight.pairs.push(BlockPair::new(host_block, host_block));
-        flight.blocks.push(block);
-        flight.nodes.push(id);
-        self.stats.store_blocks_issued += 1;
+        let transfer = self.open_store(id, host_block);
         self.tree.update(id, |node| {
             if mode == StoreOut::Evict {
                 node.set_host(None);
@@ -130,6 +124,37 @@ impl CacheManager {
             node.set_state(NodeState::HostToStorage(mode));
             node.set_transfer(Some(transfer.0));
         });
+        transfer
+    }
+
+    /// [`CacheManager::start_store`] of a write-back ([`StoreOut::Evict`]) for an allocation
+    /// that goes on evicting host blocks: also returns the parent left unfiled when it becomes a
+    /// host candidate (see [`crate::tree::Tree::update_exposing_host`]).
+    #[inline(never)] // off the hot paths of a cache without the tier (code size)
+    pub(super) fn start_write_back_exposing(
+        &mut self,
+        id: NodeId,
+        host_block: u32,
+    ) -> (TransferId, Option<NodeId>) {
+        let transfer = self.open_store(id, host_block);
+        let exposed = self.tree.update_exposing_host(id, |node| {
+            node.set_host(None);
+            node.set_state(NodeState::HostToStorage(StoreOut::Evict));
+            node.set_transfer(Some(transfer.0));
+        });
+        (transfer, exposed)
+    }
+
+    /// Adds the pair of node `id` (its host block `host_block`, named by the node's storage
+    /// name) to the current operation's STORE.
+    fn open_store(&mut self, id: NodeId, host_block: u32) -> TransferId {
+        let block = self.storage_block(id, self.depth_for_store(id));
+        self.counted_on_storage(block.hash);
+        let (transfer, flight) = self.open_transfer(TransferKind::HostToStorage);
+        flight.pairs.push(BlockPair::new(host_block, host_block));
+        flight.blocks.push(block);
+        flight.nodes.push(id);
+        self.stats.store_blocks_issued += 1;
         transfer
     }
 

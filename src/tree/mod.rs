@@ -536,6 +536,43 @@ impl Tree {
         None
     }
 
+    /// [`Tree::update`] for a change that takes node `id` off the host tier to storage (written
+    /// back, or held there already), for an allocation that goes on evicting host blocks: when
+    /// the change makes the parent a host candidate (and nothing else), the parent is left out
+    /// of the sets and returned, as with [`Tree::remove_exposing_host`].
+    pub fn update_exposing_host(
+        &mut self,
+        id: NodeId,
+        change: impl FnOnce(&mut NodeMut<'_>),
+    ) -> Option<NodeId> {
+        let node = &mut self.nodes[id.index()];
+        let had_device = node.device().is_some();
+        let mut view = NodeMut { node, access: None, upper_changed: false };
+        change(&mut view);
+        let (access, upper_changed) = (view.access, view.upper_changed);
+        let node = &self.nodes[id.index()];
+        let parent = node.parent;
+        if had_device != node.device().is_some() || node.is_upper() || parent == NodeId::NONE {
+            // Not the change this is for: as `update`.
+            if (had_device != node.device().is_some() || upper_changed) && parent != NodeId::NONE {
+                self.recount_parent(id, had_device, upper_changed);
+            }
+            self.refile(id, access);
+            return None;
+        }
+        if upper_changed {
+            self.count_child_out(parent, true);
+        }
+        self.refile(id, access);
+        if self.nodes[parent.index()].membership().is_empty()
+            && self.membership(parent) == Membership::NONE.with(EvictSet::Host)
+        {
+            return Some(parent);
+        }
+        self.refile(parent, None);
+        None
+    }
+
     /// Whether `id` is a live node left unfiled that is a host candidate (and nothing else) the
     /// policy would give up before every filed one.
     #[inline]

@@ -188,6 +188,36 @@ fn removing_a_host_leaf_hands_back_its_host_only_parent_unfiled_whether_or_not_i
 }
 
 #[test]
+fn writing_a_host_leaf_back_to_storage_hands_back_its_host_only_parent_unfiled() {
+    for mut tree in trees() {
+        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
+        for &id in chain.iter().rev() {
+            tree.update(id, |node| {
+                node.set_host(node.node().device());
+                node.set_device(None);
+                node.set_state(NodeState::Host);
+            });
+        }
+        let exposed = tree.update_exposing_host(chain[1], |node| {
+            node.set_host(None);
+            node.set_state(NodeState::HostToStorage(StoreOut::Evict));
+            node.set_transfer(Some(3));
+        });
+        assert_eq!(exposed, Some(chain[0]));
+        if tree.eviction_policy() == EvictionPolicy::Lru {
+            assert!(tree.is_next_host_victim(chain[0]), "no other host candidate");
+        }
+        assert_eq!(tree.host_candidate_count(), 0, "left out of the sets");
+        tree.file(chain[0]);
+        assert_eq!(tree.first_host_candidate(), Some(chain[0]));
+        tree.check().unwrap();
+        // A change that leaves the node on the host tier is an ordinary update.
+        assert_eq!(tree.update_exposing_host(chain[0], |node| node.count_hit()), None);
+        tree.check().unwrap();
+    }
+}
+
+#[test]
 fn a_held_node_is_not_a_candidate_until_released() {
     for mut tree in trees() {
         let ids = served(&mut tree, NodeId::ROOT, &[1], 0);
