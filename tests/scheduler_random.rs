@@ -147,6 +147,11 @@ impl Engine {
                 self.answer_query();
             }
             self.forget();
+            // A tier marked down by an unavailable block comes back (a probe reached it), so
+            // that the run goes on through both states.
+            if self.cache.storage_tier_down() && self.rng.chance(20) {
+                self.cache.storage_tier_recovered();
+            }
         }
         if self.vanish_percent > 0 && self.rng.chance(self.vanish_percent) {
             let mut keys: Vec<BlockHash> = self.storage_data.keys().copied().collect();

@@ -113,11 +113,25 @@ pub enum Counter {
     ShortenedTickets,
     /// Write-through STOREs skipped because the tier was full of blocks it holds alone (written back later).
     WriteThroughSkipped,
+    /// 1 while the storage tier is marked down (a STORE or LOAD said it failed; no work goes to
+    /// it until a probe reaches it on every rank), 0 while it is up.
+    StorageTierDown,
+    /// `CLOCK_MONOTONIC` ns when the current outage of the storage tier began (0 while it is up).
+    StorageTierDownSinceNs,
+    /// Times the storage tier was marked down.
+    StorageTierOutages,
+    /// Probes sent to the storage tier while it was down (a one-block QUERY to every rank), and
+    /// those that did not reach it on every rank.
+    StorageTierProbes,
+    StorageTierProbesFailed,
+    /// Blocks not sent to the storage tier while it was down: host evictions that dropped a
+    /// block instead of writing it back, and write-through STOREs skipped.
+    StorageDownSkippedBlocks,
 }
 
 impl Counter {
     /// Every counter, in slot order.
-    pub const ALL: [Counter; 58] = [
+    pub const ALL: [Counter; 64] = [
         Counter::DeviceBlocksTotal,
         Counter::DeviceBlocksFree,
         Counter::HostBlocksTotal,
@@ -176,6 +190,12 @@ impl Counter {
         Counter::LostBlocksDropped,
         Counter::ShortenedTickets,
         Counter::WriteThroughSkipped,
+        Counter::StorageTierDown,
+        Counter::StorageTierDownSinceNs,
+        Counter::StorageTierOutages,
+        Counter::StorageTierProbes,
+        Counter::StorageTierProbesFailed,
+        Counter::StorageDownSkippedBlocks,
     ];
 
     /// The snake_case name kvctl prints (and Prometheus exports with a `kvshm_` prefix).
@@ -239,6 +259,12 @@ impl Counter {
             Counter::LostBlocksDropped => "lost_blocks_dropped",
             Counter::ShortenedTickets => "shortened_tickets",
             Counter::WriteThroughSkipped => "write_through_skipped",
+            Counter::StorageTierDown => "storage_tier_down",
+            Counter::StorageTierDownSinceNs => "storage_tier_down_since_ns",
+            Counter::StorageTierOutages => "storage_tier_outages",
+            Counter::StorageTierProbes => "storage_tier_probes",
+            Counter::StorageTierProbesFailed => "storage_tier_probes_failed",
+            Counter::StorageDownSkippedBlocks => "storage_down_skipped_blocks",
         }
     }
 
@@ -258,6 +284,8 @@ impl Counter {
                 | Counter::Generation
                 | Counter::LastPollNs
                 | Counter::StorageSharedTier
+                | Counter::StorageTierDown
+                | Counter::StorageTierDownSinceNs
         )
     }
 
@@ -268,7 +296,7 @@ impl Counter {
 }
 
 const _: () = assert!(Counter::ALL.len() <= COUNTER_SLOTS);
-const _: () = assert!(Counter::WriteThroughSkipped as usize == Counter::ALL.len() - 1);
+const _: () = assert!(Counter::StorageDownSkippedBlocks as usize == Counter::ALL.len() - 1);
 
 /// The counter array as it lies in the segment. Zeroed memory is all counters at 0.
 #[repr(C, align(64))]

@@ -94,9 +94,10 @@ impl CacheManager {
     }
 
     /// Where `record`'s hits end for an allocation: its path's end, or the first block of it the
-    /// storage tier reported missing (still held by some request: no hit, DESIGN §9).
+    /// storage tier reported missing (still held by some request: no hit, DESIGN §9), or its
+    /// first storage-only block while the tier is down (`tier_health`).
     pub(super) fn hits_end(&self, record: &Request) -> usize {
-        if self.unloadable.is_empty() {
+        if self.unloadable.is_empty() && !self.tier.is_down() {
             return record.path.len();
         }
         self.first_lost_hit(record).unwrap_or(record.path.len())

@@ -11,7 +11,8 @@
 //!    - host-to-device failed: the device block is freed and the node is `Host` again, and so is
 //!      every device copy below it: those are swap-ins held back behind this one (see
 //!      `allocate`), so they are cancelled before any worker saw them.
-//!    - a STORE or LOAD: see [`super::storage`].
+//!    - a STORE or LOAD: see [`super::storage`]; one the tier failed for marks it down
+//!      ([`super::tier_health`]).
 //! 4. Every ticket waiting on it counts it done; a failed swap-in fails them and their requests.
 //!    A LOAD never fails a ticket: its misses shorten the hits of the requests waiting on it
 //!    ([`super::load_outcome`]).
@@ -120,6 +121,14 @@ impl CacheManager {
         // is a failed copy.
         let command_done = !matches!(outcome, LoadOutcome::Unavailable(_));
         let Some(flight) = self.release_completed(flight, command_done) else { return };
+        let tier_failed = match outcome {
+            LoadOutcome::AllLanded => false,
+            LoadOutcome::Blocks(blocks) => blocks.contains(&BlockOutcome::Unavailable),
+            LoadOutcome::Unavailable(failure) => super::tier_health::is_tier_failure(failure.error),
+        };
+        if tier_failed {
+            self.storage_tier_failed();
+        }
         if flight.kind == TransferKind::StorageToHost {
             self.complete_load(id, flight, outcome);
             return;

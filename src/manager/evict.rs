@@ -264,8 +264,9 @@ impl CacheManager {
 
     /// Evicts host-only candidate `victim` (its host block `block`) with a storage tier below
     /// (module documentation): to storage-only when the tier holds it, else written back when the
-    /// tier has room, else dropped with its storage-only children. Returns the block and the
-    /// STORE still reading it. `exposed`: as for [`CacheManager::evict_host`], for the first two.
+    /// tier is up and has room, else dropped with its storage-only children. Returns the block
+    /// and the STORE still reading it. `exposed`: as for [`CacheManager::evict_host`], for the
+    /// first two.
     #[inline(never)]
     fn evict_host_only_above_storage(
         &mut self,
@@ -285,7 +286,10 @@ impl CacheManager {
             self.stats.evictions.host_to_storage_metadata += 1;
             return (block, None);
         }
-        if self.reserve_storage_block() {
+        if self.tier.is_down() {
+            // No write-back to a tier that is down: the block is dropped (`tier_health`).
+            self.stats.storage_down_dropped_blocks += 1;
+        } else if self.reserve_storage_block() {
             let store = match exposed {
                 Some(exposed) => {
                     let (store, parent) = self.start_write_back_exposing(victim, block);
@@ -297,7 +301,7 @@ impl CacheManager {
             self.stats.evictions.host_written_back += 1;
             return (block, Some(store));
         }
-        // Storage-only children (a storage tier that is full) go with it.
+        // Storage-only children (a storage tier that is full or down) go with it.
         while let Some(child) = self.tree.first_child(victim) {
             self.drop_subtree(child);
         }

@@ -31,7 +31,7 @@
 //!    makes it a device copy no longer counted on storage (`uncount_lost_copies`, from
 //!    `commit`).
 
-use super::lookup::is_lost;
+use super::lookup::ends_hits;
 use super::transfer::InFlight;
 use super::{CacheManager, TicketId, TransferFailure, TransferId, TransferKind};
 use crate::tree::NodeId;
@@ -368,11 +368,14 @@ impl CacheManager {
 
     /// The path position of the first hit of `record` without a block table entry that is a
     /// block the tier reported missing, still held (it matched before the LOAD that found it
-    /// missing): the request's hits end there, as if its match had ended there (DESIGN §9).
-    #[inline(never)] // off the hot paths (only while a missing block is still held)
+    /// missing), or a storage-only block while the tier is down (it matched before the tier went
+    /// down, `tier_health`): the request's hits end there, as if its match had ended there
+    /// (DESIGN §9).
+    #[inline(never)] // off the hot paths (only while a missing block is held or the tier is down)
     pub(super) fn first_lost_hit(&self, record: &super::request::Request) -> Option<usize> {
         let start = record.table.len();
-        let lost = |&id: &NodeId| is_lost(&self.tree, &self.unloadable, id);
+        let tier_down = self.tier.is_down();
+        let lost = |&id: &NodeId| ends_hits(&self.tree, &self.unloadable, tier_down, id);
         Some(start + record.path.get(start..)?.iter().position(lost)?)
     }
 

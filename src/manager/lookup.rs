@@ -102,23 +102,31 @@ impl CacheManager {
         prompt_tokens: usize,
     ) -> Result<Lookup, PromptError> {
         let matchable = self.matchable(hashes, prompt_tokens)?;
-        Ok(self.walk_hits(matchable, &mut |_| {}))
+        Ok(self.walk_hits(matchable, self.tier.is_down(), &mut |_| {}))
     }
 
     /// How many leading blocks of `hashes` are cached, per tier, with no last-token rule: a
     /// question about the cache's contents (inspection, tests), not about a prompt. Engines
-    /// deciding what to compute use [`CacheManager::lookup`]. No side effects.
+    /// deciding what to compute use [`CacheManager::lookup`]. The storage-only blocks of a tier
+    /// that is down count: they are still cached, only not used until it is back. No side
+    /// effects.
     pub fn cached_prefix(&self, hashes: &[BlockHash]) -> Lookup {
-        self.walk_hits(hashes, &mut |_| {})
+        self.walk_hits(hashes, false, &mut |_| {})
     }
 
     /// Walks the cached prefix of `hashes`, visiting each node that hits; a block the storage
-    /// tier reported missing ends it (it waits for its holders to let go, DESIGN §9).
-    fn walk_hits(&self, hashes: &[BlockHash], visit: &mut dyn FnMut(NodeId)) -> Lookup {
-        if self.unloadable.is_empty() {
+    /// tier reported missing ends it (it waits for its holders to let go, DESIGN §9), and so
+    /// does a storage-only block when `tier_down` ([`super::tier_health`]).
+    fn walk_hits(
+        &self,
+        hashes: &[BlockHash],
+        tier_down: bool,
+        visit: &mut dyn FnMut(NodeId),
+    ) -> Lookup {
+        if self.unloadable.is_empty() && !tier_down {
             walk(&self.tree, hashes, |_| false, visit)
         } else {
-            walk_before_lost(&self.tree, &self.unloadable, hashes, visit)
+            walk_before_lost(&self.tree, &self.unloadable, tier_down, hashes, visit)
         }
     }
 
@@ -149,12 +157,13 @@ impl CacheManager {
             _ => None,
         };
         let block_tokens = self.config.block_tokens as usize;
-        let CacheManager { requests, tree, pending_backups, stats, unloadable, .. } = self;
+        let CacheManager { requests, tree, pending_backups, stats, unloadable, tier, .. } = self;
         let record = requests.start(request).ok_or(MatchError::DuplicateRequest(request))?;
-        let found = if unloadable.is_empty() {
+        let found = if unloadable.is_empty() && !tier.is_down() {
             walk(tree, matchable, |_| false, |id| record.path.push(id))
         } else {
-            walk_before_lost(tree, unloadable, matchable, &mut |id| record.path.push(id))
+            let visit = &mut |id| record.path.push(id);
+            walk_before_lost(tree, unloadable, tier.is_down(), matchable, visit)
         };
         record.policy_tag = tree
             .request_started(record.path.last().copied(), hashes.get(record.path.len()).copied());
@@ -219,16 +228,31 @@ impl CacheManager {
     }
 }
 
-/// [`walk`] stopping before a block the storage tier reported missing (one of `unloadable`). Out
-/// of line: only while such a block is still held.
+/// [`walk`] stopping before a block the storage tier reported missing (one of `unloadable`), and
+/// before any storage-only block when `tier_down`. Out of line: only while such a block is still
+/// held, or while the tier is down.
 #[inline(never)]
 fn walk_before_lost(
     tree: &Tree,
     unloadable: &[(NodeId, BlockHash)],
+    tier_down: bool,
     hashes: &[BlockHash],
     visit: &mut dyn FnMut(NodeId),
 ) -> Lookup {
-    walk(tree, hashes, |id| is_lost(tree, unloadable, id), visit)
+    walk(tree, hashes, |id| ends_hits(tree, unloadable, tier_down, id), visit)
+}
+
+/// Whether live node `id` ends a request's hits although it is cached: a block the tier
+/// reported missing ([`is_lost`]), or, while the tier is down (`tier_down`), a block only the
+/// tier holds or a LOAD is bringing up ([`super::tier_health`]).
+pub(super) fn ends_hits(
+    tree: &Tree,
+    unloadable: &[(NodeId, BlockHash)],
+    tier_down: bool,
+    id: NodeId,
+) -> bool {
+    (tier_down && super::tier_health::waits_on_tier(tree.node(id).state()))
+        || (!unloadable.is_empty() && is_lost(tree, unloadable, id))
 }
 
 /// Whether live node `id` is a block the storage tier reported missing, still held (DESIGN §9):

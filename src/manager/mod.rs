@@ -46,6 +46,7 @@ mod request;
 mod reset;
 mod stats;
 mod storage;
+mod tier_health;
 mod transfer;
 
 pub use allocate::Allocation;
@@ -118,6 +119,8 @@ pub struct CacheManager {
     /// Hashes of blocks the tree dropped that the storage tier may hold, for the service to
     /// send in FORGET commands ([`CacheManager::take_forgotten_blocks`]).
     forgotten: Vec<crate::hash::BlockHash>,
+    /// Whether the storage tier is down ([`tier_health`]).
+    tier: tier_health::TierHealth,
     /// Blocks dropped while their STORE or LOAD was in flight: forgotten when it completes.
     forget_after_copy: std::collections::HashSet<crate::hash::BlockHash>,
     /// Prefetch tickets and storage queries in flight.
@@ -192,6 +195,7 @@ impl CacheManager {
             orphan_count: 0,
             orphans_expire_at: 0,
             forgotten: Vec::new(),
+            tier: tier_health::TierHealth::default(),
             forget_after_copy: std::collections::HashSet::new(),
             prefetch: prefetch::Prefetches::default(),
             scratch_prefetch_path: Vec::new(),

@@ -156,7 +156,7 @@ impl CacheManager {
     /// Starts storage loads for `hashes`' storage-only blocks, and asks the tier about the blocks
     /// past the tree's end (module flow). Returns the ticket, or `None` when there is nothing to
     /// do (no storage-only block on the path and nothing past it to ask about, or no host block
-    /// to be had).
+    /// to be had), or while the storage tier is down ([`CacheManager::storage_tier_down`]).
     ///
     /// A QUERY waits in the manager until [`CacheManager::take_storage_queries`] hands it out
     /// (the service does after every operation; a caller driving the manager alone must too,
@@ -168,6 +168,11 @@ impl CacheManager {
     pub fn prefetch(&mut self, hashes: &[BlockHash]) -> Result<Option<TicketId>, PrefetchError> {
         if !self.storage_enabled() {
             return Err(PrefetchError::NoStorageTier);
+        }
+        if self.tier.is_down() {
+            // Nothing is loaded from or asked of a tier that is down (`tier_health`).
+            self.stats.storage_down_skipped_prefetches += 1;
+            return Ok(None);
         }
         let mut ticket = None;
         let path = self.load_path(hashes, &mut ticket);

@@ -66,8 +66,7 @@ impl CacheManager {
         for &hash in hashes.get(held..limit).unwrap_or_default() {
             let Some(id) = self.tree.child(parent, hash) else { break };
             if hit_tier(self.tree.node(id).state()).is_none()
-                || (!self.unloadable.is_empty()
-                    && super::lookup::is_lost(&self.tree, &self.unloadable, id))
+                || super::lookup::ends_hits(&self.tree, &self.unloadable, self.tier.is_down(), id)
             {
                 break;
             }

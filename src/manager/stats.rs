@@ -104,6 +104,14 @@ pub struct CacheCounters {
     pub shortening_failed: u64,
     /// Write-through STOREs skipped because the tier was full of blocks it holds alone.
     pub write_through_skipped: u64,
+    /// Times the storage tier was marked down (a completion said it failed), and the work
+    /// not routed to it while it was down: host evictions that dropped a block instead of
+    /// writing it back, write-through STOREs skipped, prefetches that did nothing
+    /// (`tier_health`).
+    pub storage_outages: u64,
+    pub storage_down_dropped_blocks: u64,
+    pub storage_down_skipped_stores: u64,
+    pub storage_down_skipped_prefetches: u64,
 }
 
 impl CacheCounters {
@@ -137,6 +145,8 @@ pub struct CacheStats {
     /// Capacity of the storage tier (0: none), and the blocks it holds or is being written.
     pub storage_blocks: u32,
     pub storage_used: u32,
+    /// Whether the storage tier is marked down (`CacheManager::storage_tier_down`).
+    pub storage_tier_down: bool,
     /// Nodes in the tree (cached blocks, any tier).
     pub cached_blocks: usize,
     pub live_requests: usize,
@@ -157,6 +167,7 @@ impl CacheManager {
             host_free: self.host.free_count(),
             storage_blocks: self.config.storage_blocks,
             storage_used: self.storage_used,
+            storage_tier_down: self.tier.is_down(),
             cached_blocks: self.tree.len(),
             live_requests: self.requests.len(),
             transfers_in_flight: self.in_flight.len(),

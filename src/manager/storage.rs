@@ -201,11 +201,12 @@ impl CacheManager {
     }
 
     /// Write-through: issues the queued STOREs of nodes settled on host (module flow), as far as
-    /// the tier has free room; the others are skipped (counted) and written back when they leave
-    /// the host tier.
+    /// the tier has free room and is up; the others are skipped (counted) and written back when
+    /// they leave the host tier.
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn issue_stores(&mut self) {
         let mut queue = std::mem::take(&mut self.pending_stores);
+        let tier_down = self.tier.is_down();
         for &id in &queue {
             if !self.tree.is_live(id) {
                 continue;
@@ -215,6 +216,11 @@ impl CacheManager {
                 continue;
             }
             let host = node.host().expect("a host node has a host block");
+            if tier_down {
+                // Written back when it leaves host, if the tier is up by then (`tier_health`).
+                self.stats.storage_down_skipped_stores += 1;
+                continue;
+            }
             // A backup takes free room only: dropping a storage-only block (its only copy) to
             // back up a block the host tier still holds would lose a block for nothing. It is
             // written back when it leaves the host tier instead.

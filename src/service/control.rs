@@ -72,6 +72,16 @@ impl Service {
             (Counter::ShortenedTickets, cache.counters.shortened_tickets),
             (Counter::WriteThroughSkipped, cache.counters.write_through_skipped),
             (Counter::StorageForgetFailures, service.storage_forget_failures),
+            (Counter::StorageTierDown, u64::from(self.manager.storage_tier_down())),
+            (Counter::StorageTierDownSinceNs, self.tier_watch.down_since_ns()),
+            (Counter::StorageTierOutages, cache.counters.storage_outages),
+            (Counter::StorageTierProbes, service.storage_tier_probes),
+            (Counter::StorageTierProbesFailed, service.storage_tier_probes_failed),
+            (
+                Counter::StorageDownSkippedBlocks,
+                cache.counters.storage_down_dropped_blocks
+                    + cache.counters.storage_down_skipped_stores,
+            ),
             (Counter::StorageForgetsDropped, service.storage_forgets_dropped),
             (
                 Counter::MissBlocks,

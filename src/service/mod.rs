@@ -18,8 +18,8 @@
 //! 5. `wait` returns once the ticket is ready, or with the failure.
 //!
 //! `poll` also watches the workers (a dead one fails its commands, and its rank is reclaimed so
-//! that a new worker can attach), carries out kvctl's requests (reset, tree snapshot) and publishes
-//! the live counters kvctl reads.
+//! that a new worker can attach), probes a storage tier that is down ([`tier_probe`]), carries
+//! out kvctl's requests (reset, tree snapshot) and publishes the live counters kvctl reads.
 
 mod control;
 mod deadline;
@@ -31,6 +31,7 @@ mod rank;
 mod storage_meta;
 #[cfg(test)]
 mod tests;
+mod tier_probe;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -68,6 +69,7 @@ pub use kvshm_ipc::name::{NameError, SegmentName};
 pub use kvshm_ipc::segment::{CompletionBell, CreateError, Segment, SegmentError};
 pub use memory::{BlockAccessError, RankMemory};
 pub use rank::{RankChannel, RankState};
+pub use tier_probe::{TierBackoff, TierBackoffError, DEFAULT_TIER_BACKOFF};
 
 /// How long `wait` sleeps on the doorbell before it polls again (and so checks liveness).
 pub const WAIT_SLICE: Duration = Duration::from_millis(5);
@@ -101,6 +103,9 @@ pub struct ServiceConfig {
     /// How long a rank that owes answers may give none before its worker is fenced and its
     /// commands fail, as if it had crashed (`deadline` module).
     pub command_deadline: Duration,
+    /// How long to wait before probing a storage tier that is down, and how that wait grows
+    /// (`tier_probe` module).
+    pub storage_backoff: TierBackoff,
 }
 
 impl ServiceConfig {
@@ -124,6 +129,7 @@ impl ServiceConfig {
             layerwise: true,
             max_command_bytes: DEFAULT_MAX_COMMAND_BYTES,
             command_deadline: DEFAULT_COMMAND_DEADLINE,
+            storage_backoff: DEFAULT_TIER_BACKOFF,
         }
     }
 
@@ -175,6 +181,8 @@ pub enum ServiceError {
     Memory(#[from] BlockAccessError),
     #[error("rank {rank} has no worker after {waited:?}")]
     WorkerMissing { rank: u32, waited: Duration },
+    #[error("storage back-off: {0}")]
+    StorageBackoff(#[from] TierBackoffError),
 }
 
 /// How a ticket became ready.
@@ -243,6 +251,10 @@ pub struct ServiceStats {
     pub storage_forgets_sent: u64,
     pub storage_forget_failures: u64,
     pub storage_forgets_dropped: u64,
+    /// Probes sent to a storage tier that was down, and those that did not reach it on every
+    /// rank (`tier_probe`).
+    pub storage_tier_probes: u64,
+    pub storage_tier_probes_failed: u64,
 }
 
 /// The cache manager driving worker processes through a shared-memory segment.
@@ -279,6 +291,9 @@ pub struct Service {
     storage_landed: HashMap<u64, Vec<BlockOutcome>>,
     /// QUERY and FORGET commands in flight (see [`storage_meta`]).
     meta: storage_meta::MetaCommands,
+    /// The storage tier's back-off and its outage under way (see [`tier_probe`]).
+    tier_backoff: TierBackoff,
+    tier_watch: tier_probe::TierWatch,
 }
 
 impl Service {
@@ -289,6 +304,7 @@ impl Service {
     pub fn create(name: &SegmentName, config: ServiceConfig) -> Result<Service, ServiceError> {
         let geometry = config.geometry()?;
         config.cache.validate()?;
+        config.storage_backoff.validate()?;
         // The segment before the manager: creating it checks every size and backs the arenas (a
         // size /dev/shm cannot hold fails here), before the pools are allocated for those blocks.
         let segment = Segment::create(name, &config.segment_config())?;
@@ -351,6 +367,8 @@ impl Service {
             storage_commands: HashMap::new(),
             meta: storage_meta::MetaCommands::default(),
             storage_landed: HashMap::new(),
+            tier_backoff: config.storage_backoff,
+            tier_watch: tier_probe::TierWatch::default(),
         };
         service.publish_counters();
         Ok(service)
@@ -557,6 +575,7 @@ impl Service {
         self.check_workers();
         self.reap_completions();
         self.check_command_deadlines();
+        self.watch_storage_tier();
         self.manager.poll();
         self.issue_transfers();
         self.serve_control_requests();

@@ -1,5 +1,6 @@
 //! The storage commands that move no block bytes: QUERY (which blocks does every rank's tier hold,
-//! for a prefetch) and FORGET (the scheduler dropped these blocks), DESIGN §9.
+//! for a prefetch, or whether it answers at all, for a probe of a tier that is down: `tier_probe`)
+//! and FORGET (the scheduler dropped these blocks), DESIGN §9.
 //!
 //! Core type: [`MetaCommands`], the service's record of those in flight. Their ids live in their
 //! own range ([`META_BIT`]), beside the manager's transfer ids and direct copies, so that the
@@ -8,7 +9,9 @@
 //! 1. Before the copies of a step are issued, the service takes the manager's forgotten blocks
 //!    and sends them as FORGET commands to every rank that has a worker (at most
 //!    `max_storage_entries` per command), so that a FORGET precedes, in each rank's ring, the
-//!    STOREs the same step issues. A rank without a worker keeps them in a backlog of its own
+//!    STOREs the same step issues. While the storage tier is down (`tier_probe`) they are held
+//!    (at most [`MAX_FORGET_BACKLOG`] blocks) and sent once it is up, and a query waiting to go
+//!    is answered as failed (it finds nothing). A rank without a worker keeps them in a backlog of its own
 //!    (at most [`MAX_FORGET_BACKLOG`] blocks; beyond, they are dropped and counted), sent once a
 //!    worker serves it again; a FORGET that failed (a worker that died with it, an error) is
 //!    sent once more on the next step, then dropped and counted. A worker runs a FORGET whatever
@@ -56,6 +59,11 @@ enum Meta {
         /// Per block: present on every rank that answered so far.
         present: Vec<bool>,
     },
+    /// A probe of a storage tier that is down (`tier_probe`): one block, asked of every rank.
+    Probe {
+        /// No rank that answered so far said its tier failed.
+        reached: bool,
+    },
 }
 
 /// The QUERYs and FORGETs in flight (module flow).
@@ -66,6 +74,9 @@ pub(super) struct MetaCommands {
     /// Per (rank index, command id) of a QUERY or FORGET command: its tracker id, first entry and
     /// entries.
     meta_commands: HashMap<(usize, u64), (u64, usize, usize)>,
+    /// Blocks forgotten while the storage tier was down, sent once it is up (module flow,
+    /// step 1).
+    held_while_down: Vec<BlockHash>,
     /// Scratch for the manager's forgotten blocks and queries.
     forgotten: Vec<BlockHash>,
     queries: Vec<StorageQuery>,
@@ -81,6 +92,18 @@ impl MetaCommands {
         self.next += 1;
         self.by_id.insert(id, meta);
         id
+    }
+
+    /// A probe of the storage tier (`tier_probe`), to be sent to every rank.
+    pub(super) fn new_probe(&mut self) -> u64 {
+        self.new_id(Meta::Probe { reached: true })
+    }
+
+    /// Keeps `hashes` until the storage tier is up again; returns how many did not fit.
+    fn hold_while_down(&mut self, hashes: &[BlockHash]) -> usize {
+        let kept = hashes.len().min(MAX_FORGET_BACKLOG - self.held_while_down.len());
+        self.held_while_down.extend_from_slice(&hashes[..kept]);
+        hashes.len() - kept
     }
 
     /// Step 3: folds a QUERY command's result bits into its query's presence; the blocks a
@@ -104,6 +127,10 @@ impl MetaCommands {
                 for (offset, slot) in present[first..first + entries].iter_mut().enumerate() {
                     *slot &= results.is_done(offset);
                 }
+                0
+            }
+            Some(Meta::Probe { reached }) => {
+                *reached &= !results.is_failed(0);
                 0
             }
             Some(Meta::Forget { hashes, retried }) => {
@@ -137,7 +164,9 @@ impl MetaCommands {
     /// Blocks waiting, over all ranks, for a FORGET (backlogs of ranks without a worker, and
     /// retries).
     pub(super) fn forgets_waiting(&self) -> usize {
-        self.backlogs.iter().map(Vec::len).sum::<usize>() + self.retries.len()
+        self.backlogs.iter().map(Vec::len).sum::<usize>()
+            + self.retries.len()
+            + self.held_while_down.len()
     }
 }
 
@@ -155,6 +184,27 @@ impl Service {
         }
         let mut forgotten = std::mem::take(&mut self.meta.forgotten);
         self.manager.take_forgotten_blocks(&mut forgotten);
+        if self.manager.storage_tier_down() {
+            // Nothing goes to a tier that is down (`tier_probe`): FORGETs wait for it, and
+            // queries made before it went down find nothing.
+            let dropped = self.meta.hold_while_down(&forgotten);
+            self.stats.storage_forgets_dropped += dropped as u64;
+            forgotten.clear();
+            self.meta.forgotten = forgotten;
+            let mut queries = std::mem::take(&mut self.meta.queries);
+            self.manager.take_storage_queries(&mut queries);
+            for query in queries.drain(..) {
+                let failure =
+                    TransferFailure { rank: 0, error: CommandError::StorageMiss, detail: 0 };
+                self.answer_query(query.id, Err(failure));
+            }
+            self.meta.queries = queries;
+            return;
+        }
+        if !self.meta.held_while_down.is_empty() {
+            let held = std::mem::take(&mut self.meta.held_while_down);
+            self.send_forgets(&held, false);
+        }
         if !forgotten.is_empty() {
             self.send_forgets(&forgotten, false);
             forgotten.clear();
@@ -227,7 +277,7 @@ impl Service {
 
     /// Queues `entries` as commands of `op` under tracker id `id` on `ranks` (indexes), or on
     /// every rank for `None`; a QUERY's commands are recorded for step 3.
-    fn queue_meta_commands(
+    pub(super) fn queue_meta_commands(
         &mut self,
         id: u64,
         op: Op,
@@ -271,6 +321,7 @@ impl Service {
                 let outcome = outcome.map(|()| present.iter().take_while(|&&held| held).count());
                 self.answer_query(query, outcome);
             }
+            Some(Meta::Probe { reached }) => self.probe_answered(id, reached && outcome.is_ok()),
             None => warn!(id, "a storage query or forget completed twice"),
         }
     }

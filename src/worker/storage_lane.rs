@@ -52,7 +52,7 @@ use super::validate::{validate, ValidCommand};
 use crate::hash::BlockHash;
 use crate::storage::tally::Tally;
 use crate::storage::{
-    BlockBytes, BlockBytesMut, BlockKey, GetBlock, GetMiss, PutBlock, StorageBackend,
+    BlockBytes, BlockBytesMut, BlockKey, Failure, GetBlock, GetMiss, PutBlock, StorageBackend,
 };
 
 /// How often a storage thread facing a full completion ring looks for room.
@@ -330,7 +330,11 @@ impl Runner {
                     .collect();
                 backend.put(&blocks, &mut self.put_outcomes);
                 for (index, outcome) in self.put_outcomes.iter().enumerate() {
-                    results.set(index, outcome.is_ok(), outcome.is_err());
+                    // A full tier refused the block: not written, but the tier did not fail
+                    // (the scheduler marks a failing tier down, not a full one).
+                    let failed =
+                        outcome.as_ref().is_err_and(|failure| *failure != Failure::NoSpace);
+                    results.set(index, outcome.is_ok(), failed);
                 }
                 self.tally.puts(&self.put_outcomes);
             }

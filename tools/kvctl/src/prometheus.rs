@@ -104,6 +104,20 @@ pub fn help(counter: Counter) -> String {
         Counter::WriteThroughSkipped => {
             "Write-through stores skipped for lack of free storage room."
         }
+        Counter::StorageTierDown => {
+            "1 while the storage tier is down (no work goes to it until a probe reaches it)."
+        }
+        Counter::StorageTierDownSinceNs => {
+            "CLOCK_MONOTONIC ns when the storage tier's current outage began (0 while up)."
+        }
+        Counter::StorageTierOutages => "Times the storage tier was marked down.",
+        Counter::StorageTierProbes => "Probes sent to the storage tier while it was down.",
+        Counter::StorageTierProbesFailed => {
+            "Probes that did not reach the storage tier on every rank."
+        }
+        Counter::StorageDownSkippedBlocks => {
+            "Blocks dropped or not written through because the storage tier was down."
+        }
     };
     text.to_owned()
 }

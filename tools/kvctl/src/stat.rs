@@ -184,6 +184,57 @@ impl Serialize for CounterValues {
     }
 }
 
+/// The storage tier's health: up, or down since when (the scheduler stops routing work to a tier
+/// that failed until a probe reaches it again).
+#[derive(Debug, Clone, Serialize)]
+pub struct TierReport {
+    pub down: bool,
+    /// How long the current outage has lasted (`None` while up).
+    pub down_for_seconds: Option<f64>,
+    pub outages: u64,
+    pub probes: u64,
+    pub probes_failed: u64,
+    /// Blocks dropped or not written through because the tier was down.
+    pub skipped_blocks: u64,
+}
+
+impl TierReport {
+    /// The tier's state from `counters` at `now_ns` (`CLOCK_MONOTONIC`); `None` without a tier.
+    pub fn from_counters(counters: &CounterValues, now_ns: u64) -> Option<TierReport> {
+        if counters.get(Counter::StorageBlocksTotal) == 0 {
+            return None;
+        }
+        let down = counters.get(Counter::StorageTierDown) != 0;
+        let since = counters.get(Counter::StorageTierDownSinceNs);
+        let down_for_seconds = (down && since != 0)
+            .then(|| Duration::from_nanos(now_ns.saturating_sub(since)).as_secs_f64());
+        Some(TierReport {
+            down,
+            down_for_seconds,
+            outages: counters.get(Counter::StorageTierOutages),
+            probes: counters.get(Counter::StorageTierProbes),
+            probes_failed: counters.get(Counter::StorageTierProbesFailed),
+            skipped_blocks: counters.get(Counter::StorageDownSkippedBlocks),
+        })
+    }
+
+    /// "up" or "DOWN for 3.2 s", then the outages and probes.
+    pub fn describe(&self) -> String {
+        let state = match (self.down, self.down_for_seconds) {
+            (false, _) => "up".to_owned(),
+            (true, Some(seconds)) => {
+                format!("DOWN for {}", text::age(Duration::from_secs_f64(seconds)))
+            }
+            (true, None) => "DOWN".to_owned(),
+        };
+        format!(
+            "{state}; {} outages, {} probes ({} failed), {} blocks dropped or not written \
+             while down",
+            self.outages, self.probes, self.probes_failed, self.skipped_blocks
+        )
+    }
+}
+
 /// The result of `kvctl stat`.
 #[derive(Debug, Clone, Serialize)]
 pub struct StatReport {
@@ -197,13 +248,17 @@ pub struct StatReport {
     pub counters: CounterValues,
     pub hit_rate: HitRates,
     pub worker_copy: CopyRate,
+    /// The storage tier's health (absent without a tier).
+    pub storage_tier: Option<TierReport>,
 }
 
 impl StatReport {
     /// Reads everything from `segment` at one moment (each counter atomically, not as a set).
     pub fn read(segment: &Segment) -> StatReport {
         let counters = CounterValues(segment.counters().snapshot());
-        let scheduler = SchedulerReport::judge(counters.get(Counter::LastPollNs), monotonic_ns());
+        let now_ns = monotonic_ns();
+        let scheduler = SchedulerReport::judge(counters.get(Counter::LastPollNs), now_ns);
+        let storage_tier = TierReport::from_counters(&counters, now_ns);
         let hit_rate = HitRates::from_counts(
             counters.get(Counter::DeviceHitBlocks),
             counters.get(Counter::HostHitBlocks),
@@ -224,6 +279,7 @@ impl StatReport {
             counters,
             hit_rate,
             worker_copy,
+            storage_tier,
         }
     }
 
@@ -317,6 +373,9 @@ impl StatReport {
                 value(Counter::ShortenedTickets),
                 value(Counter::WriteThroughSkipped)
             )?;
+            if let Some(tier) = &self.storage_tier {
+                writeln!(out, "tier       {}", tier.describe())?;
+            }
         }
         let copy = &self.worker_copy;
         let copy_rate = copy.bytes_per_second.map_or_else(

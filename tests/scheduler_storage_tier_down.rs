@@ -1,0 +1,334 @@
+//! The storage tier's circuit breaker in the cache manager: a STORE or LOAD the tier failed for
+//! marks it down; while it is down no match counts a storage-only block, no allocation loads
+//! one, host evictions drop instead of writing back, write-throughs and prefetches are skipped,
+//! and nothing is dropped from the cache; its owner brings it back up (after a probe).
+
+mod scheduler_support;
+
+use kvshm::hash::BlockHash;
+use kvshm::manager::BlockOutcome::{Landed, Missing, Unavailable};
+use kvshm::manager::{
+    CacheConfig, CacheManager, RequestId, StorageWritePolicy, TicketStatus, Transfer,
+    TransferFailure, TransferKind,
+};
+use kvshm_ipc::record::CommandError;
+use scheduler_support::{check, complete_all, hashes, manager, prompt_hitting, BLOCK_TOKENS};
+
+/// Eight device blocks, four host blocks, thirty-two storage blocks.
+fn three_tiers() -> CacheManager {
+    manager(CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(4).with_storage_blocks(32))
+}
+
+/// Serves `blocks` (block-aligned) to the end: match, allocate, copies, commit, finish.
+fn serve(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
+    let request = RequestId(id);
+    let prompt = blocks.len() * BLOCK_TOKENS as usize;
+    let found = cache.match_prefix(request, blocks, prompt).unwrap();
+    cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
+    complete_all(cache);
+    cache.commit(request, prompt, blocks).unwrap();
+    cache.finish(request).unwrap();
+    check(cache);
+}
+
+/// Serves a four-block prompt, then others until all four of its blocks are on storage only.
+fn four_blocks_on_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
+    let first = hashes(&[1, 2, 3, 4]);
+    serve(cache, 1, &first);
+    let mut round = 0u128;
+    while cache.cached_prefix(&first).storage_blocks < 4 {
+        round += 1;
+        assert!(round < 20, "set-up: the first prompt never reached storage");
+        let base = 100 * round;
+        serve(cache, 10 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
+    }
+    first
+}
+
+/// Matches `blocks` as request `id` and allocates; returns how many storage hits it matched.
+fn match_and_allocate(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) -> usize {
+    let request = RequestId(id);
+    let found = cache.match_prefix(request, blocks, prompt_hitting(blocks.len())).unwrap();
+    cache.allocate(request, prompt_hitting(blocks.len()) - found.cached_tokens, 0).unwrap();
+    check(cache);
+    found.storage_blocks
+}
+
+/// Hands out every copy; completes all but the storage copies, which it returns.
+fn storage_copies(cache: &mut CacheManager) -> Vec<Transfer> {
+    let mut storage = Vec::new();
+    loop {
+        let transfers = cache.take_transfers();
+        if transfers.is_empty() {
+            return storage;
+        }
+        for transfer in transfers {
+            if transfer.kind.is_storage() {
+                storage.push(transfer);
+            } else {
+                cache.complete_transfer(transfer.id, Ok(())).unwrap();
+                check(cache);
+            }
+        }
+    }
+}
+
+/// Marks the tier down the way a real outage does: a LOAD of the four stored blocks of `first`
+/// comes back with every block unavailable. Request 90 made the LOAD; it is shortened to
+/// nothing, computes the blocks, commits them and finishes.
+fn tier_goes_down_under_a_load(cache: &mut CacheManager, first: &[BlockHash]) {
+    assert_eq!(match_and_allocate(cache, 90, first), 4);
+    let loads = storage_copies(cache);
+    assert_eq!(loads.len(), 1, "one LOAD: {loads:?}");
+    cache.complete_storage_transfer(loads[0].id, Ok(Some(&[Unavailable; 4]))).unwrap();
+    check(cache);
+    assert!(cache.storage_tier_down(), "an unavailable block marks the tier down");
+    complete_all(cache);
+    cache.commit(RequestId(90), prompt_hitting(4), first).unwrap();
+    cache.finish(RequestId(90)).unwrap();
+    check(cache);
+}
+
+#[test]
+fn a_load_the_tier_failed_for_marks_it_down_and_matches_then_end_before_storage_only_blocks() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let second = hashes(&[500, 501, 502, 503]);
+    serve(&mut cache, 2, &second);
+    while cache.cached_prefix(&second).storage_blocks < 4 {
+        serve(&mut cache, 3, &hashes(&[600, 601, 602, 603]));
+        serve(&mut cache, 4, &hashes(&[700, 701, 702, 703]));
+    }
+    assert!(!cache.storage_tier_down());
+    tier_goes_down_under_a_load(&mut cache, &first);
+    assert_eq!(cache.stats().counters.storage_outages, 1);
+
+    // The other prompt's blocks are still cached on storage, but no match counts them.
+    assert_eq!(cache.cached_prefix(&second).storage_blocks, 4, "nothing dropped");
+    assert_eq!(cache.lookup(&second, prompt_hitting(4)).unwrap().blocks(), 0);
+    let hits_before = cache.stats().counters.hits.storage_blocks;
+    let found = cache.match_prefix(RequestId(5), &second, prompt_hitting(4)).unwrap();
+    assert_eq!(found.blocks(), 0, "{found:?}");
+    assert_eq!(cache.stats().counters.hits.storage_blocks, hits_before);
+    // Its allocation loads nothing: the request computes every block.
+    cache.allocate(RequestId(5), prompt_hitting(4), 0).unwrap();
+    assert!(storage_copies(&mut cache).is_empty(), "no storage copy while the tier is down");
+    cache.abort(RequestId(5)).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&second).storage_blocks, 4, "still cached on storage");
+
+    // Back up: the same prompt hits storage again and loads.
+    assert!(cache.storage_tier_recovered());
+    assert!(!cache.storage_tier_down());
+    assert_eq!(match_and_allocate(&mut cache, 6, &second), 4);
+    let loads = storage_copies(&mut cache);
+    assert_eq!(loads.iter().filter(|copy| copy.kind == TransferKind::StorageToHost).count(), 1);
+    check(&cache);
+}
+
+#[test]
+fn a_missing_block_is_an_ordinary_miss_that_leaves_the_tier_up() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
+    let loads = storage_copies(&mut cache);
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Landed, Missing, Landed])))
+        .unwrap();
+    check(&cache);
+    assert!(!cache.storage_tier_down());
+    assert_eq!(cache.stats().counters.storage_outages, 0);
+}
+
+#[test]
+fn a_whole_command_failure_marks_the_tier_down_only_when_the_tier_failed() {
+    let failure = |error| TransferFailure { rank: 0, error, detail: 0 };
+    for (error, down) in [
+        (CommandError::WorkerDied, false),
+        (CommandError::StaleGeneration, false),
+        (CommandError::NoStorage, false),
+        (CommandError::CopyFailed, true),
+        (CommandError::StorageMiss, true),
+    ] {
+        let mut cache = three_tiers();
+        let first = four_blocks_on_storage(&mut cache);
+        assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
+        let loads = storage_copies(&mut cache);
+        cache.complete_storage_transfer(loads[0].id, Err(failure(error))).unwrap();
+        check(&cache);
+        assert_eq!(cache.storage_tier_down(), down, "{error:?}");
+        assert_eq!(cache.cached_prefix(&first).storage_blocks, 4, "{error:?}: nothing dropped");
+    }
+}
+
+#[test]
+fn a_request_that_matched_storage_blocks_before_the_tier_went_down_allocates_without_a_load() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let second = hashes(&[500, 501, 502, 503]);
+    serve(&mut cache, 2, &second);
+    while cache.cached_prefix(&second).storage_blocks < 4 {
+        serve(&mut cache, 3, &hashes(&[600, 601, 602, 603]));
+        serve(&mut cache, 4, &hashes(&[700, 701, 702, 703]));
+    }
+    // Request 7 matches four storage hits while the tier is up, then it goes down.
+    let prompt = prompt_hitting(4);
+    let found = cache.match_prefix(RequestId(7), &second, prompt).unwrap();
+    assert_eq!(found.storage_blocks, 4);
+    tier_goes_down_under_a_load(&mut cache, &first);
+
+    let allocation = cache.allocate(RequestId(7), prompt - found.cached_tokens, 0).unwrap();
+    let ticket = allocation.ticket;
+    check(&cache);
+    assert!(storage_copies(&mut cache).is_empty(), "no LOAD for a tier that is down");
+    assert_eq!(cache.ticket_status(ticket).unwrap(), TicketStatus::Shortened { cached_blocks: 0 });
+    // It computes the four blocks into its own table and commits them.
+    cache.commit(RequestId(7), prompt, &second).unwrap();
+    cache.finish(RequestId(7)).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&second).device_blocks, 4);
+}
+
+#[test]
+fn host_evictions_drop_blocks_instead_of_writing_them_back_while_the_tier_is_down() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    tier_goes_down_under_a_load(&mut cache, &first);
+    let written_back = cache.stats().counters.evictions.host_written_back;
+    let used = cache.storage_used_blocks();
+    for round in 0..6u128 {
+        let base = 1_000 + 10 * round;
+        let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+        let request = RequestId(100 + round as u64);
+        let prompt = 4 * BLOCK_TOKENS as usize;
+        let found = cache.match_prefix(request, &blocks, prompt).unwrap();
+        cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
+        assert!(storage_copies(&mut cache).is_empty(), "no STORE while the tier is down");
+        cache.commit(request, prompt, &blocks).unwrap();
+        cache.finish(request).unwrap();
+        check(&cache);
+    }
+    let counters = cache.stats().counters;
+    assert_eq!(counters.evictions.host_written_back, written_back);
+    assert!(counters.storage_down_dropped_blocks > 0, "{counters:?}");
+    assert!(cache.storage_used_blocks() <= used, "nothing new counted on the tier");
+
+    // Back up: host evictions write back again.
+    cache.storage_tier_recovered();
+    let mut stores = 0;
+    for round in 0..6u128 {
+        let base = 2_000 + 10 * round;
+        let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+        let request = RequestId(200 + round as u64);
+        let prompt = 4 * BLOCK_TOKENS as usize;
+        cache.match_prefix(request, &blocks, prompt).unwrap();
+        cache.allocate(request, prompt, 0).unwrap();
+        for copy in storage_copies(&mut cache) {
+            assert_eq!(copy.kind, TransferKind::HostToStorage);
+            stores += 1;
+            cache.complete_storage_transfer(copy.id, Ok(None)).unwrap();
+            check(&cache);
+        }
+        cache.commit(request, prompt, &blocks).unwrap();
+        cache.finish(request).unwrap();
+        check(&cache);
+    }
+    assert!(stores > 0, "write-backs resume once the tier is up");
+}
+
+#[test]
+fn a_store_the_tier_failed_for_marks_it_down_and_one_not_written_for_room_does_not() {
+    for (outcome, down) in [(Missing, false), (Unavailable, true)] {
+        let mut cache = three_tiers();
+        let mut stores = Vec::new();
+        let mut round = 0u128;
+        while stores.is_empty() {
+            round += 1;
+            assert!(round < 20, "set-up: no write-back");
+            let base = 100 * round;
+            let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+            let request = RequestId(round as u64);
+            let prompt = 4 * BLOCK_TOKENS as usize;
+            cache.match_prefix(request, &blocks, prompt).unwrap();
+            cache.allocate(request, prompt, 0).unwrap();
+            stores = storage_copies(&mut cache);
+            cache.commit(request, prompt, &blocks).unwrap();
+            cache.finish(request).unwrap();
+        }
+        let results = vec![outcome; stores[0].pairs.len()];
+        cache.complete_storage_transfer(stores[0].id, Ok(Some(&results))).unwrap();
+        check(&cache);
+        assert_eq!(cache.storage_tier_down(), down, "{outcome:?}");
+    }
+}
+
+#[test]
+fn write_through_stores_are_skipped_while_the_tier_is_down_and_resume_once_it_is_up() {
+    let mut cache = manager(
+        CacheConfig::new(BLOCK_TOKENS, 8)
+            .with_host_blocks(8)
+            .with_storage_blocks(32)
+            .with_storage_write_policy(StorageWritePolicy::WriteThrough),
+    );
+    assert!(cache.storage_tier_failed(), "an owner may mark the tier down");
+    assert!(!cache.storage_tier_failed(), "once per outage");
+    for round in 0..4u128 {
+        let base = 100 * (round + 1);
+        let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+        let request = RequestId(round as u64 + 1);
+        let prompt = 4 * BLOCK_TOKENS as usize;
+        cache.match_prefix(request, &blocks, prompt).unwrap();
+        cache.allocate(request, prompt, 0).unwrap();
+        cache.commit(request, prompt, &blocks).unwrap();
+        cache.finish(request).unwrap();
+        cache.poll();
+        assert!(storage_copies(&mut cache).is_empty(), "no write-through while down");
+        check(&cache);
+    }
+    assert!(cache.stats().counters.storage_down_skipped_stores > 0);
+    assert_eq!(cache.storage_used_blocks(), 0);
+}
+
+#[test]
+fn a_prefetch_does_nothing_while_the_tier_is_down() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    cache.set_storage_shared(true);
+    cache.storage_tier_failed();
+    let mut past = first.clone();
+    past.extend(hashes(&[9_001, 9_002]));
+    assert_eq!(cache.prefetch(&past).unwrap(), None);
+    assert!(cache.take_transfers().is_empty());
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    assert!(queries.is_empty(), "no QUERY either");
+    assert_eq!(cache.stats().counters.storage_down_skipped_prefetches, 1);
+    check(&cache);
+    cache.storage_tier_recovered();
+    assert!(cache.prefetch(&first).unwrap().is_some(), "prefetches load again once it is up");
+}
+
+#[test]
+fn rematch_stops_before_storage_only_blocks_while_the_tier_is_down() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let prompt = prompt_hitting(4);
+    // A prompt whose first block is not cached yet matches nothing, then its blocks come back.
+    cache.storage_tier_failed();
+    let found = cache.match_prefix(RequestId(50), &first, prompt).unwrap();
+    assert_eq!(found.blocks(), 0);
+    let found = cache.rematch(RequestId(50), &first, prompt).unwrap();
+    assert_eq!(found.blocks(), 0, "{found:?}");
+    cache.storage_tier_recovered();
+    let found = cache.rematch(RequestId(50), &first, prompt).unwrap();
+    assert_eq!(found.storage_blocks, 4, "{found:?}");
+    cache.release_match(RequestId(50)).unwrap();
+    check(&cache);
+}
+
+#[test]
+fn a_cache_without_a_storage_tier_is_never_marked_down() {
+    let mut cache = manager(CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(4));
+    assert!(!cache.storage_tier_failed());
+    assert!(!cache.storage_tier_down());
+}
