@@ -486,6 +486,11 @@ impl Engine {
         let live = self.live.get_mut(&id).unwrap();
         let cached = cached_blocks as usize;
         assert!(cached <= live.matched_blocks, "a shortened hit is shorter");
+        if cached == live.matched_blocks {
+            // Applied already: the ticket stays `Shortened` while the request commits (a cut
+            // is always before the end of the hits, so a first one shortens them).
+            return;
+        }
         live.matched_blocks = cached;
         live.held_blocks = live.held_blocks.min(cached);
     }

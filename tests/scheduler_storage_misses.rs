@@ -201,9 +201,13 @@ fn a_whole_load_failing_is_a_miss_for_every_block_and_drops_none_of_them() {
     check(&cache);
     cache.poll();
     check(&cache);
-    // The tier may have been down for a moment: the blocks are still there for the next match.
+    // The tier may have been down for a moment: the blocks are still there, for the first match
+    // once it is back up (while it is down no match counts them: `scheduler_storage_tier_down`).
     let found = cache.cached_prefix(&first);
     assert_eq!(found.storage_blocks, 4, "{found:?}");
+    assert!(cache.storage_tier_down());
+    assert_eq!(cache.lookup(&first, prompt_hitting(4)).unwrap().blocks(), 0);
+    assert!(cache.storage_tier_recovered());
     let again = allocate_hitting_all(&mut cache, 51, &first);
     complete_all(&mut cache);
     assert_eq!(cache.ticket_status(again), Ok(TicketStatus::Ready));

@@ -34,15 +34,21 @@ fn serve(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
 /// Serves a four-block prompt, then others until all four of its blocks are on storage only.
 fn four_blocks_on_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
     let first = hashes(&[1, 2, 3, 4]);
-    serve(cache, 1, &first);
-    let mut round = 0u128;
-    while cache.cached_prefix(&first).storage_blocks < 4 {
-        round += 1;
-        assert!(round < 20, "set-up: the first prompt never reached storage");
-        let base = 100 * round;
-        serve(cache, 10 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
-    }
+    push_to_storage(cache, 1, &first);
     first
+}
+
+/// Serves `blocks` as request `id`, then other prompts (ids and hashes from `id * 1000` on)
+/// until all of them are on storage only.
+fn push_to_storage(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
+    serve(cache, id, blocks);
+    let mut round = 0u128;
+    while cache.cached_prefix(blocks).storage_blocks < blocks.len() {
+        round += 1;
+        assert!(round < 20, "set-up: the prompt never reached storage");
+        let base = u128::from(id) * 1000 + 10 * round;
+        serve(cache, id * 1000 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
+    }
 }
 
 /// Matches `blocks` as request `id` and allocates; returns how many storage hits it matched.
@@ -54,7 +60,8 @@ fn match_and_allocate(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) -
     found.storage_blocks
 }
 
-/// Hands out every copy; completes all but the storage copies, which it returns.
+/// Hands out every copy; completes all but the LOADs (STOREs land), and returns the storage
+/// copies.
 fn storage_copies(cache: &mut CacheManager) -> Vec<Transfer> {
     let mut storage = Vec::new();
     loop {
@@ -63,14 +70,26 @@ fn storage_copies(cache: &mut CacheManager) -> Vec<Transfer> {
             return storage;
         }
         for transfer in transfers {
+            match transfer.kind {
+                TransferKind::StorageToHost => {}
+                TransferKind::HostToStorage => {
+                    cache.complete_storage_transfer(transfer.id, Ok(None)).unwrap();
+                }
+                _ => cache.complete_transfer(transfer.id, Ok(())).unwrap(),
+            }
+            check(cache);
             if transfer.kind.is_storage() {
                 storage.push(transfer);
-            } else {
-                cache.complete_transfer(transfer.id, Ok(())).unwrap();
-                check(cache);
             }
         }
     }
+}
+
+/// The LOADs among [`storage_copies`].
+fn loads(cache: &mut CacheManager) -> Vec<Transfer> {
+    let mut loads = storage_copies(cache);
+    loads.retain(|copy| copy.kind == TransferKind::StorageToHost);
+    loads
 }
 
 /// Marks the tier down the way a real outage does: a LOAD of the four stored blocks of `first`
@@ -78,7 +97,7 @@ fn storage_copies(cache: &mut CacheManager) -> Vec<Transfer> {
 /// nothing, computes the blocks, commits them and finishes.
 fn tier_goes_down_under_a_load(cache: &mut CacheManager, first: &[BlockHash]) {
     assert_eq!(match_and_allocate(cache, 90, first), 4);
-    let loads = storage_copies(cache);
+    let loads = loads(cache);
     assert_eq!(loads.len(), 1, "one LOAD: {loads:?}");
     cache.complete_storage_transfer(loads[0].id, Ok(Some(&[Unavailable; 4]))).unwrap();
     check(cache);
@@ -94,11 +113,7 @@ fn a_load_the_tier_failed_for_marks_it_down_and_matches_then_end_before_storage_
     let mut cache = three_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let second = hashes(&[500, 501, 502, 503]);
-    serve(&mut cache, 2, &second);
-    while cache.cached_prefix(&second).storage_blocks < 4 {
-        serve(&mut cache, 3, &hashes(&[600, 601, 602, 603]));
-        serve(&mut cache, 4, &hashes(&[700, 701, 702, 703]));
-    }
+    push_to_storage(&mut cache, 2, &second);
     assert!(!cache.storage_tier_down());
     tier_goes_down_under_a_load(&mut cache, &first);
     assert_eq!(cache.stats().counters.storage_outages, 1);
@@ -121,8 +136,7 @@ fn a_load_the_tier_failed_for_marks_it_down_and_matches_then_end_before_storage_
     assert!(cache.storage_tier_recovered());
     assert!(!cache.storage_tier_down());
     assert_eq!(match_and_allocate(&mut cache, 6, &second), 4);
-    let loads = storage_copies(&mut cache);
-    assert_eq!(loads.iter().filter(|copy| copy.kind == TransferKind::StorageToHost).count(), 1);
+    assert_eq!(loads(&mut cache).len(), 1);
     check(&cache);
 }
 
@@ -131,7 +145,7 @@ fn a_missing_block_is_an_ordinary_miss_that_leaves_the_tier_up() {
     let mut cache = three_tiers();
     let first = four_blocks_on_storage(&mut cache);
     assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
-    let loads = storage_copies(&mut cache);
+    let loads = loads(&mut cache);
     cache
         .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Landed, Missing, Landed])))
         .unwrap();
@@ -153,7 +167,7 @@ fn a_whole_command_failure_marks_the_tier_down_only_when_the_tier_failed() {
         let mut cache = three_tiers();
         let first = four_blocks_on_storage(&mut cache);
         assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
-        let loads = storage_copies(&mut cache);
+        let loads = loads(&mut cache);
         cache.complete_storage_transfer(loads[0].id, Err(failure(error))).unwrap();
         check(&cache);
         assert_eq!(cache.storage_tier_down(), down, "{error:?}");
@@ -166,11 +180,7 @@ fn a_request_that_matched_storage_blocks_before_the_tier_went_down_allocates_wit
     let mut cache = three_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let second = hashes(&[500, 501, 502, 503]);
-    serve(&mut cache, 2, &second);
-    while cache.cached_prefix(&second).storage_blocks < 4 {
-        serve(&mut cache, 3, &hashes(&[600, 601, 602, 603]));
-        serve(&mut cache, 4, &hashes(&[700, 701, 702, 703]));
-    }
+    push_to_storage(&mut cache, 2, &second);
     // Request 7 matches four storage hits while the tier is up, then it goes down.
     let prompt = prompt_hitting(4);
     let found = cache.match_prefix(RequestId(7), &second, prompt).unwrap();
@@ -226,8 +236,6 @@ fn host_evictions_drop_blocks_instead_of_writing_them_back_while_the_tier_is_dow
         for copy in storage_copies(&mut cache) {
             assert_eq!(copy.kind, TransferKind::HostToStorage);
             stores += 1;
-            cache.complete_storage_transfer(copy.id, Ok(None)).unwrap();
-            check(&cache);
         }
         cache.commit(request, prompt, &blocks).unwrap();
         cache.finish(request).unwrap();
@@ -251,9 +259,21 @@ fn a_store_the_tier_failed_for_marks_it_down_and_one_not_written_for_room_does_n
             let prompt = 4 * BLOCK_TOKENS as usize;
             cache.match_prefix(request, &blocks, prompt).unwrap();
             cache.allocate(request, prompt, 0).unwrap();
-            stores = storage_copies(&mut cache);
-            cache.commit(request, prompt, &blocks).unwrap();
-            cache.finish(request).unwrap();
+            for transfer in cache.take_transfers() {
+                if transfer.kind == TransferKind::HostToStorage {
+                    stores.push(transfer);
+                } else {
+                    cache.complete_transfer(transfer.id, Ok(())).unwrap();
+                }
+            }
+            if stores.is_empty() {
+                complete_all(&mut cache);
+                cache.commit(request, prompt, &blocks).unwrap();
+                cache.finish(request).unwrap();
+            } else {
+                cache.abort(request).unwrap();
+            }
+            check(&cache);
         }
         let results = vec![outcome; stores[0].pairs.len()];
         cache.complete_storage_transfer(stores[0].id, Ok(Some(&results))).unwrap();
@@ -279,6 +299,7 @@ fn write_through_stores_are_skipped_while_the_tier_is_down_and_resume_once_it_is
         let prompt = 4 * BLOCK_TOKENS as usize;
         cache.match_prefix(request, &blocks, prompt).unwrap();
         cache.allocate(request, prompt, 0).unwrap();
+        assert!(storage_copies(&mut cache).is_empty(), "no write-through while down");
         cache.commit(request, prompt, &blocks).unwrap();
         cache.finish(request).unwrap();
         cache.poll();
@@ -331,4 +352,28 @@ fn a_cache_without_a_storage_tier_is_never_marked_down() {
     let mut cache = manager(CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(4));
     assert!(!cache.storage_tier_failed());
     assert!(!cache.storage_tier_down());
+}
+
+#[test]
+fn a_query_answered_after_the_tier_went_down_adopts_and_loads_nothing() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    cache.set_storage_shared(true);
+    let mut past = first.clone();
+    past.extend(hashes(&[9_001, 9_002]));
+    let ticket = cache.prefetch(&past).unwrap().expect("loads and asks");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    assert_eq!(queries.len(), 1);
+    for load in loads(&mut cache) {
+        cache.complete_storage_transfer(load.id, Ok(None)).unwrap();
+    }
+    assert!(cache.take_transfers().is_empty());
+    cache.storage_tier_failed();
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    check(&cache);
+    let transfers = cache.take_transfers();
+    assert!(transfers.is_empty(), "no LOAD of what the QUERY found: {transfers:?}");
+    assert_eq!(cache.cached_prefix(&past).blocks(), 4, "nothing adopted");
+    assert_eq!(cache.prefetch_status(ticket).unwrap(), TicketStatus::Ready);
 }

@@ -1,7 +1,8 @@
 //! A storage tier that goes away under a running service, with real processes: a `kvshm worker`
-//! over a private Redis that is stopped mid-run. Its LOADs miss, and the requests that hit
-//! storage are shortened and served (never failed) while nothing is dropped from the cache; once
-//! Redis is back the tier serves hits again, byte for byte.
+//! over a private Redis that is killed (refusing) or paused (hung) mid-run. The LOAD that finds
+//! it gone misses, its request is shortened and served (never failed), and the tier is marked
+//! down: later requests neither hit nor wait on it, and nothing is dropped from the cache. Once
+//! Redis is back a probe finds it, and the tier serves hits again, byte for byte.
 
 mod service_support;
 mod storage_support;
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId};
-use kvshm::service::{Service, ServiceConfig, TicketReady};
+use kvshm::service::{Counter, Service, ServiceConfig, TicketReady, TierBackoff};
 use service_support::{device_block_holds, hashes, unique_name, write_block};
 use storage_support::{unique_namespace, RedisServer};
 
@@ -115,17 +116,23 @@ fn redis_stopped_mid_run_shortens_hits_without_failing_a_request_and_hits_return
     assert_eq!(service.cache().cached_prefix(&first).storage_blocks, 2);
 
     redis.kill();
-    // The tier is down: the hit is shortened to nothing, the request computes both blocks.
+    // The tier goes away: the hit is shortened to nothing, the request computes both blocks,
+    // and the tier is marked down.
     next_id += 1;
     let (ready, storage_hits) = serve(&mut service, next_id, &first, false);
     assert!(matches!(ready, TicketReady::Shortened { cached_blocks: 0, .. }), "{ready:?}");
     assert_eq!(storage_hits, 2);
     assert!(service.stats().storage_misses > 0, "{:?}", service.stats());
-    // An unavailable tier drops nothing: the other prompt's blocks are still on storage.
+    assert!(service.cache().storage_tier_down(), "a refused LOAD marks the tier down");
+    // An unavailable tier drops nothing: the other prompt's blocks are still on storage, but
+    // no request is routed to them while it is down (unless a probe already brought it up).
     assert_eq!(service.cache().cached_prefix(&second).storage_blocks, 2);
     next_id += 1;
-    let (ready, _) = serve(&mut service, next_id, &second, true);
-    assert!(matches!(ready, TicketReady::Shortened { cached_blocks: 0, .. }), "{ready:?}");
+    let (ready, storage_hits) = serve(&mut service, next_id, &second, true);
+    if service.cache().stats().counters.storage_outages == 1 && service.cache().storage_tier_down()
+    {
+        assert_eq!((ready, storage_hits), (TicketReady::AllHits, 0), "no hit on a tier down");
+    }
     assert_eq!(service.cache().cached_prefix(&second).storage_blocks, 2, "still there");
 
     // Back (empty: it keeps nothing on disk). Blocks written from now on hit again.
@@ -151,7 +158,9 @@ fn redis_stopped_mid_run_shortens_hits_without_failing_a_request_and_hits_return
         std::thread::sleep(Duration::from_millis(200));
     }
     let counters = service.cache().stats().counters;
-    assert!(counters.loaded_blocks >= 2 && counters.shortened_tickets >= 2, "{counters:?}");
+    assert!(counters.loaded_blocks >= 2 && counters.shortened_tickets >= 1, "{counters:?}");
+    assert!(counters.storage_outages >= 1, "{counters:?}");
+    assert!(service.stats().storage_tier_probes >= 1, "a probe brought the tier back");
     assert_eq!(counters.shortening_failed, 0);
     let published = service.segment().counters();
     assert_eq!(
@@ -159,4 +168,95 @@ fn redis_stopped_mid_run_shortens_hits_without_failing_a_request_and_hits_return
         counters.shortened_tickets,
         "kvctl sees the shortened hits"
     );
+}
+
+#[test]
+fn a_hung_redis_is_marked_down_so_requests_stop_waiting_on_it_and_a_probe_brings_it_back() {
+    // A LOAD to a hung server waits out the worker's I/O timeout (8 s here); the requests after
+    // the first must not.
+    const IO_TIMEOUT: Duration = Duration::from_secs(8);
+    let mut redis = RedisServer::start();
+    let name = unique_name("redis-hung");
+    let cache =
+        CacheConfig::new(BLOCK_TOKENS as u32, 4).with_host_blocks(2).with_storage_blocks(64);
+    let mut config = ServiceConfig::new(cache, 1, 1, 2, 1024);
+    // The rank owes answers while Redis hangs: not a silent worker.
+    config.command_deadline = Duration::from_secs(120);
+    config.storage_backoff =
+        TierBackoff { first: Duration::from_millis(200), max: Duration::from_secs(2) };
+    let mut service = Service::create(&name, config).unwrap();
+    let worker = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["worker", "--name", name.as_str(), "--rank", "0"])
+        .args(["--storage", &redis.url(), "--storage-namespace", &unique_namespace("hung")])
+        .args(["--storage-timeout", &IO_TIMEOUT.as_secs().to_string()])
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawning kvshm worker");
+    let _worker = KilledOnDrop(worker);
+    service.wait_for_workers(Duration::from_secs(60)).unwrap();
+
+    let mut next_id = 0;
+    let prompts: Vec<Vec<BlockHash>> = (1..=3).map(|base| hashes(100 * base, 2)).collect();
+    for prompt in &prompts {
+        next_id += 1;
+        serve(&mut service, next_id, prompt, false);
+    }
+    for prompt in &prompts {
+        assert!(push_to_storage(&mut service, &mut next_id, prompt));
+    }
+
+    redis.pause();
+    // The first request finds out: its LOAD times out, it is shortened, the tier goes down.
+    next_id += 1;
+    let (ready, storage_hits) = serve(&mut service, next_id, &prompts[0], false);
+    assert_eq!(storage_hits, 2);
+    assert!(matches!(ready, TicketReady::Shortened { cached_blocks: 0, .. }), "{ready:?}");
+    assert!(service.cache().storage_tier_down());
+    let published = service.segment().counters();
+    assert_eq!(published.get(Counter::StorageTierDown), 1, "kvctl sees the tier down");
+    assert_eq!(published.get(Counter::StorageTierOutages), 1);
+    assert!(published.get(Counter::StorageTierDownSinceNs) > 0);
+
+    // While it is down: no storage hit, and no wait on the tier. The second prompt's blocks stay
+    // cached on storage.
+    let storage_hits_before = service.cache().stats().counters.hits.storage_blocks;
+    let started = Instant::now();
+    next_id += 1;
+    let (ready, storage_hits) = serve(&mut service, next_id, &prompts[1], false);
+    let took = started.elapsed();
+    assert_eq!((ready, storage_hits), (TicketReady::AllHits, 0));
+    assert!(took < IO_TIMEOUT / 2, "a request waited {took:?} on a tier known to be down");
+    assert_eq!(service.cache().stats().counters.hits.storage_blocks, storage_hits_before);
+    // Evictions meanwhile drop instead of writing back: no STORE joins the queue of the hung
+    // server. (Probes fail meanwhile: Redis answers nothing.)
+    for round in 0..3 {
+        next_id += 1;
+        let filler = hashes(5_000 + 10 * round, 2);
+        serve(&mut service, next_id, &filler, false);
+    }
+    assert!(service.wait_for_copies(WAIT), "no copy waits on the tier");
+    assert!(service.cache().storage_tier_down(), "still down: the probe cannot reach it");
+    assert!(service.cache().stats().counters.storage_down_dropped_blocks > 0);
+    assert_eq!(service.cache().cached_prefix(&prompts[2]).storage_blocks, 2, "nothing dropped");
+
+    // Redis goes on, its data intact: a probe finds it and the tier comes back up.
+    redis.resume();
+    let deadline = Instant::now() + WAIT;
+    while service.cache().storage_tier_down() {
+        assert!(Instant::now() < deadline, "no probe brought the tier back up");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let stats = service.stats();
+    assert!(stats.storage_tier_probes >= 1, "{stats:?}");
+    service.poll();
+    assert_eq!(published.get(Counter::StorageTierDown), 0);
+    assert_eq!(published.get(Counter::StorageTierDownSinceNs), 0);
+    assert_eq!(published.get(Counter::StorageTierProbes), stats.storage_tier_probes);
+
+    // Storage hits resume: the third prompt loads from Redis, checked byte for byte.
+    next_id += 1;
+    let (ready, storage_hits) = serve(&mut service, next_id, &prompts[2], false);
+    assert_eq!((ready, storage_hits), (TicketReady::AllHits, 2));
+    assert_eq!(service.cache().stats().counters.storage_outages, 1);
 }

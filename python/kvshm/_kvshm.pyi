@@ -168,10 +168,14 @@ class Service:
         completion_ring_slots: int = 256,
         storage_blocks: int = 0,
         storage_write_policy: str = "write_back",
+        storage_backoff: float = 1.0,
+        storage_backoff_max: float = 30.0,
     ) -> None:
         """``storage_blocks`` (per rank) puts a storage tier below the host tier: start each
         worker with ``--storage disk:DIR`` (and ``--storage-blocks``, at least this many) or
-        ``--storage redis://HOST:PORT``."""
+        ``--storage redis://HOST:PORT``. A tier that fails is marked down (no hits, write-backs
+        or prefetches go to it) until a probe reaches it, after ``storage_backoff`` seconds,
+        doubling up to ``storage_backoff_max``."""
     @property
     def name(self) -> str: ...
     @property
@@ -184,6 +188,8 @@ class Service:
     def region_bytes(self) -> int: ...
     @property
     def block_tokens(self) -> int: ...
+    @property
+    def storage_tier_down(self) -> bool: ...
     def wait_for_workers(self, timeout: float = 10.0) -> None:
         """Polls until every rank has a live worker (GIL released)."""
 

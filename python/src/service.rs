@@ -12,7 +12,7 @@ use kvshm::manager::{
 };
 use kvshm::service::{
     Backend, BlockAccessError, SegmentName, Service as RustService, ServiceConfig, ServiceError,
-    TicketReady, WaitError,
+    TicketReady, TierBackoff, WaitError,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -185,7 +185,7 @@ impl Service {
         name, *, block_tokens, device_blocks, region_bytes, host_blocks=0, tp_size=1, layers=1,
         regions=None, write_policy="write_back", free_watermark=0, backend="host",
         layerwise=true, command_ring_slots=4096, completion_ring_slots=256, storage_blocks=0,
-        storage_write_policy="write_back"
+        storage_write_policy="write_back", storage_backoff=1.0, storage_backoff_max=30.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -206,8 +206,20 @@ impl Service {
         completion_ring_slots: u32,
         storage_blocks: u32,
         storage_write_policy: &str,
+        storage_backoff: f64,
+        storage_backoff_max: f64,
     ) -> PyResult<Service> {
         let name = segment_name(name)?;
+        let seconds = |value: f64, what: &str| {
+            Duration::try_from_secs_f64(value).map_err(|_| {
+                ConfigError::new_err(format!("{what} must be a number of seconds, got {value}"))
+            })
+        };
+        let backoff = TierBackoff {
+            first: seconds(storage_backoff, "storage_backoff")?,
+            max: seconds(storage_backoff_max, "storage_backoff_max")?,
+        };
+        backoff.validate().map_err(|error| ConfigError::new_err(error.to_string()))?;
         let storage_write_policy = storage_write_policy
             .parse::<StorageWritePolicy>()
             .map_err(|error| ConfigError::new_err(error.to_string()))?;
@@ -223,6 +235,7 @@ impl Service {
         config.layerwise = layerwise;
         config.command_ring_slots = command_ring_slots;
         config.completion_ring_slots = completion_ring_slots;
+        config.storage_backoff = backoff;
         let service = py.detach(|| RustService::create(&name, config)).py_err()?;
         Ok(Service { inner: Mutex::new(Some(service)) })
     }
@@ -515,6 +528,14 @@ impl Service {
     /// Leading layers of the ticket's blocks that have landed on every rank.
     fn ticket_layers_ready(&self, py: Python<'_>, ticket: u64) -> PyResult<u32> {
         open(&mut self.lock(py))?.ticket_layers_ready(TicketId(ticket)).py_err()
+    }
+
+    /// Whether the storage tier is down: a STORE or LOAD found it failing, and no work goes to it
+    /// until a probe (after `storage_backoff` seconds, doubling up to `storage_backoff_max`)
+    /// reaches it on every rank. `poll()` (and every wait) probes.
+    #[getter]
+    fn storage_tier_down(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(open(&mut self.lock(py))?.cache().storage_tier_down())
     }
 
     /// The manager's and the service's figures, as a dict.

@@ -192,6 +192,21 @@ def test_bad_configurations_are_config_errors(name: str) -> None:
         make_service(name, layers=3, regions=4)
     with pytest.raises(OverflowError):
         make_service(name, device_blocks=-1)
+    with pytest.raises(kvshm.ConfigError, match="maximum"):
+        make_service(name, storage_blocks=8, storage_backoff=5.0, storage_backoff_max=1.0)
+    with pytest.raises(kvshm.ConfigError, match="storage_backoff"):
+        make_service(name, storage_blocks=8, storage_backoff=-1.0)
+
+
+def test_a_storage_tier_starts_up_and_its_state_is_in_the_stats(name: str) -> None:
+    with make_service(
+        name, storage_blocks=8, storage_backoff=0.1, storage_backoff_max=2.0
+    ) as service:
+        assert service.storage_tier_down is False
+        stats = service.stats()
+        assert stats["cache"]["storage_tier_down"] is False
+        assert stats["cache"]["storage_outages"] == 0
+        assert stats["service"]["storage_tier_probes"] == 0
 
 
 def test_a_waiting_request_gives_its_holds_back_and_picks_up_blocks_cached_meanwhile(

@@ -28,7 +28,7 @@ use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal
 use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
 use crate::demo::{workload, DemoEngine, DemoReport};
 use crate::manager::{CacheConfig, EvictionPolicy, StorageWritePolicy, WritePolicy};
-use crate::service::{Service, ServiceConfig};
+use crate::service::{Service, ServiceConfig, TierBackoff};
 use crate::storage::backend::BlockLayout;
 use crate::storage::spec::{StorageNamespace, StorageSpec};
 use crate::trace::{read_trace, TraceRequest};
@@ -83,6 +83,13 @@ pub struct Args {
     /// write_through_selective:T (blocks with at least T hits written through).
     #[arg(long, default_value_t = StorageWritePolicy::WriteBack)]
     storage_write_policy: StorageWritePolicy,
+    /// Milliseconds before the first probe of a storage tier that is down (while it is down no
+    /// request hits, writes back to or prefetches from it); each failed probe doubles the wait.
+    #[arg(long, default_value_t = 1000)]
+    storage_backoff_ms: u64,
+    /// The longest wait between probes of a storage tier that is down, in milliseconds.
+    #[arg(long, default_value_t = 30_000)]
+    storage_backoff_max_ms: u64,
     /// Model layers (a block holds K and V of each: 2 regions per layer).
     #[arg(long, default_value_t = 4)]
     layers: u32,
@@ -205,6 +212,7 @@ fn check(args: &Args) -> anyhow::Result<()> {
     } else if args.storage_blocks.is_some() {
         bail!("--storage-blocks needs --storage disk:DIR or --storage redis://...");
     }
+    storage_backoff(args)?;
     let block_bytes = u128::from(args.layers) * 2 * u128::from(args.region_bytes);
     let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
     fits_in_dev_shm(
@@ -230,6 +238,23 @@ fn check(args: &Args) -> anyhow::Result<()> {
             args.device_blocks, args.host_blocks
         ),
     )
+}
+
+/// The waits before probing a storage tier that is down (`--storage-backoff-ms`,
+/// `--storage-backoff-max-ms`).
+fn storage_backoff(args: &Args) -> anyhow::Result<TierBackoff> {
+    let backoff = TierBackoff {
+        first: Duration::from_millis(args.storage_backoff_ms),
+        max: Duration::from_millis(args.storage_backoff_max_ms),
+    };
+    backoff.validate().map_err(|error| {
+        anyhow::anyhow!(
+            "--storage-backoff-ms {} / --storage-backoff-max-ms {}: {error}",
+            args.storage_backoff_ms,
+            args.storage_backoff_max_ms
+        )
+    })?;
+    Ok(backoff)
 }
 
 /// The storage tier's blocks per rank: as given, or 4 times the host tier.
@@ -337,8 +362,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .with_eviction(args.eviction)
         .with_storage_blocks(if args.storage.is_some() { storage_blocks(&args) } else { 0 })
         .with_storage_write_policy(args.storage_write_policy);
-    let config =
+    let mut config =
         ServiceConfig::new(cache, args.tp, args.layers, args.layers * 2, args.region_bytes);
+    config.storage_backoff = storage_backoff(&args)?;
     let mut service = Service::create(&name, config).context("creating the service")?;
     let workers = Workers::spawn(name.as_str(), args.tp, &worker_storage_args(&args))?;
     // A storage tier takes a while to open (a slab is preallocated).

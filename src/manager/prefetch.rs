@@ -238,7 +238,8 @@ impl CacheManager {
 
     /// Applies the answer to QUERY `id`: `Ok(n)` when its first `n` blocks are present on every
     /// rank, an error when the tier could not tell (nothing is adopted). The present blocks are
-    /// adopted and loaded within the query's ticket (module flow, step 3).
+    /// adopted and loaded within the query's ticket (module flow, step 3), unless the tier is
+    /// down by then.
     #[inline(never)] // off the hot paths (storage tier only)
     pub fn complete_storage_query(
         &mut self,
@@ -258,7 +259,8 @@ impl CacheManager {
         let failure = match outcome {
             // Defensive: a reset clears the queries, so an answer of an older generation is
             // refused above as unknown; were one kept, it would adopt nothing.
-            Ok(present) if query.generation == self.generation => {
+            // An answer arriving while the tier is down adopts and loads nothing (`tier_health`).
+            Ok(present) if query.generation == self.generation && !self.tier.is_down() => {
                 let present = present.min(query.limit);
                 let known = &query.hashes[..query.first + present];
                 let adopted = self.adopt_queried(known, query.first);

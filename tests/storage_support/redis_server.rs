@@ -101,9 +101,31 @@ impl RedisServer {
     /// Kills the server at once (SIGKILL): Redis "goes away".
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
+            // A paused server dies of SIGKILL all the same; SIGCONT is harmless otherwise.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGCONT,
+            );
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Stops the server (SIGSTOP): it keeps its connections and accepts new ones (the kernel
+    /// does), but answers nothing: a hung Redis.
+    pub fn pause(&mut self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Lets a paused server go on (SIGCONT): it answers what waited, with its data intact.
+    pub fn resume(&mut self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&mut self, signal: nix::sys::signal::Signal) {
+        let child = self.child.as_ref().expect("the server is running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signalling our own redis-server");
     }
 
     /// Starts the server again on the same port (empty: it keeps nothing on disk).
