@@ -509,7 +509,7 @@ fn a_worker_killed_in_the_middle_of_redis_writes_never_serves_wrong_bytes_afterw
 }
 
 #[test]
-fn a_full_disk_fails_the_blocks_that_do_not_fit_and_counts_them() {
+fn a_full_disk_refuses_the_blocks_that_do_not_fit_without_saying_the_tier_failed() {
     let dir = Scratch::new("ws-full");
     let name = unique_segment("full");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
@@ -532,7 +532,9 @@ fn a_full_disk_fails_the_blocks_that_do_not_fit_and_counts_them() {
         rank.fill_host(i, 100 + u64::from(i));
     }
     let results = rank.storage(Op::StorageStore, &entries);
-    assert_eq!(results, StorageResults { done: 0b0000_0111, failed: 0b1111_1000 });
+    // Not written, but not failed either: a full tier works (the scheduler must not mark it
+    // down); the worker counts them as no space.
+    assert_eq!(results, StorageResults { done: 0b0000_0111, failed: 0 });
     assert_eq!(segment.counters().get(Counter::StorageNoSpace), 5);
     let results = rank.storage(Op::StorageLoad, &[entry(100, 20), entry(101, 21), entry(102, 22)]);
     assert_eq!(results, all_done(3));
