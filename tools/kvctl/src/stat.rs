@@ -414,6 +414,33 @@ mod tests {
     }
 
     #[test]
+    fn the_storage_tier_line_says_up_or_how_long_it_has_been_down() {
+        let counters = |values: &[(Counter, u64)]| CounterValues(values.to_vec());
+        assert!(TierReport::from_counters(&counters(&[]), 0).is_none(), "no tier, no line");
+        let now = 100_000_000_000;
+        let down = counters(&[
+            (Counter::StorageBlocksTotal, 64),
+            (Counter::StorageTierDown, 1),
+            (Counter::StorageTierDownSinceNs, now - 12_500_000_000),
+            (Counter::StorageTierOutages, 2),
+            (Counter::StorageTierProbes, 5),
+            (Counter::StorageTierProbesFailed, 4),
+            (Counter::StorageDownSkippedBlocks, 7),
+        ]);
+        let report = TierReport::from_counters(&down, now).unwrap();
+        assert_eq!(report.down_for_seconds, Some(12.5));
+        assert_eq!(
+            report.describe(),
+            "DOWN for 12.5 s; 2 outages, 5 probes (4 failed), 7 blocks dropped or not written \
+             while down"
+        );
+        let up = counters(&[(Counter::StorageBlocksTotal, 64), (Counter::StorageTierOutages, 2)]);
+        let report = TierReport::from_counters(&up, now).unwrap();
+        assert!(!report.down && report.down_for_seconds.is_none());
+        assert!(report.describe().starts_with("up; 2 outages"), "{}", report.describe());
+    }
+
+    #[test]
     fn hit_rates_are_fractions_of_queried_blocks() {
         let rates = HitRates::from_counts(5, 2, 1, 2);
         assert_eq!(rates.queried_blocks, 10);
