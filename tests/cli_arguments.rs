@@ -131,6 +131,15 @@ fn demo_refuses_shapes_the_machine_cannot_hold_before_allocating_them() {
     refused_saying(&with(&["--block-tokens", "0"]), &["--block-tokens"]);
     refused_saying(&with(&["--free-watermark", "5000"]), &["--free-watermark"]);
     refused_saying(&with(&["--eviction", "optimal"]), &["--eviction optimal", "kvshm replay"]);
+    refused_saying(&with(&["--storage-backoff-ms", "0"]), &["--storage-backoff-ms", "at least"]);
+    refused_saying(
+        &with(&["--storage-backoff-ms", "5000", "--storage-backoff-max-ms", "100"]),
+        &["--storage-backoff-max-ms", "below"],
+    );
+    refused_saying(
+        &with(&["--storage-backoff-max-ms", "18446744073709551615"]),
+        &["--storage-backoff-max-ms", "more than a day"],
+    );
 }
 
 #[test]

@@ -58,6 +58,22 @@ pub enum TierBackoffError {
 }
 
 impl TierBackoff {
+    /// The wait before the first probe of an outage (module flow, step 1): `first`, or twice
+    /// `last_wait` (the previous outage's last wait) when the tier came back less than `max`
+    /// ago (`up_for`; `None` for a first outage).
+    pub fn first_wait(&self, last_wait: Duration, up_for: Option<Duration>) -> Duration {
+        match up_for {
+            Some(up_for) if up_for < self.max => self.doubled(last_wait),
+            _ => self.first,
+        }
+    }
+
+    /// The wait after a probe that failed (module flow, step 4): twice `wait`, within
+    /// `first..=max`.
+    pub fn doubled(&self, wait: Duration) -> Duration {
+        wait.saturating_mul(2).clamp(self.first, self.max)
+    }
+
     pub fn validate(&self) -> Result<(), TierBackoffError> {
         if self.first < Duration::from_millis(1) {
             return Err(TierBackoffError::TooShort(self.first));
@@ -124,12 +140,8 @@ impl Service {
         let backoff = self.tier_backoff;
         let watch = &mut self.tier_watch;
         if watch.down_since.is_none() {
-            let flapping = watch.up_since.is_some_and(|up| now.duration_since(up) < backoff.max);
-            watch.wait = if flapping {
-                (watch.wait * 2).clamp(backoff.first, backoff.max)
-            } else {
-                backoff.first
-            };
+            let up_for = watch.up_since.map(|up| now.duration_since(up));
+            watch.wait = backoff.first_wait(watch.wait, up_for);
             watch.down_since = Some(now);
             watch.down_since_ns = monotonic_ns();
             watch.next_probe = Some(now + watch.wait);
@@ -177,8 +189,55 @@ impl Service {
             return;
         }
         self.stats.storage_tier_probes_failed += 1;
-        watch.wait = (watch.wait * 2).clamp(self.tier_backoff.first, self.tier_backoff.max);
+        watch.wait = self.tier_backoff.doubled(watch.wait);
         watch.next_probe = Some(now + watch.wait);
         debug!(next_probe_in = ?watch.wait, "the storage tier probe failed; still down");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn failed_probes_double_the_wait_up_to_the_maximum() {
+        let backoff = DEFAULT_TIER_BACKOFF;
+        let mut wait = backoff.first_wait(Duration::ZERO, None);
+        let mut waits = vec![wait];
+        for _ in 0..7 {
+            wait = backoff.doubled(wait);
+            waits.push(wait);
+        }
+        let seconds: Vec<u64> = waits.iter().map(Duration::as_secs).collect();
+        assert_eq!(seconds, [1, 2, 4, 8, 16, 30, 30, 30]);
+    }
+
+    #[test]
+    fn a_tier_that_fails_again_soon_after_it_came_back_is_probed_later() {
+        let backoff = TierBackoff { first: SECOND, max: 30 * SECOND };
+        assert_eq!(backoff.first_wait(4 * SECOND, None), SECOND, "a first outage");
+        assert_eq!(backoff.first_wait(4 * SECOND, Some(10 * SECOND)), 8 * SECOND, "flapping");
+        assert_eq!(backoff.first_wait(20 * SECOND, Some(SECOND)), 30 * SECOND, "at most max");
+        assert_eq!(backoff.first_wait(4 * SECOND, Some(31 * SECOND)), SECOND, "up long enough");
+    }
+
+    #[test]
+    fn a_back_off_of_no_time_or_upside_down_is_refused() {
+        assert!(DEFAULT_TIER_BACKOFF.validate().is_ok());
+        let backoff = |first, max| TierBackoff { first, max };
+        assert!(matches!(
+            backoff(Duration::ZERO, SECOND).validate(),
+            Err(TierBackoffError::TooShort(_))
+        ));
+        assert!(matches!(
+            backoff(2 * SECOND, SECOND).validate(),
+            Err(TierBackoffError::MaxBelowFirst { .. })
+        ));
+        assert!(matches!(
+            backoff(SECOND, Duration::MAX).validate(),
+            Err(TierBackoffError::TooLong(_))
+        ));
     }
 }
