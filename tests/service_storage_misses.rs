@@ -219,7 +219,9 @@ fn a_hung_redis_is_marked_down_so_requests_stop_waiting_on_it_and_a_probe_brings
     assert!(published(&service, Counter::StorageTierDownSinceNs) > 0);
 
     // While it is down: no storage hit, and no wait on the tier. The second prompt's blocks stay
-    // cached on storage.
+    // cached on storage. (Past the worker's own connect back-off, at most 1 s, during which its
+    // connections fail at once: after it, a LOAD would connect to the hung server and wait.)
+    std::thread::sleep(Duration::from_secs(2));
     let storage_hits_before = service.cache().stats().counters.hits.storage_blocks;
     let started = Instant::now();
     next_id += 1;
