@@ -41,13 +41,17 @@ use crate::tree::{NodeId, NodeMut, NodeState, StoreOut, SwapOut, Tree};
 
 /// What evicting one device candidate gave.
 enum Evicted {
-    /// Its device block is back in the pool; `exposed`: its parent, left unfiled as the next
-    /// device candidate (see [`Tree::remove_exposing`]), when the caller asked for it.
-    Freed { exposed: Option<NodeId> },
+    /// Its device block is back in the pool (an eviction ahead of demand).
+    Freed,
+    /// The caller, an allocation, took its device block `block` at once: the block changes
+    /// owner without passing through the pool (which would hand the same block back, the one
+    /// freed last). `exposed`: its parent, left unfiled as the next device candidate (see
+    /// [`Tree::remove_exposing`]).
+    Taken { block: u32, exposed: Option<NodeId> },
     /// A swap-out started; the node's block is claimable.
     SwappingOut,
     /// A swap-out started and the caller took the node's block at once: `block`, still read by
-    /// `transfer`; `exposed` as for `Freed`.
+    /// `transfer`; `exposed` as for `Taken`.
     Claimed { block: u32, transfer: TransferId, exposed: Option<NodeId> },
 }
 
@@ -100,9 +104,8 @@ impl CacheManager {
             // No node is claimable here, so a swap-out the eviction starts would be the next
             // claim: it takes the block at once.
             match self.evict_device(victim, Some(&mut exposed_host)) {
-                Evicted::Freed { exposed: parent } => {
+                Evicted::Taken { block, exposed: parent } => {
                     exposed = parent;
-                    let block = self.device.allocate_one().expect("a block was just freed");
                     out.push((block, None));
                 }
                 Evicted::Claimed { block, transfer, exposed: parent } => {
@@ -110,7 +113,7 @@ impl CacheManager {
                     out.push((block, Some(transfer)));
                 }
                 // Only without `for_allocation`.
-                Evicted::SwappingOut => {}
+                Evicted::Freed | Evicted::SwappingOut => {}
             }
         }
         if let Some(parent) = exposed {
@@ -164,10 +167,13 @@ impl CacheManager {
                 });
                 None
             };
-            self.free_device(block);
             self.stats.evictions.device_to_host_metadata += 1;
             self.settled_on_host(id);
-            return Evicted::Freed { exposed };
+            if for_allocation {
+                return Evicted::Taken { block, exposed };
+            }
+            self.free_device(block);
+            return Evicted::Freed;
         }
         let wants_copy = self.host_enabled()
             && match self.config.write_policy {
@@ -191,14 +197,20 @@ impl CacheManager {
                 return Evicted::SwappingOut;
             }
         }
-        let exposed = if for_allocation && !self.tree.node(id).has_children() {
-            self.drop_leaf_exposing(id)
-        } else {
-            self.drop_subtree(id);
-            None
-        };
         self.stats.evictions.device_dropped += 1;
-        Evicted::Freed { exposed }
+        if !for_allocation {
+            self.drop_subtree(id);
+            return Evicted::Freed;
+        }
+        if !self.tree.node(id).has_children() {
+            let exposed = self.drop_device_leaf_exposing(id);
+            return Evicted::Taken { block, exposed };
+        }
+        // Host-only nodes below it go too: its block is the one device block the drop frees.
+        self.drop_subtree(id);
+        let taken = self.device.allocate_one().expect("a block was just freed");
+        debug_assert_eq!(taken, block, "the pool hands out the block freed last");
+        Evicted::Taken { block: taken, exposed: None }
     }
 
     /// A host block, from the pool or by evicting the least recently used host candidate

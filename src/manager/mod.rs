@@ -478,11 +478,18 @@ impl CacheManager {
         self.tree.remove(id);
     }
 
-    /// [`CacheManager::drop_leaf`] for an eviction that goes on evicting: returns the parent
-    /// when it is the next device candidate to evict, left for the caller to evict or file
-    /// (see [`Tree::remove_exposing`]).
-    fn drop_leaf_exposing(&mut self, id: NodeId) -> Option<NodeId> {
-        self.give_up_blocks_of_leaf(id);
+    /// [`CacheManager::drop_leaf`] of a device candidate without a host block, for an
+    /// allocation that takes its device block (the caller's) and goes on evicting: returns the
+    /// parent when it is the next device candidate to evict, left for the caller to evict or
+    /// file (see [`Tree::remove_exposing`]).
+    fn drop_device_leaf_exposing(&mut self, id: NodeId) -> Option<NodeId> {
+        let node = self.tree.node(id);
+        debug_assert!(
+            self.tree.is_device_candidate(id) && node.host().is_none(),
+            "{id:?} is not a device candidate without a host block"
+        );
+        let (stored, hash) = (node.stored(), node.hash());
+        self.give_up_storage_copy(stored, hash, NodeState::Device);
         self.tree.remove_exposing(id)
     }
 
@@ -494,14 +501,7 @@ impl CacheManager {
         assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
         let (device, host, state, transfer, hash) =
             (node.device(), node.host(), node.state(), node.transfer(), node.hash());
-        if node.stored() || matches!(state, NodeState::HostToStorage(_)) {
-            self.storage_used -= 1;
-        }
-        if self.storage_enabled() {
-            // The tier may hold it (stored, or loaded from it once): told to forget it, but a
-            // node whose STORE or LOAD is in flight only once that copy completed (detached).
-            self.forget_dropped(hash, state);
-        }
+        self.give_up_storage_copy(node.stored(), hash, state);
         match state {
             NodeState::Device | NodeState::Host | NodeState::Storage => {
                 if let Some(block) = device {
@@ -529,6 +529,25 @@ impl CacheManager {
                 flight.reserved_device.extend(device);
                 flight.reserved_host.extend(host);
             }
+        }
+    }
+
+    /// The storage part of dropping a node in `state` (`stored`: whether the tier holds it):
+    /// uncounts its storage block, and tells the tier to forget it.
+    #[inline]
+    fn give_up_storage_copy(
+        &mut self,
+        stored: bool,
+        hash: crate::hash::BlockHash,
+        state: NodeState,
+    ) {
+        if stored || matches!(state, NodeState::HostToStorage(_)) {
+            self.storage_used -= 1;
+        }
+        if self.storage_enabled() {
+            // The tier may hold it (stored, or loaded from it once): told to forget it, but a
+            // node whose STORE or LOAD is in flight only once that copy completed (detached).
+            self.forget_dropped(hash, state);
         }
     }
 
