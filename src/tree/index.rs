@@ -74,6 +74,11 @@ impl Group {
     }
 }
 
+/// The entries a table of `groups` groups holds before it doubles: 7/8 of its slots.
+fn grow_at(groups: usize) -> usize {
+    groups * SLOTS * 7 / 8
+}
+
 /// The slot of the lowest set bit of a [`Group::slots_tagged`] mask.
 fn first_slot(mask: u32) -> usize {
     mask.trailing_zeros() as usize
@@ -99,6 +104,8 @@ fn tag(mixed: u64) -> u8 {
 pub struct ChildIndex {
     groups: Vec<Group>,
     len: usize,
+    /// The entries past which the table doubles (7/8 of its slots).
+    grow_at: usize,
 }
 
 impl ChildIndex {
@@ -107,7 +114,7 @@ impl ChildIndex {
     pub fn with_capacity(entries: usize) -> ChildIndex {
         let groups =
             if entries == 0 { 0 } else { (entries * 8).div_ceil(SLOTS * 7).next_power_of_two() };
-        ChildIndex { groups: vec![EMPTY_GROUP; groups], len: 0 }
+        ChildIndex { groups: vec![EMPTY_GROUP; groups], len: 0, grow_at: grow_at(groups) }
     }
 
     pub fn len(&self) -> usize {
@@ -130,10 +137,16 @@ impl ChildIndex {
     /// overlap the cache misses of its next blocks with the work on this one.
     #[inline]
     pub fn prefetch(&self, hash: BlockHash) {
+        self.prefetch_words(&split(hash));
+    }
+
+    /// [`ChildIndex::prefetch`] of a hash as a node stores it.
+    #[inline]
+    pub fn prefetch_words(&self, words: &[u32; 4]) {
         if self.groups.is_empty() {
             return;
         }
-        let group: *const Group = &self.groups[self.home(mix(&split(hash)))];
+        let group: *const Group = &self.groups[self.home(mix(words))];
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a prefetch is a hint that never faults nor changes memory; SSE (and so
         // `_mm_prefetch`) is part of the x86-64 baseline; `group` points into `self.groups`.
@@ -176,8 +189,9 @@ impl ChildIndex {
     /// Adds node `id`, keyed by `words` (its hash words, as `nodes[id]` holds them) and absent
     /// from the index. The caller passes the words it has at hand: reading them back from a
     /// node record just written would stall on the stores.
+    #[inline]
     pub fn insert(&mut self, id: NodeId, words: &[u32; 4], nodes: &[Node]) {
-        if (self.len + 1) * 8 > self.groups.len() * SLOTS * 7 {
+        if self.len >= self.grow_at {
             self.grow(nodes);
         }
         self.place(id, words);
@@ -229,9 +243,12 @@ impl ChildIndex {
         unreachable!("removing {id:?}, which the child index does not hold, is a programming error")
     }
 
+    #[cold]
+    #[inline(never)]
     fn grow(&mut self, nodes: &[Node]) {
         let groups = (self.groups.len() * 2).max(1);
         let old = std::mem::replace(&mut self.groups, vec![EMPTY_GROUP; groups]);
+        self.grow_at = grow_at(groups);
         for group in &old {
             let mut occupied = !group.slots_tagged(0) & ALL_SLOTS;
             while occupied != 0 {
@@ -322,7 +339,7 @@ mod tests {
 
     #[test]
     fn a_missing_key_is_missing_when_every_group_counts_displaced_entries() {
-        let mut index = ChildIndex { groups: vec![EMPTY_GROUP; 2], len: 0 };
+        let mut index = ChildIndex { groups: vec![EMPTY_GROUP; 2], len: 0, grow_at: grow_at(2) };
         let mut nodes = vec![Node::new(BlockHash(0), NodeId::NONE)];
         let mut values = 1u128..;
         let mut add = |index: &mut ChildIndex, nodes: &mut Vec<Node>, home: usize| {
@@ -354,7 +371,7 @@ mod tests {
 
     #[test]
     fn small_hashes_spread_over_the_groups() {
-        let index = ChildIndex { groups: vec![EMPTY_GROUP; 64], len: 0 };
+        let index = ChildIndex { groups: vec![EMPTY_GROUP; 64], len: 0, grow_at: grow_at(64) };
         let homes: std::collections::HashSet<usize> =
             (0..256u128).map(|value| index.home(mix(&split(BlockHash(value))))).collect();
         assert!(homes.len() > 48, "only {} of 64 groups used", homes.len());

@@ -395,7 +395,8 @@ impl Tree {
         }
         if held {
             if let Some(access) = access.filter(|&access| self.policy.wants(access)) {
-                self.policy.touch(id, self.nodes[id.index()].hash(), access);
+                let nodes = &self.nodes;
+                self.policy.touch(id, || nodes[id.index()].hash(), access);
             }
         } else {
             self.refile(id, access);
@@ -477,7 +478,8 @@ impl Tree {
         // now (if it is unheld now) are left to tell, in `refile_with_policy`'s order.
         debug_assert!(node.membership().is_empty(), "a held node is filed");
         if self.policy.wants(Access::Release) {
-            self.policy.touch(id, self.nodes[id.index()].hash(), Access::Release);
+            let nodes = &self.nodes;
+            self.policy.touch(id, || nodes[id.index()].hash(), Access::Release);
         }
         let sets = self.membership(id);
         if !sets.is_empty() {
@@ -508,7 +510,7 @@ impl Tree {
         let parent = self.unlink(id);
         if self.is_next_device_victim(parent) {
             // Its removal may come next: start loading its index group now.
-            self.index.prefetch(self.nodes[parent.index()].hash());
+            self.index.prefetch_words(self.nodes[parent.index()].hash_words());
             return Some(parent);
         }
         self.refile(parent, None);
@@ -722,29 +724,37 @@ impl Tree {
         assert!(!node.has_children(), "removing a node with children is a programming error");
         let (parent, prev, next, sets) =
             (node.parent, node.prev_sibling, node.next_sibling, node.membership());
-        let (hash, key, had_device, was_upper) =
-            (*node.hash_words(), node.hash(), node.device().is_some(), node.is_upper());
+        let (hash, had_device, was_upper) =
+            (*node.hash_words(), node.device().is_some(), node.is_upper());
         if !sets.is_empty() {
             self.policy.leave(id, sets);
         }
         let sole_child = parent != NodeId::ROOT && prev == NodeId::NONE && next == NodeId::NONE;
-        self.policy.removing(id, key, sole_child.then_some(parent));
+        let nodes = &self.nodes;
+        self.policy.removing(id, || nodes[id.index()].hash(), sole_child.then_some(parent));
         self.index.remove(id, &hash);
-        if prev == NodeId::NONE {
-            self.nodes[parent.index()].first_child = next;
-        } else {
-            self.nodes[prev.index()].next_sibling = next;
-        }
         if next != NodeId::NONE {
             self.nodes[next.index()].prev_sibling = prev;
         }
+        if prev != NodeId::NONE {
+            self.nodes[prev.index()].next_sibling = next;
+        }
         self.nodes[id.index()].mark_removed(self.free_slots);
         self.free_slots = id;
-        if had_device {
-            self.count_child_out(parent, false);
+        // The parent's list head and counts, in one visit to its record.
+        let parent_node = &mut self.nodes[parent.index()];
+        if prev == NodeId::NONE {
+            parent_node.first_child = next;
         }
-        if was_upper {
-            self.count_child_out(parent, true);
+        let device_saturated = had_device && parent_node.device_children == COUNT_SATURATED;
+        let upper_saturated = was_upper && parent_node.upper_children == COUNT_SATURATED;
+        parent_node.device_children -= u16::from(had_device && !device_saturated);
+        parent_node.upper_children -= u16::from(was_upper && !upper_saturated);
+        if device_saturated {
+            self.recount_children(parent, false);
+        }
+        if upper_saturated {
+            self.recount_children(parent, true);
         }
         parent
     }
@@ -782,7 +792,8 @@ impl Tree {
             self.refile_with_policy(id, old, new, access);
         } else if let Some(access) = access {
             // In no set before or after (an inner node of a path, say): only the access.
-            self.policy.touch(id, self.nodes[id.index()].hash(), access);
+            let nodes = &self.nodes;
+            self.policy.touch(id, || nodes[id.index()].hash(), access);
         }
     }
 
@@ -798,7 +809,8 @@ impl Tree {
             self.policy.leave(id, old);
         }
         if let Some(access) = access {
-            self.policy.touch(id, self.nodes[id.index()].hash(), access);
+            let nodes = &self.nodes;
+            self.policy.touch(id, || nodes[id.index()].hash(), access);
         }
         if !new.is_empty() {
             self.policy.enter(id, new);

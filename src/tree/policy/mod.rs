@@ -265,10 +265,16 @@ macro_rules! registry {
                     $(Policies::$variant(p) => p.turn_ended(last),)+
                 }
             }
-            #[inline]
-            pub fn removing(&mut self, node: NodeId, key: BlockHash, sole_child_of: Option<NodeId>) {
+            /// `key` is asked for only by a policy that reads it (most ignore it).
+            #[inline(always)]
+            pub fn removing(
+                &mut self,
+                node: NodeId,
+                key: impl FnOnce() -> BlockHash,
+                sole_child_of: Option<NodeId>,
+            ) {
                 match self {
-                    $(Policies::$variant(p) => p.removing(node, key, sole_child_of),)+
+                    $(Policies::$variant(p) => p.removing(node, key(), sole_child_of),)+
                 }
             }
             pub fn configure(&mut self, tiers: TierShape) {
@@ -276,10 +282,11 @@ macro_rules! registry {
                     $(Policies::$variant(p) => p.configure(tiers),)+
                 }
             }
-            #[inline]
-            pub fn touch(&mut self, node: NodeId, key: BlockHash, access: Access) {
+            /// `key` is asked for only by a policy that reads it (most ignore it).
+            #[inline(always)]
+            pub fn touch(&mut self, node: NodeId, key: impl FnOnce() -> BlockHash, access: Access) {
                 match self {
-                    $(Policies::$variant(p) => p.touch(node, key, access),)+
+                    $(Policies::$variant(p) => p.touch(node, key(), access),)+
                 }
             }
             #[inline]
