@@ -47,9 +47,7 @@ impl CacheManager {
             }
         }
         self.tree.request_ending(record.policy_tag);
-        for &id in record.path.iter().rev() {
-            self.tree.release(id);
-        }
+        self.tree.release_path(&record.path);
         if let (true, Some(&last)) = (finished, record.path.last()) {
             self.tree.turn_ended(last);
         }

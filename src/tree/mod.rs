@@ -472,6 +472,23 @@ impl Tree {
     /// # Panics
     /// If the node is not held: releasing more than was held is a programming error.
     pub fn release(&mut self, id: NodeId) {
+        self.release_inline(id);
+    }
+
+    /// Releases every node of `path` once, the last first ([`Tree::release`] of each, in one
+    /// call): the end of a request, its tail released first.
+    ///
+    /// # Panics
+    /// If a node is not held.
+    pub fn release_path(&mut self, path: &[NodeId]) {
+        for &id in path.iter().rev() {
+            self.release_inline(id);
+        }
+    }
+
+    /// [`Tree::release`], inline in loops.
+    #[inline(always)]
+    fn release_inline(&mut self, id: NodeId) {
         let node = &mut self.nodes[id.index()];
         node.release_one();
         // A held node is in no set (see `membership`): only the access and the sets it joins
