@@ -734,7 +734,7 @@ impl Tree {
 
     /// Takes a node with no children out of the tree (its sets, the index, its parent's child
     /// list and counts), all but re-filing the parent, which it returns.
-    #[inline]
+    #[inline(always)]
     fn unlink(&mut self, id: NodeId) -> NodeId {
         assert!(id != NodeId::ROOT, "removing the root is a programming error");
         let node = &self.nodes[id.index()];
