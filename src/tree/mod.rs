@@ -523,6 +523,7 @@ impl Tree {
     ///
     /// # Panics
     /// If the node has children or is the root.
+    #[inline(always)]
     pub fn remove_exposing(&mut self, id: NodeId) -> Option<NodeId> {
         let parent = self.unlink(id);
         if self.is_next_device_victim(parent) {
