@@ -343,6 +343,7 @@ impl Tree {
     ///
     /// # Panics
     /// In debug builds, if `parent` already has a child with `hash`: callers look up first.
+    #[inline(always)]
     pub fn insert(
         &mut self,
         parent: NodeId,
