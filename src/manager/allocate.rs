@@ -67,7 +67,8 @@ impl CacheManager {
         let hits_end = self.hits_end(record);
         let demand = self.demand(request, record, hits_end, new_tokens, lookahead)?;
         let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
-        let mut scratch = std::mem::take(&mut self.scratch);
+        // Boxed, so that taking the buffers out of the manager for the call moves one pointer.
+        let mut scratch = self.scratch.take().unwrap_or_default();
         // The path position of the first hit without a table entry (a storage block's depth).
         let first_hit = record.table.len();
         scratch.hits.clear();
@@ -79,7 +80,7 @@ impl CacheManager {
         if needed > free {
             let available = free + self.reclaimable_up_to(needed - free);
             if available < needed {
-                self.scratch = scratch;
+                self.scratch = Some(scratch);
                 self.stats.failed_allocations += 1;
                 return Err(AllocateError::OutOfBlocks { needed, available });
             }
@@ -87,7 +88,7 @@ impl CacheManager {
         if demand.loads > 0 {
             let available = self.obtainable_host_blocks(demand.loads);
             if available < demand.loads {
-                self.scratch = scratch;
+                self.scratch = Some(scratch);
                 self.stats.failed_allocations += 1;
                 return Err(AllocateError::OutOfHostBlocks { needed: demand.loads, available });
             }
@@ -213,7 +214,7 @@ impl CacheManager {
         record.claims.extend_from_slice(&scratch.claims);
         record.tokens += new_tokens;
         record.tickets.push(ticket);
-        self.scratch = scratch;
+        self.scratch = Some(scratch);
         let record = &self.requests[&request];
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }

@@ -134,8 +134,9 @@ pub struct CacheManager {
     /// Scratch of the allocation dry run: device children counted as gone, per node, and the
     /// nodes that became candidates by it.
     scratch_reclaim: (IdMap<NodeId, u32>, Vec<NodeId>),
-    /// Scratch buffers of `allocate`, kept so that an allocation allocates no memory.
-    scratch: AllocateScratch,
+    /// Scratch buffers of `allocate`, kept so that an allocation allocates no memory; boxed, so
+    /// that `allocate` takes them out for the call by moving a pointer (`None` only meanwhile).
+    scratch: Option<Box<AllocateScratch>>,
     /// Emptied records of completed copies, reused with their buffers.
     spare_flights: Vec<InFlight>,
     generation: u64,
@@ -202,7 +203,7 @@ impl CacheManager {
             scratch_prefetch_loads: Vec::new(),
             pending_backups: Vec::new(),
             scratch_reclaim: Default::default(),
-            scratch: AllocateScratch::default(),
+            scratch: Some(Box::default()),
             spare_flights: Vec::new(),
             generation: 0,
             next_transfer: 1,
