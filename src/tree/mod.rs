@@ -499,6 +499,13 @@ impl Tree {
             let nodes = &self.nodes;
             self.policy.touch(id, || nodes[id.index()].hash(), Access::Release);
         }
+        let node = &self.nodes[id.index()];
+        if node.device_children != 0 && node.is(NodeState::Device) {
+            // The usual release, of a path's inner node: with a device child it is no device
+            // candidate, and that child, above storage, keeps it from being a host candidate.
+            debug_assert!(self.membership(id).is_empty(), "{id:?} belongs in a set");
+            return;
+        }
         let sets = self.membership(id);
         if !sets.is_empty() {
             self.policy.enter(id, sets);
