@@ -215,6 +215,9 @@ macro_rules! registry {
         // indirection to every call.
         #[allow(clippy::large_enum_variant)]
         #[derive(Debug)]
+        // An explicit tag byte: each call compares it, where a tag folded into a policy's own
+        // fields (a niche) takes several instructions to decode.
+        #[repr(u8)]
         pub enum Policies {
             $($variant($policy),)+
         }
