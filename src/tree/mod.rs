@@ -731,8 +731,25 @@ impl Tree {
     #[inline(always)]
     fn is_next_device_victim(&self, parent: NodeId) -> bool {
         self.nodes[parent.index()].membership().is_empty()
-            && self.membership(parent) == Membership::NONE.with(EvictSet::Device)
+            && self.is_device_candidate_only(parent)
             && self.policy.would_come_first(parent, EvictSet::Device)
+    }
+
+    /// Whether the device set is the one set live node `id` belongs in: [`Tree::membership`]
+    /// is exactly that, decided for the one state that admits it (DESIGN §4: a `Device` node
+    /// with a device block, no device child, not held, and no host block that no child above
+    /// storage keeps it from giving up).
+    #[inline(always)]
+    fn is_device_candidate_only(&self, id: NodeId) -> bool {
+        let node = &self.nodes[id.index()];
+        let only = id != NodeId::ROOT
+            && node.is(NodeState::Device)
+            && node.device_children == 0
+            && node.ref_count() == 0
+            && node.block(Tier::Device).is_some()
+            && (node.block(Tier::Host).is_none() || node.upper_children != 0);
+        debug_assert_eq!(only, self.membership(id) == Membership::NONE.with(EvictSet::Device));
+        only
     }
 
     /// Files `id` in the sets it belongs in: a parent that [`Tree::remove_exposing`] returned
@@ -772,17 +789,28 @@ impl Tree {
         if prev == NodeId::NONE {
             parent_node.first_child = next;
         }
-        let device_saturated = had_device && parent_node.device_children == COUNT_SATURATED;
-        let upper_saturated = was_upper && parent_node.upper_children == COUNT_SATURATED;
-        parent_node.device_children -= u16::from(had_device && !device_saturated);
-        parent_node.upper_children -= u16::from(was_upper && !upper_saturated);
-        if device_saturated {
-            self.recount_children(parent, false);
-        }
-        if upper_saturated {
-            self.recount_children(parent, true);
+        if parent_node.device_children == COUNT_SATURATED
+            || parent_node.upper_children == COUNT_SATURATED
+        {
+            self.uncount_child_of_saturated(parent, had_device, was_upper);
+        } else {
+            parent_node.device_children -= u16::from(had_device);
+            parent_node.upper_children -= u16::from(was_upper);
         }
         parent
+    }
+
+    /// [`Tree::unlink`]'s update of the child counts of a parent with a saturated count: the
+    /// removed child had a device block (`had_device`), was above storage (`was_upper`).
+    #[cold]
+    #[inline(never)]
+    fn uncount_child_of_saturated(&mut self, parent: NodeId, had_device: bool, was_upper: bool) {
+        if had_device {
+            self.count_child_out(parent, false);
+        }
+        if was_upper {
+            self.count_child_out(parent, true);
+        }
     }
 
     /// Drops every node.
