@@ -16,6 +16,9 @@
 //!    the device candidate the policy gives up next (a chain evicted tail first), the tree hands
 //!    the parent back unfiled as the next victim ([`Tree::remove_exposing`]).
 //!
+//! An allocation takes the device block that steps 1 and 3 free at once, without passing it
+//! through the pool (which would hand the same block back: it gives out the block freed last).
+//!
 //! Host blocks come from the free host pool, then from the least recently used host candidate:
 //! a backup is dropped; a host-only node the storage tier holds becomes storage-only (metadata
 //! only); with a storage tier, any other host-only node is written back: a STORE starts, the node
