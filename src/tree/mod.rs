@@ -6,7 +6,10 @@
 //! knows nothing of pools, requests or copies: the cache manager decides, the tree records and
 //! keeps its derived state (device child counts, set membership) in step.
 //!
-//! Every change to a node goes through [`Tree::update`]:
+//! Every change to a node goes through [`Tree::update`], or through one of its fast forms for the
+//! hot steps (`hold_hit`, `release_path`, the exposing removals, `start_claimed_swap_out`,
+//! `land_claimed_swap_out`, `drop_device_copy_exposing`), which do the same three steps for the
+//! one change they make (checked against `update` by differential tests):
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
 //! 2. if the node gained or lost its device copy, adjust the parent's count of device children
 //!    and re-file the parent (it may have become, or stopped being, a device candidate);
@@ -580,7 +583,9 @@ impl Tree {
         let (access, upper_changed) = (view.access, view.upper_changed);
         let node = &self.nodes[id.index()];
         let parent = node.parent;
-        if had_device != node.device().is_some() || node.is_upper() || parent == NodeId::NONE {
+        let left_the_upper_tiers = upper_changed && !node.is_upper();
+        if had_device != node.device().is_some() || !left_the_upper_tiers || parent == NodeId::NONE
+        {
             // Not the change this is for: as `update`.
             if (had_device != node.device().is_some() || upper_changed) && parent != NodeId::NONE {
                 self.recount_parent(id, had_device, upper_changed);
@@ -588,9 +593,7 @@ impl Tree {
             self.refile(id, access);
             return None;
         }
-        if upper_changed {
-            self.count_child_out(parent, true);
-        }
+        self.count_child_out(parent, true);
         self.refile(id, access);
         if self.nodes[parent.index()].membership().is_empty()
             && self.membership(parent) == Membership::NONE.with(EvictSet::Host)
@@ -913,5 +916,7 @@ impl Iterator for Children<'_> {
     }
 }
 
+#[cfg(test)]
+mod fast_form_tests;
 #[cfg(test)]
 mod tests;

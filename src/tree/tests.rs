@@ -4,13 +4,18 @@
 
 use super::*;
 
-fn hash(value: u128) -> BlockHash {
+pub(super) fn hash(value: u128) -> BlockHash {
     BlockHash(value)
 }
 
 /// Inserts a chain of device nodes with blocks `first_block..` under `parent`, held as a commit
 /// holds them; [`release`] ends the "request".
-fn chain(tree: &mut Tree, parent: NodeId, hashes: &[u128], first_block: u32) -> Vec<NodeId> {
+pub(super) fn chain(
+    tree: &mut Tree,
+    parent: NodeId,
+    hashes: &[u128],
+    first_block: u32,
+) -> Vec<NodeId> {
     let mut ids = Vec::new();
     let mut parent = parent;
     for (offset, &value) in hashes.iter().enumerate() {
@@ -25,7 +30,7 @@ fn chain(tree: &mut Tree, parent: NodeId, hashes: &[u128], first_block: u32) -> 
 }
 
 /// Releases a held path as the end of a request does: tail first.
-fn release(tree: &mut Tree, path: &[NodeId]) {
+pub(super) fn release(tree: &mut Tree, path: &[NodeId]) {
     for &id in path.iter().rev() {
         tree.update(id, |node| {
             node.release();
@@ -34,7 +39,12 @@ fn release(tree: &mut Tree, path: &[NodeId]) {
     }
 }
 
-fn served(tree: &mut Tree, parent: NodeId, hashes: &[u128], first_block: u32) -> Vec<NodeId> {
+pub(super) fn served(
+    tree: &mut Tree,
+    parent: NodeId,
+    hashes: &[u128],
+    first_block: u32,
+) -> Vec<NodeId> {
     let ids = chain(tree, parent, hashes, first_block);
     release(tree, &ids);
     ids

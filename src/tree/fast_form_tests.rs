@@ -1,0 +1,307 @@
+//! Differential tests of the tree's fast forms (the write-back path's `start_claimed_swap_out`,
+//! `land_claimed_swap_out`, `drop_device_copy_exposing`, `remove_exposing_host` and
+//! `update_exposing_host`): each, applied to one of two trees built alike, must leave what the
+//! general [`Tree::update`] or [`Tree::remove`] leaves in the other.
+
+use super::tests::{hash, served};
+use super::*;
+
+/// Every fast form of the write-back path, applied to one of two trees built alike,
+/// leaves that tree as [`Tree::update`] (or [`Tree::remove`]) leaves the other once the parent
+/// it hands back is filed: node fields, sets, counts, the policy's order and stamps. A parent
+/// handed back as the next device victim is the policy's first device candidate once filed.
+#[test]
+fn fast_forms_of_the_write_back_path_leave_what_the_general_update_leaves() {
+    fn same(a: &Tree, b: &Tree, what: &str) {
+        assert_eq!(a.nodes.len(), b.nodes.len(), "{what}");
+        for (slot, (x, y)) in a.nodes.iter().zip(&b.nodes).enumerate() {
+            assert_eq!(format!("{x:?}"), format!("{y:?}"), "{what}: slot {slot}");
+            let id = NodeId(slot as u32);
+            if a.is_live(id) {
+                assert_eq!(a.last_access(id), b.last_access(id), "{what}: stamp of {id:?}");
+            }
+        }
+        for set in EvictSet::ALL {
+            assert_eq!(a.candidates(set), b.candidates(set), "{what}: {set:?}");
+        }
+        a.check().unwrap();
+        b.check().unwrap();
+    }
+    for policy in EvictionPolicy::ALL.iter().copied() {
+        for seed in 1..=40u64 {
+            let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = move |n: usize| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % n as u64) as usize
+            };
+            let (mut a, mut b) = (Tree::new(policy), Tree::new(policy));
+            let (mut next_hash, mut next_block, mut next_transfer) = (1u128, 1u32, 1u64);
+            let mut held: Vec<NodeId> = Vec::new();
+            for step in 0..300 {
+                let ids: Vec<NodeId> = a.ids().collect();
+                let pick = |rnd: &mut dyn FnMut(usize) -> usize, list: &[NodeId]| {
+                    (!list.is_empty()).then(|| list[rnd(list.len())])
+                };
+                let what = format!("{policy:?} seed {seed} step {step}");
+                match rnd(10) {
+                    0 | 1 => {
+                        // A new chain under the root or a device node, served (held, released).
+                        let parents: Vec<NodeId> = std::iter::once(NodeId::ROOT)
+                            .chain(ids.iter().copied().filter(|&id| {
+                                a.node(id).state() == NodeState::Device
+                                    && a.node(id).device().is_some()
+                            }))
+                            .collect();
+                        let parent = pick(&mut rnd, &parents).unwrap();
+                        let len = 1 + rnd(3);
+                        let hashes: Vec<u128> = (0..len as u128).map(|i| next_hash + i).collect();
+                        next_hash += len as u128;
+                        served(&mut a, parent, &hashes, next_block);
+                        served(&mut b, parent, &hashes, next_block);
+                        next_block += len as u32;
+                    }
+                    2 => {
+                        // A backup lands on a device node without one.
+                        let list: Vec<NodeId> = ids
+                            .iter()
+                            .copied()
+                            .filter(|&id| {
+                                a.node(id).state() == NodeState::Device
+                                    && a.node(id).host().is_none()
+                            })
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            let block = next_block;
+                            next_block += 1;
+                            a.update(id, |node| node.set_host(Some(block)));
+                            b.update(id, |node| node.set_host(Some(block)));
+                        }
+                    }
+                    3 => {
+                        let list: Vec<NodeId> = a
+                            .candidates(EvictSet::Device)
+                            .into_iter()
+                            .filter(|&id| a.node(id).has_valid_host())
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            let exposed = a.drop_device_copy_exposing(id);
+                            b.update(id, |node| {
+                                node.set_device(None);
+                                node.set_state(NodeState::Host);
+                            });
+                            if let Some(parent) = exposed {
+                                assert!(a.nodes[parent.index()].membership().is_empty());
+                                a.file(parent);
+                                assert_eq!(b.first_device_candidate(), Some(parent), "{what}");
+                            }
+                        }
+                    }
+                    4 => {
+                        let list: Vec<NodeId> = a
+                            .candidates(EvictSet::Device)
+                            .into_iter()
+                            .filter(|&id| a.node(id).host().is_none())
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            let (block, transfer) = (next_block, next_transfer);
+                            next_block += 1;
+                            next_transfer += 1;
+                            let exposed = a.start_claimed_swap_out(id, block, transfer);
+                            b.update(id, |node| {
+                                node.set_device(None);
+                                node.set_host(Some(block));
+                                node.set_state(NodeState::SwapToHost(SwapOut::Claimed));
+                                node.set_transfer(Some(transfer));
+                            });
+                            if let Some(parent) = exposed {
+                                assert!(a.nodes[parent.index()].membership().is_empty());
+                                a.file(parent);
+                                assert_eq!(b.first_device_candidate(), Some(parent), "{what}");
+                            }
+                        }
+                    }
+                    5 => {
+                        let list: Vec<NodeId> = ids
+                            .iter()
+                            .copied()
+                            .filter(|&id| {
+                                a.node(id).state() == NodeState::SwapToHost(SwapOut::Claimed)
+                            })
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            a.land_claimed_swap_out(id);
+                            b.update(id, |node| {
+                                node.set_device(None);
+                                node.set_state(NodeState::Host);
+                                node.set_transfer(None);
+                                node.set_passing_through_host(false);
+                            });
+                        }
+                    }
+                    6 => {
+                        // A host-only leaf leaves the tree.
+                        let list: Vec<NodeId> = a
+                            .candidates(EvictSet::Host)
+                            .into_iter()
+                            .filter(|&id| {
+                                a.node(id).device().is_none() && !a.node(id).has_children()
+                            })
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            let exposed = a.remove_exposing_host(id);
+                            b.remove(id);
+                            if let Some(parent) = exposed {
+                                let next = a.is_next_host_victim(parent);
+                                a.file(parent);
+                                if next {
+                                    assert_eq!(b.first_host_candidate(), Some(parent), "{what}");
+                                }
+                            }
+                        }
+                    }
+                    7 => {
+                        // A host-only candidate goes to storage: held there, or written back.
+                        let list: Vec<NodeId> = a
+                            .candidates(EvictSet::Host)
+                            .into_iter()
+                            .filter(|&id| a.node(id).device().is_none())
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            let (stored, transfer) = (rnd(2) == 0, next_transfer);
+                            next_transfer += 1;
+                            let change = |node: &mut NodeMut<'_>| {
+                                node.set_host(None);
+                                if stored {
+                                    node.set_stored(true);
+                                    node.set_state(NodeState::Storage);
+                                } else {
+                                    node.set_state(NodeState::HostToStorage(StoreOut::Evict));
+                                    node.set_transfer(Some(transfer));
+                                }
+                            };
+                            let exposed = a.update_exposing_host(id, change);
+                            b.update(id, change);
+                            if let Some(parent) = exposed {
+                                let next = a.is_next_host_victim(parent);
+                                a.file(parent);
+                                if next {
+                                    assert_eq!(b.first_host_candidate(), Some(parent), "{what}");
+                                }
+                            }
+                        }
+                    }
+                    8 => {
+                        // A STORE lands; or a storage-only leaf leaves.
+                        let list: Vec<NodeId> = ids
+                            .iter()
+                            .copied()
+                            .filter(|&id| a.node(id).state().storage_only())
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            if a.node(id).state() == NodeState::Storage {
+                                if !a.node(id).has_children() && a.node(id).ref_count() == 0 {
+                                    a.remove(id);
+                                    b.remove(id);
+                                }
+                            } else {
+                                let change = |node: &mut NodeMut<'_>| {
+                                    node.set_state(NodeState::Storage);
+                                    node.set_transfer(None);
+                                    node.set_stored(true);
+                                };
+                                a.update(id, change);
+                                b.update(id, change);
+                            }
+                        }
+                    }
+                    _ => {
+                        // Hold a random node (a request's parent), or release one.
+                        if rnd(2) == 0 && !held.is_empty() {
+                            let id = held.swap_remove(rnd(held.len()));
+                            if a.is_live(id) {
+                                for tree in [&mut a, &mut b] {
+                                    tree.update(id, |node| {
+                                        node.release();
+                                        node.access(Access::Release);
+                                    });
+                                }
+                            }
+                        } else if let Some(id) = pick(&mut rnd, &ids) {
+                            a.update(id, |node| node.hold());
+                            b.update(id, |node| node.hold());
+                            held.push(id);
+                        }
+                    }
+                }
+                same(&a, &b, &what);
+            }
+        }
+    }
+}
+
+/// The fast forms count a parent's saturated child counts down as `Tree::update` does.
+#[test]
+fn fast_forms_recount_a_saturated_parent_as_the_general_update_does() {
+    let (mut a, mut b) = (Tree::new(EvictionPolicy::Lru), Tree::new(EvictionPolicy::Lru));
+    let mut children = Vec::new();
+    for tree in [&mut a, &mut b] {
+        let parent = served(tree, NodeId::ROOT, &[1], 0)[0];
+        children = (0..65_537u32)
+            .map(|index| {
+                tree.insert(parent, hash(1_000 + u128::from(index)), |node| {
+                    node.set_device(Some(1 + index));
+                    node.set_host(Some(index));
+                })
+            })
+            .collect();
+    }
+    for &child in &children[2..] {
+        if let Some(parent) = a.drop_device_copy_exposing(child) {
+            a.file(parent);
+        }
+        b.update(child, |node| {
+            node.set_device(None);
+            node.set_state(NodeState::Host);
+        });
+    }
+    assert_eq!(a.node(a.node(children[0]).parent().unwrap()).device_children, 2);
+    for tree in [&mut a, &mut b] {
+        tree.update(children[1], |node| node.set_host(None));
+    }
+    if let Some(parent) = a.start_claimed_swap_out(children[1], 7, 9) {
+        a.file(parent);
+    }
+    b.update(children[1], |node| {
+        node.set_device(None);
+        node.set_host(Some(7));
+        node.set_state(NodeState::SwapToHost(SwapOut::Claimed));
+        node.set_transfer(Some(9));
+    });
+    a.land_claimed_swap_out(children[1]);
+    b.update(children[1], |node| {
+        node.set_state(NodeState::Host);
+        node.set_transfer(None);
+    });
+    let to_storage = |node: &mut NodeMut<'_>| {
+        node.set_host(None);
+        node.set_stored(true);
+        node.set_state(NodeState::Storage);
+    };
+    for &child in &children[1..] {
+        if let Some(parent) = a.update_exposing_host(child, to_storage) {
+            a.file(parent);
+        }
+        b.update(child, to_storage);
+    }
+    let parent = a.node(children[0]).parent().unwrap();
+    assert_eq!((a.node(parent).device_children, a.node(parent).upper_children), (1, 1));
+    for (x, y) in a.nodes.iter().zip(&b.nodes) {
+        assert_eq!(format!("{x:?}"), format!("{y:?}"));
+    }
+    for set in EvictSet::ALL {
+        assert_eq!(a.candidates(set), b.candidates(set));
+    }
+    a.check().unwrap();
+}
