@@ -25,33 +25,35 @@ impl CacheManager {
     }
 
     fn end(&mut self, request: RequestId, finished: bool) -> Result<(), FinishError> {
-        let mut record =
-            self.requests.remove(&request).ok_or(FinishError::UnknownRequest(request))?;
+        // The record stays in its slot (see `Requests`): the fields it is read beside are
+        // borrowed apart.
+        let CacheManager { requests, tickets, in_flight, device, tree, .. } = self;
+        let record = requests.remove(&request).ok_or(FinishError::UnknownRequest(request))?;
         for ticket in &record.tickets {
-            self.tickets.remove(ticket);
+            tickets.remove(ticket);
         }
-        record.claims.retain(|(_, transfer)| self.in_flight.contains_key(transfer));
+        record.claims.retain(|(_, transfer)| in_flight.contains_key(transfer));
         record.claims.sort_unstable();
         for block in record.owned_blocks().rev() {
             let claim = record.claims.binary_search_by_key(&block, |&(claimed, _)| claimed);
             match claim {
                 Ok(index) => {
                     let transfer = record.claims[index].1;
-                    let flight = self
-                        .in_flight
+                    let flight = in_flight
                         .get_mut(&transfer)
                         .expect("claims were filtered to copies in flight");
                     flight.reserved_device.push(block);
                 }
-                Err(_) => self.free_device(block),
+                Err(_) => device
+                    .free(block)
+                    .expect("freeing a device block not in use is a programming error"),
             }
         }
-        self.tree.request_ending(record.policy_tag);
-        self.tree.release_path(&record.path);
+        tree.request_ending(record.policy_tag);
+        tree.release_path(&record.path);
         if let (true, Some(&last)) = (finished, record.path.last()) {
-            self.tree.turn_ended(last);
+            tree.turn_ended(last);
         }
-        self.requests.recycle(record);
         Ok(())
     }
 }

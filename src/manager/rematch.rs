@@ -26,12 +26,12 @@ impl CacheManager {
         if !record.table.is_empty() {
             return Err(MatchError::AlreadyAllocated(request));
         }
-        let record = self.requests.remove(&request).expect("found just above");
-        self.tree.request_ending(record.policy_tag);
+        let CacheManager { requests, tree, .. } = self;
+        let record = requests.remove(&request).expect("found just above");
+        tree.request_ending(record.policy_tag);
         for &id in record.path.iter().rev() {
-            self.tree.release(id);
+            tree.release(id);
         }
-        self.requests.recycle(record);
         Ok(())
     }
 

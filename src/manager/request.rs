@@ -48,22 +48,18 @@ pub(crate) struct Request {
 }
 
 impl Request {
-    /// The same record emptied for the next request, its buffers kept (so that serving a
+    /// Empties the record for the next request in its slot, its buffers kept (so that serving a
     /// request allocates nothing once the buffers have grown).
-    pub fn recycled(mut self) -> Request {
+    fn clear(&mut self) {
         self.path.clear();
         self.table.clear();
         self.private.clear();
         self.claims.clear();
         self.tickets.clear();
-        Request {
-            path: self.path,
-            table: self.table,
-            private: self.private,
-            claims: self.claims,
-            tickets: self.tickets,
-            ..Request::default()
-        }
+        self.tokens = 0;
+        self.pending_tickets = 0;
+        self.failed = false;
+        self.policy_tag = 0;
     }
 
     /// The blocks this request owns (to free when it ends), in table order.
@@ -72,24 +68,20 @@ impl Request {
         self.private.iter().copied().chain(self.table[start..].iter().copied())
     }
 
-    /// Whether its vectors hold memory (a recycled record does).
-    fn has_buffers(&self) -> bool {
-        self.path.capacity() > 0 || self.table.capacity() > 0
-    }
-
     /// Whether it holds nodes or owns blocks.
     pub fn holds_anything(&self) -> bool {
         !self.path.is_empty() || !self.table.is_empty()
     }
 }
 
-/// The live requests. Records sit in slots that keep their buffers when a request ends, so a
-/// new request reuses them; a small index finds a request's slot by id (one hash operation).
+/// The live requests. Records sit in slots and stay there: a request that ends frees its slot,
+/// and the next request to start takes the slot and empties the record, keeping its buffers. A
+/// small index finds a request's slot by id (one hash operation). No record moves.
 #[derive(Debug, Default)]
 pub(crate) struct Requests {
     index: IdMap<RequestId, u32>,
     slots: Vec<(RequestId, Request)>,
-    /// Slots of ended requests; the last one freed may hold a recycled record.
+    /// Slots of ended requests (their records not emptied yet).
     free: Vec<u32>,
 }
 
@@ -115,7 +107,10 @@ impl Requests {
     pub fn start(&mut self, id: RequestId) -> Option<&mut Request> {
         let Entry::Vacant(entry) = self.index.entry(id) else { return None };
         let slot = match self.free.pop() {
-            Some(slot) => slot,
+            Some(slot) => {
+                self.slots[slot as usize].1.clear();
+                slot
+            }
             None => {
                 self.slots.push((id, Request::default()));
                 u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 live requests")
@@ -127,23 +122,12 @@ impl Requests {
         Some(record)
     }
 
-    /// Ends `id`: its record, taken out of its slot (give its buffers back with
-    /// [`Requests::recycle`]).
-    pub fn remove(&mut self, id: &RequestId) -> Option<Request> {
+    /// Ends `id`: frees its slot, and returns its record, which stays in the slot to be read
+    /// until the next request starts there.
+    pub fn remove(&mut self, id: &RequestId) -> Option<&mut Request> {
         let slot = self.index.remove(id)?;
         self.free.push(slot);
-        Some(std::mem::take(&mut self.slots[slot as usize].1))
-    }
-
-    /// Puts the buffers of a record [`Requests::remove`] took out back into the slot freed
-    /// last, for the next request.
-    pub fn recycle(&mut self, record: Request) {
-        if let Some(&slot) = self.free.last() {
-            let (_, spare) = &mut self.slots[slot as usize];
-            if !spare.has_buffers() {
-                *spare = record.recycled();
-            }
-        }
+        Some(&mut self.slots[slot as usize].1)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&RequestId, &Request)> + '_ {
