@@ -16,7 +16,9 @@ use crate::tree::{NodeState, SwapOut};
 impl CacheManager {
     /// Issues pending backups and watermark evictions as new copies (module flow).
     pub fn poll(&mut self) {
-        self.issue_backups();
+        if !self.pending_backups.is_empty() {
+            self.issue_backups();
+        }
         let watermark = self.config.free_watermark as usize;
         if watermark > 0 {
             self.evict_toward(watermark);
