@@ -20,7 +20,7 @@
 use super::load_outcome::{BlockOutcome, LoadOutcome};
 use super::transfer::InFlight;
 use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
-use crate::tree::{Node, NodeId, NodeState, SwapOut};
+use crate::tree::{Landing, Node, NodeId, NodeState, SwapOut};
 
 impl CacheManager {
     /// Applies the outcome of copy `id` (module flow). Call it once per copy, when every rank has
@@ -43,6 +43,13 @@ impl CacheManager {
             return Ok(());
         }
         let Some(flight) = self.release_completed(flight, outcome.is_ok()) else { return Ok(()) };
+        if flight.kind == TransferKind::DeviceToHost && outcome.is_ok() {
+            // The usual completion, of an allocation's evictions: one pass over the nodes.
+            self.swap_outs_landed(id, &flight.nodes);
+            self.resolve_tickets(&flight.tickets, None);
+            self.recycle_flight(flight);
+            return Ok(());
+        }
         for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
             let Some(state) = self.tree.attached_to(node, id.0).map(Node::state) else { continue };
             match (flight.kind, outcome.is_ok()) {
@@ -183,6 +190,25 @@ impl CacheManager {
                 if ticket.pending == 0 {
                     request.pending_tickets -= 1;
                 }
+            }
+        }
+    }
+
+    /// Swap-out `id`, serving `nodes` (one per pair), landed (module flow, step 3): a node still
+    /// attached whose device block an allocation claimed (the usual case) lands in one visit to
+    /// its record ([`Tree::land_attached_claimed_swap_out`]); any other attached node goes
+    /// through [`CacheManager::swap_out_landed`].
+    ///
+    /// [`Tree::land_attached_claimed_swap_out`]: crate::tree::Tree::land_attached_claimed_swap_out
+    fn swap_outs_landed(&mut self, id: TransferId, nodes: &[NodeId]) {
+        for &node in nodes {
+            match self.tree.land_attached_claimed_swap_out(node, id.0) {
+                Landing::Landed => {
+                    self.stats.swap_out_blocks += 1;
+                    self.settled_on_host(node);
+                }
+                Landing::Attached(state) => self.swap_out_landed(node, state),
+                Landing::Detached => {}
             }
         }
     }

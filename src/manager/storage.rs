@@ -238,12 +238,13 @@ impl CacheManager {
 
     /// Queues node `id`, just settled on host, for a write-through STORE (every such node, or
     /// under the selective policy those with enough hits).
+    #[inline]
     pub(super) fn settled_on_host(&mut self, id: NodeId) {
+        if !self.storage_enabled() {
+            return;
+        }
         let node = self.tree.node(id);
-        if self.storage_enabled()
-            && self.config.storage_write_policy.writes_through(node.hit_count())
-            && !node.stored()
-        {
+        if self.config.storage_write_policy.writes_through(node.hit_count()) && !node.stored() {
             self.pending_stores.push(id);
         }
     }

@@ -720,6 +720,31 @@ impl Tree {
         }
     }
 
+    /// [`Tree::land_claimed_swap_out`] of `id` if it is attached to swap-out `transfer` (see
+    /// [`Tree::attached_to`]) and claimed, in one visit to its record: the usual completion of
+    /// an allocation's eviction. Changes nothing otherwise, and says why.
+    #[inline]
+    pub fn land_attached_claimed_swap_out(&mut self, id: NodeId, transfer: u64) -> Landing {
+        let Some(node) = self.nodes.get_mut(id.index()) else { return Landing::Detached };
+        if node.parent == NodeId::NONE || node.transfer() != Some(transfer) {
+            return Landing::Detached;
+        }
+        if !node.is(NodeState::SwapToHost(SwapOut::Claimed)) {
+            return Landing::Attached(node.state());
+        }
+        debug_assert!(node.membership().is_empty(), "a claimed swap-out is filed");
+        let mut view = NodeMut { node, access: None, upper_changed: false };
+        view.set_state(NodeState::Host);
+        view.set_transfer(None);
+        view.set_passing_through_host(false);
+        let sets = self.membership(id);
+        if !sets.is_empty() {
+            self.policy.enter(id, sets);
+            self.nodes[id.index()].set_membership(sets);
+        }
+        Landing::Landed
+    }
+
     /// The node `id` names if it is live and names `transfer` as its copy in flight: a pair
     /// of that copy still attached to it.
     #[inline]
@@ -898,6 +923,17 @@ impl Tree {
             | bit(!node.has_children(), EvictSet::Storage);
         Membership::from_bits(admitted & SETS_OF_STATE[usize::from(node.state_code())])
     }
+}
+
+/// What [`Tree::land_attached_claimed_swap_out`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Landing {
+    /// The node was a claimed swap-out of the copy: it is `Host` now.
+    Landed,
+    /// The node is attached to the copy in this other state: unchanged.
+    Attached(NodeState),
+    /// The node left the tree, or names another copy: the pair is detached.
+    Detached,
 }
 
 /// Iterator over the children of a node.
