@@ -156,6 +156,9 @@ impl CacheManager {
     /// node is claimable: a swap-out is claimed as it starts (what the next claim would do,
     /// without filing the node as claimable in between), and a drop of a leaf or of a device
     /// copy, or a swap-out, may leave its parent unfiled as the next victim (see [`Evicted`]).
+    // Inline, so that each caller keeps only its own branches (an allocation's write-back path
+    // runs straight) and the `Evicted` it returns is matched without being built.
+    #[inline(always)]
     fn evict_device(&mut self, id: NodeId, allocation: Option<&mut Option<NodeId>>) -> Evicted {
         let for_allocation = allocation.is_some();
         let node = self.tree.node(id);
