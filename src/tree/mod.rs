@@ -556,6 +556,7 @@ impl Tree {
     ///
     /// # Panics
     /// If the node has children or is the root.
+    #[inline(always)] // one caller, the write-back path of an allocation's eviction
     pub fn remove_exposing_host(&mut self, id: NodeId) -> Option<NodeId> {
         let parent = self.unlink(id);
         if self.nodes[parent.index()].membership().is_empty()
@@ -623,6 +624,7 @@ impl Tree {
     ///
     /// # Panics
     /// In debug builds, if `id` is not a device candidate (filed or left unfiled as exposed).
+    #[inline(always)] // one caller, the write-back path of an allocation's eviction
     pub fn start_claimed_swap_out(
         &mut self,
         id: NodeId,
