@@ -370,6 +370,8 @@ impl Policy for Conv {
         self.meta[last.index()] |= TURN_END;
     }
 
+    const HEARS_REMOVALS: bool = true;
+
     fn removing(&mut self, node: NodeId, key: BlockHash, sole_child_of: Option<NodeId>) {
         let meta = std::mem::take(&mut self.meta[node.index()]);
         if meta & TURN_END == 0 {

@@ -155,6 +155,9 @@ pub trait Policy: Default + std::fmt::Debug {
     /// parent when that is not the root and has no other child: the parent becomes the end of
     /// the chain.
     fn removing(&mut self, _node: NodeId, _key: BlockHash, _sole_child_of: Option<NodeId>) {}
+    /// Whether [`Policy::removing`] does anything: the tree skips the call (and reading the
+    /// node's key for it) otherwise.
+    const HEARS_REMOVALS: bool = false;
     /// The shape of the tiers, told before the first node and again when a tier is resized;
     /// kept across [`Policy::clear`].
     fn configure(&mut self, _tiers: TierShape) {}
@@ -276,8 +279,14 @@ macro_rules! registry {
                 key: impl FnOnce() -> BlockHash,
                 sole_child_of: Option<NodeId>,
             ) {
+                // Not `key()` in every arm: the compiler would then read the key before the
+                // match, for every policy.
                 match self {
-                    $(Policies::$variant(p) => p.removing(node, key(), sole_child_of),)+
+                    $(Policies::$variant(p) => {
+                        if <$policy as Policy>::HEARS_REMOVALS {
+                            p.removing(node, key(), sole_child_of);
+                        }
+                    })+
                 }
             }
             pub fn configure(&mut self, tiers: TierShape) {
