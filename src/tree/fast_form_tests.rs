@@ -1,7 +1,7 @@
 //! Differential tests of the tree's fast forms (the write-back path's `start_claimed_swap_out`,
-//! `land_claimed_swap_out`, `drop_device_copy_exposing`, `remove_exposing_host` and
-//! `update_exposing_host`): each, applied to one of two trees built alike, must leave what the
-//! general [`Tree::update`] or [`Tree::remove`] leaves in the other.
+//! `land_claimed_swap_out` and `land_attached_claimed_swap_out`, `drop_device_copy_exposing`,
+//! `remove_exposing_host` and `update_exposing_host`): each, applied to one of two trees built
+//! alike, must leave what the general [`Tree::update`] or [`Tree::remove`] leaves in the other.
 
 use super::tests::{hash, served};
 use super::*;
@@ -131,7 +131,18 @@ fn fast_forms_of_the_write_back_path_leave_what_the_general_update_leaves() {
                             })
                             .collect();
                         if let Some(id) = pick(&mut rnd, &list) {
-                            a.land_claimed_swap_out(id);
+                            // The completion's form: attached to its copy, claimed, landed.
+                            let transfer =
+                                a.node(id).transfer().expect("a swap-out names its copy");
+                            assert_eq!(
+                                a.land_attached_claimed_swap_out(id, transfer + 1),
+                                Landing::Detached,
+                                "another copy's completion leaves it"
+                            );
+                            assert_eq!(
+                                a.land_attached_claimed_swap_out(id, transfer),
+                                Landing::Landed
+                            );
                             b.update(id, |node| {
                                 node.set_device(None);
                                 node.set_state(NodeState::Host);
