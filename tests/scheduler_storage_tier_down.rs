@@ -377,3 +377,65 @@ fn a_query_answered_after_the_tier_went_down_adopts_and_loads_nothing() {
     assert_eq!(cache.cached_prefix(&past).blocks(), 4, "nothing adopted");
     assert_eq!(cache.prefetch_status(ticket).unwrap(), TicketStatus::Ready);
 }
+
+// Review (review-td): LOADs the manager made before the tier went down, but had not handed out
+// yet, still go to the tier after it is marked down: every request waiting on them waits out the
+// worker's I/O timeout (one after the other: a rank's storage commands run in ring order).
+#[test]
+fn a_load_made_before_the_tier_went_down_but_not_yet_handed_out_is_not_sent_to_it() {
+    let mut cache = three_tiers();
+    let first = hashes(&[1, 2]);
+    push_to_storage(&mut cache, 1, &first);
+    let second = hashes(&[500, 501]);
+    push_to_storage(&mut cache, 2, &second);
+    // Request 90's LOAD goes out; request 7 allocates before its outcome is known (between two
+    // polls of a service), so its LOAD waits in the manager's outbox.
+    assert_eq!(match_and_allocate(&mut cache, 90, &first), 2);
+    let handed_out = loads(&mut cache);
+    assert_eq!(handed_out.len(), 1);
+    assert_eq!(match_and_allocate(&mut cache, 7, &second), 2);
+    cache.complete_storage_transfer(handed_out[0].id, Ok(Some(&[Unavailable; 2]))).unwrap();
+    check(&cache);
+    assert!(cache.storage_tier_down());
+    let late = loads(&mut cache);
+    assert!(late.is_empty(), "a LOAD handed out to a tier already marked down: {late:?}");
+}
+
+// Review (review-td): under write-back a prompt leaves host leaf first, so its last blocks are
+// storage-only while its first are still host-only. An outage then drops the host-only parent
+// and, with it, the storage-only children the tier holds intact, and FORGETs them: a short
+// outage under host pressure deletes good blocks from the tier.
+#[test]
+fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_parent() {
+    let mut cache = three_tiers();
+    let first = hashes(&[1, 2, 3, 4]);
+    serve(&mut cache, 1, &first);
+    let mut round = 0u128;
+    loop {
+        let found = cache.cached_prefix(&first);
+        if found.storage_blocks > 0 && found.host_blocks > 0 && found.device_blocks == 0 {
+            break;
+        }
+        round += 1;
+        assert!(round < 40, "set-up: never half on host, half on storage: {found:?}");
+        // Two-block fillers: the host tier gives up two blocks at a time, leaves first.
+        let base = 1000 + 10 * round;
+        serve(&mut cache, 1000 + round as u64, &hashes(&[base, base + 1]));
+    }
+    let on_storage: Vec<BlockHash> = {
+        let found = cache.cached_prefix(&first);
+        first[found.host_blocks..found.blocks()].to_vec()
+    };
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(cache.storage_tier_failed());
+    // Host pressure during the outage.
+    for round in 0..6u128 {
+        let base = 5000 + 10 * round;
+        serve(&mut cache, 5000 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
+    }
+    forgotten.clear();
+    cache.take_forgotten_blocks(&mut forgotten);
+    let lost: Vec<&BlockHash> = on_storage.iter().filter(|hash| forgotten.contains(hash)).collect();
+    assert!(lost.is_empty(), "blocks the tier holds intact are forgotten: {lost:?}");
+}
