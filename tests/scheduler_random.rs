@@ -21,9 +21,11 @@ use std::collections::{HashMap, HashSet};
 use kvshm::hash::{BlockHash, BlockHasher, Namespace};
 use kvshm::manager::{
     AllocateError, BlockOutcome, CacheConfig, CacheManager, EvictionPolicy, RequestId,
-    StorageQuery, StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferKind, WritePolicy,
+    StorageQuery, StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferFailure,
+    TransferKind, WritePolicy,
 };
 use kvshm::tree::{NodeId, NodeState, SnapshotNode, SwapOut};
+use kvshm_ipc::record::CommandError;
 use scheduler_support::{check, failure, Rng};
 
 const BLOCK_TOKENS: usize = 2;
@@ -435,7 +437,9 @@ impl Engine {
             }
             outcomes.push(outcome);
         }
-        let outcome = if fails { Err(failure()) } else { Ok(Some(outcomes.as_slice())) };
+        // A whole storage command fails for the tier (`StorageMiss`), which marks it down.
+        let tier_failed = TransferFailure { error: CommandError::StorageMiss, ..failure() };
+        let outcome = if fails { Err(tier_failed) } else { Ok(Some(outcomes.as_slice())) };
         self.cache.complete_storage_transfer(copy.id, outcome).unwrap();
     }
 

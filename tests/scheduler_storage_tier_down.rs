@@ -161,7 +161,9 @@ fn a_whole_command_failure_marks_the_tier_down_only_when_the_tier_failed() {
         (CommandError::WorkerDied, false),
         (CommandError::StaleGeneration, false),
         (CommandError::NoStorage, false),
-        (CommandError::CopyFailed, true),
+        (CommandError::Malformed, false),
+        // A worker never sends it for a storage command: only a code this build does not know.
+        (CommandError::CopyFailed, false),
         (CommandError::StorageMiss, true),
     ] {
         let mut cache = three_tiers();
@@ -378,9 +380,9 @@ fn a_query_answered_after_the_tier_went_down_adopts_and_loads_nothing() {
     assert_eq!(cache.prefetch_status(ticket).unwrap(), TicketStatus::Ready);
 }
 
-// Review (review-td): LOADs the manager made before the tier went down, but had not handed out
-// yet, still go to the tier after it is marked down: every request waiting on them waits out the
-// worker's I/O timeout (one after the other: a rank's storage commands run in ring order).
+// A LOAD the manager made before the tier went down, but had not handed out yet, would queue
+// behind a hung server and wait out the worker's I/O timeout (a rank runs its storage commands
+// in ring order): it is settled at once, and its request is shortened.
 #[test]
 fn a_load_made_before_the_tier_went_down_but_not_yet_handed_out_is_not_sent_to_it() {
     let mut cache = three_tiers();
@@ -393,18 +395,72 @@ fn a_load_made_before_the_tier_went_down_but_not_yet_handed_out_is_not_sent_to_i
     assert_eq!(match_and_allocate(&mut cache, 90, &first), 2);
     let handed_out = loads(&mut cache);
     assert_eq!(handed_out.len(), 1);
-    assert_eq!(match_and_allocate(&mut cache, 7, &second), 2);
+    let prompt = prompt_hitting(second.len());
+    let found = cache.match_prefix(RequestId(7), &second, prompt).unwrap();
+    assert_eq!(found.storage_blocks, 2);
+    let ticket = cache.allocate(RequestId(7), prompt - found.cached_tokens, 0).unwrap().ticket;
+    check(&cache);
     cache.complete_storage_transfer(handed_out[0].id, Ok(Some(&[Unavailable; 2]))).unwrap();
     check(&cache);
     assert!(cache.storage_tier_down());
     let late = loads(&mut cache);
     assert!(late.is_empty(), "a LOAD handed out to a tier already marked down: {late:?}");
+    assert_eq!(cache.stats().counters.storage_down_settled_copies, 1);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket).unwrap(), TicketStatus::Shortened { cached_blocks: 0 });
+    // It computes both blocks into its own table; the tier still holds them.
+    cache.commit(RequestId(7), prompt, &second).unwrap();
+    cache.finish(RequestId(7)).unwrap();
+    check(&cache);
+    assert_eq!(cache.cached_prefix(&second).device_blocks, 2);
 }
 
-// Review (review-td): under write-back a prompt leaves host leaf first, so its last blocks are
-// storage-only while its first are still host-only. An outage then drops the host-only parent
-// and, with it, the storage-only children the tier holds intact, and FORGETs them: a short
-// outage under host pressure deletes good blocks from the tier.
+// A write-back STORE made before the tier went down and not handed out yet is settled as a
+// failed STORE (its reservation given back), not sent to the tier.
+#[test]
+fn a_store_made_before_the_tier_went_down_but_not_yet_handed_out_gives_its_blocks_back() {
+    let mut cache = three_tiers();
+    let first = hashes(&[1, 2]);
+    push_to_storage(&mut cache, 1, &first);
+    assert_eq!(match_and_allocate(&mut cache, 90, &first), 2);
+    let handed_out = loads(&mut cache);
+    assert_eq!(handed_out.len(), 1);
+    // Other prompts fill the host tier meanwhile; request 70's allocation then pushes cached
+    // blocks down to host, and host blocks down to the tier: write-backs, not handed out yet
+    // when the LOAD's outcome comes.
+    for id in 60..62u64 {
+        let base = u128::from(id) * 100;
+        serve(&mut cache, id, &hashes(&[base, base + 1]));
+    }
+    let used = cache.storage_used_blocks();
+    let blocks = hashes(&[7_000, 7_001, 7_002, 7_003]);
+    let prompt = blocks.len() * BLOCK_TOKENS as usize;
+    cache.match_prefix(RequestId(70), &blocks, prompt).unwrap();
+    cache.allocate(RequestId(70), prompt, 0).unwrap();
+    check(&cache);
+    assert!(cache.storage_used_blocks() > used, "set-up: the allocation wrote nothing back");
+    cache.complete_storage_transfer(handed_out[0].id, Ok(Some(&[Unavailable; 2]))).unwrap();
+    check(&cache);
+    assert!(cache.storage_tier_down());
+    assert_eq!(cache.stats().counters.storage_down_settled_copies, 1);
+    let late: Vec<Transfer> = complete_all(&mut cache);
+    assert!(
+        late.iter().all(|copy| !copy.kind.is_storage()),
+        "a STORE handed out to a tier already marked down: {late:?}"
+    );
+    assert!(cache.storage_used_blocks() <= used, "the write-backs' blocks are given back");
+    assert!(cache.stats().counters.store_failed_blocks > 0);
+    cache.commit(RequestId(70), prompt, &blocks).unwrap();
+    cache.finish(RequestId(70)).unwrap();
+    cache.abort(RequestId(90)).unwrap();
+    check(&cache);
+}
+
+// Under write-back a prompt leaves host leaf first, so its last blocks are storage-only while
+// its first are still host-only. Host pressure during an outage drops the host-only parent
+// (no write-back to a tier that is down); the storage-only children the tier holds intact
+// must not be forgotten with it: they wait for the parent and are storage hits again once it
+// is cached again.
 #[test]
 fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_parent() {
     let mut cache = three_tiers();
@@ -422,10 +478,8 @@ fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_par
         let base = 1000 + 10 * round;
         serve(&mut cache, 1000 + round as u64, &hashes(&[base, base + 1]));
     }
-    let on_storage: Vec<BlockHash> = {
-        let found = cache.cached_prefix(&first);
-        first[found.host_blocks..found.blocks()].to_vec()
-    };
+    let host_part = first[..cache.cached_prefix(&first).host_blocks].to_vec();
+    let on_storage = first[host_part.len()..].to_vec();
     let mut forgotten = Vec::new();
     cache.take_forgotten_blocks(&mut forgotten);
     assert!(cache.storage_tier_failed());
@@ -434,8 +488,96 @@ fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_par
         let base = 5000 + 10 * round;
         serve(&mut cache, 5000 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
     }
+    assert_eq!(cache.cached_prefix(&first).blocks(), 0, "set-up: the host-only parent stayed");
     forgotten.clear();
     cache.take_forgotten_blocks(&mut forgotten);
     let lost: Vec<&BlockHash> = on_storage.iter().filter(|hash| forgotten.contains(hash)).collect();
     assert!(lost.is_empty(), "blocks the tier holds intact are forgotten: {lost:?}");
+    assert_eq!(cache.stats().counters.storage_down_orphaned_blocks, on_storage.len() as u64);
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), on_storage.len());
+
+    // Back up: the parent computed and cached again, its stored children are storage hits.
+    cache.storage_tier_recovered();
+    serve(&mut cache, 77, &host_part);
+    assert_eq!(cache.cached_prefix(&first).storage_blocks, on_storage.len());
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    assert_eq!(match_and_allocate(&mut cache, 78, &first), on_storage.len());
+    assert_eq!(loads(&mut cache).len(), 1);
+    check(&cache);
+}
+
+// One bad block (an EIO on one slot of a disk, a key Redis refuses) while the rest of the
+// command is answered is a fault of that block, not of the tier: the tier stays up, and the
+// block is dropped (and forgotten) as a missing one is, so that it is not loaded again.
+#[test]
+fn a_load_with_one_unavailable_block_among_answered_ones_drops_that_block_and_leaves_the_tier_up() {
+    let mut cache = three_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
+    let loads = loads(&mut cache);
+    assert_eq!(loads.len(), 1);
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Unavailable, Landed, Landed])))
+        .unwrap();
+    check(&cache);
+    assert!(!cache.storage_tier_down(), "one bad block marks the tier down");
+    assert_eq!(cache.stats().counters.storage_outages, 0);
+    complete_all(&mut cache);
+    cache.abort(RequestId(2)).unwrap();
+    check(&cache);
+    // Only the block that landed is cached: the bad one (and the blocks below it) left, and the
+    // tier is told to forget it.
+    assert_eq!(cache.cached_prefix(&first).blocks(), 1);
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.contains(&first[1]), "{forgotten:?}");
+    assert_eq!(cache.lookup(&first, prompt_hitting(4)).unwrap().storage_blocks, 0);
+}
+
+// A STORE where some blocks were written and one came back unavailable leaves the tier up: the
+// unavailable block is not written (given back), the others are stored.
+#[test]
+fn a_store_with_one_unavailable_block_among_written_ones_leaves_the_tier_up() {
+    let mut cache = three_tiers();
+    let mut round = 0u128;
+    let store = loop {
+        round += 1;
+        assert!(round < 20, "set-up: no write-back of two blocks or more");
+        let base = 100 * round;
+        let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+        let request = RequestId(round as u64);
+        let prompt = 4 * BLOCK_TOKENS as usize;
+        cache.match_prefix(request, &blocks, prompt).unwrap();
+        cache.allocate(request, prompt, 0).unwrap();
+        let mut store = None;
+        for transfer in cache.take_transfers() {
+            if transfer.kind == TransferKind::HostToStorage && transfer.pairs.len() >= 2 {
+                store = Some(transfer);
+            } else if transfer.kind == TransferKind::HostToStorage {
+                cache.complete_storage_transfer(transfer.id, Ok(None)).unwrap();
+            } else {
+                cache.complete_transfer(transfer.id, Ok(())).unwrap();
+            }
+        }
+        if store.is_some() {
+            cache.abort(request).unwrap();
+        } else {
+            complete_all(&mut cache);
+            cache.commit(request, prompt, &blocks).unwrap();
+            cache.finish(request).unwrap();
+        }
+        check(&cache);
+        if let Some(store) = store {
+            break store;
+        }
+    };
+    let used = cache.storage_used_blocks();
+    let mut results = vec![Landed; store.pairs.len()];
+    results[0] = Unavailable;
+    cache.complete_storage_transfer(store.id, Ok(Some(&results))).unwrap();
+    check(&cache);
+    assert!(!cache.storage_tier_down(), "one bad block marks the tier down");
+    assert_eq!(cache.storage_used_blocks(), used - 1, "the unavailable block is given back");
+    assert_eq!(cache.stats().counters.store_failed_blocks, 1);
 }

@@ -123,23 +123,31 @@ impl CacheManager {
 
     /// Applies storage copy `id`'s outcome; `flight` is out of the in-flight table already.
     #[inline(never)] // off the hot paths of a cache without the tier (code size)
-    fn complete_storage(&mut self, id: TransferId, flight: InFlight, outcome: LoadOutcome) {
+    pub(super) fn complete_storage(
+        &mut self,
+        id: TransferId,
+        flight: InFlight,
+        outcome: LoadOutcome,
+    ) {
         // A block the tier missed is a miss, counted per block; only a whole command that failed
         // is a failed copy.
         let command_done = !matches!(outcome, LoadOutcome::Unavailable(_));
         let Some(flight) = self.release_completed(flight, command_done) else { return };
-        let tier_failed = match outcome {
-            LoadOutcome::AllLanded => false,
-            LoadOutcome::Blocks(blocks) => blocks.contains(&BlockOutcome::Unavailable),
-            LoadOutcome::Unavailable(failure) => super::tier_health::is_tier_failure(failure.error),
-        };
-        if tier_failed {
-            self.storage_tier_failed();
-        }
+        // Marked down before this copy is applied (a shortening's evictions must not write
+        // back), the copies not yet handed out settled after (`tier_health`).
+        let outage = super::tier_health::outcome_trips_breaker(&outcome) && self.mark_tier_down();
         if flight.kind == TransferKind::StorageToHost {
             self.complete_load(id, flight, outcome);
-            return;
+        } else {
+            self.complete_store(id, flight, outcome);
         }
+        if outage {
+            self.settle_unissued_storage_copies();
+        }
+    }
+
+    /// Applies STORE `id`'s outcome; `flight` is out of the in-flight table already.
+    fn complete_store(&mut self, id: TransferId, flight: InFlight, outcome: LoadOutcome) {
         for (index, &node) in flight.nodes.iter().enumerate() {
             let attached = self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
             if attached {

@@ -282,7 +282,8 @@ impl CacheManager {
 
     /// Evicts host-only candidate `victim` (its host block `block`) with a storage tier below
     /// (module documentation): to storage-only when the tier holds it, else written back when the
-    /// tier is up and has room, else dropped with its storage-only children. Returns the block
+    /// tier is up and has room, else dropped with its storage-only children (while the tier is
+    /// down those it holds are kept as orphans: `tier_health`). Returns the block
     /// and the STORE still reading it. `exposed`: as for [`CacheManager::evict_host`], for the
     /// first two.
     #[inline(never)]
@@ -319,9 +320,14 @@ impl CacheManager {
             self.stats.evictions.host_written_back += 1;
             return (block, Some(store));
         }
-        // Storage-only children (a storage tier that is full or down) go with it.
-        while let Some(child) = self.tree.first_child(victim) {
-            self.drop_subtree(child);
+        if self.tier.is_down() {
+            // The tier holds its storage-only children intact: kept as orphans, not forgotten.
+            self.orphan_stored_children(victim);
+        } else {
+            // Storage-only children of a full tier go with it, freeing its room.
+            while let Some(child) = self.tree.first_child(victim) {
+                self.drop_subtree(child);
+            }
         }
         // The tier may hold the block all the same (a block loaded back keeps its slab copy).
         self.forget_dropped(self.tree.node(victim).hash(), NodeState::Host);

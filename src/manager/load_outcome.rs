@@ -4,7 +4,9 @@
 //! The tier answers for each block of a LOAD: landed, missing (the object is absent, corrupt or
 //! torn on some rank: the block is gone), or unavailable (the tier failed for it: it may still be
 //! there). An error of the whole command (tier down, timeout, a worker error) is an unavailable
-//! block for every block of it. Only a missing block is dropped. A LOAD carries one chain of one
+//! block for every block of it. Only a gone block is dropped: a missing one, or an unavailable
+//! one in a LOAD where the tier answered for other blocks (a per-block fault, such as one bad
+//! slot: retrying it would only fail again; see `tier_health`, step 1). A LOAD carries one chain of one
 //! request's path, block 0 first, so its blocks before the first miss are exactly the part of the
 //! hit that still holds.
 //!
@@ -23,7 +25,7 @@
 //!    ticket fails (counted in `shortening_failed`).
 //! 4. The lost nodes are `Storage` again, their pairs leave the swap-ins (a swap-in left with none
 //!    is cancelled), and their host blocks go back.
-//! 5. A block the tier reported missing is dropped with its subtree as soon as no request holds
+//! 5. A gone block (reported missing, or a per-block fault) is dropped with its subtree as soon as no request holds
 //!    it (now, usually: step 3 released the waiting requests). A node still held (a request
 //!    matched it and has not allocated) waits in `unloadable` for the next `poll`; meanwhile it
 //!    is no hit (matches stop before it) and its holder's allocation cuts its hits there
@@ -75,6 +77,19 @@ impl LoadOutcome<'_> {
     pub(super) fn landed(&self, index: usize) -> bool {
         self.of(index) == BlockOutcome::Landed
     }
+
+    /// Whether the tier no longer has block `index` as far as the cache is concerned (module
+    /// flow, step 5): reported missing, or unavailable while the tier answered for some other
+    /// block of the command (a per-block fault). An unavailable block of a command that failed
+    /// all over may still be there.
+    pub(super) fn gone(&self, index: usize) -> bool {
+        let LoadOutcome::Blocks(blocks) = self else { return false };
+        match blocks.get(index) {
+            Some(BlockOutcome::Missing) => true,
+            Some(BlockOutcome::Unavailable) => !super::tier_health::all_unavailable(blocks),
+            Some(BlockOutcome::Landed) | None => false,
+        }
+    }
 }
 
 impl CacheManager {
@@ -122,9 +137,7 @@ impl CacheManager {
         // unheld, but while a request holds it each one is lost on its own (a holder that
         // recomputes it must not count the tier's copy).
         let missing: Vec<NodeId> = (first_miss..flight.nodes.len())
-            .filter(|&index| {
-                attached(self, flight.nodes[index]) && outcome.of(index) == BlockOutcome::Missing
-            })
+            .filter(|&index| attached(self, flight.nodes[index]) && outcome.gone(index))
             .map(|index| flight.nodes[index])
             .collect();
         // Step 3: the waiting requests are shortened.
@@ -154,7 +167,9 @@ impl CacheManager {
                     Some(swap_in) => self.back_to_storage(node, swap_in, None, &flight.after),
                     None => self.prefetch_back_to_storage(node),
                 }
-                self.free_host(flight.pairs[index].src);
+                // A LOAD settled unissued (`tier_health`) may write a host block claimed from a
+                // STORE still reading it; one that ran waited for that STORE.
+                self.release_host_block(&flight.after, flight.pairs[index].src);
             }
         }
         for (id, cancelled) in cancelled {

@@ -106,12 +106,15 @@ pub struct CacheCounters {
     pub write_through_skipped: u64,
     /// Times the storage tier was marked down (a completion said it failed), and the work
     /// not routed to it while it was down: host evictions that dropped a block instead of
-    /// writing it back, write-through STOREs skipped, prefetches that did nothing
-    /// (`tier_health`).
+    /// writing it back, write-through STOREs skipped, prefetches that did nothing, storage
+    /// copies settled unissued when the tier went down, and stored blocks kept as orphans
+    /// when their host-only parent was dropped (`tier_health`).
     pub storage_outages: u64,
     pub storage_down_dropped_blocks: u64,
     pub storage_down_skipped_stores: u64,
     pub storage_down_skipped_prefetches: u64,
+    pub storage_down_settled_copies: u64,
+    pub storage_down_orphaned_blocks: u64,
 }
 
 impl CacheCounters {
