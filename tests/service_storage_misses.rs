@@ -125,14 +125,14 @@ fn redis_stopped_mid_run_shortens_hits_without_failing_a_request_and_hits_return
     assert!(service.stats().storage_misses > 0, "{:?}", service.stats());
     assert!(service.cache().storage_tier_down(), "a refused LOAD marks the tier down");
     // An unavailable tier drops nothing: the other prompt's blocks are still on storage, but
-    // no request is routed to them while it is down (unless a probe already brought it up).
+    // no request is routed to them while it is down. A probe cannot bring it up meanwhile:
+    // every connection to a dead server is refused, which is a failed bit, whatever the timing.
     assert_eq!(service.cache().cached_prefix(&second).storage_blocks, 2);
     next_id += 1;
     let (ready, storage_hits) = serve(&mut service, next_id, &second, true);
-    if service.cache().stats().counters.storage_outages == 1 && service.cache().storage_tier_down()
-    {
-        assert_eq!((ready, storage_hits), (TicketReady::AllHits, 0), "no hit on a tier down");
-    }
+    assert_eq!((ready, storage_hits), (TicketReady::AllHits, 0), "no hit on a tier down");
+    assert!(service.cache().storage_tier_down(), "no probe reaches a dead server");
+    assert_eq!(service.cache().stats().counters.storage_outages, 1, "one outage");
     // Still cached (recomputed onto the device if the request computed them, else on storage).
     assert_eq!(service.cache().cached_prefix(&second).blocks(), 2, "still there");
 
@@ -232,7 +232,6 @@ fn a_hung_redis_is_marked_down_so_requests_stop_waiting_on_it_and_a_probe_brings
     let after = service.cache().stats().counters;
     assert_eq!(after.hits.storage_blocks, before.hits.storage_blocks);
     assert_eq!(after.load_blocks_issued, before.load_blocks_issued, "no LOAD to wait on");
-    assert!(took < IO_TIMEOUT / 2, "a request waited {took:?} on a tier known to be down");
     // Evictions meanwhile drop instead of writing back: no STORE joins the queue of the hung
     // server. (Probes fail meanwhile: Redis answers nothing.)
     for round in 0..3 {
