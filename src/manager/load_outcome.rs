@@ -6,9 +6,9 @@
 //! there). An error of the whole command (tier down, timeout, a worker error) is an unavailable
 //! block for every block of it. Only a gone block is dropped: a missing one, or an unavailable
 //! one in a LOAD where the tier answered for other blocks (a per-block fault, such as one bad
-//! slot: retrying it would only fail again; see `tier_health`, step 1). A LOAD carries one chain of one
-//! request's path, block 0 first, so its blocks before the first miss are exactly the part of the
-//! hit that still holds.
+//! slot: retrying it would only fail again; see `tier_health`, step 1). A LOAD carries one chain
+//! of one request's path, block 0 first, so its blocks before the first miss are exactly the part
+//! of the hit that still holds.
 //!
 //! Core types: [`BlockOutcome`] (what the service reports per block), `LoadOutcome` (per
 //! copy).
@@ -25,13 +25,13 @@
 //!    ticket fails (counted in `shortening_failed`).
 //! 4. The lost nodes are `Storage` again, their pairs leave the swap-ins (a swap-in left with none
 //!    is cancelled), and their host blocks go back.
-//! 5. A gone block (reported missing, or a per-block fault) is dropped with its subtree as soon as no request holds
-//!    it (now, usually: step 3 released the waiting requests). A node still held (a request
-//!    matched it and has not allocated) waits in `unloadable` for the next `poll`; meanwhile it
-//!    is no hit (matches stop before it) and its holder's allocation cuts its hits there
-//!    (`cut_hits_at_lost`) instead of loading it. A holder that computes it and commits it
-//!    makes it a device copy no longer counted on storage (`uncount_lost_copies`, from
-//!    `commit`).
+//! 5. A gone block (reported missing, or a per-block fault) is dropped with its subtree as soon
+//!    as no request holds it (now, usually: step 3 released the waiting requests). A node still
+//!    held (a request matched it and has not allocated) waits in `unloadable` for the next
+//!    `poll`; meanwhile it is no hit (matches stop before it) and its holder's allocation cuts
+//!    its hits there (`cut_hits_at_lost`) instead of loading it. A holder that computes it and
+//!    commits it makes it a device copy no longer counted on storage (`uncount_lost_copies`,
+//!    from `commit`).
 
 use super::lookup::ends_hits;
 use super::transfer::InFlight;

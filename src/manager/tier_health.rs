@@ -162,7 +162,7 @@ impl CacheManager {
         self.close_transfers();
     }
 
-    /// Marks the storage tier up again (module flow, step 3): its owner calls this once a probe
+    /// Marks the storage tier up again (module flow, step 4): its owner calls this once a probe
     /// reached the tier on every rank. Returns whether it was down.
     pub fn storage_tier_recovered(&mut self) -> bool {
         std::mem::replace(&mut self.tier.down, false)
