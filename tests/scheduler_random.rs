@@ -673,6 +673,7 @@ fn random_operations_keep_every_invariant_with_a_storage_tier_that_fails_and_los
         .with_host_blocks(8)
         .with_storage_blocks(24)
         .with_free_watermark(2);
+    let mut orphaned_while_down = 0;
     for config in every_policy(config) {
         let mut engine = Engine::new(config, 7, 3, 6, false);
         engine.vanish_percent = 2;
@@ -703,7 +704,14 @@ fn random_operations_keep_every_invariant_with_a_storage_tier_that_fails_and_los
             engine.forgotten_checked
         );
         assert!(engine.hits_checked > 1000);
+        // The run goes through outages: copies settled unissued, stored children kept.
+        assert!(
+            counters.storage_outages > 10 && counters.storage_down_settled_copies > 10,
+            "{counters:?}"
+        );
+        orphaned_while_down += counters.storage_down_orphaned_blocks;
     }
+    assert!(orphaned_while_down > 0, "no stored block was kept as an orphan while down");
 }
 
 /// Random operations over a storage tier written under `policy`, under every eviction policy,
