@@ -10,29 +10,13 @@ use kvshm::manager::{
     TransferFailure, TransferKind,
 };
 use scheduler_support::{
-    check, complete_all, failure, hashes, manager, prompt_hitting, BLOCK_TOKENS,
+    check, complete_all, failure, hashes, manager, prompt_hitting, serve, three_small_tiers,
+    BLOCK_TOKENS,
 };
 
 /// A whole storage command the tier failed (unreachable, timed out), as its owner reports it.
 fn tier_failure() -> TransferFailure {
     TransferFailure { error: CommandError::StorageMiss, ..failure() }
-}
-
-/// Eight device blocks, four host blocks, thirty-two storage blocks.
-fn three_tiers() -> CacheManager {
-    manager(CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(4).with_storage_blocks(32))
-}
-
-/// Serves `blocks` (block-aligned) to the end: match, allocate, copies, commit, finish.
-fn serve(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
-    let request = RequestId(id);
-    let prompt = blocks.len() * BLOCK_TOKENS as usize;
-    let found = cache.match_prefix(request, blocks, prompt).unwrap();
-    cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
-    complete_all(cache);
-    cache.commit(request, prompt, blocks).unwrap();
-    cache.finish(request).unwrap();
-    check(cache);
 }
 
 /// Serves a four-block prompt, then others until all four of its blocks are on storage only.
@@ -110,7 +94,7 @@ fn load_while_another_holds(
 #[test]
 fn a_load_missing_its_third_block_shortens_the_hit_to_two_and_the_request_caches_what_it_computes()
 {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let ticket = allocate_hitting_all(&mut cache, 50, &first);
     let table = cache.block_table(RequestId(50)).unwrap().to_vec();
@@ -191,7 +175,7 @@ fn two_requests_sharing_one_load_are_both_shortened_each_with_blocks_of_its_own(
 
 #[test]
 fn a_whole_load_failing_is_a_miss_for_every_block_and_drops_none_of_them() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let ticket = allocate_hitting_all(&mut cache, 50, &first);
     let loads = run_until_loads(&mut cache);
@@ -223,7 +207,7 @@ fn a_whole_load_failing_is_a_miss_for_every_block_and_drops_none_of_them() {
 
 #[test]
 fn a_missing_first_block_shortens_to_nothing_and_forgets_the_chain_once_unheld() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let ticket = allocate_hitting_all(&mut cache, 50, &first);
     let loads = run_until_loads(&mut cache);
@@ -239,7 +223,7 @@ fn a_missing_first_block_shortens_to_nothing_and_forgets_the_chain_once_unheld()
 
 #[test]
 fn a_store_keeps_the_blocks_that_landed_and_gives_back_only_those_that_missed() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = hashes(&[1, 2, 3, 4]);
     serve(&mut cache, 1, &first);
     let mut stores = Vec::new();
@@ -284,7 +268,7 @@ fn a_store_keeps_the_blocks_that_landed_and_gives_back_only_those_that_missed() 
 
 #[test]
 fn per_block_results_of_a_copy_that_is_not_a_storage_copy_or_of_the_wrong_length_are_refused() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     allocate_hitting_all(&mut cache, 50, &first);
     let loads = run_until_loads(&mut cache);
@@ -305,7 +289,7 @@ fn per_block_results_of_a_copy_that_is_not_a_storage_copy_or_of_the_wrong_length
 // (`tier_health`); a whole command that failed drops nothing (above).
 #[test]
 fn a_block_the_tier_could_not_read_among_answered_ones_shortens_the_hit_and_is_dropped() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let ticket = allocate_hitting_all(&mut cache, 50, &first);
     let loads = run_until_loads(&mut cache);
@@ -325,7 +309,7 @@ fn a_block_the_tier_could_not_read_among_answered_ones_shortens_the_hit_and_is_d
 
 #[test]
 fn a_request_shortened_by_a_tier_that_was_down_caches_what_it_computes_over_the_stored_blocks() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let ticket = allocate_hitting_all(&mut cache, 50, &first);
     let loads = run_until_loads(&mut cache);
@@ -341,7 +325,7 @@ fn a_request_shortened_by_a_tier_that_was_down_caches_what_it_computes_over_the_
 
 #[test]
 fn a_missing_block_below_one_the_tier_could_not_read_is_dropped_with_it() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let ticket = allocate_hitting_all(&mut cache, 50, &first);
     let loads = run_until_loads(&mut cache);
@@ -358,7 +342,7 @@ fn a_missing_block_below_one_the_tier_could_not_read_is_dropped_with_it() {
 
 #[test]
 fn a_missing_block_recomputed_while_another_request_holds_it_is_no_longer_counted_on_storage() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let ticket =
         load_while_another_holds(&mut cache, &first, 60, &[Landed, Landed, Missing, Landed]);
@@ -482,7 +466,7 @@ fn every_missing_block_of_a_load_recomputed_while_held_stops_counting_on_storage
 #[test]
 fn a_second_request_sharing_a_lost_block_with_no_device_block_to_be_had_fails_and_frees_nothing_twice(
 ) {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     for id in [50, 51] {
         let found = cache.match_prefix(RequestId(id), &first, prompt_hitting(4)).unwrap();

@@ -12,24 +12,9 @@ use kvshm::manager::{
     TransferFailure, TransferKind,
 };
 use kvshm_ipc::record::CommandError;
-use scheduler_support::{check, complete_all, hashes, manager, prompt_hitting, BLOCK_TOKENS};
-
-/// Eight device blocks, four host blocks, thirty-two storage blocks.
-fn three_tiers() -> CacheManager {
-    manager(CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(4).with_storage_blocks(32))
-}
-
-/// Serves `blocks` (block-aligned) to the end: match, allocate, copies, commit, finish.
-fn serve(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
-    let request = RequestId(id);
-    let prompt = blocks.len() * BLOCK_TOKENS as usize;
-    let found = cache.match_prefix(request, blocks, prompt).unwrap();
-    cache.allocate(request, prompt - found.cached_tokens, 0).unwrap();
-    complete_all(cache);
-    cache.commit(request, prompt, blocks).unwrap();
-    cache.finish(request).unwrap();
-    check(cache);
-}
+use scheduler_support::{
+    check, complete_all, hashes, manager, prompt_hitting, serve, three_small_tiers, BLOCK_TOKENS,
+};
 
 /// Serves a four-block prompt, then others until all four of its blocks are on storage only.
 fn four_blocks_on_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
@@ -110,7 +95,7 @@ fn tier_goes_down_under_a_load(cache: &mut CacheManager, first: &[BlockHash]) {
 
 #[test]
 fn a_load_the_tier_failed_for_marks_it_down_and_matches_then_end_before_storage_only_blocks() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let second = hashes(&[500, 501, 502, 503]);
     push_to_storage(&mut cache, 2, &second);
@@ -142,7 +127,7 @@ fn a_load_the_tier_failed_for_marks_it_down_and_matches_then_end_before_storage_
 
 #[test]
 fn a_missing_block_is_an_ordinary_miss_that_leaves_the_tier_up() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
     let loads = loads(&mut cache);
@@ -166,7 +151,7 @@ fn a_whole_command_failure_marks_the_tier_down_only_when_the_tier_failed() {
         (CommandError::CopyFailed, false),
         (CommandError::StorageMiss, true),
     ] {
-        let mut cache = three_tiers();
+        let mut cache = three_small_tiers();
         let first = four_blocks_on_storage(&mut cache);
         assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
         let loads = loads(&mut cache);
@@ -179,7 +164,7 @@ fn a_whole_command_failure_marks_the_tier_down_only_when_the_tier_failed() {
 
 #[test]
 fn a_request_that_matched_storage_blocks_before_the_tier_went_down_allocates_without_a_load() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let second = hashes(&[500, 501, 502, 503]);
     push_to_storage(&mut cache, 2, &second);
@@ -203,7 +188,7 @@ fn a_request_that_matched_storage_blocks_before_the_tier_went_down_allocates_wit
 
 #[test]
 fn host_evictions_drop_blocks_instead_of_writing_them_back_while_the_tier_is_down() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     tier_goes_down_under_a_load(&mut cache, &first);
     let written_back = cache.stats().counters.evictions.host_written_back;
@@ -249,7 +234,7 @@ fn host_evictions_drop_blocks_instead_of_writing_them_back_while_the_tier_is_dow
 #[test]
 fn a_store_the_tier_failed_for_marks_it_down_and_one_not_written_for_room_does_not() {
     for (outcome, down) in [(Missing, false), (Unavailable, true)] {
-        let mut cache = three_tiers();
+        let mut cache = three_small_tiers();
         let mut stores = Vec::new();
         let mut round = 0u128;
         while stores.is_empty() {
@@ -314,7 +299,7 @@ fn write_through_stores_are_skipped_while_the_tier_is_down_and_resume_once_it_is
 
 #[test]
 fn a_prefetch_does_nothing_while_the_tier_is_down() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     cache.set_storage_shared(true);
     cache.storage_tier_failed();
@@ -333,7 +318,7 @@ fn a_prefetch_does_nothing_while_the_tier_is_down() {
 
 #[test]
 fn rematch_stops_before_storage_only_blocks_while_the_tier_is_down() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let prompt = prompt_hitting(4);
     // A prompt whose first block is not cached yet matches nothing, then its blocks come back.
@@ -358,7 +343,7 @@ fn a_cache_without_a_storage_tier_is_never_marked_down() {
 
 #[test]
 fn a_query_answered_after_the_tier_went_down_adopts_and_loads_nothing() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     cache.set_storage_shared(true);
     let mut past = first.clone();
@@ -385,7 +370,7 @@ fn a_query_answered_after_the_tier_went_down_adopts_and_loads_nothing() {
 // in ring order): it is settled at once, and its request is shortened.
 #[test]
 fn a_load_made_before_the_tier_went_down_but_not_yet_handed_out_is_not_sent_to_it() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = hashes(&[1, 2]);
     push_to_storage(&mut cache, 1, &first);
     let second = hashes(&[500, 501]);
@@ -419,7 +404,7 @@ fn a_load_made_before_the_tier_went_down_but_not_yet_handed_out_is_not_sent_to_i
 // failed STORE (its reservation given back), not sent to the tier.
 #[test]
 fn a_store_made_before_the_tier_went_down_but_not_yet_handed_out_gives_its_blocks_back() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = hashes(&[1, 2]);
     push_to_storage(&mut cache, 1, &first);
     assert_eq!(match_and_allocate(&mut cache, 90, &first), 2);
@@ -463,7 +448,7 @@ fn a_store_made_before_the_tier_went_down_but_not_yet_handed_out_gives_its_block
 // is cached again.
 #[test]
 fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_parent() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = hashes(&[1, 2, 3, 4]);
     serve(&mut cache, 1, &first);
     let mut round = 0u128;
@@ -511,7 +496,7 @@ fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_par
 // block is dropped (and forgotten) as a missing one is, so that it is not loaded again.
 #[test]
 fn a_load_with_one_unavailable_block_among_answered_ones_drops_that_block_and_leaves_the_tier_up() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let mut forgotten = Vec::new();
     cache.take_forgotten_blocks(&mut forgotten);
@@ -539,7 +524,7 @@ fn a_load_with_one_unavailable_block_among_answered_ones_drops_that_block_and_le
 // unavailable block is not written (given back), the others are stored.
 #[test]
 fn a_store_with_one_unavailable_block_among_written_ones_leaves_the_tier_up() {
-    let mut cache = three_tiers();
+    let mut cache = three_small_tiers();
     let mut round = 0u128;
     let store = loop {
         round += 1;

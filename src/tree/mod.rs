@@ -706,11 +706,19 @@ impl Tree {
     /// # Panics
     /// In debug builds, if the node is not a claimed swap-out.
     pub fn land_claimed_swap_out(&mut self, id: NodeId) {
-        let node = &mut self.nodes[id.index()];
+        let node = &self.nodes[id.index()];
         debug_assert!(
             node.is(NodeState::SwapToHost(SwapOut::Claimed)) && node.membership().is_empty(),
             "landing a swap-out that is not claimed is a programming error"
         );
+        self.land_unfiled_claim(id);
+    }
+
+    /// What both landings do to claimed, unfiled node `id`: it becomes `Host`, its copy done, and
+    /// joins the sets it belongs in now.
+    #[inline(always)]
+    fn land_unfiled_claim(&mut self, id: NodeId) {
+        let node = &mut self.nodes[id.index()];
         let mut view = NodeMut { node, access: None, upper_changed: false };
         view.set_state(NodeState::Host);
         view.set_transfer(None);
@@ -735,15 +743,7 @@ impl Tree {
             return Landing::Attached(node.state());
         }
         debug_assert!(node.membership().is_empty(), "a claimed swap-out is filed");
-        let mut view = NodeMut { node, access: None, upper_changed: false };
-        view.set_state(NodeState::Host);
-        view.set_transfer(None);
-        view.set_passing_through_host(false);
-        let sets = self.membership(id);
-        if !sets.is_empty() {
-            self.policy.enter(id, sets);
-            self.nodes[id.index()].set_membership(sets);
-        }
+        self.land_unfiled_claim(id);
         Landing::Landed
     }
 

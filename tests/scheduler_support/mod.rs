@@ -19,6 +19,11 @@ pub fn device_only(device_blocks: u32) -> CacheManager {
     manager(CacheConfig::new(BLOCK_TOKENS, device_blocks))
 }
 
+/// Eight device blocks, four host blocks, thirty-two storage blocks.
+pub fn three_small_tiers() -> CacheManager {
+    manager(CacheConfig::new(BLOCK_TOKENS, 8).with_host_blocks(4).with_storage_blocks(32))
+}
+
 pub fn hashes(values: &[u128]) -> Vec<BlockHash> {
     values.iter().map(|&value| BlockHash(value)).collect()
 }
