@@ -53,7 +53,9 @@ impl CacheManager {
         for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
             let Some(state) = self.tree.attached_to(node, id.0).map(Node::state) else { continue };
             match (flight.kind, outcome.is_ok()) {
-                (TransferKind::DeviceToHost, true) => self.swap_out_landed(node, state),
+                (TransferKind::DeviceToHost, true) => {
+                    unreachable!("a landed swap-out is applied by swap_outs_landed")
+                }
                 (TransferKind::DeviceToHost, false) => self.swap_out_failed(node, pair.dst),
                 (TransferKind::HostToDevice, true) => {
                     self.stats.swap_in_blocks += 1;
@@ -221,7 +223,8 @@ impl CacheManager {
         }
     }
 
-    /// The swap-out of node `id`, in `state`, landed (module flow, step 3).
+    /// The swap-out of node `id`, in `state`, landed (module flow, step 3): a backup or an
+    /// unclaimed eviction (a claimed one lands in [`CacheManager::swap_outs_landed`]).
     fn swap_out_landed(&mut self, id: NodeId, state: NodeState) {
         let NodeState::SwapToHost(swap) = state else {
             unreachable!("a node attached to a swap-out is swapping out")
@@ -235,11 +238,7 @@ impl CacheManager {
                 });
             }
             SwapOut::Claimed => {
-                // The usual eviction of an allocation (see `super::evict`): the device block is
-                // the claimer's already.
-                self.stats.swap_out_blocks += 1;
-                self.tree.land_claimed_swap_out(id);
-                self.settled_on_host(id);
+                unreachable!("a claimed swap-out lands in Tree::land_attached_claimed_swap_out")
             }
             SwapOut::Evict => {
                 self.stats.swap_out_blocks += 1;

@@ -1,7 +1,7 @@
 //! Differential tests of the tree's fast forms (the write-back path's `start_claimed_swap_out`,
-//! `land_claimed_swap_out` and `land_attached_claimed_swap_out`, `drop_device_copy_exposing`,
-//! `remove_exposing_host` and `update_exposing_host`): each, applied to one of two trees built
-//! alike, must leave what the general [`Tree::update`] or [`Tree::remove`] leaves in the other.
+//! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`, `remove_exposing_host` and
+//! `update_exposing_host`): each, applied to one of two trees built alike, must leave what the
+//! general [`Tree::update`] or [`Tree::remove`] leaves in the other.
 
 use super::tests::{hash, served};
 use super::*;
@@ -290,7 +290,7 @@ fn fast_forms_recount_a_saturated_parent_as_the_general_update_does() {
         node.set_state(NodeState::SwapToHost(SwapOut::Claimed));
         node.set_transfer(Some(9));
     });
-    a.land_claimed_swap_out(children[1]);
+    assert_eq!(a.land_attached_claimed_swap_out(children[1], 9), Landing::Landed);
     b.update(children[1], |node| {
         node.set_state(NodeState::Host);
         node.set_transfer(None);

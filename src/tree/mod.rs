@@ -8,7 +8,7 @@
 //!
 //! Every change to a node goes through [`Tree::update`], or through one of its fast forms for the
 //! hot steps (`hold_hit`, `release_path`, the exposing removals, `start_claimed_swap_out`,
-//! `land_claimed_swap_out`, `drop_device_copy_exposing`), which do the same three steps for the
+//! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`), which do the same three steps for the
 //! one change they make (checked against `update` by differential tests):
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
 //! 2. if the node gained or lost its device copy, adjust the parent's count of device children
@@ -698,41 +698,12 @@ impl Tree {
         exposed.then_some(parent)
     }
 
-    /// The swap-out of `id`, whose device block was claimed (`SwapToHost(Claimed)`), landed: the
-    /// node is `Host` now, with no copy in flight, and joins the host candidates if nothing
-    /// below it is above storage. The fast form of an [`Tree::update`] doing that: neither
-    /// block nor tier changes, so the parent's counts and sets stay.
-    ///
-    /// # Panics
-    /// In debug builds, if the node is not a claimed swap-out.
-    pub fn land_claimed_swap_out(&mut self, id: NodeId) {
-        let node = &self.nodes[id.index()];
-        debug_assert!(
-            node.is(NodeState::SwapToHost(SwapOut::Claimed)) && node.membership().is_empty(),
-            "landing a swap-out that is not claimed is a programming error"
-        );
-        self.land_unfiled_claim(id);
-    }
-
-    /// What both landings do to claimed, unfiled node `id`: it becomes `Host`, its copy done, and
-    /// joins the sets it belongs in now.
-    #[inline(always)]
-    fn land_unfiled_claim(&mut self, id: NodeId) {
-        let node = &mut self.nodes[id.index()];
-        let mut view = NodeMut { node, access: None, upper_changed: false };
-        view.set_state(NodeState::Host);
-        view.set_transfer(None);
-        view.set_passing_through_host(false);
-        let sets = self.membership(id);
-        if !sets.is_empty() {
-            self.policy.enter(id, sets);
-            self.nodes[id.index()].set_membership(sets);
-        }
-    }
-
-    /// [`Tree::land_claimed_swap_out`] of `id` if it is attached to swap-out `transfer` (see
-    /// [`Tree::attached_to`]) and claimed, in one visit to its record: the usual completion of
-    /// an allocation's eviction. Changes nothing otherwise, and says why.
+    /// Swap-out `transfer` landed for node `id`: if the node is still attached to it (see
+    /// [`Tree::attached_to`]) and its device block was claimed (`SwapToHost(Claimed)`, the usual
+    /// completion of an allocation's eviction), it is `Host` now, with no copy in flight, and
+    /// joins the host candidates if nothing below it is above storage, all in one visit to its
+    /// record. The fast form of an [`Tree::update`] doing that: neither block nor tier changes,
+    /// so the parent's counts and sets stay. Changes nothing otherwise, and says why.
     #[inline]
     pub fn land_attached_claimed_swap_out(&mut self, id: NodeId, transfer: u64) -> Landing {
         let Some(node) = self.nodes.get_mut(id.index()) else { return Landing::Detached };
@@ -743,7 +714,15 @@ impl Tree {
             return Landing::Attached(node.state());
         }
         debug_assert!(node.membership().is_empty(), "a claimed swap-out is filed");
-        self.land_unfiled_claim(id);
+        let mut view = NodeMut { node, access: None, upper_changed: false };
+        view.set_state(NodeState::Host);
+        view.set_transfer(None);
+        view.set_passing_through_host(false);
+        let sets = self.membership(id);
+        if !sets.is_empty() {
+            self.policy.enter(id, sets);
+            self.nodes[id.index()].set_membership(sets);
+        }
         Landing::Landed
     }
 

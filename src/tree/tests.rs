@@ -141,7 +141,7 @@ fn a_claimed_swap_out_leaves_every_set_and_lands_as_a_host_candidate_handing_bac
         }
         assert_eq!(tree.device_candidate_count(), 2);
         tree.check().unwrap();
-        tree.land_claimed_swap_out(chain[1]);
+        assert_eq!(tree.land_attached_claimed_swap_out(chain[1], 5), Landing::Landed);
         let node = tree.node(chain[1]);
         assert_eq!((node.state(), node.transfer()), (NodeState::Host, None));
         assert_eq!(tree.first_host_candidate(), Some(chain[1]));
