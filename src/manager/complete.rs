@@ -20,7 +20,7 @@
 use super::load_outcome::{BlockOutcome, LoadOutcome};
 use super::transfer::InFlight;
 use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
-use crate::tree::{Landing, Node, NodeId, NodeState, SwapOut};
+use crate::tree::{Landing, NodeId, NodeState, SwapOut};
 
 impl CacheManager {
     /// Applies the outcome of copy `id` (module flow). Call it once per copy, when every rank has
@@ -51,7 +51,9 @@ impl CacheManager {
             return Ok(());
         }
         for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
-            let Some(state) = self.tree.attached_to(node, id.0).map(Node::state) else { continue };
+            if self.tree.attached_to(node, id.0).is_none() {
+                continue;
+            }
             match (flight.kind, outcome.is_ok()) {
                 (TransferKind::DeviceToHost, true) => {
                     unreachable!("a landed swap-out is applied by swap_outs_landed")
@@ -151,7 +153,7 @@ impl CacheManager {
     /// Applies STORE `id`'s outcome; `flight` is out of the in-flight table already.
     fn complete_store(&mut self, id: TransferId, flight: InFlight, outcome: LoadOutcome) {
         for (index, &node) in flight.nodes.iter().enumerate() {
-            let attached = self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
+            let attached = self.tree.attached_to(node, id.0).is_some();
             if attached {
                 self.store_completed(node, outcome.landed(index));
             } else {

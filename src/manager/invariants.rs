@@ -421,6 +421,6 @@ impl CacheManager {
 
     /// Whether pair node `node` of copy `transfer` is still the node that copy serves.
     fn attached(&self, node: NodeId, transfer: TransferId) -> bool {
-        self.tree.is_live(node) && self.tree.node(node).transfer() == Some(transfer.0)
+        self.tree.attached_to(node, transfer.0).is_some()
     }
 }

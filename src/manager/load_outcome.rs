@@ -102,9 +102,8 @@ impl CacheManager {
         flight: InFlight,
         outcome: LoadOutcome,
     ) {
-        let attached = |cache: &CacheManager, node: NodeId| {
-            cache.tree.is_live(node) && cache.tree.node(node).transfer() == Some(load.0)
-        };
+        let attached =
+            |cache: &CacheManager, node: NodeId| cache.tree.attached_to(node, load.0).is_some();
         // A block whose node left the tree meanwhile is the tier's to forget.
         for (index, &node) in flight.nodes.iter().enumerate() {
             if !attached(self, node) {
@@ -174,8 +173,7 @@ impl CacheManager {
         }
         for (id, cancelled) in cancelled {
             for (index, (pair, &node)) in cancelled.pairs.iter().zip(&cancelled.nodes).enumerate() {
-                let attached =
-                    self.tree.is_live(node) && self.tree.node(node).transfer() == Some(id.0);
+                let attached = self.tree.attached_to(node, id.0).is_some();
                 if !attached {
                     self.forget_detached(cancelled.blocks[index].hash);
                     continue;
@@ -264,10 +262,7 @@ impl CacheManager {
                     .nodes
                     .iter()
                     .copied()
-                    .filter(|&node| {
-                        self.tree.is_live(node)
-                            && self.tree.node(node).transfer() == Some(dependent.0)
-                    })
+                    .filter(|&node| self.tree.attached_to(node, dependent.0).is_some())
                     .collect();
                 // A LOAD carries one chain: it hangs where its first block does.
                 let Some(&top) = nodes.first() else { continue };
