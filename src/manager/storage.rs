@@ -423,6 +423,17 @@ impl CacheManager {
         });
     }
 
+    /// Keeps stored block `hash` (at storage depth `depth`) as an orphan waiting for block
+    /// `parent` to be cached: it joins the tree under it then (`adopt_orphans_under`), or expires
+    /// once as many blocks as the tier holds were committed from now without it (`forget`).
+    /// Callers check the orphans' cap (the tier's capacity) first.
+    pub(super) fn keep_orphan(&mut self, parent: BlockHash, hash: BlockHash, depth: u32) {
+        self.orphans.entry(parent).or_default().push((hash, depth));
+        self.orphan_count += 1;
+        self.orphans_expire_at =
+            self.stats.committed_blocks + u64::from(self.config.storage_blocks);
+    }
+
     /// Puts blocks the storage tier already holds into the tree as storage-only nodes (a
     /// restarted service finding its disk blocks): `blocks` as (hash, parent hash, depth from 0),
     /// parents before children. A first block (depth 0, parent 0) hangs under the root, a block
@@ -459,9 +470,7 @@ impl CacheManager {
                     self.forget_now(hash);
                     continue;
                 }
-                self.orphans.entry(parent).or_default().push((hash, depth));
-                self.orphan_count += 1;
-                self.orphans_expire_at = self.stats.committed_blocks + capacity as u64;
+                self.keep_orphan(parent, hash, depth);
                 continue;
             };
             if let Some(id) = self.adopt_or_forget(parent_id, hash) {

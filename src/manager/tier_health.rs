@@ -193,8 +193,8 @@ impl CacheManager {
             }
             let parent = node.parent().expect("a node below the victim has a parent");
             let parent_hash = self.tree.node(parent).hash();
-            self.orphans.entry(parent_hash).or_default().push((node.hash(), depth));
-            self.orphan_count += 1;
+            let hash = node.hash();
+            self.keep_orphan(parent_hash, hash, depth);
             kept.push(id);
             stack.extend(self.tree.children(id).map(|child| (child, depth + 1)));
         }
@@ -202,7 +202,6 @@ impl CacheManager {
             return;
         }
         self.stats.storage_down_orphaned_blocks += kept.len() as u64;
-        self.orphans_expire_at = self.stats.committed_blocks + capacity as u64;
         for id in kept.into_iter().rev() {
             // Out of the tier's count, as any orphan; the tier keeps the block.
             self.storage_used -= 1;
