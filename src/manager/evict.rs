@@ -115,8 +115,9 @@ impl CacheManager {
                     exposed = parent;
                     out.push((block, Some(transfer)));
                 }
-                // Only without `for_allocation`.
-                Evicted::Freed | Evicted::SwappingOut => {}
+                Evicted::Freed | Evicted::SwappingOut => {
+                    unreachable!("an allocation's eviction takes the block it frees")
+                }
             }
         }
         if let Some(parent) = exposed {
