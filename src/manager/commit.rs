@@ -1,7 +1,9 @@
 //! `commit` (DESIGN §4.5): caching a request's computed full blocks under its path.
 //!
 //! For each full block past the request's path, in order:
-//! 1. not cached: a new node takes the request's block (the node is held by the request);
+//! 1. not cached: a new node takes the request's block (the node is held by the request); every
+//!    block after it is then new too (a new node has no children), and the rest of the run is
+//!    inserted as one chain ([`crate::tree::Tree::insert_chain`]);
 //! 2. cached on device already (another request computed it meanwhile): the request holds that
 //!    node and keeps its own copy privately until it ends, so one copy stays cached;
 //! 3. cached on host only: the request's copy becomes the node's device copy (the host copy stays
@@ -23,7 +25,7 @@ use serde::Serialize;
 use super::{CacheManager, CommitError, RequestId, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
-use crate::tree::{NodeId, NodeState, SwapOut};
+use crate::tree::{NodeId, NodeMut, NodeState, SwapOut, PREFETCH_AHEAD};
 
 /// What a commit did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -83,15 +85,13 @@ impl CacheManager {
         let mut parent = record.path.last().copied().unwrap_or(NodeId::ROOT);
         let mut done = Committed::default();
         // Ask for the index groups of the blocks a few steps ahead (see `Tree::prefetch_child`).
-        const AHEAD: usize = 4;
         let new_hashes = &hashes[start..blocks];
-        for &hash in &new_hashes[..new_hashes.len().min(AHEAD)] {
+        let new_blocks = &record.table[start..blocks];
+        for &hash in &new_hashes[..new_hashes.len().min(PREFETCH_AHEAD)] {
             tree.prefetch_child(hash);
         }
-        for (index, (&hash, &block)) in
-            new_hashes.iter().zip(&record.table[start..blocks]).enumerate()
-        {
-            if let Some(&ahead) = new_hashes.get(index + AHEAD) {
+        for (index, (&hash, &block)) in new_hashes.iter().zip(new_blocks).enumerate() {
+            if let Some(&ahead) = new_hashes.get(index + PREFETCH_AHEAD) {
                 tree.prefetch_child(ahead);
             }
             let parent_valid = parent == NodeId::ROOT
@@ -101,17 +101,22 @@ impl CacheManager {
                 );
             let id = match tree.child(parent, hash) {
                 None if parent_valid => {
-                    done.inserted += 1;
-                    let id = tree.insert(parent, hash, |node| {
-                        node.set_device(Some(block));
+                    // Step 1, and every block after it is new too: a node just inserted has no
+                    // children. The rest is inserted as one chain.
+                    let (chain, chain_blocks) = (&new_hashes[index..], &new_blocks[index..]);
+                    let path_start = record.path.len();
+                    let init = |at: usize, node: &mut NodeMut<'_>| {
+                        node.set_device(Some(chain_blocks[at]));
                         node.hold();
                         node.access(Access::Commit);
                         node.set_backup_queued(back_up);
-                    });
+                    };
+                    tree.insert_chain(parent, chain, init, &mut record.path);
+                    done.inserted += chain.len();
                     if back_up {
-                        pending_backups.push(id);
+                        pending_backups.extend_from_slice(&record.path[path_start..]);
                     }
-                    id
+                    break;
                 }
                 None => break,
                 Some(existing) => match tree.node(existing).state() {

@@ -27,7 +27,7 @@ use serde::Serialize;
 use super::{CacheManager, MatchError, PromptError, RequestId, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
-use crate::tree::{NodeId, NodeState, SwapOut, Tree};
+use crate::tree::{NodeId, NodeState, SwapOut, Tree, PREFETCH_AHEAD};
 
 /// How many leading blocks of a prompt are cached, per tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -271,15 +271,13 @@ fn walk(
     stop: impl Fn(NodeId) -> bool,
     mut visit: impl FnMut(NodeId),
 ) -> Lookup {
-    /// How far ahead the walk asks for the index groups of the blocks to come.
-    const AHEAD: usize = 4;
     let mut found = Lookup::default();
     let mut parent = NodeId::ROOT;
-    for &hash in &hashes[..hashes.len().min(AHEAD)] {
+    for &hash in &hashes[..hashes.len().min(PREFETCH_AHEAD)] {
         tree.prefetch_child(hash);
     }
     for (index, &hash) in hashes.iter().enumerate() {
-        if let Some(&ahead) = hashes.get(index + AHEAD) {
+        if let Some(&ahead) = hashes.get(index + PREFETCH_AHEAD) {
             tree.prefetch_child(ahead);
         }
         let Some(id) = tree.child(parent, hash) else { break };

@@ -1,17 +1,18 @@
-//! Differential tests of the tree's fast forms (the write-back path's `start_claimed_swap_out`,
+//! Differential tests of the tree's fast forms (a commit's `insert_chain` and the end of a
+//! request's `release_path`; the write-back path's `start_claimed_swap_out`,
 //! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`, `remove_exposing_host` and
 //! `update_exposing_host`): each, applied to one of two trees built alike, must leave what the
-//! general [`Tree::update`] or [`Tree::remove`] leaves in the other.
+//! general [`Tree::insert`], [`Tree::update`] or [`Tree::remove`] leaves in the other.
 
 use super::tests::{hash, served};
 use super::*;
 
-/// Every fast form of the write-back path, applied to one of two trees built alike,
+/// Every fast form of a request's commit and end and of the write-back path, applied to one of two trees built alike,
 /// leaves that tree as [`Tree::update`] (or [`Tree::remove`]) leaves the other once the parent
 /// it hands back is filed: node fields, sets, counts, the policy's order and stamps. A parent
 /// handed back as the next device victim is the policy's first device candidate once filed.
 #[test]
-fn fast_forms_of_the_write_back_path_leave_what_the_general_update_leaves() {
+fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
     fn same(a: &Tree, b: &Tree, what: &str) {
         assert_eq!(a.nodes.len(), b.nodes.len(), "{what}");
         for (slot, (x, y)) in a.nodes.iter().zip(&b.nodes).enumerate() {
@@ -58,8 +59,20 @@ fn fast_forms_of_the_write_back_path_leave_what_the_general_update_leaves() {
                         let len = 1 + rnd(3);
                         let hashes: Vec<u128> = (0..len as u128).map(|i| next_hash + i).collect();
                         next_hash += len as u128;
-                        served(&mut a, parent, &hashes, next_block);
-                        served(&mut b, parent, &hashes, next_block);
+                        // `a` commits it in one chain and releases it in one path.
+                        let mut path = Vec::new();
+                        let first_block = next_block;
+                        let init = |at: usize, node: &mut NodeMut<'_>| {
+                            node.set_device(Some(first_block + at as u32));
+                            node.hold();
+                            node.access(Access::Commit);
+                        };
+                        let chain: Vec<BlockHash> =
+                            hashes.iter().map(|&value| hash(value)).collect();
+                        a.insert_chain(parent, &chain, init, &mut path);
+                        a.release_path(&path);
+                        let path_b = served(&mut b, parent, &hashes, next_block);
+                        assert_eq!(path, path_b, "{what}");
                         next_block += len as u32;
                     }
                     2 => {

@@ -6,10 +6,12 @@
 //! knows nothing of pools, requests or copies: the cache manager decides, the tree records and
 //! keeps its derived state (device child counts, set membership) in step.
 //!
-//! Every change to a node goes through [`Tree::update`], or through one of its fast forms for the
-//! hot steps (`hold_hit`, `release_path`, the exposing removals, `start_claimed_swap_out`,
-//! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`), which do the same three steps for the
-//! one change they make (checked against `update` by differential tests):
+//! A node joins through [`Tree::insert`], or [`Tree::insert_chain`] for a run of new blocks each
+//! under the one before (a commit's usual case). Every change to a node goes through
+//! [`Tree::update`], or through one of its fast forms for the hot steps (`hold_hit`,
+//! `release_path`, the exposing removals, `start_claimed_swap_out`,
+//! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`), which do the same three steps
+//! for the one change they make (checked against `update` by differential tests):
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
 //! 2. if the node gained or lost its device copy, adjust the parent's count of device children
 //!    and re-file the parent (it may have become, or stopped being, a device candidate);
@@ -74,6 +76,10 @@ impl Default for Tree {
 /// Heap bytes per block that [`Tree::with_capacity`] sets aside at most: the child index (a
 /// power of two of 64-byte groups of twelve slots, at least 7/16 full).
 pub const PRESIZED_BYTES_PER_BLOCK: usize = (2 * 64 * 8usize).div_ceil(12 * 7);
+
+/// How many blocks ahead of the one it works on a walk down a prompt asks for index groups
+/// ([`Tree::prefetch_child`]).
+pub const PREFETCH_AHEAD: usize = 4;
 
 /// By state code, the evictable sets a node in that state may be in (DESIGN §4): a device
 /// candidate is `Device` (with a device block, no device child); a host candidate is `Device` or
@@ -367,21 +373,7 @@ impl Tree {
         let words = *node.hash_words();
         let first = self.nodes[parent.index()].first_child;
         node.next_sibling = first;
-        let id = match self.free_slots.some() {
-            Some(id) => {
-                self.free_slots = self.nodes[id.index()].next_sibling;
-                self.nodes[id.index()] = node;
-                id
-            }
-            None => {
-                let id = NodeId(u32::try_from(self.nodes.len()).expect("fewer than 2^32 nodes"));
-                self.nodes.push(node);
-                if self.nodes.len() == self.nodes.capacity() {
-                    self.grow_arena();
-                }
-                id
-            }
-        };
+        let id = self.take_slot(node);
         if first != NodeId::NONE {
             self.nodes[first.index()].prev_sibling = id;
         }
@@ -406,6 +398,80 @@ impl Tree {
             self.refile(id, access);
         }
         id
+    }
+
+    /// Inserts a chain of new nodes: the first, keyed by `hashes[0]`, under `parent`, each next
+    /// one under the one before, `init(i, node)` setting the fields of the `i`-th as
+    /// [`Tree::insert`]'s `init` does; it must hold each of them. Their ids are appended to
+    /// `path`, the first first. The same as that many [`Tree::insert`]s, for a commit whose
+    /// blocks past its first new one are all new (a node just inserted has no child to find).
+    ///
+    /// Past the first, a node's parent is a node just inserted, held (so in no set), with no
+    /// child: linking the node under it sets the parent's child list and counts, and nothing
+    /// is re-filed. Asks for the index groups [`PREFETCH_AHEAD`] nodes ahead (the caller asks
+    /// for the first ones).
+    ///
+    /// # Panics
+    /// In debug builds, if `init` leaves a node unheld, or `parent` already has a child keyed
+    /// by `hashes[0]`.
+    pub fn insert_chain(
+        &mut self,
+        parent: NodeId,
+        hashes: &[BlockHash],
+        mut init: impl FnMut(usize, &mut NodeMut<'_>),
+        path: &mut Vec<NodeId>,
+    ) {
+        let Some((&first_hash, rest)) = hashes.split_first() else { return };
+        path.reserve(hashes.len());
+        let mut parent = self.insert(parent, first_hash, |node| init(0, node));
+        debug_assert!(self.nodes[parent.index()].ref_count() > 0, "a chain's node is unheld");
+        path.push(parent);
+        for (index, &hash) in rest.iter().enumerate() {
+            if let Some(&ahead) = rest.get(index + PREFETCH_AHEAD) {
+                self.index.prefetch(ahead);
+            }
+            let mut node = Node::new(hash, parent);
+            let mut view = NodeMut { node: &mut node, access: None, upper_changed: false };
+            init(index + 1, &mut view);
+            let access = view.access;
+            debug_assert!(node.ref_count() > 0, "a chain's node is unheld");
+            let (has_device, is_upper, words) =
+                (node.device().is_some(), node.is_upper(), *node.hash_words());
+            let id = self.take_slot(node);
+            let parent_node = &mut self.nodes[parent.index()];
+            debug_assert!(!parent_node.has_children() && parent_node.ref_count() > 0);
+            parent_node.first_child = id;
+            parent_node.device_children = u16::from(has_device);
+            parent_node.upper_children = u16::from(is_upper);
+            self.index.insert(id, &words, &self.nodes);
+            if let Some(access) = access.filter(|&access| self.policy.wants(access)) {
+                let nodes = &self.nodes;
+                self.policy.touch(id, || nodes[id.index()].hash(), access);
+            }
+            path.push(id);
+            parent = id;
+        }
+    }
+
+    /// Puts a new node into a free slot of the arena (a removed node's, else a fresh one at the
+    /// end) and returns its id.
+    #[inline(always)]
+    fn take_slot(&mut self, node: Node) -> NodeId {
+        match self.free_slots.some() {
+            Some(id) => {
+                self.free_slots = self.nodes[id.index()].next_sibling;
+                self.nodes[id.index()] = node;
+                id
+            }
+            None => {
+                let id = NodeId(u32::try_from(self.nodes.len()).expect("fewer than 2^32 nodes"));
+                self.nodes.push(node);
+                if self.nodes.len() == self.nodes.capacity() {
+                    self.grow_arena();
+                }
+                id
+            }
+        }
     }
 
     /// Doubles the arena, which is full (or holds the root only), and touches the new half now
