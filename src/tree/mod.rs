@@ -542,7 +542,8 @@ impl Tree {
     /// # Panics
     /// If the node is not held: releasing more than was held is a programming error.
     pub fn release(&mut self, id: NodeId) {
-        self.release_inline(id);
+        let wants_release = self.policy.wants(Access::Release);
+        self.release_inline(id, wants_release);
     }
 
     /// Releases every node of `path` once, the last first ([`Tree::release`] of each, in one
@@ -551,27 +552,31 @@ impl Tree {
     /// # Panics
     /// If a node is not held.
     pub fn release_path(&mut self, path: &[NodeId]) {
+        // The policy's wish does not change between the releases.
+        let wants_release = self.policy.wants(Access::Release);
         for &id in path.iter().rev() {
-            self.release_inline(id);
+            self.release_inline(id, wants_release);
         }
     }
 
-    /// [`Tree::release`], inline in loops.
+    /// [`Tree::release`], inline in loops; `wants_release` is the policy's
+    /// [`Policies::wants`] of [`Access::Release`].
     #[inline(always)]
-    fn release_inline(&mut self, id: NodeId) {
-        let node = &mut self.nodes[id.index()];
+    fn release_inline(&mut self, id: NodeId, wants_release: bool) {
+        let Tree { nodes, policy, .. } = self;
+        let node = &mut nodes[id.index()];
         node.release_one();
         // A held node is in no set (see `membership`): only the access and the sets it joins
         // now (if it is unheld now) are left to tell, in `refile_with_policy`'s order.
         debug_assert!(node.membership().is_empty(), "a held node is filed");
-        if self.policy.wants(Access::Release) {
-            let nodes = &self.nodes;
-            self.policy.touch(id, || nodes[id.index()].hash(), Access::Release);
+        // The usual release, of a path's inner node: with a device child it is no device
+        // candidate, and that child, above storage, keeps it from being a host candidate.
+        let inner = node.device_children != 0 && node.is(NodeState::Device);
+        if wants_release {
+            let node = &*node;
+            policy.touch(id, || node.hash(), Access::Release);
         }
-        let node = &self.nodes[id.index()];
-        if node.device_children != 0 && node.is(NodeState::Device) {
-            // The usual release, of a path's inner node: with a device child it is no device
-            // candidate, and that child, above storage, keeps it from being a host candidate.
+        if inner {
             debug_assert!(self.membership(id).is_empty(), "{id:?} belongs in a set");
             return;
         }
