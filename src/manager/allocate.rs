@@ -190,10 +190,11 @@ impl CacheManager {
             flight.after.extend_from_slice(&scratch.after);
             self.wait_on(ticket, transfer);
         }
+        // The rest are the fresh blocks: the ones claimed from swap-outs are noted here, and all
+        // go to the block table after the hits at the end.
+        let fresh_blocks = blocks.as_slice();
         scratch.claims.clear();
-        let fresh_start = scratch.table.len();
-        for &(block, claimed_from) in blocks {
-            scratch.table.push(block);
+        for &(block, claimed_from) in fresh_blocks {
             if let Some(transfer) = claimed_from {
                 scratch.claims.push((block, transfer));
             }
@@ -206,11 +207,12 @@ impl CacheManager {
                 waited = Some(transfer);
             }
         }
-        debug_assert_eq!(scratch.table.len() - fresh_start, fresh);
+        debug_assert_eq!(fresh_blocks.len(), fresh);
         self.close_transfers();
 
         let record = self.requests.get_mut(&request).expect("the request was found above");
         record.table.extend_from_slice(&scratch.table);
+        record.table.extend(fresh_blocks.iter().map(|&(block, _)| block));
         record.claims.extend_from_slice(&scratch.claims);
         record.tokens += new_tokens;
         record.tickets.push(ticket);
