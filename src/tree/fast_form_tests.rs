@@ -1,5 +1,5 @@
-//! Differential tests of the tree's fast forms (a commit's `insert_chain` and the end of a
-//! request's `release_path`; the write-back path's `start_claimed_swap_out`,
+//! Differential tests of the tree's fast forms (a match's `hold_hit`, a commit's `insert_chain`
+//! and the end of a request's `release_path`; the write-back path's `start_claimed_swap_out`,
 //! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`, `remove_exposing_host` and
 //! `update_exposing_host`): each, applied to one of two trees built alike, must leave what the
 //! general [`Tree::insert`], [`Tree::update`] or [`Tree::remove`] leaves in the other.
@@ -253,8 +253,18 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                                 }
                             }
                         } else if let Some(id) = pick(&mut rnd, &ids) {
-                            a.update(id, |node| node.hold());
-                            b.update(id, |node| node.hold());
+                            if rnd(2) == 0 {
+                                a.update(id, |node| node.hold());
+                                b.update(id, |node| node.hold());
+                            } else {
+                                // A match's hit.
+                                a.hold_hit(id);
+                                b.update(id, |node| {
+                                    node.hold();
+                                    node.count_hit();
+                                    node.access(Access::Hit);
+                                });
+                            }
                             held.push(id);
                         }
                     }

@@ -529,11 +529,18 @@ impl Tree {
 
     /// Holds `id` for a match that hit it: one more holder, one more hit, the access recorded
     /// (the fast form of an [`Tree::update`] doing that).
+    #[inline]
     pub fn hold_hit(&mut self, id: NodeId) {
         let node = &mut self.nodes[id.index()];
         node.hold_one();
         node.count_hit();
-        self.refile(id, Some(Access::Hit));
+        // Held, it belongs in no set (see `membership`): it leaves the ones it was in, if any
+        // (an inner node of a path was in none), and the policy hears the hit if it wants to.
+        let old = node.membership();
+        let access = Some(Access::Hit).filter(|&access| self.policy.wants(access));
+        if !old.is_empty() || access.is_some() {
+            self.refile_with_policy(id, old, Membership::NONE, access);
+        }
     }
 
     /// Releases one hold of `id` at the end of a request ([`Access::Release`]): the fast form of
