@@ -60,7 +60,9 @@ impl CacheManager {
         new_tokens: usize,
         lookahead: usize,
     ) -> Result<Allocation<'_>, AllocateError> {
-        let record = self.requests.get(&request).ok_or(AllocateError::UnknownRequest(request))?;
+        // One lookup: the record is read and changed through its slot.
+        let slot = self.requests.slot(&request).ok_or(AllocateError::UnknownRequest(request))?;
+        let record = self.requests.at(slot);
         if record.failed {
             return Err(AllocateError::RequestFailed(request));
         }
@@ -210,14 +212,14 @@ impl CacheManager {
         debug_assert_eq!(fresh_blocks.len(), fresh);
         self.close_transfers();
 
-        let record = self.requests.get_mut(&request).expect("the request was found above");
+        let record = self.requests.at_mut(slot);
         record.table.extend_from_slice(&scratch.table);
         record.table.extend(fresh_blocks.iter().map(|&(block, _)| block));
         record.claims.extend_from_slice(&scratch.claims);
         record.tokens += new_tokens;
         record.tickets.push(ticket);
         self.scratch = Some(scratch);
-        let record = &self.requests[&request];
+        let record = self.requests.at(slot);
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }
 

@@ -48,7 +48,9 @@ impl CacheManager {
         computed_tokens: usize,
         hashes: &[BlockHash],
     ) -> Result<Committed, CommitError> {
-        let record = self.requests.get(&request).ok_or(CommitError::UnknownRequest(request))?;
+        // One lookup: the record is read and changed through its slot.
+        let slot = self.requests.slot(&request).ok_or(CommitError::UnknownRequest(request))?;
+        let record = self.requests.at(slot);
         if record.failed {
             return Err(CommitError::RequestFailed(request));
         }
@@ -81,7 +83,7 @@ impl CacheManager {
                 WritePolicy::WriteThroughSelective { threshold } => threshold <= 1,
             };
         let CacheManager { requests, tree, pending_backups, .. } = self;
-        let record = requests.get_mut(&request).expect("the request was found above");
+        let record = requests.at_mut(slot);
         let mut parent = record.path.last().copied().unwrap_or(NodeId::ROOT);
         let mut done = Committed::default();
         // Ask for the index groups of the blocks a few steps ahead (see `Tree::prefetch_child`).

@@ -1,6 +1,7 @@
 //! What the manager remembers about one live request.
 //!
-//! Core types: [`Request`] (one request's record) and [`Requests`] (the live ones, by id).
+//! Core types: [`Request`] (one request's record) and [`Requests`] (the live ones, by id, each
+//! in a slot that a [`RequestSlot`] names while it lives).
 //!
 //! A request holds a path of cached nodes from the root (matched, then committed) and owns the
 //! blocks of its block table past that path, plus the blocks it computed twice ("private": a
@@ -74,6 +75,10 @@ impl Request {
     }
 }
 
+/// Where a live request's record sits in [`Requests`] (see [`Requests::slot`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RequestSlot(u32);
+
 /// The live requests. Records sit in slots and stay there: a request that ends frees its slot,
 /// and the next request to start takes the slot and empties the record, keeping its buffers. A
 /// small index finds a request's slot by id (one hash operation). No record moves.
@@ -100,6 +105,23 @@ impl Requests {
 
     pub fn get_mut(&mut self, id: &RequestId) -> Option<&mut Request> {
         self.index.get(id).map(|&slot| &mut self.slots[slot as usize].1)
+    }
+
+    /// The slot of live request `id`, for an operation that reads and changes its record at
+    /// several points ([`Requests::at`], [`Requests::at_mut`]) with one lookup. The slot stays the
+    /// request's until it ends.
+    pub fn slot(&self, id: &RequestId) -> Option<RequestSlot> {
+        self.index.get(id).map(|&slot| RequestSlot(slot))
+    }
+
+    /// The record in `slot`.
+    pub fn at(&self, slot: RequestSlot) -> &Request {
+        &self.slots[slot.0 as usize].1
+    }
+
+    /// The record in `slot`.
+    pub fn at_mut(&mut self, slot: RequestSlot) -> &mut Request {
+        &mut self.slots[slot.0 as usize].1
     }
 
     /// Makes `id` live with an empty record (its buffers kept from an ended request), or `None`
