@@ -143,13 +143,12 @@ impl ChildIndex {
     /// [`ChildIndex::prefetch`] of a hash as a node stores it.
     #[inline]
     pub fn prefetch_words(&self, words: &[u32; 4]) {
-        if self.groups.is_empty() {
-            return;
-        }
-        let group: *const Group = &self.groups[self.home(mix(words))];
+        // The home group is always inside the table (an empty one's dangling pointer is never
+        // read): no bounds check, no test for emptiness.
+        let group = self.groups.as_ptr().wrapping_add(self.home(mix(words)));
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is a hint that never faults nor changes memory; SSE (and so
-        // `_mm_prefetch`) is part of the x86-64 baseline; `group` points into `self.groups`.
+        // SAFETY: a prefetch is a hint that never faults nor changes memory, whatever the
+        // address; SSE (and so `_mm_prefetch`) is part of the x86-64 baseline.
         unsafe {
             std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(group.cast());
         }
