@@ -196,9 +196,13 @@ impl CacheManager {
         // go to the block table after the hits at the end.
         let fresh_blocks = blocks.as_slice();
         scratch.claims.clear();
-        for &(block, claimed_from) in fresh_blocks {
-            if let Some(transfer) = claimed_from {
-                scratch.claims.push((block, transfer));
+        // Without a host tier no swap-out runs, so none of them was claimed from one.
+        debug_assert!(self.host_enabled() || fresh_blocks.iter().all(|(_, from)| from.is_none()));
+        if self.host_enabled() {
+            for &(block, claimed_from) in fresh_blocks {
+                if let Some(transfer) = claimed_from {
+                    scratch.claims.push((block, transfer));
+                }
             }
         }
         // Claims come in runs from one copy (the operation's swap-out): one wait per run.

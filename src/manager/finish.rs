@@ -32,8 +32,10 @@ impl CacheManager {
         for ticket in &record.tickets {
             tickets.remove(ticket);
         }
-        record.claims.retain(|(_, transfer)| in_flight.contains_key(transfer));
-        record.claims.sort_unstable();
+        if !record.claims.is_empty() {
+            record.claims.retain(|(_, transfer)| in_flight.contains_key(transfer));
+            record.claims.sort_unstable();
+        }
         for block in record.owned_blocks().rev() {
             let claim = record.claims.binary_search_by_key(&block, |&(claimed, _)| claimed);
             match claim {
