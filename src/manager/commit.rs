@@ -107,7 +107,7 @@ impl CacheManager {
                     // children. The rest is inserted as one chain.
                     let (chain, chain_blocks) = (&new_hashes[index..], &new_blocks[index..]);
                     let path_start = record.path.len();
-                    let init = |at: usize, node: &mut NodeMut<'_>| {
+                    let init = move |at: usize, node: &mut NodeMut<'_>| {
                         node.set_device(Some(chain_blocks[at]));
                         node.hold();
                         node.access(Access::Commit);
