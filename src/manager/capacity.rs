@@ -105,6 +105,7 @@ impl CacheManager {
 
     /// The device blocks `allocate` takes for `record` (module flow, step 1), its hits ending at
     /// path position `hits_end`.
+    #[inline]
     pub(super) fn demand(
         &self,
         request: RequestId,

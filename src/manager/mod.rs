@@ -371,15 +371,21 @@ impl CacheManager {
     }
 
     /// Moves the copies the current operation filled to the in-flight table and the outbox.
+    #[inline]
     fn close_transfers(&mut self) {
         // The usual operation opened none.
-        if self.open_host_to_storage.is_none()
-            && self.open_device_to_host.is_none()
-            && self.open_storage_to_host.is_none()
-            && self.open_host_to_device.is_none()
+        if self.open_host_to_storage.is_some()
+            || self.open_device_to_host.is_some()
+            || self.open_storage_to_host.is_some()
+            || self.open_host_to_device.is_some()
         {
-            return;
+            self.close_open_transfers();
         }
+    }
+
+    /// [`CacheManager::close_transfers`] once some copy was opened.
+    #[inline(never)]
+    fn close_open_transfers(&mut self) {
         // In the order copies depend on each other (a swap-out or load into a host block waits
         // for the store reading it; a swap-in for the load); checked before taking, so that the
         // common case (no copy) moves no record around.

@@ -126,6 +126,7 @@ impl Requests {
 
     /// Makes `id` live with an empty record (its buffers kept from an ended request), or `None`
     /// if it is live already.
+    #[inline]
     pub fn start(&mut self, id: RequestId) -> Option<&mut Request> {
         let Entry::Vacant(entry) = self.index.entry(id) else { return None };
         let slot = match self.free.pop() {
