@@ -7,10 +7,11 @@
 use super::tests::{hash, served};
 use super::*;
 
-/// Every fast form of a request's commit and end and of the write-back path, applied to one of two trees built alike,
-/// leaves that tree as [`Tree::update`] (or [`Tree::remove`]) leaves the other once the parent
-/// it hands back is filed: node fields, sets, counts, the policy's order and stamps. A parent
-/// handed back as the next device victim is the policy's first device candidate once filed.
+/// Every fast form of a request's match, commit and end and of the write-back path, applied to
+/// one of two trees built alike, leaves that tree as [`Tree::insert`], [`Tree::update`] (or
+/// [`Tree::remove`]) leave the other once the parent it hands back is filed: node fields, sets,
+/// counts, the policy's order and stamps. A parent handed back as the next device victim is the
+/// policy's first device candidate once filed.
 #[test]
 fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
     fn same(a: &Tree, b: &Tree, what: &str) {
