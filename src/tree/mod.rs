@@ -637,8 +637,7 @@ impl Tree {
     #[inline(always)] // one caller, the write-back path of an allocation's eviction
     pub fn remove_exposing_host(&mut self, id: NodeId) -> Option<NodeId> {
         let parent = self.unlink(id);
-        if self.nodes[parent.index()].membership().is_empty()
-            && self.membership(parent) == Membership::NONE.with(EvictSet::Host)
+        if self.nodes[parent.index()].membership().is_empty() && self.is_host_candidate_only(parent)
         {
             return Some(parent);
         }
@@ -674,8 +673,7 @@ impl Tree {
         }
         self.count_child_out(parent, true);
         self.refile(id, access);
-        if self.nodes[parent.index()].membership().is_empty()
-            && self.membership(parent) == Membership::NONE.with(EvictSet::Host)
+        if self.nodes[parent.index()].membership().is_empty() && self.is_host_candidate_only(parent)
         {
             return Some(parent);
         }
@@ -689,7 +687,7 @@ impl Tree {
     pub fn is_next_host_victim(&self, id: NodeId) -> bool {
         self.is_live(id)
             && self.nodes[id.index()].membership().is_empty()
-            && self.membership(id) == Membership::NONE.with(EvictSet::Host)
+            && self.is_host_candidate_only(id)
             && self.policy.would_come_first(id, EvictSet::Host)
     }
 
@@ -839,6 +837,24 @@ impl Tree {
         only
     }
 
+    /// Whether the host set is the one set live node `id` belongs in: [`Tree::membership`] is
+    /// exactly that, decided for the states that admit it (DESIGN §4: a host block, no device
+    /// block, no child above storage, not held, in state `Host`, or `Device` without its
+    /// device block; a `Device` node with one is a device candidate too, or has a device
+    /// child, which is above storage).
+    #[inline(always)]
+    fn is_host_candidate_only(&self, id: NodeId) -> bool {
+        let node = &self.nodes[id.index()];
+        let only = id != NodeId::ROOT
+            && (node.is(NodeState::Host) || node.is(NodeState::Device))
+            && node.upper_children == 0
+            && node.ref_count() == 0
+            && node.block(Tier::Host).is_some()
+            && node.block(Tier::Device).is_none();
+        debug_assert_eq!(only, self.membership(id) == Membership::NONE.with(EvictSet::Host));
+        only
+    }
+
     /// Files `id` in the sets it belongs in: a parent that [`Tree::remove_exposing`] returned
     /// and that is not evicted after all.
     pub fn file(&mut self, id: NodeId) {
@@ -849,30 +865,34 @@ impl Tree {
     /// list and counts), all but re-filing the parent, which it returns.
     #[inline(always)]
     fn unlink(&mut self, id: NodeId) -> NodeId {
+        // The fields borrowed apart, the arena as a slice: its address and length stay in
+        // registers across the writes below, which the optimizer cannot otherwise tell from
+        // writes to the vector's own header (a reload and a bounds check after each).
+        let Tree { nodes, free_slots, index, policy } = self;
+        let nodes = nodes.as_mut_slice();
         assert!(id != NodeId::ROOT, "removing the root is a programming error");
-        let node = &self.nodes[id.index()];
+        let node = &nodes[id.index()];
         assert!(!node.has_children(), "removing a node with children is a programming error");
         let (parent, prev, next, sets) =
             (node.parent, node.prev_sibling, node.next_sibling, node.membership());
         let (hash, had_device, was_upper) =
             (*node.hash_words(), node.device().is_some(), node.is_upper());
         if !sets.is_empty() {
-            self.policy.leave(id, sets);
+            policy.leave(id, sets);
         }
         let sole_child = parent != NodeId::ROOT && prev == NodeId::NONE && next == NodeId::NONE;
-        let nodes = &self.nodes;
-        self.policy.removing(id, || nodes[id.index()].hash(), sole_child.then_some(parent));
-        self.index.remove(id, &hash);
+        policy.removing(id, || nodes[id.index()].hash(), sole_child.then_some(parent));
+        index.remove(id, &hash);
         if next != NodeId::NONE {
-            self.nodes[next.index()].prev_sibling = prev;
+            nodes[next.index()].prev_sibling = prev;
         }
         if prev != NodeId::NONE {
-            self.nodes[prev.index()].next_sibling = next;
+            nodes[prev.index()].next_sibling = next;
         }
-        self.nodes[id.index()].mark_removed(self.free_slots);
-        self.free_slots = id;
+        nodes[id.index()].mark_removed(*free_slots);
+        *free_slots = id;
         // The parent's list head and counts, in one visit to its record.
-        let parent_node = &mut self.nodes[parent.index()];
+        let parent_node = &mut nodes[parent.index()];
         if prev == NodeId::NONE {
             parent_node.first_child = next;
         }
