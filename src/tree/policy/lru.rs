@@ -33,6 +33,7 @@ pub struct Lru {
 
 impl Lru {
     /// The two lists whose members make up `set` (the second `None` for a set of one list).
+    #[inline]
     fn lists_of(set: EvictSet) -> (usize, Option<usize>) {
         match set {
             EvictSet::Device => (DEVICE_ONLY, Some(DEVICE_AND_HOST)),
@@ -92,9 +93,12 @@ impl Policy for Lru {
 
     #[inline]
     fn would_come_first(&self, node: NodeId, set: EvictSet) -> bool {
-        // Stamps are unique: older than the first member, it would go in front of its list's
-        // head and before the other list's.
-        self.first(set).is_none_or(|first| self.lists.stamp(node.0) < self.lists.stamp(first.0))
+        // Older than the first member (the older of the two heads), it would go in front of its
+        // list's head and before the other list's: older than both heads.
+        let (a, b) = Lru::lists_of(set);
+        let stamp = self.lists.stamp(node.0);
+        self.lists.older_than_head(stamp, a)
+            && b.is_none_or(|b| self.lists.older_than_head(stamp, b))
     }
 
     fn len(&self, set: EvictSet) -> usize {

@@ -162,6 +162,16 @@ impl<const N: usize> RecencyLists<N> {
         }
     }
 
+    /// Whether a node stamped `stamp` would go before the head of `list` (an empty list has
+    /// none).
+    #[inline]
+    pub fn older_than_head(&self, stamp: u32, list: usize) -> bool {
+        match self.lists[list].head {
+            NONE => true,
+            head => stamp < self.link(head).stamp,
+        }
+    }
+
     /// Links `node` into `list` at the place of its stamp (module flow).
     #[inline]
     pub fn insert(&mut self, list: usize, node: u32) {
