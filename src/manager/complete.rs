@@ -130,7 +130,7 @@ impl CacheManager {
     pub(super) fn complete_storage(
         &mut self,
         id: TransferId,
-        flight: InFlight,
+        flight: Box<InFlight>,
         outcome: LoadOutcome,
     ) {
         // A block the tier missed is a miss, counted per block; only a whole command that failed
@@ -151,7 +151,7 @@ impl CacheManager {
     }
 
     /// Applies STORE `id`'s outcome; `flight` is out of the in-flight table already.
-    fn complete_store(&mut self, id: TransferId, flight: InFlight, outcome: LoadOutcome) {
+    fn complete_store(&mut self, id: TransferId, flight: Box<InFlight>, outcome: LoadOutcome) {
         for (index, &node) in flight.nodes.iter().enumerate() {
             let attached = self.tree.attached_to(node, id.0).is_some();
             if attached {
@@ -167,7 +167,11 @@ impl CacheManager {
 
     /// Gives back the blocks completed copy `flight` kept reserved (module flow, steps 1 and 2).
     /// `None` when it was of an older generation: nothing else changes.
-    fn release_completed(&mut self, flight: InFlight, succeeded: bool) -> Option<InFlight> {
+    fn release_completed(
+        &mut self,
+        flight: Box<InFlight>,
+        succeeded: bool,
+    ) -> Option<Box<InFlight>> {
         for &block in &flight.reserved_device {
             self.free_device(block);
         }

@@ -99,7 +99,7 @@ impl CacheManager {
     pub(super) fn complete_load(
         &mut self,
         load: TransferId,
-        flight: InFlight,
+        flight: Box<InFlight>,
         outcome: LoadOutcome,
     ) {
         let attached =
@@ -243,7 +243,7 @@ impl CacheManager {
         &mut self,
         load: TransferId,
         lost: &mut Vec<(NodeId, Option<TransferId>)>,
-    ) -> Vec<(TransferId, InFlight)> {
+    ) -> Vec<(TransferId, Box<InFlight>)> {
         let mut cancelled = Vec::new();
         let mut before = vec![load];
         while let Some(load) = before.pop() {

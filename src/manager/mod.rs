@@ -93,15 +93,15 @@ pub struct CacheManager {
     host: BlockPool,
     requests: Requests,
     tickets: IdMap<TicketId, Ticket>,
-    in_flight: IdMap<TransferId, InFlight>,
+    in_flight: IdMap<TransferId, Box<InFlight>>,
     /// Copies created but not yet handed out by `take_transfers`, oldest first.
     outbox: Vec<TransferId>,
     /// The copies the current operation is filling (at most one per direction); moved to
     /// `in_flight` when the operation ends.
-    open_device_to_host: Option<(TransferId, InFlight)>,
-    open_host_to_device: Option<(TransferId, InFlight)>,
-    open_host_to_storage: Option<(TransferId, InFlight)>,
-    open_storage_to_host: Option<(TransferId, InFlight)>,
+    open_device_to_host: Option<(TransferId, Box<InFlight>)>,
+    open_host_to_device: Option<(TransferId, Box<InFlight>)>,
+    open_host_to_storage: Option<(TransferId, Box<InFlight>)>,
+    open_storage_to_host: Option<(TransferId, Box<InFlight>)>,
     /// Blocks the storage tier holds or is being written (nodes `stored` or `HostToStorage`).
     storage_used: u32,
     /// Nodes settled on host that write-through wants stored (lazily checked, as backups).
@@ -138,7 +138,9 @@ pub struct CacheManager {
     /// that `allocate` takes them out for the call by moving a pointer (`None` only meanwhile).
     scratch: Option<Box<AllocateScratch>>,
     /// Emptied records of completed copies, reused with their buffers.
-    spare_flights: Vec<InFlight>,
+    // Boxed on purpose: a spare moves into an open slot and on to `in_flight` as a pointer.
+    #[allow(clippy::vec_box)]
+    spare_flights: Vec<Box<InFlight>>,
     generation: u64,
     next_transfer: u64,
     next_ticket: u64,
@@ -339,29 +341,29 @@ impl CacheManager {
     }
 
     /// The copy of `kind` that the current operation fills, opened on first use.
+    #[inline] // once per block of a swap-out or swap-in: a call would cost more than the lookup
     fn open_transfer(&mut self, kind: TransferKind) -> (TransferId, &mut InFlight) {
-        let generation = self.generation;
-        // One match on the kind; the other fields are borrowed beside the slot.
-        let (next_transfer, spare_flights) = (&mut self.next_transfer, &mut self.spare_flights);
-        let slot = match kind {
-            TransferKind::DeviceToHost => &mut self.open_device_to_host,
-            TransferKind::HostToDevice => &mut self.open_host_to_device,
-            TransferKind::HostToStorage => &mut self.open_host_to_storage,
-            TransferKind::StorageToHost => &mut self.open_storage_to_host,
-        };
-        let (id, flight) = slot.get_or_insert_with(|| {
-            let id = TransferId(*next_transfer);
-            *next_transfer += 1;
-            let flight = match spare_flights.pop() {
-                Some(spare) => spare.recycled(kind, generation),
-                None => InFlight::new(kind, generation),
-            };
-            (id, flight)
-        });
+        if self.open_slot(kind).is_none() {
+            self.open_new_transfer(kind);
+        }
+        let (id, flight) = self.open_slot(kind).as_mut().expect("opened just above");
         (*id, flight)
     }
 
-    fn open_slot(&mut self, kind: TransferKind) -> &mut Option<(TransferId, InFlight)> {
+    /// Opens the copy of `kind` for the current operation, with a spare record if one is kept.
+    #[inline(never)]
+    fn open_new_transfer(&mut self, kind: TransferKind) {
+        let id = TransferId(self.next_transfer);
+        self.next_transfer += 1;
+        let flight = match self.spare_flights.pop() {
+            Some(spare) => spare.recycled(kind, self.generation),
+            None => Box::new(InFlight::new(kind, self.generation)),
+        };
+        *self.open_slot(kind) = Some((id, flight));
+    }
+
+    #[inline]
+    fn open_slot(&mut self, kind: TransferKind) -> &mut Option<(TransferId, Box<InFlight>)> {
         match kind {
             TransferKind::DeviceToHost => &mut self.open_device_to_host,
             TransferKind::HostToDevice => &mut self.open_host_to_device,
@@ -417,7 +419,7 @@ impl CacheManager {
                 return Some(flight);
             }
         }
-        self.in_flight.get_mut(&id)
+        self.in_flight.get_mut(&id).map(|flight| &mut **flight)
     }
 
     fn new_ticket(&mut self, request: RequestId) -> TicketId {
@@ -448,7 +450,7 @@ impl CacheManager {
     }
 
     /// Keeps the buffers of a copy that completed, for the next one.
-    fn recycle_flight(&mut self, flight: InFlight) {
+    fn recycle_flight(&mut self, flight: Box<InFlight>) {
         if self.spare_flights.len() < MAX_SPARES {
             self.spare_flights.push(flight);
         }

@@ -479,6 +479,7 @@ impl CacheManager {
         .find(|(open_id, _)| *open_id == id)
         .map(|(_, flight)| flight)
         .or_else(|| self.in_flight.get(&id))
+        .map(|flight| &**flight)
     }
 
     /// Node `id`, which prefetch LOAD `load` brings up with no swap-in behind it, is met by an

@@ -130,7 +130,9 @@ impl Ticket {
     }
 }
 
-/// The manager's record of one copy in flight.
+/// The manager's record of one copy in flight. Boxed wherever the manager keeps it (open,
+/// in flight, spare), so that opening, closing, completing and recycling a copy moves a pointer
+/// rather than the record.
 #[derive(Clone, Debug)]
 pub(crate) struct InFlight {
     pub kind: TransferKind,
@@ -180,24 +182,30 @@ impl TransferView<'_> {
 
 impl InFlight {
     /// This record emptied for another copy, its buffers kept.
-    pub fn recycled(mut self, kind: TransferKind, generation: u64) -> InFlight {
-        self.pairs.clear();
-        self.blocks.clear();
-        self.nodes.clear();
-        self.tickets.clear();
-        self.reserved_device.clear();
-        self.reserved_host.clear();
-        self.after.clear();
-        InFlight {
-            pairs: self.pairs,
-            blocks: self.blocks,
-            nodes: self.nodes,
-            tickets: self.tickets,
-            reserved_device: self.reserved_device,
-            reserved_host: self.reserved_host,
-            after: self.after,
-            ..InFlight::new(kind, generation)
-        }
+    pub fn recycled(mut self: Box<Self>, kind: TransferKind, generation: u64) -> Box<InFlight> {
+        // Every field named, so that a new one is not forgotten here.
+        let InFlight {
+            kind: old_kind,
+            generation: old_generation,
+            pairs,
+            blocks,
+            nodes,
+            tickets,
+            reserved_device,
+            reserved_host,
+            after,
+            issued,
+            then,
+        } = &mut *self;
+        pairs.clear();
+        blocks.clear();
+        nodes.clear();
+        tickets.clear();
+        reserved_device.clear();
+        reserved_host.clear();
+        after.clear();
+        (*old_kind, *old_generation, *issued, *then) = (kind, generation, false, None);
+        self
     }
 
     pub fn new(kind: TransferKind, generation: u64) -> InFlight {
