@@ -681,14 +681,22 @@ impl Tree {
         None
     }
 
-    /// Whether `id` is a live node left unfiled that is a host candidate (and nothing else) the
-    /// policy would give up before every filed one.
+    /// Whether `id`, a parent that [`Tree::remove_exposing_host`] or
+    /// [`Tree::update_exposing_host`] handed back unfiled, is still live and the host candidate
+    /// the policy would give up before every filed one. Its sets are not decided again: no change
+    /// an allocation makes in between reaches it (its evictions change device candidates, their
+    /// parents, which have a child above storage, and other host candidates), but a dropped
+    /// subtree may have taken it out of the tree.
     #[inline]
     pub fn is_next_host_victim(&self, id: NodeId) -> bool {
-        self.is_live(id)
-            && self.nodes[id.index()].membership().is_empty()
-            && self.is_host_candidate_only(id)
-            && self.policy.would_come_first(id, EvictSet::Host)
+        if !self.is_live(id) {
+            return false;
+        }
+        debug_assert!(
+            self.nodes[id.index()].membership().is_empty() && self.is_host_candidate_only(id),
+            "{id:?} changed since it was handed back unfiled"
+        );
+        self.policy.would_come_first(id, EvictSet::Host)
     }
 
     /// Starts the swap-out of device candidate `id` to `host_block` by copy `transfer`, its
