@@ -361,10 +361,9 @@ pub(super) fn count_host_obtainable(
         if node.device().is_some() || parent == NodeId::ROOT {
             return;
         }
-        let removed = gone.entry(parent).or_insert(0);
-        *removed += 1;
+        let children = tree.upper_child_count(parent);
         let node = tree.node(parent);
-        if *removed == tree.upper_child_count(parent)
+        if counted_gone(gone, parent, children) == children
             && node.has_valid_host()
             && node.ref_count() == 0
         {
@@ -407,10 +406,9 @@ fn count_reclaimable(
         if parent == NodeId::ROOT {
             return;
         }
-        let removed = gone.entry(parent).or_insert(0);
-        *removed += 1;
+        let children = tree.device_child_count(parent);
         let node = tree.node(parent);
-        if *removed == tree.device_child_count(parent)
+        if counted_gone(gone, parent, children) == children
             && node.state() == NodeState::Device
             && node.device().is_some()
             && node.ref_count() == 0
@@ -440,4 +438,17 @@ fn count_reclaimable(
         }
     }
     count
+}
+
+/// Counts one more child of `parent` (which has `children` of the kind counted) as gone, and
+/// returns how many are gone. The only child of its kind is gone at once: a chain, the usual
+/// shape, counts without touching the map (each child is counted once).
+#[inline]
+fn counted_gone(gone: &mut IdMap<NodeId, u32>, parent: NodeId, children: u32) -> u32 {
+    if children == 1 {
+        return 1;
+    }
+    let removed = gone.entry(parent).or_insert(0);
+    *removed += 1;
+    *removed
 }
