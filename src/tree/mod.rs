@@ -719,7 +719,11 @@ impl Tree {
             id != NodeId::ROOT && self.membership(id) == Membership::NONE.with(EvictSet::Device),
             "a claimed swap-out starts from a device candidate without a host copy"
         );
-        let node = &mut self.nodes[id.index()];
+        // The fields borrowed apart, the arena as a slice: its address and length stay in
+        // registers across the writes below (see `unlink`).
+        let Tree { nodes, policy, .. } = self;
+        let nodes = nodes.as_mut_slice();
+        let node = &mut nodes[id.index()];
         let (parent, sets) = (node.parent, node.membership());
         {
             // Both states are above storage: the parent's count of upper children stays.
@@ -732,12 +736,26 @@ impl Tree {
         // Its new state admits no set without a device block: it leaves the ones it was in (none
         // when it is a parent left unfiled by the previous eviction).
         if !sets.is_empty() {
-            self.policy.leave(id, sets);
-            self.nodes[id.index()].set_membership(Membership::NONE);
+            policy.leave(id, sets);
+            nodes[id.index()].set_membership(Membership::NONE);
         }
-        self.count_child_out(parent, false);
-        if self.is_next_device_victim(parent) {
-            return Some(parent);
+        // The parent's count, and whether it is the next victim, in one visit to its record.
+        let parent_node = &mut nodes[parent.index()];
+        if parent_node.device_children != COUNT_SATURATED {
+            parent_node.device_children -= 1;
+            let next = parent_node.membership().is_empty()
+                && parent != NodeId::ROOT
+                && parent_node.is_device_candidate_alone()
+                && policy.would_come_first(parent, EvictSet::Device);
+            debug_assert_eq!(next, self.is_next_device_victim(parent));
+            if next {
+                return Some(parent);
+            }
+        } else {
+            self.recount_children(parent, false);
+            if self.is_next_device_victim(parent) {
+                return Some(parent);
+            }
         }
         self.refile(parent, None);
         None
@@ -829,18 +847,10 @@ impl Tree {
     }
 
     /// Whether the device set is the one set live node `id` belongs in: [`Tree::membership`]
-    /// is exactly that, decided for the one state that admits it (DESIGN §4: a `Device` node
-    /// with a device block, no device child, not held, and no host block that no child above
-    /// storage keeps it from giving up).
+    /// is exactly that, decided from the fields ([`Node::is_device_candidate_alone`]).
     #[inline(always)]
     fn is_device_candidate_only(&self, id: NodeId) -> bool {
-        let node = &self.nodes[id.index()];
-        let only = id != NodeId::ROOT
-            && node.is(NodeState::Device)
-            && node.device_children == 0
-            && node.ref_count() == 0
-            && node.block(Tier::Device).is_some()
-            && (node.block(Tier::Host).is_none() || node.upper_children != 0);
+        let only = id != NodeId::ROOT && self.nodes[id.index()].is_device_candidate_alone();
         debug_assert_eq!(only, self.membership(id) == Membership::NONE.with(EvictSet::Device));
         only
     }

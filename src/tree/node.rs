@@ -344,6 +344,19 @@ impl Node {
             && (self.is(NodeState::Device) || self.is(NodeState::Host))
     }
 
+    /// Whether the fields make a node other than the root a device candidate and nothing else
+    /// (DESIGN §4), decided for the one state that admits it: a `Device` node with a device
+    /// block, no device child, not held, and no host block that no child above storage keeps
+    /// it from giving up.
+    #[inline(always)]
+    pub(super) fn is_device_candidate_alone(&self) -> bool {
+        self.is(NodeState::Device)
+            && self.device_children == 0
+            && self.ref_count == 0
+            && self.block(Tier::Device).is_some()
+            && (self.block(Tier::Host).is_none() || self.upper_children != 0)
+    }
+
     /// The evictable sets the node is filed in.
     pub(super) fn membership(&self) -> Membership {
         Membership::from_bits(self.flags & Membership::ALL.bits())
