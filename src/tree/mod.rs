@@ -739,23 +739,16 @@ impl Tree {
             policy.leave(id, sets);
             nodes[id.index()].set_membership(Membership::NONE);
         }
-        // The parent's count, and whether it is the next victim, in one visit to its record.
-        let parent_node = &mut nodes[parent.index()];
-        if parent_node.device_children != COUNT_SATURATED {
-            parent_node.device_children -= 1;
-            let next = parent_node.membership().is_empty()
-                && parent != NodeId::ROOT
-                && parent_node.is_device_candidate_alone()
-                && policy.would_come_first(parent, EvictSet::Device);
-            debug_assert_eq!(next, self.is_next_device_victim(parent));
-            if next {
-                return Some(parent);
+        let exposed = match device_child_gone(nodes, policy, parent) {
+            Some(next) => next,
+            None => {
+                self.recount_children(parent, false);
+                self.is_next_device_victim(parent)
             }
-        } else {
-            self.recount_children(parent, false);
-            if self.is_next_device_victim(parent) {
-                return Some(parent);
-            }
+        };
+        debug_assert_eq!(exposed, self.is_next_device_victim(parent));
+        if exposed {
+            return Some(parent);
         }
         self.refile(parent, None);
         None
@@ -777,13 +770,16 @@ impl Tree {
                 && self.membership(id).contains(EvictSet::Device),
             "dropping the device copy of a node that is not a device candidate with a backup"
         );
-        let node = &mut self.nodes[id.index()];
+        // The fields borrowed apart, the arena as a slice (see `unlink`).
+        let Tree { nodes, policy, .. } = self;
+        let nodes = nodes.as_mut_slice();
+        let node = &mut nodes[id.index()];
         let (parent, sets) = (node.parent, node.membership());
         // The node leaves its sets first, so that the parent is compared with the others.
         if !sets.is_empty() {
-            self.policy.leave(id, sets);
+            policy.leave(id, sets);
         }
-        let node = &mut self.nodes[id.index()];
+        let node = &mut nodes[id.index()];
         node.set_membership(Membership::NONE);
         {
             // Both states are above storage: the parent's count of upper children stays.
@@ -791,12 +787,29 @@ impl Tree {
             view.set_device(None);
             view.set_state(NodeState::Host);
         }
-        self.count_child_out(parent, false);
-        let exposed = self.is_next_device_victim(parent);
+        // `Host` with its host block, unheld (it was a candidate): a host candidate, and nothing
+        // else, unless a child above storage keeps it.
+        let joins = if node.upper_children == 0 {
+            Membership::NONE.with(EvictSet::Host)
+        } else {
+            Membership::NONE
+        };
+        let exposed = match device_child_gone(nodes, policy, parent) {
+            Some(next) => next,
+            None => {
+                self.recount_children(parent, false);
+                self.is_next_device_victim(parent)
+            }
+        };
+        debug_assert_eq!(exposed, self.is_next_device_victim(parent));
         if !exposed {
             self.refile(parent, None);
         }
-        self.refile(id, None);
+        debug_assert_eq!(joins, self.membership(id));
+        if !joins.is_empty() {
+            self.policy.enter(id, joins);
+            self.nodes[id.index()].set_membership(joins);
+        }
         exposed.then_some(parent)
     }
 
@@ -1020,6 +1033,26 @@ impl Tree {
             | bit(!node.has_children(), EvictSet::Storage);
         Membership::from_bits(admitted & SETS_OF_STATE[usize::from(node.state_code())])
     }
+}
+
+/// One device child of `parent` fewer (a child lost its device block), and whether `parent` is
+/// now the device candidate the policy would give up next (and nothing else; unfiled), in one
+/// visit to its record: [`Tree::is_next_device_victim`] for the fast forms that hold the arena as
+/// a slice (see [`Tree::start_claimed_swap_out`]). `None` when the count is saturated: the
+/// caller recounts and asks the tree.
+#[inline(always)]
+fn device_child_gone(nodes: &mut [Node], policy: &Policies, parent: NodeId) -> Option<bool> {
+    let node = &mut nodes[parent.index()];
+    if node.device_children == COUNT_SATURATED {
+        return None;
+    }
+    node.device_children -= 1;
+    Some(
+        node.membership().is_empty()
+            && parent != NodeId::ROOT
+            && node.is_device_candidate_alone()
+            && policy.would_come_first(parent, EvictSet::Device),
+    )
 }
 
 /// What [`Tree::land_attached_claimed_swap_out`] found.
