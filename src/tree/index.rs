@@ -368,6 +368,34 @@ mod tests {
         assert_eq!(index.find(NodeId::ROOT, nodes[last.index()].hash(), &nodes), Some(last));
     }
 
+    /// The premise of `prefetch_words` (which takes the home group's address unchecked): a
+    /// key's home group is inside every non-empty table, whatever the key; and a prefetch on
+    /// an empty table (a tree presized for nothing) is a harmless hint.
+    #[test]
+    fn every_home_group_is_inside_the_table_and_a_prefetch_of_an_empty_one_is_harmless() {
+        let keys = [0u128, 1, 2, u128::MAX, u128::MAX - 1, 1 << 64, (1 << 64) - 1, u128::MAX >> 1]
+            .into_iter()
+            .chain(
+                (0..4096u128)
+                    .map(|value| value.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)),
+            );
+        let keys: Vec<[u32; 4]> = keys.map(|value| split(BlockHash(value))).collect();
+        for groups in [1usize, 2, 3, 64, 1 << 16] {
+            let index =
+                ChildIndex { groups: vec![EMPTY_GROUP; groups], len: 0, grow_at: grow_at(groups) };
+            for words in &keys {
+                assert!(index.home(mix(words)) < groups, "{words:?} in {groups} groups");
+                index.prefetch_words(words);
+            }
+        }
+        let empty = ChildIndex::default();
+        for words in &keys {
+            assert_eq!(empty.home(mix(words)), 0);
+            empty.prefetch_words(words);
+        }
+        assert_eq!(empty.find(NodeId::ROOT, BlockHash(1), &[]), None);
+    }
+
     #[test]
     fn small_hashes_spread_over_the_groups() {
         let index = ChildIndex { groups: vec![EMPTY_GROUP; 64], len: 0, grow_at: grow_at(64) };
