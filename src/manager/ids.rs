@@ -1,5 +1,6 @@
-//! Hash maps keyed by the manager's own ids: requests, tickets, copies (and the scheduler
-//! benchmark's fast baseline, a map of block hashes).
+//! Hash maps keyed by the manager's own ids: copies, the allocation dry run's scratch, prefetch
+//! queries (and the scheduler benchmark's fast baseline, a map of block hashes). The maps every
+//! request touches (its slot, its tickets) are [`super::id_table::IdTable`]s instead.
 //!
 //! The keys are integers the engine picks (requests) or the manager counts (tickets, copies),
 //! not input that an attacker shapes to flood a table, so a multiply replaces SipHash, which

@@ -34,6 +34,7 @@ mod errors;
 mod evict;
 mod finish;
 mod forget;
+mod id_table;
 pub(crate) mod ids;
 mod invariants;
 mod load_outcome;
@@ -75,6 +76,7 @@ use crate::pool::BlockPool;
 pub use crate::tree::FutureUses;
 use crate::tree::{NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
 use allocate::AllocateScratch;
+use id_table::IdTable;
 use ids::IdMap;
 use request::{Request, Requests};
 use transfer::{InFlight, Ticket};
@@ -92,7 +94,7 @@ pub struct CacheManager {
     device: BlockPool,
     host: BlockPool,
     requests: Requests,
-    tickets: IdMap<TicketId, Ticket>,
+    tickets: IdTable<TicketId, Ticket>,
     in_flight: IdMap<TransferId, Box<InFlight>>,
     /// Copies created but not yet handed out by `take_transfers`, oldest first.
     outbox: Vec<TransferId>,
@@ -184,7 +186,7 @@ impl CacheManager {
             host: BlockPool::new(config.host_blocks).expect(VALIDATED_CAPACITY),
             config,
             requests: Requests::default(),
-            tickets: IdMap::default(),
+            tickets: IdTable::default(),
             in_flight: IdMap::default(),
             outbox: Vec::new(),
             open_device_to_host: None,
@@ -425,10 +427,10 @@ impl CacheManager {
     fn new_ticket(&mut self, request: RequestId) -> TicketId {
         let id = TicketId(self.next_ticket);
         self.next_ticket += 1;
-        self.tickets.insert(
-            id,
-            Ticket { request: Some(request), pending: 0, failure: None, cached_blocks: None },
-        );
+        let ticket =
+            Ticket { request: Some(request), pending: 0, failure: None, cached_blocks: None };
+        let fresh = self.tickets.insert_new(id, ticket);
+        debug_assert!(fresh, "ticket ids are never reused");
         id
     }
 

@@ -8,11 +8,9 @@
 //! commit found the block cached already). Positions of the block table inside the path are the
 //! nodes' device blocks, except private ones.
 
-use std::collections::hash_map::Entry;
-
 use serde::Serialize;
 
-use super::ids::IdMap;
+use super::id_table::IdTable;
 use super::{TicketId, TransferId};
 use crate::tree::NodeId;
 
@@ -81,10 +79,10 @@ pub(crate) struct RequestSlot(u32);
 
 /// The live requests. Records sit in slots and stay there: a request that ends frees its slot,
 /// and the next request to start takes the slot and empties the record, keeping its buffers. A
-/// small index finds a request's slot by id (one hash operation). No record moves.
+/// small index finds a request's slot by id (one probe of an [`IdTable`]). No record moves.
 #[derive(Debug, Default)]
 pub(crate) struct Requests {
-    index: IdMap<RequestId, u32>,
+    index: IdTable<RequestId, u32>,
     slots: Vec<(RequestId, Request)>,
     /// Slots of ended requests (their records not emptied yet).
     free: Vec<u32>,
@@ -128,18 +126,19 @@ impl Requests {
     /// if it is live already.
     #[inline]
     pub fn start(&mut self, id: RequestId) -> Option<&mut Request> {
-        let Entry::Vacant(entry) = self.index.entry(id) else { return None };
-        let slot = match self.free.pop() {
-            Some(slot) => {
-                self.slots[slot as usize].1.clear();
-                slot
-            }
-            None => {
-                self.slots.push((id, Request::default()));
-                u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 live requests")
-            }
+        // The slot it would take: a freed one, else a new one at the end.
+        let slot = match self.free.last() {
+            Some(&slot) => slot,
+            None => u32::try_from(self.slots.len()).expect("fewer than 2^32 live requests"),
         };
-        entry.insert(slot);
+        if !self.index.insert_new(id, slot) {
+            return None;
+        }
+        if self.free.pop().is_some() {
+            self.slots[slot as usize].1.clear();
+        } else {
+            self.slots.push((id, Request::default()));
+        }
         let (slot_id, record) = &mut self.slots[slot as usize];
         *slot_id = id;
         Some(record)
