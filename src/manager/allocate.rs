@@ -16,7 +16,11 @@
 //!    swap-in is held back until the swap-outs reading its claimed blocks, the shared swap-ins
 //!    above it and the LOAD have completed (see [`super::storage`]).
 //! 5. Append the new blocks; the ticket also waits on swap-outs still reading claimed ones.
+//! 6. Without a host tier every hit is on device and no copy runs: steps 1 to 5 reduce to
+//!    counting the new blocks, taking them (free, then evicted), and appending the hits' device
+//!    blocks and the new ones to the block table (`allocate_device_only`).
 
+use super::request::{Request, RequestSlot};
 use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
 use crate::tree::{NodeId, NodeState, SwapOut};
 
@@ -69,6 +73,10 @@ impl CacheManager {
         let hits_end = self.hits_end(record);
         let demand = self.demand(request, record, hits_end, new_tokens, lookahead)?;
         let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
+        if !self.host_enabled() {
+            debug_assert!(swap_ins == 0 && hits_end == record.path.len(), "hits on device only");
+            return self.allocate_device_only(slot, request, new_tokens, fresh);
+        }
         // Boxed, so that taking the buffers out of the manager for the call moves one pointer.
         let mut scratch = self.scratch.take().unwrap_or_default();
         // The path position of the first hit without a table entry (a storage block's depth).
@@ -222,6 +230,43 @@ impl CacheManager {
         record.claims.extend_from_slice(&scratch.claims);
         record.tokens += new_tokens;
         record.tickets.push(ticket);
+        self.scratch = Some(scratch);
+        let record = self.requests.at(slot);
+        Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
+    }
+
+    /// [`CacheManager::allocate`] without a host tier (module flow, step 6): `fresh` blocks for
+    /// the request in `slot` and its `new_tokens`.
+    fn allocate_device_only(
+        &mut self,
+        slot: RequestSlot,
+        request: RequestId,
+        new_tokens: usize,
+        fresh: usize,
+    ) -> Result<Allocation<'_>, AllocateError> {
+        let free = self.device.free_count();
+        if fresh > free {
+            let available = free + self.reclaimable_up_to(fresh - free);
+            if available < fresh {
+                self.stats.failed_allocations += 1;
+                return Err(AllocateError::OutOfBlocks { needed: fresh, available });
+            }
+        }
+        let mut scratch = self.scratch.take().unwrap_or_default();
+        scratch.blocks.clear();
+        self.obtain_device_blocks(fresh, &mut scratch.blocks);
+        debug_assert!(scratch.blocks.iter().all(|(_, from)| from.is_none()), "no swap-out runs");
+        let ticket = self.new_ticket(request);
+        let CacheManager { requests, tree, .. } = self;
+        let Request { path, table, tokens, tickets, .. } = requests.at_mut(slot);
+        // Every cached node is on device: a hit's table entry is its node's device block.
+        let hits = path.get(table.len()..).unwrap_or_default();
+        table.extend(hits.iter().map(|&id| {
+            tree.node(id).device().expect("without a host tier a cached node is on device")
+        }));
+        table.extend(scratch.blocks.iter().map(|&(block, _)| block));
+        *tokens += new_tokens;
+        tickets.push(ticket);
         self.scratch = Some(scratch);
         let record = self.requests.at(slot);
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
