@@ -217,6 +217,66 @@ mod tests {
         assert_eq!(lru.first(EvictSet::Claimable), None);
     }
 
+    /// `would_come_first` is exact for LRU (stamps are unique): a node in no set would come first
+    /// in a set exactly when, joining that set alone, it becomes the set's first member, whichever
+    /// of the set's two lists (for the device and host sets) holds the older head, and when either
+    /// or both are empty.
+    #[test]
+    fn an_unfiled_node_would_come_first_exactly_when_it_would_be_first_once_filed() {
+        let kinds = [
+            DEVICE,
+            DEVICE.with(EvictSet::Host),
+            Membership::NONE.with(EvictSet::Host),
+            Membership::NONE.with(EvictSet::Claimable),
+            Membership::NONE.with(EvictSet::Storage),
+            Membership::NONE,
+        ];
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rnd = move |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let mut cases = [0usize; 2];
+        for _ in 0..400 {
+            let nodes = 1 + rnd(8) as u32;
+            let mut lru = Lru::default();
+            lru.reserve_nodes(nodes as usize);
+            // Released in a random order, each filed by random sets (or none: unfiled).
+            let mut order: Vec<u32> = (0..nodes).collect();
+            for index in (1..order.len()).rev() {
+                order.swap(index, rnd(index + 1));
+            }
+            let mut sets = vec![Membership::NONE; nodes as usize];
+            for &node in &order {
+                lru.touch(NodeId(node), BlockHash(0), Access::Release);
+                sets[node as usize] = kinds[rnd(kinds.len())];
+            }
+            // Filed in another order: a late joiner finds its place by its stamp.
+            for index in (1..order.len()).rev() {
+                order.swap(index, rnd(index + 1));
+            }
+            for &node in &order {
+                if !sets[node as usize].is_empty() {
+                    lru.enter(NodeId(node), sets[node as usize]);
+                }
+            }
+            for node in (0..nodes).filter(|&node| sets[node as usize].is_empty()) {
+                for set in EvictSet::ALL {
+                    let predicted = lru.would_come_first(NodeId(node), set);
+                    let alone = Membership::NONE.with(set);
+                    lru.enter(NodeId(node), alone);
+                    let first = lru.first(set) == Some(NodeId(node));
+                    lru.leave(NodeId(node), alone);
+                    assert_eq!(predicted, first, "node {node}, {set:?}, sets {sets:?}");
+                    cases[usize::from(first)] += 1;
+                }
+            }
+        }
+        assert!(cases.iter().all(|&count| count > 100), "cases (not first, first): {cases:?}");
+    }
+
     #[test]
     fn running_out_of_stamps_renumbers_them_in_order() {
         let mut lru = Lru::with_clock(u32::MAX - 2);
