@@ -452,3 +452,152 @@ fn counted_gone(gone: &mut IdMap<NodeId, u32>, parent: NodeId, children: u32) ->
     *removed += 1;
     *removed
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::BlockHash;
+    use crate::tree::{EvictionPolicy, SwapOut};
+
+    /// What a node of a test tree is: its state and blocks (and whether something holds it).
+    #[derive(Clone, Copy)]
+    enum Kind {
+        /// Idle on device, without a host copy.
+        Device,
+        /// Idle on device with a valid host copy (a backup).
+        Backup,
+        /// Host only.
+        Host,
+        /// On the storage tier only.
+        Storage,
+        /// Being copied to host as an eviction (claimable), its device block still there.
+        Evicting,
+        /// Being copied to host, its device block claimed by an allocation.
+        Claimed,
+        /// Being copied to host as a backup (stays on device).
+        BackingUp,
+        /// Host only, its host copy being written to storage as a backup.
+        StoringBackup,
+        /// Any of the above, held by a request.
+        Held(&'static Kind),
+    }
+
+    /// A tree's nodes, each `(parent index or None for the root, kind)`, parents first.
+    type Shape = &'static [(Option<usize>, Kind)];
+
+    /// What a case is called, its tree, and the blocks its dry run must count.
+    type Case = (&'static str, Shape, usize);
+
+    /// A tree of `nodes` (each `(parent index or None for the root, kind)`, parents first).
+    fn tree_of(policy: EvictionPolicy, nodes: Shape) -> Tree {
+        let mut tree = Tree::new(policy);
+        let mut ids: Vec<NodeId> = Vec::new();
+        for (index, &(parent, kind)) in nodes.iter().enumerate() {
+            let parent = parent.map_or(NodeId::ROOT, |parent| ids[parent]);
+            let block = index as u32;
+            let id = tree.insert(parent, BlockHash(index as u128 + 1), |node| {
+                let mut kind = kind;
+                if let Kind::Held(inner) = kind {
+                    node.hold();
+                    kind = *inner;
+                }
+                let (device, host, state) = match kind {
+                    Kind::Device => (true, false, NodeState::Device),
+                    Kind::Backup => (true, true, NodeState::Device),
+                    Kind::Host => (false, true, NodeState::Host),
+                    Kind::Storage => (false, false, NodeState::Storage),
+                    Kind::Evicting => (true, true, NodeState::SwapToHost(SwapOut::Evict)),
+                    Kind::Claimed => (false, true, NodeState::SwapToHost(SwapOut::Claimed)),
+                    Kind::BackingUp => (true, true, NodeState::SwapToHost(SwapOut::Backup)),
+                    Kind::StoringBackup => {
+                        (false, true, NodeState::HostToStorage(crate::tree::StoreOut::Backup))
+                    }
+                    Kind::Held(_) => unreachable!("one level of holding"),
+                };
+                node.set_device(device.then_some(block));
+                node.set_host(host.then_some(block));
+                node.set_state(state);
+                if matches!(kind, Kind::Storage) {
+                    node.set_stored(true);
+                }
+                if matches!(
+                    kind,
+                    Kind::Evicting | Kind::Claimed | Kind::BackingUp | Kind::StoringBackup
+                ) {
+                    node.set_transfer(Some(1));
+                }
+            });
+            ids.push(id);
+        }
+        tree.check().unwrap();
+        tree
+    }
+
+    /// The dry runs count what evictions would give, hand-counted per shape of parent: chains
+    /// (counted without the map), parents of several children of the kind counted, cascades,
+    /// and children that keep their parent (held, a device or host copy that stays, a copy in
+    /// flight) or do not count (storage-only, claimed, host-only below a device node).
+    #[test]
+    fn the_dry_runs_count_each_parent_once_its_every_child_of_the_kind_counted_is_gone() {
+        use Kind::*;
+        const HELD_DEVICE: Kind = Held(&Device);
+        const HELD_HOST: Kind = Held(&Host);
+        let device_shapes: &[Case] = &[
+            ("a chain", &[(None, Device), (Some(0), Device), (Some(1), Device)], 3),
+            ("two leaves", &[(None, Device), (Some(0), Device), (Some(0), Device)], 3),
+            ("a held leaf", &[(None, Device), (Some(0), Device), (Some(0), HELD_DEVICE)], 1),
+            ("a held parent", &[(None, HELD_DEVICE), (Some(0), Device)], 1),
+            ("a leaf backing up", &[(None, Device), (Some(0), Device), (Some(0), BackingUp)], 1),
+            ("a claimable leaf", &[(None, Device), (Some(0), Device), (Some(0), Evicting)], 3),
+            ("a claimed leaf", &[(None, Device), (Some(0), Device), (Some(0), Claimed)], 2),
+            ("a host-only leaf", &[(None, Device), (Some(0), Device), (Some(0), Host)], 2),
+            (
+                "a cascade over two levels",
+                &[
+                    (None, Device),
+                    (Some(0), Device),
+                    (Some(0), Device),
+                    (Some(2), Device),
+                    (Some(2), Backup),
+                ],
+                5,
+            ),
+        ];
+        let host_shapes: &[Case] = &[
+            ("a chain", &[(None, Host), (Some(0), Host), (Some(1), Host)], 3),
+            ("two leaves", &[(None, Host), (Some(0), Host), (Some(0), Host)], 3),
+            ("a held leaf", &[(None, Host), (Some(0), Host), (Some(0), HELD_HOST)], 1),
+            ("a held parent", &[(None, HELD_HOST), (Some(0), Host)], 1),
+            ("a backup leaf", &[(None, Backup), (Some(0), Host), (Some(0), Backup)], 2),
+            ("a storage-only leaf", &[(None, Host), (Some(0), Host), (Some(0), Storage)], 2),
+            ("a parent storing", &[(None, StoringBackup), (Some(0), Host)], 1),
+            ("a device parent", &[(None, Device), (Some(0), Host), (Some(0), Host)], 2),
+            (
+                "a cascade over two levels",
+                &[
+                    (None, Host),
+                    (Some(0), Host),
+                    (Some(0), Host),
+                    (Some(1), Host),
+                    (Some(2), Host),
+                    (Some(2), Host),
+                ],
+                6,
+            ),
+        ];
+        let (mut gone, mut exposed) = (IdMap::default(), Vec::new());
+        for policy in EvictionPolicy::ALL.iter().copied() {
+            for &(what, nodes, expected) in device_shapes {
+                let tree = tree_of(policy, nodes);
+                let counted = count_reclaimable(&tree, &mut gone, &mut exposed, 100);
+                assert_eq!(counted, expected, "device blocks, {what}, {policy:?}");
+                assert_eq!(count_reclaimable(&tree, &mut gone, &mut exposed, 2), expected.min(2));
+            }
+            for &(what, nodes, expected) in host_shapes {
+                let tree = tree_of(policy, nodes);
+                let counted = count_host_obtainable(&tree, &mut gone, &mut exposed, 100);
+                assert_eq!(counted, expected, "host blocks, {what}, {policy:?}");
+            }
+        }
+    }
+}
