@@ -24,7 +24,7 @@ use kvshm::manager::{
     StorageQuery, StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferFailure,
     TransferKind, WritePolicy,
 };
-use kvshm::tree::{NodeId, NodeState, SnapshotNode, SwapOut};
+use kvshm::tree::{NodeId, NodeState, SnapshotNode, StoreOut, SwapOut};
 use kvshm_ipc::record::CommandError;
 use scheduler_support::{check, failure, Rng};
 
@@ -64,6 +64,8 @@ struct Engine {
     committed: HashSet<BlockHash>,
     next_request: u64,
     hits_checked: u64,
+    /// Allocations refused for want of host blocks, whose count was checked.
+    host_shortfalls_checked: u64,
     /// Prefetch: the queries not answered yet, the tickets not read yet, and each block hash's
     /// parent (to find a forgotten block's node).
     queries: Vec<StorageQuery>,
@@ -100,6 +102,7 @@ impl Engine {
             committed: HashSet::new(),
             next_request: 0,
             hits_checked: 0,
+            host_shortfalls_checked: 0,
             queries: Vec::new(),
             prefetch_tickets: Vec::new(),
             parents: HashMap::new(),
@@ -334,7 +337,15 @@ impl Engine {
                 assert_eq!(before, after, "a failed allocation changes nothing");
                 assert!(self.cache.take_transfers().is_empty());
             }
-            Err(AllocateError::OutOfHostBlocks { .. }) => {
+            Err(AllocateError::OutOfHostBlocks { needed, available }) => {
+                let free = self.cache.free_host_blocks();
+                let expected =
+                    free + host_obtainable_by_brute_force(&self.cache).min(needed - free);
+                assert_eq!(
+                    available, expected,
+                    "the host dry run counts every block host evictions could give"
+                );
+                self.host_shortfalls_checked += 1;
                 let after = (
                     self.cache.free_device_blocks(),
                     self.cache.free_host_blocks(),
@@ -560,6 +571,36 @@ fn reclaimable_by_brute_force(cache: &CacheManager) -> usize {
     (0..nodes.len()).filter(|&index| reclaimable(&nodes, &children, index)).count()
 }
 
+/// Host blocks that evictions of host candidates could give, from a scan of the whole tree: an
+/// unheld node with a valid host copy (`Device` or `Host`) each of whose children above storage
+/// has no device copy (evicted, it leaves the host tier) and gives a host block too.
+fn host_obtainable_by_brute_force(cache: &CacheManager) -> usize {
+    let nodes = cache.tree_snapshot(u32::MAX).nodes;
+    let mut children: HashMap<Option<NodeId>, Vec<usize>> = HashMap::new();
+    for (index, node) in nodes.iter().enumerate() {
+        children.entry(node.parent).or_default().push(index);
+    }
+    fn obtainable(
+        nodes: &[SnapshotNode],
+        children: &HashMap<Option<NodeId>, Vec<usize>>,
+        index: usize,
+    ) -> bool {
+        let node = &nodes[index];
+        let storage_only =
+            |state| matches!(state, NodeState::Storage | NodeState::HostToStorage(StoreOut::Evict));
+        node.host.is_some()
+            && node.ref_count == 0
+            && matches!(node.state, NodeState::Device | NodeState::Host)
+            && children
+                .get(&Some(node.id))
+                .into_iter()
+                .flatten()
+                .filter(|&&child| !storage_only(nodes[child].state))
+                .all(|&child| nodes[child].device.is_none() && obtainable(nodes, children, child))
+    }
+    (0..nodes.len()).filter(|&index| obtainable(&nodes, &children, index)).count()
+}
+
 /// `KVSHM_TEST_SEED=N` shifts every seed by N, for soak runs beyond the fixed seeds.
 fn seed_offset() -> u64 {
     std::env::var("KVSHM_TEST_SEED").ok().and_then(|value| value.parse().ok()).unwrap_or(0)
@@ -710,6 +751,7 @@ fn random_operations_keep_every_invariant_with_a_storage_tier_that_fails_and_los
             "{counters:?}"
         );
         orphaned_while_down += counters.storage_down_orphaned_blocks;
+        assert!(engine.host_shortfalls_checked > 5, "{}", engine.host_shortfalls_checked);
     }
     assert!(orphaned_while_down > 0, "no stored block was kept as an orphan while down");
 }
@@ -729,6 +771,7 @@ fn run_with_storage_written(policy: StorageWritePolicy) {
         let counters = engine.cache.stats().counters;
         assert!(counters.hits.storage_blocks > 100 && counters.stored_blocks > 100, "{counters:?}");
         assert!(engine.hits_checked > 500, "{} hits checked", engine.hits_checked);
+        assert!(engine.host_shortfalls_checked > 5, "{}", engine.host_shortfalls_checked);
     }
 }
 
