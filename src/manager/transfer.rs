@@ -233,3 +233,33 @@ impl InFlight {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::BlockHash;
+
+    /// A record recycled for another copy keeps nothing of the copy it served: every field is
+    /// as a new record's (stale `after` or `then` ids would hold back or cancel the wrong copies;
+    /// stale reserved blocks would be freed twice), only its buffers' capacity stays.
+    #[test]
+    fn a_recycled_record_is_a_new_record_with_its_buffers_kept() {
+        let mut used = Box::new(InFlight::new(TransferKind::StorageToHost, 3));
+        used.pairs.push(BlockPair::new(1, 1));
+        used.blocks.push(StorageBlock { hash: BlockHash(7), parent: BlockHash(6), depth: 2 });
+        used.nodes.push(NodeId(5));
+        used.tickets.push(TicketId(9));
+        used.reserved_device.push(4);
+        used.reserved_host.push(8);
+        used.after.push(TransferId(2));
+        used.issued = true;
+        used.then = Some(TransferId(11));
+        let capacity = used.pairs.capacity();
+        let recycled = used.recycled(TransferKind::DeviceToHost, 4);
+        assert_eq!(
+            format!("{:?}", *recycled),
+            format!("{:?}", InFlight::new(TransferKind::DeviceToHost, 4))
+        );
+        assert_eq!(recycled.pairs.capacity(), capacity, "the buffers are kept");
+    }
+}
