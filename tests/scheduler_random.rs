@@ -795,3 +795,51 @@ fn random_operations_hit_exactly_the_committed_prefixes_when_nothing_is_evicted(
         assert!(engine.hits_checked > 1000);
     }
 }
+
+/// Random operations with the device-to-host write policy `policy` over a storage tier (the
+/// other storage runs write back to host): an allocation's evictions then mix copies to host,
+/// drops of device nodes with host-only nodes below them (prefetched, or left by an earlier
+/// copy), write-backs to storage and storage evictions, under every eviction policy, with the
+/// tier shared (prefetches find forgotten blocks again) and losing blocks.
+fn run_with_host_written_over_storage(policy: WritePolicy, seed: u64) -> Vec<Engine> {
+    let config = CacheConfig::new(BLOCK_TOKENS as u32, 10)
+        .with_host_blocks(8)
+        .with_storage_blocks(24)
+        .with_write_policy(policy);
+    every_policy(config)
+        .map(|config| {
+            let mut engine = Engine::new(config, seed, 3, 6, false);
+            engine.completion_percent = 30;
+            engine.vanish_percent = 1;
+            engine.shared_tier = true;
+            let engine = run_engine(engine, STEPS);
+            let counters = engine.cache.stats().counters;
+            assert!(
+                counters.hits.storage_blocks > 50
+                    && counters.evictions.host_written_back > 100
+                    && counters.evictions.device_written_back > 30
+                    && counters.prefetch_load_blocks > 20,
+                "{counters:?}"
+            );
+            assert!(engine.hits_checked > 500, "{} hits checked", engine.hits_checked);
+            engine
+        })
+        .collect()
+}
+
+#[test]
+fn random_operations_keep_every_invariant_with_selective_write_through_to_host_over_storage() {
+    let policy = WritePolicy::WriteThroughSelective { threshold: 2 };
+    for engine in run_with_host_written_over_storage(policy, 9) {
+        let counters = engine.cache.stats().counters;
+        assert!(counters.evictions.device_dropped > 100, "{counters:?}");
+    }
+}
+
+#[test]
+fn random_operations_keep_every_invariant_with_write_through_to_host_over_storage() {
+    for engine in run_with_host_written_over_storage(WritePolicy::WriteThrough, 10) {
+        let counters = engine.cache.stats().counters;
+        assert!(counters.evictions.device_to_host_metadata > 100, "{counters:?}");
+    }
+}
