@@ -753,3 +753,80 @@ fn an_allocation_following_a_prefetch_load_that_misses_a_block_is_shortened_and_
     check(&cache);
     assert_eq!(cache.cached_prefix(&first).device_blocks, first.len());
 }
+
+/// Under selective write-through an allocation may drop a cold device node (one hit) with the
+/// host-only nodes a prefetch brought up below it, after a host eviction in the same allocation
+/// left one of those (the parent of a block sent back to storage) for the next host eviction:
+/// that next eviction, or the allocation's end, must see it gone, neither taking nor filing it,
+/// and the allocation goes on with the candidates left.
+#[test]
+fn an_allocation_that_drops_the_host_parent_its_host_eviction_left_next_evicts_around_it() {
+    // Five blocks: the free one, then 1 (copied to host: 12 goes back to storage, leaving 11
+    // for the next host eviction), 10 (cold: dropped with 11 and 12 below it), 3 (copied into
+    // 11's block) and 4 (copied: no host block left, so dropped). Four: 4 stays, and the end of
+    // the allocation finds 11 gone.
+    for (blocks, dropped) in [(5, 2), (4, 1)] {
+        let mut cache = selective_over_storage_with_a_prefetched_chain_under_a_cold_node();
+        let request = RequestId(9);
+        let fresh = &hashes(&[20, 21, 22, 23, 24])[..blocks];
+        let tokens = blocks * scheduler_support::BLOCK_TOKENS as usize;
+        cache.match_prefix(request, fresh, tokens).unwrap();
+        assert_eq!(cache.allocate(request, tokens, 0).unwrap().new_blocks, blocks);
+        check(&cache);
+        let counters = cache.stats().counters;
+        let evictions = &counters.evictions;
+        assert_eq!(
+            (evictions.device_written_back, evictions.device_dropped),
+            (2, dropped),
+            "{blocks} blocks: {counters:?}"
+        );
+        assert_eq!(evictions.host_to_storage_metadata, 1, "{counters:?}");
+        complete_all(&mut cache);
+        check(&cache);
+        assert_eq!(cache.cached_prefix(&hashes(&[10, 11, 12])).blocks(), 0, "10 with 11, 12");
+        for block in [1, 3] {
+            assert_eq!(cache.cached_prefix(&hashes(&[block])).host_blocks, 1, "{block} on host");
+        }
+        let four = cache.cached_prefix(&hashes(&[4])).device_blocks;
+        assert_eq!(four, usize::from(blocks == 4), "{blocks} blocks: 4 on device");
+        cache.finish(request).unwrap();
+        check(&cache);
+    }
+}
+
+/// Five device blocks, two host blocks (full), selective write-through (two hits) over a
+/// storage tier: on device, in the order they go, 1 (hot), 10 (cold), 3 and 4 (hot); on host,
+/// prefetched below 10, 11 and its child 12, the host tier's one candidate. One block free.
+fn selective_over_storage_with_a_prefetched_chain_under_a_cold_node() -> CacheManager {
+    let policy = kvshm::manager::WritePolicy::WriteThroughSelective { threshold: 2 };
+    let mut cache = manager(
+        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 5)
+            .with_host_blocks(2)
+            .with_storage_blocks(8)
+            .with_write_policy(policy),
+    );
+    let hot = |cache: &mut CacheManager, id: u64, block: u128| {
+        serve(cache, id, &hashes(&[block]));
+        // A second request hits it: two hits, hot enough to be copied to host (no poll: the
+        // backup it queued is never issued).
+        scheduler_support::serve_prompt(cache, id + 100, &hashes(&[block]), prompt_hitting(1));
+    };
+    hot(&mut cache, 1, 1);
+    // The cold device node, released after the first hot one.
+    serve(&mut cache, 2, &hashes(&[10]));
+    // A prefetch finds 11 and 12 on the tier below 10 and brings them up to host.
+    let prompt = hashes(&[10, 11, 12]);
+    cache.prefetch(&prompt).unwrap().expect("a query past the tree");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    complete_loads(&mut cache, true);
+    let found = cache.cached_prefix(&prompt);
+    assert_eq!((found.device_blocks, found.host_blocks), (1, 2), "{found:?}");
+    assert_eq!(cache.free_host_blocks(), 0);
+    hot(&mut cache, 3, 3);
+    hot(&mut cache, 4, 4);
+    check(&cache);
+    assert_eq!(cache.free_device_blocks(), 1);
+    cache
+}
