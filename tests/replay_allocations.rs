@@ -70,6 +70,11 @@ fn serving_a_request_allocates_nothing_once_the_buffers_have_grown() {
             .with_host_blocks(7_812)
             .with_write_policy(WritePolicy::WriteThrough)
             .with_free_watermark(32),
+        CacheConfig::new(512, 1_953)
+            .with_host_blocks(7_812)
+            .with_write_policy(WritePolicy::WriteThroughSelective { threshold: 2 }),
+        // A host tier small enough that blocks go on to storage and come back.
+        CacheConfig::new(512, 1_953).with_host_blocks(1_953).with_storage_blocks(39_062),
     ];
     for config in configs {
         let name = format!("{config:?}");
@@ -89,5 +94,8 @@ fn serving_a_request_allocates_nothing_once_the_buffers_have_grown() {
         );
         let report = replayer.finish().report;
         assert!(report.hit_blocks > 0 && report.failed_requests == 0, "{report:?}");
+        if report.storage_blocks > 0 {
+            assert!(report.storage_stores > 0 && report.storage_loads > 0, "{report:?}");
+        }
     }
 }
