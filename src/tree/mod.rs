@@ -559,6 +559,14 @@ impl Tree {
     /// # Panics
     /// If a node is not held.
     pub fn release_path(&mut self, path: &[NodeId]) {
+        // The usual case (LRU): the policy hears the whole path's releases at once, then the
+        // nodes are filed.
+        if self.policy.touch_released_path(path) {
+            for &id in path.iter().rev() {
+                self.release_inline(id, false);
+            }
+            return;
+        }
         // The policy's wish does not change between the releases.
         let wants_release = self.policy.wants(Access::Release);
         for &id in path.iter().rev() {

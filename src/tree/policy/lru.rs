@@ -67,6 +67,13 @@ impl Policy for Lru {
     }
 
     #[inline]
+    fn touch_released_path(&mut self, path: &[NodeId]) -> bool {
+        // A release stamps the node and nothing else: the list a node enters after its release
+        // depends on its stamp and the members' only, so the stamps may all come first.
+        self.lists.stamp_run(path.iter().rev().map(|id| id.0))
+    }
+
+    #[inline]
     fn enter(&mut self, node: NodeId, sets: Membership) {
         if let Some(list) = kind_of(sets) {
             self.lists.insert(list, node.0);

@@ -166,6 +166,14 @@ pub trait Policy: Default + std::fmt::Debug {
     fn wants(&self, access: Access) -> bool;
     /// `node`, keyed by `key`, was accessed. It is in no set while this is called.
     fn touch(&mut self, node: NodeId, key: BlockHash, access: Access);
+    /// The release of every node of `path`, last first, told at once before the tree files any
+    /// of them: what a [`Policy::touch`] with [`Access::Release`] per node, each followed by
+    /// the node's [`Policy::enter`] when it joins sets, would do. A policy whose releases and
+    /// entries give the same result in that order answers `true`; `false` (the default) means
+    /// it heard nothing, and the tree touches node by node.
+    fn touch_released_path(&mut self, _path: &[NodeId]) -> bool {
+        false
+    }
     /// `node`, in no set before, joins `sets` (not empty).
     fn enter(&mut self, node: NodeId, sets: Membership);
     /// `node` leaves every set; it was in exactly `sets` (not empty).
@@ -299,6 +307,12 @@ macro_rules! registry {
             pub fn touch(&mut self, node: NodeId, key: impl FnOnce() -> BlockHash, access: Access) {
                 match self {
                     $(Policies::$variant(p) => p.touch(node, key(), access),)+
+                }
+            }
+            #[inline]
+            pub fn touch_released_path(&mut self, path: &[NodeId]) -> bool {
+                match self {
+                    $(Policies::$variant(p) => p.touch_released_path(path),)+
                 }
             }
             #[inline]

@@ -135,6 +135,25 @@ impl<const N: usize> RecencyLists<N> {
         renumbered
     }
 
+    /// Stamps `nodes` (each in no list, none twice), in order, as released one after another:
+    /// what a [`RecencyLists::stamp_now`] per node does when the stamps do not run out on the
+    /// way, with the clock kept in a register. Returns `false`, stamping nothing, when they
+    /// would: the caller then stamps node by node.
+    #[inline]
+    pub fn stamp_run(&mut self, nodes: impl ExactSizeIterator<Item = u32>) -> bool {
+        let Ok(count) = u32::try_from(nodes.len()) else { return false };
+        if u32::MAX - self.clock < count {
+            return false;
+        }
+        let mut clock = self.clock;
+        for node in nodes {
+            self.links[node as usize].stamp = clock;
+            clock += 1;
+        }
+        self.clock = clock;
+        true
+    }
+
     #[inline]
     pub fn head(&self, list: usize) -> u32 {
         self.lists[list].head
@@ -388,5 +407,31 @@ mod tests {
         assert!(lists.clock() < 10, "renumbered: clock {}", lists.clock());
         lists.insert(0, 5);
         assert_eq!(order(&lists, 0), vec![4, 2, 5, 0, 3]);
+    }
+
+    #[test]
+    fn a_run_of_stamps_gives_what_one_stamp_per_node_gives_and_refuses_to_run_out() {
+        let mut by_run = RecencyLists::<1>::with_clock(7);
+        let mut one_by_one = RecencyLists::<1>::with_clock(7);
+        for lists in [&mut by_run, &mut one_by_one] {
+            lists.reserve_nodes(6);
+        }
+        assert!(by_run.stamp_run([4, 1, 5].into_iter()));
+        for node in [4, 1, 5] {
+            one_by_one.stamp_now(node);
+        }
+        assert_eq!(by_run.clock(), one_by_one.clock());
+        for node in 0..6 {
+            assert_eq!(by_run.stamp(node), one_by_one.stamp(node), "node {node}");
+        }
+
+        // The last stamps before the clock runs out are given; one more is refused, untouched.
+        let mut lists = RecencyLists::<1>::with_clock(u32::MAX - 2);
+        lists.reserve_nodes(6);
+        assert!(!lists.stamp_run([0, 1, 2].into_iter()), "the third stamp would run out");
+        assert_eq!((lists.clock(), lists.stamp(0)), (u32::MAX - 2, 0), "nothing stamped");
+        assert!(lists.stamp_run([0, 1].into_iter()));
+        assert_eq!((lists.stamp(0), lists.stamp(1)), (u32::MAX - 2, u32::MAX - 1));
+        assert_eq!(lists.clock(), u32::MAX, "the next stamp_now renumbers");
     }
 }
