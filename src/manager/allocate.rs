@@ -17,8 +17,8 @@
 //!    above it and the LOAD have completed (see [`super::storage`]).
 //! 5. Append the new blocks; the ticket also waits on swap-outs still reading claimed ones.
 //! 6. Without a host tier every hit is on device and no copy runs: steps 1 to 5 reduce to
-//!    counting the new blocks, taking them (free, then evicted), and appending the hits' device
-//!    blocks and the new ones to the block table (`allocate_device_only`).
+//!    counting the new blocks, appending the hits' device blocks to the block table, and taking
+//!    the new ones straight into it (free, then evicted: `allocate_device_only`).
 
 use super::request::{Request, RequestSlot};
 use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
@@ -252,22 +252,22 @@ impl CacheManager {
                 return Err(AllocateError::OutOfBlocks { needed: fresh, available });
             }
         }
-        let mut scratch = self.scratch.take().unwrap_or_default();
-        scratch.blocks.clear();
-        self.obtain_device_blocks(fresh, &mut scratch.blocks);
-        debug_assert!(scratch.blocks.iter().all(|(_, from)| from.is_none()), "no swap-out runs");
-        let ticket = self.new_ticket(request);
         let CacheManager { requests, tree, .. } = self;
-        let Request { path, table, tokens, tickets, .. } = requests.at_mut(slot);
-        // Every cached node is on device: a hit's table entry is its node's device block.
+        let Request { path, table, .. } = requests.at_mut(slot);
+        // Every cached node is on device: a hit's table entry is its node's device block. The
+        // fresh blocks go straight into the table after them (taken out of the record for the
+        // evictions, which do not touch held nodes).
         let hits = path.get(table.len()..).unwrap_or_default();
         table.extend(hits.iter().map(|&id| {
             tree.node(id).device().expect("without a host tier a cached node is on device")
         }));
-        table.extend(scratch.blocks.iter().map(|&(block, _)| block));
-        *tokens += new_tokens;
-        tickets.push(ticket);
-        self.scratch = Some(scratch);
+        let mut table = std::mem::take(table);
+        self.obtain_device_blocks_without_host(fresh, &mut table);
+        let ticket = self.new_ticket(request);
+        let record = self.requests.at_mut(slot);
+        record.table = table;
+        record.tokens += new_tokens;
+        record.tickets.push(ticket);
         let record = self.requests.at(slot);
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }

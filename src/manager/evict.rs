@@ -129,6 +129,47 @@ impl CacheManager {
         }
     }
 
+    /// [`CacheManager::obtain_device_blocks`] without a host tier, the blocks appended to
+    /// `table`: nothing is claimable and no eviction writes back, so each one drops its victim
+    /// ([`CacheManager::evict_device`]'s branch for that, which the order of victims follows).
+    ///
+    /// # Panics
+    /// If fewer can be had: callers check with [`CacheManager::reclaimable_up_to`] first.
+    pub(super) fn obtain_device_blocks_without_host(&mut self, count: usize, table: &mut Vec<u32>) {
+        debug_assert!(!self.host_enabled(), "a host tier may write back or claim");
+        table.reserve(count);
+        let from_pool = count.min(self.device.free_count());
+        for _ in 0..from_pool {
+            table.push(self.device.allocate_one().expect("taking free blocks that are there"));
+        }
+        // The parent a drop left unfiled as the next device candidate: the next victim.
+        let mut exposed = None;
+        for _ in from_pool..count {
+            let victim = exposed.take().unwrap_or_else(|| {
+                self.tree
+                    .first_device_candidate()
+                    .expect("evicting past what the dry run counted is a programming error")
+            });
+            let node = self.tree.node(victim);
+            debug_assert!(!node.has_valid_host(), "no host tier, no host copy");
+            let block = node.device().expect("a device candidate has a device block");
+            self.stats.evictions.device_dropped += 1;
+            if node.has_children() {
+                // Storage-only nodes below it go too: its block is the one the drop frees.
+                self.drop_subtree(victim);
+                let taken = self.device.allocate_one().expect("a block was just freed");
+                debug_assert_eq!(taken, block, "the pool hands out the block freed last");
+                table.push(taken);
+            } else {
+                exposed = self.drop_device_leaf_exposing(victim);
+                table.push(block);
+            }
+        }
+        if let Some(parent) = exposed {
+            self.tree.file(parent);
+        }
+    }
+
     /// Evicts device candidates until `target` blocks are free or on their way to free, or no
     /// candidate is left; for the watermark of `poll`.
     pub(super) fn evict_toward(&mut self, target: usize) {

@@ -501,6 +501,7 @@ impl CacheManager {
     /// allocation that takes its device block (the caller's) and goes on evicting: returns the
     /// parent when it is the next device candidate to evict, left for the caller to evict or
     /// file (see [`Tree::remove_exposing`]).
+    #[inline(always)] // an allocation's usual eviction, in its loop
     fn drop_device_leaf_exposing(&mut self, id: NodeId) -> Option<NodeId> {
         let node = self.tree.node(id);
         debug_assert!(
