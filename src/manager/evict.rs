@@ -172,6 +172,7 @@ impl CacheManager {
 
     /// Evicts device candidates until `target` blocks are free or on their way to free, or no
     /// candidate is left; for the watermark of `poll`.
+    #[inline(never)] // off the request path (`poll` inline)
     pub(super) fn evict_toward(&mut self, target: usize) {
         while self.device.free_count() + self.tree.claimable_count() < target {
             let Some(victim) = self.tree.first_device_candidate() else { break };

@@ -303,6 +303,10 @@ impl CacheManager {
     /// for the call: nothing is copied or allocated. A swap-in into blocks that a swap-out still
     /// reads stays behind until that swap-out completes.
     pub fn take_transfers_with(&mut self, mut issue: impl FnMut(TransferView<'_>)) {
+        // The usual call, after an operation that started no copy.
+        if self.outbox.is_empty() {
+            return;
+        }
         let in_flight = &mut self.in_flight;
         self.outbox.retain(|id| {
             // A copy completed before it was taken is gone from `in_flight`: drop it.

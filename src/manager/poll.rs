@@ -15,6 +15,8 @@ use crate::tree::{NodeState, SwapOut};
 
 impl CacheManager {
     /// Issues pending backups and watermark evictions as new copies (module flow).
+    // Inline: the usual poll finds nothing to do, a few tests; the work is out of line.
+    #[inline]
     pub fn poll(&mut self) {
         if !self.pending_backups.is_empty() {
             self.issue_backups();
@@ -43,6 +45,7 @@ impl CacheManager {
             .count()
     }
 
+    #[inline(never)]
     fn issue_backups(&mut self) {
         let mut queue = std::mem::take(&mut self.pending_backups);
         let mut out_of_host = false;
