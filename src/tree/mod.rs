@@ -747,7 +747,21 @@ impl Tree {
             policy.leave(id, sets);
             nodes[id.index()].set_membership(Membership::NONE);
         }
-        let exposed = match device_child_gone(nodes, policy, parent) {
+        let exposed = self.device_child_gone_exposes(parent);
+        if exposed {
+            return Some(parent);
+        }
+        self.refile(parent, None);
+        None
+    }
+
+    /// One device child of `parent` fewer, and whether `parent` is now the device candidate the
+    /// policy would give up next (and nothing else; left unfiled): [`device_child_gone`] in one
+    /// visit to the parent's record, the count recounted when it is saturated.
+    #[inline(always)]
+    fn device_child_gone_exposes(&mut self, parent: NodeId) -> bool {
+        let Tree { nodes, policy, .. } = self;
+        let exposed = match device_child_gone(nodes.as_mut_slice(), policy, parent) {
             Some(next) => next,
             None => {
                 self.recount_children(parent, false);
@@ -755,11 +769,7 @@ impl Tree {
             }
         };
         debug_assert_eq!(exposed, self.is_next_device_victim(parent));
-        if exposed {
-            return Some(parent);
-        }
-        self.refile(parent, None);
-        None
+        exposed
     }
 
     /// Drops the device copy of device candidate `id`, whose host copy is valid (its backup):
@@ -802,14 +812,7 @@ impl Tree {
         } else {
             Membership::NONE
         };
-        let exposed = match device_child_gone(nodes, policy, parent) {
-            Some(next) => next,
-            None => {
-                self.recount_children(parent, false);
-                self.is_next_device_victim(parent)
-            }
-        };
-        debug_assert_eq!(exposed, self.is_next_device_victim(parent));
+        let exposed = self.device_child_gone_exposes(parent);
         if !exposed {
             self.refile(parent, None);
         }
