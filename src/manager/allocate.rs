@@ -77,32 +77,22 @@ impl CacheManager {
             debug_assert!(swap_ins == 0 && hits_end == record.path.len(), "hits on device only");
             return self.allocate_device_only(slot, request, new_tokens, fresh);
         }
-        // Boxed, so that taking the buffers out of the manager for the call moves one pointer.
-        let mut scratch = self.scratch.take().unwrap_or_default();
         // The path position of the first hit without a table entry (a storage block's depth).
         let first_hit = record.table.len();
-        scratch.hits.clear();
-        scratch
-            .hits
-            .extend_from_slice(record.path.get(record.table.len()..hits_end).unwrap_or_default());
         let lost_cut = (hits_end < record.path.len()).then_some(hits_end);
-        let free = self.device.free_count();
-        if needed > free {
-            let available = free + self.reclaimable_up_to(needed - free);
-            if available < needed {
-                self.scratch = Some(scratch);
-                self.stats.failed_allocations += 1;
-                return Err(AllocateError::OutOfBlocks { needed, available });
-            }
-        }
+        self.ensure_device_blocks(needed)?;
         if demand.loads > 0 {
             let available = self.obtainable_host_blocks(demand.loads);
             if available < demand.loads {
-                self.scratch = Some(scratch);
                 self.stats.failed_allocations += 1;
                 return Err(AllocateError::OutOfHostBlocks { needed: demand.loads, available });
             }
         }
+        // Boxed, so that taking the buffers out of the manager for the call moves one pointer.
+        let mut scratch = self.scratch.take().unwrap_or_default();
+        scratch.hits.clear();
+        let path = &self.requests.at(slot).path;
+        scratch.hits.extend_from_slice(path.get(first_hit..hits_end).unwrap_or_default());
 
         if let Some(cut) = lost_cut {
             self.cut_hits_at_lost(request, cut);
@@ -204,13 +194,9 @@ impl CacheManager {
         // go to the block table after the hits at the end.
         let fresh_blocks = blocks.as_slice();
         scratch.claims.clear();
-        // Without a host tier no swap-out runs, so none of them was claimed from one.
-        debug_assert!(self.host_enabled() || fresh_blocks.iter().all(|(_, from)| from.is_none()));
-        if self.host_enabled() {
-            for &(block, claimed_from) in fresh_blocks {
-                if let Some(transfer) = claimed_from {
-                    scratch.claims.push((block, transfer));
-                }
+        for &(block, claimed_from) in fresh_blocks {
+            if let Some(transfer) = claimed_from {
+                scratch.claims.push((block, transfer));
             }
         }
         // Claims come in runs from one copy (the operation's swap-out): one wait per run.
@@ -244,14 +230,7 @@ impl CacheManager {
         new_tokens: usize,
         fresh: usize,
     ) -> Result<Allocation<'_>, AllocateError> {
-        let free = self.device.free_count();
-        if fresh > free {
-            let available = free + self.reclaimable_up_to(fresh - free);
-            if available < fresh {
-                self.stats.failed_allocations += 1;
-                return Err(AllocateError::OutOfBlocks { needed: fresh, available });
-            }
-        }
+        self.ensure_device_blocks(fresh)?;
         let CacheManager { requests, tree, .. } = self;
         let Request { path, table, .. } = requests.at_mut(slot);
         // Every cached node is on device: a hit's table entry is its node's device block. The
@@ -270,6 +249,21 @@ impl CacheManager {
         record.tickets.push(ticket);
         let record = self.requests.at(slot);
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
+    }
+
+    /// Fails the allocation (counted) unless `needed` device blocks can be had, free or by
+    /// eviction (module flow, step 2).
+    #[inline]
+    fn ensure_device_blocks(&mut self, needed: usize) -> Result<(), AllocateError> {
+        let free = self.device.free_count();
+        if needed > free {
+            let available = free + self.reclaimable_up_to(needed - free);
+            if available < needed {
+                self.stats.failed_allocations += 1;
+                return Err(AllocateError::OutOfBlocks { needed, available });
+            }
+        }
+        Ok(())
     }
 
     /// Storage hit `id` at `depth` in the prompt (module flow, step 4): a LOAD into `host` (a host
