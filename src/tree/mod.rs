@@ -560,7 +560,9 @@ impl Tree {
     /// If a node is not held.
     pub fn release_path(&mut self, path: &[NodeId]) {
         // The usual case (LRU): the policy hears the whole path's releases at once, then the
-        // nodes are filed.
+        // nodes are filed. A loop of its own: with `false` a constant, the inlined release
+        // loses its policy test (one loop over a `wants_release` bool costs 1.6% more
+        // instructions in the replay).
         if self.policy.touch_released_path(path) {
             for &id in path.iter().rev() {
                 self.release_inline(id, false);
