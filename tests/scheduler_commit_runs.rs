@@ -98,6 +98,18 @@ impl Twins {
         whole
     }
 
+    /// A live request picked at random, if its last allocation is ready on both twins.
+    fn pick_ready<'a>(
+        &mut self,
+        rng: &mut Rng,
+        live: &'a mut [Live],
+        what: &str,
+    ) -> Option<&'a mut Live> {
+        let request = &mut live[rng.below(live.len())];
+        let status = self.both(what, |cache| cache.ticket_status(request.ticket).unwrap());
+        (status == TicketStatus::Ready).then_some(request)
+    }
+
     fn take_copies(&mut self) {
         let whole = self.whole.take_transfers();
         let stepwise = self.stepwise.take_transfers();
@@ -213,13 +225,7 @@ fn run_twins(config: CacheConfig, seed: u64, steps: usize) -> Covered {
             2 | 3 if !live.is_empty() => {
                 // A commit of some of what the request computed: one call in `whole`, one per
                 // block in `stepwise`.
-                let index = rng.below(live.len());
-                let request = &mut live[index];
-                let status =
-                    twins.both(&what, |cache| cache.ticket_status(request.ticket).unwrap());
-                if status != TicketStatus::Ready {
-                    continue;
-                }
+                let Some(request) = twins.pick_ready(&mut rng, &mut live, &what) else { continue };
                 let blocks = request.allocated / BT;
                 while request.hashes.len() < blocks {
                     // Decoded tokens filled a block: its hash, from the same vocabulary.
@@ -248,13 +254,7 @@ fn run_twins(config: CacheConfig, seed: u64, steps: usize) -> Covered {
             }
             4 if !live.is_empty() => {
                 // Decode: room for a few more tokens.
-                let index = rng.below(live.len());
-                let request = &mut live[index];
-                let status =
-                    twins.both(&what, |cache| cache.ticket_status(request.ticket).unwrap());
-                if status != TicketStatus::Ready {
-                    continue;
-                }
+                let Some(request) = twins.pick_ready(&mut rng, &mut live, &what) else { continue };
                 let tokens = 1 + rng.below(2 * BT);
                 let id = request.id;
                 let allocated =
