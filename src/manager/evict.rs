@@ -132,41 +132,24 @@ impl CacheManager {
     /// [`CacheManager::obtain_device_blocks`] without a host tier, the blocks appended to
     /// `table`: nothing is claimable and no eviction writes back, so each one drops its victim
     /// ([`CacheManager::evict_device`]'s branch for that, which the order of victims follows).
+    /// Without a host tier there is no storage tier either (a configuration with one is
+    /// refused), so every cached node is on device alone and a device candidate is a leaf with
+    /// nothing but its device block to give up: the tree drops them ([`Tree::drop_device_leaves`]).
     ///
     /// # Panics
     /// If fewer can be had: callers check with [`CacheManager::reclaimable_up_to`] first.
     pub(super) fn obtain_device_blocks_without_host(&mut self, count: usize, table: &mut Vec<u32>) {
         debug_assert!(!self.host_enabled(), "a host tier may write back or claim");
+        debug_assert!(!self.storage_enabled(), "a storage tier needs a host tier");
         table.reserve(count);
         let from_pool = count.min(self.device.free_count());
         for _ in 0..from_pool {
             table.push(self.device.allocate_one().expect("taking free blocks that are there"));
         }
-        // The parent a drop left unfiled as the next device candidate: the next victim.
-        let mut exposed = None;
-        for _ in from_pool..count {
-            let victim = exposed.take().unwrap_or_else(|| {
-                self.tree
-                    .first_device_candidate()
-                    .expect("evicting past what the dry run counted is a programming error")
-            });
-            let node = self.tree.node(victim);
-            debug_assert!(!node.has_valid_host(), "no host tier, no host copy");
-            let block = node.device().expect("a device candidate has a device block");
-            self.stats.evictions.device_dropped += 1;
-            if node.has_children() {
-                // Storage-only nodes below it go too: its block is the one the drop frees.
-                self.drop_subtree(victim);
-                let taken = self.device.allocate_one().expect("a block was just freed");
-                debug_assert_eq!(taken, block, "the pool hands out the block freed last");
-                table.push(taken);
-            } else {
-                exposed = self.drop_device_leaf_exposing(victim);
-                table.push(block);
-            }
-        }
-        if let Some(parent) = exposed {
-            self.tree.file(parent);
+        let evicted = count - from_pool;
+        if evicted > 0 {
+            self.stats.evictions.device_dropped += evicted as u64;
+            self.tree.drop_device_leaves(evicted, table);
         }
     }
 

@@ -7,6 +7,23 @@
 use super::tests::{hash, served};
 use super::*;
 
+/// Asserts that two trees hold the same node records (free slots included), stamps and sets.
+fn same(a: &Tree, b: &Tree, what: &str) {
+    assert_eq!(a.nodes.len(), b.nodes.len(), "{what}");
+    for (slot, (x, y)) in a.nodes.iter().zip(&b.nodes).enumerate() {
+        assert_eq!(format!("{x:?}"), format!("{y:?}"), "{what}: slot {slot}");
+        let id = NodeId(slot as u32);
+        if a.is_live(id) {
+            assert_eq!(a.last_access(id), b.last_access(id), "{what}: stamp of {id:?}");
+        }
+    }
+    for set in EvictSet::ALL {
+        assert_eq!(a.candidates(set), b.candidates(set), "{what}: {set:?}");
+    }
+    a.check().unwrap();
+    b.check().unwrap();
+}
+
 /// Every fast form of a request's match, commit and end and of the write-back path, applied to
 /// one of two trees built alike, leaves that tree as [`Tree::insert`], [`Tree::update`] (or
 /// [`Tree::remove`]) leave the other once the parent it hands back is filed: node fields, sets,
@@ -14,21 +31,6 @@ use super::*;
 /// policy's first device candidate once filed.
 #[test]
 fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
-    fn same(a: &Tree, b: &Tree, what: &str) {
-        assert_eq!(a.nodes.len(), b.nodes.len(), "{what}");
-        for (slot, (x, y)) in a.nodes.iter().zip(&b.nodes).enumerate() {
-            assert_eq!(format!("{x:?}"), format!("{y:?}"), "{what}: slot {slot}");
-            let id = NodeId(slot as u32);
-            if a.is_live(id) {
-                assert_eq!(a.last_access(id), b.last_access(id), "{what}: stamp of {id:?}");
-            }
-        }
-        for set in EvictSet::ALL {
-            assert_eq!(a.candidates(set), b.candidates(set), "{what}: {set:?}");
-        }
-        a.check().unwrap();
-        b.check().unwrap();
-    }
     for policy in EvictionPolicy::ALL.iter().copied() {
         for seed in 1..=40u64 {
             let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -272,6 +274,85 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                 }
                 same(&a, &b, &what);
             }
+        }
+    }
+}
+
+/// `drop_device_leaves` (an allocation without a host tier), applied to one of two device-only
+/// trees built alike, evicts the device candidates that [`Tree::first_device_candidate`] and
+/// [`Tree::remove`] evict one by one in the other, in that order, handing out their blocks in
+/// that order, and leaves the same tree: chains go tail first, the parent the last removal
+/// exposes is filed, held nodes and their ancestors stay.
+#[test]
+fn dropping_device_leaves_evicts_what_first_and_remove_evict_one_by_one() {
+    for policy in EvictionPolicy::ALL.iter().copied() {
+        for seed in 1..=30u64 {
+            let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut rnd = move |n: usize| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % n as u64) as usize
+            };
+            let (mut a, mut b) = (Tree::new(policy), Tree::new(policy));
+            let (mut next_hash, mut next_block) = (1u128, 0u32);
+            let mut held: Vec<NodeId> = Vec::new();
+            let (mut dropped, mut exposed) = (0, 0);
+            for step in 0..200 {
+                let what = format!("{policy:?} seed {seed} step {step}");
+                let ids: Vec<NodeId> = a.ids().collect();
+                match rnd(5) {
+                    0 | 1 => {
+                        // A request's new blocks under the root or a cached node, served.
+                        let parent = match rnd(3) {
+                            0 => NodeId::ROOT,
+                            _ if ids.is_empty() => NodeId::ROOT,
+                            _ => ids[rnd(ids.len())],
+                        };
+                        let hashes: Vec<u128> =
+                            (0..1 + rnd(4) as u128).map(|i| next_hash + i).collect();
+                        next_hash += hashes.len() as u128;
+                        let path_a = served(&mut a, parent, &hashes, next_block);
+                        let path_b = served(&mut b, parent, &hashes, next_block);
+                        assert_eq!(path_a, path_b, "{what}");
+                        next_block += hashes.len() as u32;
+                    }
+                    2 => {
+                        // A request holds a node (its path's end), or one that held ends.
+                        if rnd(2) == 0 && !held.is_empty() {
+                            let id = held.swap_remove(rnd(held.len()));
+                            for tree in [&mut a, &mut b] {
+                                tree.update(id, |node| {
+                                    node.release();
+                                    node.access(Access::Release);
+                                });
+                            }
+                        } else if !ids.is_empty() {
+                            let id = ids[rnd(ids.len())];
+                            a.update(id, |node| node.hold());
+                            b.update(id, |node| node.hold());
+                            held.push(id);
+                        }
+                    }
+                    _ => {
+                        // An allocation short of blocks: `b` evicts one candidate at a time.
+                        let mut blocks_b = Vec::new();
+                        for _ in 0..1 + rnd(8) {
+                            let Some(id) = b.first_device_candidate() else { break };
+                            let parent = b.node(id).parent().unwrap();
+                            blocks_b.push(b.node(id).device().unwrap());
+                            b.remove(id);
+                            exposed += usize::from(b.first_device_candidate() == Some(parent));
+                        }
+                        let mut blocks_a = vec![u32::MAX];
+                        a.drop_device_leaves(blocks_b.len(), &mut blocks_a);
+                        assert_eq!(blocks_a[1..], blocks_b, "{what}");
+                        dropped += blocks_b.len();
+                    }
+                }
+                same(&a, &b, &what);
+            }
+            assert!(dropped > 100 && exposed > 20, "{policy:?} seed {seed}: {dropped} {exposed}");
         }
     }
 }

@@ -634,6 +634,51 @@ impl Tree {
         None
     }
 
+    /// Evicts `count` device candidates in the policy's order, each a leaf with a device block
+    /// alone, appending their device blocks to `blocks`: an allocation of a cache without a
+    /// host tier (so without a storage tier), where every node is on device alone and nothing
+    /// but the block is to give up. Each is a [`Tree::remove_exposing`]: a parent it exposes is
+    /// the next victim, taken without being filed (a chain goes tail first), and the one the
+    /// last removal exposes is filed at the end.
+    ///
+    /// # Panics
+    /// If fewer than `count` device candidates can be had (callers count them first), or one
+    /// has children.
+    pub fn drop_device_leaves(&mut self, count: usize, blocks: &mut Vec<u32>) {
+        let mut exposed = None;
+        for _ in 0..count {
+            let victim = exposed.take().unwrap_or_else(|| {
+                self.first_device_candidate()
+                    .expect("evicting past what the dry run counted is a programming error")
+            });
+            let node = &self.nodes[victim.index()];
+            debug_assert!(
+                node.is(NodeState::Device) && node.host().is_none() && !node.stored(),
+                "{victim:?} is not on device alone"
+            );
+            let block = node.device().expect("a device candidate has a device block");
+            exposed = self.remove_exposing(victim);
+            blocks.push(block);
+        }
+        if let Some(parent) = exposed {
+            self.file_exposed_device_candidate(parent);
+        }
+    }
+
+    /// Files `parent`, a device candidate (and nothing else) that [`Tree::remove_exposing`]
+    /// handed back unfiled: [`Tree::file`] without deciding its sets again.
+    #[inline]
+    fn file_exposed_device_candidate(&mut self, parent: NodeId) {
+        debug_assert!(
+            self.nodes[parent.index()].membership().is_empty()
+                && self.is_device_candidate_only(parent),
+            "{parent:?} is not an unfiled device candidate"
+        );
+        let device = Membership::NONE.with(EvictSet::Device);
+        self.policy.enter(parent, device);
+        self.nodes[parent.index()].set_membership(device);
+    }
+
     /// Removes a host candidate, as [`Tree::remove`] does, for an allocation that goes on
     /// evicting host blocks: when the removal makes the parent a host candidate (and nothing
     /// else), the parent is left out of the sets and returned, as with [`Tree::remove_exposing`]
