@@ -99,6 +99,13 @@ fn tag(mixed: u64) -> u8 {
     tag | u8::from(tag == 0)
 }
 
+/// Where the entries of a key are looked for: its home group and its tag ([`ChildIndex::probe`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Probe {
+    home: usize,
+    tag: u8,
+}
+
 /// (parent, block hash) to child, for every node but the root.
 #[derive(Debug, Default)]
 pub struct ChildIndex {
@@ -143,9 +150,23 @@ impl ChildIndex {
     /// [`ChildIndex::prefetch`] of a hash as a node stores it.
     #[inline]
     pub fn prefetch_words(&self, words: &[u32; 4]) {
+        self.prefetch_probe(self.probe(words));
+    }
+
+    /// Where a lookup or removal of the key with hash `words` starts: its home group and tag,
+    /// computed once for a removal ([`ChildIndex::remove`]), or a prefetch and the removal after it.
+    #[inline]
+    pub fn probe(&self, words: &[u32; 4]) -> Probe {
+        let mixed = mix(words);
+        Probe { home: self.home(mixed), tag: tag(mixed) }
+    }
+
+    /// Starts loading the group `probe` reads first (see [`ChildIndex::prefetch`]).
+    #[inline]
+    pub fn prefetch_probe(&self, probe: Probe) {
         // The home group is always inside the table (an empty one's dangling pointer is never
         // read): no bounds check, no test for emptiness.
-        let group = self.groups.as_ptr().wrapping_add(self.home(mix(words)));
+        let group = self.groups.as_ptr().wrapping_add(probe.home);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a prefetch is a hint that never faults nor changes memory, whatever the
         // address; SSE (and so `_mm_prefetch`) is part of the x86-64 baseline.
@@ -214,18 +235,17 @@ impl ChildIndex {
         }
     }
 
-    /// Removes node `id`, keyed by `hash` (as the node stores it).
+    /// Removes node `id`, whose key's [`ChildIndex::probe`] is `probe` (taken since the table
+    /// last grew: only an insertion grows it).
     ///
     /// # Panics
     /// If the index does not hold it: the tree removes only nodes it inserted.
     #[inline]
-    pub fn remove(&mut self, id: NodeId, hash: &[u32; 4]) {
-        let mixed = mix(hash);
-        let tag = tag(mixed);
-        let mut index = self.home(mixed);
+    pub fn remove(&mut self, id: NodeId, probe: Probe) {
+        let mut index = probe.home;
         for _ in 0..self.groups.len() {
             let group = &mut self.groups[index];
-            let mut candidates = group.slots_tagged(tag);
+            let mut candidates = group.slots_tagged(probe.tag);
             while candidates != 0 {
                 let slot = first_slot(candidates);
                 if group.ids[slot] == id.0 {
@@ -358,9 +378,9 @@ mod tests {
         }
         let at_home = (0..11).map(|_| add(&mut index, &mut nodes, 1)).last().unwrap();
         add(&mut index, &mut nodes, 0);
-        index.remove(first, &split(nodes[first.index()].hash()));
+        index.remove(first, index.probe(&split(nodes[first.index()].hash())));
         add(&mut index, &mut nodes, 1);
-        index.remove(at_home, &split(nodes[at_home.index()].hash()));
+        index.remove(at_home, index.probe(&split(nodes[at_home.index()].hash())));
         assert!(index.groups.iter().all(|group| group.displaced() == 1));
         index.check(&nodes).unwrap();
         assert_eq!(index.find(NodeId::ROOT, BlockHash(u128::MAX), &nodes), None);

@@ -50,7 +50,7 @@ mod snapshot;
 use std::ops::ControlFlow;
 
 use crate::hash::BlockHash;
-use index::ChildIndex;
+use index::{ChildIndex, Probe};
 pub use node::{Node, NodeId, NodeMut, NodeState, StoreOut, SwapOut};
 use node::{Tier, COUNT_SATURATED};
 use policy::{Access, EvictSet, MatchEnd, Membership, Policies, TierShape};
@@ -300,21 +300,8 @@ impl Tree {
     }
 
     /// Recounts a saturated child count of `parent` by walking its child list.
-    #[cold]
-    #[inline(never)]
     fn recount_children(&mut self, parent: NodeId, upper: bool) {
-        let exact = if upper {
-            self.count_children(parent, Node::is_upper)
-        } else {
-            self.count_children(parent, |child| child.device().is_some())
-        };
-        let exact = u16::try_from(exact).unwrap_or(COUNT_SATURATED);
-        let node = &mut self.nodes[parent.index()];
-        if upper {
-            node.upper_children = exact;
-        } else {
-            node.device_children = exact;
-        }
+        recount_children(&mut self.nodes, parent, upper);
     }
 
     /// Tells the eviction policy that a request started: its match ended at `deepest` (none: no
@@ -645,22 +632,43 @@ impl Tree {
     /// If fewer than `count` device candidates can be had (callers count them first), or one
     /// has children.
     pub fn drop_device_leaves(&mut self, count: usize, blocks: &mut Vec<u32>) {
-        let mut exposed = None;
+        // The parent the last removal exposed, the next victim, with its index probe: taken
+        // for the prefetch of its group, it saves its removal hashing the key again.
+        let mut exposed: Option<(NodeId, Probe)> = None;
         for _ in 0..count {
-            let victim = exposed.take().unwrap_or_else(|| {
-                self.first_device_candidate()
-                    .expect("evicting past what the dry run counted is a programming error")
-            });
-            let node = &self.nodes[victim.index()];
+            let (victim, probe) = match exposed.take() {
+                Some((parent, probe)) => (parent, Some(probe)),
+                None => {
+                    let first = self.first_device_candidate();
+                    (
+                        first.expect(
+                            "evicting past what the dry run counted is a programming error",
+                        ),
+                        None,
+                    )
+                }
+            };
+            // The fields borrowed apart, the arena as a slice (see `unlink`).
+            let Tree { nodes, free_slots, index, policy } = self;
+            let nodes = nodes.as_mut_slice();
+            let node = &nodes[victim.index()];
             debug_assert!(
                 node.is(NodeState::Device) && node.host().is_none() && !node.stored(),
                 "{victim:?} is not on device alone"
             );
             let block = node.device().expect("a device candidate has a device block");
-            exposed = self.remove_exposing(victim);
+            let parent = unlink(nodes, free_slots, index, policy, victim, probe);
             blocks.push(block);
+            if is_next_device_victim(nodes, policy, parent) {
+                // Its removal comes next: start loading its index group now.
+                let probe = index.probe(nodes[parent.index()].hash_words());
+                index.prefetch_probe(probe);
+                exposed = Some((parent, probe));
+            } else {
+                self.refile(parent, None);
+            }
         }
-        if let Some(parent) = exposed {
+        if let Some((parent, _)) = exposed {
             self.file_exposed_device_candidate(parent);
         }
     }
@@ -912,9 +920,9 @@ impl Tree {
     /// policy would give up next: what the exposing changes leave out of the sets.
     #[inline(always)]
     fn is_next_device_victim(&self, parent: NodeId) -> bool {
-        self.nodes[parent.index()].membership().is_empty()
-            && self.is_device_candidate_only(parent)
-            && self.policy.would_come_first(parent, EvictSet::Device)
+        let next = is_next_device_victim(&self.nodes, &self.policy, parent);
+        debug_assert!(!next || self.is_device_candidate_only(parent));
+        next
     }
 
     /// Whether the device set is the one set live node `id` belongs in: [`Tree::membership`]
@@ -954,59 +962,8 @@ impl Tree {
     /// list and counts), all but re-filing the parent, which it returns.
     #[inline(always)]
     fn unlink(&mut self, id: NodeId) -> NodeId {
-        // The fields borrowed apart, the arena as a slice: its address and length stay in
-        // registers across the writes below, which the optimizer cannot otherwise tell from
-        // writes to the vector's own header (a reload and a bounds check after each).
         let Tree { nodes, free_slots, index, policy } = self;
-        let nodes = nodes.as_mut_slice();
-        assert!(id != NodeId::ROOT, "removing the root is a programming error");
-        let node = &nodes[id.index()];
-        assert!(!node.has_children(), "removing a node with children is a programming error");
-        let (parent, prev, next, sets) =
-            (node.parent, node.prev_sibling, node.next_sibling, node.membership());
-        let (hash, had_device, was_upper) =
-            (*node.hash_words(), node.device().is_some(), node.is_upper());
-        if !sets.is_empty() {
-            policy.leave(id, sets);
-        }
-        let sole_child = parent != NodeId::ROOT && prev == NodeId::NONE && next == NodeId::NONE;
-        policy.removing(id, || nodes[id.index()].hash(), sole_child.then_some(parent));
-        index.remove(id, &hash);
-        if next != NodeId::NONE {
-            nodes[next.index()].prev_sibling = prev;
-        }
-        if prev != NodeId::NONE {
-            nodes[prev.index()].next_sibling = next;
-        }
-        nodes[id.index()].mark_removed(*free_slots);
-        *free_slots = id;
-        // The parent's list head and counts, in one visit to its record.
-        let parent_node = &mut nodes[parent.index()];
-        if prev == NodeId::NONE {
-            parent_node.first_child = next;
-        }
-        if parent_node.device_children == COUNT_SATURATED
-            || parent_node.upper_children == COUNT_SATURATED
-        {
-            self.uncount_child_of_saturated(parent, had_device, was_upper);
-        } else {
-            parent_node.device_children -= u16::from(had_device);
-            parent_node.upper_children -= u16::from(was_upper);
-        }
-        parent
-    }
-
-    /// [`Tree::unlink`]'s update of the child counts of a parent with a saturated count: the
-    /// removed child had a device block (`had_device`), was above storage (`was_upper`).
-    #[cold]
-    #[inline(never)]
-    fn uncount_child_of_saturated(&mut self, parent: NodeId, had_device: bool, was_upper: bool) {
-        if had_device {
-            self.count_child_out(parent, false);
-        }
-        if was_upper {
-            self.count_child_out(parent, true);
-        }
+        unlink(nodes.as_mut_slice(), free_slots, index, policy, id, None)
     }
 
     /// Drops every node.
@@ -1093,6 +1050,114 @@ impl Tree {
     }
 }
 
+/// [`Tree::unlink`] on the tree's fields borrowed apart, the arena as a slice: its address and
+/// length stay in registers across the writes below, which the optimizer cannot otherwise tell
+/// from writes to the vector's own header (a reload and a bounds check after each). `probe`:
+/// where the node's index entry is looked for, when the caller has it already.
+#[inline(always)]
+fn unlink(
+    nodes: &mut [Node],
+    free_slots: &mut NodeId,
+    index: &mut ChildIndex,
+    policy: &mut Policies,
+    id: NodeId,
+    probe: Option<Probe>,
+) -> NodeId {
+    assert!(id != NodeId::ROOT, "removing the root is a programming error");
+    let node = &nodes[id.index()];
+    assert!(!node.has_children(), "removing a node with children is a programming error");
+    let (parent, prev, next, sets) =
+        (node.parent, node.prev_sibling, node.next_sibling, node.membership());
+    let (had_device, was_upper) = (node.device().is_some(), node.is_upper());
+    let probe = probe.unwrap_or_else(|| index.probe(node.hash_words()));
+    if !sets.is_empty() {
+        policy.leave(id, sets);
+    }
+    let sole_child = parent != NodeId::ROOT && prev == NodeId::NONE && next == NodeId::NONE;
+    policy.removing(id, || nodes[id.index()].hash(), sole_child.then_some(parent));
+    index.remove(id, probe);
+    if next != NodeId::NONE {
+        nodes[next.index()].prev_sibling = prev;
+    }
+    if prev != NodeId::NONE {
+        nodes[prev.index()].next_sibling = next;
+    }
+    nodes[id.index()].mark_removed(*free_slots);
+    *free_slots = id;
+    // The parent's list head and counts, in one visit to its record.
+    let parent_node = &mut nodes[parent.index()];
+    if prev == NodeId::NONE {
+        parent_node.first_child = next;
+    }
+    if parent_node.device_children == COUNT_SATURATED
+        || parent_node.upper_children == COUNT_SATURATED
+    {
+        uncount_child_of_saturated(nodes, parent, had_device, was_upper);
+    } else {
+        parent_node.device_children -= u16::from(had_device);
+        parent_node.upper_children -= u16::from(was_upper);
+    }
+    parent
+}
+
+/// [`unlink`]'s update of the child counts of a parent with a saturated count: the removed
+/// child had a device block (`had_device`), was above storage (`was_upper`). A saturated count
+/// is recounted by walking the child list.
+#[cold]
+#[inline(never)]
+fn uncount_child_of_saturated(
+    nodes: &mut [Node],
+    parent: NodeId,
+    had_device: bool,
+    was_upper: bool,
+) {
+    for (gone, upper) in [(had_device, false), (was_upper, true)] {
+        if !gone {
+            continue;
+        }
+        let node = &mut nodes[parent.index()];
+        let count = if upper { &mut node.upper_children } else { &mut node.device_children };
+        if *count == COUNT_SATURATED {
+            recount_children(nodes, parent, upper);
+        } else {
+            *count -= 1;
+        }
+    }
+}
+
+/// Recounts the child count of `parent` of children with a device block (`upper` false) or
+/// above storage (`upper` true) by walking its child list.
+#[cold]
+#[inline(never)]
+fn recount_children(nodes: &mut [Node], parent: NodeId, upper: bool) {
+    let mut exact = 0u32;
+    let mut child = nodes[parent.index()].first_child;
+    while child != NodeId::NONE {
+        let node = &nodes[child.index()];
+        exact += u32::from(if upper { node.is_upper() } else { node.device().is_some() });
+        child = node.next_sibling;
+    }
+    let exact = u16::try_from(exact).unwrap_or(COUNT_SATURATED);
+    let node = &mut nodes[parent.index()];
+    if upper {
+        node.upper_children = exact;
+    } else {
+        node.device_children = exact;
+    }
+}
+
+/// Whether unfiled `parent` has just become a device candidate (and nothing else) that the
+/// policy would give up next: [`Tree::is_next_device_victim`] for the fast forms that hold the
+/// arena as a slice.
+#[inline(always)]
+fn is_next_device_victim(nodes: &[Node], policy: &Policies, parent: NodeId) -> bool {
+    let node = &nodes[parent.index()];
+    node.membership().is_empty()
+        && parent != NodeId::ROOT
+        && node.is_device_candidate_alone()
+        && policy.would_come_first(parent, EvictSet::Device)
+}
+
 /// One device child of `parent` fewer (a child lost its device block), and whether `parent` is
 /// now the device candidate the policy would give up next (and nothing else; unfiled), in one
 /// visit to its record: [`Tree::is_next_device_victim`] for the fast forms that hold the arena as
@@ -1105,12 +1170,7 @@ fn device_child_gone(nodes: &mut [Node], policy: &Policies, parent: NodeId) -> O
         return None;
     }
     node.device_children -= 1;
-    Some(
-        node.membership().is_empty()
-            && parent != NodeId::ROOT
-            && node.is_device_candidate_alone()
-            && policy.would_come_first(parent, EvictSet::Device),
-    )
+    Some(is_next_device_victim(nodes, policy, parent))
 }
 
 /// What [`Tree::land_attached_claimed_swap_out`] found.
