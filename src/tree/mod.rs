@@ -625,52 +625,61 @@ impl Tree {
     /// alone, appending their device blocks to `blocks`: an allocation of a cache without a
     /// host tier (so without a storage tier), where every node is on device alone and nothing
     /// but the block is to give up. Each is a [`Tree::remove_exposing`]: a parent it exposes is
-    /// the next victim, taken without being filed (a chain goes tail first), and the one the
-    /// last removal exposes is filed at the end.
+    /// the next victim, taken without being filed (a chain goes tail first,
+    /// [`Tree::drop_device_chain`]), and the one the last removal exposes is filed at the end.
     ///
     /// # Panics
     /// If fewer than `count` device candidates can be had (callers count them first), or one
     /// has children.
     pub fn drop_device_leaves(&mut self, count: usize, blocks: &mut Vec<u32>) {
-        // The parent the last removal exposed, the next victim, with its index probe: taken
-        // for the prefetch of its group, it saves its removal hashing the key again.
-        let mut exposed: Option<(NodeId, Probe)> = None;
-        for _ in 0..count {
-            let (victim, probe) = match exposed.take() {
-                Some((parent, probe)) => (parent, Some(probe)),
-                None => {
-                    let first = self.first_device_candidate();
-                    (
-                        first.expect(
-                            "evicting past what the dry run counted is a programming error",
-                        ),
-                        None,
-                    )
-                }
-            };
-            // The fields borrowed apart, the arena as a slice (see `unlink`).
-            let Tree { nodes, free_slots, index, policy } = self;
-            let nodes = nodes.as_mut_slice();
+        // The blocks are written into slots taken at once: a push per block would reload the
+        // vector's header after each write to the tree.
+        let start = blocks.len();
+        blocks.resize(start + count, u32::MAX);
+        let mut slots = blocks[start..].iter_mut();
+        // The parent the last removal exposed when the slots ran out.
+        let mut exposed = None;
+        while slots.len() > 0 {
+            exposed = self.drop_device_chain(&mut slots);
+        }
+        if let Some(parent) = exposed {
+            self.file_exposed_device_candidate(parent);
+        }
+    }
+
+    /// [`Tree::drop_device_leaves`] of one chain: drops the first device candidate, then, while
+    /// a removal exposes the parent as the next victim, that parent, writing their blocks into
+    /// `slots` until they run out (there is at least one). Returns the parent exposed when they
+    /// ran out, unfiled; files the one a removal does not expose.
+    #[inline(always)]
+    fn drop_device_chain(&mut self, slots: &mut std::slice::IterMut<'_, u32>) -> Option<NodeId> {
+        let first = self.first_device_candidate();
+        let mut victim =
+            first.expect("evicting past what the dry run counted is a programming error");
+        // The exposed parent's index probe: taken for the prefetch of its group, it saves its
+        // removal hashing the key again.
+        let mut probe = None;
+        // The fields borrowed apart for the whole chain, the arena as a slice (see `unlink`).
+        let Tree { nodes, free_slots, index, policy } = self;
+        let nodes = nodes.as_mut_slice();
+        for slot in slots {
             let node = &nodes[victim.index()];
             debug_assert!(
                 node.is(NodeState::Device) && node.host().is_none() && !node.stored(),
                 "{victim:?} is not on device alone"
             );
-            let block = node.device().expect("a device candidate has a device block");
+            *slot = node.device().expect("a device candidate has a device block");
             let parent = unlink(nodes, free_slots, index, policy, victim, probe);
-            blocks.push(block);
-            if is_next_device_victim(nodes, policy, parent) {
-                // Its removal comes next: start loading its index group now.
-                let probe = index.probe(nodes[parent.index()].hash_words());
-                index.prefetch_probe(probe);
-                exposed = Some((parent, probe));
-            } else {
+            if !is_next_device_victim_without_host(nodes, policy, parent) {
                 self.refile(parent, None);
+                return None;
             }
+            // Its removal comes next: start loading its index group now.
+            let next = index.probe(nodes[parent.index()].hash_words());
+            index.prefetch_probe(next);
+            (victim, probe) = (parent, Some(next));
         }
-        if let Some((parent, _)) = exposed {
-            self.file_exposed_device_candidate(parent);
-        }
+        Some(victim)
     }
 
     /// Files `parent`, a device candidate (and nothing else) that [`Tree::remove_exposing`]
@@ -1156,6 +1165,20 @@ fn is_next_device_victim(nodes: &[Node], policy: &Policies, parent: NodeId) -> b
         && parent != NodeId::ROOT
         && node.is_device_candidate_alone()
         && policy.would_come_first(parent, EvictSet::Device)
+}
+
+/// [`is_next_device_victim`] of the parent of a node just unlinked, in a tree without a host
+/// tier: every node is `Device` with its device block alone, and the parent, which had a device
+/// child, is in no set. So the children, the holders and the policy decide.
+#[inline(always)]
+fn is_next_device_victim_without_host(nodes: &[Node], policy: &Policies, parent: NodeId) -> bool {
+    let node = &nodes[parent.index()];
+    let next = parent != NodeId::ROOT
+        && node.device_children == 0
+        && node.ref_count() == 0
+        && policy.would_come_first(parent, EvictSet::Device);
+    debug_assert_eq!(next, is_next_device_victim(nodes, policy, parent));
+    next
 }
 
 /// One device child of `parent` fewer (a child lost its device block), and whether `parent` is
