@@ -70,13 +70,12 @@ impl CacheManager {
         if record.failed {
             return Err(AllocateError::RequestFailed(request));
         }
+        if !self.host_enabled() {
+            return self.allocate_device_only(slot, request, new_tokens, lookahead);
+        }
         let hits_end = self.hits_end(record);
         let demand = self.demand(request, record, hits_end, new_tokens, lookahead)?;
         let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
-        if !self.host_enabled() {
-            debug_assert!(swap_ins == 0 && hits_end == record.path.len(), "hits on device only");
-            return self.allocate_device_only(slot, request, new_tokens, fresh);
-        }
         // The path position of the first hit without a table entry (a storage block's depth).
         let first_hit = record.table.len();
         let lost_cut = (hits_end < record.path.len()).then_some(hits_end);
@@ -221,15 +220,20 @@ impl CacheManager {
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }
 
-    /// [`CacheManager::allocate`] without a host tier (module flow, step 6): `fresh` blocks for
-    /// the request in `slot` and its `new_tokens`.
+    /// [`CacheManager::allocate`] without a host tier (module flow, step 6): blocks for the
+    /// request in `slot`, its `new_tokens` and `lookahead`.
     fn allocate_device_only(
         &mut self,
         slot: RequestSlot,
         request: RequestId,
         new_tokens: usize,
-        fresh: usize,
+        lookahead: usize,
     ) -> Result<Allocation<'_>, AllocateError> {
+        // Every hit is on device (no tier below to lose one to): the path covers them all.
+        let record = self.requests.at(slot);
+        debug_assert_eq!(self.hits_end(record), record.path.len(), "hits on device only");
+        let covered = record.table.len().max(record.path.len());
+        let fresh = self.fresh_blocks(request, record, covered, new_tokens, lookahead)?;
         self.ensure_device_blocks(fresh)?;
         let CacheManager { requests, tree, .. } = self;
         let Request { path, table, .. } = requests.at_mut(slot);
@@ -237,9 +241,12 @@ impl CacheManager {
         // fresh blocks go straight into the table after them (taken out of the record for the
         // evictions, which do not touch held nodes).
         let hits = path.get(table.len()..).unwrap_or_default();
-        table.extend(hits.iter().map(|&id| {
-            tree.node(id).device().expect("without a host tier a cached node is on device")
-        }));
+        table.reserve(hits.len() + fresh);
+        for &id in hits {
+            table.push(
+                tree.node(id).device().expect("without a host tier a cached node is on device"),
+            );
+        }
         let mut table = std::mem::take(table);
         self.obtain_device_blocks_without_host(fresh, &mut table);
         let ticket = self.new_ticket(request);

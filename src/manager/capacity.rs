@@ -114,7 +114,6 @@ impl CacheManager {
         new_tokens: usize,
         lookahead: usize,
     ) -> Result<Demand, AllocateError> {
-        let block_tokens = self.config.block_tokens as usize;
         let hits = record.path.get(record.table.len()..hits_end).unwrap_or_default();
         let (mut swap_ins, mut loads) = (0, 0);
         for &id in hits {
@@ -130,13 +129,28 @@ impl CacheManager {
         }
         swap_ins += loads;
         let covered = record.table.len().max(hits_end);
-        let fresh = record
+        let fresh = self.fresh_blocks(request, record, covered, new_tokens, lookahead)?;
+        Ok(Demand { swap_ins, loads, fresh })
+    }
+
+    /// The fresh blocks of [`CacheManager::demand`]: those that `new_tokens` and `lookahead`
+    /// more tokens need past the `covered` positions of `record`'s block table and hits.
+    #[inline]
+    pub(super) fn fresh_blocks(
+        &self,
+        request: RequestId,
+        record: &Request,
+        covered: usize,
+        new_tokens: usize,
+        lookahead: usize,
+    ) -> Result<usize, AllocateError> {
+        let block_tokens = self.config.block_tokens as usize;
+        Ok(record
             .tokens
             .checked_add(new_tokens)
             .and_then(|tokens| tokens.checked_add(lookahead))
             .ok_or(AllocateError::TooManyTokens { request, new_tokens, lookahead })?
             .div_ceil(block_tokens)
-            .saturating_sub(covered);
-        Ok(Demand { swap_ins, loads, fresh })
+            .saturating_sub(covered))
     }
 }
