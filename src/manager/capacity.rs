@@ -3,7 +3,9 @@
 //!
 //! 1. [`CacheManager::demand`] counts the device blocks `allocate` would take for a request: one
 //!    per host or storage hit not yet given a block (a storage hit also takes a host block), and the blocks for the new and lookahead tokens beyond
-//!    what the block table covers (checked arithmetic: an absurd count is a typed error).
+//!    what the block table covers ([`CacheManager::fresh_blocks`], checked arithmetic: an absurd
+//!    count is a typed error; an allocation without a host tier, whose hits are all on device,
+//!    counts only these).
 //! 2. [`CacheManager::obtainable_device_blocks`] counts free blocks, then what claims and
 //!    evictions could free, up to a limit (the count is O(limit), never a scan of the tree).
 //! 3. [`CacheManager::can_allocate`] puts the two together.

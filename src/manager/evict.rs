@@ -18,6 +18,8 @@
 //!
 //! An allocation takes the device block that steps 1 and 3 free at once, without passing it
 //! through the pool (which would hand the same block back: it gives out the block freed last).
+//! Without a host tier (so without a storage tier) every eviction is step 3 of a leaf on device
+//! alone: an allocation has the tree drop them in one loop ([`Tree::drop_device_leaves`]).
 //!
 //! Host blocks come from the free host pool, then from the least recently used host candidate:
 //! a backup is dropped; a host-only node the storage tier holds becomes storage-only (metadata

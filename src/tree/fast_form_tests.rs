@@ -1,8 +1,9 @@
 //! Differential tests of the tree's fast forms (a match's `hold_hit`, a commit's `insert_chain`
-//! and the end of a request's `release_path`; the write-back path's `start_claimed_swap_out`,
-//! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`, `remove_exposing_host` and
-//! `update_exposing_host`): each, applied to one of two trees built alike, must leave what the
-//! general [`Tree::insert`], [`Tree::update`] or [`Tree::remove`] leaves in the other.
+//! and the end of a request's `release_path`; an allocation's `drop_device_leaves` without a host
+//! tier; the write-back path's `start_claimed_swap_out`, `land_attached_claimed_swap_out`,
+//! `drop_device_copy_exposing`, `remove_exposing_host` and `update_exposing_host`): each, applied
+//! to one of two trees built alike, must leave what the general [`Tree::insert`],
+//! [`Tree::update`] or [`Tree::remove`] leaves in the other.
 
 use super::tests::{hash, served};
 use super::*;

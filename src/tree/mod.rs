@@ -9,7 +9,7 @@
 //! A node joins through [`Tree::insert`], or [`Tree::insert_chain`] for a run of new blocks each
 //! under the one before (a commit's usual case). Every change to a node goes through
 //! [`Tree::update`], or through one of its fast forms for the hot steps (`hold_hit`,
-//! `release_path`, the exposing removals, `start_claimed_swap_out`,
+//! `release_path`, the exposing removals, `drop_device_leaves`, `start_claimed_swap_out`,
 //! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`), which do the same three steps
 //! for the one change they make (checked against `update` by differential tests):
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
