@@ -315,19 +315,22 @@ macro_rules! registry {
                     $(Policies::$variant(p) => p.touch_released_path(path),)+
                 }
             }
-            #[inline]
+            // `enter`, `leave` and `first` inline everywhere: out of line, the call, the
+            // registers the larger policies' arms save and the dispatch cost more than the LRU
+            // arm's list work (1-2% of a median request's instructions, every configuration).
+            #[inline(always)]
             pub fn enter(&mut self, node: NodeId, sets: Membership) {
                 match self {
                     $(Policies::$variant(p) => p.enter(node, sets),)+
                 }
             }
-            #[inline]
+            #[inline(always)]
             pub fn leave(&mut self, node: NodeId, sets: Membership) {
                 match self {
                     $(Policies::$variant(p) => p.leave(node, sets),)+
                 }
             }
-            #[inline]
+            #[inline(always)]
             pub fn first(&self, set: EvictSet) -> Option<NodeId> {
                 match self {
                     $(Policies::$variant(p) => p.first(set),)+
