@@ -214,6 +214,23 @@ impl ChildIndex {
         if self.len >= self.grow_at {
             self.grow(nodes);
         }
+        self.insert_reserved(id, words);
+    }
+
+    /// Makes room for `additional` more entries now (doubling as their [`ChildIndex::insert`]s
+    /// would have, at the same count), so that they go in by [`ChildIndex::insert_reserved`],
+    /// with no test for growth each.
+    #[inline]
+    pub fn reserve(&mut self, additional: usize, nodes: &[Node]) {
+        while self.len + additional > self.grow_at {
+            self.grow(nodes);
+        }
+    }
+
+    /// [`ChildIndex::insert`] of an entry that [`ChildIndex::reserve`] made room for.
+    #[inline]
+    pub fn insert_reserved(&mut self, id: NodeId, words: &[u32; 4]) {
+        debug_assert!(self.len < self.grow_at, "an entry inserted past its reserve");
         self.place(id, words);
         self.len += 1;
     }

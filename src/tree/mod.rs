@@ -409,9 +409,11 @@ impl Tree {
         path: &mut Vec<NodeId>,
     ) {
         let Some((&first_hash, rest)) = hashes.split_first() else { return };
-        path.reserve(hashes.len());
+        // Room for the whole chain in the index at once: no test for growth per node.
+        self.index.reserve(hashes.len(), &self.nodes);
         let mut parent = self.insert(parent, first_hash, |node| init(0, node));
         debug_assert!(self.nodes[parent.index()].ref_count() > 0, "a chain's node is unheld");
+        path.reserve(hashes.len());
         path.push(parent);
         for (index, &hash) in rest.iter().enumerate() {
             if let Some(&ahead) = rest.get(index + PREFETCH_AHEAD) {
@@ -430,7 +432,7 @@ impl Tree {
             parent_node.first_child = id;
             parent_node.device_children = u16::from(has_device);
             parent_node.upper_children = u16::from(is_upper);
-            self.index.insert(id, &words, &self.nodes);
+            self.index.insert_reserved(id, &words);
             if let Some(access) = access.filter(|&access| self.policy.wants(access)) {
                 let nodes = &self.nodes;
                 self.policy.touch(id, || nodes[id.index()].hash(), access);
