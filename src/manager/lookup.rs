@@ -277,13 +277,15 @@ fn walk(
         tree.prefetch_child(hash);
     }
     for (index, &hash) in hashes.iter().enumerate() {
-        if let Some(&ahead) = hashes.get(index + PREFETCH_AHEAD) {
-            tree.prefetch_child(ahead);
-        }
         let Some(id) = tree.child(parent, hash) else { break };
         let Some(tier) = hit_tier(tree.node(id).state()) else { break };
         if stop(id) {
             break;
+        }
+        // Only a hit goes on to the next block: the walk that ends here (as most do after a
+        // few blocks) asks for no group it will not read.
+        if let Some(&ahead) = hashes.get(index + PREFETCH_AHEAD) {
+            tree.prefetch_child(ahead);
         }
         found.count(tier);
         visit(id);

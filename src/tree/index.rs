@@ -178,6 +178,7 @@ impl ChildIndex {
     }
 
     /// The child of `parent` keyed by `hash`.
+    #[inline]
     pub fn find(&self, parent: NodeId, hash: BlockHash, nodes: &[Node]) -> Option<NodeId> {
         if self.groups.is_empty() {
             return None;
