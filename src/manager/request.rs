@@ -146,6 +146,9 @@ impl Requests {
 
     /// Ends `id`: frees its slot, and returns its record, which stays in the slot to be read
     /// until the next request starts there.
+    // Always inline: the end of every request calls it once, and the call (the registers it
+    // saves and restores) costs a fifth of the removal.
+    #[inline(always)]
     pub fn remove(&mut self, id: &RequestId) -> Option<&mut Request> {
         let slot = self.index.remove(id)?;
         self.free.push(slot);
