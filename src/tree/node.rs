@@ -176,15 +176,7 @@ const PASSING_THROUGH_HOST: u8 = 0x20;
 pub(super) const COUNT_SATURATED: u16 = u16::MAX;
 
 /// One cached block.
-///
-/// The fields are in a fixed order (`repr(C)`, with no padding: the `u32` fields, the three
-/// `u16` counts and the two bytes, then the transfer), chosen for the cache: records are 60 bytes, so most of
-/// them straddle two cache lines, and the fields that one step reads together sit close, so
-/// that the step touches one line more often. A lookup reads the hash and the parent (the first
-/// 20 bytes); filing, releasing and evicting read the blocks, holders, child counts and state
-/// (bytes 32 to 52); the transfer, read only with a copy in flight, comes last.
 #[derive(Clone, Debug)]
-#[repr(C)]
 pub struct Node {
     /// The block hash as four little-endian words: a `u128` would align the record to 16 bytes.
     hash: [u32; 4],
@@ -195,6 +187,8 @@ pub struct Node {
     pub(super) prev_sibling: NodeId,
     /// The block of each tier, [`NO_BLOCK`] when none.
     blocks: [u32; TIERS],
+    /// The id of the one copy in flight for this node (0 when none), as two words.
+    transfer: [u32; 2],
     ref_count: u32,
     /// Children with a device block (saturating, see [`COUNT_SATURATED`]).
     pub(super) device_children: u16,
@@ -205,18 +199,9 @@ pub struct Node {
     hit_count: u16,
     state: u8,
     pub(super) flags: u8,
-    /// The id of the one copy in flight for this node (0 when none), as two words.
-    transfer: [u32; 2],
 }
 
 const _: () = assert!(size_of::<Node>() == 60);
-// The order the cache layout above counts on: a lookup's fields in the first 20 bytes, the
-// blocks, holders, counts and state in bytes 32 to 52.
-const _: () = assert!(
-    std::mem::offset_of!(Node, parent) == 16
-        && std::mem::offset_of!(Node, blocks) == 32
-        && std::mem::offset_of!(Node, flags) == 51
-);
 
 impl Node {
     pub(super) fn hold_one(&mut self) {
