@@ -62,14 +62,7 @@ impl CacheManager {
                 (TransferKind::HostToDevice, true) => {
                     self.stats.swap_in_blocks += 1;
                     let passing = self.tree.node(node).passing_through_host();
-                    self.tree.update(node, |node| {
-                        node.set_state(NodeState::Device);
-                        node.set_transfer(None);
-                        if passing {
-                            node.set_host(None);
-                            node.set_passing_through_host(false);
-                        }
-                    });
+                    self.tree.land_swap_in(node, passing);
                     if passing {
                         self.free_host(pair.src);
                     }
@@ -217,16 +210,22 @@ impl CacheManager {
     ///
     /// [`Tree::land_attached_claimed_swap_out`]: crate::tree::Tree::land_attached_claimed_swap_out
     fn swap_outs_landed(&mut self, id: TransferId, nodes: &[NodeId]) {
+        // Asked once: only a storage tier wants to hear of a node settled on host.
+        let storage = self.storage_enabled();
+        let mut landed = 0;
         for &node in nodes {
             match self.tree.land_attached_claimed_swap_out(node, id.0) {
                 Landing::Landed => {
-                    self.stats.swap_out_blocks += 1;
-                    self.settled_on_host(node);
+                    landed += 1;
+                    if storage {
+                        self.settled_on_host(node);
+                    }
                 }
                 Landing::Attached(state) => self.swap_out_landed(node, state),
                 Landing::Detached => {}
             }
         }
+        self.stats.swap_out_blocks += landed;
     }
 
     /// The swap-out of node `id`, in `state`, landed (module flow, step 3): a backup or an

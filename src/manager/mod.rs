@@ -575,18 +575,14 @@ impl CacheManager {
         }
     }
 
-    /// Gives a device block to a host-resident node and starts its swap-in (within the current
-    /// operation's host-to-device copy).
+    /// Gives a device block to a host-resident node that the allocating request holds (a hit),
+    /// and starts its swap-in (within the current operation's host-to-device copy).
     fn start_swap_in(&mut self, id: NodeId, block: u32) -> TransferId {
         let host = self.tree.node(id).host().expect("a host node has a host block");
         let (transfer, flight) = self.open_transfer(TransferKind::HostToDevice);
         flight.pairs.push(kvshm_ipc::record::BlockPair::new(host, block));
         flight.nodes.push(id);
-        self.tree.update(id, |node| {
-            node.set_device(Some(block));
-            node.set_state(NodeState::SwapToDevice);
-            node.set_transfer(Some(transfer.0));
-        });
+        self.tree.start_swap_in_of_held(id, block, transfer.0);
         transfer
     }
 

@@ -1,9 +1,10 @@
 //! Differential tests of the tree's fast forms (a match's `hold_hit`, a commit's `insert_chain`
 //! and the end of a request's `release_path`; an allocation's `drop_device_leaves` without a host
 //! tier; the write-back path's `start_claimed_swap_out`, `land_attached_claimed_swap_out`,
-//! `drop_device_copy_exposing`, `remove_exposing_host` and `update_exposing_host`): each, applied
-//! to one of two trees built alike, must leave what the general [`Tree::insert`],
-//! [`Tree::update`] or [`Tree::remove`] leaves in the other.
+//! `drop_device_copy_exposing`, `remove_exposing_host` and `update_exposing_host`; the swap-in's
+//! `start_swap_in_of_held` and `land_swap_in`): each, applied to one of two trees built alike,
+//! must leave what the general [`Tree::insert`], [`Tree::update`] or [`Tree::remove`] leaves in
+//! the other.
 
 use super::tests::{hash, served};
 use super::*;
@@ -50,7 +51,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                     (!list.is_empty()).then(|| list[rnd(list.len())])
                 };
                 let what = format!("{policy:?} seed {seed} step {step}");
-                match rnd(10) {
+                match rnd(12) {
                     0 | 1 => {
                         // A new chain under the root or a device node, served (held, released).
                         let parents: Vec<NodeId> = std::iter::once(NodeId::ROOT)
@@ -242,6 +243,52 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                                 a.update(id, change);
                                 b.update(id, change);
                             }
+                        }
+                    }
+                    9 => {
+                        // An allocation starts the swap-in of a held host hit below the root
+                        // or a device copy.
+                        let list: Vec<NodeId> = ids
+                            .iter()
+                            .copied()
+                            .filter(|&id| {
+                                let node = a.node(id);
+                                let parent = node.parent().expect("a live node has a parent");
+                                node.state() == NodeState::Host
+                                    && node.ref_count() > 0
+                                    && (parent == NodeId::ROOT || a.node(parent).device().is_some())
+                            })
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            let (block, transfer) = (next_block, next_transfer);
+                            next_block += 1;
+                            next_transfer += 1;
+                            a.start_swap_in_of_held(id, block, transfer);
+                            b.update(id, |node| {
+                                node.set_device(Some(block));
+                                node.set_state(NodeState::SwapToDevice);
+                                node.set_transfer(Some(transfer));
+                            });
+                        }
+                    }
+                    10 => {
+                        // A swap-in lands, held or not, its host copy kept or only passing.
+                        let list: Vec<NodeId> = ids
+                            .iter()
+                            .copied()
+                            .filter(|&id| a.node(id).state() == NodeState::SwapToDevice)
+                            .collect();
+                        if let Some(id) = pick(&mut rnd, &list) {
+                            let passing = rnd(2) == 0;
+                            a.land_swap_in(id, passing);
+                            b.update(id, |node| {
+                                node.set_state(NodeState::Device);
+                                node.set_transfer(None);
+                                if passing {
+                                    node.set_host(None);
+                                    node.set_passing_through_host(false);
+                                }
+                            });
                         }
                     }
                     _ => {

@@ -10,7 +10,8 @@
 //! under the one before (a commit's usual case). Every change to a node goes through
 //! [`Tree::update`], or through one of its fast forms for the hot steps (`hold_hit`,
 //! `release_path`, the exposing removals, `drop_device_leaves`, `start_claimed_swap_out`,
-//! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`), which do the same three steps
+//! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`, `start_swap_in_of_held`,
+//! `land_swap_in`), which do the same three steps
 //! for the one change they make (checked against `update` by differential tests):
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
 //! 2. if the node gained or lost its device copy, adjust the parent's count of device children
@@ -823,6 +824,62 @@ impl Tree {
         None
     }
 
+    /// Starts the swap-in of host node `id` into device `block` by copy `transfer` (the node
+    /// becomes `SwapToDevice`), for an allocation whose request holds it: the fast form of an
+    /// [`Tree::update`] doing that. Held, the node is in no set before or after; its parent
+    /// gains a device child, and is filed again only when it is neither the root nor held (a
+    /// hit's parent is the hit before it on the request's path, held too).
+    ///
+    /// # Panics
+    /// In debug builds, if `id` is not a held `Host` node.
+    #[inline]
+    pub fn start_swap_in_of_held(&mut self, id: NodeId, block: u32, transfer: u64) {
+        // The arena as a slice (see `unlink`).
+        let nodes = self.nodes.as_mut_slice();
+        let node = &mut nodes[id.index()];
+        debug_assert!(
+            id != NodeId::ROOT && node.ref_count() > 0 && node.is(NodeState::Host),
+            "a swap-in of {id:?}, which is not a held host node"
+        );
+        let parent = node.parent;
+        {
+            // Both states are above storage: the parent's count of upper children stays.
+            let mut view = NodeMut { node, access: None, upper_changed: false };
+            view.set_device(Some(block));
+            view.set_state(NodeState::SwapToDevice);
+            view.set_transfer(Some(transfer));
+        }
+        let parent_node = &mut nodes[parent.index()];
+        parent_node.device_children = parent_node.device_children.saturating_add(1);
+        if parent != NodeId::ROOT && parent_node.ref_count() == 0 {
+            self.refile(parent, None);
+        }
+        debug_assert!(self.membership(id).is_empty(), "a held node belongs in no set");
+    }
+
+    /// Swap-in `id`'s copy landed: the node is `Device`, with no copy in flight, and, if its
+    /// host copy only passed through (`passing_through_host`), without it; the fast form of an
+    /// [`Tree::update`] doing that. Its device block and tier stay, so the parent's counts and
+    /// sets do; the node itself is filed again only if no request holds it (a held node is in
+    /// no set before or after).
+    #[inline]
+    pub fn land_swap_in(&mut self, id: NodeId, passing_through_host: bool) {
+        let node = &mut self.nodes[id.index()];
+        let held = node.ref_count() > 0;
+        let mut view = NodeMut { node, access: None, upper_changed: false };
+        view.set_state(NodeState::Device);
+        view.set_transfer(None);
+        if passing_through_host {
+            view.set_host(None);
+            view.set_passing_through_host(false);
+        }
+        if held {
+            debug_assert!(self.membership(id).is_empty(), "a held node belongs in no set");
+        } else {
+            self.refile(id, None);
+        }
+    }
+
     /// One device child of `parent` fewer, and whether `parent` is now the device candidate the
     /// policy would give up next (and nothing else; left unfiled): [`device_child_gone`] in one
     /// visit to the parent's record, the count recounted when it is saturated.
@@ -912,10 +969,16 @@ impl Tree {
         view.set_state(NodeState::Host);
         view.set_transfer(None);
         view.set_passing_through_host(false);
-        let sets = self.membership(id);
-        if !sets.is_empty() {
-            self.policy.enter(id, sets);
-            self.nodes[id.index()].set_membership(sets);
+        // `Host` with its host block and no device block: a host candidate, and nothing else,
+        // unless held or kept by a child above storage (decided from the two fields, rather
+        // than by the whole of `membership`).
+        if node.upper_children == 0 && node.ref_count() == 0 {
+            let joins = Membership::NONE.with(EvictSet::Host);
+            debug_assert_eq!(joins, self.membership(id));
+            self.policy.enter(id, joins);
+            self.nodes[id.index()].set_membership(joins);
+        } else {
+            debug_assert!(self.membership(id).is_empty(), "{id:?} belongs in a set");
         }
         Landing::Landed
     }
