@@ -1,8 +1,8 @@
 //! A small open-addressed map keyed by an integer id, for the maps a request touches every time:
-//! the live requests' slots and the tickets.
+//! the live requests' slots, the tickets, and the copies in flight.
 //!
 //! Core type: [`IdTable`]. The keys are integers the engine picks (requests) or the manager
-//! counts (tickets), so their bits are spread by one multiply (Fibonacci hashing: the high bits
+//! counts (tickets, copies), so their bits are spread by one multiply (Fibonacci hashing: the high bits
 //! of the product pick the home slot) and no hash function runs. Entries sit inline in a
 //! power-of-two array, at most half full, probed linearly:
 //! 1. a lookup scans from the key's home slot to the key, or to the first empty slot (absent);
@@ -27,6 +27,12 @@ impl IdKey for super::RequestId {
 }
 
 impl IdKey for super::TicketId {
+    fn bits(self) -> u64 {
+        self.0
+    }
+}
+
+impl IdKey for super::TransferId {
     fn bits(self) -> u64 {
         self.0
     }
@@ -169,6 +175,16 @@ impl<K: IdKey, V> IdTable<K, V> {
     /// Every entry, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> + '_ {
         self.slots.iter().flatten().map(|(key, value)| (key, value))
+    }
+
+    /// Every value, in no particular order.
+    pub fn values(&self) -> impl Iterator<Item = &V> + '_ {
+        self.slots.iter().flatten().map(|(_, value)| value)
+    }
+
+    /// Every value, mutable, in no particular order.
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut V> + '_ {
+        self.slots.iter_mut().flatten().map(|(_, value)| value)
     }
 
     /// Keeps the entries for which `keep` is true.

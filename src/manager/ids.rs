@@ -1,6 +1,7 @@
-//! Hash maps keyed by the manager's own ids: copies, the allocation dry run's scratch, prefetch
-//! queries (and the scheduler benchmark's fast baseline, a map of block hashes). The maps every
-//! request touches (its slot, its tickets) are [`super::id_table::IdTable`]s instead.
+//! Hash maps keyed by the manager's own ids: the allocation dry run's scratch, prefetch queries
+//! (and the scheduler benchmark's fast baseline, a map of block hashes). The maps every request
+//! touches (its slot, its tickets, the copies in flight) are [`super::id_table::IdTable`]s
+//! instead.
 //!
 //! The keys are integers the engine picks (requests) or the manager counts (tickets, copies),
 //! not input that an attacker shapes to flood a table, so a multiply replaces SipHash, which

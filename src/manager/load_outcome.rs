@@ -256,7 +256,7 @@ impl CacheManager {
                 .map(|(&id, _)| id)
                 .collect();
             for dependent in dependents {
-                let flight = &self.in_flight[&dependent];
+                let flight = self.in_flight.get(&dependent).expect("listed just above");
                 let then = flight.then;
                 let nodes: Vec<NodeId> = flight
                     .nodes

@@ -95,7 +95,7 @@ pub struct CacheManager {
     host: BlockPool,
     requests: Requests,
     tickets: IdTable<TicketId, Ticket>,
-    in_flight: IdMap<TransferId, Box<InFlight>>,
+    in_flight: IdTable<TransferId, Box<InFlight>>,
     /// Copies created but not yet handed out by `take_transfers`, oldest first.
     outbox: Vec<TransferId>,
     /// The copies the current operation is filling (at most one per direction); moved to
@@ -187,7 +187,7 @@ impl CacheManager {
             config,
             requests: Requests::default(),
             tickets: IdTable::default(),
-            in_flight: IdMap::default(),
+            in_flight: IdTable::default(),
             outbox: Vec::new(),
             open_device_to_host: None,
             open_host_to_device: None,
@@ -404,7 +404,8 @@ impl CacheManager {
             TransferKind::HostToDevice,
         ] {
             if let Some((id, flight)) = self.open_slot(kind).take() {
-                self.in_flight.insert(id, flight);
+                let fresh = self.in_flight.insert_new(id, flight);
+                debug_assert!(fresh, "copy ids are never reused");
                 self.outbox.push(id);
             }
         }
