@@ -123,11 +123,11 @@ impl CacheManager {
             }
         }
         if let Some(parent) = exposed {
-            self.tree.file(parent);
+            self.tree.file_exposed(parent, EvictSet::Device);
         }
         // A node the dry run's evictions then dropped (below a dropped device node) is gone.
         if let Some(parent) = exposed_host.filter(|&parent| self.tree.is_live(parent)) {
-            self.tree.file(parent);
+            self.tree.file_exposed(parent, EvictSet::Host);
         }
     }
 
@@ -273,7 +273,7 @@ impl CacheManager {
             Some(parent) if self.tree.is_next_host_victim(parent) => parent,
             parent => {
                 if let Some(parent) = parent.filter(|&parent| self.tree.is_live(parent)) {
-                    self.tree.file(parent);
+                    self.tree.file_exposed(parent, EvictSet::Host);
                 }
                 self.tree.first_host_candidate()?
             }

@@ -28,7 +28,8 @@ fn same(a: &Tree, b: &Tree, what: &str) {
 
 /// Every fast form of a request's match, commit and end and of the write-back path, applied to
 /// one of two trees built alike, leaves that tree as [`Tree::insert`], [`Tree::update`] (or
-/// [`Tree::remove`]) leave the other once the parent it hands back is filed: node fields, sets,
+/// [`Tree::remove`]) leave the other once the parent it hands back is filed (by
+/// [`Tree::file_exposed`], in the one set it was handed back for): node fields, sets,
 /// counts, the policy's order and stamps. A parent handed back as the next device victim is the
 /// policy's first device candidate once filed.
 #[test]
@@ -111,7 +112,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                             });
                             if let Some(parent) = exposed {
                                 assert!(a.nodes[parent.index()].membership().is_empty());
-                                a.file(parent);
+                                a.file_exposed(parent, EvictSet::Device);
                                 assert_eq!(b.first_device_candidate(), Some(parent), "{what}");
                             }
                         }
@@ -135,7 +136,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                             });
                             if let Some(parent) = exposed {
                                 assert!(a.nodes[parent.index()].membership().is_empty());
-                                a.file(parent);
+                                a.file_exposed(parent, EvictSet::Device);
                                 assert_eq!(b.first_device_candidate(), Some(parent), "{what}");
                             }
                         }
@@ -183,7 +184,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                             b.remove(id);
                             if let Some(parent) = exposed {
                                 let next = a.is_next_host_victim(parent);
-                                a.file(parent);
+                                a.file_exposed(parent, EvictSet::Host);
                                 if next {
                                     assert_eq!(b.first_host_candidate(), Some(parent), "{what}");
                                 }
@@ -214,7 +215,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                             b.update(id, change);
                             if let Some(parent) = exposed {
                                 let next = a.is_next_host_victim(parent);
-                                a.file(parent);
+                                a.file_exposed(parent, EvictSet::Host);
                                 if next {
                                     assert_eq!(b.first_host_candidate(), Some(parent), "{what}");
                                 }

@@ -1034,6 +1034,22 @@ impl Tree {
         self.refile(id, None);
     }
 
+    /// [`Tree::file`] of a parent that an exposing change handed back unfiled as a member of
+    /// `set` alone (the device set for [`Tree::remove_exposing`] and the other device fast
+    /// forms, the host set for [`Tree::remove_exposing_host`] and
+    /// [`Tree::update_exposing_host`]), unchanged since: its sets are not decided again.
+    ///
+    /// # Panics
+    /// In debug builds, if `id` is filed or does not belong in `set` alone.
+    #[inline]
+    pub fn file_exposed(&mut self, id: NodeId, set: EvictSet) {
+        let sets = Membership::NONE.with(set);
+        debug_assert!(self.nodes[id.index()].membership().is_empty(), "{id:?} is filed");
+        debug_assert_eq!(self.membership(id), sets, "{id:?} changed since it was handed back");
+        self.policy.enter(id, sets);
+        self.nodes[id.index()].set_membership(sets);
+    }
+
     /// Takes a node with no children out of the tree (its sets, the index, its parent's child
     /// list and counts), all but re-filing the parent, which it returns.
     #[inline(always)]
