@@ -18,7 +18,7 @@
 //!    ([`super::load_outcome`]).
 
 use super::load_outcome::{BlockOutcome, LoadOutcome};
-use super::transfer::InFlight;
+use super::transfer::{BlockPair, InFlight};
 use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
 use crate::tree::{Landing, NodeId, NodeState, SwapOut};
 
@@ -43,32 +43,31 @@ impl CacheManager {
             return Ok(());
         }
         let Some(flight) = self.release_completed(flight, outcome.is_ok()) else { return Ok(()) };
-        if flight.kind == TransferKind::DeviceToHost && outcome.is_ok() {
-            // The usual completion, of an allocation's evictions: one pass over the nodes.
-            self.swap_outs_landed(id, &flight.nodes);
+        if outcome.is_ok() {
+            // The usual completions, of an allocation's evictions or of its hits' swap-ins: one
+            // pass over the nodes.
+            match flight.kind {
+                TransferKind::DeviceToHost => self.swap_outs_landed(id, &flight.nodes),
+                TransferKind::HostToDevice => {
+                    self.swap_ins_landed(id, &flight.pairs, &flight.nodes);
+                }
+                TransferKind::HostToStorage | TransferKind::StorageToHost => {
+                    unreachable!("storage copies complete in complete_storage")
+                }
+            }
             self.resolve_tickets(&flight.tickets, None);
             self.recycle_flight(flight);
             return Ok(());
         }
+        // A failed copy: each attached pair is rolled back.
         for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
             if self.tree.attached_to(node, id.0).is_none() {
                 continue;
             }
-            match (flight.kind, outcome.is_ok()) {
-                (TransferKind::DeviceToHost, true) => {
-                    unreachable!("a landed swap-out is applied by swap_outs_landed")
-                }
-                (TransferKind::DeviceToHost, false) => self.swap_out_failed(node, pair.dst),
-                (TransferKind::HostToDevice, true) => {
-                    self.stats.swap_in_blocks += 1;
-                    let passing = self.tree.node(node).passing_through_host();
-                    self.tree.land_swap_in(node, passing);
-                    if passing {
-                        self.free_host(pair.src);
-                    }
-                }
-                (TransferKind::HostToDevice, false) => self.swap_in_failed(node, id),
-                (TransferKind::HostToStorage | TransferKind::StorageToHost, _) => {
+            match flight.kind {
+                TransferKind::DeviceToHost => self.swap_out_failed(node, pair.dst),
+                TransferKind::HostToDevice => self.swap_in_failed(node, id),
+                TransferKind::HostToStorage | TransferKind::StorageToHost => {
                     unreachable!("storage copies complete in complete_storage_transfer")
                 }
             }
@@ -193,6 +192,9 @@ impl CacheManager {
             ticket.pending -= 1;
             if failure.is_some() {
                 ticket.failure = failure;
+            } else if ticket.pending > 0 {
+                // Still waiting, and nothing failed: its request has nothing to hear yet.
+                continue;
             }
             if let Some(request) = ticket.request.and_then(|id| self.requests.get_mut(&id)) {
                 request.failed |= failure.is_some();
@@ -226,6 +228,23 @@ impl CacheManager {
             }
         }
         self.stats.swap_out_blocks += landed;
+    }
+
+    /// Swap-in `id`, serving `nodes` (one per pair of `pairs`), landed (module flow, step 3): each
+    /// node still attached is `Device` ([`Tree::land_swap_in`]), and a host copy that only
+    /// passed through (a LOAD's) goes back to the pool.
+    ///
+    /// [`Tree::land_swap_in`]: crate::tree::Tree::land_swap_in
+    fn swap_ins_landed(&mut self, id: TransferId, pairs: &[BlockPair], nodes: &[NodeId]) {
+        for (pair, &node) in pairs.iter().zip(nodes) {
+            let Some(node_record) = self.tree.attached_to(node, id.0) else { continue };
+            let passing = node_record.passing_through_host();
+            self.tree.land_swap_in(node, passing);
+            if passing {
+                self.free_host(pair.src);
+            }
+            self.stats.swap_in_blocks += 1;
+        }
     }
 
     /// The swap-out of node `id`, in `state`, landed (module flow, step 3): a backup or an
