@@ -648,7 +648,7 @@ impl Tree {
             exposed = self.drop_device_chain(&mut slots);
         }
         if let Some(parent) = exposed {
-            self.file_exposed_device_candidate(parent);
+            self.file_exposed(parent, EvictSet::Device);
         }
     }
 
@@ -685,20 +685,6 @@ impl Tree {
             (victim, probe) = (parent, Some(next));
         }
         Some(victim)
-    }
-
-    /// Files `parent`, a device candidate (and nothing else) that [`Tree::remove_exposing`]
-    /// handed back unfiled: [`Tree::file`] without deciding its sets again.
-    #[inline]
-    fn file_exposed_device_candidate(&mut self, parent: NodeId) {
-        debug_assert!(
-            self.nodes[parent.index()].membership().is_empty()
-                && self.is_device_candidate_only(parent),
-            "{parent:?} is not an unfiled device candidate"
-        );
-        let device = Membership::NONE.with(EvictSet::Device);
-        self.policy.enter(parent, device);
-        self.nodes[parent.index()].set_membership(device);
     }
 
     /// Removes a host candidate, as [`Tree::remove`] does, for an allocation that goes on
@@ -1035,8 +1021,8 @@ impl Tree {
     }
 
     /// [`Tree::file`] of a parent that an exposing change handed back unfiled as a member of
-    /// `set` alone (the device set for [`Tree::remove_exposing`] and the other device fast
-    /// forms, the host set for [`Tree::remove_exposing_host`] and
+    /// `set` alone (the device set for [`Tree::remove_exposing`], [`Tree::drop_device_leaves`]
+    /// and the other device fast forms, the host set for [`Tree::remove_exposing_host`] and
     /// [`Tree::update_exposing_host`]), unchanged since: its sets are not decided again.
     ///
     /// # Panics
