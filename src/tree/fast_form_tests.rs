@@ -9,9 +9,15 @@
 use super::tests::{hash, served};
 use super::*;
 
-/// Asserts that two trees hold the same node records (free slots included), stamps and sets.
+/// Asserts that two trees hold the same node records (free slots included), stamps and sets,
+/// in child indexes of the same size.
 fn same(a: &Tree, b: &Tree, what: &str) {
     assert_eq!(a.nodes.len(), b.nodes.len(), "{what}");
+    assert_eq!(
+        (a.index.len(), a.index.heap_bytes()),
+        (b.index.len(), b.index.heap_bytes()),
+        "{what}: the child indexes' entries and sizes"
+    );
     for (slot, (x, y)) in a.nodes.iter().zip(&b.nodes).enumerate() {
         assert_eq!(format!("{x:?}"), format!("{y:?}"), "{what}: slot {slot}");
         let id = NodeId(slot as u32);
@@ -402,6 +408,49 @@ fn dropping_device_leaves_evicts_what_first_and_remove_evict_one_by_one() {
                 same(&a, &b, &what);
             }
             assert!(dropped > 100 && exposed > 20, "{policy:?} seed {seed}: {dropped} {exposed}");
+        }
+    }
+}
+
+/// `insert_chain` makes room in the child index for its whole chain at once
+/// ([`ChildIndex::reserve`]): the index grows at the counts where one [`Tree::insert`] per node
+/// grows it (several times over for a chain longer than the table), so it ends the size those
+/// inserts leave, never holds more than 7/8 of its slots, and finds every node. Chains of every
+/// length from 1 to 45 (each length a divisor of some of the counts where the table doubles, or
+/// not), onto trees empty at first or presized.
+#[test]
+fn a_chain_grows_the_child_index_where_one_insert_per_node_grows_it() {
+    for presized in [0, 100] {
+        for len in 1..=45u128 {
+            let policy = EvictionPolicy::Lru;
+            let mut a = Tree::with_capacity(policy, presized);
+            let mut b = Tree::with_capacity(policy, presized);
+            let (mut next_hash, mut next_block) = (1u128, 0u32);
+            let mut parent = NodeId::ROOT;
+            while a.len() < 700 {
+                let what = format!("presized for {presized}, chains of {len}, {} nodes", a.len());
+                let hashes: Vec<u128> = (next_hash..next_hash + len).collect();
+                next_hash += len;
+                let first_block = next_block;
+                let init = |at: usize, node: &mut NodeMut<'_>| {
+                    node.set_device(Some(first_block + at as u32));
+                    node.hold();
+                    node.access(Access::Commit);
+                };
+                let chain: Vec<BlockHash> = hashes.iter().map(|&value| hash(value)).collect();
+                let mut path = Vec::new();
+                a.insert_chain(parent, &chain, init, &mut path);
+                a.release_path(&path);
+                assert_eq!(path, served(&mut b, parent, &hashes, next_block), "{what}");
+                next_block += len as u32;
+                same(&a, &b, &what);
+                for (&id, &value) in path.iter().zip(&hashes) {
+                    let parent = a.node(id).parent().unwrap();
+                    assert_eq!(a.child(parent, hash(value)), Some(id), "{what}");
+                }
+                // The next chain hangs under the root or under this one's head, by turns.
+                parent = if parent == NodeId::ROOT { path[0] } else { NodeId::ROOT };
+            }
         }
     }
 }
