@@ -455,6 +455,41 @@ fn a_chain_grows_the_child_index_where_one_insert_per_node_grows_it() {
     }
 }
 
+/// `drop_device_leaves` (through [`unlink`]) counts the children of a parent with saturated
+/// child counts down as it drops them, recounting while saturated, and drops the parent once
+/// its last child is gone: the counts agree with the children after every batch.
+#[test]
+fn dropping_device_leaves_of_a_saturated_parent_recounts_its_children() {
+    let mut tree = Tree::new(EvictionPolicy::Lru);
+    let parent = served(&mut tree, NodeId::ROOT, &[1], 0)[0];
+    let children = 65_537u32;
+    for index in 0..children {
+        tree.insert(parent, hash(1_000 + u128::from(index)), |node| {
+            node.set_device(Some(1 + index));
+            node.access(Access::Release);
+        });
+    }
+    let counts = |tree: &Tree| {
+        let node = tree.node(parent);
+        (node.device_children, node.upper_children)
+    };
+    assert_eq!(counts(&tree), (COUNT_SATURATED, COUNT_SATURATED));
+    let mut blocks = Vec::new();
+    let mut batches = 0;
+    while !tree.is_empty() {
+        let batch = 1_000.min(tree.len());
+        tree.drop_device_leaves(batch, &mut blocks);
+        tree.check().unwrap_or_else(|error| panic!("batch {batches}: {error:?}"));
+        batches += 1;
+        if tree.is_live(parent) {
+            let left = u16::try_from(tree.child_count(parent)).unwrap();
+            assert_eq!(counts(&tree), (left, left), "batch {batches}");
+        }
+    }
+    blocks.sort_unstable();
+    assert_eq!(blocks, (0..=children).collect::<Vec<u32>>());
+}
+
 /// The fast forms count a parent's saturated child counts down as `Tree::update` does.
 #[test]
 fn fast_forms_recount_a_saturated_parent_as_the_general_update_does() {
