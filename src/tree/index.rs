@@ -100,10 +100,18 @@ fn tag(mixed: u64) -> u8 {
 }
 
 /// Where the entries of a key are looked for: its home group and its tag ([`ChildIndex::probe`]).
+///
+/// It stays true while the table keeps its size: removals of other keys move no entry (they
+/// only uncount displaced ones) and [`ChildIndex::clear`] keeps the groups, so only growth (an
+/// insertion) makes it stale; a stale one would lead a removal to the wrong group.
 #[derive(Clone, Copy, Debug)]
 pub struct Probe {
     home: usize,
     tag: u8,
+    /// The number of groups it was taken at (debug builds): [`ChildIndex::remove`] asserts that
+    /// the table has not grown since.
+    #[cfg(debug_assertions)]
+    groups: usize,
 }
 
 /// (parent, block hash) to child, for every node but the root.
@@ -158,7 +166,12 @@ impl ChildIndex {
     #[inline]
     pub fn probe(&self, words: &[u32; 4]) -> Probe {
         let mixed = mix(words);
-        Probe { home: self.home(mixed), tag: tag(mixed) }
+        Probe {
+            home: self.home(mixed),
+            tag: tag(mixed),
+            #[cfg(debug_assertions)]
+            groups: self.groups.len(),
+        }
     }
 
     /// Starts loading the group `probe` reads first (see [`ChildIndex::prefetch`]).
@@ -257,9 +270,16 @@ impl ChildIndex {
     /// last grew: only an insertion grows it).
     ///
     /// # Panics
-    /// If the index does not hold it: the tree removes only nodes it inserted.
+    /// If the index does not hold it: the tree removes only nodes it inserted. In debug builds,
+    /// if the table grew since `probe` was taken.
     #[inline]
     pub fn remove(&mut self, id: NodeId, probe: Probe) {
+        #[cfg(debug_assertions)]
+        assert_eq!(
+            probe.groups,
+            self.groups.len(),
+            "removing {id:?} by a probe taken before the child index grew is a programming error"
+        );
         let mut index = probe.home;
         for _ in 0..self.groups.len() {
             let group = &mut self.groups[index];
@@ -423,6 +443,62 @@ mod tests {
         assert_eq!(index.find(NodeId::ROOT, BlockHash(u128::MAX), &nodes), None);
         let last = NodeId(nodes.len() as u32 - 1);
         assert_eq!(index.find(NodeId::ROOT, nodes[last.index()].hash(), &nodes), Some(last));
+    }
+
+    /// A probe kept for a later removal stays true across the removals of other keys (which
+    /// move no entry), in a table whose groups count displaced entries: every entry removed by
+    /// a probe taken before any removal, in a scrambled order, the counts checked after each.
+    #[test]
+    fn a_probe_taken_before_other_removals_still_removes_its_key() {
+        let mut index = ChildIndex::with_capacity(40);
+        let mut nodes = vec![Node::new(BlockHash(0), NodeId::NONE)];
+        // Keys whose homes crowd the first groups: most of them are displaced.
+        let homes = index.groups.len();
+        let mut values = 1u128..;
+        while index.len() < index.grow_at {
+            let value = values.find(|&value| index.home(mix(&split(BlockHash(value)))) < 2);
+            let hash = BlockHash(value.unwrap());
+            nodes.push(Node::new(hash, NodeId::ROOT));
+            let id = NodeId(nodes.len() as u32 - 1);
+            index.insert(id, &split(hash), &nodes);
+        }
+        assert_eq!(index.groups.len(), homes, "the table kept its size");
+        assert!(index.groups.iter().filter(|group| group.displaced() > 0).count() > 1);
+        let mut probes: Vec<(NodeId, Probe)> = (1..nodes.len())
+            .map(|id| (NodeId(id as u32), index.probe(nodes[id].hash_words())))
+            .collect();
+        // Scrambled, deterministically: displaced entries go before and after their blockers.
+        probes.sort_by_key(|&(id, _)| id.0.wrapping_mul(0x9E37_79B9) >> 7);
+        for (removed, &(id, probe)) in probes.iter().enumerate() {
+            index.remove(id, probe);
+            index.check(&nodes).unwrap_or_else(|error| panic!("after {removed} removals: {error}"));
+            assert_eq!(index.find(NodeId::ROOT, nodes[id.index()].hash(), &nodes), None);
+        }
+        assert_eq!(index.len(), 0);
+    }
+
+    /// A probe taken before the table grew names a group of the old table: a removal by it is
+    /// refused (in debug builds, where the probe carries the table's size) rather than left to
+    /// search, and uncount displaced entries in, the wrong groups.
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "by a probe taken before the child index grew")]
+    fn a_removal_by_a_probe_taken_before_the_table_grew_is_refused() {
+        let mut index = ChildIndex::with_capacity(1);
+        let mut nodes = vec![Node::new(BlockHash(0), NodeId::NONE)];
+        let mut add = |index: &mut ChildIndex, value: u128| {
+            nodes.push(Node::new(BlockHash(value), NodeId::ROOT));
+            let id = NodeId(nodes.len() as u32 - 1);
+            index.insert(id, &split(BlockHash(value)), &nodes);
+            (id, index.probe(&split(BlockHash(value))))
+        };
+        let (first, stale) = add(&mut index, 1);
+        let groups = index.groups.len();
+        for value in 2..=u128::try_from(index.grow_at).unwrap() + 1 {
+            add(&mut index, value);
+        }
+        assert!(index.groups.len() > groups, "the table grew");
+        index.remove(first, stale);
     }
 
     /// The premise of `prefetch_words` (which takes the home group's address unchecked): a
