@@ -270,6 +270,55 @@ mod tests {
         (key.0.wrapping_mul(MULTIPLIER) >> (64 - MIN_SLOTS.trailing_zeros())) as usize
     }
 
+    /// The copies in flight: ids counted from 1, each removed once, in any order, while later
+    /// ones are inserted. Every lookup, `iter`, `values` and `values_mut` (which a reset uses
+    /// to reserve every copy's blocks) agree with a hash map after every step.
+    #[test]
+    fn counted_ids_completed_out_of_order_agree_with_a_hash_map_in_every_view() {
+        use super::super::TransferId;
+        for window in [1u64, 7, 300] {
+            let mut table = IdTable::<TransferId, u64>::default();
+            let mut model: HashMap<TransferId, u64> = HashMap::new();
+            let mut state = 0x0dd_ba11_5eed_u64 ^ window;
+            let mut next_id = 1;
+            for step in 0..20_000u64 {
+                if model.len() < window as usize && next(&mut state) % 3 != 0 {
+                    let id = TransferId(next_id);
+                    next_id += 1;
+                    assert!(table.insert_new(id, step), "a fresh id is new");
+                    model.insert(id, step);
+                } else if !model.is_empty() {
+                    // Oldest, newest or any: completions come in no order.
+                    let mut ids: Vec<TransferId> = model.keys().copied().collect();
+                    ids.sort_unstable_by_key(|id| id.0);
+                    let id = ids[(next(&mut state) % ids.len() as u64) as usize];
+                    assert_eq!(table.remove(&id), model.remove(&id));
+                    assert_eq!(table.get(&id), None, "a completed id is gone");
+                }
+                if step % 7 == 0 {
+                    for value in table.values_mut() {
+                        *value += 1;
+                    }
+                    for value in model.values_mut() {
+                        *value += 1;
+                    }
+                }
+                assert_eq!(table.len(), model.len());
+                let mut values: Vec<u64> = table.values().copied().collect();
+                let mut expected: Vec<u64> = model.values().copied().collect();
+                values.sort_unstable();
+                expected.sort_unstable();
+                assert_eq!(values, expected, "window {window} step {step}");
+                let mut entries: Vec<_> = table.iter().map(|(&id, &value)| (id.0, value)).collect();
+                let mut expected: Vec<_> =
+                    model.iter().map(|(&id, &value)| (id.0, value)).collect();
+                entries.sort_unstable();
+                expected.sort_unstable();
+                assert_eq!(entries, expected, "window {window} step {step}");
+            }
+        }
+    }
+
     #[test]
     fn retain_keeps_only_what_it_is_told() {
         let mut table = IdTable::<RequestId, u64>::default();
