@@ -74,9 +74,9 @@ impl Default for Tree {
     }
 }
 
-/// Heap bytes per block that [`Tree::with_capacity`] sets aside at most: the child index (a
-/// power of two of 64-byte groups of twelve slots, at least 7/16 full).
-pub const PRESIZED_BYTES_PER_BLOCK: usize = (2 * 64 * 8usize).div_ceil(12 * 7);
+/// Heap bytes per block that [`Tree::with_capacity`] sets aside: the child index (64-byte
+/// groups of twelve slots, 7/16 full).
+pub const PRESIZED_BYTES_PER_BLOCK: usize = (64 * 16usize).div_ceil(12 * 7);
 
 /// How many blocks ahead of the one it works on a walk down a prompt asks for index groups
 /// ([`Tree::prefetch_child`]).
@@ -103,9 +103,9 @@ impl Tree {
         Tree::with_capacity(policy, 0)
     }
 
-    /// A tree whose child index holds `blocks` cached blocks without growing (at most
-    /// [`PRESIZED_BYTES_PER_BLOCK`] each, the size doubling would reach anyway), so that no
-    /// request pays for a rehash of the whole index. The arena grows by doubling, touching the
+    /// A tree whose child index holds `blocks` cached blocks without growing, 7/16 full when
+    /// they are all cached ([`PRESIZED_BYTES_PER_BLOCK`] each), so that no request pays for a
+    /// rehash of the whole index. The arena grows by doubling, touching the
     /// new half at once (see [`Tree::insert`]).
     pub fn with_capacity(policy: EvictionPolicy, blocks: usize) -> Tree {
         let mut tree = Tree {
