@@ -75,8 +75,9 @@ impl Default for Tree {
 }
 
 /// Heap bytes per block that [`Tree::with_capacity`] sets aside: the child index (64-byte
-/// groups of twelve slots, 7/16 full).
-pub const PRESIZED_BYTES_PER_BLOCK: usize = (64 * 16usize).div_ceil(12 * 7);
+/// groups of twelve slots, [`index::PRESIZED_SIXTEENTHS_FULL`] sixteenths full).
+pub const PRESIZED_BYTES_PER_BLOCK: usize =
+    (64 * 16usize).div_ceil(12 * index::PRESIZED_SIXTEENTHS_FULL);
 
 /// How many blocks ahead of the one it works on a walk down a prompt asks for index groups
 /// ([`Tree::prefetch_child`]).
@@ -103,7 +104,7 @@ impl Tree {
         Tree::with_capacity(policy, 0)
     }
 
-    /// A tree whose child index holds `blocks` cached blocks without growing, 7/16 full when
+    /// A tree whose child index holds `blocks` cached blocks without growing, 9/16 full when
     /// they are all cached ([`PRESIZED_BYTES_PER_BLOCK`] each), so that no request pays for a
     /// rehash of the whole index. The arena grows by doubling, touching the
     /// new half at once (see [`Tree::insert`]).
