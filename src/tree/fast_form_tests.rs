@@ -32,6 +32,17 @@ fn same(a: &Tree, b: &Tree, what: &str) {
     b.check().unwrap();
 }
 
+/// A deterministic picker for seed `seed` (xorshift): each call a number below its argument.
+fn picker(seed: u64) -> impl FnMut(usize) -> usize {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    move |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    }
+}
+
 /// Every fast form of a request's match, commit and end and of the write-back path, applied to
 /// one of two trees built alike, leaves that tree as [`Tree::insert`], [`Tree::update`] (or
 /// [`Tree::remove`]) leave the other once the parent it hands back is filed (by
@@ -42,13 +53,7 @@ fn same(a: &Tree, b: &Tree, what: &str) {
 fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
     for policy in EvictionPolicy::ALL.iter().copied() {
         for seed in 1..=40u64 {
-            let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            let mut rnd = move |n: usize| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % n as u64) as usize
-            };
+            let mut rnd = picker(seed);
             let (mut a, mut b) = (Tree::new(policy), Tree::new(policy));
             let (mut next_hash, mut next_block, mut next_transfer) = (1u128, 1u32, 1u64);
             let mut held: Vec<NodeId> = Vec::new();
@@ -342,13 +347,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
 fn dropping_device_leaves_evicts_what_first_and_remove_evict_one_by_one() {
     for policy in EvictionPolicy::ALL.iter().copied() {
         for seed in 1..=30u64 {
-            let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-            let mut rnd = move |n: usize| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % n as u64) as usize
-            };
+            let mut rnd = picker(seed);
             let (mut a, mut b) = (Tree::new(policy), Tree::new(policy));
             let (mut next_hash, mut next_block) = (1u128, 0u32);
             let mut held: Vec<NodeId> = Vec::new();
