@@ -254,7 +254,7 @@ impl Tree {
     /// How many children of `id` have a device block.
     pub fn device_child_count(&self, id: NodeId) -> u32 {
         match self.node(id).device_children {
-            COUNT_SATURATED => self.count_children(id, |child| child.device().is_some()),
+            COUNT_SATURATED => count_children(&self.nodes, id, false),
             count => u32::from(count),
         }
     }
@@ -262,7 +262,7 @@ impl Tree {
     /// How many children of `id` are not storage-only.
     pub fn upper_child_count(&self, id: NodeId) -> u32 {
         match self.node(id).upper_children {
-            COUNT_SATURATED => self.count_children(id, Node::is_upper),
+            COUNT_SATURATED => count_children(&self.nodes, id, true),
             count => u32::from(count),
         }
     }
@@ -277,11 +277,6 @@ impl Tree {
         self.policy.len(EvictSet::Storage)
     }
 
-    /// Walks the child list of `id`, counting the children `counted` says.
-    fn count_children(&self, id: NodeId, counted: impl Fn(&Node) -> bool) -> u32 {
-        self.children(id).filter(|&child| counted(&self.nodes[child.index()])).count() as u32
-    }
-
     /// Counts one more child of `parent` with a device block (`upper` false) or above storage
     /// (`upper` true). A saturated count stays saturated: it means "at least that many".
     #[inline]
@@ -294,18 +289,7 @@ impl Tree {
     /// Counts one child fewer, after the child's change; a saturated count is recounted.
     #[inline]
     fn count_child_out(&mut self, parent: NodeId, upper: bool) {
-        let node = &mut self.nodes[parent.index()];
-        let count = if upper { &mut node.upper_children } else { &mut node.device_children };
-        if *count == COUNT_SATURATED {
-            self.recount_children(parent, upper);
-        } else {
-            *count -= 1;
-        }
-    }
-
-    /// Recounts a saturated child count of `parent` by walking its child list.
-    fn recount_children(&mut self, parent: NodeId, upper: bool) {
-        recount_children(&mut self.nodes, parent, upper);
+        count_child_out(&mut self.nodes, parent, upper);
     }
 
     /// Tells the eviction policy that a request started: its match ended at `deepest` (none: no
@@ -876,7 +860,7 @@ impl Tree {
         let exposed = match device_child_gone(nodes.as_mut_slice(), policy, parent) {
             Some(next) => next,
             None => {
-                self.recount_children(parent, false);
+                recount_children(&mut self.nodes, parent, false);
                 self.is_next_device_victim(parent)
             }
         };
@@ -1190,18 +1174,38 @@ fn uncount_child_of_saturated(
     had_device: bool,
     was_upper: bool,
 ) {
-    for (gone, upper) in [(had_device, false), (was_upper, true)] {
-        if !gone {
-            continue;
-        }
-        let node = &mut nodes[parent.index()];
-        let count = if upper { &mut node.upper_children } else { &mut node.device_children };
-        if *count == COUNT_SATURATED {
-            recount_children(nodes, parent, upper);
-        } else {
-            *count -= 1;
-        }
+    if had_device {
+        count_child_out(nodes, parent, false);
     }
+    if was_upper {
+        count_child_out(nodes, parent, true);
+    }
+}
+
+/// [`Tree::count_child_out`] on the arena as a slice: one child of `parent` fewer with a device
+/// block (`upper` false) or above storage (`upper` true); a saturated count is recounted.
+#[inline]
+fn count_child_out(nodes: &mut [Node], parent: NodeId, upper: bool) {
+    let node = &mut nodes[parent.index()];
+    let count = if upper { &mut node.upper_children } else { &mut node.device_children };
+    if *count == COUNT_SATURATED {
+        recount_children(nodes, parent, upper);
+    } else {
+        *count -= 1;
+    }
+}
+
+/// Walks the child list of `parent`, counting the children with a device block (`upper` false)
+/// or above storage (`upper` true).
+fn count_children(nodes: &[Node], parent: NodeId, upper: bool) -> u32 {
+    let mut count = 0;
+    let mut child = nodes[parent.index()].first_child;
+    while child != NodeId::NONE {
+        let node = &nodes[child.index()];
+        count += u32::from(if upper { node.is_upper() } else { node.device().is_some() });
+        child = node.next_sibling;
+    }
+    count
 }
 
 /// Recounts the child count of `parent` of children with a device block (`upper` false) or
@@ -1209,14 +1213,7 @@ fn uncount_child_of_saturated(
 #[cold]
 #[inline(never)]
 fn recount_children(nodes: &mut [Node], parent: NodeId, upper: bool) {
-    let mut exact = 0u32;
-    let mut child = nodes[parent.index()].first_child;
-    while child != NodeId::NONE {
-        let node = &nodes[child.index()];
-        exact += u32::from(if upper { node.is_upper() } else { node.device().is_some() });
-        child = node.next_sibling;
-    }
-    let exact = u16::try_from(exact).unwrap_or(COUNT_SATURATED);
+    let exact = u16::try_from(count_children(nodes, parent, upper)).unwrap_or(COUNT_SATURATED);
     let node = &mut nodes[parent.index()];
     if upper {
         node.upper_children = exact;
