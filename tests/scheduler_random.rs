@@ -540,15 +540,21 @@ impl Engine {
     }
 }
 
+/// The snapshot's nodes by parent (`None`: the root's children), as positions in `nodes`.
+fn children_by_parent(nodes: &[SnapshotNode]) -> HashMap<Option<NodeId>, Vec<usize>> {
+    let mut children: HashMap<Option<NodeId>, Vec<usize>> = HashMap::new();
+    for (index, node) in nodes.iter().enumerate() {
+        children.entry(node.parent).or_default().push(index);
+    }
+    children
+}
+
 /// Device blocks that claims and cascading evictions could free, from a scan of the whole tree:
 /// an unheld node with a device block whose copy is an eviction in flight (claimable), or that is
 /// idle on device with every device child reclaimable too.
 fn reclaimable_by_brute_force(cache: &CacheManager) -> usize {
     let nodes = cache.tree_snapshot(u32::MAX).nodes;
-    let mut children: HashMap<Option<NodeId>, Vec<usize>> = HashMap::new();
-    for (index, node) in nodes.iter().enumerate() {
-        children.entry(node.parent).or_default().push(index);
-    }
+    let children = children_by_parent(&nodes);
     fn reclaimable(
         nodes: &[SnapshotNode],
         children: &HashMap<Option<NodeId>, Vec<usize>>,
@@ -576,10 +582,7 @@ fn reclaimable_by_brute_force(cache: &CacheManager) -> usize {
 /// has no device copy (evicted, it leaves the host tier) and gives a host block too.
 fn host_obtainable_by_brute_force(cache: &CacheManager) -> usize {
     let nodes = cache.tree_snapshot(u32::MAX).nodes;
-    let mut children: HashMap<Option<NodeId>, Vec<usize>> = HashMap::new();
-    for (index, node) in nodes.iter().enumerate() {
-        children.entry(node.parent).or_default().push(index);
-    }
+    let children = children_by_parent(&nodes);
     fn obtainable(
         nodes: &[SnapshotNode],
         children: &HashMap<Option<NodeId>, Vec<usize>>,
