@@ -42,8 +42,8 @@ impl CacheManager {
             self.complete_storage(id, flight, outcome);
             return Ok(());
         }
-        let Some(flight) = self.release_completed(flight, outcome.is_ok()) else { return Ok(()) };
-        if outcome.is_ok() {
+        let Err(failure) = outcome else {
+            let Some(flight) = self.release_completed(flight, true) else { return Ok(()) };
             // The usual completions, of an allocation's evictions or of its hits' swap-ins: one
             // pass over the nodes.
             match flight.kind {
@@ -58,8 +58,19 @@ impl CacheManager {
             self.resolve_tickets(&flight.tickets, None);
             self.recycle_flight(flight);
             return Ok(());
-        }
-        // A failed copy: each attached pair is rolled back.
+        };
+        self.roll_back(id, flight, failure);
+        Ok(())
+    }
+
+    /// Rolls back device copy `id` (`flight`, out of the in-flight table already), which
+    /// failed with `failure` (module flow, steps 3 and 4): each attached pair is undone.
+    /// Out of line: a failure is rare, and its code stays out of the way of the usual
+    /// completion (instruction cache).
+    #[cold]
+    #[inline(never)]
+    fn roll_back(&mut self, id: TransferId, flight: Box<InFlight>, failure: TransferFailure) {
+        let Some(flight) = self.release_completed(flight, false) else { return };
         for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
             if self.tree.attached_to(node, id.0).is_none() {
                 continue;
@@ -72,13 +83,11 @@ impl CacheManager {
                 }
             }
         }
-        let failure = match (flight.kind, outcome) {
-            (TransferKind::HostToDevice, Err(failure)) => Some(failure),
-            _ => None,
-        };
+        // A failed swap-out leaves its nodes where they were (or drops them): only a failed
+        // swap-in fails its tickets.
+        let failure = (flight.kind == TransferKind::HostToDevice).then_some(failure);
         self.resolve_tickets(&flight.tickets, failure);
         self.recycle_flight(flight);
-        Ok(())
     }
 
     /// Applies the outcome of storage copy `id` (a STORE or a LOAD), block by block:
@@ -205,13 +214,35 @@ impl CacheManager {
         }
     }
 
-    /// Swap-out `id`, serving `nodes` (one per pair), landed (module flow, step 3): a node still
-    /// attached whose device block an allocation claimed (the usual case) lands in one visit to
-    /// its record ([`Tree::land_attached_claimed_swap_out`]); any other attached node goes
-    /// through [`CacheManager::swap_out_landed`].
+    /// Swap-out `id`, serving `nodes` (one per pair), landed (module flow, step 3): the nodes
+    /// still attached whose device blocks an allocation claimed (the usual case: all of them)
+    /// land in one pass of the tree ([`Tree::land_claimed_swap_outs`]), until one in another
+    /// state; from there on [`CacheManager::swap_outs_landed_one_by_one`] lands them.
+    ///
+    /// [`Tree::land_claimed_swap_outs`]: crate::tree::Tree::land_claimed_swap_outs
+    #[inline]
+    fn swap_outs_landed(&mut self, id: TransferId, nodes: &[NodeId]) {
+        // Only a storage tier wants to hear of each node settled on host.
+        if self.storage_enabled() || self.general_forms_only() {
+            self.swap_outs_landed_one_by_one(id, nodes);
+            return;
+        }
+        let (through, landed) = self.tree.land_claimed_swap_outs(nodes, id.0);
+        self.stats.swap_out_blocks += landed;
+        if let Some(rest) = nodes.get(through..).filter(|rest| !rest.is_empty()) {
+            self.swap_outs_landed_one_by_one(id, rest);
+        }
+    }
+
+    /// [`CacheManager::swap_outs_landed`] node by node: a node still attached whose device block
+    /// an allocation claimed lands in one visit to its record
+    /// ([`Tree::land_attached_claimed_swap_out`]); any other attached node goes through
+    /// [`CacheManager::swap_out_landed`]. Out of line: with a storage tier, or once a swap-out
+    /// of a backup or an unclaimed eviction is met.
     ///
     /// [`Tree::land_attached_claimed_swap_out`]: crate::tree::Tree::land_attached_claimed_swap_out
-    fn swap_outs_landed(&mut self, id: TransferId, nodes: &[NodeId]) {
+    #[inline(never)]
+    fn swap_outs_landed_one_by_one(&mut self, id: TransferId, nodes: &[NodeId]) {
         // Asked once: only a storage tier wants to hear of a node settled on host.
         let storage = self.storage_enabled();
         let mut landed = 0;

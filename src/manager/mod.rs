@@ -32,6 +32,8 @@ mod complete;
 mod config;
 mod errors;
 mod evict;
+#[cfg(test)]
+mod fast_form_tests;
 mod finish;
 mod forget;
 mod id_table;
@@ -147,6 +149,10 @@ pub struct CacheManager {
     next_transfer: u64,
     next_ticket: u64,
     stats: stats::CacheCounters,
+    /// Whether the fast forms of `allocate` and `complete_transfer` are turned off, so that the
+    /// differential tests can compare them with the general forms.
+    #[cfg(test)]
+    general_forms_only: bool,
 }
 
 impl CacheManager {
@@ -213,6 +219,8 @@ impl CacheManager {
             next_transfer: 1,
             next_ticket: 1,
             stats: stats::CacheCounters::default(),
+            #[cfg(test)]
+            general_forms_only: false,
         })
     }
 
@@ -340,6 +348,15 @@ impl CacheManager {
             })
             .sum();
         self.tree.heap_bytes() + self.device.heap_bytes() + self.host.heap_bytes() + requests
+    }
+
+    /// Whether the fast forms are turned off (a differential test's general manager).
+    #[inline(always)]
+    fn general_forms_only(&self) -> bool {
+        #[cfg(test)]
+        return self.general_forms_only;
+        #[cfg(not(test))]
+        false
     }
 
     fn host_enabled(&self) -> bool {

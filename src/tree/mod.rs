@@ -954,6 +954,44 @@ impl Tree {
         Landing::Landed
     }
 
+    /// [`Tree::land_attached_claimed_swap_out`] for the nodes of swap-out `transfer` (one per
+    /// pair) in one pass, the arena and the policy borrowed once: lands each claimed one still
+    /// attached, skips each detached one, and stops at the first attached in another state (a
+    /// backup or an unclaimed eviction, which the manager lands), so that the nodes still change
+    /// in the copy's order. Returns how many nodes it went through (all of them unless it
+    /// stopped) and how many it landed.
+    #[inline]
+    pub fn land_claimed_swap_outs(&mut self, nodes: &[NodeId], transfer: u64) -> (usize, u64) {
+        let Tree { nodes: arena, policy, .. } = self;
+        let arena = arena.as_mut_slice();
+        let host = Membership::NONE.with(EvictSet::Host);
+        let mut landed = 0;
+        for (index, &id) in nodes.iter().enumerate() {
+            // Slots are never given back, so an id of the copy indexes the arena even when its
+            // node left the tree.
+            let node = &mut arena[id.index()];
+            if node.parent == NodeId::NONE || !node.names_transfer(transfer) {
+                continue;
+            }
+            if !node.is(NodeState::SwapToHost(SwapOut::Claimed)) {
+                return (index, landed);
+            }
+            debug_assert!(node.membership().is_empty(), "a claimed swap-out is filed");
+            let mut view = NodeMut { node, access: None, upper_changed: false };
+            view.set_state(NodeState::Host);
+            view.set_transfer(None);
+            view.set_passing_through_host(false);
+            // As in `land_attached_claimed_swap_out`: a host candidate unless held or kept by
+            // a child above storage.
+            if node.upper_children == 0 && node.ref_count() == 0 {
+                policy.enter(id, host);
+                node.set_membership(host);
+            }
+            landed += 1;
+        }
+        (nodes.len(), landed)
+    }
+
     /// The node `id` names if it is live and names `transfer` as its copy in flight: a pair
     /// of that copy still attached to it.
     #[inline]

@@ -267,6 +267,12 @@ impl Node {
         self.state == state.code()
     }
 
+    /// Whether copy `transfer` is the node's copy in flight (one compare of the two words).
+    #[inline]
+    pub(super) fn names_transfer(&self, transfer: u64) -> bool {
+        self.transfer == [transfer as u32, (transfer >> 32) as u32]
+    }
+
     /// The parent, `None` for the root.
     pub fn parent(&self) -> Option<NodeId> {
         self.parent.some()

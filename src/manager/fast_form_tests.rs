@@ -1,0 +1,185 @@
+//! Differential tests of the manager's fast forms with a host tier: an allocation whose hits are
+//! all on device (`allocate_hits_on_device`) and the landing of an allocation's claimed
+//! swap-outs in one pass of the tree (`swap_outs_landed` through
+//! `Tree::land_claimed_swap_outs`). Two managers built alike are driven by the same random
+//! engine, one with the fast forms turned off (`general_forms_only`): every answer, every copy
+//! handed out, the counters and the tree must stay the same, with `check_invariants` after
+//! every step.
+
+use super::*;
+
+/// A deterministic picker for seed `seed` (xorshift): each call a number below its argument.
+fn picker(seed: u64) -> impl FnMut(usize) -> usize {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    move |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    }
+}
+
+const BLOCK_TOKENS: usize = 4;
+
+/// The two managers, the fast one first, and what the engine knows of them.
+struct Pair {
+    fast: CacheManager,
+    general: CacheManager,
+    /// Live requests: id, prompt hashes, whether the allocation succeeded, its ticket.
+    live: Vec<(RequestId, Vec<crate::hash::BlockHash>, Option<TicketId>)>,
+    /// Copies handed out and not completed yet.
+    issued: Vec<TransferId>,
+    next_request: u64,
+}
+
+impl Pair {
+    /// Asserts that both managers answer alike and hold the same state; `what` names the step.
+    fn same(&self, what: &str) {
+        let (a, b) = (&self.fast, &self.general);
+        a.check_invariants().unwrap_or_else(|error| panic!("{what}: fast: {error}"));
+        b.check_invariants().unwrap_or_else(|error| panic!("{what}: general: {error}"));
+        assert_eq!(format!("{:?}", a.stats()), format!("{:?}", b.stats()), "{what}: counters");
+        assert_eq!(
+            format!("{:?}", a.tree_snapshot(u32::MAX)),
+            format!("{:?}", b.tree_snapshot(u32::MAX)),
+            "{what}: trees"
+        );
+        assert_eq!(a.free_device_blocks(), b.free_device_blocks(), "{what}: free device blocks");
+        assert_eq!(a.free_host_blocks(), b.free_host_blocks(), "{what}: free host blocks");
+        for (id, _, ticket) in &self.live {
+            assert_eq!(a.block_table(*id), b.block_table(*id), "{what}: table of {id}");
+            let fast = a.requests.get(id).expect("live");
+            let general = b.requests.get(id).expect("live");
+            assert_eq!(fast.claims, general.claims, "{what}: claims of {id}");
+            assert_eq!(fast.pending_tickets, general.pending_tickets, "{what}: {id}");
+            if let Some(ticket) = ticket {
+                assert_eq!(
+                    a.ticket_status(*ticket),
+                    b.ticket_status(*ticket),
+                    "{what}: {ticket:?}"
+                );
+                let waits = |cache: &CacheManager| cache.ticket_transfers(*ticket).count();
+                assert_eq!(waits(a), waits(b), "{what}: copies {ticket:?} waits on");
+            }
+        }
+    }
+
+    /// A new request for a prompt of `blocks` blocks of conversation `chain`: matched, then
+    /// allocated (aborted if that fails).
+    fn start(&mut self, chain: u128, blocks: usize, output_tokens: usize) {
+        let id = RequestId(self.next_request);
+        self.next_request += 1;
+        let hashes: Vec<_> =
+            (0..blocks as u128).map(|i| crate::hash::BlockHash(chain << 32 | (i + 1))).collect();
+        let prompt_tokens = blocks * BLOCK_TOKENS + 1;
+        let mut cached = None;
+        for cache in [&mut self.fast, &mut self.general] {
+            let found = cache.match_prefix(id, &hashes, prompt_tokens).expect("a valid prompt");
+            assert_eq!(*cached.get_or_insert(found), found, "{id}: match");
+        }
+        let found = cached.expect("matched");
+        let new_tokens = prompt_tokens - found.cached_tokens + output_tokens;
+        let fast =
+            self.fast.allocate(id, new_tokens, 0).map(|a| (a.ticket, a.block_table.to_vec()));
+        let general =
+            self.general.allocate(id, new_tokens, 0).map(|a| (a.ticket, a.block_table.to_vec()));
+        assert_eq!(fast, general, "{id}: allocation");
+        let Ok((ticket, _)) = fast else {
+            self.fast.abort(id).expect("live");
+            self.general.abort(id).expect("live");
+            return;
+        };
+        self.live.push((id, hashes, Some(ticket)));
+    }
+
+    /// Hands out the copies ready to go, to both.
+    fn take(&mut self) {
+        let (fast, general) = (self.fast.take_transfers(), self.general.take_transfers());
+        assert_eq!(fast, general, "copies handed out");
+        self.issued.extend(fast.iter().map(|transfer| transfer.id));
+    }
+
+    /// Completes issued copy `index`, failed when `fail`.
+    fn complete(&mut self, index: usize, fail: bool) {
+        let id = self.issued.swap_remove(index);
+        let outcome = if fail {
+            Err(TransferFailure { rank: 0, error: CommandError::CopyFailed, detail: 0 })
+        } else {
+            Ok(())
+        };
+        let fast = self.fast.complete_transfer(id, outcome);
+        let general = self.general.complete_transfer(id, outcome);
+        assert_eq!(fast, general, "completing {id:?}");
+    }
+
+    /// Ends live request `index`: committed and finished once its ticket is ready, else
+    /// aborted.
+    fn end(&mut self, index: usize) {
+        let (id, hashes, ticket) = self.live.swap_remove(index);
+        let ready =
+            ticket.is_some_and(|ticket| self.fast.ticket_status(ticket) == Ok(TicketStatus::Ready));
+        for cache in [&mut self.fast, &mut self.general] {
+            if ready {
+                cache.commit(id, hashes.len() * BLOCK_TOKENS, &hashes).expect("ready to commit");
+                cache.finish(id).expect("live");
+            } else {
+                cache.abort(id).expect("live");
+            }
+        }
+    }
+}
+
+/// An allocation whose hits are all on device, and the landing of its claimed swap-outs in one
+/// pass, leave what the general forms leave, under every online eviction policy and write
+/// policy, with copies completed late, out of order or failed, write-through backups and
+/// claims from earlier swap-outs mixed in.
+#[test]
+fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
+    let policies = EvictionPolicy::ALL.iter().copied().filter(|policy| !policy.is_offline());
+    let mut allocations_checked = 0;
+    for eviction in policies {
+        for write_policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
+            for seed in 1..=12u64 {
+                let mut pick = picker(seed);
+                // A free watermark on odd seeds: `poll` starts swap-outs that allocations then
+                // claim from, beside their own.
+                let config = CacheConfig::new(BLOCK_TOKENS as u32, 12)
+                    .with_host_blocks(20)
+                    .with_free_watermark(if seed % 2 == 1 { 4 } else { 0 })
+                    .with_write_policy(write_policy)
+                    .with_eviction(eviction);
+                let mut general = CacheManager::new(config.clone()).expect("valid");
+                general.general_forms_only = true;
+                let mut pair = Pair {
+                    fast: CacheManager::new(config).expect("valid"),
+                    general,
+                    live: Vec::new(),
+                    issued: Vec::new(),
+                    next_request: 1,
+                };
+                for step in 0..400 {
+                    match pick(10) {
+                        0..=3 if pair.live.len() < 4 => {
+                            let (chain, blocks) = (pick(8) as u128, 1 + pick(6));
+                            pair.start(chain, blocks, pick(2 * BLOCK_TOKENS));
+                            allocations_checked += 1;
+                        }
+                        4 | 5 => pair.take(),
+                        6 | 7 if !pair.issued.is_empty() => {
+                            let index = pick(pair.issued.len());
+                            pair.complete(index, pick(12) == 0);
+                        }
+                        8 if !pair.live.is_empty() => pair.end(pick(pair.live.len())),
+                        9 => {
+                            pair.fast.poll();
+                            pair.general.poll();
+                        }
+                        _ => {}
+                    }
+                    pair.same(&format!("{eviction:?} {write_policy:?} seed {seed} step {step}"));
+                }
+            }
+        }
+    }
+    assert!(allocations_checked > 1000, "{allocations_checked} allocations");
+}
