@@ -57,8 +57,8 @@ pub(super) struct AllocateScratch {
     host_blocks: Vec<(u32, Option<TransferId>)>,
     /// Other requests' loads of blocks above this request's storage hits.
     loads_before: Vec<TransferId>,
-    /// Fresh blocks claimed from swap-outs, with those copies.
-    claims: Vec<(u32, TransferId)>,
+    /// The swap-outs of the runs of fresh blocks claimed from them.
+    claims: Vec<TransferId>,
 }
 
 impl CacheManager {
@@ -227,32 +227,28 @@ impl CacheManager {
             flight.after.extend_from_slice(&scratch.after);
             self.wait_on(ticket, transfer);
         }
-        // The rest are the fresh blocks: the ones claimed from swap-outs are noted here, and all
-        // go to the block table after the hits at the end.
+        // The rest are the fresh blocks: all go to the block table after the hits, the ones
+        // claimed from swap-outs noted by runs of one copy, each waited on.
         let fresh_blocks = blocks.as_slice();
-        scratch.claims.clear();
-        for &(block, claimed_from) in fresh_blocks {
-            if let Some(transfer) = claimed_from {
-                scratch.claims.push((block, transfer));
-            }
-        }
-        // Claims come in runs from one copy (the operation's swap-out): one wait per run.
-        let mut waited = None;
-        for &(_, transfer) in &scratch.claims {
-            if waited != Some(transfer) {
-                self.wait_on(ticket, transfer);
-                waited = Some(transfer);
-            }
-        }
         debug_assert_eq!(fresh_blocks.len(), fresh);
-        self.close_transfers();
-
         let record = self.requests.at_mut(slot);
         record.table.extend_from_slice(&scratch.table);
-        record.table.extend(fresh_blocks.iter().map(|&(block, _)| block));
-        record.claims.extend_from_slice(&scratch.claims);
+        scratch.claims.clear();
+        for &(block, claimed_from) in fresh_blocks {
+            let position = record.table.len();
+            record.table.push(block);
+            if let Some(transfer) = claimed_from {
+                if record.note_claim(position, transfer) {
+                    scratch.claims.push(transfer);
+                }
+            }
+        }
         record.tokens += new_tokens;
         record.tickets.push(ticket);
+        for &transfer in &scratch.claims {
+            self.wait_on(ticket, transfer);
+        }
+        self.close_transfers();
         self.scratch = Some(scratch);
         let record = self.requests.at(slot);
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
@@ -287,13 +283,11 @@ impl CacheManager {
             record.table.push(tree.node(id).device().expect("a device hit has a device block"));
         }
         let mut pending = 0;
-        let mut waited = None;
         for &(block, claimed_from) in &scratch.blocks {
+            let position = record.table.len();
             record.table.push(block);
             let Some(transfer) = claimed_from else { continue };
-            record.claims.push((block, transfer));
-            if waited != Some(transfer) {
-                waited = Some(transfer);
+            if record.note_claim(position, transfer) {
                 // A claim is from a swap-out: this allocation's own (open), or an earlier one.
                 let flight = match open_device_to_host {
                     Some((open, flight)) if *open == transfer => flight,

@@ -33,20 +33,18 @@ impl CacheManager {
             tickets.remove(ticket);
         }
         if !record.claims.is_empty() {
-            record.claims.retain(|(_, transfer)| in_flight.contains_key(transfer));
-            record.claims.sort_unstable();
+            // Usually every copy claimed from has completed: one lookup per run of claims.
+            record.claims.retain(|run| in_flight.contains_key(&run.transfer));
         }
         for block in record.owned_blocks().rev() {
-            let claim = record.claims.binary_search_by_key(&block, |&(claimed, _)| claimed);
-            match claim {
-                Ok(index) => {
-                    let transfer = record.claims[index].1;
+            match record.claimed_from(block) {
+                Some(transfer) => {
                     let flight = in_flight
                         .get_mut(&transfer)
                         .expect("claims were filtered to copies in flight");
                     flight.reserved_device.push(block);
                 }
-                Err(_) => device
+                None => device
                     .free(block)
                     .expect("freeing a device block not in use is a programming error"),
             }

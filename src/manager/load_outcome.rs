@@ -355,13 +355,10 @@ impl CacheManager {
             request.table[position] = block;
         }
         let released: Vec<NodeId> = request.path.drain(cut..).collect();
-        for &(block, reader) in &blocks {
+        for (position, &(_, reader)) in (cut..end).zip(&blocks) {
             if let Some(reader) = reader {
-                self.requests
-                    .get_mut(&request_id)
-                    .expect("found above")
-                    .claims
-                    .push((block, reader));
+                let request = self.requests.get_mut(&request_id).expect("found above");
+                request.note_claim(position, reader);
                 self.wait_on(ticket, reader);
             }
         }

@@ -35,8 +35,9 @@ pub(crate) struct Request {
     pub private: Vec<u32>,
     /// Tokens the block table covers (lookahead excluded).
     pub tokens: usize,
-    /// Device blocks claimed from a swap-out still reading them, with that copy.
-    pub claims: Vec<(u32, TransferId)>,
+    /// Device blocks of the table claimed from a swap-out still reading them, by runs of
+    /// positions claimed from one copy ([`Request::note_claim`]).
+    pub claims: Vec<ClaimRun>,
     pub tickets: Vec<TicketId>,
     /// Tickets of this request still waiting.
     pub pending_tickets: u32,
@@ -46,7 +47,49 @@ pub(crate) struct Request {
     pub policy_tag: u8,
 }
 
+/// Positions `start..end` of a request's block table whose blocks were claimed from swap-out
+/// `transfer`, still reading them when claimed. A position keeps its block while the copy is in
+/// flight: the request's ticket waits on it, so nothing is committed meanwhile, and the blocks
+/// a storage miss replaces are hits below the path's end, never claimed ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ClaimRun {
+    pub transfer: TransferId,
+    pub start: u32,
+    pub end: u32,
+}
+
 impl Request {
+    /// Notes that the block at table `position` was claimed from swap-out `transfer`: the last
+    /// run grows when it is of that copy and ends there (an allocation's claims from its own
+    /// swap-out make one run), else a run starts. Returns whether one started.
+    #[inline]
+    pub fn note_claim(&mut self, position: usize, transfer: TransferId) -> bool {
+        let position = u32::try_from(position).expect("a table of < 2^32 blocks");
+        match self.claims.last_mut() {
+            Some(run) if run.transfer == transfer && run.end == position => {
+                run.end += 1;
+                false
+            }
+            _ => {
+                self.claims.push(ClaimRun { transfer, start: position, end: position + 1 });
+                true
+            }
+        }
+    }
+
+    /// The copy that `block` of the table was claimed from, among the runs of `claims`.
+    pub fn claimed_from(&self, block: u32) -> Option<TransferId> {
+        let table = &self.table;
+        self.claims
+            .iter()
+            .find(|run| {
+                table
+                    .get(run.start as usize..run.end as usize)
+                    .is_some_and(|run| run.contains(&block))
+            })
+            .map(|run| run.transfer)
+    }
+
     /// Empties the record for the next request in its slot, its buffers kept (so that serving a
     /// request allocates nothing once the buffers have grown).
     fn clear(&mut self) {
