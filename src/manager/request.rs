@@ -78,7 +78,13 @@ impl Request {
     }
 
     /// The copy that `block` of the table was claimed from, among the runs of `claims`.
+    // Inline, with the usual answer first: the end of a request asks once per block it owns,
+    // and its claims are gone by then (their copies completed) but for an aborted allocation.
+    #[inline]
     pub fn claimed_from(&self, block: u32) -> Option<TransferId> {
+        if self.claims.is_empty() {
+            return None;
+        }
         let table = &self.table;
         self.claims
             .iter()
