@@ -303,6 +303,12 @@ impl Tree {
         })
     }
 
+    /// Whether the eviction policy hears [`Tree::request_started`] (else the call does nothing
+    /// and may come after the request's hits are held).
+    pub fn hears_request_starts(&self) -> bool {
+        self.policy.hears_request_starts()
+    }
+
     /// Tells the eviction policy that the releases that follow end the request tagged `tag`.
     pub fn request_ending(&mut self, tag: u8) {
         self.policy.request_ending(tag);

@@ -281,6 +281,12 @@ macro_rules! registry {
                 }
             }
             #[inline]
+            pub fn hears_request_starts(&self) -> bool {
+                match self {
+                    $(Policies::$variant(_) => <$policy as Policy>::HEARS_REQUEST_STARTS,)+
+                }
+            }
+            #[inline]
             pub fn request_ending(&mut self, tag: u8) {
                 match self {
                     $(Policies::$variant(p) => p.request_ending(tag),)+
