@@ -12,8 +12,9 @@
 //!    closer to their home (backward-shift deletion): no tombstones, so a probe never runs
 //!    longer than the entries that collide with it.
 //!
-//! A request's `match_prefix`, `allocate`, `commit` and `finish` each do one operation here; a
-//! general hash map's generic probing cost several times the work of these few instructions.
+//! A request's `match_prefix` and `finish` each do one operation here (its `allocate` and
+//! `commit` too, unless the request is the latest started: see `Requests`); a general hash
+//! map's generic probing cost several times the work of these few instructions.
 
 /// An integer id used as an [`IdTable`] key.
 pub(crate) trait IdKey: Copy + Eq {

@@ -296,8 +296,17 @@ impl Tree {
     /// block hit), and `next_key` is the prompt's first block past the match. Returns the
     /// policy's tag for the request, to hand to [`Tree::request_ending`].
     pub fn request_started(&mut self, deepest: Option<NodeId>, next_key: Option<BlockHash>) -> u8 {
-        let deepest = deepest.map(|id| (id, !self.node(id).has_children()));
-        self.policy.request_started(MatchEnd { deepest, next_key })
+        let nodes = &self.nodes;
+        self.policy.request_started(|| MatchEnd {
+            deepest: deepest.map(|id| (id, !nodes[id.index()].has_children())),
+            next_key,
+        })
+    }
+
+    /// Whether the eviction policy hears [`Tree::request_started`] (else the call does nothing
+    /// and may come after the request's hits are held).
+    pub fn hears_request_starts(&self) -> bool {
+        self.policy.hears_request_starts()
     }
 
     /// Tells the eviction policy that the releases that follow end the request tagged `tag`.

@@ -362,6 +362,8 @@ impl Policy for Conv {
         1
     }
 
+    const HEARS_REQUEST_STARTS: bool = true;
+
     fn request_ending(&mut self, tag: u8) {
         self.releasing = tag.clamp(1, SATURATED);
     }

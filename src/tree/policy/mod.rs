@@ -143,10 +143,15 @@ pub trait Policy: Default + std::fmt::Debug {
     /// Makes room for per-node state of ids below `nodes` (the arena grew).
     fn reserve_nodes(&mut self, nodes: usize);
     /// A request started: its match ended at `matched` (see [`MatchEnd`]). Returns a tag that
-    /// the manager keeps with the request and hands to [`Policy::request_ending`].
+    /// the manager keeps with the request and hands to [`Policy::request_ending`]. Called only
+    /// for a policy that sets [`Policy::HEARS_REQUEST_STARTS`] (0 for the others).
     fn request_started(&mut self, _matched: MatchEnd) -> u8 {
         0
     }
+    /// Whether [`Policy::request_started`] does anything: the tree skips the call (and working
+    /// out where the match ended, at every match) otherwise. A policy that implements it sets
+    /// this.
+    const HEARS_REQUEST_STARTS: bool = false;
     /// The releases that follow (until the next call) end the request tagged `tag`.
     fn request_ending(&mut self, _tag: u8) {}
     /// A request finished (not aborted): `last` is the last node of its path, its prompt's end.
@@ -261,10 +266,24 @@ macro_rules! registry {
                     $(Policies::$variant(p) => p.wants(access),)+
                 }
             }
+            /// `matched` is worked out only for a policy that hears request starts (most do
+            /// not); 0 for the others.
             #[inline]
-            pub fn request_started(&mut self, matched: MatchEnd) -> u8 {
+            pub fn request_started(&mut self, matched: impl FnOnce() -> MatchEnd) -> u8 {
                 match self {
-                    $(Policies::$variant(p) => p.request_started(matched),)+
+                    $(Policies::$variant(p) => {
+                        if <$policy as Policy>::HEARS_REQUEST_STARTS {
+                            p.request_started(matched())
+                        } else {
+                            0
+                        }
+                    })+
+                }
+            }
+            #[inline]
+            pub fn hears_request_starts(&self) -> bool {
+                match self {
+                    $(Policies::$variant(_) => <$policy as Policy>::HEARS_REQUEST_STARTS,)+
                 }
             }
             #[inline]

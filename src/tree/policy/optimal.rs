@@ -136,6 +136,8 @@ impl Policy for Optimal {
         0
     }
 
+    const HEARS_REQUEST_STARTS: bool = true;
+
     fn wants(&self, _access: Access) -> bool {
         true
     }
