@@ -211,26 +211,8 @@ impl CacheManager {
                     RunEnd::General => {}
                 }
             }
-            let victim = run.exposed.take().unwrap_or_else(|| {
-                self.tree
-                    .first_device_candidate()
-                    .expect("evicting past what the dry run counted is a programming error")
-            });
-            // No node is claimable here, so a swap-out the eviction starts would be the next
-            // claim: it takes the block at once.
-            match self.evict_device(victim, Some(&mut run.exposed_host)) {
-                Evicted::Taken { block, exposed: parent } => {
-                    run.exposed = parent;
-                    out.push((block, None));
-                }
-                Evicted::Claimed { block, transfer, exposed: parent } => {
-                    run.exposed = parent;
-                    out.push((block, Some(transfer)));
-                }
-                Evicted::Freed | Evicted::SwappingOut => {
-                    unreachable!("an allocation's eviction takes the block it frees")
-                }
-            }
+            let taken = self.evict_one_for_allocation(&mut run);
+            out.push(taken);
         }
         let evictions = &mut self.stats.evictions;
         evictions.device_written_back += run.written_back;
@@ -242,6 +224,35 @@ impl CacheManager {
         // A node the dry run's evictions then dropped (below a dropped device node) is gone.
         if let Some(parent) = run.exposed_host.filter(|&parent| self.tree.is_live(parent)) {
             self.tree.file_exposed(parent, EvictSet::Host);
+        }
+    }
+
+    /// One eviction of [`CacheManager::obtain_device_blocks`] by the per-victim path: of the
+    /// parent the last one left unfiled (in `run`), else of the first device candidate. Returns
+    /// its device block, with the swap-out still reading it if it was written back.
+    // Out of line: without a storage tier it evicts only the victims a write-back run leaves,
+    // and the allocation's hot code stays compact (the run and its loop).
+    #[inline(never)]
+    fn evict_one_for_allocation(&mut self, run: &mut WriteBackRun) -> (u32, Option<TransferId>) {
+        let victim = run.exposed.take().unwrap_or_else(|| {
+            self.tree
+                .first_device_candidate()
+                .expect("evicting past what the dry run counted is a programming error")
+        });
+        // No node is claimable here, so a swap-out the eviction starts would be the next
+        // claim: it takes the block at once.
+        match self.evict_device(victim, Some(&mut run.exposed_host)) {
+            Evicted::Taken { block, exposed: parent } => {
+                run.exposed = parent;
+                (block, None)
+            }
+            Evicted::Claimed { block, transfer, exposed: parent } => {
+                run.exposed = parent;
+                (block, Some(transfer))
+            }
+            Evicted::Freed | Evicted::SwappingOut => {
+                unreachable!("an allocation's eviction takes the block it frees")
+            }
         }
     }
 

@@ -291,10 +291,12 @@ pub(super) fn start_claimed_swap_out(
         view.set_state(NodeState::SwapToHost(SwapOut::Claimed));
         view.set_transfer(Some(transfer));
     }
-    // Its new state admits no set without a device block: it leaves the ones it was in (none
-    // when it is a parent left unfiled by the previous eviction).
+    // Its new state admits no set without a device block: it leaves the one it was in (none
+    // when it is a parent left unfiled by the previous eviction), the device set alone (no host
+    // copy), named as a constant so that the policy's list is too.
     if !sets.is_empty() {
-        policy.leave(id, sets);
+        debug_assert_eq!(sets, Membership::NONE.with(EvictSet::Device));
+        policy.leave(id, Membership::NONE.with(EvictSet::Device));
         nodes[id.index()].set_membership(Membership::NONE);
     }
     device_child_gone_exposes(nodes, policy, parent)
