@@ -47,6 +47,7 @@ mod check;
 mod index;
 mod node;
 pub mod policy;
+mod set_order;
 mod snapshot;
 mod write_back;
 
@@ -58,6 +59,7 @@ pub use node::{Node, NodeId, NodeMut, NodeState, StoreOut, SwapOut};
 use node::{Tier, COUNT_SATURATED};
 use policy::{Access, EvictSet, MatchEnd, Membership, Policies, TierShape};
 pub use policy::{EvictionPolicy, FutureUses, ParseEvictionPolicyError};
+use set_order::SetOrder;
 pub use snapshot::{SnapshotNode, TreeSnapshot};
 pub use write_back::{RunEnd, WriteBackRun, WriteBackSink};
 
@@ -1035,7 +1037,7 @@ fn unlink(
     nodes: &mut [Node],
     free_slots: &mut NodeId,
     index: &mut ChildIndex,
-    policy: &mut Policies,
+    policy: &mut impl SetOrder,
     id: NodeId,
     probe: Option<Probe>,
 ) -> NodeId {
@@ -1139,7 +1141,7 @@ fn recount_children(nodes: &mut [Node], parent: NodeId, upper: bool) {
 /// policy would give up next: [`Tree::is_next_device_victim`] for the fast forms that hold the
 /// arena as a slice.
 #[inline(always)]
-fn is_next_device_victim(nodes: &[Node], policy: &Policies, parent: NodeId) -> bool {
+fn is_next_device_victim(nodes: &[Node], policy: &impl SetOrder, parent: NodeId) -> bool {
     let node = &nodes[parent.index()];
     node.membership().is_empty()
         && parent != NodeId::ROOT
@@ -1167,7 +1169,7 @@ fn is_next_device_victim_without_host(nodes: &[Node], policy: &Policies, parent:
 /// a slice (see [`Tree::start_claimed_swap_out`]). `None` when the count is saturated: the
 /// caller recounts and asks the tree.
 #[inline(always)]
-fn device_child_gone(nodes: &mut [Node], policy: &Policies, parent: NodeId) -> Option<bool> {
+fn device_child_gone(nodes: &mut [Node], policy: &impl SetOrder, parent: NodeId) -> Option<bool> {
     let node = &mut nodes[parent.index()];
     if node.device_children == COUNT_SATURATED {
         return None;

@@ -21,8 +21,10 @@
 //! copy open ends it with [`RunEnd::NeedsCopy`], so that a run that writes nothing back opens no
 //! copy. The parents left unfiled stay in [`WriteBackRun`] across those ends.
 
+use super::index::ChildIndex;
 use super::node::Tier;
 use super::policy::{EvictSet, Membership, Policies};
+use super::set_order::SetOrder;
 use super::{
     device_child_gone, is_next_device_victim, membership_in, recount_children, unlink, Node,
     NodeId, NodeMut, NodeState, SwapOut, Tree,
@@ -94,7 +96,37 @@ impl Tree {
         sink: &mut impl WriteBackSink,
     ) -> RunEnd {
         let Tree { nodes, free_slots, index, policy } = self;
-        let nodes = nodes.as_mut_slice();
+        let (nodes, args) = (nodes.as_mut_slice(), (count, min_hits, copy));
+        // One dispatch on the policy for the whole run (see `SetOrder`).
+        match policy {
+            Policies::Lru(policy) => {
+                write_back_loop(nodes, free_slots, index, policy, run, args, sink)
+            }
+            Policies::Conv(policy) => {
+                write_back_loop(nodes, free_slots, index, policy, run, args, sink)
+            }
+            Policies::Optimal(policy) => {
+                write_back_loop(nodes, free_slots, index, policy, run, args, sink)
+            }
+        }
+    }
+}
+
+/// The loop of [`Tree::write_back_run`] with the tree's fields borrowed apart and the policy
+/// itself; `(count, min_hits, copy)` as there.
+// Out of line, one function per policy: the loop of the policy in use is compact code of its
+// own, apart from the others'.
+#[inline(never)]
+fn write_back_loop(
+    nodes: &mut [Node],
+    free_slots: &mut NodeId,
+    index: &mut ChildIndex,
+    policy: &mut impl SetOrder,
+    run: &mut WriteBackRun,
+    (count, min_hits, copy): (usize, u32, Option<u64>),
+    sink: &mut impl WriteBackSink,
+) -> RunEnd {
+    {
         for _ in 0..count {
             let victim = match run.exposed {
                 Some(parent) => parent,
@@ -172,7 +204,12 @@ fn is_live(nodes: &[Node], id: NodeId) -> bool {
 
 /// [`Tree::file_exposed`] on the arena as a slice.
 #[inline(always)]
-pub(super) fn file_exposed(nodes: &mut [Node], policy: &mut Policies, id: NodeId, set: EvictSet) {
+pub(super) fn file_exposed(
+    nodes: &mut [Node],
+    policy: &mut impl SetOrder,
+    id: NodeId,
+    set: EvictSet,
+) {
     let sets = Membership::NONE.with(set);
     debug_assert!(nodes[id.index()].membership().is_empty(), "{id:?} is filed");
     debug_assert_eq!(membership_in(nodes, id), sets, "{id:?} changed since it was handed back");
@@ -183,7 +220,7 @@ pub(super) fn file_exposed(nodes: &mut [Node], policy: &mut Policies, id: NodeId
 /// Re-files `id` in the sets it belongs in now, with no access to tell ([`Tree::refile`] of no
 /// access on the arena as a slice).
 #[inline(always)]
-fn refile(nodes: &mut [Node], policy: &mut Policies, id: NodeId) {
+fn refile(nodes: &mut [Node], policy: &mut impl SetOrder, id: NodeId) {
     let old = nodes[id.index()].membership();
     let new = membership_in(nodes, id);
     if old != new {
@@ -222,7 +259,7 @@ pub(super) fn is_host_candidate_only(nodes: &[Node], id: NodeId) -> bool {
 #[inline(always)]
 pub(super) fn host_child_gone_exposes(
     nodes: &mut [Node],
-    policy: &mut Policies,
+    policy: &mut impl SetOrder,
     parent: NodeId,
 ) -> Option<NodeId> {
     let node = &nodes[parent.index()];
@@ -247,7 +284,7 @@ pub(super) fn host_child_gone_exposes(
 #[inline(always)]
 fn device_child_gone_exposes(
     nodes: &mut [Node],
-    policy: &mut Policies,
+    policy: &mut impl SetOrder,
     parent: NodeId,
 ) -> Option<NodeId> {
     let exposed = match device_child_gone(nodes, policy, parent) {
@@ -272,7 +309,7 @@ fn device_child_gone_exposes(
 #[inline(always)]
 pub(super) fn start_claimed_swap_out(
     nodes: &mut [Node],
-    policy: &mut Policies,
+    policy: &mut impl SetOrder,
     id: NodeId,
     host_block: u32,
     transfer: u64,
@@ -306,7 +343,7 @@ pub(super) fn start_claimed_swap_out(
 #[inline(always)]
 pub(super) fn drop_device_copy(
     nodes: &mut [Node],
-    policy: &mut Policies,
+    policy: &mut impl SetOrder,
     id: NodeId,
 ) -> Option<NodeId> {
     debug_assert!(
