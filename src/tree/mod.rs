@@ -683,7 +683,9 @@ impl Tree {
     /// but without asking the policy yet whether it comes first: other nodes may join the host
     /// candidates before the next host eviction, which must ask anyway. The caller evicts it
     /// next if [`Tree::is_next_host_victim`] says so, and files it with [`Tree::file`] otherwise
-    /// (if it is still live) before its operation ends.
+    /// (if it is still live) before its operation ends. A parent still counting a child above
+    /// storage keeps its sets, filed or not (the allocation's victim, left unfiled as the next
+    /// device victim, stays so: [`write_back::host_child_gone_exposes`]).
     ///
     /// # Panics
     /// If the node has children or is the root.

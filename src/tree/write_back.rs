@@ -126,74 +126,72 @@ fn write_back_loop(
     (count, min_hits, copy): (usize, u32, Option<u64>),
     sink: &mut impl WriteBackSink,
 ) -> RunEnd {
-    {
-        for _ in 0..count {
-            let victim = match run.exposed {
-                Some(parent) => parent,
-                None => policy
-                    .first(EvictSet::Device)
-                    .expect("evicting past what the dry run counted is a programming error"),
+    for _ in 0..count {
+        let victim = match run.exposed {
+            Some(parent) => parent,
+            None => policy
+                .first(EvictSet::Device)
+                .expect("evicting past what the dry run counted is a programming error"),
+        };
+        let node = &nodes[victim.index()];
+        debug_assert!(node.is(NodeState::Device), "{victim:?} is not a device candidate");
+        let device = node.block(Tier::Device).expect("a device candidate has a device block");
+        if node.block(Tier::Host).is_some() {
+            // A device candidate is `Device`: its host block is a valid copy (a backup).
+            run.exposed = drop_device_copy(nodes, policy, victim);
+            run.device_copies_dropped += 1;
+            sink.device_copy_dropped(device);
+            continue;
+        }
+        if node.hit_count() < min_hits {
+            return RunEnd::General;
+        }
+        let Some(copy) = copy else {
+            let host_to_be_had = sink.free_host_blocks() > 0
+                || run.exposed_host.is_some_and(|parent| is_live(nodes, parent))
+                || policy.len(EvictSet::Host) > 0;
+            return if host_to_be_had { RunEnd::NeedsCopy } else { RunEnd::General };
+        };
+        let host = if sink.free_host_blocks() > 0 {
+            sink.take_free_host_block()
+        } else {
+            // As `is_next_host_victim`: a parent handed back unfiled is still a host
+            // candidate alone while it is live.
+            let host_victim = match run.exposed_host.take() {
+                Some(parent)
+                    if is_live(nodes, parent)
+                        && policy.would_come_first(parent, EvictSet::Host) =>
+                {
+                    parent
+                }
+                parent => {
+                    if let Some(parent) = parent.filter(|&parent| is_live(nodes, parent)) {
+                        file_exposed(nodes, policy, parent, EvictSet::Host);
+                    }
+                    match policy.first(EvictSet::Host) {
+                        Some(candidate) => candidate,
+                        None => return RunEnd::General,
+                    }
+                }
             };
-            let node = &nodes[victim.index()];
-            debug_assert!(node.is(NodeState::Device), "{victim:?} is not a device candidate");
-            let device = node.block(Tier::Device).expect("a device candidate has a device block");
-            if node.block(Tier::Host).is_some() {
-                // A device candidate is `Device`: its host block is a valid copy (a backup).
-                run.exposed = drop_device_copy(nodes, policy, victim);
-                run.device_copies_dropped += 1;
-                sink.device_copy_dropped(device);
-                continue;
-            }
-            if node.hit_count() < min_hits {
+            let node = &nodes[host_victim.index()];
+            if node.block(Tier::Device).is_some() {
+                // A filed candidate (a parent handed back is host-only): the general path
+                // takes it first again.
                 return RunEnd::General;
             }
-            let Some(copy) = copy else {
-                let host_to_be_had = sink.free_host_blocks() > 0
-                    || run.exposed_host.is_some_and(|parent| is_live(nodes, parent))
-                    || policy.len(EvictSet::Host) > 0;
-                return if host_to_be_had { RunEnd::NeedsCopy } else { RunEnd::General };
-            };
-            let host = if sink.free_host_blocks() > 0 {
-                sink.take_free_host_block()
-            } else {
-                // As `is_next_host_victim`: a parent handed back unfiled is still a host
-                // candidate alone while it is live.
-                let host_victim = match run.exposed_host.take() {
-                    Some(parent)
-                        if is_live(nodes, parent)
-                            && policy.would_come_first(parent, EvictSet::Host) =>
-                    {
-                        parent
-                    }
-                    parent => {
-                        if let Some(parent) = parent.filter(|&parent| is_live(nodes, parent)) {
-                            file_exposed(nodes, policy, parent, EvictSet::Host);
-                        }
-                        match policy.first(EvictSet::Host) {
-                            Some(candidate) => candidate,
-                            None => return RunEnd::General,
-                        }
-                    }
-                };
-                let node = &nodes[host_victim.index()];
-                if node.block(Tier::Device).is_some() {
-                    // A filed candidate (a parent handed back is host-only): the general path
-                    // takes it first again.
-                    return RunEnd::General;
-                }
-                let block = node.block(Tier::Host).expect("a host candidate has a host block");
-                // Without a storage tier a host-only candidate is a leaf.
-                let parent = unlink(nodes, free_slots, index, policy, host_victim, None);
-                run.exposed_host = host_child_gone_exposes(nodes, policy, parent);
-                run.host_dropped += 1;
-                block
-            };
-            run.exposed = start_claimed_swap_out(nodes, policy, victim, host, copy);
-            run.written_back += 1;
-            sink.written_back(victim, device, host);
-        }
-        RunEnd::Done
+            let block = node.block(Tier::Host).expect("a host candidate has a host block");
+            // Without a storage tier a host-only candidate is a leaf.
+            let parent = unlink(nodes, free_slots, index, policy, host_victim, None);
+            run.exposed_host = host_child_gone_exposes(nodes, policy, parent);
+            run.host_dropped += 1;
+            block
+        };
+        run.exposed = start_claimed_swap_out(nodes, policy, victim, host, copy);
+        run.written_back += 1;
+        sink.written_back(victim, device, host);
     }
+    RunEnd::Done
 }
 
 /// Whether `id` names a live node of arena `nodes` ([`Tree::is_live`]).
