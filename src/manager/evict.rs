@@ -20,6 +20,10 @@
 //! through the pool (which would hand the same block back: it gives out the block freed last).
 //! Without a host tier (so without a storage tier) every eviction is step 3 of a leaf on device
 //! alone: an allocation has the tree drop them in one loop ([`Tree::drop_device_leaves`]).
+//! With a host tier and no storage tier, an allocation has the tree evict its victims in runs
+//! ([`Tree::write_back_run`]): step 1, and step 2 with a host block from the pool or from a
+//! host-only leaf, in one loop that hands the pairs to the open swap-out; a victim of any other
+//! kind ends the run, goes through the per-victim path below, and the next run goes on.
 //!
 //! Host blocks come from the free host pool, then from the least recently used host candidate:
 //! a backup is dropped; a host-only node the storage tier holds becomes storage-only (metadata
@@ -37,12 +41,17 @@
 //! is O(1); only a shortfall walks the candidates to add the parents their evictions expose,
 //! following each cascade as it is found and stopping once there are enough.
 
+use std::mem::MaybeUninit;
 use std::ops::ControlFlow;
 
 use super::ids::IdMap;
-use super::{CacheManager, TransferId, WritePolicy};
+use super::transfer::{BlockPair, InFlight};
+use super::{CacheManager, TransferId, TransferKind, WritePolicy};
+use crate::pool::BlockPool;
 use crate::tree::policy::EvictSet;
-use crate::tree::{NodeId, NodeMut, NodeState, StoreOut, SwapOut, Tree};
+use crate::tree::{
+    NodeId, NodeMut, NodeState, RunEnd, StoreOut, SwapOut, Tree, WriteBackRun, WriteBackSink,
+};
 
 /// What evicting one device candidate gave.
 enum Evicted {
@@ -58,6 +67,68 @@ enum Evicted {
     /// A swap-out started and the caller took the node's block at once: `block`, still read by
     /// `transfer`; `exposed` as for `Taken`.
     Claimed { block: u32, transfer: TransferId, exposed: Option<NodeId> },
+}
+
+/// The manager's side of an allocation's write-back run ([`Tree::write_back_run`]): the host
+/// pool, and slots for what the run gives, one per block it may take, in the spare capacity of
+/// the vectors it goes to: the device blocks taken (`obtain_device_blocks`'s `out`) and, once
+/// the swap-out is open, its pairs and nodes ([`spare_slots`]). A write into a slot keeps the
+/// slot's address in a register, where a push would reload the vector's header after every
+/// write to the tree (which the optimizer cannot tell apart), and growing the vectors by
+/// filler values first would cost as much as the pushes.
+struct AllocationBlocks<'a> {
+    host: &'a mut BlockPool,
+    out: Slots<'a, (u32, Option<TransferId>)>,
+    /// The open swap-out, its pair slots and node slots.
+    swap_out: Option<(TransferId, Slots<'a, BlockPair>, Slots<'a, NodeId>)>,
+}
+
+/// Spare slots at the end of a vector, handed out in order by [`spare_slots`].
+type Slots<'a, T> = std::slice::IterMut<'a, MaybeUninit<T>>;
+
+/// The first `count` spare slots of `vec` (reserved now), to write in order and then append
+/// with [`append_written`].
+fn spare_slots<T>(vec: &mut Vec<T>, count: usize) -> Slots<'_, T> {
+    vec.reserve(count);
+    vec.spare_capacity_mut()[..count].iter_mut()
+}
+
+/// Appends to `vec` the first `written` of its spare slots.
+///
+/// # Safety
+/// Those slots must hold values: written through the slots [`spare_slots`] handed out, each
+/// written as it was taken from the iterator (so the first `written` taken are the ones
+/// written), and the vector not changed since.
+unsafe fn append_written<T>(vec: &mut Vec<T>, written: usize) {
+    // SAFETY: the caller's premise: the slots up to `len + written` are initialized, and they
+    // are within the capacity `spare_slots` reserved.
+    unsafe { vec.set_len(vec.len() + written) };
+}
+
+impl WriteBackSink for AllocationBlocks<'_> {
+    fn free_host_blocks(&self) -> usize {
+        self.host.free_count()
+    }
+
+    fn take_free_host_block(&mut self) -> u32 {
+        self.host.allocate_one().expect("taking a free block that is there")
+    }
+
+    #[inline(always)] // once per write-back, in the run's loop
+    fn written_back(&mut self, id: NodeId, device: u32, host: u32) {
+        const SLOTS: &str = "a run takes no more blocks than it has slots for";
+        let (transfer, pairs, nodes) =
+            self.swap_out.as_mut().expect("a run writes back only with its swap-out open");
+        pairs.next().expect(SLOTS).write(BlockPair::new(device, host));
+        nodes.next().expect(SLOTS).write(id);
+        self.out.next().expect(SLOTS).write((device, Some(*transfer)));
+    }
+
+    #[inline(always)]
+    fn device_copy_dropped(&mut self, device: u32) {
+        let slot = self.out.next().expect("a run takes no more blocks than it has slots for");
+        slot.write((device, None));
+    }
 }
 
 impl CacheManager {
@@ -91,43 +162,97 @@ impl CacheManager {
             let Some(id) = self.tree.first_claimable() else { break };
             out.push(self.claim(id));
         }
-        // The parent a drop left unfiled as the next device candidate: the next victim.
-        let mut exposed = None;
-        // The host-only parent a host eviction left unfiled: the next host victim, if no host
-        // candidate comes before it.
-        let mut exposed_host = None;
+        // The parents evictions left unfiled (the next device victim, and the host-only parent
+        // that is the next host victim if no host candidate comes before it), and the counts.
+        let mut run = WriteBackRun::default();
+        // Without a storage tier the usual victims go in the tree's write-back run; the others,
+        // and every victim with a storage tier, one by one below.
+        let in_runs = self.host_enabled() && !self.storage_enabled();
+        let min_hits = match self.config.write_policy {
+            WritePolicy::WriteBack | WritePolicy::WriteThrough => 0,
+            WritePolicy::WriteThroughSelective { threshold } => threshold,
+        };
         while out.len() - start < count {
             debug_assert!(
                 self.tree.first_claimable().is_none(),
                 "an eviction left a claimable node"
             );
-            let victim = exposed.take().unwrap_or_else(|| {
-                self.tree
-                    .first_device_candidate()
-                    .expect("evicting past what the dry run counted is a programming error")
-            });
-            // No node is claimable here, so a swap-out the eviction starts would be the next
-            // claim: it takes the block at once.
-            match self.evict_device(victim, Some(&mut exposed_host)) {
-                Evicted::Taken { block, exposed: parent } => {
-                    exposed = parent;
-                    out.push((block, None));
+            if in_runs {
+                let left = count - (out.len() - start);
+                let CacheManager { tree, host, open_device_to_host, .. } = self;
+                let swap_out = open_device_to_host.as_mut().map(|(id, flight)| {
+                    let InFlight { pairs, nodes, .. } = &mut **flight;
+                    (*id, spare_slots(pairs, left), spare_slots(nodes, left))
+                });
+                let copy = swap_out.as_ref().map(|(id, ..)| id.0);
+                let mut sink = AllocationBlocks { host, out: spare_slots(out, left), swap_out };
+                let end = tree.write_back_run(&mut run, left, min_hits, copy, &mut sink);
+                let taken = left - sink.out.len();
+                let written_back = sink.swap_out.map(|(_, pairs, _)| left - pairs.len());
+                // SAFETY: the sink wrote each slot it took from its iterators at once (see
+                // `AllocationBlocks`): the first `taken` of `out` and, with the swap-out open,
+                // the first `written_back` of its pairs and of its nodes (one of each per
+                // write-back); nothing else touched the vectors since `spare_slots`.
+                unsafe {
+                    append_written(out, taken);
+                    if let (Some(written), Some((_, flight))) =
+                        (written_back, open_device_to_host.as_mut())
+                    {
+                        append_written(&mut flight.pairs, written);
+                        append_written(&mut flight.nodes, written);
+                    }
                 }
-                Evicted::Claimed { block, transfer, exposed: parent } => {
-                    exposed = parent;
-                    out.push((block, Some(transfer)));
-                }
-                Evicted::Freed | Evicted::SwappingOut => {
-                    unreachable!("an allocation's eviction takes the block it frees")
+                match end {
+                    RunEnd::Done => break,
+                    RunEnd::NeedsCopy => {
+                        self.open_transfer(TransferKind::DeviceToHost);
+                        continue;
+                    }
+                    RunEnd::General => {}
                 }
             }
+            let taken = self.evict_one_for_allocation(&mut run);
+            out.push(taken);
         }
-        if let Some(parent) = exposed {
+        let evictions = &mut self.stats.evictions;
+        evictions.device_written_back += run.written_back;
+        evictions.device_to_host_metadata += run.device_copies_dropped;
+        evictions.host_dropped += run.host_dropped;
+        if let Some(parent) = run.exposed {
             self.tree.file_exposed(parent, EvictSet::Device);
         }
         // A node the dry run's evictions then dropped (below a dropped device node) is gone.
-        if let Some(parent) = exposed_host.filter(|&parent| self.tree.is_live(parent)) {
+        if let Some(parent) = run.exposed_host.filter(|&parent| self.tree.is_live(parent)) {
             self.tree.file_exposed(parent, EvictSet::Host);
+        }
+    }
+
+    /// One eviction of [`CacheManager::obtain_device_blocks`] by the per-victim path: of the
+    /// parent the last one left unfiled (in `run`), else of the first device candidate. Returns
+    /// its device block, with the swap-out still reading it if it was written back.
+    // Out of line: without a storage tier it evicts only the victims a write-back run leaves,
+    // and the allocation's hot code stays compact (the run and its loop).
+    #[inline(never)]
+    fn evict_one_for_allocation(&mut self, run: &mut WriteBackRun) -> (u32, Option<TransferId>) {
+        let victim = run.exposed.take().unwrap_or_else(|| {
+            self.tree
+                .first_device_candidate()
+                .expect("evicting past what the dry run counted is a programming error")
+        });
+        // No node is claimable here, so a swap-out the eviction starts would be the next
+        // claim: it takes the block at once.
+        match self.evict_device(victim, Some(&mut run.exposed_host)) {
+            Evicted::Taken { block, exposed: parent } => {
+                run.exposed = parent;
+                (block, None)
+            }
+            Evicted::Claimed { block, transfer, exposed: parent } => {
+                run.exposed = parent;
+                (block, Some(transfer))
+            }
+            Evicted::Freed | Evicted::SwappingOut => {
+                unreachable!("an allocation's eviction takes the block it frees")
+            }
         }
     }
 

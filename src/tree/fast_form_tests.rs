@@ -11,7 +11,7 @@ use super::*;
 
 /// Asserts that two trees hold the same node records (free slots included), stamps and sets,
 /// in child indexes of the same size.
-fn same(a: &Tree, b: &Tree, what: &str) {
+pub(super) fn same(a: &Tree, b: &Tree, what: &str) {
     assert_eq!(a.nodes.len(), b.nodes.len(), "{what}");
     assert_eq!(
         (a.index.len(), a.index.heap_bytes()),
@@ -33,7 +33,7 @@ fn same(a: &Tree, b: &Tree, what: &str) {
 }
 
 /// A deterministic picker for seed `seed` (xorshift): each call a number below its argument.
-fn picker(seed: u64) -> impl FnMut(usize) -> usize {
+pub(super) fn picker(seed: u64) -> impl FnMut(usize) -> usize {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     move |n: usize| {
         state ^= state << 13;

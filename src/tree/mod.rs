@@ -11,7 +11,8 @@
 //! [`Tree::update`], or through one of its fast forms for the hot steps (`hold_hit`,
 //! `release_path`, the exposing removals, `drop_device_leaves`, `start_claimed_swap_out`,
 //! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`, `start_swap_in_of_held`,
-//! `land_swap_in`), which do the same three steps
+//! `land_swap_in`, and an allocation's `write_back_run` of them, [`write_back`]), which do the
+//! same three steps
 //! for the one change they make (checked against `update` by differential tests):
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
 //! 2. if the node gained or lost its device copy, adjust the parent's count of device children
@@ -46,7 +47,9 @@ mod check;
 mod index;
 mod node;
 pub mod policy;
+mod set_order;
 mod snapshot;
+mod write_back;
 
 use std::ops::ControlFlow;
 
@@ -56,7 +59,9 @@ pub use node::{Node, NodeId, NodeMut, NodeState, StoreOut, SwapOut};
 use node::{Tier, COUNT_SATURATED};
 use policy::{Access, EvictSet, MatchEnd, Membership, Policies, TierShape};
 pub use policy::{EvictionPolicy, FutureUses, ParseEvictionPolicyError};
+use set_order::SetOrder;
 pub use snapshot::{SnapshotNode, TreeSnapshot};
+pub use write_back::{RunEnd, WriteBackRun, WriteBackSink};
 
 /// The radix tree: arena, child index and evictable sets.
 #[derive(Debug)]
@@ -687,19 +692,16 @@ impl Tree {
     /// but without asking the policy yet whether it comes first: other nodes may join the host
     /// candidates before the next host eviction, which must ask anyway. The caller evicts it
     /// next if [`Tree::is_next_host_victim`] says so, and files it with [`Tree::file`] otherwise
-    /// (if it is still live) before its operation ends.
+    /// (if it is still live) before its operation ends. A parent still counting a child above
+    /// storage keeps its sets, filed or not (the allocation's victim, left unfiled as the next
+    /// device victim, stays so: [`write_back::host_child_gone_exposes`]).
     ///
     /// # Panics
     /// If the node has children or is the root.
     #[inline(always)] // one caller, the write-back path of an allocation's eviction
     pub fn remove_exposing_host(&mut self, id: NodeId) -> Option<NodeId> {
         let parent = self.unlink(id);
-        if self.nodes[parent.index()].membership().is_empty() && self.is_host_candidate_only(parent)
-        {
-            return Some(parent);
-        }
-        self.refile(parent, None);
-        None
+        write_back::host_child_gone_exposes(&mut self.nodes, &mut self.policy, parent)
     }
 
     /// [`Tree::update`] for a change that takes node `id` off the host tier to storage (written
@@ -772,36 +774,10 @@ impl Tree {
         host_block: u32,
         transfer: u64,
     ) -> Option<NodeId> {
-        debug_assert!(
-            id != NodeId::ROOT && self.membership(id) == Membership::NONE.with(EvictSet::Device),
-            "a claimed swap-out starts from a device candidate without a host copy"
-        );
-        // The fields borrowed apart, the arena as a slice: its address and length stay in
-        // registers across the writes below (see `unlink`).
+        // The arena as a slice: its address and length stay in registers across the writes
+        // (see `unlink`).
         let Tree { nodes, policy, .. } = self;
-        let nodes = nodes.as_mut_slice();
-        let node = &mut nodes[id.index()];
-        let (parent, sets) = (node.parent, node.membership());
-        {
-            // Both states are above storage: the parent's count of upper children stays.
-            let mut view = NodeMut { node, access: None, upper_changed: false };
-            view.set_device(None);
-            view.set_host(Some(host_block));
-            view.set_state(NodeState::SwapToHost(SwapOut::Claimed));
-            view.set_transfer(Some(transfer));
-        }
-        // Its new state admits no set without a device block: it leaves the ones it was in (none
-        // when it is a parent left unfiled by the previous eviction).
-        if !sets.is_empty() {
-            policy.leave(id, sets);
-            nodes[id.index()].set_membership(Membership::NONE);
-        }
-        let exposed = self.device_child_gone_exposes(parent);
-        if exposed {
-            return Some(parent);
-        }
-        self.refile(parent, None);
-        None
+        write_back::start_claimed_swap_out(nodes, policy, id, host_block, transfer)
     }
 
     /// Starts the swap-in of host node `id` into device `block` by copy `transfer` (the node
@@ -860,23 +836,6 @@ impl Tree {
         }
     }
 
-    /// One device child of `parent` fewer, and whether `parent` is now the device candidate the
-    /// policy would give up next (and nothing else; left unfiled): [`device_child_gone`] in one
-    /// visit to the parent's record, the count recounted when it is saturated.
-    #[inline(always)]
-    fn device_child_gone_exposes(&mut self, parent: NodeId) -> bool {
-        let Tree { nodes, policy, .. } = self;
-        let exposed = match device_child_gone(nodes.as_mut_slice(), policy, parent) {
-            Some(next) => next,
-            None => {
-                recount_children(&mut self.nodes, parent, false);
-                self.is_next_device_victim(parent)
-            }
-        };
-        debug_assert_eq!(exposed, self.is_next_device_victim(parent));
-        exposed
-    }
-
     /// Drops the device copy of device candidate `id`, whose host copy is valid (its backup):
     /// the node becomes `Host`, and joins the host candidates if nothing below it is above
     /// storage. The fast form of an [`Tree::update`] doing that, for an allocation that goes on
@@ -887,46 +846,9 @@ impl Tree {
     /// # Panics
     /// In debug builds, if `id` is not a device candidate with a valid host copy.
     pub fn drop_device_copy_exposing(&mut self, id: NodeId) -> Option<NodeId> {
-        debug_assert!(
-            id != NodeId::ROOT
-                && self.nodes[id.index()].has_valid_host()
-                && self.membership(id).contains(EvictSet::Device),
-            "dropping the device copy of a node that is not a device candidate with a backup"
-        );
-        // The fields borrowed apart, the arena as a slice (see `unlink`).
+        // The arena as a slice (see `unlink`).
         let Tree { nodes, policy, .. } = self;
-        let nodes = nodes.as_mut_slice();
-        let node = &mut nodes[id.index()];
-        let (parent, sets) = (node.parent, node.membership());
-        // The node leaves its sets first, so that the parent is compared with the others.
-        if !sets.is_empty() {
-            policy.leave(id, sets);
-        }
-        let node = &mut nodes[id.index()];
-        node.set_membership(Membership::NONE);
-        {
-            // Both states are above storage: the parent's count of upper children stays.
-            let mut view = NodeMut { node, access: None, upper_changed: false };
-            view.set_device(None);
-            view.set_state(NodeState::Host);
-        }
-        // `Host` with its host block, unheld (it was a candidate): a host candidate, and nothing
-        // else, unless a child above storage keeps it.
-        let joins = if node.upper_children == 0 {
-            Membership::NONE.with(EvictSet::Host)
-        } else {
-            Membership::NONE
-        };
-        let exposed = self.device_child_gone_exposes(parent);
-        if !exposed {
-            self.refile(parent, None);
-        }
-        debug_assert_eq!(joins, self.membership(id));
-        if !joins.is_empty() {
-            self.policy.enter(id, joins);
-            self.nodes[id.index()].set_membership(joins);
-        }
-        exposed.then_some(parent)
+        write_back::drop_device_copy(nodes, policy, id)
     }
 
     /// Swap-out `transfer` landed for node `id`: if the node is still attached to it (see
@@ -1035,15 +957,7 @@ impl Tree {
     /// child, which is above storage).
     #[inline(always)]
     fn is_host_candidate_only(&self, id: NodeId) -> bool {
-        let node = &self.nodes[id.index()];
-        let only = id != NodeId::ROOT
-            && (node.is(NodeState::Host) || node.is(NodeState::Device))
-            && node.upper_children == 0
-            && node.ref_count() == 0
-            && node.block(Tier::Host).is_some()
-            && node.block(Tier::Device).is_none();
-        debug_assert_eq!(only, self.membership(id) == Membership::NONE.with(EvictSet::Host));
-        only
+        write_back::is_host_candidate_only(&self.nodes, id)
     }
 
     /// Files `id` in the sets it belongs in: a parent that [`Tree::remove_exposing`] returned
@@ -1061,11 +975,8 @@ impl Tree {
     /// In debug builds, if `id` is filed or does not belong in `set` alone.
     #[inline]
     pub fn file_exposed(&mut self, id: NodeId, set: EvictSet) {
-        let sets = Membership::NONE.with(set);
-        debug_assert!(self.nodes[id.index()].membership().is_empty(), "{id:?} is filed");
-        debug_assert_eq!(self.membership(id), sets, "{id:?} changed since it was handed back");
-        self.policy.enter(id, sets);
-        self.nodes[id.index()].set_membership(sets);
+        let Tree { nodes, policy, .. } = self;
+        write_back::file_exposed(nodes, policy, id, set);
     }
 
     /// Takes a node with no children out of the tree (its sets, the index, its parent's child
@@ -1135,29 +1046,35 @@ impl Tree {
         self.nodes[id.index()].set_membership(new);
     }
 
-    /// The evictable sets a live node belongs in (DESIGN §4), computed without branches: the
-    /// sets its state allows ([`SETS_OF_STATE`]) that its blocks and children admit.
+    /// The evictable sets a live node belongs in (DESIGN §4): [`membership_in`] of the arena.
     #[inline]
     fn membership(&self, id: NodeId) -> Membership {
-        let node = &self.nodes[id.index()];
-        if id == NodeId::ROOT || node.ref_count() > 0 {
-            return Membership::NONE;
-        }
-        let device = node.block(Tier::Device).is_some();
-        let host = node.block(Tier::Host).is_some();
-        let bit = |member: bool, set: EvictSet| {
-            if member {
-                Membership::NONE.with(set).bits()
-            } else {
-                0
-            }
-        };
-        let admitted = bit(device & (node.device_children == 0), EvictSet::Device)
-            | bit(host & (node.upper_children == 0), EvictSet::Host)
-            | bit(device, EvictSet::Claimable)
-            | bit(!node.has_children(), EvictSet::Storage);
-        Membership::from_bits(admitted & SETS_OF_STATE[usize::from(node.state_code())])
+        membership_in(&self.nodes, id)
     }
+}
+
+/// The evictable sets live node `id` of arena `nodes` belongs in (DESIGN §4), computed without
+/// branches: the sets its state allows ([`SETS_OF_STATE`]) that its blocks and children admit.
+#[inline]
+fn membership_in(nodes: &[Node], id: NodeId) -> Membership {
+    let node = &nodes[id.index()];
+    if id == NodeId::ROOT || node.ref_count() > 0 {
+        return Membership::NONE;
+    }
+    let device = node.block(Tier::Device).is_some();
+    let host = node.block(Tier::Host).is_some();
+    let bit = |member: bool, set: EvictSet| {
+        if member {
+            Membership::NONE.with(set).bits()
+        } else {
+            0
+        }
+    };
+    let admitted = bit(device & (node.device_children == 0), EvictSet::Device)
+        | bit(host & (node.upper_children == 0), EvictSet::Host)
+        | bit(device, EvictSet::Claimable)
+        | bit(!node.has_children(), EvictSet::Storage);
+    Membership::from_bits(admitted & SETS_OF_STATE[usize::from(node.state_code())])
 }
 
 /// [`Tree::unlink`] on the tree's fields borrowed apart, the arena as a slice: its address and
@@ -1169,7 +1086,7 @@ fn unlink(
     nodes: &mut [Node],
     free_slots: &mut NodeId,
     index: &mut ChildIndex,
-    policy: &mut Policies,
+    policy: &mut impl SetOrder,
     id: NodeId,
     probe: Option<Probe>,
 ) -> NodeId {
@@ -1273,7 +1190,7 @@ fn recount_children(nodes: &mut [Node], parent: NodeId, upper: bool) {
 /// policy would give up next: [`Tree::is_next_device_victim`] for the fast forms that hold the
 /// arena as a slice.
 #[inline(always)]
-fn is_next_device_victim(nodes: &[Node], policy: &Policies, parent: NodeId) -> bool {
+fn is_next_device_victim(nodes: &[Node], policy: &impl SetOrder, parent: NodeId) -> bool {
     let node = &nodes[parent.index()];
     node.membership().is_empty()
         && parent != NodeId::ROOT
@@ -1301,7 +1218,7 @@ fn is_next_device_victim_without_host(nodes: &[Node], policy: &Policies, parent:
 /// a slice (see [`Tree::start_claimed_swap_out`]). `None` when the count is saturated: the
 /// caller recounts and asks the tree.
 #[inline(always)]
-fn device_child_gone(nodes: &mut [Node], policy: &Policies, parent: NodeId) -> Option<bool> {
+fn device_child_gone(nodes: &mut [Node], policy: &impl SetOrder, parent: NodeId) -> Option<bool> {
     let node = &mut nodes[parent.index()];
     if node.device_children == COUNT_SATURATED {
         return None;
@@ -1341,3 +1258,5 @@ impl Iterator for Children<'_> {
 mod fast_form_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod write_back_tests;
