@@ -866,22 +866,8 @@ impl Tree {
         if !node.is(NodeState::SwapToHost(SwapOut::Claimed)) {
             return Landing::Attached(node.state());
         }
-        debug_assert!(node.membership().is_empty(), "a claimed swap-out is filed");
-        let mut view = NodeMut { node, access: None, upper_changed: false };
-        view.set_state(NodeState::Host);
-        view.set_transfer(None);
-        view.set_passing_through_host(false);
-        // `Host` with its host block and no device block: a host candidate, and nothing else,
-        // unless held or kept by a child above storage (decided from the two fields, rather
-        // than by the whole of `membership`).
-        if node.upper_children == 0 && node.ref_count() == 0 {
-            let joins = Membership::NONE.with(EvictSet::Host);
-            debug_assert_eq!(joins, self.membership(id));
-            self.policy.enter(id, joins);
-            self.nodes[id.index()].set_membership(joins);
-        } else {
-            debug_assert!(self.membership(id).is_empty(), "{id:?} belongs in a set");
-        }
+        land_claimed(node, id, &mut self.policy);
+        debug_assert_eq!(self.nodes[id.index()].membership(), self.membership(id));
         Landing::Landed
     }
 
@@ -895,7 +881,6 @@ impl Tree {
     pub fn land_claimed_swap_outs(&mut self, nodes: &[NodeId], transfer: u64) -> (usize, u64) {
         let Tree { nodes: arena, policy, .. } = self;
         let arena = arena.as_mut_slice();
-        let host = Membership::NONE.with(EvictSet::Host);
         let mut landed = 0;
         for (index, &id) in nodes.iter().enumerate() {
             // Slots are never given back, so an id of the copy indexes the arena even when its
@@ -907,17 +892,7 @@ impl Tree {
             if !node.is(NodeState::SwapToHost(SwapOut::Claimed)) {
                 return (index, landed);
             }
-            debug_assert!(node.membership().is_empty(), "a claimed swap-out is filed");
-            let mut view = NodeMut { node, access: None, upper_changed: false };
-            view.set_state(NodeState::Host);
-            view.set_transfer(None);
-            view.set_passing_through_host(false);
-            // As in `land_attached_claimed_swap_out`: a host candidate unless held or kept by
-            // a child above storage.
-            if node.upper_children == 0 && node.ref_count() == 0 {
-                policy.enter(id, host);
-                node.set_membership(host);
-            }
+            land_claimed(node, id, policy);
             landed += 1;
         }
         (nodes.len(), landed)
@@ -1225,6 +1200,26 @@ fn device_child_gone(nodes: &mut [Node], policy: &impl SetOrder, parent: NodeId)
     }
     node.device_children -= 1;
     Some(is_next_device_victim(nodes, policy, parent))
+}
+
+/// Lands node `id` (its record `node`: live, attached to its swap-out, `SwapToHost(Claimed)`,
+/// so in no set): it is `Host` now, with no copy in flight, and joins the host candidates unless
+/// held or kept by a child above storage (decided from those two fields rather than the whole
+/// of `membership`: with its host block and no device block it can be in no other set). Neither
+/// block nor tier changes, so the parent's counts and sets stay. Shared by
+/// [`Tree::land_attached_claimed_swap_out`] and [`Tree::land_claimed_swap_outs`].
+#[inline(always)]
+fn land_claimed(node: &mut Node, id: NodeId, policy: &mut Policies) {
+    debug_assert!(node.membership().is_empty(), "a claimed swap-out is filed");
+    let mut view = NodeMut { node, access: None, upper_changed: false };
+    view.set_state(NodeState::Host);
+    view.set_transfer(None);
+    view.set_passing_through_host(false);
+    if node.upper_children == 0 && node.ref_count() == 0 {
+        let host = Membership::NONE.with(EvictSet::Host);
+        policy.enter(id, host);
+        node.set_membership(host);
+    }
 }
 
 /// What [`Tree::land_attached_claimed_swap_out`] found.
