@@ -30,6 +30,9 @@ pub mod trace;
 pub mod tree;
 pub mod worker;
 
+#[cfg(test)]
+mod test_rng;
+
 /// The README's Rust examples, compiled by `cargo test --doc` so that they stay true.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

@@ -7,17 +7,7 @@
 //! every step.
 
 use super::*;
-
-/// A deterministic picker for seed `seed` (xorshift): each call a number below its argument.
-fn picker(seed: u64) -> impl FnMut(usize) -> usize {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    move |n: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    }
-}
+use crate::test_rng::picker;
 
 const BLOCK_TOKENS: usize = 4;
 

@@ -215,15 +215,8 @@ impl<'a, K: IdKey, V> IntoIterator for &'a IdTable<K, V> {
 mod tests {
     use super::super::RequestId;
     use super::*;
+    use crate::test_rng::xorshift;
     use std::collections::HashMap;
-
-    /// A tiny xorshift generator: the test needs no crate.
-    fn next(state: &mut u64) -> u64 {
-        *state ^= *state << 13;
-        *state ^= *state >> 7;
-        *state ^= *state << 17;
-        *state
-    }
 
     #[test]
     fn random_inserts_and_removals_agree_with_a_hash_map() {
@@ -232,8 +225,8 @@ mod tests {
             let mut model = HashMap::new();
             let mut state = 0x1234_5678_9abc_def1 ^ keys;
             for step in 0..50_000u64 {
-                let key = RequestId(next(&mut state) % keys);
-                match next(&mut state) % 4 {
+                let key = RequestId(xorshift(&mut state) % keys);
+                match xorshift(&mut state) % 4 {
                     0 | 1 => assert_eq!(table.insert(key, step), model.insert(key, step)),
                     2 => assert_eq!(table.remove(&key), model.remove(&key)),
                     _ => assert_eq!(table.get(&key), model.get(&key)),
@@ -283,7 +276,7 @@ mod tests {
             let mut state = 0x0dd_ba11_5eed_u64 ^ window;
             let mut next_id = 1;
             for step in 0..20_000u64 {
-                if model.len() < window as usize && next(&mut state) % 3 != 0 {
+                if model.len() < window as usize && xorshift(&mut state) % 3 != 0 {
                     let id = TransferId(next_id);
                     next_id += 1;
                     assert!(table.insert_new(id, step), "a fresh id is new");
@@ -292,7 +285,7 @@ mod tests {
                     // Oldest, newest or any: completions come in no order.
                     let mut ids: Vec<TransferId> = model.keys().copied().collect();
                     ids.sort_unstable_by_key(|id| id.0);
-                    let id = ids[(next(&mut state) % ids.len() as u64) as usize];
+                    let id = ids[(xorshift(&mut state) % ids.len() as u64) as usize];
                     assert_eq!(table.remove(&id), model.remove(&id));
                     assert_eq!(table.get(&id), None, "a completed id is gone");
                 }

@@ -375,19 +375,9 @@ fn walk(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::picker;
     use crate::tree::policy::EvictSet;
     use crate::tree::EvictionPolicy;
-
-    /// A deterministic picker (xorshift): each call a number below its argument.
-    fn picker(seed: u64) -> impl FnMut(usize) -> usize {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        move |n: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % n as u64) as usize
-        }
-    }
 
     /// Asserts that two trees hold the same live nodes, stamps and sets.
     fn same(a: &Tree, b: &Tree, what: &str) {

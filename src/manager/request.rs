@@ -261,15 +261,8 @@ impl std::ops::Index<&RequestId> for Requests {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_rng::xorshift;
     use std::collections::HashMap;
-
-    /// A tiny xorshift generator: the test needs no crate.
-    fn next(state: &mut u64) -> u64 {
-        *state ^= *state << 13;
-        *state ^= *state >> 7;
-        *state ^= *state << 17;
-        *state
-    }
 
     /// Every way of finding a request (`get`, `get_mut`, `slot`, `contains_key`, indexing)
     /// agrees with a hash map after random starts, ends and lookups: the latest request's slot
@@ -282,8 +275,8 @@ mod tests {
             let mut model: HashMap<RequestId, usize> = HashMap::new();
             let mut state = 0x5eed_0f1a_7e57 ^ ids;
             for step in 0..20_000usize {
-                let id = RequestId(next(&mut state) % ids);
-                match next(&mut state) % 5 {
+                let id = RequestId(xorshift(&mut state) % ids);
+                match xorshift(&mut state) % 5 {
                     0 | 1 => {
                         let started = requests.start(id).map(|record| record.tokens = step);
                         assert_eq!(started.is_some(), !model.contains_key(&id), "step {step}");

@@ -8,6 +8,7 @@
 
 use super::tests::{hash, served};
 use super::*;
+use crate::test_rng::picker;
 
 /// Asserts that two trees hold the same node records (free slots included), stamps and sets,
 /// in child indexes of the same size.
@@ -30,17 +31,6 @@ pub(super) fn same(a: &Tree, b: &Tree, what: &str) {
     }
     a.check().unwrap();
     b.check().unwrap();
-}
-
-/// A deterministic picker for seed `seed` (xorshift): each call a number below its argument.
-pub(super) fn picker(seed: u64) -> impl FnMut(usize) -> usize {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    move |n: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % n as u64) as usize
-    }
 }
 
 /// Every fast form of a request's match, commit and end and of the write-back path, applied to

@@ -3,9 +3,10 @@
 //! candidates of the sets), as the cache manager's general path does them without a storage
 //! tier.
 
-use super::fast_form_tests::{picker, same};
+use super::fast_form_tests::same;
 use super::tests::served;
 use super::*;
+use crate::test_rng::picker;
 
 /// A device block an allocation took: from a write-back (the node and its host block), or not.
 type Taken = (u32, Option<(NodeId, u32)>);

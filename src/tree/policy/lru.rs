@@ -238,13 +238,7 @@ mod tests {
             Membership::NONE.with(EvictSet::Storage),
             Membership::NONE,
         ];
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut rnd = move |n: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % n as u64) as usize
-        };
+        let mut rnd = crate::test_rng::picker(1);
         let mut cases = [0usize; 2];
         for _ in 0..400 {
             let nodes = 1 + rnd(8) as u32;
