@@ -173,3 +173,82 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
     }
     assert!(allocations_checked > 1000, "{allocations_checked} allocations");
 }
+
+/// Caches `chains` one-block prompts, one conversation each, and finishes them: their device
+/// blocks become device candidates (leaves) in that order.
+fn cache_one_block_prompts(cache: &mut CacheManager, chains: std::ops::RangeInclusive<u64>) {
+    for chain in chains {
+        let id = RequestId(chain);
+        let hashes = [crate::hash::BlockHash(u128::from(chain) << 32 | 1)];
+        let found = cache.match_prefix(id, &hashes, BLOCK_TOKENS).expect("a valid prompt");
+        assert_eq!(found.cached_tokens, 0);
+        cache.allocate(id, BLOCK_TOKENS, 0).expect("room");
+        cache.commit(id, BLOCK_TOKENS, &hashes).expect("ready");
+        cache.finish(id).expect("live");
+    }
+}
+
+/// An allocation that claims blocks from two swap-outs, an earlier one (the free watermark's,
+/// handed out) and the one its own write-backs start, waits on both, in the fast form and in
+/// the general one: its request notes two runs of claims, and its ticket stays pending when
+/// the earlier copy lands, until its own does. The random differential test compares the two
+/// forms with each other; a mistake they share (`Request::note_claim` saying a run started
+/// only for the first run) needs this one.
+#[test]
+fn an_allocation_claiming_from_two_swap_outs_waits_for_both() {
+    for general_forms_only in [false, true] {
+        let form = if general_forms_only { "general" } else { "fast" };
+        let config = CacheConfig::new(BLOCK_TOKENS as u32, 8)
+            .with_host_blocks(20)
+            .with_free_watermark(2)
+            .with_eviction(EvictionPolicy::Lru);
+        let mut cache = CacheManager::new(config).expect("valid");
+        cache.general_forms_only = general_forms_only;
+        cache_one_block_prompts(&mut cache, 1..=8);
+        assert_eq!(cache.free_device_blocks(), 0, "{form}: the device is full of cached blocks");
+        // The watermark's swap-outs of the two least recently used blocks, handed out.
+        cache.poll();
+        let earlier = cache.take_transfers();
+        assert_eq!(earlier.len(), 1, "{form}: one swap-out for the watermark");
+        let earlier = earlier[0].id;
+        cache.check_invariants().unwrap();
+
+        // Four new blocks: two claimed from the earlier swap-out, two written back by its own.
+        let id = RequestId(100);
+        let hashes: Vec<_> = (1..=4).map(|i| crate::hash::BlockHash(100 << 32 | i)).collect();
+        cache.match_prefix(id, &hashes, 4 * BLOCK_TOKENS).expect("a valid prompt");
+        let ticket = cache.allocate(id, 4 * BLOCK_TOKENS, 0).expect("room").ticket;
+        cache.check_invariants().unwrap();
+        let runs: Vec<_> = cache.requests.get(&id).expect("live").claims.to_vec();
+        assert_eq!(runs.len(), 2, "{form}: claims from two swap-outs: {runs:?}");
+        assert_eq!(runs[0].transfer, earlier, "{form}: the earlier swap-out's claims first");
+        let own = runs[1].transfer;
+        assert_ne!(own, earlier, "{form}");
+        let mut waits: Vec<_> = cache.ticket_transfers(ticket).collect();
+        waits.sort_unstable();
+        assert_eq!(waits, [earlier, own], "{form}: the ticket waits on both copies");
+        let issued: Vec<_> = cache.take_transfers().iter().map(|transfer| transfer.id).collect();
+        assert_eq!(issued, [own], "{form}: the allocation's own swap-out is handed out");
+
+        // The earlier copy lands: the blocks of the later one are still being read.
+        cache.complete_transfer(earlier, Ok(())).expect("in flight");
+        cache.check_invariants().unwrap();
+        assert_eq!(
+            cache.ticket_status(ticket),
+            Ok(TicketStatus::Pending),
+            "{form}: ready while its own swap-out still reads its blocks"
+        );
+        assert_eq!(
+            cache.commit(id, 4 * BLOCK_TOKENS, &hashes),
+            Err(CommitError::TicketPending(id)),
+            "{form}"
+        );
+        cache.complete_transfer(own, Ok(())).expect("in flight");
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready), "{form}");
+        cache.commit(id, 4 * BLOCK_TOKENS, &hashes).expect("ready");
+        cache.finish(id).expect("live");
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.free_device_blocks(), 0, "{form}: four blocks cached, four still");
+    }
+}
