@@ -188,6 +188,46 @@ fn cache_one_block_prompts(cache: &mut CacheManager, chains: std::ops::RangeIncl
     }
 }
 
+/// A cache whose device is full of cached blocks, and the allocation of four new blocks for
+/// request 100: two claimed from an earlier swap-out (the free watermark's, handed out), two
+/// written back by the allocation's own swap-out (not handed out yet). Returns the cache, the
+/// prompt's hashes, the allocation's ticket, the earlier and the own swap-out.
+fn allocation_claiming_from_two_swap_outs(
+    general_forms_only: bool,
+) -> (CacheManager, Vec<crate::hash::BlockHash>, TicketId, TransferId, TransferId) {
+    let form = if general_forms_only { "general" } else { "fast" };
+    let config = CacheConfig::new(BLOCK_TOKENS as u32, 8)
+        .with_host_blocks(20)
+        .with_free_watermark(2)
+        .with_eviction(EvictionPolicy::Lru);
+    let mut cache = CacheManager::new(config).expect("valid");
+    cache.general_forms_only = general_forms_only;
+    cache_one_block_prompts(&mut cache, 1..=8);
+    assert_eq!(cache.free_device_blocks(), 0, "{form}: the device is full of cached blocks");
+    // The watermark's swap-outs of the two least recently used blocks, handed out.
+    cache.poll();
+    let earlier = cache.take_transfers();
+    assert_eq!(earlier.len(), 1, "{form}: one swap-out for the watermark");
+    let earlier = earlier[0].id;
+    cache.check_invariants().unwrap();
+
+    let id = RequestId(100);
+    let hashes: Vec<_> = (1..=4).map(|i| crate::hash::BlockHash(100 << 32 | i)).collect();
+    cache.match_prefix(id, &hashes, 4 * BLOCK_TOKENS).expect("a valid prompt");
+    let ticket = cache.allocate(id, 4 * BLOCK_TOKENS, 0).expect("room").ticket;
+    cache.check_invariants().unwrap();
+    let runs: Vec<_> = cache.requests.get(&id).expect("live").claims.to_vec();
+    assert_eq!(runs.len(), 2, "{form}: claims from two swap-outs: {runs:?}");
+    assert_eq!(runs[0].transfer, earlier, "{form}: the earlier swap-out's claims first");
+    assert_eq!((runs[0].start, runs[0].end, runs[1].start, runs[1].end), (0, 2, 2, 4), "{form}");
+    let own = runs[1].transfer;
+    assert_ne!(own, earlier, "{form}");
+    let mut waits: Vec<_> = cache.ticket_transfers(ticket).collect();
+    waits.sort_unstable();
+    assert_eq!(waits, [earlier, own], "{form}: the ticket waits on both copies");
+    (cache, hashes, ticket, earlier, own)
+}
+
 /// An allocation that claims blocks from two swap-outs, an earlier one (the free watermark's,
 /// handed out) and the one its own write-backs start, waits on both, in the fast form and in
 /// the general one: its request notes two runs of claims, and its ticket stays pending when
@@ -198,35 +238,9 @@ fn cache_one_block_prompts(cache: &mut CacheManager, chains: std::ops::RangeIncl
 fn an_allocation_claiming_from_two_swap_outs_waits_for_both() {
     for general_forms_only in [false, true] {
         let form = if general_forms_only { "general" } else { "fast" };
-        let config = CacheConfig::new(BLOCK_TOKENS as u32, 8)
-            .with_host_blocks(20)
-            .with_free_watermark(2)
-            .with_eviction(EvictionPolicy::Lru);
-        let mut cache = CacheManager::new(config).expect("valid");
-        cache.general_forms_only = general_forms_only;
-        cache_one_block_prompts(&mut cache, 1..=8);
-        assert_eq!(cache.free_device_blocks(), 0, "{form}: the device is full of cached blocks");
-        // The watermark's swap-outs of the two least recently used blocks, handed out.
-        cache.poll();
-        let earlier = cache.take_transfers();
-        assert_eq!(earlier.len(), 1, "{form}: one swap-out for the watermark");
-        let earlier = earlier[0].id;
-        cache.check_invariants().unwrap();
-
-        // Four new blocks: two claimed from the earlier swap-out, two written back by its own.
+        let (mut cache, hashes, ticket, earlier, own) =
+            allocation_claiming_from_two_swap_outs(general_forms_only);
         let id = RequestId(100);
-        let hashes: Vec<_> = (1..=4).map(|i| crate::hash::BlockHash(100 << 32 | i)).collect();
-        cache.match_prefix(id, &hashes, 4 * BLOCK_TOKENS).expect("a valid prompt");
-        let ticket = cache.allocate(id, 4 * BLOCK_TOKENS, 0).expect("room").ticket;
-        cache.check_invariants().unwrap();
-        let runs: Vec<_> = cache.requests.get(&id).expect("live").claims.to_vec();
-        assert_eq!(runs.len(), 2, "{form}: claims from two swap-outs: {runs:?}");
-        assert_eq!(runs[0].transfer, earlier, "{form}: the earlier swap-out's claims first");
-        let own = runs[1].transfer;
-        assert_ne!(own, earlier, "{form}");
-        let mut waits: Vec<_> = cache.ticket_transfers(ticket).collect();
-        waits.sort_unstable();
-        assert_eq!(waits, [earlier, own], "{form}: the ticket waits on both copies");
         let issued: Vec<_> = cache.take_transfers().iter().map(|transfer| transfer.id).collect();
         assert_eq!(issued, [own], "{form}: the allocation's own swap-out is handed out");
 
@@ -250,5 +264,27 @@ fn an_allocation_claiming_from_two_swap_outs_waits_for_both() {
         cache.finish(id).expect("live");
         cache.check_invariants().unwrap();
         assert_eq!(cache.free_device_blocks(), 0, "{form}: four blocks cached, four still");
+    }
+}
+
+/// A request aborted while both swap-outs it claimed blocks from still read them gives no
+/// block back to the pool: each stays with its copy (found by its run of claims) and returns
+/// to the pool when that copy lands.
+#[test]
+fn an_aborted_allocation_leaves_each_claimed_block_to_the_copy_reading_it() {
+    for general_forms_only in [false, true] {
+        let form = if general_forms_only { "general" } else { "fast" };
+        let (mut cache, _, _, earlier, own) =
+            allocation_claiming_from_two_swap_outs(general_forms_only);
+        cache.take_transfers();
+        cache.abort(RequestId(100)).expect("live");
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.free_device_blocks(), 0, "{form}: a block still being read was freed");
+        cache.complete_transfer(own, Ok(())).expect("in flight");
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.free_device_blocks(), 2, "{form}: the own copy's two blocks");
+        cache.complete_transfer(earlier, Ok(())).expect("in flight");
+        cache.check_invariants().unwrap();
+        assert_eq!(cache.free_device_blocks(), 4, "{form}: and the earlier copy's two");
     }
 }

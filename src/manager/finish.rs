@@ -36,18 +36,27 @@ impl CacheManager {
             // Usually every copy claimed from has completed: one lookup per run of claims.
             record.claims.retain(|run| in_flight.contains_key(&run.transfer));
         }
-        for block in record.owned_blocks().rev() {
-            match record.claimed_from(block) {
-                Some(transfer) => {
-                    let flight = in_flight
-                        .get_mut(&transfer)
-                        .expect("claims were filtered to copies in flight");
-                    flight.reserved_device.push(block);
-                }
-                None => device
-                    .free(block)
-                    .expect("freeing a device block not in use is a programming error"),
+        // A claimed block goes to the copy still reading it, which frees it when it completes.
+        let mut give_back = |block: u32, claimed_from: Option<super::TransferId>| match claimed_from
+        {
+            Some(transfer) => {
+                let flight =
+                    in_flight.get_mut(&transfer).expect("claims were filtered to copies in flight");
+                flight.reserved_device.push(block);
             }
+            None => device
+                .free(block)
+                .expect("freeing a device block not in use is a programming error"),
+        };
+        // The owned blocks in reverse order (`Request::owned_blocks`): the table's past the path,
+        // each claim found by its position (one compare per run of claims, where looking the
+        // block up in the runs' blocks would read the whole run per block), then the private ones.
+        let owned_from = record.path.len().min(record.table.len());
+        for position in (owned_from..record.table.len()).rev() {
+            give_back(record.table[position], record.claim_at(position));
+        }
+        for &block in record.private.iter().rev() {
+            give_back(block, record.claimed_from(block));
         }
         tree.request_ending(record.policy_tag);
         tree.release_path(&record.path);

@@ -77,9 +77,24 @@ impl Request {
         }
     }
 
-    /// The copy that `block` of the table was claimed from, among the runs of `claims`.
+    /// The copy that the block at table `position` was claimed from, among the runs of
+    /// `claims`.
     // Inline, with the usual answer first: the end of a request asks once per block it owns,
     // and its claims are gone by then (their copies completed) but for an aborted allocation.
+    #[inline]
+    pub fn claim_at(&self, position: usize) -> Option<TransferId> {
+        if self.claims.is_empty() {
+            return None;
+        }
+        let position = u32::try_from(position).ok()?;
+        self.claims
+            .iter()
+            .find(|run| (run.start..run.end).contains(&position))
+            .map(|run| run.transfer)
+    }
+
+    /// The copy that private `block` (whose table position is not kept) was claimed from,
+    /// among the blocks at the positions of the runs of `claims`: a read of each run.
     #[inline]
     pub fn claimed_from(&self, block: u32) -> Option<TransferId> {
         if self.claims.is_empty() {
