@@ -15,8 +15,8 @@ const BLOCK_TOKENS: usize = 4;
 struct Pair {
     fast: CacheManager,
     general: CacheManager,
-    /// Live requests: id, prompt hashes, whether the allocation succeeded, its ticket.
-    live: Vec<(RequestId, Vec<crate::hash::BlockHash>, Option<TicketId>)>,
+    /// Live requests: id, prompt hashes, the tickets of their allocations.
+    live: Vec<(RequestId, Vec<crate::hash::BlockHash>, Vec<TicketId>)>,
     /// Copies handed out and not completed yet.
     issued: Vec<TransferId>,
     next_request: u64,
@@ -36,13 +36,13 @@ impl Pair {
         );
         assert_eq!(a.free_device_blocks(), b.free_device_blocks(), "{what}: free device blocks");
         assert_eq!(a.free_host_blocks(), b.free_host_blocks(), "{what}: free host blocks");
-        for (id, _, ticket) in &self.live {
+        for (id, _, tickets) in &self.live {
             assert_eq!(a.block_table(*id), b.block_table(*id), "{what}: table of {id}");
             let fast = a.requests.get(id).expect("live");
             let general = b.requests.get(id).expect("live");
             assert_eq!(fast.claims, general.claims, "{what}: claims of {id}");
             assert_eq!(fast.pending_tickets, general.pending_tickets, "{what}: {id}");
-            if let Some(ticket) = ticket {
+            for ticket in tickets {
                 assert_eq!(
                     a.ticket_status(*ticket),
                     b.ticket_status(*ticket),
@@ -79,7 +79,23 @@ impl Pair {
             self.general.abort(id).expect("live");
             return;
         };
-        self.live.push((id, hashes, Some(ticket)));
+        self.live.push((id, hashes, vec![ticket]));
+    }
+
+    /// Live request `index` allocates for `tokens` more (a decode step), maybe with its
+    /// earlier tickets still pending and claims of its own noted already.
+    fn extend(&mut self, index: usize, tokens: usize, lookahead: usize) {
+        let id = self.live[index].0;
+        let fast =
+            self.fast.allocate(id, tokens, lookahead).map(|a| (a.ticket, a.block_table.to_vec()));
+        let general = self
+            .general
+            .allocate(id, tokens, lookahead)
+            .map(|a| (a.ticket, a.block_table.to_vec()));
+        assert_eq!(fast, general, "{id}: allocation of {tokens} more");
+        if let Ok((ticket, _)) = fast {
+            self.live[index].2.push(ticket);
+        }
     }
 
     /// Hands out the copies ready to go, to both.
@@ -102,12 +118,13 @@ impl Pair {
         assert_eq!(fast, general, "completing {id:?}");
     }
 
-    /// Ends live request `index`: committed and finished once its ticket is ready, else
+    /// Ends live request `index`: committed and finished once its tickets are ready, else
     /// aborted.
     fn end(&mut self, index: usize) {
-        let (id, hashes, ticket) = self.live.swap_remove(index);
-        let ready =
-            ticket.is_some_and(|ticket| self.fast.ticket_status(ticket) == Ok(TicketStatus::Ready));
+        let (id, hashes, tickets) = self.live.swap_remove(index);
+        let ready = tickets
+            .iter()
+            .all(|&ticket| self.fast.ticket_status(ticket) == Ok(TicketStatus::Ready));
         for cache in [&mut self.fast, &mut self.general] {
             if ready {
                 cache.commit(id, hashes.len() * BLOCK_TOKENS, &hashes).expect("ready to commit");
@@ -121,12 +138,13 @@ impl Pair {
 
 /// An allocation whose hits are all on device, and the landing of its claimed swap-outs in one
 /// pass, leave what the general forms leave, under every online eviction policy and write
-/// policy, with copies completed late, out of order or failed, write-through backups and
-/// claims from earlier swap-outs mixed in.
+/// policy, with copies completed late, out of order or failed, write-through backups,
+/// claims from earlier swap-outs and decode allocations (earlier tickets still pending) mixed
+/// in.
 #[test]
 fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
     let policies = EvictionPolicy::ALL.iter().copied().filter(|policy| !policy.is_offline());
-    let mut allocations_checked = 0;
+    let (mut allocations_checked, mut extended_while_pending) = (0, 0);
     for eviction in policies {
         for write_policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
             for seed in 1..=12u64 {
@@ -148,7 +166,7 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
                     next_request: 1,
                 };
                 for step in 0..400 {
-                    match pick(10) {
+                    match pick(11) {
                         0..=3 if pair.live.len() < 4 => {
                             let (chain, blocks) = (pick(8) as u128, 1 + pick(6));
                             pair.start(chain, blocks, pick(2 * BLOCK_TOKENS));
@@ -164,6 +182,13 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
                             pair.fast.poll();
                             pair.general.poll();
                         }
+                        10 if !pair.live.is_empty() => {
+                            let index = pick(pair.live.len());
+                            let record = pair.fast.requests.get(&pair.live[index].0);
+                            let pending = record.expect("live").pending_tickets > 0;
+                            pair.extend(index, 1 + pick(2 * BLOCK_TOKENS), pick(BLOCK_TOKENS));
+                            extended_while_pending += usize::from(pending);
+                        }
                         _ => {}
                     }
                     pair.same(&format!("{eviction:?} {write_policy:?} seed {seed} step {step}"));
@@ -172,6 +197,7 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
         }
     }
     assert!(allocations_checked > 1000, "{allocations_checked} allocations");
+    assert!(extended_while_pending > 100, "{extended_while_pending} decode allocations");
 }
 
 /// Caches `chains` one-block prompts, one conversation each, and finishes them: their device
