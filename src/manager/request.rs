@@ -50,7 +50,9 @@ pub(crate) struct Request {
 /// Positions `start..end` of a request's block table whose blocks were claimed from swap-out
 /// `transfer`, still reading them when claimed. A position keeps its block while the copy is in
 /// flight: the request's ticket waits on it, so nothing is committed meanwhile, and the blocks
-/// a storage miss replaces are hits below the path's end, never claimed ones.
+/// a storage miss replaces are hits below the path's end, never claimed ones (it notes runs of
+/// its own for them). So the end of a request finds a table block's claim by its position
+/// ([`Request::claim_at`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ClaimRun {
     pub transfer: TransferId,
