@@ -7,7 +7,11 @@
 //!    evictable, the tail first (deeper first on the equal access time). The eviction policy
 //!    hears which request ends before, and after a finish that its path's end ended a turn.
 
-use super::{CacheManager, FinishError, RequestId};
+use super::id_table::IdTable;
+use super::request::Request;
+use super::transfer::InFlight;
+use super::{CacheManager, FinishError, RequestId, TransferId};
+use crate::pool::BlockPool;
 
 impl CacheManager {
     /// Ends a request that ran to completion.
@@ -36,27 +40,15 @@ impl CacheManager {
             // Usually every copy claimed from has completed: one lookup per run of claims.
             record.claims.retain(|run| in_flight.contains_key(&run.transfer));
         }
-        // A claimed block goes to the copy still reading it, which frees it when it completes.
-        let mut give_back = |block: u32, claimed_from: Option<super::TransferId>| match claimed_from
-        {
-            Some(transfer) => {
-                let flight =
-                    in_flight.get_mut(&transfer).expect("claims were filtered to copies in flight");
-                flight.reserved_device.push(block);
+        if record.claims.is_empty() {
+            // The usual end: no copy still reads a block of the request's.
+            for block in record.owned_blocks().rev() {
+                device
+                    .free(block)
+                    .expect("freeing a device block not in use is a programming error");
             }
-            None => device
-                .free(block)
-                .expect("freeing a device block not in use is a programming error"),
-        };
-        // The owned blocks in reverse order (`Request::owned_blocks`): the table's past the path,
-        // each claim found by its position (one compare per run of claims, where looking the
-        // block up in the runs' blocks would read the whole run per block), then the private ones.
-        let owned_from = record.path.len().min(record.table.len());
-        for position in (owned_from..record.table.len()).rev() {
-            give_back(record.table[position], record.claim_at(position));
-        }
-        for &block in record.private.iter().rev() {
-            give_back(block, record.claimed_from(block));
+        } else {
+            give_back_with_claims(record, in_flight, device);
         }
         tree.request_ending(record.policy_tag);
         tree.release_path(&record.path);
@@ -64,5 +56,37 @@ impl CacheManager {
             tree.turn_ended(last);
         }
         Ok(())
+    }
+}
+
+/// Gives back the blocks `record` owns in reverse order ([`Request::owned_blocks`]), each block
+/// claimed from a copy in flight (`in_flight`) to that copy, which frees it when it completes;
+/// the others to `device`. A table block's claim is found by its position (one compare per run
+/// of claims; reading every run's blocks for each block would make the end of an allocation
+/// with N claims in flight N^2/2 compares). Out of line: only an aborted allocation whose copies
+/// are still in flight comes here.
+#[cold]
+#[inline(never)]
+fn give_back_with_claims(
+    record: &Request,
+    in_flight: &mut IdTable<TransferId, Box<InFlight>>,
+    device: &mut BlockPool,
+) {
+    let mut give_back = |block: u32, claimed_from: Option<TransferId>| match claimed_from {
+        Some(transfer) => {
+            let flight =
+                in_flight.get_mut(&transfer).expect("claims were filtered to copies in flight");
+            flight.reserved_device.push(block);
+        }
+        None => {
+            device.free(block).expect("freeing a device block not in use is a programming error")
+        }
+    };
+    let owned_from = record.path.len().min(record.table.len());
+    for position in (owned_from..record.table.len()).rev() {
+        give_back(record.table[position], record.claim_at(position));
+    }
+    for &block in record.private.iter().rev() {
+        give_back(block, record.claimed_from(block));
     }
 }
