@@ -376,25 +376,8 @@ fn walk(
 mod tests {
     use super::*;
     use crate::test_rng::picker;
-    use crate::tree::policy::EvictSet;
+    use crate::tree::fast_form_tests::same;
     use crate::tree::EvictionPolicy;
-
-    /// Asserts that two trees hold the same live nodes, stamps and sets.
-    fn same(a: &Tree, b: &Tree, what: &str) {
-        let (mut ids_a, mut ids_b): (Vec<_>, Vec<_>) = (a.ids().collect(), b.ids().collect());
-        ids_a.sort_unstable();
-        ids_b.sort_unstable();
-        assert_eq!(ids_a, ids_b, "{what}");
-        for id in ids_a {
-            assert_eq!(format!("{:?}", a.node(id)), format!("{:?}", b.node(id)), "{what}");
-            assert_eq!(a.last_access(id), b.last_access(id), "{what}: stamp of {id:?}");
-        }
-        for set in EvictSet::ALL {
-            assert_eq!(a.candidates(set), b.candidates(set), "{what}: {set:?}");
-        }
-        a.check().unwrap();
-        b.check().unwrap();
-    }
 
     /// A match's fast form, `walk_holding` (holding each hit as the walk meets it), leaves what
     /// the general `walk` then `hold_hits` leave, on two trees built alike by random commits,

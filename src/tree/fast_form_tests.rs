@@ -12,7 +12,7 @@ use crate::test_rng::picker;
 
 /// Asserts that two trees hold the same node records (free slots included), stamps and sets,
 /// in child indexes of the same size.
-pub(super) fn same(a: &Tree, b: &Tree, what: &str) {
+pub(crate) fn same(a: &Tree, b: &Tree, what: &str) {
     assert_eq!(a.nodes.len(), b.nodes.len(), "{what}");
     assert_eq!(
         (a.index.len(), a.index.heap_bytes()),

@@ -1250,7 +1250,7 @@ impl Iterator for Children<'_> {
 }
 
 #[cfg(test)]
-mod fast_form_tests;
+pub(crate) mod fast_form_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
