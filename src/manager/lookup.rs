@@ -155,12 +155,7 @@ impl CacheManager {
         prompt_tokens: usize,
     ) -> Result<PrefixMatch, MatchError> {
         let matchable = self.matchable(hashes, prompt_tokens)?;
-        let selective = match self.config.write_policy {
-            WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
-                Some(threshold)
-            }
-            _ => None,
-        };
+        let selective = self.selective_backup_threshold();
         let block_tokens = self.config.block_tokens as usize;
         let CacheManager { requests, tree, pending_backups, stats, unloadable, tier, .. } = self;
         let record = requests.start(request).ok_or(MatchError::DuplicateRequest(request))?;
@@ -185,6 +180,17 @@ impl CacheManager {
             .request_started(record.path.last().copied(), hashes.get(record.path.len()).copied());
         hold_hits(tree, &record.path, selective, pending_backups);
         Ok(matched(stats, record, hashes.len(), found, block_tokens))
+    }
+
+    /// The hit count at which a device node without a host copy is queued for a backup: the
+    /// threshold of selective write-through with a host tier, `None` otherwise.
+    pub(super) fn selective_backup_threshold(&self) -> Option<u32> {
+        match self.config.write_policy {
+            WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
+                Some(threshold)
+            }
+            _ => None,
+        }
     }
 
     /// The leading hashes the last-token rule lets hit: at most `(prompt_tokens - 1) /
@@ -230,11 +236,8 @@ fn matched(
     }
 }
 
-/// Holds each node of `path`, a match's hits (one more holder, one more hit, touched now), in
-/// order, after the walk: the general form. A hit on a node being evicted to host cancels the
-/// eviction (its copy lands as a backup); under selective write-through (`selective`: its
-/// threshold), a device node without a host copy that reaches the threshold is queued for a
-/// backup.
+/// Holds each node of `path`, a match's hits, in order, after the walk ([`hold_hit`] each): the
+/// general form.
 fn hold_hits(
     tree: &mut Tree,
     path: &[NodeId],
@@ -242,31 +245,43 @@ fn hold_hits(
     pending_backups: &mut Vec<NodeId>,
 ) {
     for &id in path {
-        // The usual hit (on device, no backup to consider) takes the fast path.
-        if selective.is_none() && tree.node(id).state() != NodeState::SwapToHost(SwapOut::Evict) {
-            tree.hold_hit(id);
-            continue;
+        hold_hit(tree, id, selective, pending_backups);
+    }
+}
+
+/// Holds hit `id` for a request: one more holder, one more hit, touched now. A hit on a node
+/// being evicted to host cancels the eviction (its copy lands as a backup); under selective
+/// write-through (`selective`: its threshold), a device node without a host copy that reaches
+/// the threshold is queued for a backup in `pending_backups`.
+pub(super) fn hold_hit(
+    tree: &mut Tree,
+    id: NodeId,
+    selective: Option<u32>,
+    pending_backups: &mut Vec<NodeId>,
+) {
+    // The usual hit (on device, no backup to consider) takes the fast path.
+    if selective.is_none() && tree.node(id).state() != NodeState::SwapToHost(SwapOut::Evict) {
+        tree.hold_hit(id);
+        return;
+    }
+    let queue = tree.update(id, |node| {
+        node.hold();
+        node.count_hit();
+        node.access(Access::Hit);
+        if node.node().state() == NodeState::SwapToHost(SwapOut::Evict) {
+            node.set_state(NodeState::SwapToHost(SwapOut::Backup));
         }
-        let queue = tree.update(id, |node| {
-            node.hold();
-            node.count_hit();
-            node.access(Access::Hit);
-            if node.node().state() == NodeState::SwapToHost(SwapOut::Evict) {
-                node.set_state(NodeState::SwapToHost(SwapOut::Backup));
-            }
-            let wants_backup = selective
-                .is_some_and(|threshold| node.node().hit_count() >= threshold)
-                && node.node().state() == NodeState::Device
-                && node.node().host().is_none()
-                && !node.node().backup_queued();
-            if wants_backup {
-                node.set_backup_queued(true);
-            }
-            wants_backup
-        });
-        if queue {
-            pending_backups.push(id);
+        let wants_backup = selective.is_some_and(|threshold| node.node().hit_count() >= threshold)
+            && node.node().state() == NodeState::Device
+            && node.node().host().is_none()
+            && !node.node().backup_queued();
+        if wants_backup {
+            node.set_backup_queued(true);
         }
+        wants_backup
+    });
+    if queue {
+        pending_backups.push(id);
     }
 }
 

@@ -12,10 +12,9 @@
 //!   3. hold the new nodes (one more hit each, touched now) and count their hits.
 
 use super::lookup::hit_tier;
-use super::{CacheManager, Lookup, MatchError, PrefixMatch, RequestId, WritePolicy};
+use super::{CacheManager, Lookup, MatchError, PrefixMatch, RequestId};
 use crate::hash::BlockHash;
-use crate::tree::policy::Access;
-use crate::tree::{NodeId, NodeState, SwapOut};
+use crate::tree::NodeId;
 
 impl CacheManager {
     /// Gives back the holds of a request that has not allocated, and forgets it: its allocation
@@ -98,31 +97,7 @@ impl CacheManager {
     /// Holds one more node for a request, as `match_prefix` holds the nodes it matches: one more
     /// hit, touched now, a pending eviction cancelled, a hot node queued for a selective backup.
     fn hold_rematched(&mut self, id: NodeId) {
-        let selective = match self.config.write_policy {
-            WritePolicy::WriteThroughSelective { threshold } if self.host_enabled() => {
-                Some(threshold)
-            }
-            _ => None,
-        };
-        let queue = self.tree.update(id, |node| {
-            node.hold();
-            node.count_hit();
-            node.access(Access::Hit);
-            if node.node().state() == NodeState::SwapToHost(SwapOut::Evict) {
-                node.set_state(NodeState::SwapToHost(SwapOut::Backup));
-            }
-            let wants_backup = selective
-                .is_some_and(|threshold| node.node().hit_count() >= threshold)
-                && node.node().state() == NodeState::Device
-                && node.node().host().is_none()
-                && !node.node().backup_queued();
-            if wants_backup {
-                node.set_backup_queued(true);
-            }
-            wants_backup
-        });
-        if queue {
-            self.pending_backups.push(id);
-        }
+        let selective = self.selective_backup_threshold();
+        super::lookup::hold_hit(&mut self.tree, id, selective, &mut self.pending_backups);
     }
 }
