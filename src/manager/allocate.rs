@@ -26,7 +26,6 @@
 
 use super::capacity::Demand;
 use super::request::{Request, RequestSlot};
-use super::transfer::Ticket;
 use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
 use crate::tree::{NodeId, NodeState, SwapOut};
 
@@ -273,8 +272,7 @@ impl CacheManager {
         scratch.blocks.clear();
         self.obtain_device_blocks(fresh, &mut scratch.blocks);
         debug_assert_eq!(scratch.blocks.len(), fresh);
-        let ticket = TicketId(self.next_ticket);
-        self.next_ticket += 1;
+        let ticket = self.take_ticket_id();
         let CacheManager { requests, tree, open_device_to_host, in_flight, .. } = self;
         let record = requests.at_mut(slot);
         let hits = record.path.get(record.table.len()..).unwrap_or_default();
@@ -299,10 +297,7 @@ impl CacheManager {
         record.tokens += new_tokens;
         record.tickets.push(ticket);
         record.pending_tickets += u32::from(pending > 0);
-        let waiting =
-            Ticket { request: Some(request), pending, failure: None, cached_blocks: None };
-        let fresh_ticket = self.tickets.insert_new(ticket, waiting);
-        debug_assert!(fresh_ticket, "ticket ids are never reused");
+        self.record_ticket(ticket, request, pending);
         self.scratch = Some(scratch);
         self.close_transfers();
         let record = self.requests.at(slot);

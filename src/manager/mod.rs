@@ -446,14 +446,26 @@ impl CacheManager {
         self.in_flight.get_mut(&id).map(|flight| &mut **flight)
     }
 
+    /// A new ticket of `request`, waiting on nothing yet (see [`CacheManager::wait_on`]).
     fn new_ticket(&mut self, request: RequestId) -> TicketId {
+        let id = self.take_ticket_id();
+        self.record_ticket(id, request, 0);
+        id
+    }
+
+    /// The next ticket id (ids are never reused), for a ticket recorded once what it waits on
+    /// is known ([`CacheManager::record_ticket`]).
+    fn take_ticket_id(&mut self) -> TicketId {
         let id = TicketId(self.next_ticket);
         self.next_ticket += 1;
-        let ticket =
-            Ticket { request: Some(request), pending: 0, failure: None, cached_blocks: None };
+        id
+    }
+
+    /// Records ticket `id` of `request`, waiting on `pending` copies (which name it already).
+    fn record_ticket(&mut self, id: TicketId, request: RequestId, pending: u32) {
+        let ticket = Ticket { request: Some(request), pending, failure: None, cached_blocks: None };
         let fresh = self.tickets.insert_new(id, ticket);
         debug_assert!(fresh, "ticket ids are never reused");
-        id
     }
 
     /// Makes `ticket` wait on copy `transfer` (once).
