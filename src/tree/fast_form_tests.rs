@@ -294,16 +294,17 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                         }
                     }
                     _ => {
-                        // Hold a random node (a request's parent), or release one.
+                        // Hold a random node (a request's parent), or release one: `a` as the
+                        // end of a request of that one node releases it (in any state, with
+                        // any copies), `b` by the general update.
                         if rnd(2) == 0 && !held.is_empty() {
                             let id = held.swap_remove(rnd(held.len()));
                             if a.is_live(id) {
-                                for tree in [&mut a, &mut b] {
-                                    tree.update(id, |node| {
-                                        node.release();
-                                        node.access(Access::Release);
-                                    });
-                                }
+                                a.release_path(&[id]);
+                                b.update(id, |node| {
+                                    node.release();
+                                    node.access(Access::Release);
+                                });
                             }
                         } else if let Some(id) = pick(&mut rnd, &ids) {
                             if rnd(2) == 0 {

@@ -66,11 +66,23 @@ impl Policy for Lru {
         }
     }
 
-    #[inline]
-    fn touch_released_path(&mut self, path: &[NodeId]) -> bool {
-        // A release stamps the node and nothing else: the list a node enters after its release
-        // depends on its stamp and the members' only, so the stamps may all come first.
-        self.lists.stamp_run(path.iter().rev().map(|id| id.0))
+    #[inline(always)]
+    fn release_path(
+        &mut self,
+        path: &[NodeId],
+        mut release: impl FnMut(NodeId) -> Membership,
+    ) -> bool {
+        // A release stamps the node and nothing else: the stamps of a run, the clock in a
+        // register, each node filed once stamped (the list it enters depends on its stamp and
+        // the members' only).
+        self.lists.stamp_run(path.iter().rev().map(|id| id.0), |node| {
+            let sets = release(NodeId(node));
+            if sets.is_empty() {
+                None
+            } else {
+                kind_of(sets)
+            }
+        })
     }
 
     #[inline]

@@ -171,12 +171,16 @@ pub trait Policy: Default + std::fmt::Debug {
     fn wants(&self, access: Access) -> bool;
     /// `node`, keyed by `key`, was accessed. It is in no set while this is called.
     fn touch(&mut self, node: NodeId, key: BlockHash, access: Access);
-    /// The release of every node of `path`, last first, told at once before the tree files any
-    /// of them: what a [`Policy::touch`] with [`Access::Release`] per node, each followed by
-    /// the node's [`Policy::enter`] when it joins sets, would do. A policy whose releases and
-    /// entries give the same result in that order answers `true`; `false` (the default) means
-    /// it heard nothing, and the tree touches node by node.
-    fn touch_released_path(&mut self, _path: &[NodeId]) -> bool {
+    /// The release of every node of `path`, last first, in one pass: for each node, what a
+    /// [`Policy::touch`] with [`Access::Release`] does, then `release(node)` (the tree's part:
+    /// the hold dropped, answering the sets the node joins now, none for most), then
+    /// [`Policy::enter`] of those sets. A policy that does it so answers `true`; `false` (the
+    /// default) means nothing was done, and the tree releases node by node.
+    fn release_path(
+        &mut self,
+        _path: &[NodeId],
+        _release: impl FnMut(NodeId) -> Membership,
+    ) -> bool {
         false
     }
     /// `node`, in no set before, joins `sets` (not empty).
@@ -328,10 +332,14 @@ macro_rules! registry {
                     $(Policies::$variant(p) => p.touch(node, key(), access),)+
                 }
             }
-            #[inline]
-            pub fn touch_released_path(&mut self, path: &[NodeId]) -> bool {
+            #[inline(always)]
+            pub fn release_path(
+                &mut self,
+                path: &[NodeId],
+                release: impl FnMut(NodeId) -> Membership,
+            ) -> bool {
                 match self {
-                    $(Policies::$variant(p) => p.touch_released_path(path),)+
+                    $(Policies::$variant(p) => p.release_path(path, release),)+
                 }
             }
             // `enter`, `leave` and `first` inline everywhere: out of line, the call, the
