@@ -80,7 +80,7 @@ struct AllocationBlocks<'a> {
     host: &'a mut BlockPool,
     out: Slots<'a, (u32, Option<TransferId>)>,
     /// The open swap-out, its pair slots and node slots.
-    swap_out: Option<(TransferId, Slots<'a, BlockPair>, Slots<'a, NodeId>)>,
+    swap_out: (TransferId, Slots<'a, BlockPair>, Slots<'a, NodeId>),
 }
 
 /// Spare slots at the end of a vector, handed out in order by [`spare_slots`].
@@ -117,8 +117,7 @@ impl WriteBackSink for AllocationBlocks<'_> {
     #[inline(always)] // once per write-back, in the run's loop
     fn written_back(&mut self, id: NodeId, device: u32, host: u32) {
         const SLOTS: &str = "a run takes no more blocks than it has slots for";
-        let (transfer, pairs, nodes) =
-            self.swap_out.as_mut().expect("a run writes back only with its swap-out open");
+        let (transfer, pairs, nodes) = &mut self.swap_out;
         pairs.next().expect(SLOTS).write(BlockPair::new(device, host));
         nodes.next().expect(SLOTS).write(id);
         self.out.next().expect(SLOTS).write((device, Some(*transfer)));
@@ -167,11 +166,18 @@ impl CacheManager {
         let mut run = WriteBackRun::default();
         // Without a storage tier the usual victims go in the tree's write-back run; the others,
         // and every victim with a storage tier, one by one below.
-        let in_runs = self.host_enabled() && !self.storage_enabled();
+        let in_runs = self.host_enabled() && !self.storage_enabled() && !self.general_forms_only();
         let min_hits = match self.config.write_policy {
             WritePolicy::WriteBack | WritePolicy::WriteThrough => 0,
             WritePolicy::WriteThroughSelective { threshold } => threshold,
         };
+        // The swap-out the runs' write-backs join, opened now (before the first run, so that one
+        // run does the whole allocation) unless open; taken back below if nothing joins it.
+        let opened_here =
+            in_runs && out.len() - start < count && self.open_device_to_host.is_none();
+        if opened_here {
+            self.open_transfer(TransferKind::DeviceToHost);
+        }
         while out.len() - start < count {
             debug_assert!(
                 self.tree.first_claimable().is_none(),
@@ -180,39 +186,32 @@ impl CacheManager {
             if in_runs {
                 let left = count - (out.len() - start);
                 let CacheManager { tree, host, open_device_to_host, .. } = self;
-                let swap_out = open_device_to_host.as_mut().map(|(id, flight)| {
-                    let InFlight { pairs, nodes, .. } = &mut **flight;
-                    (*id, spare_slots(pairs, left), spare_slots(nodes, left))
-                });
-                let copy = swap_out.as_ref().map(|(id, ..)| id.0);
+                let (id, flight) =
+                    open_device_to_host.as_mut().expect("the runs' swap-out is open");
+                let InFlight { pairs, nodes, .. } = &mut **flight;
+                let swap_out = (*id, spare_slots(pairs, left), spare_slots(nodes, left));
                 let mut sink = AllocationBlocks { host, out: spare_slots(out, left), swap_out };
-                let end = tree.write_back_run(&mut run, left, min_hits, copy, &mut sink);
+                let end = tree.write_back_run(&mut run, left, min_hits, id.0, &mut sink);
                 let taken = left - sink.out.len();
-                let written_back = sink.swap_out.map(|(_, pairs, _)| left - pairs.len());
+                let written_back = left - sink.swap_out.1.len();
                 // SAFETY: the sink wrote each slot it took from its iterators at once (see
-                // `AllocationBlocks`): the first `taken` of `out` and, with the swap-out open,
-                // the first `written_back` of its pairs and of its nodes (one of each per
-                // write-back); nothing else touched the vectors since `spare_slots`.
+                // `AllocationBlocks`): the first `taken` of `out` and the first `written_back`
+                // of the swap-out's pairs and of its nodes (one of each per write-back); nothing
+                // else touched the vectors since `spare_slots`.
                 unsafe {
                     append_written(out, taken);
-                    if let (Some(written), Some((_, flight))) =
-                        (written_back, open_device_to_host.as_mut())
-                    {
-                        append_written(&mut flight.pairs, written);
-                        append_written(&mut flight.nodes, written);
-                    }
+                    append_written(pairs, written_back);
+                    append_written(nodes, written_back);
                 }
-                match end {
-                    RunEnd::Done => break,
-                    RunEnd::NeedsCopy => {
-                        self.open_transfer(TransferKind::DeviceToHost);
-                        continue;
-                    }
-                    RunEnd::General => {}
+                if end == RunEnd::Done {
+                    break;
                 }
             }
             let taken = self.evict_one_for_allocation(&mut run);
             out.push(taken);
+        }
+        if opened_here {
+            self.take_back_if_empty(TransferKind::DeviceToHost);
         }
         let evictions = &mut self.stats.evictions;
         evictions.device_written_back += run.written_back;

@@ -385,6 +385,22 @@ impl CacheManager {
         *self.open_slot(kind) = Some((id, flight));
     }
 
+    /// Takes back the copy of `kind` the current operation opened last if nothing joined it: its
+    /// id goes to the next copy and its record to the spares, as if it had never been opened.
+    /// For an allocation that opens its swap-out before it knows whether it writes anything
+    /// back (see `obtain_device_blocks`).
+    fn take_back_if_empty(&mut self, kind: TransferKind) {
+        let Some((_, flight)) = self.open_slot(kind) else { return };
+        if !flight.pairs.is_empty() {
+            return;
+        }
+        debug_assert!(flight.tickets.is_empty() && flight.reserved_device.is_empty());
+        let (id, flight) = self.open_slot(kind).take().expect("open, just seen");
+        debug_assert_eq!(id.0 + 1, self.next_transfer, "the copy opened last is taken back");
+        self.next_transfer = id.0;
+        self.recycle_flight(flight);
+    }
+
     #[inline]
     fn open_slot(&mut self, kind: TransferKind) -> &mut Option<(TransferId, Box<InFlight>)> {
         match kind {

@@ -16,7 +16,6 @@ pub trait SetOrder {
     fn enter(&mut self, node: NodeId, sets: Membership);
     fn leave(&mut self, node: NodeId, sets: Membership);
     fn would_come_first(&self, node: NodeId, set: EvictSet) -> bool;
-    fn len(&self, set: EvictSet) -> usize;
     /// [`Policy::removing`], `key` asked for only by a policy that reads it.
     fn removing(
         &mut self,
@@ -42,10 +41,6 @@ impl SetOrder for Policies {
     #[inline(always)]
     fn would_come_first(&self, node: NodeId, set: EvictSet) -> bool {
         Policies::would_come_first(self, node, set)
-    }
-    #[inline(always)]
-    fn len(&self, set: EvictSet) -> usize {
-        Policies::len(self, set)
     }
     #[inline(always)]
     fn removing(
@@ -74,10 +69,6 @@ impl<P: Policy> SetOrder for P {
     #[inline(always)]
     fn would_come_first(&self, node: NodeId, set: EvictSet) -> bool {
         Policy::would_come_first(self, node, set)
-    }
-    #[inline(always)]
-    fn len(&self, set: EvictSet) -> usize {
-        Policy::len(self, set)
     }
     #[inline(always)]
     fn removing(

@@ -17,9 +17,9 @@
 //!
 //! Anything else (a victim the policy wants no copy of, no host block to be had, a host victim
 //! with a device copy) ends the run with [`RunEnd::General`] before changing anything for that
-//! victim: the manager evicts it by its general path and runs on. A first write-back with no
-//! copy open ends it with [`RunEnd::NeedsCopy`], so that a run that writes nothing back opens no
-//! copy. The parents left unfiled stay in [`WriteBackRun`] across those ends.
+//! victim: the manager evicts it by its general path and runs on. The write-backs join the copy
+//! the caller opened for them (it takes the copy back if the run wrote nothing back). The
+//! parents left unfiled stay in [`WriteBackRun`] across the ends.
 
 use super::index::ChildIndex;
 use super::node::Tier;
@@ -66,8 +66,6 @@ pub struct WriteBackRun {
 pub enum RunEnd {
     /// It took the blocks asked for.
     Done,
-    /// The next victim is to be written back and no copy is open: open one and run again.
-    NeedsCopy,
     /// The next victim is not one the run evicts (module documentation): nothing was changed
     /// for it; evict it by the general path, then run again.
     General,
@@ -77,7 +75,7 @@ impl Tree {
     /// Evicts device candidates for an allocation of a cache with a host tier and no storage
     /// tier until `count` device blocks are taken or the run meets a victim it leaves to the
     /// caller (module flow). `min_hits`: the hits below which the write policy wants no copy of
-    /// a victim; `copy`: the device-to-host copy the write-backs join, if one is open. The
+    /// a victim; `copy`: the device-to-host copy the write-backs join. The
     /// parents left unfiled are in `run` when it returns: the caller files them once it is
     /// done evicting ([`Tree::file_exposed`]; the host one if it is still live).
     ///
@@ -92,7 +90,7 @@ impl Tree {
         run: &mut WriteBackRun,
         count: usize,
         min_hits: u32,
-        copy: Option<u64>,
+        copy: u64,
         sink: &mut impl WriteBackSink,
     ) -> RunEnd {
         let Tree { nodes, free_slots, index, policy } = self;
@@ -123,7 +121,7 @@ fn write_back_loop(
     index: &mut ChildIndex,
     policy: &mut impl SetOrder,
     run: &mut WriteBackRun,
-    (count, min_hits, copy): (usize, u32, Option<u64>),
+    (count, min_hits, copy): (usize, u32, u64),
     sink: &mut impl WriteBackSink,
 ) -> RunEnd {
     for _ in 0..count {
@@ -146,12 +144,6 @@ fn write_back_loop(
         if node.hit_count() < min_hits {
             return RunEnd::General;
         }
-        let Some(copy) = copy else {
-            let host_to_be_had = sink.free_host_blocks() > 0
-                || run.exposed_host.is_some_and(|parent| is_live(nodes, parent))
-                || policy.len(EvictSet::Host) > 0;
-            return if host_to_be_had { RunEnd::NeedsCopy } else { RunEnd::General };
-        };
         let host = if sink.free_host_blocks() > 0 {
             sink.take_free_host_block()
         } else {
