@@ -165,7 +165,8 @@ impl CacheManager {
         // that is the next host victim if no host candidate comes before it), and the counts.
         let mut run = WriteBackRun::default();
         // Without a storage tier the usual victims go in the tree's write-back run; the others,
-        // and every victim with a storage tier, one by one below.
+        // and every victim with a storage tier (or in a differential test's general manager),
+        // one by one below.
         let in_runs = self.host_enabled() && !self.storage_enabled() && !self.general_forms_only();
         let min_hits = match self.config.write_policy {
             WritePolicy::WriteBack | WritePolicy::WriteThrough => 0,

@@ -1,7 +1,8 @@
 //! Differential tests of the manager's fast forms with a host tier: an allocation whose hits are
-//! all on device (`allocate_hits_on_device`) and the landing of an allocation's claimed
-//! swap-outs in one pass of the tree (`swap_outs_landed` through
-//! `Tree::land_claimed_swap_outs`). Two managers built alike are driven by the same random
+//! all on device (`allocate_hits_on_device`), its evictions in write-back runs
+//! (`Tree::write_back_run`, with the swap-out opened before the first run and taken back if
+//! nothing joined it) and the landing of an allocation's claimed swap-outs in one pass of the
+//! tree (`swap_outs_landed` through `Tree::land_claimed_swap_outs`). Two managers built alike are driven by the same random
 //! engine, one with the fast forms turned off (`general_forms_only`): every answer, every copy
 //! handed out, the counters and the tree must stay the same, with `check_invariants` after
 //! every step.

@@ -75,9 +75,9 @@ impl Tree {
     /// Evicts device candidates for an allocation of a cache with a host tier and no storage
     /// tier until `count` device blocks are taken or the run meets a victim it leaves to the
     /// caller (module flow). `min_hits`: the hits below which the write policy wants no copy of
-    /// a victim; `copy`: the device-to-host copy the write-backs join. The
-    /// parents left unfiled are in `run` when it returns: the caller files them once it is
-    /// done evicting ([`Tree::file_exposed`]; the host one if it is still live).
+    /// a victim; `copy`: the device-to-host copy the write-backs join. The parents left unfiled
+    /// are in `run` when it returns: the caller files them once it is done evicting
+    /// ([`Tree::file_exposed`]; the host one if it is still live).
     ///
     /// The loop holds the tree's fields borrowed apart, the arena as a slice (see `unlink`), and
     /// each step is the slice form of the fast form named in the module flow, which the `Tree`
