@@ -70,6 +70,10 @@ fn serving_a_request_allocates_nothing_once_the_buffers_have_grown() {
             .with_host_blocks(7_812)
             .with_write_policy(WritePolicy::WriteThrough)
             .with_free_watermark(32),
+        // As the replay runs it: `poll` issues the backups alone.
+        CacheConfig::new(512, 1_953)
+            .with_host_blocks(7_812)
+            .with_write_policy(WritePolicy::WriteThrough),
         CacheConfig::new(512, 1_953)
             .with_host_blocks(7_812)
             .with_write_policy(WritePolicy::WriteThroughSelective { threshold: 2 }),

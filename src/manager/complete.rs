@@ -230,6 +230,21 @@ impl CacheManager {
         let (through, landed) = self.tree.land_claimed_swap_outs(nodes, id.0);
         self.stats.swap_out_blocks += landed;
         if let Some(rest) = nodes.get(through..).filter(|rest| !rest.is_empty()) {
+            self.backups_landed(id, rest);
+        }
+    }
+
+    /// [`CacheManager::swap_outs_landed`] from a node that is no claimed swap-out on: the
+    /// backups (the usual swap-out of write-through's `poll`) land in one pass of the tree
+    /// ([`Tree::land_backup_swap_outs`]), until one in another state; from there on
+    /// [`CacheManager::swap_outs_landed_one_by_one`] lands them. Without a storage tier.
+    ///
+    /// [`Tree::land_backup_swap_outs`]: crate::tree::Tree::land_backup_swap_outs
+    #[inline(never)] // off the path of write-back's landings
+    fn backups_landed(&mut self, id: TransferId, nodes: &[NodeId]) {
+        let (through, landed) = self.tree.land_backup_swap_outs(nodes, id.0);
+        self.stats.backup_blocks += landed;
+        if let Some(rest) = nodes.get(through..).filter(|rest| !rest.is_empty()) {
             self.swap_outs_landed_one_by_one(id, rest);
         }
     }

@@ -1,8 +1,10 @@
 //! Differential tests of the manager's fast forms with a host tier: an allocation whose hits are
 //! all on device (`allocate_hits_on_device`), its evictions in write-back runs
 //! (`Tree::write_back_run`, with the swap-out opened before the first run and taken back if
-//! nothing joined it) and the landing of an allocation's claimed swap-outs in one pass of the
-//! tree (`swap_outs_landed` through `Tree::land_claimed_swap_outs`). Two managers built alike are driven by the same random
+//! nothing joined it), the landing of an allocation's claimed swap-outs in one pass of the tree
+//! (`swap_outs_landed` through `Tree::land_claimed_swap_outs`), and write-through's backups
+//! started in runs (`issue_backups` through `Tree::backup_run`) and landed in one pass
+//! (`Tree::land_backup_swap_outs`). Two managers built alike are driven by the same random
 //! engine, one with the fast forms turned off (`general_forms_only`): every answer, every copy
 //! handed out, the counters and the tree must stay the same, with `check_invariants` after
 //! every step.
@@ -146,8 +148,14 @@ impl Pair {
 fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
     let policies = EvictionPolicy::ALL.iter().copied().filter(|policy| !policy.is_offline());
     let (mut allocations_checked, mut extended_while_pending) = (0, 0);
+    let (mut backups_issued, mut backups_landed) = (0, 0);
     for eviction in policies {
-        for write_policy in [WritePolicy::WriteBack, WritePolicy::WriteThrough] {
+        let write_policies = [
+            WritePolicy::WriteBack,
+            WritePolicy::WriteThrough,
+            WritePolicy::WriteThroughSelective { threshold: 2 },
+        ];
+        for write_policy in write_policies {
             for seed in 1..=12u64 {
                 let mut pick = picker(seed);
                 // A free watermark on odd seeds: `poll` starts swap-outs that allocations then
@@ -194,11 +202,15 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
                     }
                     pair.same(&format!("{eviction:?} {write_policy:?} seed {seed} step {step}"));
                 }
+                backups_issued += pair.fast.stats.backups_issued;
+                backups_landed += pair.fast.stats.backup_blocks;
             }
         }
     }
     assert!(allocations_checked > 1000, "{allocations_checked} allocations");
     assert!(extended_while_pending > 100, "{extended_while_pending} decode allocations");
+    assert!(backups_issued > 400, "{backups_issued} backups issued");
+    assert!(backups_landed > 200, "{backups_landed} backups landed");
 }
 
 /// Caches `chains` one-block prompts, one conversation each, and finishes them: their device

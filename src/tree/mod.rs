@@ -43,6 +43,7 @@
 //! the tree walks the child list to recount it when it would fall (only a node with 65,535
 //! children on a tier ever pays that).
 
+mod backup_run;
 mod check;
 mod index;
 mod node;
@@ -54,6 +55,7 @@ mod write_back;
 use std::ops::ControlFlow;
 
 use crate::hash::BlockHash;
+pub use backup_run::{BackupEnd, BackupRun, BackupSink};
 use index::{ChildIndex, Probe};
 pub use node::{Node, NodeId, NodeMut, NodeState, StoreOut, SwapOut};
 use node::{Tier, COUNT_SATURATED};

@@ -188,7 +188,7 @@ fn write_back_loop(
 
 /// Whether `id` names a live node of arena `nodes` ([`Tree::is_live`]).
 #[inline(always)]
-fn is_live(nodes: &[Node], id: NodeId) -> bool {
+pub(super) fn is_live(nodes: &[Node], id: NodeId) -> bool {
     nodes.get(id.index()).is_some_and(|node| id == NodeId::ROOT || node.parent != NodeId::NONE)
 }
 
