@@ -11,8 +11,8 @@
 //! [`Tree::update`], or through one of its fast forms for the hot steps (`hold_hit`,
 //! `release_path`, the exposing removals, `drop_device_leaves`, `start_claimed_swap_out`,
 //! `land_attached_claimed_swap_out`, `drop_device_copy_exposing`, `start_swap_in_of_held`,
-//! `land_swap_in`, and an allocation's `write_back_run` of them, [`write_back`]), which do the
-//! same three steps
+//! `land_swap_in`, and an allocation's `write_back_run` of them, [`write_back`]; write-through's
+//! `backup_run` and `land_backup_swap_outs`, [`backup_run`]), which do the same three steps
 //! for the one change they make (checked against `update` by differential tests):
 //! 1. apply the change (a closure on [`NodeMut`]), which may record an access;
 //! 2. if the node gained or lost its device copy, adjust the parent's count of device children
@@ -1262,6 +1262,8 @@ impl Iterator for Children<'_> {
     }
 }
 
+#[cfg(test)]
+mod backup_run_tests;
 #[cfg(test)]
 pub(crate) mod fast_form_tests;
 #[cfg(test)]
