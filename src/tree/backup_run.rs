@@ -127,7 +127,21 @@ impl Tree {
                 view.set_state(NodeState::Device);
                 view.set_transfer(None);
             }
-            let sets = membership_in(arena, id);
+            // `Device` with both blocks, not the root (a copy's node): decided from the three
+            // fields that can keep it out of the device and host sets.
+            let sets = if node.ref_count() > 0 {
+                Membership::NONE
+            } else {
+                let device = Membership::NONE.with(EvictSet::Device);
+                let host = Membership::NONE.with(EvictSet::Host);
+                match (node.device_children == 0, node.upper_children == 0) {
+                    (true, true) => Membership::from_bits(device.bits() | host.bits()),
+                    (true, false) => device,
+                    (false, true) => host,
+                    (false, false) => Membership::NONE,
+                }
+            };
+            debug_assert_eq!(sets, membership_in(arena, id));
             if !sets.is_empty() {
                 policy.enter(id, sets);
                 arena[id.index()].set_membership(sets);
