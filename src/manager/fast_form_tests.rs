@@ -149,6 +149,7 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
     let policies = EvictionPolicy::ALL.iter().copied().filter(|policy| !policy.is_offline());
     let (mut allocations_checked, mut extended_while_pending) = (0, 0);
     let (mut backups_issued, mut backups_landed) = (0, 0);
+    let mut backups_with_device_copy_victim = 0;
     for eviction in policies {
         let write_policies = [
             WritePolicy::WriteBack,
@@ -159,9 +160,11 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
             for seed in 1..=12u64 {
                 let mut pick = picker(seed);
                 // A free watermark on odd seeds: `poll` starts swap-outs that allocations then
-                // claim from, beside their own.
+                // claim from, beside their own. A host tier smaller than the device on two seeds
+                // in three: write-through's backups then fill it with nodes still on device, and
+                // a backup's host victim may be one of them.
                 let config = CacheConfig::new(BLOCK_TOKENS as u32, 12)
-                    .with_host_blocks(20)
+                    .with_host_blocks(if seed % 3 == 1 { 20 } else { 6 })
                     .with_free_watermark(if seed % 2 == 1 { 4 } else { 0 })
                     .with_write_policy(write_policy)
                     .with_eviction(eviction);
@@ -188,6 +191,16 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
                         }
                         8 if !pair.live.is_empty() => pair.end(pick(pair.live.len())),
                         9 => {
+                            // Backups to issue with the host pool empty and a host candidate
+                            // with a device copy first: the run hands the host eviction back.
+                            let fast = &pair.fast;
+                            let first_host = fast.tree.first_host_candidate();
+                            backups_with_device_copy_victim += usize::from(
+                                !fast.pending_backups.is_empty()
+                                    && fast.free_host_blocks() == 0
+                                    && first_host
+                                        .is_some_and(|id| fast.tree.node(id).device().is_some()),
+                            );
                             pair.fast.poll();
                             pair.general.poll();
                         }
@@ -211,6 +224,10 @@ fn the_fast_allocation_and_landing_leave_what_the_general_forms_leave() {
     assert!(extended_while_pending > 100, "{extended_while_pending} decode allocations");
     assert!(backups_issued > 400, "{backups_issued} backups issued");
     assert!(backups_landed > 200, "{backups_landed} backups landed");
+    assert!(
+        backups_with_device_copy_victim > 5,
+        "{backups_with_device_copy_victim} polls with a host victim holding a device copy"
+    );
 }
 
 /// Caches `chains` one-block prompts, one conversation each, and finishes them: their device
