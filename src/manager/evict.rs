@@ -71,8 +71,8 @@ enum Evicted {
 
 /// The manager's side of an allocation's write-back run ([`Tree::write_back_run`]): the host
 /// pool, and slots for what the run gives, one per block it may take, in the spare capacity of
-/// the vectors it goes to: the device blocks taken (`obtain_device_blocks`'s `out`) and, once
-/// the swap-out is open, its pairs and nodes ([`spare_slots`]). A write into a slot keeps the
+/// the vectors it goes to: the device blocks taken (`obtain_device_blocks`'s `out`) and the
+/// pairs and nodes of the swap-out opened for the run ([`spare_slots`]). A write into a slot keeps the
 /// slot's address in a register, where a push would reload the vector's header after every
 /// write to the tree (which the optimizer cannot tell apart), and growing the vectors by
 /// filler values first would cost as much as the pushes.
