@@ -29,8 +29,8 @@ use super::index::ChildIndex;
 use super::node::Tier;
 use super::policy::{EvictSet, Membership, Policies};
 use super::set_order::SetOrder;
-use super::write_back::{file_exposed, host_child_gone_exposes, is_live};
-use super::{membership_in, unlink, Node, NodeId, NodeMut, NodeState, SwapOut, Tree};
+use super::write_back::{drop_host_leaf, is_live};
+use super::{membership_in, Node, NodeId, NodeMut, NodeState, SwapOut, Tree};
 
 /// What a backup run takes from and gives to its caller, who owns the host pool and the copy.
 pub trait BackupSink {
@@ -187,35 +187,8 @@ fn backup_loop(
         let host = if sink.free_host_blocks() > 0 {
             sink.take_free_host_block()
         } else {
-            // As `write_back_loop`: a parent handed back unfiled is still a host candidate
-            // alone while it is live.
-            let host_victim = match run.exposed_host.take() {
-                Some(parent)
-                    if is_live(nodes, parent)
-                        && policy.would_come_first(parent, EvictSet::Host) =>
-                {
-                    parent
-                }
-                parent => {
-                    if let Some(parent) = parent.filter(|&parent| is_live(nodes, parent)) {
-                        file_exposed(nodes, policy, parent, EvictSet::Host);
-                    }
-                    match policy.first(EvictSet::Host) {
-                        Some(candidate) => candidate,
-                        None => return BackupEnd::General,
-                    }
-                }
-            };
-            let victim = &nodes[host_victim.index()];
-            if victim.block(Tier::Device).is_some() {
-                // A filed candidate (a parent handed back is host-only): the general path
-                // takes it first again.
-                return BackupEnd::General;
-            }
-            let block = victim.block(Tier::Host).expect("a host candidate has a host block");
-            // Without a storage tier a host-only candidate is a leaf.
-            let parent = unlink(nodes, free_slots, index, policy, host_victim, None);
-            run.exposed_host = host_child_gone_exposes(nodes, policy, parent);
+            let leaf = drop_host_leaf(nodes, free_slots, index, policy, &mut run.exposed_host);
+            let Some(block) = leaf else { return BackupEnd::General };
             run.host_dropped += 1;
             block
         };

@@ -147,35 +147,8 @@ fn write_back_loop(
         let host = if sink.free_host_blocks() > 0 {
             sink.take_free_host_block()
         } else {
-            // As `is_next_host_victim`: a parent handed back unfiled is still a host
-            // candidate alone while it is live.
-            let host_victim = match run.exposed_host.take() {
-                Some(parent)
-                    if is_live(nodes, parent)
-                        && policy.would_come_first(parent, EvictSet::Host) =>
-                {
-                    parent
-                }
-                parent => {
-                    if let Some(parent) = parent.filter(|&parent| is_live(nodes, parent)) {
-                        file_exposed(nodes, policy, parent, EvictSet::Host);
-                    }
-                    match policy.first(EvictSet::Host) {
-                        Some(candidate) => candidate,
-                        None => return RunEnd::General,
-                    }
-                }
-            };
-            let node = &nodes[host_victim.index()];
-            if node.block(Tier::Device).is_some() {
-                // A filed candidate (a parent handed back is host-only): the general path
-                // takes it first again.
-                return RunEnd::General;
-            }
-            let block = node.block(Tier::Host).expect("a host candidate has a host block");
-            // Without a storage tier a host-only candidate is a leaf.
-            let parent = unlink(nodes, free_slots, index, policy, host_victim, None);
-            run.exposed_host = host_child_gone_exposes(nodes, policy, parent);
+            let leaf = drop_host_leaf(nodes, free_slots, index, policy, &mut run.exposed_host);
+            let Some(block) = leaf else { return RunEnd::General };
             run.host_dropped += 1;
             block
         };
@@ -184,6 +157,48 @@ fn write_back_loop(
         sink.written_back(victim, device, host);
     }
     RunEnd::Done
+}
+
+/// The host block of the host candidate the policy gives up next, which must be a host-only
+/// leaf and leaves the tree ([`Tree::remove_exposing_host`] on the arena as a slice), for a
+/// run's next copy when the pool has no free block. `exposed_host`: the parent the previous
+/// host eviction handed back unfiled, taken first if it still comes first (as
+/// `is_next_host_victim`), filed otherwise; on return, the parent this one hands back, if any.
+/// `None`, with nothing changed but that parent filed, when the general path must take over:
+/// no host candidate, or the next one still has a device copy.
+#[inline(always)]
+pub(super) fn drop_host_leaf(
+    nodes: &mut [Node],
+    free_slots: &mut NodeId,
+    index: &mut ChildIndex,
+    policy: &mut impl SetOrder,
+    exposed_host: &mut Option<NodeId>,
+) -> Option<u32> {
+    // A parent handed back unfiled is still a host candidate alone while it is live.
+    let host_victim = match exposed_host.take() {
+        Some(parent)
+            if is_live(nodes, parent) && policy.would_come_first(parent, EvictSet::Host) =>
+        {
+            parent
+        }
+        parent => {
+            if let Some(parent) = parent.filter(|&parent| is_live(nodes, parent)) {
+                file_exposed(nodes, policy, parent, EvictSet::Host);
+            }
+            policy.first(EvictSet::Host)?
+        }
+    };
+    let node = &nodes[host_victim.index()];
+    if node.block(Tier::Device).is_some() {
+        // A filed candidate (a parent handed back is host-only): the general path takes it
+        // first again.
+        return None;
+    }
+    let block = node.block(Tier::Host).expect("a host candidate has a host block");
+    // Without a storage tier a host-only candidate is a leaf.
+    let parent = unlink(nodes, free_slots, index, policy, host_victim, None);
+    *exposed_host = host_child_gone_exposes(nodes, policy, parent);
+    Some(block)
 }
 
 /// Whether `id` names a live node of arena `nodes` ([`Tree::is_live`]).
