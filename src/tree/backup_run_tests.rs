@@ -3,8 +3,7 @@
 //! ([`Tree::update`], [`Tree::remove`] and the first host candidate), as the cache manager's
 //! `issue_backup` and `swap_out_landed` do them without a storage tier.
 
-use super::fast_form_tests::same;
-use super::tests::served;
+use super::twin_tests::Twins;
 use super::*;
 use crate::test_rng::picker;
 
@@ -104,69 +103,39 @@ fn backup_runs_and_their_landing_leave_what_the_general_form_leaves_node_by_node
     for policy in EvictionPolicy::online() {
         for seed in 1..=40u64 {
             let mut rnd = picker(seed);
-            let (mut a, mut b) = (Tree::new(policy), Tree::new(policy));
-            let (mut pool_a, mut pool_b) = (Vec::new(), Vec::new());
-            let (mut next_hash, mut next_block, mut next_copy) = (1u128, 1u32, 1u64);
-            let mut held: Vec<Vec<NodeId>> = Vec::new();
+            let mut t = Twins::new(policy);
             let mut queue: Vec<NodeId> = Vec::new();
             for step in 0..250 {
                 let what = format!("{policy:?} seed {seed} step {step}");
-                let ids: Vec<NodeId> = a.ids().collect();
+                let ids = t.ids();
                 match rnd(12) {
                     0..=2 => {
                         // A request's new blocks under the root or a device copy, served and
                         // mostly queued for a backup.
-                        let parents: Vec<NodeId> = std::iter::once(NodeId::ROOT)
-                            .chain(ids.iter().copied().filter(|&id| {
-                                a.node(id).state() == NodeState::Device
-                                    && a.node(id).device().is_some()
-                            }))
-                            .collect();
-                        let parent = parents[rnd(parents.len())];
-                        let hashes: Vec<u128> =
-                            (0..1 + rnd(4) as u128).map(|i| next_hash + i).collect();
-                        next_hash += hashes.len() as u128;
-                        let path_a = served(&mut a, parent, &hashes, next_block);
-                        let path_b = served(&mut b, parent, &hashes, next_block);
-                        assert_eq!(path_a, path_b, "{what}");
-                        next_block += hashes.len() as u32;
+                        let path = t.serve_chain(&mut rnd, &what);
                         if rnd(4) != 0 {
-                            for &id in &path_a {
-                                a.update(id, |node| node.set_backup_queued(true));
-                                b.update(id, |node| node.set_backup_queued(true));
+                            for &id in &path {
+                                t.a.update(id, |node| node.set_backup_queued(true));
+                                t.b.update(id, |node| node.set_backup_queued(true));
                             }
-                            queue.extend_from_slice(&path_a);
+                            queue.extend_from_slice(&path);
                         }
                     }
-                    3 if rnd(3) == 0 => {
-                        // A device node without a host copy gets one some other way (a
-                        // cancelled eviction landing): a queued one wants no backup any more.
-                        let list: Vec<NodeId> = ids
-                            .iter()
-                            .copied()
-                            .filter(|&id| {
-                                a.node(id).state() == NodeState::Device
-                                    && a.node(id).host().is_none()
-                            })
-                            .collect();
-                        if !list.is_empty() {
-                            let id = list[rnd(list.len())];
-                            for tree in [&mut a, &mut b] {
-                                tree.update(id, |node| node.set_host(Some(next_block)));
-                            }
-                            next_block += 1;
-                        }
-                    }
+                    // A device node without a host copy gets one some other way (a cancelled
+                    // eviction landing): a queued one wants no backup any more.
+                    3 if rnd(3) == 0 => t.land_host_copy(&mut rnd),
                     3 => {
                         // A device candidate with a backup is evicted: it is host-only now.
                         let list: Vec<NodeId> = ids
                             .iter()
                             .copied()
-                            .filter(|&id| a.is_device_candidate(id) && a.node(id).has_valid_host())
+                            .filter(|&id| {
+                                t.a.is_device_candidate(id) && t.a.node(id).has_valid_host()
+                            })
                             .collect();
                         if !list.is_empty() {
                             let id = list[rnd(list.len())];
-                            for tree in [&mut a, &mut b] {
+                            for tree in [&mut t.a, &mut t.b] {
                                 tree.update(id, |node| {
                                     node.set_device(None);
                                     node.set_state(NodeState::Host);
@@ -180,84 +149,62 @@ fn backup_runs_and_their_landing_leave_what_the_general_form_leaves_node_by_node
                             .iter()
                             .copied()
                             .filter(|&id| {
-                                a.node(id).state() == NodeState::SwapToHost(SwapOut::Backup)
+                                t.a.node(id).state() == NodeState::SwapToHost(SwapOut::Backup)
                                     && rnd(3) != 0
                             })
                             .collect();
                         for &id in &backups {
-                            let transfer = a.node(id).transfer().unwrap();
+                            let transfer = t.a.node(id).transfer().unwrap();
                             // A node detached from the copy (the root names none) is skipped.
                             let (through, landed) =
-                                a.land_backup_swap_outs(&[NodeId::ROOT, id], transfer);
+                                t.a.land_backup_swap_outs(&[NodeId::ROOT, id], transfer);
                             assert_eq!((through, landed), (2, 1), "{what}: landing {id:?}");
-                            b.update(id, |node| {
+                            t.b.update(id, |node| {
                                 node.set_state(NodeState::Device);
                                 node.set_transfer(None);
                             });
                             met.landed += 1;
                         }
                     }
-                    6 => {
-                        // Host blocks come free, now and then.
-                        for _ in 0..rnd(2) {
-                            pool_a.push(next_block);
-                            pool_b.push(next_block);
-                            next_block += 1;
-                        }
-                    }
-                    7 => {
-                        // A request holds a path (its hits), or one that held ends.
-                        if rnd(2) == 0 && !held.is_empty() {
-                            let path = held.swap_remove(rnd(held.len()));
-                            for tree in [&mut a, &mut b] {
-                                tree.release_path(&path);
-                            }
-                        } else if !ids.is_empty() {
-                            let mut path = vec![ids[rnd(ids.len())]];
-                            while let Some(parent) = a.node(path[0]).parent() {
-                                if parent == NodeId::ROOT {
-                                    break;
-                                }
-                                path.insert(0, parent);
-                            }
-                            for &id in &path {
-                                a.hold_hit(id);
-                                b.hold_hit(id);
-                            }
-                            held.push(path);
-                        }
-                    }
+                    6 => t.free_host_blocks(&mut rnd),
+                    7 => t.hold_or_release(&mut rnd),
                     8 if rnd(4) == 0 => {
                         // A leaf on host alone is dropped (so that its slot may be reused).
                         let leaf = ids.iter().copied().find(|&id| {
-                            a.node(id).state() == NodeState::Host
-                                && !a.node(id).has_children()
-                                && a.node(id).ref_count() == 0
+                            t.a.node(id).state() == NodeState::Host
+                                && !t.a.node(id).has_children()
+                                && t.a.node(id).ref_count() == 0
                         });
                         if let Some(id) = leaf {
-                            a.remove(id);
-                            b.remove(id);
+                            t.a.remove(id);
+                            t.b.remove(id);
                         }
                     }
                     _ => {
                         // `poll` issues the queued backups: `b` node by node.
-                        let opened = next_copy;
-                        next_copy += 1;
+                        let opened = t.new_copy();
                         let (mut pairs_b, mut copy_b, mut out_of_host) = (Vec::new(), None, false);
                         for &id in &queue {
                             let state = (&mut pairs_b, &mut out_of_host, &mut met);
-                            back_up_generally(&mut b, id, &mut pool_b, &mut copy_b, opened, state);
+                            back_up_generally(
+                                &mut t.b,
+                                id,
+                                &mut t.pool_b,
+                                &mut copy_b,
+                                opened,
+                                state,
+                            );
                         }
                         // `a` in runs, handing back the nodes they leave.
                         let (mut pairs_a, mut copy_a) = (Vec::new(), None);
                         let mut run = BackupRun::default();
                         let mut ignored = Met::default();
                         loop {
-                            let mut sink = Sink { pool: &mut pool_a, pairs: &mut pairs_a };
-                            match a.backup_run(&mut run, &queue, copy_a, &mut sink) {
+                            let mut sink = Sink { pool: &mut t.pool_a, pairs: &mut pairs_a };
+                            match t.a.backup_run(&mut run, &queue, copy_a, &mut sink) {
                                 BackupEnd::Done => break,
                                 BackupEnd::NeedsCopy
-                                    if !pool_a.is_empty() || a.host_candidate_count() > 0 =>
+                                    if !t.pool_a.is_empty() || t.a.host_candidate_count() > 0 =>
                                 {
                                     assert_eq!(copy_a, None, "{what}: a copy asked for twice");
                                     copy_a = Some(opened);
@@ -266,42 +213,37 @@ fn backup_runs_and_their_landing_leave_what_the_general_form_leaves_node_by_node
                                 BackupEnd::NeedsCopy | BackupEnd::General => {
                                     runs_ended_general += 1;
                                     if let Some(parent) =
-                                        run.exposed_host.take().filter(|&id| a.is_live(id))
+                                        run.exposed_host.take().filter(|&id| t.a.is_live(id))
                                     {
-                                        a.file_exposed(parent, EvictSet::Host);
+                                        t.a.file_exposed(parent, EvictSet::Host);
                                     }
+                                    // The next node, and once out of host blocks, the rest.
+                                    assert!(run.next < queue.len(), "{what}: past the queue");
                                     let mut out_of_host = false;
-                                    let id = queue[run.next];
-                                    let state = (&mut pairs_a, &mut out_of_host, &mut ignored);
-                                    back_up_generally(
-                                        &mut a,
-                                        id,
-                                        &mut pool_a,
-                                        &mut copy_a,
-                                        opened,
-                                        state,
-                                    );
-                                    run.next += 1;
-                                    if out_of_host {
-                                        for &id in &queue[run.next..] {
-                                            let state =
-                                                (&mut pairs_a, &mut out_of_host, &mut ignored);
-                                            back_up_generally(
-                                                &mut a,
-                                                id,
-                                                &mut pool_a,
-                                                &mut copy_a,
-                                                opened,
-                                                state,
-                                            );
+                                    for &id in &queue[run.next..] {
+                                        let state = (&mut pairs_a, &mut out_of_host, &mut ignored);
+                                        let (tree, pool) = (&mut t.a, &mut t.pool_a);
+                                        back_up_generally(
+                                            tree,
+                                            id,
+                                            pool,
+                                            &mut copy_a,
+                                            opened,
+                                            state,
+                                        );
+                                        run.next += 1;
+                                        if !out_of_host {
+                                            break;
                                         }
+                                    }
+                                    if out_of_host {
                                         break;
                                     }
                                 }
                             }
                         }
-                        if let Some(parent) = run.exposed_host.filter(|&id| a.is_live(id)) {
-                            a.file_exposed(parent, EvictSet::Host);
+                        if let Some(parent) = run.exposed_host.filter(|&id| t.a.is_live(id)) {
+                            t.a.file_exposed(parent, EvictSet::Host);
                         }
                         queue.clear();
                         assert_eq!(pairs_a, pairs_b, "{what}: the copy's pairs");
@@ -309,8 +251,7 @@ fn backup_runs_and_their_landing_leave_what_the_general_form_leaves_node_by_node
                         assert!(run.started as usize <= pairs_a.len(), "{what}");
                     }
                 }
-                assert_eq!(pool_a, pool_b, "{what}: the host pool");
-                same(&a, &b, &what);
+                t.assert_same(&what);
             }
         }
     }

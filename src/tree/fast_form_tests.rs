@@ -7,6 +7,7 @@
 //! the other.
 
 use super::tests::{hash, served};
+use super::twin_tests::{device_without_host, serving_parents};
 use super::*;
 use crate::test_rng::picker;
 
@@ -56,12 +57,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                 match rnd(12) {
                     0 | 1 => {
                         // A new chain under the root or a device node, served (held, released).
-                        let parents: Vec<NodeId> = std::iter::once(NodeId::ROOT)
-                            .chain(ids.iter().copied().filter(|&id| {
-                                a.node(id).state() == NodeState::Device
-                                    && a.node(id).device().is_some()
-                            }))
-                            .collect();
+                        let parents = serving_parents(&a, &ids);
                         let parent = pick(&mut rnd, &parents).unwrap();
                         let len = 1 + rnd(3);
                         let hashes: Vec<u128> = (0..len as u128).map(|i| next_hash + i).collect();
@@ -84,14 +80,7 @@ fn every_fast_form_leaves_what_the_general_insert_update_and_remove_leave() {
                     }
                     2 => {
                         // A backup lands on a device node without one.
-                        let list: Vec<NodeId> = ids
-                            .iter()
-                            .copied()
-                            .filter(|&id| {
-                                a.node(id).state() == NodeState::Device
-                                    && a.node(id).host().is_none()
-                            })
-                            .collect();
+                        let list = device_without_host(&a, &ids);
                         if let Some(id) = pick(&mut rnd, &list) {
                             let block = next_block;
                             next_block += 1;

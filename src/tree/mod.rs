@@ -1269,4 +1269,6 @@ pub(crate) mod fast_form_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod twin_tests;
+#[cfg(test)]
 mod write_back_tests;

@@ -3,8 +3,7 @@
 //! candidates of the sets), as the cache manager's general path does them without a storage
 //! tier.
 
-use super::fast_form_tests::same;
-use super::tests::served;
+use super::twin_tests::Twins;
 use super::*;
 use crate::test_rng::picker;
 
@@ -136,61 +135,28 @@ fn write_back_runs_evict_what_the_general_form_evicts_one_victim_at_a_time() {
     for policy in EvictionPolicy::online() {
         for seed in 1..=40u64 {
             let mut rnd = picker(seed);
-            let (mut a, mut b) = (Tree::new(policy), Tree::new(policy));
-            let (mut pool_a, mut pool_b) = (Vec::new(), Vec::new());
-            let (mut next_hash, mut next_block, mut next_copy) = (1u128, 1u32, 1u64);
-            let mut held: Vec<Vec<NodeId>> = Vec::new();
+            let mut t = Twins::new(policy);
             for step in 0..250 {
                 let what = format!("{policy:?} seed {seed} step {step}");
-                let ids: Vec<NodeId> = a.ids().collect();
                 match rnd(12) {
                     0..=2 => {
                         // A request's new blocks under the root or a device copy, served.
-                        let parents: Vec<NodeId> = std::iter::once(NodeId::ROOT)
-                            .chain(ids.iter().copied().filter(|&id| {
-                                a.node(id).state() == NodeState::Device
-                                    && a.node(id).device().is_some()
-                            }))
-                            .collect();
-                        let parent = parents[rnd(parents.len())];
-                        let hashes: Vec<u128> =
-                            (0..1 + rnd(4) as u128).map(|i| next_hash + i).collect();
-                        next_hash += hashes.len() as u128;
-                        let path_a = served(&mut a, parent, &hashes, next_block);
-                        let path_b = served(&mut b, parent, &hashes, next_block);
-                        assert_eq!(path_a, path_b, "{what}");
-                        next_block += hashes.len() as u32;
+                        t.serve_chain(&mut rnd, &what);
                     }
-                    3 | 4 => {
-                        // A backup lands on a device node without a host copy.
-                        let list: Vec<NodeId> = ids
-                            .iter()
-                            .copied()
-                            .filter(|&id| {
-                                a.node(id).state() == NodeState::Device
-                                    && a.node(id).host().is_none()
-                            })
-                            .collect();
-                        if !list.is_empty() {
-                            let id = list[rnd(list.len())];
-                            let block = next_block;
-                            next_block += 1;
-                            a.update(id, |node| node.set_host(Some(block)));
-                            b.update(id, |node| node.set_host(Some(block)));
-                        }
-                    }
+                    // A backup lands on a device node without a host copy.
+                    3 | 4 => t.land_host_copy(&mut rnd),
                     5 => {
                         // Claimed swap-outs land: their nodes become host-only.
-                        for &id in &ids {
+                        for id in t.ids() {
                             let claimed =
-                                a.node(id).state() == NodeState::SwapToHost(SwapOut::Claimed);
+                                t.a.node(id).state() == NodeState::SwapToHost(SwapOut::Claimed);
                             if claimed && rnd(2) == 0 {
-                                let transfer = a.node(id).transfer().unwrap();
+                                let transfer = t.a.node(id).transfer().unwrap();
                                 assert_eq!(
-                                    a.land_attached_claimed_swap_out(id, transfer),
+                                    t.a.land_attached_claimed_swap_out(id, transfer),
                                     Landing::Landed
                                 );
-                                b.update(id, |node| {
+                                t.b.update(id, |node| {
                                     node.set_state(NodeState::Host);
                                     node.set_transfer(None);
                                     node.set_passing_through_host(false);
@@ -198,49 +164,20 @@ fn write_back_runs_evict_what_the_general_form_evicts_one_victim_at_a_time() {
                             }
                         }
                     }
-                    6 => {
-                        // Host blocks come free, now and then.
-                        for _ in 0..rnd(2) {
-                            pool_a.push(next_block);
-                            pool_b.push(next_block);
-                            next_block += 1;
-                        }
-                    }
-                    7 => {
-                        // A request holds a path (its hits), or one that held ends.
-                        if rnd(2) == 0 && !held.is_empty() {
-                            let path = held.swap_remove(rnd(held.len()));
-                            for tree in [&mut a, &mut b] {
-                                tree.release_path(&path);
-                            }
-                        } else if !ids.is_empty() {
-                            let mut path = vec![ids[rnd(ids.len())]];
-                            while let Some(parent) = a.node(path[0]).parent() {
-                                if parent == NodeId::ROOT {
-                                    break;
-                                }
-                                path.insert(0, parent);
-                            }
-                            for &id in &path {
-                                a.hold_hit(id);
-                                b.hold_hit(id);
-                            }
-                            held.push(path);
-                        }
-                    }
+                    6 => t.free_host_blocks(&mut rnd),
+                    7 => t.hold_or_release(&mut rnd),
                     _ => {
                         // An allocation short of blocks: `b` evicts victim by victim.
                         let min_hits = [0, 0, 0, 0, 0, 2][rnd(6)];
-                        let opened = next_copy;
-                        next_copy += 1;
+                        let opened = t.new_copy();
                         let (mut taken_b, mut copy_b) = (Vec::new(), None);
                         for _ in 0..1 + rnd(8) {
-                            if b.first_device_candidate().is_none() {
+                            if t.b.first_device_candidate().is_none() {
                                 break;
                             }
                             evict_generally(
-                                &mut b,
-                                &mut pool_b,
+                                &mut t.b,
+                                &mut t.pool_b,
                                 min_hits,
                                 &mut copy_b,
                                 opened,
@@ -255,8 +192,9 @@ fn write_back_runs_evict_what_the_general_form_evicts_one_victim_at_a_time() {
                         let mut written_before = 0;
                         while taken_a.len() < taken_b.len() {
                             let left = taken_b.len() - taken_a.len();
-                            let mut sink = Sink { pool: &mut pool_a, taken: &mut taken_a };
-                            let end = a.write_back_run(&mut run, left, min_hits, opened, &mut sink);
+                            let mut sink = Sink { pool: &mut t.pool_a, taken: &mut taken_a };
+                            let end =
+                                t.a.write_back_run(&mut run, left, min_hits, opened, &mut sink);
                             let wrote = run.written_back > written_before;
                             if wrote {
                                 copy_a = Some(opened);
@@ -268,17 +206,17 @@ fn write_back_runs_evict_what_the_general_form_evicts_one_victim_at_a_time() {
                                 RunEnd::General => {
                                     runs_ended_general += 1;
                                     if let Some(parent) = run.exposed.take() {
-                                        a.file_exposed(parent, EvictSet::Device);
-                                        assert_eq!(a.first_device_candidate(), Some(parent));
+                                        t.a.file_exposed(parent, EvictSet::Device);
+                                        assert_eq!(t.a.first_device_candidate(), Some(parent));
                                     }
                                     if let Some(parent) =
-                                        run.exposed_host.take().filter(|&id| a.is_live(id))
+                                        run.exposed_host.take().filter(|&id| t.a.is_live(id))
                                     {
-                                        a.file_exposed(parent, EvictSet::Host);
+                                        t.a.file_exposed(parent, EvictSet::Host);
                                     }
                                     evict_generally(
-                                        &mut a,
-                                        &mut pool_a,
+                                        &mut t.a,
+                                        &mut t.pool_a,
                                         min_hits,
                                         &mut copy_a,
                                         opened,
@@ -289,10 +227,10 @@ fn write_back_runs_evict_what_the_general_form_evicts_one_victim_at_a_time() {
                             }
                         }
                         if let Some(parent) = run.exposed {
-                            a.file_exposed(parent, EvictSet::Device);
+                            t.a.file_exposed(parent, EvictSet::Device);
                         }
-                        if let Some(parent) = run.exposed_host.filter(|&id| a.is_live(id)) {
-                            a.file_exposed(parent, EvictSet::Host);
+                        if let Some(parent) = run.exposed_host.filter(|&id| t.a.is_live(id)) {
+                            t.a.file_exposed(parent, EvictSet::Host);
                         }
                         assert_eq!(taken_a, taken_b, "{what}: the blocks taken");
                         assert_eq!(copy_a, copy_b, "{what}: the copy opened");
@@ -300,8 +238,7 @@ fn write_back_runs_evict_what_the_general_form_evicts_one_victim_at_a_time() {
                         assert!(counted <= taken_a.len(), "{what}: counted {counted}");
                     }
                 }
-                assert_eq!(pool_a, pool_b, "{what}: the host pool");
-                same(&a, &b, &what);
+                t.assert_same(&what);
             }
         }
     }
