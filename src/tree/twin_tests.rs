@@ -1,7 +1,9 @@
 //! Two trees driven alike, for the differential tests of the write-back and backup runs: one
 //! tree (`a`) takes the fast form under test, the other (`b`) the general form, and [`Twins`]
 //! does the steps both take the same way (a request's chain served, a path held or released,
-//! host blocks coming free into both pools) and compares them after each step.
+//! host blocks coming free into both pools) and compares them after each step. The node
+//! lists a step picks from ([`serving_parents`], [`device_without_host`]) serve the fast-form
+//! test too.
 
 use super::fast_form_tests::same;
 use super::tests::served;
@@ -31,6 +33,7 @@ pub(super) struct Twins {
     pub a: Tree,
     /// The tree the general form changes.
     pub b: Tree,
+    /// The host pools of `a` and `b`: stacks, as [`crate::pool::BlockPool`]'s free list.
     pub pool_a: Vec<u32>,
     pub pool_b: Vec<u32>,
     next_hash: u128,
