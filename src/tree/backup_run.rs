@@ -134,11 +134,12 @@ impl Tree {
             } else {
                 let device = Membership::NONE.with(EvictSet::Device);
                 let host = Membership::NONE.with(EvictSet::Host);
+                // A child with a device block is above storage: a node with a device child
+                // has a child above storage too, and is in neither set.
                 match (node.device_children == 0, node.upper_children == 0) {
                     (true, true) => Membership::from_bits(device.bits() | host.bits()),
                     (true, false) => device,
-                    (false, true) => host,
-                    (false, false) => Membership::NONE,
+                    (false, _) => Membership::NONE,
                 }
             };
             debug_assert_eq!(sets, membership_in(arena, id));
