@@ -63,6 +63,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_offload.base import OffloadingManager
     from vllm.v1.request import Request
@@ -127,11 +128,26 @@ def trace_block_hasher(
     return hasher
 
 
+def trace_request_of(
+    index: int, trace_request: dict[str, Any], params: "SamplingParams", block_tokens: int
+) -> "Request":
+    """vLLM's `Request` for trace request number `index`: `input_length` tokens whose block
+    hashes are the trace's ids."""
+    from vllm.v1.request import Request
+
+    return Request(
+        str(index),
+        [0] * trace_request["input_length"],
+        params,
+        None,
+        block_hasher=trace_block_hasher(trace_request["hash_ids"], block_tokens),
+    )
+
+
 def replay_vllm(
     requests: list[dict[str, Any]], device_blocks: int, block_tokens: int
 ) -> tuple[dict[str, Any], list[int]]:
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
 
     manager = make_manager(device_blocks, block_tokens)
     usable_blocks = manager.block_pool.get_num_free_blocks()
@@ -140,13 +156,7 @@ def replay_vllm(
     hit_tokens = 0
     for index, trace_request in enumerate(requests):
         prompt = trace_request["input_length"]
-        request = Request(
-            str(index),
-            [0] * prompt,
-            params,
-            None,
-            block_hasher=trace_block_hasher(trace_request["hash_ids"], block_tokens),
-        )
+        request = trace_request_of(index, trace_request, params, block_tokens)
         start = time.perf_counter()
         blocks, cached_tokens, _ = manager.get_computed_blocks(request)
         allocated = manager.allocate_slots(request, prompt - cached_tokens, cached_tokens, blocks)
@@ -191,7 +201,7 @@ def replay_vllm_offloading(
     """
     from vllm.sampling_params import SamplingParams
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import RequestStatus
 
     manager = make_manager(device_blocks, block_tokens)
     if offload is None:
@@ -205,13 +215,7 @@ def replay_vllm_offloading(
     store_failures = whole_prompt_loads = 0
     for index, trace_request in enumerate(requests):
         prompt = trace_request["input_length"]
-        request = Request(
-            str(index),
-            [0] * prompt,
-            params,
-            None,
-            block_hasher=trace_block_hasher(trace_request["hash_ids"], block_tokens),
-        )
+        request = trace_request_of(index, trace_request, params, block_tokens)
         # The connector's own work, untimed: the request's context (_create_req_context) and
         # its offload keys with their end positions (RequestOffloadState.update_offload_keys).
         context = ReqContext(req_id=request.request_id, kv_hints=request.kv_hints)

@@ -21,15 +21,27 @@ def name(request: pytest.FixtureRequest) -> str:
     return f"pyv-{request.node.name.replace('_', '')[:20]}-{os.getpid()}-{next(_counter)}"
 
 
-def make_offloading_config(extra: dict, world_size: int = 2) -> OffloadingConfig:
+def make_offloading_config(
+    extra: dict,
+    world_size: int = 2,
+    *,
+    tokens_per_block: int = 16,
+    bytes_per_block: int = 64 * 1024,
+    events: bool = True,
+) -> OffloadingConfig:
+    """The OffloadingConfig vLLM hands a spec: one group of `tokens_per_block`-token blocks."""
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=64 * 1024,
-        enable_kv_cache_events=True,
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=tokens_per_block, layer_names=("l0",), group_id=0
+            ),
+        ),
+        worker_kv_bytes_per_block=bytes_per_block,
+        enable_kv_cache_events=events,
         extra_config=extra,
         engine_id="engine/0",
         model=OffloadingModelConfig(name="m", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0,
             world_size=world_size,

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from conftest import make_offloading_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -20,15 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
 from vllm.sampling_params import SamplingParams
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 BLOCK_TOKENS = 512
@@ -94,28 +88,12 @@ class Recorder:
 
 def offloading_spec() -> CPUOffloadingSpec:
     """The spec vLLM builds for CPU offloading of HOST_BLOCKS blocks of the GPU block size."""
-    config = OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, layer_names=("l0",), group_id=0),
-        ),
-        worker_kv_bytes_per_block=CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": HOST_BLOCKS * CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT},
-        engine_id="engine/0",
-        model=OffloadingModelConfig(name="m", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+    config = make_offloading_config(
+        {"cpu_bytes_to_use": HOST_BLOCKS * CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT},
+        world_size=1,
+        tokens_per_block=BLOCK_TOKENS,
+        bytes_per_block=CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT,
+        events=False,
     )
     return CPUOffloadingSpec(config)
 
@@ -159,8 +137,7 @@ def replay_through_the_connector(bench: ModuleType, requests: list[dict]) -> tup
     loads = 0
     for index, trace_request in enumerate(requests):
         prompt = trace_request["input_length"]
-        hasher = bench.trace_block_hasher(trace_request["hash_ids"], BLOCK_TOKENS)
-        request = Request(str(index), [0] * prompt, params, None, block_hasher=hasher)
+        request = bench.trace_request_of(index, trace_request, params, BLOCK_TOKENS)
         request_id = request.request_id
         connector.on_new_request(request)
         # Scheduler.schedule: the local hit, then the connector's.
