@@ -13,8 +13,9 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
 - :class:`KvshmOffloadingWorker` (each TP worker process) copies blocks between vLLM's KV tensors
   and the rank's shared-memory host tier: in process for CPU tensors, and for CUDA tensors through
   a ``python -m kvshm worker --backend cuda`` process that opens the tensors by their CUDA IPC
-  handles. That process is started and, if it dies, restarted by this worker; copies in flight
-  are issued again on the new one, so vLLM never sees a failed transfer.
+  handles (:mod:`kvshm.cuda_tier`, which needs no vLLM). That process is started and, if it
+  dies, restarted by this worker; copies in flight are issued again on the new one, so vLLM
+  never sees a failed transfer.
 
 Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
 ``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``segment_name`` (prefix of
@@ -25,12 +26,7 @@ yourself; a wait for copies that no worker answers is logged as a warning every 
 
 from __future__ import annotations
 
-import logging
 import re
-import subprocess
-import sys
-import time
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,23 +57,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvshm._kvshm import (
-    ConfigError,
-    DeviceHandleError,
-    HostTier,
-    U32Array,
-    VllmManagerCore,
-    parse_cuda_handle,
-)
-from kvshm._vllm_support import (
-    ACTIVITY_COUNTERS,
-    USAGE_GAUGES,
-    SlowWaitWarning,
-    StatsReport,
-    block_span,
-)
-
-logger = logging.getLogger(__name__)
+from kvshm._kvshm import ConfigError, HostTier, U32Array, VllmManagerCore
+from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport
+from kvshm.cuda_tier import CudaHostTier
 
 
 class KvshmLoadStoreSpec(LoadStoreSpec):
@@ -150,54 +132,14 @@ def _vllm_types() -> tuple[Any, ...]:
     )
 
 
-class _WorkerProcess:
-    """A ``python -m kvshm worker`` process for one rank, restarted whenever it exits."""
-
-    RESTART_INTERVAL_S = 0.5
-
-    def __init__(self, command: list[str]) -> None:
-        self._command = command
-        self._process = self._start()
-        self._started_at = time.monotonic()
-        self.restarts = 0
-
-    def _start(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(self._command, stdin=subprocess.DEVNULL)
-
-    def ensure_running(self) -> None:
-        if self._process.poll() is None:
-            return
-        if time.monotonic() - self._started_at < self.RESTART_INTERVAL_S:
-            return
-        logger.warning(
-            "kvshm worker (%s) exited with %s; restarting it",
-            " ".join(self._command),
-            self._process.returncode,
-        )
-        self._process = self._start()
-        self._started_at = time.monotonic()
-        self.restarts += 1
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-
-
 def _int_list(values: Iterable[int]) -> list[int]:
     return [int(value) for value in values]
 
 
 class KvshmOffloadingWorker(OffloadingWorker):
-    """Copies between one rank's vLLM KV tensors and its shared-memory host tier."""
+    """Copies between one rank's vLLM KV tensors and its shared-memory host tier: in process for
+    CPU tensors, through a copy worker process (:class:`kvshm.cuda_tier.CudaHostTier`) for CUDA
+    tensors."""
 
     def __init__(
         self,
@@ -220,44 +162,31 @@ class KvshmOffloadingWorker(OffloadingWorker):
             )
         page_bytes = pages.pop()
         groups = [[ref.tensor_idx for ref in refs] for refs in kv_caches.group_data_refs]
-        device_blocks = int(tensors[0].shape[0])
-        self._on_gpu = tensors[0].is_cuda
-        self._worker: _WorkerProcess | None = None
-        # Jobs waiting for the compute that writes (or last wrote) their blocks: (job, is_store,
-        # device spec, chunks, event recorded on vLLM's stream).
-        self._gated: deque[tuple[int, bool, GPULoadStoreSpec, U32Array, Any]] = deque()
-        common = {
-            "page_bytes": page_bytes,
-            "device_blocks": device_blocks,
-            "chunks": num_chunks,
-            "blocks_per_chunk": blocks_per_chunk,
-            "groups": groups,
-        }
-        if not self._on_gpu:
-            views = [tensor.view(torch.uint8).numpy() for tensor in tensors]
-            self._tier = HostTier(segment, tensors=views, **common)
-            self._tensors = tensors
-            return
-        handles = [_device_handle(tensor, page_bytes) for tensor in tensors]
-        strides = {stride for _, _, _, stride in handles}
-        if len(strides) != 1:
-            raise ConfigError(
-                "a kvshm worker process copies with one block stride for every KV tensor, "
-                f"got {sorted(strides)}"
-            )
-        self._tier = HostTier(segment, tensor_count=len(tensors), **common)
-        self._tier.publish_device_handles(handles)
         self._tensors = tensors
-        if spawn_workers:
-            device = tensors[0].device.index or 0
-            command = worker_command or [sys.executable, "-m", "kvshm", "worker"]
-            self._worker = _WorkerProcess(
-                [
-                    *command,
-                    *("--name", segment, "--rank", "0", "--backend", "cuda"),
-                    *("--device", str(device)),
-                ]
+        self._gpu: CudaHostTier | None = None
+        if tensors[0].is_cuda:
+            self._gpu = CudaHostTier(
+                tensors,
+                page_bytes=page_bytes,
+                groups=groups,
+                segment=segment,
+                num_chunks=num_chunks,
+                blocks_per_chunk=blocks_per_chunk,
+                spawn_workers=spawn_workers,
+                worker_command=worker_command,
             )
+            self._tier = self._gpu.tier
+            return
+        views = [tensor.view(torch.uint8).numpy() for tensor in tensors]
+        self._tier = HostTier(
+            segment,
+            page_bytes=page_bytes,
+            device_blocks=int(tensors[0].shape[0]),
+            chunks=num_chunks,
+            blocks_per_chunk=blocks_per_chunk,
+            groups=groups,
+            tensors=views,
+        )
 
     @property
     def tier(self) -> HostTier:
@@ -282,77 +211,35 @@ class KvshmOffloadingWorker(OffloadingWorker):
         return True
 
     def _submit(self, job: int, store: bool, device: GPULoadStoreSpec, chunks: U32Array) -> None:
-        if not self._on_gpu:
-            self._send(job, store, device, chunks)
+        group_sizes = _int_list(device.group_sizes)
+        block_indices = _int_list(device.block_indices)
+        if self._gpu is not None:
+            self._gpu.submit(job, store, device.block_ids, group_sizes, block_indices, chunks)
             return
-        # A store reads blocks the model is still writing, and a load writes blocks whose last
-        # writes (zeroing) may still run: both wait for the work queued on vLLM's stream.
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        self._gated.append((job, store, device, chunks, event))
-        self._release_gated()
-
-    def _send(self, job: int, store: bool, device: GPULoadStoreSpec, chunks: U32Array) -> None:
         submit = self._tier.submit_store if store else self._tier.submit_load
-        submit(
-            job,
-            device.block_ids,
-            _int_list(device.group_sizes),
-            _int_list(device.block_indices),
-            chunks,
-        )
-
-    def _release_gated(self, block_for: set[int] | None = None) -> None:
-        """Hands jobs whose compute has finished to the worker, in order; with ``block_for``,
-        first waits for the compute of the last of those jobs (and so of every job before it:
-        the events were recorded in order on one stream)."""
-        if block_for:
-            waiting = [index for index, gated in enumerate(self._gated) if gated[0] in block_for]
-            if waiting:
-                self._gated[waiting[-1]][4].synchronize()
-        while self._gated and self._gated[0][4].query():
-            job, store, device, chunks, _ = self._gated.popleft()
-            self._send(job, store, device, chunks)
+        submit(job, device.block_ids, group_sizes, block_indices, chunks)
 
     def get_finished(self) -> list[TransferResult]:
-        if self._worker is not None:
-            self._worker.ensure_running()
-        self._release_gated()
+        if self._gpu is not None:
+            finished = self._gpu.take_finished()
+        else:
+            finished = self._tier.take_finished()
         return [
             TransferResult(job_id=job, success=success, transfer_size=size, transfer_time=seconds)
-            for job, success, size, seconds in self._tier.take_finished()
+            for job, success, size, seconds in finished
         ]
 
     def wait(self, job_ids: set[int]) -> None:
-        self._release_gated(block_for=set(job_ids))
-        slow = SlowWaitWarning(job_ids, spawned_worker=self._worker is not None)
-        while not self._tier.wait(list(job_ids), timeout=1.0):
-            # A worker that died is restarted here; its copies are issued again on the new one.
-            if self._worker is not None:
-                self._worker.ensure_running()
-            self._release_gated(block_for=set(job_ids))
-            slow.check()
+        if self._gpu is not None:
+            self._gpu.wait(job_ids)
+            return
+        self._tier.wait(list(job_ids), timeout=1.0)
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.stop()
-        self._tier.close()
-
-
-def _device_handle(tensor: torch.Tensor, page_bytes: int) -> tuple[bytes, int, int, int]:
-    """(CUDA IPC handle, offset of block 0, bytes its blocks span, block stride) of a CUDA KV
-    tensor whose blocks are ``page_bytes`` long."""
-    length, stride = block_span(
-        tuple(tensor.shape), tensor.stride(), tensor.element_size(), page_bytes
-    )
-    shared = tensor.untyped_storage()._share_cuda_()
-    handle, storage_offset = shared[1], int(shared[3])
-    try:
-        memory_handle = parse_cuda_handle(handle)
-    except DeviceHandleError as error:
-        raise DeviceHandleError(f"KV tensor on {tensor.device}: {error}") from error
-    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
-    return memory_handle, offset, length, stride
+        if self._gpu is not None:
+            self._gpu.shutdown()
+        else:
+            self._tier.close()
 
 
 def _segment_prefix(config: OffloadingConfig) -> str:

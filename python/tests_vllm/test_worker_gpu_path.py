@@ -7,7 +7,8 @@ import pytest
 from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
 import kvshm
-from kvshm.vllm import KvshmOffloadingWorker, _device_handle
+from kvshm.cuda_tier import device_handle
+from kvshm.vllm import KvshmOffloadingWorker
 
 MEMORY_HANDLE = bytes(range(64))
 
@@ -51,7 +52,7 @@ def caches(tensors: list[FakeCudaTensor]) -> CanonicalKVCaches:
 
 def test_a_tensors_handle_offset_length_and_stride_come_from_its_storage() -> None:
     tensor = FakeCudaTensor(b"\x02c" + MEMORY_HANDLE, storage_offset_bytes=4096)
-    handle, offset, length, stride = _device_handle(tensor, 256)
+    handle, offset, length, stride = device_handle(tensor, 256)
     assert handle == MEMORY_HANDLE
     assert offset == 4096 + 8, "the storage's offset in its block, then the tensor's in it"
     assert (length, stride) == (15 * 256 + 256, 256)
@@ -60,7 +61,7 @@ def test_a_tensors_handle_offset_length_and_stride_come_from_its_storage() -> No
 def test_a_tensor_in_an_expandable_segment_is_refused_naming_the_setting() -> None:
     tensor = FakeCudaTensor(b"\x02e" + bytes(30), storage_offset_bytes=0)
     with pytest.raises(kvshm.DeviceHandleError, match="expandable_segments:False"):
-        _device_handle(tensor, 256)
+        device_handle(tensor, 256)
     with pytest.raises(kvshm.DeviceHandleError):
         KvshmOffloadingWorker(caches([tensor]), segment="unused", num_chunks=4, blocks_per_chunk=1)
 

@@ -1,0 +1,209 @@
+"""One rank's host tier served by a copy worker process over the CUDA IPC handles of an engine's
+KV tensors, with no vLLM in sight: what :class:`kvshm.vllm.KvshmOffloadingWorker` runs for GPU
+tensors, usable (and tested on a GPU) on its own.
+
+One job's path:
+
+1. :meth:`CudaHostTier.submit` records a CUDA event on the caller's current stream behind the
+   work that writes (or last wrote) the job's blocks, and queues the job;
+2. jobs whose event has passed are handed, in order, to the rank's :class:`kvshm.HostTier`, which
+   sends their block pairs to the ``kvshm worker --backend cuda`` process through the segment's
+   rings; that process opened the tensors from their IPC handles and copies with its own stream;
+3. :meth:`CudaHostTier.take_finished` and :meth:`CudaHostTier.wait` collect the results. A copy
+   worker that died is restarted there (:class:`WorkerProcess`), and the copies it held are
+   issued again on the new one, whole: the caller never sees a failed job for a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvshm._kvshm import ConfigError, DeviceHandleError, HostTier, U32Array, parse_cuda_handle
+from kvshm._vllm_support import SlowWaitWarning, block_span
+
+logger = logging.getLogger(__name__)
+
+#: (job, whether it is a store, device block ids, group sizes, block indices, chunks, event).
+_GatedJob = tuple[int, bool, Any, list[int], list[int], U32Array, Any]
+
+
+class WorkerProcess:
+    """A ``python -m kvshm worker`` process for one rank, restarted whenever it exits."""
+
+    RESTART_INTERVAL_S = 0.5
+
+    def __init__(self, command: list[str]) -> None:
+        self._command = command
+        self._process = self._start()
+        self._started_at = time.monotonic()
+        self.restarts = 0
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(self._command, stdin=subprocess.DEVNULL)
+
+    def ensure_running(self) -> None:
+        """Starts the process again if it exited (at most every ``RESTART_INTERVAL_S``)."""
+        if self._process.poll() is None:
+            return
+        if time.monotonic() - self._started_at < self.RESTART_INTERVAL_S:
+            return
+        logger.warning(
+            "kvshm worker (%s) exited with %s; restarting it",
+            " ".join(self._command),
+            self._process.returncode,
+        )
+        self._process = self._start()
+        self._started_at = time.monotonic()
+        self.restarts += 1
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+
+def device_handle(tensor: torch.Tensor, page_bytes: int) -> tuple[bytes, int, int, int]:
+    """(CUDA IPC handle, offset of block 0, bytes its blocks span, block stride) of a CUDA KV
+    tensor whose first dimension is the block, each block ``page_bytes`` long."""
+    length, stride = block_span(
+        tuple(tensor.shape), tensor.stride(), tensor.element_size(), page_bytes
+    )
+    shared = tensor.untyped_storage()._share_cuda_()
+    handle, storage_offset = shared[1], int(shared[3])
+    try:
+        memory_handle = parse_cuda_handle(handle)
+    except DeviceHandleError as error:
+        raise DeviceHandleError(f"KV tensor on {tensor.device}: {error}") from error
+    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+    return memory_handle, offset, length, stride
+
+
+class CudaHostTier:
+    """The host tier ``segment`` of one rank whose KV ``tensors`` are on a GPU (module flow).
+
+    ``groups`` lists, per KV-cache group, the tensors its blocks live in (each must span every
+    tensor: a copy worker copies whole blocks). With ``spawn_workers`` the copy worker is started
+    here (``worker_command``, default ``python -m kvshm worker``) and restarted when it dies;
+    without, the caller runs ``kvshm worker --name SEGMENT --rank 0 --backend cuda`` itself.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        *,
+        page_bytes: int,
+        groups: list[list[int]],
+        segment: str,
+        num_chunks: int,
+        blocks_per_chunk: int,
+        spawn_workers: bool = True,
+        worker_command: list[str] | None = None,
+    ) -> None:
+        if not tensors:
+            raise ConfigError("no KV tensors to offload")
+        handles = [device_handle(tensor, page_bytes) for tensor in tensors]
+        strides = {stride for _, _, _, stride in handles}
+        if len(strides) != 1:
+            raise ConfigError(
+                "a kvshm worker process copies with one block stride for every KV tensor, "
+                f"got {sorted(strides)}"
+            )
+        self._tier = HostTier(
+            segment,
+            page_bytes=page_bytes,
+            device_blocks=int(tensors[0].shape[0]),
+            chunks=num_chunks,
+            blocks_per_chunk=blocks_per_chunk,
+            groups=groups,
+            tensor_count=len(tensors),
+        )
+        self._tier.publish_device_handles(handles)
+        # Held so that the memory the copy worker opened stays allocated while the tier lives.
+        self._tensors = list(tensors)
+        self._gated: deque[_GatedJob] = deque()
+        self.worker: WorkerProcess | None = None
+        if spawn_workers:
+            device = tensors[0].device.index or 0
+            command = worker_command or [sys.executable, "-m", "kvshm", "worker"]
+            self.worker = WorkerProcess(
+                [
+                    *command,
+                    *("--name", segment, "--rank", "0", "--backend", "cuda"),
+                    *("--device", str(device)),
+                ]
+            )
+
+    @property
+    def tier(self) -> HostTier:
+        return self._tier
+
+    def submit(
+        self,
+        job: int,
+        store: bool,
+        block_ids: Any,
+        group_sizes: list[int],
+        block_indices: list[int],
+        chunks: U32Array,
+    ) -> None:
+        """Queues a store (device blocks to chunks) or a load (chunks to device blocks) behind
+        the work queued so far on the current CUDA stream (module flow, step 1)."""
+        # A store reads blocks the model is still writing, and a load writes blocks whose last
+        # writes (zeroing) may still run: both wait for the work queued on the caller's stream.
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        self._gated.append((job, store, block_ids, group_sizes, block_indices, chunks, event))
+        self._release_gated()
+
+    def _release_gated(self, block_for: set[int] | None = None) -> None:
+        """Hands jobs whose compute has finished to the worker, in order; with ``block_for``,
+        first waits for the compute of the last of those jobs (and so of every job before it:
+        the events were recorded in order on one stream)."""
+        if block_for:
+            waiting = [index for index, gated in enumerate(self._gated) if gated[0] in block_for]
+            if waiting:
+                self._gated[waiting[-1]][6].synchronize()
+        while self._gated and self._gated[0][6].query():
+            job, store, block_ids, group_sizes, block_indices, chunks, _ = self._gated.popleft()
+            submit = self._tier.submit_store if store else self._tier.submit_load
+            submit(job, block_ids, group_sizes, block_indices, chunks)
+
+    def take_finished(self) -> list[tuple[int, bool, int, float]]:
+        """(job, success, bytes, seconds) of every job ended since the last call."""
+        if self.worker is not None:
+            self.worker.ensure_running()
+        self._release_gated()
+        return self._tier.take_finished()
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Returns once every job of ``job_ids`` has ended (collect them with
+        :meth:`take_finished`), restarting a copy worker that died meanwhile."""
+        self._release_gated(block_for=set(job_ids))
+        slow = SlowWaitWarning(job_ids, spawned_worker=self.worker is not None)
+        while not self._tier.wait(list(job_ids), timeout=1.0):
+            # A worker that died is restarted here; its copies are issued again on the new one.
+            if self.worker is not None:
+                self.worker.ensure_running()
+            self._release_gated(block_for=set(job_ids))
+            slow.check()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+        self._tier.close()
