@@ -37,6 +37,17 @@ impl U32Array {
 
 #[pymethods]
 impl U32Array {
+    /// An array of `values` (a buffer of integers or a sequence of ints, each a u32).
+    #[new]
+    fn py_new(values: &Bound<'_, PyAny>) -> PyResult<U32Array> {
+        Ok(U32Array::new(read_u32s(values)?))
+    }
+
+    /// Pickles as `U32Array([values])`: engines send chunk lists to other processes.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> (Bound<'py, pyo3::types::PyType>, (Vec<u32>,)) {
+        (slf.get_type(), (slf.get().values.to_vec(),))
+    }
+
     fn __len__(&self) -> usize {
         self.values.len()
     }

@@ -9,11 +9,11 @@ a recorder, and the two call sequences (methods, keys in order, answers) must be
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from conftest import make_offloading_config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
 )
 from vllm.sampling_params import SamplingParams
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.request import RequestStatus
 
@@ -86,9 +87,10 @@ class Recorder:
         return recorded
 
 
-def offloading_spec() -> CPUOffloadingSpec:
-    """The spec vLLM builds for CPU offloading of HOST_BLOCKS blocks of the GPU block size."""
-    config = make_offloading_config(
+def offloading_spec(make_config: Callable[..., OffloadingConfig]) -> CPUOffloadingSpec:
+    """The spec vLLM builds for CPU offloading of HOST_BLOCKS blocks of the GPU block size
+    (``make_config``: the conftest's ``offloading_config`` fixture)."""
+    config = make_config(
         {"cpu_bytes_to_use": HOST_BLOCKS * CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT},
         world_size=1,
         tokens_per_block=BLOCK_TOKENS,
@@ -119,10 +121,12 @@ def worker_reports(connector: OffloadingConnectorScheduler, job_ids: list[int]) 
     connector.update_connector_output(SimpleNamespace(kv_connector_worker_meta=meta))
 
 
-def replay_through_the_connector(bench: ModuleType, requests: list[dict]) -> tuple[Recorder, int]:
+def replay_through_the_connector(
+    bench: ModuleType, requests: list[dict], make_config: Callable[..., OffloadingConfig]
+) -> tuple[Recorder, int]:
     """Each request as vLLM's scheduler serves it alone with the offloading connector."""
     kv_manager = bench.make_manager(DEVICE_BLOCKS, BLOCK_TOKENS)
-    spec = offloading_spec()
+    spec = offloading_spec(make_config)
     recorder = Recorder(spec.get_manager())
     spec._manager = recorder
     vllm_config = SimpleNamespace(
@@ -195,14 +199,16 @@ def replay_through_the_connector(bench: ModuleType, requests: list[dict]) -> tup
     return recorder, loads
 
 
-def test_the_bench_makes_the_offloading_connectors_manager_calls_in_its_order() -> None:
+def test_the_bench_makes_the_offloading_connectors_manager_calls_in_its_order(
+    offloading_config: Callable[..., OffloadingConfig],
+) -> None:
     bench = load_bench()
     trace = os.environ.get("KVSHM_TRACE") or str(
         REPOSITORY / "traces" / "mooncake_conversation_trace.jsonl"
     )
     requests = bench.read_trace(trace, REQUESTS)
 
-    theirs, loads = replay_through_the_connector(bench, requests)
+    theirs, loads = replay_through_the_connector(bench, requests, offloading_config)
     ours = Recorder(bench.make_offloading_manager(HOST_BLOCKS))
     report, _ = bench.replay_vllm_offloading(
         requests, DEVICE_BLOCKS, HOST_BLOCKS, BLOCK_TOKENS, offload=ours
