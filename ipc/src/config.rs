@@ -173,6 +173,8 @@ pub enum ConfigError {
     BadRingSize { ring: &'static str, slots: u32, min: u32, max: u32 },
     #[error("unknown backend code {code}")]
     UnknownBackend { code: u32 },
+    #[error("unknown copy engine code {code} (0: workers, 1: the engine's process)")]
+    UnknownCopies { code: u32 },
     #[error("reserved configuration words must be zero")]
     ReservedNotZero,
     #[error("a {tier} arena of {blocks} blocks x {regions} regions x {region_bytes} bytes does not fit in memory")]
@@ -211,8 +213,12 @@ pub struct SegmentConfig {
     pub completion_ring_slots: u32,
     /// A [`Backend`] code.
     pub backend: u32,
+    /// Who copies blocks: [`SegmentConfig::COPIES_BY_WORKERS`] (kvshm workers, per `backend`) or
+    /// [`SegmentConfig::COPIES_IN_ENGINE`] (the engine's own process, in process: no worker
+    /// attaches; vLLM's offloading worker with CPU tensors).
+    pub copies: u32,
     /// Zero; room for later fields within this layout version.
-    pub reserved: [u32; 3],
+    pub reserved: [u32; 2],
 }
 
 const _: () = assert!(size_of::<SegmentConfig>() == 64);
@@ -233,12 +239,18 @@ impl Default for SegmentConfig {
             command_ring_slots: 256,
             completion_ring_slots: 64,
             backend: Backend::HOST_ARENA,
-            reserved: [0; 3],
+            copies: SegmentConfig::COPIES_BY_WORKERS,
+            reserved: [0; 2],
         }
     }
 }
 
 impl SegmentConfig {
+    /// `copies`: kvshm worker processes copy.
+    pub const COPIES_BY_WORKERS: u32 = 0;
+    /// `copies`: the engine's process copies in process; no worker attaches.
+    pub const COPIES_IN_ENGINE: u32 = 1;
+
     /// Checks every field and every size derived from them.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.block_tokens == 0 {
@@ -269,7 +281,10 @@ impl SegmentConfig {
         check_ring("command", self.command_ring_slots, MAX_COMMAND_RING_SLOTS)?;
         check_ring("completion", self.completion_ring_slots, MAX_COMPLETION_RING_SLOTS)?;
         Backend::from_wire(self.backend)?;
-        if self.reserved != [0; 3] {
+        if self.copies > Self::COPIES_IN_ENGINE {
+            return Err(ConfigError::UnknownCopies { code: self.copies });
+        }
+        if self.reserved != [0; 2] {
             return Err(ConfigError::ReservedNotZero);
         }
         self.arena_bytes("device", self.device_blocks)?;
@@ -291,6 +306,14 @@ impl SegmentConfig {
     pub fn with_write_policy(mut self, policy: WritePolicy) -> Self {
         (self.write_policy, self.write_threshold) = policy.to_wire();
         self
+    }
+
+    /// The copy engine's name as tools show it: the backend's, or `in_process`.
+    pub fn copy_engine_name(&self) -> Result<&'static str, ConfigError> {
+        if self.copies == Self::COPIES_IN_ENGINE {
+            return Ok("in_process");
+        }
+        Ok(self.backend()?.name())
     }
 
     /// Sets `backend` from a [`Backend`].
@@ -380,7 +403,8 @@ mod tests {
                 ConfigError::BadRingSize { ring: "completion", slots: 1, min: 2, max: 1 << 16 },
             ),
             (SegmentConfig { backend: 5, ..base }, ConfigError::UnknownBackend { code: 5 }),
-            (SegmentConfig { reserved: [0, 1, 0], ..base }, ConfigError::ReservedNotZero),
+            (SegmentConfig { copies: 2, ..base }, ConfigError::UnknownCopies { code: 2 }),
+            (SegmentConfig { reserved: [0, 1], ..base }, ConfigError::ReservedNotZero),
         ];
         for (config, expected) in cases {
             assert_eq!(config.validate(), Err(expected));

@@ -315,9 +315,12 @@ class HostTier:
         groups: list[list[int]],
         tensors: list[Buffer] | None = None,
         tensor_count: int | None = None,
+        block_tokens: int = 1,
+        layers: int = 1,
     ) -> None:
         """With ``tensors`` (2-D, one row per block) copies run in process; without, a
-        ``kvshm worker --backend cuda`` process copies after ``publish_device_handles``."""
+        ``kvshm worker --backend cuda`` process copies after ``publish_device_handles``.
+        ``block_tokens`` and ``layers`` are the engine's, for ``kvctl stat``."""
 
     @property
     def name(self) -> str: ...
@@ -366,6 +369,10 @@ class VllmManagerCore(OffloadManager):
         events: bool = False,
         tag_bytes: int = 4,
     ) -> Self: ...
+    def publish_to(self, segments: list[str], key_blocks: int, key_tokens: int) -> None:
+        """Publishes the manager's figures to these host tier segments (``kvctl stat``) after
+        every finished request; a key is ``key_blocks`` blocks of ``key_tokens`` tokens."""
+    def publish_counters(self) -> None: ...
     def lookup(self, key: bytes, req_context: Any) -> Any: ...  # type: ignore[override]
     def on_new_request(self, req_context: Any) -> Any: ...  # type: ignore[override]
     def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> Any: ...  # type: ignore[override]

@@ -19,13 +19,15 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
 
 Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
 ``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``segment_name`` (prefix of
-the per-rank segments ``<name>-r<rank>``); ``spawn_workers`` (default true: start the copy
+the per-rank segments ``<name>-r<rank>``; by default ``kvshm-vllm-<model>-<digest of the model,
+dtype and block layout>``, the same at every start); ``spawn_workers`` (default true: start the copy
 workers; false: start ``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda``
 yourself; a wait for copies that no worker answers is logged as a warning every 30 s).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -57,8 +59,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvshm._kvshm import ConfigError, HostTier, U32Array, VllmManagerCore
-from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport
+from kvshm._kvshm import ConfigError, HostTier, SegmentError, U32Array, VllmManagerCore
+from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport, logger
 from kvshm.cuda_tier import CudaHostTier
 
 
@@ -150,6 +152,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
         blocks_per_chunk: int,
         spawn_workers: bool = True,
         worker_command: list[str] | None = None,
+        block_tokens: int = 1,
+        layers: int = 1,
     ) -> None:
         super().__init__()
         tensors = [entry.tensor for entry in kv_caches.tensors]
@@ -186,6 +190,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
             blocks_per_chunk=blocks_per_chunk,
             groups=groups,
             tensors=views,
+            block_tokens=block_tokens,
+            layers=layers,
         )
 
     @property
@@ -243,11 +249,26 @@ class KvshmOffloadingWorker(OffloadingWorker):
 
 
 def _segment_prefix(config: OffloadingConfig) -> str:
+    """``segment_name``, or a name derived from what makes blocks interchangeable: the model, its
+    KV dtype, the block layout (tokens and bytes per block, blocks per chunk, the groups' layers)
+    and the parallel layout; never the engine id, which vLLM draws anew at every start. An
+    engine started again with the same model and layout finds its tier under the same name."""
     named = config.extra_config.get("segment_name")
     if named:
         return str(named)
-    engine = re.sub(r"[^A-Za-z0-9_-]", "-", str(config.engine_id))[:40]
-    return f"kvshm-vllm-{engine}"
+    parallel = config.parallel
+    layout = (
+        str(config.model.name),
+        str(config.model.dtype),
+        int(config.worker_kv_bytes_per_block),
+        int(config.cache.blocks_per_chunk),
+        tuple((group.tokens_per_block, tuple(group.layer_names)) for group in config.groups),
+        (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size),
+        (parallel.dcp_size, parallel.data_parallel_index),
+    )
+    digest = hashlib.sha256(repr(layout).encode()).hexdigest()[:12]
+    model = re.sub(r"[^A-Za-z0-9_-]", "-", str(config.model.name).rstrip("/").split("/")[-1])
+    return f"kvshm-vllm-{model[:24]}-{digest}"
 
 
 class KvshmOffloadingSpec(OffloadingSpec):
@@ -284,22 +305,38 @@ class KvshmOffloadingSpec(OffloadingSpec):
         self._manager: KvshmOffloadingManager | None = None
         self._worker: KvshmOffloadingWorker | None = None
 
+    def segment(self, rank: int) -> str:
+        """The host tier segment of worker rank ``rank``."""
+        return f"{self.segment_prefix}-r{rank}"
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = KvshmOffloadingManager(
+            manager = KvshmOffloadingManager(
                 self.num_chunks,
                 eviction=self.eviction,
                 events=self.kv_events_config.enable_kv_cache_events,
             )
+            # vLLM makes its workers (and so their segments) before its scheduler.
+            world = max(int(self.config.parallel.world_size), 1)
+            segments = [self.segment(rank) for rank in range(world)]
+            blocks = int(self.blocks_per_chunk)
+            try:
+                manager.publish_to(segments, blocks, blocks * self.tokens_per_block[0])
+            except SegmentError as error:
+                logger.info("kvshm: the manager's figures go to vLLM's metrics only: %s", error)
+            self._manager = manager
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            layers = {name for group in self.config.groups for name in group.layer_names}
             self._worker = KvshmOffloadingWorker(
                 kv_caches,
-                segment=f"{self.segment_prefix}-r{self.config.parallel.rank}",
+                segment=self.segment(self.config.parallel.rank),
                 num_chunks=self.num_chunks,
                 blocks_per_chunk=int(self.blocks_per_chunk),
                 spawn_workers=self.spawn_workers,
+                block_tokens=int(self.tokens_per_block[0]),
+                layers=len(layers),
             )
         return self._worker

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvshm::offload::tensor_memory::TensorMemory;
 use kvshm::offload::transfer::{Direction, EngineLayout};
-use kvshm::offload::{HostTier as RustHostTier, HostTierError, TierEngine};
+use kvshm::offload::{HostTier as RustHostTier, HostTierError, TierEngine, TierLabels};
 use kvshm::service::{Backend, DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyValueError;
@@ -61,9 +61,11 @@ impl HostTier {
     /// per KV tensor, `page_bytes` per block) copies run in process; without, a `kvshm worker
     /// --backend cuda` process copies after `publish_device_handles`.
     #[new]
+    /// `block_tokens` and `layers` (the engine's tokens per block and model layers) go into the
+    /// segment header for tools.
     #[pyo3(signature = (
         name, *, page_bytes, device_blocks, chunks, blocks_per_chunk, groups, tensors=None,
-        tensor_count=None
+        tensor_count=None, block_tokens=1, layers=1
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -76,6 +78,8 @@ impl HostTier {
         groups: Vec<Vec<u32>>,
         tensors: Option<Vec<Bound<'_, PyAny>>>,
         tensor_count: Option<u32>,
+        block_tokens: u32,
+        layers: u32,
     ) -> PyResult<HostTier> {
         let name = segment_name(name)?;
         let buffers = tensors
@@ -113,7 +117,10 @@ impl HostTier {
                 .map_err(|error| tier_error(error.into()))?;
             TierEngine::InProcess(memory)
         };
-        let tier = py.detach(|| RustHostTier::create(&name, layout, engine)).map_err(tier_error)?;
+        let labels = TierLabels { block_tokens, layers };
+        let tier = py
+            .detach(|| RustHostTier::create_labelled(&name, layout, engine, labels))
+            .map_err(tier_error)?;
         Ok(HostTier { inner: Mutex::new(Some(tier)), tensors: Mutex::new(buffers) })
     }
 

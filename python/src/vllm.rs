@@ -14,9 +14,12 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use kvshm::service::{Counter, Segment};
+
 use crate::buffers::U32Array;
-use crate::errors::IntoPyResult;
+use crate::errors::{IntoPyResult, SegmentError};
 use crate::offload::{key_of, keys_into, lookup_code, OffloadManager};
+use crate::service::segment_name;
 
 /// vLLM's classes and values the core returns, handed over by the Python side.
 struct VllmTypes {
@@ -40,6 +43,38 @@ type VllmTypeTuple =
 #[pyclass(extends = OffloadManager, subclass, module = "kvshm")]
 pub struct VllmManagerCore {
     types: VllmTypes,
+    /// The workers' host tier segments the manager's figures are published to (`kvctl stat`).
+    published: Vec<Segment>,
+    /// Device blocks and tokens of one key.
+    key_blocks: u64,
+    key_tokens: u64,
+}
+
+impl VllmManagerCore {
+    /// Stores the manager's figures in each published segment's counters: keys held, free host
+    /// blocks, lookups and their hits and misses (in blocks), tokens loaded, evictions.
+    fn publish(&self, base: &OffloadManager) {
+        if self.published.is_empty() {
+            return;
+        }
+        let stats = base.inner.stats();
+        let blocks = self.key_blocks;
+        let values = [
+            (Counter::CachedNodes, u64::from(stats.chunks_used)),
+            (Counter::HostBlocksFree, u64::from(stats.chunks - stats.chunks_used) * blocks),
+            (Counter::Lookups, stats.lookups),
+            (Counter::HostHitBlocks, stats.lookup_hits * blocks),
+            (Counter::MissBlocks, (stats.lookups - stats.lookup_hits) * blocks),
+            (Counter::HitTokens, stats.keys_loaded * self.key_tokens),
+            (Counter::Evictions, stats.evictions),
+        ];
+        for segment in &self.published {
+            let counters = segment.counters();
+            for (counter, value) in values {
+                counters.set(counter, value);
+            }
+        }
+    }
 }
 
 fn request_id<'py>(context: &Bound<'py, PyAny>) -> PyResult<Bound<'py, pyo3::types::PyString>> {
@@ -70,7 +105,39 @@ impl VllmManagerCore {
             medium,
             request_context: context,
         };
-        Ok(PyClassInitializer::from(base).add_subclass(VllmManagerCore { types }))
+        let core = VllmManagerCore { types, published: Vec::new(), key_blocks: 1, key_tokens: 1 };
+        Ok(PyClassInitializer::from(base).add_subclass(core))
+    }
+
+    /// Publishes the manager's figures to the host tier segments `segments` (the workers'
+    /// ranks), after every finished request and on `publish_counters`: `kvctl stat` shows the
+    /// hits with the copies. A key is `key_blocks` device blocks of `key_tokens` tokens in all.
+    fn publish_to(
+        mut slf: PyRefMut<'_, Self>,
+        segments: Vec<String>,
+        key_blocks: u64,
+        key_tokens: u64,
+    ) -> PyResult<()> {
+        let attached = segments
+            .iter()
+            .map(|name| {
+                let name = segment_name(name)?;
+                Segment::attach(&name).map_err(|error| {
+                    SegmentError::new_err(format!("attaching to {name} to publish: {error}"))
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        slf.published = attached;
+        slf.key_blocks = key_blocks;
+        slf.key_tokens = key_tokens;
+        let core: &VllmManagerCore = &slf;
+        core.publish(slf.as_ref());
+        Ok(())
+    }
+
+    /// Publishes the manager's figures now (see `publish_to`).
+    fn publish_counters(slf: PyRef<'_, Self>) {
+        slf.publish(slf.as_super());
     }
 
     fn lookup(
@@ -189,9 +256,13 @@ impl VllmManagerCore {
     ) -> PyResult<()> {
         let request = request_id(req_context)?;
         let request = request.to_str()?;
-        let base: &mut OffloadManager = &mut *slf.as_super();
-        let positions = positions_of(req_context, base.inner.request_keys(request))?;
-        base.inner.on_request_finished(request, positions.as_deref()).py_err()
+        {
+            let base: &mut OffloadManager = &mut *slf.as_super();
+            let positions = positions_of(req_context, base.inner.request_keys(request))?;
+            base.inner.on_request_finished(request, positions.as_deref()).py_err()?;
+        }
+        slf.publish(slf.as_ref());
+        Ok(())
     }
 
     fn take_events<'py>(mut slf: PyRefMut<'py, Self>) -> PyResult<Bound<'py, PyList>> {

@@ -1,5 +1,6 @@
 """vLLM's OffloadingSpecFactory loads kvshm's spec from the documented --kv-transfer-config."""
 
+import dataclasses
 import json
 
 import pytest
@@ -40,7 +41,8 @@ def test_the_factory_loads_kvshms_spec_from_the_kv_transfer_config(offloading_co
     assert isinstance(spec, kvshm.vllm.KvshmOffloadingSpec)
     # 64 MiB over 2 ranks of 64 KiB per block: 512 chunks of one block.
     assert spec.num_chunks == 512
-    assert spec.segment_prefix == "kvshm-vllm-engine-0"
+    assert spec.segment_prefix.startswith("kvshm-vllm-m-")
+    assert spec.segment(1) == f"{spec.segment_prefix}-r1"
     manager = spec.get_manager()
     assert isinstance(manager, OffloadingManager)
     assert manager is spec.get_manager()
@@ -71,3 +73,23 @@ def test_get_stats_reports_only_metrics_the_spec_defines(offloading_config) -> N
     assert reduced["vllm:kv_offload_kvshm_lookups"] == 1
     # Counters report what happened since the previous call.
     assert "vllm:kv_offload_kvshm_keys_stored" not in manager.get_stats().reduce()
+
+
+def test_the_default_segment_name_follows_the_block_layout_not_the_engine_id(
+    offloading_config,
+) -> None:
+    extra = json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"]
+    first = OffloadingSpecFactory.create_spec(offloading_config(extra))
+    config = offloading_config(extra)
+    restarted = dataclasses.replace(config, engine_id="another-engine-id")
+    assert OffloadingSpecFactory.create_spec(restarted).segment_prefix == first.segment_prefix
+    for other in (
+        offloading_config(extra, tokens_per_block=32),
+        offloading_config(extra, bytes_per_block=128 * 1024),
+        offloading_config(extra, world_size=4),
+        dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16")),
+        dataclasses.replace(config, model=dataclasses.replace(config.model, name="other")),
+    ):
+        assert OffloadingSpecFactory.create_spec(other).segment_prefix != first.segment_prefix
+    named = OffloadingSpecFactory.create_spec(offloading_config({**extra, "segment_name": "mine"}))
+    assert named.segment_prefix == "mine"

@@ -28,7 +28,7 @@ use super::tensor_memory::{CopyError, TensorMemory};
 use super::transfer::{Direction, EngineLayout, PlanError};
 use crate::manager::{CacheConfig, TransferKind};
 use crate::service::{
-    CompletionBell, DirectCopyId, DirectCopyOutcome, Service, ServiceConfig, ServiceError,
+    CompletionBell, Counter, DirectCopyId, DirectCopyOutcome, Service, ServiceConfig, ServiceError,
     WAIT_SLICE,
 };
 
@@ -79,6 +79,36 @@ pub struct JobResult {
     pub seconds: f64,
 }
 
+/// What the segment header says of the engine beyond the copy layout, for tools (`kvctl stat`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierLabels {
+    /// Tokens of one device block.
+    pub block_tokens: u32,
+    /// Model layers whose KV the tensors hold; the header's `layers` when it divides the tensor
+    /// count (the header's rule), else 1.
+    pub layers: u32,
+}
+
+impl Default for TierLabels {
+    fn default() -> Self {
+        TierLabels { block_tokens: 1, layers: 1 }
+    }
+}
+
+/// What the tier copied, published as the segment's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyTotals {
+    pub jobs: u64,
+    /// Device blocks written into the host tier (stores).
+    pub blocks_stored: u64,
+    /// Device blocks written from the host tier (loads).
+    pub blocks_loaded: u64,
+    pub bytes: u64,
+    /// Time spent copying in process.
+    pub copy_ns: u64,
+    pub failed_jobs: u64,
+}
+
 /// One rank's host tier (module flow).
 pub struct HostTier {
     layout: EngineLayout,
@@ -89,6 +119,9 @@ pub struct HostTier {
     jobs: HashMap<DirectCopyId, (u64, Instant)>,
     finished: Vec<JobResult>,
     outcomes: Vec<DirectCopyOutcome>,
+    /// Per job handed to the worker: its direction and blocks, counted when it ends.
+    job_blocks: HashMap<DirectCopyId, (Direction, u64)>,
+    totals: CopyTotals,
 }
 
 impl HostTier {
@@ -98,6 +131,16 @@ impl HostTier {
         name: &SegmentName,
         layout: EngineLayout,
         engine: TierEngine,
+    ) -> Result<HostTier, HostTierError> {
+        HostTier::create_labelled(name, layout, engine, TierLabels::default())
+    }
+
+    /// [`create`](Self::create), with the engine's block size and layer count in the header.
+    pub fn create_labelled(
+        name: &SegmentName,
+        layout: EngineLayout,
+        engine: TierEngine,
+        labels: TierLabels,
     ) -> Result<HostTier, HostTierError> {
         layout.validate()?;
         if let TierEngine::Workers(_) = engine {
@@ -114,18 +157,25 @@ impl HostTier {
                 }
             }
         }
-        let cache =
-            CacheConfig::new(1, layout.device_blocks).with_host_blocks(layout.host_blocks()?);
-        let mut config = ServiceConfig::new(cache, 1, 1, layout.tensors, layout.page_bytes);
+        let layers = if labels.layers > 0 && layout.tensors % labels.layers == 0 {
+            labels.layers
+        } else {
+            1
+        };
+        let cache = CacheConfig::new(labels.block_tokens.max(1), layout.device_blocks)
+            .with_host_blocks(layout.host_blocks()?);
+        let mut config = ServiceConfig::new(cache, 1, layers, layout.tensors, layout.page_bytes);
         config.backend = match engine {
             // The device tier is the engine's own memory, never an arena of the segment.
             TierEngine::InProcess(_) => Backend::Cuda,
             TierEngine::Workers(backend) => backend,
         };
         config.layerwise = false;
+        config.engine_tier = true;
+        config.copies_in_engine = matches!(engine, TierEngine::InProcess(_));
         let service = Service::create(name, config)?;
         let host = service.segment().open_arena(ArenaKind::Host, 0)?;
-        Ok(HostTier {
+        let tier = HostTier {
             layout,
             service,
             host,
@@ -133,7 +183,49 @@ impl HostTier {
             jobs: HashMap::new(),
             finished: Vec::new(),
             outcomes: Vec::new(),
-        })
+            job_blocks: HashMap::new(),
+            totals: CopyTotals::default(),
+        };
+        let counters = tier.service.segment().counters();
+        counters.set(Counter::DeviceBlocksTotal, u64::from(tier.layout.device_blocks));
+        counters.set(Counter::HostBlocksTotal, u64::from(tier.layout.host_blocks()?));
+        tier.publish_totals();
+        Ok(tier)
+    }
+
+    /// What the tier copied so far.
+    pub fn totals(&self) -> CopyTotals {
+        self.totals
+    }
+
+    /// Stores [`CopyTotals`] in the segment's counters (`kvctl stat`): blocks loaded as swaps
+    /// in, blocks stored as swaps out; in-process copies also as the workers' copy time.
+    fn publish_totals(&self) {
+        let counters = self.service.segment().counters();
+        let totals = &self.totals;
+        counters.set(Counter::SwapsIn, totals.blocks_loaded);
+        counters.set(Counter::SwapsOut, totals.blocks_stored);
+        counters.set(Counter::BytesCopied, totals.bytes);
+        if let TierEngine::InProcess(_) = self.engine {
+            counters.set(Counter::CommandsIssued, totals.jobs);
+            counters.set(Counter::CommandsCompleted, totals.jobs);
+            counters.set(Counter::CopyFailures, totals.failed_jobs);
+            counters.set(Counter::WorkerCopyBytes, totals.bytes);
+            counters.set(Counter::WorkerCopyNs, totals.copy_ns);
+        }
+    }
+
+    fn count_job(&mut self, direction: Direction, blocks: u64, bytes: u64, success: bool) {
+        self.totals.jobs += 1;
+        if !success {
+            self.totals.failed_jobs += 1;
+            return;
+        }
+        match direction {
+            Direction::Store => self.totals.blocks_stored += blocks,
+            Direction::Load => self.totals.blocks_loaded += blocks,
+        }
+        self.totals.bytes += bytes;
     }
 
     pub fn name(&self) -> &SegmentName {
@@ -189,13 +281,18 @@ impl HostTier {
         }
         let started = Instant::now();
         let copies = self.layout.plan(direction, device, group_sizes, block_indices, chunks)?;
+        let blocks = copies.iter().map(|copy| copy.pairs.len() as u64).sum();
         match &self.engine {
             TierEngine::InProcess(memory) => {
                 let mut bytes = 0;
                 for copy in &copies {
                     bytes += memory.copy(&self.layout, &self.host, direction, copy)?;
                 }
-                let seconds = started.elapsed().as_secs_f64();
+                let elapsed = started.elapsed();
+                self.totals.copy_ns += u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+                self.count_job(direction, blocks, bytes, true);
+                self.publish_totals();
+                let seconds = elapsed.as_secs_f64();
                 self.finished.push(JobResult { job, success: true, bytes, seconds });
             }
             TierEngine::Workers(_) => {
@@ -206,6 +303,7 @@ impl HostTier {
                 let pairs = copies.into_iter().flat_map(|copy| copy.pairs).collect();
                 let id = self.service.submit_direct_copy(kind, pairs);
                 self.jobs.insert(id, (job, started));
+                self.job_blocks.insert(id, (direction, blocks));
                 self.collect();
             }
         }
@@ -273,14 +371,22 @@ impl HostTier {
 
     fn collect(&mut self) {
         self.service.take_direct_outcomes(&mut self.outcomes);
-        for outcome in self.outcomes.drain(..) {
+        let mut outcomes = std::mem::take(&mut self.outcomes);
+        for outcome in outcomes.drain(..) {
             let Some((job, started)) = self.jobs.remove(&outcome.id) else { continue };
+            let success = outcome.result.is_ok();
+            if let Some((direction, blocks)) = self.job_blocks.remove(&outcome.id) {
+                self.count_job(direction, blocks, outcome.bytes, success);
+            }
             self.finished.push(JobResult {
                 job,
-                success: outcome.result.is_ok(),
+                success,
                 bytes: outcome.bytes,
                 seconds: started.elapsed().as_secs_f64(),
             });
         }
+        self.outcomes = outcomes;
+        // After the service's poll, which publishes only its own counters on an engine tier.
+        self.publish_totals();
     }
 }

@@ -26,7 +26,7 @@ pub mod tensor_memory;
 pub mod torch_ipc;
 pub mod transfer;
 
-pub use host_tier::{HostTier, HostTierError, JobResult, TierEngine};
+pub use host_tier::{CopyTotals, HostTier, HostTierError, JobResult, TierEngine, TierLabels};
 pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
 pub use manager::{
     EvictionOrder, LookupResult, OffloadConfig, OffloadError, OffloadEvent, OffloadManager,

@@ -44,12 +44,29 @@ impl Service {
         }
     }
 
-    /// Stores the manager's and the service's figures in the segment's live counters.
+    /// Stores the manager's and the service's figures in the segment's live counters (an
+    /// engine's tier: the service's alone).
     pub(super) fn publish_counters(&self) {
         let counters = self.segment.counters();
-        let cache = self.manager.stats();
         let service = &self.stats;
         let in_flight: usize = self.ranks.iter().map(|rank| rank.in_rings()).sum();
+        let own = [
+            (Counter::CopyFailures, service.copy_failures),
+            (Counter::CommandsIssued, service.commands_issued),
+            (Counter::CommandsCompleted, service.commands_completed),
+            (Counter::CommandsInFlight, in_flight as u64),
+            (Counter::Generation, self.segment.generation()),
+            (Counter::Resets, service.resets),
+            (Counter::WorkerDeaths, service.worker_deaths),
+            (Counter::LastPollNs, monotonic_ns()),
+        ];
+        for (counter, value) in own {
+            counters.set(counter, value);
+        }
+        if self.engine_tier {
+            return;
+        }
+        let cache = self.manager.stats();
         let values = [
             (Counter::DeviceBlocksTotal, u64::from(cache.device_blocks)),
             (Counter::DeviceBlocksFree, cache.device_free as u64),
@@ -105,19 +122,11 @@ impl Service {
             (Counter::SwapsIn, cache.counters.swap_in_blocks),
             (Counter::SwapsOut, cache.counters.swap_out_blocks),
             (Counter::Backups, cache.counters.backup_blocks),
-            (Counter::CopyFailures, service.copy_failures),
-            (Counter::CommandsIssued, service.commands_issued),
-            (Counter::CommandsCompleted, service.commands_completed),
-            (Counter::CommandsInFlight, in_flight as u64),
             (Counter::BytesCopied, service.bytes_copied),
-            (Counter::Generation, self.segment.generation()),
-            (Counter::Resets, service.resets),
-            (Counter::WorkerDeaths, service.worker_deaths),
             (
                 Counter::DroppedNodes,
                 cache.counters.evictions.device_dropped + cache.counters.evictions.host_dropped,
             ),
-            (Counter::LastPollNs, monotonic_ns()),
         ];
         for (counter, value) in values {
             counters.set(counter, value);

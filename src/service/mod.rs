@@ -106,6 +106,12 @@ pub struct ServiceConfig {
     /// How long to wait before probing a storage tier that is down, and how that wait grows
     /// (`tier_probe` module).
     pub storage_backoff: TierBackoff,
+    /// The segment is an engine's host tier ([`crate::offload::HostTier`]): the service's cache
+    /// manager is unused, so its poll publishes only the service's own counters (commands,
+    /// workers, generation); the tier and the engine's manager publish the rest.
+    pub engine_tier: bool,
+    /// The engine's process copies blocks itself (no worker attaches); the header says so.
+    pub copies_in_engine: bool,
 }
 
 impl ServiceConfig {
@@ -130,6 +136,8 @@ impl ServiceConfig {
             max_command_bytes: DEFAULT_MAX_COMMAND_BYTES,
             command_deadline: DEFAULT_COMMAND_DEADLINE,
             storage_backoff: DEFAULT_TIER_BACKOFF,
+            engine_tier: false,
+            copies_in_engine: false,
         }
     }
 
@@ -149,6 +157,11 @@ impl ServiceConfig {
             command_ring_slots: self.command_ring_slots,
             completion_ring_slots: self.completion_ring_slots,
             backend: self.backend.to_wire(),
+            copies: if self.copies_in_engine {
+                SegmentConfig::COPIES_IN_ENGINE
+            } else {
+                SegmentConfig::COPIES_BY_WORKERS
+            },
             ..SegmentConfig::default()
         }
     }
@@ -269,6 +282,8 @@ pub struct Service {
     memory: Vec<RankMemory>,
     geometry: Geometry,
     layerwise: bool,
+    /// `ServiceConfig::engine_tier`: publish only the service's own counters.
+    engine_tier: bool,
     max_pairs_per_command: usize,
     /// The most blocks one STORE or LOAD carries: 32 (the result bits), and bounded as a copy is
     /// (half a ring, one slot per block; `max_command_bytes` of each rank's bytes).
@@ -369,6 +384,7 @@ impl Service {
             storage_landed: HashMap::new(),
             tier_backoff: config.storage_backoff,
             tier_watch: tier_probe::TierWatch::default(),
+            engine_tier: config.engine_tier,
         };
         service.publish_counters();
         Ok(service)

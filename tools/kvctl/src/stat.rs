@@ -65,9 +65,10 @@ impl ConfigReport {
                 Ok(WritePolicy::WriteThroughSelective { threshold }) => Some(threshold),
                 _ => None,
             },
-            backend: config.backend().map_or_else(
-                |_| format!("unknown({})", config.backend),
-                |backend| backend.name().to_owned(),
+            // `in_process` for an engine's tier whose engine copies itself (vLLM with CPU tensors).
+            backend: config.copy_engine_name().map_or_else(
+                |_| format!("unknown({}, copies {})", config.backend, config.copies),
+                str::to_owned,
             ),
             command_ring_slots: config.command_ring_slots,
             completion_ring_slots: config.completion_ring_slots,
