@@ -27,6 +27,7 @@ use super::checks;
 use crate::storage::spec::{StorageNamespace, StorageOptions, StorageSpec};
 use crate::worker::process::{run_worker, BackendChoice, WorkerOptions};
 use crate::worker::run::{ServeExit, ServeOptions, DEFAULT_MAX_BATCH};
+use crate::worker::CopyMethod;
 
 /// The layer-delay test hook's environment variable (module documentation).
 pub const LAYER_DELAY_ENV: &str = "KVSHM_WORKER_LAYER_DELAY_US";
@@ -62,6 +63,11 @@ pub struct Args {
     /// Seconds a cuda worker waits for the engine to publish its device handles.
     #[arg(long, default_value_t = 300.0)]
     handles_timeout: f64,
+    /// How the cuda backend moves blocks: kernel (kvshm's copy kernel, one launch per group of
+    /// layers) or calls (one DMA call per piece: slower on scattered small blocks, but uses no
+    /// GPU threads).
+    #[arg(long, default_value_t = CopyMethod::default())]
+    cuda_copy: CopyMethod,
     /// A storage tier below host: `disk:DIR` (a slab per rank under DIR/NAMESPACE) or
     /// `redis://HOST[:PORT][/DB]` (shared by every service using the same namespace).
     #[arg(long)]
@@ -105,6 +111,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         device: args.device,
         attach_timeout: checks::seconds(args.attach_timeout, "--attach-timeout")?,
         handles_timeout: checks::seconds(args.handles_timeout, "--handles-timeout")?,
+        cuda_copy: args.cuda_copy,
         serve: ServeOptions {
             max_batch: DEFAULT_MAX_BATCH,
             layer_delay: layer_delay()?,

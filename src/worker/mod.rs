@@ -11,7 +11,9 @@
 //! - [`host_engine`]: memcpy between two shared-memory mappings (the host backend).
 //! - [`prefault`]: mapping the host backend's tiers in before the first copy.
 //! - [`stream_copy`]: row copies with non-temporal stores, and the fence that publishes them.
-//! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions.
+//! - `cuda` (feature `cuda`): the CUDA driver engine over IPC-opened device regions, and the
+//!   engine-side KV buffers of programs that play the engine on a GPU.
+//! - [`copy_method`]: how the CUDA engine moves a layer (a worker option in every build).
 //! - [`command_reader`]: whole commands out of the command ring, across batch boundaries.
 //! - [`run`]: the serving loop of one claimed rank.
 //! - [`storage_open`]: opening the rank's storage back-end before serving.
@@ -28,6 +30,7 @@
 //! 4. the worker answers with one completion: OK, the refusal, or the copy failure.
 pub mod command_reader;
 pub mod completion_sink;
+pub mod copy_method;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
@@ -44,6 +47,7 @@ pub mod storage_open;
 pub mod stream_copy;
 pub mod validate;
 
+pub use copy_method::CopyMethod;
 pub use engine::{CopyEngine, CopyFailure};
 pub use geometry::{Geometry, GeometryError, GeometryParams};
 pub use host_engine::{HostCopyEngine, HostEngineError, MappedArea};

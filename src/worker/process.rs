@@ -87,6 +87,8 @@ pub struct WorkerOptions {
     pub attach_timeout: Duration,
     /// How long a CUDA worker waits for the engine to publish its device handles.
     pub handles_timeout: Duration,
+    /// How the CUDA engine moves a layer's pieces.
+    pub cuda_copy: super::CopyMethod,
     pub serve: ServeOptions,
     /// The storage tier below host, if any (`--storage`).
     pub storage: Option<StorageOptions>,
@@ -501,6 +503,7 @@ fn cuda_engine(
             .collect(),
         region_stride: stride,
         host_tier: tier_area(host_tier),
+        copy_method: options.cuda_copy,
     };
     // Opening the handles and registering a large host tier can take longer than the heartbeat
     // timeout.

@@ -18,7 +18,9 @@
 
 use cudarc::driver::sys;
 
-/// Every driver entry point the CUDA engine calls, by the exact name cudarc resolves.
+/// Every driver entry point this module's users call (the copy engine, and the engine-side KV
+/// buffers of the demo, the copy bench and the GPU tests), by the exact name cudarc resolves.
+/// All of them are in every driver of CUDA 12.0 and later.
 pub const ENTRY_POINTS: &[&str] = &[
     "cuInit",
     "cuDeviceGet",
@@ -33,6 +35,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "cuMemHostUnregister",
     "cuStreamCreate",
     "cuStreamSynchronize",
+    "cuStreamWaitEvent",
     "cuStreamDestroy_v2",
     "cuEventCreate",
     "cuEventRecord",
@@ -41,6 +44,21 @@ pub const ENTRY_POINTS: &[&str] = &[
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpy2DAsync_v2",
+    "cuDeviceGetCount",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemHostGetDevicePointer_v2",
+    "cuIpcGetMemHandle",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemsetD8_v2",
+    "cuEventElapsedTime",
 ];
 
 /// Why the driver library cannot be used.

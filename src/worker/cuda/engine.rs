@@ -11,15 +11,20 @@
 //! 2. open each distinct IPC handle once (`cuIpcOpenMemHandle`, lazy peer access), check with
 //!    `cuMemGetAddressRange` that `offset + len` of every region stays inside the exported
 //!    allocation, and build the region-major [`DeviceLayout`] from `base + offset`;
-//! 3. register the host tier (page-aligned base) with `cuMemHostRegister(PORTABLE)` so that copies
-//!    to and from it are real asynchronous DMA;
-//! 4. create one non-blocking stream and one timing-free event per layer.
+//! 3. register the host tier (page-aligned base) with `cuMemHostRegister(PORTABLE | DEVICEMAP)`,
+//!    so that copies to and from it are real asynchronous DMA and the copy kernel can reach it;
+//! 4. create one non-blocking stream and one timing-free event per layer; for
+//!    [`CopyMethod::Kernel`], load the copy kernel ([`CopyKernel`]).
 //!
 //! One plan ([`CopyEngine::execute`]):
 //!
-//! 1. for each layer, enqueue its pieces on the stream (a contiguous piece is one
-//!    `cuMemcpy{DtoH,HtoD}Async`, a strided one one `cuMemcpy2DAsync`, or one copy per row when a
-//!    pitch exceeds the device's maximum), then record the layer's event;
+//! 1. for each layer, enqueue its pieces on the stream, then record the layer's event. How
+//!    depends on the [`CopyMethod`]: one driver call per piece ([`CopyMethod::Calls`]: a
+//!    contiguous piece is one `cuMemcpy{DtoH,HtoD}Async`, a strided one one `cuMemcpy2DAsync`,
+//!    or one copy per row when a pitch exceeds the device's maximum), or the layers' pieces
+//!    flattened into rows and moved by kvshm's copy kernel ([`CopyMethod::Kernel`],
+//!    [`super::kernel`]: one launch per group of layers, the groups alternating between two
+//!    streams);
 //! 2. wait for the events in order, reporting the layer's bytes and `Layers(layer + 1)` as each
 //!    completes, so the worker heartbeats and the scheduler sees layer `L` land while later
 //!    layers are still in flight;
@@ -37,6 +42,8 @@ use std::ptr;
 use cudarc::driver::sys;
 
 use super::driver::{check, load_driver, DriverCallError, DriverLoadError};
+use super::kernel::{max_rows, CopyKernel, GroupCut, PlanRows, KERNEL_ROW_BYTES};
+pub use crate::worker::copy_method::CopyMethod;
 use crate::worker::engine::{check_extent, report, CopyEngine, CopyFailure, CopyProgress};
 use crate::worker::geometry::Geometry;
 use crate::worker::host_engine::MappedArea;
@@ -69,6 +76,7 @@ pub struct CudaEngineConfig {
     pub region_stride: u64,
     /// The host tier mapping; its base must be page-aligned.
     pub host_tier: MappedArea,
+    pub copy_method: CopyMethod,
 }
 
 /// Why the CUDA engine cannot start.
@@ -95,7 +103,9 @@ struct Resources {
     opened: Vec<sys::CUdeviceptr>,
     registered_host: Option<*mut c_void>,
     stream: Option<sys::CUstream>,
+    /// One per layer.
     events: Vec<sys::CUevent>,
+    kernel: Option<CopyKernel>,
 }
 
 impl Drop for Resources {
@@ -106,11 +116,16 @@ impl Drop for Resources {
         // been synchronised no copy uses the memory being unregistered or closed.
         unsafe {
             warn_on_error(check("cuCtxSetCurrent", sys::cuCtxSetCurrent(context)));
-            if let Some(stream) = self.stream.take() {
+            if let Some(stream) = self.stream {
                 warn_on_error(check("cuStreamSynchronize", sys::cuStreamSynchronize(stream)));
-                for event in self.events.drain(..) {
-                    warn_on_error(check("cuEventDestroy", sys::cuEventDestroy_v2(event)));
-                }
+            }
+            if let Some(kernel) = self.kernel.take() {
+                kernel.release().into_iter().for_each(warn_on_error);
+            }
+            for event in self.events.drain(..) {
+                warn_on_error(check("cuEventDestroy", sys::cuEventDestroy_v2(event)));
+            }
+            if let Some(stream) = self.stream.take() {
                 warn_on_error(check("cuStreamDestroy", sys::cuStreamDestroy_v2(stream)));
             }
             if let Some(host) = self.registered_host.take() {
@@ -127,7 +142,7 @@ impl Drop for Resources {
     }
 }
 
-fn warn_on_error(result: Result<(), DriverCallError>) {
+pub(super) fn warn_on_error(result: Result<(), DriverCallError>) {
     if let Err(error) = result {
         tracing::warn!(%error, "releasing a CUDA resource failed");
     }
@@ -140,7 +155,12 @@ pub struct CudaCopyEngine {
     device_layout: DeviceLayout,
     host_layout: HostLayout,
     host: MappedArea,
+    /// The host tier's base as the device addresses it (the copy kernel's view).
+    host_on_device: u64,
     max_pitch: u64,
+    method: CopyMethod,
+    /// The rows of the plan being executed (kernel method), kept for their capacity.
+    rows: PlanRows,
     resources: Resources,
 }
 
@@ -182,6 +202,7 @@ impl CudaCopyEngine {
             registered_host: None,
             stream: None,
             events: Vec::new(),
+            kernel: None,
         };
         let mut context: sys::CUcontext = ptr::null_mut();
         let mut max_pitch: c_int = 0;
@@ -204,26 +225,36 @@ impl CudaCopyEngine {
         let regions = open_regions(&config.regions, &mut resources)?;
         let device_layout = DeviceLayout::from_regions(&geometry, &regions, config.region_stride)?;
 
+        let mut host_on_device: sys::CUdeviceptr = 0;
         if !host.is_empty() {
             // SAFETY: `host` is mapped and stays mapped for the engine's life (`MappedArea::new`'s
-            // contract); its base is page-aligned (checked above). Recorded at once for `drop`.
+            // contract); its base is page-aligned (checked above). Recorded at once for `drop`;
+            // the device address is only an out-parameter.
             unsafe {
                 check(
                     "cuMemHostRegister",
                     sys::cuMemHostRegister_v2(
                         host.as_ptr().cast(),
                         host.len(),
-                        sys::CU_MEMHOSTREGISTER_PORTABLE,
+                        sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
                     ),
                 )?;
+                resources.registered_host = Some(host.as_ptr().cast());
+                check(
+                    "cuMemHostGetDevicePointer",
+                    sys::cuMemHostGetDevicePointer_v2(&mut host_on_device, host.as_ptr().cast(), 0),
+                )?;
             }
-            resources.registered_host = Some(host.as_ptr().cast());
+        }
+        if config.copy_method == CopyMethod::Kernel {
+            // SAFETY: the context is current (made so above).
+            resources.kernel = Some(unsafe { CopyKernel::load(device) }?);
         }
 
-        let mut stream: sys::CUstream = ptr::null_mut();
         // SAFETY: the context is current; out-parameters are live locals; every created object
         // is recorded at once for `drop`.
         unsafe {
+            let mut stream: sys::CUstream = ptr::null_mut();
             check(
                 "cuStreamCreate",
                 sys::cuStreamCreate(
@@ -250,9 +281,16 @@ impl CudaCopyEngine {
             device_layout,
             host_layout,
             host,
+            host_on_device,
             max_pitch: u64::try_from(max_pitch).unwrap_or(0),
+            method: config.copy_method,
+            rows: PlanRows::default(),
             resources,
         })
+    }
+
+    pub fn copy_method(&self) -> CopyMethod {
+        self.method
     }
 
     fn stream(&self) -> sys::CUstream {
@@ -260,32 +298,102 @@ impl CudaCopyEngine {
     }
 
     /// Enqueues every layer's pieces and records the layer's event behind them.
-    fn enqueue(&self, plan: &CopyPlan) -> Result<(), CopyFailure> {
-        let stream = self.stream();
+    fn enqueue(&mut self, plan: &CopyPlan) -> Result<(), CopyFailure> {
+        match self.method {
+            CopyMethod::Calls => self.enqueue_calls(plan),
+            CopyMethod::Kernel => self.enqueue_rows(plan),
+        }
+    }
+
+    fn record_layer(&self, layer: usize) -> Result<(), CopyFailure> {
+        // SAFETY: the event and the stream belong to this engine's current context.
+        unsafe {
+            check("cuEventRecord", sys::cuEventRecord(self.resources.events[layer], self.stream()))
+        }
+        .map_err(driver_failure)
+    }
+
+    /// [`CopyMethod::Calls`]: one driver call per piece.
+    fn enqueue_calls(&self, plan: &CopyPlan) -> Result<(), CopyFailure> {
         for layer in 0..self.geometry.layers() {
             plan.for_each_piece_of_layer(
                 layer,
                 &self.geometry,
                 &self.device_layout,
                 &self.host_layout,
-                |piece| self.enqueue_piece(plan.direction(), piece),
+                |piece| {
+                    check_extents(&piece, &self.device_layout, &self.host)?;
+                    self.enqueue_piece(plan.direction(), piece)
+                },
             )?;
-            // SAFETY: the event and the stream belong to this engine's current context.
-            unsafe {
-                check(
-                    "cuEventRecord",
-                    sys::cuEventRecord(self.resources.events[layer as usize], stream),
-                )
-                .map_err(driver_failure)?;
-            }
+            self.record_layer(layer as usize)?;
         }
         Ok(())
     }
 
-    /// Enqueues one piece after checking its extent on both sides.
+    /// [`CopyMethod::Kernel`]: the plan's pieces as rows, each launch group launched as soon as
+    /// its rows are built ([`super::kernel`]'s module flow).
+    fn enqueue_rows(&mut self, plan: &CopyPlan) -> Result<(), CopyFailure> {
+        let mut rows = std::mem::take(&mut self.rows);
+        let result = self.build_and_launch(plan, &mut rows);
+        self.rows = rows;
+        result
+    }
+
+    fn build_and_launch(
+        &mut self,
+        plan: &CopyPlan,
+        rows: &mut PlanRows,
+    ) -> Result<(), CopyFailure> {
+        let layers = self.geometry.layers() as usize;
+        let stream = self.stream();
+        let bound = max_rows(plan.blocks(), self.geometry.regions(), self.geometry.region_bytes());
+        let kernel = self.resources.kernel.as_mut().expect("the kernel method loads its kernel");
+        // SAFETY: the context is current (execute) and both of the kernel's streams are idle:
+        // every plan waits for all its layer events, or drains, before the next begins.
+        unsafe { kernel.reserve(bound) }.map_err(driver_failure)?;
+        rows.clear();
+        let mut cut = GroupCut::default();
+        let mut group_start = 0;
+        for layer in 0..layers {
+            plan.for_each_piece_of_layer(
+                layer as u32,
+                &self.geometry,
+                &self.device_layout,
+                &self.host_layout,
+                |piece| {
+                    check_extents(&piece, &self.device_layout, &self.host)?;
+                    rows.push_piece(
+                        plan.direction(),
+                        &piece,
+                        self.host_on_device,
+                        KERNEL_ROW_BYTES,
+                    );
+                    Ok::<(), CopyFailure>(())
+                },
+            )?;
+            rows.end_layer();
+            if !cut.end_layer(rows.layer_bytes(layer), layer + 1 == layers) {
+                continue;
+            }
+            let kernel = self.resources.kernel.as_mut().expect("loaded");
+            // SAFETY: the context is current; `reserve` made room for every row of the plan
+            // (`max_rows` bounds them); every row lies inside the opened device regions or the
+            // registered, device-mapped host tier (each piece's extent was checked above), which
+            // stay so until the engine drops; no two rows overlap (distinct destination blocks
+            // and regions, two tiers); no other process touches these blocks until the command
+            // completes (the block-ownership protocol; trusted peers).
+            unsafe {
+                kernel.launch_group(rows, group_start..layer + 1, stream, &self.resources.events)
+            }
+            .map_err(driver_failure)?;
+            group_start = layer + 1;
+        }
+        Ok(())
+    }
+
+    /// Enqueues one piece whose extent was checked ([`CopyMethod::Calls`]).
     fn enqueue_piece(&self, direction: Direction, piece: StridedCopy) -> Result<(), CopyFailure> {
-        check_extent(piece.device_end(), self.device_layout.end(), "device")?;
-        check_extent(piece.host_end(), self.host.len() as u64, "host")?;
         let stream = self.stream();
         // The host extent is inside the host area (usize bytes), so host offsets and pitches
         // fit in usize; device values are device addresses, 64-bit like usize on supported targets.
@@ -366,6 +474,9 @@ impl CudaCopyEngine {
         warn_on_error(unsafe {
             check("cuStreamSynchronize", sys::cuStreamSynchronize(self.stream()))
         });
+        if let Some(kernel) = &self.resources.kernel {
+            warn_on_error(kernel.synchronize());
+        }
     }
 }
 
@@ -488,6 +599,16 @@ fn memcpy_2d(
     }
 }
 
+/// Fails unless both sides of `piece` lie inside their tier.
+fn check_extents(
+    piece: &StridedCopy,
+    device: &DeviceLayout,
+    host: &MappedArea,
+) -> Result<(), CopyFailure> {
+    check_extent(piece.device_end(), device.end(), "device")?;
+    check_extent(piece.host_end(), host.len() as u64, "host")
+}
+
 fn driver_failure(error: DriverCallError) -> CopyFailure {
     CopyFailure::Driver { call: error.call, code: error.code }
 }
@@ -527,6 +648,7 @@ mod tests {
             regions: vec![bogus, IpcRegion { offset: 4 * 4096, ..bogus }],
             region_stride: 4096,
             host_tier,
+            copy_method: CopyMethod::Kernel,
         };
         // SAFETY: only asks whether a driver library opens.
         let driver_present = unsafe { sys::is_culib_present() };
