@@ -112,6 +112,14 @@ fn bench_copy_refuses_sizes_that_overflow_or_do_not_fit() {
     refused_saying(&["bench", "copy", "--layers", "4294967295"], &["--layers"]);
     refused_saying(&["bench", "copy", "--layers", "0"], &["--layers"]);
     refused_saying(&["bench", "copy", "--pairs-per-command", max], &["--pairs-per-command"]);
+    let cuda = ["bench", "copy", "--backend", "cuda"];
+    refused_saying(&[&cuda[..], &["--command-mib", "0"]].concat(), &["--command-mib"]);
+    refused_saying(&[&cuda[..], &["--command-mib", max]].concat(), &["--command-mib"]);
+    refused_saying(
+        &[&cuda[..], &["--tier-mib", "4", "--command-mib", "8"]].concat(),
+        &["--command-mib"],
+    );
+    refused_saying(&[&cuda[..], &["--cuda-copy", "dma"]].concat(), &["--cuda-copy", "dma"]);
 }
 
 #[test]
@@ -181,6 +189,23 @@ fn replay_refuses_pools_the_machine_cannot_hold() {
         &["--storage-blocks", "--host-blocks"],
     );
     std::fs::remove_file(trace).unwrap();
+}
+
+#[test]
+fn the_cuda_options_are_refused_clearly_in_every_build() {
+    refused_saying(
+        &["worker", "--name", "x", "--rank", "0", "--cuda-copy", "batch"],
+        &["--cuda-copy"],
+    );
+    refused_saying(&["demo", "--cuda-copy", "fast"], &["--cuda-copy"]);
+    // Without the cuda feature the GPU backends say how to get them; with it, on a machine
+    // without a driver, they say what is missing. Either way nothing is left in /dev/shm.
+    let expected = if cfg!(feature = "cuda") { "CUDA" } else { "cuda feature" };
+    refused_saying(&["demo", "--backend", "cuda", "--synthetic", "--limit", "2"], &[expected]);
+    refused_saying(
+        &["bench", "copy", "--backend", "cuda", "--tier-mib", "16", "--command-mib", "4"],
+        &[expected],
+    );
 }
 
 #[test]

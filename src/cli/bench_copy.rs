@@ -1,5 +1,7 @@
 //! `kvshm bench copy`: host-backend swap bandwidth through the worker's copy path, against a plain
-//! single-threaded memcpy of the same number of bytes measured in the same run.
+//! single-threaded memcpy of the same number of bytes measured in the same run. With `--backend
+//! cuda` (feature `cuda`), GPU swap bandwidth through a real worker process instead
+//! ([`super::bench_copy_cuda`]).
 //!
 //! 1. Create two shared-memory objects (device arena and host tier, `--tier-mib` each), unlink
 //!    them at once (the mappings stay; nothing is left behind if the run dies), and touch every page.
@@ -23,30 +25,50 @@ use kvshm_ipc::shm::{self, SharedMemory};
 use serde::Serialize;
 
 use crate::worker::{
-    validate, CopyEngine, Geometry, GeometryParams, HostCopyEngine, MappedArea, ValidCommand,
+    validate, CopyEngine, CopyMethod, Geometry, GeometryParams, HostCopyEngine, MappedArea,
+    ValidCommand,
 };
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
     /// Size of each tier's shared-memory mapping, in MiB.
     #[arg(long, default_value_t = 512)]
-    tier_mib: usize,
+    pub(super) tier_mib: usize,
     /// Bytes each case moves, in MiB (commands repeat over the tiers).
     #[arg(long, default_value_t = 2048)]
-    mib_per_case: usize,
+    pub(super) mib_per_case: usize,
     /// Layers per block; a block has two regions (K and V) per layer.
     #[arg(long, default_value_t = 16)]
-    layers: u32,
-    /// Block pairs per command.
+    pub(super) layers: u32,
+    /// Block pairs per command (host backend).
     #[arg(long, default_value_t = 32)]
     pairs_per_command: usize,
+    /// host: the host backend's engine, in process; cuda: `kvshm worker --backend cuda`
+    /// processes between GPU buffers and the host tier (needs the cuda feature).
+    #[arg(long, value_enum, default_value_t = BenchBackend::Host)]
+    pub(super) backend: BenchBackend,
+    /// cuda: the GPU the KV buffers live on.
+    #[arg(long, default_value_t = 0)]
+    pub(super) device: u32,
+    /// cuda: the copy methods to measure, comma-separated (kernel, calls).
+    #[arg(long, value_delimiter = ',', default_values_t = CopyMethod::ALL)]
+    pub(super) cuda_copy: Vec<CopyMethod>,
+    /// cuda: bytes per command, in MiB (the scheduler sends up to 64 MiB per command).
+    #[arg(long, default_value_t = 16)]
+    pub(super) command_mib: usize,
 }
 
-const MIB: usize = 1 << 20;
-const BLOCK_SIZES: [usize; 2] = [64 << 10, 1 << 20];
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(super) enum BenchBackend {
+    Host,
+    Cuda,
+}
+
+pub(super) const MIB: usize = 1 << 20;
+pub(super) const BLOCK_SIZES: [usize; 2] = [64 << 10, 1 << 20];
 
 #[derive(Debug, Serialize)]
 struct Report {
@@ -118,6 +140,15 @@ impl Tiers {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let (tier_bytes, bytes_per_case) = check(&args)?;
+    if args.backend == BenchBackend::Cuda {
+        #[cfg(feature = "cuda")]
+        return super::bench_copy_cuda::run(&args, tier_bytes, bytes_per_case);
+        #[cfg(not(feature = "cuda"))]
+        anyhow::bail!(
+            "--backend cuda needs a kvshm built with the cuda feature (cargo build --release \
+             --features kvshm/cuda)"
+        );
+    }
     let tiers = Tiers::create(tier_bytes)?;
 
     let baseline = Baseline {
@@ -170,6 +201,22 @@ fn check(args: &Args) -> anyhow::Result<(usize, usize)> {
     at_least(args.tier_mib, 1, "--tier-mib")?;
     at_least(args.mib_per_case, 1, "--mib-per-case")?;
     let tier_bytes = mib_to_bytes(args.tier_mib as u64, "--tier-mib")?;
+    if args.backend == BenchBackend::Cuda {
+        // A command of 64 KiB blocks must fit in half of the service's command ring.
+        within(args.command_mib, 1..=512, "--command-mib")?;
+        at_least(args.cuda_copy.len(), 1, "--cuda-copy")?;
+        anyhow::ensure!(
+            args.tier_mib >= args.command_mib,
+            "--tier-mib {} must hold at least one command (--command-mib {})",
+            args.tier_mib,
+            args.command_mib
+        );
+        // The host tier is in /dev/shm; the device tier on the GPU.
+        fits_in_dev_shm(u128::from(tier_bytes), format_args!("--tier-mib {}", args.tier_mib))?;
+        let bytes_per_case = mib_to_bytes(args.mib_per_case as u64, "--mib-per-case")?;
+        let as_usize = |bytes: u64| usize::try_from(bytes).unwrap_or(usize::MAX);
+        return Ok((as_usize(tier_bytes), as_usize(bytes_per_case)));
+    }
     let largest = (BLOCK_SIZES[1] * args.pairs_per_command) as u64;
     anyhow::ensure!(
         tier_bytes >= largest,
@@ -281,9 +328,8 @@ fn measure_case(
     })
 }
 
-/// `commands` commands of `per_command` pairs over `blocks` blocks per tier, encoded as ring slots.
-/// Consecutive: command `k` copies a run starting at a multiple of `per_command`; scattered: pairs
-/// follow two independent random permutations of the block ids (distinct within a command).
+/// `commands` commands of `per_command` pairs over `blocks` blocks per tier, encoded as ring slots
+/// (pairs from [`command_pairs`]).
 fn encode_commands(
     op: Op,
     blocks: usize,
@@ -291,6 +337,23 @@ fn encode_commands(
     commands: usize,
     scattered: bool,
 ) -> Vec<CommandSlot> {
+    let mut slots = Vec::new();
+    for (command, pairs) in command_pairs(blocks, per_command, commands, scattered).enumerate() {
+        let header = CommandHeader::new(op, command as u64, 0, per_command as u32);
+        encode_command(&header, &pairs, &mut slots);
+    }
+    slots
+}
+
+/// The pairs of `commands` commands of `per_command` pairs over `blocks` blocks per tier.
+/// Consecutive: command `k` copies a run starting at a multiple of `per_command`; scattered: pairs
+/// follow two independent random permutations of the block ids (distinct within a command).
+pub(super) fn command_pairs(
+    blocks: usize,
+    per_command: usize,
+    commands: usize,
+    scattered: bool,
+) -> impl Iterator<Item = Vec<BlockPair>> {
     let mut sources: Vec<u32> = (0..blocks as u32).collect();
     let mut destinations = sources.clone();
     if scattered {
@@ -302,18 +365,10 @@ fn encode_commands(
         destinations.rotate_left((blocks / per_command / 2) * per_command);
     }
     let windows = blocks / per_command;
-    let mut slots = Vec::new();
-    let mut pairs = Vec::with_capacity(per_command);
-    for command in 0..commands {
+    (0..commands).map(move |command| {
         let first = (command % windows) * per_command;
-        pairs.clear();
-        pairs.extend(
-            (first..first + per_command).map(|i| BlockPair::new(sources[i], destinations[i])),
-        );
-        let header = CommandHeader::new(op, command as u64, 0, per_command as u32);
-        encode_command(&header, &pairs, &mut slots);
-    }
-    slots
+        (first..first + per_command).map(|i| BlockPair::new(sources[i], destinations[i])).collect()
+    })
 }
 
 /// Fisher-Yates with splitmix64: deterministic, no dependency.
@@ -328,7 +383,7 @@ fn shuffle(ids: &mut [u32], state: &mut u64) {
     }
 }
 
-fn gbps(bytes: usize, seconds: f64) -> f64 {
+pub(super) fn gbps(bytes: usize, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
 }
 

@@ -1,6 +1,8 @@
 //! `kvshm demo`: a service, its TP worker processes and a conversation replayed with real data.
 //!
-//! 1. create the service (segment, arenas, cache manager) for a small model shape;
+//! 1. create the service (segment, arenas, cache manager) for a small model shape; with
+//!    `--backend cuda`, allocate each rank's KV buffers on a GPU (rank `r` on device `r % devices`)
+//!    and publish their IPC handles in the segment;
 //! 2. spawn one `kvshm worker` process per rank (with `--storage`, each with its storage tier)
 //!    and wait until each has attached; a storage tier that already holds blocks of this layout
 //!    (a previous run's, or another service's) has them put back into the cache (a disk tier
@@ -28,10 +30,11 @@ use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal
 use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
 use crate::demo::{workload, DemoEngine, DemoReport};
 use crate::manager::{CacheConfig, EvictionPolicy, StorageWritePolicy, WritePolicy};
-use crate::service::{Service, ServiceConfig, TierBackoff};
+use crate::service::{Backend, Service, ServiceConfig, TierBackoff};
 use crate::storage::backend::BlockLayout;
 use crate::storage::spec::{StorageNamespace, StorageSpec};
 use crate::trace::{read_trace, TraceRequest};
+use crate::worker::CopyMethod;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -103,10 +106,26 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Where the engine's KV blocks live: host (a shared-memory arena per rank) or cuda (GPU
+    /// buffers, copied by `kvshm worker --backend cuda`; needs the cuda feature).
+    #[arg(long, value_enum, default_value_t = DemoBackend::Host)]
+    backend: DemoBackend,
+    /// How cuda workers move a layer's blocks: kernel or calls (see `kvshm worker`).
+    #[arg(long, default_value_t = CopyMethod::default())]
+    cuda_copy: CopyMethod,
     /// Keep the service running this many seconds after the replay (try kvctl against it).
     #[arg(long, default_value_t = 0)]
     hold: u64,
 }
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum DemoBackend {
+    Host,
+    Cuda,
+}
+
+const CUDA_NOT_BUILT: &str = "--backend cuda needs a kvshm built with the cuda feature \
+    (cargo build --release --features kvshm/cuda)";
 
 /// The most blocks a tier can have: block ids are u32 with one value kept as a marker.
 const MAX_BLOCKS: u32 = u32::MAX - 1;
@@ -115,14 +134,15 @@ const MAX_BLOCKS: u32 = u32::MAX - 1;
 struct Workers(Vec<Child>);
 
 impl Workers {
-    /// Spawns one worker per rank, each given `storage` (its `--storage*` options).
-    fn spawn(name: &str, tp: u32, storage: &[String]) -> anyhow::Result<Workers> {
+    /// Spawns one worker per rank, rank `r` given `args_of(r)` (its backend and `--storage*`
+    /// options).
+    fn spawn(name: &str, tp: u32, args_of: impl Fn(u32) -> Vec<String>) -> anyhow::Result<Workers> {
         let exe = std::env::current_exe().context("locating the kvshm executable")?;
         let mut workers = Workers(Vec::new());
         for rank in 0..tp {
             let child = Command::new(&exe)
                 .args(["worker", "--name", name, "--rank", &rank.to_string()])
-                .args(storage)
+                .args(args_of(rank))
                 .stdin(Stdio::null())
                 .spawn()
                 .with_context(|| format!("spawning the worker of rank {rank}"))?;
@@ -198,6 +218,9 @@ fn check(args: &Args) -> anyhow::Result<()> {
     within(args.device_blocks, 1..=MAX_BLOCKS, "--device-blocks")?;
     within(args.host_blocks, 0..=MAX_BLOCKS, "--host-blocks")?;
     within(args.free_watermark, 0..=args.device_blocks, "--free-watermark")?;
+    if args.backend == DemoBackend::Cuda && !cfg!(feature = "cuda") {
+        bail!(CUDA_NOT_BUILT);
+    }
     anyhow::ensure!(
         !args.eviction.is_offline(),
         "--eviction {} needs a trace's future: only `kvshm replay` runs it",
@@ -214,7 +237,9 @@ fn check(args: &Args) -> anyhow::Result<()> {
     }
     storage_backoff(args)?;
     let block_bytes = u128::from(args.layers) * 2 * u128::from(args.region_bytes);
-    let blocks = u128::from(args.device_blocks) + u128::from(args.host_blocks);
+    // On the cuda backend the device tier is GPU memory, not /dev/shm.
+    let device_blocks = if args.backend == DemoBackend::Cuda { 0 } else { args.device_blocks };
+    let blocks = u128::from(device_blocks) + u128::from(args.host_blocks);
     fits_in_dev_shm(
         u128::from(args.tp) * blocks * block_bytes,
         format_args!(
@@ -365,15 +390,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut config =
         ServiceConfig::new(cache, args.tp, args.layers, args.layers * 2, args.region_bytes);
     config.storage_backoff = storage_backoff(&args)?;
+    if args.backend == DemoBackend::Cuda {
+        config.backend = Backend::Cuda;
+    }
     let mut service = Service::create(&name, config).context("creating the service")?;
-    let workers = Workers::spawn(name.as_str(), args.tp, &worker_storage_args(&args))?;
+    let gpu = GpuBuffers::allocate(&args, &service)?;
+    let storage_args = worker_storage_args(&args);
+    let workers = Workers::spawn(name.as_str(), args.tp, |rank| {
+        let mut worker_args = gpu.worker_args(rank, args.cuda_copy);
+        worker_args.extend(storage_args.iter().cloned());
+        worker_args
+    })?;
     // A storage tier takes a while to open (a slab is preallocated).
     let attach = if args.storage.is_some() { 120 } else { 10 };
     service.wait_for_workers(Duration::from_secs(attach)).context("waiting for the workers")?;
     let adopted = adopt_stored_blocks(&args, &mut service)?;
 
     let started = Instant::now();
-    let mut engine = DemoEngine::new(&mut service);
+    let mut engine = gpu.engine(&mut service);
     // Two requests per engine step, as a batching engine schedules them.
     for (step, batch) in requests.chunks(2).enumerate() {
         if interrupted() {
@@ -390,6 +424,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.json {
         let mut value = serde_json::to_value(&report)?;
         value["tp"] = args.tp.into();
+        value["backend"] = gpu.backend_name().into();
         value["trace"] = source.into();
         value["write_policy"] = args.write_policy.to_string().into();
         value["eviction"] = args.eviction.to_string().into();
@@ -431,6 +466,85 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bail!("{} blocks held the wrong bytes", report.corrupted_blocks);
     }
     Ok(())
+}
+
+/// The ranks' KV buffers on GPUs (`--backend cuda`), or none (`--backend host`).
+struct GpuBuffers {
+    /// Rank `r`'s buffers, and the device they are on.
+    #[cfg(feature = "cuda")]
+    ranks: Vec<crate::worker::cuda::DeviceKvBuffers>,
+    #[cfg(feature = "cuda")]
+    devices: Vec<u32>,
+}
+
+impl GpuBuffers {
+    /// With `--backend cuda`, allocates each rank's buffers (rank `r` on device `r % devices`)
+    /// and publishes their handles in the service's segment.
+    fn allocate(args: &Args, service: &Service) -> anyhow::Result<GpuBuffers> {
+        if args.backend == DemoBackend::Host {
+            return Ok(GpuBuffers {
+                #[cfg(feature = "cuda")]
+                ranks: Vec::new(),
+                #[cfg(feature = "cuda")]
+                devices: Vec::new(),
+            });
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = service;
+            bail!(CUDA_NOT_BUILT);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            use crate::worker::cuda::{device_count, DeviceKvBuffers};
+            let devices = device_count();
+            anyhow::ensure!(devices > 0, "--backend cuda: no CUDA device or driver found");
+            let (mut ranks, mut rank_devices) = (Vec::new(), Vec::new());
+            for rank in 0..args.tp {
+                let device = rank % devices;
+                let buffers =
+                    DeviceKvBuffers::allocate(device, service.geometry()).with_context(|| {
+                        format!("allocating rank {rank}'s KV buffers on GPU {device}")
+                    })?;
+                service
+                    .segment()
+                    .publish_device_handles(rank, &buffers.region_handles())
+                    .with_context(|| format!("publishing rank {rank}'s device handles"))?;
+                ranks.push(buffers);
+                rank_devices.push(device);
+            }
+            Ok(GpuBuffers { ranks, devices: rank_devices })
+        }
+    }
+
+    fn backend_name(&self) -> &'static str {
+        #[cfg(feature = "cuda")]
+        if !self.ranks.is_empty() {
+            return "cuda";
+        }
+        "host"
+    }
+
+    /// The backend options of rank `rank`'s worker.
+    fn worker_args(&self, rank: u32, copy: CopyMethod) -> Vec<String> {
+        #[cfg(feature = "cuda")]
+        if let Some(device) = self.devices.get(rank as usize) {
+            let device = device.to_string();
+            return ["--backend", "cuda", "--device", &device, "--cuda-copy", copy.name()]
+                .map(String::from)
+                .to_vec();
+        }
+        let _ = (rank, copy);
+        Vec::new()
+    }
+
+    fn engine<'a>(&'a self, service: &'a mut Service) -> DemoEngine<'a> {
+        #[cfg(feature = "cuda")]
+        if !self.ranks.is_empty() {
+            return DemoEngine::on_gpu(service, &self.ranks);
+        }
+        DemoEngine::new(service)
+    }
 }
 
 fn percent(rate: f64) -> f64 {

@@ -1,6 +1,8 @@
 //! `kvshm demo`: an engine stand-in that drives a [`Service`] with real bytes.
 //!
-//! The demo plays the engine of a tensor-parallel model on the host backend. It serves a
+//! The demo plays the engine of a tensor-parallel model: on the host backend its KV blocks live in
+//! the service's device arenas; on the CUDA backend (feature `cuda`) in GPU buffers of its own
+//! ([`DeviceKvBuffers`](crate::worker::cuda::DeviceKvBuffers)) that the workers open. It serves a
 //! conversation trace two requests per engine step ([`DemoEngine::run_batch`]: both matched and
 //! allocated before either waits, so that requests sharing a prefix share its storage LOADs).
 //! For each request it:
@@ -95,6 +97,9 @@ struct Scheduled {
 /// The engine stand-in.
 pub struct DemoEngine<'a> {
     service: &'a mut Service,
+    /// The ranks' KV buffers on a GPU; `None`: the service's device arenas.
+    #[cfg(feature = "cuda")]
+    gpu: Option<&'a [crate::worker::cuda::DeviceKvBuffers]>,
     report: DemoReport,
     waits: Vec<Duration>,
     swap_in_waits: Vec<Duration>,
@@ -111,6 +116,9 @@ pub enum DemoError {
     Memory { request: u64, source: crate::service::BlockAccessError },
     #[error("the service has no block memory for rank {0} (the demo needs the host backend)")]
     NoMemory(u32),
+    #[cfg(feature = "cuda")]
+    #[error("request {request}: GPU block access: {source}")]
+    Gpu { request: u64, source: crate::worker::cuda::KvBufferError },
 }
 
 impl<'a> DemoEngine<'a> {
@@ -118,12 +126,23 @@ impl<'a> DemoEngine<'a> {
         let region = vec![0; service.geometry().region_bytes() as usize];
         DemoEngine {
             service,
+            #[cfg(feature = "cuda")]
+            gpu: None,
             report: DemoReport::default(),
             waits: Vec::new(),
             swap_in_waits: Vec::new(),
             region,
             next_request: 1,
         }
+    }
+
+    /// An engine whose rank `r` keeps its blocks in `buffers[r]` (the segment's CUDA backend).
+    #[cfg(feature = "cuda")]
+    pub fn on_gpu(
+        service: &'a mut Service,
+        buffers: &'a [crate::worker::cuda::DeviceKvBuffers],
+    ) -> DemoEngine<'a> {
+        DemoEngine { gpu: Some(buffers), ..DemoEngine::new(service) }
     }
 
     /// Runs one trace request through the cache with data verification.
@@ -267,16 +286,15 @@ impl<'a> DemoEngine<'a> {
 
     fn check_block(&mut self, request: u64, hash: BlockHash, block: u32) -> Result<(), DemoError> {
         let mut intact = true;
+        let mut bytes = std::mem::take(&mut self.region);
         for rank in 0..self.ranks() {
-            let memory = self.service.memory(rank).ok_or(DemoError::NoMemory(rank))?;
             for region in 0..self.service.geometry().regions() {
-                memory
-                    .read_device_region(block, region, &mut self.region)
-                    .map_err(|source| DemoError::Memory { request, source })?;
+                self.read_region(request, rank, block, region, &mut bytes)?;
                 let identity = RegionIdentity { block_hash: hash.0, region, rank };
-                intact &= pattern::verify(identity, &self.region).is_ok();
+                intact &= pattern::verify(identity, &bytes).is_ok();
             }
         }
+        self.region = bytes;
         self.report.verified_blocks += 1;
         if !intact {
             self.report.corrupted_blocks += 1;
@@ -285,17 +303,58 @@ impl<'a> DemoEngine<'a> {
     }
 
     fn write_block(&mut self, request: u64, hash: BlockHash, block: u32) -> Result<(), DemoError> {
+        let mut bytes = std::mem::take(&mut self.region);
         for rank in 0..self.ranks() {
-            let memory = self.service.memory(rank).ok_or(DemoError::NoMemory(rank))?;
             for region in 0..self.service.geometry().regions() {
                 let identity = RegionIdentity { block_hash: hash.0, region, rank };
-                pattern::fill(identity, &mut self.region);
-                memory
-                    .write_device_region(block, region, &self.region)
-                    .map_err(|source| DemoError::Memory { request, source })?;
+                pattern::fill(identity, &mut bytes);
+                self.write_region(request, rank, block, region, &bytes)?;
             }
         }
+        self.region = bytes;
         Ok(())
+    }
+
+    /// Reads region `region` of device block `block` of rank `rank`, wherever the blocks live.
+    fn read_region(
+        &self,
+        request: u64,
+        rank: u32,
+        block: u32,
+        region: u32,
+        out: &mut [u8],
+    ) -> Result<(), DemoError> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.gpu {
+            return gpu[rank as usize]
+                .read_region(block, region, out)
+                .map_err(|source| DemoError::Gpu { request, source });
+        }
+        let memory = self.service.memory(rank).ok_or(DemoError::NoMemory(rank))?;
+        memory
+            .read_device_region(block, region, out)
+            .map_err(|source| DemoError::Memory { request, source })
+    }
+
+    /// Writes region `region` of device block `block` of rank `rank`, wherever the blocks live.
+    fn write_region(
+        &self,
+        request: u64,
+        rank: u32,
+        block: u32,
+        region: u32,
+        bytes: &[u8],
+    ) -> Result<(), DemoError> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = self.gpu {
+            return gpu[rank as usize]
+                .write_region(block, region, bytes)
+                .map_err(|source| DemoError::Gpu { request, source });
+        }
+        let memory = self.service.memory(rank).ok_or(DemoError::NoMemory(rank))?;
+        memory
+            .write_device_region(block, region, bytes)
+            .map_err(|source| DemoError::Memory { request, source })
     }
 
     /// The figures so far; `elapsed` is the wall time of the run.
