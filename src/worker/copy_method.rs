@@ -3,9 +3,9 @@
 
 /// How the engine moves a layer's pieces (`super::cuda::engine`'s module flow).
 ///
-/// On an H100 (`kvshm bench copy --backend cuda`, README figures) the kernel moves scattered
-/// 64 KiB blocks about 20 times faster than one call per piece, and other shapes at the same
-/// speed within 10%; the calls leave the GPU's threads to the engine's own kernels.
+/// On an H100 (`kvshm bench copy --backend cuda`, docs/BENCHMARKS.md) the kernel moves scattered
+/// blocks 3 to 30 times faster than one call per piece, and long runs of large blocks within 10%
+/// of it; the calls leave the GPU's threads to the engine's own kernels.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum CopyMethod {
     /// One driver call per piece: DMA by the copy engines, no GPU thread used.
