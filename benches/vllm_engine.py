@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,10 +47,10 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
         "kv_heads": 2,
     },
     "bench": {
-        "hidden": 1024,
-        "intermediate": 4096,
-        "layers": 8,
-        "heads": 16,
+        "hidden": 512,
+        "intermediate": 2048,
+        "layers": 4,
+        "heads": 8,
         "kv_heads": 2,
     },
 }
@@ -197,11 +198,36 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": sum(len(prompt) for prompt in workload),
         "metrics": metric_values(llm.get_metrics()),
     }
-    if args.kvshm_segment:
-        result["kvctl"] = [
-            kvctl_stat(f"{args.kvshm_segment}-r{rank}") for rank in range(args.tp)
-        ]
+    if args.kvshm:
+        prefix = args.kvshm_segment or default_segment_prefix(args.model)
+        result["kvctl"] = [kvctl_stat(f"{prefix}-r{rank}") for rank in range(args.tp)]
     return result
+
+
+def default_segment_prefix(model: str) -> str:
+    """The segment prefix kvshm derives for ``model`` (a live one, found by ``kvctl ls``)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvshm", "kvctl", "ls", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    start = "kvshm-vllm-" + Path(model).name[:24] + "-"
+    names = [
+        entry["name"]
+        for entry in json.loads(done.stdout)["segments"]
+        if entry["name"].startswith(start) and entry["state"] == "live"
+    ]
+    if len(names) != 1:
+        raise RuntimeError(f"expected one live segment {start}*, found {names}")
+    return names[0].rsplit("-r", 1)[0]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def serve_command(
@@ -370,11 +396,20 @@ def main() -> None:
     offline.add_argument("--max-model-len", type=int, default=1024)
     offline.add_argument("--max-tokens", type=int, default=8)
     offline.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    offline.add_argument(
+        "--hold",
+        action="store_true",
+        help="after writing --out, wait with the engine up",
+    )
     args = parser.parse_args()
     if args.command == "model":
         print(make_model(args.directory, args.size))
     else:
         args.out.write_text(json.dumps(run_offline(args)))
+        if args.hold:
+            # Wait to be killed with the engine's processes (the warm-restart test's crash).
+            print("held", flush=True)
+            time.sleep(3600)
 
 
 if __name__ == "__main__":

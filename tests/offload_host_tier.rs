@@ -2,9 +2,10 @@
 //! of real bytes, groups that own some tensors only, and the refusals of the worker mode.
 
 use kvshm::offload::host_tier::Backend;
+use kvshm::offload::key_table::NO_PARENT;
 use kvshm::offload::tensor_memory::TensorMemory;
 use kvshm::offload::transfer::{Direction, EngineLayout};
-use kvshm::offload::{HostTier, HostTierError, TierEngine};
+use kvshm::offload::{HostTier, HostTierError, StoredKey, TierEngine, TierOptions};
 use kvshm::service::SegmentName;
 
 const PAGE: usize = 32;
@@ -182,4 +183,80 @@ fn a_worker_killed_in_the_middle_of_a_job_is_replaced_and_the_job_still_succeeds
         assert_eq!(host[..4096], page(block, 0)[..]);
         assert_eq!(host[4096..], page(block, 1)[..]);
     }
+}
+
+fn key(n: u8) -> kvshm::offload::OffloadKey {
+    kvshm::offload::OffloadKey::new(&[n; 36]).unwrap()
+}
+
+fn stored(n: u8, parent_chunk: u32) -> StoredKey {
+    StoredKey { key: key(n), parent_chunk }
+}
+
+fn persistent_tier(name: &SegmentName, layout: EngineLayout, buffers: &mut [Vec<u8>]) -> HostTier {
+    // SAFETY: the buffers outlive the tier and nothing else touches them while it copies.
+    let memory = unsafe { TensorMemory::new(&layout, &tensors_of(buffers)) }.unwrap();
+    let options = TierOptions { block_tokens: 16, layers: 2, persistent: true };
+    HostTier::create_with(name, layout, TierEngine::InProcess(memory), options).unwrap()
+}
+
+#[test]
+fn a_persistent_tier_left_behind_is_taken_over_with_its_bytes_and_keys() {
+    let name = name("persist");
+    let mut buffers: Vec<Vec<u8>> = (0..2)
+        .map(|tensor| (0..BLOCKS * PAGE).map(|i| (i * 5 + tensor * 17) as u8).collect())
+        .collect();
+    let original = buffers.clone();
+    let one_group = || layout(vec![vec![0, 1]]);
+    let mut tier = persistent_tier(&name, one_group(), &mut buffers);
+    assert!(!tier.restored());
+    // Blocks 0..4 into chunks 3 and 1 (two blocks each), chained: key 2 under key 1.
+    let keys = [stored(1, NO_PARENT), stored(2, 3)];
+    tier.submit_keyed(1, Direction::Store, &[0, 1, 2, 3], &[4], &[0], &[3, 1], &keys).unwrap();
+    // A store without keys still clears its chunk's slot: chunk 5 names no key.
+    tier.submit_keyed(2, Direction::Store, &[4, 5], &[2], &[0], &[5], &[]).unwrap();
+    let host_block = tier.host_block(3 * 2).unwrap();
+    drop(tier);
+
+    let mut entries = read_back(&name);
+    assert!(entries.is_empty(), "no segment to read once the tier is gone: {entries:?}");
+    for buffer in &mut buffers {
+        buffer.fill(0);
+    }
+    let mut tier = persistent_tier(&name, one_group(), &mut buffers);
+    assert!(tier.restored());
+    assert_eq!(tier.host_block(3 * 2).unwrap(), host_block);
+    entries = read_back(&name);
+    entries.sort_by_key(|entry| entry.seq);
+    assert_eq!(
+        entries.iter().map(|e| (e.chunk, e.key, e.parent.map(|p| p.0))).collect::<Vec<_>>(),
+        vec![(3, key(1), None), (1, key(2), Some(3))]
+    );
+    assert_eq!(entries[1].parent, Some((3, entries[0].seq)));
+    // The chunks load back what was stored.
+    tier.submit(3, Direction::Load, &[8, 9, 10, 11], &[4], &[0], &[3, 1]).unwrap();
+    for (tensor, buffer) in buffers.iter().enumerate() {
+        let page = |block: usize| &buffer[block * PAGE..(block + 1) * PAGE];
+        for (src, dst) in [(0, 8), (1, 9), (2, 10), (3, 11)] {
+            assert_eq!(page(dst), &original[tensor][src * PAGE..(src + 1) * PAGE]);
+        }
+    }
+    // Overwriting a chunk replaces its key; a tier of another shape starts empty.
+    tier.submit_keyed(4, Direction::Store, &[4, 5], &[2], &[0], &[3], &[stored(9, NO_PARENT)])
+        .unwrap();
+    let chunk_keys: Vec<_> = read_back(&name).iter().map(|e| (e.chunk, e.key)).collect();
+    assert!(chunk_keys.contains(&(3, key(9))) && chunk_keys.contains(&(1, key(2))));
+    drop(tier);
+    let mut wider = one_group();
+    wider.chunks = 7;
+    let tier = persistent_tier(&name, wider, &mut buffers);
+    assert!(!tier.restored());
+    assert!(kvshm::offload::read_tier_keys(&name, 7, 2).unwrap().is_empty());
+    drop(tier);
+    // Removes the host tier left behind: a plain segment made over the name, then dropped.
+    kvshm::service::Segment::create(&name, &Default::default()).map(drop).unwrap();
+}
+
+fn read_back(name: &SegmentName) -> Vec<kvshm::offload::TableEntry> {
+    kvshm::offload::read_tier_keys(name, 6, 2).unwrap_or_default()
 }

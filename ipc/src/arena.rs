@@ -150,6 +150,38 @@ impl Arena {
         Ok(Arena { memory, header })
     }
 
+    /// Takes over the `kind` arena of `rank` for segment `name` left by a creator that is gone,
+    /// bytes and all, if it holds exactly `blocks` blocks of `block_bytes` (its header then names
+    /// this process as creator); `Ok(None)` if there is none, and if it is of another shape or
+    /// cannot be read (it is removed then: the caller creates a new one).
+    pub fn adopt(
+        name: &SegmentName,
+        kind: ArenaKind,
+        rank: u32,
+        blocks: u64,
+        block_bytes: u64,
+    ) -> Result<Option<Arena>, ArenaError> {
+        let mut arena = match Arena::open(name, kind, rank) {
+            Ok(arena) => arena,
+            Err(ArenaError::Shm(ShmError::NotFound { .. })) => return Ok(None),
+            Err(_) => {
+                shm::unlink(&kind.object(name, rank))?;
+                return Ok(None);
+            }
+        };
+        if arena.header.blocks != blocks || arena.header.block_bytes != block_bytes {
+            drop(arena);
+            shm::unlink(&kind.object(name, rank))?;
+            return Ok(None);
+        }
+        arena.header.creator = ProcessIdentity::current();
+        // SAFETY: 1. the mapping holds a validated header at offset 0 (Arena::open), page-aligned;
+        // 2. a volatile store of a Pod: the arena's creator is gone, so the only other accesses
+        // are volatile copies by tools (kvctl), which validate what they read.
+        unsafe { arena.memory.as_ptr().cast::<ArenaHeader>().write_volatile(arena.header) };
+        Ok(Some(arena))
+    }
+
     /// Removes the `kind` arena of `rank` for segment `name`.
     pub fn unlink(name: &SegmentName, kind: ArenaKind, rank: u32) -> Result<(), ShmError> {
         shm::unlink(&kind.object(name, rank))

@@ -146,14 +146,31 @@ pub fn unlink(name: &SegmentName) -> Result<usize, ShmError> {
 /// Removes every data object of `name`; returns how many were removed. If another user owns any
 /// of them, nothing is removed and the error names it.
 pub(crate) fn unlink_data_objects(name: &SegmentName) -> Result<usize, ShmError> {
+    unlink_data_objects_but(name, false)
+}
+
+/// [`unlink_data_objects`], sparing the host tier arenas when `keep_host`.
+pub(crate) fn unlink_data_objects_but(
+    name: &SegmentName,
+    keep_host: bool,
+) -> Result<usize, ShmError> {
     check_all_ours(name, false)?;
     let mut removed = 0;
     for (parsed, _) in scan() {
-        if &parsed.segment == name && parsed.kind != ObjectKind::Control {
+        let spared = keep_host && matches!(parsed.kind, ObjectKind::HostTier { .. });
+        if &parsed.segment == name && parsed.kind != ObjectKind::Control && !spared {
             removed += usize::from(inspect::unlink_owned(&parsed.object())?);
         }
     }
     Ok(removed)
+}
+
+/// Removes a stale segment's control object and device arenas, keeping its host tier arenas for
+/// a creator that takes them over ([`crate::segment::Segment::create_keeping_host_tier`]).
+pub(crate) fn unlink_keeping_host(name: &SegmentName) -> Result<usize, ShmError> {
+    check_all_ours(name, true)?;
+    let removed = unlink_data_objects_but(name, true)?;
+    Ok(removed + usize::from(inspect::unlink_owned(&name.control_object())?))
 }
 
 /// Fails with [`ShmError::ForeignOwner`] naming the first object of `name` (data objects, and the

@@ -39,6 +39,7 @@ from kvshm._kvshm import (
     WorkerError,
     __version__,
     parse_cuda_handle,
+    read_tier_keys,
 )
 
 __all__ = [
@@ -71,4 +72,5 @@ __all__ = [
     "WorkerError",
     "__version__",
     "parse_cuda_handle",
+    "read_tier_keys",
 ]

@@ -283,6 +283,8 @@ class OffloadManager:
         """``None`` if it cannot store; else (indices to store, their chunks, evicted keys)."""
 
     def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None: ...
+    def restore(self, key: bytes, chunk: int, parent: bytes | None = None) -> None:
+        """Takes ``key`` back into ``chunk`` as stored (a persistent tier's keys at start)."""
     def on_request_finished(self, request: str, positions: Sequence[int] | None = None) -> None: ...
     def request_keys(self, request: str) -> list[bytes]: ...
     def take_events(self) -> list[tuple[bool, list[bytes]]]: ...
@@ -317,6 +319,7 @@ class HostTier:
         tensor_count: int | None = None,
         block_tokens: int = 1,
         layers: int = 1,
+        persistent: bool = False,
     ) -> None:
         """With ``tensors`` (2-D, one row per block) copies run in process; without, a
         ``kvshm worker --backend cuda`` process copies after ``publish_device_handles``.
@@ -331,6 +334,10 @@ class HostTier:
     def publish_device_handles(self, handles: list[tuple[bytes, int, int, int]]) -> None:
         """(CUDA IPC handle, offset of block 0, bytes, block stride) per tensor."""
 
+    @property
+    def restored(self) -> bool:
+        """This persistent tier took over the chunks and keys an earlier one left."""
+
     def submit_store(
         self,
         job: int,
@@ -338,6 +345,8 @@ class HostTier:
         group_sizes: IntegerBuffer,
         block_indices: IntegerBuffer,
         chunks: IntegerBuffer,
+        keys: Iterable[bytes] | None = None,
+        parents: IntegerBuffer | None = None,
     ) -> None: ...
     def submit_load(
         self,
@@ -385,6 +394,11 @@ class VllmManagerCore(OffloadManager):
     def on_request_finished(self, req_context: Any) -> None: ...  # type: ignore[override]
     def take_events(self) -> list[Any]: ...  # type: ignore[override]
     def reset_cache(self) -> None: ...
+
+def read_tier_keys(
+    name: str, chunks: int, blocks_per_chunk: int
+) -> list[tuple[int, bytes, int, int | None]]:
+    """``(chunk, key, seq, parent chunk)`` of a persistent host tier, oldest store first."""
 
 def parse_cuda_handle(handle: bytes) -> bytes:
     """The 64-byte ``cudaIpcMemHandle_t`` in ``storage._share_cuda_()[1]``; refuses expandable

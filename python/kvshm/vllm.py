@@ -18,7 +18,10 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
   never sees a failed transfer.
 
 Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
-``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``segment_name`` (prefix of
+``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``warm_restart`` (default
+true: with CPU tensors the host tier and a table of its keys outlive the engine, stopped or
+killed, and the next engine of the same model and layout starts with them); ``segment_name``
+(prefix of
 the per-rank segments ``<name>-r<rank>``; by default ``kvshm-vllm-<model>-<digest of the model,
 dtype and block layout>``, the same at every start); ``spawn_workers`` (default true: start the copy
 workers; false: start ``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda``
@@ -59,16 +62,32 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvshm._kvshm import ConfigError, HostTier, SegmentError, U32Array, VllmManagerCore
+from kvshm._kvshm import (
+    ConfigError,
+    HostTier,
+    SegmentError,
+    U32Array,
+    VllmManagerCore,
+    read_tier_keys,
+)
 from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport, logger
 from kvshm.cuda_tier import CudaHostTier
 
 
 class KvshmLoadStoreSpec(LoadStoreSpec):
-    """Chunks of kvshm's host tier, one per key, in key order."""
+    """Chunks of kvshm's host tier, one per key, in key order; a store's spec also names the
+    keys and their parents' chunks, which a persistent tier records for a warm restart. It
+    pickles: vLLM sends it to its worker processes."""
 
-    def __init__(self, chunks: U32Array) -> None:
+    def __init__(
+        self,
+        chunks: U32Array,
+        keys: list[bytes] | None = None,
+        parents: U32Array | None = None,
+    ) -> None:
         self.chunks = chunks
+        self.keys = keys
+        self.parents = parents
 
     @property
     def block_ids(self) -> np.ndarray:
@@ -154,6 +173,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
         worker_command: list[str] | None = None,
         block_tokens: int = 1,
         layers: int = 1,
+        persistent: bool = False,
     ) -> None:
         super().__init__()
         tensors = [entry.tensor for entry in kv_caches.tensors]
@@ -192,7 +212,10 @@ class KvshmOffloadingWorker(OffloadingWorker):
             tensors=views,
             block_tokens=block_tokens,
             layers=layers,
+            persistent=persistent,
         )
+        if self._tier.restored:
+            logger.info("kvshm: %s found its host tier of an earlier start", segment)
 
     @property
     def tier(self) -> HostTier:
@@ -202,6 +225,17 @@ class KvshmOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, KvshmLoadStoreSpec), dst_spec
+        if self._gpu is None and dst_spec.keys is not None:
+            self._tier.submit_store(
+                job_id,
+                src_spec.block_ids,
+                _int_list(src_spec.group_sizes),
+                _int_list(src_spec.block_indices),
+                dst_spec.chunks,
+                keys=dst_spec.keys,
+                parents=dst_spec.parents,
+            )
+            return True
         self._submit(job_id, True, src_spec, dst_spec.chunks)
         return True
 
@@ -271,6 +305,22 @@ def _segment_prefix(config: OffloadingConfig) -> str:
     return f"kvshm-vllm-{model[:24]}-{digest}"
 
 
+def _restore(
+    manager: KvshmOffloadingManager, segments: list[str], chunks: int, blocks_per_chunk: int
+) -> int:
+    """Takes back the keys every rank's persistent tier holds in the same chunk (oldest store
+    first, under their parents where those came back); how many came back."""
+    tables = [read_tier_keys(segment, chunks, blocks_per_chunk) for segment in segments]
+    held = [{chunk: key for chunk, key, _, _ in table} for table in tables[1:]]
+    by_chunk: dict[int, bytes] = {}
+    for chunk, key, _, parent in tables[0]:
+        if any(other.get(chunk) != key for other in held):
+            continue
+        manager.restore(key, chunk, by_chunk.get(parent) if parent is not None else None)
+        by_chunk[chunk] = key
+    return len(by_chunk)
+
+
 class KvshmOffloadingSpec(OffloadingSpec):
     """vLLM's ``OffloadingSpec`` for kvshm: a Rust manager and shared-memory host tiers."""
 
@@ -302,6 +352,7 @@ class KvshmOffloadingSpec(OffloadingSpec):
         self.eviction = str(extra.get("eviction", "leaf_first"))
         self.segment_prefix = _segment_prefix(config)
         self.spawn_workers = bool(extra.get("spawn_workers", True))
+        self.warm_restart = bool(extra.get("warm_restart", True))
         self._manager: KvshmOffloadingManager | None = None
         self._worker: KvshmOffloadingWorker | None = None
 
@@ -321,9 +372,13 @@ class KvshmOffloadingSpec(OffloadingSpec):
             segments = [self.segment(rank) for rank in range(world)]
             blocks = int(self.blocks_per_chunk)
             try:
+                if self.warm_restart:
+                    restored = _restore(manager, segments, self.num_chunks, blocks)
+                    if restored:
+                        logger.info("kvshm: %d keys back from the host tier", restored)
                 manager.publish_to(segments, blocks, blocks * self.tokens_per_block[0])
             except SegmentError as error:
-                logger.info("kvshm: the manager's figures go to vLLM's metrics only: %s", error)
+                logger.info("kvshm: no host tier segments to read or publish to: %s", error)
             self._manager = manager
         return self._manager
 
@@ -338,5 +393,6 @@ class KvshmOffloadingSpec(OffloadingSpec):
                 spawn_workers=self.spawn_workers,
                 block_tokens=int(self.tokens_per_block[0]),
                 layers=len(layers),
+                persistent=self.warm_restart,
             )
         return self._worker

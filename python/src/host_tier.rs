@@ -7,15 +7,16 @@ use std::time::Duration;
 
 use kvshm::offload::tensor_memory::TensorMemory;
 use kvshm::offload::transfer::{Direction, EngineLayout};
-use kvshm::offload::{HostTier as RustHostTier, HostTierError, TierEngine, TierLabels};
+use kvshm::offload::{HostTier as RustHostTier, HostTierError, StoredKey, TierEngine, TierOptions};
 use kvshm::service::{Backend, DeviceRegionHandle, CUDA_IPC_HANDLE_BYTES};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::buffers::read_i64s;
+use crate::buffers::{read_i64s, read_u32s};
 use crate::errors::{ConfigError, DeviceHandleError, OffloadError, SegmentError, ToPyErr};
+use crate::offload::keys_into;
 use crate::service::segment_name;
 use crate::waiting::{self, wait_unlocked};
 
@@ -46,7 +47,10 @@ fn tier_error(error: HostTierError) -> PyErr {
         HostTierError::Plan(_) | HostTierError::Copy(_) | HostTierError::DuplicateJob { .. } => {
             OffloadError::new_err(message)
         }
-        HostTierError::PartialGroup { .. } => ConfigError::new_err(message),
+        HostTierError::PartialGroup { .. } | HostTierError::KeyCount { .. } => {
+            ConfigError::new_err(message)
+        }
+        HostTierError::Attach(_) => SegmentError::new_err(message),
         HostTierError::NoWorkers | HostTierError::DeviceHandles(_) => {
             DeviceHandleError::new_err(message)
         }
@@ -62,10 +66,11 @@ impl HostTier {
     /// --backend cuda` process copies after `publish_device_handles`.
     #[new]
     /// `block_tokens` and `layers` (the engine's tokens per block and model layers) go into the
-    /// segment header for tools.
+    /// segment header for tools. A `persistent` tier keeps its chunks and their keys when it
+    /// closes or its process dies, for the next tier of its name and shape (`restored`).
     #[pyo3(signature = (
         name, *, page_bytes, device_blocks, chunks, blocks_per_chunk, groups, tensors=None,
-        tensor_count=None, block_tokens=1, layers=1
+        tensor_count=None, block_tokens=1, layers=1, persistent=false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -80,6 +85,7 @@ impl HostTier {
         tensor_count: Option<u32>,
         block_tokens: u32,
         layers: u32,
+        persistent: bool,
     ) -> PyResult<HostTier> {
         let name = segment_name(name)?;
         let buffers = tensors
@@ -117,9 +123,9 @@ impl HostTier {
                 .map_err(|error| tier_error(error.into()))?;
             TierEngine::InProcess(memory)
         };
-        let labels = TierLabels { block_tokens, layers };
+        let options = TierOptions { block_tokens, layers, persistent };
         let tier = py
-            .detach(|| RustHostTier::create_labelled(&name, layout, engine, labels))
+            .detach(|| RustHostTier::create_with(&name, layout, engine, options))
             .map_err(tier_error)?;
         Ok(HostTier { inner: Mutex::new(Some(tier)), tensors: Mutex::new(buffers) })
     }
@@ -159,7 +165,11 @@ impl HostTier {
         open_tier(&mut self.lock(py))?.publish_device_handles(&handles).map_err(tier_error)
     }
 
-    /// Copies device blocks into host chunks (vLLM `submit_store`).
+    /// Copies device blocks into host chunks (vLLM `submit_store`). A persistent tier records
+    /// `keys` (one per chunk) and `parents` (each key's parent chunk, 2**32-1 for none) in its
+    /// key table once the copy succeeded.
+    #[pyo3(signature = (job, device, group_sizes, block_indices, chunks, keys=None, parents=None))]
+    #[allow(clippy::too_many_arguments)]
     fn submit_store(
         &self,
         py: Python<'_>,
@@ -168,8 +178,37 @@ impl HostTier {
         group_sizes: &Bound<'_, PyAny>,
         block_indices: &Bound<'_, PyAny>,
         chunks: &Bound<'_, PyAny>,
+        keys: Option<&Bound<'_, PyAny>>,
+        parents: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        self.submit(py, job, Direction::Store, [device, group_sizes, block_indices, chunks])
+        let stored = match (keys, parents) {
+            (None, None) => Vec::new(),
+            (Some(keys), Some(parents)) => {
+                let mut read = Vec::new();
+                keys_into(keys, &mut read)?;
+                let parents = read_u32s(parents)?;
+                if parents.len() != read.len() {
+                    return Err(ConfigError::new_err(format!(
+                        "{} parents for {} keys",
+                        parents.len(),
+                        read.len()
+                    )));
+                }
+                read.into_iter()
+                    .zip(parents)
+                    .map(|(key, parent_chunk)| StoredKey { key, parent_chunk })
+                    .collect()
+            }
+            _ => return Err(ConfigError::new_err("give keys and parents together")),
+        };
+        let spec = [device, group_sizes, block_indices, chunks];
+        self.submit_keyed(py, job, Direction::Store, spec, &stored)
+    }
+
+    /// Whether this persistent tier took over the chunks and keys an earlier one left.
+    #[getter]
+    fn restored(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(open_tier(&mut self.lock(py))?.restored())
     }
 
     /// Copies host chunks into device blocks (vLLM `submit_load`).
@@ -229,11 +268,23 @@ impl HostTier {
         direction: Direction,
         spec: [&Bound<'_, PyAny>; 4],
     ) -> PyResult<()> {
+        self.submit_keyed(py, job, direction, spec, &[])
+    }
+
+    fn submit_keyed(
+        &self,
+        py: Python<'_>,
+        job: u64,
+        direction: Direction,
+        spec: [&Bound<'_, PyAny>; 4],
+        keys: &[StoredKey],
+    ) -> PyResult<()> {
         let [device, sizes, indices, chunks] = spec.map(read_i64s);
         let (device, sizes, indices, chunks) = (device?, sizes?, indices?, chunks?);
         let mut guard = self.lock(py);
         let tier = open_tier(&mut guard)?;
-        tier.submit(job, direction, &device, &sizes, &indices, &chunks).map_err(tier_error)
+        tier.submit_keyed(job, direction, &device, &sizes, &indices, &chunks, keys)
+            .map_err(tier_error)
     }
 }
 
@@ -270,6 +321,36 @@ fn describe_tensor(
         }
         _ => Err(refuse("expected rows of contiguous bytes (a 2-D array, or a 1-D buffer)")),
     }
+}
+
+/// `[(chunk, key, seq, parent chunk or None)]` of the persistent host tier `name` (`chunks` of
+/// `blocks_per_chunk` blocks), oldest store first: what an engine's manager takes back at start.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub fn read_tier_keys<'py>(
+    py: Python<'py>,
+    name: &str,
+    chunks: u32,
+    blocks_per_chunk: u32,
+) -> PyResult<Vec<(u32, Bound<'py, PyBytes>, u64, Option<u32>)>> {
+    let name = segment_name(name)?;
+    let mut entries = py
+        .detach(|| kvshm::offload::read_tier_keys(&name, chunks, blocks_per_chunk))
+        .map_err(tier_error)?;
+    entries.sort_by_key(|entry| entry.seq);
+    let seqs: std::collections::HashMap<u32, u64> =
+        entries.iter().map(|entry| (entry.chunk, entry.seq)).collect();
+    Ok(entries
+        .iter()
+        .map(|entry| {
+            // The parent's slot must still be the one the key was chained under.
+            let parent = entry
+                .parent
+                .filter(|(chunk, seq)| seqs.get(chunk) == Some(seq))
+                .map(|(chunk, _)| chunk);
+            (entry.chunk, PyBytes::new(py, entry.key.as_bytes()), entry.seq, parent)
+        })
+        .collect())
 }
 
 /// The 64-byte `cudaIpcMemHandle_t` in the handle bytes of `storage._share_cuda_()[1]`;

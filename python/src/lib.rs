@@ -34,6 +34,7 @@ fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<host_tier::HostTier>()?;
     module.add_class::<vllm::VllmManagerCore>()?;
     module.add_function(wrap_pyfunction!(host_tier::parse_cuda_handle, module)?)?;
+    module.add_function(wrap_pyfunction!(host_tier::read_tier_keys, module)?)?;
     module.add_class::<buffers::U32Array>()?;
     module.add_class::<buffers::BlockHashes>()?;
     module.add_function(wrap_pyfunction!(cli::run_worker, module)?)?;

@@ -154,6 +154,19 @@ impl OffloadManager {
         )))
     }
 
+    /// Takes `key` back into `chunk` as stored and loadable, under `parent` if cached (keys a
+    /// persistent host tier kept across a restart, oldest first).
+    #[pyo3(signature = (key, chunk, parent=None))]
+    fn restore(
+        &mut self,
+        key: &Bound<'_, PyAny>,
+        chunk: u32,
+        parent: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let parent = parent.map(key_of).transpose()?;
+        self.inner.restore(key_of(key)?, chunk, parent.as_ref()).py_err()
+    }
+
     #[pyo3(signature = (keys, success=true))]
     fn complete_store(&mut self, keys: &Bound<'_, PyAny>, success: bool) -> PyResult<()> {
         keys_into(keys, &mut self.keys)?;

@@ -84,8 +84,8 @@ fn request_id<'py>(context: &Bound<'py, PyAny>) -> PyResult<Bound<'py, pyo3::typ
 #[pymethods]
 impl VllmManagerCore {
     /// `vllm_types`: `(lookup results (MISS, HIT, HIT_PENDING), PrepareStoreOutput, the spec
-    /// class (built from a U32Array of chunks), OffloadingEvent, Medium.CPU,
-    /// RequestOffloadingContext)`.
+    /// class (built from a U32Array of chunks, and for stores the keys and a U32Array of their
+    /// parents' chunks), OffloadingEvent, Medium.CPU, RequestOffloadingContext)`.
     #[new]
     #[pyo3(signature = (chunks, *, vllm_types, eviction="leaf_first", events=false, tag_bytes=4))]
     fn new(
@@ -210,23 +210,29 @@ impl VllmManagerCore {
             Err(_) => PyList::new(py, keys.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
         };
         let request = request_id(req_context)?;
-        let (to_store, chunks, evicted) = {
+        let (to_store, chunks, parents, evicted) = {
             let base: &mut OffloadManager = &mut *slf.as_super();
             keys_into(offered.as_any(), &mut base.keys)?;
             if !base.inner.prepare_store(request.to_str()?, &base.keys, &mut base.prepared) {
                 return Ok(py.None());
             }
             let to_store = PyList::empty(py);
+            // Each stored key's parent chunk, for a persistent tier's key table.
+            let mut parents = Vec::with_capacity(base.prepared.to_store.len());
             for &index in &base.prepared.to_store {
                 to_store.append(offered.get_item(index as usize)?)?;
+                let key = &base.keys[index as usize];
+                let parent = base.inner.parent_of(key).and_then(|p| base.inner.chunk_of(&p));
+                parents.push(parent.unwrap_or(u32::MAX));
             }
             let evicted = PyList::empty(py);
             for key in &base.prepared.evicted {
                 evicted.append(PyBytes::new(py, key.as_bytes()))?;
             }
-            (to_store, Py::new(py, U32Array::new(base.prepared.chunks.as_slice()))?, evicted)
+            let chunks = Py::new(py, U32Array::new(base.prepared.chunks.as_slice()))?;
+            (to_store, chunks, Py::new(py, U32Array::new(parents))?, evicted)
         };
-        let spec = slf.types.load_store_spec.call1(py, (chunks,))?;
+        let spec = slf.types.load_store_spec.call1(py, (chunks, to_store.clone(), parents))?;
         let arguments = PyDict::new(py);
         arguments.set_item(intern!(py, "keys_to_store"), to_store)?;
         arguments.set_item(intern!(py, "store_spec"), spec)?;

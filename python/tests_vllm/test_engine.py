@@ -14,9 +14,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -43,6 +44,28 @@ def load_engine() -> ModuleType:
 
 
 engine = load_engine()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def remove_tiers_left_behind() -> Iterator[None]:
+    """The engines' host tiers outlive them (warm restart): remove this module's at its end."""
+    yield
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvshm", "kvctl", "ls", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    ours = (f"pyv-offline-{os.getpid()}-", f"pyv-serve-{os.getpid()}-", "kvshm-vllm-tiny-llama-")
+    names = {
+        row["name"] for row in json.loads(listed.stdout)["segments"] if row["name"].startswith(ours)
+    }
+    if names:
+        subprocess.run(
+            [sys.executable, "-m", "kvshm", "kvctl", "cleanup", *sorted(names)],
+            check=True,
+            capture_output=True,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +110,6 @@ def offline(model: str, workload: list[list[int]], tmp: Path, *options: str) -> 
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def check_counts(hit_tokens: int, metrics: dict[str, float], kvctl: dict[str, Any]) -> None:
@@ -150,7 +167,7 @@ def test_the_openai_server_gives_identical_outputs_and_counts_kvshm_hits_alike(
     runs = []
     segment = f"pyv-serve-{os.getpid()}"
     for kvshm in (None, engine.kv_transfer_config(segment, TIER_CHUNKS)):
-        port = free_port()
+        port = engine.free_port()
         command = engine.serve_command(
             model, port, blocks=VLLM_BLOCKS, max_model_len=MAX_MODEL_LEN, kvshm=kvshm
         )
@@ -172,4 +189,97 @@ def test_the_openai_server_gives_identical_outputs_and_counts_kvshm_hits_alike(
     print(
         "serve:",
         json.dumps({"identical": len(answers), "requests": len(answers), "kvshm_hit_tokens": hits}),
+    )
+
+
+def held_offline(model: str, workload: list[list[int]], tmp: Path) -> dict[str, Any]:
+    """``offline`` with kvshm, then every process of the engine killed with SIGKILL while it
+    is up (a crash: nothing of kvshm's closes)."""
+    path = tmp / "held-workload.json"
+    path.write_text(json.dumps(workload))
+    out = tmp / "held.json"
+    command = [
+        sys.executable,
+        str(REPOSITORY / "benches" / "vllm_engine.py"),
+        "offline",
+        "--model",
+        model,
+        "--workload",
+        str(path),
+        "--out",
+        str(out),
+        "--blocks",
+        str(VLLM_BLOCKS),
+        "--chunks",
+        str(TIER_CHUNKS),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--kvshm",
+        "--hold",
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.strip() == b"held":
+                break
+        assert out.exists(), "the engine ended before it held"
+        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return json.loads(out.read_text())
+
+
+def test_a_restarted_engine_serves_hits_from_the_tier_it_left_stopped_or_killed(
+    model: str, workload: list[list[int]], tmp_path: Path
+) -> None:
+    """kvshm's default segment name and warm restart: an engine stopped, and one whose
+    processes were all SIGKILLed, leave their host tier; the next engine of the same model and
+    layout serves its first requests from it; one of another tier size starts afresh."""
+    first_round = workload[:CONVERSATIONS]
+    stopped = offline(model, first_round, tmp_path, "--kvshm")
+    expected = [request["tokens"] for request in stopped["requests"]]
+    assert stopped["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    full_blocks = sum(len(prompt) // engine.BLOCK_TOKENS for prompt in first_round)
+
+    # Stopped: the next engine finds every block of the round, from its first request on.
+    restarted = offline(model, first_round, tmp_path, "--kvshm")
+    assert [request["tokens"] for request in restarted["requests"]] == expected
+    hits = [request["cached_tokens"] for request in restarted["requests"]]
+    assert hits[0] > 0
+    assert restarted["metrics"]["vllm:external_prefix_cache_hits"] == sum(hits)
+    assert restarted["metrics"].get("vllm:kv_offload_kvshm_keys_stored", 0) == 0
+    # Each prompt is served but its last token; blocks wholly before it come from the tier.
+    assert sum(hits) == sum(
+        (len(prompt) - 1) // engine.BLOCK_TOKENS * engine.BLOCK_TOKENS for prompt in first_round
+    )
+
+    # Killed: the same, from the tier a crashed engine left.
+    killed = held_offline(model, first_round, tmp_path)
+    assert [request["tokens"] for request in killed["requests"]] == expected
+    after_kill = offline(model, first_round, tmp_path, "--kvshm")
+    assert [request["tokens"] for request in after_kill["requests"]] == expected
+    assert after_kill["requests"][0]["cached_tokens"] > 0
+    assert after_kill["metrics"]["vllm:external_prefix_cache_hits"] == sum(hits)
+
+    # Another tier size meets the tier: it starts afresh, and outputs stay the same.
+    resized = offline(model, first_round, tmp_path, "--kvshm", "--chunks", str(full_blocks + 8))
+    assert [request["tokens"] for request in resized["requests"]] == expected
+    assert resized["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    print(
+        "restart:",
+        json.dumps(
+            {
+                "requests": len(first_round),
+                "hit_tokens_after_stop": sum(hits),
+                "hit_tokens_after_kill": after_kill["metrics"]["vllm:external_prefix_cache_hits"],
+                "first_request_hit_tokens": hits[0],
+            }
+        ),
     )

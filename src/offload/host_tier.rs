@@ -24,6 +24,8 @@ use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle};
 use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
 
+use super::key::OffloadKey;
+use super::key_table::{self, KeyTable, TableEntry};
 use super::tensor_memory::{CopyError, TensorMemory};
 use super::transfer::{Direction, EngineLayout, PlanError};
 use crate::manager::{CacheConfig, TransferKind};
@@ -66,6 +68,10 @@ pub enum HostTierError {
     DuplicateJob { job: u64 },
     #[error("the tensors are in this process; there are no device handles to publish")]
     NoWorkers,
+    #[error("{keys} keys for a store of {chunks} chunks")]
+    KeyCount { keys: usize, chunks: usize },
+    #[error("reading the host tier's keys: {0}")]
+    Attach(#[from] kvshm_ipc::segment::AttachError),
 }
 
 /// How one job ended.
@@ -79,20 +85,33 @@ pub struct JobResult {
     pub seconds: f64,
 }
 
-/// What the segment header says of the engine beyond the copy layout, for tools (`kvctl stat`).
+/// How a tier is made beyond its copy layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TierLabels {
-    /// Tokens of one device block.
+pub struct TierOptions {
+    /// Tokens of one device block (the segment header's, for `kvctl stat`).
     pub block_tokens: u32,
     /// Model layers whose KV the tensors hold; the header's `layers` when it divides the tensor
     /// count (the header's rule), else 1.
     pub layers: u32,
+    /// Keep the tier's chunks and a [`KeyTable`] of their keys across engine restarts: the
+    /// arena outlives the tier (a clean close and a crash alike), and the next tier of the same
+    /// name and shape takes it over ([`HostTier::restored`]).
+    pub persistent: bool,
 }
 
-impl Default for TierLabels {
+impl Default for TierOptions {
     fn default() -> Self {
-        TierLabels { block_tokens: 1, layers: 1 }
+        TierOptions { block_tokens: 1, layers: 1, persistent: false }
     }
+}
+
+/// A store's key for one chunk, written to the [`KeyTable`] of a persistent tier once the
+/// chunk's copy succeeded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoredKey {
+    pub key: OffloadKey,
+    /// The chunk of the key it is chained under, or [`key_table::NO_PARENT`].
+    pub parent_chunk: u32,
 }
 
 /// What the tier copied, published as the segment's counters.
@@ -122,6 +141,10 @@ pub struct HostTier {
     /// Per job handed to the worker: its direction and blocks, counted when it ends.
     job_blocks: HashMap<DirectCopyId, (Direction, u64)>,
     totals: CopyTotals,
+    /// A persistent tier's table, and the keys of each store job in flight to a worker.
+    table: Option<KeyTable>,
+    job_keys: HashMap<DirectCopyId, Vec<(u32, StoredKey)>>,
+    restored: bool,
 }
 
 impl HostTier {
@@ -132,15 +155,15 @@ impl HostTier {
         layout: EngineLayout,
         engine: TierEngine,
     ) -> Result<HostTier, HostTierError> {
-        HostTier::create_labelled(name, layout, engine, TierLabels::default())
+        HostTier::create_with(name, layout, engine, TierOptions::default())
     }
 
-    /// [`create`](Self::create), with the engine's block size and layer count in the header.
-    pub fn create_labelled(
+    /// [`create`](Self::create), with [`TierOptions`].
+    pub fn create_with(
         name: &SegmentName,
         layout: EngineLayout,
         engine: TierEngine,
-        labels: TierLabels,
+        labels: TierOptions,
     ) -> Result<HostTier, HostTierError> {
         layout.validate()?;
         if let TierEngine::Workers(_) = engine {
@@ -162,8 +185,20 @@ impl HostTier {
         } else {
             1
         };
+        let table_blocks = if labels.persistent {
+            KeyTable::blocks(layout.chunks, layout.host_block_bytes())
+        } else {
+            0
+        };
+        let host_blocks =
+            u32::try_from(u64::from(layout.host_blocks()?) + table_blocks).map_err(|_| {
+                PlanError::TooManyHostBlocks {
+                    chunks: layout.chunks,
+                    blocks_per_chunk: layout.blocks_per_chunk,
+                }
+            })?;
         let cache = CacheConfig::new(labels.block_tokens.max(1), layout.device_blocks)
-            .with_host_blocks(layout.host_blocks()?);
+            .with_host_blocks(host_blocks);
         let mut config = ServiceConfig::new(cache, 1, layers, layout.tensors, layout.page_bytes);
         config.backend = match engine {
             // The device tier is the engine's own memory, never an arena of the segment.
@@ -173,8 +208,16 @@ impl HostTier {
         config.layerwise = false;
         config.engine_tier = true;
         config.copies_in_engine = matches!(engine, TierEngine::InProcess(_));
-        let service = Service::create(name, config)?;
+        config.keep_host_tier = labels.persistent;
+        let mut service = Service::create(name, config)?;
         let host = service.segment().open_arena(ArenaKind::Host, 0)?;
+        let (table, restored) = if labels.persistent {
+            service.keep_host_tier_on_drop();
+            let (table, kept) = KeyTable::open(&host, &layout, service.host_tier_kept(0))?;
+            (Some(table), kept)
+        } else {
+            (None, false)
+        };
         let tier = HostTier {
             layout,
             service,
@@ -185,6 +228,9 @@ impl HostTier {
             outcomes: Vec::new(),
             job_blocks: HashMap::new(),
             totals: CopyTotals::default(),
+            table,
+            job_keys: HashMap::new(),
+            restored,
         };
         let counters = tier.service.segment().counters();
         counters.set(Counter::DeviceBlocksTotal, u64::from(tier.layout.device_blocks));
@@ -196,6 +242,13 @@ impl HostTier {
     /// What the tier copied so far.
     pub fn totals(&self) -> CopyTotals {
         self.totals
+    }
+
+    /// Whether this persistent tier took over the chunks and key table an earlier tier of its
+    /// name and shape left (the engine's manager then reads the keys back with
+    /// [`read_tier_keys`]).
+    pub fn restored(&self) -> bool {
+        self.restored
     }
 
     /// Stores [`CopyTotals`] in the segment's counters (`kvctl stat`): blocks loaded as swaps
@@ -276,17 +329,50 @@ impl HostTier {
         block_indices: &[i64],
         chunks: &[i64],
     ) -> Result<(), HostTierError> {
+        self.submit_keyed(job, direction, device, group_sizes, block_indices, chunks, &[])
+    }
+
+    /// [`submit`](Self::submit), with a store's keys, one per chunk in `chunks` order (or none):
+    /// a persistent tier writes them into its key table once the copy succeeded. A store on a
+    /// persistent tier always clears its chunks' slots first, keys or not.
+    #[allow(clippy::too_many_arguments)]
+    pub fn submit_keyed(
+        &mut self,
+        job: u64,
+        direction: Direction,
+        device: &[i64],
+        group_sizes: &[i64],
+        block_indices: &[i64],
+        chunks: &[i64],
+        keys: &[StoredKey],
+    ) -> Result<(), HostTierError> {
         if self.jobs.values().any(|&(pending, _)| pending == job) {
             return Err(HostTierError::DuplicateJob { job });
+        }
+        if !keys.is_empty() && keys.len() != chunks.len() {
+            return Err(HostTierError::KeyCount { keys: keys.len(), chunks: chunks.len() });
         }
         let started = Instant::now();
         let copies = self.layout.plan(direction, device, group_sizes, block_indices, chunks)?;
         let blocks = copies.iter().map(|copy| copy.pairs.len() as u64).sum();
+        // The plan checked every chunk id against the tier.
+        let chunk_ids = chunks.iter().map(|&chunk| chunk as u32);
+        let stored: Vec<(u32, StoredKey)> = chunk_ids.clone().zip(keys.iter().copied()).collect();
+        if let (Some(table), Direction::Store) = (&self.table, direction) {
+            for chunk in chunk_ids {
+                table.clear(&self.host, chunk)?;
+            }
+        }
         match &self.engine {
             TierEngine::InProcess(memory) => {
                 let mut bytes = 0;
                 for copy in &copies {
                     bytes += memory.copy(&self.layout, &self.host, direction, copy)?;
+                }
+                if let Some(table) = &mut self.table {
+                    for (chunk, stored) in &stored {
+                        table.write(&self.host, *chunk, &stored.key, stored.parent_chunk)?;
+                    }
                 }
                 let elapsed = started.elapsed();
                 self.totals.copy_ns += u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
@@ -304,6 +390,9 @@ impl HostTier {
                 let id = self.service.submit_direct_copy(kind, pairs);
                 self.jobs.insert(id, (job, started));
                 self.job_blocks.insert(id, (direction, blocks));
+                if self.table.is_some() && !stored.is_empty() {
+                    self.job_keys.insert(id, stored);
+                }
                 self.collect();
             }
         }
@@ -378,6 +467,13 @@ impl HostTier {
             if let Some((direction, blocks)) = self.job_blocks.remove(&outcome.id) {
                 self.count_job(direction, blocks, outcome.bytes, success);
             }
+            let keys = self.job_keys.remove(&outcome.id);
+            if let (Some(table), Some(keys), true) = (&mut self.table, keys, success) {
+                for (chunk, stored) in keys {
+                    // A table write that fails leaves the slot cleared: a miss after a restart.
+                    let _ = table.write(&self.host, chunk, &stored.key, stored.parent_chunk);
+                }
+            }
             self.finished.push(JobResult {
                 job,
                 success,
@@ -389,4 +485,22 @@ impl HostTier {
         // After the service's poll, which publishes only its own counters on an engine tier.
         self.publish_totals();
     }
+}
+
+/// The keys a persistent tier `name` of `chunks` chunks of `blocks_per_chunk` blocks holds, read
+/// from its key table (for the engine's manager, in another process, after the tier was made):
+/// empty when the segment has no such table.
+pub fn read_tier_keys(
+    name: &SegmentName,
+    chunks: u32,
+    blocks_per_chunk: u32,
+) -> Result<Vec<TableEntry>, HostTierError> {
+    let segment = crate::service::Segment::attach(name)?;
+    let host = segment.open_arena(ArenaKind::Host, 0)?;
+    let offset = u64::from(chunks) * u64::from(blocks_per_chunk) * host.block_bytes();
+    let table_end = offset + KeyTable::bytes(chunks);
+    if table_end > host.data_len() as u64 {
+        return Ok(Vec::new());
+    }
+    Ok(key_table::read_entries(&host, offset as usize, chunks)?)
 }

@@ -85,6 +85,10 @@ pub enum OffloadError {
     NotReady { key: OffloadKey },
     #[error("{key:?} has no load in progress to complete")]
     NotPinned { key: OffloadKey },
+    #[error("{key:?} is in the host tier already")]
+    AlreadyCached { key: OffloadKey },
+    #[error("chunk {chunk} is outside the tier or holds a key already")]
+    ChunkTaken { chunk: u32 },
     #[error("{given} positions given for the {keys} keys request {request:?} presented")]
     PositionCount { request: String, given: usize, keys: usize },
 }
@@ -145,6 +149,8 @@ pub struct OffloadStats {
     pub keys_loaded: u64,
     pub evictions: u64,
     pub resets: u64,
+    /// Keys taken back from a persistent tier at start ([`OffloadManager::restore`]).
+    pub keys_restored: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -455,6 +461,30 @@ impl OffloadManager {
         }
         self.stats.keys_stored += out.to_store.len() as u64;
         true
+    }
+
+    /// Takes `key` back into `chunk` as stored and loadable, chained under `parent` if that is
+    /// cached (a persistent host tier that outlived its manager: restore older keys first, so
+    /// that the newest end up the most recent). Refused, changing nothing, when the key is
+    /// cached or the chunk is not free.
+    pub fn restore(
+        &mut self,
+        key: OffloadKey,
+        chunk: u32,
+        parent: Option<&OffloadKey>,
+    ) -> Result<(), OffloadError> {
+        if self.find(&key).is_some() {
+            return Err(OffloadError::AlreadyCached { key });
+        }
+        self.pool.take(chunk).map_err(|_| OffloadError::ChunkTaken { chunk })?;
+        let parent = parent.and_then(|parent| self.find(parent)).unwrap_or(NONE);
+        self.insert(key, chunk, parent);
+        let id = self.find(&key).expect("inserted just above");
+        self.storing -= 1;
+        self.entries[id as usize].ready = true;
+        self.offer_candidate(id);
+        self.stats.keys_restored += 1;
+        Ok(())
     }
 
     /// Makes stored keys loadable (`success`), or drops the keys whose store failed. Keys not

@@ -10,6 +10,7 @@
 //!   shared-memory host tier.
 //! - [`host_tier`]: [`HostTier`], one rank's host tier segment and its jobs (in process, or by
 //!   a `kvshm worker` process over CUDA IPC handles, surviving its crashes).
+//! - [`key_table`]: which key each chunk of a persistent host tier holds, for warm restarts.
 //! - [`torch_ipc`]: reading the CUDA IPC handle bytes PyTorch exports for a tensor.
 //!
 //! One key's path: the engine's scheduler asks [`OffloadManager::lookup`]; a miss is computed on
@@ -21,13 +22,18 @@
 pub mod candidates;
 pub mod host_tier;
 pub mod key;
+pub mod key_table;
 pub mod manager;
 pub mod tensor_memory;
 pub mod torch_ipc;
 pub mod transfer;
 
-pub use host_tier::{CopyTotals, HostTier, HostTierError, JobResult, TierEngine, TierLabels};
+pub use host_tier::{
+    read_tier_keys, CopyTotals, HostTier, HostTierError, JobResult, StoredKey, TierEngine,
+    TierOptions,
+};
 pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
+pub use key_table::{KeyTable, TableEntry};
 pub use manager::{
     EvictionOrder, LookupResult, OffloadConfig, OffloadError, OffloadEvent, OffloadManager,
     OffloadStats, PreparedStore,

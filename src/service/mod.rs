@@ -112,6 +112,9 @@ pub struct ServiceConfig {
     pub engine_tier: bool,
     /// The engine's process copies blocks itself (no worker attaches); the header says so.
     pub copies_in_engine: bool,
+    /// Take over the host tier arenas a gone creator of the name left, bytes and all
+    /// ([`Segment::create_keeping_host_tier`]); [`Service::host_tier_kept`] says if it did.
+    pub keep_host_tier: bool,
 }
 
 impl ServiceConfig {
@@ -138,6 +141,7 @@ impl ServiceConfig {
             storage_backoff: DEFAULT_TIER_BACKOFF,
             engine_tier: false,
             copies_in_engine: false,
+            keep_host_tier: false,
         }
     }
 
@@ -284,6 +288,8 @@ pub struct Service {
     layerwise: bool,
     /// `ServiceConfig::engine_tier`: publish only the service's own counters.
     engine_tier: bool,
+    /// Per rank, whether creation took over a host tier left by a gone creator.
+    host_tier_kept: Vec<bool>,
     max_pairs_per_command: usize,
     /// The most blocks one STORE or LOAD carries: 32 (the result bits), and bounded as a copy is
     /// (half a ring, one slot per block; `max_command_bytes` of each rank's bytes).
@@ -322,7 +328,11 @@ impl Service {
         config.storage_backoff.validate()?;
         // The segment before the manager: creating it checks every size and backs the arenas (a
         // size /dev/shm cannot hold fails here), before the pools are allocated for those blocks.
-        let segment = Segment::create(name, &config.segment_config())?;
+        let (segment, host_tier_kept) = if config.keep_host_tier {
+            Segment::create_keeping_host_tier(name, &config.segment_config())?
+        } else {
+            (Segment::create(name, &config.segment_config())?, Vec::new())
+        };
         let manager = CacheManager::new(config.cache.clone())?;
         let ranks = (0..config.tp_size)
             .map(|rank| RankChannel::open(&segment, rank))
@@ -385,6 +395,7 @@ impl Service {
             tier_backoff: config.storage_backoff,
             tier_watch: tier_probe::TierWatch::default(),
             engine_tier: config.engine_tier,
+            host_tier_kept,
         };
         service.publish_counters();
         Ok(service)
@@ -392,6 +403,18 @@ impl Service {
 
     pub fn segment(&self) -> &Segment {
         &self.segment
+    }
+
+    /// Whether `rank`'s host tier was taken over at creation, bytes and all
+    /// (`ServiceConfig::keep_host_tier`).
+    pub fn host_tier_kept(&self, rank: u32) -> bool {
+        self.host_tier_kept.get(rank as usize).copied().unwrap_or(false)
+    }
+
+    /// Leaves the host tier arenas behind when the service drops, for the next creator of the
+    /// name that keeps host tiers (the rest of the segment goes).
+    pub fn keep_host_tier_on_drop(&mut self) {
+        self.segment.keep_host_tier_on_drop();
     }
 
     /// The cache manager, read-only: lookup, stats, tree, invariants.

@@ -114,6 +114,7 @@ pub(super) fn create_control_object(
     name: &SegmentName,
     object: &str,
     len: usize,
+    keep_host: bool,
 ) -> Result<SharedMemory, CreateError> {
     for _ in 0..CREATE_ATTEMPTS {
         match SharedMemory::create(object, len) {
@@ -125,7 +126,11 @@ pub(super) fn create_control_object(
                 }
                 ExistingSegment::Stale => {
                     tracing::info!(segment = %name, "removing stale segment before creating it anew");
-                    listing::unlink(name)?;
+                    if keep_host {
+                        listing::unlink_keeping_host(name)?;
+                    } else {
+                        listing::unlink(name)?;
+                    }
                 }
                 ExistingSegment::Gone => {}
             },
@@ -136,13 +141,18 @@ pub(super) fn create_control_object(
 }
 
 /// Step 3 of creation: the data arenas, after removing orphans of the name (we hold the control
-/// object, so any data object of the name left over belongs to a dead creator).
+/// object, so any data object of the name left over belongs to a dead creator). With
+/// `keep_host`, a host tier arena left over with this configuration's blocks is taken over, its
+/// bytes kept (one of another size is replaced); returns, per rank, whether its host tier was
+/// kept.
 pub(super) fn create_arenas(
     name: &SegmentName,
     config: &SegmentConfig,
     created: &mut Vec<(String, ObjectIdentity)>,
-) -> Result<(), CreateError> {
-    listing::unlink_data_objects(name)?;
+    keep_host: bool,
+) -> Result<Vec<bool>, CreateError> {
+    listing::unlink_data_objects_but(name, keep_host)?;
+    let mut kept = vec![false; config.tp_size as usize];
     let block_bytes = config.block_bytes();
     for rank in 0..config.tp_size {
         if config.backend()? == Backend::HostArena {
@@ -156,10 +166,19 @@ pub(super) fn create_arenas(
             created.push((name.device_arena_object(rank), arena.identity()?));
         }
         if config.host_blocks > 0 {
-            let arena =
-                Arena::create(name, ArenaKind::Host, rank, config.host_blocks.into(), block_bytes)?;
+            let blocks = config.host_blocks.into();
+            let adopted = if keep_host {
+                Arena::adopt(name, ArenaKind::Host, rank, blocks, block_bytes)?
+            } else {
+                None
+            };
+            kept[rank as usize] = adopted.is_some();
+            let arena = match adopted {
+                Some(arena) => arena,
+                None => Arena::create(name, ArenaKind::Host, rank, blocks, block_bytes)?,
+            };
             created.push((name.host_tier_object(rank), arena.identity()?));
         }
     }
-    Ok(())
+    Ok(kept)
 }

@@ -98,6 +98,8 @@ pub struct Segment {
     /// where no peer can scribble), unlinked on drop when `unlink_on_drop`.
     created: Vec<(String, ObjectIdentity)>,
     unlink_on_drop: bool,
+    /// On drop, leave the host tier arenas in place (see `keep_host_tier_on_drop`).
+    keep_host_on_drop: bool,
     /// Process-local: spares the /proc reads of frequent liveness checks.
     creator_liveness: LivenessCache,
     worker_liveness: [LivenessCache; MAX_RANKS as usize],
@@ -122,10 +124,29 @@ impl Segment {
     /// returned handle unlinks the segment and its data objects on drop unless
     /// [`keep_on_drop`](Self::keep_on_drop) is called.
     pub fn create(name: &SegmentName, config: &SegmentConfig) -> Result<Segment, CreateError> {
+        Segment::create_with(name, config, false).map(|(segment, _)| segment)
+    }
+
+    /// [`create`](Self::create), taking over the host tier arenas a gone creator of `name` left
+    /// (a stale segment's, or orphans after [`keep_host_tier_on_drop`](Self::keep_host_tier_on_drop))
+    /// with their bytes, where they have this configuration's blocks; returns, per rank, whether
+    /// its host tier was kept. What the bytes mean is for the caller to know.
+    pub fn create_keeping_host_tier(
+        name: &SegmentName,
+        config: &SegmentConfig,
+    ) -> Result<(Segment, Vec<bool>), CreateError> {
+        Segment::create_with(name, config, true)
+    }
+
+    fn create_with(
+        name: &SegmentName,
+        config: &SegmentConfig,
+        keep_host: bool,
+    ) -> Result<(Segment, Vec<bool>), CreateError> {
         let layout = SegmentLayout::compute(config)?;
         let object = name.control_object();
         let creator = ProcessIdentity::current();
-        let memory = create_control_object(name, &object, layout.total_size)?;
+        let memory = create_control_object(name, &object, layout.total_size, keep_host)?;
         let identity = memory.identity().inspect_err(|_| {
             let _ = crate::inspect::unlink_owned(&object);
         })?;
@@ -143,12 +164,15 @@ impl Segment {
         };
 
         let mut created = vec![(object.clone(), identity)];
-        if let Err(error) = create_arenas(name, config, &mut created) {
-            for (object, identity) in created.iter().rev() {
-                let _ = crate::inspect::unlink_if_identical(object, *identity);
+        let kept = match create_arenas(name, config, &mut created, keep_host) {
+            Ok(kept) => kept,
+            Err(error) => {
+                for (object, identity) in created.iter().rev() {
+                    let _ = crate::inspect::unlink_if_identical(object, *identity);
+                }
+                return Err(error);
             }
-            return Err(error);
-        }
+        };
 
         let fields = HeaderFields {
             magic: MAGIC,
@@ -170,6 +194,7 @@ impl Segment {
             layout,
             created,
             unlink_on_drop: true,
+            keep_host_on_drop: false,
             creator_liveness: LivenessCache::default(),
             worker_liveness: Default::default(),
         };
@@ -177,7 +202,7 @@ impl Segment {
         // SYNC: pairs with the Acquire load of ready in validate_header(): an attacher that sees
         // READY sees every header field and initialised area above.
         segment.ready_word().store(READY, Ordering::Release);
-        Ok(segment)
+        Ok((segment, kept))
     }
 
     /// Attaches to an existing segment `name`, validating everything it reads.
@@ -196,6 +221,7 @@ impl Segment {
                     layout,
                     created: Vec::new(),
                     unlink_on_drop: false,
+                    keep_host_on_drop: false,
                     creator_liveness: LivenessCache::default(),
                     worker_liveness: Default::default(),
                 })
@@ -214,6 +240,13 @@ impl Segment {
     /// hands over to a successor). Only meaningful on the creator's handle.
     pub fn keep_on_drop(&mut self) {
         self.unlink_on_drop = false;
+    }
+
+    /// Removes the segment on drop but keeps its host tier arenas, for the next creator of the
+    /// name to take over ([`create_keeping_host_tier`](Self::create_keeping_host_tier)); until
+    /// then `kvctl ls` lists them as orphaned and `kvctl cleanup` removes them.
+    pub fn keep_host_tier_on_drop(&mut self) {
+        self.keep_host_on_drop = true;
     }
 
     /// True for the handle returned by [`create`](Self::create).
@@ -401,7 +434,15 @@ impl Drop for Segment {
                 }
             }
         }
+        let host_tiers: Vec<String> = if self.keep_host_on_drop {
+            (0..self.fields.config.tp_size).map(|rank| self.name.host_tier_object(rank)).collect()
+        } else {
+            Vec::new()
+        };
         for (object, identity) in self.created.iter().rev() {
+            if host_tiers.contains(object) {
+                continue;
+            }
             // Only unlink the very files we made: someone may have cleaned up and recreated the
             // name. Judged by the identity we remember, not by the (writable) creator word.
             let _ = crate::inspect::unlink_if_identical(object, *identity);

@@ -1,0 +1,236 @@
+//! [`KeyTable`]: which engine key each chunk of a persistent host tier holds, kept in the tier's
+//! own shared memory, so that a manager started after its engine stopped or died finds the
+//! tier's blocks again (a warm restart).
+//!
+//! The table lies in blocks past the tier's chunks, in the same arena, so data and table live
+//! and die together: `[header: 64 bytes][slot 0][slot 1]...`, one [`SLOT_BYTES`] slot per chunk.
+//! A slot is `state u32 | key_len u32 | seq u64 | parent_chunk u32 | 0 u32 | parent_seq u64 |
+//! key [u8; 64]`, little-endian; `seq` orders the stores (older first) and `(parent_chunk,
+//! parent_seq)` names the slot of the key the engine chained it under.
+//!
+//! The protocol, on the process that copies ([`super::HostTier`]):
+//! 1. before a store writes a chunk, its slot's state is cleared;
+//! 2. after the copy succeeded, the slot is written, its state last.
+//!
+//! A process killed anywhere in between leaves a chunk whose slot is empty (a miss after the
+//! restart) or whose slot names the key whose bytes the chunk holds whole, never a key over
+//! other bytes. The header names the tier's shape; a table of another shape is cleared.
+
+use std::sync::atomic::{fence, Ordering};
+
+use kvshm_ipc::arena::{Arena, ArenaError};
+
+use super::key::{OffloadKey, MAX_KEY_BYTES};
+use super::transfer::EngineLayout;
+
+/// "KVSHMKEY", little-endian.
+pub const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"KVSHMKEY");
+pub const TABLE_VERSION: u32 = 1;
+pub const HEADER_BYTES: usize = 64;
+pub const SLOT_BYTES: usize = 32 + MAX_KEY_BYTES;
+const VALID: u32 = 1;
+/// `parent_chunk` of a key stored without a parent.
+pub const NO_PARENT: u32 = u32::MAX;
+
+/// One chunk's key, as read from a table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableEntry {
+    pub chunk: u32,
+    pub key: OffloadKey,
+    pub seq: u64,
+    /// The parent's chunk and the seq its slot had when this key was written.
+    pub parent: Option<(u32, u64)>,
+}
+
+/// The table of one persistent host tier (module doc).
+#[derive(Debug)]
+pub struct KeyTable {
+    /// Byte offset of the header in the arena's data.
+    offset: usize,
+    chunks: u32,
+    fingerprint: u64,
+    next_seq: u64,
+}
+
+impl KeyTable {
+    /// Bytes of the table of `chunks` chunks.
+    pub fn bytes(chunks: u32) -> u64 {
+        HEADER_BYTES as u64 + u64::from(chunks) * SLOT_BYTES as u64
+    }
+
+    /// Host blocks of `block_bytes` the table of `chunks` chunks takes.
+    pub fn blocks(chunks: u32, block_bytes: u64) -> u64 {
+        KeyTable::bytes(chunks).div_ceil(block_bytes.max(1))
+    }
+
+    /// The byte offset of the table in a host arena whose chunks are `layout`'s.
+    pub fn offset(layout: &EngineLayout) -> u64 {
+        u64::from(layout.chunks) * u64::from(layout.blocks_per_chunk) * layout.host_block_bytes()
+    }
+
+    /// A digest of what makes a chunk's bytes readable: the tier's shape.
+    fn fingerprint(layout: &EngineLayout) -> u64 {
+        let mut words = vec![
+            layout.page_bytes,
+            u64::from(layout.tensors),
+            u64::from(layout.chunks),
+            u64::from(layout.blocks_per_chunk),
+        ];
+        for group in &layout.groups {
+            words.push(u64::MAX);
+            words.extend(group.iter().map(|&tensor| u64::from(tensor)));
+        }
+        let bytes: Vec<u8> = words.iter().flat_map(|word| word.to_le_bytes()).collect();
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    }
+
+    /// The table of `layout`'s tier in `arena`: the one found there if its header matches
+    /// (`kept`: the arena outlived its last engine), else a cleared one. Returns it and whether
+    /// the table found was kept.
+    pub fn open(
+        arena: &Arena,
+        layout: &EngineLayout,
+        kept: bool,
+    ) -> Result<(KeyTable, bool), ArenaError> {
+        let mut table = KeyTable {
+            offset: KeyTable::offset(layout) as usize,
+            chunks: layout.chunks,
+            fingerprint: KeyTable::fingerprint(layout),
+            next_seq: 1,
+        };
+        if kept {
+            let mut header = [0u8; HEADER_BYTES];
+            arena.read_data(table.offset, &mut header)?;
+            let word = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().expect("8"));
+            let half = |at: usize| u32::from_le_bytes(header[at..at + 4].try_into().expect("4"));
+            if word(0) == TABLE_MAGIC
+                && half(8) == TABLE_VERSION
+                && half(12) == SLOT_BYTES as u32
+                && half(16) == layout.chunks
+                && word(24) == table.fingerprint
+            {
+                table.next_seq = word(32).max(1);
+                // The next seq is stored only now and then: continue past every slot's.
+                for entry in table.entries(arena)? {
+                    table.next_seq = table.next_seq.max(entry.seq + 1);
+                }
+                return Ok((table, true));
+            }
+        }
+        let empty = vec![0u8; SLOT_BYTES * 1024];
+        let mut slot = 0usize;
+        while slot < layout.chunks as usize {
+            let count = (layout.chunks as usize - slot).min(1024);
+            arena.write_data(table.slot_offset(slot as u32), &empty[..count * SLOT_BYTES])?;
+            slot += count;
+        }
+        table.write_header(arena)?;
+        Ok((table, false))
+    }
+
+    fn slot_offset(&self, chunk: u32) -> usize {
+        self.offset + HEADER_BYTES + chunk as usize * SLOT_BYTES
+    }
+
+    fn write_header(&self, arena: &Arena) -> Result<(), ArenaError> {
+        let mut header = [0u8; HEADER_BYTES];
+        header[0..8].copy_from_slice(&TABLE_MAGIC.to_le_bytes());
+        header[8..12].copy_from_slice(&TABLE_VERSION.to_le_bytes());
+        header[12..16].copy_from_slice(&(SLOT_BYTES as u32).to_le_bytes());
+        header[16..20].copy_from_slice(&self.chunks.to_le_bytes());
+        header[24..32].copy_from_slice(&self.fingerprint.to_le_bytes());
+        header[32..40].copy_from_slice(&self.next_seq.to_le_bytes());
+        arena.write_data(self.offset, &header)
+    }
+
+    /// Step 1: `chunk` is about to be overwritten; its slot no longer names a key.
+    pub fn clear(&self, arena: &Arena, chunk: u32) -> Result<(), ArenaError> {
+        arena.write_data(self.slot_offset(chunk), &0u32.to_le_bytes())?;
+        // The cleared state is stored before any byte of the chunk's copy.
+        fence(Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Step 2: `chunk` holds `key`'s bytes, chained under the key in `parent_chunk`
+    /// ([`NO_PARENT`] for none).
+    pub fn write(
+        &mut self,
+        arena: &Arena,
+        chunk: u32,
+        key: &OffloadKey,
+        parent_chunk: u32,
+    ) -> Result<(), ArenaError> {
+        let parent_seq = match parent_chunk {
+            NO_PARENT => 0,
+            parent if parent < self.chunks => self.read_slot(arena, parent)?.map_or(0, |e| e.seq),
+            _ => 0,
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let mut slot = [0u8; SLOT_BYTES];
+        slot[4..8].copy_from_slice(&(key.as_bytes().len() as u32).to_le_bytes());
+        slot[8..16].copy_from_slice(&seq.to_le_bytes());
+        let parent_chunk = if parent_seq == 0 { NO_PARENT } else { parent_chunk };
+        slot[16..20].copy_from_slice(&parent_chunk.to_le_bytes());
+        slot[24..32].copy_from_slice(&parent_seq.to_le_bytes());
+        slot[32..32 + key.as_bytes().len()].copy_from_slice(key.as_bytes());
+        let at = self.slot_offset(chunk);
+        // Fence: the chunk's bytes are stored before the slot says they are there.
+        fence(Ordering::SeqCst);
+        arena.write_data(at + 4, &slot[4..])?;
+        fence(Ordering::SeqCst);
+        arena.write_data(at, &VALID.to_le_bytes())?;
+        if seq % 1024 == 0 {
+            self.write_header(arena)?;
+        }
+        Ok(())
+    }
+
+    fn read_slot(&self, arena: &Arena, chunk: u32) -> Result<Option<TableEntry>, ArenaError> {
+        let mut slot = [0u8; SLOT_BYTES];
+        arena.read_data(self.slot_offset(chunk), &mut slot)?;
+        Ok(decode(chunk, &slot))
+    }
+
+    /// Every chunk whose slot names a key.
+    pub fn entries(&self, arena: &Arena) -> Result<Vec<TableEntry>, ArenaError> {
+        read_entries(arena, self.offset, self.chunks)
+    }
+}
+
+/// The entries of the table at byte `offset` of `arena`, a tier of `chunks` chunks; nothing if
+/// no table of that many chunks is there.
+pub fn read_entries(
+    arena: &Arena,
+    offset: usize,
+    chunks: u32,
+) -> Result<Vec<TableEntry>, ArenaError> {
+    let mut header = [0u8; HEADER_BYTES];
+    arena.read_data(offset, &mut header)?;
+    let magic = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
+    let table_chunks = u32::from_le_bytes(header[16..20].try_into().expect("4 bytes"));
+    if magic != TABLE_MAGIC || table_chunks != chunks {
+        return Ok(Vec::new());
+    }
+    let mut bytes = vec![0u8; chunks as usize * SLOT_BYTES];
+    arena.read_data(offset + HEADER_BYTES, &mut bytes)?;
+    Ok((0u32..)
+        .zip(bytes.chunks_exact(SLOT_BYTES))
+        .filter_map(|(chunk, slot)| decode(chunk, slot))
+        .collect())
+}
+
+fn decode(chunk: u32, slot: &[u8]) -> Option<TableEntry> {
+    let half = |at: usize| u32::from_le_bytes(slot[at..at + 4].try_into().expect("4 bytes"));
+    let word = |at: usize| u64::from_le_bytes(slot[at..at + 8].try_into().expect("8 bytes"));
+    if half(0) != VALID {
+        return None;
+    }
+    let len = half(4) as usize;
+    let key = OffloadKey::new(slot.get(32..32 + len)?).ok()?;
+    let parent = match (half(16), word(24)) {
+        (NO_PARENT, _) | (_, 0) => None,
+        (parent, seq) => Some((parent, seq)),
+    };
+    Some(TableEntry { chunk, key, seq: word(8), parent })
+}
