@@ -21,7 +21,7 @@ use std::time::Duration;
 use kvshm_ipc::doorbell::{Doorbell, WaitOutcome, WaitPolicy};
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::ring::{self, Consumer, Producer, RingFull};
-use kvshm_ipc::worker_slot::{OwnerWord, RankStatus, WorkerSlot};
+use kvshm_ipc::worker_slot::{HeartbeatLimits, OwnerWord, RankStatus, WorkerSlot};
 use kvshm_ipc::worker_watch::{Observation, Probed, ProcessProbe, WatchTiming, WorkerWatch};
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicBool, Ordering};
@@ -206,7 +206,7 @@ fn a_reclaim_never_overlaps_a_departing_worker_or_wipes_its_successor() {
                 }
             })
         };
-        let verdict = slot.verdict(0, Duration::MAX, |_| true);
+        let verdict = slot.verdict(0, HeartbeatLimits::uniform(Duration::MAX), |_| true);
         if !matches!(verdict.status, RankStatus::Alive { .. }) {
             if let Ok(reclaim) = slot.begin_reclaim(verdict.word) {
                 // SAFETY: the reclaim holds the slot DEAD; loom checks that no holder overlaps.
@@ -345,7 +345,10 @@ fn a_fenced_worker_is_gone_before_its_rings_are_reset() {
         let probe = ModelProbe { processes: Arc::new(Default::default()) };
         let slot = Arc::new(WorkerSlot::new());
         let rings = Arc::new(UnsafeCell::new(0u64));
-        let timing = WatchTiming { heartbeat_timeout: Duration::ZERO, exit_grace: Duration::ZERO };
+        let timing = WatchTiming {
+            heartbeat: HeartbeatLimits::uniform(Duration::ZERO),
+            exit_grace: Duration::ZERO,
+        };
         let mut watch = WorkerWatch::new(probe.clone(), timing);
         let word = slot.claim(model_identity(1)).unwrap();
         assert!(matches!(watch.observe(&slot, 0), Observation::Starting { pid: 1 }));
@@ -369,7 +372,10 @@ fn a_clean_exit_racing_a_successor_and_the_watch_loses_no_live_claim() {
         let probe = ModelProbe { processes: Arc::new(Default::default()) };
         let slot = Arc::new(WorkerSlot::new());
         let rings = Arc::new(UnsafeCell::new(0u64));
-        let timing = WatchTiming { heartbeat_timeout: Duration::MAX, exit_grace: Duration::ZERO };
+        let timing = WatchTiming {
+            heartbeat: HeartbeatLimits::uniform(Duration::MAX),
+            exit_grace: Duration::ZERO,
+        };
         let mut watch = WorkerWatch::new(probe.clone(), timing);
         let w_word = slot.claim(model_identity(1)).unwrap();
         slot.mark_serving(w_word).unwrap();
@@ -418,7 +424,10 @@ fn a_predecessors_serving_mark_never_makes_a_starting_successor_serve() {
         let probe = ModelProbe { processes: Arc::new(Default::default()) };
         let slot = Arc::new(WorkerSlot::new());
         let rings = Arc::new(UnsafeCell::new(0u64));
-        let timing = WatchTiming { heartbeat_timeout: Duration::MAX, exit_grace: Duration::ZERO };
+        let timing = WatchTiming {
+            heartbeat: HeartbeatLimits::uniform(Duration::MAX),
+            exit_grace: Duration::ZERO,
+        };
         let mut watch = WorkerWatch::new(probe.clone(), timing);
         let w_word = slot.claim(model_identity(1)).unwrap();
         slot.mark_serving(w_word).unwrap();

@@ -7,7 +7,6 @@
 //! [`Segment::reclaim_rank`] so that the next worker starts from empty rings.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::{Mapped, Segment, SegmentError};
 use crate::device_handles::{
@@ -22,8 +21,8 @@ use crate::ring::{self, Consumer, Producer};
 use crate::shm::SharedMemory;
 use crate::sync::AtomicU64;
 use crate::worker_slot::{
-    ClaimError, ClaimLost, OwnerWord, RankStatus, ReclaimError, SlotVerdict, WorkerSlot,
-    HEARTBEAT_TIMEOUT,
+    ClaimError, ClaimLost, HeartbeatLimits, OwnerWord, RankStatus, ReclaimError, SlotVerdict,
+    WorkerSlot,
 };
 use crate::worker_watch::{SystemProbe, WatchTiming, WorkerWatch};
 
@@ -53,34 +52,34 @@ impl Segment {
     }
 
     /// Scheduler: whether `rank` has a live worker: its process exists (checked in `/proc` at most
-    /// every [`LIVENESS_RECHECK`](crate::liveness::LIVENESS_RECHECK)) and its heartbeat is younger than [`HEARTBEAT_TIMEOUT`]. Cheap
-    /// enough to call on every poll.
+    /// every [`LIVENESS_RECHECK`](crate::liveness::LIVENESS_RECHECK)) and its heartbeat is within
+    /// [`HeartbeatLimits::DEFAULT`]. Cheap enough to call on every poll.
     pub fn rank_status(&self, rank: u32) -> Result<RankStatus, SegmentError> {
-        self.rank_status_with_timeout(rank, HEARTBEAT_TIMEOUT)
+        self.rank_status_with_limits(rank, HeartbeatLimits::DEFAULT)
     }
 
-    /// As [`rank_status`](Self::rank_status) with another heartbeat timeout.
-    pub fn rank_status_with_timeout(
+    /// As [`rank_status`](Self::rank_status) with other heartbeat limits.
+    pub fn rank_status_with_limits(
         &self,
         rank: u32,
-        timeout: Duration,
+        limits: HeartbeatLimits,
     ) -> Result<RankStatus, SegmentError> {
-        Ok(self.rank_verdict_with_timeout(rank, timeout)?.status)
+        Ok(self.rank_verdict_with_limits(rank, limits)?.status)
     }
 
     /// As [`rank_status`](Self::rank_status), with the owner word judged (to reclaim from).
     pub fn rank_verdict(&self, rank: u32) -> Result<SlotVerdict, SegmentError> {
-        self.rank_verdict_with_timeout(rank, HEARTBEAT_TIMEOUT)
+        self.rank_verdict_with_limits(rank, HeartbeatLimits::DEFAULT)
     }
 
-    fn rank_verdict_with_timeout(
+    fn rank_verdict_with_limits(
         &self,
         rank: u32,
-        timeout: Duration,
+        limits: HeartbeatLimits,
     ) -> Result<SlotVerdict, SegmentError> {
         let slot = self.worker_slot(rank)?;
         let cache = &self.worker_liveness[rank as usize];
-        Ok(slot.verdict(monotonic_ns(), timeout, |worker| cache.is_alive(worker)))
+        Ok(slot.verdict(monotonic_ns(), limits, |worker| cache.is_alive(worker)))
     }
 
     /// Scheduler: makes `rank` claimable again, taking its slot from exactly the owner word
@@ -272,7 +271,7 @@ impl Segment {
 /// A worker's hold on a rank; drop it on clean exit (the slot becomes EMPTY).
 ///
 /// Call [`heartbeat`](Self::heartbeat) every [`HEARTBEAT_INTERVAL`](crate::worker_slot::HEARTBEAT_INTERVAL),
-/// also between the chunks of a long copy: a heartbeat older than [`HEARTBEAT_TIMEOUT`] makes the
+/// also between the chunks of a long copy: a heartbeat older than [`HEARTBEAT_TIMEOUT`](crate::worker_slot::HEARTBEAT_TIMEOUT) makes the
 /// scheduler declare the worker dead. Before dropping the claim, complete every command popped
 /// from the ring: the scheduler may hand the rest of the ring to the next worker. A worker that
 /// cannot (its command ring broke, it stops with answers unpushed) forgets the claim instead

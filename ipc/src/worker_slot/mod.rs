@@ -13,7 +13,9 @@
 //!    while another worker holds the rank, and while the scheduler has not reclaimed a dead one);
 //! 2. store its start time, attach time and a first heartbeat, then `fields_of` = its word;
 //! 3. [`WorkerSlot::heartbeat`] every [`HEARTBEAT_INTERVAL`] while its word still owns the slot,
-//!    from the claim on (setting up a copy engine over tens of GB takes seconds);
+//!    from the claim on; while it sets up (a copy engine over tens of GB takes seconds), after
+//!    each step of its set-up, judged by the longer [`SETUP_HEARTBEAT_TIMEOUT`]
+//!    ([`HeartbeatLimits`]);
 //! 4. [`WorkerSlot::mark_serving`] once it is ready to answer commands: until then the scheduler
 //!    keeps the rank out of service (no copies reach a worker still mapping its tiers);
 //! 5. [`WorkerSlot::release`] on clean exit: CAS its word to EMPTY (nothing if the word changed).
@@ -44,6 +46,37 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_millis(10);
 /// Ten intervals: a worker starved of CPU for a while is not killed by mistake, and a dead process
 /// is noticed at once anyway through its pid.
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(100);
+/// The heartbeat limit of a worker still setting up (claimed its rank, not serving yet). Its
+/// set-up heartbeats between steps (a slice of its tiers mapped in, the CUDA driver's work), and
+/// on a CPU shared with busy processes one step can take a hundred milliseconds or more; a set-up
+/// that makes no step for this long is stuck or stopped, and its worker is fenced.
+pub const SETUP_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The heartbeat ages past which a worker counts as dead: one for a worker that serves its
+/// rings, a longer one for a worker still setting up. The rule lives in
+/// [`ClaimFields::stale_heartbeat`]; the scheduler's watch, claims and kvctl all judge by it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeartbeatLimits {
+    pub serving: Duration,
+    pub setting_up: Duration,
+}
+
+impl HeartbeatLimits {
+    /// [`HEARTBEAT_TIMEOUT`] once serving, [`SETUP_HEARTBEAT_TIMEOUT`] before.
+    pub const DEFAULT: HeartbeatLimits =
+        HeartbeatLimits { serving: HEARTBEAT_TIMEOUT, setting_up: SETUP_HEARTBEAT_TIMEOUT };
+
+    /// The same limit whether serving or not (tests and models).
+    pub const fn uniform(limit: Duration) -> HeartbeatLimits {
+        HeartbeatLimits { serving: limit, setting_up: limit }
+    }
+}
+
+impl Default for HeartbeatLimits {
+    fn default() -> Self {
+        HeartbeatLimits::DEFAULT
+    }
+}
 
 /// Whether a rank has a live worker, as judged from the slot alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -100,6 +133,25 @@ pub struct ClaimFields {
     pub attached_at_ns: u64,
     /// The claimant finished setting up and serves its rings ([`WorkerSlot::mark_serving`]).
     pub serving: bool,
+}
+
+impl ClaimFields {
+    /// The heartbeat limit that applies to this claim's worker: `limits.serving` once it serves,
+    /// `limits.setting_up` while it sets up.
+    pub fn heartbeat_limit(&self, limits: HeartbeatLimits) -> Duration {
+        if self.serving {
+            limits.serving
+        } else {
+            limits.setting_up
+        }
+    }
+
+    /// The heartbeat's age at `now_ns` if it is past [`heartbeat_limit`](Self::heartbeat_limit)
+    /// (the worker counts as dead), else `None`.
+    pub fn stale_heartbeat(&self, now_ns: u64, limits: HeartbeatLimits) -> Option<Duration> {
+        let age = Duration::from_nanos(now_ns.saturating_sub(self.heartbeat_ns));
+        (age > self.heartbeat_limit(limits)).then_some(age)
+    }
 }
 
 /// Everything a slot says, copied out at one moment (for kvctl).
@@ -216,10 +268,10 @@ impl WorkerSlot {
         (self.owner.load(Ordering::Relaxed) == word.to_raw()).then_some(fields)
     }
 
-    /// Judges the worker of this slot at `now_ns` (`CLOCK_MONOTONIC`), with heartbeats older than
-    /// `timeout` counting as death.
-    pub fn status(&self, now_ns: u64, timeout: Duration) -> RankStatus {
-        self.verdict(now_ns, timeout, |identity| identity.is_alive()).status
+    /// Judges the worker of this slot at `now_ns` (`CLOCK_MONOTONIC`), with heartbeats past
+    /// `limits` counting as death.
+    pub fn status(&self, now_ns: u64, limits: HeartbeatLimits) -> RankStatus {
+        self.verdict(now_ns, limits, |identity| identity.is_alive()).status
     }
 
     /// As [`status`](Self::status), asking `is_alive` about the worker process (e.g. through a
@@ -227,10 +279,10 @@ impl WorkerSlot {
     pub fn status_with(
         &self,
         now_ns: u64,
-        timeout: Duration,
+        limits: HeartbeatLimits,
         is_alive: impl FnOnce(ProcessIdentity) -> bool,
     ) -> RankStatus {
-        self.verdict(now_ns, timeout, is_alive).status
+        self.verdict(now_ns, limits, is_alive).status
     }
 
     /// Judges the owner word of one load, from what the slot says alone: a worker is dead if its
@@ -242,11 +294,11 @@ impl WorkerSlot {
     pub fn verdict(
         &self,
         now_ns: u64,
-        timeout: Duration,
+        limits: HeartbeatLimits,
         is_alive: impl FnOnce(ProcessIdentity) -> bool,
     ) -> SlotVerdict {
         let word = self.owner();
-        let status = self.judge(word, now_ns, timeout, is_alive);
+        let status = self.judge(word, now_ns, limits, is_alive);
         SlotVerdict { word, status }
     }
 
@@ -254,7 +306,7 @@ impl WorkerSlot {
         &self,
         word: OwnerWord,
         now_ns: u64,
-        timeout: Duration,
+        limits: HeartbeatLimits,
         is_alive: impl FnOnce(ProcessIdentity) -> bool,
     ) -> RankStatus {
         let pid = word.pid();
@@ -264,8 +316,7 @@ impl WorkerSlot {
             WorkerState::Attached => {
                 // A claim being set up (no fields yet) is judged by its pid alone.
                 let (start_time, stale) = self.claim_fields(word).map_or((0, false), |fields| {
-                    let age = now_ns.saturating_sub(fields.heartbeat_ns);
-                    (fields.start_time, u128::from(age) > timeout.as_nanos())
+                    (fields.start_time, fields.stale_heartbeat(now_ns, limits).is_some())
                 });
                 if stale || !is_alive(ProcessIdentity::new(pid, start_time)) {
                     RankStatus::Dead { pid }
@@ -282,7 +333,8 @@ impl WorkerSlot {
         loop {
             // Relaxed: only chooses the CAS below, which acquires.
             let current = OwnerWord::from_raw(self.owner.load(Ordering::Relaxed));
-            match self.judge(current, monotonic_ns(), HEARTBEAT_TIMEOUT, |id| id.is_alive()) {
+            match self.judge(current, monotonic_ns(), HeartbeatLimits::DEFAULT, |id| id.is_alive())
+            {
                 RankStatus::Empty => {}
                 RankStatus::Alive { pid } => return Err(ClaimError::Occupied { pid }),
                 RankStatus::Dead { pid } => return Err(ClaimError::NotReclaimed { pid }),

@@ -26,11 +26,11 @@ fn a_live_claim_is_alive_and_refuses_a_second_claim() {
     let slot = WorkerSlot::new();
     let me = ProcessIdentity::current();
     let word = slot.claim(me).unwrap();
-    assert_eq!(slot.status(now(), HEARTBEAT_TIMEOUT), RankStatus::Alive { pid: me.pid });
+    assert_eq!(slot.status(now(), HeartbeatLimits::DEFAULT), RankStatus::Alive { pid: me.pid });
     assert_eq!(slot.claim(me), Err(ClaimError::Occupied { pid: me.pid }));
     slot.heartbeat(word).unwrap();
     assert!(slot.release(word));
-    assert_eq!(slot.status(now(), HEARTBEAT_TIMEOUT), RankStatus::Empty);
+    assert_eq!(slot.status(now(), HeartbeatLimits::DEFAULT), RankStatus::Empty);
     assert_eq!(slot.view().attach_count, 1);
 }
 
@@ -73,7 +73,7 @@ fn a_stale_heartbeat_is_death() {
     let me = ProcessIdentity::current();
     slot.claim(me).unwrap();
     let later = now() + HEARTBEAT_TIMEOUT.as_nanos() as u64 + 1_000_000;
-    assert_eq!(slot.status(later, HEARTBEAT_TIMEOUT), RankStatus::Dead { pid: me.pid });
+    assert_eq!(slot.status(later, HeartbeatLimits::DEFAULT), RankStatus::Dead { pid: me.pid });
 }
 
 #[test]
@@ -82,7 +82,7 @@ fn a_dead_worker_blocks_claims_until_reclaimed() {
     let me = ProcessIdentity::current();
     let ghost_word = slot.claim(GHOST).unwrap();
     assert_eq!(slot.claim(me), Err(ClaimError::NotReclaimed { pid: GHOST.pid }));
-    let verdict = slot.verdict(now(), HEARTBEAT_TIMEOUT, |id| id.is_alive());
+    let verdict = slot.verdict(now(), HeartbeatLimits::DEFAULT, |id| id.is_alive());
     assert_eq!(verdict.status, RankStatus::Dead { pid: GHOST.pid });
     let reclaim = slot.begin_reclaim(verdict.word).unwrap();
     assert_eq!(slot.claim(me), Err(ClaimError::NotReclaimed { pid: GHOST.pid }));
@@ -94,7 +94,7 @@ fn a_dead_worker_blocks_claims_until_reclaimed() {
     slot.claim(me).unwrap();
     // The ghost's late release must not free the new worker's slot.
     assert!(!slot.release(ghost_word));
-    assert_eq!(slot.status(now(), HEARTBEAT_TIMEOUT), RankStatus::Alive { pid: me.pid });
+    assert_eq!(slot.status(now(), HeartbeatLimits::DEFAULT), RankStatus::Alive { pid: me.pid });
 }
 
 #[test]
@@ -172,7 +172,7 @@ fn a_release_paused_mid_reclaim_never_lets_the_reclaim_wipe_a_successors_claim()
     };
     paused.recv().unwrap();
     // The scheduler: W's word is gone from the slot, so whatever is there is judged and taken.
-    let verdict = slot.verdict(now(), HEARTBEAT_TIMEOUT, |id| id.is_alive());
+    let verdict = slot.verdict(now(), HeartbeatLimits::DEFAULT, |id| id.is_alive());
     let reclaim = (verdict.status != RankStatus::Alive { pid: me.pid })
         .then(|| slot.begin_reclaim(verdict.word).ok())
         .flatten();
@@ -231,7 +231,8 @@ fn claim_release_cycles_racing_reclaims_never_lose_a_live_claim() {
             let (mut reclaims, mut overlapped) = (0u64, 0u64);
             while !stop.load(Ordering::Relaxed) {
                 // Every claimant lives; only an empty (or dead) slot is judged unattended.
-                let verdict = slot.verdict(now(), Duration::MAX, |_| true);
+                let verdict =
+                    slot.verdict(now(), HeartbeatLimits::uniform(Duration::MAX), |_| true);
                 if matches!(verdict.status, RankStatus::Alive { .. }) {
                     continue;
                 }

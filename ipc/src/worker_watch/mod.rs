@@ -34,7 +34,7 @@ use nix::errno::Errno;
 
 use crate::liveness::ProcessIdentity;
 use crate::process_handle::{maps_object, ObjectId, OpenError, ProcessHandle};
-use crate::worker_slot::{OwnerWord, WorkerSlot, WorkerState, HEARTBEAT_TIMEOUT};
+use crate::worker_slot::{HeartbeatLimits, OwnerWord, WorkerSlot, WorkerState, HEARTBEAT_TIMEOUT};
 
 /// How long a worker that let go of its slot may take to exit before it is fenced like a stuck
 /// one: a clean exit takes milliseconds.
@@ -43,15 +43,16 @@ pub const EXIT_GRACE: Duration = HEARTBEAT_TIMEOUT;
 /// The time limits of a watch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WatchTiming {
-    /// A heartbeat older than this gets a running worker fenced.
-    pub heartbeat_timeout: Duration,
+    /// A heartbeat older than these (the serving or the setting-up limit) gets a running worker
+    /// fenced.
+    pub heartbeat: HeartbeatLimits,
     /// How long a running worker the slot no longer names may take to exit.
     pub exit_grace: Duration,
 }
 
 impl Default for WatchTiming {
     fn default() -> Self {
-        WatchTiming { heartbeat_timeout: HEARTBEAT_TIMEOUT, exit_grace: EXIT_GRACE }
+        WatchTiming { heartbeat: HeartbeatLimits::DEFAULT, exit_grace: EXIT_GRACE }
     }
 }
 
@@ -367,8 +368,7 @@ fn judge_running<H>(
         recorded.unnamed_since = None;
         return Some(match slot.claim_fields(word) {
             Some(fields) => {
-                let age = Duration::from_nanos(now_ns.saturating_sub(fields.heartbeat_ns));
-                if age > timing.heartbeat_timeout {
+                if let Some(age) = fields.stale_heartbeat(now_ns, timing.heartbeat) {
                     Observation::MustFence { pid, reason: FenceReason::HeartbeatStale { age } }
                 } else if fields.serving {
                     Observation::Alive { pid, attached: false }

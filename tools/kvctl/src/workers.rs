@@ -1,8 +1,9 @@
 //! `kvctl workers`: one row per tensor-parallel rank, with the scheduler's liveness judgement.
 //!
 //! Each rank's worker slot is copied out ([`WorkerSlot::view`]) and judged the way the scheduler
-//! judges it ([`WorkerSlot::status`] with [`HEARTBEAT_TIMEOUT`]): alive, dead (with the reason:
-//! the process is gone, a zombie, its pid reused, or its heartbeat too old), or empty.
+//! judges it ([`WorkerSlot::status`] with [`HeartbeatLimits::DEFAULT`]: a serving worker's limit,
+//! or the longer one of a worker still setting up): alive, dead (with the reason: the process is
+//! gone, a zombie, its pid reused, or its heartbeat too old), or empty.
 //!
 //! Flow: 1. attach; 2. read `now` once; 3. per rank, view and judge the slot; 4. print.
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use kvshm_ipc::liveness::{monotonic_ns, ProcessStatus};
 use kvshm_ipc::segment::Segment;
-use kvshm_ipc::worker_slot::{RankStatus, WorkerSlot, WorkerState, HEARTBEAT_TIMEOUT};
+use kvshm_ipc::worker_slot::{HeartbeatLimits, RankStatus, WorkerSlot, WorkerState};
 use serde::Serialize;
 
 use crate::text::{self, Table};
@@ -52,7 +53,10 @@ pub struct WorkerRow {
 pub struct WorkersReport {
     pub segment: String,
     pub tp_size: u32,
+    /// The heartbeat limit of a serving worker.
     pub heartbeat_timeout_seconds: f64,
+    /// The heartbeat limit of a worker still setting up.
+    pub setup_heartbeat_timeout_seconds: f64,
     pub ranks: Vec<WorkerRow>,
 }
 
@@ -61,12 +65,15 @@ pub fn judge_slot(rank: u32, slot: &WorkerSlot, now_ns: u64) -> WorkerRow {
     let view = slot.view();
     let since = |ns: u64| (ns != 0).then(|| Duration::from_nanos(now_ns.saturating_sub(ns)));
     let heartbeat_age = since(view.heartbeat_ns);
-    let (verdict, reason) = match slot.status(now_ns, HEARTBEAT_TIMEOUT) {
+    let limits = HeartbeatLimits::DEFAULT;
+    let limit = if view.serving { limits.serving } else { limits.setting_up };
+    let (verdict, reason) = match slot.status(now_ns, limits) {
         RankStatus::Empty => (Verdict::Empty, None),
         RankStatus::Alive { .. } => (Verdict::Alive, None),
-        RankStatus::Dead { .. } => {
-            (Verdict::Dead, Some(death_reason(view.state, view.worker.status(), heartbeat_age)))
-        }
+        RankStatus::Dead { .. } => (
+            Verdict::Dead,
+            Some(death_reason(view.state, view.worker.status(), heartbeat_age, limit)),
+        ),
     };
     let attached = view.state != WorkerState::Empty;
     WorkerRow {
@@ -86,6 +93,7 @@ fn death_reason(
     state: WorkerState,
     process: ProcessStatus,
     heartbeat_age: Option<Duration>,
+    limit: Duration,
 ) -> String {
     match (state, process) {
         (WorkerState::Dead, _) => {
@@ -98,7 +106,7 @@ fn death_reason(
         (_, ProcessStatus::Alive) => format!(
             "no heartbeat for {} (limit {})",
             heartbeat_age.map_or_else(|| "ever".to_owned(), text::age),
-            text::age(HEARTBEAT_TIMEOUT)
+            text::age(limit)
         ),
     }
 }
@@ -116,7 +124,8 @@ impl WorkersReport {
         WorkersReport {
             segment: segment.name().to_string(),
             tp_size,
-            heartbeat_timeout_seconds: HEARTBEAT_TIMEOUT.as_secs_f64(),
+            heartbeat_timeout_seconds: HeartbeatLimits::DEFAULT.serving.as_secs_f64(),
+            setup_heartbeat_timeout_seconds: HeartbeatLimits::DEFAULT.setting_up.as_secs_f64(),
             ranks,
         }
     }

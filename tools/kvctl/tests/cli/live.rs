@@ -120,34 +120,41 @@ fn stat_prometheus_is_valid_exposition_labelled_with_the_segment() {
 
 #[test]
 fn workers_judges_each_rank_alive_dead_or_empty() {
-    let config = SegmentConfig { tp_size: 3, ..SegmentConfig::default() };
+    let config = SegmentConfig { tp_size: 4, ..SegmentConfig::default() };
     let (segment, _cleanup) = create("workers", config);
     let alive = segment.claim_rank(0).unwrap();
     let silent = segment.claim_rank(1).unwrap();
-    // Rank 1 never beats again; past the heartbeat timeout its worker counts as dead.
+    silent.mark_serving().unwrap();
+    let setting_up = segment.claim_rank(3).unwrap();
+    // Ranks 1 and 3 never beat again: past the serving limit, rank 1's worker (serving) counts
+    // as dead, rank 3's (still setting up, judged by the longer set-up limit) as alive.
     std::thread::sleep(kvshm_ipc::worker_slot::HEARTBEAT_TIMEOUT + Duration::from_millis(50));
     alive.mark_serving().unwrap();
 
     let report = kvctl(&["workers", segment.name().as_str(), "--json"]).assert_ok().json();
     let ranks = report["ranks"].as_array().unwrap();
-    assert_eq!(ranks.len(), 3);
+    assert_eq!(ranks.len(), 4);
     assert_eq!(ranks[0]["verdict"], "alive");
     assert_eq!(ranks[0]["state"], "attached");
     assert_eq!(ranks[0]["pid"], std::process::id());
     assert_eq!(ranks[0]["attach_count"], 1);
     assert_eq!(ranks[0]["serving"], true);
     assert_eq!(ranks[1]["verdict"], "dead");
-    assert_eq!(ranks[1]["serving"], false);
+    assert_eq!(ranks[1]["serving"], true);
     assert!(ranks[1]["reason"].as_str().unwrap().contains("no heartbeat"), "{report}");
+    assert!(ranks[1]["reason"].as_str().unwrap().contains("limit 100"), "{report}");
     assert_eq!(ranks[2]["verdict"], "empty");
     assert_eq!(ranks[2]["pid"], serde_json::Value::Null);
+    assert_eq!(ranks[3]["verdict"], "alive", "a worker setting up: {report}");
+    assert_eq!(ranks[3]["serving"], false);
+    assert_eq!(report["setup_heartbeat_timeout_seconds"], 2.0);
 
     let text = kvctl(&["workers", segment.name().as_str()]).assert_ok().stdout.clone();
     assert!(
         text.contains("alive") && text.contains("dead: no heartbeat") && text.contains("no worker"),
         "{text}"
     );
-    drop((alive, silent));
+    drop((alive, silent, setting_up));
 }
 
 #[test]
