@@ -219,12 +219,29 @@ pub fn unlink_if_identical(object: &str, identity: ObjectIdentity) -> Result<boo
     }
 }
 
+/// Removes the name `object`: `shm_unlink`, or for a directory (garbage under our prefix too)
+/// `rmdir`, which removes only an empty one ([`ShmError::DirectoryNotEmpty`] otherwise).
 fn unlink_name(object: &str) -> Result<bool, ShmError> {
     match shm_unlink(object) {
         Ok(()) => Ok(true),
         Err(Errno::ENOENT) => Ok(false),
+        Err(Errno::EISDIR) => match std::fs::remove_dir(object_path(object)) {
+            Ok(()) => Ok(true),
+            Err(error) => match io_errno(&error) {
+                Errno::ENOENT => Ok(false),
+                Errno::ENOTEMPTY | Errno::EEXIST => {
+                    Err(ShmError::DirectoryNotEmpty { object: object.to_owned() })
+                }
+                errno => Err(os_error("rmdir", object, errno)),
+            },
+        },
         Err(errno) => Err(os_error("shm_unlink", object, errno)),
     }
+}
+
+/// Whether `object` is a directory with entries in it (which [`unlink_owned`] does not remove).
+pub fn is_directory_with_entries(object: &str) -> bool {
+    std::fs::read_dir(object_path(object)).is_ok_and(|mut entries| entries.next().is_some())
 }
 
 /// The checks of [`CheckedObject::open`] on the descriptor's `fstat`.

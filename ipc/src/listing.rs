@@ -264,7 +264,13 @@ fn judge_for_listing(object: &str) -> Judgement {
     let checked = match CheckedObject::open_with(object, Access::ReadWrite) {
         Ok(checked) => checked,
         Err(error @ ShmError::NotRegularFile { owner, .. }) if owner == inspect::our_uid() => {
-            return creatorless(inspect::status(object).ok().as_ref(), error.to_string())
+            if inspect::is_directory_with_entries(object) {
+                // Cleanup removes only empty directories (`inspect::unlink_owned`): never call
+                // this one removable.
+                let reason = ShmError::DirectoryNotEmpty { object: object.to_owned() };
+                return unreadable(reason.to_string());
+            }
+            return creatorless(inspect::status(object).ok().as_ref(), error.to_string());
         }
         Err(error) => return unreadable(error.to_string()),
     };

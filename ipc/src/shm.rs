@@ -64,6 +64,8 @@ pub enum ShmError {
     NotRegularFile { object: String, kind: &'static str, owner: u32 },
     #[error("shared-memory object {object} is empty")]
     Empty { object: String },
+    #[error("{object} is a directory with files in it: kvshm removes only empty directories under its prefix; look inside, then remove it yourself")]
+    DirectoryNotEmpty { object: String },
     #[error("a shared-memory object of {len} bytes is not supported on this machine")]
     TooLarge { len: u64 },
     #[error("{operation} of shared-memory object {object} failed: {source}")]

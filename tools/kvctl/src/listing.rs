@@ -208,6 +208,10 @@ pub fn judge_orphan(data: &DataObject) -> (bool, String) {
     }
     let checked = match CheckedObject::open(&data.object) {
         Ok(checked) => checked,
+        Err(_) if inspect::is_directory_with_entries(&data.object) => {
+            let error = ShmError::DirectoryNotEmpty { object: data.object.clone() };
+            return (false, error.to_string());
+        }
         Err(error @ ShmError::NotRegularFile { .. }) => {
             let old = inspect::status(&data.object)
                 .is_ok_and(|status| status.unchanged_for(CREATION_GRACE));

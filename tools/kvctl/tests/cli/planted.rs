@@ -1,5 +1,5 @@
-//! Objects someone else planted under our prefix: FIFOs, links, other users' files, sparse files
-//! of hundreds of terabytes. `ls` and `cleanup` never hang on them, never follow them, never
+//! Objects someone else planted under our prefix: FIFOs, links, directories, other users' files,
+//! sparse files of hundreds of terabytes. `ls` and `cleanup` never hang on them, never follow them, never
 //! remove another user's objects, and say what each one is.
 //!
 //! Another user's object is made with a real chown to an unused uid, which needs root; these tests
@@ -177,6 +177,54 @@ fn a_symbolic_link_under_our_prefix_is_never_followed() {
     kvctl_unhung(&["cleanup", name.as_str()]).assert_ok();
     assert!(target.exists(), "the link's target was touched");
     std::fs::remove_file(target).unwrap();
+}
+
+#[test]
+fn an_empty_directory_of_ours_is_removed_and_one_with_files_is_kept_as_ls_says() {
+    let empty = unique_name("dir-empty");
+    let full = unique_name("dir-full");
+    // As control objects, and as an orphaned data object.
+    let objects = [empty.control_object(), full.control_object(), full.host_tier_object(1)];
+    for object in &objects {
+        std::fs::create_dir(path(object)).unwrap();
+    }
+    let inside = [1, 2].map(|at| format!("{}/keep", path(&objects[at])));
+    for file in &inside {
+        std::fs::write(file, b"someone's file").unwrap();
+    }
+    for object in &objects {
+        age_object_by_path(object);
+    }
+    let remove_dirs = || {
+        for file in &inside {
+            let _ = std::fs::remove_file(file);
+        }
+        for object in &objects {
+            let _ = std::fs::remove_dir(path(object));
+        }
+    };
+
+    // What ls calls removable, cleanup removes: the empty directory.
+    let row = ls_row(empty.as_str());
+    assert_eq!(row["removable"], true, "{row}");
+    let report = kvctl_unhung(&["cleanup", empty.as_str(), "--json"]);
+    let listed_removed = report.success.then(|| removed(&report.json()));
+    let removed_empty = !exists(&empty.control_object());
+    // A directory with a file in it is not called removable, and cleanup leaves it and its file.
+    let row = ls_row(full.as_str());
+    let full_removable = row["removable"].clone();
+    let data_removable = row["data_objects"][0]["removable"].clone();
+    let refused = kvctl_unhung(&["cleanup", full.as_str()]);
+    let kept = inside.iter().all(|file| std::path::Path::new(file).exists());
+    remove_dirs();
+    assert!(report.success, "cleanup of an empty directory failed: {}", report.stderr);
+    assert!(removed_empty, "the empty directory is still there");
+    assert_eq!(listed_removed, Some(vec![empty.control_object()]));
+    assert_eq!(full_removable, false, "{row}");
+    assert_eq!(data_removable, false, "{row}");
+    assert!(row["reason"].as_str().unwrap().contains("directory with files"), "{row}");
+    assert!(kept, "cleanup removed a directory with a file in it");
+    assert!(refused.success || refused.stderr.contains("not empty"), "{}", refused.stderr);
 }
 
 #[test]
