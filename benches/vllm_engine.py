@@ -47,11 +47,11 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
         "kv_heads": 2,
     },
     "bench": {
-        "hidden": 512,
-        "intermediate": 2048,
-        "layers": 4,
-        "heads": 8,
-        "kv_heads": 2,
+        "hidden": 1024,
+        "intermediate": 4096,
+        "layers": 8,
+        "heads": 16,
+        "kv_heads": 4,
     },
 }
 VOCAB = 512
