@@ -82,7 +82,13 @@ def workload() -> list[list[int]]:
     return engine.revisits(prompts, ROUNDS)
 
 
-def offline(model: str, workload: list[list[int]], tmp: Path, *options: str) -> dict[str, Any]:
+def offline(
+    model: str,
+    workload: list[list[int]],
+    tmp: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """One engine's run of the workload through ``vllm.LLM`` (benches/vllm_engine.py)."""
     path = tmp / "workload.json"
     path.write_text(json.dumps(workload))
@@ -107,7 +113,9 @@ def offline(model: str, workload: list[list[int]], tmp: Path, *options: str) -> 
         str(MAX_TOKENS),
         *options,
     ]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text())
 
@@ -159,6 +167,25 @@ def test_offline_outputs_are_identical_and_kvshm_hits_are_counted_alike(
             }
         ),
     )
+
+
+def test_tensor_parallel_2_gives_identical_outputs_and_each_rank_counts_the_hits(
+    model: str, workload: list[list[int]], tmp_path: Path
+) -> None:
+    """TP 2 on the CPU build: vLLM binds each worker's threads to a NUMA node unless told
+    which cores to take, and this machine has one node, so each rank gets a core of its own."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    without = offline(model, workload, tmp_path, "--tp", "2", env=env)
+    segment = f"pyv-offline-{os.getpid()}-tp2"
+    with_kvshm = offline(
+        model, workload, tmp_path, "--tp", "2", "--kvshm", "--kvshm-segment", segment, env=env
+    )
+    outputs = [request["tokens"] for request in without["requests"]]
+    assert [request["tokens"] for request in with_kvshm["requests"]] == outputs
+    hits = int(with_kvshm["metrics"]["vllm:external_prefix_cache_hits"])
+    for kvctl in with_kvshm["kvctl"]:
+        check_counts(hits, with_kvshm["metrics"], kvctl)
+    print("tp2:", json.dumps({"identical": len(outputs), "kvshm_hit_tokens": hits}))
 
 
 def test_the_openai_server_gives_identical_outputs_and_counts_kvshm_hits_alike(
