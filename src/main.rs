@@ -34,6 +34,9 @@ enum Bench {
     Storage(cli::bench_storage::Args),
     /// Chained block hashing of the trace's prompts, against XXH3 and vLLM's hasher.
     Hash(cli::bench_hash::Args),
+    /// A worker's set-up and exit against the size of its host tier, against the kernel's own
+    /// mapping and unmapping of the same bytes.
+    Tier(cli::bench_tier::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,5 +53,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Sched(args)) => cli::bench_sched::run(args),
         Command::Bench(Bench::Storage(args)) => cli::bench_storage::run(args),
         Command::Bench(Bench::Hash(args)) => cli::bench_hash::run(args),
+        Command::Bench(Bench::Tier(args)) => cli::bench_tier::run(args),
     }
 }

@@ -192,6 +192,13 @@ fn replay_refuses_pools_the_machine_cannot_hold() {
 }
 
 #[test]
+fn bench_tier_refuses_sizes_it_cannot_hold() {
+    refused_saying(&["bench", "tier", "--gib", "0"], &["--gib"]);
+    refused_saying(&["bench", "tier", "--gib", "1,4096"], &["--gib"]);
+    refused_saying(&["bench", "tier", "--gib", "1000"], &["--gib"]);
+}
+
+#[test]
 fn the_cuda_options_are_refused_clearly_in_every_build() {
     refused_saying(
         &["worker", "--name", "x", "--rank", "0", "--cuda-copy", "batch"],

@@ -6,6 +6,7 @@ pub mod bench_hash;
 pub mod bench_ring;
 pub mod bench_sched;
 pub mod bench_storage;
+pub mod bench_tier;
 pub mod checks;
 pub mod demo;
 pub mod replay;

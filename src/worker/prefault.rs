@@ -18,8 +18,10 @@
 
 use super::host_engine::MappedArea;
 
-/// Bytes populated between two heartbeats: a few milliseconds of page-table work.
-pub const POPULATE_SLICE_BYTES: usize = 16 * 1024 * 1024;
+/// Bytes populated between two heartbeats: about a millisecond of page-table work on an idle
+/// machine, and well inside the set-up heartbeat limit on a starved one (16 MiB slices took 30 to
+/// 100 ms on a CPU shared with 16 busy processes).
+pub const POPULATE_SLICE_BYTES: usize = 4 * 1024 * 1024;
 
 /// How far [`populate`] got.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
