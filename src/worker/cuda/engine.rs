@@ -41,6 +41,7 @@ use std::ptr;
 
 use cudarc::driver::sys;
 
+use super::calls;
 use super::driver::{check, load_driver, DriverCallError, DriverLoadError};
 use super::kernel::{max_rows, CopyKernel, GroupCut, PlanRows, KERNEL_ROW_BYTES};
 pub use crate::worker::copy_method::CopyMethod;
@@ -48,7 +49,7 @@ use crate::worker::engine::{check_extent, report, CopyEngine, CopyFailure, CopyP
 use crate::worker::geometry::Geometry;
 use crate::worker::host_engine::MappedArea;
 use crate::worker::layout::{DeviceLayout, DeviceLayoutError, DeviceRegion, HostLayout};
-use crate::worker::plan::{CopyPlan, Direction, StridedCopy};
+use crate::worker::plan::{CopyPlan, StridedCopy};
 
 /// Bytes of a CUDA IPC memory handle.
 pub const IPC_HANDLE_BYTES: usize = 64;
@@ -323,7 +324,21 @@ impl CudaCopyEngine {
                 &self.host_layout,
                 |piece| {
                     check_extents(&piece, &self.device_layout, &self.host)?;
-                    self.enqueue_piece(plan.direction(), piece)
+                    // SAFETY: the context is current (execute); the piece's extent was checked
+                    // on both sides just above; the host tier is registered and, like the
+                    // opened regions, stays so until the engine drops, after its stream drained;
+                    // no one else touches these blocks until the command completes (the
+                    // block-ownership protocol; trusted peers).
+                    unsafe {
+                        calls::enqueue_piece(
+                            plan.direction(),
+                            &piece,
+                            &self.host,
+                            self.max_pitch,
+                            self.stream(),
+                        )
+                    }
+                    .map_err(driver_failure)
                 },
             )?;
             self.record_layer(layer as usize)?;
@@ -390,60 +405,6 @@ impl CudaCopyEngine {
             group_start = layer + 1;
         }
         Ok(())
-    }
-
-    /// Enqueues one piece whose extent was checked ([`CopyMethod::Calls`]).
-    fn enqueue_piece(&self, direction: Direction, piece: StridedCopy) -> Result<(), CopyFailure> {
-        let stream = self.stream();
-        // The host extent is inside the host area (usize bytes), so host offsets and pitches
-        // fit in usize; device values are device addresses, 64-bit like usize on supported targets.
-        let host_at = |row: u64| -> *mut c_void {
-            let offset = (piece.host_offset + row * piece.host_pitch) as usize;
-            // SAFETY: row `row` starts inside the host area (extent checked above).
-            unsafe { self.host.as_ptr().add(offset).cast() }
-        };
-        let device_at = |row: u64| piece.device_offset + row * piece.device_pitch;
-        let width = piece.width as usize;
-        let strided_fits =
-            piece.device_pitch <= self.max_pitch && piece.host_pitch <= self.max_pitch;
-        // SAFETY: for every branch,
-        // 1. every device row lies in a region opened in this context (the piece's first and last
-        //    rows were looked up in the device layout, built from the checked region extents), and
-        //    the whole extent is below the layout's end (checked above);
-        // 2. every host row lies in the registered host tier (extent checked above), which stays
-        //    mapped and registered until the engine drops, after the stream has drained;
-        // 3. no data race: no one else touches these blocks until the command completes (the
-        //    block-ownership protocol, kept by the scheduler and the engine: trusted peers).
-        let result = unsafe {
-            if piece.is_contiguous() {
-                let bytes = width * piece.rows as usize;
-                match direction {
-                    Direction::DeviceToHost => check(
-                        "cuMemcpyDtoHAsync",
-                        sys::cuMemcpyDtoHAsync_v2(host_at(0), device_at(0), bytes, stream),
-                    ),
-                    Direction::HostToDevice => check(
-                        "cuMemcpyHtoDAsync",
-                        sys::cuMemcpyHtoDAsync_v2(device_at(0), host_at(0), bytes, stream),
-                    ),
-                }
-            } else if strided_fits {
-                let copy = memcpy_2d(direction, &piece, host_at(0), device_at(0));
-                check("cuMemcpy2DAsync", sys::cuMemcpy2DAsync_v2(&copy, stream))
-            } else {
-                (0..u64::from(piece.rows)).try_for_each(|row| match direction {
-                    Direction::DeviceToHost => check(
-                        "cuMemcpyDtoHAsync",
-                        sys::cuMemcpyDtoHAsync_v2(host_at(row), device_at(row), width, stream),
-                    ),
-                    Direction::HostToDevice => check(
-                        "cuMemcpyHtoDAsync",
-                        sys::cuMemcpyHtoDAsync_v2(device_at(row), host_at(row), width, stream),
-                    ),
-                })
-            }
-        };
-        result.map_err(driver_failure)
     }
 
     /// Waits for the layers' events in order, reporting each (its bytes, then the layer).
@@ -559,44 +520,6 @@ fn open_regions(
         extents.push(DeviceRegion { base: base + region.offset, len: region.len });
     }
     Ok(extents)
-}
-
-/// The 2-D copy descriptor of a strided piece.
-fn memcpy_2d(
-    direction: Direction,
-    piece: &StridedCopy,
-    host: *mut c_void,
-    device: sys::CUdeviceptr,
-) -> sys::CUDA_MEMCPY2D {
-    let host_side = (sys::CUmemorytype::CU_MEMORYTYPE_HOST, host, 0, piece.host_pitch as usize);
-    let device_side = (
-        sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-        ptr::null_mut(),
-        device,
-        piece.device_pitch as usize,
-    );
-    let (src, dst) = match direction {
-        Direction::DeviceToHost => (device_side, host_side),
-        Direction::HostToDevice => (host_side, device_side),
-    };
-    sys::CUDA_MEMCPY2D {
-        srcXInBytes: 0,
-        srcY: 0,
-        srcMemoryType: src.0,
-        srcHost: src.1.cast_const(),
-        srcDevice: src.2,
-        srcArray: ptr::null_mut(),
-        srcPitch: src.3,
-        dstXInBytes: 0,
-        dstY: 0,
-        dstMemoryType: dst.0,
-        dstHost: dst.1,
-        dstDevice: dst.2,
-        dstArray: ptr::null_mut(),
-        dstPitch: dst.3,
-        WidthInBytes: piece.width as usize,
-        Height: piece.rows as usize,
-    }
 }
 
 /// Fails unless both sides of `piece` lie inside their tier.
