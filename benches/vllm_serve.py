@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import random
@@ -39,23 +38,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+# Beside this script: on sys.path when it runs.
+import vllm_engine as engine
+
 REPOSITORY = Path(__file__).resolve().parents[1]
-
-
-def load_engine() -> ModuleType:
-    path = REPOSITORY / "benches" / "vllm_engine.py"
-    spec = importlib.util.spec_from_file_location("vllm_engine", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-engine = load_engine()
 
 
 def trace_conversations(

@@ -385,14 +385,21 @@ class KvshmOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             layers = {name for group in self.config.groups for name in group.layer_names}
-            self._worker = KvshmOffloadingWorker(
-                kv_caches,
-                segment=self.segment(self.config.parallel.rank),
-                num_chunks=self.num_chunks,
-                blocks_per_chunk=int(self.blocks_per_chunk),
-                spawn_workers=self.spawn_workers,
-                block_tokens=int(self.tokens_per_block[0]),
-                layers=len(layers),
-                persistent=self.warm_restart,
-            )
+            segment = self.segment(self.config.parallel.rank)
+            try:
+                self._worker = KvshmOffloadingWorker(
+                    kv_caches,
+                    segment=segment,
+                    num_chunks=self.num_chunks,
+                    blocks_per_chunk=int(self.blocks_per_chunk),
+                    spawn_workers=self.spawn_workers,
+                    block_tokens=int(self.tokens_per_block[0]),
+                    layers=len(layers),
+                    persistent=self.warm_restart,
+                )
+            except SegmentError as error:
+                raise SegmentError(
+                    f"kvshm's host tier {segment}: {error} (engines of one model and layout on "
+                    "one machine share a segment name: give each its own segment_name)"
+                ) from error
         return self._worker

@@ -82,14 +82,11 @@ def workload() -> list[list[int]]:
     return engine.revisits(prompts, ROUNDS)
 
 
-def offline(
-    model: str,
-    workload: list[list[int]],
-    tmp: Path,
-    *options: str,
-    env: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """One engine's run of the workload through ``vllm.LLM`` (benches/vllm_engine.py)."""
+def offline_command(
+    model: str, workload: list[list[int]], tmp: Path, *options: str
+) -> tuple[list[str], Path]:
+    """The command of one engine's run of the workload through ``vllm.LLM``
+    (benches/vllm_engine.py ``offline``), and the file it writes its result to."""
     path = tmp / "workload.json"
     path.write_text(json.dumps(workload))
     out = tmp / f"run-{len(list(tmp.glob('run-*')))}.json"
@@ -113,6 +110,18 @@ def offline(
         str(MAX_TOKENS),
         *options,
     ]
+    return command, out
+
+
+def offline(
+    model: str,
+    workload: list[list[int]],
+    tmp: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One engine's run of the workload through ``vllm.LLM``: its result."""
+    command, out = offline_command(model, workload, tmp, *options)
     done = subprocess.run(
         command, capture_output=True, text=True, env={**os.environ, **(env or {})}
     )
@@ -222,30 +231,7 @@ def test_the_openai_server_gives_identical_outputs_and_counts_kvshm_hits_alike(
 def held_offline(model: str, workload: list[list[int]], tmp: Path) -> dict[str, Any]:
     """``offline`` with kvshm, then every process of the engine killed with SIGKILL while it
     is up (a crash: nothing of kvshm's closes)."""
-    path = tmp / "held-workload.json"
-    path.write_text(json.dumps(workload))
-    out = tmp / "held.json"
-    command = [
-        sys.executable,
-        str(REPOSITORY / "benches" / "vllm_engine.py"),
-        "offline",
-        "--model",
-        model,
-        "--workload",
-        str(path),
-        "--out",
-        str(out),
-        "--blocks",
-        str(VLLM_BLOCKS),
-        "--chunks",
-        str(TIER_CHUNKS),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-tokens",
-        str(MAX_TOKENS),
-        "--kvshm",
-        "--hold",
-    ]
+    command, out = offline_command(model, workload, tmp, "--kvshm", "--hold")
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True
     )

@@ -60,6 +60,7 @@ def test_blocks_stored_from_cpu_tensors_load_back_into_other_blocks(
         "spec_module_path": "kvshm.vllm",
         "num_chunks": 16,
         "segment_name": name,
+        "warm_restart": False,
     }
     spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
     manager = spec.get_manager()
@@ -110,3 +111,21 @@ def test_a_tensor_layout_the_host_tier_cannot_hold_is_refused(name: str) -> None
     )
     with pytest.raises(kvshm.ConfigError, match="page size"):
         KvshmOffloadingWorker(caches, segment=name, num_chunks=4, blocks_per_chunk=1)
+
+
+def test_a_second_engine_on_a_live_tier_is_refused_with_a_hint(
+    name: str, offloading_config
+) -> None:
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": 4,
+        "segment_name": name,
+        "warm_restart": False,
+    }
+    first = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+    worker = first.get_worker(kv_caches([[0]], tensors=1))
+    second = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+    with pytest.raises(kvshm.SegmentError, match="give each its own segment_name"):
+        second.get_worker(kv_caches([[0]], tensors=1))
+    worker.shutdown()
