@@ -25,6 +25,7 @@ pub mod offload;
 pub mod percentiles;
 pub mod pool;
 pub mod service;
+mod simd;
 pub mod storage;
 pub mod trace;
 pub mod tree;

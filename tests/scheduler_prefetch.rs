@@ -451,7 +451,11 @@ fn blocks_a_query_finds_never_push_out_blocks_a_request_holds() {
             holders.push(request);
         }
     }
-    assert_eq!(cache.tree().storage_candidate_count(), 0, "every storage block is held");
+    assert_eq!(
+        cache.tree().count(kvshm::tree::policy::EvictSet::Storage),
+        0,
+        "every storage block is held"
+    );
     let prompt = hashes(&[900, 901]);
     cache.prefetch(&prompt).unwrap().expect("the tier is asked");
     let mut queries = Vec::new();

@@ -16,16 +16,10 @@
 //!    swap-in is held back until the swap-outs reading its claimed blocks, the shared swap-ins
 //!    above it and the LOAD have completed (see [`super::storage`]).
 //! 5. Append the new blocks; the ticket also waits on swap-outs still reading claimed ones.
-//! 6. Without a host tier every hit is on device and no copy runs: steps 1 to 5 reduce to
-//!    counting the new blocks, appending the hits' device blocks to the block table, and taking
-//!    the new ones straight into it (free, then evicted: `allocate_device_only`).
-//! 7. With a host tier, when nothing was lost and every hit is on device with no copy in flight
-//!    (the usual allocation), step 4 reduces to the hits' device blocks and step 5 to one pass
-//!    over the new ones, the ticket recorded once with the swap-outs it waits on
-//!    (`allocate_hits_on_device`); the general steps stay out of line (`allocate_with_copies`).
+//!
+//! Every configuration takes these steps: without a host tier every hit is on device and no
+//! copy runs, so steps 3 and 4 reduce to the hits' device blocks and the new ones.
 
-use super::capacity::Demand;
-use super::request::{Request, RequestSlot};
 use super::{AllocateError, CacheManager, RequestId, TicketId, TransferId};
 use crate::tree::{NodeId, NodeState, SwapOut};
 
@@ -75,45 +69,10 @@ impl CacheManager {
         if record.failed {
             return Err(AllocateError::RequestFailed(request));
         }
-        if !self.host_enabled() {
-            return self.allocate_device_only(slot, request, new_tokens, lookahead);
-        }
         let hits_end = self.hits_end(record);
         let demand = self.demand(request, record, hits_end, new_tokens, lookahead)?;
         // The path position of the first hit without a table entry (a storage block's depth).
         let first_hit = record.table.len();
-        let lost_cut = (hits_end < record.path.len()).then_some(hits_end);
-        // The usual allocation (module flow, step 7): nothing lost, no swap-in (so no load
-        // either), every hit on device with no copy to wait for.
-        let hits_on_device = !self.general_forms_only()
-            && lost_cut.is_none()
-            && demand.swap_ins == 0
-            && record.path.get(first_hit..).unwrap_or_default().iter().all(|&id| {
-                matches!(
-                    self.tree.node(id).state(),
-                    NodeState::Device | NodeState::SwapToHost(SwapOut::Backup)
-                )
-            });
-        if hits_on_device {
-            return self.allocate_hits_on_device(slot, request, demand.fresh, new_tokens);
-        }
-        self.allocate_with_copies(slot, request, demand, (first_hit, hits_end), new_tokens)
-    }
-
-    /// [`CacheManager::allocate`] with a host tier (module flow, steps 1 to 5): `demand` for the
-    /// request in `slot`, whose hits without a table entry are the path's positions `first_hit`
-    /// to `hits_end`. Out of line: the usual allocation takes
-    /// [`CacheManager::allocate_hits_on_device`], and the code of swap-ins, loads and lost
-    /// hits stays out of its way (instruction cache).
-    #[inline(never)]
-    fn allocate_with_copies(
-        &mut self,
-        slot: RequestSlot,
-        request: RequestId,
-        demand: Demand,
-        (first_hit, hits_end): (usize, usize),
-        new_tokens: usize,
-    ) -> Result<Allocation<'_>, AllocateError> {
         let (swap_ins, fresh, needed) = (demand.swap_ins, demand.fresh, demand.blocks());
         let lost_cut = (hits_end < self.requests.at(slot).path.len()).then_some(hits_end);
         self.ensure_device_blocks(needed)?;
@@ -249,95 +208,6 @@ impl CacheManager {
         }
         self.close_transfers();
         self.scratch = Some(scratch);
-        let record = self.requests.at(slot);
-        Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
-    }
-
-    /// [`CacheManager::allocate`] with a host tier when every hit is on device with no copy to
-    /// wait for (module flow, step 7): `fresh` blocks for the request in `slot` and its
-    /// `new_tokens`. The hits' table entries are their device blocks; the fresh blocks follow,
-    /// the claimed ones noted with the swap-out still reading them, and the ticket waits once
-    /// per run of claims from one copy (usually one run: the allocation's own swap-out). The
-    /// ticket is recorded once, with what it waits on, rather than looked up per wait.
-    fn allocate_hits_on_device(
-        &mut self,
-        slot: RequestSlot,
-        request: RequestId,
-        fresh: usize,
-        new_tokens: usize,
-    ) -> Result<Allocation<'_>, AllocateError> {
-        self.ensure_device_blocks(fresh)?;
-        // Boxed, so that taking the buffers out of the manager for the call moves one pointer.
-        let mut scratch = self.scratch.take().unwrap_or_default();
-        scratch.blocks.clear();
-        self.obtain_device_blocks(fresh, &mut scratch.blocks);
-        debug_assert_eq!(scratch.blocks.len(), fresh);
-        let ticket = self.take_ticket_id();
-        let CacheManager { requests, tree, open_device_to_host, in_flight, .. } = self;
-        let record = requests.at_mut(slot);
-        let hits = record.path.get(record.table.len()..).unwrap_or_default();
-        record.table.reserve(hits.len() + fresh);
-        for &id in hits {
-            record.table.push(tree.node(id).device().expect("a device hit has a device block"));
-        }
-        let mut pending = 0;
-        for &(block, claimed_from) in &scratch.blocks {
-            let position = record.table.len();
-            record.table.push(block);
-            let Some(transfer) = claimed_from else { continue };
-            if record.note_claim(position, transfer) {
-                // A claim is from a swap-out: this allocation's own (open), or an earlier one.
-                let flight = match open_device_to_host {
-                    Some((open, flight)) if *open == transfer => flight,
-                    _ => in_flight.get_mut(&transfer).expect("a claimed block's copy is in flight"),
-                };
-                pending += u32::from(flight.add_ticket(ticket));
-            }
-        }
-        record.tokens += new_tokens;
-        record.tickets.push(ticket);
-        record.pending_tickets += u32::from(pending > 0);
-        self.record_ticket(ticket, request, pending);
-        self.scratch = Some(scratch);
-        self.close_transfers();
-        let record = self.requests.at(slot);
-        Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
-    }
-
-    /// [`CacheManager::allocate`] without a host tier (module flow, step 6): blocks for the
-    /// request in `slot`, its `new_tokens` and `lookahead`.
-    fn allocate_device_only(
-        &mut self,
-        slot: RequestSlot,
-        request: RequestId,
-        new_tokens: usize,
-        lookahead: usize,
-    ) -> Result<Allocation<'_>, AllocateError> {
-        // Every hit is on device (no tier below to lose one to): the path covers them all.
-        let record = self.requests.at(slot);
-        debug_assert_eq!(self.hits_end(record), record.path.len(), "hits on device only");
-        let covered = record.table.len().max(record.path.len());
-        let fresh = self.fresh_blocks(request, record, covered, new_tokens, lookahead)?;
-        self.ensure_device_blocks(fresh)?;
-        let CacheManager { requests, tree, .. } = self;
-        let Request { path, table, .. } = requests.at_mut(slot);
-        // Every cached node is on device: a hit's table entry is its node's device block. The
-        // fresh blocks go straight into the table after them (taken out of the record for the
-        // evictions, which do not touch held nodes).
-        let hits = path.get(table.len()..).unwrap_or_default();
-        table.reserve(hits.len() + fresh);
-        for &id in hits {
-            table.push(
-                tree.node(id).device().expect("without a host tier a cached node is on device"),
-            );
-        }
-        let mut table = std::mem::take(table);
-        self.obtain_device_blocks_without_host(fresh, &mut table);
-        let ticket = self.new_ticket(request);
-        let record = self.requests.at_mut(slot);
-        record.table = table;
-        record.tokens += new_tokens;
-        record.tickets.push(ticket);
         let record = self.requests.at(slot);
         Ok(Allocation { ticket, block_table: &record.table, new_blocks: fresh })
     }

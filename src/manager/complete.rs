@@ -20,7 +20,7 @@
 use super::load_outcome::{BlockOutcome, LoadOutcome};
 use super::transfer::{BlockPair, InFlight};
 use super::{CacheManager, CompleteError, TicketId, TransferFailure, TransferId, TransferKind};
-use crate::tree::{Landing, NodeId, NodeState, SwapOut};
+use crate::tree::{NodeId, NodeState, SwapOut};
 
 impl CacheManager {
     /// Applies the outcome of copy `id` (module flow). Call it once per copy, when every rank has
@@ -214,112 +214,55 @@ impl CacheManager {
         }
     }
 
-    /// Swap-out `id`, serving `nodes` (one per pair), landed (module flow, step 3): the nodes
-    /// still attached whose device blocks an allocation claimed (the usual case: all of them)
-    /// land in one pass of the tree ([`Tree::land_claimed_swap_outs`]), until one in another
-    /// state; from there on [`CacheManager::swap_outs_landed_one_by_one`] lands them.
-    ///
-    /// [`Tree::land_claimed_swap_outs`]: crate::tree::Tree::land_claimed_swap_outs
-    #[inline]
+    /// Swap-out `id`, serving `nodes` (one per pair), landed (module flow, step 3): each node
+    /// still attached moves on by what its swap-out was for ([`SwapOut`]): a backup stays on
+    /// device with its host copy; an eviction settles on host, its device block back to the
+    /// pool unless an allocation claimed it already.
     fn swap_outs_landed(&mut self, id: TransferId, nodes: &[NodeId]) {
-        // Only a storage tier wants to hear of each node settled on host.
-        if self.storage_enabled() || self.general_forms_only() {
-            self.swap_outs_landed_one_by_one(id, nodes);
-            return;
-        }
-        let (through, landed) = self.tree.land_claimed_swap_outs(nodes, id.0);
-        self.stats.swap_out_blocks += landed;
-        if let Some(rest) = nodes.get(through..).filter(|rest| !rest.is_empty()) {
-            self.backups_landed(id, rest);
-        }
-    }
-
-    /// [`CacheManager::swap_outs_landed`] from a node that is no claimed swap-out on: the
-    /// backups (the usual swap-out of write-through's `poll`) land in one pass of the tree
-    /// ([`Tree::land_backup_swap_outs`]), until one in another state; from there on
-    /// [`CacheManager::swap_outs_landed_one_by_one`] lands them. Without a storage tier.
-    ///
-    /// [`Tree::land_backup_swap_outs`]: crate::tree::Tree::land_backup_swap_outs
-    #[inline(never)] // off the path of write-back's landings
-    fn backups_landed(&mut self, id: TransferId, nodes: &[NodeId]) {
-        let (through, landed) = self.tree.land_backup_swap_outs(nodes, id.0);
-        self.stats.backup_blocks += landed;
-        if let Some(rest) = nodes.get(through..).filter(|rest| !rest.is_empty()) {
-            self.swap_outs_landed_one_by_one(id, rest);
-        }
-    }
-
-    /// [`CacheManager::swap_outs_landed`] node by node: a node still attached whose device block
-    /// an allocation claimed lands in one visit to its record
-    /// ([`Tree::land_attached_claimed_swap_out`]); any other attached node goes through
-    /// [`CacheManager::swap_out_landed`]. Out of line: with a storage tier, or once a swap-out
-    /// of a backup or an unclaimed eviction is met.
-    ///
-    /// [`Tree::land_attached_claimed_swap_out`]: crate::tree::Tree::land_attached_claimed_swap_out
-    #[inline(never)]
-    fn swap_outs_landed_one_by_one(&mut self, id: TransferId, nodes: &[NodeId]) {
-        // Asked once: only a storage tier wants to hear of a node settled on host.
-        let storage = self.storage_enabled();
-        let mut landed = 0;
         for &node in nodes {
-            match self.tree.land_attached_claimed_swap_out(node, id.0) {
-                Landing::Landed => {
-                    landed += 1;
-                    if storage {
-                        self.settled_on_host(node);
-                    }
+            let Some(record) = self.tree.attached_to(node, id.0) else { continue };
+            let NodeState::SwapToHost(swap) = record.state() else {
+                unreachable!("a node attached to a swap-out is swapping out")
+            };
+            let device = record.device();
+            match swap {
+                SwapOut::Backup => {
+                    self.stats.backup_blocks += 1;
+                    self.tree.update(node, |node| {
+                        node.set_state(NodeState::Device);
+                        node.set_transfer(None);
+                    });
                 }
-                Landing::Attached(state) => self.swap_out_landed(node, state),
-                Landing::Detached => {}
+                SwapOut::Evict | SwapOut::Claimed => {
+                    self.stats.swap_out_blocks += 1;
+                    if let Some(block) = device {
+                        self.free_device(block);
+                    }
+                    self.settle_on_host(node);
+                }
             }
         }
-        self.stats.swap_out_blocks += landed;
     }
 
     /// Swap-in `id`, serving `nodes` (one per pair of `pairs`), landed (module flow, step 3): each
-    /// node still attached is `Device` ([`Tree::land_swap_in`]), and a host copy that only
-    /// passed through (a LOAD's) goes back to the pool.
-    ///
-    /// [`Tree::land_swap_in`]: crate::tree::Tree::land_swap_in
+    /// node still attached is `Device`, and a host copy that only passed through (a LOAD's) goes
+    /// back to the pool.
     fn swap_ins_landed(&mut self, id: TransferId, pairs: &[BlockPair], nodes: &[NodeId]) {
         for (pair, &node) in pairs.iter().zip(nodes) {
-            let Some(node_record) = self.tree.attached_to(node, id.0) else { continue };
-            let passing = node_record.passing_through_host();
-            self.tree.land_swap_in(node, passing);
+            let Some(record) = self.tree.attached_to(node, id.0) else { continue };
+            let passing = record.passing_through_host();
+            self.tree.update(node, |node| {
+                node.set_state(NodeState::Device);
+                node.set_transfer(None);
+                if passing {
+                    node.set_host(None);
+                    node.set_passing_through_host(false);
+                }
+            });
             if passing {
                 self.free_host(pair.src);
             }
             self.stats.swap_in_blocks += 1;
-        }
-    }
-
-    /// The swap-out of node `id`, in `state`, landed (module flow, step 3): a backup or an
-    /// unclaimed eviction (a claimed one lands in [`CacheManager::swap_outs_landed`]).
-    fn swap_out_landed(&mut self, id: NodeId, state: NodeState) {
-        let NodeState::SwapToHost(swap) = state else {
-            unreachable!("a node attached to a swap-out is swapping out")
-        };
-        match swap {
-            SwapOut::Backup => {
-                self.stats.backup_blocks += 1;
-                self.tree.update(id, |node| {
-                    node.set_state(NodeState::Device);
-                    node.set_transfer(None);
-                });
-            }
-            SwapOut::Claimed => {
-                unreachable!("a claimed swap-out lands in Tree::land_attached_claimed_swap_out")
-            }
-            SwapOut::Evict => {
-                self.stats.swap_out_blocks += 1;
-                let block = self
-                    .tree
-                    .node(id)
-                    .device()
-                    .expect("an unclaimed eviction keeps its device block");
-                self.free_device(block);
-                self.settle_on_host(id);
-            }
         }
     }
 

@@ -1,297 +1,296 @@
-//! Finding device and host blocks when the pools run short (DESIGN §4.3, §4.4).
+//! The eviction engine (DESIGN §4.4): the one place where a victim's fate is decided and carried
+//! out, for every tier, write policy and eviction policy.
 //!
-//! Device blocks come, in this order, from the free pool, from nodes being swapped out whose
-//! block no allocation has claimed yet (the claimer's ticket then covers that copy), and from
-//! evicting the least recently used device candidate under the write policy:
-//! 1. a node with a valid host copy just drops its device copy (metadata only; in an
-//!    allocation the parent comes back unfiled when it is the next victim, as in step 3:
-//!    [`Tree::drop_device_copy_exposing`]);
-//! 2. else, if the policy wants a copy (write-back; write-through for a node whose backup has
-//!    not happened; selective for a node hit `threshold` times) and a host block can be had, it
-//!    starts a swap-out, and the block becomes claimable at once (an allocation, which would
-//!    claim it next, takes it as the swap-out starts, and gets the parent back unfiled when it
-//!    is the next victim, as in step 3: [`Tree::start_claimed_swap_out`]);
-//! 3. else the node is dropped, with the host-only nodes under it (a match could never reach
-//!    them again), and its block is free. When an allocation drops a leaf whose parent becomes
-//!    the device candidate the policy gives up next (a chain evicted tail first), the tree hands
-//!    the parent back unfiled as the next victim ([`Tree::remove_exposing`]).
+//! Three tiers give blocks up by eviction ([`Tier`]): the device, the host and the storage tier.
+//! Each has its evictable set in the tree, ordered by the eviction policy, and a victim is always
+//! the first member of its tier's set. What becomes of it is one function, [`fate`], of the
+//! node, the tier it is evicted from, the tiers below and the write policy ([`Below`]):
+//! - **drop a copy that is backed up** ([`Fate::DropCopy`]): another tier holds a valid copy
+//!   (a device copy over a host backup, a host copy of a node still on device, a host copy of a
+//!   block the storage tier holds), so only this tier's copy goes, metadata only;
+//! - **write back** ([`Fate::WriteBack`]): a device copy that the write policy wants kept
+//!   (write-back; write-through for a node whose backup has not happened; selective for a node
+//!   hit `threshold` times) is copied to a host block (a swap-out);
+//! - **store** ([`Fate::Store`]): a host copy above a storage tier that is up is written to it
+//!   (a STORE);
+//! - **drop** ([`Fate::Drop`]): anything else leaves the tree with its subtree (the nodes below
+//!   it are host-only or storage-only, and no match could reach them again); so does a write-back
+//!   or a store that cannot get a block on the tier below.
 //!
-//! An allocation takes the device block that steps 1 and 3 free at once, without passing it
-//! through the pool (which would hand the same block back: it gives out the block freed last).
-//! Without a host tier (so without a storage tier) every eviction is step 3 of a leaf on device
-//! alone: an allocation has the tree drop them in one loop ([`Tree::drop_device_leaves`]).
-//! With a host tier and no storage tier, an allocation has the tree evict its victims in runs
-//! ([`Tree::write_back_run`]): step 1, and step 2 with a host block from the pool or from a
-//! host-only leaf, in one loop that hands the pairs to the open swap-out; a victim of any other
-//! kind ends the run, goes through the per-victim path below, and the next run goes on.
+//! One loop carries it out, [`CacheManager::evict`], for every caller:
+//! 1. take the first member of the tier's set (none left: stop);
+//! 2. decide its [`fate`];
+//! 3. carry it out ([`CacheManager::evict_victim`]), taking a block on the tier below for a
+//!    write-back ([`CacheManager::obtain_host_block`], itself one turn of the loop on the host
+//!    tier) or a store ([`CacheManager::reserve_storage_block`], one on the storage tier);
+//! 4. hand the victim's block to the caller, who takes it at once (an allocation; a write-back
+//!    or a store that needs a block), or give it back: to its pool, or, for a write-back ahead of
+//!    demand, claimable until its swap-out lands.
 //!
-//! Host blocks come from the free host pool, then from the least recently used host candidate:
-//! a backup is dropped; a host-only node the storage tier holds becomes storage-only (metadata
-//! only); with a storage tier, any other host-only node is written back: a STORE starts, the node
-//! becomes `HostToStorage(evict)` and its host block is claimed at once, the caller's copy into
-//! it waiting for the STORE (see [`super::storage`]); without one, a host-only node leaves the
-//! tree. In an allocation, when a host-only node leaves the host tier (to storage, or out of
-//! the tree) and its host-only parent becomes a host candidate, the parent is handed back
-//! unfiled to the next host eviction, which takes it if it comes first and files it otherwise
-//! ([`Tree::remove_exposing_host`], [`Tree::update_exposing_host`]).
-//!
-//! An allocation first counts what it could get without changing anything
-//! ([`count_reclaimable`]), so that a shortfall fails with the manager untouched. Every claimable
-//! node and every device candidate gives one block, so when there are enough of them the count
-//! is O(1); only a shortfall walks the candidates to add the parents their evictions expose,
-//! following each cascade as it is found and stopping once there are enough.
+//! An allocation takes its device blocks ([`CacheManager::obtain_device_blocks`]) free first,
+//! then claims blocks being swapped out (the claimer's ticket then covers that copy), then runs
+//! the loop for the rest; a swap-out it starts is claimed at once (`SwapToHost(Claimed)`). `poll`
+//! runs it ahead of demand to keep `free_watermark` device blocks free or on their way
+//! ([`CacheManager::evict_toward`]). The tree files every node a change exposes (a parent that
+//! becomes a candidate) at once, so the next turn of the loop sees it in its place.
 
-use std::mem::MaybeUninit;
-use std::ops::ControlFlow;
-
-use super::ids::IdMap;
-use super::transfer::{BlockPair, InFlight};
-use super::{CacheManager, TransferId, TransferKind, WritePolicy};
-use crate::pool::BlockPool;
+use super::{CacheManager, TransferId, WritePolicy};
 use crate::tree::policy::EvictSet;
-use crate::tree::{
-    NodeId, NodeMut, NodeState, RunEnd, StoreOut, SwapOut, Tree, WriteBackRun, WriteBackSink,
-};
+use crate::tree::{Node, NodeId, NodeState, StoreOut, SwapOut};
 
-/// What evicting one device candidate gave.
-enum Evicted {
-    /// Its device block is back in the pool (an eviction ahead of demand).
-    Freed,
-    /// The caller, an allocation, took its device block `block` at once: the block changes
-    /// owner without passing through the pool (which would hand the same block back, the one
-    /// freed last). `exposed`: its parent, left unfiled as the next device candidate (see
-    /// [`Tree::remove_exposing`]).
-    Taken { block: u32, exposed: Option<NodeId> },
-    /// A swap-out started; the node's block is claimable.
-    SwappingOut,
-    /// A swap-out started and the caller took the node's block at once: `block`, still read by
-    /// `transfer`; `exposed` as for `Taken`.
-    Claimed { block: u32, transfer: TransferId, exposed: Option<NodeId> },
+/// A block an eviction gave: its number, and the copy still reading it, which a copy into the
+/// block (or the ticket of the request it goes to) must wait for.
+pub(super) type Reclaimed = (u32, Option<TransferId>);
+
+/// A tier that gives blocks up by eviction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Tier {
+    Device,
+    Host,
+    /// Below host; its blocks are named by hash, so its evictions give room, not numbers.
+    Storage,
 }
 
-/// The manager's side of an allocation's write-back run ([`Tree::write_back_run`]): the host
-/// pool, and slots for what the run gives, one per block it may take, in the spare capacity of
-/// the vectors it goes to: the device blocks taken (`obtain_device_blocks`'s `out`) and the
-/// pairs and nodes of the swap-out opened for the run ([`spare_slots`]). A write into a slot keeps the
-/// slot's address in a register, where a push would reload the vector's header after every
-/// write to the tree (which the optimizer cannot tell apart), and growing the vectors by
-/// filler values first would cost as much as the pushes.
-struct AllocationBlocks<'a> {
-    host: &'a mut BlockPool,
-    out: Slots<'a, (u32, Option<TransferId>)>,
-    /// The open swap-out, its pair slots and node slots.
-    swap_out: (TransferId, Slots<'a, BlockPair>, Slots<'a, NodeId>),
-}
-
-/// Spare slots at the end of a vector, handed out in order by [`spare_slots`].
-type Slots<'a, T> = std::slice::IterMut<'a, MaybeUninit<T>>;
-
-/// The first `count` spare slots of `vec` (reserved now), to write in order and then append
-/// with [`append_written`].
-fn spare_slots<T>(vec: &mut Vec<T>, count: usize) -> Slots<'_, T> {
-    vec.reserve(count);
-    vec.spare_capacity_mut()[..count].iter_mut()
-}
-
-/// Appends to `vec` the first `written` of its spare slots.
-///
-/// # Safety
-/// Those slots must hold values: written through the slots [`spare_slots`] handed out, each
-/// written as it was taken from the iterator (so the first `written` taken are the ones
-/// written), and the vector not changed since.
-unsafe fn append_written<T>(vec: &mut Vec<T>, written: usize) {
-    // SAFETY: the caller's premise: the slots up to `len + written` are initialized, and they
-    // are within the capacity `spare_slots` reserved.
-    unsafe { vec.set_len(vec.len() + written) };
-}
-
-impl WriteBackSink for AllocationBlocks<'_> {
-    fn free_host_blocks(&self) -> usize {
-        self.host.free_count()
+impl Tier {
+    /// The evictable set of the tier's victims.
+    fn victims(self) -> EvictSet {
+        match self {
+            Tier::Device => EvictSet::Device,
+            Tier::Host => EvictSet::Host,
+            Tier::Storage => EvictSet::Storage,
+        }
     }
+}
 
-    fn take_free_host_block(&mut self) -> u32 {
-        self.host.allocate_one().expect("taking a free block that is there")
+/// What a victim's fate reads of the cache besides the node: the tiers below and the write
+/// policy.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Below {
+    /// Whether there is a host tier.
+    pub host: bool,
+    /// Whether there is a storage tier, and it is up (a tier that is down takes no write).
+    pub storage_up: bool,
+    pub write_policy: WritePolicy,
+}
+
+/// What becomes of a victim (module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fate {
+    DropCopy,
+    WriteBack,
+    Store,
+    Drop,
+}
+
+/// The fate of `node`, a victim of `tier` (module documentation).
+pub(super) fn fate(node: &Node, tier: Tier, below: Below) -> Fate {
+    match tier {
+        // A device candidate is `Device`: its host block is a valid copy.
+        Tier::Device if node.host().is_some() => Fate::DropCopy,
+        Tier::Device if below.host && keeps(below.write_policy, node.hit_count()) => {
+            Fate::WriteBack
+        }
+        Tier::Host if node.device().is_some() || node.stored() => Fate::DropCopy,
+        Tier::Host if below.storage_up => Fate::Store,
+        _ => Fate::Drop,
     }
+}
 
-    #[inline(always)] // once per write-back, in the run's loop
-    fn written_back(&mut self, id: NodeId, device: u32, host: u32) {
-        const SLOTS: &str = "a run takes no more blocks than it has slots for";
-        let (transfer, pairs, nodes) = &mut self.swap_out;
-        pairs.next().expect(SLOTS).write(BlockPair::new(device, host));
-        nodes.next().expect(SLOTS).write(id);
-        self.out.next().expect(SLOTS).write((device, Some(*transfer)));
-    }
-
-    #[inline(always)]
-    fn device_copy_dropped(&mut self, device: u32) {
-        let slot = self.out.next().expect("a run takes no more blocks than it has slots for");
-        slot.write((device, None));
+/// Whether `write_policy` keeps an evicted device copy hit `hits` times (counting its commit) on
+/// host: write-back always, and write-through too (the node's backup has not happened), the
+/// selective policy once it was hit `threshold` times.
+fn keeps(write_policy: WritePolicy, hits: u32) -> bool {
+    match write_policy {
+        WritePolicy::WriteBack | WritePolicy::WriteThrough => true,
+        WritePolicy::WriteThroughSelective { threshold } => hits >= threshold,
     }
 }
 
 impl CacheManager {
-    /// How many device blocks beyond the free ones evictions and claims could provide, counted up
-    /// to `limit`. Changes nothing.
-    pub(super) fn reclaimable_up_to(&mut self, limit: usize) -> usize {
-        let (gone, exposed) = &mut self.scratch_reclaim;
-        count_reclaimable(&self.tree, gone, exposed, limit)
+    /// The engine's loop (module flow): evicts up to `count` victims of `tier`, each the first of
+    /// its set, and returns how many it evicted (fewer when the set ran out). With `taken`, the
+    /// caller takes each victim's block at once and it is appended there; otherwise a block goes
+    /// back to its pool, or stays with its swap-out, claimable.
+    pub(super) fn evict(
+        &mut self,
+        tier: Tier,
+        count: usize,
+        mut taken: Option<&mut Vec<Reclaimed>>,
+    ) -> usize {
+        for evicted in 0..count {
+            let Some(victim) = self.tree.first(tier.victims()) else { return evicted };
+            let block = self.evict_victim(victim, tier, taken.is_some());
+            if let (Some(taken), Some(block)) = (taken.as_deref_mut(), block) {
+                taken.push(block);
+            }
+        }
+        count
     }
 
-    /// Takes `count` device blocks, each with the swap-out still reading it when it was claimed.
+    /// Decides and carries out the fate of `victim`, the first member of `tier`'s set (module
+    /// flow, steps 2 to 4). `take`: the caller takes its block, which is returned (the storage
+    /// tier has none to return); a host block is always taken (a host eviction is for a block).
+    // Inline in the loop, with the tree's removal: a call here costs 10% more instructions per
+    // request at 5,859 device blocks (callgrind, `kvshm replay` of the Mooncake trace).
+    #[inline(always)]
+    fn evict_victim(&mut self, victim: NodeId, tier: Tier, take: bool) -> Option<Reclaimed> {
+        debug_assert!(take || tier != Tier::Host, "a host eviction is for the caller's block");
+        let node = self.tree.node(victim);
+        let block = match tier {
+            Tier::Device => node.device(),
+            Tier::Host => node.host(),
+            Tier::Storage => None,
+        };
+        let mut reader = None;
+        match fate(node, tier, self.below()) {
+            Fate::DropCopy => self.drop_copy(victim, tier),
+            Fate::WriteBack => match self.obtain_host_block() {
+                Some(host) => reader = Some(self.write_back(victim, host, take)),
+                None => self.drop_victim(victim, tier),
+            },
+            Fate::Store if self.reserve_storage_block() => {
+                let block = block.expect("a host candidate has a host block");
+                reader = Some(self.start_store(victim, block, StoreOut::Evict));
+                self.stats.evictions.host_written_back += 1;
+            }
+            Fate::Store | Fate::Drop => self.drop_victim(victim, tier),
+        }
+        let block = block?;
+        if !take {
+            // Dropped or written back ahead of demand: back to the pool, or claimable.
+            if reader.is_none() {
+                self.free_device(block);
+            }
+            return None;
+        }
+        Some((block, reader))
+    }
+
+    /// What [`fate`] reads of the cache besides the node.
+    fn below(&self) -> Below {
+        Below {
+            host: self.host_enabled(),
+            storage_up: self.storage_enabled() && !self.tier.is_down(),
+            write_policy: self.config.write_policy,
+        }
+    }
+
+    /// [`Fate::DropCopy`] of `victim` on `tier`: its copy there goes, and its block with it (to
+    /// the caller); it keeps the copy that backs it up.
+    fn drop_copy(&mut self, victim: NodeId, tier: Tier) {
+        let node = self.tree.node(victim);
+        match tier {
+            Tier::Device => {
+                self.tree.update(victim, |node| {
+                    node.set_device(None);
+                    node.set_state(NodeState::Host);
+                });
+                self.stats.evictions.device_to_host_metadata += 1;
+                self.settled_on_host(victim);
+            }
+            Tier::Host if node.device().is_some() => {
+                self.tree.update(victim, |node| node.set_host(None));
+                self.stats.evictions.host_dropped += 1;
+            }
+            Tier::Host => {
+                self.tree.update(victim, |node| {
+                    node.set_host(None);
+                    node.set_state(NodeState::Storage);
+                });
+                self.stats.evictions.host_to_storage_metadata += 1;
+            }
+            Tier::Storage => unreachable!("a storage-only node has no copy backed up below"),
+        }
+    }
+
+    /// [`Fate::WriteBack`] of device victim `victim` into `host` (a host block, with the STORE
+    /// still reading it if one claimed it): its swap-out starts, claimed at once when the
+    /// caller `take`s its device block, else claimable until it lands. Returns the swap-out.
+    fn write_back(&mut self, victim: NodeId, (host, store): Reclaimed, take: bool) -> TransferId {
+        let swap = if take { SwapOut::Claimed } else { SwapOut::Evict };
+        let transfer = self.start_swap_out(victim, host, swap);
+        self.order_after_store(transfer, store);
+        self.stats.evictions.device_written_back += 1;
+        transfer
+    }
+
+    /// [`Fate::Drop`] of `victim` on `tier`: it leaves the tree with its subtree. While the
+    /// storage tier is down, the storage-only nodes below a host victim that the tier holds
+    /// intact are kept as orphans (`tier_health`).
+    #[inline(always)] // as `evict_victim`
+    fn drop_victim(&mut self, victim: NodeId, tier: Tier) {
+        let evictions = &mut self.stats.evictions;
+        match tier {
+            Tier::Device => evictions.device_dropped += 1,
+            Tier::Host => evictions.host_dropped += 1,
+            Tier::Storage => evictions.storage_dropped += 1,
+        }
+        if tier == Tier::Host && self.storage_enabled() && self.tier.is_down() {
+            self.stats.storage_down_dropped_blocks += 1;
+            self.orphan_stored_children(victim);
+        }
+        while let Some(child) = self.tree.first_child(victim) {
+            self.drop_subtree(child);
+        }
+        // Its one block (its other tiers hold none, or it would have dropped a copy) is for
+        // `evict_victim` to hand on; its storage copy, if any, goes.
+        let node = self.tree.node(victim);
+        let (stored, hash, state) = (node.stored(), node.hash(), node.state());
+        self.give_up_storage_copy(stored, hash, state);
+        self.tree.remove(victim);
+    }
+
+    /// Takes `count` device blocks (module flow), each with the swap-out still reading it when
+    /// it was claimed from one, appended to `out`.
     ///
     /// # Panics
     /// If fewer can be had: callers check with [`CacheManager::reclaimable_up_to`] first.
-    pub(super) fn obtain_device_blocks(
-        &mut self,
-        count: usize,
-        out: &mut Vec<(u32, Option<TransferId>)>,
-    ) {
-        let from_pool = count.min(self.device.free_count());
+    pub(super) fn obtain_device_blocks(&mut self, count: usize, out: &mut Vec<Reclaimed>) {
         let start = out.len();
-        for _ in 0..from_pool {
-            out.push((
-                self.device.allocate_one().expect("taking free blocks that are there"),
-                None,
-            ));
-        }
-        // Claims first: the evictions below start no claimable swap-out (an allocation takes
-        // the block of the swap-out it starts at once), so none is left once they begin.
+        out.reserve(count);
         while out.len() - start < count {
-            let Some(id) = self.tree.first_claimable() else { break };
+            let Some(block) = self.device.allocate_one() else { break };
+            out.push((block, None));
+        }
+        while out.len() - start < count {
+            let Some(id) = self.tree.first(EvictSet::Claimable) else { break };
             out.push(self.claim(id));
         }
-        // The parents evictions left unfiled (the next device victim, and the host-only parent
-        // that is the next host victim if no host candidate comes before it), and the counts.
-        let mut run = WriteBackRun::default();
-        // Without a storage tier the usual victims go in the tree's write-back run; the others,
-        // and every victim with a storage tier (or in a differential test's general manager),
-        // one by one below.
-        let in_runs = self.host_enabled() && !self.storage_enabled() && !self.general_forms_only();
-        let min_hits = match self.config.write_policy {
-            WritePolicy::WriteBack | WritePolicy::WriteThrough => 0,
-            WritePolicy::WriteThroughSelective { threshold } => threshold,
-        };
-        // The swap-out the runs' write-backs join, opened now (before the first run, so that one
-        // run does the whole allocation) unless open; taken back below if nothing joins it.
-        let opened_here =
-            in_runs && out.len() - start < count && self.open_device_to_host.is_none();
-        if opened_here {
-            self.open_transfer(TransferKind::DeviceToHost);
-        }
-        while out.len() - start < count {
-            debug_assert!(
-                self.tree.first_claimable().is_none(),
-                "an eviction left a claimable node"
-            );
-            if in_runs {
-                let left = count - (out.len() - start);
-                let CacheManager { tree, host, open_device_to_host, .. } = self;
-                let (id, flight) =
-                    open_device_to_host.as_mut().expect("the runs' swap-out is open");
-                let InFlight { pairs, nodes, .. } = &mut **flight;
-                let swap_out = (*id, spare_slots(pairs, left), spare_slots(nodes, left));
-                let mut sink = AllocationBlocks { host, out: spare_slots(out, left), swap_out };
-                let end = tree.write_back_run(&mut run, left, min_hits, id.0, &mut sink);
-                let taken = left - sink.out.len();
-                let written_back = left - sink.swap_out.1.len();
-                // SAFETY: the sink wrote each slot it took from its iterators at once (see
-                // `AllocationBlocks`): the first `taken` of `out` and the first `written_back`
-                // of the swap-out's pairs and of its nodes (one of each per write-back); nothing
-                // else touched the vectors since `spare_slots`.
-                unsafe {
-                    append_written(out, taken);
-                    append_written(pairs, written_back);
-                    append_written(nodes, written_back);
-                }
-                if end == RunEnd::Done {
-                    break;
-                }
-            }
-            let taken = self.evict_one_for_allocation(&mut run);
-            out.push(taken);
-        }
-        if opened_here {
-            self.take_back_if_empty(TransferKind::DeviceToHost);
-        }
-        let evictions = &mut self.stats.evictions;
-        evictions.device_written_back += run.written_back;
-        evictions.device_to_host_metadata += run.device_copies_dropped;
-        evictions.host_dropped += run.host_dropped;
-        if let Some(parent) = run.exposed {
-            self.tree.file_exposed(parent, EvictSet::Device);
-        }
-        // A node the dry run's evictions then dropped (below a dropped device node) is gone.
-        if let Some(parent) = run.exposed_host.filter(|&parent| self.tree.is_live(parent)) {
-            self.tree.file_exposed(parent, EvictSet::Host);
-        }
+        let left = count - (out.len() - start);
+        let evicted = self.evict(Tier::Device, left, Some(out));
+        assert_eq!(evicted, left, "evicting past what the dry run counted is a programming error");
     }
 
-    /// One eviction of [`CacheManager::obtain_device_blocks`] by the per-victim path: of the
-    /// parent the last one left unfiled (in `run`), else of the first device candidate. Returns
-    /// its device block, with the swap-out still reading it if it was written back.
-    // Out of line: without a storage tier it evicts only the victims a write-back run leaves,
-    // and the allocation's hot code stays compact (the run and its loop).
-    #[inline(never)]
-    fn evict_one_for_allocation(&mut self, run: &mut WriteBackRun) -> (u32, Option<TransferId>) {
-        let victim = run.exposed.take().unwrap_or_else(|| {
-            self.tree
-                .first_device_candidate()
-                .expect("evicting past what the dry run counted is a programming error")
-        });
-        // No node is claimable here, so a swap-out the eviction starts would be the next
-        // claim: it takes the block at once.
-        match self.evict_device(victim, Some(&mut run.exposed_host)) {
-            Evicted::Taken { block, exposed: parent } => {
-                run.exposed = parent;
-                (block, None)
-            }
-            Evicted::Claimed { block, transfer, exposed: parent } => {
-                run.exposed = parent;
-                (block, Some(transfer))
-            }
-            Evicted::Freed | Evicted::SwappingOut => {
-                unreachable!("an allocation's eviction takes the block it frees")
-            }
-        }
-    }
-
-    /// [`CacheManager::obtain_device_blocks`] without a host tier, the blocks appended to
-    /// `table`: nothing is claimable and no eviction writes back, so each one drops its victim
-    /// ([`CacheManager::evict_device`]'s branch for that, which the order of victims follows).
-    /// Without a host tier there is no storage tier either (a configuration with one is
-    /// refused), so every cached node is on device alone and a device candidate is a leaf with
-    /// nothing but its device block to give up: the tree drops them ([`Tree::drop_device_leaves`]).
-    ///
-    /// # Panics
-    /// If fewer can be had: callers check with [`CacheManager::reclaimable_up_to`] first.
-    pub(super) fn obtain_device_blocks_without_host(&mut self, count: usize, table: &mut Vec<u32>) {
-        debug_assert!(!self.host_enabled(), "a host tier may write back or claim");
-        debug_assert!(!self.storage_enabled(), "a storage tier needs a host tier");
-        table.reserve(count);
-        let from_pool = count.min(self.device.free_count());
-        for _ in 0..from_pool {
-            table.push(self.device.allocate_one().expect("taking free blocks that are there"));
-        }
-        let evicted = count - from_pool;
-        if evicted > 0 {
-            self.stats.evictions.device_dropped += evicted as u64;
-            self.tree.drop_device_leaves(evicted, table);
-        }
-    }
-
-    /// Evicts device candidates until `target` blocks are free or on their way to free, or no
-    /// candidate is left; for the watermark of `poll`.
-    #[inline(never)] // off the request path (`poll` inline)
+    /// Evicts ahead of demand until `target` device blocks are free or on their way to free
+    /// (claimable), or no device candidate is left; for the watermark of `poll`. Each eviction
+    /// gives one block: its victim has no device child.
     pub(super) fn evict_toward(&mut self, target: usize) {
-        while self.device.free_count() + self.tree.claimable_count() < target {
-            let Some(victim) = self.tree.first_device_candidate() else { break };
-            self.evict_device(victim, None);
+        let have = self.device.free_count() + self.tree.count(EvictSet::Claimable);
+        if have < target {
+            self.evict(Tier::Device, target - have, None);
         }
+    }
+
+    /// A host block, from the pool or by evicting the first host candidate (module flow), with
+    /// the STORE still reading it when it was claimed from a write-back to storage: the caller's
+    /// copy into the block must wait for that STORE.
+    pub(super) fn obtain_host_block(&mut self) -> Option<Reclaimed> {
+        if let Some(block) = self.host.allocate_one() {
+            return Some((block, None));
+        }
+        // One turn of the loop.
+        let victim = self.tree.first(EvictSet::Host)?;
+        self.evict_victim(victim, Tier::Host, true)
+    }
+
+    /// Makes room for one more block on the storage tier when it is full, by evicting its first
+    /// candidate. False when it is full and nothing can go.
+    pub(super) fn make_storage_room(&mut self) -> bool {
+        self.storage_used < self.config.storage_blocks || self.evict(Tier::Storage, 1, None) == 1
     }
 
     /// Takes the device block of a node being swapped out, leaving the copy in flight.
-    fn claim(&mut self, id: NodeId) -> (u32, Option<TransferId>) {
+    fn claim(&mut self, id: NodeId) -> Reclaimed {
         let node = self.tree.node(id);
         let block = node.device().expect("a claimable node has its device block");
         let transfer =
@@ -302,454 +301,56 @@ impl CacheManager {
         });
         (block, Some(transfer))
     }
-
-    /// Evicts one device candidate under the write policy (module flow, steps 1 to 3).
-    /// `allocation` (the host parent a host eviction left unfiled, see
-    /// [`CacheManager::obtain_host_block_exposing`]) when the caller takes the block now and no
-    /// node is claimable: a swap-out is claimed as it starts (what the next claim would do,
-    /// without filing the node as claimable in between), and a drop of a leaf or of a device
-    /// copy, or a swap-out, may leave its parent unfiled as the next victim (see [`Evicted`]).
-    // Inline, so that each caller keeps only its own branches (an allocation's write-back path
-    // runs straight) and the `Evicted` it returns is matched without being built.
-    #[inline(always)]
-    fn evict_device(&mut self, id: NodeId, allocation: Option<&mut Option<NodeId>>) -> Evicted {
-        let for_allocation = allocation.is_some();
-        let node = self.tree.node(id);
-        let block = node.device().expect("a device candidate has a device block");
-        if node.has_valid_host() {
-            let exposed = if for_allocation {
-                self.tree.drop_device_copy_exposing(id)
-            } else {
-                self.tree.update(id, |node| {
-                    node.set_device(None);
-                    node.set_state(NodeState::Host);
-                });
-                None
-            };
-            self.stats.evictions.device_to_host_metadata += 1;
-            self.settled_on_host(id);
-            if for_allocation {
-                return Evicted::Taken { block, exposed };
-            }
-            self.free_device(block);
-            return Evicted::Freed;
-        }
-        let wants_copy = self.host_enabled()
-            && match self.config.write_policy {
-                WritePolicy::WriteBack | WritePolicy::WriteThrough => true,
-                WritePolicy::WriteThroughSelective { threshold } => node.hit_count() >= threshold,
-            };
-        if wants_copy {
-            let host = match allocation {
-                Some(exposed_host) => self.obtain_host_block_exposing(exposed_host),
-                None => self.obtain_host_block(),
-            };
-            if let Some((host_block, store)) = host {
-                self.stats.evictions.device_written_back += 1;
-                if for_allocation {
-                    let (transfer, exposed) = self.start_claimed_swap_out(id, block, host_block);
-                    self.order_after_store(transfer, store);
-                    return Evicted::Claimed { block, transfer, exposed };
-                }
-                let transfer = self.start_swap_out(id, host_block, SwapOut::Evict);
-                self.order_after_store(transfer, store);
-                return Evicted::SwappingOut;
-            }
-        }
-        self.stats.evictions.device_dropped += 1;
-        if !for_allocation {
-            self.drop_subtree(id);
-            return Evicted::Freed;
-        }
-        if !self.tree.node(id).has_children() {
-            let exposed = self.drop_device_leaf_exposing(id);
-            return Evicted::Taken { block, exposed };
-        }
-        // Host-only nodes below it go too: its block is the one device block the drop frees.
-        self.drop_subtree(id);
-        let taken = self.device.allocate_one().expect("a block was just freed");
-        debug_assert_eq!(taken, block, "the pool hands out the block freed last");
-        Evicted::Taken { block: taken, exposed: None }
-    }
-
-    /// A host block, from the pool or by evicting the least recently used host candidate
-    /// (module documentation), with the STORE still reading it when it was claimed from a
-    /// write-back: the caller's copy into the block must wait for that STORE.
-    pub(super) fn obtain_host_block(&mut self) -> Option<(u32, Option<TransferId>)> {
-        if let Some(block) = self.host.allocate_one() {
-            return Some((block, None));
-        }
-        let victim = self.tree.first_host_candidate()?;
-        Some(self.evict_host(victim, None))
-    }
-
-    /// [`CacheManager::obtain_host_block`] for an allocation that goes on evicting: `exposed` is
-    /// the host-only parent that the previous host eviction left unfiled (see
-    /// [`Tree::remove_exposing_host`]), evicted now if it comes before every host candidate
-    /// and filed otherwise; this eviction may leave the next one there.
-    fn obtain_host_block_exposing(
-        &mut self,
-        exposed: &mut Option<NodeId>,
-    ) -> Option<(u32, Option<TransferId>)> {
-        if let Some(block) = self.host.allocate_one() {
-            return Some((block, None));
-        }
-        let victim = match exposed.take() {
-            Some(parent) if self.tree.is_next_host_victim(parent) => parent,
-            parent => {
-                if let Some(parent) = parent.filter(|&parent| self.tree.is_live(parent)) {
-                    self.tree.file_exposed(parent, EvictSet::Host);
-                }
-                self.tree.first_host_candidate()?
-            }
-        };
-        Some(self.evict_host(victim, Some(exposed)))
-    }
-
-    /// Evicts host candidate `victim` for its host block (module documentation); `exposed`:
-    /// where to leave the parent a removal makes a host candidate (unfiled), if the caller goes
-    /// on evicting.
-    #[inline]
-    fn evict_host(
-        &mut self,
-        victim: NodeId,
-        exposed: Option<&mut Option<NodeId>>,
-    ) -> (u32, Option<TransferId>) {
-        let node = self.tree.node(victim);
-        let block = node.host().expect("a host candidate has a host block");
-        // The block changes owner without passing through the pool.
-        if node.device().is_some() {
-            self.tree.update(victim, |node| node.set_host(None));
-        } else if self.storage_enabled() {
-            return self.evict_host_only_above_storage(victim, block, exposed);
-        } else {
-            // Without a storage tier no node is storage-only: a host candidate is a leaf.
-            match exposed {
-                Some(exposed) => *exposed = self.tree.remove_exposing_host(victim),
-                None => self.tree.remove(victim),
-            }
-        }
-        self.stats.evictions.host_dropped += 1;
-        (block, None)
-    }
-
-    /// Evicts host-only candidate `victim` (its host block `block`) with a storage tier below
-    /// (module documentation): to storage-only when the tier holds it, else written back when the
-    /// tier is up and has room, else dropped with its storage-only children (while the tier is
-    /// down those it holds are kept as orphans: `tier_health`). Returns the block
-    /// and the STORE still reading it. `exposed`: as for [`CacheManager::evict_host`], for the
-    /// first two.
-    #[inline(never)]
-    fn evict_host_only_above_storage(
-        &mut self,
-        victim: NodeId,
-        block: u32,
-        exposed: Option<&mut Option<NodeId>>,
-    ) -> (u32, Option<TransferId>) {
-        if self.tree.node(victim).stored() {
-            let to_storage = |node: &mut NodeMut<'_>| {
-                node.set_host(None);
-                node.set_state(NodeState::Storage);
-            };
-            match exposed {
-                Some(exposed) => *exposed = self.tree.update_exposing_host(victim, to_storage),
-                None => self.tree.update(victim, to_storage),
-            }
-            self.stats.evictions.host_to_storage_metadata += 1;
-            return (block, None);
-        }
-        if self.tier.is_down() {
-            // No write-back to a tier that is down: the block is dropped (`tier_health`).
-            self.stats.storage_down_dropped_blocks += 1;
-        } else if self.reserve_storage_block() {
-            let store = match exposed {
-                Some(exposed) => {
-                    let (store, parent) = self.start_write_back_exposing(victim, block);
-                    *exposed = parent;
-                    store
-                }
-                None => self.start_store(victim, block, StoreOut::Evict),
-            };
-            self.stats.evictions.host_written_back += 1;
-            return (block, Some(store));
-        }
-        if self.tier.is_down() {
-            // The tier holds its storage-only children intact: kept as orphans, not forgotten.
-            self.orphan_stored_children(victim);
-        } else {
-            // Storage-only children of a full tier go with it, freeing its room.
-            while let Some(child) = self.tree.first_child(victim) {
-                self.drop_subtree(child);
-            }
-        }
-        // The tier may hold the block all the same (a block loaded back keeps its slab copy).
-        self.forget_dropped(self.tree.node(victim).hash(), NodeState::Host);
-        self.tree.remove(victim);
-        self.stats.evictions.host_dropped += 1;
-        (block, None)
-    }
-}
-
-/// Counts, up to `limit`, the host blocks that evictions of host candidates could give: every
-/// candidate, and every node that becomes one once its children counted before it have left the
-/// host tier (a host-only candidate leaves it; one with a device copy stays above storage).
-/// `gone` and `exposed` are scratch space, as for [`count_reclaimable`].
-pub(super) fn count_host_obtainable(
-    tree: &Tree,
-    gone: &mut IdMap<NodeId, u32>,
-    exposed: &mut Vec<NodeId>,
-    limit: usize,
-) -> usize {
-    let direct = tree.host_candidate_count();
-    if direct >= limit {
-        return limit;
-    }
-    gone.clear();
-    exposed.clear();
-    let mut count = direct;
-    let mut expose = |id: NodeId, exposed: &mut Vec<NodeId>| {
-        let node = tree.node(id);
-        let parent = node.parent().expect("a counted node is not the root");
-        if node.device().is_some() || parent == NodeId::ROOT {
-            return;
-        }
-        let children = tree.upper_child_count(parent);
-        let node = tree.node(parent);
-        if counted_gone(gone, parent, children) == children
-            && node.has_valid_host()
-            && node.ref_count() == 0
-        {
-            exposed.push(parent);
-        }
-    };
-    tree.visit(EvictSet::Host, |id| {
-        expose(id, exposed);
-        ControlFlow::Continue(())
-    });
-    while let Some(id) = exposed.pop() {
-        count += 1;
-        if count >= limit {
-            return limit;
-        }
-        expose(id, exposed);
-    }
-    count
-}
-
-/// Counts, up to `limit`, the device blocks that claims and cascading evictions could free:
-/// every claimable node, every device candidate, and every node that becomes a candidate once
-/// the device children counted before it are gone. `gone` (device children counted, per
-/// parent) and `exposed` (parents whose last device child was counted) are scratch space.
-fn count_reclaimable(
-    tree: &Tree,
-    gone: &mut IdMap<NodeId, u32>,
-    exposed: &mut Vec<NodeId>,
-    limit: usize,
-) -> usize {
-    let direct = tree.claimable_count() + tree.device_candidate_count();
-    if direct >= limit {
-        return limit;
-    }
-    gone.clear();
-    exposed.clear();
-    let mut count = direct;
-    let mut expose = |id: NodeId, exposed: &mut Vec<NodeId>| {
-        let parent = tree.node(id).parent().expect("a counted node is not the root");
-        if parent == NodeId::ROOT {
-            return;
-        }
-        let children = tree.device_child_count(parent);
-        let node = tree.node(parent);
-        if counted_gone(gone, parent, children) == children
-            && node.state() == NodeState::Device
-            && node.device().is_some()
-            && node.ref_count() == 0
-        {
-            exposed.push(parent);
-        }
-    };
-    // The count does not depend on the order in which nodes are counted: each candidate's cascade
-    // is followed as soon as it is found, so that a shortfall that a few chains cover stops
-    // before visiting every candidate.
-    let mut reached = false;
-    for set in [EvictSet::Claimable, EvictSet::Device] {
-        tree.visit(set, |id| {
-            expose(id, exposed);
-            while let Some(parent) = exposed.pop() {
-                count += 1;
-                if count >= limit {
-                    reached = true;
-                    return ControlFlow::Break(());
-                }
-                expose(parent, exposed);
-            }
-            ControlFlow::Continue(())
-        });
-        if reached {
-            return limit;
-        }
-    }
-    count
-}
-
-/// Counts one more child of `parent` (which has `children` of the kind counted) as gone, and
-/// returns how many are gone. The only child of its kind is gone at once: a chain, the usual
-/// shape, counts without touching the map (each child is counted once).
-#[inline]
-fn counted_gone(gone: &mut IdMap<NodeId, u32>, parent: NodeId, children: u32) -> u32 {
-    if children == 1 {
-        return 1;
-    }
-    let removed = gone.entry(parent).or_insert(0);
-    *removed += 1;
-    *removed
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::hash::BlockHash;
-    use crate::tree::{EvictionPolicy, SwapOut};
+    use crate::tree::{EvictionPolicy, Tree};
 
-    /// What a node of a test tree is: its state and blocks (and whether something holds it).
-    #[derive(Clone, Copy)]
-    enum Kind {
-        /// Idle on device, without a host copy.
-        Device,
-        /// Idle on device with a valid host copy (a backup).
-        Backup,
-        /// Host only.
-        Host,
-        /// On the storage tier only.
-        Storage,
-        /// Being copied to host as an eviction (claimable), its device block still there.
-        Evicting,
-        /// Being copied to host, its device block claimed by an allocation.
-        Claimed,
-        /// Being copied to host as a backup (stays on device).
-        BackingUp,
-        /// Host only, its host copy being written to storage as a backup.
-        StoringBackup,
-        /// Any of the above, held by a request.
-        Held(&'static Kind),
-    }
-
-    /// A tree's nodes, each `(parent index or None for the root, kind)`, parents first.
-    type Shape = &'static [(Option<usize>, Kind)];
-
-    /// What a case is called, its tree, and the blocks its dry run must count.
-    type Case = (&'static str, Shape, usize);
-
-    /// A tree of `nodes` (each `(parent index or None for the root, kind)`, parents first).
-    fn tree_of(policy: EvictionPolicy, nodes: Shape) -> Tree {
-        let mut tree = Tree::new(policy);
-        let mut ids: Vec<NodeId> = Vec::new();
-        for (index, &(parent, kind)) in nodes.iter().enumerate() {
-            let parent = parent.map_or(NodeId::ROOT, |parent| ids[parent]);
-            let block = index as u32;
-            let id = tree.insert(parent, BlockHash(index as u128 + 1), |node| {
-                let mut kind = kind;
-                if let Kind::Held(inner) = kind {
-                    node.hold();
-                    kind = *inner;
-                }
-                let (device, host, state) = match kind {
-                    Kind::Device => (true, false, NodeState::Device),
-                    Kind::Backup => (true, true, NodeState::Device),
-                    Kind::Host => (false, true, NodeState::Host),
-                    Kind::Storage => (false, false, NodeState::Storage),
-                    Kind::Evicting => (true, true, NodeState::SwapToHost(SwapOut::Evict)),
-                    Kind::Claimed => (false, true, NodeState::SwapToHost(SwapOut::Claimed)),
-                    Kind::BackingUp => (true, true, NodeState::SwapToHost(SwapOut::Backup)),
-                    Kind::StoringBackup => {
-                        (false, true, NodeState::HostToStorage(crate::tree::StoreOut::Backup))
-                    }
-                    Kind::Held(_) => unreachable!("one level of holding"),
-                };
-                node.set_device(device.then_some(block));
-                node.set_host(host.then_some(block));
-                node.set_state(state);
-                if matches!(kind, Kind::Storage) {
-                    node.set_stored(true);
-                }
-                if matches!(
-                    kind,
-                    Kind::Evicting | Kind::Claimed | Kind::BackingUp | Kind::StoringBackup
-                ) {
-                    node.set_transfer(Some(1));
+    /// The fate of every kind of victim, by tier, tiers below and write policy (DESIGN §4.3).
+    #[test]
+    fn a_victims_fate_follows_its_copies_the_tiers_below_and_the_write_policy() {
+        let mut tree = Tree::new(EvictionPolicy::Lru);
+        let mut node = |device: bool, host: bool, stored: bool, hits: u32| {
+            let id = tree.insert(NodeId::ROOT, BlockHash(tree.len() as u128 + 1), |node| {
+                node.set_device(device.then_some(1));
+                node.set_host(host.then_some(2));
+                node.set_state(if device { NodeState::Device } else { NodeState::Host });
+                node.set_stored(stored);
+                for _ in 1..hits {
+                    node.count_hit();
                 }
             });
-            ids.push(id);
-        }
-        tree.check().unwrap();
-        tree
-    }
-
-    /// The dry runs count what evictions would give, hand-counted per shape of parent: chains
-    /// (counted without the map), parents of several children of the kind counted, cascades,
-    /// and children that keep their parent (held, a device or host copy that stays, a copy in
-    /// flight) or do not count (storage-only, claimed, host-only below a device node).
-    #[test]
-    fn the_dry_runs_count_each_parent_once_its_every_child_of_the_kind_counted_is_gone() {
-        use Kind::*;
-        const HELD_DEVICE: Kind = Held(&Device);
-        const HELD_HOST: Kind = Held(&Host);
-        let device_shapes: &[Case] = &[
-            ("a chain", &[(None, Device), (Some(0), Device), (Some(1), Device)], 3),
-            ("two leaves", &[(None, Device), (Some(0), Device), (Some(0), Device)], 3),
-            ("a held leaf", &[(None, Device), (Some(0), Device), (Some(0), HELD_DEVICE)], 1),
-            ("a held parent", &[(None, HELD_DEVICE), (Some(0), Device)], 1),
-            ("a leaf backing up", &[(None, Device), (Some(0), Device), (Some(0), BackingUp)], 1),
-            ("a claimable leaf", &[(None, Device), (Some(0), Device), (Some(0), Evicting)], 3),
-            ("a claimed leaf", &[(None, Device), (Some(0), Device), (Some(0), Claimed)], 2),
-            ("a host-only leaf", &[(None, Device), (Some(0), Device), (Some(0), Host)], 2),
+            tree.node(id).clone()
+        };
+        let (device_only, backed_up, hit_twice) =
+            (node(true, false, false, 1), node(true, true, false, 1), node(true, false, false, 2));
+        let (host_only, host_stored) = (node(false, true, false, 1), node(false, true, true, 1));
+        let below = |host, storage_up, write_policy| Below { host, storage_up, write_policy };
+        let back = below(true, false, WritePolicy::WriteBack);
+        let selective = below(true, false, WritePolicy::WriteThroughSelective { threshold: 2 });
+        let cases = [
+            (&device_only, Tier::Device, below(false, false, WritePolicy::WriteBack), Fate::Drop),
+            (&device_only, Tier::Device, back, Fate::WriteBack),
             (
-                "a cascade over two levels",
-                &[
-                    (None, Device),
-                    (Some(0), Device),
-                    (Some(0), Device),
-                    (Some(2), Device),
-                    (Some(2), Backup),
-                ],
-                5,
+                &device_only,
+                Tier::Device,
+                below(true, false, WritePolicy::WriteThrough),
+                Fate::WriteBack,
             ),
+            (&device_only, Tier::Device, selective, Fate::Drop),
+            (&hit_twice, Tier::Device, selective, Fate::WriteBack),
+            (&backed_up, Tier::Device, back, Fate::DropCopy),
+            (&backed_up, Tier::Host, below(true, true, WritePolicy::WriteBack), Fate::DropCopy),
+            (&host_stored, Tier::Host, below(true, true, WritePolicy::WriteBack), Fate::DropCopy),
+            (&host_stored, Tier::Host, back, Fate::DropCopy),
+            (&host_only, Tier::Host, below(true, true, WritePolicy::WriteBack), Fate::Store),
+            (&host_only, Tier::Host, back, Fate::Drop),
         ];
-        let host_shapes: &[Case] = &[
-            ("a chain", &[(None, Host), (Some(0), Host), (Some(1), Host)], 3),
-            ("two leaves", &[(None, Host), (Some(0), Host), (Some(0), Host)], 3),
-            ("a held leaf", &[(None, Host), (Some(0), Host), (Some(0), HELD_HOST)], 1),
-            ("a held parent", &[(None, HELD_HOST), (Some(0), Host)], 1),
-            ("a backup leaf", &[(None, Backup), (Some(0), Host), (Some(0), Backup)], 2),
-            ("a storage-only leaf", &[(None, Host), (Some(0), Host), (Some(0), Storage)], 2),
-            ("a parent storing", &[(None, StoringBackup), (Some(0), Host)], 1),
-            ("a device parent", &[(None, Device), (Some(0), Host), (Some(0), Host)], 2),
-            (
-                "a cascade over two levels",
-                &[
-                    (None, Host),
-                    (Some(0), Host),
-                    (Some(0), Host),
-                    (Some(1), Host),
-                    (Some(2), Host),
-                    (Some(2), Host),
-                ],
-                6,
-            ),
-        ];
-        let (mut gone, mut exposed) = (IdMap::default(), Vec::new());
-        for policy in EvictionPolicy::ALL.iter().copied() {
-            for &(what, nodes, expected) in device_shapes {
-                let tree = tree_of(policy, nodes);
-                let counted = count_reclaimable(&tree, &mut gone, &mut exposed, 100);
-                assert_eq!(counted, expected, "device blocks, {what}, {policy:?}");
-                assert_eq!(count_reclaimable(&tree, &mut gone, &mut exposed, 2), expected.min(2));
-            }
-            for &(what, nodes, expected) in host_shapes {
-                let tree = tree_of(policy, nodes);
-                let counted = count_host_obtainable(&tree, &mut gone, &mut exposed, 100);
-                assert_eq!(counted, expected, "host blocks, {what}, {policy:?}");
-            }
+        for (index, &(node, tier, below, expected)) in cases.iter().enumerate() {
+            assert_eq!(fate(node, tier, below), expected, "case {index}: {tier:?}, {below:?}");
         }
     }
 }

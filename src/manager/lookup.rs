@@ -159,18 +159,7 @@ impl CacheManager {
         let block_tokens = self.config.block_tokens as usize;
         let CacheManager { requests, tree, pending_backups, stats, unloadable, tier, .. } = self;
         let record = requests.start(request).ok_or(MatchError::DuplicateRequest(request))?;
-        let plain = unloadable.is_empty() && !tier.is_down();
-        // The usual match (no selective backups, a policy that needs no word of the request's
-        // start before its hits) holds each hit as the walk meets it.
-        if plain && selective.is_none() && !tree.hears_request_starts() {
-            let found = walk_holding(tree, matchable, &mut record.path);
-            record.policy_tag = tree.request_started(
-                record.path.last().copied(),
-                hashes.get(record.path.len()).copied(),
-            );
-            return Ok(matched(stats, record, hashes.len(), found, block_tokens));
-        }
-        let found = if plain {
+        let found = if unloadable.is_empty() && !tier.is_down() {
             walk(tree, matchable, |_| false, |id| record.path.push(id))
         } else {
             let visit = &mut |id| record.path.push(id);
@@ -236,8 +225,7 @@ fn matched(
     }
 }
 
-/// Holds each node of `path`, a match's hits, in order, after the walk ([`hold_hit`] each): the
-/// general form.
+/// Holds each node of `path`, a match's hits, in order, after the walk ([`hold_hit`] each).
 fn hold_hits(
     tree: &mut Tree,
     path: &[NodeId],
@@ -259,11 +247,6 @@ pub(super) fn hold_hit(
     selective: Option<u32>,
     pending_backups: &mut Vec<NodeId>,
 ) {
-    // The usual hit (on device, no backup to consider) takes the fast path.
-    if selective.is_none() && tree.node(id).state() != NodeState::SwapToHost(SwapOut::Evict) {
-        tree.hold_hit(id);
-        return;
-    }
     let queue = tree.update(id, |node| {
         node.hold();
         node.count_hit();
@@ -283,42 +266,6 @@ pub(super) fn hold_hit(
     if queue {
         pending_backups.push(id);
     }
-}
-
-/// [`walk`] with nothing to stop it early that holds each hit as it meets it, appending it to
-/// `path`: [`hold_hits`] without selective write-through, in the walk's one visit to each
-/// node rather than a loop over the path after it. For a policy that hears no request start:
-/// the holds then come before [`Tree::request_started`] with the same result. (A copy of
-/// `walk`'s loop: `walk` reads the tree shared, for `lookup`.)
-fn walk_holding(tree: &mut Tree, hashes: &[BlockHash], path: &mut Vec<NodeId>) -> Lookup {
-    let mut found = Lookup::default();
-    let mut parent = NodeId::ROOT;
-    for &hash in &hashes[..hashes.len().min(PREFETCH_AHEAD)] {
-        tree.prefetch_child(hash);
-    }
-    for (index, &hash) in hashes.iter().enumerate() {
-        let Some(id) = tree.child(parent, hash) else { break };
-        let state = tree.node(id).state();
-        let Some(tier) = hit_tier(state) else { break };
-        if let Some(&ahead) = hashes.get(index + PREFETCH_AHEAD) {
-            tree.prefetch_child(ahead);
-        }
-        found.count(tier);
-        path.push(id);
-        if state == NodeState::SwapToHost(SwapOut::Evict) {
-            // The hit cancels the eviction: the copy in flight lands as a backup.
-            tree.update(id, |node| {
-                node.hold();
-                node.count_hit();
-                node.access(Access::Hit);
-                node.set_state(NodeState::SwapToHost(SwapOut::Backup));
-            });
-        } else {
-            tree.hold_hit(id);
-        }
-        parent = id;
-    }
-    found
 }
 
 /// [`walk`] stopping before a block the storage tier reported missing (one of `unloadable`), and
@@ -385,130 +332,4 @@ fn walk(
         parent = id;
     }
     found
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::test_rng::picker;
-    use crate::tree::fast_form_tests::same;
-    use crate::tree::EvictionPolicy;
-
-    /// A match's fast form, `walk_holding` (holding each hit as the walk meets it), leaves what
-    /// the general `walk` then `hold_hits` leave, on two trees built alike by random commits,
-    /// releases, host copies and evictions to host under way (whose hits cancel them), with an
-    /// LRU policy (which hears no request start): the same hits, path, node records, stamps
-    /// and sets after every match, and after the path's release.
-    #[test]
-    fn holding_hits_during_the_walk_leaves_what_holding_them_after_it_leaves() {
-        let hash =
-            |value: u128| BlockHash(value.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835));
-        for seed in 1..=30u64 {
-            let mut rnd = picker(seed);
-            let (mut a, mut b) = (Tree::new(EvictionPolicy::Lru), Tree::new(EvictionPolicy::Lru));
-            assert!(!a.hears_request_starts());
-            let (mut next_hash, mut next_block) = (1u128, 1u32);
-            // The hashes of each cached node's prefix, to build prompts that hit.
-            let mut prefixes: Vec<(NodeId, Vec<BlockHash>)> = vec![(NodeId::ROOT, Vec::new())];
-            let (mut long_matches, mut cancelled) = (0, 0);
-            for step in 0..400 {
-                let what = format!("seed {seed} step {step}");
-                match rnd(4) {
-                    0 | 1 => {
-                        // A chain committed under a device node (or the root), then released.
-                        let parents: Vec<usize> = (0..prefixes.len())
-                            .filter(|&at| {
-                                let id = prefixes[at].0;
-                                id == NodeId::ROOT
-                                    || (a.is_live(id) && a.node(id).state() == NodeState::Device)
-                            })
-                            .collect();
-                        let (mut parent, mut prefix) =
-                            prefixes[parents[rnd(parents.len())]].clone();
-                        let mut path = Vec::new();
-                        for _ in 0..1 + rnd(4) {
-                            let key = hash(next_hash);
-                            next_hash += 1;
-                            let block = next_block;
-                            next_block += 1;
-                            let init = |node: &mut crate::tree::NodeMut<'_>| {
-                                node.set_device(Some(block));
-                                node.hold();
-                                node.access(Access::Commit);
-                            };
-                            let id = a.insert(parent, key, init);
-                            assert_eq!(b.insert(parent, key, init), id, "{what}");
-                            prefix.push(key);
-                            prefixes.push((id, prefix.clone()));
-                            path.push(id);
-                            parent = id;
-                        }
-                        a.release_path(&path);
-                        b.release_path(&path);
-                    }
-                    2 => {
-                        // A device leaf starts its eviction to host, or its copy lands there.
-                        if let Some(id) = a.first_device_candidate() {
-                            let block = next_block;
-                            next_block += 1;
-                            let evicting = rnd(2) == 0;
-                            let change = |node: &mut crate::tree::NodeMut<'_>| {
-                                node.set_host(Some(block));
-                                if evicting {
-                                    node.set_state(NodeState::SwapToHost(SwapOut::Evict));
-                                    node.set_transfer(Some(u64::from(block)));
-                                } else {
-                                    node.set_device(None);
-                                    node.set_state(NodeState::Host);
-                                }
-                            };
-                            a.update(id, change);
-                            b.update(id, change);
-                        }
-                    }
-                    _ => {
-                        // A prompt along a cached prefix (every other one through a node
-                        // being evicted, if any), maybe with blocks past it.
-                        let through_evicting: Vec<usize> = (0..prefixes.len())
-                            .filter(|&at| {
-                                let id = prefixes[at].0;
-                                id != NodeId::ROOT
-                                    && a.is_live(id)
-                                    && a.node(id).state() == NodeState::SwapToHost(SwapOut::Evict)
-                            })
-                            .collect();
-                        let at = match through_evicting.len() {
-                            0 => rnd(prefixes.len()),
-                            n if rnd(2) == 0 => through_evicting[rnd(n)],
-                            _ => rnd(prefixes.len()),
-                        };
-                        let prefix = &prefixes[at].1;
-                        let mut prompt = prefix.clone();
-                        prompt.truncate(prompt.len() - rnd(2).min(prompt.len()));
-                        for _ in 0..rnd(3) {
-                            prompt.push(hash(next_hash + 1_000_000 + rnd(5) as u128));
-                        }
-                        let evicting = |tree: &Tree| {
-                            let state = NodeState::SwapToHost(SwapOut::Evict);
-                            tree.ids().filter(|&id| tree.node(id).state() == state).count()
-                        };
-                        let evicting_before = evicting(&a);
-                        let mut path_a = Vec::new();
-                        let found_a = walk_holding(&mut a, &prompt, &mut path_a);
-                        cancelled += evicting_before - evicting(&a);
-                        long_matches += usize::from(path_a.len() >= 3);
-                        let mut path_b = Vec::new();
-                        let found_b = walk(&b, &prompt, |_| false, |id| path_b.push(id));
-                        hold_hits(&mut b, &path_b, None, &mut Vec::new());
-                        assert_eq!((found_a, &path_a), (found_b, &path_b), "{what}");
-                        same(&a, &b, &what);
-                        a.release_path(&path_a);
-                        b.release_path(&path_b);
-                    }
-                }
-                same(&a, &b, &what);
-            }
-            assert!(long_matches > 5 && cancelled > 0, "seed {seed}: {long_matches} {cancelled}");
-        }
-    }
 }

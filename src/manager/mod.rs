@@ -32,8 +32,6 @@ mod complete;
 mod config;
 mod errors;
 mod evict;
-#[cfg(test)]
-mod fast_form_tests;
 mod finish;
 mod forget;
 mod id_table;
@@ -149,10 +147,6 @@ pub struct CacheManager {
     next_transfer: u64,
     next_ticket: u64,
     stats: stats::CacheCounters,
-    /// Whether the fast forms of `allocate` and `complete_transfer` are turned off, so that the
-    /// differential tests can compare them with the general forms.
-    #[cfg(test)]
-    general_forms_only: bool,
 }
 
 impl CacheManager {
@@ -219,8 +213,6 @@ impl CacheManager {
             next_transfer: 1,
             next_ticket: 1,
             stats: stats::CacheCounters::default(),
-            #[cfg(test)]
-            general_forms_only: false,
         })
     }
 
@@ -350,15 +342,6 @@ impl CacheManager {
         self.tree.heap_bytes() + self.device.heap_bytes() + self.host.heap_bytes() + requests
     }
 
-    /// Whether the fast forms are turned off (a differential test's general manager).
-    #[inline(always)]
-    fn general_forms_only(&self) -> bool {
-        #[cfg(test)]
-        return self.general_forms_only;
-        #[cfg(not(test))]
-        false
-    }
-
     fn host_enabled(&self) -> bool {
         self.host.capacity() > 0
     }
@@ -383,24 +366,6 @@ impl CacheManager {
             None => Box::new(InFlight::new(kind, self.generation)),
         };
         *self.open_slot(kind) = Some((id, flight));
-    }
-
-    /// Takes back the copy of `kind` the current operation opened last if nothing joined it: its
-    /// id goes to the next copy and its record to the spares, as if it had never been opened.
-    /// For an allocation that opens its swap-out before it knows whether it writes anything
-    /// back (see `obtain_device_blocks`).
-    fn take_back_if_empty(&mut self, kind: TransferKind) {
-        let Some((_, flight)) = self.open_slot(kind) else { return };
-        if !flight.pairs.is_empty() {
-            return;
-        }
-        debug_assert!(flight.tickets.is_empty() && flight.reserved_device.is_empty());
-        let (id, flight) = self.open_slot(kind).take().expect("open, just seen");
-        // Its id goes back only if no copy was opened since: ids are never reused.
-        if id.0 + 1 == self.next_transfer {
-            self.next_transfer = id.0;
-        }
-        self.recycle_flight(flight);
     }
 
     #[inline]
@@ -549,22 +514,6 @@ impl CacheManager {
         self.tree.remove(id);
     }
 
-    /// [`CacheManager::drop_leaf`] of a device candidate without a host block, for an
-    /// allocation that takes its device block (the caller's) and goes on evicting: returns the
-    /// parent when it is the next device candidate to evict, left for the caller to evict or
-    /// file (see [`Tree::remove_exposing`]).
-    #[inline(always)] // an allocation's usual eviction, in its loop
-    fn drop_device_leaf_exposing(&mut self, id: NodeId) -> Option<NodeId> {
-        let node = self.tree.node(id);
-        debug_assert!(
-            self.tree.is_device_candidate(id) && node.host().is_none(),
-            "{id:?} is not a device candidate without a host block"
-        );
-        let (stored, hash) = (node.stored(), node.hash());
-        self.give_up_storage_copy(stored, hash, NodeState::Device);
-        self.tree.remove_exposing(id)
-    }
-
     /// The blocks part of [`CacheManager::drop_leaf`]: frees them, or hands them to the copy in
     /// flight that still touches them.
     #[inline]
@@ -630,37 +579,28 @@ impl CacheManager {
         let (transfer, flight) = self.open_transfer(TransferKind::HostToDevice);
         flight.pairs.push(kvshm_ipc::record::BlockPair::new(host, block));
         flight.nodes.push(id);
-        self.tree.start_swap_in_of_held(id, block, transfer.0);
-        transfer
-    }
-
-    /// Starts copying a device node to `host_block` (within the current operation's
-    /// device-to-host copy), as a backup or an eviction whose block stays claimable.
-    fn start_swap_out(&mut self, id: NodeId, host_block: u32, swap: SwapOut) -> TransferId {
-        let transfer = self.open_swap_out(id, host_block);
         self.tree.update(id, |node| {
-            node.set_host(Some(host_block));
-            node.set_state(NodeState::SwapToHost(swap));
+            node.set_device(Some(block));
+            node.set_state(NodeState::SwapToDevice);
             node.set_transfer(Some(transfer.0));
         });
         transfer
     }
 
-    /// [`CacheManager::start_swap_out`] with [`SwapOut::Claimed`] of device candidate `id`
-    /// (its device block `device`), for an allocation that goes on evicting: the caller takes
-    /// the device block at once (as [`CacheManager::claim`] would), and gets the parent back
-    /// unfiled when it is the next victim (see [`Tree::start_claimed_swap_out`]).
-    fn start_claimed_swap_out(
-        &mut self,
-        id: NodeId,
-        device: u32,
-        host_block: u32,
-    ) -> (TransferId, Option<NodeId>) {
-        let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
-        flight.pairs.push(kvshm_ipc::record::BlockPair::new(device, host_block));
-        flight.nodes.push(id);
-        let exposed = self.tree.start_claimed_swap_out(id, host_block, transfer.0);
-        (transfer, exposed)
+    /// Starts copying a device node to `host_block` (within the current operation's
+    /// device-to-host copy), as a backup, an eviction whose block stays claimable, or one whose
+    /// block the caller claims at once (it leaves the node now).
+    fn start_swap_out(&mut self, id: NodeId, host_block: u32, swap: SwapOut) -> TransferId {
+        let transfer = self.open_swap_out(id, host_block);
+        self.tree.update(id, |node| {
+            if swap == SwapOut::Claimed {
+                node.set_device(None);
+            }
+            node.set_host(Some(host_block));
+            node.set_state(NodeState::SwapToHost(swap));
+            node.set_transfer(Some(transfer.0));
+        });
+        transfer
     }
 
     /// Adds the pair of node `id` (its device block to `host_block`) to the current operation's

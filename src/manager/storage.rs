@@ -53,25 +53,14 @@ impl CacheManager {
         self.storage_used
     }
 
-    /// Counts one more block on the storage tier, first dropping the least recently used
-    /// storage candidate when the tier is full. False when it is full and nothing can go.
+    /// Counts one more block on the storage tier, first evicting its first candidate when the
+    /// tier is full ([`CacheManager::make_storage_room`]). False when it is full and nothing can
+    /// go.
     pub(super) fn reserve_storage_block(&mut self) -> bool {
         if !self.make_storage_room() {
             return false;
         }
         self.storage_used += 1;
-        true
-    }
-
-    /// Makes room for one more block on the storage tier when it is full, by dropping the least
-    /// recently used storage candidate (unheld, nothing in flight). False when it is full and
-    /// nothing can go.
-    pub(super) fn make_storage_room(&mut self) -> bool {
-        if self.storage_used >= self.config.storage_blocks {
-            let Some(victim) = self.tree.first_storage_candidate() else { return false };
-            self.drop_leaf(victim);
-            self.stats.evictions.storage_dropped += 1;
-        }
         true
     }
 
@@ -125,24 +114,6 @@ impl CacheManager {
             node.set_transfer(Some(transfer.0));
         });
         transfer
-    }
-
-    /// [`CacheManager::start_store`] of a write-back ([`StoreOut::Evict`]) for an allocation
-    /// that goes on evicting host blocks: also returns the parent left unfiled when it becomes a
-    /// host candidate (see [`crate::tree::Tree::update_exposing_host`]).
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
-    pub(super) fn start_write_back_exposing(
-        &mut self,
-        id: NodeId,
-        host_block: u32,
-    ) -> (TransferId, Option<NodeId>) {
-        let transfer = self.open_store(id, host_block);
-        let exposed = self.tree.update_exposing_host(id, |node| {
-            node.set_host(None);
-            node.set_state(NodeState::HostToStorage(StoreOut::Evict));
-            node.set_transfer(Some(transfer.0));
-        });
-        (transfer, exposed)
     }
 
     /// Adds the pair of node `id` (its host block `host_block`, named by the node's storage

@@ -3,6 +3,7 @@
 //!
 //! Everything here scans the whole tree; it is for tests and debugging, never the hot path.
 
+use super::policy::EvictSet;
 use super::{Membership, NodeId, NodeState, Tree};
 
 impl Tree {
@@ -97,8 +98,29 @@ impl Tree {
                 ));
             }
         }
+        // A front is a member the policy does not hold: it must come before all it holds.
+        for set in [EvictSet::Device, EvictSet::Host] {
+            let Some(front) = self.front.of(set) else { continue };
+            if !self.is_live(front)
+                || self.nodes[front.index()].membership() != Membership::NONE.with(set)
+            {
+                return Err(format!("{front:?}, the front of the {set:?} set, is not in it alone"));
+            }
+            if !self.policy.would_come_first(front, set) {
+                return Err(format!("{front:?}, the front of the {set:?} set, is not its first"));
+            }
+        }
+        let is_front = |id: NodeId| {
+            [EvictSet::Device, EvictSet::Host].iter().any(|&set| self.front.of(set) == Some(id))
+        };
         let membership = |id: NodeId| -> Option<Membership> {
-            self.is_live(id).then(|| self.nodes[id.index()].membership())
+            self.is_live(id).then(|| {
+                if is_front(id) {
+                    Membership::NONE
+                } else {
+                    self.nodes[id.index()].membership()
+                }
+            })
         };
         self.policy.check(&membership)
     }

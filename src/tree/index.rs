@@ -42,28 +42,10 @@ const ALL_SLOTS: u32 = (1 << SLOTS) - 1;
 
 impl Group {
     /// A mask with bit `i` set for each slot `i` whose tag is `tag` (so `tag` 0 finds the free
-    /// slots): one SSE2 compare of the sixteen meta bytes, the displaced count masked off.
-    #[cfg(target_arch = "x86_64")]
+    /// slots): one compare of the sixteen meta bytes, the displaced count masked off.
     #[inline]
     fn slots_tagged(&self, tag: u8) -> u32 {
-        use std::arch::x86_64::{
-            _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_set1_epi8,
-        };
-        // SAFETY: SSE2 is part of the x86-64 baseline, so the intrinsics exist on every x86-64
-        // processor; the unaligned load reads the 16 bytes of `self.meta`, which `&self` keeps
-        // alive and unchanged for the call.
-        let equal = unsafe {
-            let meta = _mm_loadu_si128(self.meta.as_ptr().cast());
-            _mm_movemask_epi8(_mm_cmpeq_epi8(meta, _mm_set1_epi8(tag as i8)))
-        };
-        equal as u32 & ALL_SLOTS
-    }
-
-    /// A mask with bit `i` set for each slot `i` whose tag is `tag` (portable version).
-    #[cfg(not(target_arch = "x86_64"))]
-    #[inline]
-    fn slots_tagged(&self, tag: u8) -> u32 {
-        (0..SLOTS).filter(|&slot| self.meta[slot] == tag).fold(0, |mask, slot| mask | 1 << slot)
+        crate::simd::equal_bytes(&self.meta, tag) & ALL_SLOTS
     }
 
     fn displaced(&self) -> u32 {
@@ -116,21 +98,6 @@ fn tag(mixed: u64) -> u8 {
     tag | u8::from(tag == 0)
 }
 
-/// Where the entries of a key are looked for: its home group and its tag ([`ChildIndex::probe`]).
-///
-/// It stays true while the table keeps its size: removals of other keys move no entry (they
-/// only uncount displaced ones) and [`ChildIndex::clear`] keeps the groups, so only growth (an
-/// insertion) makes it stale; a stale one would lead a removal to the wrong group.
-#[derive(Clone, Copy, Debug)]
-pub struct Probe {
-    home: usize,
-    tag: u8,
-    /// The number of groups it was taken at (debug builds): [`ChildIndex::remove`] asserts that
-    /// the table has not grown since.
-    #[cfg(debug_assertions)]
-    groups: usize,
-}
-
 /// (parent, block hash) to child, for every node but the root.
 #[derive(Debug, Default)]
 pub struct ChildIndex {
@@ -168,42 +135,9 @@ impl ChildIndex {
     /// overlap the cache misses of its next blocks with the work on this one.
     #[inline]
     pub fn prefetch(&self, hash: BlockHash) {
-        self.prefetch_words(&split(hash));
-    }
-
-    /// [`ChildIndex::prefetch`] of a hash as a node stores it.
-    #[inline]
-    pub fn prefetch_words(&self, words: &[u32; 4]) {
-        self.prefetch_probe(self.probe(words));
-    }
-
-    /// Where a lookup or removal of the key with hash `words` starts: its home group and tag,
-    /// computed once for a removal ([`ChildIndex::remove`]), or a prefetch and the removal after it.
-    #[inline]
-    pub fn probe(&self, words: &[u32; 4]) -> Probe {
-        let mixed = mix(words);
-        Probe {
-            home: self.home(mixed),
-            tag: tag(mixed),
-            #[cfg(debug_assertions)]
-            groups: self.groups.len(),
-        }
-    }
-
-    /// Starts loading the group `probe` reads first (see [`ChildIndex::prefetch`]).
-    #[inline]
-    pub fn prefetch_probe(&self, probe: Probe) {
         // The home group is always inside the table (an empty one's dangling pointer is never
         // read): no bounds check, no test for emptiness.
-        let group = self.groups.as_ptr().wrapping_add(probe.home);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is a hint that never faults nor changes memory, whatever the
-        // address; SSE (and so `_mm_prefetch`) is part of the x86-64 baseline.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(group.cast());
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = group;
+        crate::simd::prefetch(self.groups.as_ptr().wrapping_add(self.home(mix(&split(hash)))));
     }
 
     /// The child of `parent` keyed by `hash`.
@@ -237,30 +171,12 @@ impl ChildIndex {
     }
 
     /// Adds node `id`, keyed by `words` (its hash words, as `nodes[id]` holds them) and absent
-    /// from the index. The caller passes the words it has at hand: reading them back from a
-    /// node record just written would stall on the stores.
+    /// from the index, growing the table first when it is 7/8 full.
     #[inline]
     pub fn insert(&mut self, id: NodeId, words: &[u32; 4], nodes: &[Node]) {
         if self.len >= self.grow_at {
             self.grow(nodes);
         }
-        self.insert_reserved(id, words);
-    }
-
-    /// Makes room for `additional` more entries now (doubling as their [`ChildIndex::insert`]s
-    /// would have, at the same count), so that they go in by [`ChildIndex::insert_reserved`],
-    /// with no test for growth each.
-    #[inline]
-    pub fn reserve(&mut self, additional: usize, nodes: &[Node]) {
-        while self.len + additional > self.grow_at {
-            self.grow(nodes);
-        }
-    }
-
-    /// [`ChildIndex::insert`] of an entry that [`ChildIndex::reserve`] made room for.
-    #[inline]
-    pub fn insert_reserved(&mut self, id: NodeId, words: &[u32; 4]) {
-        debug_assert!(self.len < self.grow_at, "an entry inserted past its reserve");
         self.place(id, words);
         self.len += 1;
     }
@@ -282,24 +198,18 @@ impl ChildIndex {
         }
     }
 
-    /// Removes node `id`, whose key's [`ChildIndex::probe`] is `probe` (taken since the table
-    /// last grew: only an insertion grows it).
+    /// Removes node `id`, keyed by `words`.
     ///
     /// # Panics
-    /// If the index does not hold it: the tree removes only nodes it inserted. In debug builds,
-    /// if the table grew since `probe` was taken.
+    /// If the index does not hold it: the tree removes only nodes it inserted.
     #[inline]
-    pub fn remove(&mut self, id: NodeId, probe: Probe) {
-        #[cfg(debug_assertions)]
-        assert_eq!(
-            probe.groups,
-            self.groups.len(),
-            "removing {id:?} by a probe taken before the child index grew is a programming error"
-        );
-        let mut index = probe.home;
+    pub fn remove(&mut self, id: NodeId, words: &[u32; 4]) {
+        let mixed = mix(words);
+        let tag = tag(mixed);
+        let mut index = self.home(mixed);
         for _ in 0..self.groups.len() {
             let group = &mut self.groups[index];
-            let mut candidates = group.slots_tagged(probe.tag);
+            let mut candidates = group.slots_tagged(tag);
             while candidates != 0 {
                 let slot = first_slot(candidates);
                 if group.ids[slot] == id.0 {
@@ -340,7 +250,7 @@ impl ChildIndex {
     }
 
     /// Checks the load factor (the growth threshold is 7/8 of the slots, and no more entries
-    /// than that are held: [`ChildIndex::insert`] and [`ChildIndex::reserve`] grow first) and
+    /// than that are held: [`ChildIndex::insert`] grows first) and
     /// the displaced counts: each group counts exactly the entries placed past it.
     pub fn check(&self, nodes: &[Node]) -> Result<(), String> {
         if self.grow_at != grow_at(self.groups.len()) {
@@ -406,7 +316,7 @@ mod tests {
     #[test]
     fn every_tag_is_found_exactly_and_free_slots_too() {
         let mut group = EMPTY_GROUP;
-        for (slot, tag) in [(0, 7u8), (3, 7), (5, 0x80), (11, 1)] {
+        for (slot, tag) in [(0, 7u8), (3, 7), (5, 0x80), (8, 0xff), (9, 0x7f), (11, 1)] {
             group.meta[slot] = tag;
         }
         group.set_displaced(0x0707_0707);
@@ -421,7 +331,9 @@ mod tests {
         };
         assert_eq!(slots(group.slots_tagged(7)), vec![0, 3], "the displaced count is no tag");
         assert_eq!(slots(group.slots_tagged(0x80)), vec![5]);
-        assert_eq!(slots(group.slots_tagged(0)), vec![1, 2, 4, 6, 7, 8, 9, 10]);
+        assert_eq!(slots(group.slots_tagged(0xff)), vec![8]);
+        assert_eq!(slots(group.slots_tagged(0x7f)), vec![9]);
+        assert_eq!(slots(group.slots_tagged(0)), vec![1, 2, 4, 6, 7, 10]);
         assert_eq!(group.displaced(), 0x0707_0707);
     }
 
@@ -446,12 +358,12 @@ mod tests {
         let at_home_0: Vec<NodeId> = (0..11).map(|_| add(&mut index, &mut nodes, 0)).collect();
         let at_home = (0..11).map(|_| add(&mut index, &mut nodes, 1)).last().unwrap();
         add(&mut index, &mut nodes, 0);
-        index.remove(first, index.probe(&split(nodes[first.index()].hash())));
+        index.remove(first, &split(nodes[first.index()].hash()));
         add(&mut index, &mut nodes, 1);
         // Entries at home leave until the table is back within its load factor: the displaced
         // counts stay.
         for &id in [at_home].iter().chain(&at_home_0[..2]) {
-            index.remove(id, index.probe(&split(nodes[id.index()].hash())));
+            index.remove(id, &split(nodes[id.index()].hash()));
         }
         assert_eq!(index.len(), grow_at(2));
         assert!(index.groups.iter().all(|group| group.displaced() == 1));
@@ -461,11 +373,11 @@ mod tests {
         assert_eq!(index.find(NodeId::ROOT, nodes[last.index()].hash(), &nodes), Some(last));
     }
 
-    /// A probe kept for a later removal stays true across the removals of other keys (which
-    /// move no entry), in a table whose groups count displaced entries: every entry removed by
-    /// a probe taken before any removal, in a scrambled order, the counts checked after each.
+    /// Removals move no entry (they only uncount displaced ones): in a table whose groups count
+    /// displaced entries, every entry is removed, in a scrambled order, the counts checked after
+    /// each.
     #[test]
-    fn a_probe_taken_before_other_removals_still_removes_its_key() {
+    fn removals_in_any_order_keep_every_displaced_count() {
         let mut index = ChildIndex::with_capacity(40);
         let mut nodes = vec![Node::new(BlockHash(0), NodeId::NONE)];
         // Keys whose homes crowd the first groups: most of them are displaced.
@@ -480,44 +392,18 @@ mod tests {
         }
         assert_eq!(index.groups.len(), homes, "the table kept its size");
         assert!(index.groups.iter().filter(|group| group.displaced() > 0).count() > 1);
-        let mut probes: Vec<(NodeId, Probe)> = (1..nodes.len())
-            .map(|id| (NodeId(id as u32), index.probe(nodes[id].hash_words())))
-            .collect();
+        let mut ids: Vec<NodeId> = (1..nodes.len()).map(|id| NodeId(id as u32)).collect();
         // Scrambled, deterministically: displaced entries go before and after their blockers.
-        probes.sort_by_key(|&(id, _)| id.0.wrapping_mul(0x9E37_79B9) >> 7);
-        for (removed, &(id, probe)) in probes.iter().enumerate() {
-            index.remove(id, probe);
+        ids.sort_by_key(|&id| id.0.wrapping_mul(0x9E37_79B9) >> 7);
+        for (removed, &id) in ids.iter().enumerate() {
+            index.remove(id, nodes[id.index()].hash_words());
             index.check(&nodes).unwrap_or_else(|error| panic!("after {removed} removals: {error}"));
             assert_eq!(index.find(NodeId::ROOT, nodes[id.index()].hash(), &nodes), None);
         }
         assert_eq!(index.len(), 0);
     }
 
-    /// A probe taken before the table grew names a group of the old table: a removal by it is
-    /// refused (in debug builds, where the probe carries the table's size) rather than left to
-    /// search, and uncount displaced entries in, the wrong groups.
-    #[cfg(debug_assertions)]
-    #[test]
-    #[should_panic(expected = "by a probe taken before the child index grew")]
-    fn a_removal_by_a_probe_taken_before_the_table_grew_is_refused() {
-        let mut index = ChildIndex::with_capacity(1);
-        let mut nodes = vec![Node::new(BlockHash(0), NodeId::NONE)];
-        let mut add = |index: &mut ChildIndex, value: u128| {
-            nodes.push(Node::new(BlockHash(value), NodeId::ROOT));
-            let id = NodeId(nodes.len() as u32 - 1);
-            index.insert(id, &split(BlockHash(value)), &nodes);
-            (id, index.probe(&split(BlockHash(value))))
-        };
-        let (first, stale) = add(&mut index, 1);
-        let groups = index.groups.len();
-        for value in 2..=u128::try_from(index.grow_at).unwrap() + 1 {
-            add(&mut index, value);
-        }
-        assert!(index.groups.len() > groups, "the table grew");
-        index.remove(first, stale);
-    }
-
-    /// The premise of `prefetch_words` (which takes the home group's address unchecked): a
+    /// The premise of `prefetch` (which takes the home group's address unchecked): a
     /// key's home group is inside every non-empty table, whatever the key; and a prefetch on
     /// an empty table (a tree presized for nothing) is a harmless hint.
     #[test]
@@ -528,19 +414,19 @@ mod tests {
                 (0..4096u128)
                     .map(|value| value.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)),
             );
-        let keys: Vec<[u32; 4]> = keys.map(|value| split(BlockHash(value))).collect();
+        let keys: Vec<BlockHash> = keys.map(BlockHash).collect();
         for groups in [1usize, 2, 3, 64, 1 << 16] {
             let index =
                 ChildIndex { groups: vec![EMPTY_GROUP; groups], len: 0, grow_at: grow_at(groups) };
-            for words in &keys {
-                assert!(index.home(mix(words)) < groups, "{words:?} in {groups} groups");
-                index.prefetch_words(words);
+            for &key in &keys {
+                assert!(index.home(mix(&split(key))) < groups, "{key:?} in {groups} groups");
+                index.prefetch(key);
             }
         }
         let empty = ChildIndex::default();
-        for words in &keys {
-            assert_eq!(empty.home(mix(words)), 0);
-            empty.prefetch_words(words);
+        for &key in &keys {
+            assert_eq!(empty.home(mix(&split(key))), 0);
+            empty.prefetch(key);
         }
         assert_eq!(empty.find(NodeId::ROOT, BlockHash(1), &[]), None);
     }

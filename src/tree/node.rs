@@ -267,12 +267,6 @@ impl Node {
         self.state == state.code()
     }
 
-    /// Whether copy `transfer` is the node's copy in flight (one compare of the two words).
-    #[inline]
-    pub(super) fn names_transfer(&self, transfer: u64) -> bool {
-        self.transfer == [transfer as u32, (transfer >> 32) as u32]
-    }
-
     /// The parent, `None` for the root.
     pub fn parent(&self) -> Option<NodeId> {
         self.parent.some()
@@ -348,19 +342,6 @@ impl Node {
     pub fn has_valid_host(&self) -> bool {
         self.blocks[Tier::Host as usize] != NO_BLOCK
             && (self.is(NodeState::Device) || self.is(NodeState::Host))
-    }
-
-    /// Whether the fields make a node other than the root a device candidate and nothing else
-    /// (DESIGN §4), decided for the one state that admits it: a `Device` node with a device
-    /// block, no device child, not held, and no host block that no child above storage keeps
-    /// it from giving up.
-    #[inline(always)]
-    pub(super) fn is_device_candidate_alone(&self) -> bool {
-        self.is(NodeState::Device)
-            && self.device_children == 0
-            && self.ref_count == 0
-            && self.block(Tier::Device).is_some()
-            && (self.block(Tier::Host).is_none() || self.upper_children != 0)
     }
 
     /// The evictable sets the node is filed in.

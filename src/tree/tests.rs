@@ -2,6 +2,7 @@
 //! child index, slot reuse, removal order and snapshots. Every test runs with every registered
 //! eviction policy where the rule is the tree's, not the policy's.
 
+use super::policy::Access;
 use super::*;
 
 pub(super) fn hash(value: u128) -> BlockHash {
@@ -58,8 +59,8 @@ fn trees() -> impl Iterator<Item = Tree> {
 fn only_the_tail_of_a_chain_is_a_device_candidate() {
     for mut tree in trees() {
         let ids = served(&mut tree, NodeId::ROOT, &[1, 2, 3], 0);
-        assert_eq!(tree.first_device_candidate(), Some(ids[2]));
-        assert_eq!(tree.device_candidate_count(), 1);
+        assert_eq!(tree.first(EvictSet::Device), Some(ids[2]));
+        assert_eq!(tree.count(EvictSet::Device), 1);
         tree.check().unwrap();
     }
 }
@@ -93,136 +94,79 @@ fn a_parent_exposed_by_its_released_childs_eviction_goes_first() {
     tree.check().unwrap();
 }
 
+/// The members of `set`, in no particular order.
+fn members(tree: &Tree, set: EvictSet) -> Vec<NodeId> {
+    sorted(&tree.candidates(set))
+}
+
+fn sorted(ids: &[NodeId]) -> Vec<NodeId> {
+    let mut ids = ids.to_vec();
+    ids.sort();
+    ids
+}
+
+/// A removal, or a change that takes a node off a tier, files the parent it exposes at once,
+/// in the one set or the two sets the parent joins, at its place in the policy's order: no
+/// change leaves a node in no set for its caller to file.
 #[test]
-fn removing_a_leaf_for_an_eviction_leaves_its_parent_unfiled_only_when_it_would_go_next() {
+fn a_parent_exposed_by_a_removal_or_a_change_below_it_is_filed_at_once() {
     for mut tree in trees() {
         let older = served(&mut tree, NodeId::ROOT, &[9], 5);
         let chain = served(&mut tree, NodeId::ROOT, &[1, 2, 3], 0);
-        let newer = served(&mut tree, NodeId::ROOT, &[4], 3);
-        // The parent was released after `older`, which goes first: the parent is filed.
-        assert_eq!(tree.remove_exposing(chain[2]), None);
-        assert_eq!(tree.first_device_candidate(), Some(older[0]));
+        // The tail leaves the tree: its parent is a device candidate, after `older`.
+        tree.remove(chain[2]);
+        assert_eq!(members(&tree, EvictSet::Device), sorted(&[older[0], chain[1]]));
         tree.check().unwrap();
-        tree.remove(older[0]);
-        let exposed = tree.remove_exposing(chain[1]);
-        if tree.eviction_policy() == EvictionPolicy::Lru {
-            // Now the parent is the oldest: left out of the sets, handed back as the next victim.
-            assert_eq!(exposed, Some(chain[0]));
-            assert_eq!(tree.candidates(EvictSet::Device), vec![newer[0]]);
-            tree.file(chain[0]);
-        } else {
-            assert_eq!(exposed, None, "a policy that cannot tell files the parent");
-        }
-        assert_eq!(tree.first_device_candidate(), Some(chain[0]));
-        tree.check().unwrap();
-        tree.remove(chain[0]);
-        assert_eq!(tree.remove_exposing(newer[0]), None, "the root is never exposed");
-        tree.check().unwrap();
-    }
-}
-
-#[test]
-fn a_claimed_swap_out_leaves_every_set_and_lands_as_a_host_candidate_handing_back_its_parent() {
-    for mut tree in trees() {
-        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
-        let newer = served(&mut tree, NodeId::ROOT, &[3], 2);
-        let exposed = tree.start_claimed_swap_out(chain[1], 7, 5);
-        let node = tree.node(chain[1]);
-        assert_eq!(node.state(), NodeState::SwapToHost(SwapOut::Claimed));
-        assert_eq!((node.device(), node.host(), node.transfer()), (None, Some(7), Some(5)));
-        assert_eq!(tree.first_claimable(), None, "claimed already: not claimable");
-        if tree.eviction_policy() == EvictionPolicy::Lru {
-            // Released before `newer`: the next device victim, left out of the sets.
-            assert_eq!(exposed, Some(chain[0]));
-            assert_eq!(tree.candidates(EvictSet::Device), vec![newer[0]]);
-            tree.file(chain[0]);
-        } else {
-            assert_eq!(exposed, None, "a policy that cannot tell files the parent");
-        }
-        assert_eq!(tree.device_candidate_count(), 2);
-        tree.check().unwrap();
-        assert_eq!(tree.land_attached_claimed_swap_out(chain[1], 5), Landing::Landed);
-        let node = tree.node(chain[1]);
-        assert_eq!((node.state(), node.transfer()), (NodeState::Host, None));
-        assert_eq!(tree.first_host_candidate(), Some(chain[1]));
-        tree.check().unwrap();
-    }
-}
-
-#[test]
-fn dropping_a_device_copy_over_its_backup_hands_back_the_parent_that_goes_next() {
-    for mut tree in trees() {
-        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
-        let newer = served(&mut tree, NodeId::ROOT, &[3], 2);
+        // The next one's device copy is dropped over a backup: a host candidate, and its parent
+        // a device candidate.
         tree.update(chain[1], |node| node.set_host(Some(4)));
-        let exposed = tree.drop_device_copy_exposing(chain[1]);
-        let node = tree.node(chain[1]);
-        assert_eq!((node.state(), node.device(), node.host()), (NodeState::Host, None, Some(4)));
-        assert_eq!(tree.first_host_candidate(), Some(chain[1]));
+        tree.update(chain[1], |node| {
+            node.set_device(None);
+            node.set_state(NodeState::Host);
+        });
+        assert_eq!(tree.candidates(EvictSet::Host), vec![chain[1]]);
+        assert_eq!(members(&tree, EvictSet::Device), sorted(&[older[0], chain[0]]));
         if tree.eviction_policy() == EvictionPolicy::Lru {
-            assert_eq!(exposed, Some(chain[0]));
-            assert_eq!(tree.candidates(EvictSet::Device), vec![newer[0]]);
-            tree.file(chain[0]);
-        } else {
-            assert_eq!(exposed, None, "a policy that cannot tell files the parent");
+            assert_eq!(tree.candidates(EvictSet::Device), vec![older[0], chain[0]]);
         }
-        assert_eq!(tree.first_device_candidate(), Some(chain[0]));
         tree.check().unwrap();
-    }
-}
-
-#[test]
-fn removing_a_host_leaf_hands_back_its_host_only_parent_unfiled_whether_or_not_it_goes_next() {
-    for mut tree in trees() {
-        let older = served(&mut tree, NodeId::ROOT, &[9], 5);
-        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
-        for id in [older[0], chain[1], chain[0]] {
-            tree.update(id, |node| {
-                node.set_host(node.node().device());
-                node.set_device(None);
-                node.set_state(NodeState::Host);
-            });
-        }
-        assert_eq!(tree.candidates(EvictSet::Host), vec![older[0], chain[1]]);
-        // `older` still goes first: the parent is handed back all the same, for the next host
-        // eviction to compare, and filed by the caller.
-        assert_eq!(tree.remove_exposing_host(chain[1]), Some(chain[0]));
-        assert!(!tree.is_next_host_victim(chain[0]));
-        assert_eq!(tree.candidates(EvictSet::Host), vec![older[0]]);
-        tree.file(chain[0]);
-        assert_eq!(tree.candidates(EvictSet::Host), vec![older[0], chain[0]]);
-        tree.check().unwrap();
-        assert_eq!(tree.remove_exposing_host(older[0]), None, "the root is never exposed");
-        tree.check().unwrap();
-    }
-}
-
-#[test]
-fn writing_a_host_leaf_back_to_storage_hands_back_its_host_only_parent_unfiled() {
-    for mut tree in trees() {
-        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
-        for &id in chain.iter().rev() {
-            tree.update(id, |node| {
-                node.set_host(node.node().device());
-                node.set_device(None);
-                node.set_state(NodeState::Host);
-            });
-        }
-        let exposed = tree.update_exposing_host(chain[1], |node| {
+        // The host-only leaf goes to storage: its host-only parent (once off the device) is a
+        // host candidate.
+        tree.update(chain[0], |node| {
+            node.set_host(Some(5));
+            node.set_device(None);
+            node.set_state(NodeState::Host);
+        });
+        tree.update(chain[1], |node| {
             node.set_host(None);
             node.set_state(NodeState::HostToStorage(StoreOut::Evict));
             node.set_transfer(Some(3));
         });
-        assert_eq!(exposed, Some(chain[0]));
-        if tree.eviction_policy() == EvictionPolicy::Lru {
-            assert!(tree.is_next_host_victim(chain[0]), "no other host candidate");
-        }
-        assert_eq!(tree.host_candidate_count(), 0, "left out of the sets");
-        tree.file(chain[0]);
-        assert_eq!(tree.first_host_candidate(), Some(chain[0]));
+        assert_eq!(tree.candidates(EvictSet::Host), vec![chain[0]]);
         tree.check().unwrap();
-        // A change that leaves the node on the host tier is an ordinary update.
-        assert_eq!(tree.update_exposing_host(chain[0], |node| node.count_hit()), None);
+    }
+}
+
+/// An allocation's count of what evictions could free asks whether a parent joins a set once
+/// its children on that set's tiers are gone: held, in flight or without the set's block it
+/// does not; the count of its children does not matter.
+#[test]
+fn a_parent_joins_a_set_once_its_children_go_unless_held_in_flight_or_without_the_block() {
+    for mut tree in trees() {
+        let chain = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
+        assert!(tree.joins_once_children_go(chain[0], EvictSet::Device));
+        assert!(!tree.joins_once_children_go(chain[0], EvictSet::Host), "no host copy");
+        tree.update(chain[0], |node| node.set_host(Some(4)));
+        assert!(tree.joins_once_children_go(chain[0], EvictSet::Host));
+        tree.update(chain[0], |node| node.hold());
+        assert!(!tree.joins_once_children_go(chain[0], EvictSet::Device), "held");
+        tree.update(chain[0], |node| {
+            node.release();
+            node.set_state(NodeState::SwapToHost(SwapOut::Backup));
+            node.set_transfer(Some(2));
+        });
+        assert!(!tree.joins_once_children_go(chain[0], EvictSet::Device), "in flight");
+        assert!(!tree.joins_once_children_go(NodeId::ROOT, EvictSet::Device), "the root");
         tree.check().unwrap();
     }
 }
@@ -232,10 +176,10 @@ fn a_held_node_is_not_a_candidate_until_released() {
     for mut tree in trees() {
         let ids = served(&mut tree, NodeId::ROOT, &[1], 0);
         tree.update(ids[0], |node| node.hold());
-        assert_eq!(tree.first_device_candidate(), None);
+        assert_eq!(tree.first(EvictSet::Device), None);
         tree.check().unwrap();
         release(&mut tree, &ids);
-        assert_eq!(tree.first_device_candidate(), Some(ids[0]));
+        assert_eq!(tree.first(EvictSet::Device), Some(ids[0]));
         tree.check().unwrap();
     }
 }
@@ -249,8 +193,8 @@ fn losing_the_last_device_child_makes_the_parent_a_candidate() {
             node.set_host(Some(7));
             node.set_state(NodeState::Host);
         });
-        assert_eq!(tree.first_device_candidate(), Some(ids[0]));
-        assert_eq!(tree.first_host_candidate(), Some(ids[1]), "a host-only leaf");
+        assert_eq!(tree.first(EvictSet::Device), Some(ids[0]));
+        assert_eq!(tree.first(EvictSet::Host), Some(ids[1]), "a host-only leaf");
         tree.check().unwrap();
     }
 }
@@ -260,10 +204,10 @@ fn a_host_candidate_has_no_children_at_all() {
     for mut tree in trees() {
         let ids = served(&mut tree, NodeId::ROOT, &[1, 2], 0);
         tree.update(ids[0], |node| node.set_host(Some(3)));
-        assert_eq!(tree.first_host_candidate(), None);
+        assert_eq!(tree.first(EvictSet::Host), None);
         tree.remove(ids[1]);
-        assert_eq!(tree.first_host_candidate(), Some(ids[0]));
-        assert_eq!(tree.first_device_candidate(), Some(ids[0]), "in both sets at once");
+        assert_eq!(tree.first(EvictSet::Host), Some(ids[0]));
+        assert_eq!(tree.first(EvictSet::Device), Some(ids[0]), "in both sets at once");
         tree.check().unwrap();
     }
 }
@@ -277,8 +221,8 @@ fn an_evicting_node_is_claimable_and_not_a_candidate() {
             node.set_state(NodeState::SwapToHost(SwapOut::Evict));
             node.set_transfer(Some(9));
         });
-        assert_eq!(tree.first_claimable(), Some(ids[0]));
-        assert_eq!((tree.first_device_candidate(), tree.first_host_candidate()), (None, None));
+        assert_eq!(tree.first(EvictSet::Claimable), Some(ids[0]));
+        assert_eq!((tree.first(EvictSet::Device), tree.first(EvictSet::Host)), (None, None));
         assert_eq!(tree.node(ids[0]).transfer(), Some(9));
         tree.check().unwrap();
     }
@@ -362,7 +306,7 @@ fn clearing_leaves_an_empty_consistent_tree() {
     for mut tree in trees() {
         served(&mut tree, NodeId::ROOT, &[1, 2], 0);
         tree.clear();
-        assert!(tree.is_empty() && tree.first_device_candidate().is_none());
+        assert!(tree.is_empty() && tree.first(EvictSet::Device).is_none());
         tree.check().unwrap();
         served(&mut tree, NodeId::ROOT, &[1], 0);
         tree.check().unwrap();
@@ -434,13 +378,13 @@ fn child_counts_saturate_past_65535_children_and_are_recounted_exactly_on_the_wa
     }
     assert_eq!(tree.node(parent).device_children, 1);
     assert_eq!(tree.node(parent).upper_children, 1);
-    assert!(tree.first_device_candidate() != Some(parent));
+    assert!(tree.first(EvictSet::Device) != Some(parent));
     tree.check().unwrap();
     tree.update(children[0], |node| {
         node.set_device(None);
         node.set_state(NodeState::Host);
     });
     assert_eq!(tree.node(parent).device_children, 0);
-    assert!(tree.is_device_candidate(parent), "its last device child left");
+    assert_eq!(tree.first(EvictSet::Device), Some(parent), "its last device child left");
     tree.check().unwrap();
 }

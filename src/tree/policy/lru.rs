@@ -66,25 +66,6 @@ impl Policy for Lru {
         }
     }
 
-    #[inline(always)]
-    fn release_path(
-        &mut self,
-        path: &[NodeId],
-        mut release: impl FnMut(NodeId) -> Membership,
-    ) -> bool {
-        // A release stamps the node and nothing else: the stamps of a run, the clock in a
-        // register, each node filed once stamped (the list it enters depends on its stamp and
-        // the members' only).
-        self.lists.stamp_run(path.iter().rev().map(|id| id.0), |node| {
-            let sets = release(NodeId(node));
-            if sets.is_empty() {
-                None
-            } else {
-                kind_of(sets)
-            }
-        })
-    }
-
     #[inline]
     fn enter(&mut self, node: NodeId, sets: Membership) {
         if let Some(list) = kind_of(sets) {

@@ -171,18 +171,6 @@ pub trait Policy: Default + std::fmt::Debug {
     fn wants(&self, access: Access) -> bool;
     /// `node`, keyed by `key`, was accessed. It is in no set while this is called.
     fn touch(&mut self, node: NodeId, key: BlockHash, access: Access);
-    /// The release of every node of `path`, last first, in one pass: for each node, what a
-    /// [`Policy::touch`] with [`Access::Release`] does, then `release(node)` (the tree's part:
-    /// the hold dropped, answering the sets the node joins now, none for most), then
-    /// [`Policy::enter`] of those sets. A policy that does it so answers `true`; `false` (the
-    /// default) means nothing was done, and the tree releases node by node.
-    fn release_path(
-        &mut self,
-        _path: &[NodeId],
-        _release: impl FnMut(NodeId) -> Membership,
-    ) -> bool {
-        false
-    }
     /// `node`, in no set before, joins `sets` (not empty).
     fn enter(&mut self, node: NodeId, sets: Membership);
     /// `node` leaves every set; it was in exactly `sets` (not empty).
@@ -190,7 +178,8 @@ pub trait Policy: Default + std::fmt::Debug {
     /// The member of `set` to give up next.
     fn first(&self, set: EvictSet) -> Option<NodeId>;
     /// Whether `node`, in no set, would be [`Policy::first`] of `set` if it joined `set` alone
-    /// now. `false` when unsure: the tree then files it, and the eviction asks `first`.
+    /// now. `false` when unsure: the tree then hands it over with [`Policy::enter`] (it keeps
+    /// a node that would come first as the set's front instead, see `Tree`).
     fn would_come_first(&self, _node: NodeId, _set: EvictSet) -> bool {
         false
     }
@@ -332,16 +321,6 @@ macro_rules! registry {
                     $(Policies::$variant(p) => p.touch(node, key(), access),)+
                 }
             }
-            #[inline(always)]
-            pub fn release_path(
-                &mut self,
-                path: &[NodeId],
-                release: impl FnMut(NodeId) -> Membership,
-            ) -> bool {
-                match self {
-                    $(Policies::$variant(p) => p.release_path(path, release),)+
-                }
-            }
             // `enter`, `leave` and `first` inline everywhere: out of line, the call, the
             // registers the larger policies' arms save and the dispatch cost more than the LRU
             // arm's list work (1-2% of a median request's instructions, every configuration).
@@ -414,6 +393,20 @@ registry! {
     "conv" => Conv(conv::Conv), "Conversation-generation aging: blocks of conversations continued more often are kept longer, by the median think time per continuation.";
     "optimal" => Optimal(optimal::Optimal), "The offline optimum (farthest next use first): needs the trace's future, so `kvshm replay` only; an upper bound, not a policy to serve with.";
 }
+
+/// Runs `$body` with `$policy` bound to the policy itself inside `$policies` (a [`Policies`]):
+/// one dispatch for a whole tree operation, whose calls on the policy are then direct and inline.
+/// It lists the variants of `registry!` above (a policy missing here fails to compile).
+macro_rules! with_policy {
+    ($policies:expr, $policy:ident => $body:expr) => {
+        match $policies {
+            $crate::tree::policy::Policies::Lru($policy) => $body,
+            $crate::tree::policy::Policies::Conv($policy) => $body,
+            $crate::tree::policy::Policies::Optimal($policy) => $body,
+        }
+    };
+}
+pub(crate) use with_policy;
 
 impl EvictionPolicy {
     /// Whether the policy needs the future (the requests to come), so that only a replay of a

@@ -135,42 +135,6 @@ impl<const N: usize> RecencyLists<N> {
         renumbered
     }
 
-    /// Stamps `nodes` (each in no list, none twice), in order, as released one after another,
-    /// asking `file` for each node once it is stamped which list it joins, if any, and linking
-    /// it in: what a [`RecencyLists::stamp_now`] per node, then an [`RecencyLists::insert`] of
-    /// each node that joins a list, do when the stamps do not run out on the way. Returns
-    /// `false`, stamping nothing, when they would: the caller then stamps node by node.
-    #[inline(always)]
-    pub fn stamp_run(
-        &mut self,
-        nodes: impl ExactSizeIterator<Item = u32>,
-        mut file: impl FnMut(u32) -> Option<usize>,
-    ) -> bool {
-        let Ok(count) = u32::try_from(nodes.len()) else { return false };
-        if u32::MAX - self.clock < count {
-            return false;
-        }
-        let mut clock = self.clock;
-        self.clock += count;
-        let mut nodes = nodes;
-        // Runs of nodes that join no list (most: a path's inner nodes) are stamped through the
-        // links borrowed as a slice, its address and length in registers across the stamps.
-        loop {
-            let links = &mut self.links[..];
-            let mut joining = None;
-            for node in nodes.by_ref() {
-                links[node as usize].stamp = clock;
-                clock += 1;
-                if let Some(list) = file(node) {
-                    joining = Some((list, node));
-                    break;
-                }
-            }
-            let Some((list, node)) = joining else { return true };
-            self.insert(list, node);
-        }
-    }
-
     #[inline]
     pub fn head(&self, list: usize) -> u32 {
         self.lists[list].head
@@ -424,39 +388,5 @@ mod tests {
         assert!(lists.clock() < 10, "renumbered: clock {}", lists.clock());
         lists.insert(0, 5);
         assert_eq!(order(&lists, 0), vec![4, 2, 5, 0, 3]);
-    }
-
-    #[test]
-    fn a_run_of_stamps_gives_what_one_stamp_per_node_gives_and_refuses_to_run_out() {
-        let mut by_run = RecencyLists::<1>::with_clock(7);
-        let mut one_by_one = RecencyLists::<1>::with_clock(7);
-        for lists in [&mut by_run, &mut one_by_one] {
-            lists.reserve_nodes(6);
-        }
-        // Node 1 joins list 0 as it is stamped; the others join none.
-        let mut seen = Vec::new();
-        assert!(by_run.stamp_run([4, 1, 5].into_iter(), |node| {
-            seen.push(node);
-            (node == 1).then_some(0)
-        }));
-        for node in [4, 1, 5] {
-            one_by_one.stamp_now(node);
-        }
-        assert_eq!(seen, [4, 1, 5], "each node is asked for once");
-        assert_eq!((by_run.head(0), by_run.len(0)), (1, 1), "the joining node is linked in");
-        assert_eq!(by_run.clock(), one_by_one.clock());
-        for node in 0..6 {
-            assert_eq!(by_run.stamp(node), one_by_one.stamp(node), "node {node}");
-        }
-
-        // The last stamps before the clock runs out are given; one more is refused, untouched.
-        let mut lists = RecencyLists::<1>::with_clock(u32::MAX - 2);
-        lists.reserve_nodes(6);
-        let refused = !lists.stamp_run([0, 1, 2].into_iter(), |node| panic!("{node} asked for"));
-        assert!(refused, "the third stamp would run out");
-        assert_eq!((lists.clock(), lists.stamp(0)), (u32::MAX - 2, 0), "nothing stamped");
-        assert!(lists.stamp_run([0, 1].into_iter(), |_| None));
-        assert_eq!((lists.stamp(0), lists.stamp(1)), (u32::MAX - 2, u32::MAX - 1));
-        assert_eq!(lists.clock(), u32::MAX, "the next stamp_now renumbers");
     }
 }
