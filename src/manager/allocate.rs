@@ -230,8 +230,7 @@ impl CacheManager {
     /// Storage hit `id` at `depth` in the prompt (module flow, step 4): a LOAD into `host` (a host
     /// block, with the STORE still reading it if claimed from one), then a swap-in into `device`
     /// behind it; the ticket and the request's swap-in (`after`) wait for the LOAD. Returns the
-    /// swap-in. Out of line: a cache without a storage tier never comes here.
-    #[inline(never)]
+    /// swap-in.
     fn load_storage_hit(
         &mut self,
         (id, depth): (NodeId, u32),
@@ -251,7 +250,6 @@ impl CacheManager {
     /// A hit on node `id`, which another request's LOAD is bringing up: the ticket waits on that
     /// LOAD and on the swap-in behind it, and so does the request's own swap-in (`after`).
     /// Returns the node's device block and the LOAD.
-    #[inline(never)]
     fn share_load(
         &mut self,
         id: NodeId,

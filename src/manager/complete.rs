@@ -65,10 +65,7 @@ impl CacheManager {
 
     /// Rolls back device copy `id` (`flight`, out of the in-flight table already), which
     /// failed with `failure` (module flow, steps 3 and 4): each attached pair is undone.
-    /// Out of line: a failure is rare, and its code stays out of the way of the usual
-    /// completion (instruction cache).
     #[cold]
-    #[inline(never)]
     fn roll_back(&mut self, id: TransferId, flight: Box<InFlight>, failure: TransferFailure) {
         let Some(flight) = self.release_completed(flight, false) else { return };
         for (pair, &node) in flight.pairs.iter().zip(&flight.nodes) {
@@ -127,7 +124,6 @@ impl CacheManager {
     }
 
     /// Applies storage copy `id`'s outcome; `flight` is out of the in-flight table already.
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn complete_storage(
         &mut self,
         id: TransferId,

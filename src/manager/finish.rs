@@ -63,10 +63,9 @@ impl CacheManager {
 /// claimed from a copy in flight (`in_flight`) to that copy, which frees it when it completes;
 /// the others to `device`. A table block's claim is found by its position (one compare per run
 /// of claims; reading every run's blocks for each block would make the end of an allocation
-/// with N claims in flight N^2/2 compares). Out of line: only an aborted allocation whose copies
-/// are still in flight comes here.
+/// with N claims in flight N^2/2 compares). Only an aborted allocation whose copies are still in
+/// flight comes here.
 #[cold]
-#[inline(never)]
 fn give_back_with_claims(
     record: &Request,
     in_flight: &mut IdTable<TransferId, Box<InFlight>>,

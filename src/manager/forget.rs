@@ -37,7 +37,6 @@ impl CacheManager {
     }
 
     /// Node `hash`, in `state`, leaves the tree (module flow, step 1).
-    #[inline(never)] // off the hot paths of a cache without the tier
     pub(super) fn forget_dropped(&mut self, hash: BlockHash, state: NodeState) {
         if matches!(state, NodeState::HostToStorage(_) | NodeState::StorageToHost) {
             self.forget_after_copy.insert(hash);
@@ -50,7 +49,6 @@ impl CacheManager {
     /// meanwhile (module flow, step 1): forgotten now, unless a node of the same block got a
     /// storage copy since (a STORE issued after this copy, or an adoption): the tier's copy is
     /// then counted again.
-    #[inline(never)]
     pub(super) fn forget_detached(&mut self, hash: BlockHash) {
         if self.forget_after_copy.remove(&hash) {
             self.push_forgotten(hash);
@@ -68,7 +66,6 @@ impl CacheManager {
 
     /// A block some rank may hold that the tree does not count (a failed STORE, a block beyond
     /// the capacity at adoption): forgotten now (module flow, steps 2 and 4).
-    #[inline(never)]
     pub(super) fn forget_now(&mut self, hash: BlockHash) {
         if self.storage_enabled() {
             self.push_forgotten(hash);
@@ -81,7 +78,6 @@ impl CacheManager {
     }
 
     /// Before a reset clears the tree (module flow, step 3).
-    #[inline(never)]
     pub(super) fn forget_everything(&mut self) {
         if !self.storage_enabled() {
             return;
@@ -100,7 +96,6 @@ impl CacheManager {
     /// Gives up the stored blocks still waiting for their parent once as many blocks as the tier
     /// holds were committed since they were adopted (module flow, step 4): their parent did not
     /// come back, and they would otherwise slow every commit and hold the tier's room.
-    #[inline(never)]
     pub(super) fn expire_orphans(&mut self) {
         if self.stats.committed_blocks < self.orphans_expire_at {
             return;

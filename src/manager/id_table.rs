@@ -139,9 +139,7 @@ impl<K: IdKey, V> IdTable<K, V> {
     }
 
     /// Removes `key` (module flow, step 3), returning its value.
-    // Always inline: the end of every request removes its tickets in a loop, where a call (the
-    // registers it saves and restores) costs a third of the removal.
-    #[inline(always)]
+    #[inline]
     pub fn remove(&mut self, key: &K) -> Option<V> {
         let mut hole = self.find(*key)?;
         let (_, value) = self.slots[hole].take().expect("found above");
@@ -162,7 +160,6 @@ impl<K: IdKey, V> IdTable<K, V> {
 
     /// Doubles the table (or makes its first one) and places every entry again.
     #[cold]
-    #[inline(never)]
     fn grow(&mut self) {
         let slots = (self.slots.len() * 2).max(MIN_SLOTS);
         let old = std::mem::replace(&mut self.slots, (0..slots).map(|_| None).collect());

@@ -95,7 +95,6 @@ impl LoadOutcome<'_> {
 impl CacheManager {
     /// Applies LOAD `load`'s outcome (module flow); `flight` is its record, out of the in-flight
     /// table already.
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn complete_load(
         &mut self,
         load: TransferId,
@@ -215,7 +214,6 @@ impl CacheManager {
     /// the tier reported missing (waiting in `unloadable`, held when their LOAD missed) are no
     /// longer counted on storage, and the tier is told to forget its damaged copy; without this
     /// a later eviction would trust the lost copy and skip the write-back.
-    #[inline(never)] // off the hot paths (only while a missing block is still held)
     pub(super) fn uncount_lost_copies(&mut self, request: super::RequestId, start: usize) {
         let end = self.requests[&request].path.len();
         for index in start..end {
@@ -378,7 +376,6 @@ impl CacheManager {
     /// missing), or a storage-only block while the tier is down (it matched before the tier went
     /// down, `tier_health`): the request's hits end there, as if its match had ended there
     /// (DESIGN §9).
-    #[inline(never)] // off the hot paths (only while a missing block is held or the tier is down)
     pub(super) fn first_lost_hit(&self, record: &super::request::Request) -> Option<usize> {
         let start = record.table.len();
         let tier_down = self.tier.is_down();
@@ -389,7 +386,6 @@ impl CacheManager {
     /// An allocation of `request` whose hits end at `cut`, before a lost block
     /// ([`first_lost_hit`](Self::first_lost_hit)): the nodes from there on leave its path, and
     /// the allocation gives those positions fresh device blocks like new ones.
-    #[inline(never)] // off the hot paths (only while a missing block is still held)
     pub(super) fn cut_hits_at_lost(&mut self, request: super::RequestId, cut: usize) {
         let record = self.requests.get_mut(&request).expect("an allocated request is live");
         let released: Vec<NodeId> = record.path.drain(cut..).collect();
@@ -402,7 +398,6 @@ impl CacheManager {
 
     /// `ticket`, the allocation of a request whose hits were cut at `cut`
     /// ([`cut_hits_at_lost`](Self::cut_hits_at_lost)), ends `Shortened` once its copies land.
-    #[inline(never)] // off the hot paths (only while a missing block is still held)
     pub(super) fn born_shortened(&mut self, ticket: TicketId, cut: usize) {
         let record = self.tickets.get_mut(&ticket).expect("a ticket just made");
         record.cached_blocks =

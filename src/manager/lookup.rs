@@ -269,9 +269,8 @@ pub(super) fn hold_hit(
 }
 
 /// [`walk`] stopping before a block the storage tier reported missing (one of `unloadable`), and
-/// before any storage-only block when `tier_down`. Out of line: only while such a block is still
-/// held, or while the tier is down.
-#[inline(never)]
+/// before any storage-only block when `tier_down`. Only while such a block is still held, or while the
+/// tier is down.
 fn walk_before_lost(
     tree: &Tree,
     unloadable: &[(NodeId, BlockHash)],

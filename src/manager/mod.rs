@@ -357,7 +357,6 @@ impl CacheManager {
     }
 
     /// Opens the copy of `kind` for the current operation, with a spare record if one is kept.
-    #[inline(never)]
     fn open_new_transfer(&mut self, kind: TransferKind) {
         let id = TransferId(self.next_transfer);
         self.next_transfer += 1;
@@ -392,7 +391,6 @@ impl CacheManager {
     }
 
     /// [`CacheManager::close_transfers`] once some copy was opened.
-    #[inline(never)]
     fn close_open_transfers(&mut self) {
         // In the order copies depend on each other (a swap-out or load into a host block waits
         // for the store reading it; a swap-in for the load); checked before taking, so that the

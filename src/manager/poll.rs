@@ -15,7 +15,6 @@ use crate::tree::{NodeId, NodeState, SwapOut};
 
 impl CacheManager {
     /// Issues pending backups and watermark evictions as new copies (module flow).
-    // Inline: the usual poll finds nothing to do, a few tests; the work is out of line.
     #[inline]
     pub fn poll(&mut self) {
         if !self.pending_backups.is_empty() {

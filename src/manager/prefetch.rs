@@ -164,7 +164,6 @@ impl CacheManager {
     ///
     /// # Errors
     /// [`PrefetchError::NoStorageTier`] without a storage tier. Nothing changes on error.
-    #[inline(never)] // off the hot paths (storage tier only)
     pub fn prefetch(&mut self, hashes: &[BlockHash]) -> Result<Option<TicketId>, PrefetchError> {
         if !self.storage_enabled() {
             return Err(PrefetchError::NoStorageTier);
@@ -240,7 +239,6 @@ impl CacheManager {
     /// rank, an error when the tier could not tell (nothing is adopted). The present blocks are
     /// adopted and loaded within the query's ticket (module flow, step 3), unless the tier is
     /// down by then.
-    #[inline(never)] // off the hot paths (storage tier only)
     pub fn complete_storage_query(
         &mut self,
         id: u64,
@@ -485,7 +483,6 @@ impl CacheManager {
     /// Node `id`, which prefetch LOAD `load` brings up with no swap-in behind it, is met by an
     /// allocation: `device_block` and a swap-in ordered after the LOAD (added to `after`), in the
     /// ticket. Returns the swap-in.
-    #[inline(never)] // off the hot paths (storage tier only)
     pub(super) fn follow_prefetch_load(
         &mut self,
         id: NodeId,

@@ -81,8 +81,8 @@ impl Request {
 
     /// The copy that the block at table `position` was claimed from, among the runs of
     /// `claims`.
-    // Inline, with the usual answer first: the end of a request asks once per block it owns,
-    // and its claims are gone by then (their copies completed) but for an aborted allocation.
+    // The usual answer first: the end of a request asks once per block it owns, and its claims
+    // are gone by then (their copies completed) but for an aborted allocation.
     #[inline]
     pub fn claim_at(&self, position: usize) -> Option<TransferId> {
         if self.claims.is_empty() {
@@ -228,9 +228,7 @@ impl Requests {
 
     /// Ends `id`: frees its slot, and returns its record, which stays in the slot to be read
     /// until the next request starts there.
-    // Always inline: the end of every request calls it once, and the call (the registers it
-    // saves and restores) costs a fifth of the removal.
-    #[inline(always)]
+    #[inline]
     pub fn remove(&mut self, id: &RequestId) -> Option<&mut Request> {
         let slot = self.index.remove(id)?;
         if self.latest.is_some_and(|(latest, _)| latest == *id) {

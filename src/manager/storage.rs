@@ -98,7 +98,6 @@ impl CacheManager {
 
     /// Starts writing `host_block`, node `id`'s host copy, to a reserved storage block (module
     /// flow, write step 2), within the current operation's STORE.
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn start_store(
         &mut self,
         id: NodeId,
@@ -143,7 +142,6 @@ impl CacheManager {
     /// Starts loading storage node `id`, at `depth` in its prompt (0 first), into `host_block`,
     /// and its swap-in from there into `device_block` behind the load (module flow, read step
     /// 1), within the current operation's LOAD and swap-in. Returns (LOAD, swap-in).
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn start_load(
         &mut self,
         id: NodeId,
@@ -174,7 +172,6 @@ impl CacheManager {
     /// Write-through: issues the queued STOREs of nodes settled on host (module flow), as far as
     /// the tier has free room and is up; the others are skipped (counted) and written back when
     /// they leave the host tier.
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn issue_stores(&mut self) {
         let mut queue = std::mem::take(&mut self.pending_stores);
         let tier_down = self.tier.is_down();
@@ -221,7 +218,6 @@ impl CacheManager {
     }
 
     /// Applies a STORE's outcome to node `id`, attached to it (module flow, write step 3).
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn store_completed(&mut self, id: NodeId, landed: bool) {
         let NodeState::HostToStorage(mode) = self.tree.node(id).state() else {
             unreachable!("a node attached to a STORE is being stored")
@@ -273,7 +269,6 @@ impl CacheManager {
 
     /// Drops the storage-only nodes whose LOAD failed, with the storage-only nodes below them,
     /// once no request holds them (`poll`); those still held wait.
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn drop_unloadable(&mut self) {
         let mut waiting = std::mem::take(&mut self.unloadable);
         waiting.retain(|&(id, hash)| {
@@ -318,7 +313,6 @@ impl CacheManager {
     /// Takes node `id`, loading, back to `Storage` while its LOAD is still in flight: a swap-in
     /// above it failed, so device residency must end above it. The LOAD keeps writing the host
     /// block, so the block stays reserved by it until it completes; the node is detached.
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn abandon_load(&mut self, id: NodeId) {
         let load =
             TransferId(self.tree.node(id).transfer().expect("a node in flight names its copy"));
@@ -493,7 +487,6 @@ impl CacheManager {
 
     /// Node `id` was just committed: the stored blocks waiting for it as their parent join the
     /// tree under it, and theirs under them (those that cannot are forgotten).
-    #[inline(never)] // off the hot paths of a cache without the tier (code size)
     pub(super) fn adopt_orphans_under(&mut self, id: NodeId) {
         let mut stack = vec![id];
         while let Some(parent) = stack.pop() {

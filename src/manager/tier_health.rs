@@ -133,7 +133,6 @@ impl CacheManager {
     /// `Shortened` (the LOADs held back behind it with them); a STORE's reservation is given
     /// back and a write-back's node, with no copy left, leaves the tree. Oldest first, as they
     /// would have been handed out.
-    #[inline(never)] // only when an outage begins
     pub(super) fn settle_unissued_storage_copies(&mut self) {
         let unissued: Vec<TransferId> = self
             .outbox
@@ -175,7 +174,6 @@ impl CacheManager {
     /// (`adopt_orphans_under`), or expire as restart orphans do (`forget`). Like those they are
     /// not counted against the tier's room meanwhile. A node below with a copy in flight, and
     /// everything past the orphans' cap (the tier's capacity), is dropped as before.
-    #[inline(never)] // only while the tier is down
     pub(super) fn orphan_stored_children(&mut self, victim: NodeId) {
         let capacity = self.config.storage_blocks as usize;
         // Storage depth (0 for a prompt's first block) of the victim's children.

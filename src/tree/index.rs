@@ -227,7 +227,6 @@ impl ChildIndex {
     }
 
     #[cold]
-    #[inline(never)]
     fn grow(&mut self, nodes: &[Node]) {
         let groups = (self.groups.len() * 2).max(1);
         let old = std::mem::replace(&mut self.groups, vec![EMPTY_GROUP; groups]);

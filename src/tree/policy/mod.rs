@@ -292,7 +292,7 @@ macro_rules! registry {
                 }
             }
             /// `key` is asked for only by a policy that reads it (most ignore it).
-            #[inline(always)]
+            #[inline]
             pub fn removing(
                 &mut self,
                 node: NodeId,
@@ -315,28 +315,25 @@ macro_rules! registry {
                 }
             }
             /// `key` is asked for only by a policy that reads it (most ignore it).
-            #[inline(always)]
+            #[inline]
             pub fn touch(&mut self, node: NodeId, key: impl FnOnce() -> BlockHash, access: Access) {
                 match self {
                     $(Policies::$variant(p) => p.touch(node, key(), access),)+
                 }
             }
-            // `enter`, `leave` and `first` inline everywhere: out of line, the call, the
-            // registers the larger policies' arms save and the dispatch cost more than the LRU
-            // arm's list work (1-2% of a median request's instructions, every configuration).
-            #[inline(always)]
+            #[inline]
             pub fn enter(&mut self, node: NodeId, sets: Membership) {
                 match self {
                     $(Policies::$variant(p) => p.enter(node, sets),)+
                 }
             }
-            #[inline(always)]
+            #[inline]
             pub fn leave(&mut self, node: NodeId, sets: Membership) {
                 match self {
                     $(Policies::$variant(p) => p.leave(node, sets),)+
                 }
             }
-            #[inline(always)]
+            #[inline]
             pub fn first(&self, set: EvictSet) -> Option<NodeId> {
                 match self {
                     $(Policies::$variant(p) => p.first(set),)+

@@ -202,7 +202,6 @@ impl<const N: usize> RecencyLists<N> {
 
     /// The neighbours of a node stamped `stamp`, to go strictly inside the list from `head` to
     /// `tail`: a walk from the end nearer by stamp.
-    #[inline(never)]
     fn place_inside(&self, head: u32, tail: u32, stamp: u32) -> (u32, u32) {
         if stamp - self.link(head).stamp <= self.link(tail).stamp - stamp {
             // Walk from the head to the first member younger than `node`.
@@ -241,7 +240,6 @@ impl<const N: usize> RecencyLists<N> {
 
     /// Renumbers every stamp from 0, keeping the order (list order among equal stamps).
     #[cold]
-    #[inline(never)]
     fn renumber(&mut self) {
         let mut rank = vec![0u32; self.links.len()];
         for list in &self.lists {
