@@ -33,6 +33,10 @@
 //! runs it ahead of demand to keep `free_watermark` device blocks free or on their way
 //! ([`CacheManager::evict_toward`]). The tree files every node a change exposes (a parent that
 //! becomes a candidate) at once, so the next turn of the loop sees it in its place.
+//!
+//! A node that leaves the tree (a drop here, a failed copy, a reset) gives its blocks back
+//! through [`CacheManager::drop_subtree`]: to their pools, or to the copy in flight still touching
+//! them, and its storage copy is uncounted and forgotten.
 
 use super::{CacheManager, TransferId, WritePolicy};
 use crate::tree::policy::EvictSet;
@@ -300,6 +304,98 @@ impl CacheManager {
             node.set_state(NodeState::SwapToHost(SwapOut::Claimed));
         });
         (block, Some(transfer))
+    }
+}
+
+/// Dropping nodes: what a drop gives back.
+impl CacheManager {
+    /// Removes `id` and its whole subtree from the tree, freeing the blocks the nodes own and
+    /// handing the blocks their copies in flight still touch to those copies (detaching them).
+    /// Children go before their parents, found by walking down first-child links: no stack.
+    ///
+    /// # Panics
+    /// If a node of the subtree is held: callers drop only unheld subtrees.
+    pub(super) fn drop_subtree(&mut self, id: NodeId) {
+        let mut next = id;
+        loop {
+            while let Some(child) = self.tree.first_child(next) {
+                next = child;
+            }
+            let parent = self.tree.node(next).parent();
+            self.drop_leaf(next);
+            if next == id {
+                return;
+            }
+            next = parent.expect("a node below the dropped one has a parent");
+        }
+    }
+
+    /// Removes node `id`, which has no children, freeing its blocks, or handing them to the copy
+    /// in flight that still touches them.
+    ///
+    /// # Panics
+    /// If the node is held.
+    pub(super) fn drop_leaf(&mut self, id: NodeId) {
+        self.give_up_blocks_of_leaf(id);
+        self.tree.remove(id);
+    }
+
+    /// The blocks part of [`CacheManager::drop_leaf`]: frees them, or hands them to the copy in
+    /// flight that still touches them.
+    #[inline]
+    pub(super) fn give_up_blocks_of_leaf(&mut self, id: NodeId) {
+        let node = self.tree.node(id);
+        assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
+        let (device, host, state, transfer, hash) =
+            (node.device(), node.host(), node.state(), node.transfer(), node.hash());
+        self.give_up_storage_copy(node.stored(), hash, state);
+        match state {
+            NodeState::Device | NodeState::Host | NodeState::Storage => {
+                if let Some(block) = device {
+                    self.free_device(block);
+                }
+                if let Some(block) = host {
+                    self.free_host(block);
+                }
+            }
+            NodeState::SwapToHost(_)
+            | NodeState::SwapToDevice
+            | NodeState::HostToStorage(_)
+            | NodeState::StorageToHost => {
+                let mut transfer = TransferId(transfer.expect("a node in flight names its copy"));
+                if state == NodeState::StorageToHost {
+                    // The swap-in behind the load reads the host block and writes the device
+                    // block, after the load: it keeps both until it completes. A prefetch load
+                    // with no swap-in behind keeps its host block itself.
+                    let then = self.flight(transfer).and_then(|load| load.then);
+                    transfer = self.swap_in_behind(transfer, then, id).unwrap_or(transfer);
+                }
+                let flight = self
+                    .flight_mut(transfer)
+                    .expect("the copy of a node in flight is known: a programming error otherwise");
+                flight.reserved_device.extend(device);
+                flight.reserved_host.extend(host);
+            }
+        }
+    }
+
+    /// The storage part of dropping a node in `state` (`stored`: whether the tier holds it):
+    /// uncounts its storage block, and tells the tier to forget it.
+    #[inline]
+    pub(super) fn give_up_storage_copy(
+        &mut self,
+        stored: bool,
+        hash: crate::hash::BlockHash,
+        state: NodeState,
+    ) {
+        if stored || matches!(state, NodeState::HostToStorage(_)) {
+            self.storage_used -= 1;
+        }
+        if self.storage_enabled() {
+            // The tier may hold it (stored, or loaded from it once): told to forget it, but a
+            // node whose STORE or LOAD is in flight only once that copy completed (detached).
+            self.forget_dropped(hash, state);
+        }
     }
 }
 

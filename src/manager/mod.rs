@@ -3,8 +3,9 @@
 //!
 //! It owns the radix tree ([`crate::tree`]), the device and host pools ([`crate::pool`]), the live
 //! requests, the copies in flight and their tickets. It runs on the engine's scheduler thread;
-//! every operation costs O(blocks of the request) plus O(log n) per node touched, and never scans
-//! the tree (only `check_invariants`, `tree_snapshot` and `reset` do).
+//! every operation costs O(blocks of the request), with O(1) per node touched (but an eviction
+//! policy's placement of a node that joins a set late, see [`crate::tree::policy`]), and never
+//! scans the tree (only `check_invariants`, `tree_snapshot` and `reset` do).
 //!
 //! The life of one request:
 //! 1. [`CacheManager::match_prefix`] holds the longest cached prefix of its block hashes (device
@@ -74,7 +75,7 @@ pub use transfer::{
 
 use crate::pool::BlockPool;
 pub use crate::tree::FutureUses;
-use crate::tree::{NodeId, NodeState, SwapOut, Tree, TreeSnapshot};
+use crate::tree::{NodeId, Tree, TreeSnapshot};
 use allocate::AllocateScratch;
 use id_table::IdTable;
 use ids::IdMap;
@@ -82,9 +83,6 @@ use request::{Request, Requests};
 use transfer::{InFlight, Ticket};
 
 const VALIDATED_CAPACITY: &str = "validate() refuses capacities a pool cannot hold";
-
-/// Copy records kept for reuse at most: more than the copies of a busy step.
-const MAX_SPARES: usize = 1024;
 
 /// The prefix cache and block pools of one engine.
 #[derive(Debug)]
@@ -287,46 +285,6 @@ impl CacheManager {
             .map(|(&id, _)| id)
     }
 
-    /// Hands out the copies created since the last call, oldest first.
-    pub fn take_transfers(&mut self) -> Vec<Transfer> {
-        let mut transfers = Vec::with_capacity(self.outbox.len());
-        self.take_transfers_into(&mut transfers);
-        transfers
-    }
-
-    /// Like [`CacheManager::take_transfers`], appending to `out`.
-    pub fn take_transfers_into(&mut self, out: &mut Vec<Transfer>) {
-        self.take_transfers_with(|transfer| out.push(transfer.to_transfer()));
-    }
-
-    /// Hands out the copies created since the last call, oldest first, each lent to `issue`
-    /// for the call: nothing is copied or allocated. A swap-in into blocks that a swap-out still
-    /// reads stays behind until that swap-out completes.
-    pub fn take_transfers_with(&mut self, mut issue: impl FnMut(TransferView<'_>)) {
-        // The usual call, after an operation that started no copy.
-        if self.outbox.is_empty() {
-            return;
-        }
-        let in_flight = &mut self.in_flight;
-        self.outbox.retain(|id| {
-            // A copy completed before it was taken is gone from `in_flight`: drop it.
-            let Some(flight) = in_flight.get(id) else { return false };
-            if flight.after.iter().any(|before| in_flight.contains_key(before)) {
-                return true;
-            }
-            let flight = in_flight.get_mut(id).expect("found just above");
-            flight.issued = true;
-            issue(TransferView {
-                id: *id,
-                kind: flight.kind,
-                pairs: &flight.pairs,
-                blocks: &flight.blocks,
-                generation: flight.generation,
-            });
-            false
-        });
-    }
-
     /// Bytes of heap memory held by the tree, the pools, requests and copies (an estimate by
     /// capacity; see `Tree::heap_bytes`).
     pub fn heap_bytes(&self) -> usize {
@@ -346,269 +304,11 @@ impl CacheManager {
         self.host.capacity() > 0
     }
 
-    /// The copy of `kind` that the current operation fills, opened on first use.
-    #[inline] // once per block of a swap-out or swap-in: a call would cost more than the lookup
-    fn open_transfer(&mut self, kind: TransferKind) -> (TransferId, &mut InFlight) {
-        if self.open_slot(kind).is_none() {
-            self.open_new_transfer(kind);
-        }
-        let (id, flight) = self.open_slot(kind).as_mut().expect("opened just above");
-        (*id, flight)
-    }
-
-    /// Opens the copy of `kind` for the current operation, with a spare record if one is kept.
-    fn open_new_transfer(&mut self, kind: TransferKind) {
-        let id = TransferId(self.next_transfer);
-        self.next_transfer += 1;
-        let flight = match self.spare_flights.pop() {
-            Some(spare) => spare.recycled(kind, self.generation),
-            None => Box::new(InFlight::new(kind, self.generation)),
-        };
-        *self.open_slot(kind) = Some((id, flight));
-    }
-
-    #[inline]
-    fn open_slot(&mut self, kind: TransferKind) -> &mut Option<(TransferId, Box<InFlight>)> {
-        match kind {
-            TransferKind::DeviceToHost => &mut self.open_device_to_host,
-            TransferKind::HostToDevice => &mut self.open_host_to_device,
-            TransferKind::HostToStorage => &mut self.open_host_to_storage,
-            TransferKind::StorageToHost => &mut self.open_storage_to_host,
-        }
-    }
-
-    /// Moves the copies the current operation filled to the in-flight table and the outbox.
-    #[inline]
-    fn close_transfers(&mut self) {
-        // The usual operation opened none.
-        if self.open_host_to_storage.is_some()
-            || self.open_device_to_host.is_some()
-            || self.open_storage_to_host.is_some()
-            || self.open_host_to_device.is_some()
-        {
-            self.close_open_transfers();
-        }
-    }
-
-    /// [`CacheManager::close_transfers`] once some copy was opened.
-    fn close_open_transfers(&mut self) {
-        // In the order copies depend on each other (a swap-out or load into a host block waits
-        // for the store reading it; a swap-in for the load); checked before taking, so that the
-        // common case (no copy) moves no record around.
-        for kind in [
-            TransferKind::HostToStorage,
-            TransferKind::DeviceToHost,
-            TransferKind::StorageToHost,
-            TransferKind::HostToDevice,
-        ] {
-            if let Some((id, flight)) = self.open_slot(kind).take() {
-                let fresh = self.in_flight.insert_new(id, flight);
-                debug_assert!(fresh, "copy ids are never reused");
-                self.outbox.push(id);
-            }
-        }
-    }
-
-    /// The in-flight record of `id`, open or closed.
-    fn flight_mut(&mut self, id: TransferId) -> Option<&mut InFlight> {
-        for (open_id, flight) in [
-            &mut self.open_device_to_host,
-            &mut self.open_host_to_device,
-            &mut self.open_host_to_storage,
-            &mut self.open_storage_to_host,
-        ]
-        .into_iter()
-        .flatten()
-        {
-            if *open_id == id {
-                return Some(flight);
-            }
-        }
-        self.in_flight.get_mut(&id).map(|flight| &mut **flight)
-    }
-
-    /// A new ticket of `request`, waiting on nothing yet (see [`CacheManager::wait_on`]).
-    fn new_ticket(&mut self, request: RequestId) -> TicketId {
-        let id = self.take_ticket_id();
-        self.record_ticket(id, request, 0);
-        id
-    }
-
-    /// The next ticket id (ids are never reused), for a ticket recorded once what it waits on
-    /// is known ([`CacheManager::record_ticket`]).
-    fn take_ticket_id(&mut self) -> TicketId {
-        let id = TicketId(self.next_ticket);
-        self.next_ticket += 1;
-        id
-    }
-
-    /// Records ticket `id` of `request`, waiting on `pending` copies (which name it already).
-    fn record_ticket(&mut self, id: TicketId, request: RequestId, pending: u32) {
-        let ticket = Ticket { request: Some(request), pending, failure: None, cached_blocks: None };
-        let fresh = self.tickets.insert_new(id, ticket);
-        debug_assert!(fresh, "ticket ids are never reused");
-    }
-
-    /// Makes `ticket` wait on copy `transfer` (once).
-    fn wait_on(&mut self, ticket: TicketId, transfer: TransferId) {
-        let added = self
-            .flight_mut(transfer)
-            .expect("waiting on a copy that is not in flight is a programming error")
-            .add_ticket(ticket);
-        if added {
-            let record = self.tickets.get_mut(&ticket).expect("a ticket just made is known");
-            if record.pending == 0 {
-                if let Some(request) = record.request.and_then(|id| self.requests.get_mut(&id)) {
-                    request.pending_tickets += 1;
-                }
-            }
-            record.pending += 1;
-        }
-    }
-
-    /// Keeps the buffers of a copy that completed, for the next one.
-    fn recycle_flight(&mut self, flight: Box<InFlight>) {
-        if self.spare_flights.len() < MAX_SPARES {
-            self.spare_flights.push(flight);
-        }
-    }
-
     fn free_device(&mut self, block: u32) {
         self.device.free(block).expect("freeing a device block not in use is a programming error");
     }
 
     fn free_host(&mut self, block: u32) {
         self.host.free(block).expect("freeing a host block not in use is a programming error");
-    }
-
-    /// Removes `id` and its whole subtree from the tree, freeing the blocks the nodes own and
-    /// handing the blocks their copies in flight still touch to those copies (detaching them).
-    /// Children go before their parents, found by walking down first-child links: no stack.
-    ///
-    /// # Panics
-    /// If a node of the subtree is held: callers drop only unheld subtrees.
-    fn drop_subtree(&mut self, id: NodeId) {
-        let mut next = id;
-        loop {
-            while let Some(child) = self.tree.first_child(next) {
-                next = child;
-            }
-            let parent = self.tree.node(next).parent();
-            self.drop_leaf(next);
-            if next == id {
-                return;
-            }
-            next = parent.expect("a node below the dropped one has a parent");
-        }
-    }
-
-    /// Removes node `id`, which has no children, freeing its blocks, or handing them to the copy
-    /// in flight that still touches them.
-    ///
-    /// # Panics
-    /// If the node is held.
-    fn drop_leaf(&mut self, id: NodeId) {
-        self.give_up_blocks_of_leaf(id);
-        self.tree.remove(id);
-    }
-
-    /// The blocks part of [`CacheManager::drop_leaf`]: frees them, or hands them to the copy in
-    /// flight that still touches them.
-    #[inline]
-    fn give_up_blocks_of_leaf(&mut self, id: NodeId) {
-        let node = self.tree.node(id);
-        assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
-        let (device, host, state, transfer, hash) =
-            (node.device(), node.host(), node.state(), node.transfer(), node.hash());
-        self.give_up_storage_copy(node.stored(), hash, state);
-        match state {
-            NodeState::Device | NodeState::Host | NodeState::Storage => {
-                if let Some(block) = device {
-                    self.free_device(block);
-                }
-                if let Some(block) = host {
-                    self.free_host(block);
-                }
-            }
-            NodeState::SwapToHost(_)
-            | NodeState::SwapToDevice
-            | NodeState::HostToStorage(_)
-            | NodeState::StorageToHost => {
-                let mut transfer = TransferId(transfer.expect("a node in flight names its copy"));
-                if state == NodeState::StorageToHost {
-                    // The swap-in behind the load reads the host block and writes the device
-                    // block, after the load: it keeps both until it completes. A prefetch load
-                    // with no swap-in behind keeps its host block itself.
-                    let then = self.flight(transfer).and_then(|load| load.then);
-                    transfer = self.swap_in_behind(transfer, then, id).unwrap_or(transfer);
-                }
-                let flight = self
-                    .flight_mut(transfer)
-                    .expect("the copy of a node in flight is known: a programming error otherwise");
-                flight.reserved_device.extend(device);
-                flight.reserved_host.extend(host);
-            }
-        }
-    }
-
-    /// The storage part of dropping a node in `state` (`stored`: whether the tier holds it):
-    /// uncounts its storage block, and tells the tier to forget it.
-    #[inline]
-    fn give_up_storage_copy(
-        &mut self,
-        stored: bool,
-        hash: crate::hash::BlockHash,
-        state: NodeState,
-    ) {
-        if stored || matches!(state, NodeState::HostToStorage(_)) {
-            self.storage_used -= 1;
-        }
-        if self.storage_enabled() {
-            // The tier may hold it (stored, or loaded from it once): told to forget it, but a
-            // node whose STORE or LOAD is in flight only once that copy completed (detached).
-            self.forget_dropped(hash, state);
-        }
-    }
-
-    /// Gives a device block to a host-resident node that the allocating request holds (a hit),
-    /// and starts its swap-in (within the current operation's host-to-device copy).
-    fn start_swap_in(&mut self, id: NodeId, block: u32) -> TransferId {
-        let host = self.tree.node(id).host().expect("a host node has a host block");
-        let (transfer, flight) = self.open_transfer(TransferKind::HostToDevice);
-        flight.pairs.push(kvshm_ipc::record::BlockPair::new(host, block));
-        flight.nodes.push(id);
-        self.tree.update(id, |node| {
-            node.set_device(Some(block));
-            node.set_state(NodeState::SwapToDevice);
-            node.set_transfer(Some(transfer.0));
-        });
-        transfer
-    }
-
-    /// Starts copying a device node to `host_block` (within the current operation's
-    /// device-to-host copy), as a backup, an eviction whose block stays claimable, or one whose
-    /// block the caller claims at once (it leaves the node now).
-    fn start_swap_out(&mut self, id: NodeId, host_block: u32, swap: SwapOut) -> TransferId {
-        let transfer = self.open_swap_out(id, host_block);
-        self.tree.update(id, |node| {
-            if swap == SwapOut::Claimed {
-                node.set_device(None);
-            }
-            node.set_host(Some(host_block));
-            node.set_state(NodeState::SwapToHost(swap));
-            node.set_transfer(Some(transfer.0));
-        });
-        transfer
-    }
-
-    /// Adds the pair of node `id` (its device block to `host_block`) to the current operation's
-    /// device-to-host copy.
-    #[inline]
-    fn open_swap_out(&mut self, id: NodeId, host_block: u32) -> TransferId {
-        let device = self.tree.node(id).device().expect("a device node has a device block");
-        let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
-        flight.pairs.push(kvshm_ipc::record::BlockPair::new(device, host_block));
-        flight.nodes.push(id);
-        transfer
     }
 }

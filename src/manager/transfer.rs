@@ -10,14 +10,23 @@
 //! in flight; a node removed meanwhile (a dropped subtree, a reset) is detached, and the blocks the
 //! copy still touches move to the copy's reserved lists so that nobody reuses them before the
 //! completion arrives.
+//!
+//! The manager's side: an operation fills at most one open copy per direction
+//! (`open_transfer`, opened on first use, with a spare record when one is kept), each pair naming
+//! its node; at the operation's end `close_transfers` moves them to the in-flight table and the
+//! outbox, dependencies first, and `take_transfers` hands them out, a swap-in held back while a
+//! swap-out it depends on still reads its blocks. Tickets count the copies they wait on.
 
 use std::fmt;
 
 pub use kvshm_ipc::record::{BlockPair, CommandError};
 use serde::Serialize;
 
-use super::RequestId;
-use crate::tree::NodeId;
+use super::{CacheManager, RequestId};
+use crate::tree::{NodeId, NodeState, SwapOut};
+
+/// Copy records kept for reuse at most: more than the copies of a busy step.
+const MAX_SPARES: usize = 1024;
 
 /// Names one copy; increasing, never 0.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -231,6 +240,226 @@ impl InFlight {
         }
         self.tickets.push(ticket);
         true
+    }
+}
+
+/// The copies an operation fills, handing them out, and the tickets that wait on them.
+impl CacheManager {
+    /// Hands out the copies created since the last call, oldest first.
+    pub fn take_transfers(&mut self) -> Vec<Transfer> {
+        let mut transfers = Vec::with_capacity(self.outbox.len());
+        self.take_transfers_into(&mut transfers);
+        transfers
+    }
+
+    /// Like [`CacheManager::take_transfers`], appending to `out`.
+    pub fn take_transfers_into(&mut self, out: &mut Vec<Transfer>) {
+        self.take_transfers_with(|transfer| out.push(transfer.to_transfer()));
+    }
+
+    /// Hands out the copies created since the last call, oldest first, each lent to `issue`
+    /// for the call: nothing is copied or allocated. A swap-in into blocks that a swap-out still
+    /// reads stays behind until that swap-out completes.
+    pub fn take_transfers_with(&mut self, mut issue: impl FnMut(TransferView<'_>)) {
+        // The usual call, after an operation that started no copy.
+        if self.outbox.is_empty() {
+            return;
+        }
+        let in_flight = &mut self.in_flight;
+        self.outbox.retain(|id| {
+            // A copy completed before it was taken is gone from `in_flight`: drop it.
+            let Some(flight) = in_flight.get(id) else { return false };
+            if flight.after.iter().any(|before| in_flight.contains_key(before)) {
+                return true;
+            }
+            let flight = in_flight.get_mut(id).expect("found just above");
+            flight.issued = true;
+            issue(TransferView {
+                id: *id,
+                kind: flight.kind,
+                pairs: &flight.pairs,
+                blocks: &flight.blocks,
+                generation: flight.generation,
+            });
+            false
+        });
+    }
+
+    /// The copy of `kind` that the current operation fills, opened on first use.
+    #[inline] // once per block of a swap-out or swap-in: a call would cost more than the lookup
+    pub(super) fn open_transfer(&mut self, kind: TransferKind) -> (TransferId, &mut InFlight) {
+        if self.open_slot(kind).is_none() {
+            self.open_new_transfer(kind);
+        }
+        let (id, flight) = self.open_slot(kind).as_mut().expect("opened just above");
+        (*id, flight)
+    }
+
+    /// Opens the copy of `kind` for the current operation, with a spare record if one is kept.
+    pub(super) fn open_new_transfer(&mut self, kind: TransferKind) {
+        let id = TransferId(self.next_transfer);
+        self.next_transfer += 1;
+        let flight = match self.spare_flights.pop() {
+            Some(spare) => spare.recycled(kind, self.generation),
+            None => Box::new(InFlight::new(kind, self.generation)),
+        };
+        *self.open_slot(kind) = Some((id, flight));
+    }
+
+    #[inline]
+    pub(super) fn open_slot(
+        &mut self,
+        kind: TransferKind,
+    ) -> &mut Option<(TransferId, Box<InFlight>)> {
+        match kind {
+            TransferKind::DeviceToHost => &mut self.open_device_to_host,
+            TransferKind::HostToDevice => &mut self.open_host_to_device,
+            TransferKind::HostToStorage => &mut self.open_host_to_storage,
+            TransferKind::StorageToHost => &mut self.open_storage_to_host,
+        }
+    }
+
+    /// Moves the copies the current operation filled to the in-flight table and the outbox.
+    #[inline]
+    pub(super) fn close_transfers(&mut self) {
+        // The usual operation opened none.
+        if self.open_host_to_storage.is_some()
+            || self.open_device_to_host.is_some()
+            || self.open_storage_to_host.is_some()
+            || self.open_host_to_device.is_some()
+        {
+            self.close_open_transfers();
+        }
+    }
+
+    /// [`CacheManager::close_transfers`] once some copy was opened.
+    pub(super) fn close_open_transfers(&mut self) {
+        // In the order copies depend on each other (a swap-out or load into a host block waits
+        // for the store reading it; a swap-in for the load); checked before taking, so that the
+        // common case (no copy) moves no record around.
+        for kind in [
+            TransferKind::HostToStorage,
+            TransferKind::DeviceToHost,
+            TransferKind::StorageToHost,
+            TransferKind::HostToDevice,
+        ] {
+            if let Some((id, flight)) = self.open_slot(kind).take() {
+                let fresh = self.in_flight.insert_new(id, flight);
+                debug_assert!(fresh, "copy ids are never reused");
+                self.outbox.push(id);
+            }
+        }
+    }
+
+    /// The in-flight record of `id`, open or closed.
+    pub(super) fn flight_mut(&mut self, id: TransferId) -> Option<&mut InFlight> {
+        for (open_id, flight) in [
+            &mut self.open_device_to_host,
+            &mut self.open_host_to_device,
+            &mut self.open_host_to_storage,
+            &mut self.open_storage_to_host,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if *open_id == id {
+                return Some(flight);
+            }
+        }
+        self.in_flight.get_mut(&id).map(|flight| &mut **flight)
+    }
+
+    /// A new ticket of `request`, waiting on nothing yet (see [`CacheManager::wait_on`]).
+    pub(super) fn new_ticket(&mut self, request: RequestId) -> TicketId {
+        let id = self.take_ticket_id();
+        self.record_ticket(id, request, 0);
+        id
+    }
+
+    /// The next ticket id (ids are never reused), for a ticket recorded once what it waits on
+    /// is known ([`CacheManager::record_ticket`]).
+    pub(super) fn take_ticket_id(&mut self) -> TicketId {
+        let id = TicketId(self.next_ticket);
+        self.next_ticket += 1;
+        id
+    }
+
+    /// Records ticket `id` of `request`, waiting on `pending` copies (which name it already).
+    pub(super) fn record_ticket(&mut self, id: TicketId, request: RequestId, pending: u32) {
+        let ticket = Ticket { request: Some(request), pending, failure: None, cached_blocks: None };
+        let fresh = self.tickets.insert_new(id, ticket);
+        debug_assert!(fresh, "ticket ids are never reused");
+    }
+
+    /// Makes `ticket` wait on copy `transfer` (once).
+    pub(super) fn wait_on(&mut self, ticket: TicketId, transfer: TransferId) {
+        let added = self
+            .flight_mut(transfer)
+            .expect("waiting on a copy that is not in flight is a programming error")
+            .add_ticket(ticket);
+        if added {
+            let record = self.tickets.get_mut(&ticket).expect("a ticket just made is known");
+            if record.pending == 0 {
+                if let Some(request) = record.request.and_then(|id| self.requests.get_mut(&id)) {
+                    request.pending_tickets += 1;
+                }
+            }
+            record.pending += 1;
+        }
+    }
+
+    /// Keeps the buffers of a copy that completed, for the next one.
+    pub(super) fn recycle_flight(&mut self, flight: Box<InFlight>) {
+        if self.spare_flights.len() < MAX_SPARES {
+            self.spare_flights.push(flight);
+        }
+    }
+
+    /// Gives a device block to a host-resident node that the allocating request holds (a hit),
+    /// and starts its swap-in (within the current operation's host-to-device copy).
+    pub(super) fn start_swap_in(&mut self, id: NodeId, block: u32) -> TransferId {
+        let host = self.tree.node(id).host().expect("a host node has a host block");
+        let (transfer, flight) = self.open_transfer(TransferKind::HostToDevice);
+        flight.pairs.push(kvshm_ipc::record::BlockPair::new(host, block));
+        flight.nodes.push(id);
+        self.tree.update(id, |node| {
+            node.set_device(Some(block));
+            node.set_state(NodeState::SwapToDevice);
+            node.set_transfer(Some(transfer.0));
+        });
+        transfer
+    }
+
+    /// Starts copying a device node to `host_block` (within the current operation's
+    /// device-to-host copy), as a backup, an eviction whose block stays claimable, or one whose
+    /// block the caller claims at once (it leaves the node now).
+    pub(super) fn start_swap_out(
+        &mut self,
+        id: NodeId,
+        host_block: u32,
+        swap: SwapOut,
+    ) -> TransferId {
+        let transfer = self.open_swap_out(id, host_block);
+        self.tree.update(id, |node| {
+            if swap == SwapOut::Claimed {
+                node.set_device(None);
+            }
+            node.set_host(Some(host_block));
+            node.set_state(NodeState::SwapToHost(swap));
+            node.set_transfer(Some(transfer.0));
+        });
+        transfer
+    }
+
+    /// Adds the pair of node `id` (its device block to `host_block`) to the current operation's
+    /// device-to-host copy.
+    #[inline]
+    pub(super) fn open_swap_out(&mut self, id: NodeId, host_block: u32) -> TransferId {
+        let device = self.tree.node(id).device().expect("a device node has a device block");
+        let (transfer, flight) = self.open_transfer(TransferKind::DeviceToHost);
+        flight.pairs.push(kvshm_ipc::record::BlockPair::new(device, host_block));
+        flight.nodes.push(id);
+        transfer
     }
 }
 
