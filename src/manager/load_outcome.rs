@@ -33,7 +33,7 @@
 //!    commits it makes it a device copy no longer counted on storage (`uncount_lost_copies`,
 //!    from `commit`).
 
-use super::lookup::ends_hits;
+use super::match_prefix::ends_hits;
 use super::transfer::InFlight;
 use super::{CacheManager, TicketId, TransferFailure, TransferId, TransferKind};
 use crate::tree::NodeId;

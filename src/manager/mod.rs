@@ -39,13 +39,10 @@ mod id_table;
 pub(crate) mod ids;
 mod invariants;
 mod load_outcome;
-mod lookup;
+mod match_prefix;
 mod poll;
 mod prefetch;
-mod queries;
-mod rematch;
 mod request;
-mod reset;
 mod stats;
 mod storage;
 mod tier_health;
@@ -63,14 +60,13 @@ pub use errors::{
     PromptError, ResetError, ResizeError, TicketError, UnknownRequest,
 };
 pub use load_outcome::BlockOutcome;
-pub use lookup::{Lookup, PrefixMatch};
+pub use match_prefix::{Lookup, PrefixMatch};
 pub use prefetch::{PrefetchError, QueryError, StorageQuery, MAX_PREFETCH_TICKETS};
-pub use queries::TransferStage;
 pub use request::RequestId;
 pub use stats::{CacheCounters, CacheStats, Evictions, Hits};
 pub use transfer::{
     BlockPair, CommandError, StorageBlock, TicketId, TicketStatus, Transfer, TransferFailure,
-    TransferId, TransferKind, TransferView,
+    TransferId, TransferKind, TransferStage, TransferView,
 };
 
 use crate::pool::BlockPool;

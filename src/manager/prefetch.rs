@@ -368,7 +368,7 @@ impl CacheManager {
             }
             // A block the tier reported missing (still held): nothing below it can be loaded.
             if !self.unloadable.is_empty()
-                && super::lookup::is_lost(&self.tree, &self.unloadable, id)
+                && super::match_prefix::is_lost(&self.tree, &self.unloadable, id)
             {
                 break;
             }
