@@ -25,7 +25,7 @@ use serde::Serialize;
 use super::{CacheManager, CommitError, RequestId, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
-use crate::tree::{NodeId, NodeMut, NodeState, SwapOut, PREFETCH_AHEAD};
+use crate::tree::{NodeId, NodeMut, NodeState, SwapOut};
 
 /// What a commit did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -86,16 +86,9 @@ impl CacheManager {
         let record = requests.at_mut(slot);
         let mut parent = record.path.last().copied().unwrap_or(NodeId::ROOT);
         let mut done = Committed::default();
-        // Ask for the index groups of the blocks a few steps ahead (see `Tree::prefetch_child`).
         let new_hashes = &hashes[start..blocks];
         let new_blocks = &record.table[start..blocks];
-        for &hash in &new_hashes[..new_hashes.len().min(PREFETCH_AHEAD)] {
-            tree.prefetch_child(hash);
-        }
         for (index, (&hash, &block)) in new_hashes.iter().zip(new_blocks).enumerate() {
-            if let Some(&ahead) = new_hashes.get(index + PREFETCH_AHEAD) {
-                tree.prefetch_child(ahead);
-            }
             let parent_valid = parent == NodeId::ROOT
                 || matches!(
                     tree.node(parent).state(),

@@ -47,7 +47,7 @@ use serde::Serialize;
 use super::{CacheManager, MatchError, PromptError, RequestId, UnknownRequest, WritePolicy};
 use crate::hash::BlockHash;
 use crate::tree::policy::Access;
-use crate::tree::{NodeId, NodeState, SwapOut, Tree, PREFETCH_AHEAD};
+use crate::tree::{NodeId, NodeState, SwapOut, Tree};
 
 /// How many leading blocks of a prompt are cached, per tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -327,19 +327,11 @@ fn walk(
 ) -> Lookup {
     let mut found = Lookup::default();
     let mut parent = NodeId::ROOT;
-    for &hash in &hashes[..hashes.len().min(PREFETCH_AHEAD)] {
-        tree.prefetch_child(hash);
-    }
-    for (index, &hash) in hashes.iter().enumerate() {
+    for &hash in hashes {
         let Some(id) = tree.child(parent, hash) else { break };
         let Some(tier) = hit_tier(tree.node(id).state()) else { break };
         if stop(id) {
             break;
-        }
-        // Only a hit goes on to the next block: the walk that ends here (as most do after a
-        // few blocks) asks for no group it will not read.
-        if let Some(&ahead) = hashes.get(index + PREFETCH_AHEAD) {
-            tree.prefetch_child(ahead);
         }
         found.count(tier);
         visit(id);

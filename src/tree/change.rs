@@ -73,9 +73,6 @@ impl Tree {
         path.reserve(hashes.len());
         let mut parent = parent;
         for (index, &hash) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(index + super::PREFETCH_AHEAD) {
-                self.index.prefetch(ahead);
-            }
             parent = self.insert(parent, hash, |node| init(index, node));
             path.push(parent);
         }
@@ -247,10 +244,6 @@ fn remove<P: Policy>(
         count_child(nodes, parent, true, false);
     }
     refile(nodes, policy, front, parent, None);
-    if front.0.contains(&parent) {
-        // The parent goes next, most likely, and its removal starts with its index group.
-        index.prefetch(nodes[parent.index()].hash());
-    }
 }
 
 /// Counts one child of `parent` more (`joined`) or fewer with a device block (`upper` false) or

@@ -4,9 +4,7 @@
 //! slot), a count of displaced entries, and twelve node ids. The node holds the key. A key's
 //! home group and tag come from its block hash alone (its words folded and multiplied once, the
 //! high bits scaled to the number of groups): block hashes are uniform already, so no hash
-//! function runs, and the probes of a prompt's blocks do not depend on each other's results, so
-//! the processor overlaps their cache misses. The parent is compared with the hash when a tag
-//! matches. Core type: [`ChildIndex`].
+//! function runs. The parent is compared with the hash when a tag matches. Core type: [`ChildIndex`].
 //!
 //! An entry takes the first free slot from its home group on, and every full group it passes
 //! counts it as displaced. So:
@@ -129,15 +127,6 @@ impl ChildIndex {
         } else {
             group + 1
         }
-    }
-
-    /// Starts loading the group a lookup of `hash` reads first, so that a walk down a prompt can
-    /// overlap the cache misses of its next blocks with the work on this one.
-    #[inline]
-    pub fn prefetch(&self, hash: BlockHash) {
-        // The home group is always inside the table (an empty one's dangling pointer is never
-        // read): no bounds check, no test for emptiness.
-        crate::simd::prefetch(self.groups.as_ptr().wrapping_add(self.home(mix(&split(hash)))));
     }
 
     /// The child of `parent` keyed by `hash`.
@@ -400,34 +389,6 @@ mod tests {
             assert_eq!(index.find(NodeId::ROOT, nodes[id.index()].hash(), &nodes), None);
         }
         assert_eq!(index.len(), 0);
-    }
-
-    /// The premise of `prefetch` (which takes the home group's address unchecked): a
-    /// key's home group is inside every non-empty table, whatever the key; and a prefetch on
-    /// an empty table (a tree presized for nothing) is a harmless hint.
-    #[test]
-    fn every_home_group_is_inside_the_table_and_a_prefetch_of_an_empty_one_is_harmless() {
-        let keys = [0u128, 1, 2, u128::MAX, u128::MAX - 1, 1 << 64, (1 << 64) - 1, u128::MAX >> 1]
-            .into_iter()
-            .chain(
-                (0..4096u128)
-                    .map(|value| value.wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835)),
-            );
-        let keys: Vec<BlockHash> = keys.map(BlockHash).collect();
-        for groups in [1usize, 2, 3, 64, 1 << 16] {
-            let index =
-                ChildIndex { groups: vec![EMPTY_GROUP; groups], len: 0, grow_at: grow_at(groups) };
-            for &key in &keys {
-                assert!(index.home(mix(&split(key))) < groups, "{key:?} in {groups} groups");
-                index.prefetch(key);
-            }
-        }
-        let empty = ChildIndex::default();
-        for &key in &keys {
-            assert_eq!(empty.home(mix(&split(key))), 0);
-            empty.prefetch(key);
-        }
-        assert_eq!(empty.find(NodeId::ROOT, BlockHash(1), &[]), None);
     }
 
     #[test]

@@ -74,7 +74,10 @@ pub struct Tree {
 /// evicting a chain tail first) is most likely the next victim, and would leave the policy's
 /// lists again at once. Any other node joining the set first hands the front to the policy, so
 /// the front always goes before every member the policy holds; a member all the same. Only a
-/// policy that can tell ([`policy::Policy::would_come_first`]: LRU) ever has one.
+/// policy that can tell ([`policy::Policy::would_come_first`]: LRU) ever has one. Measured with
+/// `kvshm replay` on the Mooncake trace, seven runs each way interleaved: without fronts a
+/// request takes 10% longer at p50 and 12% at p99 with 1,953 + 7,812 host blocks (5% and 2% at
+/// 5,859 device blocks).
 #[derive(Clone, Copy, Debug)]
 struct Front([NodeId; 2]);
 
@@ -113,10 +116,6 @@ impl Default for Tree {
 /// groups of twelve slots, [`index::PRESIZED_SIXTEENTHS_FULL`] sixteenths full).
 pub const PRESIZED_BYTES_PER_BLOCK: usize =
     (64 * 16usize).div_ceil(12 * index::PRESIZED_SIXTEENTHS_FULL);
-
-/// How many blocks ahead of the one it works on a walk down a prompt asks for index groups
-/// ([`Tree::prefetch_child`]).
-pub const PREFETCH_AHEAD: usize = 4;
 
 impl Tree {
     pub fn new(policy: EvictionPolicy) -> Tree {
@@ -185,12 +184,6 @@ impl Tree {
             return None;
         }
         self.index.find(parent, hash, &self.nodes)
-    }
-
-    /// A hint that [`Tree::child`] will look `hash` up soon (see [`index::ChildIndex::prefetch`]).
-    #[inline]
-    pub fn prefetch_child(&self, hash: BlockHash) {
-        self.index.prefetch(hash);
     }
 
     /// The children of `id`, most recently inserted first.
