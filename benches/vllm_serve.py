@@ -13,9 +13,11 @@ The workload, scaled to a 2-core CPU:
 2. each hash id becomes ``--scale`` token ids drawn from a generator seeded with the id, so that
    equal hash ids are equal tokens (a trace block of 512 tokens becomes one vLLM block of 32);
    outputs are the trace's output lengths divided by 16 (at least 1, at most 32 tokens);
-3. the requests go one after another (closed loop, concurrency 1) through the ``openai``
-   client, streamed: time to first token, throughput, and the prompt tokens the server
-   computed (prompt tokens less the cached ones it reports).
+3. both servers, with kvshm's tier and without, are up at once; each request goes to one and
+   then the same request to the other (which goes first alternates), one at a time, through
+   the ``openai`` client, streamed, so that both see the same load from whatever else the
+   machine runs: time to first token, throughput over each server's own serving time, and the
+   prompt tokens each computed (prompt tokens less the cached ones it reports).
 vLLM's own cache is held to ``--vllm-blocks`` blocks, fewer than the conversations' blocks, so
 that a conversation's next turn finds its prefix evicted; kvshm's tier holds them all. The
 no-reuse workload has the same prompt and output lengths with fresh random tokens (not even the
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -140,19 +143,15 @@ def stream(
     }
 
 
-def serve(
-    args: argparse.Namespace,
-    model: str,
-    workload: list[tuple[list[int], int]],
-    kvshm: bool,
-    log: Path,
-) -> dict[str, Any]:
-    """One server's run of the workload: TTFT p50/p99, throughput, prompt tokens computed."""
+def start(
+    args: argparse.Namespace, model: str, kvshm: bool, log: Path, stack: ExitStack
+) -> tuple[Any, Any, str | None]:
+    """A server (with kvshm's tier or without), warmed up: (server, client, segment)."""
     import openai
 
     port = engine.free_port()
     # A segment of this run's own: a tier an earlier run left is not taken over.
-    segment = f"kvshm-bench-{os.getpid()}-{port}"
+    segment = f"kvshm-bench-{os.getpid()}-{port}" if kvshm else None
     transfer = engine.kv_transfer_config(segment, args.tier_chunks) if kvshm else None
     command = engine.serve_command(
         model,
@@ -161,33 +160,29 @@ def serve(
         max_model_len=args.max_model_len,
         kvshm=transfer,
     )
-    with engine.Server(command, port, log) as server:
-        client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused")
-        # One request first, outside the figures: the server's first request pays its warm-up.
-        stream(client, model, workload[0][0][: engine.BLOCK_TOKENS], 1)
-        started = time.perf_counter()
-        results = [stream(client, model, prompt, output) for prompt, output in workload]
-        elapsed = time.perf_counter() - started
-        metrics = server.metrics()
-    if kvshm:
-        subprocess.run(
-            [sys.executable, "-m", "kvshm", "kvctl", "cleanup", f"{segment}-r0"],
-            check=True,
-            capture_output=True,
-        )
+    server = stack.enter_context(engine.Server(command, port, log))
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key="unused")
+    # One short request first, outside the figures: a server's first request pays its warm-up.
+    stream(client, model, [engine.FIRST_TOKEN] * engine.BLOCK_TOKENS, 1)
+    return server, client, segment
+
+
+def figures(results: list[dict[str, Any]], metrics: dict[str, float]) -> dict[str, Any]:
+    """TTFT p50/p99, throughput over the server's own serving time, prompt tokens computed."""
     ttfts = [result["ttft"] for result in results]
+    busy = sum(result["seconds"] for result in results)
     prompt_tokens = sum(result["prompt_tokens"] for result in results)
     cached = sum(result["cached_tokens"] for result in results)
     return {
         "ttft_p50_s": round(statistics.median(ttfts), 4),
         "ttft_p99_s": round(percentile(ttfts, 0.99), 4),
-        "requests_per_s": round(len(results) / elapsed, 4),
-        "prompt_tokens_per_s": round(prompt_tokens / elapsed, 1),
+        "requests_per_s": round(len(results) / busy, 4),
+        "prompt_tokens_per_s": round(prompt_tokens / busy, 1),
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_computed": prompt_tokens - cached,
         "vllm_prefix_cache_hit_tokens": int(metrics.get("vllm:prefix_cache_hits", 0)),
         "kvshm_hit_tokens": int(metrics.get("vllm:external_prefix_cache_hits", 0)),
-        "seconds": round(elapsed, 2),
+        "seconds": round(busy, 2),
     }
 
 
@@ -197,8 +192,26 @@ def compare(
     workload: list[tuple[list[int], int]],
     tmp: Path,
 ) -> dict[str, Any]:
-    baseline = serve(args, model, workload, False, tmp / f"base-{len(workload)}.log")
-    kvshm = serve(args, model, workload, True, tmp / f"kvshm-{len(workload)}.log")
+    """The workload through two servers up at once, one with kvshm's tier and one without:
+    each request goes to one, then the same request to the other (which goes first alternates),
+    so that both see the same load from whatever else the machine runs."""
+    with ExitStack() as stack:
+        servers = [
+            start(args, model, kvshm, tmp / f"{name}-{len(workload)}.log", stack)
+            for kvshm, name in ((False, "base"), (True, "kvshm"))
+        ]
+        results: list[list[dict[str, Any]]] = [[], []]
+        for index, (prompt, output) in enumerate(workload):
+            for side in (0, 1) if index % 2 == 0 else (1, 0):
+                results[side].append(stream(servers[side][1], model, prompt, output))
+        metrics = [server.metrics() for server, _, _ in servers]
+    segment = servers[1][2]
+    subprocess.run(
+        [sys.executable, "-m", "kvshm", "kvctl", "cleanup", f"{segment}-r0"],
+        check=True,
+        capture_output=True,
+    )
+    baseline, kvshm = figures(results[0], metrics[0]), figures(results[1], metrics[1])
     return {
         "requests": len(workload),
         "blocks": sum(len(prompt) // engine.BLOCK_TOKENS for prompt, _ in workload),
