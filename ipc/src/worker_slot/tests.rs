@@ -68,12 +68,22 @@ fn the_fields_of_a_claim_belong_to_its_word_only() {
 }
 
 #[test]
-fn a_stale_heartbeat_is_death() {
+fn a_stale_heartbeat_is_death_past_the_limit_of_the_workers_state() {
     let slot = WorkerSlot::new();
     let me = ProcessIdentity::current();
-    slot.claim(me).unwrap();
-    let later = now() + HEARTBEAT_TIMEOUT.as_nanos() as u64 + 1_000_000;
-    assert_eq!(slot.status(later, HeartbeatLimits::DEFAULT), RankStatus::Dead { pid: me.pid });
+    let word = slot.claim(me).unwrap();
+    let claimed = now();
+    let past = |limit: Duration| claimed + limit.as_nanos() as u64 + 1_000_000;
+    // Setting up: the serving limit is not enough to be judged dead, the set-up limit is.
+    let limits = HeartbeatLimits::DEFAULT;
+    assert_eq!(slot.status(past(HEARTBEAT_TIMEOUT), limits), RankStatus::Alive { pid: me.pid });
+    assert_eq!(
+        slot.status(past(SETUP_HEARTBEAT_TIMEOUT), limits),
+        RankStatus::Dead { pid: me.pid }
+    );
+    // Serving: the serving limit.
+    slot.mark_serving(word).unwrap();
+    assert_eq!(slot.status(past(HEARTBEAT_TIMEOUT), limits), RankStatus::Dead { pid: me.pid });
 }
 
 #[test]

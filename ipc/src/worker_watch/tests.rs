@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use super::*;
+use crate::worker_slot::SETUP_HEARTBEAT_TIMEOUT;
 
 const MS: u64 = 1_000_000;
 
@@ -139,8 +140,16 @@ fn a_worker_that_stops_heartbeating_while_setting_up_is_fenced() {
     let slot = WorkerSlot::new();
     starting(&slot, probe.spawn(100, true), 10 * MS);
     assert_eq!(watch.observe(&slot, 20 * MS), Observation::Starting { pid: 100 });
+    // A step of a set-up may take longer than a serving worker's limit...
+    let serving_limit = HEARTBEAT_TIMEOUT.as_nanos() as u64;
+    let setup_limit = SETUP_HEARTBEAT_TIMEOUT.as_nanos() as u64;
+    assert_eq!(
+        watch.observe(&slot, 10 * MS + 2 * serving_limit),
+        Observation::Starting { pid: 100 }
+    );
+    // ...but no step for the set-up limit gets the worker fenced.
     assert!(matches!(
-        watch.observe(&slot, 500 * MS),
+        watch.observe(&slot, 10 * MS + setup_limit + MS),
         Observation::MustFence { pid: 100, reason: FenceReason::HeartbeatStale { .. } }
     ));
 }
