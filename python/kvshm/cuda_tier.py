@@ -31,8 +31,11 @@ from kvshm._vllm_support import SlowWaitWarning, block_span
 
 logger = logging.getLogger(__name__)
 
-#: (job, whether it is a store, device block ids, group sizes, block indices, chunks, event).
-_GatedJob = tuple[int, bool, Any, list[int], list[int], U32Array, Any]
+#: A store's keys and their parents' chunks, which a persistent tier records (or ``None``).
+_Keys = tuple[list[bytes], Any] | None
+#: (job, whether it is a store, device block ids, group sizes, block indices, chunks, keys,
+#: event).
+_GatedJob = tuple[int, bool, Any, list[int], list[int], U32Array, _Keys, Any]
 
 
 class WorkerProcess:
@@ -101,6 +104,9 @@ class CudaHostTier:
     tensor: a copy worker copies whole blocks). With ``spawn_workers`` the copy worker is started
     here (``worker_command``, default ``python -m kvshm worker``) and restarted when it dies;
     without, the caller runs ``kvshm worker --name SEGMENT --rank 0 --backend cuda`` itself.
+    A ``persistent`` tier keeps its chunks and the keys of its stores (given to :meth:`submit`)
+    for the next start, as :class:`kvshm.HostTier` does; ``block_tokens`` and ``layers`` are the
+    engine's, for ``kvctl stat``.
     """
 
     def __init__(
@@ -114,6 +120,9 @@ class CudaHostTier:
         blocks_per_chunk: int,
         spawn_workers: bool = True,
         worker_command: list[str] | None = None,
+        block_tokens: int = 1,
+        layers: int = 1,
+        persistent: bool = False,
     ) -> None:
         if not tensors:
             raise ConfigError("no KV tensors to offload")
@@ -132,6 +141,9 @@ class CudaHostTier:
             blocks_per_chunk=blocks_per_chunk,
             groups=groups,
             tensor_count=len(tensors),
+            block_tokens=block_tokens,
+            layers=layers,
+            persistent=persistent,
         )
         self._tier.publish_device_handles(handles)
         # Held so that the memory the copy worker opened stays allocated while the tier lives.
@@ -161,14 +173,21 @@ class CudaHostTier:
         group_sizes: list[int],
         block_indices: list[int],
         chunks: U32Array,
+        keys: list[bytes] | None = None,
+        parents: Any = None,
     ) -> None:
         """Queues a store (device blocks to chunks) or a load (chunks to device blocks) behind
-        the work queued so far on the current CUDA stream (module flow, step 1)."""
+        the work queued so far on the current CUDA stream (module flow, step 1). A store's
+        ``keys`` (one per chunk) and ``parents`` (each key's parent chunk) go into a persistent
+        tier's key table once the copy landed."""
         # A store reads blocks the model is still writing, and a load writes blocks whose last
         # writes (zeroing) may still run: both wait for the work queued on the caller's stream.
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
-        self._gated.append((job, store, block_ids, group_sizes, block_indices, chunks, event))
+        stored = (keys, parents) if store and keys is not None else None
+        self._gated.append(
+            (job, store, block_ids, group_sizes, block_indices, chunks, stored, event)
+        )
         self._release_gated()
 
     def _release_gated(self, block_for: set[int] | None = None) -> None:
@@ -178,11 +197,18 @@ class CudaHostTier:
         if block_for:
             waiting = [index for index, gated in enumerate(self._gated) if gated[0] in block_for]
             if waiting:
-                self._gated[waiting[-1]][6].synchronize()
-        while self._gated and self._gated[0][6].query():
-            job, store, block_ids, group_sizes, block_indices, chunks, _ = self._gated.popleft()
-            submit = self._tier.submit_store if store else self._tier.submit_load
-            submit(job, block_ids, group_sizes, block_indices, chunks)
+                self._gated[waiting[-1]][7].synchronize()
+        while self._gated and self._gated[0][7].query():
+            job, store, block_ids, sizes, indices, chunks, stored, _ = self._gated.popleft()
+            if stored is not None:
+                keys, parents = stored
+                self._tier.submit_store(
+                    job, block_ids, sizes, indices, chunks, keys=keys, parents=parents
+                )
+            elif store:
+                self._tier.submit_store(job, block_ids, sizes, indices, chunks)
+            else:
+                self._tier.submit_load(job, block_ids, sizes, indices, chunks)
 
     def take_finished(self) -> list[tuple[int, bool, int, float]]:
         """(job, success, bytes, seconds) of every job ended since the last call."""

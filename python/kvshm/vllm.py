@@ -198,8 +198,13 @@ class KvshmOffloadingWorker(OffloadingWorker):
                 blocks_per_chunk=blocks_per_chunk,
                 spawn_workers=spawn_workers,
                 worker_command=worker_command,
+                block_tokens=block_tokens,
+                layers=layers,
+                persistent=persistent,
             )
             self._tier = self._gpu.tier
+            if self._tier.restored:
+                logger.info("kvshm: %s found its host tier of an earlier start", segment)
             return
         views = [tensor.view(torch.uint8).numpy() for tensor in tensors]
         self._tier = HostTier(
@@ -225,6 +230,18 @@ class KvshmOffloadingWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, KvshmLoadStoreSpec), dst_spec
+        if self._gpu is not None and dst_spec.keys is not None:
+            self._gpu.submit(
+                job_id,
+                True,
+                src_spec.block_ids,
+                _int_list(src_spec.group_sizes),
+                _int_list(src_spec.block_indices),
+                dst_spec.chunks,
+                keys=dst_spec.keys,
+                parents=dst_spec.parents,
+            )
+            return True
         if self._gpu is None and dst_spec.keys is not None:
             self._tier.submit_store(
                 job_id,

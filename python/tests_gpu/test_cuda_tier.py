@@ -54,7 +54,7 @@ def block_bytes(tensors: list[torch.Tensor], block: int) -> bytes:
     return b"".join(pages)
 
 
-def make_tier(tensors: list[torch.Tensor], segment: str) -> CudaHostTier:
+def make_tier(tensors: list[torch.Tensor], segment: str, persistent: bool = False) -> CudaHostTier:
     tier = CudaHostTier(
         tensors,
         page_bytes=PAGE,
@@ -62,6 +62,7 @@ def make_tier(tensors: list[torch.Tensor], segment: str) -> CudaHostTier:
         segment=segment,
         num_chunks=CHUNKS,
         blocks_per_chunk=BLOCKS_PER_CHUNK,
+        persistent=persistent,
     )
     deadline = time.monotonic() + 60
     while not tier.tier.worker_up:
@@ -150,3 +151,40 @@ def test_a_copy_worker_killed_mid_store_is_restarted_and_the_store_issued_again(
             assert tier.tier.host_block(index) == expected[block], f"host copy of block {block}"
     finally:
         tier.shutdown()
+
+
+def test_a_persistent_tier_keeps_its_stores_and_keys_for_the_next_start(name: str) -> None:
+    no_parent = 2**32 - 1
+    _, tensors = kv_tensors()
+    expected = {block: block_bytes(tensors, block) for block in range(BLOCKS)}
+    first = make_tier(tensors, name, persistent=True)
+    try:
+        assert not first.tier.restored
+        keys = [b"key-a", b"key-b"]
+        first.submit(
+            1,
+            True,
+            [7, 8, 9, 10],
+            [4],
+            [0],
+            kvshm.U32Array([0, 1]),
+            keys=keys,
+            parents=kvshm.U32Array([no_parent, 0]),
+        )
+        first.wait({1})
+        assert [(done[0], done[1]) for done in first.take_finished()] == [(1, True)]
+    finally:
+        first.shutdown()
+    # The next start finds the chunks, their keys and their bytes.
+    second = make_tier(tensors, name, persistent=True)
+    try:
+        assert second.tier.restored
+        table = kvshm.read_tier_keys(name, CHUNKS, BLOCKS_PER_CHUNK)
+        assert [(chunk, key, parent) for chunk, key, _, parent in table] == [
+            (0, b"key-a", None),
+            (1, b"key-b", 0),
+        ]
+        for host, block in enumerate([7, 8, 9, 10]):
+            assert second.tier.host_block(host) == expected[block]
+    finally:
+        second.shutdown()

@@ -4,11 +4,17 @@ vLLM's KV tensors (and refusing expandable segments), and publishing them for a 
 from types import SimpleNamespace
 
 import pytest
-from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+)
 
 import kvshm
 from kvshm.cuda_tier import device_handle
-from kvshm.vllm import KvshmOffloadingWorker
+from kvshm.vllm import KvshmLoadStoreSpec, KvshmOffloadingWorker
 
 MEMORY_HANDLE = bytes(range(64))
 
@@ -80,3 +86,52 @@ def test_tensors_of_different_block_strides_are_refused(name: str) -> None:
     tensors = [FakeCudaTensor(MEMORY_HANDLE, 0, stride=256), FakeCudaTensor(MEMORY_HANDLE, 0, 512)]
     with pytest.raises(kvshm.ConfigError, match="stride"):
         KvshmOffloadingWorker(caches(tensors), segment=name, num_chunks=4, blocks_per_chunk=1)
+
+
+#: A key without a parent chunk, as the tier's key table writes it.
+NO_PARENT = 2**32 - 1
+
+
+class ReadyEvent:
+    """torch.cuda.Event on a machine without CUDA: the compute it waits for has always ended."""
+
+    def record(self, stream: object = None) -> None:
+        return
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return
+
+
+def test_a_warm_restart_tier_of_gpu_tensors_is_persistent_and_takes_a_stores_keys(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", ReadyEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    tensors = [FakeCudaTensor(b"\x02c" + MEMORY_HANDLE, 0) for _ in range(2)]
+    worker = KvshmOffloadingWorker(
+        caches(tensors),
+        segment=name,
+        num_chunks=8,
+        blocks_per_chunk=1,
+        spawn_workers=False,
+        persistent=True,
+    )
+    try:
+        assert not worker.tier.restored, "a new tier"
+        src = GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0])
+        # The keys reach the tier with the store: one per chunk, or the tier refuses it.
+        short = KvshmLoadStoreSpec(
+            kvshm.U32Array([0, 1]), keys=[b"k0"], parents=kvshm.U32Array([NO_PARENT])
+        )
+        with pytest.raises(kvshm.ConfigError, match="1 keys for a store of 2 chunks"):
+            worker.submit_store(1, src, short)
+        whole = KvshmLoadStoreSpec(
+            kvshm.U32Array([0, 1]), keys=[b"k0", b"k1"], parents=kvshm.U32Array([NO_PARENT, 0])
+        )
+        assert worker.submit_store(2, src, whole)
+        assert worker.tier.pending == 1, "handed to the (absent) copy worker"
+    finally:
+        worker.shutdown()
