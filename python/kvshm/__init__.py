@@ -7,7 +7,13 @@
 - :mod:`kvshm.vllm` plugs kvshm into vLLM's offloading connector (imported on demand, so that
   ``import kvshm`` works without vLLM).
 - Every error is a :class:`KvshmError`; block tables are read-only buffers (``numpy.asarray``).
+
+``HashesLike`` and ``IntegerBuffer``, the argument types of hashes and of token or block ids, are
+type aliases of the stubs: use them in annotations (``from kvshm import HashesLike`` under
+``typing.TYPE_CHECKING``); they do not exist at run time.
 """
+
+from typing import TYPE_CHECKING
 
 from kvshm._kvshm import (
     Allocation,
@@ -41,6 +47,10 @@ from kvshm._kvshm import (
     parse_cuda_handle,
     read_tier_keys,
 )
+
+if TYPE_CHECKING:
+    from kvshm._kvshm import HashesLike as HashesLike
+    from kvshm._kvshm import IntegerBuffer as IntegerBuffer
 
 __all__ = [
     "Allocation",

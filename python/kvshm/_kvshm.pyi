@@ -2,7 +2,7 @@
 
 from collections.abc import Buffer, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal, Self, final
+from typing import Any, Literal, Self, TypeAlias, final
 
 __version__: str
 
@@ -57,10 +57,10 @@ class DeviceHandleError(KvshmError):
 class WorkerError(KvshmError):
     """A worker or kvctl run that failed."""
 
-IntegerBuffer = Buffer | Iterable[int]
+IntegerBuffer: TypeAlias = Buffer | Iterable[int]
 """Token ids or block ids: a numpy integer array, ``array.array``, or a sequence of ints."""
 
-HashesLike = "BlockHashes | Buffer | Iterable[int]"
+HashesLike: TypeAlias = BlockHashes | Buffer | Iterable[int]
 """Block hashes: a ``BlockHashes``, 16 little-endian bytes per hash, or ints below 2**128."""
 
 @final
