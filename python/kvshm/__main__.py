@@ -12,7 +12,6 @@ USAGE = """usage: python -m kvshm <command> [arguments]
 commands:
   worker   run the copy worker of one rank: worker --name NAME --rank R [--backend host|cuda]
   kvctl    inspect and operate segments: kvctl ls | stat NAME | workers NAME | tree NAME | ...
-  bench    benchmarks: bench vllm-manager --json
 """
 
 
@@ -25,10 +24,6 @@ def main(argv: list[str]) -> int:
         return _kvshm.run_worker(rest)
     if command == "kvctl":
         return _kvshm.run_kvctl(rest)
-    if command == "bench":
-        from kvshm import bench
-
-        return bench.main(rest)
     print(f"python -m kvshm: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -1,15 +1,17 @@
 """kvshm's offload manager against vLLM's own CPU offloading manager, on one call sequence.
 
-``python -m kvshm.bench vllm-manager --json`` (run where vLLM 0.32 is installed) replays a
-workload through both managers as vLLM's offloading connector drives a manager, timing every
-call, and prints one JSON object: ``kvshm_us_per_call`` and ``vllm_us_per_call`` (each ``p50``,
-``p99``), ``calls``, and the speed-up at the median. kvshm's figure includes the Python-to-Rust
-crossing (the calls go through ``kvshm.vllm.KvshmOffloadingManager``, as vLLM makes them).
+``python benches/vllm_offloading_manager.py --json``, with the Python of a venv that has vLLM 0.32
+and kvshm installed (``scripts/test-vllm --bench`` runs it), replays a workload through both
+managers as vLLM's offloading connector drives a manager, timing every call, and prints one JSON
+object: ``kvshm_us_per_call`` and ``vllm_us_per_call`` (each ``p50``, ``p99``), ``calls``, and
+the speed-up at the median. kvshm's figure includes the Python-to-Rust crossing (the calls go
+through ``kvshm.vllm.KvshmOffloadingManager``, as vLLM makes them).
 
 The same driver serves the differential test (``replay``, ``Lockstep``): the workload is the
 Mooncake conversation trace (one key per 512-token block, full blocks only) or a randomized one
 (several requests at once, two KV-cache groups, stores and loads completing out of order, failed
-stores, a GPU prefix cache in front of the offloaded tier).
+stores, a GPU prefix cache in front of the offloaded tier); ``python/tests_vllm`` loads this file
+by its path. It is not part of the installed package.
 """
 
 from __future__ import annotations
@@ -31,16 +33,14 @@ TRACE_BLOCK_TOKENS = 512
 
 
 def default_trace() -> str:
-    """``$KVSHM_TRACE``, or the checkout's ``traces/<trace>`` (found upwards)."""
+    """``$KVSHM_TRACE``, or the checkout's ``traces/<trace>``."""
     named = os.environ.get("KVSHM_TRACE")
     if named:
         return named
-    here = Path.cwd().resolve()
-    for folder in (here, *here.parents):
-        candidate = folder / "traces" / TRACE_NAME
-        if candidate.exists():
-            return str(candidate)
-    raise FileNotFoundError(f"{TRACE_NAME} not found; set KVSHM_TRACE or pass --trace")
+    candidate = Path(__file__).resolve().parents[1] / "traces" / TRACE_NAME
+    if candidate.exists():
+        return str(candidate)
+    raise FileNotFoundError(f"{candidate} not found; set KVSHM_TRACE or pass --trace")
 
 
 def chunk_key(block_id: int, group: int = 0) -> bytes:
@@ -420,13 +420,14 @@ def bench_vllm_manager(trace: str | None, limit: int | None, chunks: int) -> dic
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvshm.bench")
-    commands = parser.add_subparsers(dest="command", required=True)
-    manager = commands.add_parser("vllm-manager", help="kvshm's offload manager against vLLM's")
-    manager.add_argument("--json", action="store_true", help="print one JSON object")
-    manager.add_argument("--requests", type=int, default=None, help="trace requests to replay")
-    manager.add_argument("--chunks", type=int, default=4000, help="host tier chunks (both)")
-    manager.add_argument("--trace", default=None, help="Mooncake trace (default: found)")
+    parser = argparse.ArgumentParser(
+        prog="benches/vllm_offloading_manager.py",
+        description="kvshm's offload manager against vLLM's CPU offloading manager",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--requests", type=int, default=None, help="trace requests to replay")
+    parser.add_argument("--chunks", type=int, default=4000, help="host tier chunks (both)")
+    parser.add_argument("--trace", default=None, help="Mooncake trace (default: the checkout's)")
     args = parser.parse_args(argv)
     result = bench_vllm_manager(args.trace, args.requests, args.chunks)
     if args.json:
