@@ -19,13 +19,13 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
 
 Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
 ``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``warm_restart`` (default
-true: with CPU tensors the host tier and a table of its keys outlive the engine, stopped or
-killed, and the next engine of the same model and layout starts with them); ``segment_name``
-(prefix of
-the per-rank segments ``<name>-r<rank>``; by default ``kvshm-vllm-<model>-<digest of the model,
-dtype and block layout>``, the same at every start); ``spawn_workers`` (default true: start the copy
-workers; false: start ``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda``
-yourself; a wait for copies that no worker answers is logged as a warning every 30 s).
+true: the host tier and a table of its keys outlive the engine, stopped or killed, and the next
+engine of the same model and layout starts with them; for CPU and CUDA tensors alike);
+``segment_name`` (prefix of the per-rank segments ``<name>-r<rank>``; by default
+``kvshm-vllm-<model>-<digest of the model, dtype and block layout>``, the same at every start);
+``spawn_workers`` (default true: start the copy workers; false: start
+``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda`` yourself; a wait for
+copies that no worker answers is logged as a warning every 30 s).
 """
 
 from __future__ import annotations
