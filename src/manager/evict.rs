@@ -238,9 +238,9 @@ impl CacheManager {
         }
         // Its one block (its other tiers hold none, or it would have dropped a copy) is for
         // `evict_victim` to hand on; its storage copy, if any, goes.
-        let node = self.tree.node(victim);
-        let (stored, hash, state) = (node.stored(), node.hash(), node.state());
-        self.give_up_storage_copy(stored, hash, state);
+        if self.storage_enabled() {
+            self.give_up_storage_copy(victim);
+        }
         self.tree.remove(victim);
     }
 
@@ -346,9 +346,11 @@ impl CacheManager {
     pub(super) fn give_up_blocks_of_leaf(&mut self, id: NodeId) {
         let node = self.tree.node(id);
         assert_eq!(node.ref_count(), 0, "dropping a held node is a programming error");
-        let (device, host, state, transfer, hash) =
-            (node.device(), node.host(), node.state(), node.transfer(), node.hash());
-        self.give_up_storage_copy(node.stored(), hash, state);
+        let (device, host, state, transfer) =
+            (node.device(), node.host(), node.state(), node.transfer());
+        if self.storage_enabled() {
+            self.give_up_storage_copy(id);
+        }
         match state {
             NodeState::Device | NodeState::Host | NodeState::Storage => {
                 if let Some(block) = device {
@@ -379,23 +381,18 @@ impl CacheManager {
         }
     }
 
-    /// The storage part of dropping a node in `state` (`stored`: whether the tier holds it):
-    /// uncounts its storage block, and tells the tier to forget it.
-    #[inline]
-    pub(super) fn give_up_storage_copy(
-        &mut self,
-        stored: bool,
-        hash: crate::hash::BlockHash,
-        state: NodeState,
-    ) {
+    /// The storage part of dropping node `id`, with a storage tier (without one no node is on
+    /// it): uncounts its storage block (stored, or being stored), and tells the tier to forget
+    /// it.
+    fn give_up_storage_copy(&mut self, id: NodeId) {
+        let node = self.tree.node(id);
+        let (stored, hash, state) = (node.stored(), node.hash(), node.state());
         if stored || matches!(state, NodeState::HostToStorage(_)) {
             self.storage_used -= 1;
         }
-        if self.storage_enabled() {
-            // The tier may hold it (stored, or loaded from it once): told to forget it, but a
-            // node whose STORE or LOAD is in flight only once that copy completed (detached).
-            self.forget_dropped(hash, state);
-        }
+        // The tier may hold it (stored, or loaded from it once): told to forget it, but a node
+        // whose STORE or LOAD is in flight only once that copy completed (detached).
+        self.forget_dropped(hash, state);
     }
 }
 

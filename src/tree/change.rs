@@ -11,7 +11,7 @@ use super::index::ChildIndex;
 use super::node::{Node, NodeId, NodeMut, COUNT_SATURATED};
 use super::policy::{with_policy, Access, Policy};
 use super::policy::{EvictSet, Membership};
-use super::{count_children, membership_in, Front, Tree};
+use super::{count_children, sets_of, Front, Tree};
 use crate::hash::BlockHash;
 
 impl Tree {
@@ -27,6 +27,50 @@ impl Tree {
         hash: BlockHash,
         init: impl FnOnce(&mut NodeMut<'_>),
     ) -> NodeId {
+        let (id, access) = self.link_new(parent, hash, init);
+        let Tree { nodes, policy, front, .. } = self;
+        with_policy!(policy, policy => {
+            refile(nodes, policy, front, parent, None);
+            refile(nodes, policy, front, id, access);
+        });
+        id
+    }
+
+    /// Inserts a chain of new nodes: the first, keyed by `hashes[0]`, under `parent`, each next
+    /// one under the one before, `init(i, node)` setting the fields of the `i`-th as
+    /// [`Tree::insert`]'s `init` does. Their ids are appended to `path`, the first first. Each
+    /// node is filed once, when its child has joined (the last at the end), in the order
+    /// [`Tree::insert`] one by one would file them last.
+    pub fn insert_chain(
+        &mut self,
+        parent: NodeId,
+        hashes: &[BlockHash],
+        mut init: impl FnMut(usize, &mut NodeMut<'_>),
+        path: &mut Vec<NodeId>,
+    ) {
+        path.reserve(hashes.len());
+        // The node inserted last and its access, filed once its child joined.
+        let (mut last, mut access) = (parent, None);
+        for (index, &hash) in hashes.iter().enumerate() {
+            let (id, joined) = self.link_new(last, hash, |node| init(index, node));
+            let Tree { nodes, policy, front, .. } = self;
+            with_policy!(policy, policy => refile(nodes, policy, front, last, access));
+            path.push(id);
+            (last, access) = (id, joined);
+        }
+        let Tree { nodes, policy, front, .. } = self;
+        with_policy!(policy, policy => refile(nodes, policy, front, last, access));
+    }
+
+    /// [`Tree::insert`] but the filing: the new node is in the arena, the index and its
+    /// parent's child list and counts, and neither it nor its parent is filed yet. Returns the
+    /// node and the access its `init` recorded.
+    fn link_new(
+        &mut self,
+        parent: NodeId,
+        hash: BlockHash,
+        init: impl FnOnce(&mut NodeMut<'_>),
+    ) -> (NodeId, Option<Access>) {
         debug_assert!(
             self.child(parent, hash).is_none(),
             "inserting a duplicate child is a programming error"
@@ -42,8 +86,7 @@ impl Tree {
         let (has_device, is_upper, words) =
             (node.device().is_some(), node.is_upper(), *node.hash_words());
         self.index.insert(id, &words, &self.nodes);
-        let Tree { nodes, policy, front, .. } = self;
-        let nodes = nodes.as_mut_slice();
+        let nodes = self.nodes.as_mut_slice();
         if first != NodeId::NONE {
             nodes[first.index()].prev_sibling = id;
         }
@@ -53,29 +96,7 @@ impl Tree {
         parent_node.device_children =
             parent_node.device_children.saturating_add(u16::from(has_device));
         parent_node.upper_children = parent_node.upper_children.saturating_add(u16::from(is_upper));
-        with_policy!(policy, policy => {
-            refile(nodes, policy, front, parent, None);
-            refile(nodes, policy, front, id, access);
-        });
-        id
-    }
-
-    /// Inserts a chain of new nodes: the first, keyed by `hashes[0]`, under `parent`, each next
-    /// one under the one before, `init(i, node)` setting the fields of the `i`-th as
-    /// [`Tree::insert`]'s `init` does. Their ids are appended to `path`, the first first.
-    pub fn insert_chain(
-        &mut self,
-        parent: NodeId,
-        hashes: &[BlockHash],
-        mut init: impl FnMut(usize, &mut NodeMut<'_>),
-        path: &mut Vec<NodeId>,
-    ) {
-        path.reserve(hashes.len());
-        let mut parent = parent;
-        for (index, &hash) in hashes.iter().enumerate() {
-            parent = self.insert(parent, hash, |node| init(index, node));
-            path.push(parent);
-        }
+        (id, access)
     }
 
     /// A free slot of the arena for a new node (a removed node's, else a fresh one at the end),
@@ -116,12 +137,16 @@ impl Tree {
         let had_device = node.device().is_some();
         let mut view = NodeMut { node, access: None, upper_changed: false };
         let result = change(&mut view);
-        let (access, upper_changed) = (view.access, view.upper_changed);
-        let Tree { nodes, policy, front, .. } = self;
-        with_policy!(policy, policy => {
-            changed(nodes, policy, front, id, had_device, upper_changed, access);
-        });
+        let change = Change { had_device, upper_changed: view.upper_changed, access: view.access };
+        self.changed(id, change);
         result
+    }
+
+    /// [`Tree::update`] once its closure changed node `id`.
+    fn changed(&mut self, id: NodeId, change: Change) {
+        let Tree { nodes, policy, front, .. } = self;
+        let nodes = nodes.as_mut_slice();
+        with_policy!(policy, policy => changed(nodes, policy, front, id, change));
     }
 
     /// Releases one hold of `id` at the end of a request ([`Access::Release`]).
@@ -140,6 +165,7 @@ impl Tree {
     /// If a node is not held.
     pub fn release_path(&mut self, path: &[NodeId]) {
         let Tree { nodes, policy, front, .. } = self;
+        let nodes = nodes.as_mut_slice();
         with_policy!(policy, policy => {
             for &id in path.iter().rev() {
                 nodes[id.index()].release_one();
@@ -156,6 +182,7 @@ impl Tree {
     #[inline(always)] // into the eviction engine's loop (see `manager/evict.rs`)
     pub fn remove(&mut self, id: NodeId) {
         let Tree { nodes, free_slots, index, policy, front } = self;
+        let nodes = nodes.as_mut_slice();
         with_policy!(policy, policy => remove(nodes, free_slots, index, policy, front, id));
     }
 
@@ -171,32 +198,47 @@ impl Tree {
     }
 }
 
+/// What an update's closure changed of a node beyond its own fields ([`changed`]).
+#[derive(Clone, Copy)]
+struct Change {
+    /// Whether the node had its device block before.
+    had_device: bool,
+    /// Whether it went from above storage to storage-only or back.
+    upper_changed: bool,
+    /// The access it recorded.
+    access: Option<Access>,
+}
+
 /// [`Tree::update`] once its closure changed node `id`: the parent's child counts and sets if
-/// the node gained or lost its device block (`had_device` before) or went to or from
-/// storage-only (`upper_changed`), then the node's own sets, telling the policy of `access`.
+/// the node gained or lost its device block or went to or from storage-only, then the node's
+/// own sets, telling the policy of the access.
 #[inline]
 fn changed<P: Policy>(
     nodes: &mut [Node],
     policy: &mut P,
     front: &mut Front,
     id: NodeId,
-    had_device: bool,
-    upper_changed: bool,
-    access: Option<Access>,
+    change: Change,
 ) {
     let node = &nodes[id.index()];
     let (parent, has_device, is_upper) = (node.parent, node.device().is_some(), node.is_upper());
-    let parent_counts = (had_device != has_device || upper_changed) && parent != NodeId::NONE;
+    let device_changed = change.had_device != has_device;
+    let parent_counts = (device_changed || change.upper_changed) && parent != NodeId::NONE;
     if parent_counts {
-        if had_device != has_device {
-            count_child(nodes, parent, false, has_device);
+        let parent_node = &mut nodes[parent.index()];
+        let mut recount = false;
+        if device_changed {
+            recount |= !count_child(&mut parent_node.device_children, has_device);
         }
-        if upper_changed {
-            count_child(nodes, parent, true, is_upper);
+        if change.upper_changed {
+            recount |= !count_child(&mut parent_node.upper_children, is_upper);
+        }
+        if recount {
+            recount_children(nodes, parent);
         }
     }
     // The node first: when it leaves the front of a set, its parent may take its place.
-    refile(nodes, policy, front, id, access);
+    refile(nodes, policy, front, id, change.access);
     if parent_counts {
         refile(nodes, policy, front, parent, None);
     }
@@ -213,63 +255,68 @@ fn remove<P: Policy>(
     id: NodeId,
 ) {
     assert!(id != NodeId::ROOT, "removing the root is a programming error");
-    let node = &nodes[id.index()];
+    let node = &mut nodes[id.index()];
     assert!(!node.has_children(), "removing a node with children is a programming error");
     let (parent, prev, next, sets) =
         (node.parent, node.prev_sibling, node.next_sibling, node.membership());
-    let (had_device, was_upper, words) =
-        (node.device().is_some(), node.is_upper(), *node.hash_words());
+    let (had_device, was_upper) = (node.device().is_some(), node.is_upper());
     if !sets.is_empty() {
         leave(policy, front, id, sets);
     }
     if P::HEARS_REMOVALS {
         let sole_child = parent != NodeId::ROOT && prev == NodeId::NONE && next == NodeId::NONE;
-        policy.removing(id, nodes[id.index()].hash(), sole_child.then_some(parent));
+        policy.removing(id, node.hash(), sole_child.then_some(parent));
     }
-    index.remove(id, &words);
+    index.remove(id, node.hash_words());
+    node.mark_removed(*free_slots);
+    *free_slots = id;
     if next != NodeId::NONE {
         nodes[next.index()].prev_sibling = prev;
     }
-    if prev == NodeId::NONE {
-        nodes[parent.index()].first_child = next;
-    } else {
+    if prev != NodeId::NONE {
         nodes[prev.index()].next_sibling = next;
     }
-    nodes[id.index()].mark_removed(*free_slots);
-    *free_slots = id;
+    let parent_node = &mut nodes[parent.index()];
+    if prev == NodeId::NONE {
+        parent_node.first_child = next;
+    }
+    let mut recount = false;
     if had_device {
-        count_child(nodes, parent, false, false);
+        recount |= !count_child(&mut parent_node.device_children, false);
     }
     if was_upper {
-        count_child(nodes, parent, true, false);
+        recount |= !count_child(&mut parent_node.upper_children, false);
+    }
+    if recount {
+        recount_children(nodes, parent);
     }
     refile(nodes, policy, front, parent, None);
 }
 
-/// Counts one child of `parent` more (`joined`) or fewer with a device block (`upper` false) or
-/// above storage (`upper` true). A saturated count stays saturated on the way up ("at least that
-/// many") and is recounted from the child list on the way down.
+/// Counts one child more (`joined`) or fewer in a child count. A saturated count stays
+/// saturated on the way up ("at least that many"); on the way down it is left for the caller
+/// to recount from the child list ([`recount_children`]): `false` then.
 #[inline]
-fn count_child(nodes: &mut [Node], parent: NodeId, upper: bool, joined: bool) {
-    let node = &mut nodes[parent.index()];
-    let count = if upper { &mut node.upper_children } else { &mut node.device_children };
+fn count_child(count: &mut u16, joined: bool) -> bool {
     if joined {
         *count = count.saturating_add(1);
     } else if *count != COUNT_SATURATED {
         *count -= 1;
     } else {
-        recount_children(nodes, parent, upper);
+        return false;
     }
+    true
 }
 
-/// Sets a saturated child count of `parent` ([`count_child`]) to the exact count of its child
-/// list.
+/// Sets the child counts of `parent` to the exact counts of its child list (saturating), when
+/// a saturated one would fall ([`count_child`]).
 #[cold]
-fn recount_children(nodes: &mut [Node], parent: NodeId, upper: bool) {
-    let exact = count_children(nodes, parent, upper);
+fn recount_children(nodes: &mut [Node], parent: NodeId) {
+    let (device, upper) =
+        (count_children(nodes, parent, false), count_children(nodes, parent, true));
     let node = &mut nodes[parent.index()];
-    let count = if upper { &mut node.upper_children } else { &mut node.device_children };
-    *count = u16::try_from(exact).unwrap_or(COUNT_SATURATED);
+    node.device_children = u16::try_from(device).unwrap_or(COUNT_SATURATED);
+    node.upper_children = u16::try_from(upper).unwrap_or(COUNT_SATURATED);
 }
 
 /// Re-files `id` in the sets it belongs in now, telling the policy about `access` (the flow of
@@ -285,8 +332,11 @@ fn refile<P: Policy>(
     id: NodeId,
     access: Option<Access>,
 ) {
-    let old = nodes[id.index()].membership();
-    let new = membership_in(nodes, id);
+    let node = &mut nodes[id.index()];
+    let old = node.membership();
+    // The root's fields admit no set: it has no block and is `Device`.
+    let new = sets_of(node, node.device_children, node.upper_children);
+    debug_assert!(id != NodeId::ROOT || new.is_empty(), "the root is in no set");
     let access = access.filter(|&access| policy.wants(access));
     if old == new && access.is_none() {
         return;
@@ -295,12 +345,12 @@ fn refile<P: Policy>(
         leave(policy, front, id, old);
     }
     if let Some(access) = access {
-        policy.touch(id, nodes[id.index()].hash(), access);
+        policy.touch(id, node.hash(), access);
     }
     if !new.is_empty() {
         enter(policy, front, id, new);
     }
-    nodes[id.index()].set_membership(new);
+    node.set_membership(new);
 }
 
 /// `id`, in no set, joins `sets` (not empty): as the front of the one set it joins, if it
@@ -308,10 +358,9 @@ fn refile<P: Policy>(
 /// fronts of its sets (which it may go before).
 #[inline(always)] // as `refile`
 fn enter<P: Policy>(policy: &mut P, front: &mut Front, id: NodeId, sets: Membership) {
-    if let Some(set) = Front::alone(sets) {
-        let slot = &mut front.0[Front::slot(set).expect("a set with a front slot")];
-        if *slot == NodeId::NONE && policy.would_come_first(id, set) {
-            *slot = id;
+    if let Some((set, slot)) = Front::alone(sets) {
+        if front.0[slot] == NodeId::NONE && policy.would_come_first(id, set) {
+            front.0[slot] = id;
             return;
         }
     }
@@ -329,10 +378,9 @@ fn enter<P: Policy>(policy: &mut P, front: &mut Front, id: NodeId, sets: Members
 /// `id` leaves `sets`, the sets it is in: the front of its one set, or the policy's.
 #[inline(always)] // as `refile`
 fn leave<P: Policy>(policy: &mut P, front: &mut Front, id: NodeId, sets: Membership) {
-    if let Some(set) = Front::alone(sets) {
-        let slot = &mut front.0[Front::slot(set).expect("a set with a front slot")];
-        if *slot == id {
-            *slot = NodeId::NONE;
+    if let Some((_, slot)) = Front::alone(sets) {
+        if front.0[slot] == id {
+            front.0[slot] = NodeId::NONE;
             return;
         }
     }

@@ -94,15 +94,22 @@ impl Front {
     }
 
     /// The front of `set`, if it has one.
+    #[inline]
     fn of(&self, set: EvictSet) -> Option<NodeId> {
         Front::slot(set).and_then(|slot| self.0[slot].some())
     }
 
-    /// The one set of `sets` with a front slot, when `sets` is that set alone.
-    fn alone(sets: Membership) -> Option<EvictSet> {
-        [EvictSet::Device, EvictSet::Host]
-            .into_iter()
-            .find(|&set| sets == Membership::NONE.with(set))
+    /// The set and front slot of a node in exactly `sets`, when that is one set with a front
+    /// slot (the device set alone, or the host set alone).
+    #[inline]
+    fn alone(sets: Membership) -> Option<(EvictSet, usize)> {
+        const DEVICE: u8 = Membership::NONE.with(EvictSet::Device).bits();
+        const HOST: u8 = Membership::NONE.with(EvictSet::Host).bits();
+        match sets.bits() {
+            DEVICE => Some((EvictSet::Device, 0)),
+            HOST => Some((EvictSet::Host, 1)),
+            _ => None,
+        }
     }
 }
 
