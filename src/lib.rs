@@ -12,7 +12,9 @@
 //! - [`offload`]: the host tier over engine-supplied keys, for engines that keep their own device
 //!   cache (vLLM's offloading connector).
 //! - [`percentiles`]: the p50/p99 summary of the benchmark and demo reports.
-//! - [`service`]: the cache manager wired to the segment and the workers.
+//! - [`transport`]: the segment, its rings and the worker processes behind them, with no cache:
+//!   commands in flight, direct copies, worker liveness and deadlines.
+//! - [`service`]: the cache manager on top of a transport.
 //! - [`storage`]: the storage tier below host: local disk and Redis back-ends.
 //! - [`worker`]: the worker side: validating and executing copy commands.
 //! - [`trace`]: reading Mooncake-format request traces.
@@ -28,6 +30,7 @@ pub mod service;
 mod simd;
 pub mod storage;
 pub mod trace;
+pub mod transport;
 pub mod tree;
 pub mod worker;
 

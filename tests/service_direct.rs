@@ -1,30 +1,40 @@
-//! Direct copies (an engine's own blocks, copied by the workers outside the cache manager): they
-//! land byte for byte, wait for a worker, and survive a worker killed in the middle of one.
+//! Direct copies (an engine's own blocks, copied by the workers through a transport with no cache
+//! manager): they land byte for byte, wait for a worker, and survive a worker killed in the middle
+//! of one.
 
 mod service_support;
 
 use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
-use kvshm::manager::{BlockPair, CacheConfig, TransferKind};
-use kvshm::service::{DirectCopyOutcome, Service, ServiceConfig};
+use kvshm::manager::BlockPair;
+use kvshm::transport::{CopyKind, DirectCopyOutcome, SegmentConfig, Transport, TransportConfig};
 use service_support::*;
 
 const LAYERS: u32 = 2;
 
-fn service(test: &str, tp_size: u32) -> Service {
-    let cache = CacheConfig::new(16, 16).with_host_blocks(16);
-    let name = unique_name(test);
-    Service::create(&name, ServiceConfig::new(cache, tp_size, LAYERS, 2 * LAYERS, 4096)).unwrap()
+fn service(test: &str, tp_size: u32) -> Transport {
+    let segment = SegmentConfig {
+        block_tokens: 16,
+        tp_size,
+        device_blocks: 16,
+        host_blocks: 16,
+        regions: 2 * LAYERS,
+        layers: LAYERS,
+        region_bytes: 4096,
+        ..SegmentConfig::default()
+    };
+    Transport::create(&unique_name(test), &TransportConfig::new(segment)).unwrap()
 }
 
 /// Polls until `count` direct copies have ended.
-fn outcomes(service: &mut Service, count: usize, timeout: Duration) -> Vec<DirectCopyOutcome> {
+fn outcomes(service: &mut Transport, count: usize, timeout: Duration) -> Vec<DirectCopyOutcome> {
     let deadline = Instant::now() + timeout;
     let mut out = Vec::new();
     while out.len() < count {
         assert!(Instant::now() < deadline, "direct copies still pending after {timeout:?}");
         service.poll();
+        service.pump();
         service.take_direct_outcomes(&mut out);
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -43,7 +53,7 @@ fn a_direct_copy_lands_on_every_rank_byte_for_byte() {
         write_block(&service, BlockHash(500 + u128::from(block)), block);
     }
     let pairs = (0..4).map(|block| BlockPair::new(block, 10 + block)).collect();
-    let id = service.submit_direct_copy(TransferKind::DeviceToHost, pairs);
+    let id = service.submit_direct_copy(CopyKind::DeviceToHost, pairs);
     let done = outcomes(&mut service, 1, Duration::from_secs(20));
     assert_eq!((done[0].id, done[0].result, done[0].issued), (id, Ok(()), 1));
     for block in 0..4 {
@@ -51,13 +61,12 @@ fn a_direct_copy_lands_on_every_rank_byte_for_byte() {
     }
     // And back, into other device blocks.
     let pairs = (0..4).map(|block| BlockPair::new(10 + block, 8 + block)).collect();
-    service.submit_direct_copy(TransferKind::HostToDevice, pairs);
+    service.submit_direct_copy(CopyKind::HostToDevice, pairs);
     outcomes(&mut service, 1, Duration::from_secs(20));
     for block in 0..4 {
         assert!(device_block_holds(&service, BlockHash(500 + u128::from(block)), 8 + block));
     }
     assert_eq!(service.stats().copy_failures, 0);
-    service.cache().check_invariants().unwrap();
 }
 
 #[test]
@@ -68,8 +77,9 @@ fn a_direct_copy_waits_for_a_worker_and_survives_one_killed_in_the_middle_of_it(
     }
     let pairs: Vec<BlockPair> = (0..8).map(|block| BlockPair::new(block, block)).collect();
     // No worker yet: the copy waits instead of failing.
-    service.submit_direct_copy(TransferKind::DeviceToHost, pairs);
+    service.submit_direct_copy(CopyKind::DeviceToHost, pairs);
     service.poll();
+    service.pump();
     let mut early = Vec::new();
     service.take_direct_outcomes(&mut early);
     assert!(early.is_empty());
@@ -79,6 +89,7 @@ fn a_direct_copy_waits_for_a_worker_and_survives_one_killed_in_the_middle_of_it(
     let mut slow = WorkerProcess::spawn(service.segment().name(), 0, Some(300_000));
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
     service.poll();
+    service.pump();
     std::thread::sleep(Duration::from_millis(100));
     slow.kill_hard();
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -27,7 +27,9 @@ use kvshm::manager::{
     MatchError, PrefetchError, ResetError, TicketError as RustTicketError, UnknownRequest,
 };
 use kvshm::offload::OffloadError as RustOffloadError;
-use kvshm::service::{DeviceResizeError, ServiceError, WaitError};
+use kvshm::service::{
+    DeviceResizeError, SegmentError as RustSegmentError, ServiceError, TransportError, WaitError,
+};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::PyErr;
@@ -188,10 +190,28 @@ impl ToPyErr for ServiceError {
     fn to_py(self) -> PyErr {
         let message = self.to_string();
         match self {
-            ServiceError::Cache(_) | ServiceError::Geometry(_) => ConfigError::new_err(message),
-            ServiceError::WorkerMissing { .. } => KvshmTimeoutError::new_err(message),
+            ServiceError::Cache(_) | ServiceError::StorageBackoff(_) => {
+                ConfigError::new_err(message)
+            }
+            ServiceError::Transport(error) => error.to_py(),
+            ServiceError::WorkerMissing(_) => KvshmTimeoutError::new_err(message),
+        }
+    }
+}
+
+impl ToPyErr for TransportError {
+    fn to_py(self) -> PyErr {
+        let message = self.to_string();
+        match self {
+            TransportError::Geometry(_) => ConfigError::new_err(message),
             _ => SegmentError::new_err(message),
         }
+    }
+}
+
+impl ToPyErr for RustSegmentError {
+    fn to_py(self) -> PyErr {
+        SegmentError::new_err(self.to_string())
     }
 }
 

@@ -54,7 +54,7 @@ fn tier_error(error: HostTierError) -> PyErr {
         HostTierError::NoWorkers | HostTierError::DeviceHandles(_) => {
             DeviceHandleError::new_err(message)
         }
-        HostTierError::Service(error) => error.to_py(),
+        HostTierError::Transport(error) => error.to_py(),
         HostTierError::Arena(_) => SegmentError::new_err(message),
     }
 }

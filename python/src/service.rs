@@ -12,7 +12,7 @@ use kvshm::manager::{
 };
 use kvshm::service::{
     Backend, BlockAccessError, SegmentName, Service as RustService, ServiceConfig, ServiceError,
-    TicketReady, TierBackoff, WaitError,
+    TicketReady, TierBackoff, WaitError, WorkerMissing,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -287,7 +287,7 @@ impl Service {
             })
         })?;
         all_up.ok_or_else(|| {
-            ServiceError::WorkerMissing { rank: missing, waited: started.elapsed() }.to_py()
+            ServiceError::from(WorkerMissing { rank: missing, waited: started.elapsed() }).to_py()
         })
     }
 

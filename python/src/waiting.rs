@@ -16,7 +16,7 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvshm::service::{CompletionBell, WaitPolicy, WAIT_SLICE, WAIT_SPIN};
+use kvshm::service::{CompletionBell, SegmentError, WaitPolicy, WAIT_SLICE, WAIT_SPIN};
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 
@@ -62,17 +62,17 @@ pub fn wait_unlocked<S: HasBell, T>(
 
 /// An object a thread can wait on with [`wait_unlocked`].
 pub trait HasBell {
-    fn bell(&self) -> Result<CompletionBell, kvshm::service::ServiceError>;
+    fn bell(&self) -> Result<CompletionBell, SegmentError>;
 }
 
 impl HasBell for kvshm::service::Service {
-    fn bell(&self) -> Result<CompletionBell, kvshm::service::ServiceError> {
-        Ok(self.completion_bell()?)
+    fn bell(&self) -> Result<CompletionBell, SegmentError> {
+        self.completion_bell()
     }
 }
 
 impl HasBell for kvshm::offload::HostTier {
-    fn bell(&self) -> Result<CompletionBell, kvshm::service::ServiceError> {
+    fn bell(&self) -> Result<CompletionBell, SegmentError> {
         self.completion_bell()
     }
 }

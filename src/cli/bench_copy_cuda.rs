@@ -5,7 +5,7 @@
 //! 1. Baseline: one `cuMemcpyAsync` of the whole device buffer (`--tier-mib`) to and from pinned
 //!    host memory, timed with events (best of five): the copy engine with no per-block work.
 //! 2. For 64 KiB and 1 MiB blocks (`2 * --layers` regions each, K and V of a layer adjacent as in
-//!    [`DeviceKvBuffers`]): a service over a host tier of `--tier-mib`, the KV buffers on GPU
+//!    [`DeviceKvBuffers`]): a transport over a host tier of `--tier-mib`, the KV buffers on GPU
 //!    `--device` with their IPC handles published; for each `--cuda-copy` method a worker process
 //!    started with it, then for consecutive and scattered block ids, device-to-host and
 //!    host-to-device, direct copies of `--command-mib` each submitted at once until
@@ -25,8 +25,11 @@ use serde::Serialize;
 
 use super::bench_copy::{command_pairs, gbps, Args, BLOCK_SIZES, MIB};
 use crate::hash::BlockHash;
-use crate::manager::{CacheConfig, RequestId, TransferKind, WritePolicy};
-use crate::service::{Backend, DirectCopyOutcome, RankState, Service, ServiceConfig};
+use crate::manager::{CacheConfig, RequestId, WritePolicy};
+use crate::service::{Service, ServiceConfig};
+use crate::transport::{
+    Backend, CopyKind, DirectCopyOutcome, RankState, SegmentConfig, Transport, TransportConfig,
+};
 use crate::worker::cuda::DeviceKvBuffers;
 use crate::worker::{CopyMethod, Direction};
 
@@ -145,9 +148,9 @@ pub fn run(args: &Args, tier_bytes: usize, bytes_per_case: usize) -> anyhow::Res
     Ok(())
 }
 
-/// A service, its GPU buffers and the blocks of one block size.
+/// A transport, its GPU buffers and the blocks of one block size.
 struct BlockBench {
-    service: Service,
+    transport: Transport,
     buffers: DeviceKvBuffers,
     name: SegmentName,
     blocks: usize,
@@ -162,17 +165,28 @@ impl BlockBench {
         let blocks = tier_bytes / block_bytes;
         let region_bytes = (block_bytes / regions as usize) as u64;
         let name = bench_name(block_bytes)?;
-        let cache =
-            CacheConfig::new(16, u32::try_from(blocks)?).with_host_blocks(u32::try_from(blocks)?);
-        let mut config = ServiceConfig::new(cache, 1, args.layers, regions, region_bytes);
-        config.backend = Backend::Cuda;
-        config.max_command_bytes = (args.command_mib * MIB) as u64;
-        let service = Service::create(&name, config).context("creating the bench's service")?;
-        let buffers = DeviceKvBuffers::allocate(args.device, service.geometry())
+        let segment = SegmentConfig {
+            device_blocks: u32::try_from(blocks)?,
+            host_blocks: u32::try_from(blocks)?,
+            layers: args.layers,
+            regions,
+            region_bytes,
+            backend: Backend::Cuda.to_wire(),
+            command_ring_slots: crate::transport::DEFAULT_COMMAND_RING_SLOTS,
+            completion_ring_slots: crate::transport::DEFAULT_COMPLETION_RING_SLOTS,
+            ..SegmentConfig::default()
+        };
+        let config = TransportConfig {
+            max_command_bytes: (args.command_mib * MIB) as u64,
+            ..TransportConfig::new(segment)
+        };
+        let transport =
+            Transport::create(&name, &config).context("creating the bench's transport")?;
+        let buffers = DeviceKvBuffers::allocate(args.device, transport.geometry())
             .with_context(|| format!("allocating the KV buffers on GPU {}", args.device))?;
-        service.segment().publish_device_handles(0, &buffers.region_handles())?;
+        transport.segment().publish_device_handles(0, &buffers.region_handles())?;
         Ok(BlockBench {
-            service,
+            transport,
             buffers,
             name,
             blocks,
@@ -184,7 +198,7 @@ impl BlockBench {
 
     fn start_worker(&mut self, method: CopyMethod) -> anyhow::Result<BenchWorker> {
         let worker = BenchWorker::spawn(&self.name, self.device, method)?;
-        self.service
+        self.transport
             .wait_for_workers(PATIENCE)
             .with_context(|| format!("waiting for the {method} worker"))?;
         Ok(worker)
@@ -202,26 +216,30 @@ impl BlockBench {
         let worker = self.start_worker(method)?;
         let mut cases = Vec::new();
         for scattered in [false, true] {
-            for kind in [TransferKind::DeviceToHost, TransferKind::HostToDevice] {
+            for kind in [CopyKind::DeviceToHost, CopyKind::HostToDevice] {
                 let mut case = self
                     .measure(method, kind, scattered, command_bytes, bytes_per_case)
                     .with_context(|| format!("{kind:?}, scattered: {scattered}"))?;
                 case.vs_baseline = case.gbps
                     / match kind {
-                        TransferKind::DeviceToHost => reference.device_to_host_gbps,
-                        _ => reference.host_to_device_gbps,
+                        CopyKind::DeviceToHost => reference.device_to_host_gbps,
+                        CopyKind::HostToDevice => reference.host_to_device_gbps,
                     };
                 cases.push(case);
             }
         }
-        worker.stop(&mut self.service)?;
+        let transport = &mut self.transport;
+        worker.stop(|| {
+            transport.poll();
+            transport.rank_states()
+        })?;
         Ok(cases)
     }
 
     fn measure(
         &mut self,
         method: CopyMethod,
-        kind: TransferKind,
+        kind: CopyKind,
         scattered: bool,
         command_bytes: usize,
         bytes_per_case: usize,
@@ -231,13 +249,13 @@ impl BlockBench {
         let pairs: Vec<Vec<BlockPair>> =
             command_pairs(self.blocks, per_command, commands, scattered).collect();
         // A warm-up pass over a few commands: first-touch costs stay out of the figure.
-        copy_all(&mut self.service, kind, &pairs[..pairs.len().min(4)])?;
-        let seconds = copy_all(&mut self.service, kind, &pairs)?;
+        copy_all(&mut self.transport, kind, &pairs[..pairs.len().min(4)])?;
+        let seconds = copy_all(&mut self.transport, kind, &pairs)?;
         Ok(Case {
             method: method.name(),
             direction: match kind {
-                TransferKind::DeviceToHost => "device_to_host",
-                _ => "host_to_device",
+                CopyKind::DeviceToHost => "device_to_host",
+                CopyKind::HostToDevice => "host_to_device",
             },
             ids: if scattered { "scattered" } else { "consecutive" },
             block_bytes: self.block_bytes,
@@ -253,19 +271,20 @@ impl BlockBench {
 /// Submits every command at once as a direct copy and polls until all have completed; the
 /// seconds from the first submit to the last completion.
 fn copy_all(
-    service: &mut Service,
-    kind: TransferKind,
+    transport: &mut Transport,
+    kind: CopyKind,
     commands: &[Vec<BlockPair>],
 ) -> anyhow::Result<f64> {
     let started = Instant::now();
     for pairs in commands {
-        service.submit_direct_copy(kind, pairs.clone());
+        transport.submit_direct_copy(kind, pairs.clone());
     }
     let mut outcomes: Vec<DirectCopyOutcome> = Vec::new();
     let mut done = 0;
     while done < commands.len() {
-        service.poll();
-        service.take_direct_outcomes(&mut outcomes);
+        transport.poll();
+        transport.pump();
+        transport.take_direct_outcomes(&mut outcomes);
         for outcome in outcomes.drain(..) {
             if let Err(failure) = outcome.result {
                 bail!("a copy failed: {failure}");
@@ -294,8 +313,9 @@ impl BenchWorker {
         Ok(BenchWorker(Some(child)))
     }
 
-    /// SIGTERM, then waits for the exit and for the service to see the rank free again.
-    fn stop(mut self, service: &mut Service) -> anyhow::Result<()> {
+    /// SIGTERM, then waits for the exit and for the scheduler side to see the rank free again
+    /// (`poll_ranks` polls and says the ranks' states).
+    fn stop(mut self, mut poll_ranks: impl FnMut() -> Vec<RankState>) -> anyhow::Result<()> {
         let Some(child) = &mut self.0 else { return Ok(()) };
         let pid = nix::unistd::Pid::from_raw(child.id() as i32);
         nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
@@ -307,11 +327,10 @@ impl BenchWorker {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.0 = None;
-        while service.rank_states().iter().any(|state| *state != RankState::Down) {
+        while poll_ranks().iter().any(|state| *state != RankState::Down) {
             if Instant::now() > deadline {
-                bail!("the service still sees the bench's worker (pid {pid}) after it exited");
+                bail!("the scheduler still sees the bench's worker (pid {pid}) after it exited");
             }
-            service.poll();
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
@@ -390,7 +409,10 @@ fn layerwise(args: &Args, method: CopyMethod) -> anyhow::Result<Layerwise> {
     }
     service.wait(ticket, PATIENCE)?;
     service.abort(request)?;
-    worker.stop(&mut service)?;
+    worker.stop(|| {
+        service.poll();
+        service.rank_states()
+    })?;
     drop(service);
     drop(buffers);
     let first = ready_at.iter().copied().find(|&at| at > 0.0).unwrap_or(0.0);

@@ -8,8 +8,13 @@
 //!   in the calling thread, and a job is done when `submit` returns;
 //! - [`TierEngine::Workers`]: the tensors are on a GPU; the engine publishes their CUDA IPC
 //!   handles ([`HostTier::publish_device_handles`]) and a `kvshm worker --backend cuda` process
-//!   copies, driven through the rings as direct copies ([`crate::service`]), which a worker crash
-//!   does not fail: they are issued again on the restarted worker.
+//!   copies, driven through the rings of the tier's [`Transport`] as direct copies
+//!   ([`crate::transport::direct`]), which a worker crash does not fail: they are issued again on
+//!   the restarted worker.
+//!
+//! The segment is the transport's alone: no cache manager sits on it (the engine's scheduler
+//! keeps an [`super::OffloadManager`] in its own process). Its header names the tier's shape and
+//! who copies (the engine's process, or workers).
 //!
 //! One job: 1. [`HostTier::submit`] plans its pairs ([`EngineLayout::plan`]); 2. copies them or
 //! hands them to the worker; 3. [`HostTier::poll`] collects the workers' outcomes; 4.
@@ -19,7 +24,6 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
-pub use kvshm_ipc::config::Backend;
 use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle};
 use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
@@ -28,10 +32,11 @@ use super::key::OffloadKey;
 use super::key_table::{self, KeyTable, TableEntry};
 use super::tensor_memory::{CopyError, TensorMemory};
 use super::transfer::{Direction, EngineLayout, PlanError};
-use crate::manager::{CacheConfig, TransferKind};
-use crate::service::{
-    CompletionBell, Counter, DirectCopyId, DirectCopyOutcome, Service, ServiceConfig, ServiceError,
-    WAIT_SLICE,
+pub use crate::transport::Backend;
+use crate::transport::{
+    CompletionBell, CopyKind, Counter, DirectCopyId, DirectCopyOutcome, RankMemory, RankState,
+    Segment, SegmentConfig, SegmentError, Transport, TransportConfig, TransportError,
+    DEFAULT_COMMAND_RING_SLOTS, DEFAULT_COMPLETION_RING_SLOTS, WAIT_SLICE,
 };
 
 /// How the host tier reaches the engine's tensors.
@@ -53,7 +58,7 @@ pub enum HostTierError {
     #[error(transparent)]
     Copy(#[from] CopyError),
     #[error(transparent)]
-    Service(#[from] ServiceError),
+    Transport(#[from] TransportError),
     #[error("opening the host tier: {0}")]
     Arena(#[from] ArenaError),
     #[error(transparent)]
@@ -131,7 +136,7 @@ pub struct CopyTotals {
 /// One rank's host tier (module flow).
 pub struct HostTier {
     layout: EngineLayout,
-    service: Service,
+    transport: Transport,
     host: Arena,
     engine: TierEngine,
     /// Jobs handed to the worker: copy id -> (job, submitted at).
@@ -197,30 +202,45 @@ impl HostTier {
                     blocks_per_chunk: layout.blocks_per_chunk,
                 }
             })?;
-        let cache = CacheConfig::new(labels.block_tokens.max(1), layout.device_blocks)
-            .with_host_blocks(host_blocks);
-        let mut config = ServiceConfig::new(cache, 1, layers, layout.tensors, layout.page_bytes);
-        config.backend = match engine {
-            // The device tier is the engine's own memory, never an arena of the segment.
-            TierEngine::InProcess(_) => Backend::Cuda,
-            TierEngine::Workers(backend) => backend,
+        let segment = SegmentConfig {
+            block_tokens: labels.block_tokens.max(1),
+            tp_size: 1,
+            device_blocks: layout.device_blocks,
+            host_blocks,
+            regions: layout.tensors,
+            layers,
+            region_bytes: layout.page_bytes,
+            command_ring_slots: DEFAULT_COMMAND_RING_SLOTS,
+            completion_ring_slots: DEFAULT_COMPLETION_RING_SLOTS,
+            backend: match engine {
+                // The device tier is the engine's own memory, never an arena of the segment.
+                TierEngine::InProcess(_) => Backend::Cuda,
+                TierEngine::Workers(backend) => backend,
+            }
+            .to_wire(),
+            copies: match engine {
+                TierEngine::InProcess(_) => SegmentConfig::COPIES_IN_ENGINE,
+                TierEngine::Workers(_) => SegmentConfig::COPIES_BY_WORKERS,
+            },
+            ..SegmentConfig::default()
         };
-        config.layerwise = false;
-        config.engine_tier = true;
-        config.copies_in_engine = matches!(engine, TierEngine::InProcess(_));
-        config.keep_host_tier = labels.persistent;
-        let mut service = Service::create(name, config)?;
-        let host = service.segment().open_arena(ArenaKind::Host, 0)?;
+        let config = TransportConfig {
+            layerwise: false,
+            keep_host_tier: labels.persistent,
+            ..TransportConfig::new(segment)
+        };
+        let mut transport = Transport::create(name, &config)?;
+        let host = transport.segment().open_arena(ArenaKind::Host, 0)?;
         let (table, restored) = if labels.persistent {
-            service.keep_host_tier_on_drop();
-            let (table, kept) = KeyTable::open(&host, &layout, service.host_tier_kept(0))?;
+            transport.keep_host_tier_on_drop();
+            let (table, kept) = KeyTable::open(&host, &layout, transport.host_tier_kept(0))?;
             (Some(table), kept)
         } else {
             (None, false)
         };
         let tier = HostTier {
             layout,
-            service,
+            transport,
             host,
             engine,
             jobs: HashMap::new(),
@@ -232,7 +252,7 @@ impl HostTier {
             job_keys: HashMap::new(),
             restored,
         };
-        let counters = tier.service.segment().counters();
+        let counters = tier.transport.segment().counters();
         counters.set(Counter::DeviceBlocksTotal, u64::from(tier.layout.device_blocks));
         counters.set(Counter::HostBlocksTotal, u64::from(tier.layout.host_blocks()?));
         tier.publish_totals();
@@ -251,20 +271,27 @@ impl HostTier {
         self.restored
     }
 
-    /// Stores [`CopyTotals`] in the segment's counters (`kvctl stat`): blocks loaded as swaps
-    /// in, blocks stored as swaps out; in-process copies also as the workers' copy time.
+    /// Stores [`CopyTotals`] in the segment's counters (`kvctl stat`), after the transport's
+    /// own: blocks loaded as swaps in, blocks stored as swaps out; in-process copies also as
+    /// commands and as the workers' copy time.
     fn publish_totals(&self) {
-        let counters = self.service.segment().counters();
+        self.transport.publish_counters();
+        let counters = self.transport.segment().counters();
         let totals = &self.totals;
         counters.set(Counter::SwapsIn, totals.blocks_loaded);
         counters.set(Counter::SwapsOut, totals.blocks_stored);
         counters.set(Counter::BytesCopied, totals.bytes);
-        if let TierEngine::InProcess(_) = self.engine {
-            counters.set(Counter::CommandsIssued, totals.jobs);
-            counters.set(Counter::CommandsCompleted, totals.jobs);
-            counters.set(Counter::CopyFailures, totals.failed_jobs);
-            counters.set(Counter::WorkerCopyBytes, totals.bytes);
-            counters.set(Counter::WorkerCopyNs, totals.copy_ns);
+        match self.engine {
+            TierEngine::InProcess(_) => {
+                counters.set(Counter::CommandsIssued, totals.jobs);
+                counters.set(Counter::CommandsCompleted, totals.jobs);
+                counters.set(Counter::CopyFailures, totals.failed_jobs);
+                counters.set(Counter::WorkerCopyBytes, totals.bytes);
+                counters.set(Counter::WorkerCopyNs, totals.copy_ns);
+            }
+            TierEngine::Workers(_) => {
+                counters.set(Counter::CopyFailures, self.transport.stats().copy_failures);
+            }
         }
     }
 
@@ -282,7 +309,7 @@ impl HostTier {
     }
 
     pub fn name(&self) -> &SegmentName {
-        self.service.segment().name()
+        self.transport.segment().name()
     }
 
     pub fn layout(&self) -> &EngineLayout {
@@ -297,12 +324,12 @@ impl HostTier {
         if let TierEngine::InProcess(_) = self.engine {
             return Err(HostTierError::NoWorkers);
         }
-        Ok(self.service.segment().publish_device_handles(0, handles)?)
+        Ok(self.transport.segment().publish_device_handles(0, handles)?)
     }
 
     /// The device arena of a `Workers(Backend::HostArena)` tier, where the engine's blocks live.
-    pub fn device_memory(&self) -> Option<&crate::service::RankMemory> {
-        self.service.memory(0)
+    pub fn device_memory(&self) -> Option<&RankMemory> {
+        self.transport.memory(0)
     }
 
     /// Whether the rank has a live worker (always true for in-process copies).
@@ -310,10 +337,10 @@ impl HostTier {
         match self.engine {
             TierEngine::InProcess(_) => true,
             TierEngine::Workers(_) => self
-                .service
+                .transport
                 .rank_states()
                 .iter()
-                .all(|state| matches!(state, crate::service::RankState::Up { .. })),
+                .all(|state| matches!(state, RankState::Up { .. })),
         }
     }
 
@@ -383,11 +410,11 @@ impl HostTier {
             }
             TierEngine::Workers(_) => {
                 let kind = match direction {
-                    Direction::Store => TransferKind::DeviceToHost,
-                    Direction::Load => TransferKind::HostToDevice,
+                    Direction::Store => CopyKind::DeviceToHost,
+                    Direction::Load => CopyKind::HostToDevice,
                 };
                 let pairs = copies.into_iter().flat_map(|copy| copy.pairs).collect();
-                let id = self.service.submit_direct_copy(kind, pairs);
+                let id = self.transport.submit_direct_copy(kind, pairs);
                 self.jobs.insert(id, (job, started));
                 self.job_blocks.insert(id, (direction, blocks));
                 if self.table.is_some() && !stored.is_empty() {
@@ -402,7 +429,8 @@ impl HostTier {
     /// Reaps the worker's completions, watches it, and collects ended jobs (step 3).
     pub fn poll(&mut self) {
         if let TierEngine::Workers(_) = self.engine {
-            self.service.poll();
+            self.transport.poll();
+            self.transport.pump();
             self.collect();
         }
     }
@@ -419,7 +447,7 @@ impl HostTier {
     }
 
     /// Polls until none of `jobs` is pending or `timeout` passes; returns whether none is. Sleeps
-    /// on the scheduler doorbell between polls, as [`Service::wait`] does.
+    /// on the scheduler doorbell between polls, as [`crate::service::Service::wait`] does.
     pub fn wait(&mut self, jobs: &[u64], timeout: Duration) -> bool {
         let deadline = deadline_after(timeout);
         loop {
@@ -430,7 +458,7 @@ impl HostTier {
             if now >= deadline {
                 return false;
             }
-            self.service.sleep_until_completion(deadline.min(now + WAIT_SLICE));
+            self.transport.sleep_until_completion(deadline.min(now + WAIT_SLICE));
         }
     }
 
@@ -442,8 +470,8 @@ impl HostTier {
 
     /// What a thread needs to sleep until the worker answers without holding the tier (see
     /// [`CompletionBell`]); [`poll_jobs`](Self::poll_jobs) is the step between sleeps.
-    pub fn completion_bell(&self) -> Result<CompletionBell, ServiceError> {
-        Ok(self.service.completion_bell()?)
+    pub fn completion_bell(&self) -> Result<CompletionBell, SegmentError> {
+        self.transport.completion_bell()
     }
 
     /// The bytes of host block `block` (every tensor's page), for checks and tools. Read with
@@ -459,7 +487,7 @@ impl HostTier {
     }
 
     fn collect(&mut self) {
-        self.service.take_direct_outcomes(&mut self.outcomes);
+        self.transport.take_direct_outcomes(&mut self.outcomes);
         let mut outcomes = std::mem::take(&mut self.outcomes);
         for outcome in outcomes.drain(..) {
             let Some((job, started)) = self.jobs.remove(&outcome.id) else { continue };
@@ -482,7 +510,6 @@ impl HostTier {
             });
         }
         self.outcomes = outcomes;
-        // After the service's poll, which publishes only its own counters on an engine tier.
         self.publish_totals();
     }
 }
@@ -495,7 +522,7 @@ pub fn read_tier_keys(
     chunks: u32,
     blocks_per_chunk: u32,
 ) -> Result<Vec<TableEntry>, HostTierError> {
-    let segment = crate::service::Segment::attach(name)?;
+    let segment = Segment::attach(name)?;
     let host = segment.open_arena(ArenaKind::Host, 0)?;
     let offset = u64::from(chunks) * u64::from(blocks_per_chunk) * host.block_bytes();
     let table_end = offset + KeyTable::bytes(chunks);

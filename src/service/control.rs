@@ -10,7 +10,6 @@
 
 use kvshm_ipc::control::ResetStatus;
 use kvshm_ipc::counters::Counter;
-use kvshm_ipc::liveness::monotonic_ns;
 use tracing::warn;
 
 use super::Service;
@@ -19,7 +18,7 @@ use crate::manager::ResetError;
 impl Service {
     /// Carries out the kvctl requests waiting in the control area.
     pub(super) fn serve_control_requests(&mut self) {
-        if let Some(request) = self.segment.control().pending_reset() {
+        if let Some(request) = self.transport.segment().control().pending_reset() {
             let status = match self.reset(request.force) {
                 Ok(dropped) => {
                     if !dropped.is_empty() {
@@ -33,39 +32,24 @@ impl Service {
                     ResetStatus::RefusedBusy
                 }
             };
-            self.segment.control().complete_reset(request, status);
+            self.transport.segment().control().complete_reset(request, status);
         }
-        if let Some(request) = self.segment.control().pending_snapshot() {
+        if let Some(request) = self.transport.segment().control().pending_snapshot() {
             let snapshot = self.manager.tree_snapshot(request.depth);
             let json = serde_json::to_vec(&snapshot).expect("a tree snapshot always serialises");
-            if let Err(error) = self.segment.control().publish_snapshot(request, &json) {
+            if let Err(error) = self.transport.segment().control().publish_snapshot(request, &json)
+            {
                 warn!(%error, "tree snapshot not published");
             }
         }
     }
 
-    /// Stores the manager's and the service's figures in the segment's live counters (an
-    /// engine's tier: the service's alone).
+    /// Stores the transport's, the manager's and the service's figures in the segment's live
+    /// counters.
     pub(super) fn publish_counters(&self) {
-        let counters = self.segment.counters();
-        let service = &self.stats;
-        let in_flight: usize = self.ranks.iter().map(|rank| rank.in_rings()).sum();
-        let own = [
-            (Counter::CopyFailures, service.copy_failures),
-            (Counter::CommandsIssued, service.commands_issued),
-            (Counter::CommandsCompleted, service.commands_completed),
-            (Counter::CommandsInFlight, in_flight as u64),
-            (Counter::Generation, self.segment.generation()),
-            (Counter::Resets, service.resets),
-            (Counter::WorkerDeaths, service.worker_deaths),
-            (Counter::LastPollNs, monotonic_ns()),
-        ];
-        for (counter, value) in own {
-            counters.set(counter, value);
-        }
-        if self.engine_tier {
-            return;
-        }
+        self.transport.publish_counters();
+        let counters = self.transport.segment().counters();
+        let service = self.stats();
         let cache = self.manager.stats();
         let values = [
             (Counter::DeviceBlocksTotal, u64::from(cache.device_blocks)),
@@ -123,6 +107,8 @@ impl Service {
             (Counter::SwapsOut, cache.counters.swap_out_blocks),
             (Counter::Backups, cache.counters.backup_blocks),
             (Counter::BytesCopied, service.bytes_copied),
+            (Counter::CopyFailures, service.copy_failures),
+            (Counter::Resets, service.resets),
             (
                 Counter::DroppedNodes,
                 cache.counters.evictions.device_dropped + cache.counters.evictions.host_dropped,

@@ -2,9 +2,9 @@
 //! for a prefetch, or whether it answers at all, for a probe of a tier that is down: `tier_probe`)
 //! and FORGET (the scheduler dropped these blocks), DESIGN §9.
 //!
-//! Core type: [`MetaCommands`], the service's record of those in flight. Their ids live in their
-//! own range ([`META_BIT`]), beside the manager's transfer ids and direct copies, so that the
-//! command tracker joins their per-rank completions like any other.
+//! Core type: [`MetaCommands`], the service's record of those in flight, each named by a
+//! [`MetaId`]: the transport carries them as jobs of their own ([`ServiceJob::Meta`]), beside the
+//! manager's transfers, and joins their per-rank completions like any other.
 //!
 //! 1. Before the copies of a step are issued, the service takes the manager's forgotten blocks
 //!    and sends them as FORGET commands to every rank that has a worker (at most
@@ -18,7 +18,7 @@
 //!    its generation, so those queued before a reset still free their blocks;
 //! 2. then it takes the manager's QUERYs and sends each to every rank in the same way, keeping
 //!    per command where its entries start;
-//! 3. each QUERY completion's result bits are ANDed into the query's per-block presence (a
+//! 3. each QUERY command's result bits are ANDed into the query's per-block presence (a
 //!    block the tier could not tell about counts as absent); the blocks a FORGET completion
 //!    says the back-end failed to forget are sent once more, as for a failed FORGET;
 //! 4. when every command of a QUERY completed on every rank, the manager gets the leading run
@@ -26,21 +26,17 @@
 
 use std::collections::HashMap;
 
-use kvshm_ipc::record::{CommandError, CommandHeader, Completion, Op};
-use kvshm_ipc::storage_record::{storage_pair_count, StorageEntry, StorageResults, NO_HOST_BLOCK};
+use kvshm_ipc::record::{CommandError, Op};
+use kvshm_ipc::storage_record::{StorageEntry, StorageResults, NO_HOST_BLOCK};
 use tracing::warn;
 
-use super::Service;
+use super::{Service, ServiceJob};
 use crate::hash::BlockHash;
 use crate::manager::{StorageQuery, TransferFailure};
 
-/// The bit that marks the tracker id of a QUERY or FORGET (direct copies use bit 63).
-const META_BIT: u64 = 1 << 62;
-
-/// Whether tracker id `id` is a QUERY's or a FORGET's.
-pub(super) fn is_meta(id: u64) -> bool {
-    id & META_BIT != 0 && !super::direct::is_direct(id)
-}
+/// Names one QUERY, FORGET or probe in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MetaId(pub u64);
 
 /// Blocks kept at most, per rank without a worker, for the FORGETs it missed (16 bytes each).
 pub const MAX_FORGET_BACKLOG: usize = 1 << 16;
@@ -70,10 +66,7 @@ enum Meta {
 #[derive(Debug, Default)]
 pub(super) struct MetaCommands {
     next: u64,
-    by_id: HashMap<u64, Meta>,
-    /// Per (rank index, command id) of a QUERY or FORGET command: its tracker id, first entry and
-    /// entries.
-    meta_commands: HashMap<(usize, u64), (u64, usize, usize)>,
+    by_id: HashMap<MetaId, Meta>,
     /// Blocks forgotten while the storage tier was down, sent once it is up (module flow,
     /// step 1).
     held_while_down: Vec<BlockHash>,
@@ -87,15 +80,15 @@ pub(super) struct MetaCommands {
 }
 
 impl MetaCommands {
-    fn new_id(&mut self, meta: Meta) -> u64 {
-        let id = META_BIT | self.next;
+    fn new_id(&mut self, meta: Meta) -> MetaId {
+        let id = MetaId(self.next);
         self.next += 1;
         self.by_id.insert(id, meta);
         id
     }
 
     /// A probe of the storage tier (`tier_probe`), to be sent to every rank.
-    pub(super) fn new_probe(&mut self) -> u64 {
+    pub(super) fn new_probe(&mut self) -> MetaId {
         self.new_id(Meta::Probe { reached: true })
     }
 
@@ -106,22 +99,17 @@ impl MetaCommands {
         hashes.len() - kept
     }
 
-    /// Step 3: folds a QUERY command's result bits into its query's presence; the blocks a
-    /// FORGET command's back-end failed to forget are sent once more (step 1). Returns how many
-    /// blocks were given up (failed a second time).
-    pub(super) fn note_completion(&mut self, index: usize, completion: &Completion) -> usize {
-        if self.meta_commands.is_empty() {
-            return 0;
-        }
-        let Some((id, first, entries)) = self.meta_commands.remove(&(index, completion.command_id))
-        else {
-            return 0;
-        };
-        if !completion.is_ok() {
-            // The whole command failed: `settle_meta` sees it.
-            return 0;
-        }
-        let results = StorageResults::from_detail(completion.detail).masked(entries);
+    /// Step 3: folds the result bits of one rank's QUERY command (entries `first..first +
+    /// entries` of `id`) into its query's presence; the blocks a FORGET command's back-end failed
+    /// to forget are sent once more (step 1). Returns how many blocks were given up (failed a
+    /// second time). A command that failed as a whole is `settle_meta`'s.
+    pub(super) fn note_answer(
+        &mut self,
+        id: MetaId,
+        first: usize,
+        entries: usize,
+        results: StorageResults,
+    ) -> usize {
         match self.by_id.get_mut(&id) {
             Some(Meta::Query { present, .. }) => {
                 for (offset, slot) in present[first..first + entries].iter_mut().enumerate() {
@@ -143,11 +131,6 @@ impl MetaCommands {
             }
             None => 0,
         }
-    }
-
-    /// A rank was lost: its QUERY and FORGET commands will not answer (the tracker fails them).
-    pub(super) fn forget_rank(&mut self, index: usize) {
-        self.meta_commands.retain(|&(rank, _), _| rank != index);
     }
 
     /// Keeps `hashes` for rank `index`, which has no worker; returns how many did not fit.
@@ -214,7 +197,7 @@ impl Service {
             self.send_forgets(&retries, true);
         }
         for index in 0..self.meta.backlogs.len() {
-            if !self.meta.backlogs[index].is_empty() && !self.ranks[index].is_down() {
+            if !self.meta.backlogs[index].is_empty() && !self.transport.is_down(index) {
                 let backlog = std::mem::take(&mut self.meta.backlogs[index]);
                 self.send_forgets_to(&backlog, &[index], false);
             }
@@ -230,9 +213,9 @@ impl Service {
 
     /// Step 1: FORGETs of `hashes` to every rank with a worker; the others keep them.
     fn send_forgets(&mut self, hashes: &[BlockHash], retried: bool) {
-        let mut live = Vec::with_capacity(self.ranks.len());
-        for (index, rank) in self.ranks.iter().enumerate() {
-            if !rank.is_down() {
+        let mut live = Vec::with_capacity(self.transport.ranks());
+        for index in 0..self.transport.ranks() {
+            if !self.transport.is_down(index) {
                 live.push(index);
                 continue;
             }
@@ -249,14 +232,18 @@ impl Service {
         let id = self.meta.new_id(Meta::Forget { hashes: hashes.to_vec(), retried });
         let entries: Vec<StorageEntry> =
             hashes.iter().map(|hash| StorageEntry::new(hash.0, 0, 0, NO_HOST_BLOCK)).collect();
-        self.queue_meta_commands(id, Op::StorageForget, &entries, Some(ranks));
+        self.transport.queue_storage(
+            ServiceJob::Meta(id),
+            Op::StorageForget,
+            &entries,
+            Some(ranks),
+        );
         self.stats.storage_forgets_sent += hashes.len() as u64;
     }
 
     fn send_query(&mut self, query: StorageQuery) {
-        if let Some(down) = self.ranks.iter().find(|rank| rank.is_down()) {
-            let failure =
-                TransferFailure { rank: down.rank(), error: CommandError::WorkerDied, detail: 0 };
+        if let Some(rank) = self.transport.first_rank_down() {
+            let failure = TransferFailure { rank, error: CommandError::WorkerDied, detail: 0 };
             self.answer_query(query.id, Err(failure));
             return;
         }
@@ -272,37 +259,11 @@ impl Service {
             .iter()
             .map(|hash| StorageEntry::new(hash.0, 0, 0, NO_HOST_BLOCK))
             .collect();
-        self.queue_meta_commands(id, Op::StorageQuery, &entries, None);
-    }
-
-    /// Queues `entries` as commands of `op` under tracker id `id` on `ranks` (indexes), or on
-    /// every rank for `None`; a QUERY's commands are recorded for step 3.
-    pub(super) fn queue_meta_commands(
-        &mut self,
-        id: u64,
-        op: Op,
-        entries: &[StorageEntry],
-        ranks: Option<&[usize]>,
-    ) {
-        let generation = self.segment.generation();
-        let chunk_len = self.max_storage_entries;
-        for (chunk_index, chunk) in entries.chunks(chunk_len).enumerate() {
-            let header = CommandHeader::new(op, 0, generation, storage_pair_count(chunk.len()));
-            for (index, rank) in self.ranks.iter_mut().enumerate() {
-                if ranks.is_some_and(|ranks| !ranks.contains(&index)) {
-                    continue;
-                }
-                let command_id = rank.queue_storage(header, chunk);
-                self.tracker.begin(id, rank.rank() as usize, command_id);
-                let first = chunk_index * chunk_len;
-                self.meta.meta_commands.insert((index, command_id), (id, first, chunk.len()));
-                self.stats.commands_issued += 1;
-            }
-        }
+        self.transport.queue_storage(ServiceJob::Meta(id), Op::StorageQuery, &entries, None);
     }
 
     /// Step 4: every command of QUERY or FORGET `id` completed on every rank.
-    pub(super) fn settle_meta(&mut self, id: u64, outcome: Result<(), TransferFailure>) {
+    pub(super) fn settle_meta(&mut self, id: MetaId, outcome: Result<(), TransferFailure>) {
         match self.meta.by_id.remove(&id) {
             Some(Meta::Forget { hashes, retried }) => {
                 if let Err(failure) = outcome {
@@ -322,7 +283,7 @@ impl Service {
                 self.answer_query(query, outcome);
             }
             Some(Meta::Probe { reached }) => self.probe_answered(id, reached && outcome.is_ok()),
-            None => warn!(id, "a storage query or forget completed twice"),
+            None => warn!(?id, "a storage query or forget completed twice"),
         }
     }
 

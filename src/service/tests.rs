@@ -8,7 +8,7 @@ use kvshm_ipc::worker_watch::Observation;
 
 use super::*;
 use crate::hash::BlockHash;
-use crate::manager::{RequestId, WritePolicy};
+use crate::manager::{CacheConfig, RequestId, WritePolicy};
 
 const BLOCK_TOKENS: u32 = 4;
 
@@ -78,12 +78,13 @@ fn copies_stay_in_flight_when_a_successor_claims_between_the_verdict_and_the_rec
     // The worker leaves cleanly and the rank is judged lost from the empty slot; a successor
     // claims the rank before the reclaim, and carries on with the rings.
     drop(claim);
-    let Observation::Lost(lost) = service.observe_worker(0) else {
+    let Observation::Lost(lost) = service.transport.observe_worker(0) else {
         panic!("a worker that let go of its slot is lost")
     };
     let successor = segment.claim_rank(0).unwrap();
     successor.mark_serving().unwrap();
-    service.lose_worker(0, lost);
+    service.transport.lose_worker(0, lost);
+    service.apply_events();
     assert_eq!(
         service.cache().transfers_in_flight(),
         1,
@@ -93,7 +94,7 @@ fn copies_stay_in_flight_when_a_successor_claims_between_the_verdict_and_the_rec
     assert!(successor.heartbeat().is_ok(), "the successor's claim survived");
 
     assert_eq!(complete_every_command(&segment), 1);
-    service.liveness_checked_at = None;
+    service.transport.watch_workers_now();
     service.poll();
     assert_eq!(service.cache().transfers_in_flight(), 0);
     assert_eq!(service.stats().copy_failures, 0);
@@ -111,7 +112,7 @@ fn completions_a_worker_pushed_before_leaving_are_applied_not_lost_to_the_reclai
     // The worker answers its last command and exits cleanly before the scheduler polls again.
     assert_eq!(complete_every_command(&segment), 1);
     drop(claim);
-    service.liveness_checked_at = None;
+    service.transport.watch_workers_now();
     service.poll();
 
     assert_eq!(service.cache().transfers_in_flight(), 0);
@@ -149,7 +150,7 @@ fn a_ring_header_scribbled_over_leaves_its_rank_down_after_a_reclaim_instead_of_
 
     // The worker leaves; the reclaim cannot take fresh ring ends over the scribbled header.
     drop(claim);
-    service.liveness_checked_at = None;
+    service.transport.watch_workers_now();
     service.poll();
     assert_eq!(service.rank_states(), [RankState::Down]);
 
@@ -157,14 +158,14 @@ fn a_ring_header_scribbled_over_leaves_its_rank_down_after_a_reclaim_instead_of_
     let segment = Segment::attach(service.segment().name()).unwrap();
     let claim = segment.claim_rank(0).unwrap();
     claim.mark_serving().unwrap();
-    service.liveness_checked_at = None;
+    service.transport.watch_workers_now();
     service.poll();
     assert_eq!(service.rank_states(), [RankState::Down]);
 
     // Once the header is whole again, the next worker check takes fresh ends and brings it up.
     control.write_all_at(&magic, magic_at).unwrap();
     claim.heartbeat().unwrap();
-    service.liveness_checked_at = None;
+    service.transport.watch_workers_now();
     service.poll();
     assert!(matches!(service.rank_states()[0], RankState::Up { .. }));
 }
@@ -205,10 +206,10 @@ fn a_rank_that_owes_an_answer_past_the_deadline_is_dropped_and_an_idle_one_is_no
         service_with("deadline", |config| config.command_deadline = Duration::from_millis(50));
     let (segment, claim) = claim_rank(&mut service);
     cache_two_blocks(&mut service);
-    assert!(service.owes_answers(0));
+    assert!(service.transport.owes_answers(0));
     assert_eq!(complete_every_command(&segment), 1);
     service.poll();
-    assert!(!service.owes_answers(0));
+    assert!(!service.transport.owes_answers(0));
     std::thread::sleep(Duration::from_millis(80));
     claim.heartbeat().unwrap();
     service.poll();
@@ -224,7 +225,7 @@ fn a_rank_that_owes_an_answer_past_the_deadline_is_dropped_and_an_idle_one_is_no
     service.commit(request, BLOCK_TOKENS as usize, &hashes).unwrap();
     service.finish(request).unwrap();
     service.poll();
-    assert!(service.owes_answers(0));
+    assert!(service.transport.owes_answers(0));
     std::thread::sleep(Duration::from_millis(80));
     claim.heartbeat().unwrap();
     service.poll();

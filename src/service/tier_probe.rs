@@ -26,7 +26,8 @@ use kvshm_ipc::record::Op;
 use kvshm_ipc::storage_record::{StorageEntry, NO_HOST_BLOCK};
 use tracing::{debug, info, warn};
 
-use super::Service;
+use super::storage_meta::MetaId;
+use super::{Service, ServiceJob};
 
 /// How long the service waits before probing a storage tier that is down: `first` for the first
 /// probe of an outage, doubling after each probe that fails, never more than `max`.
@@ -101,8 +102,8 @@ pub(super) struct TierWatch {
     wait: Duration,
     /// When the next probe may go.
     next_probe: Option<Instant>,
-    /// The tracker id of the probe in flight.
-    probe: Option<u64>,
+    /// The probe in flight.
+    probe: Option<MetaId>,
     /// Probes of the current outage.
     probes_this_outage: u64,
 }
@@ -117,8 +118,8 @@ impl TierWatch {
         }
     }
 
-    /// Whether tracker id `id` is the probe in flight.
-    pub(super) fn is_probe(&self, id: u64) -> bool {
+    /// Whether `id` is the probe in flight.
+    pub(super) fn is_probe(&self, id: MetaId) -> bool {
         self.probe == Some(id)
     }
 }
@@ -156,23 +157,23 @@ impl Service {
         if watch.probe.is_some() || watch.next_probe.is_some_and(|at| now < at) {
             return;
         }
-        if self.ranks.iter().any(|rank| rank.is_down()) {
+        if self.transport.first_rank_down().is_some() {
             // A probe must reach every rank's tier: wait for the worker to come back.
             self.tier_watch.next_probe = Some(now + self.tier_watch.wait);
             return;
         }
         let id = self.meta.new_probe();
         let probe = [StorageEntry::new(0, 0, 0, NO_HOST_BLOCK)];
-        self.queue_meta_commands(id, Op::StorageQuery, &probe, None);
+        self.transport.queue_storage(ServiceJob::Meta(id), Op::StorageQuery, &probe, None);
         self.tier_watch.probe = Some(id);
         self.tier_watch.probes_this_outage += 1;
         self.stats.storage_tier_probes += 1;
-        debug!(probe = id, "probing the storage tier");
+        debug!(probe = ?id, "probing the storage tier");
     }
 
-    /// Step 4 of the module flow: the probe with tracker id `id` answered on every rank;
-    /// `reached` when none said its tier failed.
-    pub(super) fn probe_answered(&mut self, id: u64, reached: bool) {
+    /// Step 4 of the module flow: probe `id` answered on every rank; `reached` when none said
+    /// its tier failed.
+    pub(super) fn probe_answered(&mut self, id: MetaId, reached: bool) {
         if !self.tier_watch.is_probe(id) {
             return;
         }

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use kvshm::demo::pattern::{self, RegionIdentity};
 use kvshm::hash::BlockHash;
 use kvshm::manager::RequestId;
-use kvshm::service::Service;
+use kvshm::service::{RankMemory, Service};
+use kvshm::transport::{Job, Transport};
+use kvshm::worker::Geometry;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::sync::{AtomicU32, Ordering};
 
@@ -78,11 +80,42 @@ impl Drop for WorkerProcess {
     }
 }
 
+/// What holds the ranks' block bytes on the host backend: a service, or a transport alone.
+pub trait RankBlocks {
+    fn geometry(&self) -> &Geometry;
+    fn ranks(&self) -> u32;
+    fn memory(&self, rank: u32) -> Option<&RankMemory>;
+}
+
+impl RankBlocks for Service {
+    fn geometry(&self) -> &Geometry {
+        Service::geometry(self)
+    }
+    fn ranks(&self) -> u32 {
+        self.rank_states().len() as u32
+    }
+    fn memory(&self, rank: u32) -> Option<&RankMemory> {
+        Service::memory(self, rank)
+    }
+}
+
+impl<J: Job> RankBlocks for Transport<J> {
+    fn geometry(&self) -> &Geometry {
+        Transport::geometry(self)
+    }
+    fn ranks(&self) -> u32 {
+        Transport::ranks(self) as u32
+    }
+    fn memory(&self, rank: u32) -> Option<&RankMemory> {
+        Transport::memory(self, rank)
+    }
+}
+
 /// Writes the pattern bytes of `hash` into device block `block` on every rank and region.
-pub fn write_block(service: &Service, hash: BlockHash, block: u32) {
+pub fn write_block(service: &impl RankBlocks, hash: BlockHash, block: u32) {
     let regions = service.geometry().regions();
     let mut bytes = vec![0; service.geometry().region_bytes() as usize];
-    for rank in 0..service.rank_states().len() as u32 {
+    for rank in 0..service.ranks() {
         for region in 0..regions {
             pattern::fill(RegionIdentity { block_hash: hash.0, region, rank }, &mut bytes);
             service.memory(rank).unwrap().write_device_region(block, region, &bytes).unwrap();
@@ -91,10 +124,10 @@ pub fn write_block(service: &Service, hash: BlockHash, block: u32) {
 }
 
 /// Whether device block `block` holds the pattern bytes of `hash` on every rank and region.
-pub fn device_block_holds(service: &Service, hash: BlockHash, block: u32) -> bool {
+pub fn device_block_holds(service: &impl RankBlocks, hash: BlockHash, block: u32) -> bool {
     let regions = service.geometry().regions();
     let mut bytes = vec![0; service.geometry().region_bytes() as usize];
-    (0..service.rank_states().len() as u32).all(|rank| {
+    (0..service.ranks()).all(|rank| {
         (0..regions).all(|region| {
             service.memory(rank).unwrap().read_device_region(block, region, &mut bytes).unwrap();
             pattern::verify(RegionIdentity { block_hash: hash.0, region, rank }, &bytes).is_ok()
@@ -103,10 +136,10 @@ pub fn device_block_holds(service: &Service, hash: BlockHash, block: u32) -> boo
 }
 
 /// Whether host block `block` holds the pattern bytes of `hash` on every rank and region.
-pub fn host_block_holds(service: &Service, hash: BlockHash, block: u32) -> bool {
+pub fn host_block_holds(service: &impl RankBlocks, hash: BlockHash, block: u32) -> bool {
     let regions = service.geometry().regions();
     let mut bytes = vec![0; service.geometry().region_bytes() as usize];
-    (0..service.rank_states().len() as u32).all(|rank| {
+    (0..service.ranks()).all(|rank| {
         (0..regions).all(|region| {
             service.memory(rank).unwrap().read_host_region(block, region, &mut bytes).unwrap();
             pattern::verify(RegionIdentity { block_hash: hash.0, region, rank }, &bytes).is_ok()

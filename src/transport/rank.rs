@@ -3,7 +3,7 @@
 //! A command leaves the scheduler in two steps:
 //!
 //! 1. [`RankChannel::queue`] encodes it and appends it to the backlog (it now has an id and is
-//!    outstanding in the service's command tracker);
+//!    outstanding in the transport's command tracker);
 //! 2. [`RankChannel::pump`] moves commands from the backlog into the command ring, as many as fit
 //!    in one batch, publishing them with one Release, and rings the worker's doorbell.
 //!

@@ -2,16 +2,17 @@
 //! crashed one (its worker is fenced and its commands fail), so that no transfer stays in flight
 //! forever.
 //!
-//! Core type: [`AnswerClocks`], per rank the moment since which the service has been waiting for
-//! an answer. A rank *owes answers* while a command of it has left the backlog for the command ring
-//! and has not completed. Per [`Service::poll`]:
+//! Core type: [`AnswerClocks`], per rank the moment since which the transport has been waiting
+//! for an answer. A rank *owes answers* while a command of it has left the backlog for the command
+//! ring and has not completed. Per [`Transport::poll`]:
 //!
 //! 1. reaping: every completion that matches an outstanding command restarts its rank's clock;
 //! 2. `check_command_deadlines`: the clock of an up rank that owes nothing restarts; a rank that
-//!    owes answers and whose clock is older than [`ServiceConfig::command_deadline`] is dropped like
-//!    a crashed one through the service's stopping path (`stop_worker`): its worker is fenced
-//!    and, once its process is gone, the rank is lost (`lose_worker`): its commands fail with
-//!    `WorkerDied`, the rank is reclaimed and a new worker may attach;
+//!    owes answers and whose clock is older than the configured `command_deadline`
+//!    ([`TransportConfig`]) is dropped like a crashed one through the transport's stopping path
+//!    (`stop_worker`): its worker is fenced and, once its process is gone, the rank is lost
+//!    (`lose_worker`): its commands fail with `WorkerDied`, the rank is reclaimed and a new
+//!    worker may attach;
 //! 3. issuing: a rank that owed nothing restarts its clock as commands enter its ring.
 //!
 //! What trips it: an answer that never comes while the worker lives and heartbeats. A command or
@@ -21,12 +22,12 @@
 //!
 //! Why a healthy worker never trips it. A worker runs its rank's commands one at a time in ring
 //! order and publishes each completion as soon as the command ends, so while a rank owes answers
-//! the time between two answers is at most the time of one command. The service splits transfers
-//! into commands of at most [`ServiceConfig::max_command_bytes`] per rank (64 MiB by default), so
-//! one command takes at most that many bytes at the worker's bandwidth: 6.7 s at a crawling
-//! 10 MB/s, 7 ms at 10 GB/s; the default deadline (10 s) is above the first. The clock measures
-//! from answers the service has *reaped*, not from when the worker pushed them, and reaping comes
-//! before the check in every poll, so an engine that did not poll for a while finds the answers
+//! the time between two answers is at most the time of one command. The transport splits copies
+//! into commands of at most `max_command_bytes` per rank ([`TransportConfig`], 64 MiB by
+//! default), so one command takes at most that many bytes at the worker's bandwidth: 6.7 s at a
+//! crawling 10 MB/s, 7 ms at 10 GB/s; the default deadline (10 s) is above the first. The clock
+//! measures from answers the transport has *reaped*, not from when the worker pushed them, and
+//! reaping comes before the check in every poll, so an engine that did not poll for a while finds the answers
 //! that piled up meanwhile before it judges anyone: only the worker's silence counts, never the
 //! scheduler's.
 
@@ -34,12 +35,14 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
-use super::Service;
+#[cfg(doc)]
+use super::TransportConfig;
+use super::{Job, Transport};
 
 /// How long a rank may owe answers without giving any, unless configured otherwise.
 pub const DEFAULT_COMMAND_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Per rank: since when the service waits for an answer (module documentation).
+/// Per rank: since when the transport waits for an answer (module documentation).
 #[derive(Debug)]
 pub(super) struct AnswerClocks {
     since: Vec<Instant>,
@@ -61,9 +64,9 @@ impl AnswerClocks {
     }
 }
 
-impl Service {
+impl<J: Job> Transport<J> {
     /// Whether rank `index` owes answers: a command of it left the backlog and has not completed.
-    pub(super) fn owes_answers(&self, index: usize) -> bool {
+    pub(crate) fn owes_answers(&self, index: usize) -> bool {
         self.tracker.outstanding_on(index) > self.ranks[index].backlog_len()
     }
 

@@ -1,9 +1,9 @@
 //! Watching the workers: noticing a rank's worker attach, leave or die, fencing one that must
 //! stop, and taking a lost rank back so that a new worker can serve it.
 //!
-//! Each rank has a [`WorkerWatch`]: the worker the service saw attach (its owner word, pid, start
+//! Each rank has a [`WorkerWatch`]: the worker the transport saw attach (its owner word, pid, start
 //! time and a pidfd opened then). Nothing the worker slot says is acted on alone: the slot is
-//! memory any process of the user can write. [`Service::poll`] calls `check_workers` at most
+//! memory any process of the user can write. [`Transport::poll`] calls `check_workers` at most
 //! every [`LIVENESS_INTERVAL`]; for each rank the watch observes the slot and:
 //!
 //! 1. a worker seen attaching (verified: it runs, started when its claim says, and maps the
@@ -28,14 +28,13 @@ use kvshm_ipc::ring::RingError;
 use kvshm_ipc::worker_watch::{FenceOutcome, FenceReason, LostRank, Observation};
 use tracing::{info, warn};
 
-use super::{failure_of, RankState, Service};
-use crate::manager::TransferId;
+use super::{Job, RankState, Transport};
 
 /// How often `poll` checks that the workers are alive (a death is noticed within 100 ms:
 /// DESIGN §7.2).
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(5);
 
-impl Service {
+impl<J: Job> Transport<J> {
     /// Brings ranks up and loses them as their workers attach, leave and die (module flow).
     pub(super) fn check_workers(&mut self) {
         let now = Instant::now();
@@ -75,7 +74,7 @@ impl Service {
         }
     }
 
-    pub(super) fn observe_worker(&mut self, index: usize) -> Observation {
+    pub(crate) fn observe_worker(&mut self, index: usize) -> Observation {
         let slot =
             self.segment.worker_slot(index as u32).expect("a rank of the segment has a slot");
         self.watches[index].observe(slot, monotonic_ns())
@@ -87,7 +86,7 @@ impl Service {
     ///
     /// The reclaim comes first: if the slot changed since it was judged (a worker claimed it
     /// meanwhile), the rank is judged again on the next check and nothing fails now.
-    pub(super) fn lose_worker(&mut self, index: usize, lost: LostRank) {
+    pub(crate) fn lose_worker(&mut self, index: usize, lost: LostRank) {
         let rank = index as u32;
         // What the worker answered before it went is final: apply it before the reclaim empties
         // the ring. A corrupt ring yields nothing; its commands fail below.
@@ -101,7 +100,6 @@ impl Service {
         self.watches[index].forget();
         let outcomes = self.tracker.fail_rank(index);
         self.storage_commands.retain(|&(rank, _), _| rank != index);
-        self.meta.forget_rank(index);
         if lost.worker().is_some() || !outcomes.is_empty() {
             self.stats.worker_deaths += 1;
             warn!(
@@ -111,8 +109,8 @@ impl Service {
                 "worker lost; failing its copies"
             );
         }
-        for (transfer, outcome) in outcomes {
-            self.settle(TransferId(transfer), outcome.map_err(failure_of));
+        for (issuer, outcome) in outcomes {
+            self.settle(issuer, outcome);
         }
         if let Err(error) = self.ranks[index].reset_after_reclaim(&self.segment) {
             warn!(rank, %error, "rank reclaimed, but its rings are bad; it stays down");
@@ -140,7 +138,7 @@ impl Service {
     /// Step 2 of the module flow: whether the recorded worker of `rank` is gone; if it still
     /// runs, it is sent SIGKILL through the pidfd taken when it attached, and this says no.
     ///
-    /// Only the process the service saw attach is ever signalled, never a pid the slot names
+    /// Only the process the transport saw attach is ever signalled, never a pid the slot names
     /// now; this very process (a test playing the worker) is left alone and counts as gone.
     pub(super) fn fence_worker(&mut self, rank: u32) -> bool {
         match self.watches[rank as usize].fence() {

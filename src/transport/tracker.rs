@@ -1,7 +1,8 @@
-//! Which commands of which transfer are outstanding on which rank.
+//! Which commands of which job are outstanding on which rank.
 //!
-//! Every transfer goes to every rank, possibly split into several commands per rank. The tracker
-//! owns the bookkeeping that turns per-rank completions into one outcome per transfer:
+//! Every job (a transfer of the owner's, a direct copy) goes to every rank, possibly split into
+//! several commands per rank; the tracker calls it a transfer and names it with any key. It owns
+//! the bookkeeping that turns per-rank completions into one outcome per transfer:
 //!
 //! 1. [`CommandTracker::begin`] registers one command of a transfer on one rank (queued or
 //!    already in the ring: either way it is outstanding).
@@ -19,14 +20,12 @@
 //! tracker's: a command is outstanding from the moment it is queued.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 
 use kvshm_ipc::record::{CommandError, Completion};
 
-/// A transfer as the service names it (the cache manager's transfer id).
-pub type TransferKey = u64;
-
 /// A transfer whose last command completed, with its outcome over all ranks.
-pub type TransferOutcome = (TransferKey, Result<(), RankFailure>);
+pub type TransferOutcome<K> = (K, Result<(), RankFailure>);
 
 /// Why a transfer failed: the first failure reported by any rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,6 +36,24 @@ pub struct RankFailure {
     pub error: Option<CommandError>,
     pub detail: u64,
 }
+
+impl std::fmt::Display for RankFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.error {
+            Some(error) => {
+                write!(f, "command {} failed on rank {}: {error:?}", self.command_id, self.rank)?
+            }
+            None => write!(
+                f,
+                "command {} failed on rank {}: an unknown error",
+                self.command_id, self.rank
+            )?,
+        }
+        write!(f, " (detail {})", self.detail)
+    }
+}
+
+impl std::error::Error for RankFailure {}
 
 /// A completion that does not match anything the scheduler issued to that rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -52,15 +69,15 @@ struct TransferProgress {
     failure: Option<RankFailure>,
 }
 
-/// Outstanding commands per rank and per transfer.
+/// Outstanding commands per rank and per transfer, for transfers named `K`.
 #[derive(Debug)]
-pub struct CommandTracker {
+pub struct CommandTracker<K> {
     /// Per rank: command id -> the transfer it serves.
-    ranks: Vec<HashMap<u64, TransferKey>>,
-    transfers: HashMap<TransferKey, TransferProgress>,
+    ranks: Vec<HashMap<u64, K>>,
+    transfers: HashMap<K, TransferProgress>,
 }
 
-impl CommandTracker {
+impl<K: Copy + Eq + Hash> CommandTracker<K> {
     pub fn new(ranks: usize) -> Self {
         Self { ranks: vec![HashMap::new(); ranks], transfers: HashMap::new() }
     }
@@ -80,7 +97,7 @@ impl CommandTracker {
     ///
     /// If the command id is already outstanding on that rank: ids only grow, so that is a
     /// programming error.
-    pub fn begin(&mut self, transfer: TransferKey, rank: usize, command_id: u64) {
+    pub fn begin(&mut self, transfer: K, rank: usize, command_id: u64) {
         let previous = self.ranks[rank].insert(command_id, transfer);
         assert!(previous.is_none(), "reusing a command id in flight is a programming error");
         self.transfers
@@ -91,10 +108,7 @@ impl CommandTracker {
     }
 
     /// The (rank, command id) pairs of `transfer` not yet completed; none once it has ended.
-    pub fn outstanding_commands(
-        &self,
-        transfer: TransferKey,
-    ) -> impl Iterator<Item = (usize, u64)> + '_ {
+    pub fn outstanding_commands(&self, transfer: K) -> impl Iterator<Item = (usize, u64)> + '_ {
         self.transfers
             .get(&transfer)
             .into_iter()
@@ -108,7 +122,7 @@ impl CommandTracker {
         &mut self,
         rank: usize,
         completion: &Completion,
-    ) -> Result<Option<TransferOutcome>, CompletionMismatch> {
+    ) -> Result<Option<TransferOutcome<K>>, CompletionMismatch> {
         let failure = (!completion.is_ok()).then(|| RankFailure {
             rank,
             command_id: completion.command_id,
@@ -120,7 +134,7 @@ impl CommandTracker {
 
     /// Fails every command outstanding on `rank` (its worker died) and returns the outcomes of the
     /// transfers that this finished, in command order.
-    pub fn fail_rank(&mut self, rank: usize) -> Vec<TransferOutcome> {
+    pub fn fail_rank(&mut self, rank: usize) -> Vec<TransferOutcome<K>> {
         let mut command_ids: Vec<u64> = self.ranks[rank].keys().copied().collect();
         command_ids.sort_unstable();
         let mut finished = Vec::new();
@@ -140,7 +154,7 @@ impl CommandTracker {
         rank: usize,
         command_id: u64,
         failure: Option<RankFailure>,
-    ) -> Result<Option<TransferOutcome>, CompletionMismatch> {
+    ) -> Result<Option<TransferOutcome<K>>, CompletionMismatch> {
         let Some(commands) = self.ranks.get_mut(rank) else {
             return Err(CompletionMismatch::UnknownCommand { rank, command_id });
         };
