@@ -18,9 +18,9 @@
 //! - [`storage`]: the storage tier below host: local disk and Redis back-ends.
 //! - [`worker`]: the worker side: validating and executing copy commands.
 //! - [`trace`]: reading Mooncake-format request traces.
-//! - [`cli`]: the `kvshm` subcommands.
+//! - [`cli`]: the library side of the `kvshm` command: the worker process's entry, trace replay
+//!   and the scheduler benchmark, which the Python package, the tests and `cargo bench` run too.
 pub mod cli;
-pub mod demo;
 pub mod hash;
 pub mod manager;
 pub mod offload;

@@ -12,7 +12,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvshm::demo::pattern::{self, RegionIdentity};
+use kvshm::cli::pattern::{self, RegionIdentity};
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, TicketStatus, WritePolicy};
 use kvshm::service::{Backend, RankState, Service, ServiceConfig, WaitError};

@@ -1,13 +1,15 @@
-//! The `kvshm` subcommands, one module each; `main.rs` only parses and dispatches.
-pub mod bench_copy;
-#[cfg(feature = "cuda")]
-pub mod bench_copy_cuda;
-pub mod bench_hash;
-pub mod bench_ring;
+//! The library side of the `kvshm` command: the parts that other programs run or check against.
+//! The demo and the other benchmarks live in the binary (`src/bin/kvshm/`), not here.
+//!
+//! - [`worker`]: the worker process's entry (`kvshm worker`, and `python -m kvshm worker`).
+//! - [`replay`]: trace replay through the scheduler (`kvshm replay`, and the hit-rate tests that
+//!   check its figures).
+//! - [`bench_sched`]: the scheduler benchmark (`kvshm bench sched`, and `cargo bench`, which
+//!   measures it under a counting allocator).
+//! - [`pattern`]: the bytes the demo writes into each block, which the tests check copies against.
+//! - [`checks`]: the argument checks the commands share.
 pub mod bench_sched;
-pub mod bench_storage;
-pub mod bench_tier;
 pub mod checks;
-pub mod demo;
+pub mod pattern;
 pub mod replay;
 pub mod worker;

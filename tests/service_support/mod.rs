@@ -5,7 +5,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvshm::demo::pattern::{self, RegionIdentity};
+use kvshm::cli::pattern::{self, RegionIdentity};
 use kvshm::hash::BlockHash;
 use kvshm::manager::RequestId;
 use kvshm::service::{RankMemory, Service};

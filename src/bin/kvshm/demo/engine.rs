@@ -1,8 +1,8 @@
-//! `kvshm demo`: an engine stand-in that drives a [`Service`] with real bytes.
+//! The demo's engine: a stand-in that drives a [`Service`] with real bytes.
 //!
 //! The demo plays the engine of a tensor-parallel model: on the host backend its KV blocks live in
 //! the service's device arenas; on the CUDA backend (feature `cuda`) in GPU buffers of its own
-//! ([`DeviceKvBuffers`](crate::worker::cuda::DeviceKvBuffers)) that the workers open. It serves a
+//! ([`DeviceKvBuffers`](kvshm::worker::cuda::DeviceKvBuffers)) that the workers open. It serves a
 //! conversation trace two requests per engine step ([`DemoEngine::run_batch`]: both matched and
 //! allocated before either waits, so that requests sharing a prefix share its storage LOADs).
 //! For each request it:
@@ -25,19 +25,16 @@
 //! [`DemoReport`] gathers hit rates per tier, swaps, copy bandwidth, ticket waits and the number
 //! of corrupted blocks (which must be 0).
 
-pub mod pattern;
-pub mod workload;
-
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::hash::BlockHash;
-use crate::manager::{Allocation, RequestId};
-use crate::percentiles::Percentiles;
-use crate::service::{Service, TicketReady, WaitError};
-use crate::trace::TraceRequest;
-use pattern::RegionIdentity;
+use kvshm::cli::pattern::{self, RegionIdentity};
+use kvshm::hash::BlockHash;
+use kvshm::manager::{Allocation, RequestId};
+use kvshm::percentiles::Percentiles;
+use kvshm::service::{Service, TicketReady, WaitError};
+use kvshm::trace::TraceRequest;
 
 /// How long one ticket may take before the demo calls it a failure.
 const TICKET_TIMEOUT: Duration = Duration::from_secs(30);
@@ -89,7 +86,7 @@ struct Scheduled {
     hashes: Vec<BlockHash>,
     /// The block table `allocate` returned (a shortened ticket brings the current one).
     table: Vec<u32>,
-    ticket: crate::manager::TicketId,
+    ticket: kvshm::manager::TicketId,
     /// The match's (device, host, storage) hits.
     hits: (usize, usize, usize),
 }
@@ -99,7 +96,7 @@ pub struct DemoEngine<'a> {
     service: &'a mut Service,
     /// The ranks' KV buffers on a GPU; `None`: the service's device arenas.
     #[cfg(feature = "cuda")]
-    gpu: Option<&'a [crate::worker::cuda::DeviceKvBuffers]>,
+    gpu: Option<&'a [kvshm::worker::cuda::DeviceKvBuffers]>,
     report: DemoReport,
     waits: Vec<Duration>,
     swap_in_waits: Vec<Duration>,
@@ -113,12 +110,12 @@ pub enum DemoError {
     #[error("request {request}: {source}")]
     Cache { request: u64, source: Box<dyn std::error::Error + Send + Sync> },
     #[error("request {request}: block access: {source}")]
-    Memory { request: u64, source: crate::service::BlockAccessError },
+    Memory { request: u64, source: kvshm::service::BlockAccessError },
     #[error("the service has no block memory for rank {0} (the demo needs the host backend)")]
     NoMemory(u32),
     #[cfg(feature = "cuda")]
     #[error("request {request}: GPU block access: {source}")]
-    Gpu { request: u64, source: crate::worker::cuda::KvBufferError },
+    Gpu { request: u64, source: kvshm::worker::cuda::KvBufferError },
 }
 
 impl<'a> DemoEngine<'a> {
@@ -140,14 +137,9 @@ impl<'a> DemoEngine<'a> {
     #[cfg(feature = "cuda")]
     pub fn on_gpu(
         service: &'a mut Service,
-        buffers: &'a [crate::worker::cuda::DeviceKvBuffers],
+        buffers: &'a [kvshm::worker::cuda::DeviceKvBuffers],
     ) -> DemoEngine<'a> {
         DemoEngine { gpu: Some(buffers), ..DemoEngine::new(service) }
-    }
-
-    /// Runs one trace request through the cache with data verification.
-    pub fn run(&mut self, request: &TraceRequest) -> Result<(), DemoError> {
-        self.run_batch(std::slice::from_ref(request))
     }
 
     /// Runs trace requests as one engine step, with data verification: every one is matched and

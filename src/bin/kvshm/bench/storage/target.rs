@@ -21,9 +21,9 @@ use kvshm_ipc::storage_record::{
 };
 use kvshm_ipc::worker_slot::RankStatus;
 
-use crate::hash::BlockHash;
-use crate::storage::direct_io::AlignedBuf;
-use crate::storage::{BlockBytes, BlockBytesMut, BlockKey, GetBlock, PutBlock, StorageBackend};
+use kvshm::hash::BlockHash;
+use kvshm::storage::direct_io::AlignedBuf;
+use kvshm::storage::{BlockBytes, BlockBytesMut, BlockKey, GetBlock, PutBlock, StorageBackend};
 
 /// The hash a bench block is stored under: the tag, salted with the run so that runs sharing a
 /// Redis never see each other's blocks.

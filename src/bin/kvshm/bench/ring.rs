@@ -41,11 +41,11 @@ use kvshm_ipc::ring::{Consumer, Producer};
 use kvshm_ipc::shm;
 use serde_json::json;
 
-use super::checks;
 use channel::{
     Channel, COMMAND_CAPACITY, PHASE_BUSY, PHASE_EXIT, PHASE_FUTEX, PHASE_SLEEP, PHASE_STREAM,
     PHASE_STREAM_END,
 };
+use kvshm::cli::checks;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {

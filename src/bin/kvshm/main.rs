@@ -1,4 +1,13 @@
 //! The `kvshm` binary: the demo, the worker process, trace replay and benchmarks.
+//!
+//! `main` parses the command line and dispatches. The worker process, the trace replay and the
+//! scheduler benchmark are library code ([`kvshm::cli`]: the Python package, the tests and
+//! `cargo bench` run them too); the demo ([`demo`]) and the other benchmarks ([`bench`]) live
+//! here, one module each.
+
+mod bench;
+mod demo;
+
 use clap::{Parser, Subcommand};
 use kvshm::cli;
 
@@ -12,7 +21,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Play an engine: a service, TP worker processes and a trace replayed with real data.
-    Demo(cli::demo::Args),
+    Demo(demo::Args),
     /// Run the copy worker of one tensor-parallel rank of a segment.
     Worker(cli::worker::Args),
     /// Replay a Mooncake-format trace through the scheduler and print hit rates.
@@ -25,18 +34,18 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum Bench {
     /// Command-to-completion round trips and streaming rate of the rings, against a pipe.
-    Ring(cli::bench_ring::Args),
+    Ring(bench::ring::Args),
     /// Host-backend swap bandwidth against a plain memcpy.
-    Copy(cli::bench_copy::Args),
+    Copy(bench::copy::Args),
     /// Scheduler operations with one million cached blocks.
     Sched(cli::bench_sched::Args),
     /// Storage tier (disk, Redis) bandwidth against plain pwrite/pread and SET/GET.
-    Storage(cli::bench_storage::Args),
+    Storage(bench::storage::Args),
     /// Chained block hashing of the trace's prompts, against XXH3 and vLLM's hasher.
-    Hash(cli::bench_hash::Args),
+    Hash(bench::hash::Args),
     /// A worker's set-up and exit against the size of its host tier, against the kernel's own
     /// mapping and unmapping of the same bytes.
-    Tier(cli::bench_tier::Args),
+    Tier(bench::tier::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -45,14 +54,14 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
-        Command::Demo(args) => cli::demo::run(args),
+        Command::Demo(args) => demo::run(args),
         Command::Worker(args) => cli::worker::run(args),
         Command::Replay(args) => cli::replay::run(args),
-        Command::Bench(Bench::Ring(args)) => cli::bench_ring::run(args),
-        Command::Bench(Bench::Copy(args)) => cli::bench_copy::run(args),
+        Command::Bench(Bench::Ring(args)) => bench::ring::run(args),
+        Command::Bench(Bench::Copy(args)) => bench::copy::run(args),
         Command::Bench(Bench::Sched(args)) => cli::bench_sched::run(args),
-        Command::Bench(Bench::Storage(args)) => cli::bench_storage::run(args),
-        Command::Bench(Bench::Hash(args)) => cli::bench_hash::run(args),
-        Command::Bench(Bench::Tier(args)) => cli::bench_tier::run(args),
+        Command::Bench(Bench::Storage(args)) => bench::storage::run(args),
+        Command::Bench(Bench::Hash(args)) => bench::hash::run(args),
+        Command::Bench(Bench::Tier(args)) => bench::tier::run(args),
     }
 }

@@ -20,10 +20,10 @@ use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::shm::{self, SharedMemory};
 use serde::Serialize;
 
-use crate::manager::CacheConfig;
-use crate::service::{Service, ServiceConfig};
-use crate::worker::prefault::{populate, Populated};
-use crate::worker::MappedArea;
+use kvshm::manager::CacheConfig;
+use kvshm::service::{Service, ServiceConfig};
+use kvshm::worker::prefault::{populate, Populated};
+use kvshm::worker::MappedArea;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -110,7 +110,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 fn check(args: &Args) -> anyhow::Result<()> {
-    use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, within};
+    use kvshm::cli::checks::{at_least, fits_in_dev_shm, fits_in_memory, within};
     at_least(args.gib.len(), 1, "--gib")?;
     for &gib in &args.gib {
         within(gib, 1..=1024, "--gib")?;

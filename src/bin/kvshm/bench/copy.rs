@@ -1,7 +1,7 @@
 //! `kvshm bench copy`: host-backend swap bandwidth through the worker's copy path, against a plain
 //! single-threaded memcpy of the same number of bytes measured in the same run. With `--backend
 //! cuda` (feature `cuda`), GPU swap bandwidth through a real worker process instead
-//! ([`super::bench_copy_cuda`]).
+//! ([`super::copy_cuda`]).
 //!
 //! 1. Create two shared-memory objects (device arena and host tier, `--tier-mib` each), unlink
 //!    them at once (the mappings stay; nothing is left behind if the run dies), and touch every page.
@@ -24,7 +24,7 @@ use kvshm_ipc::record::{
 use kvshm_ipc::shm::{self, SharedMemory};
 use serde::Serialize;
 
-use crate::worker::{
+use kvshm::worker::{
     validate, CopyEngine, CopyMethod, Geometry, GeometryParams, HostCopyEngine, MappedArea,
     ValidCommand,
 };
@@ -142,7 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (tier_bytes, bytes_per_case) = check(&args)?;
     if args.backend == BenchBackend::Cuda {
         #[cfg(feature = "cuda")]
-        return super::bench_copy_cuda::run(&args, tier_bytes, bytes_per_case);
+        return super::copy_cuda::run(&args, tier_bytes, bytes_per_case);
         #[cfg(not(feature = "cuda"))]
         anyhow::bail!(
             "--backend cuda needs a kvshm built with the cuda feature (cargo build --release \
@@ -187,7 +187,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// Refuses sizes the run cannot have, naming the option; returns the bytes of each tier and of
 /// each case.
 fn check(args: &Args) -> anyhow::Result<(usize, usize)> {
-    use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, mib_to_bytes, within};
+    use kvshm::cli::checks::{at_least, fits_in_dev_shm, fits_in_memory, mib_to_bytes, within};
     // Both block sizes must split into 2 * layers regions: layers is a power of two up to half
     // the regions of the smaller block (64 KiB), and at most what a segment holds.
     let max_layers = (MAX_REGIONS / 2).min(BLOCK_SIZES[0] as u32 / 2);

@@ -23,15 +23,15 @@ use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::BlockPair;
 use serde::Serialize;
 
-use super::bench_copy::{command_pairs, gbps, Args, BLOCK_SIZES, MIB};
-use crate::hash::BlockHash;
-use crate::manager::{CacheConfig, RequestId, WritePolicy};
-use crate::service::{Service, ServiceConfig};
-use crate::transport::{
+use super::copy::{command_pairs, gbps, Args, BLOCK_SIZES, MIB};
+use kvshm::hash::BlockHash;
+use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
+use kvshm::service::{Service, ServiceConfig};
+use kvshm::transport::{
     Backend, CopyKind, DirectCopyOutcome, RankState, SegmentConfig, Transport, TransportConfig,
 };
-use crate::worker::cuda::DeviceKvBuffers;
-use crate::worker::{CopyMethod, Direction};
+use kvshm::worker::cuda::DeviceKvBuffers;
+use kvshm::worker::{CopyMethod, Direction};
 
 /// How long a case, a worker start or a swap-in may take before the bench gives up.
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -172,8 +172,8 @@ impl BlockBench {
             regions,
             region_bytes,
             backend: Backend::Cuda.to_wire(),
-            command_ring_slots: crate::transport::DEFAULT_COMMAND_RING_SLOTS,
-            completion_ring_slots: crate::transport::DEFAULT_COMPLETION_RING_SLOTS,
+            command_ring_slots: kvshm::transport::DEFAULT_COMMAND_RING_SLOTS,
+            completion_ring_slots: kvshm::transport::DEFAULT_COMPLETION_RING_SLOTS,
             ..SegmentConfig::default()
         };
         let config = TransportConfig {

@@ -14,6 +14,11 @@
 //!
 //! SIGINT or SIGTERM (Ctrl-C) ends the replay or the hold early the same clean way, so that an
 //! interrupted demo leaves nothing in /dev/shm.
+//!
+//! [`engine`] is the engine stand-in, [`workload`] the conversations it serves without a trace.
+
+mod engine;
+mod workload;
 
 use kvshm_ipc::sync::{AtomicBool, Ordering};
 use std::io::Read;
@@ -27,14 +32,14 @@ use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
 use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
 
-use super::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
-use crate::demo::{workload, DemoEngine, DemoReport};
-use crate::manager::{CacheConfig, EvictionPolicy, StorageWritePolicy, WritePolicy};
-use crate::service::{Backend, Service, ServiceConfig, TierBackoff};
-use crate::storage::backend::BlockLayout;
-use crate::storage::spec::{StorageNamespace, StorageSpec};
-use crate::trace::{read_trace, TraceRequest};
-use crate::worker::CopyMethod;
+use engine::{DemoEngine, DemoReport};
+use kvshm::cli::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes, within};
+use kvshm::manager::{CacheConfig, EvictionPolicy, StorageWritePolicy, WritePolicy};
+use kvshm::service::{Backend, Service, ServiceConfig, TierBackoff};
+use kvshm::storage::backend::BlockLayout;
+use kvshm::storage::spec::{StorageNamespace, StorageSpec};
+use kvshm::trace::{read_trace, TraceRequest};
+use kvshm::worker::CopyMethod;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -80,7 +85,7 @@ pub struct Args {
     #[arg(long)]
     storage_blocks: Option<u32>,
     /// The storage namespace: runs that should share blocks use the same one.
-    #[arg(long, default_value = crate::storage::spec::DEFAULT_NAMESPACE)]
+    #[arg(long, default_value = kvshm::storage::spec::DEFAULT_NAMESPACE)]
     storage_namespace: String,
     /// When host blocks are written to storage: write_back (on host eviction), write_through, or
     /// write_through_selective:T (blocks with at least T hits written through).
@@ -255,7 +260,7 @@ fn check(args: &Args) -> anyhow::Result<()> {
     )?;
     // The block pools (two u32 per block), the tree's index sized for every block, and one region of
     // scratch for the byte checks.
-    let per_block = 8 + crate::tree::PRESIZED_BYTES_PER_BLOCK as u128;
+    let per_block = 8 + kvshm::tree::PRESIZED_BYTES_PER_BLOCK as u128;
     fits_in_memory(
         blocks * per_block + u128::from(args.region_bytes),
         format_args!(
@@ -326,11 +331,11 @@ fn adopt_stored_blocks(args: &Args, service: &mut Service) -> anyhow::Result<usi
     let blocks = match spec {
         StorageSpec::Disk { dir } => {
             let namespace_dir = dir.join(&args.storage_namespace);
-            crate::storage::disk_index::blocks_on_every_rank(&namespace_dir, &layout).with_context(
+            kvshm::storage::disk_index::blocks_on_every_rank(&namespace_dir, &layout).with_context(
                 || format!("reading the disk tier's index under {}", namespace_dir.display()),
             )?
         }
-        StorageSpec::Redis { url } => crate::storage::redis_listing::blocks_on_every_rank(
+        StorageSpec::Redis { url } => kvshm::storage::redis_listing::blocks_on_every_rank(
             url,
             &args.storage_namespace,
             &layout,
@@ -472,7 +477,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 struct GpuBuffers {
     /// Rank `r`'s buffers, and the device they are on.
     #[cfg(feature = "cuda")]
-    ranks: Vec<crate::worker::cuda::DeviceKvBuffers>,
+    ranks: Vec<kvshm::worker::cuda::DeviceKvBuffers>,
     #[cfg(feature = "cuda")]
     devices: Vec<u32>,
 }
@@ -496,7 +501,7 @@ impl GpuBuffers {
         }
         #[cfg(feature = "cuda")]
         {
-            use crate::worker::cuda::{device_count, DeviceKvBuffers};
+            use kvshm::worker::cuda::{device_count, DeviceKvBuffers};
             let devices = device_count();
             anyhow::ensure!(devices > 0, "--backend cuda: no CUDA device or driver found");
             let (mut ranks, mut rank_devices) = (Vec::new(), Vec::new());

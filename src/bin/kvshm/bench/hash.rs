@@ -26,12 +26,12 @@ use std::time::Instant;
 use anyhow::Context;
 use serde::Serialize;
 
-use crate::hash::{BlockHash, BlockHasher, MultimodalItem, Namespace};
-use crate::percentiles::Percentiles;
-use crate::trace::read_trace;
+use kvshm::hash::{BlockHash, BlockHasher, MultimodalItem, Namespace};
+use kvshm::percentiles::Percentiles;
+use kvshm::trace::read_trace;
 
 /// vLLM's side, run by the Python of a venv with vLLM.
-const VLLM_SCRIPT: &str = include_str!("../../benches/vllm_block_hash.py");
+const VLLM_SCRIPT: &str = include_str!("../../../../benches/vllm_block_hash.py");
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -258,7 +258,7 @@ fn run_vllm(
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     // A block of more tokens than a prompt could ever hold measures nothing.
-    super::checks::within(args.block_tokens, 1..=1 << 24, "--block-tokens")?;
+    kvshm::cli::checks::within(args.block_tokens, 1..=1 << 24, "--block-tokens")?;
     let requests = read_trace(&args.trace, args.limit)?;
     let prompts: Vec<usize> = requests.iter().map(|request| request.input_length).collect();
     let report = measure(&prompts, args.block_tokens, args.vllm_python)?;

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::trace::TraceRequest;
+use kvshm::trace::TraceRequest;
 
 /// The trace file name in the repository's `traces/`.
 const TRACE_FILE: &str = "mooncake_conversation_trace.jsonl";
