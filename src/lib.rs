@@ -5,6 +5,17 @@
 //! write-backs and swap-ins. Worker processes (`kvshm worker`), one per tensor-parallel rank,
 //! execute the copies it issues through shared-memory rings ([`kvshm_ipc`]).
 //!
+//! Two prefix caches, for two kinds of engine. An engine that lets kvshm keep its prefix cache
+//! uses [`service::Service`]: its [`manager::CacheManager`] holds the radix tree over kvshm's
+//! chained block hashes, the device and host pools and the copies between them, and the engine
+//! asks it to match, allocate, commit and finish each request. An engine that keeps its own device
+//! prefix cache and hashes its own blocks (vLLM with its offloading connector) uses
+//! [`offload::OffloadManager`] for the host tier alone, over the engine's opaque keys, with one
+//! [`offload::HostTier`] per rank moving the bytes. Both evict leaf-first and least recently used
+//! first; the tree keeps recency in intrusive lists (`tree::policy::recency`), the offload manager
+//! in a heap of recency ranks ([`offload::candidates`]), as vLLM's rule of reranking a touched key
+//! asks.
+//!
 //! - [`hash`]: chained 128-bit block hashes with a namespace.
 //! - [`pool`]: device and host block pools.
 //! - [`tree`]: the radix tree of cached blocks and its evictable sets.

@@ -17,6 +17,9 @@
 //!    loadable, unpinned, without cached children and not among the keys of the store being
 //!    prepared ([`EvictionOrder::Flat`] drops the leaf rule, which is vLLM's own LRU).
 //!
+//! Its parts: `entries` (the arena of keys and their index), `eviction` (the candidates and the
+//! atomic eviction), `requests` (what each live request presented), `invariants`.
+//!
 //! Recency follows vLLM's LRU policy exactly: a key gets a new rank when inserted, when touched
 //! (the keys of one call in reverse order, so a prefix's head is the most recent) and when the
 //! request that used it finishes (its keys in prefix order, reversed). An eviction is atomic:
@@ -26,6 +29,14 @@
 use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
+
+mod entries;
+mod eviction;
+mod invariants;
+mod requests;
+
+use entries::{find, Entry};
+use requests::request_state;
 
 use super::candidates::{Candidates, Rank};
 use super::key::{BuildPassThrough, KeyLayout, KeyTooLong, OffloadKey, RequestName};
@@ -153,24 +164,6 @@ pub struct OffloadStats {
     pub keys_restored: u64,
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Entry {
-    key: OffloadKey,
-    chunk: u32,
-    parent: u32,
-    first_child: u32,
-    next_sibling: u32,
-    prev_sibling: u32,
-    children: u32,
-    rank: Rank,
-    pins: u32,
-    ready: bool,
-    /// The next entry whose key has the same hash, or `NONE`.
-    same_hash: u32,
-    /// In the index (a freed slot keeps its last contents until reused).
-    live: bool,
-}
-
 /// What the manager remembers of a live request.
 #[derive(Debug, Default)]
 struct RequestKeys {
@@ -181,27 +174,6 @@ struct RequestKeys {
     /// Per chain tag, the last key of that chain this request presented that was cached: the
     /// parent of the next key it stores in that chain.
     chain_last: Vec<(OffloadKey, OffloadKey)>,
-}
-
-impl RequestKeys {
-    fn record(&mut self, key: OffloadKey) {
-        if self.seen_set.insert(key) {
-            self.seen.push(key);
-        }
-    }
-
-    fn chain_last(&self, tag: &[u8]) -> Option<OffloadKey> {
-        self.chain_last.iter().find(|(chain, _)| chain.as_bytes() == tag).map(|&(_, key)| key)
-    }
-
-    fn set_chain_last(&mut self, tag: &[u8], key: OffloadKey) {
-        match self.chain_last.iter_mut().find(|(chain, _)| chain.as_bytes() == tag) {
-            Some(slot) => slot.1 = key,
-            None => self
-                .chain_last
-                .push((OffloadKey::new(tag).expect("a chain tag is shorter than a key"), key)),
-        }
-    }
 }
 
 /// The host tier's keys, chunks and eviction order (module flow).
@@ -603,351 +575,7 @@ impl OffloadManager {
     pub fn keys(&self) -> impl Iterator<Item = (OffloadKey, bool)> + '_ {
         self.entries.iter().filter(|entry| entry.live).map(|entry| (entry.key, entry.ready))
     }
-
-    fn insert(&mut self, key: OffloadKey, chunk: u32, parent: u32) {
-        let rank = self.candidates.next_rank();
-        let entry = Entry {
-            key,
-            chunk,
-            parent,
-            first_child: NONE,
-            next_sibling: NONE,
-            prev_sibling: NONE,
-            children: 0,
-            rank,
-            pins: 0,
-            ready: false,
-            same_hash: NONE,
-            live: true,
-        };
-        let id = match self.free_entries.pop() {
-            Some(id) => {
-                self.entries[id as usize] = entry;
-                id
-            }
-            None => {
-                self.entries.push(entry);
-                (self.entries.len() - 1) as u32
-            }
-        };
-        if parent != NONE {
-            let first = self.entries[parent as usize].first_child;
-            self.entries[id as usize].next_sibling = first;
-            if first != NONE {
-                self.entries[first as usize].prev_sibling = id;
-            }
-            let parent_entry = &mut self.entries[parent as usize];
-            parent_entry.first_child = id;
-            parent_entry.children += 1;
-        }
-        let next = self.heads.insert(key.hash64(), id).unwrap_or(NONE);
-        self.entries[id as usize].same_hash = next;
-        self.live += 1;
-        self.storing += 1;
-    }
-
-    /// Removes entry `id`: its chunk goes back to the pool, its children become chain heads,
-    /// and its parent may become a candidate.
-    fn remove(&mut self, id: u32) {
-        let entry = self.entries[id as usize];
-        let mut child = entry.first_child;
-        while child != NONE {
-            let next = self.entries[child as usize].next_sibling;
-            let orphan = &mut self.entries[child as usize];
-            orphan.parent = NONE;
-            orphan.prev_sibling = NONE;
-            orphan.next_sibling = NONE;
-            child = next;
-        }
-        if entry.parent != NONE {
-            if entry.prev_sibling != NONE {
-                self.entries[entry.prev_sibling as usize].next_sibling = entry.next_sibling;
-            } else {
-                self.entries[entry.parent as usize].first_child = entry.next_sibling;
-            }
-            if entry.next_sibling != NONE {
-                self.entries[entry.next_sibling as usize].prev_sibling = entry.prev_sibling;
-            }
-            self.entries[entry.parent as usize].children -= 1;
-            self.offer_candidate(entry.parent);
-        }
-        self.pool
-            .free(entry.chunk)
-            .expect("an entry's chunk is in use: a programming error otherwise");
-        self.unindex(id);
-        self.entries[id as usize].live = false;
-        self.live -= 1;
-        self.free_entries.push(id);
-    }
-
-    /// The entry holding `key`.
-    fn find(&self, key: &OffloadKey) -> Option<u32> {
-        find(&self.heads, &self.entries, key)
-    }
-
-    /// Takes entry `id` out of its hash chain.
-    fn unindex(&mut self, id: u32) {
-        let hash = self.entries[id as usize].key.hash64();
-        let next = self.entries[id as usize].same_hash;
-        let head = self.heads[&hash];
-        if head == id {
-            if next == NONE {
-                self.heads.remove(&hash);
-            } else {
-                self.heads.insert(hash, next);
-            }
-            return;
-        }
-        let mut previous = head;
-        while self.entries[previous as usize].same_hash != id {
-            previous = self.entries[previous as usize].same_hash;
-            assert_ne!(
-                previous, NONE,
-                "an indexed entry is in its hash chain: a programming error"
-            );
-        }
-        self.entries[previous as usize].same_hash = next;
-    }
-
-    /// A new rank for entry `id`, and a new candidate record if it is one.
-    fn rerank(&mut self, id: u32) {
-        self.entries[id as usize].rank = self.candidates.next_rank();
-        self.offer_candidate(id);
-    }
-
-    fn is_candidate(&self, id: u32, gone_children: u32) -> bool {
-        let entry = &self.entries[id as usize];
-        entry.ready
-            && entry.pins == 0
-            && (self.config.order == EvictionOrder::Flat || entry.children == gone_children)
-    }
-
-    /// Pushes a candidate record for entry `id` if it is a candidate now.
-    fn offer_candidate(&mut self, id: u32) {
-        if self.is_candidate(id, 0) {
-            self.candidates.push(self.entries[id as usize].rank, id);
-        }
-        let entries = &self.entries;
-        let order = self.config.order;
-        self.candidates.compact_if_bloated(self.live, || {
-            (0u32..)
-                .zip(entries)
-                .filter_map(|(id, entry)| {
-                    let candidate = entry.live
-                        && entry.ready
-                        && entry.pins == 0
-                        && (order == EvictionOrder::Flat || entry.children == 0);
-                    candidate.then_some((entry.rank, id))
-                })
-                .collect()
-        });
-    }
-
-    /// Whether heap record `(rank, id)` names entry `id` as it is now.
-    fn record_is_current(&self, rank: Rank, id: u32) -> bool {
-        self.entries.get(id as usize).is_some_and(|entry| entry.live && entry.rank == rank)
-    }
-
-    /// Evicts `count` candidates not among `protected` (module flow, step 4), appending their
-    /// keys to `evicted`; all or nothing.
-    fn evict(
-        &mut self,
-        count: usize,
-        protected: &[OffloadKey],
-        evicted: &mut Vec<OffloadKey>,
-    ) -> bool {
-        self.selected.clear();
-        self.deferred.clear();
-        self.selected_set.clear();
-        self.gone_children.clear();
-        self.protected.clear();
-        for key in protected {
-            if let Some(id) = find(&self.heads, &self.entries, key) {
-                self.protected.insert(id);
-            }
-        }
-        while self.selected.len() < count {
-            let Some((rank, id)) = self.candidates.pop() else { break };
-            if !self.record_is_current(rank, id) || self.selected_set.contains(&id) {
-                continue;
-            }
-            let gone = self.gone_children.get(&id).copied().unwrap_or(0);
-            if !self.is_candidate(id, gone) {
-                continue;
-            }
-            if self.protected.contains(&id) {
-                self.deferred.push((rank, id));
-                continue;
-            }
-            self.selected.push((rank, id));
-            self.selected_set.insert(id);
-            // Its parent may now be a leaf, with the rank it already has.
-            let parent = self.entries[id as usize].parent;
-            if parent != NONE && self.config.order == EvictionOrder::LeafFirst {
-                let gone = self.gone_children.entry(parent).or_insert(0);
-                *gone += 1;
-                let gone = *gone;
-                if self.is_candidate(parent, gone) {
-                    self.candidates.push(self.entries[parent as usize].rank, parent);
-                }
-            }
-        }
-        let enough = self.selected.len() == count;
-        for &(rank, id) in &self.deferred {
-            self.candidates.push(rank, id);
-        }
-        if !enough {
-            for &(rank, id) in &self.selected {
-                self.candidates.push(rank, id);
-            }
-            return false;
-        }
-        let selected = std::mem::take(&mut self.selected);
-        for &(_, id) in &selected {
-            evicted.push(self.entries[id as usize].key);
-            self.remove(id);
-        }
-        self.stats.evictions += selected.len() as u64;
-        self.selected = selected;
-        true
-    }
-
-    /// Records keys of a store that were all cached already as links of the request's chains.
-    fn link_presented(&mut self, request: &str, keys: &[OffloadKey]) {
-        let tag_bytes = self.config.layout.tag_bytes;
-        let Some(state) = self.requests.get_mut(request) else { return };
-        for key in keys {
-            if find(&self.heads, &self.entries, key).is_some() {
-                state.set_chain_last(key.chain_tag(tag_bytes), *key);
-            }
-        }
-    }
-
-    /// Checks the manager's internal agreements; a violation is a bug in this module.
-    pub fn check_invariants(&self) -> Result<(), String> {
-        self.pool.check()?;
-        if self.pool.used_count() != self.live {
-            return Err(format!("{} chunks in use for {} keys", self.pool.used_count(), self.live));
-        }
-        let mut chunks = HashSet::new();
-        let mut children: HashMap<u32, u32> = HashMap::new();
-        let mut indexed = 0;
-        for (&hash, &head) in &self.heads {
-            let mut id = head;
-            while id != NONE {
-                let entry = self.entries.get(id as usize).ok_or("an index entry out of range")?;
-                if !entry.live || entry.key.hash64() != hash {
-                    return Err(format!("entry {id} is chained under the wrong hash, or dead"));
-                }
-                indexed += 1;
-                id = entry.same_hash;
-            }
-        }
-        let live_ids: Vec<u32> =
-            (0u32..).zip(&self.entries).filter(|(_, entry)| entry.live).map(|(id, _)| id).collect();
-        if indexed != self.live || live_ids.len() != self.live {
-            return Err(format!(
-                "{indexed} entries indexed, {} live, {} counted",
-                live_ids.len(),
-                self.live
-            ));
-        }
-        for &id in &live_ids {
-            let entry = &self.entries[id as usize];
-            let key = entry.key;
-            if self.find(&key) != Some(id) {
-                return Err(format!("{key:?} is not found at its entry {id}"));
-            }
-            if !self.pool.is_used(entry.chunk) || !chunks.insert(entry.chunk) {
-                return Err(format!("chunk {} of {key:?} is free or shared", entry.chunk));
-            }
-            if !entry.ready && entry.pins > 0 {
-                return Err(format!("{key:?} is pinned by a load before its store completed"));
-            }
-            if entry.parent != NONE {
-                if !self.entries[entry.parent as usize].live {
-                    return Err(format!("{key:?} names a parent that is not cached"));
-                }
-                *children.entry(entry.parent).or_insert(0) += 1;
-            }
-        }
-        let records: HashSet<(Rank, u32)> = self.candidates.records().collect();
-        for &id in &live_ids {
-            let entry = &self.entries[id as usize];
-            let counted = children.get(&id).copied().unwrap_or(0);
-            let mut listed = 0;
-            let mut child = entry.first_child;
-            while child != NONE {
-                if self.entries[child as usize].parent != id {
-                    return Err(format!("{:?} lists a child that is not its own", entry.key));
-                }
-                listed += 1;
-                child = self.entries[child as usize].next_sibling;
-            }
-            if entry.children != counted || listed != counted {
-                return Err(format!(
-                    "{:?} counts {} children, lists {listed}, has {counted}",
-                    entry.key, entry.children
-                ));
-            }
-            if self.is_candidate(id, 0) && !records.contains(&(entry.rank, id)) {
-                return Err(format!("candidate {:?} has no current record", entry.key));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The record of `request`, made on first use (vLLM makes it on a request's first access too).
-fn request_state<'a>(
-    requests: &'a mut HashMap<RequestName, RequestKeys, BuildPassThrough>,
-    request: &str,
-) -> &'a mut RequestKeys {
-    if !requests.contains_key(request) {
-        requests.insert(RequestName::new(request), RequestKeys::default());
-    }
-    requests.get_mut(request).expect("inserted just above")
-}
-
-/// The entry holding `key` in the hash chains `heads` (module documentation of the index).
-fn find(
-    heads: &HashMap<u64, u32, BuildPassThrough>,
-    entries: &[Entry],
-    key: &OffloadKey,
-) -> Option<u32> {
-    let mut id = *heads.get(&key.hash64())?;
-    while id != NONE {
-        let entry = &entries[id as usize];
-        if entry.key == *key {
-            return Some(id);
-        }
-        id = entry.same_hash;
-    }
-    None
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_that_share_a_hash_stay_distinct_entries() {
-        let mut manager = OffloadManager::new(OffloadConfig::new(8)).unwrap();
-        let keys: Vec<OffloadKey> =
-            (0u8..4).map(|byte| OffloadKey::with_hash_for_tests(&[byte; 36], 7)).collect();
-        let mut out = PreparedStore::default();
-        assert!(manager.prepare_store("r", &keys, &mut out));
-        assert_eq!(out.to_store, vec![0, 1, 2, 3], "no key is taken for another");
-        manager.complete_store(&keys[..2], true);
-        assert_eq!(manager.peek(&keys[0]), LookupResult::Hit);
-        assert_eq!(manager.peek(&keys[3]), LookupResult::HitPending);
-        // Drop one from the middle of the chain, then one from its head.
-        manager.complete_store(&keys[2..3], false);
-        manager.complete_store(&keys[3..], false);
-        assert_eq!(manager.peek(&keys[2]), LookupResult::Miss);
-        assert_eq!(manager.peek(&keys[1]), LookupResult::Hit);
-        manager.check_invariants().unwrap();
-        let other = OffloadKey::with_hash_for_tests(&[9; 36], 7);
-        assert_eq!(manager.peek(&other), LookupResult::Miss);
-    }
-}
+mod tests;
