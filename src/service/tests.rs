@@ -217,7 +217,7 @@ fn a_rank_that_owes_an_answer_past_the_deadline_is_dropped_and_an_idle_one_is_no
 
     // A command that is never answered while the worker heartbeats: the rank is dropped at the
     // deadline. The test thread plays the worker, which the fence leaves alone and counts as gone
-    // (a real worker is killed first: tests/service_recovery.rs).
+    // (a real worker is killed first: tests/service/recovery.rs).
     let request = RequestId(2);
     let hashes = [BlockHash(31)];
     service.match_prefix(request, &hashes, BLOCK_TOKENS as usize).unwrap();

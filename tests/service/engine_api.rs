@@ -1,8 +1,6 @@
 //! The engine-facing service API as engine authors met it: layer readiness of copies not yet
 //! issued, failure counts, resizing, and what `allocate` returns.
 
-mod service_support;
-
 use std::time::Duration;
 
 use kvshm::hash::BlockHash;
@@ -14,7 +12,8 @@ use kvshm::service::{
     Backend, Counter, DeviceRegionHandle, DeviceResizeError, SegmentName, Service, ServiceConfig,
     CUDA_IPC_HANDLE_BYTES,
 };
-use service_support::*;
+
+use crate::support::*;
 
 const BLOCK_TOKENS: u32 = 16;
 const LAYERS: u32 = 2;

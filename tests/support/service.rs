@@ -1,6 +1,6 @@
-//! Shared set-up for the service tests: unique names, worker processes, block bytes, and a
-//! request run end to end.
-#![allow(dead_code)]
+//! Set-up for the tests that run a service (or a transport) with real worker processes: the
+//! workers, block bytes written and checked through the ranks' memory, a request run end to end,
+//! and polls until a condition holds.
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -12,15 +12,6 @@ use kvshm::service::{RankMemory, Service};
 use kvshm::transport::{Job, Transport};
 use kvshm::worker::Geometry;
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::sync::{AtomicU32, Ordering};
-
-static NEXT_NAME: AtomicU32 = AtomicU32::new(0);
-
-/// A segment name no other test (or test run) uses.
-pub fn unique_name(test: &str) -> SegmentName {
-    let n = NEXT_NAME.fetch_add(1, Ordering::Relaxed);
-    SegmentName::new(&format!("t-{test}-{}-{n}", std::process::id())).expect("valid test name")
-}
 
 /// A `kvshm worker` process for `rank`; killed when dropped.
 pub struct WorkerProcess {

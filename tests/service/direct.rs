@@ -2,14 +2,13 @@
 //! manager): they land byte for byte, wait for a worker, and survive a worker killed in the middle
 //! of one.
 
-mod service_support;
-
 use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
 use kvshm::manager::BlockPair;
 use kvshm::transport::{CopyKind, DirectCopyOutcome, SegmentConfig, Transport, TransportConfig};
-use service_support::*;
+
+use crate::support::*;
 
 const LAYERS: u32 = 2;
 

@@ -6,8 +6,6 @@
 //! is region-major (region `r` of block `b` at `(r * device_blocks + b) * region_bytes`), the host
 //! tier block-major (at `(b * regions + r) * region_bytes`).
 
-mod ring_driver;
-
 use std::io::Read;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -19,11 +17,11 @@ use kvshm_ipc::listing;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::{CommandError, CommandHeader, CommandSlot, Completion, Op, FLAG_LAYERWISE};
 use kvshm_ipc::segment::Segment;
-use kvshm_ipc::sync::{AtomicU32, Ordering};
 use kvshm_ipc::worker_slot::{ClaimError, RankStatus};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use ring_driver::RingDriver;
+
+use crate::support::{rerun_test, unique_name, RingDriver};
 
 const LAYER_DELAY_ENV: &str = "KVSHM_WORKER_LAYER_DELAY_US";
 const COPY_RATE_ENV: &str = "KVSHM_WORKER_COPY_RATE";
@@ -31,12 +29,6 @@ const COPY_RATE_ENV: &str = "KVSHM_WORKER_COPY_RATE";
 const CREATOR_ENV: &str = "KVSHM_TEST_WORKER_CREATOR";
 /// Generous bound for anything the tests wait for; reaching it is a failure, not a measurement.
 const PATIENCE: Duration = Duration::from_secs(10);
-
-fn unique_name(tag: &str) -> SegmentName {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let serial = NEXT.fetch_add(1, Ordering::Relaxed);
-    SegmentName::new(&format!("wp{}-{serial}-{tag}", std::process::id())).unwrap()
-}
 
 fn config() -> SegmentConfig {
     SegmentConfig {
@@ -383,8 +375,7 @@ fn play_creator_of(name: &str, config: &SegmentConfig) {
 
 /// Runs test `test` of this binary again as the creator of segment `name`.
 fn spawn_creator(test: &str, name: &SegmentName) -> (Child, Segment) {
-    let creator = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture"])
+    let creator = rerun_test(module_path!(), test)
         .env(CREATOR_ENV, name.as_str())
         .stdout(Stdio::null())
         .spawn()

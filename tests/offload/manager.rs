@@ -1,15 +1,14 @@
 //! The offload manager (vLLM's `OffloadingManager` contract over engine keys): lookups, stores,
 //! loads, leaf-first LRU evictions, events, and a randomized run against a naive model.
 
-mod scheduler_support;
-
 use std::collections::HashMap;
 
 use kvshm::offload::{
     EvictionOrder, KeyLayout, LookupResult, OffloadConfig, OffloadError, OffloadKey,
     OffloadManager, PreparedStore,
 };
-use scheduler_support::Rng;
+
+use crate::support::Rng;
 
 /// A vLLM-shaped key: a 32-byte block hash and a 4-byte big-endian group index.
 fn key(block: u32, group: u32) -> OffloadKey {

@@ -2,9 +2,7 @@
 //! format, sharing between services, damaged values, a server that goes away and comes back,
 //! a full server, and a writer SIGKILLed in the middle of its pipelines.
 
-mod storage_support;
-
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
@@ -13,7 +11,10 @@ use kvshm::storage::{
     BlockBytes, BlockBytesMut, BlockKey, BlockLayout, Failure, GetBlock, GetMiss, PutBlock,
     StorageBackend,
 };
-use storage_support::{connect, pattern_bytes, redis_for_test, unique_namespace, RedisServer};
+
+use crate::support::{
+    connect, pattern_bytes, redis_for_test, rerun_test, unique_namespace, RedisServer,
+};
 
 const BLOCK: usize = 16 * 1024;
 /// Set in a re-executed copy of this binary that plays a writer to be killed.
@@ -281,12 +282,9 @@ fn a_writer_killed_in_the_middle_of_its_pipelines_leaves_no_block_with_wrong_byt
     }
     let redis = redis_for_test();
     let namespace = unique_namespace("killed");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_writer_killed_in_the_middle_of_its_pipelines_leaves_no_block_with_wrong_bytes",
-        ])
-        .args(["--nocapture", "--test-threads", "1"])
+    let test = "a_writer_killed_in_the_middle_of_its_pipelines_leaves_no_block_with_wrong_bytes";
+    let mut child = rerun_test(module_path!(), test)
+        .args(["--test-threads", "1"])
         .env(WRITER_ENV, format!("{}|{namespace}", redis.url()))
         .stdout(Stdio::piped())
         .spawn()

@@ -20,14 +20,6 @@ use super::ring_driver::RingDriver;
 /// Generous bound for anything the worker tests wait for; reaching it is a failure.
 pub const PATIENCE: Duration = Duration::from_secs(20);
 
-/// A segment name no other test (or test run) uses.
-pub fn unique_segment(tag: &str) -> SegmentName {
-    use kvshm_ipc::sync::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let serial = NEXT.fetch_add(1, Ordering::Relaxed);
-    SegmentName::new(&format!("st{}-{serial}-{tag}", std::process::id())).unwrap()
-}
-
 /// A spawned `kvshm worker`; SIGKILLed and reaped if still running when dropped.
 pub struct Worker {
     pub child: Child,

@@ -4,10 +4,8 @@
 //!
 //! Child processes are this test binary re-executed with [`CHILD_ENV`] naming the role.
 
-mod storage_support;
-
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
@@ -18,7 +16,8 @@ use kvshm::storage::{
     BlockBytes, BlockBytesMut, BlockKey, BlockLayout, DiskBackend, DiskError, DiskOptions, Failure,
     GetBlock, GetMiss, PutBlock, StorageBackend,
 };
-use storage_support::{pattern_bytes, Scratch};
+
+use crate::support::{pattern_bytes, rerun_test, Scratch};
 
 /// Set in a re-executed copy of this binary: the child's role and its arguments.
 const CHILD_ENV: &str = "KVSHM_TEST_STORAGE_DISK_CHILD";
@@ -329,8 +328,8 @@ fn a_slab_of_another_layout_or_held_by_another_process_is_refused_clearly() {
 
 /// Runs this binary as a child playing `role` (see [`child_main`]); returns its exit status.
 fn run_child(test: &str, role: &str) -> std::process::ExitStatus {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+    rerun_test(module_path!(), test)
+        .args(["--test-threads", "1"])
         .env(CHILD_ENV, role)
         .stdout(Stdio::null())
         .status()

@@ -4,17 +4,15 @@
 //! down: later requests neither hit nor wait on it, and nothing is dropped from the cache. Once
 //! Redis is back a probe finds it, and the tier serves hits again, byte for byte.
 
-mod service_support;
-mod storage_support;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::{unique_namespace, RedisServer};
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId};
 use kvshm::service::{Counter, Service, ServiceConfig, TicketReady, TierBackoff};
-use service_support::{device_block_holds, hashes, unique_name, write_block};
-use storage_support::{unique_namespace, RedisServer};
+
+use crate::support::{device_block_holds, hashes, unique_name, write_block};
 
 const BLOCK_TOKENS: usize = 4;
 const WAIT: Duration = Duration::from_secs(60);

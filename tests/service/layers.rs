@@ -1,13 +1,12 @@
 //! Layer-wise swap-ins: a ticket reports how many leading layers have landed on every rank, so an
 //! engine can start on the first layers before the whole copy is done.
 
-mod service_support;
-
 use std::time::Duration;
 
 use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
 use kvshm::service::{Service, ServiceConfig};
-use service_support::*;
+
+use crate::support::*;
 
 const BLOCK_TOKENS: u32 = 16;
 const LAYERS: u32 = 4;

@@ -2,13 +2,12 @@
 //! long layer keeps heartbeating from inside the copy and is never fenced, while a stopped worker
 //! still is.
 
-mod service_support;
-
 use std::time::{Duration, Instant};
 
 use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
 use kvshm::service::{RankState, Service, ServiceConfig};
-use service_support::*;
+
+use crate::support::*;
 
 const BLOCK_TOKENS: u32 = 16;
 const DEVICE_BLOCKS: u32 = 16;

@@ -6,12 +6,11 @@
 //! them compute those blocks instead (never aborted). With `--storage redis://...` the same round
 //! trip goes through Redis.
 
-mod storage_support;
-
 use std::process::{Command, Stdio};
 
 use serde_json::Value;
-use storage_support::Scratch;
+
+use crate::support::Scratch;
 
 /// Runs the demo on the synthetic workload with a small device and host tier over a disk tier in
 /// `dir`, two ranks; returns its JSON report.
@@ -124,14 +123,14 @@ fn the_demo_refuses_a_storage_tier_without_a_host_tier() {
 
 #[test]
 fn blocks_make_the_round_trip_through_redis_with_their_bytes_intact() {
-    let redis = storage_support::redis_for_test();
-    let namespace = storage_support::unique_namespace("demo");
+    let redis = crate::support::redis_for_test();
+    let namespace = crate::support::unique_namespace("demo");
     let report = demo_with(&redis.url(), &["--storage-namespace", &namespace]);
     assert!(number(&report, "storage_hit_blocks") > 100, "{report}");
     assert_eq!(number(&report, "verified_blocks"), number(&report, "hit_blocks"), "{report}");
     assert_eq!(number(&report, "corrupted_blocks"), 0, "{report}");
     assert_eq!(number(&report, "failed_requests"), 0, "{report}");
-    let mut connection = storage_support::connect(&redis.url());
+    let mut connection = crate::support::connect(&redis.url());
     let keys: Vec<String> =
         redis::cmd("KEYS").arg(format!("kvshm:{namespace}:*")).query(&mut connection).unwrap();
     assert!(keys.len() >= 2 * 100, "both ranks stored their parts: {} keys", keys.len());
@@ -140,8 +139,8 @@ fn blocks_make_the_round_trip_through_redis_with_their_bytes_intact() {
 
 #[test]
 fn a_second_service_on_the_same_redis_namespace_hits_the_first_ones_blocks() {
-    let redis = storage_support::redis_for_test();
-    let namespace = storage_support::unique_namespace("shared");
+    let redis = crate::support::redis_for_test();
+    let namespace = crate::support::unique_namespace("shared");
     let first = demo_with(&redis.url(), &["--storage-namespace", &namespace]);
     let second = demo_with(&redis.url(), &["--storage-namespace", &namespace]);
     assert_eq!(number(&first, "adopted_storage_blocks"), 0, "{first}");
@@ -155,7 +154,7 @@ fn a_second_service_on_the_same_redis_namespace_hits_the_first_ones_blocks() {
     assert_eq!(number(&second, "verified_blocks"), second_hits, "{second}");
     assert_eq!(number(&second, "corrupted_blocks"), 0, "{second}");
     assert_eq!(number(&second, "failed_requests"), 0, "{second}");
-    let mut connection = storage_support::connect(&redis.url());
+    let mut connection = crate::support::connect(&redis.url());
     let keys: Vec<String> =
         redis::cmd("KEYS").arg(format!("kvshm:{namespace}:*")).query(&mut connection).unwrap();
     let _: i64 = redis::cmd("DEL").arg(&keys).query(&mut connection).unwrap();

@@ -4,8 +4,6 @@
 //! Redis going away and coming back; storage I/O that does not hold up copies; SIGKILL in the
 //! middle of disk and Redis writes; a full disk.
 
-mod storage_support;
-
 use std::time::{Duration, Instant};
 
 use kvshm::storage::disk_index::blocks_on_every_rank;
@@ -15,9 +13,10 @@ use kvshm_ipc::record::{CommandError, Op};
 use kvshm_ipc::segment::Segment;
 use kvshm_ipc::storage_record::{StorageEntry, StorageResults, MAX_STORAGE_ENTRIES, NO_HOST_BLOCK};
 use kvshm_ipc::worker_slot::RankStatus;
-use storage_support::{
+
+use crate::support::{
     block_hash, connect, entry, kill_after, redis_for_test, silent_redis, storage_config,
-    unique_namespace, unique_segment, RankDriver, RedisServer, Scratch, Worker,
+    unique_name, unique_namespace, RankDriver, RedisServer, Scratch, Worker,
 };
 
 fn disk_args(dir: &Scratch, extra: &[&str]) -> Vec<String> {
@@ -74,7 +73,7 @@ fn store_then_load(ranks: &mut [RankDriver<'_>], tags: &[u64]) {
 #[test]
 fn blocks_go_to_disk_and_back_on_every_rank_with_per_block_results() {
     let dir = Scratch::new("ws-disk");
-    let name = unique_segment("disk");
+    let name = unique_name("disk");
     let segment = Segment::create(&name, &storage_config(2, false)).unwrap();
     let workers: Vec<Worker> =
         (0..2).map(|rank| Worker::spawn(&name, rank, &disk_args(&dir, &[]), &[], None)).collect();
@@ -132,7 +131,7 @@ fn blocks_go_to_disk_and_back_on_every_rank_with_per_block_results() {
 #[test]
 fn a_restarted_worker_finds_its_disk_blocks_and_the_index_rebuilds_their_chain() {
     let dir = Scratch::new("ws-restart");
-    let name = unique_segment("restart");
+    let name = unique_name("restart");
     let config = storage_config(2, true);
     let segment = Segment::create(&name, &config).unwrap();
     let args = disk_args(&dir, &["--storage-blocks", "100"]);
@@ -175,7 +174,7 @@ fn a_restarted_worker_finds_its_disk_blocks_and_the_index_rebuilds_their_chain()
 
 #[test]
 fn storage_commands_are_validated_and_a_worker_without_storage_refuses_them() {
-    let name = unique_segment("refuse");
+    let name = unique_name("refuse");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let worker = Worker::spawn(&name, 0, &[], &[], None);
     let mut rank = RankDriver::new(&segment, 0);
@@ -187,7 +186,7 @@ fn storage_commands_are_validated_and_a_worker_without_storage_refuses_them() {
     drop(worker);
 
     let dir = Scratch::new("ws-refuse");
-    let name = unique_segment("refuse2");
+    let name = unique_name("refuse2");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let worker = Worker::spawn(&name, 0, &disk_args(&dir, &[]), &[], None);
     let mut rank = RankDriver::new(&segment, 0);
@@ -211,7 +210,7 @@ fn storage_commands_are_validated_and_a_worker_without_storage_refuses_them() {
 #[test]
 fn a_damaged_disk_record_is_a_counted_miss_for_that_block_only() {
     let dir = Scratch::new("ws-corrupt");
-    let name = unique_segment("corrupt");
+    let name = unique_name("corrupt");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = disk_args(&dir, &["--storage-blocks", "8"]);
     let mut worker = Worker::spawn(&name, 0, &args, &[], None);
@@ -245,7 +244,7 @@ fn two_services_on_one_redis_load_each_others_blocks() {
     let redis = redis_for_test();
     let namespace = unique_namespace("services");
     let config = storage_config(2, false);
-    let (first_name, second_name) = (unique_segment("svc-a"), unique_segment("svc-b"));
+    let (first_name, second_name) = (unique_name("svc-a"), unique_name("svc-b"));
     let first = Segment::create(&first_name, &config).unwrap();
     let second = Segment::create(&second_name, &config).unwrap();
     let args = redis_args(&redis.url(), &namespace, &[]);
@@ -291,7 +290,7 @@ fn two_services_on_one_redis_load_each_others_blocks() {
 fn a_damaged_redis_value_is_a_miss_for_that_block() {
     let redis = redis_for_test();
     let namespace = unique_namespace("wcorrupt");
-    let name = unique_segment("rcorrupt");
+    let name = unique_name("rcorrupt");
     let config = storage_config(1, false);
     let segment = Segment::create(&name, &config).unwrap();
     let worker = Worker::spawn(&name, 0, &redis_args(&redis.url(), &namespace, &[]), &[], None);
@@ -313,7 +312,7 @@ fn a_damaged_redis_value_is_a_miss_for_that_block() {
 #[test]
 fn redis_stopped_mid_run_gives_counted_misses_and_the_worker_recovers_when_it_returns() {
     let mut server = RedisServer::start();
-    let name = unique_segment("away");
+    let name = unique_name("away");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = redis_args(&server.url(), &unique_namespace("away"), &["--storage-timeout", "2"]);
     let worker = Worker::spawn(&name, 0, &args, &[], None);
@@ -359,7 +358,7 @@ fn a_slow_storage_tier_does_not_hold_up_copies_and_a_flush_waits_for_it() {
     // A "Redis" that accepts connections and never answers: every storage command waits for
     // the worker's timeout.
     let url = silent_redis();
-    let name = unique_segment("slow");
+    let name = unique_name("slow");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = redis_args(&url, "slow", &["--storage-timeout", "3", "--storage-connections", "1"]);
     let worker = Worker::spawn(&name, 0, &args, &[], None);
@@ -439,7 +438,7 @@ fn check_no_wrong_bytes(rank: &mut RankDriver<'_>, tags: &[u64]) -> usize {
 #[test]
 fn a_worker_killed_in_the_middle_of_disk_writes_never_serves_wrong_bytes_afterwards() {
     let dir = Scratch::new("ws-kill-disk");
-    let name = unique_segment("killdisk");
+    let name = unique_name("killdisk");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     // A small slab, so that later writes reuse the slots of earlier blocks.
     let args = disk_args(&dir, &["--storage-blocks", "24"]);
@@ -485,7 +484,7 @@ fn a_worker_killed_in_the_middle_of_disk_writes_never_serves_wrong_bytes_afterwa
 #[test]
 fn a_worker_killed_in_the_middle_of_redis_writes_never_serves_wrong_bytes_afterwards() {
     let redis = redis_for_test();
-    let name = unique_segment("killredis");
+    let name = unique_name("killredis");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = redis_args(&redis.url(), &unique_namespace("kill"), &[]);
     let mut rank = RankDriver::new(&segment, 0);
@@ -511,7 +510,7 @@ fn a_worker_killed_in_the_middle_of_redis_writes_never_serves_wrong_bytes_afterw
 #[test]
 fn a_full_disk_refuses_the_blocks_that_do_not_fit_without_saying_the_tier_failed() {
     let dir = Scratch::new("ws-full");
-    let name = unique_segment("full");
+    let name = unique_name("full");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = disk_args(&dir, &["--storage-blocks", "8"]);
     // A slab too large for the limit: the worker refuses to start, saying why.
@@ -545,7 +544,7 @@ fn a_full_disk_refuses_the_blocks_that_do_not_fit_without_saying_the_tier_failed
 fn a_worker_stopped_with_storage_commands_queued_answers_every_one_before_it_exits() {
     // A "Redis" that never answers: queued loads take their timeouts.
     let url = silent_redis();
-    let name = unique_segment("drain");
+    let name = unique_name("drain");
     let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
     let args = redis_args(&url, "drain", &["--storage-timeout", "1", "--storage-connections", "1"]);
     let mut worker = Worker::spawn(&name, 0, &args, &[], None);

@@ -3,8 +3,6 @@
 //! hundred milliseconds there, the serving heartbeat limit), while a worker stopped in the middle
 //! of its set-up is still fenced.
 
-mod service_support;
-
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -13,7 +11,8 @@ use kvshm::manager::CacheConfig;
 use kvshm::service::{RankState, Service, ServiceConfig};
 use kvshm_ipc::liveness::monotonic_ns;
 use kvshm_ipc::worker_slot::SETUP_HEARTBEAT_TIMEOUT;
-use service_support::*;
+
+use crate::support::*;
 
 const WAIT: Duration = Duration::from_secs(60);
 /// Busy processes sharing the worker's CPU.

@@ -4,17 +4,15 @@
 //! shared Redis after this one started; two requests that shared a LOAD which missed a block
 //! compute into the tables `wait` returns, and the cache serves the right bytes after them.
 
-mod service_support;
-mod storage_support;
-
 use std::time::Duration;
 
+use crate::support::{device_block_holds, unique_name, write_block};
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, StorageWritePolicy, TicketStatus};
 use kvshm::service::{Service, ServiceConfig, TicketReady};
 use kvshm_ipc::name::SegmentName;
-use service_support::{device_block_holds, unique_name, write_block};
-use storage_support::{connect, redis_for_test, unique_namespace, Scratch, Worker};
+
+use crate::support::{connect, redis_for_test, unique_namespace, Scratch, Worker};
 
 const TP: u32 = 2;
 const LAYERS: u32 = 2;

@@ -3,8 +3,6 @@
 //! stop, whose rings or slots are written over, are fenced before anything of theirs fails, and
 //! only the process the service saw attach is ever killed.
 
-mod service_support;
-
 use std::time::{Duration, Instant};
 
 use kvshm::hash::BlockHash;
@@ -13,7 +11,8 @@ use kvshm::service::{RankState, Service, ServiceConfig, TicketReady, WaitError};
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::record::CommandError;
 use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
-use service_support::*;
+
+use crate::support::*;
 
 const BLOCK_TOKENS: u32 = 16;
 const DEVICE_BLOCKS: u32 = 16;

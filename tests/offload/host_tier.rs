@@ -8,6 +8,8 @@ use kvshm::offload::transfer::{Direction, EngineLayout};
 use kvshm::offload::{HostTier, HostTierError, StoredKey, TierEngine, TierOptions};
 use kvshm::service::SegmentName;
 
+use crate::support::WorkerProcess;
+
 const PAGE: usize = 32;
 const BLOCKS: usize = 16;
 
@@ -122,11 +124,7 @@ fn worker_copies_need_every_group_to_span_every_tensor() {
     assert!(!tier.worker_up(), "no worker attached yet");
 }
 
-mod service_support;
-
 use std::time::{Duration, Instant};
-
-use service_support::WorkerProcess;
 
 #[test]
 fn a_worker_killed_in_the_middle_of_a_job_is_replaced_and_the_job_still_succeeds() {

@@ -207,7 +207,5 @@ pub fn connect(url: &str) -> redis::Connection {
 
 /// A namespace no other test (or test run) uses.
 pub fn unique_namespace(tag: &str) -> String {
-    use kvshm_ipc::sync::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    format!("t{}-{}-{tag}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    format!("t{}-{}-{tag}", std::process::id(), super::serial())
 }

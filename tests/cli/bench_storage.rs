@@ -1,11 +1,9 @@
 //! `kvshm bench storage --json` end to end, on tiny sizes: one JSON object with the headline
 //! ratios, the disk table (both paths, both block sizes, both patterns) and the Redis table.
 
-mod storage_support;
-
 use std::process::Command;
 
-use storage_support::{redis_for_test, Scratch};
+use crate::support::{redis_for_test, Scratch};
 
 #[test]
 fn bench_storage_prints_one_json_object_with_disk_and_redis_figures() {

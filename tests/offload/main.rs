@@ -1,0 +1,8 @@
+//! The offload layer, for engines that keep their own device cache and keys: the offload manager
+//! (vLLM's contract) and one rank's host tier on a transport of its own.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod host_tier;
+mod manager;

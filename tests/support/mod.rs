@@ -1,0 +1,60 @@
+//! Support shared by the test binaries of every layer (`tests/cli`, `tests/offload`,
+//! `tests/service`, `tests/storage`, `tests/worker`), each of which includes it as its one
+//! `support` module:
+//!
+//! - [`service`]: `kvshm worker` processes beside a service or a transport, block bytes written
+//!   and checked through the ranks' memory, requests run end to end, polls until a condition;
+//! - [`ring_driver`]: the scheduler's side of one rank's rings, for tests without a service;
+//! - [`storage_worker`]: workers with a storage tier, driven through [`RankDriver`], and segment
+//!   configurations for them;
+//! - [`redis_server`]: private Redis servers, or the run's shared one;
+//! - [`blocks`]: the bytes and storage entries of the storage tests' blocks;
+//! - [`scratch`]: scratch directories;
+//! - [`rng`]: a seeded generator for randomized tests.
+//!
+//! Names in shared memory, Redis namespaces and scratch directories all take a serial number
+//! from [`serial`], with the process id, so that no two tests (or test runs) share one.
+#![allow(dead_code, unused_imports)]
+
+pub mod blocks;
+pub mod redis_server;
+pub mod ring_driver;
+pub mod rng;
+pub mod scratch;
+pub mod service;
+pub mod storage_worker;
+
+pub use blocks::*;
+pub use redis_server::*;
+pub use ring_driver::*;
+pub use rng::*;
+pub use scratch::*;
+pub use service::*;
+pub use storage_worker::*;
+
+use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::sync::{AtomicU32, Ordering};
+
+/// A number no earlier call in this process returned.
+pub fn serial() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A segment name no other test (or test run) uses.
+pub fn unique_name(test: &str) -> SegmentName {
+    SegmentName::new(&format!("t-{test}-{}-{}", std::process::id(), serial()))
+        .expect("valid test name")
+}
+
+/// This test binary, run again to play another process for test `test` of the calling module
+/// (`module`: its `module_path!()`): `--exact` with the test's whole path selects it alone.
+pub fn rerun_test(module: &str, test: &str) -> std::process::Command {
+    let path = match module.split_once("::") {
+        Some((_, within)) => format!("{within}::{test}"),
+        None => test.to_owned(),
+    };
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command.args(["--exact", &path, "--nocapture"]);
+    command
+}
