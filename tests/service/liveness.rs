@@ -82,16 +82,11 @@ fn a_worker_stopped_in_the_middle_of_a_long_layer_is_still_fenced() {
     let pid = nix::unistd::Pid::from_raw(worker.pid() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
 
-    let stopped = Instant::now();
-    while service.cache().transfers_in_flight() > 0 {
-        assert!(stopped.elapsed() < WAIT, "the stopped worker's copy never failed");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    eprintln!(
-        "the stopped worker was fenced and its copy failed {:?} after SIGSTOP",
-        stopped.elapsed()
-    );
+    let stopped =
+        poll_until(&mut service, WAIT, "the stopped worker's copy never failed", |service| {
+            service.cache().transfers_in_flight() == 0
+        });
+    eprintln!("the stopped worker was fenced and its copy failed {:?} after SIGSTOP", stopped);
     let exited = worker.child.try_wait().expect("try_wait");
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
     assert!(exited.is_some(), "the copy was rolled back while the stopped worker could resume it");
@@ -135,12 +130,9 @@ fn a_worker_gets_copies_only_once_its_tiers_are_mapped_so_its_set_up_never_misse
     // A write-through backup right away: the worker answers it, nobody is fenced.
     let prefix = hashes(4_000, 4);
     commit_new_blocks(&mut service, RequestId(1), &prefix);
-    let issued = Instant::now();
-    while service.cache().transfers_in_flight() > 0 {
-        assert!(issued.elapsed() < WAIT, "the backup never landed");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_until(&mut service, WAIT, "the backup never landed", |service| {
+        service.cache().transfers_in_flight() == 0
+    });
     let stats = service.stats();
     assert_eq!(stats.command_deadlines_missed, 0, "the starting worker was taken for a silent one");
     assert_eq!((stats.worker_deaths, stats.copy_failures), (0, 0));

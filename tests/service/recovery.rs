@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, WritePolicy};
 use kvshm::service::{RankState, Service, ServiceConfig, TicketReady, WaitError};
+use kvshm_ipc::layout::SegmentLayout;
 use kvshm_ipc::liveness::ProcessIdentity;
+use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::CommandError;
 use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
 
@@ -18,13 +20,31 @@ const BLOCK_TOKENS: u32 = 16;
 const DEVICE_BLOCKS: u32 = 16;
 const WAIT: Duration = Duration::from_secs(20);
 
-fn service(name: &kvshm_ipc::name::SegmentName) -> Service {
+fn service(name: &SegmentName) -> Service {
     let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
         .with_host_blocks(64)
         .with_write_policy(WritePolicy::WriteBack);
     // 4 layers x (K, V) x 64 KiB: big enough that a delayed copy is visibly in flight.
     let config = ServiceConfig::new(cache, 2, 4, 8, 64 * 1024);
     Service::create(name, config).expect("creating the service")
+}
+
+/// A TP-1 service of 4 layers (16 KiB regions) under `policy`, and its one worker, up, which
+/// copies `layer_delay_us` per layer.
+fn one_slow_worker(
+    test: &str,
+    policy: WritePolicy,
+    layer_delay_us: u64,
+) -> (Service, WorkerProcess, SegmentName) {
+    let name = unique_name(test);
+    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
+        .with_host_blocks(64)
+        .with_write_policy(policy);
+    let mut service =
+        Service::create(&name, ServiceConfig::new(cache, 1, 4, 8, 16 * 1024)).unwrap();
+    let worker = WorkerProcess::spawn(&name, 0, Some(layer_delay_us));
+    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    (service, worker, name)
 }
 
 /// The host block of every node whose hash is in `hashes`.
@@ -153,14 +173,8 @@ fn workers_exit_soon_after_the_scheduler_dies() {
 
 #[test]
 fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_copy() {
-    let name = unique_name("successor");
-    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
-        .with_host_blocks(64)
-        .with_write_policy(WritePolicy::WriteBack);
-    let mut service =
-        Service::create(&name, ServiceConfig::new(cache, 1, 4, 8, 16 * 1024)).unwrap();
-    let mut first = WorkerProcess::spawn(&name, 0, Some(40_000));
-    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    let (mut service, mut first, name) =
+        one_slow_worker("successor", WritePolicy::WriteBack, 40_000);
 
     let prefix_a = hashes(3_000, 8);
     let prefix_b = hashes(4_000, 16);
@@ -209,14 +223,8 @@ fn a_successor_that_attaches_before_the_scheduler_notices_a_clean_exit_loses_no_
 
 #[test]
 fn a_worker_stopped_mid_copy_is_killed_before_its_copies_are_rolled_back() {
-    let name = unique_name("stopped");
-    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
-        .with_host_blocks(64)
-        .with_write_policy(WritePolicy::WriteThrough);
-    let mut service =
-        Service::create(&name, ServiceConfig::new(cache, 1, 4, 8, 16 * 1024)).unwrap();
-    let mut worker = WorkerProcess::spawn(&name, 0, Some(100_000));
-    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    let (mut service, mut worker, _) =
+        one_slow_worker("stopped", WritePolicy::WriteThrough, 100_000);
 
     // Commit a prefix: its write-through backup is a slow copy (100 ms per layer) that the worker
     // is running when it is stopped. Stopped, it sends no heartbeat; resumed, it would go on
@@ -226,12 +234,9 @@ fn a_worker_stopped_mid_copy_is_killed_before_its_copies_are_rolled_back() {
     let pid = nix::unistd::Pid::from_raw(worker.pid() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
 
-    let stopped = Instant::now();
-    while service.cache().transfers_in_flight() > 0 {
-        assert!(stopped.elapsed() < WAIT, "the stopped worker's copy never failed");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    poll_until(&mut service, WAIT, "the stopped worker's copy never failed", |service| {
+        service.cache().transfers_in_flight() == 0
+    });
     let exited = worker.child.try_wait().expect("try_wait");
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
     assert!(
@@ -245,67 +250,52 @@ fn a_worker_stopped_mid_copy_is_killed_before_its_copies_are_rolled_back() {
 
 #[test]
 fn a_live_worker_whose_completion_ring_is_corrupt_is_killed_and_its_rank_recovers() {
-    use std::os::unix::fs::FileExt;
-
-    let name = unique_name("corrupt");
-    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS).with_host_blocks(16);
-    let mut service = Service::create(&name, ServiceConfig::new(cache, 1, 1, 2, 1024)).unwrap();
-    let mut worker = WorkerProcess::spawn(&name, 0, None);
-    service.wait_for_workers(Duration::from_secs(10)).unwrap();
-
     // Another process scribbles over the completion ring's tail (128 bytes into the ring).
-    let layout = service.segment().layout();
-    let tail_at = layout.rank_area(0) as u64 + layout.offsets.completion_ring + 128;
-    let control = std::fs::OpenOptions::new()
-        .write(true)
-        .open(format!("{}{}", kvshm_ipc::listing::SHM_DIR, name.control_object()))
-        .unwrap();
-    control.write_all_at(&(u64::MAX / 2).to_le_bytes(), tail_at).unwrap();
-
-    let corrupted = Instant::now();
-    while service.rank_states()[0] != RankState::Down {
-        assert!(corrupted.elapsed() < WAIT, "a rank with a corrupt completion ring stays up");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    assert!(
-        worker.wait_exit(Duration::from_secs(5)).is_some(),
-        "the worker of the broken rank was stopped before the rank was reclaimed"
+    let service = a_rank_whose_ring_is_scribbled_over(
+        "corrupt",
+        |layout| layout.offsets.completion_ring + 128,
+        "a rank with a corrupt completion ring stays up",
+        "the worker of the broken rank was stopped before the rank was reclaimed",
     );
-    let _successor = WorkerProcess::spawn(&name, 0, None);
-    service.wait_for_workers(Duration::from_secs(10)).unwrap();
     service.cache().check_invariants().unwrap();
 }
 
 #[test]
 fn a_live_worker_whose_command_ring_head_is_corrupt_is_killed_and_its_rank_recovers() {
-    use std::os::unix::fs::FileExt;
+    // Another process scribbles over the command ring's head (256 bytes into the ring): the
+    // scheduler could never tell again which slots the worker has released.
+    a_rank_whose_ring_is_scribbled_over(
+        "corrupt-head",
+        |layout| layout.offsets.command_ring + 256,
+        "a rank with a corrupt command ring stays up",
+        "the worker was stopped first",
+    );
+}
 
-    let name = unique_name("corrupt-head");
+/// A service whose one worker serves until another process writes a nonsensical index at
+/// `offset` (in rank 0's area) of the control object: the rank goes down (`stays_up` if not),
+/// its worker stopped first (`stopped_first` if not), and a successor brings it back up.
+fn a_rank_whose_ring_is_scribbled_over(
+    test: &str,
+    offset: impl Fn(&SegmentLayout) -> u64,
+    stays_up: &str,
+    stopped_first: &str,
+) -> Service {
+    let name = unique_name(test);
     let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS).with_host_blocks(16);
     let mut service = Service::create(&name, ServiceConfig::new(cache, 1, 1, 2, 1024)).unwrap();
     let mut worker = WorkerProcess::spawn(&name, 0, None);
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
 
-    // Another process scribbles over the command ring's head (256 bytes into the ring): the
-    // scheduler could never tell again which slots the worker has released.
     let layout = service.segment().layout();
-    let head_at = layout.rank_area(0) as u64 + layout.offsets.command_ring + 256;
-    let control = std::fs::OpenOptions::new()
-        .write(true)
-        .open(format!("{}{}", kvshm_ipc::listing::SHM_DIR, name.control_object()))
-        .unwrap();
-    control.write_all_at(&(u64::MAX / 2).to_le_bytes(), head_at).unwrap();
+    let at = layout.rank_area(0) as u64 + offset(layout);
+    scribble(&service, at, &(u64::MAX / 2).to_le_bytes());
 
-    let corrupted = Instant::now();
-    while service.rank_states()[0] != RankState::Down {
-        assert!(corrupted.elapsed() < WAIT, "a rank with a corrupt command ring stays up");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    assert!(worker.wait_exit(Duration::from_secs(5)).is_some(), "the worker was stopped first");
+    poll_until(&mut service, WAIT, stays_up, |service| service.rank_states()[0] == RankState::Down);
+    assert!(worker.wait_exit(Duration::from_secs(5)).is_some(), "{stopped_first}");
     let _successor = WorkerProcess::spawn(&name, 0, None);
     service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    service
 }
 
 /// Writes `bytes` at `offset` of the service's control object, as another process of the same
@@ -352,12 +342,12 @@ fn a_worker_slot_scribbled_with_an_unrelated_process_never_gets_that_process_kil
 
     // "Attached, pid of an unrelated process, silent for ages" over the live worker's claim.
     scribble_claim(&service, 0, stranger_identity);
-    let scribbled = Instant::now();
-    while service.rank_states()[0] != RankState::Down {
-        assert!(scribbled.elapsed() < WAIT, "the rank with a scribbled slot was never taken back");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    poll_until(
+        &mut service,
+        WAIT,
+        "the rank with a scribbled slot was never taken back",
+        |service| service.rank_states()[0] == RankState::Down,
+    );
     assert!(worker.wait_exit(WAIT).is_some(), "the recorded worker was stopped first");
     poll_for(&mut service, Duration::from_millis(300));
     assert!(stranger.try_wait().unwrap().is_none(), "the unrelated process was killed");
@@ -378,15 +368,9 @@ fn a_worker_slot_scribbled_with_an_unrelated_process_never_gets_that_process_kil
 
 #[test]
 fn a_slot_marked_dead_under_a_live_worker_fails_its_copy_only_once_the_worker_is_gone() {
-    let name = unique_name("marked-dead");
-    let cache = CacheConfig::new(BLOCK_TOKENS, DEVICE_BLOCKS)
-        .with_host_blocks(64)
-        .with_write_policy(WritePolicy::WriteThrough);
-    let mut service =
-        Service::create(&name, ServiceConfig::new(cache, 1, 4, 8, 16 * 1024)).unwrap();
     // 100 ms per layer: the backup below runs for 400 ms.
-    let mut worker = WorkerProcess::spawn(&name, 0, Some(100_000));
-    service.wait_for_workers(Duration::from_secs(10)).unwrap();
+    let (mut service, mut worker, name) =
+        one_slow_worker("marked-dead", WritePolicy::WriteThrough, 100_000);
 
     let prefix = hashes(6_000, 4);
     start_backup(&mut service, RequestId(1), &prefix);
@@ -394,12 +378,9 @@ fn a_slot_marked_dead_under_a_live_worker_fails_its_copy_only_once_the_worker_is
     // Something writes "dead" over the worker's slot while it copies.
     let dead = OwnerWord::new(WorkerState::Dead, worker.pid(), 4_000).to_raw();
     scribble(&service, slot_offset(&service, 0), &dead.to_le_bytes());
-    let marked = Instant::now();
-    while service.cache().transfers_in_flight() > 0 {
-        assert!(marked.elapsed() < WAIT, "the copy of the worker marked dead never failed");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    poll_until(&mut service, WAIT, "the copy of the worker marked dead never failed", |service| {
+        service.cache().transfers_in_flight() == 0
+    });
     assert!(
         worker.child.try_wait().unwrap().is_some(),
         "the copy failed while the worker that runs it was still alive"
@@ -461,13 +442,11 @@ fn a_command_whose_id_is_corrupted_in_the_ring_fails_its_transfer_at_the_deadlin
     control.write_all_at(&(id + 1_000_000).to_le_bytes(), id_at).unwrap();
 
     // The worker copies it and answers an id nobody issued; the real command is never answered.
-    let scribbled = Instant::now();
-    while service.cache().transfers_in_flight() > 0 {
-        assert!(scribbled.elapsed() < WAIT, "the unanswered command stayed in flight");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    eprintln!("the unanswered transfer failed {:?} after the scribble", scribbled.elapsed());
+    let scribbled =
+        poll_until(&mut service, WAIT, "the unanswered command stayed in flight", |service| {
+            service.cache().transfers_in_flight() == 0
+        });
+    eprintln!("the unanswered transfer failed {:?} after the scribble", scribbled);
     let stats = service.stats();
     assert_eq!(stats.stray_completions, 1);
     assert_eq!(stats.command_deadlines_missed, 1);

@@ -6,13 +6,15 @@
 
 use std::time::Duration;
 
-use crate::support::{device_block_holds, unique_name, write_block};
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId, StorageWritePolicy, TicketStatus};
 use kvshm::service::{Service, ServiceConfig, TicketReady};
 use kvshm_ipc::name::SegmentName;
 
-use crate::support::{connect, redis_for_test, unique_namespace, Scratch, Worker};
+use crate::support::{
+    connect, device_block_holds, poll_until, redis_for_test, unique_name, unique_namespace,
+    write_block, Scratch, Worker,
+};
 
 const TP: u32 = 2;
 const LAYERS: u32 = 2;
@@ -215,12 +217,9 @@ fn a_reset_while_a_worker_is_gone_forgets_on_the_live_rank_at_once_and_on_the_ot
     assert!(service.wait_for_copies(WAIT));
     // Rank 1's worker dies; the service notices.
     workers[1].kill_hard();
-    let deadline = std::time::Instant::now() + WAIT;
-    while service.stats().worker_deaths == 0 {
-        assert!(std::time::Instant::now() < deadline, "the death is noticed");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    poll_until(&mut service, WAIT, "the death is noticed", |service| {
+        service.stats().worker_deaths > 0
+    });
     let before = service.segment().counters().get(kvshm::service::Counter::StorageForgottenBlocks);
     // A reset forgets every block of the tree: rank 0 is told now.
     service.reset(true).unwrap();

@@ -4,26 +4,41 @@
 //! down: later requests neither hit nor wait on it, and nothing is dropped from the cache. Once
 //! Redis is back a probe finds it, and the tier serves hits again, byte for byte.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::support::{unique_namespace, RedisServer};
 use kvshm::hash::BlockHash;
 use kvshm::manager::{CacheConfig, RequestId};
 use kvshm::service::{Counter, Service, ServiceConfig, TicketReady, TierBackoff};
 
-use crate::support::{device_block_holds, hashes, unique_name, write_block};
+use crate::support::{
+    device_block_holds, hashes, poll_until, unique_name, unique_namespace, write_block,
+    RedisServer, WorkerProcess,
+};
 
 const BLOCK_TOKENS: usize = 4;
 const WAIT: Duration = Duration::from_secs(60);
 
-struct KilledOnDrop(Child);
-
-impl Drop for KilledOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// A service of 4 device, 2 host and 64 storage blocks (its configuration `adjust`ed) and its
+/// one worker, whose storage tier is `redis` with I/O timeout `io_timeout`, both up.
+fn service_over(
+    redis: &RedisServer,
+    test: &str,
+    io_timeout: Duration,
+    adjust: impl FnOnce(&mut ServiceConfig),
+) -> (Service, WorkerProcess) {
+    let name = unique_name(test);
+    let cache =
+        CacheConfig::new(BLOCK_TOKENS as u32, 4).with_host_blocks(2).with_storage_blocks(64);
+    let mut config = ServiceConfig::new(cache, 1, 1, 2, 1024);
+    adjust(&mut config);
+    let mut service = Service::create(&name, config).unwrap();
+    let (url, namespace) = (redis.url(), unique_namespace(test));
+    let timeout = io_timeout.as_secs().to_string();
+    let args = ["--storage", &url, "--storage-namespace", &namespace];
+    let args = [&args[..], &["--storage-timeout", &timeout]].concat();
+    let worker = WorkerProcess::spawn_with(&name, 0, &args, &[]);
+    service.wait_for_workers(Duration::from_secs(60)).unwrap();
+    (service, worker)
 }
 
 /// Serves `blocks` as a prompt that may hit all of them; returns how the ticket became ready
@@ -88,20 +103,7 @@ fn push_to_storage(service: &mut Service, next_id: &mut u64, blocks: &[BlockHash
 #[test]
 fn redis_stopped_mid_run_shortens_hits_without_failing_a_request_and_hits_return_once_it_is_back() {
     let mut redis = RedisServer::start();
-    let name = unique_name("redis-away");
-    let cache =
-        CacheConfig::new(BLOCK_TOKENS as u32, 4).with_host_blocks(2).with_storage_blocks(64);
-    let config = ServiceConfig::new(cache, 1, 1, 2, 1024);
-    let mut service = Service::create(&name, config).unwrap();
-    let worker = Command::new(env!("CARGO_BIN_EXE_kvshm"))
-        .args(["worker", "--name", name.as_str(), "--rank", "0"])
-        .args(["--storage", &redis.url(), "--storage-namespace", &unique_namespace("away")])
-        .args(["--storage-timeout", "2"])
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawning kvshm worker");
-    let _worker = KilledOnDrop(worker);
-    service.wait_for_workers(Duration::from_secs(60)).unwrap();
+    let (mut service, _worker) = service_over(&redis, "redis-away", Duration::from_secs(2), |_| {});
 
     let mut next_id = 0;
     let (first, second) = (hashes(100, 2), hashes(200, 2));
@@ -175,24 +177,12 @@ fn a_hung_redis_is_marked_down_so_requests_stop_waiting_on_it_and_a_probe_brings
     // the first must not.
     const IO_TIMEOUT: Duration = Duration::from_secs(8);
     let mut redis = RedisServer::start();
-    let name = unique_name("redis-hung");
-    let cache =
-        CacheConfig::new(BLOCK_TOKENS as u32, 4).with_host_blocks(2).with_storage_blocks(64);
-    let mut config = ServiceConfig::new(cache, 1, 1, 2, 1024);
-    // The rank owes answers while Redis hangs: not a silent worker.
-    config.command_deadline = Duration::from_secs(120);
-    config.storage_backoff =
-        TierBackoff { first: Duration::from_millis(200), max: Duration::from_secs(2) };
-    let mut service = Service::create(&name, config).unwrap();
-    let worker = Command::new(env!("CARGO_BIN_EXE_kvshm"))
-        .args(["worker", "--name", name.as_str(), "--rank", "0"])
-        .args(["--storage", &redis.url(), "--storage-namespace", &unique_namespace("hung")])
-        .args(["--storage-timeout", &IO_TIMEOUT.as_secs().to_string()])
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawning kvshm worker");
-    let _worker = KilledOnDrop(worker);
-    service.wait_for_workers(Duration::from_secs(60)).unwrap();
+    let (mut service, _worker) = service_over(&redis, "redis-hung", IO_TIMEOUT, |config| {
+        // The rank owes answers while Redis hangs: not a silent worker.
+        config.command_deadline = Duration::from_secs(120);
+        config.storage_backoff =
+            TierBackoff { first: Duration::from_millis(200), max: Duration::from_secs(2) };
+    });
 
     let mut next_id = 0;
     let prompts: Vec<Vec<BlockHash>> = (1..=3).map(|base| hashes(100 * base, 2)).collect();
@@ -244,12 +234,9 @@ fn a_hung_redis_is_marked_down_so_requests_stop_waiting_on_it_and_a_probe_brings
 
     // Redis goes on, its data intact: a probe finds it and the tier comes back up.
     redis.resume();
-    let deadline = Instant::now() + WAIT;
-    while service.cache().storage_tier_down() {
-        assert!(Instant::now() < deadline, "no probe brought the tier back up");
-        service.poll();
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    poll_until(&mut service, WAIT, "no probe brought the tier back up", |service| {
+        !service.cache().storage_tier_down()
+    });
     let stats = service.stats();
     assert!(stats.storage_tier_probes >= 1, "{stats:?}");
     service.poll();

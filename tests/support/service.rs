@@ -28,9 +28,20 @@ impl WorkerProcess {
 
     /// A worker for `rank` with extra environment variables (the test hooks of `kvshm worker`).
     pub fn spawn_with_env(name: &SegmentName, rank: u32, env: &[(&str, &str)]) -> WorkerProcess {
+        WorkerProcess::spawn_with(name, rank, &[], env)
+    }
+
+    /// A worker for `rank` with extra arguments (a storage tier) and environment variables.
+    pub fn spawn_with(
+        name: &SegmentName,
+        rank: u32,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> WorkerProcess {
         let mut command = Command::new(env!("CARGO_BIN_EXE_kvshm"));
         command
             .args(["worker", "--name", name.as_str(), "--rank", &rank.to_string()])
+            .args(args)
             .env_remove("KVSHM_WORKER_LAYER_DELAY_US")
             .env_remove("KVSHM_WORKER_COPY_RATE")
             .stdin(Stdio::null());
@@ -191,4 +202,21 @@ pub fn start_backup(service: &mut Service, request: RequestId, hashes: &[BlockHa
     commit_new_blocks(service, request, hashes);
     assert_eq!(service.cache().transfers_in_flight(), 1, "the backup is in flight");
     std::thread::sleep(Duration::from_millis(20));
+}
+
+/// Polls `service` until `done` holds, failing with `what` once `within` has passed without it;
+/// returns how long it took.
+pub fn poll_until(
+    service: &mut Service,
+    within: Duration,
+    what: &str,
+    mut done: impl FnMut(&Service) -> bool,
+) -> Duration {
+    let started = Instant::now();
+    while !done(service) {
+        assert!(started.elapsed() < within, "{what}");
+        service.poll();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    started.elapsed()
 }
