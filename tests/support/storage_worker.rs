@@ -1,5 +1,6 @@
-//! Real `kvshm worker` processes with a storage tier, and the scheduler's side of their rank
-//! ([`RankDriver`]: the shared [`RingDriver`] with the rank's tiers and the storage commands).
+//! Real `kvshm worker` processes whose stderr the test reads ([`Worker`]: the worker tests, and
+//! those with a storage tier), and the scheduler's side of their rank ([`RankDriver`]: the
+//! shared [`RingDriver`] with the rank's tiers and the storage commands).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -41,6 +42,9 @@ impl Worker {
             .args(["worker", "--name", name.as_str(), "--rank", &rank.to_string()])
             .args(args)
             .env_remove("KVSHM_STORAGE_CRASH")
+            .env_remove("KVSHM_WORKER_LAYER_DELAY_US")
+            .env_remove("KVSHM_WORKER_COPY_RATE")
+            .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -70,8 +74,13 @@ impl Worker {
 
     /// Waits for the exit (at most [`PATIENCE`]); the status and everything on stderr.
     pub fn wait_exit(&mut self) -> (std::process::ExitStatus, String) {
+        self.wait_exit_within(PATIENCE)
+    }
+
+    /// Waits for the exit (at most `patience`); the status and everything on stderr.
+    pub fn wait_exit_within(&mut self, patience: Duration) -> (std::process::ExitStatus, String) {
         use std::io::Read;
-        let deadline = Instant::now() + PATIENCE;
+        let deadline = Instant::now() + patience;
         let status = loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 break status;
@@ -86,6 +95,15 @@ impl Worker {
         (status, stderr)
     }
 
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
+        nix::sys::signal::kill(pid, signal).unwrap();
+    }
+
     /// SIGKILL and reap.
     pub fn kill_hard(&mut self) {
         let _ = self.child.kill();
@@ -94,8 +112,7 @@ impl Worker {
 
     /// SIGTERM and wait for a clean exit.
     pub fn stop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.pid() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        self.signal(nix::sys::signal::Signal::SIGTERM);
         let (status, stderr) = self.wait_exit();
         assert!(status.success(), "worker did not stop cleanly: {stderr}");
     }

@@ -6,8 +6,7 @@
 //! is region-major (region `r` of block `b` at `(r * device_blocks + b) * region_bytes`), the host
 //! tier block-major (at `(b * regions + r) * region_bytes`).
 
-use std::io::Read;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::{Arena, ArenaKind};
@@ -18,10 +17,9 @@ use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::record::{CommandError, CommandHeader, CommandSlot, Completion, Op, FLAG_LAYERWISE};
 use kvshm_ipc::segment::Segment;
 use kvshm_ipc::worker_slot::{ClaimError, RankStatus};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
-use crate::support::{rerun_test, unique_name, RingDriver};
+use crate::support::{rerun_test, unique_name, RingDriver, Worker};
 
 const LAYER_DELAY_ENV: &str = "KVSHM_WORKER_LAYER_DELAY_US";
 const COPY_RATE_ENV: &str = "KVSHM_WORKER_COPY_RATE";
@@ -113,64 +111,12 @@ impl Tiers {
     }
 }
 
-/// A spawned `kvshm worker`, killed if the test ends while it runs.
-struct WorkerProcess {
-    child: Child,
-}
-
-impl WorkerProcess {
-    fn spawn(name: &SegmentName, rank: u32, extra: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_kvshm"));
-        command
-            .args(["worker", "--name", name.as_str(), "--rank", &rank.to_string()])
-            .args(extra)
-            .env_remove(LAYER_DELAY_ENV)
-            .env_remove(COPY_RATE_ENV)
-            .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        for (key, value) in env {
-            command.env(key, value);
-        }
-        WorkerProcess { child: command.spawn().expect("spawning kvshm worker") }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn is_running(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-
-    /// Waits for the exit (at most `patience`); returns the status and everything on stderr.
-    fn wait_exit(&mut self, patience: Duration) -> (ExitStatus, String) {
-        let deadline = Instant::now() + patience;
-        let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "worker pid {} did not exit", self.pid());
-            std::thread::sleep(Duration::from_millis(2));
-        };
-        let mut stderr = String::new();
-        self.child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-        (status, stderr)
-    }
-
-    fn signal(&self, signal: Signal) {
-        kill(Pid::from_raw(self.pid() as i32), signal).unwrap();
-    }
-}
-
-impl Drop for WorkerProcess {
-    fn drop(&mut self) {
-        if self.is_running() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// A `kvshm worker` for `rank` with `extra` arguments and `env`, its stderr kept for the test.
+fn spawn_worker(name: &SegmentName, rank: u32, extra: &[&str], env: &[(&str, &str)]) -> Worker {
+    let args: Vec<String> = extra.iter().map(|arg| arg.to_string()).collect();
+    let env: Vec<(&str, String)> =
+        env.iter().map(|&(key, value)| (key, value.to_owned())).collect();
+    Worker::spawn(name, rank, &args, &env, None)
 }
 
 /// The scheduler's side of one rank.
@@ -190,7 +136,7 @@ fn copies_move_device_blocks_to_host_blocks_and_back() {
     let segment = Segment::create(&name, &config()).unwrap();
     let tiers = Tiers::open(&segment, 1);
     let mut rank = Rank::new(&segment, 1);
-    let worker = WorkerProcess::spawn(&name, 1, &[], &[]);
+    let worker = spawn_worker(&name, 1, &[], &[]);
     for (block, tag) in [(3, 103), (4, 104), (5, 105), (31, 131)] {
         tiers.fill_device(block, tag);
     }
@@ -223,7 +169,7 @@ fn every_bad_command_gets_its_error_and_the_worker_keeps_serving() {
     let segment = Segment::create(&name, &config()).unwrap();
     let tiers = Tiers::open(&segment, 0);
     let mut rank = Rank::new(&segment, 0);
-    let mut worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let mut worker = spawn_worker(&name, 0, &[], &[]);
     for block in 0..3 {
         tiers.fill_device(block, 500 + block);
     }
@@ -284,7 +230,7 @@ fn ping_and_flush_complete_in_order_even_around_commands_split_across_batches() 
     let segment = Segment::create(&name, &config()).unwrap();
     let tiers = Tiers::open(&segment, 0);
     let mut rank = Rank::new(&segment, 0);
-    let _worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let _worker = spawn_worker(&name, 0, &[], &[]);
     for block in 0..32 {
         tiers.fill_device(block, 1000 + block);
     }
@@ -309,7 +255,7 @@ fn a_layerwise_copy_publishes_its_progress_layer_by_layer() {
     let config = SegmentConfig { layers: 4, regions: 8, ..config() };
     let segment = Segment::create(&name, &config).unwrap();
     let mut rank = Rank::new(&segment, 0);
-    let _worker = WorkerProcess::spawn(&name, 0, &[], &[(LAYER_DELAY_ENV, "20000")]);
+    let _worker = spawn_worker(&name, 0, &[], &[(LAYER_DELAY_ENV, "20000")]);
     let progress = segment.layer_progress(0).unwrap();
 
     let plain = rank.copy(Op::CopyHostToDevice, &[(1, 1)]);
@@ -349,12 +295,12 @@ fn a_worker_exits_soon_after_the_segment_creator_dies() {
     let name = unique_name("orphan");
     let (mut creator, segment) =
         spawn_creator("a_worker_exits_soon_after_the_segment_creator_dies", &name);
-    let mut worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let mut worker = spawn_worker(&name, 0, &[], &[]);
     Rank::new(&segment, 0).wait_alive(worker.pid());
 
     creator.kill().unwrap();
     let killed = Instant::now();
-    let (status, stderr) = worker.wait_exit(Duration::from_secs(5));
+    let (status, stderr) = worker.wait_exit_within(Duration::from_secs(5));
     println!("worker exited {:?} after its scheduler was killed", killed.elapsed());
     creator.wait().unwrap();
     listing::unlink(&name).unwrap();
@@ -410,7 +356,7 @@ fn a_worker_in_the_middle_of_a_long_copy_exits_once_its_scheduler_dies() {
         spawn_creator("a_worker_in_the_middle_of_a_long_copy_exits_once_its_scheduler_dies", &name);
     // At 1 MiB/s the copy runs for 16 s, longer than the test waits for the worker to exit; it
     // reports progress every 256 KiB, a quarter of a second.
-    let mut worker = WorkerProcess::spawn(&name, 0, &[], &[(COPY_RATE_ENV, "1048576")]);
+    let mut worker = spawn_worker(&name, 0, &[], &[(COPY_RATE_ENV, "1048576")]);
     let mut rank = Rank::new(&segment, 0);
     rank.wait_alive(worker.pid());
     let pairs: Vec<(u32, u32)> = (0..32).map(|block| (block, block)).collect();
@@ -427,7 +373,7 @@ fn a_worker_in_the_middle_of_a_long_copy_exits_once_its_scheduler_dies() {
 
     creator.kill().unwrap();
     let killed = Instant::now();
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     println!("worker exited {:?} after its scheduler was killed mid-copy", killed.elapsed());
     creator.wait().unwrap();
     listing::unlink(&name).unwrap();
@@ -441,20 +387,20 @@ fn sigterm_stops_a_worker_cleanly_and_frees_its_rank() {
     let name = unique_name("term");
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 1);
-    let mut worker = WorkerProcess::spawn(&name, 1, &[], &[]);
+    let mut worker = spawn_worker(&name, 1, &[], &[]);
     let ping = rank.ping();
     rank.send([&ping]);
     assert_eq!(rank.completions(1), vec![ok(&ping.0)]);
 
     worker.signal(Signal::SIGTERM);
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     assert!(status.success(), "worker failed on SIGTERM: {stderr}");
     assert_eq!(segment.rank_status(1).unwrap(), RankStatus::Empty);
     let claim = segment.claim_rank(1).expect("the rank is claimable after a clean exit");
     drop(claim);
 
     // A successor takes over the rings where the first worker left them.
-    let _successor = WorkerProcess::spawn(&name, 1, &[], &[]);
+    let _successor = spawn_worker(&name, 1, &[], &[]);
     let ping = rank.ping();
     rank.send([&ping]);
     assert_eq!(rank.completions(1), vec![ok(&ping.0)]);
@@ -465,7 +411,7 @@ fn a_worker_stopped_while_its_answers_wait_for_room_leaves_its_rank_to_be_reclai
     let name = unique_name("term-unanswered");
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 1);
-    let mut worker = WorkerProcess::spawn(&name, 1, &[], &[]);
+    let mut worker = spawn_worker(&name, 1, &[], &[]);
     // More commands than the completion ring holds, never reaped: a misbehaving scheduler. The
     // worker answers until the ring is full, then waits for room with the rest unpushed.
     let room = config().completion_ring_slots as usize;
@@ -478,7 +424,7 @@ fn a_worker_stopped_while_its_answers_wait_for_room_leaves_its_rank_to_be_reclai
     }
 
     worker.signal(Signal::SIGTERM);
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     assert!(!status.success(), "a stop with unanswered commands passed for a clean exit: {stderr}");
     assert!(stderr.contains("no room"), "{stderr}");
     // The slot still names the exited worker: the rank must be reclaimed (its rings reset), not
@@ -492,11 +438,11 @@ fn a_second_worker_for_a_rank_held_by_a_live_worker_is_refused() {
     let name = unique_name("twice");
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 0);
-    let first = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let first = spawn_worker(&name, 0, &[], &[]);
     rank.wait_alive(first.pid());
 
-    let mut second = WorkerProcess::spawn(&name, 0, &["--attach-timeout", "0.5"], &[]);
-    let (status, stderr) = second.wait_exit(PATIENCE);
+    let mut second = spawn_worker(&name, 0, &["--attach-timeout", "0.5"], &[]);
+    let (status, stderr) = second.wait_exit_within(PATIENCE);
     assert!(!status.success());
     assert!(
         stderr.contains(&format!("rank 0 of segment {name}"))
@@ -511,7 +457,7 @@ fn a_second_worker_for_a_rank_held_by_a_live_worker_is_refused() {
 #[test]
 fn a_worker_started_before_its_segment_waits_for_it() {
     let name = unique_name("early");
-    let worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let worker = spawn_worker(&name, 0, &[], &[]);
     std::thread::sleep(Duration::from_millis(50));
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 0);
@@ -524,8 +470,8 @@ fn a_worker_started_before_its_segment_waits_for_it() {
 #[test]
 fn a_missing_segment_is_reported_once_the_attach_timeout_passes() {
     let name = unique_name("never");
-    let mut worker = WorkerProcess::spawn(&name, 0, &["--attach-timeout", "0.2"], &[]);
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let mut worker = spawn_worker(&name, 0, &["--attach-timeout", "0.2"], &[]);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     assert!(!status.success());
     assert!(stderr.contains("does not exist"), "unclear error: {stderr}");
 }
@@ -535,7 +481,7 @@ fn a_command_whose_pair_slots_never_arrive_is_malformed_and_stops_the_worker() {
     let name = unique_name("torn");
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 0);
-    let mut worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let mut worker = spawn_worker(&name, 0, &[], &[]);
     let ping = rank.ping();
     // Announces 20 pairs (3 pair slots) but only one pair slot is published behind it.
     let torn = rank.header(Op::CopyDeviceToHost, 20);
@@ -545,7 +491,7 @@ fn a_command_whose_pair_slots_never_arrive_is_malformed_and_stops_the_worker() {
         CommandSlot::default(),
     ]);
     assert_eq!(rank.completions(2), vec![ok(&ping.0), failed(&torn, CommandError::Malformed, 20)]);
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     assert!(!status.success());
     assert!(stderr.contains("out of step"), "unclear error: {stderr}");
     // The rank stays blocked until the scheduler resets its out-of-step rings.
@@ -561,7 +507,7 @@ fn a_worker_killed_in_the_middle_of_a_copy_leaves_a_dead_rank_that_a_new_worker_
     let name = unique_name("killed");
     let segment = Segment::create(&name, &config()).unwrap();
     let mut rank = Rank::new(&segment, 0);
-    let mut slow = WorkerProcess::spawn(&name, 0, &[], &[(LAYER_DELAY_ENV, "200000")]);
+    let mut slow = spawn_worker(&name, 0, &[], &[(LAYER_DELAY_ENV, "200000")]);
     let mut copy = rank.copy(Op::CopyHostToDevice, &[(0, 0)]);
     copy.0 = copy.0.with_flags(FLAG_LAYERWISE);
     let id = copy.0.command_id;
@@ -573,14 +519,14 @@ fn a_worker_killed_in_the_middle_of_a_copy_leaves_a_dead_rank_that_a_new_worker_
         std::thread::sleep(Duration::from_millis(1));
     }
     slow.signal(Signal::SIGKILL);
-    slow.wait_exit(PATIENCE);
+    slow.wait_exit_within(PATIENCE);
     assert_eq!(rank.waiting_completions(), 0, "a killed copy completed");
     let verdict = segment.rank_verdict(0).unwrap();
     assert_eq!(verdict.status, RankStatus::Dead { pid: slow.pid() });
 
     segment.reclaim_rank(0, verdict.word).unwrap();
     let mut rank = rank.after_reclaim();
-    let worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let worker = spawn_worker(&name, 0, &[], &[]);
     rank.wait_alive(worker.pid());
     let ping = rank.ping();
     rank.send([&ping]);
@@ -592,8 +538,8 @@ fn a_worker_killed_in_the_middle_of_a_copy_leaves_a_dead_rank_that_a_new_worker_
 fn a_cuda_segment_needs_a_build_with_the_cuda_feature() {
     let name = unique_name("cuda");
     let segment = Segment::create(&name, &config().with_backend(Backend::Cuda)).unwrap();
-    let mut worker = WorkerProcess::spawn(&name, 0, &[], &[]);
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let mut worker = spawn_worker(&name, 0, &[], &[]);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     assert!(!status.success());
     assert!(stderr.contains("built without the cuda feature"), "unclear error: {stderr}");
     assert_eq!(
@@ -607,8 +553,8 @@ fn a_cuda_segment_needs_a_build_with_the_cuda_feature() {
 fn a_host_worker_refuses_a_segment_of_another_backend() {
     let name = unique_name("mismatch");
     let _segment = Segment::create(&name, &config().with_backend(Backend::Cuda)).unwrap();
-    let mut worker = WorkerProcess::spawn(&name, 0, &["--backend", "host"], &[]);
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let mut worker = spawn_worker(&name, 0, &["--backend", "host"], &[]);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     assert!(!status.success());
     assert!(stderr.contains("uses the cuda backend"), "unclear error: {stderr}");
 }
@@ -618,8 +564,8 @@ fn a_host_worker_refuses_a_segment_of_another_backend() {
 fn a_cuda_worker_gives_up_when_the_engine_never_publishes_its_device_handles() {
     let name = unique_name("nohandles");
     let segment = Segment::create(&name, &config().with_backend(Backend::Cuda)).unwrap();
-    let mut worker = WorkerProcess::spawn(&name, 0, &["--handles-timeout", "0.2"], &[]);
-    let (status, stderr) = worker.wait_exit(PATIENCE);
+    let mut worker = spawn_worker(&name, 0, &["--handles-timeout", "0.2"], &[]);
+    let (status, stderr) = worker.wait_exit_within(PATIENCE);
     assert!(!status.success());
     assert!(stderr.contains("has not published the device handles"), "unclear error: {stderr}");
     assert_eq!(
@@ -635,7 +581,7 @@ fn a_worker_facing_a_full_completion_ring_waits_for_room_and_drops_nothing() {
     let config = SegmentConfig { completion_ring_slots: 4, ..config() };
     let segment = Segment::create(&name, &config).unwrap();
     let mut rank = Rank::new(&segment, 0);
-    let worker = WorkerProcess::spawn(&name, 0, &[], &[]);
+    let worker = spawn_worker(&name, 0, &[], &[]);
     // Twice as many commands as the completion ring holds: a scheduler breaking its credits.
     let pings: Vec<_> = (0..8).map(|_| rank.ping()).collect();
     rank.send(&pings);
