@@ -1,7 +1,8 @@
 //! `kvshm._kvshm`: the Python binding of kvshm. A thin layer: every class forwards to the Rust
 //! crates (`kvshm`, `kvctl`), which stay usable without Python.
 //!
-//! - [`service`]: `Service` (the scheduler API over both tiers) and `BlockHasher`.
+//! - [`service`]: `Service`, the scheduler API over both tiers; [`results`] what its calls
+//!   return; [`hasher`]: `BlockHasher`.
 //! - [`offload`]: `OffloadManager`, the scheduler side of the vLLM offloading backend.
 //! - [`host_tier`]: `HostTier`, one worker rank's host tier and copies (the worker side).
 //! - [`vllm`]: `VllmManagerCore`, vLLM's manager methods straight over the Rust manager.
@@ -13,8 +14,10 @@
 mod buffers;
 mod cli;
 mod errors;
+mod hasher;
 mod host_tier;
 mod offload;
+mod results;
 mod service;
 mod vllm;
 mod waiting;
@@ -25,11 +28,11 @@ use pyo3::prelude::*;
 fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(module)?;
     module.add_class::<service::Service>()?;
-    module.add_class::<service::BlockHasher>()?;
-    module.add_class::<service::PrefixMatch>()?;
-    module.add_class::<service::Allocation>()?;
-    module.add_class::<service::AllocationCheck>()?;
-    module.add_class::<service::ShortenedHit>()?;
+    module.add_class::<hasher::BlockHasher>()?;
+    module.add_class::<results::PrefixMatch>()?;
+    module.add_class::<results::Allocation>()?;
+    module.add_class::<results::AllocationCheck>()?;
+    module.add_class::<results::ShortenedHit>()?;
     module.add_class::<offload::OffloadManager>()?;
     module.add_class::<host_tier::HostTier>()?;
     module.add_class::<vllm::VllmManagerCore>()?;

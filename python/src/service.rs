@@ -1,12 +1,11 @@
-//! `Service` and `BlockHasher`: the scheduler API for engines that let kvshm own both tiers.
+//! `Service`: the scheduler API for engines that let kvshm own both tiers.
 //!
-//! Each method converts its arguments, calls the same method of [`kvshm::service::Service`] (or
-//! [`kvshm::hash::BlockHasher`]) and converts the result; waits run with the GIL released.
+//! Each method converts its arguments, calls the same method of [`kvshm::service::Service`] and
+//! converts the result ([`crate::results`]); waits run with the GIL released.
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvshm::hash::{BlockHasher as RustBlockHasher, MultimodalItem, Namespace};
 use kvshm::manager::{
     CacheConfig, MatchError, RequestId, StorageWritePolicy, TicketId, TicketStatus, WritePolicy,
 };
@@ -18,113 +17,15 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::buffers::{read_hashes, read_u32s, BlockHashes, U32Array};
+use crate::buffers::{read_hashes, U32Array};
 use crate::errors::{ConfigError, IntoPyResult, SegmentError, ToPyErr, TransferFailedError};
+use crate::results::{Allocation, AllocationCheck, PrefixMatch, ShortenedHit};
 use crate::waiting::{self, wait_unlocked};
 
 /// A timeout in seconds as a `Duration` (negative, NaN or absurd values are refused).
 pub fn seconds(value: f64, what: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(value)
         .map_err(|_| PyValueError::new_err(format!("{what} of {value} s is not a duration")))
-}
-
-/// What `match_prefix` found and now holds.
-#[pyclass(frozen, get_all, skip_from_py_object, module = "kvshm")]
-#[derive(Clone, Copy)]
-pub struct PrefixMatch {
-    pub device_blocks: usize,
-    pub host_blocks: usize,
-    /// Hits on the storage tier (a service with one): loaded through host by `allocate`.
-    pub storage_blocks: usize,
-    pub cached_tokens: usize,
-}
-
-#[pymethods]
-impl PrefixMatch {
-    #[getter]
-    fn blocks(&self) -> usize {
-        self.device_blocks + self.host_blocks + self.storage_blocks
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "PrefixMatch(device_blocks={}, host_blocks={}, storage_blocks={}, cached_tokens={})",
-            self.device_blocks, self.host_blocks, self.storage_blocks, self.cached_tokens
-        )
-    }
-}
-
-impl From<kvshm::manager::PrefixMatch> for PrefixMatch {
-    fn from(found: kvshm::manager::PrefixMatch) -> PrefixMatch {
-        PrefixMatch {
-            device_blocks: found.device_blocks,
-            host_blocks: found.host_blocks,
-            storage_blocks: found.storage_blocks,
-            cached_tokens: found.cached_tokens,
-        }
-    }
-}
-
-/// A successful allocation: the request's block table, the blocks this call added at its end,
-/// and the ticket to wait on before touching them.
-#[pyclass(frozen, get_all, module = "kvshm")]
-pub struct Allocation {
-    pub ticket: u64,
-    pub block_table: Py<U32Array>,
-    pub new_blocks: usize,
-}
-
-#[pymethods]
-impl Allocation {
-    fn __repr__(&self) -> String {
-        format!(
-            "Allocation(ticket={}, block_table={:?}, new_blocks={})",
-            self.ticket,
-            self.block_table.get().values(),
-            self.new_blocks
-        )
-    }
-}
-
-/// What `wait` returns when the storage tier missed some hits: the leading block-table positions
-/// still cached, and the request's block table as it is now. From `cached_blocks` on it may
-/// differ from the one `allocate` returned (a request that shared a LOAD with another one gets
-/// blocks of its own there): the engine computes those positions into this table. Always truthy,
-/// even with `cached_blocks == 0`.
-#[pyclass(frozen, get_all, module = "kvshm")]
-pub struct ShortenedHit {
-    pub cached_blocks: u32,
-    pub block_table: Py<U32Array>,
-}
-
-#[pymethods]
-impl ShortenedHit {
-    fn __repr__(&self) -> String {
-        format!(
-            "ShortenedHit(cached_blocks={}, block_table={:?})",
-            self.cached_blocks,
-            self.block_table.get().values()
-        )
-    }
-}
-
-/// What `allocate` would need and could get now.
-#[pyclass(frozen, get_all, module = "kvshm")]
-pub struct AllocationCheck {
-    pub needed: usize,
-    pub available: usize,
-}
-
-#[pymethods]
-impl AllocationCheck {
-    #[getter]
-    fn fits(&self) -> bool {
-        self.available >= self.needed
-    }
-
-    fn __repr__(&self) -> String {
-        format!("AllocationCheck(needed={}, available={})", self.needed, self.available)
-    }
 }
 
 fn parse_policy(text: &str) -> PyResult<WritePolicy> {
@@ -622,82 +523,4 @@ fn memory(service: &RustService, rank: u32) -> PyResult<&kvshm::service::RankMem
             "rank {rank} has no shared-memory arenas (out of range, or the cuda backend)"
         ))
     })
-}
-
-/// Hashes token ids into chained block hashes of one namespace (model, LoRA, salt).
-#[pyclass(frozen, module = "kvshm")]
-pub struct BlockHasher {
-    inner: RustBlockHasher,
-}
-
-fn read_items(items: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<MultimodalItem>> {
-    let Some(items) = items else { return Ok(Vec::new()) };
-    items
-        .try_iter()?
-        .map(|item| {
-            let (start, len, content_hash): (usize, usize, u128) = item?.extract()?;
-            Ok(MultimodalItem { start, len, content_hash })
-        })
-        .collect()
-}
-
-#[pymethods]
-impl BlockHasher {
-    #[new]
-    #[pyo3(signature = (block_tokens, model="", lora=None, salt=None))]
-    fn new(
-        block_tokens: usize,
-        model: &str,
-        lora: Option<&str>,
-        salt: Option<&[u8]>,
-    ) -> PyResult<BlockHasher> {
-        let namespace = Namespace::new(model, lora, salt);
-        Ok(BlockHasher { inner: RustBlockHasher::new(namespace, block_tokens).py_err()? })
-    }
-
-    #[getter]
-    fn block_tokens(&self) -> usize {
-        self.inner.block_tokens()
-    }
-
-    /// The hash block 0 chains to.
-    #[getter]
-    fn namespace_root(&self) -> u128 {
-        self.inner.namespace().root().0
-    }
-
-    /// The hashes of every full block of `tokens`; `mm_items` are `(start, length,
-    /// content_hash)` of multimodal inputs.
-    #[pyo3(signature = (tokens, mm_items=None))]
-    fn hash_prompt(
-        &self,
-        tokens: &Bound<'_, PyAny>,
-        mm_items: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<BlockHashes> {
-        let tokens = read_u32s(tokens)?;
-        let items = read_items(mm_items)?;
-        Ok(BlockHashes::new(self.inner.hash_prompt(&tokens, &items)))
-    }
-
-    /// `hashes` extended with the blocks of `tokens` (the whole sequence so far) that became
-    /// full since: how generated tokens get their hashes without rehashing the prompt.
-    #[pyo3(signature = (hashes, tokens, mm_items=None))]
-    fn extend(
-        &self,
-        hashes: &Bound<'_, PyAny>,
-        tokens: &Bound<'_, PyAny>,
-        mm_items: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<BlockHashes> {
-        let mut hashes = read_hashes(hashes)?;
-        let tokens = read_u32s(tokens)?;
-        if hashes.len() > tokens.len() / self.inner.block_tokens() {
-            return Err(PyValueError::new_err(format!(
-                "{} hashes but only {} full blocks of tokens",
-                hashes.len(),
-                tokens.len() / self.inner.block_tokens()
-            )));
-        }
-        self.inner.extend(&mut hashes, &tokens, &read_items(mm_items)?);
-        Ok(BlockHashes::new(hashes))
-    }
 }
