@@ -2,15 +2,16 @@
 //! `can_fit_full_sequence`, SGLang's "free + evictable".
 //!
 //! 1. [`CacheManager::demand`] counts the device blocks `allocate` would take for a request: one
-//!    per host or storage hit not yet given a block (a storage hit also takes a host block), and the blocks for the new and lookahead tokens beyond
-//!    what the block table covers ([`CacheManager::fresh_blocks`], checked arithmetic: an absurd
-//!    count is a typed error; an allocation without a host tier, whose hits are all on device,
-//!    counts only these).
+//!    per host or storage hit not yet given a block (a storage hit also takes a host block), and
+//!    the blocks for the new and lookahead tokens beyond what the block table covers
+//!    ([`CacheManager::fresh_blocks`], checked arithmetic: an absurd count is a typed error; an
+//!    allocation without a host tier, whose hits are all on device, counts only these).
 //! 2. [`CacheManager::obtainable_device_blocks`] counts free blocks, then what claims and
 //!    evictions could free, up to a limit ([`count_evictable`]: every eviction of a tier's
 //!    victim gives one block of that tier, whatever its fate, so the count is of victims, those
-//!    there are and those their evictions would expose; O(limit) when the set holds enough,
-//!    never a scan of the tree).
+//!    there are and those their evictions would expose; O(1) when the sets' members alone
+//!    reach the limit, else a walk of the sets in eviction order that stops at the limit: at
+//!    most one visit per member, never a scan of the tree).
 //! 3. [`CacheManager::can_allocate`] puts the two together.
 
 use std::ops::ControlFlow;
