@@ -510,3 +510,22 @@ fn a_load_completion_naming_a_key_more_often_than_it_is_pinned_changes_nothing()
     assert_eq!(manager.stats().chunks_loading, 0);
     check(&manager);
 }
+
+/// Keys a persistent tier gave back at a warm restart are announced as stored, like keys stored
+/// now: the engine's KV events (and a router listening to them) learn that the restarted engine
+/// holds them, in the order they came back.
+#[test]
+fn restored_keys_are_announced_as_stored() {
+    let mut manager = manager(4, EvictionOrder::LeafFirst);
+    manager.restore(key(1, 0), 2, None).unwrap();
+    manager.restore(key(2, 0), 0, Some(&key(1, 0))).unwrap();
+    check(&manager);
+    let events = manager.take_events();
+    let stored: Vec<OffloadKey> =
+        events.iter().filter(|event| !event.removed).flat_map(|event| event.keys.clone()).collect();
+    assert_eq!(stored, keys(&[1, 2]));
+    assert!(events.iter().all(|event| !event.removed), "nothing left the tier");
+    // A refused restore announces nothing.
+    assert!(manager.restore(key(1, 0), 1, None).is_err());
+    assert!(manager.take_events().is_empty());
+}

@@ -437,8 +437,8 @@ impl OffloadManager {
 
     /// Takes `key` back into `chunk` as stored and loadable, chained under `parent` if that is
     /// cached (a persistent host tier that outlived its manager: restore older keys first, so
-    /// that the newest end up the most recent). Refused, changing nothing, when the key is
-    /// cached or the chunk is not free.
+    /// that the newest end up the most recent), and announced as stored to `take_events`.
+    /// Refused, changing nothing, when the key is cached or the chunk is not free.
     pub fn restore(
         &mut self,
         key: OffloadKey,
@@ -456,6 +456,14 @@ impl OffloadManager {
         self.entries[id as usize].ready = true;
         self.offer_candidate(id);
         self.stats.keys_restored += 1;
+        if self.config.events {
+            // Announced as stored: the restarted engine holds it. Consecutive stored keys share
+            // one event.
+            match self.events.last_mut() {
+                Some(last) if !last.removed => last.keys.push(key),
+                _ => self.events.push(OffloadEvent { keys: vec![key], removed: false }),
+            }
+        }
         Ok(())
     }
 
