@@ -2,7 +2,7 @@
 #
 # start_test_redis installs redis-server with apt-get when it is missing (CI runs as root and may
 # reach the package registries), starts it on 127.0.0.1 on a free port with nothing persisted,
-# and exports KVSHM_TEST_REDIS_URL, where the tests find it (tests/storage_support). The server
+# and exports KVSHM_TEST_REDIS_URL, where the tests find it (tests/support/redis_server.rs). The server
 # is stopped when the calling shell exits, however it exits: by an EXIT trap, and by a watchdog
 # that kills it once the shell is gone (in case another trap replaces ours).
 

@@ -1,7 +1,9 @@
 //! Support shared by the test binaries of every layer (`tests/cli`, `tests/offload`,
-//! `tests/service`, `tests/storage`, `tests/worker`), each of which includes it as its one
-//! `support` module:
+//! `tests/scheduler`, `tests/service`, `tests/storage`, `tests/worker`), each of which includes
+//! it as its one `support` module:
 //!
+//! - [`scheduler`]: a tiny engine driving a cache manager alone, and the scheduler tests'
+//!   shared set-ups (not re-exported at the top: its names are the scheduler tests' own);
 //! - [`service`]: `kvshm worker` processes beside a service or a transport, block bytes written
 //!   and checked through the ranks' memory, requests run end to end, polls until a condition;
 //! - [`ring_driver`]: the scheduler's side of one rank's rings, for tests without a service;
@@ -10,7 +12,8 @@
 //! - [`redis_server`]: private Redis servers, or the run's shared one;
 //! - [`blocks`]: the bytes and storage entries of the storage tests' blocks;
 //! - [`scratch`]: scratch directories;
-//! - [`rng`]: a seeded generator for randomized tests.
+//! - [`rng`]: a seeded generator for randomized tests;
+//! - [`traces`]: the traces the repository carries.
 //!
 //! Names in shared memory, Redis namespaces and scratch directories all take a serial number
 //! from [`serial`], with the process id, so that no two tests (or test runs) share one.
@@ -20,9 +23,11 @@ pub mod blocks;
 pub mod redis_server;
 pub mod ring_driver;
 pub mod rng;
+pub mod scheduler;
 pub mod scratch;
 pub mod service;
 pub mod storage_worker;
+pub mod traces;
 
 pub use blocks::*;
 pub use redis_server::*;
@@ -31,6 +36,7 @@ pub use rng::*;
 pub use scratch::*;
 pub use service::*;
 pub use storage_worker::*;
+pub use traces::*;
 
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::sync::{AtomicU32, Ordering};

@@ -5,13 +5,13 @@
 //! invariants after every step and what the engine sees (ticket states, refusals, what an
 //! allocation can still evict).
 
-mod scheduler_support;
-
 use kvshm::manager::{
     AllocateError, CacheConfig, CacheManager, CommitError, EvictionPolicy, RequestId, TicketId,
     TicketStatus, Transfer, TransferId, TransferKind, WritePolicy,
 };
-use scheduler_support::*;
+
+use crate::support::scheduler::*;
+use crate::support::Rng;
 
 /// A request whose ticket waits on two copies handed out together: the swap-in of its host hit
 /// (into a free block) and the claimed swap-out its fresh block was taken from.

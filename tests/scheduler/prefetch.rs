@@ -3,36 +3,17 @@
 //! prefetch that fails nothing else, the prefetch ticket's life, blocks found by a QUERY, and
 //! the blocks the tree drops handed out for FORGET commands.
 
-mod scheduler_support;
-
 use kvshm::hash::BlockHash;
 use kvshm::manager::{
     CacheConfig, CacheManager, PrefetchError, QueryError, RequestId, TicketError, TicketId,
     TicketStatus, TransferKind, MAX_PREFETCH_TICKETS,
 };
 use kvshm::tree::{NodeId, NodeState};
-use scheduler_support::{check, complete_all, failure, hashes, manager, prompt_hitting, serve};
 
-/// Four device blocks, two host blocks, eight storage blocks.
-fn three_tiers() -> CacheManager {
-    manager(
-        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 4)
-            .with_host_blocks(2)
-            .with_storage_blocks(8),
-    )
-}
-
-/// Serves prompts of two blocks until the first one's blocks are on storage only.
-fn push_first_prompt_to_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
-    let first = hashes(&[1, 2]);
-    serve(cache, 0, &first);
-    for (index, base) in [10u128, 20, 30].into_iter().enumerate() {
-        serve(cache, 1 + index as u64, &hashes(&[base, base + 1]));
-    }
-    let found = cache.cached_prefix(&first);
-    assert_eq!((found.device_blocks, found.host_blocks, found.storage_blocks), (0, 0, 2));
-    first
-}
+use crate::support::scheduler::{
+    check, complete_all, complete_all_but, failure, hashes, manager, prompt_hitting,
+    push_first_prompt_to_storage, serve, serve_prompt, three_tiny_tiers, BLOCK_TOKENS,
+};
 
 /// Completes every copy as it is handed out, the LOADs with `load_ok`; returns them all.
 fn complete_loads(cache: &mut CacheManager, load_ok: bool) -> Vec<kvshm::manager::Transfer> {
@@ -57,27 +38,14 @@ fn complete_loads(cache: &mut CacheManager, load_ok: bool) -> Vec<kvshm::manager
 
 /// Completes every copy handed out but the one LOAD, which it returns, unfinished.
 fn hold_the_load(cache: &mut CacheManager) -> kvshm::manager::Transfer {
-    let mut load = None;
-    loop {
-        let transfers = cache.take_transfers();
-        if transfers.is_empty() {
-            return load.expect("a LOAD was handed out");
-        }
-        for transfer in transfers {
-            if transfer.kind == TransferKind::StorageToHost {
-                assert!(load.is_none(), "one LOAD");
-                load = Some(transfer);
-            } else {
-                cache.complete_transfer(transfer.id, Ok(())).unwrap();
-            }
-            check(cache);
-        }
-    }
+    let mut held = complete_all_but(cache, |copy| copy.kind == TransferKind::StorageToHost);
+    assert_eq!(held.len(), 1, "one LOAD: {held:?}");
+    held.pop().expect("one LOAD")
 }
 
 #[test]
 fn a_prefetch_brings_storage_blocks_to_host_and_a_later_match_hits_them_there() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let ticket = cache.prefetch(&first).unwrap().expect("two blocks to load");
     check(&cache);
@@ -116,7 +84,7 @@ fn a_prefetch_brings_storage_blocks_to_host_and_a_later_match_hits_them_there() 
 
 #[test]
 fn an_allocation_arriving_while_a_prefetch_loads_shares_its_load_and_swaps_in_after_it() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let ticket = cache.prefetch(&first).unwrap().unwrap();
     // The host blocks were claimed from write-backs: their STOREs come first.
@@ -152,7 +120,7 @@ fn an_allocation_arriving_while_a_prefetch_loads_shares_its_load_and_swaps_in_af
 
 #[test]
 fn a_failed_prefetch_load_ends_its_ticket_ready_and_fails_nothing_else() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let ticket = cache.prefetch(&first).unwrap().unwrap();
     let other = RequestId(70);
@@ -177,9 +145,9 @@ fn a_failed_prefetch_load_ends_its_ticket_ready_and_fails_nothing_else() {
 
 #[test]
 fn prefetch_needs_a_storage_tier_and_a_path_with_nothing_to_load_gives_no_ticket() {
-    let mut cache = manager(CacheConfig::new(scheduler_support::BLOCK_TOKENS, 4));
+    let mut cache = manager(CacheConfig::new(BLOCK_TOKENS, 4));
     assert_eq!(cache.prefetch(&hashes(&[1])), Err(PrefetchError::NoStorageTier));
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let blocks = hashes(&[1, 2]);
     serve(&mut cache, 0, &blocks);
     // Cached on device, and the tier is asked nothing (the hashes end inside the tree).
@@ -192,7 +160,7 @@ fn prefetch_needs_a_storage_tier_and_a_path_with_nothing_to_load_gives_no_ticket
 
 #[test]
 fn prefetch_tickets_never_read_are_forgotten_past_the_bound() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let mut tickets = Vec::new();
     // Each prefetch of blocks past the tree asks the tier (a QUERY), and gets a ticket.
@@ -215,7 +183,7 @@ fn prefetch_tickets_never_read_are_forgotten_past_the_bound() {
 
 #[test]
 fn blocks_a_query_finds_past_the_tree_are_adopted_and_loaded_in_the_same_ticket() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let prompt = hashes(&[1, 2, 3, 4]);
     serve(&mut cache, 0, &prompt[..1]);
     let ticket = cache.prefetch(&prompt).unwrap().expect("a query past the tree");
@@ -247,7 +215,7 @@ fn blocks_a_query_finds_past_the_tree_are_adopted_and_loaded_in_the_same_ticket(
 
 #[test]
 fn a_query_that_fails_adopts_nothing_and_fails_its_ticket() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let prompt = hashes(&[1, 2]);
     let ticket = cache.prefetch(&prompt).unwrap().unwrap();
     let mut queries = Vec::new();
@@ -261,11 +229,8 @@ fn a_query_that_fails_adopts_nothing_and_fails_its_ticket() {
 #[test]
 fn blocks_the_tree_drops_from_storage_are_handed_out_to_be_forgotten() {
     // Two storage blocks: the third prompt's write-back drops the oldest storage block.
-    let mut cache = manager(
-        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 1)
-            .with_host_blocks(1)
-            .with_storage_blocks(2),
-    );
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 1).with_host_blocks(1).with_storage_blocks(2));
     let mut forgotten = Vec::new();
     for value in 1..=5u128 {
         serve(&mut cache, value as u64, &hashes(&[value]));
@@ -290,7 +255,7 @@ fn blocks_the_tree_drops_from_storage_are_handed_out_to_be_forgotten() {
 
 #[test]
 fn stored_blocks_whose_parent_never_comes_back_expire_and_are_forgotten() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     // Eight orphans (parent 99 is never cached), then the tier's capacity worth of commits.
     let orphans: Vec<_> =
         (0..8u128).map(|i| (BlockHash(200 + i), BlockHash(99), 1 + i as u32)).collect();
@@ -310,28 +275,6 @@ fn stored_blocks_whose_parent_never_comes_back_expire_and_are_forgotten() {
     check(&cache);
 }
 
-/// Completes every copy handed out but those `hold` picks, which it returns, unfinished.
-fn complete_all_but(
-    cache: &mut CacheManager,
-    hold: impl Fn(&kvshm::manager::Transfer) -> bool,
-) -> Vec<kvshm::manager::Transfer> {
-    let mut held = Vec::new();
-    loop {
-        let transfers = cache.take_transfers();
-        if transfers.is_empty() {
-            return held;
-        }
-        for transfer in transfers {
-            if hold(&transfer) {
-                held.push(transfer);
-            } else {
-                cache.complete_transfer(transfer.id, Ok(())).unwrap();
-            }
-            check(cache);
-        }
-    }
-}
-
 /// The node of `blocks` (a chain from block 0).
 fn node_of(cache: &CacheManager, blocks: &[BlockHash]) -> NodeId {
     blocks.iter().fold(NodeId::ROOT, |parent, &hash| {
@@ -341,11 +284,8 @@ fn node_of(cache: &CacheManager, blocks: &[BlockHash]) -> NodeId {
 
 #[test]
 fn a_swap_in_failing_above_a_node_a_prefetch_loads_keeps_the_blocks_below_it_storage_only() {
-    let mut cache = manager(
-        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 4)
-            .with_host_blocks(4)
-            .with_storage_blocks(16),
-    );
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 4).with_host_blocks(4).with_storage_blocks(16));
     let first = hashes(&[1, 2, 3]);
     serve(&mut cache, 0, &first);
     for round in 0..20u128 {
@@ -403,7 +343,7 @@ fn a_swap_in_failing_above_a_node_a_prefetch_loads_keeps_the_blocks_below_it_sto
 
 /// Three tiers whose storage tier is full, of two-block prompts `[100 + 2r, 101 + 2r]`.
 fn full_tier() -> CacheManager {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     for round in 0..40u128 {
         if cache.storage_used_blocks() == 8 {
             break;
@@ -473,11 +413,8 @@ fn blocks_a_query_finds_never_push_out_blocks_a_request_holds() {
 #[test]
 fn a_host_block_dropped_because_the_tier_below_has_no_room_is_forgotten() {
     // Device 2, host 1, storage 2: blocks 1 and 2 end on storage, 3 on host, 4 and 5 on device.
-    let mut cache = manager(
-        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 2)
-            .with_host_blocks(1)
-            .with_storage_blocks(2),
-    );
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 2).with_host_blocks(1).with_storage_blocks(2));
     for value in 1..=5u128 {
         serve(&mut cache, value as u64, &hashes(&[value]));
         complete_all(&mut cache);
@@ -504,7 +441,7 @@ fn a_host_block_dropped_because_the_tier_below_has_no_room_is_forgotten() {
 
 #[test]
 fn an_orphan_that_finds_no_room_when_its_parent_arrives_is_forgotten() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     assert_eq!(cache.adopt_stored_blocks([(BlockHash(201), BlockHash(99), 1)]), 0);
     let full: Vec<_> = (0..8u128).map(|i| (BlockHash(300 + i), BlockHash(0), 0)).collect();
     assert_eq!(cache.adopt_stored_blocks(full), 8);
@@ -521,7 +458,7 @@ fn an_orphan_that_finds_no_room_when_its_parent_arrives_is_forgotten() {
 
 #[test]
 fn a_block_forgotten_after_its_query_was_made_is_not_adopted_from_the_answer() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let prompt = hashes(&[1, 2]);
     let ticket = cache.prefetch(&prompt).unwrap().expect("a query");
     let mut queries = Vec::new();
@@ -546,7 +483,7 @@ fn a_block_forgotten_after_its_query_was_made_is_not_adopted_from_the_answer() {
 
 #[test]
 fn a_prefetch_load_landing_after_a_reset_changes_nothing_and_gives_its_host_block_back() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     cache.prefetch(&first).unwrap().expect("two blocks to load");
     let load = hold_the_load(&mut cache);
@@ -562,7 +499,7 @@ fn a_prefetch_load_landing_after_a_reset_changes_nothing_and_gives_its_host_bloc
 
 #[test]
 fn a_query_answered_after_a_reset_is_unknown_and_adopts_nothing() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let prompt = hashes(&[1, 2]);
     cache.prefetch(&prompt).unwrap().expect("a query");
     let mut queries = Vec::new();
@@ -576,7 +513,7 @@ fn a_query_answered_after_a_reset_is_unknown_and_adopts_nothing() {
 
 #[test]
 fn the_query_of_a_ticket_pushed_out_by_newer_ones_still_adopts_and_loads_its_blocks() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let prompt = hashes(&[1, 2]);
     let first = cache.prefetch(&prompt).unwrap().expect("a query");
     let mut queries = Vec::new();
@@ -601,7 +538,7 @@ fn the_query_of_a_ticket_pushed_out_by_newer_ones_still_adopts_and_loads_its_blo
 fn a_node_dropped_while_its_store_is_in_flight_is_forgotten_once_the_store_completes() {
     // Device 2, host 1, write-through to storage: block 2 settles on host and its STORE is held.
     let mut cache = manager(
-        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 2)
+        CacheConfig::new(BLOCK_TOKENS, 2)
             .with_host_blocks(1)
             .with_storage_blocks(8)
             .with_storage_write_policy(kvshm::manager::StorageWritePolicy::WriteThrough),
@@ -640,11 +577,8 @@ fn touch(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
 
 #[test]
 fn a_claimed_parent_whose_swap_out_fails_drops_the_prefetch_node_loading_below_it() {
-    let mut cache = manager(
-        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 2)
-            .with_host_blocks(2)
-            .with_storage_blocks(8),
-    );
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 2).with_host_blocks(2).with_storage_blocks(8));
     let chain = hashes(&[1, 2]);
     serve(&mut cache, 0, &chain);
     serve(&mut cache, 1, &hashes(&[10]));
@@ -689,7 +623,7 @@ fn a_claimed_parent_whose_swap_out_fails_drops_the_prefetch_node_loading_below_i
 
 #[test]
 fn a_prefetch_load_missing_a_block_ends_its_ticket_ready_with_the_blocks_above_on_host() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let ticket = cache.prefetch(&first).unwrap().unwrap();
     let load = hold_the_load(&mut cache);
@@ -713,7 +647,7 @@ fn a_prefetch_load_missing_a_block_ends_its_ticket_ready_with_the_blocks_above_o
 #[test]
 fn an_allocation_following_a_prefetch_load_that_misses_a_block_is_shortened_and_the_block_dropped()
 {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let prefetch = cache.prefetch(&first).unwrap().unwrap();
     let load = hold_the_load(&mut cache);
@@ -750,7 +684,7 @@ fn an_allocation_following_a_prefetch_load_that_misses_a_block_is_shortened_and_
     assert_eq!(cache.prefetch_status(prefetch), Ok(TicketStatus::Ready));
     let found = cache.cached_prefix(&first);
     assert_eq!((found.device_blocks, found.storage_blocks), (1, 0), "block 2 is gone: {found:?}");
-    let blocks = first.len() * scheduler_support::BLOCK_TOKENS as usize;
+    let blocks = first.len() * BLOCK_TOKENS as usize;
     cache.commit(request, blocks, &first).unwrap();
     check(&cache);
     cache.finish(request).unwrap();
@@ -773,7 +707,7 @@ fn an_allocation_that_drops_the_host_parent_its_host_eviction_left_next_evicts_a
         let mut cache = selective_over_storage_with_a_prefetched_chain_under_a_cold_node();
         let request = RequestId(9);
         let fresh = &hashes(&[20, 21, 22, 23, 24])[..blocks];
-        let tokens = blocks * scheduler_support::BLOCK_TOKENS as usize;
+        let tokens = blocks * BLOCK_TOKENS as usize;
         cache.match_prefix(request, fresh, tokens).unwrap();
         assert_eq!(cache.allocate(request, tokens, 0).unwrap().new_blocks, blocks);
         check(&cache);
@@ -804,7 +738,7 @@ fn an_allocation_that_drops_the_host_parent_its_host_eviction_left_next_evicts_a
 fn selective_over_storage_with_a_prefetched_chain_under_a_cold_node() -> CacheManager {
     let policy = kvshm::manager::WritePolicy::WriteThroughSelective { threshold: 2 };
     let mut cache = manager(
-        CacheConfig::new(scheduler_support::BLOCK_TOKENS, 5)
+        CacheConfig::new(BLOCK_TOKENS, 5)
             .with_host_blocks(2)
             .with_storage_blocks(8)
             .with_write_policy(policy),
@@ -813,7 +747,7 @@ fn selective_over_storage_with_a_prefetched_chain_under_a_cold_node() -> CacheMa
         serve(cache, id, &hashes(&[block]));
         // A second request hits it: two hits, hot enough to be copied to host (no poll: the
         // backup it queued is never issued).
-        scheduler_support::serve_prompt(cache, id + 100, &hashes(&[block]), prompt_hitting(1));
+        serve_prompt(cache, id + 100, &hashes(&[block]), prompt_hitting(1));
     };
     hot(&mut cache, 1, 1);
     // The cold device node, released after the first hot one.

@@ -2,19 +2,12 @@
 //! tests asked for: checked token counts, capacity queries, releasing and re-matching requests,
 //! forced resets that name what they dropped, and cascade-attention prefixes.
 
-mod scheduler_support;
-
 use kvshm::manager::{
     AllocateError, AllocationCheck, CacheConfig, MatchError, RequestId, UnknownRequest, WritePolicy,
 };
 use kvshm::tree::NodeState;
-use scheduler_support::*;
 
-/// Prompt tokens that let every one of `blocks` full blocks hit (the last-token rule keeps the
-/// last prompt token for the engine to compute).
-fn prompt_past(blocks: usize) -> usize {
-    blocks * BLOCK_TOKENS as usize + 1
-}
+use crate::support::scheduler::*;
 
 #[test]
 fn an_absurd_token_count_is_a_typed_error_that_changes_nothing() {
@@ -44,7 +37,7 @@ fn can_allocate_says_what_allocate_would_do_and_changes_nothing() {
     );
     serve(&mut cache, 1, &hashes(&[1, 2, 3]));
     let request = RequestId(2);
-    cache.match_prefix(request, &hashes(&[1, 2]), prompt_past(2)).unwrap();
+    cache.match_prefix(request, &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     let before = format!("{:?} {:?}", cache.tree_snapshot(9), cache.stats());
     // Held: 1 and 2. Free: 3 blocks; block 3 is evictable: 4 could be had.
     for (tokens, needed, fits) in [(12, 3, true), (16, 4, true), (20, 5, false)] {
@@ -74,7 +67,7 @@ fn a_request_whose_allocation_failed_can_give_its_holds_back_and_match_again() {
     let mut cache = device_only(4);
     serve(&mut cache, 1, &hashes(&[1, 2]));
     let waiting = RequestId(2);
-    cache.match_prefix(waiting, &hashes(&[1, 2]), prompt_past(2)).unwrap();
+    cache.match_prefix(waiting, &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     assert!(cache.allocate(waiting, 16, 0).is_err(), "3 free blocks, 4 needed");
     cache.release_match(waiting).unwrap();
     check(&cache);
@@ -86,7 +79,7 @@ fn a_request_whose_allocation_failed_can_give_its_holds_back_and_match_again() {
     assert_eq!(cache.allocate(other, 16, 0).unwrap().new_blocks, 4);
     cache.abort(other).unwrap();
     check(&cache);
-    cache.match_prefix(waiting, &hashes(&[1, 2]), prompt_past(2)).unwrap();
+    cache.match_prefix(waiting, &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
 
     // Once it has allocated, it ends with finish or abort.
     cache.allocate(waiting, 4, 0).unwrap();
@@ -102,12 +95,12 @@ fn rematching_a_waiting_request_picks_up_blocks_cached_meanwhile() {
     serve(&mut cache, 1, &hashes(&[1, 2]));
     let waiting = RequestId(2);
     let prompt = hashes(&[1, 2, 3, 4]);
-    let first = cache.match_prefix(waiting, &prompt, prompt_past(4)).unwrap();
+    let first = cache.match_prefix(waiting, &prompt, prompt_hitting(4)).unwrap();
     assert_eq!(first.blocks(), 2);
     // Another request computes blocks 3 and 4 while the first one waits.
     serve(&mut cache, 3, &prompt);
     let hits_before = cache.stats().counters.hits.device_blocks;
-    let again = cache.rematch(waiting, &prompt, prompt_past(4)).unwrap();
+    let again = cache.rematch(waiting, &prompt, prompt_hitting(4)).unwrap();
     assert_eq!((again.device_blocks, again.host_blocks), (4, 0));
     assert_eq!(again.cached_tokens, 4 * BLOCK_TOKENS as usize);
     check(&cache);
@@ -120,12 +113,12 @@ fn rematching_a_waiting_request_picks_up_blocks_cached_meanwhile() {
     assert_eq!(again.blocks(), 3);
     check(&cache);
     assert_eq!(
-        cache.rematch(waiting, &hashes(&[1, 9]), prompt_past(2)),
+        cache.rematch(waiting, &hashes(&[1, 9]), prompt_hitting(2)),
         Err(MatchError::PrefixMismatch { request: waiting, block: 1 })
     );
     cache.allocate(waiting, 1, 0).unwrap();
     assert_eq!(
-        cache.rematch(waiting, &prompt, prompt_past(4)),
+        cache.rematch(waiting, &prompt, prompt_hitting(4)),
         Err(MatchError::AlreadyAllocated(waiting))
     );
     for request in [waiting, aligned] {
@@ -140,7 +133,7 @@ fn a_forced_reset_returns_the_requests_it_ended() {
     let mut cache = device_only(8);
     serve(&mut cache, 1, &hashes(&[1, 2]));
     for id in [7, 3] {
-        cache.match_prefix(RequestId(id), &hashes(&[1]), prompt_past(1)).unwrap();
+        cache.match_prefix(RequestId(id), &hashes(&[1]), prompt_hitting(1)).unwrap();
     }
     cache.match_prefix(RequestId(5), &hashes(&[9]), 4).unwrap();
     cache.allocate(RequestId(5), 4, 0).unwrap();
@@ -156,10 +149,10 @@ fn the_common_prefix_counts_the_leading_device_blocks_every_live_request_holds()
     let mut cache = device_only(32);
     serve(&mut cache, 1, &hashes(&[1, 2, 3]));
     let (a, b) = (RequestId(2), RequestId(3));
-    cache.match_prefix(a, &hashes(&[1, 2, 3]), prompt_past(3)).unwrap();
+    cache.match_prefix(a, &hashes(&[1, 2, 3]), prompt_hitting(3)).unwrap();
     cache.allocate(a, 1, 0).unwrap();
     assert_eq!(cache.common_prefix_blocks(a), Ok(3), "alone, its whole cached prefix");
-    cache.match_prefix(b, &hashes(&[1, 2, 9]), prompt_past(3)).unwrap();
+    cache.match_prefix(b, &hashes(&[1, 2, 9]), prompt_hitting(3)).unwrap();
     assert_eq!(cache.common_prefix_blocks(a), Ok(2));
     assert_eq!(cache.common_prefix_blocks(b), Ok(0), "b has no device blocks yet");
     cache.allocate(b, 5, 0).unwrap();

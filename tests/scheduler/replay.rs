@@ -1,11 +1,9 @@
 //! `kvshm replay` end to end: the binary on a slice of the Mooncake trace (see
-//! [`scheduler_support::mooncake_trace`]).
-
-mod scheduler_support;
+//! [`crate::support::mooncake_trace`]).
 
 use std::process::Command;
 
-use scheduler_support::mooncake_trace as trace;
+use crate::support::mooncake_trace as trace;
 
 fn replay(extra: &[&str]) -> serde_json::Value {
     let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))

@@ -1,39 +1,16 @@
 //! A storage miss is a miss for that block, never a failure of the request: a LOAD whose blocks
 //! miss shortens the hits of the requests waiting on it, which compute the rest and commit it.
 
-mod scheduler_support;
-
 use kvshm::hash::BlockHash;
 use kvshm::manager::BlockOutcome::{self, Landed, Missing, Unavailable};
 use kvshm::manager::{
-    CacheConfig, CacheManager, CommandError, RequestId, TicketId, TicketStatus, Transfer,
-    TransferFailure, TransferKind,
-};
-use scheduler_support::{
-    check, complete_all, failure, hashes, manager, prompt_hitting, serve, three_small_tiers,
-    BLOCK_TOKENS,
+    CacheConfig, CacheManager, RequestId, TicketId, TicketStatus, Transfer, TransferKind,
 };
 
-/// A whole storage command the tier failed (unreachable, timed out), as its owner reports it.
-fn tier_failure() -> TransferFailure {
-    TransferFailure { error: CommandError::StorageMiss, ..failure() }
-}
-
-/// Serves a four-block prompt, then others until all four of its blocks are on storage only.
-fn four_blocks_on_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
-    let first = hashes(&[1, 2, 3, 4]);
-    serve(cache, 1, &first);
-    let mut round = 0u128;
-    while cache.cached_prefix(&first).storage_blocks < 4 {
-        round += 1;
-        assert!(round < 20, "set-up: the first prompt never reached storage");
-        let base = 100 * round;
-        serve(cache, 10 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
-    }
-    let found = cache.cached_prefix(&first);
-    assert_eq!(found.storage_blocks, 4, "set-up: {found:?}");
-    first
-}
+use crate::support::scheduler::{
+    check, complete_all, four_blocks_on_storage, hashes, manager, prompt_hitting, serve,
+    three_small_tiers, tier_failure, BLOCK_TOKENS,
+};
 
 /// Hands out and completes every copy but the LOADs, which it returns (once there are some).
 fn run_until_loads(cache: &mut CacheManager) -> Vec<Transfer> {

@@ -3,8 +3,6 @@
 //! one, host evictions drop instead of writing back, write-throughs and prefetches are skipped,
 //! and nothing is dropped from the cache; its owner brings it back up (after a probe).
 
-mod scheduler_support;
-
 use kvshm::hash::BlockHash;
 use kvshm::manager::BlockOutcome::{Landed, Missing, Unavailable};
 use kvshm::manager::{
@@ -12,29 +10,11 @@ use kvshm::manager::{
     TransferFailure, TransferKind,
 };
 use kvshm_ipc::record::CommandError;
-use scheduler_support::{
-    check, complete_all, hashes, manager, prompt_hitting, serve, three_small_tiers, BLOCK_TOKENS,
+
+use crate::support::scheduler::{
+    check, complete_all, four_blocks_on_storage, hashes, manager, prompt_hitting, push_to_storage,
+    serve, three_small_tiers, BLOCK_TOKENS,
 };
-
-/// Serves a four-block prompt, then others until all four of its blocks are on storage only.
-fn four_blocks_on_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
-    let first = hashes(&[1, 2, 3, 4]);
-    push_to_storage(cache, 1, &first);
-    first
-}
-
-/// Serves `blocks` as request `id`, then other prompts (ids and hashes from `id * 1000` on)
-/// until all of them are on storage only.
-fn push_to_storage(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) {
-    serve(cache, id, blocks);
-    let mut round = 0u128;
-    while cache.cached_prefix(blocks).storage_blocks < blocks.len() {
-        round += 1;
-        assert!(round < 20, "set-up: the prompt never reached storage");
-        let base = u128::from(id) * 1000 + 10 * round;
-        serve(cache, id * 1000 + round as u64, &hashes(&[base, base + 1, base + 2, base + 3]));
-    }
-}
 
 /// Matches `blocks` as request `id` and allocates; returns how many storage hits it matched.
 fn match_and_allocate(cache: &mut CacheManager, id: u64, blocks: &[BlockHash]) -> usize {

@@ -1,8 +1,6 @@
 //! One test per rule of the scheduler (DESIGN §3, §4, §6), plus the scenarios engines check
 //! in their own suites. Every test checks the invariants after each step.
 
-mod scheduler_support;
-
 use kvshm::hash::{BlockHasher, MultimodalItem, Namespace};
 use kvshm::manager::{
     AllocateError, CacheConfig, CommitError, CompleteError, EvictionPolicy, FinishError, Lookup,
@@ -11,7 +9,8 @@ use kvshm::manager::{
 };
 use kvshm::tree::{NodeState, SwapOut};
 use kvshm_ipc::record::BlockPair;
-use scheduler_support::*;
+
+use crate::support::scheduler::*;
 
 fn with_host(
     device_blocks: u32,
@@ -438,7 +437,7 @@ fn a_swap_in_carries_host_to_device_pairs_of_the_hits() {
     let request = RequestId(3);
     cache.match_prefix(request, &hashes(&[1]), prompt_hitting(1)).unwrap();
     let table = cache.allocate(request, 0, 0).unwrap().block_table.to_vec();
-    let swap_in = complete_swap_outs(&mut cache);
+    let swap_in = complete_all_but(&mut cache, |copy| copy.kind != TransferKind::DeviceToHost);
     assert_eq!(swap_in.len(), 1);
     assert_eq!(swap_in[0].pairs, vec![BlockPair::new(host_block, table[0])]);
     assert_eq!(swap_in[0].generation, cache.generation());
@@ -488,7 +487,8 @@ fn a_node_hit_while_swapping_to_device_shares_the_copy_in_flight() {
     cache.match_prefix(RequestId(3), &hashes(&[1]), prompt_hitting(1)).unwrap();
     let first = cache.allocate(RequestId(3), 0, 0).unwrap();
     let (first_ticket, first_table) = (first.ticket, first.block_table.to_vec());
-    let copies: Vec<_> = complete_swap_outs(&mut cache);
+    let copies: Vec<_> =
+        complete_all_but(&mut cache, |copy| copy.kind != TransferKind::DeviceToHost);
     assert_eq!(copies.len(), 1);
     let swap_in = copies[0].clone();
     assert_eq!(swap_in.kind, TransferKind::HostToDevice);
@@ -503,25 +503,6 @@ fn a_node_hit_while_swapping_to_device_shares_the_copy_in_flight() {
     check(&cache);
     assert_eq!(cache.ticket_status(first_ticket), Ok(TicketStatus::Ready));
     assert_eq!(cache.ticket_status(second_ticket), Ok(TicketStatus::Ready));
-}
-
-/// Completes the swap-outs handed out so far and returns the other copies, not completed.
-fn complete_swap_outs(cache: &mut kvshm::manager::CacheManager) -> Vec<kvshm::manager::Transfer> {
-    let mut others = Vec::new();
-    loop {
-        let transfers = cache.take_transfers();
-        if transfers.is_empty() {
-            return others;
-        }
-        for transfer in transfers {
-            if transfer.kind == TransferKind::DeviceToHost {
-                cache.complete_transfer(transfer.id, Ok(())).unwrap();
-                check(cache);
-            } else {
-                others.push(transfer);
-            }
-        }
-    }
 }
 
 #[test]
@@ -614,7 +595,7 @@ fn a_failed_swap_in_fails_the_ticket_and_leaves_the_node_on_host() {
     let request = RequestId(3);
     cache.match_prefix(request, &hashes(&[1]), prompt_hitting(1)).unwrap();
     let ticket = cache.allocate(request, 0, 0).unwrap().ticket;
-    let swap_in = complete_swap_outs(&mut cache);
+    let swap_in = complete_all_but(&mut cache, |copy| copy.kind != TransferKind::DeviceToHost);
     let free_before = cache.free_device_blocks();
     cache.complete_transfer(swap_in[0].id, Err(failure())).unwrap();
     check(&cache);
@@ -776,12 +757,16 @@ fn a_failed_swap_in_cancels_the_swap_ins_held_back_below_it() {
     assert_eq!(cache.cached_prefix(&hashes(&[1, 2])).host_blocks, 2);
     cache.match_prefix(RequestId(3), &hashes(&[1]), prompt_hitting(1)).unwrap();
     let first = cache.allocate(RequestId(3), 0, 0).unwrap().ticket;
-    let parent_swap_in = complete_swap_outs(&mut cache);
+    let parent_swap_in =
+        complete_all_but(&mut cache, |copy| copy.kind != TransferKind::DeviceToHost);
     assert_eq!(parent_swap_in.len(), 1);
     // Request 4 shares the swap-in of 1 and swaps 2 in behind it.
     cache.match_prefix(RequestId(4), &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     let second = cache.allocate(RequestId(4), 0, 0).unwrap().ticket;
-    assert!(complete_swap_outs(&mut cache).is_empty(), "the swap-in of 2 waits for that of 1");
+    assert!(
+        complete_all_but(&mut cache, |copy| copy.kind != TransferKind::DeviceToHost).is_empty(),
+        "the swap-in of 2 waits for that of 1"
+    );
     check(&cache);
     let free = cache.free_device_blocks();
     cache.complete_transfer(parent_swap_in[0].id, Err(failure())).unwrap();
@@ -805,10 +790,11 @@ fn a_shared_swap_in_that_lands_releases_the_one_behind_it() {
     serve(&mut cache, 2, &hashes(&[3, 4, 5, 6]));
     cache.match_prefix(RequestId(3), &hashes(&[1]), prompt_hitting(1)).unwrap();
     cache.allocate(RequestId(3), 0, 0).unwrap();
-    let parent_swap_in = complete_swap_outs(&mut cache);
+    let parent_swap_in =
+        complete_all_but(&mut cache, |copy| copy.kind != TransferKind::DeviceToHost);
     cache.match_prefix(RequestId(4), &hashes(&[1, 2]), prompt_hitting(2)).unwrap();
     let ticket = cache.allocate(RequestId(4), 0, 0).unwrap().ticket;
-    complete_swap_outs(&mut cache);
+    complete_all_but(&mut cache, |copy| copy.kind != TransferKind::DeviceToHost);
     cache.complete_transfer(parent_swap_in[0].id, Ok(())).unwrap();
     let behind = cache.take_transfers();
     assert_eq!((behind.len(), behind[0].kind), (1, TransferKind::HostToDevice));

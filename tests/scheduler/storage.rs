@@ -1,36 +1,20 @@
 //! The scheduler's use of the storage tier, step by step: write-back of blocks leaving the host
 //! tier, storage hits, a storage -> host -> device load as one ticket, and failed loads.
 
-mod scheduler_support;
-
 use kvshm::hash::BlockHash;
 use kvshm::manager::{
     BlockOutcome, CacheConfig, CacheManager, RequestId, StorageWritePolicy, TicketStatus,
     TransferKind,
 };
-use scheduler_support::{
-    check, complete_all, failure, hashes, manager, prompt_hitting, serve, BLOCK_TOKENS,
+
+use crate::support::scheduler::{
+    check, complete_all, failure, hashes, manager, prompt_hitting, push_first_prompt_to_storage,
+    serve, three_tiny_tiers, BLOCK_TOKENS,
 };
-
-/// Four device blocks, two host blocks, eight storage blocks.
-fn three_tiers() -> CacheManager {
-    manager(CacheConfig::new(BLOCK_TOKENS, 4).with_host_blocks(2).with_storage_blocks(8))
-}
-
-/// Serves prompts of two blocks until the first one's blocks have gone down to storage: the
-/// third prompt pushes it to host, the fourth on to storage.
-fn push_first_prompt_to_storage(cache: &mut CacheManager) -> Vec<BlockHash> {
-    let first = hashes(&[1, 2]);
-    serve(cache, 0, &first);
-    for (index, base) in [10u128, 20, 30].into_iter().enumerate() {
-        serve(cache, 1 + index as u64, &hashes(&[base, base + 1]));
-    }
-    first
-}
 
 #[test]
 fn blocks_leaving_the_host_tier_are_written_back_and_then_hit_on_storage() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let found = cache.cached_prefix(&first);
     assert_eq!((found.device_blocks, found.host_blocks), (0, 0), "{found:?}");
@@ -44,7 +28,7 @@ fn blocks_leaving_the_host_tier_are_written_back_and_then_hit_on_storage() {
 
 #[test]
 fn stores_name_each_block_by_hash_parent_and_depth() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = hashes(&[1, 2]);
     serve(&mut cache, 0, &first);
     let mut stored = Vec::new();
@@ -71,7 +55,7 @@ fn stores_name_each_block_by_hash_parent_and_depth() {
 
 #[test]
 fn a_storage_hit_loads_into_host_then_device_under_one_ticket() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let request = RequestId(9);
     let found = cache.match_prefix(request, &first, prompt_hitting(2)).unwrap();
@@ -118,7 +102,7 @@ fn a_storage_hit_loads_into_host_then_device_under_one_ticket() {
 
 #[test]
 fn a_load_whose_first_block_is_missing_shortens_the_hit_and_forgets_the_chain_at_once() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     let request = RequestId(9);
     cache.match_prefix(request, &first, prompt_hitting(2)).unwrap();
@@ -201,7 +185,7 @@ fn a_storage_tier_without_a_host_tier_is_refused() {
 
 #[test]
 fn stored_blocks_found_at_start_join_the_tree_at_once_or_when_their_parent_is_committed() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let adopted = cache.adopt_stored_blocks([
         (BlockHash(1), BlockHash(0), 0),
         (BlockHash(2), BlockHash(1), 1),
@@ -257,7 +241,7 @@ fn selective_write_through_stores_at_once_only_the_blocks_with_enough_hits() {
 
 #[test]
 fn a_recomputed_block_found_on_storage_takes_the_requests_copy_and_its_decode_blocks_follow() {
-    let mut cache = three_tiers();
+    let mut cache = three_tiny_tiers();
     let first = push_first_prompt_to_storage(&mut cache);
     assert_eq!(cache.cached_prefix(&first).storage_blocks, 2);
     // The same block-aligned prompt again, with two blocks of output: its first block hits on

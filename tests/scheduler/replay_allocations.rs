@@ -6,8 +6,11 @@
 //! allocate nothing; the only allocations allowed are a buffer growing to a new largest request,
 //! a handful over the whole slice. The figure is a count, not a time, so it does not depend on
 //! the machine's load.
-
-mod scheduler_support;
+//!
+//! It shares the scheduler's test binary, whose every test then allocates through the counting
+//! allocator, without changing what it measures: the allocator forwards to `System` (what the
+//! binary would use anyway), and the count is the measuring thread's own, while the harness
+//! runs each test on a thread of its own, so the other tests' allocations never reach it.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -61,7 +64,7 @@ const ALLOWED: u64 = 16;
 
 #[test]
 fn serving_a_request_allocates_nothing_once_the_buffers_have_grown() {
-    let trace = read_trace(&scheduler_support::mooncake_trace(), Some(WARM_UP + MEASURED))
+    let trace = read_trace(&crate::support::mooncake_trace(), Some(WARM_UP + MEASURED))
         .expect("the trace reads");
     let configs = [
         CacheConfig::new(512, 1_953),

@@ -19,8 +19,6 @@
 //! every write policy. A request's blocks are committed in one call or in several: how a commit
 //! is cut must not change what is cached.
 
-mod scheduler_support;
-
 use std::collections::{HashMap, HashSet};
 
 use kvshm::hash::{BlockHash, BlockHasher, Namespace};
@@ -28,7 +26,9 @@ use kvshm::manager::{
     CacheConfig, CacheManager, EvictionPolicy, Evictions, PrefixMatch, RequestId, WritePolicy,
 };
 use kvshm::tree::{FutureUses, NodeId, NodeState};
-use scheduler_support::{check, complete_all, Rng};
+
+use crate::support::scheduler::{check, complete_all};
+use crate::support::Rng;
 
 const BLOCK_TOKENS: usize = 2;
 const VOCABULARY: u64 = 3;

@@ -14,19 +14,17 @@
 //! last reset. Every hit must be in it, and where the device tier never needs to evict, a
 //! lookup must find exactly the longest prefix in it that the last-token rule lets hit.
 
-mod scheduler_support;
-
 use std::collections::{HashMap, HashSet};
 
 use kvshm::hash::{BlockHash, BlockHasher, Namespace};
 use kvshm::manager::{
     AllocateError, BlockOutcome, CacheConfig, CacheManager, EvictionPolicy, RequestId,
-    StorageQuery, StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferFailure,
-    TransferKind, WritePolicy,
+    StorageQuery, StorageWritePolicy, TicketId, TicketStatus, Transfer, TransferKind, WritePolicy,
 };
 use kvshm::tree::{NodeId, NodeState, SnapshotNode, StoreOut, SwapOut};
-use kvshm_ipc::record::CommandError;
-use scheduler_support::{check, failure, Rng};
+
+use crate::support::scheduler::{check, failure, tier_failure};
+use crate::support::Rng;
 
 const BLOCK_TOKENS: usize = 2;
 const POISON: BlockHash = BlockHash(u128::MAX);
@@ -449,8 +447,7 @@ impl Engine {
             outcomes.push(outcome);
         }
         // A whole storage command fails for the tier (`StorageMiss`), which marks it down.
-        let tier_failed = TransferFailure { error: CommandError::StorageMiss, ..failure() };
-        let outcome = if fails { Err(tier_failed) } else { Ok(Some(outcomes.as_slice())) };
+        let outcome = if fails { Err(tier_failure()) } else { Ok(Some(outcomes.as_slice())) };
         self.cache.complete_storage_transfer(copy.id, outcome).unwrap();
     }
 
