@@ -1,10 +1,20 @@
 """Type stubs of the native module ``kvshm._kvshm`` (the PyO3 extension)."""
 
-from collections.abc import Buffer, Iterable, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self, TypeAlias, final
 
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer
+else:
+    from typing_extensions import Buffer
+
 __version__: str
+
+EvictionOrder: TypeAlias = Literal["leaf_first", "lru"]
+"""The host tier's eviction orders: leaf-first LRU (a key's parent never goes before it), or
+plain LRU."""
 
 class KvshmError(Exception):
     """Base class of every kvshm error."""
@@ -71,6 +81,7 @@ class U32Array:
     def __reduce__(self) -> tuple[type[U32Array], tuple[list[int]]]: ...
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> int: ...
+    def __iter__(self) -> Iterator[int]: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def tolist(self) -> list[int]: ...
 
@@ -80,6 +91,7 @@ class BlockHashes:
 
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> int: ...
+    def __iter__(self) -> Iterator[int]: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def tolist(self) -> list[int]: ...
     def prefix(self, count: int) -> BlockHashes: ...
@@ -267,7 +279,7 @@ class OffloadManager:
         chunks: int,
         *,
         tag_bytes: int = 0,
-        eviction: Literal["leaf_first", "lru"] = "leaf_first",
+        eviction: EvictionOrder = "leaf_first",
         events: bool = False,
     ) -> None: ...
     def lookup(self, key: bytes, request: str) -> Literal[0, 1, 2]:
@@ -315,7 +327,7 @@ class HostTier:
         chunks: int,
         blocks_per_chunk: int,
         groups: list[list[int]],
-        tensors: list[Buffer] | None = None,
+        tensors: Sequence[Buffer] | None = None,
         tensor_count: int | None = None,
         block_tokens: int = 1,
         layers: int = 1,
@@ -374,7 +386,7 @@ class VllmManagerCore(OffloadManager):
         chunks: int,
         *,
         vllm_types: tuple[Any, ...],
-        eviction: Literal["leaf_first", "lru"] = "leaf_first",
+        eviction: EvictionOrder = "leaf_first",
         events: bool = False,
         tag_bytes: int = 4,
     ) -> Self: ...
@@ -382,17 +394,17 @@ class VllmManagerCore(OffloadManager):
         """Publishes the manager's figures to these host tier segments (``kvctl stat``) after
         every finished request; a key is ``key_blocks`` blocks of ``key_tokens`` tokens."""
     def publish_counters(self) -> None: ...
-    def lookup(self, key: bytes, req_context: Any) -> Any: ...  # type: ignore[override]
-    def on_new_request(self, req_context: Any) -> Any: ...  # type: ignore[override]
-    def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> Any: ...  # type: ignore[override]
+    def lookup(self, key: bytes, req_context: Any) -> Any: ...
+    def on_new_request(self, req_context: Any) -> Any: ...
+    def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> Any: ...
     def touch(self, keys: Iterable[bytes], req_context: Any) -> None: ...  # type: ignore[override]
     def complete_load(self, keys: Iterable[bytes], req_context: Any) -> None: ...  # type: ignore[override]
-    def prepare_store(self, keys: Iterable[bytes], req_context: Any) -> Any: ...  # type: ignore[override]
+    def prepare_store(self, keys: Iterable[bytes], req_context: Any) -> Any: ...
     def complete_store(  # type: ignore[override]
         self, keys: Iterable[bytes], req_context: Any, success: bool = True
     ) -> None: ...
     def on_request_finished(self, req_context: Any) -> None: ...  # type: ignore[override]
-    def take_events(self) -> list[Any]: ...  # type: ignore[override]
+    def take_events(self) -> list[Any]: ...
     def reset_cache(self) -> None: ...
 
 def read_tier_keys(

@@ -93,7 +93,7 @@ def device_handle(tensor: torch.Tensor, page_bytes: int) -> tuple[bytes, int, in
         memory_handle = parse_cuda_handle(handle)
     except DeviceHandleError as error:
         raise DeviceHandleError(f"KV tensor on {tensor.device}: {error}") from error
-    offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+    offset = storage_offset + int(tensor.storage_offset()) * tensor.element_size()
     return memory_handle, offset, length, stride
 
 

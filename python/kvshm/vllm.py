@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,6 +73,23 @@ from kvshm._kvshm import (
 from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport, logger
 from kvshm.cuda_tier import CudaHostTier
 
+if TYPE_CHECKING:
+    from kvshm._kvshm import EvictionOrder
+
+_EVICTION_ORDERS: dict[str, EvictionOrder] = {"leaf_first": "leaf_first", "lru": "lru"}
+
+
+def _eviction_order(value: object) -> EvictionOrder:
+    """The ``eviction`` option, checked when the spec is made, so that a misspelt one fails at
+    start-up rather than in the scheduler's first step."""
+    order = _EVICTION_ORDERS.get(str(value))
+    if order is None:
+        raise ConfigError(
+            f"kv_connector_extra_config eviction {value!r} is not one of "
+            f"{', '.join(_EVICTION_ORDERS)}"
+        )
+    return order
+
 
 class KvshmLoadStoreSpec(LoadStoreSpec):
     """Chunks of kvshm's host tier, one per key, in key order; a store's spec also names the
@@ -109,13 +126,15 @@ class KvshmOffloadingManager(VllmManagerCore, OffloadingManager):
     """
 
     def __new__(
-        cls, num_chunks: int, eviction: str = "leaf_first", events: bool = False
+        cls, num_chunks: int, eviction: EvictionOrder = "leaf_first", events: bool = False
     ) -> KvshmOffloadingManager:
         return super().__new__(
             cls, num_chunks, vllm_types=_vllm_types(), eviction=eviction, events=events
         )
 
-    def __init__(self, num_chunks: int, eviction: str = "leaf_first", events: bool = False) -> None:
+    def __init__(
+        self, num_chunks: int, eviction: EvictionOrder = "leaf_first", events: bool = False
+    ) -> None:
         OffloadingManager.__init__(self)  # later vLLMs keep state there (the lock)
         self.num_chunks = num_chunks
         self._stats_report = StatsReport()
@@ -366,7 +385,7 @@ class KvshmOffloadingSpec(OffloadingSpec):
                 "KvshmOffloadingSpec needs cpu_bytes_to_use (or num_chunks) in "
                 "kv_connector_extra_config"
             )
-        self.eviction = str(extra.get("eviction", "leaf_first"))
+        self.eviction = _eviction_order(extra.get("eviction", "leaf_first"))
         self.segment_prefix = _segment_prefix(config)
         self.spawn_workers = bool(extra.get("spawn_workers", True))
         self.warm_restart = bool(extra.get("warm_restart", True))

@@ -12,7 +12,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyBufferError, PyIndexError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyIterator, PyList};
 
 /// A read-only array of u32 (buffer format `I`): a block table, chunk ids.
 #[pyclass(frozen, module = "kvshm")]
@@ -58,6 +58,11 @@ impl U32Array {
 
     fn tolist(&self) -> Vec<u32> {
         self.values.to_vec()
+    }
+
+    /// Iterates over the values (a snapshot: the array is frozen anyway).
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
+        PyList::new(py, self.values.iter())?.try_iter()
     }
 
     fn __repr__(&self) -> String {
@@ -125,6 +130,11 @@ impl BlockHashes {
 
     fn tolist(&self) -> Vec<u128> {
         self.hashes.iter().map(|hash| hash.0).collect()
+    }
+
+    /// Iterates over the hashes as ints.
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyIterator>> {
+        PyList::new(py, self.hashes.iter().map(|hash| hash.0))?.try_iter()
     }
 
     /// The first `count` hashes.

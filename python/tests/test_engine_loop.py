@@ -212,7 +212,9 @@ def test_an_engine_loop_over_three_tiers_reads_back_every_storage_hit_byte_for_b
         assert stats["service"]["copy_failures"] == 0
 
 
-def serve_prompt(service: kvshm.Service, request: int, hashes: list[int], tokens: int) -> int:
+def serve_prompt(
+    service: kvshm.Service, request: int, hashes: kvshm.BlockHashes | list[int], tokens: int
+) -> int:
     """Runs one request over real workers, checking its hit bytes; returns its host hits."""
     found = service.match_prefix(request, hashes, tokens)
     allocation = service.allocate(request, tokens - found.cached_tokens)

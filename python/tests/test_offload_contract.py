@@ -10,13 +10,19 @@ workers finished; after each step, ``prepare_store`` of the chunks that became f
 check every loaded byte.
 """
 
+from __future__ import annotations
+
 import hashlib
 import random
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 import kvshm
+
+if TYPE_CHECKING:
+    from kvshm._kvshm import EvictionOrder
 
 PAGE = 64
 TOKENS_PER_CHUNK = 16
@@ -42,7 +48,7 @@ def page(key_bytes: bytes, tensor: int) -> np.ndarray:
 class Engine:
     """vLLM's scheduler and one worker, reduced to the calls they make on kvshm."""
 
-    def __init__(self, name: str, chunks: int, gpu_blocks: int, eviction: str) -> None:
+    def __init__(self, name: str, chunks: int, gpu_blocks: int, eviction: EvictionOrder) -> None:
         self.manager = kvshm.OffloadManager(chunks, tag_bytes=4, eviction=eviction, events=True)
         self.gpu = [np.zeros((gpu_blocks, PAGE), dtype=np.uint8) for _ in range(2)]
         self.tier = kvshm.HostTier(
@@ -104,7 +110,9 @@ class Engine:
 
 
 @pytest.mark.parametrize("eviction", ["leaf_first", "lru"])
-def test_a_conversation_workload_loads_back_every_stored_byte(name: str, eviction: str) -> None:
+def test_a_conversation_workload_loads_back_every_stored_byte(
+    name: str, eviction: EvictionOrder
+) -> None:
     engine = Engine(name, chunks=40, gpu_blocks=64, eviction=eviction)
     rng = random.Random(3)
     conversations = [[rng.randrange(50_000) for _ in range(6 * 16)] for _ in range(8)]
@@ -126,7 +134,9 @@ def test_lookups_report_pending_stores_and_a_failed_store_is_forgotten(name: str
     manager = kvshm.OffloadManager(4, tag_bytes=4)
     keys = [key((1,)), key((1, 2))]
     assert manager.lookup(keys[0], "a") == 0
-    indices, chunks, evicted = manager.prepare_store(keys, "a")
+    prepared = manager.prepare_store(keys, "a")
+    assert prepared is not None
+    indices, chunks, evicted = prepared
     assert (indices, len(chunks), evicted) == ([0, 1], 2, [])
     assert [manager.lookup(k, "b") for k in keys] == [2, 2]
     with pytest.raises(kvshm.OffloadError, match="being stored"):
@@ -158,8 +168,9 @@ def test_a_store_that_finds_no_room_returns_none_and_evicts_nothing() -> None:
 def test_keys_of_20_36_and_64_bytes_are_distinct_and_events_carry_them_whole() -> None:
     manager = kvshm.OffloadManager(8, events=True)
     keys = [b"\x01" * 20, b"\x01" * 36, b"\x01" * 64]
-    indices, _, _ = manager.prepare_store(keys, "a")
-    assert indices == [0, 1, 2]
+    prepared = manager.prepare_store(keys, "a")
+    assert prepared is not None
+    assert prepared[0] == [0, 1, 2]
     manager.complete_store(keys)
     [(removed, stored)] = manager.take_events()
     assert not removed

@@ -31,4 +31,13 @@ def test_a_u32_array_of_values_out_of_range_is_refused() -> None:
     with pytest.raises(ValueError, match="not a u32"):
         kvshm.U32Array([-1])
     with pytest.raises(TypeError):
-        kvshm.U32Array("01")
+        kvshm.U32Array("01")  # type: ignore[arg-type]  # the wrong type on purpose
+
+
+def test_arrays_and_hashes_iterate_as_their_lists() -> None:
+    array = kvshm.U32Array([3, 1, 2**32 - 1])
+    assert list(array) == array.tolist() == [3, 1, 2**32 - 1]
+    hashes = kvshm.BlockHasher(4).hash_prompt(range(12))
+    assert [value for value in hashes] == hashes.tolist()
+    assert len(list(hashes)) == 3
+    assert "__iter__" in dir(array), "iterable by its own method, not only by indexing"

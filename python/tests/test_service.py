@@ -76,7 +76,7 @@ def test_block_tables_are_read_only_uint32_buffers_numpy_wraps_without_a_copy(na
 )
 def test_token_ids_come_from_any_integer_buffer_or_sequence(tokens: object) -> None:
     expected = kvshm.BlockHasher(4).hash_prompt(list(range(9))).tolist()
-    assert kvshm.BlockHasher(4).hash_prompt(tokens).tolist() == expected
+    assert kvshm.BlockHasher(4).hash_prompt(tokens).tolist() == expected  # type: ignore[arg-type]
 
 
 def test_hashes_go_in_as_block_hashes_bytes_or_ints(name: str) -> None:
@@ -103,7 +103,7 @@ def test_bad_token_ids_are_value_errors_not_crashes() -> None:
     with pytest.raises(ValueError, match="u32"):
         hasher.hash_prompt(np.array([2**40], dtype=np.int64))
     with pytest.raises(TypeError):
-        hasher.hash_prompt("1234")
+        hasher.hash_prompt("1234")  # type: ignore[arg-type]  # the wrong type on purpose
     with pytest.raises(kvshm.ConfigError):
         kvshm.BlockHasher(0)
 
@@ -260,14 +260,14 @@ def test_bad_arguments_raise_exceptions_never_a_panic(name: str, call, error) ->
 def test_offload_calls_with_bad_arguments_raise_exceptions_never_a_panic() -> None:
     manager = kvshm.OffloadManager(4)
     with pytest.raises(TypeError):
-        manager.prepare_store([b"a", 5], "r")
+        manager.prepare_store([b"a", 5], "r")  # type: ignore[list-item]  # on purpose
     with pytest.raises(TypeError):
-        manager.complete_store(None)
+        manager.complete_store(None)  # type: ignore[arg-type]  # on purpose
     manager.prepare_store([b"a"], "r")
     with pytest.raises(ValueError, match="positions"):
         manager.on_request_finished("r", [1, 2, 3])
     with pytest.raises(kvshm.ConfigError):
-        kvshm.OffloadManager(4, eviction="random")
+        kvshm.OffloadManager(4, eviction="random")  # type: ignore[arg-type]  # on purpose
     with pytest.raises(kvshm.ConfigError):
         kvshm.OffloadManager(4, tag_bytes=9)
     with pytest.raises(kvshm.ConfigError):

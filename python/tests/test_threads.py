@@ -44,7 +44,7 @@ def run_child(name: str, body: str) -> str:
             timeout=CHILD_LIMIT_S,
         )
     except subprocess.TimeoutExpired as expired:
-        pytest.fail(f"the scenario hung:\n{expired.stderr}")
+        pytest.fail(f"the scenario hung:\n{expired.stderr!r}")
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     return done.stdout
 

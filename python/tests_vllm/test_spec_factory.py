@@ -55,6 +55,14 @@ def test_a_spec_without_a_host_tier_size_is_refused_with_a_message(offloading_co
         OffloadingSpecFactory.create_spec(offloading_config(extra))
 
 
+def test_a_misspelt_eviction_order_is_refused_when_the_spec_is_made(offloading_config) -> None:
+    extra = json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"]
+    with pytest.raises(kvshm.ConfigError, match="'leaf-first' is not one of leaf_first, lru"):
+        OffloadingSpecFactory.create_spec(offloading_config({**extra, "eviction": "leaf-first"}))
+    spec = OffloadingSpecFactory.create_spec(offloading_config({**extra, "eviction": "lru"}))
+    assert spec.eviction == "lru"
+
+
 def test_get_stats_reports_only_metrics_the_spec_defines(offloading_config) -> None:
     extra = json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"]
     spec = OffloadingSpecFactory.create_spec(offloading_config(extra))
