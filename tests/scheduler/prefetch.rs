@@ -12,28 +12,16 @@ use kvshm::tree::{NodeId, NodeState};
 
 use crate::support::scheduler::{
     check, complete_all, complete_all_but, failure, hashes, manager, prompt_hitting,
-    push_first_prompt_to_storage, serve, serve_prompt, three_tiny_tiers, BLOCK_TOKENS,
+    push_first_prompt_to_storage, serve, serve_prompt, settle_copies, three_tiny_tiers,
+    BLOCK_TOKENS,
 };
 
 /// Completes every copy as it is handed out, the LOADs with `load_ok`; returns them all.
 fn complete_loads(cache: &mut CacheManager, load_ok: bool) -> Vec<kvshm::manager::Transfer> {
-    let mut all = Vec::new();
-    loop {
-        let transfers = cache.take_transfers();
-        if transfers.is_empty() {
-            return all;
-        }
-        for transfer in transfers {
-            let outcome = if transfer.kind == TransferKind::StorageToHost && !load_ok {
-                Err(failure())
-            } else {
-                Ok(())
-            };
-            cache.complete_transfer(transfer.id, outcome).unwrap();
-            check(cache);
-            all.push(transfer);
-        }
-    }
+    let fails = |transfer: &kvshm::manager::Transfer| {
+        transfer.kind == TransferKind::StorageToHost && !load_ok
+    };
+    settle_copies(cache, |transfer| Some(if fails(transfer) { Err(failure()) } else { Ok(()) })).0
 }
 
 /// Completes every copy handed out but the one LOAD, which it returns, unfinished.

@@ -41,6 +41,18 @@ fn allocate_hitting_all(cache: &mut CacheManager, id: u64, blocks: &[BlockHash])
     ticket
 }
 
+/// Request 50 matches the four blocks of [`four_blocks_on_storage`] (on [`three_small_tiers`])
+/// and allocates; every copy but its LOAD completes. Returns the cache, the four blocks, the
+/// ticket and the LOAD, handed out, unfinished.
+fn request_50_waiting_on_a_load() -> (CacheManager, Vec<BlockHash>, TicketId, Transfer) {
+    let mut cache = three_small_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let ticket = allocate_hitting_all(&mut cache, 50, &first);
+    let mut loads = run_until_loads(&mut cache);
+    assert_eq!(loads.len(), 1, "one LOAD: {loads:?}");
+    (cache, first, ticket, loads.remove(0))
+}
+
 /// Request `id`, its ticket done, commits the four blocks of `first` it holds or computed, and
 /// finishes.
 fn commit_and_finish(cache: &mut CacheManager, id: u64, first: &[BlockHash]) {
@@ -152,13 +164,10 @@ fn two_requests_sharing_one_load_are_both_shortened_each_with_blocks_of_its_own(
 
 #[test]
 fn a_whole_load_failing_is_a_miss_for_every_block_and_drops_none_of_them() {
-    let mut cache = three_small_tiers();
-    let first = four_blocks_on_storage(&mut cache);
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
+    let (mut cache, first, ticket, load) = request_50_waiting_on_a_load();
     let free_host = cache.free_host_blocks();
     let free_device = cache.free_device_blocks();
-    cache.complete_transfer(loads[0].id, Err(tier_failure())).unwrap();
+    cache.complete_transfer(load.id, Err(tier_failure())).unwrap();
     check(&cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
     assert!(cache.take_transfers().iter().all(|t| t.kind != TransferKind::HostToDevice));
@@ -184,13 +193,8 @@ fn a_whole_load_failing_is_a_miss_for_every_block_and_drops_none_of_them() {
 
 #[test]
 fn a_missing_first_block_shortens_to_nothing_and_forgets_the_chain_once_unheld() {
-    let mut cache = three_small_tiers();
-    let first = four_blocks_on_storage(&mut cache);
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
-    cache
-        .complete_storage_transfer(loads[0].id, Ok(Some(&[Missing, Landed, Landed, Landed])))
-        .unwrap();
+    let (mut cache, first, ticket, load) = request_50_waiting_on_a_load();
+    cache.complete_storage_transfer(load.id, Ok(Some(&[Missing, Landed, Landed, Landed]))).unwrap();
     check(&cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
     assert_eq!(cache.cached_prefix(&first).blocks(), 0, "no longer matchable, before any poll");
@@ -245,14 +249,11 @@ fn a_store_keeps_the_blocks_that_landed_and_gives_back_only_those_that_missed() 
 
 #[test]
 fn per_block_results_of_a_copy_that_is_not_a_storage_copy_or_of_the_wrong_length_are_refused() {
-    let mut cache = three_small_tiers();
-    let first = four_blocks_on_storage(&mut cache);
-    allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
-    let wrong = cache.complete_storage_transfer(loads[0].id, Ok(Some(&[Landed])));
+    let (mut cache, _, _, load) = request_50_waiting_on_a_load();
+    let wrong = cache.complete_storage_transfer(load.id, Ok(Some(&[Landed])));
     assert!(wrong.is_err(), "{wrong:?}");
     check(&cache);
-    cache.complete_storage_transfer(loads[0].id, Ok(None)).unwrap();
+    cache.complete_storage_transfer(load.id, Ok(None)).unwrap();
     let swap_in = cache.take_transfers().into_iter().find(|t| t.kind == TransferKind::HostToDevice);
     let swap_in = swap_in.expect("the swap-in follows the load");
     let refused = cache.complete_storage_transfer(swap_in.id, Ok(Some(&[Landed; 4])));
@@ -266,12 +267,9 @@ fn per_block_results_of_a_copy_that_is_not_a_storage_copy_or_of_the_wrong_length
 // (`tier_health`); a whole command that failed drops nothing (above).
 #[test]
 fn a_block_the_tier_could_not_read_among_answered_ones_shortens_the_hit_and_is_dropped() {
-    let mut cache = three_small_tiers();
-    let first = four_blocks_on_storage(&mut cache);
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
+    let (mut cache, first, ticket, load) = request_50_waiting_on_a_load();
     let blocks = [Landed, Unavailable, Landed, Landed];
-    cache.complete_storage_transfer(loads[0].id, Ok(Some(&blocks))).unwrap();
+    cache.complete_storage_transfer(load.id, Ok(Some(&blocks))).unwrap();
     check(&cache);
     complete_all(&mut cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));
@@ -286,11 +284,8 @@ fn a_block_the_tier_could_not_read_among_answered_ones_shortens_the_hit_and_is_d
 
 #[test]
 fn a_request_shortened_by_a_tier_that_was_down_caches_what_it_computes_over_the_stored_blocks() {
-    let mut cache = three_small_tiers();
-    let first = four_blocks_on_storage(&mut cache);
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
-    cache.complete_transfer(loads[0].id, Err(tier_failure())).unwrap();
+    let (mut cache, first, ticket, load) = request_50_waiting_on_a_load();
+    cache.complete_transfer(load.id, Err(tier_failure())).unwrap();
     complete_all(&mut cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 0 }));
     // The nodes are still there, storage-only: the commit takes the request's copies for them.
@@ -302,12 +297,9 @@ fn a_request_shortened_by_a_tier_that_was_down_caches_what_it_computes_over_the_
 
 #[test]
 fn a_missing_block_below_one_the_tier_could_not_read_is_dropped_with_it() {
-    let mut cache = three_small_tiers();
-    let first = four_blocks_on_storage(&mut cache);
-    let ticket = allocate_hitting_all(&mut cache, 50, &first);
-    let loads = run_until_loads(&mut cache);
+    let (mut cache, first, ticket, load) = request_50_waiting_on_a_load();
     let blocks = [Landed, Unavailable, Missing, Landed];
-    cache.complete_storage_transfer(loads[0].id, Ok(Some(&blocks))).unwrap();
+    cache.complete_storage_transfer(load.id, Ok(Some(&blocks))).unwrap();
     check(&cache);
     complete_all(&mut cache);
     assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Shortened { cached_blocks: 1 }));

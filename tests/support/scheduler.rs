@@ -37,20 +37,44 @@ pub fn check(cache: &CacheManager) {
     }
 }
 
-/// Completes every copy handed out, successfully, until none is left.
-pub fn complete_all(cache: &mut CacheManager) -> Vec<Transfer> {
-    let mut done = Vec::new();
+/// Hands out copies until none is left, settling each as `outcome` says: `Some(result)`
+/// completes it with that result, `None` holds it, unfinished. Returns the copies completed and
+/// those held, each in the order handed out; checks the invariants after each copy.
+pub fn settle_copies(
+    cache: &mut CacheManager,
+    outcome: impl Fn(&Transfer) -> Option<Result<(), TransferFailure>>,
+) -> (Vec<Transfer>, Vec<Transfer>) {
+    let (mut completed, mut held) = (Vec::new(), Vec::new());
     loop {
         let transfers = cache.take_transfers();
         if transfers.is_empty() {
-            return done;
+            return (completed, held);
         }
         for transfer in transfers {
-            cache.complete_transfer(transfer.id, Ok(())).unwrap();
+            match outcome(&transfer) {
+                Some(result) => {
+                    cache.complete_transfer(transfer.id, result).unwrap();
+                    completed.push(transfer);
+                }
+                None => held.push(transfer),
+            }
             check(cache);
-            done.push(transfer);
         }
     }
+}
+
+/// Completes every copy handed out, successfully, until none is left; returns them.
+pub fn complete_all(cache: &mut CacheManager) -> Vec<Transfer> {
+    settle_copies(cache, |_| Some(Ok(()))).0
+}
+
+/// Completes every copy handed out, successfully, but those `hold` picks, which it returns,
+/// unfinished; until no copy is left to hand out.
+pub fn complete_all_but(
+    cache: &mut CacheManager,
+    hold: impl Fn(&Transfer) -> bool,
+) -> Vec<Transfer> {
+    settle_copies(cache, |transfer| (!hold(transfer)).then_some(Ok(()))).1
 }
 
 /// The length of a prompt of `blocks` full blocks and one token more: the shortest prompt whose
@@ -83,29 +107,6 @@ pub fn serve_prompt(
     cache.finish(request).unwrap();
     check(cache);
     found
-}
-
-/// Completes every copy handed out, successfully, but those `hold` picks, which it returns,
-/// unfinished; until no copy is left to hand out.
-pub fn complete_all_but(
-    cache: &mut CacheManager,
-    hold: impl Fn(&Transfer) -> bool,
-) -> Vec<Transfer> {
-    let mut held = Vec::new();
-    loop {
-        let transfers = cache.take_transfers();
-        if transfers.is_empty() {
-            return held;
-        }
-        for transfer in transfers {
-            if hold(&transfer) {
-                held.push(transfer);
-            } else {
-                cache.complete_transfer(transfer.id, Ok(())).unwrap();
-            }
-            check(cache);
-        }
-    }
 }
 
 /// A whole storage command the tier failed (unreachable, timed out), as its owner reports it.
