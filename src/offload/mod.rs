@@ -10,6 +10,8 @@
 //!   shared-memory host tier.
 //! - [`host_tier`]: [`HostTier`], one rank's host tier segment and its jobs (in process, or by
 //!   a `kvshm worker` process over CUDA IPC handles, surviving its crashes).
+//! - [`shared`]: [`SharedTierIndex`], one host tier's keys shared by the engine instances of a
+//!   node: pins per instance, one eviction order over the tier, quotas.
 //! - [`key_table`]: which key each chunk of a persistent host tier holds, for warm restarts.
 //! - [`torch_ipc`]: reading the CUDA IPC handle bytes PyTorch exports for a tensor.
 //!
@@ -24,6 +26,7 @@ pub mod host_tier;
 pub mod key;
 pub mod key_table;
 pub mod manager;
+pub mod shared;
 pub mod tensor_memory;
 pub mod torch_ipc;
 pub mod transfer;
@@ -35,6 +38,9 @@ pub use host_tier::{
 pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
 pub use key_table::{KeyTable, TableEntry};
 pub use manager::{
-    EvictionOrder, LookupResult, OffloadConfig, OffloadError, OffloadEvent, OffloadManager,
-    OffloadStats, PreparedStore,
+    EvictionOrder, EvictionScope, LookupResult, OffloadConfig, OffloadError, OffloadEvent,
+    OffloadManager, OffloadStats, PreparedStore,
+};
+pub use shared::{
+    ClientId, ClientSummary, Released, SharedTierError, SharedTierIndex, TierIdentity,
 };

@@ -6,3 +6,4 @@ mod support;
 
 mod host_tier;
 mod manager;
+mod shared_tier;

@@ -114,6 +114,11 @@ impl OffloadManager {
         self.free_entries.push(id);
     }
 
+    /// Loads in progress on `key` (0 when it is not cached).
+    pub fn pins_of(&self, key: &OffloadKey) -> u32 {
+        self.find(key).map_or(0, |id| self.entries[id as usize].pins)
+    }
+
     /// The entry holding `key`.
     pub(super) fn find(&self, key: &OffloadKey) -> Option<u32> {
         find(&self.heads, &self.entries, key)

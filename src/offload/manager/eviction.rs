@@ -5,14 +5,41 @@
 //! longer names its entry as it is now is dropped when it reaches the top. One eviction
 //! ([`OffloadManager::evict`]) is a dry run first: it pops candidates, counting the children each
 //! parent would lose so that a parent left without children joins the candidates within the same
-//! eviction (under [`EvictionOrder::LeafFirst`]), and sets aside the keys it must spare; only when
+//! eviction (under [`EvictionOrder::LeafFirst`]), and sets aside the keys it must spare (the
+//! store's own keys, and keys outside its [`EvictionScope`]); only when
 //! it found enough are the victims removed, else every record goes back and nothing changes.
 
-use super::{find, EvictionOrder, OffloadManager, NONE};
+use super::{find, EvictionOrder, OffloadManager, PreparedStore, NONE};
 #[cfg(doc)]
 use crate::offload::candidates::Candidates;
 use crate::offload::candidates::Rank;
 use crate::offload::key::OffloadKey;
+
+/// Which keys a store may evict, and how many at least: the whole tier by default; a tier shared
+/// by several engines narrows it to one engine's chunks when that engine is at its quota
+/// ([`crate::offload::SharedTierIndex`]).
+#[derive(Clone, Copy, Default)]
+pub struct EvictionScope<'a> {
+    /// Evict at least this many keys, even when free chunks would do.
+    pub at_least: usize,
+    /// Evict only keys whose chunk this accepts (`None`: any key).
+    pub only: Option<&'a dyn Fn(u32) -> bool>,
+}
+
+impl EvictionScope<'_> {
+    fn allows(&self, chunk: u32) -> bool {
+        self.only.is_none_or(|only| only(chunk))
+    }
+}
+
+impl std::fmt::Debug for EvictionScope<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EvictionScope")
+            .field("at_least", &self.at_least)
+            .field("narrowed", &self.only.is_some())
+            .finish()
+    }
+}
 
 impl OffloadManager {
     /// A new rank for entry `id`, and a new candidate record if it is one.
@@ -54,13 +81,14 @@ impl OffloadManager {
         self.entries.get(id as usize).is_some_and(|entry| entry.live && entry.rank == rank)
     }
 
-    /// Evicts `count` candidates not among `protected` (module flow, step 4), appending their
-    /// keys to `evicted`; all or nothing.
+    /// Evicts `count` candidates within `scope` and not among `protected` (module flow, step 4),
+    /// appending their keys and chunks to `out`; all or nothing.
     pub(super) fn evict(
         &mut self,
         count: usize,
         protected: &[OffloadKey],
-        evicted: &mut Vec<OffloadKey>,
+        scope: EvictionScope<'_>,
+        out: &mut PreparedStore,
     ) -> bool {
         self.selected.clear();
         self.deferred.clear();
@@ -81,7 +109,7 @@ impl OffloadManager {
             if !self.is_candidate(id, gone) {
                 continue;
             }
-            if self.protected.contains(&id) {
+            if self.protected.contains(&id) || !scope.allows(self.entries[id as usize].chunk) {
                 self.deferred.push((rank, id));
                 continue;
             }
@@ -110,7 +138,8 @@ impl OffloadManager {
         }
         let selected = std::mem::take(&mut self.selected);
         for &(_, id) in &selected {
-            evicted.push(self.entries[id as usize].key);
+            out.evicted.push(self.entries[id as usize].key);
+            out.evicted_chunks.push(self.entries[id as usize].chunk);
             self.remove(id);
         }
         self.stats.evictions += selected.len() as u64;

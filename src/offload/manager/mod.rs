@@ -36,6 +36,7 @@ mod invariants;
 mod requests;
 
 use entries::{find, Entry};
+pub use eviction::EvictionScope;
 use requests::request_state;
 
 use super::candidates::{Candidates, Rank};
@@ -124,6 +125,8 @@ pub struct PreparedStore {
     pub chunks: Vec<u32>,
     /// Keys evicted to make room, in eviction order.
     pub evicted: Vec<OffloadKey>,
+    /// The chunk each evicted key held, in the same order.
+    pub evicted_chunks: Vec<u32>,
 }
 
 impl PreparedStore {
@@ -131,6 +134,7 @@ impl PreparedStore {
         self.to_store.clear();
         self.chunks.clear();
         self.evicted.clear();
+        self.evicted_chunks.clear();
     }
 }
 
@@ -376,6 +380,18 @@ impl OffloadManager {
         keys: &[OffloadKey],
         out: &mut PreparedStore,
     ) -> bool {
+        self.prepare_store_within(request, keys, EvictionScope::default(), out)
+    }
+
+    /// [`OffloadManager::prepare_store`], evicting only within `scope` (and at least as many
+    /// keys as it asks when there is anything to store).
+    pub fn prepare_store_within(
+        &mut self,
+        request: &str,
+        keys: &[OffloadKey],
+        scope: EvictionScope<'_>,
+        out: &mut PreparedStore,
+    ) -> bool {
         out.clear();
         let tag_bytes = self.config.layout.tag_bytes;
         let state = request_state(&mut self.requests, request);
@@ -398,10 +414,9 @@ impl OffloadManager {
             self.link_presented(request, keys);
             return true;
         }
-        let free = self.pool.free_count();
-        if out.to_store.len() > free {
-            let needed = out.to_store.len() - free;
-            if !self.evict(needed, keys, &mut out.evicted) {
+        let needed = out.to_store.len().saturating_sub(self.pool.free_count()).max(scope.at_least);
+        if needed > 0 {
+            if !self.evict(needed, keys, scope, out) {
                 self.stats.stores_refused += 1;
                 out.to_store.clear();
                 return false;

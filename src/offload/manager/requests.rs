@@ -29,6 +29,14 @@ impl RequestKeys {
 }
 
 impl OffloadManager {
+    /// Records the cached keys among `keys` as links of `request`'s chains, storing nothing: the
+    /// next key it stores in a chain is linked under the last of them (an engine storing a block
+    /// whose parent was stored earlier, by another request or another engine).
+    pub fn present(&mut self, request: &str, keys: &[OffloadKey]) {
+        request_state(&mut self.requests, request);
+        self.link_presented(request, keys);
+    }
+
     /// Records keys of a store that were all cached already as links of the request's chains.
     pub(super) fn link_presented(&mut self, request: &str, keys: &[OffloadKey]) {
         let tag_bytes = self.config.layout.tag_bytes;

@@ -1,0 +1,95 @@
+//! [`SharedTierIndex::check_invariants`]: the client layer agrees with the manager under it,
+//! checked from scratch (tests call it after every operation).
+
+use std::collections::HashMap;
+
+use super::{SharedTierIndex, NO_OWNER};
+use crate::offload::key::OffloadKey;
+use crate::offload::manager::LookupResult;
+
+impl SharedTierIndex {
+    /// Checks the manager's invariants and the clients' agreement with it; a violation is a bug
+    /// in this module.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.manager.check_invariants()?;
+        let mut chunk_keys: HashMap<u32, (OffloadKey, bool)> = HashMap::new();
+        for (key, ready) in self.manager.keys() {
+            let chunk = self.manager.chunk_of(&key).ok_or("a listed key has no chunk")?;
+            chunk_keys.insert(chunk, (key, ready));
+        }
+        let mut charged = vec![0u32; self.clients.len()];
+        for (chunk, &owner) in (0u32..).zip(&self.owners) {
+            if owner == NO_OWNER {
+                continue;
+            }
+            if !chunk_keys.contains_key(&chunk) {
+                return Err(format!("free chunk {chunk} is charged to slot {owner}"));
+            }
+            match self.clients.get(owner as usize) {
+                Some(Some(_)) => charged[owner as usize] += 1,
+                _ => return Err(format!("chunk {chunk} is charged to empty slot {owner}")),
+            }
+        }
+        let mut pins: HashMap<OffloadKey, u32> = HashMap::new();
+        let mut storing = 0;
+        for (slot, client) in self.clients.iter().enumerate() {
+            let Some(client) = client else { continue };
+            if client.id.slot as usize != slot {
+                return Err(format!("client {:?} sits in slot {slot}", client.id));
+            }
+            if client.charged != charged[slot] {
+                return Err(format!(
+                    "client {:?} counts {} chunks, {} are charged to it",
+                    client.id, client.charged, charged[slot]
+                ));
+            }
+            if client.quota.is_some_and(|quota| client.charged > quota) {
+                return Err(format!(
+                    "client {:?} holds {} chunks over its quota",
+                    client.id, client.charged
+                ));
+            }
+            for (key, &count) in &client.loads {
+                if count == 0 {
+                    return Err(format!("client {:?} keeps a load count of 0", client.id));
+                }
+                *pins.entry(*key).or_insert(0) += count;
+            }
+            for key in &client.stores {
+                let chunk = self.manager.chunk_of(key);
+                if self.manager.peek(key) != LookupResult::HitPending
+                    || chunk.is_none_or(|chunk| self.owners[chunk as usize] != slot as u32)
+                {
+                    return Err(format!(
+                        "{key:?} stored by {:?} is not pending in its chunk",
+                        client.id
+                    ));
+                }
+                storing += 1;
+            }
+        }
+        for (chunk, (key, ready)) in &chunk_keys {
+            if self.manager.pins_of(key) != pins.get(key).copied().unwrap_or(0) {
+                return Err(format!(
+                    "{key:?} has {} pins, its clients hold {:?}",
+                    self.manager.pins_of(key),
+                    pins.get(key)
+                ));
+            }
+            if !ready && self.owners[*chunk as usize] == NO_OWNER {
+                return Err(format!("{key:?} is being stored by no client"));
+            }
+        }
+        if pins
+            .keys()
+            .any(|key| !chunk_keys.contains_key(&self.manager.chunk_of(key).unwrap_or(u32::MAX)))
+        {
+            return Err("a client holds a load of a key not in the tier".into());
+        }
+        let pending = chunk_keys.values().filter(|(_, ready)| !ready).count();
+        if pending != storing {
+            return Err(format!("{pending} keys pending, clients are storing {storing}"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,462 @@
+//! [`SharedTierIndex`]: one host tier's keys, shared by several engine instances (its clients)
+//! on one node, with pins per client, one eviction order over the whole tier and optional quotas
+//! per client.
+//!
+//! The index decides; the clients move the bytes (each copies between its own KV tensors and the
+//! tier's shared arena, at the chunks the index names). It is [`OffloadManager`] with a client
+//! layer on top: the manager keeps the keys, their chunks, the loads in progress and the
+//! leaf-first LRU order over every key of the tier, whoever stored it; this module keeps who
+//! pinned what, which client each chunk is charged to, and the clients' requests. The same type
+//! serves in process (`kvshm replay --instances`) and, owned by one process, across processes
+//! (DESIGN §12).
+//!
+//! One request of client `C`, batched as an engine asks, in prefix order:
+//! 1. [`SharedTierIndex::acquire_prefix`]: the leading keys that are loadable, pinned for `C`,
+//!    and their chunks; `C` copies them into its device blocks;
+//! 2. [`SharedTierIndex::release_loads`] once those copies are done;
+//! 3. [`SharedTierIndex::prepare_store`] for the blocks `C` computed: chunks for the keys the
+//!    tier lacks, evicting the least recently used keys of the whole tier, or only `C`'s own
+//!    when `C` is at its quota; the new keys are pending, and charged to `C`;
+//! 4. [`SharedTierIndex::complete_store`] once `C` has written them (or failed to);
+//! 5. [`SharedTierIndex::finish_request`]: the keys the request used become the most recent.
+//!
+//! [`SharedTierIndex::release_client`] ends a client (it detached, or died): its pins go, its
+//! pending stores are dropped (their bytes may be partial), its requests end, and its stored keys
+//! stay in the tier, charged to no one.
+
+mod identity;
+mod invariants;
+
+use std::collections::{HashMap, HashSet};
+
+use serde::Serialize;
+
+pub use identity::TierIdentity;
+
+use super::key::{BuildPassThrough, OffloadKey};
+use super::manager::{
+    EvictionScope, LookupResult, OffloadConfig, OffloadError, OffloadManager, OffloadStats,
+    PreparedStore,
+};
+
+/// The most clients one tier serves at once.
+pub const MAX_CLIENTS: usize = 256;
+
+/// `owners` of a chunk charged to no client.
+const NO_OWNER: u32 = u32::MAX;
+
+/// One attached client: its slot, and which attach of that slot (a slot reused after a client
+/// left gets a new generation, so the old id is refused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct ClientId {
+    pub slot: u32,
+    pub generation: u32,
+}
+
+/// Why the index refused a call. Nothing changed in either case.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SharedTierError {
+    #[error("the tier holds blocks of {field} {tier:?} and the client's have {client:?}: they would not be interchangeable")]
+    Mismatch { field: &'static str, tier: String, client: String },
+    #[error("the tier serves at most {MAX_CLIENTS} clients, all attached")]
+    NoFreeSlot,
+    #[error("client {client:?} is not attached")]
+    UnknownClient { client: ClientId },
+    #[error("client {client:?} has no load of {key:?} to release")]
+    NotPinnedByClient { client: ClientId, key: OffloadKey },
+    #[error(transparent)]
+    Offload(#[from] OffloadError),
+}
+
+/// What the index remembers of a client.
+#[derive(Debug)]
+struct Client {
+    id: ClientId,
+    name: String,
+    quota: Option<u32>,
+    /// Chunks charged to it: the keys it stored that are still in the tier.
+    charged: u32,
+    /// Loads in progress, per key (a key pinned twice counts two).
+    loads: HashMap<OffloadKey, u32, BuildPassThrough>,
+    /// Keys it is storing (prepared, not completed).
+    stores: HashSet<OffloadKey, BuildPassThrough>,
+    /// Its requests the manager is tracking, by the manager's name for them, oldest first (a
+    /// release ends them in this order).
+    requests: Vec<String>,
+}
+
+/// A client as `kvctl` lists it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ClientSummary {
+    pub id: ClientId,
+    pub name: String,
+    pub quota: Option<u32>,
+    /// Chunks charged to it.
+    pub chunks: u32,
+    /// Loads in progress.
+    pub pins: u32,
+    /// Keys being stored.
+    pub storing: u32,
+}
+
+/// What [`SharedTierIndex::release_client`] gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Released {
+    /// Loads in progress released.
+    pub pins: u32,
+    /// Pending stores dropped.
+    pub stores: u32,
+    /// Chunks that stay in the tier, charged to no one now.
+    pub chunks: u32,
+}
+
+/// One host tier shared by several clients (module flow).
+#[derive(Debug)]
+pub struct SharedTierIndex {
+    identity: TierIdentity,
+    manager: OffloadManager,
+    clients: Vec<Option<Client>>,
+    /// Per slot, the generation its next client gets.
+    generations: Vec<u32>,
+    /// Per chunk, the slot it is charged to, or `NO_OWNER`.
+    owners: Vec<u32>,
+    /// Scratch: the manager's name of the request of the call in progress, and keys counted.
+    request_name: String,
+    distinct: HashSet<OffloadKey, BuildPassThrough>,
+    keys_scratch: Vec<OffloadKey>,
+}
+
+impl SharedTierIndex {
+    /// An empty tier of `config.chunks` chunks for blocks of `identity`.
+    pub fn new(identity: TierIdentity, config: OffloadConfig) -> Result<Self, SharedTierError> {
+        let manager = OffloadManager::new(config)?;
+        Ok(SharedTierIndex {
+            identity,
+            owners: vec![NO_OWNER; config.chunks as usize],
+            manager,
+            clients: Vec::new(),
+            generations: Vec::new(),
+            request_name: String::new(),
+            distinct: HashSet::default(),
+            keys_scratch: Vec::new(),
+        })
+    }
+
+    pub fn identity(&self) -> &TierIdentity {
+        &self.identity
+    }
+
+    /// Attaches a client whose blocks are `identity`'s, holding at most `quota` chunks if given.
+    ///
+    /// # Errors
+    /// [`SharedTierError::Mismatch`] when `identity` differs from the tier's in any field,
+    /// [`SharedTierError::NoFreeSlot`] when [`MAX_CLIENTS`] are attached.
+    pub fn attach(
+        &mut self,
+        identity: &TierIdentity,
+        name: &str,
+        quota: Option<u32>,
+    ) -> Result<ClientId, SharedTierError> {
+        self.identity.check_attach(identity)?;
+        let slot = match self.clients.iter().position(Option::is_none) {
+            Some(slot) => slot,
+            None if self.clients.len() < MAX_CLIENTS => {
+                self.clients.push(None);
+                self.generations.push(0);
+                self.clients.len() - 1
+            }
+            None => return Err(SharedTierError::NoFreeSlot),
+        };
+        let id = ClientId { slot: slot as u32, generation: self.generations[slot] };
+        self.generations[slot] = self.generations[slot].wrapping_add(1);
+        self.clients[slot] = Some(Client {
+            id,
+            name: name.to_owned(),
+            quota,
+            charged: 0,
+            loads: HashMap::default(),
+            stores: HashSet::default(),
+            requests: Vec::new(),
+        });
+        Ok(id)
+    }
+
+    fn client(&self, id: ClientId) -> Result<&Client, SharedTierError> {
+        match self.clients.get(id.slot as usize) {
+            Some(Some(client)) if client.id == id => Ok(client),
+            _ => Err(SharedTierError::UnknownClient { client: id }),
+        }
+    }
+
+    fn client_mut(&mut self, id: ClientId) -> Result<&mut Client, SharedTierError> {
+        match self.clients.get_mut(id.slot as usize) {
+            Some(Some(client)) if client.id == id => Ok(client),
+            _ => Err(SharedTierError::UnknownClient { client: id }),
+        }
+    }
+
+    /// Sets `request_name` to the manager's name of `client`'s `request` and records it.
+    fn name_request(&mut self, client: ClientId, request: &str) -> Result<(), SharedTierError> {
+        use std::fmt::Write;
+        self.request_name.clear();
+        write!(self.request_name, "{}/{}/{request}", client.slot, client.generation)
+            .expect("writing to a String cannot fail");
+        self.client(client)?;
+        let state = self.clients[client.slot as usize].as_mut().expect("checked above");
+        if !state.requests.contains(&self.request_name) {
+            state.requests.push(self.request_name.clone());
+        }
+        Ok(())
+    }
+
+    /// Module flow, step 1: pins for `client` the leading keys of `keys` that are loadable
+    /// (up to the first that is missing or still being stored), writes their chunks to
+    /// `chunks`, and returns how many.
+    pub fn acquire_prefix(
+        &mut self,
+        client: ClientId,
+        request: &str,
+        keys: &[OffloadKey],
+        chunks: &mut Vec<u32>,
+    ) -> Result<usize, SharedTierError> {
+        self.client(client)?;
+        self.name_request(client, request)?;
+        let name = self.request_name.as_str();
+        let hits = keys
+            .iter()
+            .take_while(|key| self.manager.lookup(name, key) == LookupResult::Hit)
+            .count();
+        chunks.clear();
+        if hits == 0 {
+            return Ok(0);
+        }
+        self.manager.prepare_load(name, &keys[..hits], chunks)?;
+        let loads = &mut self.client_mut(client)?.loads;
+        for key in &keys[..hits] {
+            *loads.entry(*key).or_insert(0) += 1;
+        }
+        Ok(hits)
+    }
+
+    /// Module flow, step 2: ends `client`'s loads of `keys` (one pin each; all or none).
+    ///
+    /// # Errors
+    /// [`SharedTierError::NotPinnedByClient`] when `client` holds fewer loads of a key than
+    /// `keys` names it (another client's pins are not its to release).
+    pub fn release_loads(
+        &mut self,
+        client: ClientId,
+        keys: &[OffloadKey],
+    ) -> Result<(), SharedTierError> {
+        let state = self.client(client)?;
+        let mut wanted: HashMap<OffloadKey, u32, BuildPassThrough> = HashMap::default();
+        for key in keys {
+            let count = wanted.entry(*key).or_insert(0);
+            *count += 1;
+            if state.loads.get(key).copied().unwrap_or(0) < *count {
+                return Err(SharedTierError::NotPinnedByClient { client, key: *key });
+            }
+        }
+        self.manager.complete_load(keys)?;
+        let loads = &mut self.client_mut(client)?.loads;
+        for (key, count) in wanted {
+            let held = loads.get_mut(&key).expect("checked above");
+            *held -= count;
+            if *held == 0 {
+                loads.remove(&key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Module flow, step 3: chunks for the keys of `keys` the tier lacks, stored on behalf of
+    /// `client`'s `request` (see [`OffloadManager::prepare_store`]). A client at its quota
+    /// evicts its own least recently used keys to make room; any other evicts the least
+    /// recently used keys of the whole tier. Returns `false`, storing nothing, when not enough
+    /// can be evicted.
+    pub fn prepare_store(
+        &mut self,
+        client: ClientId,
+        request: &str,
+        keys: &[OffloadKey],
+        out: &mut PreparedStore,
+    ) -> Result<bool, SharedTierError> {
+        let (quota, charged) = {
+            let state = self.client(client)?;
+            (state.quota, state.charged as usize)
+        };
+        self.distinct.clear();
+        for key in keys {
+            if self.manager.peek(key) == LookupResult::Miss {
+                self.distinct.insert(*key);
+            }
+        }
+        let new_keys = self.distinct.len();
+        let over_quota =
+            quota.map_or(0, |quota| (charged + new_keys).saturating_sub(quota as usize));
+        self.name_request(client, request)?;
+        let owners = &self.owners;
+        let own_chunk = |chunk: u32| owners[chunk as usize] == client.slot;
+        let scope = if over_quota > 0 {
+            EvictionScope { at_least: over_quota, only: Some(&own_chunk) }
+        } else {
+            EvictionScope::default()
+        };
+        let stored = self.manager.prepare_store_within(&self.request_name, keys, scope, out);
+        if !stored {
+            return Ok(false);
+        }
+        for &chunk in &out.evicted_chunks {
+            self.discharge(chunk);
+        }
+        let state = self.clients[client.slot as usize].as_mut().expect("checked above");
+        for (&index, &chunk) in out.to_store.iter().zip(&out.chunks) {
+            self.owners[chunk as usize] = client.slot;
+            state.charged += 1;
+            state.stores.insert(keys[index as usize]);
+        }
+        Ok(true)
+    }
+
+    /// Charges `chunk` to no one any more.
+    fn discharge(&mut self, chunk: u32) {
+        let owner = std::mem::replace(&mut self.owners[chunk as usize], NO_OWNER);
+        if owner != NO_OWNER {
+            let state = self.clients[owner as usize]
+                .as_mut()
+                .expect("a chunk is charged to an attached client: a programming error otherwise");
+            state.charged -= 1;
+        }
+    }
+
+    /// Module flow, step 4: makes `client`'s stores of `keys` loadable (`success`) or drops
+    /// them. Keys `client` is not storing are skipped (a duplicate completion changes nothing,
+    /// and one client cannot complete another's store).
+    pub fn complete_store(
+        &mut self,
+        client: ClientId,
+        keys: &[OffloadKey],
+        success: bool,
+    ) -> Result<(), SharedTierError> {
+        let mut mine = std::mem::take(&mut self.keys_scratch);
+        mine.clear();
+        match self.client_mut(client) {
+            Ok(state) => mine.extend(keys.iter().filter(|key| state.stores.remove(*key))),
+            Err(error) => {
+                self.keys_scratch = mine;
+                return Err(error);
+            }
+        }
+        if !success {
+            for key in &mine {
+                let chunk = self.manager.chunk_of(key).expect("a pending store is cached");
+                self.discharge(chunk);
+            }
+        }
+        self.manager.complete_store(&mine, success);
+        self.keys_scratch = mine;
+        Ok(())
+    }
+
+    /// Module flow, step 5: ends `client`'s `request`; the keys it loaded and stored become the
+    /// most recently used, its head most of all.
+    pub fn finish_request(
+        &mut self,
+        client: ClientId,
+        request: &str,
+    ) -> Result<(), SharedTierError> {
+        self.name_request(client, request)?;
+        let name = std::mem::take(&mut self.request_name);
+        self.client_mut(client)?.requests.retain(|live| *live != name);
+        let finished = self.manager.on_request_finished(&name, None);
+        self.request_name = name;
+        finished?;
+        Ok(())
+    }
+
+    /// Records that the next key `client`'s `request` stores follows `parent` (a block stored
+    /// after its parent left the engine by another way, such as an eviction from the device).
+    pub fn link_parent(
+        &mut self,
+        client: ClientId,
+        request: &str,
+        parent: &OffloadKey,
+    ) -> Result<(), SharedTierError> {
+        self.name_request(client, request)?;
+        self.manager.present(&self.request_name, std::slice::from_ref(parent));
+        Ok(())
+    }
+
+    /// Ends `client` (detached, or found dead): releases its loads, drops its pending stores,
+    /// ends its requests, and leaves its stored keys in the tier charged to no one.
+    pub fn release_client(&mut self, client: ClientId) -> Result<Released, SharedTierError> {
+        self.client(client)?;
+        let state = self.clients[client.slot as usize].take().expect("checked above");
+        let mut loads = Vec::new();
+        for (key, &count) in &state.loads {
+            loads.extend(std::iter::repeat_n(*key, count as usize));
+        }
+        self.manager
+            .complete_load(&loads)
+            .expect("a client's loads are pinned in the manager: a programming error otherwise");
+        let stores: Vec<OffloadKey> = state.stores.iter().copied().collect();
+        for key in &stores {
+            let chunk = self.manager.chunk_of(key).expect("a pending store is cached");
+            self.owners[chunk as usize] = NO_OWNER;
+        }
+        self.manager.complete_store(&stores, false);
+        for name in &state.requests {
+            self.manager.on_request_finished(name, None)?;
+        }
+        let mut chunks = 0;
+        for owner in &mut self.owners {
+            if *owner == client.slot {
+                *owner = NO_OWNER;
+                chunks += 1;
+            }
+        }
+        Ok(Released { pins: loads.len() as u32, stores: stores.len() as u32, chunks })
+    }
+
+    /// The attached clients, for `kvctl`.
+    pub fn clients(&self) -> Vec<ClientSummary> {
+        self.clients
+            .iter()
+            .flatten()
+            .map(|client| ClientSummary {
+                id: client.id,
+                name: client.name.clone(),
+                quota: client.quota,
+                chunks: client.charged,
+                pins: client.loads.values().sum(),
+                storing: client.stores.len() as u32,
+            })
+            .collect()
+    }
+
+    /// Whether `key` is loadable, without counting a lookup.
+    pub fn peek(&self, key: &OffloadKey) -> LookupResult {
+        self.manager.peek(key)
+    }
+
+    /// The client `key`'s chunk is charged to, if any.
+    pub fn owner_of(&self, key: &OffloadKey) -> Option<ClientId> {
+        let chunk = self.manager.chunk_of(key)?;
+        let owner = self.owners[chunk as usize];
+        (owner != NO_OWNER).then(|| self.clients[owner as usize].as_ref().expect("attached").id)
+    }
+
+    /// Keys in the tier (stored or being stored).
+    pub fn len(&self) -> usize {
+        self.manager.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.manager.is_empty()
+    }
+
+    /// The tier's counters (the manager's: lookups, stores, evictions over every client).
+    pub fn stats(&self) -> OffloadStats {
+        self.manager.stats()
+    }
+}
