@@ -192,6 +192,37 @@ fn replay_refuses_pools_the_machine_cannot_hold() {
 }
 
 #[test]
+fn replay_refuses_instance_options_it_cannot_model() {
+    let trace = trace_with("instances", "1000", "10");
+    let path = trace.to_str().unwrap();
+    let base = ["replay", "--trace", path, "--device-blocks", "64", "--host-blocks", "64"];
+    let with = |extra: &[&'static str]| [&base[..], extra].concat();
+    refused_saying(&with(&["--shared-host-tier"]), &["--shared-host-tier", "--instances"]);
+    refused_saying(&with(&["--route", "sticky"]), &["--route", "--instances"]);
+    refused_saying(&with(&["--instances", "0"]), &["--instances"]);
+    refused_saying(&with(&["--instances", "4294967295"]), &["--instances"]);
+    refused_saying(&with(&["--instances", "128"]), &["--host-blocks", "128 tiers"]);
+    refused_saying(&with(&["--instances", "2", "--host-quota", "8"]), &["--host-quota"]);
+    refused_saying(
+        &with(&["--instances", "2", "--write-policy", "write_through_selective:2"]),
+        &["write_back or write_through"],
+    );
+    refused_saying(
+        &with(&["--instances", "2", "--eviction", "optimal"]),
+        &["--eviction optimal", "--instances"],
+    );
+    refused_saying(
+        &[
+            &base[..3],
+            &["--device-blocks", "10000000", "--host-blocks", "64", "--instances", "4096"],
+        ]
+        .concat(),
+        &["4096 instances"],
+    );
+    std::fs::remove_file(trace).unwrap();
+}
+
+#[test]
 fn bench_tier_refuses_sizes_it_cannot_hold() {
     refused_saying(&["bench", "tier", "--gib", "0"], &["--gib"]);
     refused_saying(&["bench", "tier", "--gib", "1,4096"], &["--gib"]);

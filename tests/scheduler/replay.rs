@@ -89,3 +89,32 @@ fn the_eviction_policy_is_chosen_by_name_and_an_unknown_one_is_refused() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("unknown eviction policy") && stderr.contains("lru"), "{stderr}");
 }
+
+/// The trace slice over 4 instances with host tiers of 2,000 blocks in all, per instance or
+/// shared: (hit tokens, host hit blocks).
+fn over_instances(route: &str, shared: bool, policy: &str) -> (u64, u64) {
+    let mut args = vec!["--device-blocks", "100", "--host-blocks", "2000", "--instances", "4"];
+    args.extend(["--route", route, "--write-policy", policy]);
+    if shared {
+        args.push("--shared-host-tier");
+    }
+    let report = replay(&args);
+    assert_eq!(report["requests"], 300);
+    assert_eq!(report["shared_host_tier"], shared);
+    let rate = report["hit_rate_tokens"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&rate), "{report}");
+    (report["hit_tokens"].as_u64().unwrap(), report["host_hit_blocks"].as_u64().unwrap())
+}
+
+#[test]
+fn a_shared_host_tier_hits_turns_that_land_on_other_instances() {
+    for policy in ["write_back", "write_through"] {
+        let (own, own_host) = over_instances("round-robin", false, policy);
+        let (shared, shared_host) = over_instances("round-robin", true, policy);
+        assert!(shared > own && shared_host > own_host, "{policy}: {shared} vs {own}");
+    }
+    // Written through, every computed block is in the one tier whichever instance asks.
+    let (round_robin, _) = over_instances("round-robin", true, "write_through");
+    let (random, _) = over_instances("random", true, "write_through");
+    assert_eq!(round_robin, random);
+}

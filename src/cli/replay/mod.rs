@@ -28,6 +28,7 @@
 //! [`reference_lru`] replays the same rules through a plain LRU cache of blocks, the reference
 //! the figures are compared with.
 
+mod instances;
 mod reference;
 
 use std::path::PathBuf;
@@ -44,6 +45,9 @@ use crate::manager::{
 use crate::percentiles::Percentiles;
 use crate::trace::{read_trace, TraceRequest};
 
+pub use instances::{
+    replay_instances, InstanceArgs, InstanceConfig, InstanceReplayer, InstancesReport, Route,
+};
 pub use reference::{reference_lru, ReferenceLru};
 
 #[derive(Debug, clap::Args)]
@@ -94,6 +98,8 @@ pub struct Args {
     /// Print one JSON object instead of a summary.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub instances: InstanceArgs,
 }
 
 /// What a replay measured.
@@ -384,6 +390,10 @@ fn check(args: &Args) -> anyhow::Result<()> {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     check(&args)?;
+    if args.instances.instances.is_some() {
+        return instances::run(&args);
+    }
+    instances::refuse_without_instances(&args.instances)?;
     let requests = read_trace(&args.trace, args.limit)?;
     let config = CacheConfig::new(args.block_tokens, args.device_blocks)
         .with_host_blocks(args.host_blocks)
