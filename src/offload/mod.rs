@@ -42,5 +42,6 @@ pub use manager::{
     OffloadManager, OffloadStats, PreparedStore,
 };
 pub use shared::{
-    ClientId, ClientSummary, Released, SharedTierError, SharedTierIndex, TierIdentity,
+    AttachError, ClientId, ClientProcess, ClientSummary, Reaped, Released, SharedTierError,
+    SharedTierIndex, TierIdentity, TierOwner, SWEEP_INTERVAL,
 };

@@ -7,3 +7,4 @@ mod support;
 mod host_tier;
 mod manager;
 mod shared_tier;
+mod tier_owner;

@@ -22,16 +22,19 @@
 //!
 //! [`SharedTierIndex::release_client`] ends a client (it detached, or died): its pins go, its
 //! pending stores are dropped (their bytes may be partial), its requests end, and its stored keys
-//! stay in the tier, charged to no one.
+//! stay in the tier, charged to no one. [`TierOwner`] (`owner.rs`) is the owner process's side:
+//! the index and a handle on each client's process, releasing the clients that died.
 
 mod identity;
 mod invariants;
+mod owner;
 
 use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
 pub use identity::TierIdentity;
+pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
 
 use super::key::{BuildPassThrough, OffloadKey};
 use super::manager::{

@@ -1,0 +1,98 @@
+//! The tier owner's side of its clients (`TierOwner`), with real processes: a client killed
+//! with SIGKILL has its pins and partial stores released at the owner's next sweep, and no other
+//! client loses a block.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use kvshm::offload::{
+    AttachError, LookupResult, OffloadConfig, OffloadKey, PreparedStore, SharedTierIndex,
+    TierIdentity, TierOwner, SWEEP_INTERVAL,
+};
+use kvshm_ipc::liveness::ProcessIdentity;
+
+fn identity() -> TierIdentity {
+    TierIdentity {
+        model: "org/tiny-llama".into(),
+        kv_dtype: "float16".into(),
+        block_tokens: 16,
+        block_bytes: 65_536,
+        blocks_per_chunk: 1,
+        layout: "groups [0..32]; tp 1 pp 1".into(),
+    }
+}
+
+fn keys(blocks: &[u8]) -> Vec<OffloadKey> {
+    blocks.iter().map(|&block| OffloadKey::new(&[block; 16]).unwrap()).collect()
+}
+
+/// A process standing for an engine instance.
+fn engine() -> (Child, ProcessIdentity) {
+    let child = Command::new("sleep").arg("60").spawn().expect("sleep runs");
+    let identity = ProcessIdentity::of_pid(child.id()).expect("the child runs");
+    (child, identity)
+}
+
+#[test]
+fn a_client_killed_mid_load_and_mid_store_is_released_and_the_others_keep_their_blocks() {
+    let mut owner =
+        TierOwner::new(SharedTierIndex::new(identity(), OffloadConfig::new(8)).unwrap());
+    let (mut doomed_process, doomed_identity) = engine();
+    let (mut survivor_process, survivor_identity) = engine();
+    let survivor = owner.attach_process(&identity(), "survivor", None, survivor_identity).unwrap();
+    let doomed = owner.attach_process(&identity(), "doomed", None, doomed_identity).unwrap();
+    let mut out = PreparedStore::default();
+    let index = owner.index();
+    assert!(index.prepare_store(survivor, "s", &keys(&[1, 2]), &mut out).unwrap());
+    index.complete_store(survivor, &keys(&[1, 2]), true).unwrap();
+    // The doomed client loads the survivor's blocks and stores two of its own.
+    assert_eq!(index.acquire_prefix(doomed, "d", &keys(&[1, 2]), &mut Vec::new()).unwrap(), 2);
+    assert!(index.prepare_store(doomed, "d", &keys(&[1, 2, 3, 4]), &mut out).unwrap());
+    index.check_invariants().unwrap();
+    let mut reaped = Vec::new();
+    owner.reap(&mut reaped);
+    assert!(reaped.is_empty(), "both clients live");
+
+    doomed_process.kill().unwrap(); // SIGKILL
+    let killed = Instant::now();
+    while reaped.is_empty() && killed.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(SWEEP_INTERVAL);
+        owner.reap(&mut reaped);
+    }
+    eprintln!("released {:?} after the SIGKILL", killed.elapsed());
+    assert_eq!(reaped.len(), 1, "the killed client is released");
+    assert_eq!((reaped[0].client, reaped[0].pid), (doomed, doomed_identity.pid));
+    assert_eq!((reaped[0].released.pins, reaped[0].released.stores), (2, 2));
+    let index = owner.index();
+    index.check_invariants().unwrap();
+    assert_eq!(index.peek(&keys(&[3])[0]), LookupResult::Miss, "a partial store is never a hit");
+    for key in keys(&[1, 2]) {
+        assert_eq!(index.peek(&key), LookupResult::Hit, "the survivor's blocks stay");
+    }
+    // Its pins are gone: the survivor's blocks can be evicted again.
+    assert!(index
+        .prepare_store(survivor, "t", &keys(&[10, 11, 12, 13, 14, 15, 16]), &mut out)
+        .unwrap());
+    assert_eq!(out.evicted.len(), 1, "{out:?}");
+    let listed = owner.clients();
+    assert_eq!(listed.len(), 1);
+    assert_eq!((listed[0].pid, listed[0].summary.id), (survivor_identity.pid, survivor));
+    doomed_process.wait().unwrap();
+    survivor_process.kill().unwrap();
+    survivor_process.wait().unwrap();
+    owner.reap(&mut reaped);
+    assert_eq!(reaped.len(), 2);
+    assert!(owner.clients().is_empty());
+}
+
+#[test]
+fn a_process_that_is_gone_cannot_attach() {
+    let mut owner =
+        TierOwner::new(SharedTierIndex::new(identity(), OffloadConfig::new(4)).unwrap());
+    let (mut process, process_identity) = engine();
+    process.kill().unwrap();
+    process.wait().unwrap();
+    let refused = owner.attach_process(&identity(), "late", None, process_identity).unwrap_err();
+    assert!(matches!(refused, AttachError::Process(_)), "{refused}");
+    assert!(owner.clients().is_empty() && owner.index().clients().is_empty());
+}
