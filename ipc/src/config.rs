@@ -175,6 +175,8 @@ pub enum ConfigError {
     UnknownBackend { code: u32 },
     #[error("unknown copy engine code {code} (0: workers, 1: the engine's process)")]
     UnknownCopies { code: u32 },
+    #[error("unknown segment kind code {code} (0: a kvshm scheduler's, 1: an engine's host tier)")]
+    UnknownKind { code: u32 },
     #[error("reserved configuration words must be zero")]
     ReservedNotZero,
     #[error("a {tier} arena of {blocks} blocks x {regions} regions x {region_bytes} bytes does not fit in memory")]
@@ -217,8 +219,13 @@ pub struct SegmentConfig {
     /// [`SegmentConfig::COPIES_IN_ENGINE`] (the engine's own process, in process: no worker
     /// attaches; vLLM's offloading worker with CPU tensors).
     pub copies: u32,
-    /// Zero; room for later fields within this layout version.
-    pub reserved: [u32; 2],
+    /// Whose decisions the segment serves: [`SegmentConfig::KIND_SCHEDULER`] (a kvshm scheduler
+    /// keeps the prefix cache and decides evictions and write-backs by `write_policy`) or
+    /// [`SegmentConfig::KIND_ENGINE_HOST_TIER`] (an engine keeps its own device cache and decides
+    /// what to store; `write_policy` is unused). Tools describe the two apart.
+    pub kind: u32,
+    /// Zero; room for a later field within this layout version.
+    pub reserved: u32,
 }
 
 const _: () = assert!(size_of::<SegmentConfig>() == 64);
@@ -240,7 +247,8 @@ impl Default for SegmentConfig {
             completion_ring_slots: 64,
             backend: Backend::HOST_ARENA,
             copies: SegmentConfig::COPIES_BY_WORKERS,
-            reserved: [0; 2],
+            kind: SegmentConfig::KIND_SCHEDULER,
+            reserved: 0,
         }
     }
 }
@@ -250,6 +258,10 @@ impl SegmentConfig {
     pub const COPIES_BY_WORKERS: u32 = 0;
     /// `copies`: the engine's process copies in process; no worker attaches.
     pub const COPIES_IN_ENGINE: u32 = 1;
+    /// `kind`: a kvshm scheduler's segment (`Service`).
+    pub const KIND_SCHEDULER: u32 = 0;
+    /// `kind`: an engine's host tier (vLLM's offloading connector through `HostTier`).
+    pub const KIND_ENGINE_HOST_TIER: u32 = 1;
 
     /// Checks every field and every size derived from them.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -284,7 +296,10 @@ impl SegmentConfig {
         if self.copies > Self::COPIES_IN_ENGINE {
             return Err(ConfigError::UnknownCopies { code: self.copies });
         }
-        if self.reserved != [0; 2] {
+        if self.kind > Self::KIND_ENGINE_HOST_TIER {
+            return Err(ConfigError::UnknownKind { code: self.kind });
+        }
+        if self.reserved != 0 {
             return Err(ConfigError::ReservedNotZero);
         }
         self.arena_bytes("device", self.device_blocks)?;
@@ -404,7 +419,8 @@ mod tests {
             ),
             (SegmentConfig { backend: 5, ..base }, ConfigError::UnknownBackend { code: 5 }),
             (SegmentConfig { copies: 2, ..base }, ConfigError::UnknownCopies { code: 2 }),
-            (SegmentConfig { reserved: [0, 1], ..base }, ConfigError::ReservedNotZero),
+            (SegmentConfig { kind: 2, ..base }, ConfigError::UnknownKind { code: 2 }),
+            (SegmentConfig { reserved: 1, ..base }, ConfigError::ReservedNotZero),
         ];
         for (config, expected) in cases {
             assert_eq!(config.validate(), Err(expected));

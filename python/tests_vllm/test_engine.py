@@ -145,6 +145,8 @@ def check_counts(hit_tokens: int, metrics: dict[str, float], kvctl: dict[str, An
     # The tiny model: 2 layers, one KV tensor each, 32-token blocks, copies in vLLM's worker.
     assert (config["block_tokens"], config["layers"], config["regions"]) == (32, 2, 2)
     assert config["backend"] == "in_process"
+    # vLLM decides what is stored: the tier says so, and claims no write policy.
+    assert (config["kind"], config["write_policy"]) == ("engine_host_tier", None)
 
 
 def test_offline_outputs_are_identical_and_kvshm_hits_are_counted_alike(

@@ -222,6 +222,7 @@ impl HostTier {
                 TierEngine::InProcess(_) => SegmentConfig::COPIES_IN_ENGINE,
                 TierEngine::Workers(_) => SegmentConfig::COPIES_BY_WORKERS,
             },
+            kind: SegmentConfig::KIND_ENGINE_HOST_TIER,
             ..SegmentConfig::default()
         };
         let config = TransportConfig {

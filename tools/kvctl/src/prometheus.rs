@@ -167,10 +167,14 @@ pub fn write(report: &StatReport, out: &mut dyn Write) -> io::Result<()> {
         )?;
     }
     let config = &report.config;
+    let policy = config
+        .write_policy
+        .as_deref()
+        .map_or_else(String::new, |policy| format!(",write_policy=\"{}\"", escape_label(policy)));
     let info = format!(
-        "{segment},backend=\"{}\",write_policy=\"{}\",tp_size=\"{}\",block_tokens=\"{}\"",
+        "{segment},kind=\"{}\",backend=\"{}\"{policy},tp_size=\"{}\",block_tokens=\"{}\"",
+        escape_label(&config.kind),
         escape_label(&config.backend),
-        escape_label(&config.write_policy),
         config.tp_size,
         config.block_tokens
     );

@@ -36,7 +36,11 @@ pub struct ConfigReport {
     pub region_bytes: u64,
     /// `regions * region_bytes`: one block on one rank.
     pub block_bytes: u64,
-    pub write_policy: String,
+    /// Whose segment it is: `scheduler` (a kvshm scheduler decides evictions and write-backs)
+    /// or `engine_host_tier` (an engine keeps its own cache and decides what to store).
+    pub kind: String,
+    /// The scheduler's write policy; `None` for an engine's host tier, where nothing applies one.
+    pub write_policy: Option<String>,
     /// The hit count at which `write_through_selective` backs a node up.
     pub write_threshold: Option<u32>,
     pub backend: String,
@@ -48,6 +52,7 @@ impl ConfigReport {
     pub fn new(config: &SegmentConfig) -> ConfigReport {
         // The header validated on attach, so the codes decode; still, never panic on them.
         let write_policy = config.write_policy();
+        let engine_host_tier = config.kind == SegmentConfig::KIND_ENGINE_HOST_TIER;
         ConfigReport {
             block_tokens: config.block_tokens,
             tp_size: config.tp_size,
@@ -57,12 +62,21 @@ impl ConfigReport {
             layers: config.layers,
             region_bytes: config.region_bytes,
             block_bytes: config.block_bytes(),
-            write_policy: write_policy.as_ref().map_or_else(
-                |_| format!("unknown({})", config.write_policy),
-                |policy| policy.name().to_owned(),
-            ),
+            kind: match config.kind {
+                SegmentConfig::KIND_SCHEDULER => "scheduler".to_owned(),
+                SegmentConfig::KIND_ENGINE_HOST_TIER => "engine_host_tier".to_owned(),
+                code => format!("unknown({code})"),
+            },
+            write_policy: (!engine_host_tier).then(|| {
+                write_policy.as_ref().map_or_else(
+                    |_| format!("unknown({})", config.write_policy),
+                    |policy| policy.name().to_owned(),
+                )
+            }),
             write_threshold: match write_policy {
-                Ok(WritePolicy::WriteThroughSelective { threshold }) => Some(threshold),
+                Ok(WritePolicy::WriteThroughSelective { threshold }) if !engine_host_tier => {
+                    Some(threshold)
+                }
                 _ => None,
             },
             // `in_process` for an engine's tier whose engine copies itself (vLLM with CPU tensors).
@@ -294,11 +308,16 @@ impl StatReport {
             self.generation,
             self.creator_pid
         )?;
-        writeln!(out, "scheduler  {}", self.scheduler.describe())?;
-        let policy = match config.write_threshold {
-            Some(threshold) => format!("{} (threshold {threshold})", config.write_policy),
-            None => config.write_policy.clone(),
+        // An engine's host tier is polled by the engine's process, and the engine decides what
+        // is stored: no write policy applies.
+        let (poller, policy) = match (&config.write_policy, config.write_threshold) {
+            (None, _) => ("engine    ", "stores decided by the engine".to_owned()),
+            (Some(policy), Some(threshold)) => {
+                ("scheduler ", format!("{policy} (threshold {threshold})"))
+            }
+            (Some(policy), None) => ("scheduler ", policy.clone()),
         };
+        writeln!(out, "{poller} {}", self.scheduler.describe())?;
         writeln!(
             out,
             "config     {} tokens per block, tp {}, backend {}, {policy}",

@@ -47,6 +47,7 @@ fn stat_reads_the_configuration_counters_and_hit_rate() {
     assert_eq!(config_json["write_policy"], "write_through_selective");
     assert_eq!(config_json["write_threshold"], 3);
     assert_eq!(config_json["backend"], "host_arena");
+    assert_eq!(config_json["kind"], "scheduler");
     assert_eq!(report["counters"]["cached_nodes"], 5);
     assert_eq!(report["counters"].as_object().unwrap().len(), Counter::ALL.len());
     assert_eq!(report["hit_rate"]["total"], 0.8);
@@ -59,6 +60,31 @@ fn stat_reads_the_configuration_counters_and_hit_rate() {
     assert!(text.contains("write_through_selective (threshold 3)"), "{text}");
     assert!(text.contains("scheduler  polling"), "{text}");
     assert!(!text.contains("storage    "), "no storage tier, no storage line: {text}");
+}
+
+/// An engine's host tier (vLLM's offloading connector): the engine decides what to store and its
+/// process polls, so kvctl names the engine, and no write policy that nothing applies.
+#[test]
+fn stat_describes_an_engines_host_tier_as_the_engines() {
+    let config = SegmentConfig {
+        kind: SegmentConfig::KIND_ENGINE_HOST_TIER,
+        copies: SegmentConfig::COPIES_IN_ENGINE,
+        ..SegmentConfig::default()
+    };
+    let (segment, _cleanup) = create("engine", config);
+    with_counters(&segment);
+    let name = segment.name().as_str();
+    let report = kvctl(&["stat", name, "--json"]).assert_ok().json();
+    assert_eq!(report["config"]["kind"], "engine_host_tier");
+    assert_eq!(report["config"]["write_policy"], serde_json::Value::Null);
+    assert_eq!(report["config"]["backend"], "in_process");
+    let text = kvctl(&["stat", name]).assert_ok().stdout.clone();
+    assert!(text.contains("engine     polling"), "{text}");
+    assert!(text.contains("backend in_process, stores decided by the engine"), "{text}");
+    assert!(!text.contains("write_back") && !text.contains("scheduler"), "{text}");
+    let metrics = kvctl(&["stat", name, "--prometheus"]).assert_ok().stdout.clone();
+    assert!(metrics.contains("kind=\"engine_host_tier\""), "{metrics}");
+    assert!(!metrics.contains("write_policy"), "{metrics}");
 }
 
 #[test]
