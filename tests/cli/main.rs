@@ -6,6 +6,7 @@ mod support;
 
 mod arguments;
 mod bench_ring;
+mod bench_shared_tier;
 mod bench_storage;
 mod demo_segment;
 mod demo_storage;

@@ -46,6 +46,9 @@ enum Bench {
     /// A worker's set-up and exit against the size of its host tier, against the kernel's own
     /// mapping and unmapping of the same bytes.
     Tier(bench::tier::Args),
+    /// The host tier's index work per request: one index shared by every instance, against
+    /// today's per-instance offload managers.
+    SharedTier(bench::shared_tier::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -63,5 +66,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(Bench::Storage(args)) => bench::storage::run(args),
         Command::Bench(Bench::Hash(args)) => bench::hash::run(args),
         Command::Bench(Bench::Tier(args)) => bench::tier::run(args),
+        Command::Bench(Bench::SharedTier(args)) => bench::shared_tier::run(args),
     }
 }

@@ -7,5 +7,6 @@ pub mod copy;
 pub mod copy_cuda;
 pub mod hash;
 pub mod ring;
+pub mod shared_tier;
 pub mod storage;
 pub mod tier;

@@ -1,0 +1,204 @@
+//! `kvshm bench shared-tier`: the host tier's index work per request, one `SharedTierIndex` shared
+//! by every instance against today's per-instance `OffloadManager` (the baseline), in one run.
+//!
+//! [`measure`]:
+//! 1. read the trace; route its requests round-robin over `--instances`; key each full block by
+//!    its chained hash;
+//! 2. build the baseline (one `OffloadManager` per instance, `--host-blocks / N` chunks each) and
+//!    the shared tier (one `SharedTierIndex` of `--host-blocks` chunks, one client per instance);
+//! 3. serve each request on both, in turn (which goes first alternates from request to request,
+//!    so that the machine's load hits both alike), timing the calls an engine's connector makes
+//!    for it: the leading loadable keys looked up and pinned, the loads released, every full
+//!    block offered for storing (write-through), the store completed, the request finished.
+//!
+//! This is the index's work in process. Across processes the owner adds two ring round trips a
+//! request (DESIGN §12.3), measured by `kvshm bench ring`. One JSON object with `--json`.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use kvshm::hash::BlockHash;
+use kvshm::offload::{
+    ClientId, LookupResult, OffloadConfig, OffloadKey, OffloadManager, PreparedStore,
+    SharedTierIndex, TierIdentity,
+};
+use kvshm::percentiles::Percentiles;
+use kvshm::trace::read_trace;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The trace to serve.
+    #[arg(long, default_value = "traces/mooncake_conversation_trace.jsonl")]
+    pub trace: PathBuf,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 512)]
+    pub block_tokens: usize,
+    /// Engine instances the requests are spread over (round-robin).
+    #[arg(long, default_value_t = 4)]
+    pub instances: u32,
+    /// Host blocks of the node, all instances together.
+    #[arg(long, default_value_t = 23_436)]
+    pub host_blocks: u32,
+    /// Serve only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Print one JSON object instead of a summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One way of keeping the host tier, over all requests.
+#[derive(Debug, Clone, Serialize)]
+pub struct TierFigures {
+    pub us_per_request: Percentiles,
+    /// Blocks loaded from the tier, over all requests.
+    pub hit_blocks: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub requests: usize,
+    pub instances: u32,
+    pub host_blocks: u32,
+    /// Baseline: one `OffloadManager` per instance.
+    pub per_instance: TierFigures,
+    /// One `SharedTierIndex` for all instances, in process.
+    pub shared: TierFigures,
+    /// Shared over per-instance, at p50.
+    pub p50_ratio: f64,
+}
+
+fn key_of(hash: BlockHash) -> OffloadKey {
+    OffloadKey::new(&hash.0.to_le_bytes()).expect("16 bytes fit a key")
+}
+
+/// A request's calls on a per-instance manager; returns the blocks loaded.
+fn serve_alone(
+    manager: &mut OffloadManager,
+    name: &str,
+    keys: &[OffloadKey],
+    bound: usize,
+    chunks: &mut Vec<u32>,
+    out: &mut PreparedStore,
+) -> anyhow::Result<u64> {
+    manager.on_new_request(name);
+    let hits = keys[..bound]
+        .iter()
+        .take_while(|key| manager.lookup(name, key) == LookupResult::Hit)
+        .count();
+    manager.prepare_load(name, &keys[..hits], chunks)?;
+    manager.complete_load(&keys[..hits])?;
+    if manager.prepare_store(name, keys, out) {
+        let stored: Vec<OffloadKey> = out.to_store.iter().map(|&i| keys[i as usize]).collect();
+        manager.complete_store(&stored, true);
+    }
+    manager.on_request_finished(name, None)?;
+    Ok(hits as u64)
+}
+
+/// The same request's calls on the shared index, as `client`; returns the blocks loaded.
+fn serve_shared(
+    tier: &mut SharedTierIndex,
+    client: ClientId,
+    name: &str,
+    keys: &[OffloadKey],
+    bound: usize,
+    chunks: &mut Vec<u32>,
+    out: &mut PreparedStore,
+) -> anyhow::Result<u64> {
+    let hits = tier.acquire_prefix(client, name, &keys[..bound], chunks)?;
+    tier.release_loads(client, &keys[..hits])?;
+    if tier.prepare_store(client, name, keys, out)? {
+        let stored: Vec<OffloadKey> = out.to_store.iter().map(|&i| keys[i as usize]).collect();
+        tier.complete_store(client, &stored, true)?;
+    }
+    tier.finish_request(client, name)?;
+    Ok(hits as u64)
+}
+
+/// Module flow.
+pub fn measure(args: &Args) -> anyhow::Result<Report> {
+    anyhow::ensure!(args.block_tokens > 0, "--block-tokens must be at least 1");
+    anyhow::ensure!((1..=4096).contains(&args.instances), "--instances must be between 1 and 4096");
+    let per_instance_blocks = args.host_blocks / args.instances;
+    anyhow::ensure!(
+        per_instance_blocks > 0,
+        "--host-blocks {} leaves no block for each of {} instances",
+        args.host_blocks,
+        args.instances
+    );
+    let requests = read_trace(&args.trace, args.limit)?;
+    let identity = TierIdentity {
+        model: "trace".into(),
+        kv_dtype: "none".into(),
+        block_tokens: args.block_tokens as u32,
+        block_bytes: 0,
+        blocks_per_chunk: 1,
+        layout: "bench".into(),
+    };
+    let mut alone = Vec::new();
+    for _ in 0..args.instances {
+        alone.push(OffloadManager::new(OffloadConfig::new(per_instance_blocks))?);
+    }
+    let mut shared = SharedTierIndex::new(identity.clone(), OffloadConfig::new(args.host_blocks))?;
+    let mut clients = Vec::new();
+    for number in 0..args.instances {
+        clients.push(shared.attach(&identity, &format!("instance-{number}"), None)?);
+    }
+    let (mut chunks, mut out) = (Vec::new(), PreparedStore::default());
+    let (mut alone_times, mut shared_times) = (Vec::new(), Vec::new());
+    let (mut alone_hits, mut shared_hits) = (0, 0);
+    for (number, request) in requests.iter().enumerate() {
+        let instance = number % args.instances as usize;
+        let keys: Vec<OffloadKey> =
+            request.full_block_hashes(args.block_tokens).map(key_of).collect();
+        let bound = (request.input_length.saturating_sub(1) / args.block_tokens).min(keys.len());
+        let name = number.to_string();
+        for turn in 0..2 {
+            let start = Instant::now();
+            if (turn + number) % 2 == 0 {
+                let manager = &mut alone[instance];
+                alone_hits += serve_alone(manager, &name, &keys, bound, &mut chunks, &mut out)?;
+                alone_times.push(start.elapsed().as_secs_f64() * 1e6);
+            } else {
+                let client = clients[instance];
+                shared_hits +=
+                    serve_shared(&mut shared, client, &name, &keys, bound, &mut chunks, &mut out)?;
+                shared_times.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let per_instance =
+        TierFigures { us_per_request: Percentiles::of(&mut alone_times), hit_blocks: alone_hits };
+    let shared =
+        TierFigures { us_per_request: Percentiles::of(&mut shared_times), hit_blocks: shared_hits };
+    Ok(Report {
+        requests: requests.len(),
+        instances: args.instances,
+        host_blocks: args.host_blocks,
+        p50_ratio: shared.us_per_request.p50
+            / per_instance.us_per_request.p50.max(f64::MIN_POSITIVE),
+        per_instance,
+        shared,
+    })
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let report = measure(&args)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        for (what, figures) in
+            [("per-instance managers", &report.per_instance), ("one shared index", &report.shared)]
+        {
+            println!(
+                "{what:>22}: p50 {:.2} us, p99 {:.2} us per request, {} blocks loaded",
+                figures.us_per_request.p50, figures.us_per_request.p99, figures.hit_blocks
+            );
+        }
+        println!("shared / per-instance at p50: {:.2}", report.p50_ratio);
+    }
+    Ok(())
+}
