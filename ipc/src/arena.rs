@@ -120,7 +120,15 @@ impl Arena {
             .filter(|&total| total <= i64::MAX as u64)
             .and_then(|total| usize::try_from(total).ok())
             .ok_or_else(too_large)?;
-        let memory = SharedMemory::create(&kind.object(name, rank), total)?;
+        let object = kind.object(name, rank);
+        let (memory, huge) = SharedMemory::create_reporting_huge_pages(&object, total)?;
+        tracing::info!(
+            object,
+            bytes = total,
+            huge_page_bytes = huge.bytes,
+            refused = ?huge.refused.map(|errno| errno.desc()),
+            "arena created, in huge pages where the kernel gave them"
+        );
         let header = ArenaHeader {
             magic: ARENA_MAGIC,
             version: ARENA_VERSION,

@@ -2,6 +2,8 @@
 //!
 //! - [`name`]: segment names and the shared-memory object names derived from them.
 //! - [`shm`]: creating, opening and unlinking named shared-memory objects safely.
+//! - [`huge_pages`]: backing objects with huge pages where the kernel gives them, and mapping
+//!   them so that they stay huge.
 //! - [`inspect`]: looking at objects under `/dev/shm` without trusting them (no blocking on a
 //!   FIFO, no following a link, another user's objects never read or removed).
 //! - [`config`]: the configuration a segment is created with, validated on every attach.
@@ -43,6 +45,8 @@ pub mod control;
 pub mod counters;
 #[cfg(not(loom))]
 pub mod device_handles;
+#[cfg(not(loom))]
+pub mod huge_pages;
 #[cfg(not(loom))]
 pub mod inspect;
 #[cfg(not(loom))]

@@ -1,16 +1,18 @@
 //! Named POSIX shared-memory objects: creating, opening, unlinking, mapping.
 //!
-//! [`SharedMemory`] is one object under `/dev/shm` mapped read-write and shared (memmap2
-//! `MmapRaw`: another process writes the same pages, so no plain Rust reference into it is ever
-//! handed out; callers go through raw pointers, volatile copies and atomics). The one kind of
-//! reference allowed into the mapping is a shared reference to a [`SharedArea`] type: one made
-//! of atomics only, byte for byte.
+//! [`SharedMemory`] is one object under `/dev/shm` mapped read-write and shared, from a huge-page
+//! boundary ([`huge_pages`](crate::huge_pages)): another process writes the same pages, so no
+//! plain Rust reference into it is ever handed out; callers go through raw pointers, volatile
+//! copies and atomics. The one kind of reference allowed into the mapping is a shared reference to
+//! a [`SharedArea`] type: one made of atomics only, byte for byte.
 //!
 //! Creation ([`SharedMemory::create`]):
 //! 1. `shm_open(O_CREAT | O_EXCL | O_RDWR, 0600)`: never adopt an object someone else made;
-//! 2. `ftruncate` to the length, then `posix_fallocate` so that every page is backed now: a full
-//!    `/dev/shm` is [`ShmError::NoSpace`] here, never a SIGBUS on first touch later;
-//! 3. map it; on any failure the object is unlinked again, so nothing is left behind.
+//! 2. `ftruncate` to the length and map it;
+//! 3. back it in huge pages where the kernel gives them ([`huge_pages::back_with_huge_pages`]),
+//!    then `posix_fallocate` all of it, so that every page is backed now (in small pages where no
+//!    huge one is): a full `/dev/shm` is [`ShmError::NoSpace`] here, never a SIGBUS on first touch
+//!    later; on any failure the object is unlinked again, so nothing is left behind.
 //!
 //! Opening ([`SharedMemory::open`]) goes through [`CheckedObject`]: the object is opened without
 //! blocking or following a link, and only a regular file that our effective uid owns is mapped.
@@ -19,9 +21,8 @@
 //! mapped makes accesses beyond the new end fault (SIGBUS). Only the owner can do that, so it is a
 //! bug of a trusted peer, not input we must survive.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 
-use memmap2::{MmapOptions, MmapRaw};
 use nix::errno::Errno;
 use nix::fcntl::{posix_fallocate, OFlag};
 use nix::sys::mman::{shm_open, shm_unlink};
@@ -29,9 +30,8 @@ use nix::sys::stat::{fstat, Mode};
 use nix::unistd::ftruncate;
 use thiserror::Error;
 
-use crate::inspect::{
-    check_object_name, io_errno, os_error, Access, CheckedObject, ObjectIdentity,
-};
+use crate::huge_pages::{self, HugeBacking, Mapping};
+use crate::inspect::{check_object_name, os_error, Access, CheckedObject, ObjectIdentity};
 
 /// A type whose values may sit behind a shared reference in memory that other processes write.
 ///
@@ -80,18 +80,27 @@ pub enum ShmError {
 /// One mapped shared-memory object.
 #[derive(Debug)]
 pub struct SharedMemory {
-    map: MmapRaw,
+    map: Mapping,
     /// Kept open so that [`is_intact`](SharedMemory::is_intact) can ask the object's size.
     fd: OwnedFd,
     object: String,
 }
 
 impl SharedMemory {
-    /// Creates `object` (e.g. `/kvshm.NAME`) of `len` bytes, zero-filled, mode 0600, fully backed.
+    /// Creates `object` (e.g. `/kvshm.NAME`) of `len` bytes, zero-filled, mode 0600, fully backed,
+    /// in huge pages where the kernel gives them (module documentation).
     ///
     /// Fails with [`ShmError::AlreadyExists`] if it exists and [`ShmError::NoSpace`] if `/dev/shm`
     /// cannot hold it; on failure nothing is left behind.
     pub fn create(object: &str, len: usize) -> Result<SharedMemory, ShmError> {
+        SharedMemory::create_reporting_huge_pages(object, len).map(|(memory, _)| memory)
+    }
+
+    /// [`create`](Self::create), and how much of the object the kernel put in huge pages.
+    pub fn create_reporting_huge_pages(
+        object: &str,
+        len: usize,
+    ) -> Result<(SharedMemory, HugeBacking), ShmError> {
         check_object_name(object)?;
         if len == 0 {
             return Err(ShmError::Empty { object: object.to_owned() });
@@ -107,12 +116,12 @@ impl SharedMemory {
             Errno::EEXIST => ShmError::AlreadyExists { object: object.to_owned() },
             errno => os_error("shm_open", object, errno),
         })?;
-        let result = size_and_map(&fd, object, file_len, len);
+        let result = size_map_and_back(&fd, object, file_len, len);
         if result.is_err() {
             // Best effort: the object is ours (O_EXCL), and the caller gets the original error.
             let _ = shm_unlink(object);
         }
-        result.map(|map| SharedMemory { map, fd, object: object.to_owned() })
+        result.map(|(map, huge)| (SharedMemory { map, fd, object: object.to_owned() }, huge))
     }
 
     /// Opens and maps an existing `object` read-write: a regular file that our effective uid
@@ -129,17 +138,15 @@ impl SharedMemory {
         }
         let len = usize::try_from(stat.st_size)
             .map_err(|_| ShmError::TooLarge { len: stat.st_size as u64 })?;
-        let map = MmapOptions::new()
-            .len(len)
-            .map_raw(&fd)
-            .map_err(|error| os_error("mmap", &object, io_errno(&error)))?;
+        let map =
+            Mapping::new(fd.as_fd(), len).map_err(|errno| os_error("mmap", &object, errno))?;
         Ok(SharedMemory { map, fd, object })
     }
 
     /// Start of the mapping. Valid for [`len`](Self::len) bytes while `self` lives; other
     /// processes may write any byte at any time.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
+        self.map.as_ptr()
     }
 
     pub fn len(&self) -> usize {
@@ -170,6 +177,12 @@ impl SharedMemory {
     pub fn object(&self) -> &str {
         &self.object
     }
+
+    /// Bytes of this mapping that huge pages back and that are mapped in ([`huge_pages`]);
+    /// 0 where none are or `/proc/self/smaps` cannot tell.
+    pub fn mapped_huge_bytes(&self) -> u64 {
+        huge_pages::mapped_huge_bytes(self.as_ptr()).unwrap_or(0)
+    }
 }
 
 /// Removes `object` from `/dev/shm` if our effective uid owns it (another user's object is
@@ -181,23 +194,25 @@ pub fn unlink(object: &str) -> Result<(), ShmError> {
     }
 }
 
-fn size_and_map(
+/// Steps 2 and 3 of [`SharedMemory::create`].
+fn size_map_and_back(
     fd: &OwnedFd,
     object: &str,
     file_len: libc::off_t,
     len: usize,
-) -> Result<MmapRaw, ShmError> {
+) -> Result<(Mapping, HugeBacking), ShmError> {
+    let no_space = || ShmError::NoSpace { object: object.to_owned(), requested: len as u64 };
     ftruncate(fd, file_len).map_err(|errno| os_error("ftruncate", object, errno))?;
+    let map = Mapping::new(fd.as_fd(), len).map_err(|errno| match errno {
+        Errno::ENOMEM => no_space(),
+        errno => os_error("mmap", object, errno),
+    })?;
+    let huge = huge_pages::back_with_huge_pages(fd.as_fd(), &map);
     posix_fallocate(fd, 0, file_len).map_err(|errno| match errno {
-        Errno::ENOSPC | Errno::EFBIG => {
-            ShmError::NoSpace { object: object.to_owned(), requested: len as u64 }
-        }
+        Errno::ENOSPC | Errno::EFBIG => no_space(),
         errno => os_error("posix_fallocate", object, errno),
     })?;
-    MmapOptions::new().len(len).map_raw(fd).map_err(|error| match io_errno(&error) {
-        Errno::ENOMEM => ShmError::NoSpace { object: object.to_owned(), requested: len as u64 },
-        errno => os_error("mmap", object, errno),
-    })
+    Ok((map, huge))
 }
 
 #[cfg(test)]

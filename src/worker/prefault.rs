@@ -84,7 +84,9 @@ mod tests {
     fn populating_maps_every_page_of_a_fresh_mapping_between_heartbeats() {
         let object = format!("/kvshm-test-prefault-{}", std::process::id());
         let len = 2 * POPULATE_SLICE_BYTES + 4096;
-        let memory = SharedMemory::create(&object, len).unwrap();
+        // The creator's mapping may hold the object's huge pages already; a worker's is fresh.
+        let _created = SharedMemory::create(&object, len).unwrap();
+        let memory = SharedMemory::open(&object).unwrap();
         kvshm_ipc::shm::unlink(&object).unwrap();
         assert_eq!(resident_kib(memory.as_ptr()), 0, "a fresh mapping has no page mapped in");
         // SAFETY: the mapping lives until the end of the test, after the last use of the area.
@@ -103,7 +105,8 @@ mod tests {
     #[test]
     fn an_error_between_slices_stops_populating() {
         let object = format!("/kvshm-test-prefault-stop-{}", std::process::id());
-        let memory = SharedMemory::create(&object, 2 * POPULATE_SLICE_BYTES).unwrap();
+        let _created = SharedMemory::create(&object, 2 * POPULATE_SLICE_BYTES).unwrap();
+        let memory = SharedMemory::open(&object).unwrap();
         kvshm_ipc::shm::unlink(&object).unwrap();
         // SAFETY: as above.
         let area = unsafe { MappedArea::new(memory.as_ptr(), memory.len()) }.unwrap();

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::config::{Backend, ConfigError};
+use kvshm_ipc::huge_pages;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::segment::{AttachError, RankClaim, Segment};
 use kvshm_ipc::sync::{AtomicBool, Ordering};
@@ -398,11 +399,13 @@ impl RankEngine {
 fn prefault_tier(tier: &'static str, area: MappedArea, claim: &RankClaim) -> Result<(), ClaimLost> {
     let started = Instant::now();
     match prefault::populate(area, || claim.heartbeat())? {
-        Populated::All => tracing::debug!(
+        Populated::All => tracing::info!(
             tier,
             bytes = area.len(),
+            huge_page_bytes = huge_pages::mapped_huge_bytes(area.as_ptr()).unwrap_or(0),
             took = ?started.elapsed(),
-            "tier mapped in before the first copy"
+            "tier mapped in before the first copy: huge_page_bytes of it in huge pages, the rest \
+             in 4 KiB pages"
         ),
         Populated::Partly { bytes, errno } => tracing::warn!(
             tier,

@@ -64,3 +64,28 @@ pub fn rerun_test(module: &str, test: &str) -> std::process::Command {
     command.args(["--exact", &path, "--nocapture"]);
     command
 }
+
+/// Set in the child of [`in_child_with_small_pages`].
+const SMALL_PAGES_CHILD: &str = "KVSHM_TEST_SMALL_PAGES_CHILD";
+
+/// For a test about a slow set-up (a large tier mapped in 4 KiB pages, as on a system without
+/// huge pages): in the test's own process, runs it again in a child with huge pages turned off,
+/// asserts that it passed there, and returns `false`; in that child, returns `true`, and the test
+/// goes on. (Turning huge pages off in the test's own process would change the tiers of the tests
+/// beside it.)
+pub fn in_child_with_small_pages(module: &str, test: &str) -> bool {
+    if std::env::var_os(SMALL_PAGES_CHILD).is_some() {
+        kvshm_ipc::huge_pages::refuse_in_this_process(true).expect("turning huge pages off");
+        return true;
+    }
+    let output = rerun_test(module, test)
+        .env(SMALL_PAGES_CHILD, "1")
+        .output()
+        .expect("running the test again in a child");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "the test failed in small pages:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("1 passed"), "the child ran no test:\n{stdout}\n{stderr}");
+    eprintln!("{stderr}");
+    false
+}

@@ -7,3 +7,4 @@ mod support;
 mod process;
 mod startup;
 mod storage;
+mod tier_pages;

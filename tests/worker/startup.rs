@@ -1,7 +1,8 @@
 //! A worker's set-up judged on progress, with real processes: a worker mapping a large tier on a
 //! CPU that sixteen other processes keep busy comes up (each step of its set-up can take a
 //! hundred milliseconds there, the serving heartbeat limit), while a worker stopped in the middle
-//! of its set-up is still fenced.
+//! of its set-up is still fenced. Both run with the tier in 4 KiB pages, as on a system without
+//! huge pages, where the set-up is slow (in huge pages it takes milliseconds).
 
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
@@ -79,6 +80,10 @@ fn worker_on_cpu_zero(name: &kvshm_ipc::name::SegmentName) -> WorkerProcess {
 
 #[test]
 fn a_worker_setting_up_on_a_cpu_saturated_by_other_processes_comes_up() {
+    let test = "a_worker_setting_up_on_a_cpu_saturated_by_other_processes_comes_up";
+    if !in_child_with_small_pages(module_path!(), test) {
+        return;
+    }
     let name = unique_name("starved");
     let mut service = service(&name, 256);
     let _busy = BusyLoops::start(BUSY_LOOPS);
@@ -92,6 +97,12 @@ fn a_worker_setting_up_on_a_cpu_saturated_by_other_processes_comes_up() {
 
 #[test]
 fn a_worker_stopped_while_it_sets_up_is_still_fenced() {
+    if !in_child_with_small_pages(
+        module_path!(),
+        "a_worker_stopped_while_it_sets_up_is_still_fenced",
+    ) {
+        return;
+    }
     let name = unique_name("stopped-setup");
     // 1 GiB of host tier: hundreds of milliseconds of set-up on an idle machine.
     let mut service = service(&name, 1024);

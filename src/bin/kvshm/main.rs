@@ -43,8 +43,8 @@ enum Bench {
     Storage(bench::storage::Args),
     /// Chained block hashing of the trace's prompts, against XXH3 and vLLM's hasher.
     Hash(bench::hash::Args),
-    /// A worker's set-up and exit against the size of its host tier, against the kernel's own
-    /// mapping and unmapping of the same bytes.
+    /// A worker's set-up and exit against the size of its host tier, in huge pages against small
+    /// pages only.
     Tier(bench::tier::Args),
     /// The host tier's index work per request: one index shared by every instance, against
     /// today's per-instance offload managers.

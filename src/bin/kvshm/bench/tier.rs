@@ -1,14 +1,18 @@
-//! `kvshm bench tier`: how a worker's set-up and exit grow with the size of its host tier, against
-//! the kernel's own cost for the same bytes measured in the same run.
+//! `kvshm bench tier`: how a worker's set-up and exit grow with the size of its host tier, in huge
+//! pages where the kernel gives them (what kvshm does) against small pages only (the baseline),
+//! measured in the same run.
 //!
-//! For each `--gib` size:
-//! 1. baseline: one shared-memory object of that size, created and backed as a segment's arena is
-//!    (`posix_fallocate`), mapped in with `MADV_POPULATE_WRITE` (as the worker's pre-fault does)
-//!    and unmapped, each timed; the bytes of it mapped with huge pages (`ShmemPmdMapped`) say
-//!    whether the system gave any (a `/dev/shm` mounted with `huge=within_size` or `always`);
-//! 2. a service of one rank with a host tier of that size and a `kvshm worker` process: the time
-//!    from its spawn to the rank serving;
-//! 3. the service dropped (the segment closed): the time until the worker process has exited.
+//! For each `--gib` size and each of `--runs` runs, one case after the other (never two tiers at
+//! once), the baseline first:
+//! 1. small pages: huge pages turned off for this process and the processes it starts
+//!    ([`huge_pages::refuse_in_this_process`]), as on a system without them; then, as for every
+//!    case:
+//! 2. a service of one rank with a host tier of that size: the time to create it (the scheduler
+//!    backs the tier here);
+//! 3. a `kvshm worker` process: the time from its spawn to the rank serving (the worker maps the
+//!    tier in), and the bytes of its mapping of the tier that huge pages back (its `smaps`);
+//! 4. the service dropped (the segment closed): the time until the worker process has exited;
+//! 5. huge pages: the same with huge pages allowed again (what the kernel gives).
 //!
 //! One JSON object (`--json`) or a table.
 
@@ -16,20 +20,21 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use kvshm_ipc::huge_pages::{self, Settings};
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::shm::{self, SharedMemory};
 use serde::Serialize;
 
 use kvshm::manager::CacheConfig;
 use kvshm::service::{Service, ServiceConfig};
-use kvshm::worker::prefault::{populate, Populated};
-use kvshm::worker::MappedArea;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Host tier sizes to measure, in GiB, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [1u32, 4])]
     gib: Vec<u32>,
+    /// Runs of each size and case, interleaved.
+    #[arg(long, default_value_t = 1)]
+    runs: u32,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -45,64 +50,66 @@ const PATIENCE: Duration = Duration::from_secs(120);
 struct Report {
     bench: &'static str,
     baseline: &'static str,
-    sizes: Vec<SizeCase>,
+    /// What this machine says about huge pages ([`Settings`]).
+    system: String,
+    cases: Vec<Case>,
 }
 
 #[derive(Debug, Serialize)]
-struct SizeCase {
+struct Case {
     tier_gib: u32,
-    /// Baseline: `MADV_POPULATE_WRITE` of the object in one process.
-    populate_s: f64,
-    /// Baseline: `munmap` of it.
-    unmap_s: f64,
-    /// Baseline: bytes of the mapping backed by huge pages, once populated.
-    huge_page_bytes: u64,
+    run: u32,
+    /// "small" (the baseline) or "huge".
+    pages: &'static str,
+    /// Creating the service, host tier backed.
+    create_s: f64,
     /// From the worker's spawn to its rank serving.
     worker_set_up_s: f64,
     /// From the segment's close to the worker's exit.
     worker_exit_s: f64,
+    /// Bytes of the worker's mapping of the host tier that huge pages back.
+    huge_page_bytes: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     check(&args)?;
-    let mut sizes = Vec::new();
-    for &gib in &args.gib {
-        let (populate_s, unmap_s, huge_page_bytes) =
-            kernel_floor(gib).with_context(|| format!("the baseline of {gib} GiB"))?;
-        let (worker_set_up_s, worker_exit_s) =
-            worker_times(gib).with_context(|| format!("a worker over {gib} GiB"))?;
-        sizes.push(SizeCase {
-            tier_gib: gib,
-            populate_s,
-            unmap_s,
-            huge_page_bytes,
-            worker_set_up_s,
-            worker_exit_s,
-        });
+    let mut cases = Vec::new();
+    for run in 0..args.runs {
+        for &gib in &args.gib {
+            for pages in ["small", "huge"] {
+                huge_pages::refuse_in_this_process(pages == "small")
+                    .context("turning huge pages off or on for this process")?;
+                let case = one_case(gib, run, pages)
+                    .with_context(|| format!("a worker over {gib} GiB in {pages} pages"));
+                huge_pages::refuse_in_this_process(false).context("allowing huge pages again")?;
+                cases.push(case?);
+            }
+        }
     }
     let report = Report {
         bench: "tier",
-        baseline:
-            "one process: MADV_POPULATE_WRITE of a posix_fallocate'd shared-memory object of \
-                   the same size, then munmap",
-        sizes,
+        baseline: "pages: small, the same service and worker with huge pages turned off \
+                   (prctl PR_SET_THP_DISABLE), as on a system without them",
+        system: Settings::read().to_string(),
+        cases,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
+        println!("{}", report.system);
         println!(
-            "{:>8} {:>11} {:>9} {:>10} {:>12} {:>11}",
-            "tier GiB", "populate s", "unmap s", "huge MiB", "worker up s", "worker exit s"
+            "{:>8} {:>5} {:>9} {:>12} {:>12} {:>9}",
+            "tier GiB", "pages", "create s", "worker up s", "worker exit s", "huge MiB"
         );
-        for case in &report.sizes {
+        for case in &report.cases {
             println!(
-                "{:>8} {:>11.3} {:>9.3} {:>10} {:>12.3} {:>11.3}",
+                "{:>8} {:>5} {:>9.3} {:>12.3} {:>12.3} {:>9}",
                 case.tier_gib,
-                case.populate_s,
-                case.unmap_s,
-                case.huge_page_bytes >> 20,
+                case.pages,
+                case.create_s,
                 case.worker_set_up_s,
-                case.worker_exit_s
+                case.worker_exit_s,
+                case.huge_page_bytes >> 20
             );
         }
     }
@@ -112,9 +119,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 fn check(args: &Args) -> anyhow::Result<()> {
     use kvshm::cli::checks::{at_least, fits_in_dev_shm, fits_in_memory, within};
     at_least(args.gib.len(), 1, "--gib")?;
+    within(args.runs, 1..=100, "--runs")?;
     for &gib in &args.gib {
         within(gib, 1..=1024, "--gib")?;
-        // The baseline's object and the service's tier exist one after the other, never at once.
+        // One tier exists at a time.
         let bytes = u128::from(gib) * u128::from(GIB);
         fits_in_dev_shm(bytes, format_args!("--gib {gib}"))?;
         fits_in_memory(bytes, format_args!("--gib {gib}"))?;
@@ -122,46 +130,14 @@ fn check(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Step 1 of the module flow: (populate seconds, unmap seconds, huge-page bytes).
-fn kernel_floor(gib: u32) -> anyhow::Result<(f64, f64, u64)> {
-    let object = format!("/kvshm-bench-tier.{}", std::process::id());
-    let len = usize::try_from(u64::from(gib) * GIB)?;
-    let memory = SharedMemory::create(&object, len)?;
-    shm::unlink(&object)?;
-    // SAFETY: the mapping lives until `memory` drops below, after the last use of the area; no
-    // other process knows the unlinked object.
-    let area = unsafe { MappedArea::new(memory.as_ptr(), memory.len()) }
-        .expect("a mapping is never at null");
-    let started = Instant::now();
-    let populated = populate(area, || Ok::<(), std::convert::Infallible>(()));
-    let populate_s = started.elapsed().as_secs_f64();
-    if let Ok(Populated::Partly { errno, .. }) = populated {
-        bail!(
-            "the kernel refused MADV_POPULATE_WRITE: {}",
-            std::io::Error::from_raw_os_error(errno)
-        );
-    }
-    let huge_page_bytes = huge_page_kib(memory.as_ptr()).unwrap_or(0) * 1024;
-    let started = Instant::now();
-    drop(memory);
-    Ok((populate_s, started.elapsed().as_secs_f64(), huge_page_bytes))
-}
-
-/// `ShmemPmdMapped` of this process's mapping that starts at `base`, in KiB.
-fn huge_page_kib(base: *mut u8) -> Option<u64> {
-    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-    let start = format!("{:x}-", base as usize);
-    let mut lines = smaps.lines().skip_while(|line| !line.starts_with(&start)).skip(1);
-    let line = lines.find(|line| line.starts_with("ShmemPmdMapped:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
-/// Steps 2 and 3 of the module flow: (set-up seconds, exit seconds).
-fn worker_times(gib: u32) -> anyhow::Result<(f64, f64)> {
+/// Steps 2 to 4 of the module flow.
+fn one_case(gib: u32, run: u32, pages: &'static str) -> anyhow::Result<Case> {
     let name = SegmentName::new(&format!("bench-tier-{}-{gib}", std::process::id()))?;
     let host_blocks = u32::try_from(u64::from(gib) * GIB / (2 * REGION_BYTES))?;
     let cache = CacheConfig::new(16, 16).with_host_blocks(host_blocks);
+    let started = Instant::now();
     let mut service = Service::create(&name, ServiceConfig::new(cache, 1, 1, 2, REGION_BYTES))?;
+    let create_s = started.elapsed().as_secs_f64();
     let exe = std::env::current_exe().context("locating the kvshm executable")?;
     let started = Instant::now();
     let mut worker = Command::new(exe)
@@ -180,7 +156,9 @@ fn worker_times(gib: u32) -> anyhow::Result<(f64, f64)> {
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    let set_up_s = started.elapsed().as_secs_f64();
+    let worker_set_up_s = started.elapsed().as_secs_f64();
+    let tier_path = format!("/dev/shm{}", name.host_tier_object(0));
+    let huge_page_bytes = huge_pages::mapped_huge_bytes_of(worker.id(), &tier_path).unwrap_or(0);
     let closed = Instant::now();
     drop(service);
     while worker.try_wait()?.is_none() {
@@ -191,5 +169,14 @@ fn worker_times(gib: u32) -> anyhow::Result<(f64, f64)> {
         }
         std::thread::sleep(Duration::from_micros(200));
     }
-    Ok((set_up_s, closed.elapsed().as_secs_f64()))
+    let worker_exit_s = closed.elapsed().as_secs_f64();
+    Ok(Case {
+        tier_gib: gib,
+        run,
+        pages,
+        create_s,
+        worker_set_up_s,
+        worker_exit_s,
+        huge_page_bytes,
+    })
 }
