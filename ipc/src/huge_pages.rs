@@ -14,7 +14,7 @@
 //! ([`refuse_in_this_process`], `prctl(PR_SET_THP_DISABLE)`), without transparent huge pages, and
 //! when no huge page can be had (fragmented memory).
 //!
-//! [`back_with_huge_pages`], from [`SharedMemory::create`](crate::shm::SharedMemory::create) on
+//! `back_with_huge_pages`, from [`SharedMemory::create`](crate::shm::SharedMemory::create) on
 //! its own mapping of the new, empty object:
 //!
 //! 1. if the object does not fit in the file system's free space, do nothing: `posix_fallocate`
@@ -26,7 +26,7 @@
 //! 4. report the bytes now mapped by huge pages (this mapping's `smaps`) and the refusal, if any;
 //!    the caller backs the rest with small pages.
 //!
-//! [`Mapping::new`]: a huge page is mapped by one PMD entry only where the virtual address and the
+//! `Mapping::new`: a huge page is mapped by one PMD entry only where the virtual address and the
 //! file offset agree modulo its size, so every mapping starts on a PMD boundary (reserve its
 //! length plus one PMD of address space, map the object over the aligned part, release the rest).
 //!
@@ -52,7 +52,7 @@ pub fn pmd_bytes() -> Option<usize> {
 }
 
 /// What this machine says about huge pages for shared memory: enough to tell whether
-/// [`back_with_huge_pages`] should get them, for tests and benchmark reports (the creation itself
+/// `back_with_huge_pages` should get them, for tests and benchmark reports (the creation itself
 /// just asks, and takes the kernel's answer).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Settings {
@@ -100,7 +100,7 @@ impl std::fmt::Display for Settings {
     }
 }
 
-/// How [`back_with_huge_pages`] went.
+/// How `back_with_huge_pages` went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HugeBacking {
     /// Bytes of the object now in huge pages.
@@ -112,7 +112,7 @@ pub struct HugeBacking {
 
 /// Backs the whole PMD-sized chunks of a new object with huge pages (module flow).
 ///
-/// `fd` is the object, `map` this process's mapping of all of it, from [`Mapping::new`].
+/// `fd` is the object, `map` this process's mapping of all of it, from `Mapping::new`.
 pub(crate) fn back_with_huge_pages(fd: BorrowedFd<'_>, map: &Mapping) -> HugeBacking {
     let Some(chunk) = pmd_bytes() else {
         return HugeBacking { bytes: 0, refused: Some(Errno::ENOSYS) };

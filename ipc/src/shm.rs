@@ -1,15 +1,15 @@
 //! Named POSIX shared-memory objects: creating, opening, unlinking, mapping.
 //!
 //! [`SharedMemory`] is one object under `/dev/shm` mapped read-write and shared, from a huge-page
-//! boundary ([`huge_pages`](crate::huge_pages)): another process writes the same pages, so no
-//! plain Rust reference into it is ever handed out; callers go through raw pointers, volatile
-//! copies and atomics. The one kind of reference allowed into the mapping is a shared reference to
-//! a [`SharedArea`] type: one made of atomics only, byte for byte.
+//! boundary ([`crate::huge_pages`]): another process writes the same pages, so no plain Rust
+//! reference into it is ever handed out; callers go through raw pointers, volatile copies and
+//! atomics. The one kind of reference allowed into the mapping is a shared reference to a
+//! [`SharedArea`] type: one made of atomics only, byte for byte.
 //!
 //! Creation ([`SharedMemory::create`]):
 //! 1. `shm_open(O_CREAT | O_EXCL | O_RDWR, 0600)`: never adopt an object someone else made;
 //! 2. `ftruncate` to the length and map it;
-//! 3. back it in huge pages where the kernel gives them ([`huge_pages::back_with_huge_pages`]),
+//! 3. back it in huge pages where the kernel gives them (`huge_pages::back_with_huge_pages`),
 //!    then `posix_fallocate` all of it, so that every page is backed now (in small pages where no
 //!    huge one is): a full `/dev/shm` is [`ShmError::NoSpace`] here, never a SIGBUS on first touch
 //!    later; on any failure the object is unlinked again, so nothing is left behind.
