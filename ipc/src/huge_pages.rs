@@ -140,8 +140,8 @@ pub(crate) fn back_with_huge_pages(fd: BorrowedFd<'_>, map: &Mapping) -> HugeBac
     // knows the object yet (the caller created it with O_EXCL just now), so nothing races with it.
     let result = unsafe { libc::madvise(map.as_ptr().cast(), whole_chunks, MADV_COLLAPSE) };
     let refused = (result != 0).then(Errno::last);
-    // One call for all chunks (the kernel drains its per-CPU page lists once per call, which
-    // under load costs milliseconds); how far it got is what the kernel mapped.
+    // One call for all chunks: the kernel drains every CPU's page lists once per call, not once
+    // per chunk. How far it got is what the kernel mapped.
     let bytes = mapped_huge_bytes(map.as_ptr()).unwrap_or(0);
     HugeBacking { bytes: usize::try_from(bytes).expect("within a mapped length"), refused }
 }
