@@ -74,15 +74,20 @@ fn a_client_killed_mid_load_and_mid_store_is_released_and_the_others_keep_their_
         .prepare_store(survivor, "t", &keys(&[10, 11, 12, 13, 14, 15, 16]), &mut out)
         .unwrap());
     assert_eq!(out.evicted.len(), 1, "{out:?}");
+    index.complete_store(survivor, &keys(&[10, 11, 12, 13, 14, 15, 16]), true).unwrap();
     let listed = owner.clients();
     assert_eq!(listed.len(), 1);
     assert_eq!((listed[0].pid, listed[0].summary.id), (survivor_identity.pid, survivor));
     doomed_process.wait().unwrap();
+    // The survivor leaves on its own: its blocks stay, and its process is no longer watched.
+    let released = owner.detach(survivor).unwrap();
+    assert_eq!((released.pins, released.stores, released.chunks), (0, 0, 8));
+    assert!(owner.clients().is_empty());
     survivor_process.kill().unwrap();
     survivor_process.wait().unwrap();
     owner.reap(&mut reaped);
-    assert_eq!(reaped.len(), 2);
-    assert!(owner.clients().is_empty());
+    assert_eq!(reaped.len(), 1, "a detached client is not reaped");
+    assert_eq!(owner.index().len(), 8);
 }
 
 #[test]
