@@ -7,8 +7,8 @@
 //! layer on top: the manager keeps the keys, their chunks, the loads in progress and the
 //! leaf-first LRU order over every key of the tier, whoever stored it; this module keeps who
 //! pinned what, which client each chunk is charged to, and the clients' requests. The same type
-//! serves in process (`kvshm replay --instances`) and, owned by one process, across processes
-//! (DESIGN §12).
+//! serves in process (`kvshm replay --instances`) and is the one the tier's owner process is to
+//! run for clients in other processes (DESIGN §12.3; its rings are not built yet).
 //!
 //! One request of client `C`, batched as an engine asks, in prefix order:
 //! 1. [`SharedTierIndex::acquire_prefix`]: the leading keys that are loadable, pinned for `C`,
