@@ -57,8 +57,10 @@ pub struct Args {
     #[arg(long)]
     device: Option<u32>,
     /// Seconds to keep retrying while the segment does not exist yet or the rank still belongs to
-    /// a dead worker the scheduler has not reclaimed.
-    #[arg(long, default_value_t = 10.0)]
+    /// a dead worker the scheduler has not reclaimed. Long enough for a scheduler creating a tier
+    /// of tens of GiB, which zeroes its pages first (DESIGN §2.1: 4 GiB took 3 to 15 s on a busy
+    /// 2-core VM), while its workers start beside it.
+    #[arg(long, default_value_t = 60.0)]
     attach_timeout: f64,
     /// Seconds a cuda worker waits for the engine to publish its device handles.
     #[arg(long, default_value_t = 300.0)]
