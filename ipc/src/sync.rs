@@ -48,8 +48,8 @@ pub fn spin_loop() {
 pub use std_cell::UnsafeCell;
 
 /// Marks the point `name` between two steps of a shared-memory protocol. A unit test may pause
-/// the calling thread here ([`step_hook::install`]) to force one interleaving with another thread;
-/// everywhere else this compiles to nothing.
+/// the calling thread here (`step_hook::install`, in unit tests only) to force one interleaving
+/// with another thread; everywhere else this compiles to nothing.
 #[inline(always)]
 pub(crate) fn step_point(name: &'static str) {
     #[cfg(all(test, not(loom)))]

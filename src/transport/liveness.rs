@@ -1,10 +1,11 @@
 //! Watching the workers: noticing a rank's worker attach, leave or die, fencing one that must
 //! stop, and taking a lost rank back so that a new worker can serve it.
 //!
-//! Each rank has a [`WorkerWatch`]: the worker the transport saw attach (its owner word, pid, start
-//! time and a pidfd opened then). Nothing the worker slot says is acted on alone: the slot is
-//! memory any process of the user can write. [`Transport::poll`] calls `check_workers` at most
-//! every [`LIVENESS_INTERVAL`]; for each rank the watch observes the slot and:
+//! Each rank has a [`kvshm_ipc::worker_watch::WorkerWatch`]: the worker the transport saw
+//! attach (its owner word, pid, start time and a pidfd opened then). Nothing the worker slot
+//! says is acted on alone: the slot is memory any process of the user can write.
+//! [`Transport::poll`] calls `check_workers` at most every [`LIVENESS_INTERVAL`]; for each rank
+//! the watch observes the slot and:
 //!
 //! 1. a worker seen attaching (verified: it runs, started when its claim says, and maps the
 //!    segment) makes the rank Starting while it sets up (its copies wait in the backlog) and Up

@@ -4,7 +4,8 @@
 //! - [`geometry`]: the shape of a rank's blocks (regions, layers, tier sizes).
 //! - [`layout`]: where region `r` of block `b` lives in each tier (device region-major, host
 //!   block-major).
-//! - [`validate`]: decoded command + geometry + generation -> [`ValidCommand`] or [`InvalidCommand`].
+//! - [`mod@validate`]: decoded command + geometry + generation -> [`ValidCommand`] or
+//!   [`InvalidCommand`].
 //! - [`storage_command`]: the storage part of validation (STORE, LOAD, QUERY, FORGET entries).
 //! - [`plan`]: coalescing pairs into runs and runs into strided pieces, layer by layer.
 //! - [`engine`]: the [`CopyEngine`] trait and [`CopyFailure`].

@@ -14,7 +14,7 @@
 //!    over the rings where this one left them;
 //! 2. pop a batch of command slots ([`CommandReader`]); if there is none, sleep on the rank's
 //!    command doorbell for at most one [`IDLE_SLICE`] (after spinning for
-//!    [`DEFAULT_SPIN`](kvshm_ipc::doorbell::DEFAULT_SPIN)) and start over. The
+//!    [`kvshm_ipc::doorbell::DEFAULT_SPIN`]) and start over. The
 //!    sleep ends as soon as commands arrive, the scheduler closes the segment (it rings every
 //!    command doorbell after marking the segment closed) or a stop signal arrives (it interrupts
 //!    the futex wait; the flag is part of the wait's condition; a signal that lands between the

@@ -89,7 +89,7 @@ impl Segment {
     /// the progress table and the worker doorbell's sleeper count, and makes the slot EMPTY.
     ///
     /// The premise is the caller's: no worker can touch the rank's rings any more (the one that
-    /// held `judged` is gone, as a [`WorkerWatch`](crate::worker_watch::WorkerWatch) verdict
+    /// held `judged` is gone, as a [`crate::worker_watch::WorkerWatch`] verdict
     /// establishes, or `judged` names no worker). Call it before failing the rank's in-flight
     /// commands, and re-attach the scheduler's own ring ends afterwards: ones taken before cache
     /// indices that no longer hold.

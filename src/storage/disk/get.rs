@@ -17,7 +17,8 @@ use crate::storage::format::payload_checksum;
 use crate::storage::slab_io::{io_threads, run_groups, work_items, Planned, ReadItem};
 
 impl DiskBackend {
-    /// One get batch, as the module documentation describes ([`StorageBackend::get`]).
+    /// One get batch, as the module documentation describes
+    /// ([`crate::storage::backend::StorageBackend::get`]).
     pub(super) fn get_batch(
         &mut self,
         blocks: &mut [GetBlock<'_>],

@@ -15,7 +15,8 @@ use crate::storage::disk_index::{
 };
 
 impl DiskBackend {
-    /// Opens (or creates) the slab and index of `options.rank` (flow in [`super::disk_index`]).
+    /// Opens (or creates) the slab and index of `options.rank` (flow in
+    /// [`crate::storage::disk_index`]).
     pub fn open(options: &DiskOptions) -> Result<DiskBackend, DiskError> {
         let capacity = options.capacity_blocks;
         if capacity == 0 {

@@ -12,7 +12,7 @@ use crate::storage::disk_index::IndexError;
 pub struct DiskOptions {
     /// The directory the user named; the namespace is a directory inside it.
     pub dir: PathBuf,
-    /// A validated storage namespace ([`super::spec::StorageNamespace`]).
+    /// A validated storage namespace ([`crate::storage::spec::StorageNamespace`]).
     pub namespace: String,
     pub rank: u32,
     pub layout: BlockLayout,

@@ -27,7 +27,8 @@ use crate::storage::format::payload_checksum;
 use crate::storage::slab_io::{consecutive_runs, io_threads, run_groups, work_items, Planned};
 
 impl DiskBackend {
-    /// One put batch, steps 1 to 5 of the module documentation ([`StorageBackend::put`]).
+    /// One put batch, steps 1 to 5 of the module documentation
+    /// ([`crate::storage::backend::StorageBackend::put`]).
     pub(super) fn put_batch(&mut self, blocks: &[PutBlock<'_>], outcomes: &mut Vec<PutOutcome>) {
         self.unsynced = true;
         outcomes.clear();

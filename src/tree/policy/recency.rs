@@ -3,7 +3,8 @@
 //! belongs in, which every policy shares.
 //!
 //! Core types: [`RecencyLists`] (`N` lists threaded through one per-node [`Link`] of 12 bytes:
-//! stamp, previous, next), [`ListKind`] constants and [`kind_of`].
+//! stamp, previous, next), the list-kind constants ([`DEVICE_ONLY`] and the others) and
+//! [`kind_of`].
 //!
 //! A stamp comes from a counter bumped at every release ([`RecencyLists::stamp_now`]); each list
 //! is sorted by stamp, oldest first. One insertion ([`RecencyLists::insert`]):

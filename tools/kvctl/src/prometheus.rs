@@ -5,7 +5,7 @@
 //! their name. Every sample carries `segment="NAME"`. Three derived series follow: whether the
 //! scheduler polls, the age of its last poll, and an info series with the configuration as labels.
 //!
-//! Flow: 1. `stat` reads a [`StatReport`]; 2. [`write`] prints one family per series.
+//! Flow: 1. `stat` reads a [`StatReport`]; 2. [`write()`] prints one family per series.
 
 use std::io::{self, Write};
 
