@@ -11,6 +11,8 @@
 //! - [`segment`]: a mapped control segment: create, attach, accessors, rank claims.
 //! - [`listing`]: finding, judging and removing segments under `/dev/shm`.
 //! - [`arena`]: the per-rank data segments (host-backend device tier, host tier).
+//! - [`tier_control`]: a shared host tier's control object: its identity, owner and client
+//!   slots (claimed as worker slots are).
 //! - [`worker_slot`], [`counters`], [`control`], [`progress`], [`device_handles`]: the areas of a
 //!   segment (worker liveness, kvctl counters, kvctl requests, layer progress, CUDA handles).
 //! - [`seqlock`]: consistent reads of byte blobs that another process rewrites.
@@ -63,3 +65,5 @@ pub mod seqlock;
 pub mod shared_bytes;
 #[cfg(not(loom))]
 pub mod shm;
+#[cfg(not(loom))]
+pub mod tier_control;

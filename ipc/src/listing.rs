@@ -5,7 +5,9 @@
 //! judges each control object: [`ListingState::Live`] (valid, creator alive),
 //! [`ListingState::Stale`] (creator dead; or unreadable, creatorless and older than
 //! [`CREATION_GRACE`]), [`ListingState::Unreadable`] (with the reason), and data objects without a
-//! control object as [`ListingState::Orphaned`]. [`unlink`] removes every object of a name.
+//! control object as [`ListingState::Orphaned`]. A shared tier's control object
+//! ([`crate::tier_control`], [`SegmentKind::SharedTier`]) is judged by its owner the same way,
+//! and its host arenas are its data objects. [`unlink`] removes every object of a name.
 //!
 //! Every object is opened through [`crate::inspect`] (no blocking on a FIFO, no following a link,
 //! a regular file of our effective uid or nothing), and nothing here removes an object that
@@ -34,6 +36,7 @@ use crate::liveness::ProcessIdentity;
 use crate::name::{ObjectKind, ObjectName, SegmentName};
 use crate::segment::{validate_header, AttachError, CreateError};
 use crate::shm::{SharedMemory, ShmError};
+use crate::tier_control::{self, TierAttachError};
 
 pub use crate::inspect::SHM_DIR;
 /// How long a control object without a readable creator is presumed to be in creation.
@@ -76,10 +79,22 @@ pub struct DataObject {
     pub owner: u32,
 }
 
+/// What a control object serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SegmentKind {
+    /// An engine's segment (its creator is the scheduler), or an object that is no kvshm
+    /// control object of any kind.
+    Engine,
+    /// A host tier shared by several engines ([`crate::tier_control`]; its creator is the
+    /// tier's owner).
+    SharedTier,
+}
+
 /// One segment found under `/dev/shm`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SegmentListing {
     pub name: SegmentName,
+    pub kind: SegmentKind,
     pub state: ListingState,
     pub creator: Option<ProcessIdentity>,
     /// Bytes of the control object (0 when orphaned).
@@ -115,12 +130,13 @@ pub fn list() -> Vec<SegmentListing> {
         .into_iter()
         .map(|(name, (control, mut data_objects))| {
             data_objects.sort_by_key(|object| (object.rank, object.kind.name()));
-            let (state, creator, config) = match &control {
+            let (state, creator, config, kind) = match &control {
                 Some(_) => judge_for_listing(&name.control_object()),
-                None => (ListingState::Orphaned, None, None),
+                None => (ListingState::Orphaned, None, None, SegmentKind::Engine),
             };
             SegmentListing {
                 name,
+                kind,
                 state,
                 creator,
                 size: control.as_ref().map_or(0, |status| status.len),
@@ -238,8 +254,8 @@ fn read_creator_word(checked: &CheckedObject) -> Option<ProcessIdentity> {
     (!creator.is_none()).then_some(creator)
 }
 
-/// The largest control object any valid configuration makes. A larger object is not a segment
-/// (whatever its header says), and is judged without mapping it.
+/// The largest control object any valid configuration makes (of a segment or a shared tier). A
+/// larger object is neither (whatever its header says), and is judged without mapping it.
 pub fn largest_control_object() -> u64 {
     let largest = SegmentConfig {
         tp_size: MAX_RANKS,
@@ -252,15 +268,17 @@ pub fn largest_control_object() -> u64 {
         region_bytes: 1,
         ..SegmentConfig::default()
     };
-    SegmentLayout::compute(&largest)
+    let segment = SegmentLayout::compute(&largest)
         .map(|layout| layout.total_size as u64)
-        .expect("the largest configuration validates; anything else is a programming error")
+        .expect("the largest configuration validates; anything else is a programming error");
+    segment.max(tier_control::TierLayout::largest() as u64)
 }
 
-type Judgement = (ListingState, Option<ProcessIdentity>, Option<SegmentConfig>);
+type Judgement = (ListingState, Option<ProcessIdentity>, Option<SegmentConfig>, SegmentKind);
 
 fn judge_for_listing(object: &str) -> Judgement {
-    let unreadable = |reason: String| (ListingState::Unreadable(reason), None, None);
+    let unreadable =
+        |reason: String| (ListingState::Unreadable(reason), None, None, SegmentKind::Engine);
     let checked = match CheckedObject::open_with(object, Access::ReadWrite) {
         Ok(checked) => checked,
         Err(error @ ShmError::NotRegularFile { owner, .. }) if owner == inspect::our_uid() => {
@@ -287,18 +305,51 @@ fn judge_for_listing(object: &str) -> Judgement {
         Ok(memory) => memory,
         Err(error) => return unreadable(error.to_string()),
     };
+    if tier_control::has_tier_magic(&memory) {
+        return judge_tier(&memory, creator, modified.as_ref());
+    }
     match validate_header(&memory) {
         Ok((fields, _)) => {
             let state =
                 if fields.creator.is_alive() { ListingState::Live } else { ListingState::Stale };
-            (state, Some(fields.creator), Some(fields.config))
+            (state, Some(fields.creator), Some(fields.config), SegmentKind::Engine)
         }
         // Another layout version may keep its creator elsewhere: never call it stale.
         Err(error @ AttachError::VersionMismatch { .. }) => unreadable(error.to_string()),
         Err(error) => match creator.map(|creator| creator.is_alive()) {
-            Some(false) => (ListingState::Stale, creator, None),
-            Some(true) => (ListingState::Unreadable(error.to_string()), creator, None),
+            Some(false) => (ListingState::Stale, creator, None, SegmentKind::Engine),
+            Some(true) => {
+                (ListingState::Unreadable(error.to_string()), creator, None, SegmentKind::Engine)
+            }
             None => creatorless(modified.as_ref(), error.to_string()),
+        },
+    }
+}
+
+/// A shared tier's control object: live while its owner runs, stale once it is dead (another
+/// layout version of it is never called stale).
+fn judge_tier(
+    memory: &SharedMemory,
+    creator: Option<ProcessIdentity>,
+    modified: Option<&ObjectStatus>,
+) -> Judgement {
+    let tier = SegmentKind::SharedTier;
+    match tier_control::validate(memory) {
+        Ok((fields, _)) => {
+            let state =
+                if fields.creator.is_alive() { ListingState::Live } else { ListingState::Stale };
+            (state, Some(fields.creator), None, tier)
+        }
+        Err(error @ TierAttachError::VersionMismatch { .. }) => {
+            (ListingState::Unreadable(error.to_string()), creator, None, tier)
+        }
+        Err(error) => match creator.map(|creator| creator.is_alive()) {
+            Some(false) => (ListingState::Stale, creator, None, tier),
+            Some(true) => (ListingState::Unreadable(error.to_string()), creator, None, tier),
+            None => {
+                let (state, creator, config, _) = creatorless(modified, error.to_string());
+                (state, creator, config, tier)
+            }
         },
     }
 }
@@ -317,16 +368,24 @@ fn judge_by_creator(
             )),
             Some(creator),
             None,
+            SegmentKind::Engine,
         ),
-        Some(creator) => (ListingState::Stale, Some(creator), None),
+        Some(creator) => (ListingState::Stale, Some(creator), None, SegmentKind::Engine),
         None => creatorless(inspect::status(checked.object()).ok().as_ref(), reason),
     }
 }
 
 fn creatorless(status: Option<&ObjectStatus>, reason: String) -> Judgement {
     match status {
-        Some(status) if status.unchanged_for(CREATION_GRACE) => (ListingState::Stale, None, None),
-        _ => (ListingState::Unreadable(format!("being created ({reason})")), None, None),
+        Some(status) if status.unchanged_for(CREATION_GRACE) => {
+            (ListingState::Stale, None, None, SegmentKind::Engine)
+        }
+        _ => (
+            ListingState::Unreadable(format!("being created ({reason})")),
+            None,
+            None,
+            SegmentKind::Engine,
+        ),
     }
 }
 

@@ -3,7 +3,8 @@
 //! A segment called `NAME` is a family of POSIX shared-memory objects under `/dev/shm`, all starting
 //! with [`OBJECT_PREFIX`]:
 //!
-//! - `/kvshm.NAME`            the control segment (header, rings, counters),
+//! - `/kvshm.NAME`            the control segment (header, rings, counters), or a shared
+//!                            tier's control object (`tier_control`),
 //! - `/kvshm.NAME.dev.RANK`   the device arena of a rank (host backend only),
 //! - `/kvshm.NAME.host.RANK`  the host tier of a rank.
 //!

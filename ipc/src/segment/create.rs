@@ -110,7 +110,7 @@ pub(crate) fn validate_header(
 }
 
 /// Step 2 of creation: make the control object, taking over a stale one.
-pub(super) fn create_control_object(
+pub(crate) fn create_control_object(
     name: &SegmentName,
     object: &str,
     len: usize,

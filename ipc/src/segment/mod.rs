@@ -42,9 +42,7 @@ use crate::ring;
 use crate::shm::SharedArea;
 use crate::shm::SharedMemory;
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
-use create::{
-    create_arenas, create_control_object, header_fields_ptr, header_ready, CREATOR_OFFSET,
-};
+use create::{create_arenas, header_fields_ptr, header_ready, CREATOR_OFFSET};
 
 pub use crate::listing::{list, unlink, DataObject, ListingState, SegmentListing};
 
@@ -65,7 +63,7 @@ mod errors;
 mod ranks;
 
 pub use bell::CompletionBell;
-pub(crate) use create::{read_creator, validate_header};
+pub(crate) use create::{create_control_object, read_creator, validate_header};
 pub use errors::{AttachError, CorruptReason, CreateError, SegmentError};
 pub use ranks::RankClaim;
 

@@ -28,7 +28,9 @@ use std::io::{self, Write};
 use kvshm_ipc::arena::{ArenaHeader, ARENA_MAGIC};
 use kvshm_ipc::inspect::{self, CheckedObject};
 use kvshm_ipc::listing::CREATION_GRACE;
-use kvshm_ipc::listing::{self as ipc_listing, DataObject, ListingState, SegmentListing};
+use kvshm_ipc::listing::{
+    self as ipc_listing, DataObject, ListingState, SegmentKind, SegmentListing,
+};
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::shm::ShmError;
@@ -78,6 +80,8 @@ pub struct DataObjectRow {
 #[derive(Debug, Clone, Serialize)]
 pub struct SegmentRow {
     pub name: String,
+    /// `engine`, or `shared_tier` for a host tier several engines share.
+    pub kind: &'static str,
     pub state: SegmentState,
     /// Why it is stale, unreadable or orphaned.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -140,6 +144,10 @@ fn row(listing: &SegmentListing) -> SegmentRow {
     let config = listing.config.as_ref();
     SegmentRow {
         name: listing.name.to_string(),
+        kind: match listing.kind {
+            SegmentKind::Engine => "engine",
+            SegmentKind::SharedTier => "shared_tier",
+        },
         state,
         reason,
         removable,
@@ -170,6 +178,10 @@ fn data_row(data: &DataObject, removable: bool, reason: Option<String>) -> DataO
 fn judge(listing: &SegmentListing) -> (SegmentState, Option<String>, bool) {
     match &listing.state {
         ListingState::Live => (SegmentState::Live, None, false),
+        ListingState::Stale if listing.kind == SegmentKind::SharedTier => {
+            let pid = listing.creator.map_or(0, |creator| creator.pid);
+            (SegmentState::Stale, Some(format!("the tier's owner pid {pid} is dead")), true)
+        }
         ListingState::Stale if listing.config.is_some() => {
             let pid = listing.creator.map_or(0, |creator| creator.pid);
             (SegmentState::Stale, Some(format!("creator pid {pid} is dead")), true)

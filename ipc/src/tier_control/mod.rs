@@ -1,0 +1,434 @@
+//! A shared host tier's control object, `/kvshm.NAME` of a tier (DESIGN §12.3-12.4): the tier's
+//! identity, its owner, and one slot per client, claimed as workers claim ranks.
+//!
+//! [`TierControl`] owns one mapping of the object and a checked copy of its header. The owner
+//! process creates it ([`TierControl::create`]: `O_EXCL`, a dead owner's object taken over with
+//! its host arenas kept, the header written with the creator first and the ready word last); a
+//! client attaches by the tier's name ([`TierControl::attach`]), and everything it reads is
+//! checked before it is used ([`TierAttachError`]).
+//!
+//! A client's slot is a [`WorkerSlot`]: the rule for claiming one, and for judging and
+//! reclaiming it, is the workers' rule (`worker_slot`), not a copy of it.
+//! 1. the client claims the first slot it can ([`TierControl::claim_client_slot`]: a CAS of the
+//!    slot's owner word from EMPTY to ATTACHED with its pid);
+//! 2. the owner sees the ATTACHED word at its next sweep and watches the client's process (the
+//!    owner's loop in the main crate opens a pidfd on it);
+//! 3. when the client has gone (its process died, or it sent its detach), the owner releases
+//!    what it held and reclaims the slot ([`TierControl::reclaim_client`]: ATTACHED to DEAD, the
+//!    client's channel reset, DEAD to EMPTY), and only then can another client claim it.
+//!
+//! A client never gives its slot back itself (dropping a [`ClientClaim`] changes nothing): the
+//! owner must release the client's pins before the slot is claimed again, so only the owner
+//! empties a slot. Clients are judged by their process alone, never by a heartbeat: an engine
+//! may sit idle for hours without calling the tier.
+//!
+//! Files: `layout.rs` the header and the areas' offsets.
+
+mod layout;
+#[cfg(test)]
+mod tests;
+
+use std::ptr::addr_of_mut;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use layout::{
+    TierConfig, TierConfigError, TierHeader, TierHeaderFields, TierLayout, TierOffsets,
+    MAX_IDENTITY_BYTES, MAX_TIER_CLIENTS, TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
+};
+
+use crate::doorbell::Doorbell;
+use crate::inspect::ObjectIdentity;
+use crate::liveness::{monotonic_ns, ProcessIdentity};
+use crate::name::SegmentName;
+use crate::segment::CreateError;
+use crate::shm::{SharedArea, SharedMemory, ShmError};
+use crate::sync::{AtomicU32, Ordering};
+use crate::worker_slot::{
+    ClaimError, HeartbeatLimits, OwnerWord, ReclaimError, SlotVerdict, WorkerSlot,
+};
+
+/// Why a tier's control object could not be created. Nothing is left behind.
+#[derive(Debug, thiserror::Error)]
+pub enum TierCreateError {
+    #[error("invalid tier configuration: {0}")]
+    Config(#[from] TierConfigError),
+    #[error("the tier's identity is {len} bytes, more than the {capacity} reserved")]
+    IdentityTooLong { len: usize, capacity: u32 },
+    #[error(transparent)]
+    Create(#[from] CreateError),
+}
+
+/// Why a client could not attach to a tier's control object (checked in this order).
+#[derive(Debug, thiserror::Error)]
+pub enum TierAttachError {
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    #[error("the tier's control object is {len} bytes, {expected} expected")]
+    Truncated { len: u64, expected: u64 },
+    #[error("not a shared tier's control object (magic {found:#018x})")]
+    BadMagic { found: u64 },
+    #[error("tier layout version {found}, this build reads {expected}")]
+    VersionMismatch { found: u32, expected: u32 },
+    #[error("the tier's owner (pid {pid}) has not finished creating it")]
+    NotReady { pid: u32 },
+    #[error("the tier's configuration is invalid: {0}")]
+    Config(#[from] TierConfigError),
+    #[error("the tier's header is corrupt: {what}")]
+    Corrupt { what: &'static str },
+    #[error("the tier's owner (pid {pid}) is dead")]
+    OwnerDead { pid: u32 },
+}
+
+/// Why a client could not claim a slot.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientClaimError {
+    #[error("all {clients} client slots of the tier are taken")]
+    NoFreeSlot { clients: u32 },
+}
+
+/// A tier's control object, mapped and checked (module flow).
+pub struct TierControl {
+    memory: Arc<SharedMemory>,
+    name: SegmentName,
+    fields: TierHeaderFields,
+    layout: TierLayout,
+    /// The object this handle created (the owner's), unlinked on drop if it is still that file.
+    created: Option<ObjectIdentity>,
+}
+
+impl std::fmt::Debug for TierControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierControl")
+            .field("name", &self.name)
+            .field("creator", &self.fields.creator)
+            .field("config", &self.fields.config)
+            .finish()
+    }
+}
+
+// Handles are shared between the owner's threads.
+const _: fn() = || {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<TierControl>();
+    shareable::<ClientClaim>();
+};
+
+impl TierControl {
+    /// Owner: creates the control object of tier `name` with `config`, keeping `identity` (the
+    /// tier's, encoded by the caller) for clients to compare theirs with. An object of the name
+    /// whose owner is dead is replaced, its host arenas kept for this owner to take over; one
+    /// whose owner lives is [`CreateError::InUse`].
+    pub fn create(
+        name: &SegmentName,
+        config: &TierConfig,
+        identity: &[u8],
+    ) -> Result<TierControl, TierCreateError> {
+        let layout = TierLayout::compute(config)?;
+        if identity.len() > config.identity_capacity as usize {
+            return Err(TierCreateError::IdentityTooLong {
+                len: identity.len(),
+                capacity: config.identity_capacity,
+            });
+        }
+        let object = name.control_object();
+        let memory = crate::segment::create_control_object(name, &object, layout.total_size, true)?;
+        let made = memory.identity().inspect_err(|_| {
+            let _ = crate::inspect::unlink_owned(&object);
+        });
+        let made = made.map_err(CreateError::from)?;
+        let creator = ProcessIdentity::current();
+        let fields = TierHeaderFields {
+            magic: TIER_MAGIC,
+            layout_version: TIER_LAYOUT_VERSION,
+            identity_len: identity.len() as u32,
+            total_size: layout.total_size as u64,
+            config: *config,
+            reserved: [0; 5],
+            creator,
+            offsets: layout.offsets,
+        };
+        let header = memory.as_ptr().cast::<TierHeaderFields>();
+        // SAFETY: 1. the mapping is page-aligned and larger than a TierHeader, so both writes are
+        // in bounds and aligned; 2. volatile stores of Pods into an object this process just
+        // created with O_EXCL: other processes only copy these bytes out (listing, a creator
+        // judging the name), and trust them only after the Release store of the ready word.
+        unsafe {
+            addr_of_mut!((*header).creator).write_volatile(creator);
+            header.write_volatile(fields);
+        }
+        // SAFETY: the identity area holds `identity_capacity >= identity.len()` bytes inside the
+        // mapping (layout), and `identity` is this process's own memory, not in the mapping.
+        unsafe {
+            crate::shared_bytes::copy_to_shared(
+                identity,
+                memory.as_ptr().add(layout.offsets.identity as usize),
+            )
+        };
+        let control = TierControl {
+            memory: Arc::new(memory),
+            name: name.clone(),
+            fields,
+            layout,
+            created: Some(made),
+        };
+        // Slots and the doorbell are zeroed memory (a fresh object): empty and idle.
+        // SYNC: pairs with the Acquire load of ready in validate(): an attacher that sees it
+        // ready sees the header and the identity written above.
+        control.ready_word().store(TIER_READY, Ordering::Release);
+        Ok(control)
+    }
+
+    /// Client: attaches to tier `name`, checking everything it reads.
+    pub fn attach(name: &SegmentName) -> Result<TierControl, TierAttachError> {
+        let memory = SharedMemory::open(&name.control_object())?;
+        let (fields, layout) = validate(&memory)?;
+        if !fields.creator.is_alive() {
+            return Err(TierAttachError::OwnerDead { pid: fields.creator.pid });
+        }
+        Ok(TierControl {
+            memory: Arc::new(memory),
+            name: name.clone(),
+            fields,
+            layout,
+            created: None,
+        })
+    }
+
+    pub fn name(&self) -> &SegmentName {
+        &self.name
+    }
+
+    pub fn config(&self) -> TierConfig {
+        self.fields.config
+    }
+
+    /// The owner process.
+    pub fn owner(&self) -> ProcessIdentity {
+        self.fields.creator
+    }
+
+    /// The tier's identity as its owner encoded it.
+    pub fn identity(&self) -> Vec<u8> {
+        let mut bytes = vec![0; self.fields.identity_len as usize];
+        // SAFETY: identity_len <= identity_capacity (validated), and the layout puts that many
+        // bytes inside the mapping, which lives as long as `self`.
+        unsafe {
+            crate::shared_bytes::copy_from_shared(
+                self.ptr(self.layout.offsets.identity),
+                &mut bytes,
+            )
+        };
+        bytes
+    }
+
+    /// The doorbell every client rings after a call and the owner waits on.
+    pub fn owner_bell(&self) -> &Doorbell {
+        // SAFETY: the layout puts one 64-aligned Doorbell at this offset.
+        unsafe { self.area::<Doorbell>(self.layout.offsets.owner_bell) }
+    }
+
+    /// The slot of client `index`, if there is one.
+    pub fn client_slot(&self, index: u32) -> Option<&WorkerSlot> {
+        if index >= self.fields.config.clients {
+            return None;
+        }
+        let offset =
+            self.layout.offsets.client_slots + u64::from(index) * size_of::<WorkerSlot>() as u64;
+        // SAFETY: index < clients, and the layout puts `clients` 64-aligned slots there.
+        Some(unsafe { self.area::<WorkerSlot>(offset) })
+    }
+
+    /// Client, module flow step 1: claims the first slot free for the calling process.
+    pub fn claim_client_slot(&self) -> Result<ClientClaim, ClientClaimError> {
+        self.claim_client_slot_as(ProcessIdentity::current())
+    }
+
+    /// [`claim_client_slot`](Self::claim_client_slot) on behalf of `process`.
+    pub fn claim_client_slot_as(
+        &self,
+        process: ProcessIdentity,
+    ) -> Result<ClientClaim, ClientClaimError> {
+        for index in 0..self.fields.config.clients {
+            let slot = self.client_slot(index).expect("index < clients");
+            match slot.claim(process) {
+                Ok(owner_word) => {
+                    return Ok(ClientClaim {
+                        _memory: Arc::clone(&self.memory),
+                        slot: slot as *const WorkerSlot,
+                        owner_word,
+                        index,
+                    })
+                }
+                // Taken, or a dead client's the owner has not reclaimed yet: try the next.
+                Err(ClaimError::Occupied { .. } | ClaimError::NotReclaimed { .. }) => {}
+                Err(ClaimError::RankOutOfRange { .. }) => unreachable!("a slot index in range"),
+            }
+        }
+        Err(ClientClaimError::NoFreeSlot { clients: self.fields.config.clients })
+    }
+
+    /// Owner, module flow step 2: the client of slot `index` as its owner word says, judged by
+    /// `is_alive` (the owner asks its pidfd) and never by a heartbeat.
+    pub fn client_verdict(
+        &self,
+        index: u32,
+        is_alive: impl FnOnce(ProcessIdentity) -> bool,
+    ) -> Option<SlotVerdict> {
+        let no_heartbeat = HeartbeatLimits::uniform(Duration::MAX);
+        Some(self.client_slot(index)?.verdict(monotonic_ns(), no_heartbeat, is_alive))
+    }
+
+    /// Owner, module flow step 3: takes slot `index` from exactly the word `judged` (a client
+    /// that has gone, its pins released), runs `reset` (the client's channel) while no client
+    /// can claim it, and empties it.
+    pub fn reclaim_client(
+        &self,
+        index: u32,
+        judged: OwnerWord,
+        reset: impl FnOnce(),
+    ) -> Result<(), ReclaimError> {
+        let clients = self.fields.config.clients;
+        let slot = self
+            .client_slot(index)
+            .ok_or(ReclaimError::RankOutOfRange { rank: index, tp_size: clients })?;
+        let reclaim = slot.begin_reclaim(judged)?;
+        reset();
+        reclaim.finish()
+    }
+
+    fn ready_word(&self) -> &AtomicU32 {
+        ready_word(&self.memory)
+    }
+
+    fn ptr(&self, offset: u64) -> *mut u8 {
+        // SAFETY: every offset passed comes from the validated layout, inside the mapping.
+        unsafe { self.memory.as_ptr().add(offset as usize) }
+    }
+
+    /// The `T` at `offset`.
+    ///
+    /// # Safety
+    /// `offset` is where the layout puts a `T` (so in bounds and aligned for it).
+    unsafe fn area<T: SharedArea>(&self, offset: u64) -> &T {
+        assert!(
+            offset as usize + size_of::<T>() <= self.memory.len(),
+            "an area outside the tier's object is a programming error"
+        );
+        // SAFETY: in bounds (asserted) and aligned (the caller's premise) in a mapping that lives
+        // as long as `self`; T is a SharedArea: atomics only, every bit pattern valid, so the
+        // shared reference stays sound while other processes write it.
+        unsafe { &*self.ptr(offset).cast::<T>() }
+    }
+}
+
+impl Drop for TierControl {
+    fn drop(&mut self) {
+        let Some(made) = self.created else { return };
+        if self.memory.is_intact() {
+            // Relaxed: the word alone is the message (clients see the owner go without waiting
+            // to find its process dead); nothing is published behind it.
+            self.ready_word().store(0, Ordering::Relaxed);
+        }
+        // Only the very file this owner made: someone may have cleaned up and recreated the name.
+        let _ = crate::inspect::unlink_if_identical(&self.name.control_object(), made);
+    }
+}
+
+/// A client's claim on its slot (module flow). Dropping it leaves the slot to the owner.
+pub struct ClientClaim {
+    _memory: Arc<SharedMemory>,
+    slot: *const WorkerSlot,
+    owner_word: OwnerWord,
+    index: u32,
+}
+
+// SAFETY: the slot pointer points into the mapping `_memory` keeps alive; the slot is atomics
+// only, so using it from any thread is race-free.
+unsafe impl Send for ClientClaim {}
+// SAFETY: as above; every method takes &self and uses atomics only.
+unsafe impl Sync for ClientClaim {}
+
+impl ClientClaim {
+    /// The slot's index: the client's channel is this one.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The owner word this claim wrote.
+    pub fn owner_word(&self) -> OwnerWord {
+        self.owner_word
+    }
+
+    /// Whether the slot is still this claim's (the owner has not reclaimed it).
+    pub fn is_held(&self) -> bool {
+        // SAFETY: see the Send impl: into the mapping `_memory` keeps alive; atomics only.
+        unsafe { &*self.slot }.owner() == self.owner_word
+    }
+}
+
+fn ready_word(memory: &SharedMemory) -> &AtomicU32 {
+    assert!(memory.len() >= size_of::<TierHeader>(), "a mapping shorter than a tier header");
+    // SAFETY: 1. in bounds (asserted) and 4-aligned in a page-aligned mapping that lives as long
+    // as `memory`; 2. a reference to the ready atomic alone (never to the header, whose plain
+    // fields another process may write), so every access through it is atomic.
+    unsafe { &*memory.as_ptr().add(layout::READY_OFFSET).cast::<AtomicU32>() }
+}
+
+/// Whether `memory` starts with a tier's magic (of any version): how listing tells a tier's
+/// control object from an engine's segment.
+pub(crate) fn has_tier_magic(memory: &SharedMemory) -> bool {
+    if memory.len() < size_of::<u64>() {
+        return false;
+    }
+    // SAFETY: in bounds (checked) and aligned at the mapping's start; a volatile copy of a Pod.
+    let magic = unsafe { memory.as_ptr().cast::<u64>().read_volatile() };
+    magic == TIER_MAGIC
+}
+
+/// Checks everything in a tier's control object except its owner's liveness.
+pub(crate) fn validate(
+    memory: &SharedMemory,
+) -> Result<(TierHeaderFields, TierLayout), TierAttachError> {
+    let len = memory.len() as u64;
+    let header_size = size_of::<TierHeader>() as u64;
+    if len < header_size {
+        return Err(TierAttachError::Truncated { len, expected: header_size });
+    }
+    let header = memory.as_ptr().cast::<TierHeaderFields>();
+    // SAFETY: a whole header lies in the page-aligned mapping (checked above); a volatile copy of
+    // a Pod reads the bytes once as they are, and nothing is trusted before it is checked.
+    let early = unsafe { header.read_volatile() };
+    if early.magic != TIER_MAGIC {
+        return Err(TierAttachError::BadMagic { found: early.magic });
+    }
+    if early.layout_version != TIER_LAYOUT_VERSION {
+        return Err(TierAttachError::VersionMismatch {
+            found: early.layout_version,
+            expected: TIER_LAYOUT_VERSION,
+        });
+    }
+    // SYNC: pairs with the Release store of ready in TierControl::create().
+    if ready_word(memory).load(Ordering::Acquire) != TIER_READY {
+        return Err(TierAttachError::NotReady { pid: early.creator.pid });
+    }
+    // SAFETY: as for `early`; read again after the Acquire so that the copy is the published one.
+    let fields = unsafe { header.read_volatile() };
+    if fields.magic != TIER_MAGIC || fields.layout_version != TIER_LAYOUT_VERSION {
+        return Err(TierAttachError::Corrupt { what: "magic or version changed" });
+    }
+    let layout = TierLayout::compute(&fields.config)?;
+    if fields.offsets != layout.offsets {
+        return Err(TierAttachError::Corrupt { what: "area offsets" });
+    }
+    if fields.total_size != layout.total_size as u64 {
+        return Err(TierAttachError::Corrupt { what: "total size" });
+    }
+    if fields.total_size > len {
+        return Err(TierAttachError::Truncated { len, expected: fields.total_size });
+    }
+    if fields.identity_len > fields.config.identity_capacity {
+        return Err(TierAttachError::Corrupt { what: "identity length" });
+    }
+    Ok((fields, layout))
+}
