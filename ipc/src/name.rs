@@ -4,7 +4,7 @@
 //! with [`OBJECT_PREFIX`]:
 //!
 //! - `/kvshm.NAME`            the control segment (header, rings, counters), or a shared
-//!                            tier's control object (`tier_control`),
+//!   tier's control object (`tier_control`),
 //! - `/kvshm.NAME.dev.RANK`   the device arena of a rank (host backend only),
 //! - `/kvshm.NAME.host.RANK`  the host tier of a rank.
 //!

@@ -3,9 +3,11 @@
 //! ```text
 //! offset   0  TierHeader: TierHeaderFields (magic, version, sizes, creator at 72, offsets),
 //!             then the ready word (Release-published last by the creator)
-//! offset 128  owner doorbell: every client rings it after a call, the owner waits on it
-//! offset 192  client slots: one WorkerSlot (64 bytes) per client
+//! offset 192  owner doorbell: every client rings it after a batch, the owner waits on it
+//! offset 256  client slots: one WorkerSlot (64 bytes) per client
 //! then        the tier's identity, `identity_capacity` bytes (its length in the header)
+//! then        one channel per client, `channel_stride` bytes each (`channel.rs`): its request
+//!             ring, its answer ring, its answer doorbell, its key page, its answer page
 //! ```
 //!
 //! The creator's identity sits at the offset a segment's does (72), so that `listing` and a
@@ -13,6 +15,7 @@
 
 use bytemuck::{Pod, Zeroable};
 
+use super::record::{TierAnswer, TierRequest, WireKey};
 use crate::doorbell::Doorbell;
 use crate::layout::HeaderFields;
 use crate::liveness::ProcessIdentity;
@@ -27,6 +30,10 @@ pub const TIER_LAYOUT_VERSION: u32 = 1;
 pub const MAX_TIER_CLIENTS: u32 = 256;
 /// The largest identity a tier may keep.
 pub const MAX_IDENTITY_BYTES: u32 = 4096;
+/// The most records a channel's ring may hold.
+pub const MAX_RING_SLOTS: u32 = 1024;
+/// The most keys a batch may carry.
+pub const MAX_PAGE_KEYS: u32 = 1 << 14;
 /// The ready word's value once the creator initialised everything.
 pub const TIER_READY: u32 = 0x5449_4552;
 
@@ -38,6 +45,24 @@ pub struct TierConfig {
     pub clients: u32,
     /// Bytes reserved for the tier's identity.
     pub identity_capacity: u32,
+    /// Records each ring of a channel holds (a power of two, at least 2): a batch has at most
+    /// one fewer calls.
+    pub ring_slots: u32,
+    /// Keys one batch may carry (its key page), and entries of its answers (its answer page
+    /// holds two per key).
+    pub page_keys: u32,
+}
+
+impl TierConfig {
+    /// `clients` slots, 64 calls and 4096 keys a batch, a 4 KiB identity.
+    pub const fn with_clients(clients: u32) -> TierConfig {
+        TierConfig {
+            clients,
+            identity_capacity: MAX_IDENTITY_BYTES,
+            ring_slots: 64,
+            page_keys: 4096,
+        }
+    }
 }
 
 /// Why a tier configuration is refused.
@@ -47,6 +72,10 @@ pub enum TierConfigError {
     Clients { clients: u32 },
     #[error("an identity of {bytes} bytes; a tier keeps at most {MAX_IDENTITY_BYTES}")]
     IdentityTooLong { bytes: u32 },
+    #[error("rings of {slots} records; a power of two from 2 to {MAX_RING_SLOTS}")]
+    RingSlots { slots: u32 },
+    #[error("{keys} keys a batch; 1 to {MAX_PAGE_KEYS}")]
+    PageKeys { keys: u32 },
 }
 
 impl TierConfig {
@@ -56,6 +85,12 @@ impl TierConfig {
         }
         if self.identity_capacity > MAX_IDENTITY_BYTES {
             return Err(TierConfigError::IdentityTooLong { bytes: self.identity_capacity });
+        }
+        if !self.ring_slots.is_power_of_two() || !(2..=MAX_RING_SLOTS).contains(&self.ring_slots) {
+            return Err(TierConfigError::RingSlots { slots: self.ring_slots });
+        }
+        if !(1..=MAX_PAGE_KEYS).contains(&self.page_keys) {
+            return Err(TierConfigError::PageKeys { keys: self.page_keys });
         }
         Ok(())
     }
@@ -68,6 +103,48 @@ pub struct TierOffsets {
     pub owner_bell: u64,
     pub client_slots: u64,
     pub identity: u64,
+    /// The first client's channel; client `i`'s is `channel_stride * i` further.
+    pub channels: u64,
+    pub channel_stride: u64,
+}
+
+/// Where the parts of a channel lie, from the channel's start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelLayout {
+    pub request_ring: usize,
+    pub request_ring_len: usize,
+    pub answer_ring: usize,
+    pub answer_ring_len: usize,
+    pub answer_bell: usize,
+    pub key_page: usize,
+    pub answer_page: usize,
+    /// Bytes of one channel, a multiple of 64.
+    pub stride: usize,
+}
+
+impl ChannelLayout {
+    /// The channel of a valid `config`.
+    pub fn compute(config: &TierConfig) -> ChannelLayout {
+        let slots = config.ring_slots as usize;
+        let request_ring_len = crate::ring::memory_size::<TierRequest>(slots);
+        let answer_ring_len = crate::ring::memory_size::<TierAnswer>(slots);
+        let answer_ring = request_ring_len;
+        let answer_bell = answer_ring + answer_ring_len;
+        let key_page = answer_bell + size_of::<Doorbell>();
+        let keys = config.page_keys as usize;
+        let answer_page = key_page + (keys * size_of::<WireKey>()).next_multiple_of(64);
+        let stride = answer_page + (keys * 2 * size_of::<u32>()).next_multiple_of(64);
+        ChannelLayout {
+            request_ring: 0,
+            request_ring_len,
+            answer_ring,
+            answer_ring_len,
+            answer_bell,
+            key_page,
+            answer_page,
+            stride,
+        }
+    }
 }
 
 /// The header words that never change after creation; attachers copy them out and check them.
@@ -79,13 +156,13 @@ pub struct TierHeaderFields {
     pub identity_len: u32,
     pub total_size: u64,
     pub config: TierConfig,
-    pub reserved: [u64; 5],
+    pub reserved: [u64; 4],
     /// The owner process (written first at creation, at a segment's creator offset).
     pub creator: ProcessIdentity,
     pub offsets: TierOffsets,
 }
 
-const _: () = assert!(size_of::<TierHeaderFields>() == 112);
+const _: () = assert!(size_of::<TierHeaderFields>() == 128);
 const _: () = assert!(
     std::mem::offset_of!(TierHeaderFields, creator) == std::mem::offset_of!(HeaderFields, creator)
 );
@@ -102,13 +179,14 @@ pub struct TierHeader {
     _reserved: [u32; 3],
 }
 
-const _: () = assert!(size_of::<TierHeader>() == 128);
+const _: () = assert!(size_of::<TierHeader>() == 192);
 pub(crate) const READY_OFFSET: usize = std::mem::offset_of!(TierHeader, ready);
 
 /// Where everything lies, derived from a configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TierLayout {
     pub offsets: TierOffsets,
+    pub channel: ChannelLayout,
     /// Bytes of the whole object (a multiple of the page size).
     pub total_size: usize,
 }
@@ -120,21 +198,30 @@ impl TierLayout {
         let owner_bell = size_of::<TierHeader>();
         let client_slots = owner_bell + size_of::<Doorbell>();
         let identity = client_slots + config.clients as usize * size_of::<WorkerSlot>();
-        let end = identity + config.identity_capacity as usize;
+        let channels = (identity + config.identity_capacity as usize).next_multiple_of(64);
+        let channel = ChannelLayout::compute(config);
+        let end = channels + config.clients as usize * channel.stride;
         Ok(TierLayout {
             offsets: TierOffsets {
                 owner_bell: owner_bell as u64,
                 client_slots: client_slots as u64,
                 identity: identity as u64,
+                channels: channels as u64,
+                channel_stride: channel.stride as u64,
             },
+            channel,
             total_size: end.next_multiple_of(4096),
         })
     }
 
     /// The largest object any valid configuration makes.
     pub fn largest() -> usize {
-        let config =
-            TierConfig { clients: MAX_TIER_CLIENTS, identity_capacity: MAX_IDENTITY_BYTES };
+        let config = TierConfig {
+            clients: MAX_TIER_CLIENTS,
+            identity_capacity: MAX_IDENTITY_BYTES,
+            ring_slots: MAX_RING_SLOTS,
+            page_keys: MAX_PAGE_KEYS,
+        };
         TierLayout::compute(&config).expect("the largest configuration is valid").total_size
     }
 }

@@ -22,9 +22,16 @@
 //! empties a slot. Clients are judged by their process alone, never by a heartbeat: an engine
 //! may sit idle for hours without calling the tier.
 //!
-//! Files: `layout.rs` the header and the areas' offsets.
+//! Each slot has its channel (`channel.rs`, records in `record.rs`): the client's end comes
+//! with its claim ([`TierControl::client_channel`]), the owner's with its verdict
+//! ([`TierControl::owner_channel`]); a reclaim resets it before the slot is claimed again.
+//!
+//! Files: `layout.rs` the header and the areas' offsets; `record.rs` the records and keys;
+//! `channel.rs` the two ends of a channel.
 
+mod channel;
 mod layout;
+mod record;
 #[cfg(test)]
 mod tests;
 
@@ -32,15 +39,23 @@ use std::ptr::addr_of_mut;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use channel::{ClientChannel, OwnerChannel};
 pub use layout::{
-    TierConfig, TierConfigError, TierHeader, TierHeaderFields, TierLayout, TierOffsets,
-    MAX_IDENTITY_BYTES, MAX_TIER_CLIENTS, TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
+    ChannelLayout, TierConfig, TierConfigError, TierHeader, TierHeaderFields, TierLayout,
+    TierOffsets, MAX_IDENTITY_BYTES, MAX_PAGE_KEYS, MAX_RING_SLOTS, MAX_TIER_CLIENTS,
+    TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
 };
+pub use record::{
+    AnswerStatus, RecordError, TierAnswer, TierOp, TierRequest, WireKey, WIRE_KEY_BYTES,
+};
+
+use channel::ChannelParts;
 
 use crate::doorbell::Doorbell;
 use crate::inspect::ObjectIdentity;
 use crate::liveness::{monotonic_ns, ProcessIdentity};
 use crate::name::SegmentName;
+use crate::ring::{self, Consumer, Producer, RingError};
 use crate::segment::CreateError;
 use crate::shm::{SharedArea, SharedMemory, ShmError};
 use crate::sync::{AtomicU32, Ordering};
@@ -144,7 +159,7 @@ impl TierControl {
             identity_len: identity.len() as u32,
             total_size: layout.total_size as u64,
             config: *config,
-            reserved: [0; 5],
+            reserved: [0; 4],
             creator,
             offsets: layout.offsets,
         };
@@ -172,7 +187,18 @@ impl TierControl {
             layout,
             created: Some(made),
         };
-        // Slots and the doorbell are zeroed memory (a fresh object): empty and idle.
+        // Slots and doorbells are zeroed memory (a fresh object): empty and idle.
+        for index in 0..config.clients {
+            let (requests, answers) = control.ring_bases(index);
+            let slots = config.ring_slots as usize;
+            // SAFETY: 1. each ring area is memory_size(slots) bytes inside the mapping, 64-aligned
+            // (layout); 2. slots is a power of two (config validated); 3. no end is attached:
+            // attachers refuse the object before it is ready.
+            unsafe {
+                ring::init::<TierRequest>(requests, slots);
+                ring::init::<TierAnswer>(answers, slots);
+            }
+        }
         // SYNC: pairs with the Acquire load of ready in validate(): an attacher that sees it
         // ready sees the header and the identity written above.
         control.ready_word().store(TIER_READY, Ordering::Release);
@@ -268,6 +294,67 @@ impl TierControl {
         Err(ClientClaimError::NoFreeSlot { clients: self.fields.config.clients })
     }
 
+    /// Client: its end of the channel of the slot it claimed.
+    pub fn client_channel(&self, claim: &ClientClaim) -> Result<ClientChannel, RingError> {
+        let index = claim.index();
+        let (request_base, answer_base) = self.ring_bases(index);
+        let channel = self.layout.channel;
+        // SAFETY: 1. both rings lie in the mapping, which the channel's parts keep alive; 2. the
+        // other ends are the owner's, and a second client end is a breach of the claim (one
+        // client per slot, by the CAS that claimed it).
+        let requests = unsafe { Producer::attach(request_base, channel.request_ring_len)? };
+        // SAFETY: as above.
+        let answers = unsafe { Consumer::attach(answer_base, channel.answer_ring_len)? };
+        Ok(ClientChannel { requests, answers, parts: self.channel_parts(index) })
+    }
+
+    /// Owner: its end of the channel of slot `index` (for a client it has judged attached).
+    ///
+    /// # Panics
+    /// If `index` is not a slot: the owner iterates over its own configuration's slots.
+    pub fn owner_channel(&self, index: u32) -> Result<OwnerChannel, RingError> {
+        assert!(index < self.fields.config.clients, "a slot index out of range");
+        let (request_base, answer_base) = self.ring_bases(index);
+        let channel = self.layout.channel;
+        // SAFETY: as in client_channel, the owner's ends (one owner, by O_EXCL on the object).
+        let requests = unsafe { Consumer::attach(request_base, channel.request_ring_len)? };
+        // SAFETY: as above.
+        let answers = unsafe { Producer::attach(answer_base, channel.answer_ring_len)? };
+        Ok(OwnerChannel { requests, answers, parts: self.channel_parts(index) })
+    }
+
+    fn channel_start(&self, index: u32) -> u64 {
+        self.layout.offsets.channels + u64::from(index) * self.layout.offsets.channel_stride
+    }
+
+    fn ring_bases(&self, index: u32) -> (*mut u8, *mut u8) {
+        let start = self.channel_start(index);
+        let channel = self.layout.channel;
+        (
+            self.ptr(start + channel.request_ring as u64),
+            self.ptr(start + channel.answer_ring as u64),
+        )
+    }
+
+    fn answer_bell(&self, index: u32) -> &Doorbell {
+        let at = self.channel_start(index) + self.layout.channel.answer_bell as u64;
+        // SAFETY: the layout puts one 64-aligned Doorbell there.
+        unsafe { self.area::<Doorbell>(at) }
+    }
+
+    fn channel_parts(&self, index: u32) -> ChannelParts {
+        let start = self.channel_start(index);
+        let channel = self.layout.channel;
+        ChannelParts {
+            _memory: Arc::clone(&self.memory),
+            answer_bell: self.answer_bell(index) as *const Doorbell,
+            owner_bell: self.owner_bell() as *const Doorbell,
+            key_page: self.ptr(start + channel.key_page as u64),
+            answer_page: self.ptr(start + channel.answer_page as u64),
+            page_keys: self.fields.config.page_keys,
+        }
+    }
+
     /// Owner, module flow step 2: the client of slot `index` as its owner word says, judged by
     /// `is_alive` (the owner asks its pidfd) and never by a heartbeat.
     pub fn client_verdict(
@@ -280,20 +367,25 @@ impl TierControl {
     }
 
     /// Owner, module flow step 3: takes slot `index` from exactly the word `judged` (a client
-    /// that has gone, its pins released), runs `reset` (the client's channel) while no client
-    /// can claim it, and empties it.
-    pub fn reclaim_client(
-        &self,
-        index: u32,
-        judged: OwnerWord,
-        reset: impl FnOnce(),
-    ) -> Result<(), ReclaimError> {
+    /// that has gone, its pins released; the owner has dropped its end of the channel), resets
+    /// the channel while no client can claim the slot, and empties it.
+    pub fn reclaim_client(&self, index: u32, judged: OwnerWord) -> Result<(), ReclaimError> {
         let clients = self.fields.config.clients;
         let slot = self
             .client_slot(index)
             .ok_or(ReclaimError::RankOutOfRange { rank: index, tp_size: clients })?;
         let reclaim = slot.begin_reclaim(judged)?;
-        reset();
+        let (requests, answers) = self.ring_bases(index);
+        // SAFETY: 1. both rings lie in the mapping and were initialised at creation; 2. no end
+        // uses them: the client has gone (the premise above) and the slot is DEAD, so none can
+        // claim it until the reclaim finishes; 3. the reset is atomic stores of the indices, so
+        // a process breaking that premise races nothing here.
+        unsafe {
+            ring::reset_indices(requests);
+            ring::reset_indices(answers);
+        }
+        // A client killed asleep on its doorbell never deregistered; none can be registered now.
+        self.answer_bell(index).forget_sleepers();
         reclaim.finish()
     }
 

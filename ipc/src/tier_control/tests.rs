@@ -1,6 +1,9 @@
 //! The tier's control object in one process: create, attach, checks, client slots.
 
+use std::time::Instant;
+
 use super::*;
+use crate::doorbell::WaitPolicy;
 use crate::listing::{self, ListingState, SegmentKind};
 use crate::worker_slot::{RankStatus, WorkerState};
 
@@ -8,7 +11,8 @@ fn unique_name(test: &str) -> SegmentName {
     SegmentName::new(&format!("t-tier-{test}-{}", std::process::id())).unwrap()
 }
 
-const CONFIG: TierConfig = TierConfig { clients: 3, identity_capacity: 256 };
+const CONFIG: TierConfig =
+    TierConfig { clients: 3, identity_capacity: 256, ring_slots: 8, page_keys: 16 };
 
 /// A process that has exited (and was reaped).
 fn dead_process() -> ProcessIdentity {
@@ -107,15 +111,13 @@ fn a_dead_clients_slot_is_claimable_only_after_the_owner_reclaims_it() {
     let verdict = owner.client_verdict(0, |process| process.is_alive()).unwrap();
     assert!(matches!(verdict.status, RankStatus::Dead { .. }));
     assert_eq!(verdict.word, dead.owner_word());
-    let mut reset = false;
-    owner.reclaim_client(0, verdict.word, || reset = true).unwrap();
-    assert!(reset);
+    owner.reclaim_client(0, verdict.word).unwrap();
     assert!(!dead.is_held());
     assert_eq!(owner.client_slot(0).unwrap().owner().state(), WorkerState::Empty);
     let claim = owner.claim_client_slot().unwrap();
     assert!(claim.is_held());
     // A reclaim judged on an older word changes nothing.
-    assert!(owner.reclaim_client(0, verdict.word, || panic!("must not reset")).is_err());
+    assert!(owner.reclaim_client(0, verdict.word).is_err());
     assert!(claim.is_held());
 }
 
@@ -147,4 +149,100 @@ fn listing_calls_a_tier_live_while_its_owner_runs_and_stale_once_it_is_dead() {
     std::mem::forget(owner);
     let successor = TierControl::create(&name, &CONFIG, b"id").unwrap();
     assert_eq!(TierControl::attach(&name).unwrap().owner(), successor.owner());
+}
+
+fn key(text: &str) -> WireKey {
+    WireKey::new(text.as_bytes()).unwrap()
+}
+
+#[test]
+fn a_batch_goes_to_the_owner_and_its_answers_come_back_with_their_entries() {
+    let name = unique_name("batch");
+    let owner = TierControl::create(&name, &CONFIG, b"id").unwrap();
+    let client = TierControl::attach(&name).unwrap();
+    let claim = client.claim_client_slot().unwrap();
+    let mut to_owner = client.client_channel(&claim).unwrap();
+    let mut from_client = owner.owner_channel(claim.index()).unwrap();
+
+    to_owner.write_keys(0, &[key("a"), key("b"), key("c")]).unwrap();
+    let calls = [
+        TierRequest::new(1, TierOp::AcquirePrefix, 7, 0, 2),
+        TierRequest::new(2, TierOp::CompleteStore, 7, 2, 1).with_flags(1),
+        TierRequest::new(3, TierOp::EndBatch, 0, 0, 0),
+    ];
+    to_owner.send(&calls).unwrap();
+
+    let mut requests = Vec::new();
+    assert_eq!(from_client.take_requests(&mut requests).unwrap(), 3);
+    assert_eq!(requests, calls);
+    let mut keys = Vec::new();
+    from_client.read_keys(&requests[1], &mut keys).unwrap();
+    assert_eq!(keys[0].bytes().unwrap(), b"c");
+    from_client.read_keys(&requests[0], &mut keys).unwrap();
+    assert_eq!(keys.iter().map(|key| key.bytes().unwrap()).collect::<Vec<_>>(), [b"a", b"b"]);
+    from_client.write_entries(0, &[40, 41]).unwrap();
+    from_client
+        .answer(&[
+            TierAnswer::new(1, TierOp::AcquirePrefix, AnswerStatus::Done).with_entries(2, 0),
+            TierAnswer::new(3, TierOp::EndBatch, AnswerStatus::Done),
+        ])
+        .unwrap();
+
+    let mut answers = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    to_owner.wait_answers(&mut answers, WaitPolicy::default(), deadline).unwrap();
+    assert_eq!(answers.len(), 2);
+    assert_eq!(
+        (answers[0].call, answers[0].count, answers[0].status()),
+        (1, 2, AnswerStatus::Done)
+    );
+    let mut entries = Vec::new();
+    to_owner.read_entries(answers[0].first_entry, answers[0].count, &mut entries).unwrap();
+    assert_eq!(entries, [40, 41]);
+}
+
+#[test]
+fn records_that_name_keys_outside_the_page_or_bad_keys_are_typed_errors() {
+    let name = unique_name("bad-record");
+    let owner = TierControl::create(&name, &CONFIG, b"id").unwrap();
+    let claim = owner.claim_client_slot().unwrap();
+    let from_client = owner.owner_channel(claim.index()).unwrap();
+    let mut keys = Vec::new();
+    for (first, count) in [(15, 2), (u32::MAX, 2), (0, 17)] {
+        let request = TierRequest::new(1, TierOp::ReleaseLoads, 0, first, count);
+        assert_eq!(
+            from_client.read_keys(&request, &mut keys),
+            Err(RecordError::KeysOutOfPage { first, count, page: 16 })
+        );
+    }
+    let mut too_long = key("x");
+    too_long.len = 65;
+    assert_eq!(too_long.bytes(), Err(RecordError::KeyTooLong { len: 65 }));
+    let unknown = TierRequest { op: 99, ..TierRequest::new(1, TierOp::EndBatch, 0, 0, 0) };
+    assert_eq!(unknown.op(), Err(RecordError::UnknownOp { code: 99 }));
+    let mut to_owner = owner.client_channel(&claim).unwrap();
+    assert!(to_owner.write_keys(10, &[key("k"); 7]).is_err());
+    let mut out = Vec::new();
+    assert!(to_owner.read_entries(30, 3, &mut out).is_err());
+}
+
+#[test]
+fn a_reclaimed_slot_hands_its_next_client_empty_rings() {
+    let name = unique_name("reset");
+    let owner = TierControl::create(&name, &TierConfig { clients: 1, ..CONFIG }, b"id").unwrap();
+    let dead = owner.claim_client_slot_as(dead_process()).unwrap();
+    {
+        let mut to_owner = owner.client_channel(&dead).unwrap();
+        to_owner.send(&[TierRequest::new(1, TierOp::EndBatch, 0, 0, 0)]).unwrap();
+    }
+    owner.reclaim_client(0, dead.owner_word()).unwrap();
+    let claim = owner.claim_client_slot().unwrap();
+    let _to_owner = owner.client_channel(&claim).unwrap();
+    let mut from_client = owner.owner_channel(0).unwrap();
+    let mut requests = Vec::new();
+    assert_eq!(
+        from_client.take_requests(&mut requests).unwrap(),
+        0,
+        "the dead client's call is gone"
+    );
 }
