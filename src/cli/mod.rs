@@ -8,8 +8,10 @@
 //!   measures it under a counting allocator).
 //! - [`pattern`]: the bytes the demo writes into each block, which the tests check copies against.
 //! - [`checks`]: the argument checks the commands share.
+//! - [`tier_owner`]: the owner process of a host tier several engines share (`kvshm tier-owner`).
 pub mod bench_sched;
 pub mod checks;
 pub mod pattern;
 pub mod replay;
+pub mod tier_owner;
 pub mod worker;

@@ -42,6 +42,7 @@ pub use manager::{
     OffloadManager, OffloadStats, PreparedStore,
 };
 pub use shared::{
-    AttachError, ClientId, ClientProcess, ClientSummary, Reaped, Released, SharedTierError,
-    SharedTierIndex, TierIdentity, TierOwner, SWEEP_INTERVAL,
+    AttachError, CallAnswer, ClientId, ClientOptions, ClientProcess, ClientSummary, Reaped,
+    Released, ServeError, ServeStats, SharedTierError, SharedTierIndex, TierCall, TierClient,
+    TierIdentity, TierOwner, TierServer, SWEEP_INTERVAL,
 };

@@ -229,7 +229,7 @@ fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
 
 static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
 
-/// True once SIGTERM or SIGINT arrived.
+/// True once SIGTERM or SIGINT arrived (after [`install_stop_handlers`]).
 pub fn stop_requested() -> bool {
     STOP_REQUESTED.load(Ordering::Relaxed)
 }
@@ -239,7 +239,7 @@ extern "C" fn on_stop_signal(_signal: libc::c_int) {
     STOP_REQUESTED.store(true, Ordering::Relaxed);
 }
 
-fn install_stop_handlers() -> Result<(), nix::Error> {
+pub(crate) fn install_stop_handlers() -> Result<(), nix::Error> {
     // No SA_RESTART: a signal cuts an idle sleep short, the loop then sees the flag.
     let action =
         SigAction::new(SigHandler::Handler(on_stop_signal), SaFlags::empty(), SigSet::empty());

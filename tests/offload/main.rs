@@ -8,3 +8,4 @@ mod host_tier;
 mod manager;
 mod shared_tier;
 mod tier_owner;
+mod tier_process;

@@ -476,3 +476,18 @@ fn randomized_decisions_of_several_clients_match_a_naive_model() {
         run_against_model(seed);
     }
 }
+
+#[test]
+fn an_identity_decodes_to_itself_and_cut_or_padded_bytes_to_nothing() {
+    let encoded = identity().encode();
+    assert_eq!(TierIdentity::decode(&encoded), Some(identity()));
+    for cut in 0..encoded.len() {
+        assert_eq!(TierIdentity::decode(&encoded[..cut]), None, "cut at {cut}");
+    }
+    let mut padded = encoded.clone();
+    padded.push(0);
+    assert_eq!(TierIdentity::decode(&padded), None);
+    let mut huge = encoded;
+    huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert_eq!(TierIdentity::decode(&huge), None, "a length past the end is refused");
+}

@@ -170,6 +170,11 @@ impl OwnerChannel {
         self.parts.page_keys
     }
 
+    /// Whether no call waits (a broken ring counts as a call, so that the owner acts on it).
+    pub fn is_idle(&mut self) -> bool {
+        matches!(self.requests.is_empty(), Ok(true))
+    }
+
     /// Moves the calls there into `out`; returns how many. A ring whose indices make no sense is
     /// the client's fault, and the client's end.
     pub fn take_requests(&mut self, out: &mut Vec<TierRequest>) -> Result<usize, RingError> {

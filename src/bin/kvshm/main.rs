@@ -1,4 +1,5 @@
-//! The `kvshm` binary: the demo, the worker process, trace replay and benchmarks.
+//! The `kvshm` binary: the demo, the worker process, a shared tier's owner, trace replay and
+//! benchmarks.
 //!
 //! `main` parses the command line and dispatches. The worker process, the trace replay and the
 //! scheduler benchmark are library code ([`kvshm::cli`]: the Python package, the tests and
@@ -26,6 +27,8 @@ enum Command {
     Worker(cli::worker::Args),
     /// Replay a Mooncake-format trace through the scheduler and print hit rates.
     Replay(cli::replay::Args),
+    /// Own a host tier that several engine instances on this node share.
+    TierOwner(cli::tier_owner::Args),
     /// Benchmarks that print one JSON object with a baseline measured in the same run.
     #[command(subcommand)]
     Bench(Bench),
@@ -60,6 +63,7 @@ fn main() -> anyhow::Result<()> {
         Command::Demo(args) => demo::run(args),
         Command::Worker(args) => cli::worker::run(args),
         Command::Replay(args) => cli::replay::run(args),
+        Command::TierOwner(args) => cli::tier_owner::run(args),
         Command::Bench(Bench::Ring(args)) => bench::ring::run(args),
         Command::Bench(Bench::Copy(args)) => bench::copy::run(args),
         Command::Bench(Bench::Sched(args)) => cli::bench_sched::run(args),

@@ -1,5 +1,7 @@
 //! [`TierIdentity`]: what makes the blocks of two engine instances interchangeable, the name a
 //! shared tier is found by, and the check that refuses an instance whose blocks would not be.
+//! The owner keeps it in the tier's control object ([`TierIdentity::encode`]); a client decodes it
+//! there ([`TierIdentity::decode`], which trusts none of it) and compares it with its own.
 
 use serde::Serialize;
 
@@ -28,8 +30,13 @@ pub struct TierIdentity {
 }
 
 impl TierIdentity {
-    /// XXH3-64 over every field, each length-prefixed.
+    /// XXH3-64 over every field, each length-prefixed ([`TierIdentity::encode`]).
     pub fn digest(&self) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(&self.encode())
+    }
+
+    /// Every field, texts prefixed by their length (u64, little-endian), then the numbers.
+    pub fn encode(&self) -> Vec<u8> {
         let mut bytes = Vec::new();
         for text in [&self.model, &self.kv_dtype, &self.layout] {
             bytes.extend_from_slice(&(text.len() as u64).to_le_bytes());
@@ -38,7 +45,39 @@ impl TierIdentity {
         bytes.extend_from_slice(&self.block_tokens.to_le_bytes());
         bytes.extend_from_slice(&self.block_bytes.to_le_bytes());
         bytes.extend_from_slice(&self.blocks_per_chunk.to_le_bytes());
-        xxhash_rust::xxh3::xxh3_64(&bytes)
+        bytes
+    }
+
+    /// The identity [`TierIdentity::encode`] wrote, or `None` when `bytes` is not one (cut
+    /// short, too long, or a text that is not UTF-8).
+    pub fn decode(bytes: &[u8]) -> Option<TierIdentity> {
+        let mut rest = bytes;
+        let mut take = |len: usize| -> Option<&[u8]> {
+            let (head, tail) = rest.split_at_checked(len)?;
+            rest = tail;
+            Some(head)
+        };
+        let mut text = || -> Option<String> {
+            let len = u64::from_le_bytes(take(8)?.try_into().ok()?);
+            String::from_utf8(take(usize::try_from(len).ok()?)?.to_vec()).ok()
+        };
+        let (model, kv_dtype, layout) = (text()?, text()?, text()?);
+        let mut take = |len: usize| -> Option<&[u8]> {
+            let (head, tail) = rest.split_at_checked(len)?;
+            rest = tail;
+            Some(head)
+        };
+        let block_tokens = u32::from_le_bytes(take(4)?.try_into().ok()?);
+        let block_bytes = u64::from_le_bytes(take(8)?.try_into().ok()?);
+        let blocks_per_chunk = u32::from_le_bytes(take(4)?.try_into().ok()?);
+        rest.is_empty().then_some(TierIdentity {
+            model,
+            kv_dtype,
+            block_tokens,
+            block_bytes,
+            blocks_per_chunk,
+            layout,
+        })
     }
 
     /// The tier's segment name: `kvshm-tier-<model>-<digest>`, the model's last path component

@@ -7,8 +7,9 @@
 //! layer on top: the manager keeps the keys, their chunks, the loads in progress and the
 //! leaf-first LRU order over every key of the tier, whoever stored it; this module keeps who
 //! pinned what, which client each chunk is charged to, and the clients' requests. The same type
-//! serves in process (`kvshm replay --instances`) and is the one the tier's owner process is to
-//! run for clients in other processes (DESIGN §12.3; its rings are not built yet).
+//! serves in process (`kvshm replay --instances`) and in the tier's owner process for clients in
+//! other processes (DESIGN §12.3: [`TierServer`], `serve.rs`, answers the [`TierClient`]s of
+//! `client.rs` over the rings of the tier's control object).
 //!
 //! One request of client `C`, batched as an engine asks, in prefix order:
 //! 1. [`SharedTierIndex::acquire_prefix`]: the leading keys that are loadable, pinned for `C`,
@@ -25,16 +26,20 @@
 //! stay in the tier, charged to no one. [`TierOwner`] (`owner.rs`) is the owner process's side:
 //! the index and a handle on each client's process, releasing the clients that died.
 
+mod client;
 mod identity;
 mod invariants;
 mod owner;
+mod serve;
 
 use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
+pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use identity::TierIdentity;
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
+pub use serve::{ClientGone, ServeError, ServeStats, TierServer};
 
 use super::key::{BuildPassThrough, OffloadKey};
 use super::manager::{

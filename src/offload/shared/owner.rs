@@ -11,7 +11,7 @@
 //!    stores and its requests go, its stored blocks stay;
 //! 4. [`TierOwner::detach`] ends a client that leaves on its own.
 //!
-//! The rings that carry the calls between the clients and the owner are not built yet.
+//! [`TierServer`](super::TierServer) runs it in the owner process, over the clients' rings.
 
 use std::time::Duration;
 

@@ -1,0 +1,394 @@
+//! [`TierClient`]: an engine instance's side of a shared tier whose index another process owns
+//! (DESIGN §12.3-12.4). It attaches by the tier's name, asks in batches, and keeps answering
+//! while the owner is gone.
+//!
+//! One batch ([`TierClient::call`]):
+//! 1. if not connected, try to attach (at most every `reattach_interval`): the control object,
+//!    the tier's identity compared with the client's ([`SharedTierError::Mismatch`] is the one
+//!    refusal that is an error), a slot claimed, the channel's client end, a pidfd on the owner;
+//! 2. write every call's keys into the key page, push one record per call and the batch's end,
+//!    ring the owner;
+//! 3. wait for the batch's end, in slices, checking the owner's process between them, until
+//!    `answer_deadline`; read each answer's entries;
+//! 4. when the owner is gone (its process exited, or no answer by the deadline), drop the
+//!    connection and answer the batch itself: no key is a hit, nothing is to be stored.
+//!
+//! Request names become ids the owner sees (a u64 per live request, given back at
+//! [`TierCall::FinishRequest`]).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::process_handle::ProcessHandle;
+use kvshm_ipc::tier_control::{
+    AnswerStatus, ClientChannel, ClientClaim, TierAnswer, TierControl, TierOp, TierRequest, WireKey,
+};
+
+use super::{SharedTierError, TierIdentity};
+use crate::offload::key::OffloadKey;
+
+/// One call of a batch.
+#[derive(Clone, Copy, Debug)]
+pub enum TierCall<'a> {
+    /// [`super::SharedTierIndex::acquire_prefix`].
+    AcquirePrefix { request: &'a str, keys: &'a [OffloadKey] },
+    /// [`super::SharedTierIndex::prepare_store`].
+    PrepareStore { request: &'a str, keys: &'a [OffloadKey] },
+    /// [`super::SharedTierIndex::release_loads`]; no answer.
+    ReleaseLoads { keys: &'a [OffloadKey] },
+    /// [`super::SharedTierIndex::complete_store`]; no answer.
+    CompleteStore { keys: &'a [OffloadKey], success: bool },
+    /// [`super::SharedTierIndex::finish_request`]; no answer.
+    FinishRequest { request: &'a str },
+}
+
+/// The answer to one call, in the batch's order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CallAnswer {
+    /// The leading keys pinned for this client, with their chunks (empty: a miss).
+    Prefix { chunks: Vec<u32> },
+    /// Indices into the keys given of those to store, and their chunks (empty: nothing to
+    /// store, which is also the answer while the owner is gone or when it refused).
+    Store { to_store: Vec<u32>, chunks: Vec<u32> },
+    /// A call without an answer was sent (or skipped while the owner is gone).
+    Sent,
+}
+
+/// How long a client waits, and how often it tries to attach again.
+#[derive(Clone, Copy, Debug)]
+pub struct ClientOptions {
+    /// The longest a batch waits for its answers before the owner counts as gone.
+    pub answer_deadline: Duration,
+    /// The shortest time between two attempts to attach.
+    pub reattach_interval: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            answer_deadline: Duration::from_secs(1),
+            reattach_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A live connection to the owner.
+struct Connection {
+    channel: ClientChannel,
+    owner: ProcessHandle,
+    _claim: ClientClaim,
+    /// Last: its mapping outlives the channel's pointers into it.
+    _control: TierControl,
+}
+
+/// An engine instance's side of a shared tier (module flow).
+pub struct TierClient {
+    name: SegmentName,
+    identity: TierIdentity,
+    options: ClientOptions,
+    connection: Option<Connection>,
+    last_attempt: Option<Instant>,
+    /// Why the last attempt to attach failed, or why the connection was dropped.
+    last_error: Option<String>,
+    request_ids: HashMap<String, u64>,
+    next_request_id: u64,
+    next_call: u64,
+    // Scratch.
+    wire_keys: Vec<WireKey>,
+    records: Vec<TierRequest>,
+    answers: Vec<TierAnswer>,
+}
+
+impl std::fmt::Debug for TierClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierClient")
+            .field("name", &self.name)
+            .field("connected", &self.connection.is_some())
+            .finish()
+    }
+}
+
+impl TierClient {
+    /// A client of tier `name` for blocks of `identity`, attached now if the owner is there.
+    ///
+    /// # Errors
+    /// [`SharedTierError::Mismatch`] when the tier's blocks differ from `identity`'s. An owner
+    /// that is not there is no error: the client answers misses until it comes.
+    pub fn new(
+        name: SegmentName,
+        identity: TierIdentity,
+        options: ClientOptions,
+    ) -> Result<TierClient, SharedTierError> {
+        let mut client = TierClient {
+            name,
+            identity,
+            options,
+            connection: None,
+            last_attempt: None,
+            last_error: None,
+            request_ids: HashMap::new(),
+            next_request_id: 0,
+            next_call: 0,
+            wire_keys: Vec::new(),
+            records: Vec::new(),
+            answers: Vec::new(),
+        };
+        client.try_attach()?;
+        Ok(client)
+    }
+
+    /// Whether an owner serves this client now.
+    pub fn is_connected(&self) -> bool {
+        self.connection.is_some()
+    }
+
+    /// Why the client is not connected, if it is not.
+    pub fn last_error(&self) -> Option<&str> {
+        self.last_error.as_deref()
+    }
+
+    /// Module flow, step 1.
+    fn try_attach(&mut self) -> Result<(), SharedTierError> {
+        self.last_attempt = Some(Instant::now());
+        match self.attach() {
+            Ok(connection) => {
+                self.connection = Some(connection);
+                self.last_error = None;
+                Ok(())
+            }
+            Err(AttachFailure::Tier(error)) => Err(error),
+            Err(AttachFailure::Other(error)) => {
+                self.last_error = Some(error);
+                Ok(())
+            }
+        }
+    }
+
+    fn attach(&self) -> Result<Connection, AttachFailure> {
+        let other = |error: &dyn std::fmt::Display| AttachFailure::Other(error.to_string());
+        let control = TierControl::attach(&self.name).map_err(|error| other(&error))?;
+        let tier = TierIdentity::decode(&control.identity())
+            .ok_or_else(|| other(&"the tier's identity is not one this build reads"))?;
+        tier.check_attach(&self.identity).map_err(AttachFailure::Tier)?;
+        let owner = ProcessHandle::open(control.owner()).map_err(|error| other(&error))?;
+        let claim = control.claim_client_slot().map_err(|error| other(&error))?;
+        let channel = control.client_channel(&claim).map_err(|error| other(&error))?;
+        Ok(Connection { channel, owner, _claim: claim, _control: control })
+    }
+
+    fn request_id(&mut self, request: &str) -> u64 {
+        if let Some(&id) = self.request_ids.get(request) {
+            return id;
+        }
+        let id = self.next_request_id;
+        self.next_request_id += 1;
+        self.request_ids.insert(request.to_owned(), id);
+        id
+    }
+
+    /// Sends `calls` as one batch and writes one answer per call to `answers` (module flow).
+    ///
+    /// # Errors
+    /// [`SharedTierError::Mismatch`] when the client attached again to a tier of other blocks.
+    pub fn call(
+        &mut self,
+        calls: &[TierCall<'_>],
+        answers: &mut Vec<CallAnswer>,
+    ) -> Result<(), SharedTierError> {
+        answers.clear();
+        if self.connection.is_none()
+            && self.last_attempt.is_none_or(|at| at.elapsed() >= self.options.reattach_interval)
+        {
+            self.try_attach()?;
+        }
+        if self.connection.is_some() {
+            match self.exchange(calls, answers) {
+                Ok(()) => return Ok(()),
+                Err(reason) => {
+                    tracing::warn!(tier = %self.name, reason, "the tier's owner is gone");
+                    self.last_error = Some(reason);
+                    self.connection = None;
+                    self.last_attempt = Some(Instant::now());
+                }
+            }
+        }
+        // Module flow, step 4: misses, and no stores.
+        answers.clear();
+        for call in calls {
+            answers.push(match call {
+                TierCall::AcquirePrefix { .. } => CallAnswer::Prefix { chunks: Vec::new() },
+                TierCall::PrepareStore { .. } => {
+                    CallAnswer::Store { to_store: Vec::new(), chunks: Vec::new() }
+                }
+                TierCall::FinishRequest { request } => {
+                    self.request_ids.remove(*request);
+                    CallAnswer::Sent
+                }
+                _ => CallAnswer::Sent,
+            });
+        }
+        Ok(())
+    }
+
+    /// Module flow, steps 2 and 3 (splitting `calls` into batches the channel can carry).
+    fn exchange(
+        &mut self,
+        calls: &[TierCall<'_>],
+        answers: &mut Vec<CallAnswer>,
+    ) -> Result<(), String> {
+        let connection = self.connection.as_ref().expect("connected");
+        let batch_calls = connection.channel.batch_capacity() - 1;
+        let page_keys = connection.channel.page_keys() as usize;
+        let mut start = 0;
+        while start < calls.len() {
+            // As many calls as fit in the ring and the key page (one call alone may not).
+            let mut end = start;
+            let mut keys = 0;
+            while end < calls.len() && end - start < batch_calls {
+                let more = call_keys(&calls[end]).len();
+                if keys + more > page_keys {
+                    if end == start {
+                        return Err(format!("a call of {more} keys; a batch carries {page_keys}"));
+                    }
+                    break;
+                }
+                keys += more;
+                end += 1;
+            }
+            self.exchange_batch(&calls[start..end], answers)?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    fn exchange_batch(
+        &mut self,
+        calls: &[TierCall<'_>],
+        answers: &mut Vec<CallAnswer>,
+    ) -> Result<(), String> {
+        self.wire_keys.clear();
+        self.records.clear();
+        let first_call = self.next_call;
+        for call in calls {
+            let (op, request) = match call {
+                TierCall::AcquirePrefix { request, .. } => {
+                    (TierOp::AcquirePrefix, self.request_id(request))
+                }
+                TierCall::PrepareStore { request, .. } => {
+                    (TierOp::PrepareStore, self.request_id(request))
+                }
+                TierCall::ReleaseLoads { .. } => (TierOp::ReleaseLoads, 0),
+                TierCall::CompleteStore { .. } => (TierOp::CompleteStore, 0),
+                TierCall::FinishRequest { request } => {
+                    (TierOp::FinishRequest, self.request_ids.remove(*request).unwrap_or(u64::MAX))
+                }
+            };
+            let keys = call_keys(call);
+            let first_key = self.wire_keys.len() as u32;
+            for key in keys {
+                self.wire_keys
+                    .push(WireKey::new(key.as_bytes()).expect("an OffloadKey fits a WireKey"));
+            }
+            let mut record =
+                TierRequest::new(self.next_call, op, request, first_key, keys.len() as u32);
+            if let TierCall::CompleteStore { success: true, .. } = call {
+                record = record.with_flags(1);
+            }
+            self.records.push(record);
+            self.next_call += 1;
+        }
+        let end_call = self.next_call;
+        self.records.push(TierRequest::new(end_call, TierOp::EndBatch, 0, 0, 0));
+        self.next_call += 1;
+
+        let connection = self.connection.as_mut().expect("connected");
+        let channel = &mut connection.channel;
+        channel.write_keys(0, &self.wire_keys).map_err(|error| error.to_string())?;
+        channel.send(&self.records).map_err(|error| error.to_string())?;
+        // Step 3: wait for the batch's end.
+        self.answers.clear();
+        let deadline = Instant::now() + self.options.answer_deadline;
+        let slice = Duration::from_millis(10);
+        while self.answers.last().is_none_or(|answer| answer.call != end_call) {
+            if !connection.owner.is_alive() {
+                return Err("the owner's process exited".to_owned());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err("no answer by the deadline".to_owned());
+            }
+            channel
+                .wait_answers(&mut self.answers, WaitPolicy::default(), deadline.min(now + slice))
+                .map_err(|error| error.to_string())?;
+        }
+        let mut by_call = self.answers.iter().filter(|answer| answer.call < end_call);
+        let mut next_answer = by_call.next();
+        for (offset, call) in calls.iter().enumerate() {
+            let call_id = first_call + offset as u64;
+            let answered = match next_answer {
+                Some(answer) if answer.call == call_id => {
+                    next_answer = by_call.next();
+                    Some(*answer)
+                }
+                _ => None,
+            };
+            answers.push(match call {
+                TierCall::AcquirePrefix { .. } => {
+                    let mut chunks = Vec::new();
+                    if let Some(answer) =
+                        answered.filter(|answer| answer.status() == AnswerStatus::Done)
+                    {
+                        channel
+                            .read_entries(answer.first_entry, answer.count, &mut chunks)
+                            .map_err(|error| error.to_string())?;
+                    }
+                    CallAnswer::Prefix { chunks }
+                }
+                TierCall::PrepareStore { .. } => {
+                    let (mut to_store, mut chunks) = (Vec::new(), Vec::new());
+                    if let Some(answer) =
+                        answered.filter(|answer| answer.status() == AnswerStatus::Done)
+                    {
+                        channel
+                            .read_entries(answer.first_entry, answer.count, &mut to_store)
+                            .map_err(|error| error.to_string())?;
+                        let chunks_at = answer.first_entry.saturating_add(answer.count);
+                        channel
+                            .read_entries(chunks_at, answer.count, &mut chunks)
+                            .map_err(|error| error.to_string())?;
+                    }
+                    CallAnswer::Store { to_store, chunks }
+                }
+                _ => CallAnswer::Sent,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TierClient {
+    fn drop(&mut self) {
+        // Tell the owner this client leaves; it releases the client and empties the slot.
+        if let Some(connection) = self.connection.as_mut() {
+            let detach = TierRequest::new(self.next_call, TierOp::Detach, 0, 0, 0);
+            let _ = connection.channel.send(&[detach]);
+        }
+    }
+}
+
+enum AttachFailure {
+    Tier(SharedTierError),
+    Other(String),
+}
+
+fn call_keys<'a>(call: &TierCall<'a>) -> &'a [OffloadKey] {
+    match *call {
+        TierCall::AcquirePrefix { keys, .. }
+        | TierCall::PrepareStore { keys, .. }
+        | TierCall::ReleaseLoads { keys }
+        | TierCall::CompleteStore { keys, .. } => keys,
+        TierCall::FinishRequest { .. } => &[],
+    }
+}

@@ -1,0 +1,407 @@
+//! [`TierServer`]: the owner process of a shared tier (DESIGN §12.3-12.4): its control object,
+//! the index its clients share ([`TierOwner`]), and one channel per client, served in turns.
+//!
+//! One turn ([`TierServer::turn`]):
+//! 1. wait on the owner's doorbell until a client rang or [`SWEEP_INTERVAL`] passed;
+//! 2. adopt the clients that claimed a slot since the last turn: a pidfd on the process the slot
+//!    names, an attach to the index, the owner's end of the slot's channel;
+//! 3. release the clients whose process exited ([`TierOwner::reap`]) or that detached, and
+//!    reclaim their slots (the channel reset before another client can claim it);
+//! 4. serve every client's batch: each call is checked ([`RecordError`]), carried out on the index
+//!    and, where it has one, answered; the batch's end is answered last.
+//!
+//! A client whose ring or answers make no sense is released as a dead one is: a bad record is an
+//! error answer for its call, a broken ring the client's end, never a panic of the owner.
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::liveness::ProcessIdentity;
+use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::tier_control::{
+    AnswerStatus, OwnerChannel, RecordError, TierAnswer, TierConfig, TierControl, TierCreateError,
+    TierOp, TierRequest, WireKey,
+};
+use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
+use serde::Serialize;
+
+use super::{
+    ClientId, Reaped, Released, SharedTierError, SharedTierIndex, TierOwner, SWEEP_INTERVAL,
+};
+use crate::offload::key::OffloadKey;
+use crate::offload::manager::PreparedStore;
+
+/// Why the owner could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Create(#[from] TierCreateError),
+    #[error(transparent)]
+    Tier(#[from] SharedTierError),
+}
+
+/// What the owner has done, for its log and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ServeStats {
+    pub clients_adopted: u64,
+    pub clients_released: u64,
+    pub batches: u64,
+    pub calls: u64,
+    /// Calls refused: a bad record, or the index refused it.
+    pub calls_failed: u64,
+}
+
+/// A client the owner let go, and what it gave back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ClientGone {
+    pub slot: u32,
+    pub pid: u32,
+    /// Its process exited (else it detached, or broke its channel).
+    pub died: bool,
+    #[serde(flatten)]
+    pub released: Released,
+}
+
+/// A client the owner serves.
+struct Served {
+    client: ClientId,
+    word: OwnerWord,
+    channel: OwnerChannel,
+    /// The next free entry of its answer page in the batch being served.
+    next_entry: u32,
+    detached: bool,
+}
+
+/// The owner of one shared tier (module flow).
+pub struct TierServer {
+    control: TierControl,
+    owner: TierOwner,
+    served: Vec<Option<Served>>,
+    stats: ServeStats,
+    last_reap: Instant,
+    // Scratch, reused between turns.
+    requests: Vec<TierRequest>,
+    answers: Vec<TierAnswer>,
+    wire_keys: Vec<WireKey>,
+    keys: Vec<OffloadKey>,
+    chunks: Vec<u32>,
+    entries: Vec<u32>,
+    prepared: PreparedStore,
+    reaped: Vec<Reaped>,
+    gone: Vec<ClientGone>,
+    request_name: String,
+}
+
+impl std::fmt::Debug for TierServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierServer")
+            .field("control", &self.control)
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl TierServer {
+    /// Creates tier `name`'s control object for `index`'s identity, with `tier`'s slots and
+    /// pages.
+    pub fn create(
+        name: &SegmentName,
+        index: SharedTierIndex,
+        tier: &TierConfig,
+    ) -> Result<TierServer, ServeError> {
+        let control = TierControl::create(name, tier, &index.identity().encode())?;
+        Ok(TierServer {
+            served: (0..tier.clients).map(|_| None).collect(),
+            control,
+            owner: TierOwner::new(index),
+            stats: ServeStats::default(),
+            last_reap: Instant::now(),
+            requests: Vec::new(),
+            answers: Vec::new(),
+            wire_keys: Vec::new(),
+            keys: Vec::new(),
+            chunks: Vec::new(),
+            entries: Vec::new(),
+            prepared: PreparedStore::default(),
+            reaped: Vec::new(),
+            gone: Vec::new(),
+            request_name: String::new(),
+        })
+    }
+
+    pub fn stats(&self) -> ServeStats {
+        self.stats
+    }
+
+    /// The clients let go since the last call.
+    pub fn take_gone(&mut self) -> Vec<ClientGone> {
+        std::mem::take(&mut self.gone)
+    }
+
+    /// The tier's owner: the index and its clients' processes.
+    pub fn owner(&mut self) -> &mut TierOwner {
+        &mut self.owner
+    }
+
+    /// One turn of the owner's loop (module flow).
+    pub fn turn(&mut self) {
+        let served = &mut self.served;
+        let _ = self.control.owner_bell().wait_until(
+            || served.iter_mut().flatten().any(|served| !served.channel.is_idle()),
+            WaitPolicy::default().within(SWEEP_INTERVAL),
+        );
+        self.adopt_new_clients();
+        if self.last_reap.elapsed() >= SWEEP_INTERVAL {
+            self.last_reap = Instant::now();
+            self.reap();
+        }
+        for slot in 0..self.served.len() {
+            self.serve(slot);
+        }
+    }
+
+    /// Module flow, step 2.
+    fn adopt_new_clients(&mut self) {
+        for slot in 0..self.served.len() as u32 {
+            let Some(client_slot) = self.control.client_slot(slot) else { continue };
+            let word = client_slot.owner();
+            match (&self.served[slot as usize], word.state()) {
+                (Some(served), _) if served.word == word => continue,
+                (Some(_), _) => {
+                    // Only the owner empties a slot: a word it did not see is a scribble. The
+                    // client it served is gone from this slot.
+                    self.release(slot);
+                    continue;
+                }
+                (None, WorkerState::Attached) => {}
+                (None, WorkerState::Unknown(_)) => {
+                    let _ = self.control.reclaim_client(slot, word);
+                    continue;
+                }
+                (None, _) => continue,
+            }
+            // A claim still writing its fields is adopted at a later turn.
+            let Some(fields) = client_slot.claim_fields(word) else { continue };
+            let process = ProcessIdentity::new(word.pid(), fields.start_time);
+            let identity = self.owner.index().identity().clone();
+            let name = format!("pid {}", word.pid());
+            let adopted = match self.owner.attach_process(&identity, &name, None, process) {
+                Ok(client) => match self.control.owner_channel(slot) {
+                    Ok(channel) => {
+                        Some(Served { client, word, channel, next_entry: 0, detached: false })
+                    }
+                    Err(error) => {
+                        tracing::warn!(slot, %error, "a client's channel is broken: released");
+                        let _ = self.owner.detach(client);
+                        None
+                    }
+                },
+                Err(error) => {
+                    tracing::info!(slot, %error, "a client gone before it was adopted");
+                    None
+                }
+            };
+            match adopted {
+                Some(served) => {
+                    self.served[slot as usize] = Some(served);
+                    self.stats.clients_adopted += 1;
+                }
+                None => {
+                    let _ = self.control.reclaim_client(slot, word);
+                }
+            }
+        }
+    }
+
+    /// Module flow, step 3: the clients whose process exited.
+    fn reap(&mut self) {
+        self.reaped.clear();
+        self.owner.reap(&mut self.reaped);
+        for reaped in std::mem::take(&mut self.reaped) {
+            tracing::info!(pid = reaped.pid, ?reaped.released, "a client died: released");
+            let slot = reaped.client.slot;
+            let (pid, released) = (reaped.pid, reaped.released);
+            self.gone.push(ClientGone { slot, pid, died: true, released });
+            if let Some(served) = self.served[slot as usize].take() {
+                let word = served.word;
+                drop(served);
+                let _ = self.control.reclaim_client(slot, word);
+                self.stats.clients_released += 1;
+            }
+        }
+    }
+
+    /// Releases the client of `slot` (it detached, or broke its channel) and reclaims the slot.
+    fn release(&mut self, slot: u32) {
+        let Some(served) = self.served[slot as usize].take() else { return };
+        let word = served.word;
+        if let Ok(released) = self.owner.detach(served.client) {
+            self.gone.push(ClientGone { slot, pid: word.pid(), died: false, released });
+        }
+        drop(served);
+        let _ = self.control.reclaim_client(slot, word);
+        self.stats.clients_released += 1;
+    }
+
+    /// Module flow, step 4, for one slot.
+    fn serve(&mut self, slot: usize) {
+        let Some(served) = self.served[slot].as_mut() else { return };
+        self.requests.clear();
+        if let Err(error) = served.channel.take_requests(&mut self.requests) {
+            tracing::warn!(slot, %error, "a client's ring is broken: released");
+            self.release(slot as u32);
+            return;
+        }
+        if self.requests.is_empty() {
+            return;
+        }
+        self.answers.clear();
+        let requests = std::mem::take(&mut self.requests);
+        for request in &requests {
+            self.stats.calls += 1;
+            let answer = self.carry_out(slot, request);
+            if let Some(answer) = answer {
+                if answer.status() == AnswerStatus::Failed {
+                    self.stats.calls_failed += 1;
+                }
+                self.answers.push(answer);
+            }
+        }
+        self.requests = requests;
+        let served = self.served[slot].as_mut().expect("served above");
+        let answered = served.channel.answer(&self.answers);
+        let detached = served.detached;
+        if answered.is_err() || detached {
+            if answered.is_err() {
+                tracing::warn!(slot, "a client left no room for its answers: released");
+            }
+            self.release(slot as u32);
+        }
+    }
+
+    /// One call: `None` for calls without an answer.
+    fn carry_out(&mut self, slot: usize, request: &TierRequest) -> Option<TierAnswer> {
+        let served = self.served[slot].as_mut().expect("a served slot");
+        let op = match request.op() {
+            Ok(op) => op,
+            Err(error) => {
+                tracing::warn!(slot, %error, "a bad record");
+                self.stats.calls_failed += 1;
+                return None;
+            }
+        };
+        let failed = TierAnswer::new(request.call, op, AnswerStatus::Failed);
+        if op == TierOp::EndBatch {
+            served.next_entry = 0;
+            self.stats.batches += 1;
+            return Some(TierAnswer::new(request.call, op, AnswerStatus::Done));
+        }
+        if op == TierOp::Detach {
+            served.detached = true;
+            return None;
+        }
+        if let Err(error) = read_keys(&served.channel, request, &mut self.wire_keys, &mut self.keys)
+        {
+            tracing::warn!(slot, %error, "a bad record");
+            if op.is_answered() {
+                return Some(failed);
+            }
+            self.stats.calls_failed += 1;
+            return None;
+        }
+        let client = served.client;
+        self.request_name.clear();
+        write!(self.request_name, "{}", request.request).expect("writing to a String cannot fail");
+        let index = self.owner.index();
+        let name = self.request_name.as_str();
+        let outcome: Result<Option<TierAnswer>, SharedTierError> = match op {
+            TierOp::AcquirePrefix => {
+                index.acquire_prefix(client, name, &self.keys, &mut self.chunks).map(|_| {
+                    self.entries.clear();
+                    self.entries.extend_from_slice(&self.chunks);
+                    Some(TierAnswer::new(request.call, op, AnswerStatus::Done))
+                })
+            }
+            TierOp::PrepareStore => {
+                index.prepare_store(client, name, &self.keys, &mut self.prepared).map(|stored| {
+                    self.entries.clear();
+                    if !stored {
+                        return Some(TierAnswer::new(request.call, op, AnswerStatus::Refused));
+                    }
+                    self.entries.extend_from_slice(&self.prepared.to_store);
+                    self.entries.extend_from_slice(&self.prepared.chunks);
+                    Some(TierAnswer::new(request.call, op, AnswerStatus::Done))
+                })
+            }
+            TierOp::ReleaseLoads => index.release_loads(client, &self.keys).map(|()| None),
+            TierOp::CompleteStore => {
+                index.complete_store(client, &self.keys, request.flags == 1).map(|()| None)
+            }
+            TierOp::FinishRequest => index.finish_request(client, name).map(|()| None),
+            TierOp::EndBatch | TierOp::Detach => unreachable!("handled above"),
+        };
+        let answer = match outcome {
+            Ok(answer) => answer?,
+            Err(error) => {
+                tracing::warn!(slot, %error, "the index refused a call");
+                if op.is_answered() {
+                    return Some(failed);
+                }
+                self.stats.calls_failed += 1;
+                return None;
+            }
+        };
+        if answer.status() != AnswerStatus::Done {
+            return Some(answer);
+        }
+        // The entries: chunks (AcquirePrefix), or indices then chunks (PrepareStore).
+        let served = self.served[slot].as_mut().expect("a served slot");
+        let count =
+            if op == TierOp::PrepareStore { self.entries.len() / 2 } else { self.entries.len() };
+        let first = served.next_entry;
+        match served.channel.write_entries(first, &self.entries) {
+            Ok(()) => {
+                served.next_entry += self.entries.len() as u32;
+                Some(answer.with_entries(count as u32, first))
+            }
+            Err(error) => {
+                // Its batch asked for more than its answer page holds: undo, and refuse.
+                tracing::warn!(slot, %error, "a batch too large for its answer page");
+                let index = self.owner.index();
+                match op {
+                    TierOp::AcquirePrefix => {
+                        let pinned = &self.keys[..self.entries.len()];
+                        let _ = index.release_loads(client, pinned);
+                    }
+                    _ => {
+                        let stored: Vec<OffloadKey> = self
+                            .prepared
+                            .to_store
+                            .iter()
+                            .map(|&at| self.keys[at as usize])
+                            .collect();
+                        let _ = index.complete_store(client, &stored, false);
+                    }
+                }
+                Some(failed)
+            }
+        }
+    }
+}
+
+/// The keys `request` names, checked: in the page, and each no longer than a key may be.
+fn read_keys(
+    channel: &OwnerChannel,
+    request: &TierRequest,
+    wire: &mut Vec<WireKey>,
+    keys: &mut Vec<OffloadKey>,
+) -> Result<(), RecordError> {
+    channel.read_keys(request, wire)?;
+    keys.clear();
+    for key in wire.iter() {
+        let bytes = key.bytes()?;
+        keys.push(OffloadKey::new(bytes).map_err(|_| RecordError::KeyTooLong { len: key.len })?);
+    }
+    Ok(())
+}
