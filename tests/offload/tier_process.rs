@@ -57,10 +57,13 @@ impl Owner {
 }
 
 impl Drop for Owner {
+    /// SIGTERM: the owner removes its control object as it exits.
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = &self.stdout;
+        if let Ok(None) = self.child.try_wait() {
+            let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let _ = self.child.wait();
+        }
     }
 }
 

@@ -1,31 +1,38 @@
 //! `kvshm bench shared-tier`: the host tier's index work per request, one `SharedTierIndex` shared
-//! by every instance against today's per-instance `OffloadManager` (the baseline), in one run.
+//! by every instance (in process, and through the rings of an owner process) against today's
+//! per-instance `OffloadManager` (the baseline), in one run.
 //!
 //! [`measure`]:
 //! 1. read the trace; route its requests round-robin over `--instances`; key each full block by
 //!    its chained hash;
-//! 2. build the baseline (one `OffloadManager` per instance, `--host-blocks / N` chunks each) and
-//!    the shared tier (one `SharedTierIndex` of `--host-blocks` chunks, one client per instance);
-//! 3. serve each request on both, in turn (which goes first alternates from request to request,
-//!    so that the machine's load hits both alike), timing the calls an engine's connector makes
-//!    for it: the leading loadable keys looked up and pinned, the loads released, every full
-//!    block offered for storing (write-through), the store completed, the request finished.
+//! 2. build the baseline (one `OffloadManager` per instance, `--host-blocks / N` chunks each),
+//!    the shared tier in process (one `SharedTierIndex` of `--host-blocks` chunks, one client per
+//!    instance) and, with `--rings`, the shared tier across processes: a `kvshm tier-owner` child
+//!    of `--host-blocks` chunks and one `TierClient` per instance;
+//! 3. serve each request on each, in turn (which goes first rotates from request to request, so
+//!    that the machine's load hits all alike), timing the calls an engine's connector makes for
+//!    it: the leading loadable keys looked up and pinned, the loads released, every full block
+//!    offered for storing (write-through), the store completed, the request finished. Through
+//!    the rings these are two batches, each one round trip: the previous request's completion
+//!    and end with this one's lookup, then its loads' release with its store.
 //!
-//! This is the index's work in process. Across processes the owner adds two ring round trips a
-//! request (DESIGN §12.3), measured by `kvshm bench ring`. One JSON object with `--json`.
+//! One JSON object with `--json`.
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
 use std::time::Instant;
 
 use serde::Serialize;
 
 use kvshm::hash::BlockHash;
 use kvshm::offload::{
-    ClientId, LookupResult, OffloadConfig, OffloadKey, OffloadManager, PreparedStore,
-    SharedTierIndex, TierIdentity,
+    CallAnswer, ClientId, ClientOptions, LookupResult, OffloadConfig, OffloadKey, OffloadManager,
+    PreparedStore, SharedTierIndex, TierCall, TierClient, TierIdentity,
 };
 use kvshm::percentiles::Percentiles;
 use kvshm::trace::read_trace;
+use kvshm_ipc::name::SegmentName;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -44,6 +51,9 @@ pub struct Args {
     /// Serve only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
+    /// Also serve through the rings of a `kvshm tier-owner` child process.
+    #[arg(long)]
+    pub rings: bool,
     /// Print one JSON object instead of a summary.
     #[arg(long)]
     pub json: bool,
@@ -68,6 +78,79 @@ pub struct Report {
     pub shared: TierFigures,
     /// Shared over per-instance, at p50.
     pub p50_ratio: f64,
+    /// One `SharedTierIndex` in an owner process, asked through the rings (`--rings`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rings: Option<TierFigures>,
+    /// Through the rings over per-instance, at p50.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rings_p50_ratio: Option<f64>,
+}
+
+/// The owner process, stopped with SIGTERM when dropped.
+struct OwnerProcess(Child);
+
+impl OwnerProcess {
+    fn start(name: &str, chunks: u32, block_tokens: u32, instances: u32) -> anyhow::Result<Self> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["tier-owner", "--name", name, "--model", "trace", "--kv-dtype", "none"])
+            .args(["--block-tokens", &block_tokens.to_string(), "--block-bytes", "0"])
+            .args(["--layout", "bench", "--chunks", &chunks.to_string()])
+            .args(["--clients", &instances.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut ready = String::new();
+        BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut ready)?;
+        anyhow::ensure!(ready.contains("\"tier\""), "the tier's owner did not start: {ready:?}");
+        Ok(OwnerProcess(child))
+    }
+}
+
+impl Drop for OwnerProcess {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let _ = self.0.wait();
+    }
+}
+
+/// One instance's client of the owner process, with the calls its last request left to send.
+struct RingInstance {
+    client: TierClient,
+    /// The last request's name and the keys it stored, completed with the next batch.
+    pending: Option<(String, Vec<OffloadKey>)>,
+}
+
+/// The same request through the rings: two batches; returns the blocks loaded.
+fn serve_rings(
+    instance: &mut RingInstance,
+    name: &str,
+    keys: &[OffloadKey],
+    bound: usize,
+    answers: &mut Vec<CallAnswer>,
+) -> anyhow::Result<u64> {
+    let pending = instance.pending.take();
+    let mut calls = Vec::with_capacity(3);
+    if let Some((last, stored)) = &pending {
+        calls.push(TierCall::CompleteStore { keys: stored, success: true });
+        calls.push(TierCall::FinishRequest { request: last });
+    }
+    calls.push(TierCall::AcquirePrefix { request: name, keys: &keys[..bound] });
+    instance.client.call(&calls, answers)?;
+    let hits = match answers.last() {
+        Some(CallAnswer::Prefix { chunks }) => chunks.len(),
+        other => anyhow::bail!("a lookup answered {other:?}"),
+    };
+    let calls = [
+        TierCall::ReleaseLoads { keys: &keys[..hits] },
+        TierCall::PrepareStore { request: name, keys },
+    ];
+    instance.client.call(&calls, answers)?;
+    let stored = match &answers[1] {
+        CallAnswer::Store { to_store, .. } => to_store.iter().map(|&i| keys[i as usize]).collect(),
+        other => anyhow::bail!("a store answered {other:?}"),
+    };
+    instance.pending = Some((name.to_owned(), stored));
+    Ok(hits as u64)
 }
 
 fn key_of(hash: BlockHash) -> OffloadKey {
@@ -147,39 +230,82 @@ pub fn measure(args: &Args) -> anyhow::Result<Report> {
     for number in 0..args.instances {
         clients.push(shared.attach(&identity, &format!("instance-{number}"), None)?);
     }
-    let (mut chunks, mut out) = (Vec::new(), PreparedStore::default());
-    let (mut alone_times, mut shared_times) = (Vec::new(), Vec::new());
-    let (mut alone_hits, mut shared_hits) = (0, 0);
+    let tier_name = format!("bench-tier-{}", std::process::id());
+    let owner = match args.rings {
+        true => Some(OwnerProcess::start(
+            &tier_name,
+            args.host_blocks,
+            args.block_tokens as u32,
+            args.instances,
+        )?),
+        false => None,
+    };
+    let mut ring_instances = Vec::new();
+    if owner.is_some() {
+        for _ in 0..args.instances {
+            let name = SegmentName::new(&tier_name)?;
+            let client = TierClient::new(name, identity.clone(), ClientOptions::default())?;
+            anyhow::ensure!(client.is_connected(), "not attached: {:?}", client.last_error());
+            ring_instances.push(RingInstance { client, pending: None });
+        }
+    }
+    let ways = if args.rings { 3 } else { 2 };
+    let (mut chunks, mut out, mut answers) = (Vec::new(), PreparedStore::default(), Vec::new());
+    let (mut alone_times, mut shared_times, mut ring_times) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut alone_hits, mut shared_hits, mut ring_hits) = (0, 0, 0);
     for (number, request) in requests.iter().enumerate() {
         let instance = number % args.instances as usize;
         let keys: Vec<OffloadKey> =
             request.full_block_hashes(args.block_tokens).map(key_of).collect();
         let bound = (request.input_length.saturating_sub(1) / args.block_tokens).min(keys.len());
         let name = number.to_string();
-        for turn in 0..2 {
+        for turn in 0..ways {
             let start = Instant::now();
-            if (turn + number) % 2 == 0 {
-                let manager = &mut alone[instance];
-                alone_hits += serve_alone(manager, &name, &keys, bound, &mut chunks, &mut out)?;
-                alone_times.push(start.elapsed().as_secs_f64() * 1e6);
-            } else {
-                let client = clients[instance];
-                shared_hits +=
-                    serve_shared(&mut shared, client, &name, &keys, bound, &mut chunks, &mut out)?;
-                shared_times.push(start.elapsed().as_secs_f64() * 1e6);
+            match (turn + number) % ways {
+                0 => {
+                    let manager = &mut alone[instance];
+                    alone_hits += serve_alone(manager, &name, &keys, bound, &mut chunks, &mut out)?;
+                    alone_times.push(start.elapsed().as_secs_f64() * 1e6);
+                }
+                1 => {
+                    let client = clients[instance];
+                    shared_hits += serve_shared(
+                        &mut shared,
+                        client,
+                        &name,
+                        &keys,
+                        bound,
+                        &mut chunks,
+                        &mut out,
+                    )?;
+                    shared_times.push(start.elapsed().as_secs_f64() * 1e6);
+                }
+                _ => {
+                    let ring_instance = &mut ring_instances[instance];
+                    ring_hits += serve_rings(ring_instance, &name, &keys, bound, &mut answers)?;
+                    ring_times.push(start.elapsed().as_secs_f64() * 1e6);
+                }
             }
         }
     }
+    drop(ring_instances);
+    drop(owner);
     let per_instance =
         TierFigures { us_per_request: Percentiles::of(&mut alone_times), hit_blocks: alone_hits };
     let shared =
         TierFigures { us_per_request: Percentiles::of(&mut shared_times), hit_blocks: shared_hits };
+    let rings = args.rings.then(|| TierFigures {
+        us_per_request: Percentiles::of(&mut ring_times),
+        hit_blocks: ring_hits,
+    });
+    let baseline = per_instance.us_per_request.p50.max(f64::MIN_POSITIVE);
     Ok(Report {
         requests: requests.len(),
         instances: args.instances,
         host_blocks: args.host_blocks,
-        p50_ratio: shared.us_per_request.p50
-            / per_instance.us_per_request.p50.max(f64::MIN_POSITIVE),
+        p50_ratio: shared.us_per_request.p50 / baseline,
+        rings_p50_ratio: rings.as_ref().map(|rings| rings.us_per_request.p50 / baseline),
+        rings,
         per_instance,
         shared,
     })
@@ -190,15 +316,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        for (what, figures) in
-            [("per-instance managers", &report.per_instance), ("one shared index", &report.shared)]
-        {
+        let ways = [
+            ("per-instance managers", Some(&report.per_instance)),
+            ("one shared index", Some(&report.shared)),
+            ("through the rings", report.rings.as_ref()),
+        ];
+        for (what, figures) in ways.into_iter().filter_map(|(what, f)| Some((what, f?))) {
             println!(
                 "{what:>22}: p50 {:.2} us, p99 {:.2} us per request, {} blocks loaded",
                 figures.us_per_request.p50, figures.us_per_request.p99, figures.hit_blocks
             );
         }
         println!("shared / per-instance at p50: {:.2}", report.p50_ratio);
+        if let Some(ratio) = report.rings_p50_ratio {
+            println!("rings / per-instance at p50: {ratio:.2}");
+        }
     }
     Ok(())
 }
