@@ -15,6 +15,10 @@
 //!
 //! Request names become ids the owner sees (a u64 per live request, given back at
 //! [`TierCall::FinishRequest`]).
+//!
+//! Limitation: a client that gives up on an owner that still runs (no answer by the deadline:
+//! the owner hung, or starved of CPU for that long) claims a new slot when it attaches again;
+//! its old slot and the pins it held there stay until its process exits.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

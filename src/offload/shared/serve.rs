@@ -181,8 +181,14 @@ impl TierServer {
                 }
                 (None, _) => continue,
             }
-            // A claim still writing its fields is adopted at a later turn.
-            let Some(fields) = client_slot.claim_fields(word) else { continue };
+            // A claim still writing its fields is adopted at a later turn; one whose claimant
+            // died before it wrote them is reclaimed.
+            let Some(fields) = client_slot.claim_fields(word) else {
+                if !ProcessIdentity::new(word.pid(), 0).is_alive() {
+                    let _ = self.control.reclaim_client(slot, word);
+                }
+                continue;
+            };
             let process = ProcessIdentity::new(word.pid(), fields.start_time);
             let identity = self.owner.index().identity().clone();
             let name = format!("pid {}", word.pid());
