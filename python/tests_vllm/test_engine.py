@@ -126,7 +126,13 @@ def offline(
         command, capture_output=True, text=True, env={**os.environ, **(env or {})}
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
+    # kvshm's own lines (its Python logger, and the Rust side's with RUST_LOG set), for the
+    # messages of assertions about the tier.
+    result["kvshm_log"] = [
+        line for line in done.stderr.splitlines() if "kvshm" in line and "factory.py" not in line
+    ]
+    return result
 
 
 def check_counts(hit_tokens: int, metrics: dict[str, float], kvctl: dict[str, Any]) -> None:
@@ -258,16 +264,16 @@ def test_a_restarted_engine_serves_hits_from_the_tier_it_left_stopped_or_killed(
     processes were all SIGKILLed, leave their host tier; the next engine of the same model and
     layout serves its first requests from it; one of another tier size starts afresh."""
     first_round = workload[:CONVERSATIONS]
-    stopped = offline(model, first_round, tmp_path, "--kvshm")
+    stopped = offline(model, first_round, tmp_path, "--kvshm", env={"RUST_LOG": "kvshm=info"})
     expected = [request["tokens"] for request in stopped["requests"]]
     assert stopped["metrics"]["vllm:external_prefix_cache_hits"] == 0
     full_blocks = sum(len(prompt) // engine.BLOCK_TOKENS for prompt in first_round)
 
     # Stopped: the next engine finds every block of the round, from its first request on.
-    restarted = offline(model, first_round, tmp_path, "--kvshm")
+    restarted = offline(model, first_round, tmp_path, "--kvshm", env={"RUST_LOG": "kvshm=info"})
     assert [request["tokens"] for request in restarted["requests"]] == expected
     hits = [request["cached_tokens"] for request in restarted["requests"]]
-    assert hits[0] > 0
+    assert hits[0] > 0, "\n".join(stopped["kvshm_log"] + ["-- restarted:"] + restarted["kvshm_log"])
     assert restarted["metrics"]["vllm:external_prefix_cache_hits"] == sum(hits)
     assert restarted["metrics"].get("vllm:kv_offload_kvshm_keys_stored", 0) == 0
     # Each prompt is served but its last token; blocks wholly before it come from the tier.
