@@ -10,7 +10,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvshm._kvshm import ConfigError
 
-logger = logging.getLogger("kvshm.vllm")
+# Under vLLM's own logger, so that its handler and level (VLLM_LOGGING_LEVEL) apply: a logger of
+# our own would have no handler, and its INFO lines (a warm restart's "keys back from the host
+# tier") would reach no one.
+logger = logging.getLogger("vllm.kvshm")
 
 #: A wait for copy jobs that has not ended after this long is logged as a warning.
 WAIT_WARN_AFTER_S = 30.0

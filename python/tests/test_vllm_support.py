@@ -43,7 +43,7 @@ def test_a_page_beyond_the_tensor_or_overlapping_blocks_are_refused():
 def test_a_long_wait_warns_after_a_while_and_again_every_interval(caplog):
     now = [100.0]
     slow = SlowWaitWarning({7, 3}, spawned_worker=False, after_s=30.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="kvshm.vllm"):
+    with caplog.at_level(logging.WARNING, logger="vllm.kvshm"):
         now[0] = 129.0
         assert not slow.check()
         now[0] = 131.0

@@ -127,8 +127,7 @@ def offline(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     result: dict[str, Any] = json.loads(out.read_text())
-    # kvshm's own lines (its Python logger, and the Rust side's with RUST_LOG set), for the
-    # messages of assertions about the tier.
+    # kvshm's own log lines (under vLLM's logger), for the messages of assertions about the tier.
     result["kvshm_log"] = [
         line for line in done.stderr.splitlines() if "kvshm" in line and "factory.py" not in line
     ]
@@ -264,13 +263,13 @@ def test_a_restarted_engine_serves_hits_from_the_tier_it_left_stopped_or_killed(
     processes were all SIGKILLed, leave their host tier; the next engine of the same model and
     layout serves its first requests from it; one of another tier size starts afresh."""
     first_round = workload[:CONVERSATIONS]
-    stopped = offline(model, first_round, tmp_path, "--kvshm", env={"RUST_LOG": "kvshm=info"})
+    stopped = offline(model, first_round, tmp_path, "--kvshm")
     expected = [request["tokens"] for request in stopped["requests"]]
     assert stopped["metrics"]["vllm:external_prefix_cache_hits"] == 0
     full_blocks = sum(len(prompt) // engine.BLOCK_TOKENS for prompt in first_round)
 
     # Stopped: the next engine finds every block of the round, from its first request on.
-    restarted = offline(model, first_round, tmp_path, "--kvshm", env={"RUST_LOG": "kvshm=info"})
+    restarted = offline(model, first_round, tmp_path, "--kvshm")
     assert [request["tokens"] for request in restarted["requests"]] == expected
     hits = [request["cached_tokens"] for request in restarted["requests"]]
     assert hits[0] > 0, "\n".join(stopped["kvshm_log"] + ["-- restarted:"] + restarted["kvshm_log"])
