@@ -9,12 +9,13 @@
 //!    the shared tier in process (one `SharedTierIndex` of `--host-blocks` chunks, one client per
 //!    instance) and, with `--rings`, the shared tier across processes: a `kvshm tier-owner` child
 //!    of `--host-blocks` chunks and one `TierClient` per instance;
-//! 3. serve each request on each, in turn (which goes first rotates from request to request, so
-//!    that the machine's load hits all alike), timing the calls an engine's connector makes for
-//!    it: the leading loadable keys looked up and pinned, the loads released, every full block
-//!    offered for storing (write-through), the store completed, the request finished. Through
-//!    the rings these are two batches, each one round trip: the previous request's completion
-//!    and end with this one's lookup, then its loads' release with its store.
+//! 3. serve the requests in scheduler steps of `--step` requests an instance, each step on each
+//!    way in turn (which goes first rotates, so that the machine's load hits all alike), timing
+//!    the calls an engine's connector makes for each request: the leading loadable keys looked
+//!    up and pinned, the loads released, every full block offered for storing (write-through),
+//!    the store completed, the request finished. Through the rings a step is two batches, each
+//!    one round trip: the last step's completions and ends with this step's lookups, then the
+//!    loads' releases with the stores. A step's time over its requests is each one's figure.
 //!
 //! One JSON object with `--json`.
 
@@ -54,6 +55,10 @@ pub struct Args {
     /// Also serve through the rings of a `kvshm tier-owner` child process.
     #[arg(long)]
     pub rings: bool,
+    /// Requests each instance serves in one scheduler step: through the rings, a step's calls
+    /// go as two batches; the figures are per request (a step's time over its requests).
+    #[arg(long, default_value_t = 1)]
+    pub step: usize,
     /// Print one JSON object instead of a summary.
     #[arg(long)]
     pub json: bool,
@@ -71,6 +76,8 @@ pub struct TierFigures {
 pub struct Report {
     pub requests: usize,
     pub instances: u32,
+    /// Requests an instance serves in one step.
+    pub step: usize,
     pub host_blocks: u32,
     /// Baseline: one `OffloadManager` per instance.
     pub per_instance: TierFigures,
@@ -116,41 +123,62 @@ impl Drop for OwnerProcess {
 /// One instance's client of the owner process, with the calls its last request left to send.
 struct RingInstance {
     client: TierClient,
-    /// The last request's name and the keys it stored, completed with the next batch.
-    pending: Option<(String, Vec<OffloadKey>)>,
+    /// The last step's requests and the keys each stored, completed with the next batch.
+    pending: Vec<(String, Vec<OffloadKey>)>,
 }
 
-/// The same request through the rings: two batches; returns the blocks loaded.
+/// One request, keyed: its name, its full blocks' keys, and how many of them it may load.
+struct Keyed {
+    name: String,
+    keys: Vec<OffloadKey>,
+    bound: usize,
+}
+
+/// A step of one instance's requests through the rings: two batches for all of them (the last
+/// step's completions and ends with this step's lookups, then the loads' releases with the
+/// stores); returns the blocks loaded.
 fn serve_rings(
     instance: &mut RingInstance,
-    name: &str,
-    keys: &[OffloadKey],
-    bound: usize,
+    step: &[&Keyed],
     answers: &mut Vec<CallAnswer>,
 ) -> anyhow::Result<u64> {
-    let pending = instance.pending.take();
-    let mut calls = Vec::with_capacity(3);
-    if let Some((last, stored)) = &pending {
+    let pending = std::mem::take(&mut instance.pending);
+    let mut calls = Vec::with_capacity(2 * pending.len() + step.len());
+    for (last, stored) in &pending {
         calls.push(TierCall::CompleteStore { keys: stored, success: true });
         calls.push(TierCall::FinishRequest { request: last });
     }
-    calls.push(TierCall::AcquirePrefix { request: name, keys: &keys[..bound] });
+    let first_lookup = calls.len();
+    for request in step {
+        calls.push(TierCall::AcquirePrefix {
+            request: &request.name,
+            keys: &request.keys[..request.bound],
+        });
+    }
     instance.client.call(&calls, answers)?;
-    let hits = match answers.last() {
-        Some(CallAnswer::Prefix { chunks }) => chunks.len(),
-        other => anyhow::bail!("a lookup answered {other:?}"),
-    };
-    let calls = [
-        TierCall::ReleaseLoads { keys: &keys[..hits] },
-        TierCall::PrepareStore { request: name, keys },
-    ];
+    let mut hits = Vec::with_capacity(step.len());
+    for answer in &answers[first_lookup..] {
+        match answer {
+            CallAnswer::Prefix { chunks } => hits.push(chunks.len()),
+            other => anyhow::bail!("a lookup answered {other:?}"),
+        }
+    }
+    let mut calls = Vec::with_capacity(2 * step.len());
+    for (request, &hit) in step.iter().zip(&hits) {
+        calls.push(TierCall::ReleaseLoads { keys: &request.keys[..hit] });
+        calls.push(TierCall::PrepareStore { request: &request.name, keys: &request.keys });
+    }
     instance.client.call(&calls, answers)?;
-    let stored = match &answers[1] {
-        CallAnswer::Store { to_store, .. } => to_store.iter().map(|&i| keys[i as usize]).collect(),
-        other => anyhow::bail!("a store answered {other:?}"),
-    };
-    instance.pending = Some((name.to_owned(), stored));
-    Ok(hits as u64)
+    for (request, answer) in step.iter().zip(answers.chunks(2)) {
+        let stored = match &answer[1] {
+            CallAnswer::Store { to_store, .. } => {
+                to_store.iter().map(|&i| request.keys[i as usize]).collect()
+            }
+            other => anyhow::bail!("a store answered {other:?}"),
+        };
+        instance.pending.push((request.name.clone(), stored));
+    }
+    Ok(hits.iter().sum::<usize>() as u64)
 }
 
 fn key_of(hash: BlockHash) -> OffloadKey {
@@ -204,6 +232,7 @@ fn serve_shared(
 /// Module flow.
 pub fn measure(args: &Args) -> anyhow::Result<Report> {
     anyhow::ensure!(args.block_tokens > 0, "--block-tokens must be at least 1");
+    anyhow::ensure!(args.step > 0, "--step must be at least 1");
     anyhow::ensure!((1..=4096).contains(&args.instances), "--instances must be between 1 and 4096");
     let per_instance_blocks = args.host_blocks / args.instances;
     anyhow::ensure!(
@@ -246,44 +275,67 @@ pub fn measure(args: &Args) -> anyhow::Result<Report> {
             let name = SegmentName::new(&tier_name)?;
             let client = TierClient::new(name, identity.clone(), ClientOptions::default())?;
             anyhow::ensure!(client.is_connected(), "not attached: {:?}", client.last_error());
-            ring_instances.push(RingInstance { client, pending: None });
+            ring_instances.push(RingInstance { client, pending: Vec::new() });
         }
     }
     let ways = if args.rings { 3 } else { 2 };
     let (mut chunks, mut out, mut answers) = (Vec::new(), PreparedStore::default(), Vec::new());
     let (mut alone_times, mut shared_times, mut ring_times) = (Vec::new(), Vec::new(), Vec::new());
     let (mut alone_hits, mut shared_hits, mut ring_hits) = (0, 0, 0);
-    for (number, request) in requests.iter().enumerate() {
-        let instance = number % args.instances as usize;
-        let keys: Vec<OffloadKey> =
-            request.full_block_hashes(args.block_tokens).map(key_of).collect();
-        let bound = (request.input_length.saturating_sub(1) / args.block_tokens).min(keys.len());
-        let name = number.to_string();
-        for turn in 0..ways {
-            let start = Instant::now();
-            match (turn + number) % ways {
-                0 => {
-                    let manager = &mut alone[instance];
-                    alone_hits += serve_alone(manager, &name, &keys, bound, &mut chunks, &mut out)?;
-                    alone_times.push(start.elapsed().as_secs_f64() * 1e6);
-                }
-                1 => {
-                    let client = clients[instance];
-                    shared_hits += serve_shared(
-                        &mut shared,
-                        client,
-                        &name,
-                        &keys,
-                        bound,
-                        &mut chunks,
-                        &mut out,
-                    )?;
-                    shared_times.push(start.elapsed().as_secs_f64() * 1e6);
-                }
-                _ => {
-                    let ring_instance = &mut ring_instances[instance];
-                    ring_hits += serve_rings(ring_instance, &name, &keys, bound, &mut answers)?;
-                    ring_times.push(start.elapsed().as_secs_f64() * 1e6);
+    let keyed: Vec<Keyed> = requests
+        .iter()
+        .enumerate()
+        .map(|(number, request)| {
+            let keys: Vec<OffloadKey> =
+                request.full_block_hashes(args.block_tokens).map(key_of).collect();
+            let bound =
+                (request.input_length.saturating_sub(1) / args.block_tokens).min(keys.len());
+            Keyed { name: number.to_string(), keys, bound }
+        })
+        .collect();
+    let instances = args.instances as usize;
+    for (step_number, step) in keyed.chunks(args.step * instances).enumerate() {
+        for instance in 0..instances {
+            // This instance's requests of the step (round-robin routing).
+            let mine: Vec<&Keyed> = step.iter().skip(instance).step_by(instances).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let per_request =
+                |start: Instant| start.elapsed().as_secs_f64() * 1e6 / mine.len() as f64;
+            for turn in 0..ways {
+                let start = Instant::now();
+                match (turn + step_number + instance) % ways {
+                    0 => {
+                        let manager = &mut alone[instance];
+                        for request in &mine {
+                            let (name, keys, bound) = (&request.name, &request.keys, request.bound);
+                            alone_hits +=
+                                serve_alone(manager, name, keys, bound, &mut chunks, &mut out)?;
+                        }
+                        alone_times.extend(std::iter::repeat_n(per_request(start), mine.len()));
+                    }
+                    1 => {
+                        let client = clients[instance];
+                        for request in &mine {
+                            let (name, keys, bound) = (&request.name, &request.keys, request.bound);
+                            shared_hits += serve_shared(
+                                &mut shared,
+                                client,
+                                name,
+                                keys,
+                                bound,
+                                &mut chunks,
+                                &mut out,
+                            )?;
+                        }
+                        shared_times.extend(std::iter::repeat_n(per_request(start), mine.len()));
+                    }
+                    _ => {
+                        ring_hits +=
+                            serve_rings(&mut ring_instances[instance], &mine, &mut answers)?;
+                        ring_times.extend(std::iter::repeat_n(per_request(start), mine.len()));
+                    }
                 }
             }
         }
@@ -302,6 +354,7 @@ pub fn measure(args: &Args) -> anyhow::Result<Report> {
     Ok(Report {
         requests: requests.len(),
         instances: args.instances,
+        step: args.step,
         host_blocks: args.host_blocks,
         p50_ratio: shared.us_per_request.p50 / baseline,
         rings_p50_ratio: rings.as_ref().map(|rings| rings.us_per_request.p50 / baseline),
