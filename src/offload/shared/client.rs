@@ -134,7 +134,7 @@ impl TierClient {
             last_error: None,
             request_ids: HashMap::new(),
             next_request_id: 0,
-            next_call: 0,
+            next_call: first_call_id(),
             wire_keys: Vec::new(),
             records: Vec::new(),
             answers: Vec::new(),
@@ -338,6 +338,12 @@ impl TierClient {
                 }
                 _ => None,
             };
+            // The owner's answers are checked as it checks calls: an answer that cannot be this
+            // call's is the owner's fault, and the client leaves it (step 4) rather than hand
+            // its engine chunks for keys it did not ask about.
+            if let Some(answer) = answered {
+                check_answer(call, &answer)?;
+            }
             answers.push(match call {
                 TierCall::AcquirePrefix { .. } => {
                     let mut chunks = Vec::new();
@@ -362,6 +368,15 @@ impl TierClient {
                         channel
                             .read_entries(chunks_at, answer.count, &mut chunks)
                             .map_err(|error| error.to_string())?;
+                        let keys = call_keys(call).len() as u32;
+                        if to_store.iter().zip(to_store.iter().skip(1)).any(|(a, b)| a >= b)
+                            || to_store.last().is_some_and(|&last| last >= keys)
+                        {
+                            return Err(format!(
+                                "the owner's answer to call {call_id} names keys to store out of \
+                                 order or past its {keys} keys"
+                            ));
+                        }
                     }
                     CallAnswer::Store { to_store, chunks }
                 }
@@ -387,6 +402,35 @@ enum AttachFailure {
     Other(String),
 }
 
+/// The first call id of a client: distinct between clients (the process and the time), so that
+/// an answer meant for another client of the same slot can never pass for one of this client's.
+fn first_call_id() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.subsec_nanos());
+    u64::from(std::process::id()) << 32 | u64::from(nanos)
+}
+
+/// Whether `answer` can be the owner's answer to `call`: the same operation, and no more keys
+/// counted than the call carried.
+fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> {
+    let op = match call {
+        TierCall::AcquirePrefix { .. } => TierOp::AcquirePrefix,
+        TierCall::PrepareStore { .. } => TierOp::PrepareStore,
+        TierCall::ReleaseLoads { .. } => TierOp::ReleaseLoads,
+        TierCall::CompleteStore { .. } => TierOp::CompleteStore,
+        TierCall::FinishRequest { .. } => TierOp::FinishRequest,
+    };
+    let keys = call_keys(call).len();
+    if answer.op != op.code() || answer.count as usize > keys {
+        return Err(format!(
+            "the owner answered call {} with op {} and {} keys; it was {op:?} of {keys} keys",
+            answer.call, answer.op, answer.count
+        ));
+    }
+    Ok(())
+}
+
 fn call_keys<'a>(call: &TierCall<'a>) -> &'a [OffloadKey] {
     match *call {
         TierCall::AcquirePrefix { keys, .. }
@@ -394,5 +438,33 @@ fn call_keys<'a>(call: &TierCall<'a>) -> &'a [OffloadKey] {
         | TierCall::ReleaseLoads { keys }
         | TierCall::CompleteStore { keys, .. } => keys,
         TierCall::FinishRequest { .. } => &[],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An answer that cannot be the owner's answer to the call (another operation, more keys
+    /// than were sent) is refused, so that no chunk of it reaches the engine.
+    #[test]
+    fn an_answer_is_accepted_only_for_its_own_call() {
+        let keys = [OffloadKey::new(b"a").unwrap(), OffloadKey::new(b"b").unwrap()];
+        let acquire = TierCall::AcquirePrefix { request: "r", keys: &keys };
+        let store = TierCall::PrepareStore { request: "r", keys: &keys };
+        let answer = |op, count| TierAnswer::new(7, op, AnswerStatus::Done).with_entries(count, 0);
+        assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 2)).is_ok());
+        assert!(check_answer(&store, &answer(TierOp::PrepareStore, 1)).is_ok());
+        assert!(check_answer(&acquire, &answer(TierOp::PrepareStore, 1)).is_err());
+        assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 3)).is_err());
+        assert!(check_answer(&store, &answer(TierOp::AcquirePrefix, 0)).is_err());
+    }
+
+    /// Two clients start their call ids apart, so an answer left in a slot by one is never
+    /// taken for one of the other's.
+    #[test]
+    fn clients_number_their_calls_from_distinct_ids() {
+        assert_ne!(first_call_id() >> 32, 0, "the process id is in the high bits");
+        assert_eq!(first_call_id() >> 32, u64::from(std::process::id()));
     }
 }

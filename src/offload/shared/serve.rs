@@ -226,8 +226,15 @@ impl TierServer {
         self.owner.reap(&mut self.reaped);
         for reaped in std::mem::take(&mut self.reaped) {
             tracing::info!(pid = reaped.pid, ?reaped.released, "a client died: released");
-            let slot = reaped.client.slot;
+            // The control object's slot that served this client: the index numbers its clients
+            // in the order it adopted them, which need not be the order of their slots.
+            let Some(slot) = self.served.iter().position(|served| {
+                served.as_ref().is_some_and(|served| served.client == reaped.client)
+            }) else {
+                continue;
+            };
             let (pid, released) = (reaped.pid, reaped.released);
+            let slot = slot as u32;
             self.gone.push(ClientGone { slot, pid, died: true, released });
             if let Some(served) = self.served[slot as usize].take() {
                 let word = served.word;
