@@ -295,13 +295,22 @@ impl TierControl {
     }
 
     /// Client: its end of the channel of the slot it claimed.
-    pub fn client_channel(&self, claim: &ClientClaim) -> Result<ClientChannel, RingError> {
+    ///
+    /// # Safety
+    /// No other client end of this slot exists in this process (across processes the claim's
+    /// CAS gives the slot to one client): two producers on one ring would race.
+    ///
+    /// # Panics
+    /// If the claim names a slot this object does not have (a claim of another tier).
+    pub unsafe fn client_channel(&self, claim: &ClientClaim) -> Result<ClientChannel, RingError> {
         let index = claim.index();
+        assert!(index < self.fields.config.clients, "a claim of another tier's slot");
         let (request_base, answer_base) = self.ring_bases(index);
         let channel = self.layout.channel;
-        // SAFETY: 1. both rings lie in the mapping, which the channel's parts keep alive; 2. the
-        // other ends are the owner's, and a second client end is a breach of the claim (one
-        // client per slot, by the CAS that claimed it).
+        // SAFETY: 1. both rings lie in the mapping (the slot is one of this object's), which the
+        // channel's parts keep alive; 2. the other ends are the owner's, and this is the one
+        // client end of the slot (the caller's promise within this process, the claim's CAS
+        // across processes).
         let requests = unsafe { Producer::attach(request_base, channel.request_ring_len)? };
         // SAFETY: as above.
         let answers = unsafe { Consumer::attach(answer_base, channel.answer_ring_len)? };
@@ -310,13 +319,17 @@ impl TierControl {
 
     /// Owner: its end of the channel of slot `index` (for a client it has judged attached).
     ///
+    /// # Safety
+    /// No other owner end of slot `index` exists (one owner process, by `O_EXCL` on the
+    /// object; within it, the caller's promise): two consumers on one ring would race.
+    ///
     /// # Panics
     /// If `index` is not a slot: the owner iterates over its own configuration's slots.
-    pub fn owner_channel(&self, index: u32) -> Result<OwnerChannel, RingError> {
+    pub unsafe fn owner_channel(&self, index: u32) -> Result<OwnerChannel, RingError> {
         assert!(index < self.fields.config.clients, "a slot index out of range");
         let (request_base, answer_base) = self.ring_bases(index);
         let channel = self.layout.channel;
-        // SAFETY: as in client_channel, the owner's ends (one owner, by O_EXCL on the object).
+        // SAFETY: as in client_channel, the owner's one end of the slot (the caller's promise).
         let requests = unsafe { Consumer::attach(request_base, channel.request_ring_len)? };
         // SAFETY: as above.
         let answers = unsafe { Producer::attach(answer_base, channel.answer_ring_len)? };
@@ -394,7 +407,9 @@ impl TierControl {
     }
 
     fn ptr(&self, offset: u64) -> *mut u8 {
-        // SAFETY: every offset passed comes from the validated layout, inside the mapping.
+        assert!(offset <= self.memory.len() as u64, "an offset past the control object");
+        // SAFETY: `offset` is at most the mapping's length (checked above), so the pointer is
+        // in the mapping or one past its end.
         unsafe { self.memory.as_ptr().add(offset as usize) }
     }
 

@@ -155,14 +155,26 @@ fn key(text: &str) -> WireKey {
     WireKey::new(text.as_bytes()).unwrap()
 }
 
+/// The client end of `claim`'s slot.
+fn client_end(control: &TierControl, claim: &ClientClaim) -> ClientChannel {
+    // SAFETY: each test holds at most one client end of a slot at a time.
+    unsafe { control.client_channel(claim) }.unwrap()
+}
+
+/// The owner end of slot `index`.
+fn owner_end(control: &TierControl, index: u32) -> OwnerChannel {
+    // SAFETY: each test holds at most one owner end of a slot at a time.
+    unsafe { control.owner_channel(index) }.unwrap()
+}
+
 #[test]
 fn a_batch_goes_to_the_owner_and_its_answers_come_back_with_their_entries() {
     let name = unique_name("batch");
     let owner = TierControl::create(&name, &CONFIG, b"id").unwrap();
     let client = TierControl::attach(&name).unwrap();
     let claim = client.claim_client_slot().unwrap();
-    let mut to_owner = client.client_channel(&claim).unwrap();
-    let mut from_client = owner.owner_channel(claim.index()).unwrap();
+    let mut to_owner = client_end(&client, &claim);
+    let mut from_client = owner_end(&owner, claim.index());
 
     to_owner.write_keys(0, &[key("a"), key("b"), key("c")]).unwrap();
     let calls = [
@@ -206,7 +218,7 @@ fn records_that_name_keys_outside_the_page_or_bad_keys_are_typed_errors() {
     let name = unique_name("bad-record");
     let owner = TierControl::create(&name, &CONFIG, b"id").unwrap();
     let claim = owner.claim_client_slot().unwrap();
-    let from_client = owner.owner_channel(claim.index()).unwrap();
+    let from_client = owner_end(&owner, claim.index());
     let mut keys = Vec::new();
     for (first, count) in [(15, 2), (u32::MAX, 2), (0, 17)] {
         let request = TierRequest::new(1, TierOp::ReleaseLoads, 0, first, count);
@@ -220,7 +232,7 @@ fn records_that_name_keys_outside_the_page_or_bad_keys_are_typed_errors() {
     assert_eq!(too_long.bytes(), Err(RecordError::KeyTooLong { len: 65 }));
     let unknown = TierRequest { op: 99, ..TierRequest::new(1, TierOp::EndBatch, 0, 0, 0) };
     assert_eq!(unknown.op(), Err(RecordError::UnknownOp { code: 99 }));
-    let mut to_owner = owner.client_channel(&claim).unwrap();
+    let mut to_owner = client_end(&owner, &claim);
     assert!(to_owner.write_keys(10, &[key("k"); 7]).is_err());
     let mut out = Vec::new();
     assert!(to_owner.read_entries(30, 3, &mut out).is_err());
@@ -232,13 +244,13 @@ fn a_reclaimed_slot_hands_its_next_client_empty_rings() {
     let owner = TierControl::create(&name, &TierConfig { clients: 1, ..CONFIG }, b"id").unwrap();
     let dead = owner.claim_client_slot_as(dead_process()).unwrap();
     {
-        let mut to_owner = owner.client_channel(&dead).unwrap();
+        let mut to_owner = client_end(&owner, &dead);
         to_owner.send(&[TierRequest::new(1, TierOp::EndBatch, 0, 0, 0)]).unwrap();
     }
     owner.reclaim_client(0, dead.owner_word()).unwrap();
     let claim = owner.claim_client_slot().unwrap();
-    let _to_owner = owner.client_channel(&claim).unwrap();
-    let mut from_client = owner.owner_channel(0).unwrap();
+    let _to_owner = client_end(&owner, &claim);
+    let mut from_client = owner_end(&owner, 0);
     let mut requests = Vec::new();
     assert_eq!(
         from_client.take_requests(&mut requests).unwrap(),

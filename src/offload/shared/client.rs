@@ -178,7 +178,9 @@ impl TierClient {
         tier.check_attach(&self.identity).map_err(AttachFailure::Tier)?;
         let owner = ProcessHandle::open(control.owner()).map_err(|error| other(&error))?;
         let claim = control.claim_client_slot().map_err(|error| other(&error))?;
-        let channel = control.client_channel(&claim).map_err(|error| other(&error))?;
+        // SAFETY: the one client end of this claim: the connection keeps the claim and its
+        // channel together, and a new connection claims a slot of its own.
+        let channel = unsafe { control.client_channel(&claim) }.map_err(|error| other(&error))?;
         Ok(Connection { channel, owner, _claim: claim, _control: control })
     }
 

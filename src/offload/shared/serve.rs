@@ -193,7 +193,10 @@ impl TierServer {
             let identity = self.owner.index().identity().clone();
             let name = format!("pid {}", word.pid());
             let adopted = match self.owner.attach_process(&identity, &name, None, process) {
-                Ok(client) => match self.control.owner_channel(slot) {
+                // SAFETY: the one owner end of the slot: `served[slot]` is empty here (a slot is
+                // adopted only when it is), and its channel is dropped with it before it is
+                // adopted again.
+                Ok(client) => match unsafe { self.control.owner_channel(slot) } {
                     Ok(channel) => {
                         Some(Served { client, word, channel, next_entry: 0, detached: false })
                     }
