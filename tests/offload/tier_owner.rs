@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvshm::offload::{
     AttachError, LookupResult, OffloadConfig, OffloadKey, PreparedStore, SharedTierIndex,
-    TierIdentity, TierOwner, SWEEP_INTERVAL,
+    TierIdentity, TierOwner, TierServer, SWEEP_INTERVAL,
 };
 use kvshm_ipc::liveness::ProcessIdentity;
 
@@ -100,4 +100,44 @@ fn a_process_that_is_gone_cannot_attach() {
     let refused = owner.attach_process(&identity(), "late", None, process_identity).unwrap_err();
     assert!(matches!(refused, AttachError::Process(_)), "{refused}");
     assert!(owner.clients().is_empty() && owner.index().clients().is_empty());
+}
+
+/// A client the owner lets go while its process lives (here: it leaves no room for its answers)
+/// keeps its slot fenced: that process may still write the slot's rings and key page, so no
+/// other client may claim the slot until the process exits.
+#[test]
+fn a_live_client_released_for_its_channel_keeps_its_slot_fenced() {
+    use kvshm_ipc::tier_control::{ClientClaimError, TierConfig, TierControl, TierOp, TierRequest};
+
+    let name =
+        kvshm_ipc::name::SegmentName::new(&format!("t-fence-{}", std::process::id())).unwrap();
+    let index = SharedTierIndex::new(identity(), OffloadConfig::new(8)).unwrap();
+    let mut server = TierServer::create(&name, index, &TierConfig::with_clients(1)).unwrap();
+    let control = TierControl::attach(&name).unwrap();
+    let claim = control.claim_client_slot().unwrap();
+    // SAFETY: the one client end of this slot in this test.
+    let mut to_owner = unsafe { control.client_channel(&claim) }.unwrap();
+    server.turn();
+    let mut gone = Vec::new();
+    for call in 0..10_000u64 {
+        // Batches whose answers are never read, until the owner lets the client go.
+        if to_owner.send(&[TierRequest::new(call, TierOp::EndBatch, 0, 0, 0)]).is_err() {
+            server.turn();
+            continue;
+        }
+        server.turn();
+        gone = server.take_gone();
+        if !gone.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(gone.len(), 1, "the owner let the client go");
+    assert!(!gone[0].died, "{gone:?}");
+    for _ in 0..3 {
+        server.turn();
+    }
+    assert!(
+        matches!(control.claim_client_slot(), Err(ClientClaimError::NoFreeSlot { .. })),
+        "the slot of a live client is fenced, not handed to another"
+    );
 }

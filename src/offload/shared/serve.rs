@@ -11,7 +11,10 @@
 //!    and, where it has one, answered; the batch's end is answered last.
 //!
 //! A client whose ring or answers make no sense is released as a dead one is: a bad record is an
-//! error answer for its call, a broken ring the client's end, never a panic of the owner.
+//! error answer for its call, a broken ring the client's end, never a panic of the owner. Its
+//! slot is fenced, not emptied, while its process lives (as a worker's rank is): that process
+//! may still write the slot's rings and key page, which no other client may share; the slot is
+//! reclaimed at the first sweep after the process exits.
 
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -67,6 +70,7 @@ pub struct ClientGone {
 struct Served {
     client: ClientId,
     word: OwnerWord,
+    process: ProcessIdentity,
     channel: OwnerChannel,
     /// The next free entry of its answer page in the batch being served.
     next_entry: u32,
@@ -78,6 +82,9 @@ pub struct TierServer {
     control: TierControl,
     owner: TierOwner,
     served: Vec<Option<Served>>,
+    /// Slots of clients released while their process lives, with the word and process: reclaimed
+    /// once the process has exited (module documentation).
+    fenced: Vec<(u32, OwnerWord, ProcessIdentity)>,
     stats: ServeStats,
     last_reap: Instant,
     // Scratch, reused between turns.
@@ -113,6 +120,7 @@ impl TierServer {
         let control = TierControl::create(name, tier, &index.identity().encode())?;
         Ok(TierServer {
             served: (0..tier.clients).map(|_| None).collect(),
+            fenced: Vec::new(),
             control,
             owner: TierOwner::new(index),
             stats: ServeStats::default(),
@@ -164,6 +172,9 @@ impl TierServer {
     /// Module flow, step 2.
     fn adopt_new_clients(&mut self) {
         for slot in 0..self.served.len() as u32 {
+            if self.fenced.iter().any(|&(fenced, _, _)| fenced == slot) {
+                continue;
+            }
             let Some(client_slot) = self.control.client_slot(slot) else { continue };
             let word = client_slot.owner();
             match (&self.served[slot as usize], word.state()) {
@@ -197,9 +208,14 @@ impl TierServer {
                 // adopted only when it is), and its channel is dropped with it before it is
                 // adopted again.
                 Ok(client) => match unsafe { self.control.owner_channel(slot) } {
-                    Ok(channel) => {
-                        Some(Served { client, word, channel, next_entry: 0, detached: false })
-                    }
+                    Ok(channel) => Some(Served {
+                        client,
+                        word,
+                        process,
+                        channel,
+                        next_entry: 0,
+                        detached: false,
+                    }),
                     Err(error) => {
                         tracing::warn!(slot, %error, "a client's channel is broken: released");
                         let _ = self.owner.detach(client);
@@ -223,8 +239,19 @@ impl TierServer {
         }
     }
 
-    /// Module flow, step 3: the clients whose process exited.
+    /// Module flow, step 3: the clients whose process exited, and the fenced slots whose
+    /// process has.
     fn reap(&mut self) {
+        let control = &self.control;
+        self.fenced.retain(|&(slot, word, process)| {
+            if process.is_alive() {
+                return true;
+            }
+            if let Err(error) = control.reclaim_client(slot, word) {
+                tracing::warn!(slot, %error, "a fenced slot could not be reclaimed");
+            }
+            false
+        });
         self.reaped.clear();
         self.owner.reap(&mut self.reaped);
         for reaped in std::mem::take(&mut self.reaped) {
@@ -248,15 +275,21 @@ impl TierServer {
         }
     }
 
-    /// Releases the client of `slot` (it detached, or broke its channel) and reclaims the slot.
+    /// Releases the client of `slot`: it detached (its end of the channel is gone: the slot is
+    /// reclaimed now), or broke its channel (its process may still write it: the slot is fenced
+    /// until the process exits).
     fn release(&mut self, slot: u32) {
         let Some(served) = self.served[slot as usize].take() else { return };
-        let word = served.word;
+        let (word, process, detached) = (served.word, served.process, served.detached);
         if let Ok(released) = self.owner.detach(served.client) {
             self.gone.push(ClientGone { slot, pid: word.pid(), died: false, released });
         }
         drop(served);
-        let _ = self.control.reclaim_client(slot, word);
+        if detached || !process.is_alive() {
+            let _ = self.control.reclaim_client(slot, word);
+        } else {
+            self.fenced.push((slot, word, process));
+        }
         self.stats.clients_released += 1;
     }
 
