@@ -11,7 +11,8 @@ use kvshm::offload::{
 
 use crate::support::Rng;
 
-fn identity() -> TierIdentity {
+/// The tier of the shared-tier tests (also `tier_owner`'s).
+pub(crate) fn identity() -> TierIdentity {
     TierIdentity {
         model: "org/tiny-llama".into(),
         kv_dtype: "float16".into(),

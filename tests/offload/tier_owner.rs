@@ -7,20 +7,11 @@ use std::time::{Duration, Instant};
 
 use kvshm::offload::{
     AttachError, LookupResult, OffloadConfig, OffloadKey, PreparedStore, SharedTierIndex,
-    TierIdentity, TierOwner, TierServer, SWEEP_INTERVAL,
+    TierOwner, TierServer, SWEEP_INTERVAL,
 };
 use kvshm_ipc::liveness::ProcessIdentity;
 
-fn identity() -> TierIdentity {
-    TierIdentity {
-        model: "org/tiny-llama".into(),
-        kv_dtype: "float16".into(),
-        block_tokens: 16,
-        block_bytes: 65_536,
-        blocks_per_chunk: 1,
-        layout: "groups [0..32]; tp 1 pp 1".into(),
-    }
-}
+use crate::shared_tier::identity;
 
 fn keys(blocks: &[u8]) -> Vec<OffloadKey> {
     blocks.iter().map(|&block| OffloadKey::new(&[block; 16]).unwrap()).collect()
