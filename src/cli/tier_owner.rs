@@ -1,19 +1,26 @@
 //! `kvshm tier-owner`: the owner process of a host tier several engine instances share (DESIGN
 //! §12.3-12.4).
 //!
-//! 1. build the tier's identity from the arguments, and its index;
-//! 2. create the tier's control object ([`TierServer::create`]): refused while another owner of
-//!    the name lives, a dead owner's taken over;
-//! 3. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
-//! 4. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT, printing one JSON line
-//!    (`{"released": {...}}`) for each client let go, then print the owner's counters as one
-//!    JSON line and remove the control object.
+//! 1. build the tier's identity from the arguments; stop if an owner of the name lives;
+//! 2. make the tier's arenas, one per rank, or take over those a previous owner left, with their
+//!    size ([`TierArenas::create_or_adopt`]), and an index of as many chunks;
+//! 3. create the tier's control object ([`TierServer::create`]): refused while another owner of
+//!    the name lives, a dead owner's taken over; after a takeover, refuse stores for the grace;
+//! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
+//! 5. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT (or, with `--idle-exit-s`, until
+//!    no client has been attached for that long), printing one JSON line (`{"released": {...}}`)
+//!    for each client let go, then print the owner's counters as one JSON line and remove the
+//!    control object. The arenas stay for the next owner (engines keep them mapped), except
+//!    after an idle exit, when no engine is left to map them.
+
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::tier_control::TierConfig;
+use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
+use crate::offload::shared::TierArenas;
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
 use crate::worker::process::{install_stop_handlers, stop_requested};
 
@@ -40,12 +47,27 @@ pub struct Args {
     /// The rest of the layout, as the engines spell it.
     #[arg(long, default_value = "")]
     layout: String,
-    /// Chunks of the tier.
+    /// Chunks of a new tier (a tier whose arenas are taken over keeps their size).
     #[arg(long)]
     chunks: u32,
+    /// Bytes of one block in the arenas, when they differ from `--block-bytes` (the engine's
+    /// own count): every KV tensor's page of one block, as the engine's copies lay it out.
+    #[arg(long)]
+    arena_block_bytes: Option<u64>,
+    /// Ranks (tensor-parallel workers) of each engine: one arena each.
+    #[arg(long, default_value_t = 1)]
+    ranks: u32,
     /// Client slots.
     #[arg(long, default_value_t = 16)]
     clients: u32,
+    /// Exit, removing the tier and its arenas, once no client has been attached for this many
+    /// seconds (counted from the start too). Without it, the owner serves until stopped.
+    #[arg(long)]
+    idle_exit_s: Option<u64>,
+    /// After taking over a previous owner's arenas, refuse stores this long: that owner's
+    /// clients may still be copying into chunks it handed them.
+    #[arg(long, default_value_t = 10_000)]
+    takeover_grace_ms: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -59,17 +81,52 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let name = args.name.unwrap_or_else(|| identity.tier_name());
     let name = SegmentName::new(&name).context("the tier's name")?;
-    let index = SharedTierIndex::new(identity, OffloadConfig::new(args.chunks))?;
+    if let Ok(control) = TierControl::attach(&name) {
+        anyhow::bail!("tier {name} is served by a live owner (pid {})", control.owner().pid);
+    }
+    let blocks_per_chunk = u64::from(args.blocks_per_chunk.max(1));
+    let blocks = u64::from(args.chunks) * blocks_per_chunk;
+    let block_bytes = args.arena_block_bytes.unwrap_or(identity.block_bytes);
+    let arenas = TierArenas::create_or_adopt(&name, args.ranks, blocks, block_bytes)?;
+    let chunks = u32::try_from(arenas.blocks() / blocks_per_chunk)
+        .context("the tier's arenas hold more chunks than a tier may")?;
+    let index = SharedTierIndex::new(identity, OffloadConfig::new(chunks))?;
     install_stop_handlers().context("installing the stop handlers")?;
     let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))?;
-    let ready = serde_json::json!({ "tier": name.as_str(), "pid": std::process::id(), "chunks": args.chunks });
+    if arenas.adopted() {
+        server.refuse_stores_until(Instant::now() + Duration::from_millis(args.takeover_grace_ms));
+    }
+    let ready = serde_json::json!({
+        "tier": name.as_str(),
+        "pid": std::process::id(),
+        "chunks": chunks,
+        "ranks": args.ranks,
+        "arenas_taken_over": arenas.adopted(),
+    });
     println!("{ready}");
+    let idle_exit = args.idle_exit_s.map(Duration::from_secs);
+    let mut last_attached = Instant::now();
+    let mut idle = false;
     while !stop_requested() {
         server.turn();
         for gone in server.take_gone() {
             println!("{}", serde_json::json!({ "released": gone }));
         }
+        if server.clients_attached() > 0 {
+            last_attached = Instant::now();
+        } else if idle_exit.is_some_and(|limit| last_attached.elapsed() >= limit) {
+            idle = true;
+            break;
+        }
     }
-    println!("{}", serde_json::json!({ "tier": name.as_str(), "stats": server.stats() }));
+    println!(
+        "{}",
+        serde_json::json!({ "tier": name.as_str(), "idle_exit": idle, "stats": server.stats() })
+    );
+    // The control object goes first: no client attaches to a tier whose arenas are gone.
+    drop(server);
+    if idle {
+        arenas.remove();
+    }
     Ok(())
 }

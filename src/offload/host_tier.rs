@@ -30,6 +30,7 @@ use kvshm_ipc::name::SegmentName;
 
 use super::key::OffloadKey;
 use super::key_table::{self, KeyTable, TableEntry};
+use super::shared::{open_rank_arena, TierArenaError};
 use super::tensor_memory::{CopyError, TensorMemory};
 use super::transfer::{Direction, EngineLayout, PlanError};
 pub use crate::transport::Backend;
@@ -77,6 +78,15 @@ pub enum HostTierError {
     KeyCount { keys: usize, chunks: usize },
     #[error("reading the host tier's keys: {0}")]
     Attach(#[from] kvshm_ipc::segment::AttachError),
+    #[error(transparent)]
+    SharedArena(#[from] TierArenaError),
+    #[error(
+        "a shared tier is copied by the engine's own process (CPU tensors) in this release; \
+         tensors on a GPU need a host tier of their own"
+    )]
+    SharedTierNeedsInProcess,
+    #[error("a shared tier keeps no key table of its own: warm restart is the tier owner's")]
+    SharedTierPersistent,
 }
 
 /// How one job ended.
@@ -170,6 +180,56 @@ impl HostTier {
         engine: TierEngine,
         labels: TierOptions,
     ) -> Result<HostTier, HostTierError> {
+        HostTier::make(name, layout, engine, labels, None)
+    }
+
+    /// A tier whose chunks are rank `rank`'s arena of the shared tier `tier` (DESIGN §12.2),
+    /// copied in this process: segment `name` is this engine's own, for its counters (`kvctl
+    /// stat`), and holds no host arena. The tier has as many chunks as the arena holds (the
+    /// owner's index hands out any of them), whatever `layout.chunks` says.
+    ///
+    /// # Errors
+    /// [`HostTierError::SharedArena`] when the tier's arena is missing or holds other blocks,
+    /// [`HostTierError::SharedTierPersistent`] for a persistent tier.
+    pub fn create_on_shared_tier(
+        name: &SegmentName,
+        layout: EngineLayout,
+        memory: TensorMemory,
+        labels: TierOptions,
+        tier: &SegmentName,
+        rank: u32,
+    ) -> Result<HostTier, HostTierError> {
+        HostTier::make(name, layout, TierEngine::InProcess(memory), labels, Some((tier, rank)))
+    }
+
+    fn make(
+        name: &SegmentName,
+        mut layout: EngineLayout,
+        engine: TierEngine,
+        labels: TierOptions,
+        shared: Option<(&SegmentName, u32)>,
+    ) -> Result<HostTier, HostTierError> {
+        if shared.is_some() && labels.persistent {
+            return Err(HostTierError::SharedTierPersistent);
+        }
+        if shared.is_some() && !matches!(engine, TierEngine::InProcess(_)) {
+            return Err(HostTierError::SharedTierNeedsInProcess);
+        }
+        // A shared tier is as large as its arenas: its owner hands out chunks of all of them.
+        let shared_arena = match shared {
+            Some((tier, rank)) => {
+                let per_chunk = u64::from(layout.blocks_per_chunk.max(1));
+                let arena = open_rank_arena(
+                    tier,
+                    rank,
+                    per_chunk,
+                    layout.page_bytes * u64::from(layout.tensors),
+                )?;
+                layout.chunks = u32::try_from(arena.blocks() / per_chunk).unwrap_or(u32::MAX);
+                Some(arena)
+            }
+            None => None,
+        };
         layout.validate()?;
         if let TierEngine::Workers(_) = engine {
             for (group, tensors) in layout.groups.iter().enumerate() {
@@ -195,12 +255,12 @@ impl HostTier {
         } else {
             0
         };
+        // A shared tier's chunks are in its own arenas: this segment holds none.
+        let own_blocks = if shared.is_some() { 0 } else { u64::from(layout.host_blocks()?) };
         let host_blocks =
-            u32::try_from(u64::from(layout.host_blocks()?) + table_blocks).map_err(|_| {
-                PlanError::TooManyHostBlocks {
-                    chunks: layout.chunks,
-                    blocks_per_chunk: layout.blocks_per_chunk,
-                }
+            u32::try_from(own_blocks + table_blocks).map_err(|_| PlanError::TooManyHostBlocks {
+                chunks: layout.chunks,
+                blocks_per_chunk: layout.blocks_per_chunk,
             })?;
         let segment = SegmentConfig {
             block_tokens: labels.block_tokens.max(1),
@@ -231,7 +291,10 @@ impl HostTier {
             ..TransportConfig::new(segment)
         };
         let mut transport = Transport::create(name, &config)?;
-        let host = transport.segment().open_arena(ArenaKind::Host, 0)?;
+        let host = match shared_arena {
+            Some(arena) => arena,
+            None => transport.segment().open_arena(ArenaKind::Host, 0)?,
+        };
         let (table, restored) = if labels.persistent {
             transport.keep_host_tier_on_drop();
             let (table, kept) = KeyTable::open(&host, &layout, transport.host_tier_kept(0))?;

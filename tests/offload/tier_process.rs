@@ -1,17 +1,24 @@
 //! A shared tier with real processes: `kvshm tier-owner`, and clients that are this test binary
 //! run again as `client_process` (commands on stdin, one answer line each on stdout). A block
-//! one client stored is a hit for another; a client SIGKILLed mid-store has its pins and pending
-//! stores released while the other keeps its blocks; an owner SIGKILLed leaves its clients
-//! answering misses until a new owner comes, and they attach to it.
+//! one client stored is a hit for another, its bytes read from the tier's arena as the first
+//! client wrote them; a client SIGKILLed mid-store has its pins and pending stores released while
+//! the other keeps its blocks; an owner SIGKILLed leaves its clients answering misses until a new
+//! owner comes, which takes over the arenas, refuses stores for its grace, and serves them.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvshm::offload::shared::open_rank_arena;
 use kvshm::offload::{
     CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient, TierIdentity,
 };
+use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::name::SegmentName;
+
+/// Bytes of one block of the tests' tiers, and chunks of each.
+const BLOCK_BYTES: u64 = 4096;
+const CHUNKS: u32 = 8;
 
 const CLIENT_ENV: &str = "KVSHM_TEST_TIER_CLIENT";
 
@@ -36,34 +43,41 @@ fn keys(list: &str) -> Vec<OffloadKey> {
 
 /// The owner process, once it said it serves.
 struct Owner {
+    name: String,
     child: Child,
     stdout: BufReader<ChildStdout>,
+    /// Its first line.
+    ready: String,
 }
 
 impl Owner {
-    fn start(name: &str, chunks: u32) -> Owner {
+    fn start(name: &str, options: &[&str]) -> Owner {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvshm"))
-            .args(["tier-owner", "--name", name, "--model", "m", "--block-bytes", "4096"])
-            .args(["--chunks", &chunks.to_string(), "--clients", "4"])
+            .args(["tier-owner", "--name", name, "--model", "m"])
+            .args(["--block-bytes", &BLOCK_BYTES.to_string()])
+            .args(["--chunks", &CHUNKS.to_string(), "--clients", "4"])
+            .args(options)
             .stdout(Stdio::piped())
             .spawn()
             .expect("kvshm runs");
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert!(line.contains(&format!("\"tier\":\"{name}\"")), "owner said {line:?}");
-        Owner { child, stdout }
+        let mut ready = String::new();
+        stdout.read_line(&mut ready).unwrap();
+        assert!(ready.contains(&format!("\"tier\":\"{name}\"")), "owner said {ready:?}");
+        Owner { name: name.to_owned(), child, stdout, ready }
     }
 }
 
 impl Drop for Owner {
-    /// SIGTERM: the owner removes its control object as it exits.
+    /// SIGTERM: the owner removes its control object as it exits; the test removes the arena
+    /// the owner leaves for the next one.
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
             let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
             let _ = self.child.wait();
         }
+        let _ = Arena::unlink(&SegmentName::new(&self.name).unwrap(), ArenaKind::Host, 0);
     }
 }
 
@@ -114,8 +128,11 @@ impl Drop for Client {
     }
 }
 
-/// The client process: `acquire R KEYS` (hits), `prepare R KEYS` (keys to store, or
-/// `refused`), `complete KEYS`, `release KEYS`, `finish R`, `connected`.
+/// The client process: `acquire R KEYS` (hits), `prepare R KEYS` (keys to store),
+/// `complete KEYS`, `release KEYS`, `finish R`, `connected`; and with the bytes, as an engine
+/// copies them: `store R KEYS BYTE` (prepare, fill each chunk given with BYTE in the tier's
+/// arena, complete; how many were stored), `load R KEYS` (acquire, read each chunk found,
+/// release; the byte each chunk holds, or `torn` for one that is not all one byte).
 #[test]
 #[ignore = "a client process that the other tests of this file start"]
 fn client_process() {
@@ -124,8 +141,10 @@ fn client_process() {
         answer_deadline: Duration::from_secs(2),
         reattach_interval: Duration::from_millis(50),
     };
-    let mut client =
-        TierClient::new(SegmentName::new(&name).unwrap(), identity(4096), options).unwrap();
+    let name = SegmentName::new(&name).unwrap();
+    let mut client = TierClient::new(name.clone(), identity(BLOCK_BYTES), options).unwrap();
+    let arena = open_rank_arena(&name, 0, u64::from(CHUNKS), BLOCK_BYTES).unwrap();
+    let block = BLOCK_BYTES as usize;
     let mut answers = Vec::new();
     for line in std::io::stdin().lines() {
         let line = line.unwrap();
@@ -152,6 +171,48 @@ fn client_process() {
                     other => panic!("{other:?}"),
                 }
             }
+            ["store", request, list, byte] => {
+                let (keys, byte) = (keys(list), byte.parse::<u8>().unwrap());
+                client
+                    .call(&[TierCall::PrepareStore { request, keys: &keys }], &mut answers)
+                    .unwrap();
+                let CallAnswer::Store { to_store, chunks } = answers[0].clone() else {
+                    panic!("{:?}", answers[0])
+                };
+                for &chunk in &chunks {
+                    arena.write_data(chunk as usize * block, &vec![byte; block]).unwrap();
+                }
+                let stored: Vec<OffloadKey> =
+                    to_store.iter().map(|&index| keys[index as usize]).collect();
+                let complete = TierCall::CompleteStore { keys: &stored, success: true };
+                client.call(&[complete], &mut answers).unwrap();
+                stored.len().to_string()
+            }
+            ["load", request, list] => {
+                let keys = keys(list);
+                client
+                    .call(&[TierCall::AcquirePrefix { request, keys: &keys }], &mut answers)
+                    .unwrap();
+                let CallAnswer::Prefix { chunks } = answers[0].clone() else {
+                    panic!("{:?}", answers[0])
+                };
+                let mut bytes = vec![0; block];
+                let read: Vec<String> = chunks
+                    .iter()
+                    .map(|&chunk| {
+                        arena.read_data(chunk as usize * block, &mut bytes).unwrap();
+                        let first = bytes[0];
+                        if bytes.iter().all(|&b| b == first) {
+                            first.to_string()
+                        } else {
+                            "torn".to_owned()
+                        }
+                    })
+                    .collect();
+                let loaded = &keys[..chunks.len()];
+                client.call(&[TierCall::ReleaseLoads { keys: loaded }], &mut answers).unwrap();
+                read.join(",")
+            }
             ["complete", list] => {
                 let keys = keys(list);
                 client
@@ -177,20 +238,18 @@ fn client_process() {
 #[test]
 fn a_block_one_client_stored_is_a_hit_for_the_other_and_a_killed_clients_pins_are_released() {
     let name = tier_name("kill-client");
-    let mut owner = Owner::start(&name, 8);
+    let mut owner = Owner::start(&name, &[]);
     let mut doomed = Client::start(&name);
     let mut survivor = Client::start(&name);
     assert_eq!(doomed.ask("connected"), "true");
     assert_eq!(survivor.ask("connected"), "true");
 
-    // The doomed client stores 1,2,3; they are hits for the survivor.
-    assert_eq!(doomed.ask("prepare a1 1,2,3"), "3");
-    doomed.ask("complete 1,2,3");
+    // The doomed client stores 1,2,3; they are hits for the survivor, which reads the bytes
+    // the doomed client wrote into the tier's arena.
+    assert_eq!(doomed.ask("store a1 1,2,3 11"), "3");
     doomed.ask("finish a1");
-    assert_eq!(survivor.ask("acquire b1 1,2,3,4"), "3");
-    survivor.ask("release 1,2,3");
-    assert_eq!(survivor.ask("prepare b1 20,21"), "2");
-    survivor.ask("complete 20,21");
+    assert_eq!(survivor.ask("load b1 1,2,3,4"), "11,11,11");
+    assert_eq!(survivor.ask("store b1 20,21 22"), "2");
     survivor.ask("finish b1");
 
     // The doomed client loads 1,2,3 (pinned) and is killed while storing 5,6.
@@ -209,10 +268,8 @@ fn a_block_one_client_stored_is_a_hit_for_the_other_and_a_killed_clients_pins_ar
 
     // The survivor keeps serving: its blocks and the killed client's stored ones are intact,
     // the partial stores are gone, and the killed client's pins no longer hold its chunks.
-    assert_eq!(survivor.ask("acquire b3 20,21"), "2");
-    survivor.ask("release 20,21");
-    assert_eq!(survivor.ask("acquire b3 1,2,3"), "3");
-    survivor.ask("release 1,2,3");
+    assert_eq!(survivor.ask("load b3 20,21"), "22,22");
+    assert_eq!(survivor.ask("load b3 1,2,3"), "11,11,11");
     survivor.ask("finish b3");
     assert_eq!(survivor.ask("prepare b4 5,6"), "2", "the partial stores were dropped");
     survivor.ask("complete 5,6");
@@ -227,13 +284,12 @@ fn a_block_one_client_stored_is_a_hit_for_the_other_and_a_killed_clients_pins_ar
 #[test]
 fn clients_answer_misses_while_the_owner_is_gone_and_attach_to_the_next_one() {
     let name = tier_name("kill-owner");
-    let mut owner = Owner::start(&name, 8);
+    let mut owner = Owner::start(&name, &[]);
+    assert!(owner.ready.contains("\"arenas_taken_over\":false"), "{}", owner.ready);
     let mut first = Client::start(&name);
     let mut second = Client::start(&name);
-    assert_eq!(first.ask("prepare a 1,2"), "2");
-    first.ask("complete 1,2");
-    assert_eq!(second.ask("acquire b 1,2"), "2");
-    second.ask("release 1,2");
+    assert_eq!(first.ask("store a 1,2 5"), "2");
+    assert_eq!(second.ask("load b 1,2"), "5,5");
 
     owner.child.kill().unwrap(); // SIGKILL
     owner.child.wait().unwrap();
@@ -241,25 +297,36 @@ fn clients_answer_misses_while_the_owner_is_gone_and_attach_to_the_next_one() {
     assert_eq!(second.ask("connected"), "false");
     assert_eq!(first.ask("prepare a 3"), "0", "no store while the owner is gone");
 
-    let _next = Owner::start(&name, 8);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // The next owner takes over the arena the clients map (its bytes kept, none of its keys
+    // known) and hands out no chunk for a store during its grace: the dead owner's clients may
+    // still be writing the chunks it gave them.
+    let grace = Duration::from_millis(1500);
+    let next = Owner::start(&name, &["--takeover-grace-ms", &grace.as_millis().to_string()]);
+    let served_at = Instant::now();
+    assert!(next.ready.contains("\"arenas_taken_over\":true"), "{}", next.ready);
+    let deadline = Instant::now() + Duration::from_secs(15);
     // The clients attach again at their next call after the reattach interval.
-    while first.ask("prepare a 7") != "1" {
-        assert!(Instant::now() < deadline, "the first client never attached to the new owner");
+    while first.ask("store a 7 9") != "1" {
+        assert!(Instant::now() < deadline, "the first client never stored through the new owner");
         std::thread::sleep(Duration::from_millis(20));
     }
-    first.ask("complete 7");
-    while second.ask("acquire b 7") != "1" {
-        assert!(Instant::now() < deadline, "the second client never attached to the new owner");
+    assert!(
+        served_at.elapsed() >= grace - Duration::from_millis(100),
+        "a store was served {:?} after the takeover, inside the grace of {grace:?}",
+        served_at.elapsed()
+    );
+    assert_eq!(first.ask("connected"), "true");
+    while second.ask("load b 7") != "9" {
+        assert!(Instant::now() < deadline, "the second client never loaded from the new owner");
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert_eq!(second.ask("connected"), "true");
+    assert_eq!(second.ask("load b 1,2"), "", "the new owner knows none of the old keys");
 }
 
 #[test]
 fn a_client_of_other_blocks_is_refused_with_the_field_that_differs() {
     let name = tier_name("mismatch");
-    let _owner = Owner::start(&name, 8);
+    let _owner = Owner::start(&name, &[]);
     let refused =
         TierClient::new(SegmentName::new(&name).unwrap(), identity(8192), ClientOptions::default())
             .unwrap_err();

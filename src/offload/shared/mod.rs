@@ -26,6 +26,7 @@
 //! stay in the tier, charged to no one. [`TierOwner`] (`owner.rs`) is the owner process's side:
 //! the index and a handle on each client's process, releasing the clients that died.
 
+mod arenas;
 mod client;
 mod identity;
 mod invariants;
@@ -36,6 +37,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
+pub use arenas::{open_rank_arena, TierArenaError, TierArenas};
 pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use identity::TierIdentity;
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};

@@ -87,6 +87,8 @@ pub struct TierServer {
     fenced: Vec<(u32, OwnerWord, ProcessIdentity)>,
     stats: ServeStats,
     last_reap: Instant,
+    /// Until then every store is refused (a previous owner's clients may still write chunks).
+    stores_refused_until: Option<Instant>,
     // Scratch, reused between turns.
     requests: Vec<TierRequest>,
     answers: Vec<TierAnswer>,
@@ -125,6 +127,7 @@ impl TierServer {
             owner: TierOwner::new(index),
             stats: ServeStats::default(),
             last_reap: Instant::now(),
+            stores_refused_until: None,
             requests: Vec::new(),
             answers: Vec::new(),
             wire_keys: Vec::new(),
@@ -140,6 +143,18 @@ impl TierServer {
 
     pub fn stats(&self) -> ServeStats {
         self.stats
+    }
+
+    /// Refuses every store until `until`: the tier took over arenas whose previous owner's
+    /// clients may still be copying into chunks they were handed (`arenas.rs`), and no chunk is
+    /// handed to another store meanwhile.
+    pub fn refuse_stores_until(&mut self, until: Instant) {
+        self.stores_refused_until = Some(until);
+    }
+
+    /// Clients served now.
+    pub fn clients_attached(&self) -> usize {
+        self.served.iter().flatten().count()
     }
 
     /// The clients let go since the last call.
@@ -371,6 +386,11 @@ impl TierServer {
                     self.entries.extend_from_slice(&self.chunks);
                     Some(TierAnswer::new(request.call, op, AnswerStatus::Done))
                 })
+            }
+            TierOp::PrepareStore
+                if self.stores_refused_until.is_some_and(|until| Instant::now() < until) =>
+            {
+                Ok(Some(TierAnswer::new(request.call, op, AnswerStatus::Refused)))
             }
             TierOp::PrepareStore => {
                 index.prepare_store(client, name, &self.keys, &mut self.prepared).map(|stored| {

@@ -33,6 +33,7 @@ use kvshm::offload::{
 };
 use kvshm::percentiles::Percentiles;
 use kvshm::trace::read_trace;
+use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::name::SegmentName;
 
 #[derive(Debug, clap::Args)]
@@ -93,8 +94,8 @@ pub struct Report {
     pub rings_p50_ratio: Option<f64>,
 }
 
-/// The owner process, stopped with SIGTERM when dropped.
-struct OwnerProcess(Child);
+/// The owner process, stopped with SIGTERM when dropped (and the arena it leaves removed).
+struct OwnerProcess(Child, String);
 
 impl OwnerProcess {
     fn start(name: &str, chunks: u32, block_tokens: u32, instances: u32) -> anyhow::Result<Self> {
@@ -108,7 +109,7 @@ impl OwnerProcess {
         let mut ready = String::new();
         BufReader::new(child.stdout.as_mut().expect("piped")).read_line(&mut ready)?;
         anyhow::ensure!(ready.contains("\"tier\""), "the tier's owner did not start: {ready:?}");
-        Ok(OwnerProcess(child))
+        Ok(OwnerProcess(child, name.to_owned()))
     }
 }
 
@@ -117,6 +118,9 @@ impl Drop for OwnerProcess {
         let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
         let _ = self.0.wait();
+        if let Ok(name) = SegmentName::new(&self.1) {
+            let _ = Arena::unlink(&name, ArenaKind::Host, 0);
+        }
     }
 }
 
