@@ -120,8 +120,14 @@ def revisits(prompts: list[list[int]], rounds: int) -> list[list[int]]:
     return [prompt for _ in range(rounds) for prompt in prompts]
 
 
-def kv_transfer_config(segment: str | None, chunks: int) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config`` for kvshm's host tier of ``chunks`` blocks."""
+def kv_transfer_config(
+    segment: str | None,
+    chunks: int,
+    shared_tier: str | None = None,
+    idle_exit_s: int | None = None,
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for kvshm's host tier of ``chunks`` blocks (the shared
+    tier ``shared_tier`` when given, whose owner exits after ``idle_exit_s`` unused)."""
     extra: dict[str, Any] = {
         "spec_name": "KvshmOffloadingSpec",
         "spec_module_path": "kvshm.vllm",
@@ -129,6 +135,10 @@ def kv_transfer_config(segment: str | None, chunks: int) -> dict[str, Any]:
     }
     if segment is not None:
         extra["segment_name"] = segment
+    if shared_tier is not None:
+        extra["shared_tier"] = shared_tier
+    if idle_exit_s is not None:
+        extra["shared_tier_idle_exit_s"] = idle_exit_s
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -164,7 +174,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.kvshm:
         options["kv_transfer_config"] = kv_transfer_config(
-            args.kvshm_segment, args.chunks
+            args.kvshm_segment, args.chunks, args.kvshm_shared_tier, args.kvshm_idle_exit_s
         )
     llm = LLM(
         args.model,
@@ -193,6 +203,8 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
                 "cached_tokens": output[0].num_cached_tokens,
             }
         )
+        if args.progress:
+            print(f"served {len(requests)}", flush=True)
     result: dict[str, Any] = {
         "requests": requests,
         "prompt_tokens": sum(len(prompt) for prompt in workload),
@@ -397,11 +409,22 @@ def main() -> None:
     offline.add_argument("--max-tokens", type=int, default=8)
     offline.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     offline.add_argument(
+        "--kvshm-shared-tier", help="share the host tier of this name (implies --kvshm)"
+    )
+    offline.add_argument(
+        "--kvshm-idle-exit-s", type=int, help="the shared tier's owner exits this long unused"
+    )
+    offline.add_argument(
+        "--progress", action="store_true", help='print "served N" after each request'
+    )
+    offline.add_argument(
         "--hold",
         action="store_true",
         help="after writing --out, wait with the engine up",
     )
     args = parser.parse_args()
+    if getattr(args, "kvshm_shared_tier", None):
+        args.kvshm = True
     if args.command == "model":
         print(make_model(args.directory, args.size))
     else:

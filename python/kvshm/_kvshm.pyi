@@ -332,10 +332,14 @@ class HostTier:
         block_tokens: int = 1,
         layers: int = 1,
         persistent: bool = False,
+        shared_tier: str | None = None,
+        shared_rank: int = 0,
     ) -> None:
         """With ``tensors`` (2-D, one row per block) copies run in process; without, a
         ``kvshm worker --backend cuda`` process copies after ``publish_device_handles``.
-        ``block_tokens`` and ``layers`` are the engine's, for ``kvctl stat``."""
+        ``block_tokens`` and ``layers`` are the engine's, for ``kvctl stat``. With
+        ``shared_tier``, the chunks are rank ``shared_rank``'s arena of that shared tier (in
+        process copies only)."""
 
     @property
     def name(self) -> str: ...
@@ -407,6 +411,60 @@ class VllmManagerCore(OffloadManager):
     def take_events(self) -> list[Any]: ...
     def reset_cache(self) -> None: ...
 
+class VllmSharedTierCore:
+    """vLLM's ``OffloadingManager`` methods over a host tier several engines share, as a client
+    of its owner (``kvshm.vllm`` subclasses it). A key a lookup finds stays pinned for the
+    request until its load ends or the request finishes."""
+
+    def __new__(
+        cls,
+        tier: str,
+        *,
+        model: str,
+        kv_dtype: str,
+        block_tokens: int,
+        block_bytes: int,
+        blocks_per_chunk: int,
+        layout: str,
+        vllm_types: tuple[Any, ...],
+        answer_deadline_s: float = 1.0,
+    ) -> Self: ...
+    @property
+    def connected(self) -> bool:
+        """Whether the tier's owner serves this engine now."""
+    @property
+    def last_error(self) -> str | None: ...
+    def lookup(self, key: bytes, req_context: Any) -> Any: ...
+    def on_new_request(self, req_context: Any) -> Any: ...
+    def prepare_load(self, keys: Iterable[bytes], req_context: Any) -> Any: ...
+    def touch(self, keys: Iterable[bytes], req_context: Any) -> None: ...
+    def complete_load(self, keys: Iterable[bytes], req_context: Any) -> None: ...
+    def prepare_store(self, keys: Iterable[bytes], req_context: Any) -> Any: ...
+    def complete_store(
+        self, keys: Iterable[bytes], req_context: Any, success: bool = True
+    ) -> None: ...
+    def on_request_finished(self, req_context: Any) -> None: ...
+    def take_events(self) -> list[Any]: ...
+    def reset_cache(self) -> None: ...
+    def stats(self) -> dict[str, int]:
+        """This engine's counters: lookups, lookup_hits, owner_calls, keys_loaded,
+        keys_stored, stores_refused, stores_failed, connected (0 or 1)."""
+
+def shared_tier_name(
+    *,
+    model: str,
+    kv_dtype: str,
+    block_tokens: int,
+    block_bytes: int,
+    blocks_per_chunk: int,
+    layout: str,
+) -> str:
+    """The name of the shared tier of blocks of this identity."""
+
+def shared_tier_owner(name: str) -> int | None:
+    """The pid of the live owner of shared tier ``name``, or ``None``."""
+
+def run_tier_owner(argv: list[str]) -> int: ...
 def read_tier_keys(
     name: str, chunks: int, blocks_per_chunk: int
 ) -> list[tuple[int, bytes, int, int | None]]:

@@ -26,6 +26,13 @@ engine of the same model and layout starts with them; for CPU and CUDA tensors a
 ``spawn_workers`` (default true: start the copy workers; false: start
 ``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda`` yourself; a wait for
 copies that no worker answers is logged as a warning every 30 s).
+
+``shared_tier`` (a name, or ``true`` for the name derived from the model and block layout): the
+engine's host tier is one several engines on this machine share (:mod:`kvshm.shared_tier`): a
+block one engine stored is a hit for every other of the same model and layout. The first engine
+starts the tier's owner process, sized by its ``cpu_bytes_to_use``; it exits once no engine has
+used the tier for ``shared_tier_idle_exit_s`` (default 600) seconds. Copies run in the engine's
+own process (CPU tensors) in this release; warm restart is not offered for a shared tier.
 """
 
 from __future__ import annotations
@@ -68,10 +75,12 @@ from kvshm._kvshm import (
     SegmentError,
     U32Array,
     VllmManagerCore,
+    VllmSharedTierCore,
     read_tier_keys,
 )
 from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport, logger
 from kvshm.cuda_tier import CudaHostTier
+from kvshm.shared_tier import TierIdentity, ensure_tier_owner, wait_for_tier_owner
 
 if TYPE_CHECKING:
     from kvshm._kvshm import EvictionOrder
@@ -160,6 +169,46 @@ class KvshmOffloadingManager(VllmManagerCore, OffloadingManager):
         return
 
 
+class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
+    """vLLM's ``OffloadingManager`` over a host tier several engines share: a client of the
+    tier's owner (``VllmSharedTierCore``, in Rust). ``get_stats`` reports this engine's
+    lookups, loads and stores through the tier."""
+
+    def __new__(cls, tier: str, identity: TierIdentity) -> KvshmSharedOffloadingManager:
+        return super().__new__(
+            cls,
+            tier,
+            model=identity.model,
+            kv_dtype=identity.kv_dtype,
+            block_tokens=identity.block_tokens,
+            block_bytes=identity.block_bytes,
+            blocks_per_chunk=identity.blocks_per_chunk,
+            layout=identity.layout,
+            vllm_types=_vllm_types(),
+        )
+
+    def __init__(self, tier: str, identity: TierIdentity) -> None:
+        OffloadingManager.__init__(self)
+        self.tier = tier
+        self._previous: dict[str, int] = {}
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = OffloadingConnectorStats()
+        now = self.stats()
+        for name, field, _ in ACTIVITY_COUNTERS:
+            increase = now.get(field, 0) - self._previous.get(field, 0)
+            if increase > 0:
+                stats.increase_counter(name, increase)
+        self._previous = now
+        return stats
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def shutdown(self) -> None:
+        return
+
+
 def _vllm_types() -> tuple[Any, ...]:
     """vLLM's types that the Rust core returns."""
     return (
@@ -193,6 +242,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
         block_tokens: int = 1,
         layers: int = 1,
         persistent: bool = False,
+        shared_tier: str | None = None,
+        shared_rank: int = 0,
     ) -> None:
         super().__init__()
         tensors = [entry.tensor for entry in kv_caches.tensors]
@@ -207,6 +258,11 @@ class KvshmOffloadingWorker(OffloadingWorker):
         groups = [[ref.tensor_idx for ref in refs] for refs in kv_caches.group_data_refs]
         self._tensors = tensors
         self._gpu: CudaHostTier | None = None
+        if tensors[0].is_cuda and shared_tier is not None:
+            raise ConfigError(
+                "shared_tier: a shared host tier is copied by the engine's own process (CPU "
+                "tensors) in this release; leave shared_tier out for GPU tensors"
+            )
         if tensors[0].is_cuda:
             self._gpu = CudaHostTier(
                 tensors,
@@ -237,6 +293,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
             block_tokens=block_tokens,
             layers=layers,
             persistent=persistent,
+            shared_tier=shared_tier,
+            shared_rank=shared_rank,
         )
         if self._tier.restored:
             logger.info("kvshm: %s found its host tier of an earlier start", segment)
@@ -341,6 +399,26 @@ def _segment_prefix(config: OffloadingConfig) -> str:
     return f"kvshm-vllm-{model[:24]}-{digest}"
 
 
+def _shared_identity(config: OffloadingConfig) -> TierIdentity:
+    """What makes this engine's blocks interchangeable with another's: the model, its KV dtype,
+    the block layout and the parallel layout; never the engine id or the data-parallel index,
+    which differ between the engines that share."""
+    parallel = config.parallel
+    layout = (
+        tuple((group.tokens_per_block, tuple(group.layer_names)) for group in config.groups),
+        (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size),
+        parallel.dcp_size,
+    )
+    return TierIdentity(
+        model=str(config.model.name),
+        kv_dtype=str(config.model.dtype),
+        block_tokens=int(config.groups[0].tokens_per_block),
+        block_bytes=int(config.worker_kv_bytes_per_block),
+        blocks_per_chunk=int(config.cache.blocks_per_chunk),
+        layout=repr(layout),
+    )
+
+
 def _restore(
     manager: KvshmOffloadingManager, segments: list[str], chunks: int, blocks_per_chunk: int
 ) -> int:
@@ -389,7 +467,20 @@ class KvshmOffloadingSpec(OffloadingSpec):
         self.segment_prefix = _segment_prefix(config)
         self.spawn_workers = bool(extra.get("spawn_workers", True))
         self.warm_restart = bool(extra.get("warm_restart", True))
+        shared = extra.get("shared_tier")
+        self.shared_identity = _shared_identity(config) if shared else None
+        self.shared_tier: str | None = None
+        self.shared_idle_exit_s = int(extra.get("shared_tier_idle_exit_s", 600))
+        if self.shared_identity is not None:
+            named = shared if isinstance(shared, str) else None
+            self.shared_tier = named or self.shared_identity.tier_name()
+            # The engine's own segment (its copy counters) is this engine's alone.
+            self.warm_restart = False
+            if not extra.get("segment_name"):
+                engine = hashlib.sha256(str(config.engine_id).encode()).hexdigest()[:8]
+                self.segment_prefix = f"{self.segment_prefix}-{engine}"
         self._manager: KvshmOffloadingManager | None = None
+        self._shared_manager: KvshmSharedOffloadingManager | None = None
         self._worker: KvshmOffloadingWorker | None = None
 
     def segment(self, rank: int) -> str:
@@ -397,6 +488,17 @@ class KvshmOffloadingSpec(OffloadingSpec):
         return f"{self.segment_prefix}-r{rank}"
 
     def get_manager(self) -> OffloadingManager:
+        if self.shared_tier is not None and self.shared_identity is not None:
+            if self._shared_manager is None:
+                self._shared_manager = KvshmSharedOffloadingManager(
+                    self.shared_tier, self.shared_identity
+                )
+                logger.info(
+                    "kvshm: sharing host tier %s (%s)",
+                    self.shared_tier,
+                    "attached" if self._shared_manager.connected else "its owner not up yet",
+                )
+            return self._shared_manager
         if self._manager is None:
             manager = KvshmOffloadingManager(
                 self.num_chunks,
@@ -421,7 +523,10 @@ class KvshmOffloadingSpec(OffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             layers = {name for group in self.config.groups for name in group.layer_names}
-            segment = self.segment(self.config.parallel.rank)
+            rank = int(self.config.parallel.rank)
+            segment = self.segment(rank)
+            if self.shared_tier is not None:
+                self._start_shared_tier(kv_caches, rank)
             try:
                 self._worker = KvshmOffloadingWorker(
                     kv_caches,
@@ -432,6 +537,8 @@ class KvshmOffloadingSpec(OffloadingSpec):
                     block_tokens=int(self.tokens_per_block[0]),
                     layers=len(layers),
                     persistent=self.warm_restart,
+                    shared_tier=self.shared_tier,
+                    shared_rank=rank,
                 )
             except SegmentError as error:
                 raise SegmentError(
@@ -439,3 +546,21 @@ class KvshmOffloadingSpec(OffloadingSpec):
                     "one machine share a segment name: give each its own segment_name)"
                 ) from error
         return self._worker
+
+    def _start_shared_tier(self, kv_caches: CanonicalKVCaches, rank: int) -> None:
+        """Rank 0 starts the shared tier's owner if none serves it (its arenas sized for this
+        engine: ``num_chunks`` chunks of every KV tensor's page); the other ranks wait for it."""
+        assert self.shared_tier is not None
+        assert self.shared_identity is not None
+        if rank != 0:
+            wait_for_tier_owner(self.shared_tier, timeout_s=120.0)
+            return
+        page_bytes = sum(int(entry.page_size_bytes) for entry in kv_caches.tensors)
+        ensure_tier_owner(
+            self.shared_tier,
+            self.shared_identity,
+            chunks=self.num_chunks,
+            ranks=max(int(self.config.parallel.world_size), 1),
+            arena_block_bytes=page_bytes,
+            idle_exit_s=self.shared_idle_exit_s,
+        )

@@ -1,6 +1,7 @@
 //! The command-line tools inside the extension, so that the wheel needs no separate binaries:
-//! `python -m kvshm worker ...` runs the copy worker of one rank in this process, and
-//! `python -m kvshm kvctl ...` the operator tool. Both parse their arguments with the same
+//! `python -m kvshm worker ...` runs the copy worker of one rank in this process,
+//! `python -m kvshm tier-owner ...` the owner of a shared host tier, and `python -m kvshm kvctl
+//! ...` the operator tool. Both parse their arguments with the same
 //! definitions as the `kvshm` and `kvctl` binaries.
 
 use std::io::Write;
@@ -37,6 +38,35 @@ pub fn run_worker(py: Python<'_>, argv: Vec<String>) -> i32 {
         Ok(()) => 0,
         Err(error) => {
             eprintln!("kvshm worker: {error:#}");
+            1
+        }
+    }
+}
+
+/// `kvshm tier-owner`'s arguments, as the binary parses them.
+#[derive(Debug, Parser)]
+#[command(
+    name = "python -m kvshm tier-owner",
+    bin_name = "python -m kvshm tier-owner",
+    about = "Run the owner of a host tier several engines share"
+)]
+struct TierOwnerCli {
+    #[command(flatten)]
+    args: kvshm::cli::tier_owner::Args,
+}
+
+/// Runs a shared tier's owner until it stops (GIL released); returns the process exit status.
+#[pyfunction]
+pub fn run_tier_owner(py: Python<'_>, argv: Vec<String>) -> i32 {
+    let cli =
+        match TierOwnerCli::try_parse_from(std::iter::once("tier-owner".to_owned()).chain(argv)) {
+            Ok(cli) => cli,
+            Err(error) => return clap_exit(error),
+        };
+    match py.detach(|| kvshm::cli::tier_owner::run(cli.args)) {
+        Ok(()) => 0,
+        Err(error) => {
+            eprintln!("kvshm tier-owner: {error:#}");
             1
         }
     }

@@ -55,7 +55,10 @@ fn tier_error(error: HostTierError) -> PyErr {
             DeviceHandleError::new_err(message)
         }
         HostTierError::Transport(error) => error.to_py(),
-        HostTierError::Arena(_) => SegmentError::new_err(message),
+        HostTierError::Arena(_) | HostTierError::SharedArena(_) => SegmentError::new_err(message),
+        HostTierError::SharedTierNeedsInProcess | HostTierError::SharedTierPersistent => {
+            ConfigError::new_err(message)
+        }
     }
 }
 
@@ -67,10 +70,13 @@ impl HostTier {
     #[new]
     /// `block_tokens` and `layers` (the engine's tokens per block and model layers) go into the
     /// segment header for tools. A `persistent` tier keeps its chunks and their keys when it
-    /// closes or its process dies, for the next tier of its name and shape (`restored`).
+    /// closes or its process dies, for the next tier of its name and shape (`restored`). With
+    /// `shared_tier`, the chunks are rank `shared_rank`'s arena of that shared tier (made by its
+    /// owner, `python -m kvshm tier-owner`), copied in process: `tensors` are required.
     #[pyo3(signature = (
         name, *, page_bytes, device_blocks, chunks, blocks_per_chunk, groups, tensors=None,
-        tensor_count=None, block_tokens=1, layers=1, persistent=false
+        tensor_count=None, block_tokens=1, layers=1, persistent=false, shared_tier=None,
+        shared_rank=0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -86,8 +92,11 @@ impl HostTier {
         block_tokens: u32,
         layers: u32,
         persistent: bool,
+        shared_tier: Option<&str>,
+        shared_rank: u32,
     ) -> PyResult<HostTier> {
         let name = segment_name(name)?;
+        let shared_tier = shared_tier.map(segment_name).transpose()?;
         let buffers = tensors
             .unwrap_or_default()
             .iter()
@@ -125,7 +134,18 @@ impl HostTier {
         };
         let options = TierOptions { block_tokens, layers, persistent };
         let tier = py
-            .detach(|| RustHostTier::create_with(&name, layout, engine, options))
+            .detach(|| match (shared_tier, engine) {
+                (Some(tier), TierEngine::InProcess(memory)) => RustHostTier::create_on_shared_tier(
+                    &name,
+                    layout,
+                    memory,
+                    options,
+                    &tier,
+                    shared_rank,
+                ),
+                (Some(_), TierEngine::Workers(_)) => Err(HostTierError::SharedTierNeedsInProcess),
+                (None, engine) => RustHostTier::create_with(&name, layout, engine, options),
+            })
             .map_err(tier_error)?;
         Ok(HostTier { inner: Mutex::new(Some(tier)), tensors: Mutex::new(buffers) })
     }

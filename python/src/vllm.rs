@@ -22,19 +22,48 @@ use crate::offload::{key_of, keys_into, lookup_code, OffloadManager};
 use crate::service::segment_name;
 
 /// vLLM's classes and values the core returns, handed over by the Python side.
-struct VllmTypes {
+pub(crate) struct VllmTypes {
     /// `LookupResult.MISS`, `.HIT`, `.HIT_PENDING`, indexed by [`lookup_code`].
-    lookup: [Py<PyAny>; 3],
-    prepare_store_output: Py<PyAny>,
-    load_store_spec: Py<PyAny>,
-    event: Py<PyAny>,
-    medium: Py<PyAny>,
-    request_context: Py<PyAny>,
+    pub lookup: [Py<PyAny>; 3],
+    pub prepare_store_output: Py<PyAny>,
+    pub load_store_spec: Py<PyAny>,
+    pub event: Py<PyAny>,
+    pub medium: Py<PyAny>,
+    pub request_context: Py<PyAny>,
+}
+
+impl VllmTypes {
+    pub fn new(types: VllmTypeTuple) -> VllmTypes {
+        let ((miss, hit, pending), output, spec, event, medium, context) = types;
+        VllmTypes {
+            lookup: [miss, hit, pending],
+            prepare_store_output: output,
+            load_store_spec: spec,
+            event,
+            medium,
+            request_context: context,
+        }
+    }
+
+    /// vLLM's `PrepareStoreOutput(keys_to_store, store_spec, evicted_keys)`.
+    pub fn store_output(
+        &self,
+        py: Python<'_>,
+        to_store: Bound<'_, PyList>,
+        spec: Py<PyAny>,
+        evicted: Bound<'_, PyList>,
+    ) -> PyResult<Py<PyAny>> {
+        let arguments = PyDict::new(py);
+        arguments.set_item(intern!(py, "keys_to_store"), to_store)?;
+        arguments.set_item(intern!(py, "store_spec"), spec)?;
+        arguments.set_item(intern!(py, "evicted_keys"), evicted)?;
+        self.prepare_store_output.call(py, (), Some(&arguments))
+    }
 }
 
 /// `VllmTypes` as Python hands it over: `((MISS, HIT, HIT_PENDING), PrepareStoreOutput, spec
 /// class, OffloadingEvent, Medium.CPU, RequestOffloadingContext)`.
-type VllmTypeTuple =
+pub(crate) type VllmTypeTuple =
     ((Py<PyAny>, Py<PyAny>, Py<PyAny>), Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>);
 
 /// The Rust half of `kvshm.vllm.KvshmOffloadingManager`: an [`OffloadManager`] whose contract
@@ -77,7 +106,9 @@ impl VllmManagerCore {
     }
 }
 
-fn request_id<'py>(context: &Bound<'py, PyAny>) -> PyResult<Bound<'py, pyo3::types::PyString>> {
+pub(crate) fn request_id<'py>(
+    context: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, pyo3::types::PyString>> {
     Ok(context.getattr(intern!(context.py(), "req_id"))?.cast_into::<pyo3::types::PyString>()?)
 }
 
@@ -96,15 +127,7 @@ impl VllmManagerCore {
         tag_bytes: usize,
     ) -> PyResult<PyClassInitializer<Self>> {
         let base = OffloadManager::build(chunks, tag_bytes, eviction, events)?;
-        let ((miss, hit, pending), output, spec, event, medium, context) = vllm_types;
-        let types = VllmTypes {
-            lookup: [miss, hit, pending],
-            prepare_store_output: output,
-            load_store_spec: spec,
-            event,
-            medium,
-            request_context: context,
-        };
+        let types = VllmTypes::new(vllm_types);
         let core = VllmManagerCore { types, published: Vec::new(), key_blocks: 1, key_tokens: 1 };
         Ok(PyClassInitializer::from(base).add_subclass(core))
     }
@@ -233,11 +256,7 @@ impl VllmManagerCore {
             (to_store, chunks, Py::new(py, U32Array::new(parents))?, evicted)
         };
         let spec = slf.types.load_store_spec.call1(py, (chunks, to_store.clone(), parents))?;
-        let arguments = PyDict::new(py);
-        arguments.set_item(intern!(py, "keys_to_store"), to_store)?;
-        arguments.set_item(intern!(py, "store_spec"), spec)?;
-        arguments.set_item(intern!(py, "evicted_keys"), evicted)?;
-        slf.types.prepare_store_output.call(py, (), Some(&arguments))
+        slf.types.store_output(py, to_store, spec, evicted)
     }
 
     #[pyo3(signature = (keys, req_context, success=true))]

@@ -1,0 +1,131 @@
+"""A host tier several engines on one node share (``"shared_tier"`` in :mod:`kvshm.vllm`): its
+identity, and starting its owner process when an engine finds none.
+
+The owner (``python -m kvshm tier-owner``) keeps the tier's index and makes its arenas, one per
+rank; each engine copies its own blocks into and out of them, and asks the owner which chunk
+holds what. The first engine that finds no owner starts one, in a session of its own so that it
+outlives that engine; two engines starting at once start two, and the control object's
+``O_EXCL`` keeps one. The owner exits, removing the tier, once no engine has been attached for
+``idle_exit_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvshm._kvshm import SegmentError, shared_tier_name, shared_tier_owner
+
+#: How long an engine waits for a tier's owner to serve (making a large tier's arenas takes
+#: seconds: their memory is zeroed).
+OWNER_START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class TierIdentity:
+    """What makes two engines' blocks interchangeable (every field must agree to share)."""
+
+    model: str
+    kv_dtype: str
+    block_tokens: int
+    block_bytes: int
+    blocks_per_chunk: int
+    layout: str
+
+    def tier_name(self) -> str:
+        """The tier's name derived from the identity (``kvshm-tier-MODEL-DIGEST``)."""
+        return shared_tier_name(**asdict(self))
+
+    def owner_arguments(self) -> list[str]:
+        """The identity as ``tier-owner``'s arguments."""
+        return [
+            "--model",
+            self.model,
+            "--kv-dtype",
+            self.kv_dtype,
+            "--block-tokens",
+            str(self.block_tokens),
+            "--block-bytes",
+            str(self.block_bytes),
+            "--blocks-per-chunk",
+            str(self.blocks_per_chunk),
+            "--layout",
+            self.layout,
+        ]
+
+
+def owner_log(tier: str) -> Path:
+    """Where a started owner writes its lines (one JSON line per event)."""
+    return Path(tempfile.gettempdir()) / f"kvshm-tier-owner-{tier}.log"
+
+
+def ensure_tier_owner(
+    tier: str,
+    identity: TierIdentity,
+    *,
+    chunks: int,
+    ranks: int,
+    arena_block_bytes: int,
+    idle_exit_s: int,
+    timeout_s: float = OWNER_START_TIMEOUT_S,
+) -> int:
+    """The pid of tier ``tier``'s owner, started if none serves it; it serves once this returns
+    (its arenas made). Raises ``SegmentError`` when it cannot start (its log says why)."""
+    pid = shared_tier_owner(tier)
+    if pid is not None:
+        return pid
+    log = owner_log(tier)
+    command = [
+        sys.executable,
+        "-m",
+        "kvshm",
+        "tier-owner",
+        "--name",
+        tier,
+        *identity.owner_arguments(),
+        "--chunks",
+        str(chunks),
+        "--ranks",
+        str(ranks),
+        "--arena-block-bytes",
+        str(arena_block_bytes),
+        "--idle-exit-s",
+        str(idle_exit_s),
+    ]
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    return wait_for_tier_owner(tier, timeout_s=timeout_s, started=process)
+
+
+def wait_for_tier_owner(
+    tier: str, *, timeout_s: float, started: subprocess.Popen[bytes] | None = None
+) -> int:
+    """The pid of tier ``tier``'s owner once one serves it (the one ``started`` here, or
+    another engine's); ``SegmentError`` past ``timeout_s``, or when ``started`` exited and no
+    owner serves."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid = shared_tier_owner(tier)
+        if pid is not None:
+            return pid
+        if started is not None and started.poll() is not None:
+            # Another engine's owner may have won the name: it serves soon.
+            started = None
+            deadline = min(deadline, time.monotonic() + 10.0)
+            continue
+        if time.monotonic() >= deadline:
+            raise SegmentError(
+                f"no owner serves the shared tier {tier} after {timeout_s:.0f} s "
+                f"(see {owner_log(tier)})"
+            )
+        time.sleep(0.02)

@@ -1,0 +1,423 @@
+//! `VllmSharedTierCore`: vLLM's `OffloadingManager` methods over a host tier several engines
+//! share (DESIGN §12), as a client of the tier's owner ([`kvshm::offload::TierClient`]); and
+//! the functions that find a tier's name and its owner.
+//!
+//! `kvshm.vllm.KvshmSharedOffloadingManager` subclasses it together with vLLM's ABC. A key a
+//! lookup finds is pinned for the request at once (another engine's store could evict it before
+//! vLLM's `prepare_load` otherwise), so one call flows:
+//! 1. `lookup(key)`: a key the request holds pinned is a hit with no call; any other is asked
+//!    with the request's keys that follow it (from the `ReqContext`'s position table), in one
+//!    `AcquirePrefix`: what it finds stays pinned for the request;
+//! 2. `prepare_load(keys)`: their chunks, from the request's pins (the pins now the load's); the
+//!    request's other pins are let go;
+//! 3. `complete_load(keys)`: the load's pins are let go;
+//! 4. `prepare_store` / `complete_store`: as the owner answers (nothing to store while it is
+//!    gone, or in its store grace);
+//! 5. `on_request_finished`: the request's pins left are let go, and it ends at the owner.
+//!
+//! While the owner is gone every lookup misses and nothing is stored: vLLM computes what it would
+//! have loaded, so outputs do not change.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use kvshm::offload::key::BuildPassThrough;
+use kvshm::offload::{
+    CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient, TierIdentity,
+};
+use kvshm_ipc::tier_control::TierControl;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::buffers::U32Array;
+use crate::errors::{ConfigError, OffloadError};
+use crate::offload::{key_of, keys_into, HIT, MISS};
+use crate::service::segment_name;
+use crate::vllm::{request_id, VllmTypeTuple, VllmTypes};
+
+/// The most keys one lookup asks the owner about: the looked-up key and those that follow.
+const LOOKAHEAD_KEYS: usize = 256;
+
+type KeyMap<V> = HashMap<OffloadKey, V, BuildPassThrough>;
+
+/// What this engine did through the tier, for vLLM's metrics.
+#[derive(Clone, Copy, Debug, Default)]
+struct ClientCounters {
+    lookups: u64,
+    lookup_hits: u64,
+    owner_calls: u64,
+    keys_loaded: u64,
+    keys_stored: u64,
+    stores_refused: u64,
+    stores_failed: u64,
+}
+
+fn tier_error(error: SharedTierError) -> PyErr {
+    match error {
+        SharedTierError::Mismatch { .. } => ConfigError::new_err(error.to_string()),
+        other => OffloadError::new_err(other.to_string()),
+    }
+}
+
+/// The Rust half of `kvshm.vllm.KvshmSharedOffloadingManager` (module flow).
+#[pyclass(subclass, module = "kvshm")]
+pub struct VllmSharedTierCore {
+    types: VllmTypes,
+    /// In a mutex only to make the class shareable (Python may hand it to any thread): every
+    /// call holds `&mut self`, so it is never locked, only reached through `get_mut`.
+    client: Mutex<TierClient>,
+    /// Per request, the keys its lookups pinned that no load took yet, with their chunks.
+    pinned: HashMap<String, KeyMap<u32>>,
+    counters: ClientCounters,
+    answers: Vec<CallAnswer>,
+    keys: Vec<OffloadKey>,
+}
+
+impl VllmSharedTierCore {
+    /// One batch to the owner (a miss and no store for each call while it is gone).
+    fn call(&mut self, calls: &[TierCall<'_>]) -> PyResult<()> {
+        self.counters.owner_calls += 1;
+        let client = self.client.get_mut().unwrap_or_else(PoisonError::into_inner);
+        client.call(calls, &mut self.answers).map_err(tier_error)
+    }
+
+    /// Lets go of `keys`' pins (no answer).
+    fn release(&mut self, keys: &[OffloadKey]) -> PyResult<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.call(&[TierCall::ReleaseLoads { keys }])
+    }
+}
+
+#[pymethods]
+impl VllmSharedTierCore {
+    /// A client of tier `tier` for blocks of the identity given; `vllm_types` as
+    /// `VllmManagerCore` takes them. It attaches now if the owner is there, and else at a later
+    /// call (at most once a second).
+    #[new]
+    #[pyo3(signature = (
+        tier, *, model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout,
+        vllm_types, answer_deadline_s=1.0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        tier: &str,
+        model: String,
+        kv_dtype: String,
+        block_tokens: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        layout: String,
+        vllm_types: VllmTypeTuple,
+        answer_deadline_s: f64,
+    ) -> PyResult<Self> {
+        let identity =
+            TierIdentity { model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout };
+        let options = ClientOptions {
+            answer_deadline: Duration::try_from_secs_f64(answer_deadline_s)
+                .map_err(|error| ConfigError::new_err(format!("answer_deadline_s: {error}")))?,
+            ..ClientOptions::default()
+        };
+        let client = TierClient::new(segment_name(tier)?, identity, options).map_err(tier_error)?;
+        Ok(VllmSharedTierCore {
+            types: VllmTypes::new(vllm_types),
+            client: Mutex::new(client),
+            pinned: HashMap::new(),
+            counters: ClientCounters::default(),
+            answers: Vec::new(),
+            keys: Vec::new(),
+        })
+    }
+
+    /// Whether the tier's owner serves this engine now.
+    #[getter]
+    fn connected(&mut self) -> bool {
+        self.client.get_mut().unwrap_or_else(PoisonError::into_inner).is_connected()
+    }
+
+    /// Why the engine is not connected, if it is not.
+    #[getter]
+    fn last_error(&mut self) -> Option<String> {
+        let client = self.client.get_mut().unwrap_or_else(PoisonError::into_inner);
+        client.last_error().map(str::to_owned)
+    }
+
+    /// Module flow, step 1.
+    fn lookup(
+        mut slf: PyRefMut<'_, Self>,
+        key: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let wanted = key_of(key)?;
+        let request = request_id(req_context)?;
+        let request = request.to_str()?;
+        slf.counters.lookups += 1;
+        let held = slf.pinned.get(request).is_some_and(|pins| pins.contains_key(&wanted));
+        let hit = held || {
+            let keys = following_keys(req_context, wanted)?;
+            slf.call(&[TierCall::AcquirePrefix { request, keys: &keys }])?;
+            let chunks = match slf.answers.first() {
+                Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
+                _ => Vec::new(),
+            };
+            let pins = slf.pinned.entry(request.to_owned()).or_default();
+            // A key the request held already keeps one pin: the second goes back.
+            let twice: Vec<OffloadKey> = keys
+                .iter()
+                .zip(&chunks)
+                .filter(|&(key, &chunk)| pins.insert(*key, chunk).is_some())
+                .map(|(key, _)| *key)
+                .collect();
+            slf.release(&twice)?;
+            !chunks.is_empty()
+        };
+        if hit {
+            slf.counters.lookup_hits += 1;
+        }
+        Ok(slf.types.lookup[usize::from(if hit { HIT } else { MISS })].clone_ref(py))
+    }
+
+    fn on_new_request(
+        slf: PyRefMut<'_, Self>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = req_context;
+        slf.types.request_context.call0(slf.py())
+    }
+
+    /// Module flow, step 2. A key the request does not hold is pinned now; one that is gone
+    /// from the tier is an error (vLLM loads only what its lookups found).
+    fn prepare_load(
+        mut slf: PyRefMut<'_, Self>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let request = request_id(req_context)?;
+        let request = request.to_str()?;
+        let mut wanted = std::mem::take(&mut slf.keys);
+        keys_into(keys, &mut wanted)?;
+        let mut pins = slf.pinned.remove(request).unwrap_or_default();
+        let mut chunks: Vec<Option<u32>> = wanted.iter().map(|key| pins.remove(key)).collect();
+        let missing: Vec<OffloadKey> =
+            wanted.iter().zip(&chunks).filter(|(_, c)| c.is_none()).map(|(k, _)| *k).collect();
+        let unused: Vec<OffloadKey> = pins.into_keys().collect();
+        slf.release(&unused)?;
+        if !missing.is_empty() {
+            slf.call(&[TierCall::AcquirePrefix { request, keys: &missing }])?;
+            let found = match slf.answers.first() {
+                Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
+                _ => Vec::new(),
+            };
+            if found.len() < missing.len() {
+                let taken: Vec<OffloadKey> = wanted
+                    .iter()
+                    .zip(&chunks)
+                    .filter(|(_, c)| c.is_some())
+                    .map(|(k, _)| *k)
+                    .chain(missing[..found.len()].iter().copied())
+                    .collect();
+                slf.release(&taken)?;
+                slf.keys = wanted;
+                return Err(OffloadError::new_err(format!(
+                    "{} of the {} keys to load are gone from the shared tier",
+                    missing.len() - found.len(),
+                    chunks.len()
+                )));
+            }
+            let mut found = found.into_iter();
+            for chunk in chunks.iter_mut().filter(|c| c.is_none()) {
+                *chunk = found.next();
+            }
+        }
+        slf.keys = wanted;
+        let chunks: Vec<u32> = chunks.into_iter().flatten().collect();
+        let chunks = Py::new(py, U32Array::new(chunks.as_slice()))?;
+        slf.types.load_store_spec.call1(py, (chunks,))
+    }
+
+    /// The tier's recency is the owner's: a request's keys become the most recent when it
+    /// finishes, so a touch of this engine's own cache changes nothing there.
+    fn touch(&self, keys: &Bound<'_, PyAny>, req_context: &Bound<'_, PyAny>) {
+        let _ = (keys, req_context);
+    }
+
+    /// Module flow, step 3.
+    fn complete_load(
+        mut slf: PyRefMut<'_, Self>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        let mut loaded = std::mem::take(&mut slf.keys);
+        keys_into(keys, &mut loaded)?;
+        slf.counters.keys_loaded += loaded.len() as u64;
+        let released = slf.release(&loaded);
+        slf.keys = loaded;
+        released
+    }
+
+    /// Module flow, step 4.
+    fn prepare_store(
+        mut slf: PyRefMut<'_, Self>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let offered = match keys.cast::<PyList>() {
+            Ok(list) => list.clone(),
+            Err(_) => PyList::new(py, keys.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
+        };
+        let request = request_id(req_context)?;
+        let mut asked = std::mem::take(&mut slf.keys);
+        keys_into(offered.as_any(), &mut asked)?;
+        let called =
+            slf.call(&[TierCall::PrepareStore { request: request.to_str()?, keys: &asked }]);
+        slf.keys = asked;
+        called?;
+        let (indices, chunks) = match slf.answers.first() {
+            Some(CallAnswer::Store { to_store, chunks }) => (to_store.clone(), chunks.clone()),
+            _ => (Vec::new(), Vec::new()),
+        };
+        if indices.is_empty() && !offered.is_empty() {
+            slf.counters.stores_refused += 1;
+        }
+        let to_store = PyList::empty(py);
+        for index in indices {
+            to_store.append(offered.get_item(index as usize)?)?;
+        }
+        let chunks = Py::new(py, U32Array::new(chunks.as_slice()))?;
+        let spec = slf.types.load_store_spec.call1(py, (chunks,))?;
+        slf.types.store_output(py, to_store, spec, PyList::empty(py))
+    }
+
+    #[pyo3(signature = (keys, req_context, success=true))]
+    fn complete_store(
+        mut slf: PyRefMut<'_, Self>,
+        keys: &Bound<'_, PyAny>,
+        req_context: &Bound<'_, PyAny>,
+        success: bool,
+    ) -> PyResult<()> {
+        let _ = req_context;
+        let mut stored = std::mem::take(&mut slf.keys);
+        keys_into(keys, &mut stored)?;
+        if success {
+            slf.counters.keys_stored += stored.len() as u64;
+        } else {
+            slf.counters.stores_failed += stored.len() as u64;
+        }
+        let called = slf.call(&[TierCall::CompleteStore { keys: &stored, success }]);
+        slf.keys = stored;
+        called
+    }
+
+    /// Module flow, step 5.
+    fn on_request_finished(
+        mut slf: PyRefMut<'_, Self>,
+        req_context: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let request = request_id(req_context)?;
+        let request = request.to_str()?;
+        let unused: Vec<OffloadKey> =
+            slf.pinned.remove(request).map(|pins| pins.into_keys().collect()).unwrap_or_default();
+        let release = TierCall::ReleaseLoads { keys: &unused };
+        let finish = TierCall::FinishRequest { request };
+        if unused.is_empty() {
+            slf.call(&[finish])
+        } else {
+            slf.call(&[release, finish])
+        }
+    }
+
+    /// A shared tier reports no KV events: another engine's evictions are not this one's to
+    /// announce.
+    fn take_events<'py>(slf: PyRef<'py, Self>) -> Bound<'py, PyList> {
+        PyList::empty(slf.py())
+    }
+
+    /// The tier is every engine's: resetting this engine's cache leaves it as it is.
+    fn reset_cache(&self) {}
+
+    /// This engine's counters: lookups and their hits (keys), calls to the owner, keys loaded
+    /// and stored, stores refused (no chunk given: the tier full, the owner gone or in its grace)
+    /// and failed, and whether the owner serves it now.
+    fn stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let counters = self.counters;
+        let connected = self.connected();
+        let stats = PyDict::new(py);
+        for (name, value) in [
+            ("lookups", counters.lookups),
+            ("lookup_hits", counters.lookup_hits),
+            ("owner_calls", counters.owner_calls),
+            ("keys_loaded", counters.keys_loaded),
+            ("keys_stored", counters.keys_stored),
+            ("stores_refused", counters.stores_refused),
+            ("stores_failed", counters.stores_failed),
+            ("connected", u64::from(connected)),
+        ] {
+            stats.set_item(name, value)?;
+        }
+        Ok(stats)
+    }
+}
+
+/// `key` and the keys of its request that follow it in its group, in position order (from the
+/// `ReqContext`'s position table; just `key` without one), at most [`LOOKAHEAD_KEYS`].
+fn following_keys(context: &Bound<'_, PyAny>, key: OffloadKey) -> PyResult<Vec<OffloadKey>> {
+    let py = context.py();
+    let Ok(table) = context.getattr(intern!(py, "_offload_key_positions")) else {
+        return Ok(vec![key]);
+    };
+    let Ok(table) = table.cast::<PyDict>() else { return Ok(vec![key]) };
+    let Some(start) = table
+        .get_item(pyo3::types::PyBytes::new(py, key.as_bytes()))?
+        .and_then(|position| position.extract::<u64>().ok())
+    else {
+        return Ok(vec![key]);
+    };
+    // A key's group is its last four bytes (vLLM's keys: block hash, then the group index).
+    let group = |key: &OffloadKey| {
+        let bytes = key.as_bytes();
+        bytes[bytes.len().saturating_sub(4)..].to_vec()
+    };
+    let own_group = group(&key);
+    let mut after: Vec<(u64, OffloadKey)> = Vec::new();
+    for (other, position) in table.iter() {
+        let (Ok(other), Ok(position)) = (key_of(&other), position.extract::<u64>()) else {
+            continue;
+        };
+        if position > start && group(&other) == own_group {
+            after.push((position, other));
+        }
+    }
+    after.sort_unstable_by_key(|&(position, _)| position);
+    let mut keys = vec![key];
+    keys.extend(after.into_iter().take(LOOKAHEAD_KEYS - 1).map(|(_, key)| key));
+    Ok(keys)
+}
+
+/// The name of the shared tier of blocks of this identity (`kvshm-tier-MODEL-DIGEST`).
+#[pyfunction]
+#[pyo3(signature = (*, model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout))]
+pub fn shared_tier_name(
+    model: String,
+    kv_dtype: String,
+    block_tokens: u32,
+    block_bytes: u64,
+    blocks_per_chunk: u32,
+    layout: String,
+) -> String {
+    TierIdentity { model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout }
+        .tier_name()
+}
+
+/// The pid of the live owner of shared tier `name`, or `None` when no owner serves it.
+#[pyfunction]
+pub fn shared_tier_owner(name: &str) -> PyResult<Option<u32>> {
+    let name = segment_name(name)?;
+    Ok(TierControl::attach(&name).ok().map(|control| control.owner().pid))
+}

