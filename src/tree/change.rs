@@ -48,18 +48,25 @@ impl Tree {
         mut init: impl FnMut(usize, &mut NodeMut<'_>),
         path: &mut Vec<NodeId>,
     ) {
+        debug_assert!(
+            hashes.first().is_none_or(|&hash| self.child(parent, hash).is_none()),
+            "inserting a duplicate child is a programming error"
+        );
         path.reserve(hashes.len());
-        // The node inserted last and its access, filed once its child joined.
-        let (mut last, mut access) = (parent, None);
-        for (index, &hash) in hashes.iter().enumerate() {
-            let (id, joined) = self.link_new(last, hash, |node| init(index, node));
-            let Tree { nodes, policy, front, .. } = self;
-            with_policy!(policy, policy => refile(nodes, policy, front, last, access));
-            path.push(id);
-            (last, access) = (id, joined);
-        }
-        let Tree { nodes, policy, front, .. } = self;
-        with_policy!(policy, policy => refile(nodes, policy, front, last, access));
+        // One dispatch on the policy for the whole chain.
+        let Tree { nodes, free_slots, index, policy, front } = self;
+        with_policy!(policy, policy => {
+            // The node inserted last and its access, filed once its child joined.
+            let (mut last, mut access) = (parent, None);
+            for (at, &hash) in hashes.iter().enumerate() {
+                let slot = take_slot(nodes, free_slots, policy);
+                let joined = link(nodes, index, slot, last, hash, |node| init(at, node));
+                refile(nodes, policy, front, last, access);
+                path.push(slot);
+                (last, access) = (slot, joined);
+            }
+            refile(nodes, policy, front, last, access);
+        });
     }
 
     /// [`Tree::insert`] but the filing: the new node is in the arena, the index and its
@@ -75,59 +82,15 @@ impl Tree {
             self.child(parent, hash).is_none(),
             "inserting a duplicate child is a programming error"
         );
-        let first = self.nodes[parent.index()].first_child;
-        let id = self.take_slot();
-        let node = &mut self.nodes[id.index()];
-        *node = Node::new(hash, parent);
-        node.next_sibling = first;
-        let mut view = NodeMut { node, access: None, upper_changed: false };
-        init(&mut view);
-        let access = view.access;
-        let (has_device, is_upper, words) =
-            (node.device().is_some(), node.is_upper(), *node.hash_words());
-        self.index.insert(id, &words, &self.nodes);
-        let nodes = self.nodes.as_mut_slice();
-        if first != NodeId::NONE {
-            nodes[first.index()].prev_sibling = id;
-        }
-        let parent_node = &mut nodes[parent.index()];
-        parent_node.first_child = id;
-        // Saturating: a saturated count means "at least that many".
-        parent_node.device_children =
-            parent_node.device_children.saturating_add(u16::from(has_device));
-        parent_node.upper_children = parent_node.upper_children.saturating_add(u16::from(is_upper));
-        (id, access)
+        let Tree { nodes, free_slots, index, policy, .. } = self;
+        let slot = with_policy!(policy, policy => take_slot(nodes, free_slots, policy));
+        (slot, link(nodes, index, slot, parent, hash, init))
     }
 
-    /// A free slot of the arena for a new node (a removed node's, else a fresh one at the end),
-    /// taken off the list of free slots.
-    fn take_slot(&mut self) -> NodeId {
-        match self.free_slots.some() {
-            Some(id) => {
-                self.free_slots = self.nodes[id.index()].next_sibling;
-                id
-            }
-            None => {
-                let id = NodeId(u32::try_from(self.nodes.len()).expect("fewer than 2^32 nodes"));
-                self.nodes.push(Node::new(BlockHash(0), NodeId::NONE));
-                if self.nodes.len() == self.nodes.capacity() {
-                    self.grow_arena();
-                }
-                id
-            }
-        }
-    }
-
-    /// Doubles the arena, which is full (or holds the root only), and touches the new half now
-    /// (the policy's per-node state too): writing the spare slots (they stay outside the
-    /// vector) makes the kernel map their pages in this one call rather than in the first
-    /// insertion into each page, one request after another.
-    #[cold]
+    /// Doubles the arena, which is full (or holds the root only), and makes the policy room for
+    /// the new ids ([`grow_arena`]).
     pub(super) fn grow_arena(&mut self) {
-        self.nodes.reserve(self.nodes.len());
-        for slot in self.nodes.spare_capacity_mut() {
-            slot.write(Node::new(BlockHash(0), NodeId::NONE));
-        }
+        grow_arena(&mut self.nodes);
         self.policy.reserve_nodes(self.nodes.capacity());
     }
 
@@ -196,6 +159,77 @@ impl Tree {
         self.front = Front::NONE;
         self.policy.reserve_nodes(self.nodes.capacity());
     }
+}
+
+/// A free slot of arena `nodes` for a new node (a removed node's, else a fresh one at the end),
+/// taken off the list of free slots; a full arena doubles ([`Tree::grow_arena`]) and makes the
+/// policy room for the new ids.
+#[inline]
+fn take_slot<P: Policy>(nodes: &mut Vec<Node>, free_slots: &mut NodeId, policy: &mut P) -> NodeId {
+    match free_slots.some() {
+        Some(id) => {
+            *free_slots = nodes[id.index()].next_sibling;
+            id
+        }
+        None => {
+            let id = NodeId(u32::try_from(nodes.len()).expect("fewer than 2^32 nodes"));
+            nodes.push(Node::new(BlockHash(0), NodeId::NONE));
+            if nodes.len() == nodes.capacity() {
+                grow_arena(nodes);
+                policy.reserve_nodes(nodes.capacity());
+            }
+            id
+        }
+    }
+}
+
+/// Doubles arena `nodes`, which is full (or holds the root only), and touches the new half now:
+/// writing the spare slots (they stay outside the vector) makes the kernel map their pages in
+/// this one call rather than in the first insertion into each page, one request after another.
+/// The caller makes the policy room for the new ids.
+#[cold]
+fn grow_arena(nodes: &mut Vec<Node>) {
+    nodes.reserve(nodes.len());
+    for slot in nodes.spare_capacity_mut() {
+        slot.write(Node::new(BlockHash(0), NodeId::NONE));
+    }
+}
+
+/// Writes a new node keyed by `hash` under `parent` into free slot `id` and lets `init` set its
+/// fields: the node is in the index and its parent's child list and counts, and neither it nor
+/// its parent is filed yet. Returns the access `init` recorded.
+#[inline]
+fn link(
+    nodes: &mut [Node],
+    index: &mut ChildIndex,
+    id: NodeId,
+    parent: NodeId,
+    hash: BlockHash,
+    init: impl FnOnce(&mut NodeMut<'_>),
+) -> Option<Access> {
+    debug_assert!(
+        parent == NodeId::ROOT || nodes[parent.index()].parent != NodeId::NONE,
+        "inserting under a node that is not live is a programming error"
+    );
+    let first = nodes[parent.index()].first_child;
+    let mut node = Node::new(hash, parent);
+    node.next_sibling = first;
+    let mut view = NodeMut { node: &mut node, access: None, upper_changed: false };
+    init(&mut view);
+    let access = view.access;
+    let (has_device, is_upper, words) =
+        (node.device().is_some(), node.is_upper(), *node.hash_words());
+    nodes[id.index()] = node;
+    index.insert(id, &words, nodes);
+    if first != NodeId::NONE {
+        nodes[first.index()].prev_sibling = id;
+    }
+    let parent_node = &mut nodes[parent.index()];
+    parent_node.first_child = id;
+    // Saturating: a saturated count means "at least that many".
+    parent_node.device_children = parent_node.device_children.saturating_add(u16::from(has_device));
+    parent_node.upper_children = parent_node.upper_children.saturating_add(u16::from(is_upper));
+    access
 }
 
 /// What an update's closure changed of a node beyond its own fields ([`changed`]).
