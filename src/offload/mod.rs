@@ -42,7 +42,7 @@ pub use manager::{
     OffloadManager, OffloadStats, PreparedStore,
 };
 pub use shared::{
-    AttachError, CallAnswer, ClientId, ClientOptions, ClientProcess, ClientSummary, Reaped,
-    Released, ServeError, ServeStats, SharedTierError, SharedTierIndex, TierCall, TierClient,
-    TierIdentity, TierOwner, TierServer, SWEEP_INTERVAL,
+    inspect_tier, AttachError, CallAnswer, ClientId, ClientOptions, ClientProcess, ClientRow,
+    ClientSummary, Reaped, Released, ServeError, ServeStats, SharedTierError, SharedTierIndex,
+    TierCall, TierClient, TierIdentity, TierOwner, TierReport, TierServer, SWEEP_INTERVAL,
 };

@@ -5,6 +5,7 @@
 //!             then the ready word (Release-published last by the creator)
 //! offset 192  owner doorbell: every client rings it after a batch, the owner waits on it
 //! offset 256  client slots: one WorkerSlot (64 bytes) per client
+//! then        client stats: one ClientStats (64 bytes) per client, written by the owner
 //! then        the tier's identity, `identity_capacity` bytes (its length in the header)
 //! then        one channel per client, `channel_stride` bytes each (`channel.rs`): its request
 //!             ring, its answer ring, its answer doorbell, its key page, its answer page
@@ -19,13 +20,14 @@ use super::record::{TierAnswer, TierRequest, WireKey};
 use crate::doorbell::Doorbell;
 use crate::layout::HeaderFields;
 use crate::liveness::ProcessIdentity;
-use crate::sync::AtomicU32;
+use crate::shm::SharedArea;
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::worker_slot::WorkerSlot;
 
 /// "KVSHTIER": a shared tier's control object of this layout.
 pub const TIER_MAGIC: u64 = u64::from_le_bytes(*b"KVSHTIER");
 /// Bumped whenever a field or an area moves.
-pub const TIER_LAYOUT_VERSION: u32 = 1;
+pub const TIER_LAYOUT_VERSION: u32 = 2;
 /// The most client slots a tier may have.
 pub const MAX_TIER_CLIENTS: u32 = 256;
 /// The largest identity a tier may keep.
@@ -102,10 +104,66 @@ impl TierConfig {
 pub struct TierOffsets {
     pub owner_bell: u64,
     pub client_slots: u64,
+    pub client_stats: u64,
     pub identity: u64,
     /// The first client's channel; client `i`'s is `channel_stride * i` further.
     pub channels: u64,
     pub channel_stride: u64,
+}
+
+/// What the owner last published of one client, for `kvctl tier` and tests: the owner alone
+/// writes it (after each batch it serves, and zeroes when it lets the client go), anyone reads
+/// it. Each word is its own atomic: a reader may see one batch's chunks beside the next one's
+/// pins, which a listing may show.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct ClientStats {
+    /// Chunks charged to the client (the blocks it stored that are still in the tier).
+    pub chunks: AtomicU32,
+    /// Loads in progress (its pins).
+    pub pins: AtomicU32,
+    /// Stores prepared and not completed.
+    pub storing: AtomicU32,
+    _reserved: AtomicU32,
+    /// Calls served.
+    pub calls: AtomicU64,
+    _tail: [AtomicU64; 5],
+}
+
+const _: () = assert!(size_of::<ClientStats>() == 64);
+
+// SAFETY: atomics only (each its own UnsafeCell), every bit pattern a valid integer, no padding
+// (asserted 64 bytes of 4 u32 and 6 u64).
+unsafe impl SharedArea for ClientStats {}
+
+/// One client's [`ClientStats`], copied out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientFigures {
+    pub chunks: u32,
+    pub pins: u32,
+    pub storing: u32,
+    pub calls: u64,
+}
+
+impl ClientStats {
+    /// Owner: publishes `figures`. Relaxed: each word is a figure on its own, nothing is read
+    /// behind them.
+    pub fn publish(&self, figures: ClientFigures) {
+        self.chunks.store(figures.chunks, Ordering::Relaxed);
+        self.pins.store(figures.pins, Ordering::Relaxed);
+        self.storing.store(figures.storing, Ordering::Relaxed);
+        self.calls.store(figures.calls, Ordering::Relaxed);
+    }
+
+    /// The figures last published (Relaxed, as written).
+    pub fn read(&self) -> ClientFigures {
+        ClientFigures {
+            chunks: self.chunks.load(Ordering::Relaxed),
+            pins: self.pins.load(Ordering::Relaxed),
+            storing: self.storing.load(Ordering::Relaxed),
+            calls: self.calls.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// Where the parts of a channel lie, from the channel's start.
@@ -162,7 +220,7 @@ pub struct TierHeaderFields {
     pub offsets: TierOffsets,
 }
 
-const _: () = assert!(size_of::<TierHeaderFields>() == 128);
+const _: () = assert!(size_of::<TierHeaderFields>() == 136);
 const _: () = assert!(
     std::mem::offset_of!(TierHeaderFields, creator) == std::mem::offset_of!(HeaderFields, creator)
 );
@@ -197,7 +255,8 @@ impl TierLayout {
         config.validate()?;
         let owner_bell = size_of::<TierHeader>();
         let client_slots = owner_bell + size_of::<Doorbell>();
-        let identity = client_slots + config.clients as usize * size_of::<WorkerSlot>();
+        let client_stats = client_slots + config.clients as usize * size_of::<WorkerSlot>();
+        let identity = client_stats + config.clients as usize * size_of::<ClientStats>();
         let channels = (identity + config.identity_capacity as usize).next_multiple_of(64);
         let channel = ChannelLayout::compute(config);
         let end = channels + config.clients as usize * channel.stride;
@@ -205,6 +264,7 @@ impl TierLayout {
             offsets: TierOffsets {
                 owner_bell: owner_bell as u64,
                 client_slots: client_slots as u64,
+                client_stats: client_stats as u64,
                 identity: identity as u64,
                 channels: channels as u64,
                 channel_stride: channel.stride as u64,

@@ -41,9 +41,9 @@ use std::time::Duration;
 
 pub use channel::{ClientChannel, OwnerChannel};
 pub use layout::{
-    ChannelLayout, TierConfig, TierConfigError, TierHeader, TierHeaderFields, TierLayout,
-    TierOffsets, MAX_IDENTITY_BYTES, MAX_PAGE_KEYS, MAX_RING_SLOTS, MAX_TIER_CLIENTS,
-    TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
+    ChannelLayout, ClientFigures, ClientStats, TierConfig, TierConfigError, TierHeader,
+    TierHeaderFields, TierLayout, TierOffsets, MAX_IDENTITY_BYTES, MAX_PAGE_KEYS, MAX_RING_SLOTS,
+    MAX_TIER_CLIENTS, TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
 };
 pub use record::{
     AnswerStatus, RecordError, TierAnswer, TierOp, TierRequest, WireKey, WIRE_KEY_BYTES,
@@ -263,6 +263,17 @@ impl TierControl {
             self.layout.offsets.client_slots + u64::from(index) * size_of::<WorkerSlot>() as u64;
         // SAFETY: index < clients, and the layout puts `clients` 64-aligned slots there.
         Some(unsafe { self.area::<WorkerSlot>(offset) })
+    }
+
+    /// What the owner last published of the client of slot `index`, if there is one.
+    pub fn client_stats(&self, index: u32) -> Option<&ClientStats> {
+        if index >= self.fields.config.clients {
+            return None;
+        }
+        let offset =
+            self.layout.offsets.client_stats + u64::from(index) * size_of::<ClientStats>() as u64;
+        // SAFETY: index < clients, and the layout puts `clients` 64-aligned stats there.
+        Some(unsafe { self.area::<ClientStats>(offset) })
     }
 
     /// Client, module flow step 1: claims the first slot free for the calling process.

@@ -258,3 +258,17 @@ fn a_reclaimed_slot_hands_its_next_client_empty_rings() {
         "the dead client's call is gone"
     );
 }
+
+#[test]
+fn the_figures_an_owner_publishes_for_a_slot_are_read_by_another_mapping() {
+    let name = unique_name("stats");
+    let owner = TierControl::create(&name, &CONFIG, b"m").unwrap();
+    let figures = ClientFigures { chunks: 7, pins: 2, storing: 3, calls: 41 };
+    owner.client_stats(1).unwrap().publish(figures);
+    let reader = TierControl::attach(&name).unwrap();
+    assert_eq!(reader.client_stats(1).unwrap().read(), figures);
+    assert_eq!(reader.client_stats(0).unwrap().read(), ClientFigures::default());
+    assert!(reader.client_stats(CONFIG.clients).is_none(), "no stats past the last slot");
+    // The stats sit between the slots and the identity, which they leave whole.
+    assert_eq!(reader.identity(), b"m");
+}

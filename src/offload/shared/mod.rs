@@ -30,6 +30,7 @@ mod arenas;
 mod client;
 mod identity;
 mod invariants;
+mod listing;
 mod owner;
 mod serve;
 
@@ -40,6 +41,7 @@ use serde::Serialize;
 pub use arenas::{open_rank_arena, TierArenaError, TierArenas};
 pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use identity::TierIdentity;
+pub use listing::{inspect_tier, ClientRow, TierReport};
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
 pub use serve::{ClientGone, ServeError, ServeStats, TierServer};
 
@@ -93,6 +95,19 @@ struct Client {
     /// Its requests the manager is tracking, by the manager's name for them, oldest first (a
     /// release ends them in this order).
     requests: Vec<String>,
+}
+
+impl Client {
+    fn summary(&self) -> ClientSummary {
+        ClientSummary {
+            id: self.id,
+            name: self.name.clone(),
+            quota: self.quota,
+            chunks: self.charged,
+            pins: self.loads.values().sum(),
+            storing: self.stores.len() as u32,
+        }
+    }
 }
 
 /// A client as `kvctl` lists it.
@@ -430,18 +445,12 @@ impl SharedTierIndex {
 
     /// The attached clients, for `kvctl`.
     pub fn clients(&self) -> Vec<ClientSummary> {
-        self.clients
-            .iter()
-            .flatten()
-            .map(|client| ClientSummary {
-                id: client.id,
-                name: client.name.clone(),
-                quota: client.quota,
-                chunks: client.charged,
-                pins: client.loads.values().sum(),
-                storing: client.stores.len() as u32,
-            })
-            .collect()
+        self.clients.iter().flatten().map(Client::summary).collect()
+    }
+
+    /// One attached client, for `kvctl`.
+    pub fn client_summary(&self, client: ClientId) -> Option<ClientSummary> {
+        self.client(client).ok().map(Client::summary)
     }
 
     /// Whether `key` is loadable, without counting a lookup.

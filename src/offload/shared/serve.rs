@@ -23,8 +23,8 @@ use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{
-    AnswerStatus, OwnerChannel, RecordError, TierAnswer, TierConfig, TierControl, TierCreateError,
-    TierOp, TierRequest, WireKey,
+    AnswerStatus, ClientFigures, OwnerChannel, RecordError, TierAnswer, TierConfig, TierControl,
+    TierCreateError, TierOp, TierRequest, WireKey,
 };
 use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
 use serde::Serialize;
@@ -75,6 +75,8 @@ struct Served {
     /// The next free entry of its answer page in the batch being served.
     next_entry: u32,
     detached: bool,
+    /// Calls served, for its published figures.
+    calls: u64,
 }
 
 /// The owner of one shared tier (module flow).
@@ -230,6 +232,7 @@ impl TierServer {
                         channel,
                         next_entry: 0,
                         detached: false,
+                        calls: 0,
                     }),
                     Err(error) => {
                         tracing::warn!(slot, %error, "a client's channel is broken: released");
@@ -282,6 +285,7 @@ impl TierServer {
             let slot = slot as u32;
             self.gone.push(ClientGone { slot, pid, died: true, released });
             if let Some(served) = self.served[slot as usize].take() {
+                self.publish_figures(slot);
                 let word = served.word;
                 drop(served);
                 let _ = self.control.reclaim_client(slot, word);
@@ -290,11 +294,32 @@ impl TierServer {
         }
     }
 
+    /// Publishes what the client of `slot` holds (module documentation of `ClientStats`);
+    /// zeroes for a slot no client is served on.
+    fn publish_figures(&mut self, slot: u32) {
+        let figures = match &self.served[slot as usize] {
+            Some(served) => {
+                let summary = self.owner.index().client_summary(served.client);
+                summary.map_or_else(ClientFigures::default, |summary| ClientFigures {
+                    chunks: summary.chunks,
+                    pins: summary.pins,
+                    storing: summary.storing,
+                    calls: served.calls,
+                })
+            }
+            None => ClientFigures::default(),
+        };
+        if let Some(stats) = self.control.client_stats(slot) {
+            stats.publish(figures);
+        }
+    }
+
     /// Releases the client of `slot`: it detached (its end of the channel is gone: the slot is
     /// reclaimed now), or broke its channel (its process may still write it: the slot is fenced
     /// until the process exits).
     fn release(&mut self, slot: u32) {
         let Some(served) = self.served[slot as usize].take() else { return };
+        self.publish_figures(slot);
         let (word, process, detached) = (served.word, served.process, served.detached);
         if let Ok(released) = self.owner.detach(served.client) {
             self.gone.push(ClientGone { slot, pid: word.pid(), died: false, released });
@@ -332,10 +357,14 @@ impl TierServer {
                 self.answers.push(answer);
             }
         }
-        self.requests = requests;
+        let requests_served = &requests;
         let served = self.served[slot].as_mut().expect("served above");
+        served.calls +=
+            requests_served.iter().filter(|r| r.op() != Ok(TierOp::EndBatch)).count() as u64;
         let answered = served.channel.answer(&self.answers);
         let detached = served.detached;
+        self.requests = requests;
+        self.publish_figures(slot as u32);
         if answered.is_err() || detached {
             if answered.is_err() {
                 tracing::warn!(slot, "a client left no room for its answers: released");

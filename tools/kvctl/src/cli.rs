@@ -18,6 +18,7 @@ use crate::open::{open_segment, parse_name};
 use crate::prometheus;
 use crate::reset;
 use crate::stat::StatReport;
+use crate::tier;
 use crate::tree;
 use crate::workers::WorkersReport;
 
@@ -53,6 +54,9 @@ pub enum Command {
     },
     /// Each rank's worker: state, pid, heartbeat age, attach count, alive or dead.
     Workers { name: String },
+    /// A host tier several engines share: its owner, and each client with the chunks charged
+    /// to it, its pins and its pending stores.
+    Tier { name: String },
     /// The scheduler's prefix tree (asked for through the segment).
     Tree {
         name: String,
@@ -126,6 +130,12 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), KvctlError> {
             let segment = open_segment(&parse_name(name)?)?;
             let report = WorkersReport::read(&segment);
             emit(cli, out, &report, |out| report.write_text(out))
+        }
+        Command::Tier { name } => {
+            let tier = parse_name(name)?;
+            let report = kvshm::offload::inspect_tier(&tier)
+                .map_err(|source| KvctlError::Tier { tier: name.clone(), source })?;
+            emit(cli, out, &report, |out| tier::write_text(&report, out))
         }
         Command::Tree { name, depth } => {
             let segment = open_segment(&parse_name(name)?)?;

@@ -42,6 +42,12 @@ pub enum KvctlError {
     CleanupIncomplete { count: usize },
     #[error("storage: {0}")]
     Storage(String),
+    #[error("shared tier {tier}: {source} (an engine that finds no owner starts one; `kvctl cleanup {tier}` removes what a dead owner left)")]
+    Tier {
+        tier: String,
+        #[source]
+        source: kvshm_ipc::tier_control::TierAttachError,
+    },
     #[error("writing the output failed: {0}")]
     Output(#[from] io::Error),
 }

@@ -12,6 +12,7 @@
 //! - [`prometheus`]: `stat --prometheus`, the same figures in the text exposition format.
 //! - [`workers`]: `workers`, one row per rank with its liveness judgement.
 //! - [`tree`]: `tree`, the scheduler's snapshot of the radix tree.
+//! - [`tier`]: `tier`, a shared host tier's owner and clients (pins, pending stores).
 //! - [`reset`]: `reset`, asking the scheduler to empty the cache.
 //! - [`open`]: attaching to a segment by name, with errors that say what to do.
 //! - [`probe`]: reading a control object's header bytes without attaching, to name what is wrong.
@@ -34,6 +35,7 @@ pub mod prometheus;
 pub mod reset;
 pub mod stat;
 pub mod text;
+pub mod tier;
 pub mod tree;
 pub mod workers;
 

@@ -7,6 +7,8 @@
 //!   `--prometheus`, `workers`, timeouts of `tree` and `reset`, and `cleanup` leaving it alone.
 //! - `service`: a live `kvshm::service::Service` in the test process, polled while kvctl runs:
 //!   `stat`, `--prometheus`, `tree`, and `reset` refused and then forced.
+//! - `tier`: a live shared tier (its owner served by the test) and a client holding pins and
+//!   pending stores: `tier` lists them, and no longer lists the client once it detached.
 //! - `planted`: FIFOs, links, other users' objects and huge sparse files under our prefix: `ls` and
 //!   `cleanup` never hang, never follow, never remove what is not ours.
 mod arguments;
@@ -16,3 +18,4 @@ mod planted;
 mod service;
 mod storage;
 mod support;
+mod tier;
