@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use kvshm::offload::shared::open_rank_arena;
 use kvshm::offload::{
-    CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient, TierIdentity,
+    inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
+    TierIdentity,
 };
 use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::name::SegmentName;
@@ -334,4 +335,44 @@ fn a_client_of_other_blocks_is_refused_with_the_field_that_differs() {
         matches!(&refused, SharedTierError::Mismatch { field: "block_bytes", .. }),
         "{refused}"
     );
+}
+
+/// A client that gives up on an owner stalled past its answer deadline (here SIGSTOPped) sends
+/// its detach on the old channel: once the owner runs again it releases the pins the client held
+/// there and empties the slot, rather than keeping them until the client's process exits.
+#[test]
+fn a_client_that_gives_up_on_a_stalled_owner_leaves_nothing_held_there() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+
+    let name = tier_name("stalled");
+    let owner = Owner::start(&name, &[]);
+    let tier = SegmentName::new(&name).unwrap();
+    let mut client = Client::start(&name);
+    assert_eq!(client.ask("store a 1,2 3"), "2");
+    assert_eq!(client.ask("acquire a 1,2"), "2", "two pins held");
+    let held = inspect_tier(&tier).unwrap();
+    assert_eq!(held.clients.iter().map(|row| row.pins).sum::<u32>(), 2, "{held:?}");
+
+    let pid = Pid::from_raw(owner.child.id() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    assert_eq!(client.ask("acquire b 1"), "0", "a miss once the answer deadline passed");
+    assert_eq!(client.ask("connected"), "false");
+    kill(pid, Signal::SIGCONT).unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let report = inspect_tier(&tier).unwrap();
+        if report.clients.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the abandoned slot still holds {report:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The client attaches again on its next call, and finds its stored blocks.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while client.ask("load c 1,2") != "3,3" {
+        assert!(Instant::now() < deadline, "the client never attached again");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -16,9 +16,15 @@
 //! Request names become ids the owner sees (a u64 per live request, given back at
 //! [`TierCall::FinishRequest`]).
 //!
-//! Limitation: a client that gives up on an owner that still runs (no answer by the deadline:
-//! the owner hung, or starved of CPU for that long) claims a new slot when it attaches again;
-//! its old slot and the pins it held there stay until its process exits.
+//! A call of more keys than a batch carries is cut into parts ([`split_calls`]): a store's parts
+//! are answered together, an `AcquirePrefix` is cut to its first part (the engine asks for the
+//! rest of its prefix with a later call).
+//!
+//! A client that gives up on an owner that still runs (no answer by the deadline: the owner
+//! hung, or starved of CPU for that long) sends its detach on the old channel, so that the owner,
+//! once it gets to it, releases what the client held there and empties the slot. Limitation: if
+//! even the detach finds no room in the ring, the old slot and its pins stay until the client's
+//! process exits.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -209,14 +215,19 @@ impl TierClient {
         {
             self.try_attach()?;
         }
-        if self.connection.is_some() {
-            match self.exchange(calls, answers) {
-                Ok(()) => return Ok(()),
+        if let Some(connection) = &self.connection {
+            let parts = split_calls(calls, connection.channel.page_keys() as usize);
+            let part_calls: Vec<TierCall<'_>> = parts.iter().map(|part| part.call).collect();
+            let mut part_answers = Vec::with_capacity(part_calls.len());
+            match self.exchange(&part_calls, &mut part_answers) {
+                Ok(()) => {
+                    merge_answers(&parts, part_answers, calls.len(), answers);
+                    return Ok(());
+                }
                 Err(reason) => {
                     tracing::warn!(tier = %self.name, reason, "the tier's owner is gone");
                     self.last_error = Some(reason);
-                    self.connection = None;
-                    self.last_attempt = Some(Instant::now());
+                    self.abandon_connection();
                 }
             }
         }
@@ -238,6 +249,19 @@ impl TierClient {
         Ok(())
     }
 
+    /// Drops the connection; an owner that still runs is sent this client's detach (module
+    /// documentation).
+    fn abandon_connection(&mut self) {
+        if let Some(mut connection) = self.connection.take() {
+            if connection.owner.is_alive() {
+                let detach = TierRequest::new(self.next_call, TierOp::Detach, 0, 0, 0);
+                self.next_call += 1;
+                let _ = connection.channel.send(&[detach]);
+            }
+        }
+        self.last_attempt = Some(Instant::now());
+    }
+
     /// Module flow, steps 2 and 3 (splitting `calls` into batches the channel can carry).
     fn exchange(
         &mut self,
@@ -255,9 +279,11 @@ impl TierClient {
             while end < calls.len() && end - start < batch_calls {
                 let more = call_keys(&calls[end]).len();
                 if keys + more > page_keys {
-                    if end == start {
-                        return Err(format!("a call of {more} keys; a batch carries {page_keys}"));
-                    }
+                    // `split_calls` made every call fit a batch alone.
+                    debug_assert!(
+                        end > start,
+                        "a call of {more} keys; a batch carries {page_keys}"
+                    );
                     break;
                 }
                 keys += more;
@@ -392,11 +418,77 @@ impl TierClient {
 impl Drop for TierClient {
     fn drop(&mut self) {
         // Tell the owner this client leaves; it releases the client and empties the slot.
-        if let Some(connection) = self.connection.as_mut() {
-            let detach = TierRequest::new(self.next_call, TierOp::Detach, 0, 0, 0);
-            let _ = connection.channel.send(&[detach]);
+        self.abandon_connection();
+    }
+}
+
+/// One part of a call as sent: the call it came from, and where its keys start in that call's.
+#[derive(Clone, Copy, Debug)]
+struct CallPart<'a> {
+    call: TierCall<'a>,
+    of: usize,
+    first_key: u32,
+}
+
+/// `calls` with each cut into parts of at most `page_keys` keys (module documentation): an
+/// `AcquirePrefix` to its first part, any other into as many as it needs.
+fn split_calls<'a>(calls: &[TierCall<'a>], page_keys: usize) -> Vec<CallPart<'a>> {
+    let page_keys = page_keys.max(1);
+    let mut parts = Vec::with_capacity(calls.len());
+    for (of, call) in calls.iter().enumerate() {
+        let keys = call_keys(call);
+        if keys.len() <= page_keys {
+            parts.push(CallPart { call: *call, of, first_key: 0 });
+            continue;
+        }
+        for (index, piece) in keys.chunks(page_keys).enumerate() {
+            let call = match *call {
+                TierCall::AcquirePrefix { request, .. } if index == 0 => {
+                    TierCall::AcquirePrefix { request, keys: piece }
+                }
+                TierCall::AcquirePrefix { .. } => break,
+                TierCall::PrepareStore { request, .. } => {
+                    TierCall::PrepareStore { request, keys: piece }
+                }
+                TierCall::ReleaseLoads { .. } => TierCall::ReleaseLoads { keys: piece },
+                TierCall::CompleteStore { success, .. } => {
+                    TierCall::CompleteStore { keys: piece, success }
+                }
+                TierCall::FinishRequest { .. } => unreachable!("a finish carries no keys"),
+            };
+            let first_key = (index * page_keys) as u32;
+            parts.push(CallPart { call, of, first_key });
         }
     }
+    parts
+}
+
+/// One answer per call of `calls` (`count` of them) from the answers to its parts: a store's
+/// parts' keys to store (as indices into the whole call's keys) and chunks, in order.
+fn merge_answers(
+    parts: &[CallPart<'_>],
+    part_answers: Vec<CallAnswer>,
+    count: usize,
+    answers: &mut Vec<CallAnswer>,
+) {
+    answers.clear();
+    answers.reserve(count);
+    for (part, answer) in parts.iter().zip(part_answers) {
+        if part.of == answers.len() {
+            answers.push(answer);
+            continue;
+        }
+        let merged = answers.last_mut().expect("a later part follows its call's first");
+        if let (
+            CallAnswer::Store { to_store, chunks },
+            CallAnswer::Store { to_store: more, chunks: more_chunks },
+        ) = (merged, answer)
+        {
+            to_store.extend(more.into_iter().map(|index| index + part.first_key));
+            chunks.extend(more_chunks);
+        }
+    }
+    debug_assert_eq!(answers.len(), count);
 }
 
 enum AttachFailure {
@@ -460,6 +552,42 @@ mod tests {
         assert!(check_answer(&acquire, &answer(TierOp::PrepareStore, 1)).is_err());
         assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 3)).is_err());
         assert!(check_answer(&store, &answer(TierOp::AcquirePrefix, 0)).is_err());
+    }
+
+    /// A call of more keys than a batch carries goes as parts: a store's answers come back as
+    /// one, its indices into the whole call's keys; a prefix is asked for its first part only.
+    #[test]
+    fn a_call_larger_than_a_batch_is_cut_into_parts_and_answered_as_one() {
+        let keys: Vec<OffloadKey> = (0..5u8).map(|n| OffloadKey::new(&[n; 4]).unwrap()).collect();
+        let calls = [
+            TierCall::PrepareStore { request: "r", keys: &keys },
+            TierCall::AcquirePrefix { request: "r", keys: &keys },
+            TierCall::FinishRequest { request: "r" },
+        ];
+        let parts = split_calls(&calls, 2);
+        let shape: Vec<(usize, u32, usize)> = parts
+            .iter()
+            .map(|part| (part.of, part.first_key, call_keys(&part.call).len()))
+            .collect();
+        assert_eq!(shape, [(0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 2), (2, 0, 0)]);
+        let store = |to_store: Vec<u32>, chunks: Vec<u32>| CallAnswer::Store { to_store, chunks };
+        let part_answers = vec![
+            store(vec![1], vec![10]),
+            store(vec![0, 1], vec![12, 13]),
+            store(vec![], vec![]),
+            CallAnswer::Prefix { chunks: vec![7, 8] },
+            CallAnswer::Sent,
+        ];
+        let mut answers = Vec::new();
+        merge_answers(&parts, part_answers, calls.len(), &mut answers);
+        assert_eq!(
+            answers,
+            [
+                store(vec![1, 2, 3], vec![10, 12, 13]),
+                CallAnswer::Prefix { chunks: vec![7, 8] },
+                CallAnswer::Sent
+            ]
+        );
     }
 
     /// Two clients start their call ids apart, so an answer left in a slot by one is never
