@@ -174,7 +174,10 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.kvshm:
         options["kv_transfer_config"] = kv_transfer_config(
-            args.kvshm_segment, args.chunks, args.kvshm_shared_tier, args.kvshm_idle_exit_s
+            args.kvshm_segment,
+            args.chunks,
+            args.kvshm_shared_tier,
+            args.kvshm_idle_exit_s,
         )
     llm = LLM(
         args.model,
@@ -194,6 +197,10 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     requests = []
     for prompt in workload:
+        if requests and args.wait_for:
+            # Held after the first request until the file exists (a test's cue).
+            while not Path(args.wait_for).exists():
+                time.sleep(0.01)
         output = llm.generate(
             [TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False
         )
@@ -412,10 +419,15 @@ def main() -> None:
         "--kvshm-shared-tier", help="share the host tier of this name (implies --kvshm)"
     )
     offline.add_argument(
-        "--kvshm-idle-exit-s", type=int, help="the shared tier's owner exits this long unused"
+        "--kvshm-idle-exit-s",
+        type=int,
+        help="the shared tier's owner exits this long unused",
     )
     offline.add_argument(
         "--progress", action="store_true", help='print "served N" after each request'
+    )
+    offline.add_argument(
+        "--wait-for", help="after the first request, wait until this file exists"
     )
     offline.add_argument(
         "--hold",

@@ -464,6 +464,10 @@ def shared_tier_name(
 def shared_tier_owner(name: str) -> int | None:
     """The pid of the live owner of shared tier ``name``, or ``None``."""
 
+def shared_tier_clients(name: str) -> list[dict[str, Any]]:
+    """Shared tier ``name``'s clients as its owner published them (``kvctl tier``): ``slot``,
+    ``state``, ``pid``, ``chunks``, ``pins``, ``storing``, ``calls``."""
+
 def run_tier_owner(argv: list[str]) -> int: ...
 def read_tier_keys(
     name: str, chunks: int, blocks_per_chunk: int

@@ -3,14 +3,15 @@ identity, and starting its owner process when an engine finds none.
 
 The owner (``python -m kvshm tier-owner``) keeps the tier's index and makes its arenas, one per
 rank; each engine copies its own blocks into and out of them, and asks the owner which chunk
-holds what. The first engine that finds no owner starts one, in a session of its own so that it
-outlives that engine; two engines starting at once start two, and the control object's
-``O_EXCL`` keeps one. The owner exits, removing the tier, once no engine has been attached for
-``idle_exit_s`` seconds.
+holds what. The first engine that finds no owner starts one, in a session of its own and not as
+its child (a launcher starts it and exits), so that it outlives that engine; two engines
+starting at once start two, and the control object's ``O_EXCL`` keeps one. The owner exits,
+removing the tier, once no engine has been attached for ``idle_exit_s`` seconds.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -96,21 +97,41 @@ def ensure_tier_owner(
         "--idle-exit-s",
         str(idle_exit_s),
     ]
+    # Through a launcher that exits at once, so that the owner is no descendant of the engine:
+    # an engine that ends kills its process tree (vLLM does), and the owner serves the others.
     with log.open("ab") as out:
-        process = subprocess.Popen(
-            command,
+        launched = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, *command],
             stdin=subprocess.DEVNULL,
-            stdout=out,
+            stdout=subprocess.PIPE,
             stderr=out,
-            start_new_session=True,
+            check=True,
         )
-    return wait_for_tier_owner(tier, timeout_s=timeout_s, started=process)
+    return wait_for_tier_owner(tier, timeout_s=timeout_s, started=int(launched.stdout))
 
 
-def wait_for_tier_owner(
-    tier: str, *, timeout_s: float, started: subprocess.Popen[bytes] | None = None
-) -> int:
-    """The pid of tier ``tier``'s owner once one serves it (the one ``started`` here, or
+#: Starts argv[1:] in a session of its own, its output appended to the file on its stderr, prints
+#: its pid, and exits without waiting for it.
+_LAUNCHER = """
+import subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr,
+                         stderr=sys.stderr, start_new_session=True)
+print(child.pid)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = None) -> int:
+    """The pid of tier ``tier``'s owner once one serves it (the process ``started`` here, or
     another engine's); ``SegmentError`` past ``timeout_s``, or when ``started`` exited and no
     owner serves."""
     deadline = time.monotonic() + timeout_s
@@ -118,7 +139,7 @@ def wait_for_tier_owner(
         pid = shared_tier_owner(tier)
         if pid is not None:
             return pid
-        if started is not None and started.poll() is not None:
+        if started is not None and not _running(started):
             # Another engine's owner may have won the name: it serves soon.
             started = None
             deadline = min(deadline, time.monotonic() + 10.0)

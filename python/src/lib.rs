@@ -42,6 +42,7 @@ fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<shared_tier::VllmSharedTierCore>()?;
     module.add_function(wrap_pyfunction!(shared_tier::shared_tier_name, module)?)?;
     module.add_function(wrap_pyfunction!(shared_tier::shared_tier_owner, module)?)?;
+    module.add_function(wrap_pyfunction!(shared_tier::shared_tier_clients, module)?)?;
     module.add_function(wrap_pyfunction!(host_tier::parse_cuda_handle, module)?)?;
     module.add_function(wrap_pyfunction!(host_tier::read_tier_keys, module)?)?;
     module.add_class::<buffers::U32Array>()?;

@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use kvshm::offload::key::BuildPassThrough;
 use kvshm::offload::{
-    CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient, TierIdentity,
+    inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
+    TierIdentity,
 };
 use kvshm_ipc::tier_control::TierControl;
 use pyo3::intern;
@@ -32,7 +33,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::buffers::U32Array;
-use crate::errors::{ConfigError, OffloadError};
+use crate::errors::{ConfigError, OffloadError, SegmentError};
 use crate::offload::{key_of, keys_into, HIT, MISS};
 use crate::service::segment_name;
 use crate::vllm::{request_id, VllmTypeTuple, VllmTypes};
@@ -420,4 +421,25 @@ pub fn shared_tier_name(
 pub fn shared_tier_owner(name: &str) -> PyResult<Option<u32>> {
     let name = segment_name(name)?;
     Ok(TierControl::attach(&name).ok().map(|control| control.owner().pid))
+}
+
+/// Shared tier `name`'s clients as its owner published them (`kvctl tier`): one dict per
+/// client, with `slot`, `state`, `pid`, `chunks`, `pins`, `storing` and `calls`.
+#[pyfunction]
+pub fn shared_tier_clients<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
+    let report = inspect_tier(&segment_name(name)?)
+        .map_err(|error| SegmentError::new_err(format!("shared tier {name}: {error}")))?;
+    let clients = PyList::empty(py);
+    for row in report.clients {
+        let client = PyDict::new(py);
+        client.set_item("slot", row.slot)?;
+        client.set_item("state", row.state)?;
+        client.set_item("pid", row.pid)?;
+        client.set_item("chunks", row.chunks)?;
+        client.set_item("pins", row.pins)?;
+        client.set_item("storing", row.storing)?;
+        client.set_item("calls", row.calls)?;
+        clients.append(client)?;
+    }
+    Ok(clients)
 }

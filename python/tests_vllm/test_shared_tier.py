@@ -97,8 +97,20 @@ def owner_lines(tier: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in owner_log(tier).read_text().splitlines() if line]
 
 
+def released_clients(tier: str, count: int) -> list[dict[str, Any]]:
+    """The owner's lines for the clients it released, once there are ``count`` (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        released = [line["released"] for line in owner_lines(tier) if "released" in line]
+        if len(released) >= count or time.monotonic() > deadline:
+            return released
+        time.sleep(0.05)
+
+
 def shared(tier: str, segment: str) -> tuple[str, ...]:
-    return ("--kvshm-shared-tier", tier, "--kvshm-segment", segment, "--kvshm-idle-exit-s", "120")
+    """An engine's options on tier ``tier``; its owner outlives a slow start of the next engine
+    (the fixture stops it)."""
+    return ("--kvshm-shared-tier", tier, "--kvshm-segment", segment, "--kvshm-idle-exit-s", "3600")
 
 
 def test_a_prompt_one_engine_served_is_an_offloaded_hit_on_another(
@@ -131,7 +143,7 @@ def test_a_prompt_one_engine_served_is_an_offloaded_hit_on_another(
     lines = owner_lines(tier)
     assert lines[0]["tier"] == tier
     assert lines[0]["arenas_taken_over"] is False
-    released = [line["released"] for line in lines if "released" in line]
+    released = released_clients(tier, 2)
     assert len(released) == 2, lines
     print(
         "shared tier:",
@@ -149,59 +161,81 @@ def test_a_prompt_one_engine_served_is_an_offloaded_hit_on_another(
 def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
     model: str, workload: list[list[int]], tmp_path: Path, tier: str
 ) -> None:
-    """Engines A and B serve the workload at once, each on a core of its own; A is SIGKILLed
-    (every process of it) a moment into its third request, while it stores; B finishes with
-    every output identical, and a third engine then finds every block of the first round, with
-    identical outputs: nothing A left half-written is a hit."""
+    """Engine B serves its first request and waits; engine A starts beside it and is SIGKILLed
+    (every process of it) the moment the tier's owner lists a store of A's prepared and not
+    completed; B then serves the rest with every output identical, and a third engine finds
+    every block of the first round, with identical outputs: nothing A left half-written is a
+    hit."""
     without = offline(model, workload, tmp_path)
     expected = outputs(without)
+    gate = tmp_path / "go-on"
 
-    doomed_command, _ = offline_command(
-        model, workload, tmp_path, *shared(tier, f"{tier}-a"), "--progress"
+    (tmp_path / "survivor").mkdir()
+    survivor_command, survivor_out = offline_command(
+        model,
+        workload,
+        tmp_path / "survivor",
+        *shared(tier, f"{tier}-b"),
+        "--progress",
+        "--wait-for",
+        str(gate),
     )
-    doomed = subprocess.Popen(
-        doomed_command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"},
-    )
-    try:
-        assert doomed.stdout is not None
-        for line in doomed.stdout:
-            if line.strip() == b"served 2":
-                break
-        else:
-            pytest.fail("engine A ended before its second request was served")
-        # Engine B starts beside it (and finds A's owner); A goes on into its third request.
-        (tmp_path / "survivor").mkdir()
-        survivor_command, survivor_out = offline_command(
-            model, workload, tmp_path / "survivor", *shared(tier, f"{tier}-b")
-        )
+    survivor_log = tmp_path / "survivor.log"
+    with survivor_log.open("wb") as log:
         survivor = subprocess.Popen(
             survivor_command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
             env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"},
         )
-        time.sleep(0.5)
+    doomed: subprocess.Popen[bytes] | None = None
+    try:
+        assert survivor.stdout is not None
+        for line in survivor.stdout:
+            if line.strip() == b"served 1":
+                break
+        else:
+            pytest.fail("engine B ended before its first request was served")
+        survivor_clients = {client["pid"] for client in _kvshm.shared_tier_clients(tier)}
+
+        doomed_command, _ = offline_command(model, workload, tmp_path, *shared(tier, f"{tier}-a"))
+        doomed = subprocess.Popen(
+            doomed_command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"},
+        )
+        deadline = time.monotonic() + 600
+        while not any(
+            client["pid"] not in survivor_clients and client["storing"] > 0
+            for client in _kvshm.shared_tier_clients(tier)
+        ):
+            assert doomed.poll() is None, "engine A ended without a store seen pending"
+            assert time.monotonic() < deadline, "engine A never stored"
+            time.sleep(0.001)
         os.killpg(doomed.pid, signal.SIGKILL)
         doomed.wait()
-        _, survivor_errors = survivor.communicate(timeout=900)
-        assert survivor.returncode == 0, survivor_errors[-4000:].decode(errors="replace")
+        gate.touch()
+        survivor.communicate(timeout=900)
+        assert survivor.returncode == 0, survivor_log.read_text()[-4000:]
     finally:
-        if doomed.poll() is None:
+        if doomed is not None and doomed.poll() is None:
             os.killpg(doomed.pid, signal.SIGKILL)
             doomed.wait()
+        if survivor.poll() is None:
+            survivor.kill()
+            survivor.wait()
 
     survived = json.loads(survivor_out.read_text())
     assert outputs(survived) == expected
-    released = [line["released"] for line in owner_lines(tier) if "released" in line]
-    # Engine A's client was let go first (it died long before B ended): its pins and pending
-    # stores released, its stored blocks kept.
-    assert len(released) == 2, released
-    killed = released[0]
-    assert killed["died"], released
+    # Engine A's client was released as dead, its pending stores dropped (B's is released once
+    # its engine's last process has exited).
+    released = released_clients(tier, 2)
+    killed = [entry for entry in released if entry["pid"] not in survivor_clients]
+    assert len(killed) == 1, released
+    assert killed[0]["died"], released
+    assert killed[0]["stores"] >= 1, f"A was killed between stores: {released}"
 
     # A third engine: every block of the first round is in the tier, none of them torn.
     first_round = workload[:CONVERSATIONS]
@@ -210,10 +244,10 @@ def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
     hits = int(after["metrics"]["vllm:external_prefix_cache_hits"])
     assert hits == full_block_tokens(first_round)
     print(
-        "shared tier, engine killed:",
+        "shared tier, engine killed mid-store:",
         json.dumps(
             {
-                "killed_released": killed,
+                "killed_released": killed[0],
                 "survivor_requests": len(survived["requests"]),
                 "survivor_hit_tokens": survived["metrics"]["vllm:external_prefix_cache_hits"],
                 "after_hit_tokens": hits,
