@@ -1,0 +1,121 @@
+"""A shared host tier without vLLM: its owner started as an engine starts it (and outliving the
+process that started it), and two engines' host tiers on its arena, the bytes one stored read
+back by the other."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvshm
+from kvshm import _kvshm
+from kvshm.shared_tier import TierIdentity, ensure_tier_owner, owner_log
+
+PAGE = 64
+CHUNKS = 8
+IDENTITY = TierIdentity(
+    model="m",
+    kv_dtype="float16",
+    block_tokens=16,
+    block_bytes=2 * PAGE,
+    blocks_per_chunk=1,
+    layout="tp1",
+)
+
+
+@pytest.fixture
+def tier(name: str) -> Iterator[str]:
+    """A tier's name; its owner stopped and its arenas removed at the end."""
+    yield name
+    pid = _kvshm.shared_tier_owner(name)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _kvshm.shared_tier_owner(name) is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    for arena in Path("/dev/shm").glob(f"kvshm.{name}.host.*"):
+        arena.unlink()
+    owner_log(name).unlink(missing_ok=True)
+
+
+def parent_of(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1])
+
+
+def start(tier: str) -> int:
+    return ensure_tier_owner(
+        tier, IDENTITY, chunks=CHUNKS, ranks=1, arena_block_bytes=2 * PAGE, idle_exit_s=600
+    )
+
+
+def test_an_engine_starts_the_owner_once_and_not_as_its_child(tier: str) -> None:
+    pid = start(tier)
+    assert _kvshm.shared_tier_owner(tier) == pid
+    assert parent_of(pid) != os.getpid(), "the owner must not die with the engine's tree"
+    assert start(tier) == pid, "a second engine finds the owner serving"
+    assert '"arenas_taken_over":false' in owner_log(tier).read_text()
+    assert _kvshm.shared_tier_clients(tier) == []
+
+
+def test_a_block_one_engine_stored_is_read_back_by_another(tier: str, name: str) -> None:
+    start(tier)
+    engines = []
+    for index in range(2):
+        gpu = [np.zeros((4, PAGE), dtype=np.uint8) for _ in range(2)]
+        host = kvshm.HostTier(
+            f"{name}-e{index}",
+            page_bytes=PAGE,
+            device_blocks=4,
+            chunks=1,
+            blocks_per_chunk=1,
+            groups=[[0, 1]],
+            tensors=gpu,
+            shared_tier=tier,
+        )
+        engines.append((gpu, host))
+    (first_gpu, first), (second_gpu, second) = engines
+    first_gpu[0][2] = 7
+    first_gpu[1][2] = 9
+    # Engine one stores its block 2 into chunk 5 (a chunk the owner would name); engine two
+    # loads chunk 5 into its block 3. The tier is as large as the owner's arena, whatever
+    # `chunks` each engine gave.
+    first.submit_store(1, [2], [1], [0], [5])
+    assert first.take_finished()[0][:2] == (1, True)
+    second.submit_load(1, [3], [1], [0], [5])
+    assert second.take_finished()[0][:2] == (1, True)
+    assert (second_gpu[0][3] == 7).all()
+    assert (second_gpu[1][3] == 9).all()
+    with pytest.raises(kvshm.OffloadError):
+        second.submit_load(2, [3], [1], [0], [CHUNKS])
+    for _, host in engines:
+        host.close()
+
+
+def test_a_tier_of_other_blocks_or_no_owner_is_refused(tier: str, name: str) -> None:
+    gpu = [np.zeros((4, PAGE), dtype=np.uint8)]
+
+    def host_tier(segment: str) -> kvshm.HostTier:
+        return kvshm.HostTier(
+            segment,
+            page_bytes=PAGE,
+            device_blocks=4,
+            chunks=1,
+            blocks_per_chunk=1,
+            groups=[[0]],
+            tensors=gpu,
+            shared_tier=tier,
+        )
+
+    with pytest.raises(kvshm.SegmentError, match="arena"):
+        host_tier(f"{name}-none")
+    start(tier)
+    # One tensor: 64-byte blocks against the tier's 128.
+    with pytest.raises(kvshm.SegmentError, match="128"):
+        host_tier(f"{name}-other")
