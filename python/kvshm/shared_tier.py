@@ -12,6 +12,7 @@ removing the tier, once no engine has been attached for ``idle_exit_s`` seconds.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -150,3 +151,18 @@ def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = No
                 f"(see {owner_log(tier)})"
             )
         time.sleep(0.02)
+
+
+def stop_tier(tier: str, *, timeout_s: float = 10.0) -> None:
+    """Ends tier ``tier``: stops its owner (SIGTERM, waiting up to ``timeout_s``), then removes
+    its arenas and its owner's log. For when no engine uses the tier any more: the arenas are
+    what running engines copy into."""
+    pid = shared_tier_owner(tier)
+    if pid is not None:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while shared_tier_owner(tier) is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    for arena in Path("/dev/shm").glob(f"kvshm.{tier}.host.*"):
+        arena.unlink(missing_ok=True)
+    owner_log(tier).unlink(missing_ok=True)

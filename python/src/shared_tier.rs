@@ -73,7 +73,13 @@ pub struct VllmSharedTierCore {
     pinned: HashMap<String, KeyMap<u32>>,
     counters: ClientCounters,
     answers: Vec<CallAnswer>,
-    keys: Vec<OffloadKey>,
+}
+
+/// `keys` (any iterable of `bytes`) as engine keys.
+fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
+    let mut out = Vec::new();
+    keys_into(keys, &mut out)?;
+    Ok(out)
 }
 
 impl VllmSharedTierCore {
@@ -129,7 +135,6 @@ impl VllmSharedTierCore {
             pinned: HashMap::new(),
             counters: ClientCounters::default(),
             answers: Vec::new(),
-            keys: Vec::new(),
         })
     }
 
@@ -200,8 +205,7 @@ impl VllmSharedTierCore {
         let py = slf.py();
         let request = request_id(req_context)?;
         let request = request.to_str()?;
-        let mut wanted = std::mem::take(&mut slf.keys);
-        keys_into(keys, &mut wanted)?;
+        let wanted = keys_of(keys)?;
         let mut pins = slf.pinned.remove(request).unwrap_or_default();
         let mut chunks: Vec<Option<u32>> = wanted.iter().map(|key| pins.remove(key)).collect();
         let missing: Vec<OffloadKey> =
@@ -223,7 +227,6 @@ impl VllmSharedTierCore {
                     .chain(missing[..found.len()].iter().copied())
                     .collect();
                 slf.release(&taken)?;
-                slf.keys = wanted;
                 return Err(OffloadError::new_err(format!(
                     "{} of the {} keys to load are gone from the shared tier",
                     missing.len() - found.len(),
@@ -235,7 +238,6 @@ impl VllmSharedTierCore {
                 *chunk = found.next();
             }
         }
-        slf.keys = wanted;
         let chunks: Vec<u32> = chunks.into_iter().flatten().collect();
         let chunks = Py::new(py, U32Array::new(chunks.as_slice()))?;
         slf.types.load_store_spec.call1(py, (chunks,))
@@ -254,12 +256,9 @@ impl VllmSharedTierCore {
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let _ = req_context;
-        let mut loaded = std::mem::take(&mut slf.keys);
-        keys_into(keys, &mut loaded)?;
+        let loaded = keys_of(keys)?;
         slf.counters.keys_loaded += loaded.len() as u64;
-        let released = slf.release(&loaded);
-        slf.keys = loaded;
-        released
+        slf.release(&loaded)
     }
 
     /// Module flow, step 4.
@@ -274,12 +273,8 @@ impl VllmSharedTierCore {
             Err(_) => PyList::new(py, keys.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
         };
         let request = request_id(req_context)?;
-        let mut asked = std::mem::take(&mut slf.keys);
-        keys_into(offered.as_any(), &mut asked)?;
-        let called =
-            slf.call(&[TierCall::PrepareStore { request: request.to_str()?, keys: &asked }]);
-        slf.keys = asked;
-        called?;
+        let asked = keys_of(offered.as_any())?;
+        slf.call(&[TierCall::PrepareStore { request: request.to_str()?, keys: &asked }])?;
         let (indices, chunks) = match slf.answers.first() {
             Some(CallAnswer::Store { to_store, chunks }) => (to_store.clone(), chunks.clone()),
             _ => (Vec::new(), Vec::new()),
@@ -304,16 +299,13 @@ impl VllmSharedTierCore {
         success: bool,
     ) -> PyResult<()> {
         let _ = req_context;
-        let mut stored = std::mem::take(&mut slf.keys);
-        keys_into(keys, &mut stored)?;
+        let stored = keys_of(keys)?;
         if success {
             slf.counters.keys_stored += stored.len() as u64;
         } else {
             slf.counters.stores_failed += stored.len() as u64;
         }
-        let called = slf.call(&[TierCall::CompleteStore { keys: &stored, success }]);
-        slf.keys = stored;
-        called
+        slf.call(&[TierCall::CompleteStore { keys: &stored, success }])
     }
 
     /// Module flow, step 5.

@@ -5,8 +5,6 @@ back by the other."""
 from __future__ import annotations
 
 import os
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 
 import kvshm
 from kvshm import _kvshm
-from kvshm.shared_tier import TierIdentity, ensure_tier_owner, owner_log
+from kvshm.shared_tier import TierIdentity, ensure_tier_owner, owner_log, stop_tier
 
 PAGE = 64
 CHUNKS = 8
@@ -33,15 +31,8 @@ IDENTITY = TierIdentity(
 def tier(name: str) -> Iterator[str]:
     """A tier's name; its owner stopped and its arenas removed at the end."""
     yield name
-    pid = _kvshm.shared_tier_owner(name)
-    if pid is not None:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while _kvshm.shared_tier_owner(name) is not None and time.monotonic() < deadline:
-            time.sleep(0.02)
-    for arena in Path("/dev/shm").glob(f"kvshm.{name}.host.*"):
-        arena.unlink()
-    owner_log(name).unlink(missing_ok=True)
+    stop_tier(name)
+    assert not list(Path("/dev/shm").glob(f"kvshm.{name}*"))
 
 
 def parent_of(pid: int) -> int:

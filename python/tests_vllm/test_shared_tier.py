@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from kvshm import _kvshm
-from kvshm.shared_tier import owner_log
+from kvshm.shared_tier import owner_log, stop_tier
 
 
 def load_sibling(name: str) -> ModuleType:
@@ -63,15 +63,7 @@ def tier() -> Iterator[str]:
     """A shared tier's name; its owner stopped and its arenas removed afterwards."""
     name = f"pyv-shared-{os.getpid()}-{time.monotonic_ns() % 100000}"
     yield name
-    pid = _kvshm.shared_tier_owner(name)
-    if pid is not None:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while _kvshm.shared_tier_owner(name) is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    for arena in Path("/dev/shm").glob(f"kvshm.{name}.host.*"):
-        arena.unlink()
-    owner_log(name).unlink(missing_ok=True)
+    stop_tier(name)
     # The engines' own segments (a killed engine leaves its own).
     listed = subprocess.run(
         [sys.executable, "-m", "kvshm", "kvctl", "ls", "--json"],
