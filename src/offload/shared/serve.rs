@@ -204,7 +204,7 @@ impl TierServer {
                 }
                 (None, WorkerState::Attached) => {}
                 (None, WorkerState::Unknown(_)) => {
-                    let _ = self.control.reclaim_client(slot, word);
+                    self.reclaim(slot, word);
                     continue;
                 }
                 (None, _) => continue,
@@ -213,7 +213,7 @@ impl TierServer {
             // died before it wrote them is reclaimed.
             let Some(fields) = client_slot.claim_fields(word) else {
                 if !ProcessIdentity::new(word.pid(), 0).is_alive() {
-                    let _ = self.control.reclaim_client(slot, word);
+                    self.reclaim(slot, word);
                 }
                 continue;
             };
@@ -251,7 +251,7 @@ impl TierServer {
                     self.stats.clients_adopted += 1;
                 }
                 None => {
-                    let _ = self.control.reclaim_client(slot, word);
+                    self.reclaim(slot, word);
                 }
             }
         }
@@ -265,9 +265,7 @@ impl TierServer {
             if process.is_alive() {
                 return true;
             }
-            if let Err(error) = control.reclaim_client(slot, word) {
-                tracing::warn!(slot, %error, "a fenced slot could not be reclaimed");
-            }
+            reclaim_logged(control, slot, word);
             false
         });
         self.reaped.clear();
@@ -288,7 +286,7 @@ impl TierServer {
                 self.publish_figures(slot);
                 let word = served.word;
                 drop(served);
-                let _ = self.control.reclaim_client(slot, word);
+                self.reclaim(slot, word);
                 self.stats.clients_released += 1;
             }
         }
@@ -314,6 +312,11 @@ impl TierServer {
         }
     }
 
+    /// Empties `slot` from the word `word` (module documentation), saying why if it cannot.
+    fn reclaim(&self, slot: u32, word: OwnerWord) {
+        reclaim_logged(&self.control, slot, word);
+    }
+
     /// Releases the client of `slot`: it detached (its end of the channel is gone: the slot is
     /// reclaimed now), or broke its channel (its process may still write it: the slot is fenced
     /// until the process exits).
@@ -326,7 +329,7 @@ impl TierServer {
         }
         drop(served);
         if detached || !process.is_alive() {
-            let _ = self.control.reclaim_client(slot, word);
+            self.reclaim(slot, word);
         } else {
             self.fenced.push((slot, word, process));
         }
@@ -485,6 +488,14 @@ impl TierServer {
                 Some(failed)
             }
         }
+    }
+}
+
+/// [`TierControl::reclaim_client`], its failure logged: the slot stays unclaimable (a word
+/// changed under the owner, which only a scribble does) and an operator should know.
+fn reclaim_logged(control: &TierControl, slot: u32, word: OwnerWord) {
+    if let Err(error) = control.reclaim_client(slot, word) {
+        tracing::warn!(slot, %error, "a client slot could not be reclaimed; it stays unclaimable");
     }
 }
 
