@@ -117,10 +117,12 @@ def percentile(values: list[float], fraction: float) -> float:
 def stream(
     client: Any, model: str, prompt: list[int], max_tokens: int
 ) -> dict[str, Any]:
-    """One streamed greedy completion: time to first token, total time, cached prompt tokens."""
+    """One streamed greedy completion: time to first token, total time, cached prompt tokens,
+    the output's token ids."""
     started = time.perf_counter()
     first = None
     usage = None
+    tokens: list[int] = []
     for chunk in client.completions.create(
         model=model,
         prompt=prompt,
@@ -128,9 +130,14 @@ def stream(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
     ):
-        if first is None and chunk.choices and chunk.choices[0].text:
-            first = time.perf_counter()
+        if chunk.choices:
+            choice = chunk.choices[0]
+            delta = getattr(choice, "token_ids", None) or []
+            if first is None and (delta or choice.text):
+                first = time.perf_counter()
+            tokens += delta
         if chunk.usage is not None:
             usage = chunk.usage
     ended = time.perf_counter()
@@ -140,6 +147,7 @@ def stream(
         "seconds": ended - started,
         "prompt_tokens": len(prompt),
         "cached_tokens": (details.cached_tokens or 0) if details else 0,
+        "tokens": tokens,
     }
 
 
