@@ -20,7 +20,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvshm._kvshm import SegmentError, shared_tier_name, shared_tier_owner
+from kvshm._kvshm import SegmentError, shared_tier_clients, shared_tier_name, shared_tier_owner
+
+__all__ = [
+    "OWNER_START_TIMEOUT_S",
+    "TierIdentity",
+    "ensure_tier_owner",
+    "owner_log",
+    "shared_tier_clients",
+    "shared_tier_owner",
+    "stop_tier",
+    "wait_for_tier_owner",
+]
 
 #: How long an engine waits for a tier's owner to serve (making a large tier's arenas takes
 #: seconds: their memory is zeroed).
