@@ -101,9 +101,11 @@ class Running:
 
 @dataclass
 class CallLog:
-    """Per-call times in nanoseconds, and what the calls returned (for comparison)."""
+    """Per-call times in nanoseconds with the methods called, and what the calls returned (for
+    comparison)."""
 
     times: list[int] = field(default_factory=list)
+    methods: list[str] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)
     keep_results: bool = True
 
@@ -141,6 +143,7 @@ class Driver:
         if method == "take_events":
             result = list(result)  # vLLM's is a generator: taking the events is the work
         self.log.times.append(time.perf_counter_ns() - started)
+        self.log.methods.append(method)
         if method == "take_events":
             result = [(event.removed, list(event.keys)) for event in result]
         if self.log.keep_results:
