@@ -89,7 +89,7 @@ def tier_owner(tier: str, chunks: int, cpu: int | None) -> Iterator[dict[str, An
         if lines:
             report.update(lines[-1])
         for arena in Path("/dev/shm").glob(f"kvshm.{tier}.host.*"):
-            arena.unlink()
+            arena.unlink(missing_ok=True)
 
 
 def shared_managers(tier: str, instances: int) -> list[Any]:
