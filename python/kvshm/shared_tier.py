@@ -84,10 +84,13 @@ def ensure_tier_owner(
     ranks: int,
     arena_block_bytes: int,
     idle_exit_s: int,
+    client_quota: int | None = None,
     timeout_s: float = OWNER_START_TIMEOUT_S,
 ) -> int:
     """The pid of tier ``tier``'s owner, started if none serves it; it serves once this returns
-    (its arenas made). Raises ``SegmentError`` when it cannot start (its log says why)."""
+    (its arenas made). An owner started here gives every engine a quota of ``client_quota``
+    chunks, if given (one already serving keeps its own). Raises ``SegmentError`` when it cannot
+    start (its log says why)."""
     pid = shared_tier_owner(tier)
     if pid is not None:
         return pid
@@ -108,6 +111,7 @@ def ensure_tier_owner(
         str(arena_block_bytes),
         "--idle-exit-s",
         str(idle_exit_s),
+        *(["--client-quota", str(client_quota)] if client_quota is not None else []),
     ]
     # Through a launcher that exits at once, so that the owner is no descendant of the engine:
     # an engine that ends kills its process tree (vLLM does), and the owner serves the others.

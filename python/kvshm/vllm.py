@@ -31,8 +31,10 @@ copies that no worker answers is logged as a warning every 30 s).
 engine's host tier is one several engines on this machine share (:mod:`kvshm.shared_tier`): a
 block one engine stored is a hit for every other of the same model and layout. The first engine
 starts the tier's owner process, sized by its ``cpu_bytes_to_use``; it exits once no engine has
-used the tier for ``shared_tier_idle_exit_s`` (default 600) seconds. Copies run in the engine's
-own process (CPU tensors) in this release; warm restart is not offered for a shared tier.
+used the tier for ``shared_tier_idle_exit_s`` (default 600) seconds, and with
+``shared_tier_client_bytes`` gives each engine a quota (an engine at it evicts its own blocks,
+never another's). Copies run in the engine's own process (CPU tensors) in this release; warm
+restart is not offered for a shared tier.
 """
 
 from __future__ import annotations
@@ -471,6 +473,10 @@ class KvshmOffloadingSpec(OffloadingSpec):
         self.shared_identity = _shared_identity(config) if shared else None
         self.shared_tier: str | None = None
         self.shared_idle_exit_s = int(extra.get("shared_tier_idle_exit_s", 600))
+        quota_bytes = extra.get("shared_tier_client_bytes")
+        self.shared_client_quota = (
+            max(int(quota_bytes) // chunk_bytes, 1) if quota_bytes and chunk_bytes else None
+        )
         if self.shared_identity is not None:
             named = shared if isinstance(shared, str) else None
             self.shared_tier = named or self.shared_identity.tier_name()
@@ -563,4 +569,5 @@ class KvshmOffloadingSpec(OffloadingSpec):
             ranks=max(int(self.config.parallel.world_size), 1),
             arena_block_bytes=page_bytes,
             idle_exit_s=self.shared_idle_exit_s,
+            client_quota=self.shared_client_quota,
         )

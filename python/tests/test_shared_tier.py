@@ -40,15 +40,23 @@ def parent_of(pid: int) -> int:
     return int(fields[1])
 
 
-def start(tier: str) -> int:
+def start(tier: str, client_quota: int | None = None) -> int:
     return ensure_tier_owner(
-        tier, IDENTITY, chunks=CHUNKS, ranks=1, arena_block_bytes=2 * PAGE, idle_exit_s=600
+        tier,
+        IDENTITY,
+        chunks=CHUNKS,
+        ranks=1,
+        arena_block_bytes=2 * PAGE,
+        idle_exit_s=600,
+        client_quota=client_quota,
     )
 
 
 def test_an_engine_starts_the_owner_once_and_not_as_its_child(tier: str) -> None:
-    pid = start(tier)
+    pid = start(tier, client_quota=3)
     assert _kvshm.shared_tier_owner(tier) == pid
+    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert arguments[arguments.index(b"--client-quota") + 1] == b"3"
     assert parent_of(pid) != os.getpid(), "the owner must not die with the engine's tree"
     assert start(tier) == pid, "a second engine finds the owner serving"
     assert '"arenas_taken_over":false' in owner_log(tier).read_text()

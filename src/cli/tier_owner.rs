@@ -60,6 +60,10 @@ pub struct Args {
     /// Client slots.
     #[arg(long, default_value_t = 16)]
     clients: u32,
+    /// The most chunks each client may hold: a client at its quota evicts its own least
+    /// recently used blocks to store more, so that no engine flushes the others'.
+    #[arg(long)]
+    client_quota: Option<u32>,
     /// Exit, removing the tier and its arenas, once no client has been attached for this many
     /// seconds (counted from the start too). Without it, the owner serves until stopped.
     #[arg(long)]
@@ -93,6 +97,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let index = SharedTierIndex::new(identity, OffloadConfig::new(chunks))?;
     install_stop_handlers().context("installing the stop handlers")?;
     let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))?;
+    server.set_client_quota(args.client_quota);
     if arenas.adopted() {
         server.refuse_stores_until(Instant::now() + Duration::from_millis(args.takeover_grace_ms));
     }

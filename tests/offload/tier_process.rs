@@ -376,3 +376,24 @@ fn a_client_that_gives_up_on_a_stalled_owner_leaves_nothing_held_there() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// `--client-quota`: a client at its quota evicts its own least recently used leaf to store
+/// another, never a block of the other client, even with chunks free.
+#[test]
+fn a_client_at_its_quota_evicts_its_own_blocks_not_another_clients() {
+    let name = tier_name("quota");
+    let _owner = Owner::start(&name, &["--client-quota", "2"]);
+    let mut first = Client::start(&name);
+    let mut second = Client::start(&name);
+    assert_eq!(second.ask("store b 10,11 4"), "2");
+    second.ask("finish b");
+    assert_eq!(first.ask("store a 1,2 5"), "2");
+    first.ask("finish a");
+    assert_eq!(first.ask("store a2 3 6"), "1", "at its quota: one of its own makes room");
+    first.ask("finish a2");
+    assert_eq!(second.ask("load c 10,11"), "4,4", "the other client's blocks stay");
+    assert_eq!(first.ask("load d 3"), "6");
+    // Its chain 1 -> 2 lost its leaf (leaf-first LRU), with 4 of the 8 chunks free.
+    assert_eq!(first.ask("load d 2"), "", "its least recently used leaf went");
+    assert_eq!(first.ask("load d 1"), "5");
+}

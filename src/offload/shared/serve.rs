@@ -91,6 +91,8 @@ pub struct TierServer {
     last_reap: Instant,
     /// Until then every store is refused (a previous owner's clients may still write chunks).
     stores_refused_until: Option<Instant>,
+    /// The quota of chunks every client it adopts gets, if any (`SharedTierIndex::attach`).
+    client_quota: Option<u32>,
     // Scratch, reused between turns.
     requests: Vec<TierRequest>,
     answers: Vec<TierAnswer>,
@@ -130,6 +132,7 @@ impl TierServer {
             stats: ServeStats::default(),
             last_reap: Instant::now(),
             stores_refused_until: None,
+            client_quota: None,
             requests: Vec::new(),
             answers: Vec::new(),
             wire_keys: Vec::new(),
@@ -152,6 +155,12 @@ impl TierServer {
     /// handed to another store meanwhile.
     pub fn refuse_stores_until(&mut self, until: Instant) {
         self.stores_refused_until = Some(until);
+    }
+
+    /// Gives every client adopted from now on a quota of `chunks` chunks: a store that would
+    /// take it past them evicts its own least recently used keys, never another client's.
+    pub fn set_client_quota(&mut self, chunks: Option<u32>) {
+        self.client_quota = chunks;
     }
 
     /// Clients served now.
@@ -220,31 +229,32 @@ impl TierServer {
             let process = ProcessIdentity::new(word.pid(), fields.start_time);
             let identity = self.owner.index().identity().clone();
             let name = format!("pid {}", word.pid());
-            let adopted = match self.owner.attach_process(&identity, &name, None, process) {
-                // SAFETY: the one owner end of the slot: `served[slot]` is empty here (a slot is
-                // adopted only when it is), and its channel is dropped with it before it is
-                // adopted again.
-                Ok(client) => match unsafe { self.control.owner_channel(slot) } {
-                    Ok(channel) => Some(Served {
-                        client,
-                        word,
-                        process,
-                        channel,
-                        next_entry: 0,
-                        detached: false,
-                        calls: 0,
-                    }),
+            let adopted =
+                match self.owner.attach_process(&identity, &name, self.client_quota, process) {
+                    // SAFETY: the one owner end of the slot: `served[slot]` is empty here (a slot is
+                    // adopted only when it is), and its channel is dropped with it before it is
+                    // adopted again.
+                    Ok(client) => match unsafe { self.control.owner_channel(slot) } {
+                        Ok(channel) => Some(Served {
+                            client,
+                            word,
+                            process,
+                            channel,
+                            next_entry: 0,
+                            detached: false,
+                            calls: 0,
+                        }),
+                        Err(error) => {
+                            tracing::warn!(slot, %error, "a client's channel is broken: released");
+                            let _ = self.owner.detach(client);
+                            None
+                        }
+                    },
                     Err(error) => {
-                        tracing::warn!(slot, %error, "a client's channel is broken: released");
-                        let _ = self.owner.detach(client);
+                        tracing::info!(slot, %error, "a client gone before it was adopted");
                         None
                     }
-                },
-                Err(error) => {
-                    tracing::info!(slot, %error, "a client gone before it was adopted");
-                    None
-                }
-            };
+                };
             match adopted {
                 Some(served) => {
                     self.served[slot as usize] = Some(served);
