@@ -156,9 +156,9 @@ def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = No
         if pid is not None:
             return pid
         if started is not None and not _running(started):
-            # Another engine's owner may have won the name: it serves soon.
+            # Another engine's owner won the name (or the launched one failed: its log says
+            # why); the winner serves once its arenas are made, which may take the whole wait.
             started = None
-            deadline = min(deadline, time.monotonic() + 10.0)
             continue
         if time.monotonic() >= deadline:
             raise SegmentError(

@@ -16,7 +16,9 @@
 //! 5. `on_request_finished`: the request's pins left are let go, and it ends at the owner.
 //!
 //! While the owner is gone every lookup misses and nothing is stored: vLLM computes what it would
-//! have loaded, so outputs do not change.
+//! have loaded, so outputs do not change. Pins belong to the connection they were taken on
+//! (`Pin`): after the client attaches again (to a new owner, or in a new slot of a stalled one)
+//! an old pin is no hit and is not released through the new connection.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -69,10 +71,23 @@ pub struct VllmSharedTierCore {
     /// In a mutex only to make the class shareable (Python may hand it to any thread): every
     /// call holds `&mut self`, so it is never locked, only reached through `get_mut`.
     client: Mutex<TierClient>,
-    /// Per request, the keys its lookups pinned that no load took yet, with their chunks.
-    pinned: HashMap<String, KeyMap<u32>>,
+    /// Per request, the keys its lookups pinned that no load took yet.
+    pinned: HashMap<String, KeyMap<Pin>>,
+    /// Per request, the keys being loaded, with the connection epoch of their pins.
+    loading: HashMap<String, KeyMap<u64>>,
     counters: ClientCounters,
     answers: Vec<CallAnswer>,
+}
+
+/// A key pinned for a request: its chunk, and the connection it was pinned on
+/// (`TierClient::connection_epoch`). A pin of an earlier connection is no hit (the owner may
+/// have forgotten the key) and is not this connection's to release; its chunk stays safe to
+/// load from in the step that asked for it, as the old slot keeps its pins while this process
+/// lives, and a new owner stores nothing during its grace.
+#[derive(Clone, Copy, Debug)]
+struct Pin {
+    chunk: u32,
+    epoch: u64,
 }
 
 /// `keys` (any iterable of `bytes`) as engine keys.
@@ -88,6 +103,23 @@ impl VllmSharedTierCore {
         self.counters.owner_calls += 1;
         let client = self.client.get_mut().unwrap_or_else(PoisonError::into_inner);
         client.call(calls, &mut self.answers).map_err(tier_error)
+    }
+
+    /// The client's connection epoch now.
+    fn epoch(&mut self) -> u64 {
+        self.client.get_mut().unwrap_or_else(PoisonError::into_inner).connection_epoch()
+    }
+
+    /// Lets go of the pins of `pins` taken on the current connection (no answer); those of an
+    /// earlier one are its slot's, released by the owner when this process exits.
+    fn release_current(
+        &mut self,
+        pins: impl IntoIterator<Item = (OffloadKey, u64)>,
+    ) -> PyResult<()> {
+        let epoch = self.epoch();
+        let keys: Vec<OffloadKey> =
+            pins.into_iter().filter(|&(_, pinned)| pinned == epoch).map(|(key, _)| key).collect();
+        self.release(&keys)
     }
 
     /// Lets go of `keys`' pins (no answer).
@@ -133,6 +165,7 @@ impl VllmSharedTierCore {
             types: VllmTypes::new(vllm_types),
             client: Mutex::new(client),
             pinned: HashMap::new(),
+            loading: HashMap::new(),
             counters: ClientCounters::default(),
             answers: Vec::new(),
         })
@@ -162,7 +195,12 @@ impl VllmSharedTierCore {
         let request = request_id(req_context)?;
         let request = request.to_str()?;
         slf.counters.lookups += 1;
-        let held = slf.pinned.get(request).is_some_and(|pins| pins.contains_key(&wanted));
+        let epoch = slf.epoch();
+        let held = slf
+            .pinned
+            .get(request)
+            .and_then(|pins| pins.get(&wanted))
+            .is_some_and(|pin| pin.epoch == epoch);
         let hit = held || {
             let keys = following_keys(req_context, wanted)?;
             slf.call(&[TierCall::AcquirePrefix { request, keys: &keys }])?;
@@ -170,15 +208,20 @@ impl VllmSharedTierCore {
                 Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
                 _ => Vec::new(),
             };
+            // Hits come from the connection that serves after the call (one made during it
+            // included): a dropped one answered misses.
+            let epoch = slf.epoch();
             let pins = slf.pinned.entry(request.to_owned()).or_default();
-            // A key the request held already keeps one pin: the second goes back.
-            let twice: Vec<OffloadKey> = keys
+            // A key the request held on this connection keeps one pin: the second goes back.
+            let twice: Vec<(OffloadKey, u64)> = keys
                 .iter()
                 .zip(&chunks)
-                .filter(|&(key, &chunk)| pins.insert(*key, chunk).is_some())
-                .map(|(key, _)| *key)
+                .filter_map(|(key, &chunk)| {
+                    let earlier = pins.insert(*key, Pin { chunk, epoch })?;
+                    (earlier.epoch == epoch).then_some((*key, epoch))
+                })
                 .collect();
-            slf.release(&twice)?;
+            slf.release_current(twice)?;
             !chunks.is_empty()
         };
         if hit {
@@ -207,38 +250,38 @@ impl VllmSharedTierCore {
         let request = request.to_str()?;
         let wanted = keys_of(keys)?;
         let mut pins = slf.pinned.remove(request).unwrap_or_default();
-        let mut chunks: Vec<Option<u32>> = wanted.iter().map(|key| pins.remove(key)).collect();
+        let mut taken: Vec<Option<Pin>> = wanted.iter().map(|key| pins.remove(key)).collect();
         let missing: Vec<OffloadKey> =
-            wanted.iter().zip(&chunks).filter(|(_, c)| c.is_none()).map(|(k, _)| *k).collect();
-        let unused: Vec<OffloadKey> = pins.into_keys().collect();
-        slf.release(&unused)?;
+            wanted.iter().zip(&taken).filter(|(_, pin)| pin.is_none()).map(|(k, _)| *k).collect();
+        slf.release_current(pins.into_iter().map(|(key, pin)| (key, pin.epoch)))?;
         if !missing.is_empty() {
             slf.call(&[TierCall::AcquirePrefix { request, keys: &missing }])?;
             let found = match slf.answers.first() {
                 Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
                 _ => Vec::new(),
             };
-            if found.len() < missing.len() {
-                let taken: Vec<OffloadKey> = wanted
-                    .iter()
-                    .zip(&chunks)
-                    .filter(|(_, c)| c.is_some())
-                    .map(|(k, _)| *k)
-                    .chain(missing[..found.len()].iter().copied())
-                    .collect();
-                slf.release(&taken)?;
+            let epoch = slf.epoch();
+            let mut found = found.into_iter().map(|chunk| Pin { chunk, epoch });
+            for pin in taken.iter_mut().filter(|pin| pin.is_none()) {
+                *pin = found.next();
+            }
+            if taken.iter().any(Option::is_none) {
+                let held = wanted.iter().zip(&taken);
+                let held = held.filter_map(|(key, pin)| pin.map(|pin| (*key, pin.epoch)));
+                let held: Vec<(OffloadKey, u64)> = held.collect();
+                slf.release_current(held)?;
+                let gone = taken.iter().filter(|pin| pin.is_none()).count();
                 return Err(OffloadError::new_err(format!(
-                    "{} of the {} keys to load are gone from the shared tier",
-                    missing.len() - found.len(),
-                    chunks.len()
+                    "{gone} of the {} keys to load are gone from the shared tier",
+                    wanted.len()
                 )));
             }
-            let mut found = found.into_iter();
-            for chunk in chunks.iter_mut().filter(|c| c.is_none()) {
-                *chunk = found.next();
-            }
         }
-        let chunks: Vec<u32> = chunks.into_iter().flatten().collect();
+        let loads = slf.loading.entry(request.to_owned()).or_default();
+        for (key, pin) in wanted.iter().zip(&taken) {
+            loads.insert(*key, pin.expect("every key has a pin here").epoch);
+        }
+        let chunks: Vec<u32> = taken.into_iter().flatten().map(|pin| pin.chunk).collect();
         let chunks = Py::new(py, U32Array::new(chunks.as_slice()))?;
         slf.types.load_store_spec.call1(py, (chunks,))
     }
@@ -255,10 +298,18 @@ impl VllmSharedTierCore {
         keys: &Bound<'_, PyAny>,
         req_context: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let _ = req_context;
+        let request = request_id(req_context)?;
+        let request = request.to_str()?;
         let loaded = keys_of(keys)?;
         slf.counters.keys_loaded += loaded.len() as u64;
-        slf.release(&loaded)
+        let current = slf.epoch();
+        let mut loads = slf.loading.remove(request).unwrap_or_default();
+        let pins: Vec<(OffloadKey, u64)> =
+            loaded.iter().map(|key| (*key, loads.remove(key).unwrap_or(current))).collect();
+        if !loads.is_empty() {
+            slf.loading.insert(request.to_owned(), loads);
+        }
+        slf.release_current(pins)
     }
 
     /// Module flow, step 4.
@@ -315,8 +366,14 @@ impl VllmSharedTierCore {
     ) -> PyResult<()> {
         let request = request_id(req_context)?;
         let request = request.to_str()?;
-        let unused: Vec<OffloadKey> =
-            slf.pinned.remove(request).map(|pins| pins.into_keys().collect()).unwrap_or_default();
+        let epoch = slf.epoch();
+        let unused: Vec<OffloadKey> = slf
+            .pinned
+            .remove(request)
+            .map(|pins| pins.into_iter().filter(|(_, pin)| pin.epoch == epoch).map(|(key, _)| key))
+            .into_iter()
+            .flatten()
+            .collect();
         let release = TierCall::ReleaseLoads { keys: &unused };
         let finish = TierCall::FinishRequest { request };
         if unused.is_empty() {

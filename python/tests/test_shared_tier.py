@@ -5,8 +5,11 @@ back by the other."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -118,3 +121,82 @@ def test_a_tier_of_other_blocks_or_no_owner_is_refused(tier: str, name: str) -> 
     # One tensor: 64-byte blocks against the tier's 128.
     with pytest.raises(kvshm.SegmentError, match="128"):
         host_tier(f"{name}-other")
+
+
+class _Spec:
+    """Stands in for vLLM's load/store spec class: the chunks it is given."""
+
+    def __init__(self, chunks: object, keys: object = None, parents: object = None) -> None:
+        self.chunks = list(np.asarray(chunks))
+
+
+def _store_output(keys_to_store: list[bytes], store_spec: _Spec, evicted_keys: object) -> object:
+    return list(keys_to_store), store_spec.chunks
+
+
+#: vLLM's types as VllmSharedTierCore takes them, stood in for: lookup results, the store
+#: output, the spec class, the event class, the medium, the request context.
+_TYPES = (("MISS", "HIT", "PENDING"), _store_output, _Spec, object, "CPU", dict)
+
+
+def _core(tier: str, deadline_s: float = 1.0) -> _kvshm.VllmSharedTierCore:
+    return _kvshm.VllmSharedTierCore(
+        tier,
+        model=IDENTITY.model,
+        kv_dtype=IDENTITY.kv_dtype,
+        block_tokens=IDENTITY.block_tokens,
+        block_bytes=IDENTITY.block_bytes,
+        blocks_per_chunk=IDENTITY.blocks_per_chunk,
+        layout=IDENTITY.layout,
+        vllm_types=_TYPES,
+        answer_deadline_s=deadline_s,
+    )
+
+
+def _key(n: int) -> bytes:
+    return n.to_bytes(8, "little") + bytes(4)
+
+
+def _request(name: str) -> SimpleNamespace:
+    return SimpleNamespace(req_id=name)
+
+
+def test_a_pin_of_a_dropped_connection_is_no_hit_after_the_engine_attaches_again(
+    tier: str,
+) -> None:
+    """An engine pins a key at lookup, gives up on its stalled owner, and attaches again in a
+    new slot: the key is asked of the owner again (a new pin on the new connection) rather than
+    answered from the old connection's pin, which the new one does not hold."""
+    pid = ensure_tier_owner(
+        tier, IDENTITY, chunks=2, ranks=1, arena_block_bytes=2 * PAGE, idle_exit_s=600
+    )
+    storer, loader = _core(tier), _core(tier, deadline_s=0.3)
+    storer.prepare_store([_key(1)], _request("a1"))
+    storer.complete_store([_key(1)], _request("a1"))
+    storer.on_request_finished(_request("a1"))
+    assert loader.lookup(_key(1), _request("c1")) == "HIT"
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert loader.lookup(_key(9), _request("c2")) == "MISS"
+        assert not loader.connected
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # The old slot keeps the loader's pin of key 1 while this process lives (the engine's copy
+    # from its chunk may still run), so in the two-chunk tier key 3 evicts key 2, not key 1.
+    for n in (2, 3):
+        storer.prepare_store([_key(n)], _request(f"a{n}"))
+        storer.complete_store([_key(n)], _request(f"a{n}"))
+        storer.on_request_finished(_request(f"a{n}"))
+    time.sleep(1.1)  # the loader's reattach interval
+    loader.lookup(_key(9), _request("c3"))
+    assert loader.connected
+    # Key 1's pin is the old connection's: the lookup asks the owner and pins it anew.
+    pins_before = sum(client["pins"] for client in _kvshm.shared_tier_clients(tier))
+    assert loader.lookup(_key(1), _request("c1")) == "HIT"
+    pins_after = sum(client["pins"] for client in _kvshm.shared_tier_clients(tier))
+    assert pins_after == pins_before + 1, "answered from the old connection's pin"
+    chunks = loader.prepare_load([_key(1)], _request("c1")).chunks
+    loader.complete_load([_key(1)], _request("c1"))
+    assert sum(client["pins"] for client in _kvshm.shared_tier_clients(tier)) == pins_before
+    assert len(chunks) == 1

@@ -8,7 +8,7 @@
 //!    the name lives, a dead owner's taken over; after a takeover, refuse stores for the grace;
 //! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
 //! 5. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT (or, with `--idle-exit-s`, until
-//!    no client has been attached for that long), printing one JSON line (`{"released": {...}}`)
+//!    no client has been attached for that long and no other process maps an arena), printing one JSON line (`{"released": {...}}`)
 //!    for each client let go, then print the owner's counters as one JSON line and remove the
 //!    control object. The arenas stay for the next owner (engines keep them mapped), except
 //!    after an idle exit, when no engine is left to map them.
@@ -62,7 +62,7 @@ pub struct Args {
     clients: u32,
     /// The most chunks each client may hold: a client at its quota evicts its own least
     /// recently used blocks to store more, so that no engine flushes the others'.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     client_quota: Option<u32>,
     /// Exit, removing the tier and its arenas, once no client has been attached for this many
     /// seconds (counted from the start too). Without it, the owner serves until stopped.
@@ -120,6 +120,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         if server.clients_attached() > 0 {
             last_attached = Instant::now();
         } else if idle_exit.is_some_and(|limit| last_attached.elapsed() >= limit) {
+            // An engine may map an arena without being attached (its copy side starts before
+            // its scheduler attaches): the tier then stays, and the idle time starts again.
+            if arenas.mapped_elsewhere() {
+                last_attached = Instant::now();
+                continue;
+            }
             idle = true;
             break;
         }

@@ -337,22 +337,20 @@ fn a_client_of_other_blocks_is_refused_with_the_field_that_differs() {
     );
 }
 
-/// A client that gives up on an owner stalled past its answer deadline (here SIGSTOPped) sends
-/// its detach on the old channel: once the owner runs again it releases the pins the client held
-/// there and empties the slot, rather than keeping them until the client's process exits.
+/// A client that gives up on an owner stalled past its answer deadline (here SIGSTOPped) leaves
+/// its slot and pins there while its process lives (its engine's copies may still be running:
+/// no chunk of it may go to another store), and the owner releases them once the process exits.
 #[test]
-fn a_client_that_gives_up_on_a_stalled_owner_leaves_nothing_held_there() {
+fn a_client_that_gives_up_on_a_stalled_owner_keeps_its_pins_until_it_exits() {
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
 
     let name = tier_name("stalled");
-    let owner = Owner::start(&name, &[]);
+    let mut owner = Owner::start(&name, &[]);
     let tier = SegmentName::new(&name).unwrap();
     let mut client = Client::start(&name);
     assert_eq!(client.ask("store a 1,2 3"), "2");
     assert_eq!(client.ask("acquire a 1,2"), "2", "two pins held");
-    let held = inspect_tier(&tier).unwrap();
-    assert_eq!(held.clients.iter().map(|row| row.pins).sum::<u32>(), 2, "{held:?}");
 
     let pid = Pid::from_raw(owner.child.id() as i32);
     kill(pid, Signal::SIGSTOP).unwrap();
@@ -360,20 +358,24 @@ fn a_client_that_gives_up_on_a_stalled_owner_leaves_nothing_held_there() {
     assert_eq!(client.ask("connected"), "false");
     kill(pid, Signal::SIGCONT).unwrap();
 
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let report = inspect_tier(&tier).unwrap();
-        if report.clients.is_empty() {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the abandoned slot still holds {report:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // The client attaches again on its next call, and finds its stored blocks.
+    // The client attaches again (a new slot) and finds its blocks; the old slot keeps its pins.
     let deadline = Instant::now() + Duration::from_secs(10);
     while client.ask("load c 1,2") != "3,3" {
         assert!(Instant::now() < deadline, "the client never attached again");
         std::thread::sleep(Duration::from_millis(20));
+    }
+    let pins = |report: &kvshm::offload::TierReport| report.clients.iter().map(|r| r.pins).sum();
+    let held: u32 = pins(&inspect_tier(&tier).unwrap());
+    assert!(held >= 2, "the abandoned slot's pins stay while the process lives: {held}");
+
+    client.kill();
+    let mut released = String::new();
+    owner.stdout.read_line(&mut released).unwrap();
+    assert!(released.contains("\"died\":true"), "{released}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !inspect_tier(&tier).unwrap().clients.is_empty() {
+        assert!(Instant::now() < deadline, "both slots are released once the process exited");
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -396,4 +398,25 @@ fn a_client_at_its_quota_evicts_its_own_blocks_not_another_clients() {
     // Its chain 1 -> 2 lost its leaf (leaf-first LRU), with 4 of the 8 chunks free.
     assert_eq!(first.ask("load d 2"), "", "its least recently used leaf went");
     assert_eq!(first.ask("load d 1"), "5");
+}
+
+/// `--idle-exit-s`: an owner with no client attached exits and removes the tier, but not while
+/// another process maps an arena (an engine's copy side starts before its scheduler attaches:
+/// a new owner's arenas would not be the ones it copies into).
+#[test]
+fn an_idle_owner_keeps_the_tier_while_a_process_maps_its_arena() {
+    let name = tier_name("idle");
+    let mut owner = Owner::start(&name, &["--idle-exit-s", "1"]);
+    let tier = SegmentName::new(&name).unwrap();
+    let mapped = open_rank_arena(&tier, 0, u64::from(CHUNKS), BLOCK_BYTES).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(owner.child.try_wait().unwrap().is_none(), "it exited with its arena mapped");
+
+    drop(mapped);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while owner.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the idle owner never exited");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(open_rank_arena(&tier, 0, u64::from(CHUNKS), BLOCK_BYTES).is_err(), "removed");
 }

@@ -11,7 +11,9 @@
 //! 2. [`open_rank_arena`] (client) maps one rank's arena and checks it holds the client's
 //!    blocks;
 //! 3. [`TierArenas::remove`] (owner, when no client has been attached for its idle time) removes
-//!    them with the control object.
+//!    them with the control object, unless a process still maps one
+//!    ([`TierArenas::mapped_elsewhere`]: an engine whose copy side started before its scheduler
+//!    attached, or one that gave up on this owner): then the owner serves on.
 //!
 //! A tier whose arenas were taken over holds bytes a client of the previous owner may still be
 //! writing (a store prepared before that owner died): the owner hands out no chunk for a store
@@ -121,6 +123,24 @@ impl TierArenas {
         self.adopted
     }
 
+    /// Whether a process other than this one maps one of the arenas (its `/proc/PID/maps` names
+    /// the object). Processes whose maps this user cannot read are not seen: engines run as the
+    /// owner's user, whose processes it can read.
+    pub fn mapped_elsewhere(&self) -> bool {
+        let own = std::process::id().to_string();
+        let prefix = format!("{}.", ArenaKind::Host.object(&self.name, 0).trim_end_matches(".0"));
+        let Ok(processes) = std::fs::read_dir("/proc") else { return false };
+        processes.flatten().any(|entry| {
+            let pid = entry.file_name();
+            let pid = pid.to_string_lossy();
+            if !pid.bytes().all(|b| b.is_ascii_digit()) || pid == own {
+                return false;
+            }
+            std::fs::read_to_string(entry.path().join("maps"))
+                .is_ok_and(|maps| maps.lines().any(|line| line.contains(prefix.as_str())))
+        })
+    }
+
     /// Module flow, step 3: removes the arenas (the tier ends; no client maps them).
     pub fn remove(self) {
         let ranks = self.arenas.len() as u32;
@@ -195,7 +215,9 @@ mod tests {
             open_rank_arena(&name, 0, 9, 64),
             Err(TierArenaError::TooSmall { blocks: 8, needed: 9, .. })
         ));
-        TierArenas::create_or_adopt(&name, 2, 8, 64).unwrap().remove();
+        let arenas = TierArenas::create_or_adopt(&name, 2, 8, 64).unwrap();
+        assert!(!arenas.mapped_elsewhere(), "only this process maps them");
+        arenas.remove();
         assert!(open_rank_arena(&name, 0, 8, 64).is_err());
     }
 }

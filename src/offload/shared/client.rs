@@ -21,10 +21,11 @@
 //! rest of its prefix with a later call).
 //!
 //! A client that gives up on an owner that still runs (no answer by the deadline: the owner
-//! hung, or starved of CPU for that long) sends its detach on the old channel, so that the owner,
-//! once it gets to it, releases what the client held there and empties the slot. Limitation: if
-//! even the detach finds no room in the ring, the old slot and its pins stay until the client's
-//! process exits.
+//! hung, or starved of CPU for that long) leaves its slot as it is: the pins and pending stores
+//! it holds there stay until its process exits, because its engine's copies into and out of
+//! those chunks may still be running, and no chunk may go to another store meanwhile. It claims
+//! a new slot when it attaches again; [`TierClient::connection_epoch`] tells its user that the
+//! pins of the old connection are not the new one's to release.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -99,6 +100,8 @@ pub struct TierClient {
     identity: TierIdentity,
     options: ClientOptions,
     connection: Option<Connection>,
+    /// Bumped when a connection is made or dropped (`connection_epoch`).
+    epoch: u64,
     last_attempt: Option<Instant>,
     /// Why the last attempt to attach failed, or why the connection was dropped.
     last_error: Option<String>,
@@ -137,6 +140,7 @@ impl TierClient {
             options,
             connection: None,
             last_attempt: None,
+            epoch: 0,
             last_error: None,
             request_ids: HashMap::new(),
             next_request_id: 0,
@@ -154,6 +158,14 @@ impl TierClient {
         self.connection.is_some()
     }
 
+    /// Which connection serves the client: changes whenever one is made or dropped. Pins
+    /// taken under one epoch belong to that connection's slot; under another, they are not
+    /// the client's to release (the owner releases them when the process exits, or never had
+    /// them: a new owner).
+    pub fn connection_epoch(&self) -> u64 {
+        self.epoch
+    }
+
     /// Why the client is not connected, if it is not.
     pub fn last_error(&self) -> Option<&str> {
         self.last_error.as_deref()
@@ -165,6 +177,7 @@ impl TierClient {
         match self.attach() {
             Ok(connection) => {
                 self.connection = Some(connection);
+                self.epoch += 1;
                 self.last_error = None;
                 Ok(())
             }
@@ -249,15 +262,11 @@ impl TierClient {
         Ok(())
     }
 
-    /// Drops the connection; an owner that still runs is sent this client's detach (module
+    /// Drops the connection, leaving its slot and what it holds to the owner (module
     /// documentation).
     fn abandon_connection(&mut self) {
-        if let Some(mut connection) = self.connection.take() {
-            if connection.owner.is_alive() {
-                let detach = TierRequest::new(self.next_call, TierOp::Detach, 0, 0, 0);
-                self.next_call += 1;
-                let _ = connection.channel.send(&[detach]);
-            }
+        if self.connection.take().is_some() {
+            self.epoch += 1;
         }
         self.last_attempt = Some(Instant::now());
     }
@@ -418,7 +427,10 @@ impl TierClient {
 impl Drop for TierClient {
     fn drop(&mut self) {
         // Tell the owner this client leaves; it releases the client and empties the slot.
-        self.abandon_connection();
+        if let Some(connection) = self.connection.as_mut() {
+            let detach = TierRequest::new(self.next_call, TierOp::Detach, 0, 0, 0);
+            let _ = connection.channel.send(&[detach]);
+        }
     }
 }
 
