@@ -1,6 +1,7 @@
 """The GPU side of kvshm's offloading worker, without a GPU: reading the CUDA IPC handles of
 vLLM's KV tensors (and refusing expandable segments), and publishing them for a copy worker."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -135,3 +136,6 @@ def test_a_warm_restart_tier_of_gpu_tensors_is_persistent_and_takes_a_stores_key
         assert worker.tier.pending == 1, "handed to the (absent) copy worker"
     finally:
         worker.shutdown()
+        # A persistent tier outlives its worker (warm restart): this test's goes with it.
+        for left in Path("/dev/shm").glob(f"kvshm.{name}.*"):
+            left.unlink()
