@@ -326,11 +326,13 @@ impl VllmSharedTierCore {
         let request = request_id(req_context)?;
         let asked = keys_of(offered.as_any())?;
         slf.call(&[TierCall::PrepareStore { request: request.to_str()?, keys: &asked }])?;
-        let (indices, chunks) = match slf.answers.first() {
-            Some(CallAnswer::Store { to_store, chunks }) => (to_store.clone(), chunks.clone()),
-            _ => (Vec::new(), Vec::new()),
+        let (indices, chunks, refused) = match slf.answers.first() {
+            Some(CallAnswer::Store { to_store, chunks, refused }) => {
+                (to_store.clone(), chunks.clone(), *refused)
+            }
+            _ => (Vec::new(), Vec::new(), true),
         };
-        if indices.is_empty() && !offered.is_empty() {
+        if refused && !offered.is_empty() {
             slf.counters.stores_refused += 1;
         }
         let to_store = PyList::empty(py);

@@ -200,3 +200,17 @@ def test_a_pin_of_a_dropped_connection_is_no_hit_after_the_engine_attaches_again
     loader.complete_load([_key(1)], _request("c1"))
     assert sum(client["pins"] for client in _kvshm.shared_tier_clients(tier)) == pins_before
     assert len(chunks) == 1
+
+
+def test_a_store_of_keys_the_tier_holds_is_not_counted_refused(tier: str) -> None:
+    """Engines that share store the same blocks: finding them stored is no refusal; a store
+    while no owner serves is."""
+    start(tier)
+    first, second = _core(tier), _core(tier)
+    assert first.prepare_store([_key(1)], _request("a")) == ([_key(1)], [0])
+    first.complete_store([_key(1)], _request("a"))
+    assert second.prepare_store([_key(1)], _request("b")) == ([], [])
+    assert second.stats()["stores_refused"] == 0
+    stop_tier(tier)
+    assert second.prepare_store([_key(2)], _request("b")) == ([], [])
+    assert second.stats()["stores_refused"] == 1

@@ -129,7 +129,7 @@ impl Drop for Client {
     }
 }
 
-/// The client process: `acquire R KEYS` (hits), `prepare R KEYS` (keys to store),
+/// The client process: `acquire R KEYS` (hits), `prepare R KEYS` (keys to store, or `refused`),
 /// `complete KEYS`, `release KEYS`, `finish R`, `connected`; and with the bytes, as an engine
 /// copies them: `store R KEYS BYTE` (prepare, fill each chunk given with BYTE in the tier's
 /// arena, complete; how many were stored), `load R KEYS` (acquire, read each chunk found,
@@ -168,6 +168,7 @@ fn client_process() {
                     .call(&[TierCall::PrepareStore { request, keys: &keys }], &mut answers)
                     .unwrap();
                 match &answers[0] {
+                    CallAnswer::Store { refused: true, .. } => "refused".to_owned(),
                     CallAnswer::Store { to_store, .. } => to_store.len().to_string(),
                     other => panic!("{other:?}"),
                 }
@@ -177,7 +178,7 @@ fn client_process() {
                 client
                     .call(&[TierCall::PrepareStore { request, keys: &keys }], &mut answers)
                     .unwrap();
-                let CallAnswer::Store { to_store, chunks } = answers[0].clone() else {
+                let CallAnswer::Store { to_store, chunks, .. } = answers[0].clone() else {
                     panic!("{:?}", answers[0])
                 };
                 for &chunk in &chunks {
@@ -250,6 +251,7 @@ fn a_block_one_client_stored_is_a_hit_for_the_other_and_a_killed_clients_pins_ar
     assert_eq!(doomed.ask("store a1 1,2,3 11"), "3");
     doomed.ask("finish a1");
     assert_eq!(survivor.ask("load b1 1,2,3,4"), "11,11,11");
+    assert_eq!(survivor.ask("prepare b1 1,2,3"), "0", "in the tier already: not refused");
     assert_eq!(survivor.ask("store b1 20,21 22"), "2");
     survivor.ask("finish b1");
 
@@ -296,7 +298,7 @@ fn clients_answer_misses_while_the_owner_is_gone_and_attach_to_the_next_one() {
     owner.child.wait().unwrap();
     assert_eq!(second.ask("acquire b 1,2"), "0", "a miss while the owner is gone");
     assert_eq!(second.ask("connected"), "false");
-    assert_eq!(first.ask("prepare a 3"), "0", "no store while the owner is gone");
+    assert_eq!(first.ask("prepare a 3"), "refused", "no store while the owner is gone");
 
     // The next owner takes over the arena the clients map (its bytes kept, none of its keys
     // known) and hands out no chunk for a store during its grace: the dead owner's clients may

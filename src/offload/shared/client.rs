@@ -61,8 +61,10 @@ pub enum CallAnswer {
     /// The leading keys pinned for this client, with their chunks (empty: a miss).
     Prefix { chunks: Vec<u32> },
     /// Indices into the keys given of those to store, and their chunks (empty: nothing to
-    /// store, which is also the answer while the owner is gone or when it refused).
-    Store { to_store: Vec<u32>, chunks: Vec<u32> },
+    /// store). `refused`: no chunk was given for want of one (the owner refused: the tier full,
+    /// a quota, its store grace; or failed the call, or is gone), as opposed to every key being
+    /// in the tier already.
+    Store { to_store: Vec<u32>, chunks: Vec<u32>, refused: bool },
     /// A call without an answer was sent (or skipped while the owner is gone).
     Sent,
 }
@@ -250,7 +252,7 @@ impl TierClient {
             answers.push(match call {
                 TierCall::AcquirePrefix { .. } => CallAnswer::Prefix { chunks: Vec::new() },
                 TierCall::PrepareStore { .. } => {
-                    CallAnswer::Store { to_store: Vec::new(), chunks: Vec::new() }
+                    CallAnswer::Store { to_store: Vec::new(), chunks: Vec::new(), refused: true }
                 }
                 TierCall::FinishRequest { request } => {
                     self.request_ids.remove(*request);
@@ -395,6 +397,8 @@ impl TierClient {
                 }
                 TierCall::PrepareStore { .. } => {
                     let (mut to_store, mut chunks) = (Vec::new(), Vec::new());
+                    let refused =
+                        answered.is_none_or(|answer| answer.status() != AnswerStatus::Done);
                     if let Some(answer) =
                         answered.filter(|answer| answer.status() == AnswerStatus::Done)
                     {
@@ -415,7 +419,7 @@ impl TierClient {
                             ));
                         }
                     }
-                    CallAnswer::Store { to_store, chunks }
+                    CallAnswer::Store { to_store, chunks, refused }
                 }
                 _ => CallAnswer::Sent,
             });
@@ -492,12 +496,13 @@ fn merge_answers(
         }
         let merged = answers.last_mut().expect("a later part follows its call's first");
         if let (
-            CallAnswer::Store { to_store, chunks },
-            CallAnswer::Store { to_store: more, chunks: more_chunks },
+            CallAnswer::Store { to_store, chunks, refused },
+            CallAnswer::Store { to_store: more, chunks: more_chunks, refused: more_refused },
         ) = (merged, answer)
         {
             to_store.extend(more.into_iter().map(|index| index + part.first_key));
             chunks.extend(more_chunks);
+            *refused |= more_refused;
         }
     }
     debug_assert_eq!(answers.len(), count);
@@ -567,7 +572,8 @@ mod tests {
     }
 
     /// A call of more keys than a batch carries goes as parts: a store's answers come back as
-    /// one, its indices into the whole call's keys; a prefix is asked for its first part only.
+    /// one, its indices into the whole call's keys, refused if a part was; a prefix is asked for
+    /// its first part only.
     #[test]
     fn a_call_larger_than_a_batch_is_cut_into_parts_and_answered_as_one() {
         let keys: Vec<OffloadKey> = (0..5u8).map(|n| OffloadKey::new(&[n; 4]).unwrap()).collect();
@@ -582,11 +588,15 @@ mod tests {
             .map(|part| (part.of, part.first_key, call_keys(&part.call).len()))
             .collect();
         assert_eq!(shape, [(0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 2), (2, 0, 0)]);
-        let store = |to_store: Vec<u32>, chunks: Vec<u32>| CallAnswer::Store { to_store, chunks };
+        let store = |to_store: Vec<u32>, chunks: Vec<u32>, refused: bool| CallAnswer::Store {
+            to_store,
+            chunks,
+            refused,
+        };
         let part_answers = vec![
-            store(vec![1], vec![10]),
-            store(vec![0, 1], vec![12, 13]),
-            store(vec![], vec![]),
+            store(vec![1], vec![10], false),
+            store(vec![0, 1], vec![12, 13], false),
+            store(vec![], vec![], true),
             CallAnswer::Prefix { chunks: vec![7, 8] },
             CallAnswer::Sent,
         ];
@@ -595,7 +605,7 @@ mod tests {
         assert_eq!(
             answers,
             [
-                store(vec![1, 2, 3], vec![10, 12, 13]),
+                store(vec![1, 2, 3], vec![10, 12, 13], true),
                 CallAnswer::Prefix { chunks: vec![7, 8] },
                 CallAnswer::Sent
             ]
