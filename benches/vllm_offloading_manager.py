@@ -157,19 +157,23 @@ class Driver:
         waiting: list[tuple[Request, Any]] = []  # admitted, looking up
         running: list[Running] = []
         pending = list(requests)
-        while pending or waiting or running or self.jobs:
+        # vLLM steps while the manager has work pending (calls it defers to a step's end).
+        while pending or waiting or running or self.jobs or self.manager.has_pending_work():
             while pending and len(waiting) + len(running) < concurrency:
                 request = pending.pop(0)
                 context = self.admit(request)
                 waiting.append((request, context))
             still_waiting = []
+            new_requests = []
             for request, context in waiting:
                 started = self.look_up(request, context)
                 if started is None:  # a hit is still being stored: ask again next step
                     still_waiting.append((request, context))
                 else:
                     running.append(started)
+                    new_requests.append(request.name)
             waiting = still_waiting
+            self.call("on_schedule_end", schedule_end_context(new_requests))
             still_running = []
             for state in running:
                 if state.load_keys is not None and self.loading(state.load_keys):
@@ -264,6 +268,13 @@ class Driver:
             self.gpu[block] = None
         while len(self.gpu) > self.gpu_capacity:
             self.gpu.pop(next(iter(self.gpu)))
+
+
+def schedule_end_context(new_requests: list[str]) -> Any:
+    """What vLLM's scheduler hands ``on_schedule_end`` (no preemptions here)."""
+    from vllm.v1.kv_offload.base import ScheduleEndContext
+
+    return ScheduleEndContext(new_req_ids=new_requests, preempted_req_ids=())
 
 
 def _comparable(method: str, result: Any) -> Any:

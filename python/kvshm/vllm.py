@@ -208,7 +208,7 @@ class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
         return CacheHitSource.HOST
 
     def shutdown(self) -> None:
-        return
+        self.flush()
 
 
 def _vllm_types() -> tuple[Any, ...]:

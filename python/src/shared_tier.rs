@@ -7,13 +7,22 @@
 //! vLLM's `prepare_load` otherwise), so one call flows:
 //! 1. `lookup(key)`: a key the request holds pinned is a hit with no call; any other is asked
 //!    with the request's keys that follow it (from the `ReqContext`'s position table), in one
-//!    `AcquirePrefix`: what it finds stays pinned for the request;
+//!    `AcquirePrefix`: what it finds stays pinned for the request, and the key that ended the
+//!    prefix found is a miss with no call when vLLM looks it up next (once: a later lookup of it
+//!    asks again);
 //! 2. `prepare_load(keys)`: their chunks, from the request's pins (the pins now the load's); the
 //!    request's other pins are let go;
 //! 3. `complete_load(keys)`: the load's pins are let go;
 //! 4. `prepare_store` / `complete_store`: as the owner answers (nothing to store while it is
 //!    gone, or in its store grace);
 //! 5. `on_request_finished`: the request's pins left are let go, and it ends at the owner.
+//!
+//! Only a lookup that finds no pin, a `prepare_load` of keys not pinned and `prepare_store`
+//! wait on the owner. What needs no answer (pins let go, stores done, requests ended) is
+//! queued in the client and goes with the next call that waits. vLLM calls `on_schedule_end`
+//! once a scheduler step, before the step's stores: what has waited a whole step there is sent
+//! on its own, so a call waits at most two steps; `has_pending_work` keeps an idle engine
+//! stepping until the queue is sent.
 //!
 //! While the owner is gone every lookup misses and nothing is stored: vLLM computes what it would
 //! have loaded, so outputs do not change. Pins belong to the connection they were taken on
@@ -50,7 +59,6 @@ type KeyMap<V> = HashMap<OffloadKey, V, BuildPassThrough>;
 struct ClientCounters {
     lookups: u64,
     lookup_hits: u64,
-    owner_calls: u64,
     keys_loaded: u64,
     keys_stored: u64,
     stores_refused: u64,
@@ -75,8 +83,12 @@ pub struct VllmSharedTierCore {
     pinned: HashMap<String, KeyMap<Pin>>,
     /// Per request, the keys being loaded, with the connection epoch of their pins.
     loading: HashMap<String, KeyMap<u64>>,
+    /// Per request, the key its last `AcquirePrefix` found missing after a prefix it found.
+    missed: HashMap<String, OffloadKey>,
     counters: ClientCounters,
     answers: Vec<CallAnswer>,
+    /// At the last `on_schedule_end`: whether calls were queued, and the batches sent by then.
+    last_step_end: (bool, u64),
 }
 
 /// A key pinned for a request: its chunk, and the connection it was pinned on
@@ -98,36 +110,29 @@ fn keys_of(keys: &Bound<'_, PyAny>) -> PyResult<Vec<OffloadKey>> {
 }
 
 impl VllmSharedTierCore {
-    /// One batch to the owner (a miss and no store for each call while it is gone).
+    fn client(&mut self) -> &mut TierClient {
+        self.client.get_mut().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One batch to the owner, after what is queued (a miss and no store for each call while
+    /// it is gone).
     fn call(&mut self, calls: &[TierCall<'_>]) -> PyResult<()> {
-        self.counters.owner_calls += 1;
         let client = self.client.get_mut().unwrap_or_else(PoisonError::into_inner);
         client.call(calls, &mut self.answers).map_err(tier_error)
     }
 
     /// The client's connection epoch now.
     fn epoch(&mut self) -> u64 {
-        self.client.get_mut().unwrap_or_else(PoisonError::into_inner).connection_epoch()
+        self.client().connection_epoch()
     }
 
-    /// Lets go of the pins of `pins` taken on the current connection (no answer); those of an
+    /// Queues the release of the pins of `pins` taken on the current connection; those of an
     /// earlier one are its slot's, released by the owner when this process exits.
-    fn release_current(
-        &mut self,
-        pins: impl IntoIterator<Item = (OffloadKey, u64)>,
-    ) -> PyResult<()> {
+    fn release_current(&mut self, pins: impl IntoIterator<Item = (OffloadKey, u64)>) {
         let epoch = self.epoch();
         let keys: Vec<OffloadKey> =
             pins.into_iter().filter(|&(_, pinned)| pinned == epoch).map(|(key, _)| key).collect();
-        self.release(&keys)
-    }
-
-    /// Lets go of `keys`' pins (no answer).
-    fn release(&mut self, keys: &[OffloadKey]) -> PyResult<()> {
-        if keys.is_empty() {
-            return Ok(());
-        }
-        self.call(&[TierCall::ReleaseLoads { keys }])
+        self.client().queue_release_loads(&keys);
     }
 }
 
@@ -166,15 +171,17 @@ impl VllmSharedTierCore {
             client: Mutex::new(client),
             pinned: HashMap::new(),
             loading: HashMap::new(),
+            missed: HashMap::new(),
             counters: ClientCounters::default(),
             answers: Vec::new(),
+            last_step_end: (false, 0),
         })
     }
 
     /// Whether the tier's owner serves this engine now.
     #[getter]
     fn connected(&mut self) -> bool {
-        self.client.get_mut().unwrap_or_else(PoisonError::into_inner).is_connected()
+        self.client().is_connected()
     }
 
     /// Why the engine is not connected, if it is not.
@@ -201,12 +208,20 @@ impl VllmSharedTierCore {
             .get(request)
             .and_then(|pins| pins.get(&wanted))
             .is_some_and(|pin| pin.epoch == epoch);
+        if !held && slf.missed.get(request) == Some(&wanted) {
+            slf.missed.remove(request);
+            return Ok(slf.types.lookup[usize::from(MISS)].clone_ref(py));
+        }
         let hit = held || {
             let keys = following_keys(req_context, wanted)?;
             slf.call(&[TierCall::AcquirePrefix { request, keys: &keys }])?;
             let chunks = match slf.answers.first() {
                 Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
                 _ => Vec::new(),
+            };
+            match keys.get(chunks.len()) {
+                Some(&past) if !chunks.is_empty() => slf.missed.insert(request.to_owned(), past),
+                _ => slf.missed.remove(request),
             };
             // Hits come from the connection that serves after the call (one made during it
             // included): a dropped one answered misses.
@@ -221,7 +236,7 @@ impl VllmSharedTierCore {
                     (earlier.epoch == epoch).then_some((*key, epoch))
                 })
                 .collect();
-            slf.release_current(twice)?;
+            slf.release_current(twice);
             !chunks.is_empty()
         };
         if hit {
@@ -253,7 +268,7 @@ impl VllmSharedTierCore {
         let mut taken: Vec<Option<Pin>> = wanted.iter().map(|key| pins.remove(key)).collect();
         let missing: Vec<OffloadKey> =
             wanted.iter().zip(&taken).filter(|(_, pin)| pin.is_none()).map(|(k, _)| *k).collect();
-        slf.release_current(pins.into_iter().map(|(key, pin)| (key, pin.epoch)))?;
+        slf.release_current(pins.into_iter().map(|(key, pin)| (key, pin.epoch)));
         if !missing.is_empty() {
             slf.call(&[TierCall::AcquirePrefix { request, keys: &missing }])?;
             let found = match slf.answers.first() {
@@ -269,7 +284,7 @@ impl VllmSharedTierCore {
                 let held = wanted.iter().zip(&taken);
                 let held = held.filter_map(|(key, pin)| pin.map(|pin| (*key, pin.epoch)));
                 let held: Vec<(OffloadKey, u64)> = held.collect();
-                slf.release_current(held)?;
+                slf.release_current(held);
                 let gone = taken.iter().filter(|pin| pin.is_none()).count();
                 return Err(OffloadError::new_err(format!(
                     "{gone} of the {} keys to load are gone from the shared tier",
@@ -309,7 +324,8 @@ impl VllmSharedTierCore {
         if !loads.is_empty() {
             slf.loading.insert(request.to_owned(), loads);
         }
-        slf.release_current(pins)
+        slf.release_current(pins);
+        Ok(())
     }
 
     /// Module flow, step 4.
@@ -358,7 +374,8 @@ impl VllmSharedTierCore {
         } else {
             slf.counters.stores_failed += stored.len() as u64;
         }
-        slf.call(&[TierCall::CompleteStore { keys: &stored, success }])
+        slf.client().queue_complete_store(&stored, success);
+        Ok(())
     }
 
     /// Module flow, step 5.
@@ -368,21 +385,35 @@ impl VllmSharedTierCore {
     ) -> PyResult<()> {
         let request = request_id(req_context)?;
         let request = request.to_str()?;
-        let epoch = slf.epoch();
-        let unused: Vec<OffloadKey> = slf
-            .pinned
-            .remove(request)
-            .map(|pins| pins.into_iter().filter(|(_, pin)| pin.epoch == epoch).map(|(key, _)| key))
-            .into_iter()
-            .flatten()
-            .collect();
-        let release = TierCall::ReleaseLoads { keys: &unused };
-        let finish = TierCall::FinishRequest { request };
-        if unused.is_empty() {
-            slf.call(&[finish])
-        } else {
-            slf.call(&[release, finish])
+        slf.missed.remove(request);
+        let unused = slf.pinned.remove(request).unwrap_or_default();
+        slf.release_current(unused.into_iter().map(|(key, pin)| (key, pin.epoch)));
+        slf.client().queue_finish_request(request);
+        Ok(())
+    }
+
+    /// Sends what has been queued since before the last call of it, if no batch has carried it
+    /// since (module flow): vLLM calls it once a scheduler step.
+    fn on_schedule_end(&mut self, context: &Bound<'_, PyAny>) -> PyResult<()> {
+        let _ = context;
+        let (queued_then, batches_then) = self.last_step_end;
+        if queued_then && self.client().batches_sent() == batches_then {
+            self.flush()?;
         }
+        let client = self.client();
+        self.last_step_end = (client.has_queued(), client.batches_sent());
+        Ok(())
+    }
+
+    /// Whether calls are queued: vLLM keeps stepping, and so calling `on_schedule_end`, while
+    /// they are.
+    fn has_pending_work(&mut self) -> bool {
+        self.client().has_queued()
+    }
+
+    /// Sends what is queued now.
+    fn flush(&mut self) -> PyResult<()> {
+        self.client().flush().map_err(tier_error)
     }
 
     /// A shared tier reports no KV events: another engine's evictions are not this one's to
@@ -394,17 +425,19 @@ impl VllmSharedTierCore {
     /// The tier is every engine's: resetting this engine's cache leaves it as it is.
     fn reset_cache(&self) {}
 
-    /// This engine's counters: lookups and their hits (keys), calls to the owner, keys loaded
+    /// This engine's counters: lookups and their hits (keys), batches sent to the owner and
+    /// waited for (`owner_calls`), keys loaded
     /// and stored, stores refused (no chunk given: the tier full, the owner gone or in its grace)
     /// and failed, and whether the owner serves it now.
     fn stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let counters = self.counters;
         let connected = self.connected();
+        let owner_calls = self.client().batches_sent();
         let stats = PyDict::new(py);
         for (name, value) in [
             ("lookups", counters.lookups),
             ("lookup_hits", counters.lookup_hits),
-            ("owner_calls", counters.owner_calls),
+            ("owner_calls", owner_calls),
             ("keys_loaded", counters.keys_loaded),
             ("keys_stored", counters.keys_stored),
             ("stores_refused", counters.stores_refused),

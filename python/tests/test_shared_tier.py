@@ -153,6 +153,13 @@ def _core(tier: str, deadline_s: float = 1.0) -> _kvshm.VllmSharedTierCore:
     )
 
 
+def _step_ends(core: _kvshm.VllmSharedTierCore) -> None:
+    """Two of vLLM's scheduler steps end: what the engine queued is sent."""
+    core.on_schedule_end(None)
+    core.on_schedule_end(None)
+    assert not core.has_pending_work()
+
+
 def _key(n: int) -> bytes:
     return n.to_bytes(8, "little") + bytes(4)
 
@@ -174,6 +181,7 @@ def test_a_pin_of_a_dropped_connection_is_no_hit_after_the_engine_attaches_again
     storer.prepare_store([_key(1)], _request("a1"))
     storer.complete_store([_key(1)], _request("a1"))
     storer.on_request_finished(_request("a1"))
+    _step_ends(storer)
     assert loader.lookup(_key(1), _request("c1")) == "HIT"
 
     os.kill(pid, signal.SIGSTOP)
@@ -188,6 +196,7 @@ def test_a_pin_of_a_dropped_connection_is_no_hit_after_the_engine_attaches_again
         storer.prepare_store([_key(n)], _request(f"a{n}"))
         storer.complete_store([_key(n)], _request(f"a{n}"))
         storer.on_request_finished(_request(f"a{n}"))
+        _step_ends(storer)
     time.sleep(1.1)  # the loader's reattach interval
     loader.lookup(_key(9), _request("c3"))
     assert loader.connected
@@ -198,6 +207,7 @@ def test_a_pin_of_a_dropped_connection_is_no_hit_after_the_engine_attaches_again
     assert pins_after == pins_before + 1, "answered from the old connection's pin"
     chunks = loader.prepare_load([_key(1)], _request("c1")).chunks
     loader.complete_load([_key(1)], _request("c1"))
+    _step_ends(loader)
     assert sum(client["pins"] for client in _kvshm.shared_tier_clients(tier)) == pins_before
     assert len(chunks) == 1
 
@@ -214,3 +224,61 @@ def test_a_store_of_keys_the_tier_holds_is_not_counted_refused(tier: str) -> Non
     stop_tier(tier)
     assert second.prepare_store([_key(2)], _request("b")) == ([], [])
     assert second.stats()["stores_refused"] == 1
+
+
+def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: str) -> None:
+    """A store done, a load done and a request ended cost the engine no wait on the owner: they
+    go with the next call that needs an answer, in the order made, or at the end of the vLLM
+    step after the one they were made in (``on_schedule_end``; ``has_pending_work`` keeps an
+    idle engine stepping until then)."""
+    start(tier)
+    storer, loader = _core(tier), _core(tier)
+
+    def pins() -> int:
+        return sum(client["pins"] for client in _kvshm.shared_tier_clients(tier))
+
+    assert storer.prepare_store([_key(1), _key(2)], _request("a")) == ([_key(1), _key(2)], [0, 1])
+    waits = storer.stats()["owner_calls"]
+    storer.complete_store([_key(1), _key(2)], _request("a"))
+    storer.on_request_finished(_request("a"))
+    assert storer.stats()["owner_calls"] == waits, "a call with no answer waited"
+    assert storer.has_pending_work()
+    storer.on_schedule_end(None)
+    assert storer.has_pending_work(), "sent in the step it was queued in"
+    assert loader.lookup(_key(1), _request("b")) == "MISS", "stored before the step's end"
+    storer.on_schedule_end(None)
+    assert not storer.has_pending_work()
+    assert storer.stats()["owner_calls"] == waits + 1
+    assert loader.lookup(_key(1), _request("c")) == "HIT"
+    assert pins() == 1
+
+    # The load's end is queued; the next lookup carries it ahead of its own call.
+    loader.prepare_load([_key(1), _key(2)], _request("c"))  # asks for key 2: a wait
+    loader.complete_load([_key(1), _key(2)], _request("c"))
+    loader.on_request_finished(_request("c"))
+    assert pins() == 2
+    assert loader.has_pending_work()
+    waits = loader.stats()["owner_calls"]
+    assert loader.lookup(_key(3), _request("d")) == "MISS"
+    assert loader.stats()["owner_calls"] == waits + 1
+    assert pins() == 0
+    assert not loader.has_pending_work()
+
+
+def test_the_key_past_a_found_prefix_is_a_miss_without_a_call_once(tier: str) -> None:
+    """A lookup asks for the key and the request's keys after it: the prefix found is pinned,
+    and the key that ended it is a miss without a call when vLLM looks it up next; a lookup of
+    it in a later step asks again."""
+    start(tier)
+    storer, loader = _core(tier), _core(tier)
+    storer.prepare_store([_key(1), _key(2)], _request("a"))
+    storer.complete_store([_key(1), _key(2)], _request("a"))
+    _step_ends(storer)
+    request = SimpleNamespace(
+        req_id="b", _offload_key_positions={_key(n): 16 * n for n in (1, 2, 3, 4)}
+    )
+    waits = loader.stats()["owner_calls"]
+    assert [loader.lookup(_key(n), request) for n in (1, 2, 3)] == ["HIT", "HIT", "MISS"]
+    assert loader.stats()["owner_calls"] == waits + 1
+    assert loader.lookup(_key(3), request) == "MISS"
+    assert loader.stats()["owner_calls"] == waits + 2, "a later lookup of the miss asks again"

@@ -16,9 +16,11 @@
 //! Request names become ids the owner sees (a u64 per live request, given back at
 //! [`TierCall::FinishRequest`]).
 //!
-//! A call of more keys than a batch carries is cut into parts ([`split_calls`]): a store's parts
-//! are answered together, an `AcquirePrefix` is cut to its first part (the engine asks for the
-//! rest of its prefix with a later call).
+//! Calls with no answer can be queued ([`TierClient::queue_release_loads`] and its siblings):
+//! they go at the head of the next batch, or at [`TierClient::flush`] (`batch.rs`). A call of
+//! more keys than a batch carries is cut into parts ([`split_calls`]): a store's parts are
+//! answered together, an `AcquirePrefix` is cut to its first part (the engine asks for the rest
+//! of its prefix with a later call).
 //!
 //! A client that gives up on an owner that still runs (no answer by the deadline: the owner
 //! hung, or starved of CPU for that long) leaves its slot as it is: the pins and pending stores
@@ -37,6 +39,7 @@ use kvshm_ipc::tier_control::{
     AnswerStatus, ClientChannel, ClientClaim, TierAnswer, TierControl, TierOp, TierRequest, WireKey,
 };
 
+use super::batch::{call_keys, merge_answers, split_calls, CallQueue};
 use super::{SharedTierError, TierIdentity};
 use crate::offload::key::OffloadKey;
 
@@ -110,6 +113,11 @@ pub struct TierClient {
     request_ids: HashMap<String, u64>,
     next_request_id: u64,
     next_call: u64,
+    /// Calls with no answer waiting for the next batch; dropped with the connection they were
+    /// made on.
+    queue: CallQueue,
+    /// Batches sent and waited for.
+    batches: u64,
     // Scratch.
     wire_keys: Vec<WireKey>,
     records: Vec<TierRequest>,
@@ -147,6 +155,8 @@ impl TierClient {
             request_ids: HashMap::new(),
             next_request_id: 0,
             next_call: first_call_id(),
+            queue: CallQueue::default(),
+            batches: 0,
             wire_keys: Vec::new(),
             records: Vec::new(),
             answers: Vec::new(),
@@ -173,11 +183,60 @@ impl TierClient {
         self.last_error.as_deref()
     }
 
+    /// How many batches the client sent and waited for: its waits on the owner.
+    pub fn batches_sent(&self) -> u64 {
+        self.batches
+    }
+
+    /// Queues [`TierCall::ReleaseLoads`] of `keys` for the next batch (module documentation).
+    pub fn queue_release_loads(&mut self, keys: &[OffloadKey]) {
+        self.queue.release_loads(keys);
+    }
+
+    /// Queues [`TierCall::CompleteStore`] of `keys` for the next batch.
+    pub fn queue_complete_store(&mut self, keys: &[OffloadKey], success: bool) {
+        self.queue.complete_store(keys, success);
+    }
+
+    /// Queues [`TierCall::FinishRequest`] of `request` for the next batch.
+    pub fn queue_finish_request(&mut self, request: &str) {
+        self.queue.finish_request(request);
+    }
+
+    /// Whether calls wait for a batch: the engine should [`TierClient::flush`] before it idles.
+    pub fn has_queued(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
+    /// Sends the queued calls, if any, as a batch of their own.
+    ///
+    /// # Errors
+    /// As [`TierClient::call`].
+    pub fn flush(&mut self) -> Result<(), SharedTierError> {
+        if self.queue.is_empty() {
+            return Ok(());
+        }
+        self.call(&[], &mut Vec::new())
+    }
+
+    /// Drops the queued calls: they belong to a connection that is gone (a release sent
+    /// through the next one could let go of that one's pins). Their requests end here.
+    fn drop_queue(&mut self) {
+        let request_ids = &mut self.request_ids;
+        for call in self.queue.batch_with(&[]) {
+            if let TierCall::FinishRequest { request } = call {
+                request_ids.remove(request);
+            }
+        }
+        self.queue.clear();
+    }
+
     /// Module flow, step 1.
     fn try_attach(&mut self) -> Result<(), SharedTierError> {
         self.last_attempt = Some(Instant::now());
         match self.attach() {
             Ok(connection) => {
+                self.drop_queue();
                 self.connection = Some(connection);
                 self.epoch += 1;
                 self.last_error = None;
@@ -215,7 +274,8 @@ impl TierClient {
         id
     }
 
-    /// Sends `calls` as one batch and writes one answer per call to `answers` (module flow).
+    /// Sends the queued calls and `calls` as one batch and writes one answer per call of
+    /// `calls` to `answers` (module flow).
     ///
     /// # Errors
     /// [`SharedTierError::Mismatch`] when the client attached again to a tier of other blocks.
@@ -230,6 +290,18 @@ impl TierClient {
         {
             self.try_attach()?;
         }
+        let mut queue = std::mem::take(&mut self.queue);
+        let batch = queue.batch_with(calls);
+        self.send(&batch, answers);
+        answers.drain(..queue.len());
+        drop(batch);
+        queue.clear();
+        self.queue = queue;
+        Ok(())
+    }
+
+    /// Module flow, steps 2 to 4, for a whole batch.
+    fn send(&mut self, calls: &[TierCall<'_>], answers: &mut Vec<CallAnswer>) {
         if let Some(connection) = &self.connection {
             let parts = split_calls(calls, connection.channel.page_keys() as usize);
             let part_calls: Vec<TierCall<'_>> = parts.iter().map(|part| part.call).collect();
@@ -237,7 +309,7 @@ impl TierClient {
             match self.exchange(&part_calls, &mut part_answers) {
                 Ok(()) => {
                     merge_answers(&parts, part_answers, calls.len(), answers);
-                    return Ok(());
+                    return;
                 }
                 Err(reason) => {
                     tracing::warn!(tier = %self.name, reason, "the tier's owner is gone");
@@ -261,7 +333,6 @@ impl TierClient {
                 _ => CallAnswer::Sent,
             });
         }
-        Ok(())
     }
 
     /// Drops the connection, leaving its slot and what it holds to the owner (module
@@ -270,6 +341,7 @@ impl TierClient {
         if self.connection.take().is_some() {
             self.epoch += 1;
         }
+        self.drop_queue();
         self.last_attempt = Some(Instant::now());
     }
 
@@ -345,6 +417,7 @@ impl TierClient {
         let end_call = self.next_call;
         self.records.push(TierRequest::new(end_call, TierOp::EndBatch, 0, 0, 0));
         self.next_call += 1;
+        self.batches += 1;
 
         let connection = self.connection.as_mut().expect("connected");
         let channel = &mut connection.channel;
@@ -430,82 +503,14 @@ impl TierClient {
 
 impl Drop for TierClient {
     fn drop(&mut self) {
-        // Tell the owner this client leaves; it releases the client and empties the slot.
+        // What is queued first (a wait of at most the answer deadline), then tell the owner this
+        // client leaves; it releases the client and empties the slot.
+        let _ = self.flush();
         if let Some(connection) = self.connection.as_mut() {
             let detach = TierRequest::new(self.next_call, TierOp::Detach, 0, 0, 0);
             let _ = connection.channel.send(&[detach]);
         }
     }
-}
-
-/// One part of a call as sent: the call it came from, and where its keys start in that call's.
-#[derive(Clone, Copy, Debug)]
-struct CallPart<'a> {
-    call: TierCall<'a>,
-    of: usize,
-    first_key: u32,
-}
-
-/// `calls` with each cut into parts of at most `page_keys` keys (module documentation): an
-/// `AcquirePrefix` to its first part, any other into as many as it needs.
-fn split_calls<'a>(calls: &[TierCall<'a>], page_keys: usize) -> Vec<CallPart<'a>> {
-    let page_keys = page_keys.max(1);
-    let mut parts = Vec::with_capacity(calls.len());
-    for (of, call) in calls.iter().enumerate() {
-        let keys = call_keys(call);
-        if keys.len() <= page_keys {
-            parts.push(CallPart { call: *call, of, first_key: 0 });
-            continue;
-        }
-        for (index, piece) in keys.chunks(page_keys).enumerate() {
-            let call = match *call {
-                TierCall::AcquirePrefix { request, .. } if index == 0 => {
-                    TierCall::AcquirePrefix { request, keys: piece }
-                }
-                TierCall::AcquirePrefix { .. } => break,
-                TierCall::PrepareStore { request, .. } => {
-                    TierCall::PrepareStore { request, keys: piece }
-                }
-                TierCall::ReleaseLoads { .. } => TierCall::ReleaseLoads { keys: piece },
-                TierCall::CompleteStore { success, .. } => {
-                    TierCall::CompleteStore { keys: piece, success }
-                }
-                TierCall::FinishRequest { .. } => unreachable!("a finish carries no keys"),
-            };
-            let first_key = (index * page_keys) as u32;
-            parts.push(CallPart { call, of, first_key });
-        }
-    }
-    parts
-}
-
-/// One answer per call of `calls` (`count` of them) from the answers to its parts: a store's
-/// parts' keys to store (as indices into the whole call's keys) and chunks, in order.
-fn merge_answers(
-    parts: &[CallPart<'_>],
-    part_answers: Vec<CallAnswer>,
-    count: usize,
-    answers: &mut Vec<CallAnswer>,
-) {
-    answers.clear();
-    answers.reserve(count);
-    for (part, answer) in parts.iter().zip(part_answers) {
-        if part.of == answers.len() {
-            answers.push(answer);
-            continue;
-        }
-        let merged = answers.last_mut().expect("a later part follows its call's first");
-        if let (
-            CallAnswer::Store { to_store, chunks, refused },
-            CallAnswer::Store { to_store: more, chunks: more_chunks, refused: more_refused },
-        ) = (merged, answer)
-        {
-            to_store.extend(more.into_iter().map(|index| index + part.first_key));
-            chunks.extend(more_chunks);
-            *refused |= more_refused;
-        }
-    }
-    debug_assert_eq!(answers.len(), count);
 }
 
 enum AttachFailure {
@@ -542,16 +547,6 @@ fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> 
     Ok(())
 }
 
-fn call_keys<'a>(call: &TierCall<'a>) -> &'a [OffloadKey] {
-    match *call {
-        TierCall::AcquirePrefix { keys, .. }
-        | TierCall::PrepareStore { keys, .. }
-        | TierCall::ReleaseLoads { keys }
-        | TierCall::CompleteStore { keys, .. } => keys,
-        TierCall::FinishRequest { .. } => &[],
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -569,47 +564,6 @@ mod tests {
         assert!(check_answer(&acquire, &answer(TierOp::PrepareStore, 1)).is_err());
         assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 3)).is_err());
         assert!(check_answer(&store, &answer(TierOp::AcquirePrefix, 0)).is_err());
-    }
-
-    /// A call of more keys than a batch carries goes as parts: a store's answers come back as
-    /// one, its indices into the whole call's keys, refused if a part was; a prefix is asked for
-    /// its first part only.
-    #[test]
-    fn a_call_larger_than_a_batch_is_cut_into_parts_and_answered_as_one() {
-        let keys: Vec<OffloadKey> = (0..5u8).map(|n| OffloadKey::new(&[n; 4]).unwrap()).collect();
-        let calls = [
-            TierCall::PrepareStore { request: "r", keys: &keys },
-            TierCall::AcquirePrefix { request: "r", keys: &keys },
-            TierCall::FinishRequest { request: "r" },
-        ];
-        let parts = split_calls(&calls, 2);
-        let shape: Vec<(usize, u32, usize)> = parts
-            .iter()
-            .map(|part| (part.of, part.first_key, call_keys(&part.call).len()))
-            .collect();
-        assert_eq!(shape, [(0, 0, 2), (0, 2, 2), (0, 4, 1), (1, 0, 2), (2, 0, 0)]);
-        let store = |to_store: Vec<u32>, chunks: Vec<u32>, refused: bool| CallAnswer::Store {
-            to_store,
-            chunks,
-            refused,
-        };
-        let part_answers = vec![
-            store(vec![1], vec![10], false),
-            store(vec![0, 1], vec![12, 13], false),
-            store(vec![], vec![], true),
-            CallAnswer::Prefix { chunks: vec![7, 8] },
-            CallAnswer::Sent,
-        ];
-        let mut answers = Vec::new();
-        merge_answers(&parts, part_answers, calls.len(), &mut answers);
-        assert_eq!(
-            answers,
-            [
-                store(vec![1, 2, 3], vec![10, 12, 13], true),
-                CallAnswer::Prefix { chunks: vec![7, 8] },
-                CallAnswer::Sent
-            ]
-        );
     }
 
     /// Two clients start their call ids apart, so an answer left in a slot by one is never

@@ -27,6 +27,7 @@
 //! the index and a handle on each client's process, releasing the clients that died.
 
 mod arenas;
+mod batch;
 mod client;
 mod identity;
 mod invariants;

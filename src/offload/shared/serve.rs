@@ -370,14 +370,15 @@ impl TierServer {
                 self.answers.push(answer);
             }
         }
-        let requests_served = &requests;
         let served = self.served[slot].as_mut().expect("served above");
-        served.calls +=
-            requests_served.iter().filter(|r| r.op() != Ok(TierOp::EndBatch)).count() as u64;
+        served.calls += requests.iter().filter(|r| r.op() != Ok(TierOp::EndBatch)).count() as u64;
+        self.requests = requests;
+        // The figures first: a client that has its answers sees them (`kvctl tier`) as of its
+        // batch.
+        self.publish_figures(slot as u32);
+        let served = self.served[slot].as_mut().expect("served above");
         let answered = served.channel.answer(&self.answers);
         let detached = served.detached;
-        self.requests = requests;
-        self.publish_figures(slot as u32);
         if answered.is_err() || detached {
             if answered.is_err() {
                 tracing::warn!(slot, "a client left no room for its answers: released");
