@@ -7,6 +7,10 @@ holds what. The first engine that finds no owner starts one, in a session of its
 its child (a launcher starts it and exits), so that it outlives that engine; two engines
 starting at once start two, and the control object's ``O_EXCL`` keeps one. The owner exits,
 removing the tier, once no engine has been attached for ``idle_exit_s`` seconds.
+
+An owner that dies while engines run leaves its arenas to them (they keep copying into their
+mappings); an engine that finds it gone starts another (:class:`OwnerRestart`), which takes over
+those arenas as they are and makes none.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvshm._kvshm import SegmentError, shared_tier_clients, shared_tier_name, shared_tier_owner
 
 __all__ = [
     "OWNER_START_TIMEOUT_S",
+    "OwnerRestart",
     "TierIdentity",
     "ensure_tier_owner",
     "owner_log",
@@ -94,7 +99,56 @@ def ensure_tier_owner(
     pid = shared_tier_owner(tier)
     if pid is not None:
         return pid
-    log = owner_log(tier)
+    arenas = ["--chunks", str(chunks), "--arena-block-bytes", str(arena_block_bytes)]
+    options = _owner_options(ranks, idle_exit_s, client_quota)
+    started = _launch_owner(tier, identity, [*arenas, *options])
+    return wait_for_tier_owner(tier, timeout_s=timeout_s, started=started)
+
+
+@dataclass
+class OwnerRestart:
+    """How an engine starts a new owner for tier ``tier`` when it finds the one it used gone:
+    one that takes over the arenas the engines map (``tier-owner --adopt-arenas``), and makes
+    none, refusing stores for ``takeover_grace_ms`` (the old owner's stores may still be
+    copying). It looks for a live owner at most every ``interval_s`` seconds; engines that try
+    at once start several, and the control object's ``O_EXCL`` keeps one."""
+
+    tier: str
+    identity: TierIdentity
+    ranks: int
+    idle_exit_s: int
+    client_quota: int | None = None
+    interval_s: float = 5.0
+    takeover_grace_ms: int | None = None
+    _last_attempt: float | None = field(default=None, init=False, repr=False)
+
+    def poll(self) -> int | None:
+        """Starts an owner if none serves the tier and ``interval_s`` has passed since the last
+        look; the pid started (it serves shortly after), else ``None``. Raises
+        ``SegmentError`` when it cannot be started."""
+        now = time.monotonic()
+        if self._last_attempt is not None and now - self._last_attempt < self.interval_s:
+            return None
+        self._last_attempt = now
+        if shared_tier_owner(self.tier) is not None:
+            return None
+        grace = self.takeover_grace_ms
+        options = [
+            "--adopt-arenas",
+            *_owner_options(self.ranks, self.idle_exit_s, self.client_quota),
+            *(["--takeover-grace-ms", str(grace)] if grace is not None else []),
+        ]
+        return _launch_owner(self.tier, self.identity, options)
+
+
+def _owner_options(ranks: int, idle_exit_s: int, client_quota: int | None) -> list[str]:
+    quota = ["--client-quota", str(client_quota)] if client_quota is not None else []
+    return ["--ranks", str(ranks), "--idle-exit-s", str(idle_exit_s), *quota]
+
+
+def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
+    """Starts ``python -m kvshm tier-owner`` for ``tier`` with ``options``, its output appended
+    to its log; the pid started."""
     command = [
         sys.executable,
         "-m",
@@ -103,27 +157,23 @@ def ensure_tier_owner(
         "--name",
         tier,
         *identity.owner_arguments(),
-        "--chunks",
-        str(chunks),
-        "--ranks",
-        str(ranks),
-        "--arena-block-bytes",
-        str(arena_block_bytes),
-        "--idle-exit-s",
-        str(idle_exit_s),
-        *(["--client-quota", str(client_quota)] if client_quota is not None else []),
+        *options,
     ]
     # Through a launcher that exits at once, so that the owner is no descendant of the engine:
     # an engine that ends kills its process tree (vLLM does), and the owner serves the others.
-    with log.open("ab") as out:
-        launched = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, *command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=out,
-            check=True,
-        )
-    return wait_for_tier_owner(tier, timeout_s=timeout_s, started=int(launched.stdout))
+    log = owner_log(tier)
+    try:
+        with log.open("ab") as out:
+            launched = subprocess.run(
+                [sys.executable, "-c", _LAUNCHER, *command],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                check=True,
+            )
+        return int(launched.stdout)
+    except (OSError, ValueError, subprocess.CalledProcessError) as error:
+        raise SegmentError(f"the shared tier {tier}'s owner did not start: {error}") from error
 
 
 #: Starts argv[1:] in a session of its own, its output appended to the file on its stderr, prints

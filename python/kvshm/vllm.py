@@ -33,8 +33,10 @@ block one engine stored is a hit for every other of the same model and layout. T
 starts the tier's owner process, sized by its ``cpu_bytes_to_use``; it exits once no engine has
 used the tier for ``shared_tier_idle_exit_s`` (default 600) seconds, and with
 ``shared_tier_client_bytes`` gives each engine a quota (an engine at it evicts its own blocks,
-never another's). Copies run in the engine's own process (CPU tensors) in this release; warm
-restart is not offered for a shared tier.
+never another's). An engine that finds the owner gone (killed, crashed) keeps serving (misses,
+nothing stored) and starts a new one on the same arenas, at most every ``shared_tier_restart_s``
+seconds (default 5; 0: never). Copies run in the engine's own process (CPU tensors) in this
+release; warm restart is not offered for a shared tier.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
@@ -82,7 +85,7 @@ from kvshm._kvshm import (
 )
 from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport, logger
 from kvshm.cuda_tier import CudaHostTier
-from kvshm.shared_tier import TierIdentity, ensure_tier_owner, wait_for_tier_owner
+from kvshm.shared_tier import OwnerRestart, TierIdentity, ensure_tier_owner, wait_for_tier_owner
 
 if TYPE_CHECKING:
     from kvshm._kvshm import EvictionOrder
@@ -176,7 +179,9 @@ class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
     tier's owner (``VllmSharedTierCore``, in Rust). ``get_stats`` reports this engine's
     lookups, loads and stores through the tier."""
 
-    def __new__(cls, tier: str, identity: TierIdentity) -> KvshmSharedOffloadingManager:
+    def __new__(
+        cls, tier: str, identity: TierIdentity, restart: OwnerRestart | None = None
+    ) -> KvshmSharedOffloadingManager:
         return super().__new__(
             cls,
             tier,
@@ -189,10 +194,31 @@ class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
             vllm_types=_vllm_types(),
         )
 
-    def __init__(self, tier: str, identity: TierIdentity) -> None:
+    def __init__(
+        self, tier: str, identity: TierIdentity, restart: OwnerRestart | None = None
+    ) -> None:
         OffloadingManager.__init__(self)
         self.tier = tier
+        self._restart = restart
         self._previous: dict[str, int] = {}
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Sends the queued calls; while the owner is gone, starts a new one (``restart``)."""
+        super().on_schedule_end(context)
+        if self._restart is None or self.connected:
+            return
+        try:
+            started = self._restart.poll()
+        except SegmentError as error:
+            logger.warning("kvshm: %s", error)
+            return
+        if started is not None:
+            logger.warning(
+                "kvshm: the shared tier %s has no owner (%s); started one (pid %d)",
+                self.tier,
+                self.last_error,
+                started,
+            )
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
@@ -473,6 +499,7 @@ class KvshmOffloadingSpec(OffloadingSpec):
         self.shared_identity = _shared_identity(config) if shared else None
         self.shared_tier: str | None = None
         self.shared_idle_exit_s = int(extra.get("shared_tier_idle_exit_s", 600))
+        self.shared_restart_s = float(extra.get("shared_tier_restart_s", 5.0))
         quota_bytes = extra.get("shared_tier_client_bytes")
         self.shared_client_quota = (
             max(int(quota_bytes) // chunk_bytes, 1) if quota_bytes and chunk_bytes else None
@@ -496,8 +523,18 @@ class KvshmOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self.shared_tier is not None and self.shared_identity is not None:
             if self._shared_manager is None:
+                restart = None
+                if self.shared_restart_s > 0:
+                    restart = OwnerRestart(
+                        self.shared_tier,
+                        self.shared_identity,
+                        ranks=max(int(self.config.parallel.world_size), 1),
+                        idle_exit_s=self.shared_idle_exit_s,
+                        client_quota=self.shared_client_quota,
+                        interval_s=self.shared_restart_s,
+                    )
                 self._shared_manager = KvshmSharedOffloadingManager(
-                    self.shared_tier, self.shared_identity
+                    self.shared_tier, self.shared_identity, restart
                 )
                 logger.info(
                     "kvshm: sharing host tier %s (%s)",

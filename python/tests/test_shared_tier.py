@@ -16,7 +16,14 @@ import pytest
 
 import kvshm
 from kvshm import _kvshm
-from kvshm.shared_tier import TierIdentity, ensure_tier_owner, owner_log, stop_tier
+from kvshm.shared_tier import (
+    OwnerRestart,
+    TierIdentity,
+    ensure_tier_owner,
+    owner_log,
+    stop_tier,
+    wait_for_tier_owner,
+)
 
 PAGE = 64
 CHUNKS = 8
@@ -282,3 +289,51 @@ def test_the_key_past_a_found_prefix_is_a_miss_without_a_call_once(tier: str) ->
     assert loader.stats()["owner_calls"] == waits + 1
     assert loader.lookup(_key(3), request) == "MISS"
     assert loader.stats()["owner_calls"] == waits + 2, "a later lookup of the miss asks again"
+
+
+def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: str) -> None:
+    """The owner is SIGKILLed while an engine runs: the engine misses, starts a new owner that
+    takes over the arenas it maps (their bytes kept, none made), and is served again after the
+    new owner's store grace."""
+    pid = start(tier)
+    gpu = [np.zeros((4, PAGE), dtype=np.uint8) for _ in range(2)]
+    host = kvshm.HostTier(
+        f"{name}-e",
+        page_bytes=PAGE,
+        device_blocks=4,
+        chunks=1,
+        blocks_per_chunk=1,
+        groups=[[0, 1]],
+        tensors=gpu,
+        shared_tier=tier,
+    )
+    gpu[0][1] = 5
+    host.submit_store(1, [1], [1], [0], [3])
+    assert host.take_finished()[0][:2] == (1, True)
+    core = _core(tier)
+    restart = OwnerRestart(
+        tier, IDENTITY, ranks=1, idle_exit_s=600, interval_s=0.3, takeover_grace_ms=300
+    )
+    assert restart.poll() is None, "an owner serves: none started"
+
+    os.kill(pid, signal.SIGKILL)
+    while _kvshm.shared_tier_owner(tier) is not None:
+        time.sleep(0.01)
+    assert core.lookup(_key(1), _request("a")) == "MISS"
+    assert not core.connected
+    time.sleep(0.3)  # the restart's interval since its last look
+    started = restart.poll()
+    assert started is not None
+    assert restart.poll() is None, "one attempt an interval"
+    assert wait_for_tier_owner(tier, timeout_s=30, started=started) == started
+    assert '"arenas_taken_over":true' in owner_log(tier).read_text()
+
+    # The engine's mapping is still the tier's: its bytes are there for a load.
+    gpu[0][2] = 0
+    host.submit_load(2, [2], [1], [0], [3])
+    assert host.take_finished()[0][:2] == (2, True)
+    assert (gpu[0][2] == 5).all()
+    time.sleep(1.1)  # the client's reattach interval, and the new owner's grace
+    assert core.prepare_store([_key(1)], _request("b")) == ([_key(1)], [0])
+    assert core.connected
+    host.close()

