@@ -88,7 +88,7 @@ def tier_owner(tier: str, chunks: int, cpu: int | None) -> Iterator[dict[str, An
         lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
         if lines:
             report.update(lines[-1])
-        for arena in Path("/dev/shm").glob(f"kvshm.{tier}.host.*"):
+        for arena in Path("/dev/shm").glob(f"kvshm.{tier}.*"):  # its arena and key table
             arena.unlink(missing_ok=True)
 
 

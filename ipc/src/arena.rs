@@ -31,6 +31,8 @@ pub enum ArenaKind {
     Device,
     /// The host tier.
     Host,
+    /// The key table of a shared host tier (what each chunk holds, for the tier's next owner).
+    Keys,
 }
 
 impl ArenaKind {
@@ -38,6 +40,7 @@ impl ArenaKind {
         match self {
             ArenaKind::Device => 1,
             ArenaKind::Host => 2,
+            ArenaKind::Keys => 3,
         }
     }
 
@@ -46,6 +49,7 @@ impl ArenaKind {
         match self {
             ArenaKind::Device => name.device_arena_object(rank),
             ArenaKind::Host => name.host_tier_object(rank),
+            ArenaKind::Keys => name.tier_keys_object(rank),
         }
     }
 
@@ -53,6 +57,7 @@ impl ArenaKind {
         match self {
             ArenaKind::Device => "device",
             ArenaKind::Host => "host",
+            ArenaKind::Keys => "keys",
         }
     }
 }

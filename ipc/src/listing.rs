@@ -124,6 +124,7 @@ pub fn list() -> Vec<SegmentListing> {
             ObjectKind::Control => entry.0 = Some(status),
             ObjectKind::DeviceArena { rank } => entry.1.push(data(ArenaKind::Device, rank)),
             ObjectKind::HostTier { rank } => entry.1.push(data(ArenaKind::Host, rank)),
+            ObjectKind::TierKeys { rank } => entry.1.push(data(ArenaKind::Keys, rank)),
         }
     }
     by_name
@@ -173,7 +174,8 @@ pub(crate) fn unlink_data_objects_but(
     check_all_ours(name, false)?;
     let mut removed = 0;
     for (parsed, _) in scan() {
-        let spared = keep_host && matches!(parsed.kind, ObjectKind::HostTier { .. });
+        let spared = keep_host
+            && matches!(parsed.kind, ObjectKind::HostTier { .. } | ObjectKind::TierKeys { .. });
         if &parsed.segment == name && parsed.kind != ObjectKind::Control && !spared {
             removed += usize::from(inspect::unlink_owned(&parsed.object())?);
         }

@@ -78,6 +78,11 @@ impl SegmentName {
     pub fn host_tier_object(&self, rank: u32) -> String {
         format!("/{OBJECT_PREFIX}{}.host.{rank}", self.0)
     }
+
+    /// `/kvshm.NAME.keys.RANK`: the key table of a shared host tier (rank 0: one for the tier).
+    pub fn tier_keys_object(&self, rank: u32) -> String {
+        format!("/{OBJECT_PREFIX}{}.keys.{rank}", self.0)
+    }
 }
 
 impl fmt::Display for SegmentName {
@@ -92,6 +97,7 @@ pub enum ObjectKind {
     Control,
     DeviceArena { rank: u32 },
     HostTier { rank: u32 },
+    TierKeys { rank: u32 },
 }
 
 /// A `/dev/shm` entry that belongs to kvshm, parsed back into its segment and kind.
@@ -119,6 +125,7 @@ impl ObjectName {
                 match kind {
                     "dev" => ObjectKind::DeviceArena { rank: rank_value },
                     "host" => ObjectKind::HostTier { rank: rank_value },
+                    "keys" => ObjectKind::TierKeys { rank: rank_value },
                     _ => return None,
                 }
             }
@@ -133,6 +140,7 @@ impl ObjectName {
             ObjectKind::Control => self.segment.control_object(),
             ObjectKind::DeviceArena { rank } => self.segment.device_arena_object(rank),
             ObjectKind::HostTier { rank } => self.segment.host_tier_object(rank),
+            ObjectKind::TierKeys { rank } => self.segment.tier_keys_object(rank),
         }
     }
 }
@@ -173,8 +181,12 @@ mod tests {
     #[test]
     fn object_names_parse_back_to_their_segment_and_kind() {
         let name = SegmentName::new("seg-1").unwrap();
-        for object in [name.control_object(), name.device_arena_object(3), name.host_tier_object(0)]
-        {
+        for object in [
+            name.control_object(),
+            name.device_arena_object(3),
+            name.host_tier_object(0),
+            name.tier_keys_object(0),
+        ] {
             let parsed = ObjectName::parse(&object).unwrap();
             assert_eq!(parsed.segment, name);
             assert_eq!(parsed.object(), object);

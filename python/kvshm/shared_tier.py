@@ -220,14 +220,15 @@ def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = No
 
 def stop_tier(tier: str, *, timeout_s: float = 10.0) -> None:
     """Ends tier ``tier``: stops its owner (SIGTERM, waiting up to ``timeout_s``), then removes
-    its arenas and its owner's log. For when no engine uses the tier any more: the arenas are
-    what running engines copy into."""
+    its arenas, its key table and its owner's log. For when no engine uses the tier any more:
+    the arenas are what running engines copy into."""
     pid = shared_tier_owner(tier)
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while shared_tier_owner(tier) is not None and time.monotonic() < deadline:
             time.sleep(0.02)
-    for arena in Path("/dev/shm").glob(f"kvshm.{tier}.host.*"):
-        arena.unlink(missing_ok=True)
+    for kind in ("host", "keys"):
+        for arena in Path("/dev/shm").glob(f"kvshm.{tier}.{kind}.*"):
+            arena.unlink(missing_ok=True)
     owner_log(tier).unlink(missing_ok=True)

@@ -4,6 +4,7 @@ back by the other."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -293,8 +294,8 @@ def test_the_key_past_a_found_prefix_is_a_miss_without_a_call_once(tier: str) ->
 
 def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: str) -> None:
     """The owner is SIGKILLed while an engine runs: the engine misses, starts a new owner that
-    takes over the arenas it maps (their bytes kept, none made), and is served again after the
-    new owner's store grace."""
+    takes over the arenas it maps (their bytes kept, none made) and the keys the tier held, and
+    is served again, its stores after the new owner's grace."""
     pid = start(tier)
     gpu = [np.zeros((4, PAGE), dtype=np.uint8) for _ in range(2)]
     host = kvshm.HostTier(
@@ -311,6 +312,9 @@ def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: 
     host.submit_store(1, [1], [1], [0], [3])
     assert host.take_finished()[0][:2] == (1, True)
     core = _core(tier)
+    assert core.prepare_store([_key(2)], _request("s")) == ([_key(2)], [0])
+    core.complete_store([_key(2)], _request("s"))
+    _step_ends(core)
     restart = OwnerRestart(
         tier, IDENTITY, ranks=1, idle_exit_s=600, interval_s=0.3, takeover_grace_ms=300
     )
@@ -326,7 +330,8 @@ def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: 
     assert started is not None
     assert restart.poll() is None, "one attempt an interval"
     assert wait_for_tier_owner(tier, timeout_s=30, started=started) == started
-    assert '"arenas_taken_over":true' in owner_log(tier).read_text()
+    started_line = json.loads(owner_log(tier).read_text().splitlines()[-1])
+    assert (started_line["arenas_taken_over"], started_line["keys_restored"]) == (True, 1)
 
     # The engine's mapping is still the tier's: its bytes are there for a load.
     gpu[0][2] = 0
@@ -334,6 +339,7 @@ def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: 
     assert host.take_finished()[0][:2] == (2, True)
     assert (gpu[0][2] == 5).all()
     time.sleep(1.1)  # the client's reattach interval, and the new owner's grace
-    assert core.prepare_store([_key(1)], _request("b")) == ([_key(1)], [0])
+    assert core.lookup(_key(2), _request("b")) == "HIT", "the key stored before is back"
     assert core.connected
+    assert core.prepare_store([_key(1)], _request("b")) == ([_key(1)], [1])
     host.close()

@@ -269,9 +269,10 @@ def test_an_engine_restarts_the_tier_owner_it_finds_gone(
     tmp_path: Path,
     tier: str,
 ) -> None:
-    """Engine B serves its first request and waits; the tier's owner is SIGKILLed; B then
-    serves the rest with every output identical (misses and no stores while no owner serves)
-    and starts a new owner that takes over the arenas it maps (``shared_tier_restart_s``)."""
+    """Engine B serves its first request and waits, its stores done; the tier's owner is
+    SIGKILLed; B then serves the rest with every output identical (misses and no stores while no
+    owner serves) and starts a new owner that takes over the arenas it maps and the keys B
+    stored (``shared_tier_restart_s``)."""
     first_round = workload[:CONVERSATIONS]
     gate = tmp_path / "go-on"
     waiting = ("--progress", "--wait-for", str(gate))
@@ -290,6 +291,13 @@ def test_an_engine_restarts_the_tier_owner_it_finds_gone(
             pytest.fail("engine B ended before its first request was served")
         first_owner = _kvshm.shared_tier_owner(tier)
         assert first_owner is not None
+        deadline = time.monotonic() + 60
+        while True:
+            (client,) = _kvshm.shared_tier_clients(tier)
+            if client["chunks"] > 0 and client["storing"] == 0:
+                break
+            assert time.monotonic() < deadline, f"engine B's stores never completed: {client}"
+            time.sleep(0.01)
         os.kill(first_owner, signal.SIGKILL)
         while _kvshm.shared_tier_owner(tier) == first_owner:
             time.sleep(0.01)
@@ -304,6 +312,7 @@ def test_an_engine_restarts_the_tier_owner_it_finds_gone(
     assert outputs(json.loads(out.read_text())) == expected[:CONVERSATIONS]
     starts = [line for line in owner_lines(tier) if "tier" in line]
     assert [start["arenas_taken_over"] for start in starts] == [False, True], starts
+    assert starts[1]["keys_restored"] == client["chunks"], (starts, client)
     restarted = _kvshm.shared_tier_owner(tier)
     assert restarted == starts[1]["pid"] != first_owner
     print(

@@ -4,7 +4,8 @@
 //! 1. build the tier's identity from the arguments; stop if an owner of the name lives;
 //! 2. make the tier's arenas, one per rank, or take over those a previous owner left, with their
 //!    size ([`TierArenas::create_or_adopt`]; with `--adopt-arenas` take over only, at their
-//!    block size: [`TierArenas::adopt_existing`]), and an index of as many chunks;
+//!    block size: [`TierArenas::adopt_existing`]), and an index of as many chunks, holding the
+//!    keys the tier's key table names after a takeover ([`TierKeys`]);
 //! 3. create the tier's control object ([`TierServer::create`]): refused while another owner of
 //!    the name lives, a dead owner's taken over; after a takeover, refuse stores for the grace;
 //! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
@@ -21,7 +22,7 @@ use clap::Parser;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
-use crate::offload::shared::TierArenas;
+use crate::offload::shared::{TierArenas, TierKeys};
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
 use crate::worker::process::{install_stop_handlers, stop_requested};
 
@@ -105,7 +106,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let chunks = u32::try_from(arenas.blocks() / blocks_per_chunk)
         .context("the tier's arenas hold more chunks than a tier may")?;
-    let index = SharedTierIndex::new(identity, OffloadConfig::new(chunks))?;
+    let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
+        .context("the tier's key table")?;
+    let mut index = SharedTierIndex::new(identity, OffloadConfig::new(chunks))?;
+    let keys_restored = index.keep_key_table(keys, entries);
     install_stop_handlers().context("installing the stop handlers")?;
     let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))?;
     server.set_client_quota(args.client_quota);
@@ -118,6 +122,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "chunks": chunks,
         "ranks": args.ranks,
         "arenas_taken_over": arenas.adopted(),
+        "keys_restored": keys_restored,
     });
     println!("{ready}");
     let idle_exit = args.idle_exit_s.map(Duration::from_secs);

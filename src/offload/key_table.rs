@@ -92,12 +92,21 @@ impl KeyTable {
         layout: &EngineLayout,
         kept: bool,
     ) -> Result<(KeyTable, bool), ArenaError> {
-        let mut table = KeyTable {
-            offset: KeyTable::offset(layout) as usize,
-            chunks: layout.chunks,
-            fingerprint: KeyTable::fingerprint(layout),
-            next_seq: 1,
-        };
+        let offset = KeyTable::offset(layout) as usize;
+        KeyTable::open_at(arena, offset, layout.chunks, KeyTable::fingerprint(layout), kept)
+    }
+
+    /// The table of `chunks` chunks at byte `offset` of `arena`'s data, for a tier whose shape
+    /// digests to `fingerprint`: the one found there if its header matches (and `kept`), else a
+    /// cleared one; and whether the table found was kept.
+    pub fn open_at(
+        arena: &Arena,
+        offset: usize,
+        chunks: u32,
+        fingerprint: u64,
+        kept: bool,
+    ) -> Result<(KeyTable, bool), ArenaError> {
+        let mut table = KeyTable { offset, chunks, fingerprint, next_seq: 1 };
         if kept {
             let mut header = [0u8; HEADER_BYTES];
             arena.read_data(table.offset, &mut header)?;
@@ -106,7 +115,7 @@ impl KeyTable {
             if word(0) == TABLE_MAGIC
                 && half(8) == TABLE_VERSION
                 && half(12) == SLOT_BYTES as u32
-                && half(16) == layout.chunks
+                && half(16) == chunks
                 && word(24) == table.fingerprint
             {
                 table.next_seq = word(32).max(1);
@@ -119,8 +128,8 @@ impl KeyTable {
         }
         let empty = vec![0u8; SLOT_BYTES * 1024];
         let mut slot = 0usize;
-        while slot < layout.chunks as usize {
-            let count = (layout.chunks as usize - slot).min(1024);
+        while slot < chunks as usize {
+            let count = (chunks as usize - slot).min(1024);
             arena.write_data(table.slot_offset(slot as u32), &empty[..count * SLOT_BYTES])?;
             slot += count;
         }

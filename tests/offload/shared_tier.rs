@@ -1,13 +1,15 @@
 //! The shared tier's index (`SharedTierIndex`): several clients over one host tier, pins per
-//! client, one eviction order, quotas, a client's release; and a randomized run against a naive
-//! model with `check_invariants` after every step.
+//! client, one eviction order, quotas, a client's release, its key table for the next owner;
+//! and a randomized run against a naive model with `check_invariants` after every step.
 
 use std::collections::{HashMap, HashSet};
 
+use kvshm::offload::shared::{TierArenas, TierKeys};
 use kvshm::offload::{
     ClientId, LookupResult, OffloadConfig, OffloadKey, PreparedStore, SharedTierError,
     SharedTierIndex, TierIdentity,
 };
+use kvshm_ipc::name::SegmentName;
 
 use crate::support::Rng;
 
@@ -469,6 +471,44 @@ fn run_against_model(seed: u64) {
         evictions > 1_000 && refusals > 10 && releases > 5 && hits > 1_000,
         "the run exercised it"
     );
+}
+
+/// The key table (`TierKeys`) gives the next owner's index the keys whose stores completed with
+/// success, in their chunks and under their parents, and nothing else: not a failed store, not
+/// one left pending (its chunk may be half written).
+#[test]
+fn a_new_index_takes_back_what_the_key_table_names_and_nothing_else() {
+    let name = SegmentName::new(&format!("t-tierkeys-{}", std::process::id())).unwrap();
+    let (table, entries) = TierKeys::open(&name, &identity(), 3, false).unwrap();
+    let mut index = tier(3);
+    assert_eq!(index.keep_key_table(table, entries), 0);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    store(&mut index, a, "r1", &[1, 2]);
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store(a, "r2", &keys(&[7]), &mut out).unwrap());
+    index.complete_store(a, &keys(&[7]), false).unwrap();
+    assert!(index.prepare_store(a, "r3", &keys(&[8]), &mut out).unwrap());
+    check(&index);
+    drop(index);
+
+    let (table, entries) = TierKeys::open(&name, &identity(), 3, true).unwrap();
+    let mut next = tier(3);
+    assert_eq!(next.keep_key_table(table, entries), 2);
+    check(&next);
+    let found: Vec<LookupResult> =
+        [1, 2, 7, 8].iter().map(|&block| next.peek(&key(block))).collect();
+    assert_eq!(
+        found,
+        [LookupResult::Hit, LookupResult::Hit, LookupResult::Miss, LookupResult::Miss]
+    );
+    // Key 2 came back under key 1: the leaf goes first when room is made.
+    let b = next.attach(&identity(), "b", None).unwrap();
+    assert_eq!(store(&mut next, b, "r4", &[9, 10]), [2]);
+    drop(next);
+
+    let (_, entries) = TierKeys::open(&name, &identity(), 3, false).unwrap();
+    assert!(entries.is_empty(), "a new tier clears the table");
+    TierArenas::unlink(&name, 0);
 }
 
 #[test]

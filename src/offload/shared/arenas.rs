@@ -168,13 +168,21 @@ impl TierArenas {
         })
     }
 
-    /// Module flow, step 3: removes the arenas (the tier ends; no client maps them).
+    /// Module flow, step 3: removes the arenas and the tier's key table (the tier ends; no
+    /// client maps them).
     pub fn remove(self) {
         let ranks = self.arenas.len() as u32;
         drop(self.arenas);
+        TierArenas::unlink(&self.name, ranks);
+    }
+
+    /// Removes tier `name`'s arenas of `ranks` ranks and its key table, whoever made them (for
+    /// tools and tests, once no engine maps them).
+    pub fn unlink(name: &SegmentName, ranks: u32) {
         for rank in 0..ranks {
-            let _ = Arena::unlink(&self.name, ArenaKind::Host, rank);
+            let _ = Arena::unlink(name, ArenaKind::Host, rank);
         }
+        super::TierKeys::unlink(name);
     }
 }
 

@@ -31,6 +31,7 @@ mod batch;
 mod client;
 mod identity;
 mod invariants;
+mod keys;
 mod listing;
 mod owner;
 mod serve;
@@ -42,11 +43,13 @@ use serde::Serialize;
 pub use arenas::{open_rank_arena, TierArenaError, TierArenas};
 pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use identity::TierIdentity;
+pub use keys::TierKeys;
 pub use listing::{inspect_tier, ClientRow, TierReport};
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
 pub use serve::{ClientGone, ServeError, ServeStats, TierServer};
 
 use super::key::{BuildPassThrough, OffloadKey};
+use super::key_table::TableEntry;
 use super::manager::{
     EvictionScope, LookupResult, OffloadConfig, OffloadError, OffloadManager, OffloadStats,
     PreparedStore,
@@ -146,6 +149,8 @@ pub struct SharedTierIndex {
     generations: Vec<u32>,
     /// Per chunk, the slot it is charged to, or `NO_OWNER`.
     owners: Vec<u32>,
+    /// The key table the owner keeps for the tier's next owner (`keys.rs`), if any.
+    keys: Option<TierKeys>,
     /// Scratch: the manager's name of the request of the call in progress, and keys counted.
     request_name: String,
     distinct: HashSet<OffloadKey, BuildPassThrough>,
@@ -159,6 +164,7 @@ impl SharedTierIndex {
         Ok(SharedTierIndex {
             identity,
             owners: vec![NO_OWNER; config.chunks as usize],
+            keys: None,
             manager,
             clients: Vec::new(),
             generations: Vec::new(),
@@ -335,6 +341,11 @@ impl SharedTierIndex {
         for &chunk in &out.evicted_chunks {
             self.discharge(chunk);
         }
+        if let Some(table) = &self.keys {
+            for &chunk in &out.chunks {
+                table.cleared(chunk);
+            }
+        }
         let state = self.clients[client.slot as usize].as_mut().expect("checked above");
         for (&index, &chunk) in out.to_store.iter().zip(&out.chunks) {
             self.owners[chunk as usize] = client.slot;
@@ -380,8 +391,35 @@ impl SharedTierIndex {
             }
         }
         self.manager.complete_store(&mine, success);
+        if let (Some(table), true) = (&mut self.keys, success) {
+            for key in &mine {
+                let chunk = self.manager.chunk_of(key).expect("a completed store is cached");
+                let parent = self.manager.parent_of(key);
+                let parent_chunk = parent.and_then(|parent| self.manager.chunk_of(&parent));
+                table.stored(chunk, key, parent_chunk);
+            }
+        }
         self.keys_scratch = mine;
         Ok(())
+    }
+
+    /// Keeps `table` up to date from now on (`keys.rs`), after taking back the keys of
+    /// `entries` (what the table held when this owner took the tier over) into their chunks,
+    /// oldest first, each under its parent where that came back; returns how many came back.
+    /// An entry whose key or chunk the index holds already is skipped.
+    pub fn keep_key_table(&mut self, table: TierKeys, mut entries: Vec<TableEntry>) -> usize {
+        entries.sort_unstable_by_key(|entry| entry.seq);
+        let mut by_chunk: HashMap<u32, (u64, OffloadKey)> = HashMap::new();
+        for entry in entries {
+            let parent = entry.parent.and_then(|(chunk, seq)| {
+                by_chunk.get(&chunk).filter(|(held, _)| *held == seq).map(|&(_, key)| key)
+            });
+            if self.manager.restore(entry.key, entry.chunk, parent.as_ref()).is_ok() {
+                by_chunk.insert(entry.chunk, (entry.seq, entry.key));
+            }
+        }
+        self.keys = Some(table);
+        by_chunk.len()
     }
 
     /// Module flow, step 5: ends `client`'s `request`; the keys it loaded and stored become the

@@ -27,13 +27,13 @@ use std::time::Instant;
 use serde::Serialize;
 
 use kvshm::hash::BlockHash;
+use kvshm::offload::shared::TierArenas;
 use kvshm::offload::{
     CallAnswer, ClientId, ClientOptions, LookupResult, OffloadConfig, OffloadKey, OffloadManager,
     PreparedStore, SharedTierIndex, TierCall, TierClient, TierIdentity,
 };
 use kvshm::percentiles::Percentiles;
 use kvshm::trace::read_trace;
-use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::name::SegmentName;
 
 #[derive(Debug, clap::Args)]
@@ -119,7 +119,7 @@ impl Drop for OwnerProcess {
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
         let _ = self.0.wait();
         if let Ok(name) = SegmentName::new(&self.1) {
-            let _ = Arena::unlink(&name, ArenaKind::Host, 0);
+            TierArenas::unlink(&name, 1);
         }
     }
 }
