@@ -74,22 +74,25 @@ def test_an_engine_starts_the_owner_once_and_not_as_its_child(tier: str) -> None
     assert _kvshm.shared_tier_clients(tier) == []
 
 
+def engine_on(tier: str, segment: str) -> tuple[list[np.ndarray], kvshm.HostTier]:
+    """An engine's two KV tensors of 4 blocks and its host tier on shared tier ``tier``."""
+    gpu = [np.zeros((4, PAGE), dtype=np.uint8) for _ in range(2)]
+    host = kvshm.HostTier(
+        segment,
+        page_bytes=PAGE,
+        device_blocks=4,
+        chunks=1,
+        blocks_per_chunk=1,
+        groups=[[0, 1]],
+        tensors=gpu,
+        shared_tier=tier,
+    )
+    return gpu, host
+
+
 def test_a_block_one_engine_stored_is_read_back_by_another(tier: str, name: str) -> None:
     start(tier)
-    engines = []
-    for index in range(2):
-        gpu = [np.zeros((4, PAGE), dtype=np.uint8) for _ in range(2)]
-        host = kvshm.HostTier(
-            f"{name}-e{index}",
-            page_bytes=PAGE,
-            device_blocks=4,
-            chunks=1,
-            blocks_per_chunk=1,
-            groups=[[0, 1]],
-            tensors=gpu,
-            shared_tier=tier,
-        )
-        engines.append((gpu, host))
+    engines = [engine_on(tier, f"{name}-e{index}") for index in range(2)]
     (first_gpu, first), (second_gpu, second) = engines
     first_gpu[0][2] = 7
     first_gpu[1][2] = 9
@@ -297,17 +300,7 @@ def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: 
     takes over the arenas it maps (their bytes kept, none made) and the keys the tier held, and
     is served again, its stores after the new owner's grace."""
     pid = start(tier)
-    gpu = [np.zeros((4, PAGE), dtype=np.uint8) for _ in range(2)]
-    host = kvshm.HostTier(
-        f"{name}-e",
-        page_bytes=PAGE,
-        device_blocks=4,
-        chunks=1,
-        blocks_per_chunk=1,
-        groups=[[0, 1]],
-        tensors=gpu,
-        shared_tier=tier,
-    )
+    gpu, host = engine_on(tier, f"{name}-e")
     gpu[0][1] = 5
     host.submit_store(1, [1], [1], [0], [3])
     assert host.take_finished()[0][:2] == (1, True)

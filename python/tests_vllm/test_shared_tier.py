@@ -108,6 +108,15 @@ def released_clients(tier: str, count: int) -> list[dict[str, Any]]:
         time.sleep(0.05)
 
 
+def wait_for_first_served(engine: subprocess.Popen[bytes]) -> None:
+    """Until an engine run with ``--progress --wait-for`` has served its first request."""
+    assert engine.stdout is not None
+    for line in engine.stdout:
+        if line.strip() == b"served 1":
+            return
+    pytest.fail("the engine ended before its first request was served")
+
+
 def shared(tier: str, segment: str) -> tuple[str, ...]:
     """An engine's options on tier ``tier``; its owner outlives a slow start of the next engine
     (the fixture stops it)."""
@@ -196,12 +205,7 @@ def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
         )
     doomed: subprocess.Popen[bytes] | None = None
     try:
-        assert survivor.stdout is not None
-        for line in survivor.stdout:
-            if line.strip() == b"served 1":
-                break
-        else:
-            pytest.fail("engine B ended before its first request was served")
+        wait_for_first_served(survivor)
         survivor_clients = {client["pid"] for client in _kvshm.shared_tier_clients(tier)}
 
         doomed_command, _ = offline_command(model, workload, tmp_path, *shared(tier, f"{tier}-a"))
@@ -283,12 +287,7 @@ def test_an_engine_restarts_the_tier_owner_it_finds_gone(
     with engine_log.open("wb") as log:
         engine_b = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log)
     try:
-        assert engine_b.stdout is not None
-        for line in engine_b.stdout:
-            if line.strip() == b"served 1":
-                break
-        else:
-            pytest.fail("engine B ended before its first request was served")
+        wait_for_first_served(engine_b)
         first_owner = _kvshm.shared_tier_owner(tier)
         assert first_owner is not None
         deadline = time.monotonic() + 60
