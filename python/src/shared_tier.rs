@@ -270,13 +270,23 @@ impl VllmSharedTierCore {
             wanted.iter().zip(&taken).filter(|(_, pin)| pin.is_none()).map(|(k, _)| *k).collect();
         slf.release_current(pins.into_iter().map(|(key, pin)| (key, pin.epoch)));
         if !missing.is_empty() {
-            slf.call(&[TierCall::AcquirePrefix { request, keys: &missing }])?;
-            let found = match slf.answers.first() {
-                Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
-                _ => Vec::new(),
-            };
-            let epoch = slf.epoch();
-            let mut found = found.into_iter().map(|chunk| Pin { chunk, epoch });
+            // As many calls as it takes: one call pins at most a batch's keys.
+            let mut found: Vec<Pin> = Vec::with_capacity(missing.len());
+            while found.len() < missing.len() {
+                let keys = &missing[found.len()..];
+                slf.call(&[TierCall::AcquirePrefix { request, keys }])?;
+                let chunks = match slf.answers.first() {
+                    Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
+                    _ => Vec::new(),
+                };
+                if chunks.is_empty() {
+                    break;
+                }
+                // Each pin is its call's connection's (`Pin`).
+                let epoch = slf.epoch();
+                found.extend(chunks.into_iter().map(|chunk| Pin { chunk, epoch }));
+            }
+            let mut found = found.into_iter();
             for pin in taken.iter_mut().filter(|pin| pin.is_none()) {
                 *pin = found.next();
             }

@@ -336,3 +336,22 @@ def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: 
     assert core.connected
     assert core.prepare_store([_key(1)], _request("b")) == ([_key(1)], [1])
     host.close()
+
+
+def test_a_load_of_more_keys_than_one_call_carries_pins_them_all(tier: str) -> None:
+    """``prepare_load`` of keys no lookup pinned asks for them in as many calls as it takes
+    (one call carries at most 4,096 keys)."""
+    count = 5000
+    ensure_tier_owner(
+        tier, IDENTITY, chunks=count, ranks=1, arena_block_bytes=2 * PAGE, idle_exit_s=600
+    )
+    storer, loader = _core(tier), _core(tier)
+    keys = [_key(n) for n in range(count)]
+    stored, _ = storer.prepare_store(keys, _request("a"))
+    assert len(stored) == count
+    storer.complete_store(keys, _request("a"))
+    _step_ends(storer)
+    chunks = loader.prepare_load(keys, _request("b")).chunks
+    assert sorted(chunks) == list(range(count))
+    pins = sum(client["pins"] for client in _kvshm.shared_tier_clients(tier))
+    assert pins == count
