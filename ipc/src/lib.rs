@@ -56,6 +56,8 @@ pub mod layout;
 #[cfg(not(loom))]
 pub mod listing;
 #[cfg(not(loom))]
+pub mod mappers;
+#[cfg(not(loom))]
 pub mod progress;
 #[cfg(not(loom))]
 pub mod segment;

@@ -22,6 +22,7 @@
 //! until its store grace has passed ([`super::TierServer::refuse_stores_until`]).
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
+use kvshm_ipc::mappers::Mappers;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::shm::ShmError;
 
@@ -150,22 +151,13 @@ impl TierArenas {
         self.adopted
     }
 
-    /// Whether a process other than this one maps one of the arenas (its `/proc/PID/maps` names
-    /// the object). Processes whose maps this user cannot read are not seen: engines run as the
-    /// owner's user, whose processes it can read.
+    /// Whether a process other than this one maps one of the arenas ([`Mappers`]). Processes
+    /// whose maps this user cannot read are not seen: engines run as the owner's user, whose
+    /// processes it can read.
     pub fn mapped_elsewhere(&self) -> bool {
-        let own = std::process::id().to_string();
-        let prefix = format!("{}.", ArenaKind::Host.object(&self.name, 0).trim_end_matches(".0"));
-        let Ok(processes) = std::fs::read_dir("/proc") else { return false };
-        processes.flatten().any(|entry| {
-            let pid = entry.file_name();
-            let pid = pid.to_string_lossy();
-            if !pid.bytes().all(|b| b.is_ascii_digit()) || pid == own {
-                return false;
-            }
-            std::fs::read_to_string(entry.path().join("maps"))
-                .is_ok_and(|maps| maps.lines().any(|line| line.contains(prefix.as_str())))
-        })
+        let mappers = Mappers::scan();
+        (0..self.arenas.len() as u32)
+            .any(|rank| !mappers.of(&ArenaKind::Host.object(&self.name, rank)).is_empty())
     }
 
     /// Module flow, step 3: removes the arenas and the tier's key table (the tier ends; no

@@ -18,7 +18,10 @@
 //! 6. whatever the rules above say, an object that another user owns is never removed, whoever
 //!    runs kvctl (root included), and nothing is opened in a way that could block (a FIFO) or
 //!    follow a link: every read goes through [`CheckedObject`]. A FIFO, link or other non-file of
-//!    our own under the prefix is garbage, removed once unchanged for [`CREATION_GRACE`].
+//!    our own under the prefix is garbage, removed once unchanged for [`CREATION_GRACE`];
+//! 7. nor is a data object another running process maps ([`Mappers`]: an engine still copying
+//!    into the arena of a shared tier whose owner died, a worker into its segment's): removing
+//!    its name would let the next owner make new memory under it that the process never sees.
 //!
 //! Flow of `ls`: 1. list and judge (segment crate); 2. refine garbage and orphans ([`list`]);
 //! 3. print a table or one JSON document.
@@ -32,6 +35,7 @@ use kvshm_ipc::listing::{
     self as ipc_listing, DataObject, ListingState, SegmentKind, SegmentListing,
 };
 use kvshm_ipc::liveness::ProcessIdentity;
+use kvshm_ipc::mappers::Mappers;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::shm::ShmError;
 use serde::Serialize;
@@ -112,27 +116,34 @@ pub struct Listing {
 
 /// Lists the segments named in `only` (every segment when empty), judged.
 pub fn list(only: &[SegmentName]) -> Listing {
+    let mappers = Mappers::scan();
     let segments = ipc_listing::list()
         .into_iter()
         .filter(|listing| only.is_empty() || only.contains(&listing.name))
-        .map(|listing| row(&listing))
+        .map(|listing| row(&listing, &mappers))
         .collect();
     Listing { segments }
 }
 
-fn row(listing: &SegmentListing) -> SegmentRow {
+fn row(listing: &SegmentListing, mappers: &Mappers) -> SegmentRow {
     let (state, reason, removable) = judge(listing);
     let data_objects = listing
         .data_objects
         .iter()
         .map(|data| {
-            if state == SegmentState::Orphaned {
+            let (removable, reason) = if state == SegmentState::Orphaned {
                 let (removable, reason) = judge_orphan(data);
-                data_row(data, removable, Some(reason))
+                (removable, Some(reason))
             } else if data.owner != inspect::our_uid() {
-                data_row(data, false, Some(not_ours(&data.object, data.owner)))
+                (false, Some(not_ours(&data.object, data.owner)))
             } else {
-                data_row(data, removable, None)
+                (removable, None)
+            };
+            match mappers.of(&data.object) {
+                [pid, ..] if removable => {
+                    data_row(data, false, Some(format!("in use: process {pid} maps it")))
+                }
+                _ => data_row(data, removable, reason),
             }
         })
         .collect::<Vec<_>>();

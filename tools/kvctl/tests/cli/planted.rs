@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use kvshm_ipc::config::SegmentConfig;
 use kvshm_ipc::layout::HeaderFields;
+use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::segment::Segment;
+use kvshm_ipc::shm::SharedMemory;
 
 use crate::support::*;
 
@@ -48,6 +50,20 @@ fn ls_row(name: &str) -> serde_json::Value {
     let rows = listing["segments"].as_array().unwrap();
     assert_eq!(rows.len(), 1, "{listing}");
     rows[0].clone()
+}
+
+/// A control object of segment `stale` whose creator is dead (a real segment's, the creator
+/// word rewritten).
+fn plant_stale_control_object(stale: &SegmentName) {
+    let live_name = unique_name("planted-original");
+    let _cleanup = Cleanup(live_name.clone());
+    let live = Segment::create(&live_name, &SegmentConfig::default()).unwrap();
+    let mut bytes = std::fs::read(path(&live.name().control_object())).unwrap();
+    let at = std::mem::offset_of!(HeaderFields, creator);
+    bytes[at..at + 16].copy_from_slice(bytemuck::bytes_of(
+        &kvshm_ipc::liveness::ProcessIdentity::new(u32::MAX - 1, 1),
+    ));
+    write_object(&stale.control_object(), &bytes);
 }
 
 fn removed(report: &serde_json::Value) -> Vec<String> {
@@ -135,16 +151,9 @@ fn cleanup_of_a_stale_segment_keeps_a_data_object_another_user_planted() {
     if !running_as_root() {
         return;
     }
-    let live_name = unique_name("planted-original");
     let stale = unique_name("planted-stale");
-    let _cleanups = [Cleanup(live_name.clone()), Cleanup(stale.clone())];
-    let live = Segment::create(&live_name, &SegmentConfig::default()).unwrap();
-    let mut bytes = std::fs::read(path(&live.name().control_object())).unwrap();
-    let at = std::mem::offset_of!(HeaderFields, creator);
-    bytes[at..at + 16].copy_from_slice(bytemuck::bytes_of(
-        &kvshm_ipc::liveness::ProcessIdentity::new(u32::MAX - 1, 1),
-    ));
-    write_object(&stale.control_object(), &bytes);
+    let _cleanup = Cleanup(stale.clone());
+    plant_stale_control_object(&stale);
     write_object(&stale.host_tier_object(0), b"ours");
     write_object(&stale.device_arena_object(0), b"theirs");
     give_away(&stale.device_arena_object(0));
@@ -240,4 +249,34 @@ fn a_huge_sparse_garbage_object_is_judged_and_cleaned_up() {
     let report = kvctl_unhung(&["cleanup", name.as_str(), "--json"]).assert_ok().json();
     assert_eq!(removed(&report), vec![object.clone()]);
     assert!(!exists(&object));
+}
+
+/// A stale segment's data object that a running process maps (here this test: kvctl runs in
+/// a process of its own) is in use: `ls` says so, and `cleanup` removes the control object and
+/// keeps the mapped object until no process maps it.
+#[test]
+fn cleanup_keeps_a_data_object_a_running_process_maps() {
+    let stale = unique_name("mapped-stale");
+    let _cleanup = Cleanup(stale.clone());
+    plant_stale_control_object(&stale);
+    let mapped = stale.host_tier_object(0);
+    write_object(&mapped, &[0; 4096]);
+    write_object(&stale.host_tier_object(1), &[0; 4096]);
+    let mapping = SharedMemory::open(&mapped).unwrap();
+
+    let row = ls_row(stale.as_str());
+    let data = row["data_objects"].as_array().unwrap();
+    let reason = format!("in use: process {} maps it", std::process::id());
+    assert_eq!((&data[0]["removable"], &data[0]["reason"]), (&false.into(), &reason.into()));
+    assert_eq!(data[1]["removable"], true, "{row}");
+    let report = kvctl_unhung(&["cleanup", stale.as_str(), "--json"]).assert_ok().json();
+    let mut first = removed(&report);
+    first.sort();
+    assert_eq!(first, [stale.control_object(), stale.host_tier_object(1)], "{report}");
+    assert!(exists(&mapped));
+
+    drop(mapping);
+    age_object(&mapped); // an orphan without an arena header goes once unchanged a while
+    let report = kvctl_unhung(&["cleanup", stale.as_str(), "--json"]).assert_ok().json();
+    assert_eq!(removed(&report), [mapped], "{report}");
 }
