@@ -177,8 +177,10 @@ pub enum ConfigError {
     UnknownCopies { code: u32 },
     #[error("unknown segment kind code {code} (0: a kvshm scheduler's, 1: an engine's host tier)")]
     UnknownKind { code: u32 },
-    #[error("reserved configuration words must be zero")]
-    ReservedNotZero,
+    #[error("unknown host tier code {code} (0: the segment's own arenas, 1: a shared tier's)")]
+    UnknownHostTier { code: u32 },
+    #[error("a host tier on a shared tier's arenas needs host blocks")]
+    SharedHostTierWithoutBlocks,
     #[error("a {tier} arena of {blocks} blocks x {regions} regions x {region_bytes} bytes does not fit in memory")]
     ArenaTooLarge { tier: &'static str, blocks: u32, regions: u32, region_bytes: u64 },
 }
@@ -224,8 +226,11 @@ pub struct SegmentConfig {
     /// [`SegmentConfig::KIND_ENGINE_HOST_TIER`] (an engine keeps its own device cache and decides
     /// what to store; `write_policy` is unused). Tools describe the two apart.
     pub kind: u32,
-    /// Zero; room for a later field within this layout version.
-    pub reserved: u32,
+    /// Whose arenas hold the host tier: [`SegmentConfig::HOST_TIER_OWN`] (the segment's own,
+    /// `/kvshm.NAME.host.RANK`) or [`SegmentConfig::HOST_TIER_SHARED`] (a shared tier's, which
+    /// the segment does not make: each copier is told the tier's name, a worker by
+    /// `--shared-tier`). Zero in segments made before the field: their own.
+    pub host_tier: u32,
 }
 
 const _: () = assert!(size_of::<SegmentConfig>() == 64);
@@ -248,7 +253,7 @@ impl Default for SegmentConfig {
             backend: Backend::HOST_ARENA,
             copies: SegmentConfig::COPIES_BY_WORKERS,
             kind: SegmentConfig::KIND_SCHEDULER,
-            reserved: 0,
+            host_tier: SegmentConfig::HOST_TIER_OWN,
         }
     }
 }
@@ -262,6 +267,15 @@ impl SegmentConfig {
     pub const KIND_SCHEDULER: u32 = 0;
     /// `kind`: an engine's host tier (vLLM's offloading connector through `HostTier`).
     pub const KIND_ENGINE_HOST_TIER: u32 = 1;
+    /// `host_tier`: the segment's own arenas.
+    pub const HOST_TIER_OWN: u32 = 0;
+    /// `host_tier`: a shared tier's arenas (DESIGN §12.2).
+    pub const HOST_TIER_SHARED: u32 = 1;
+
+    /// Whether the host tier's arenas are a shared tier's rather than the segment's.
+    pub fn host_tier_is_shared(&self) -> bool {
+        self.host_tier == Self::HOST_TIER_SHARED
+    }
 
     /// Checks every field and every size derived from them.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -299,8 +313,11 @@ impl SegmentConfig {
         if self.kind > Self::KIND_ENGINE_HOST_TIER {
             return Err(ConfigError::UnknownKind { code: self.kind });
         }
-        if self.reserved != 0 {
-            return Err(ConfigError::ReservedNotZero);
+        if self.host_tier > Self::HOST_TIER_SHARED {
+            return Err(ConfigError::UnknownHostTier { code: self.host_tier });
+        }
+        if self.host_tier_is_shared() && self.host_blocks == 0 {
+            return Err(ConfigError::SharedHostTierWithoutBlocks);
         }
         self.arena_bytes("device", self.device_blocks)?;
         self.arena_bytes("host", self.host_blocks)?;
@@ -420,7 +437,11 @@ mod tests {
             (SegmentConfig { backend: 5, ..base }, ConfigError::UnknownBackend { code: 5 }),
             (SegmentConfig { copies: 2, ..base }, ConfigError::UnknownCopies { code: 2 }),
             (SegmentConfig { kind: 2, ..base }, ConfigError::UnknownKind { code: 2 }),
-            (SegmentConfig { reserved: 1, ..base }, ConfigError::ReservedNotZero),
+            (SegmentConfig { host_tier: 2, ..base }, ConfigError::UnknownHostTier { code: 2 }),
+            (
+                SegmentConfig { host_tier: 1, host_blocks: 0, ..base },
+                ConfigError::SharedHostTierWithoutBlocks,
+            ),
         ];
         for (config, expected) in cases {
             assert_eq!(config.validate(), Err(expected));

@@ -106,7 +106,8 @@ class CudaHostTier:
     without, the caller runs ``kvshm worker --name SEGMENT --rank 0 --backend cuda`` itself.
     A ``persistent`` tier keeps its chunks and the keys of its stores (given to :meth:`submit`)
     for the next start, as :class:`kvshm.HostTier` does; ``block_tokens`` and ``layers`` are the
-    engine's, for ``kvctl stat``.
+    engine's, for ``kvctl stat``. With ``shared_tier`` the chunks are rank ``shared_rank``'s
+    arena of that shared tier, which the copy worker maps (``--shared-tier``).
     """
 
     def __init__(
@@ -123,6 +124,8 @@ class CudaHostTier:
         block_tokens: int = 1,
         layers: int = 1,
         persistent: bool = False,
+        shared_tier: str | None = None,
+        shared_rank: int = 0,
     ) -> None:
         if not tensors:
             raise ConfigError("no KV tensors to offload")
@@ -144,6 +147,8 @@ class CudaHostTier:
             block_tokens=block_tokens,
             layers=layers,
             persistent=persistent,
+            shared_tier=shared_tier,
+            shared_rank=shared_rank,
         )
         self._tier.publish_device_handles(handles)
         # Held so that the memory the copy worker opened stays allocated while the tier lives.
@@ -153,11 +158,17 @@ class CudaHostTier:
         if spawn_workers:
             device = tensors[0].device.index or 0
             command = worker_command or [sys.executable, "-m", "kvshm", "worker"]
+            shared = (
+                ["--shared-tier", shared_tier, "--shared-tier-rank", str(shared_rank)]
+                if shared_tier is not None
+                else []
+            )
             self.worker = WorkerProcess(
                 [
                     *command,
                     *("--name", segment, "--rank", "0", "--backend", "cuda"),
                     *("--device", str(device)),
+                    *shared,
                 ]
             )
 

@@ -35,8 +35,9 @@ used the tier for ``shared_tier_idle_exit_s`` (default 600) seconds, and with
 ``shared_tier_client_bytes`` gives each engine a quota (an engine at it evicts its own blocks,
 never another's). An engine that finds the owner gone (killed, crashed) keeps serving (misses,
 nothing stored) and starts a new one on the same arenas, at most every ``shared_tier_restart_s``
-seconds (default 5; 0: never). Copies run in the engine's own process (CPU tensors) in this
-release; warm restart is not offered for a shared tier.
+seconds (default 5; 0: never). Copies run in the engine's own process for CPU tensors and in
+its copy workers (``--shared-tier``) for GPU tensors; warm restart is not offered for a shared
+tier (the tier's owner keeps its keys).
 """
 
 from __future__ import annotations
@@ -286,11 +287,6 @@ class KvshmOffloadingWorker(OffloadingWorker):
         groups = [[ref.tensor_idx for ref in refs] for refs in kv_caches.group_data_refs]
         self._tensors = tensors
         self._gpu: CudaHostTier | None = None
-        if tensors[0].is_cuda and shared_tier is not None:
-            raise ConfigError(
-                "shared_tier: a shared host tier is copied by the engine's own process (CPU "
-                "tensors) in this release; leave shared_tier out for GPU tensors"
-            )
         if tensors[0].is_cuda:
             self._gpu = CudaHostTier(
                 tensors,
@@ -304,6 +300,8 @@ class KvshmOffloadingWorker(OffloadingWorker):
                 block_tokens=block_tokens,
                 layers=layers,
                 persistent=persistent,
+                shared_tier=shared_tier,
+                shared_rank=shared_rank,
             )
             self._tier = self._gpu.tier
             if self._tier.restored:

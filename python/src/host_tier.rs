@@ -56,9 +56,7 @@ fn tier_error(error: HostTierError) -> PyErr {
         }
         HostTierError::Transport(error) => error.to_py(),
         HostTierError::Arena(_) | HostTierError::SharedArena(_) => SegmentError::new_err(message),
-        HostTierError::SharedTierNeedsInProcess | HostTierError::SharedTierPersistent => {
-            ConfigError::new_err(message)
-        }
+        HostTierError::SharedTierPersistent => ConfigError::new_err(message),
     }
 }
 
@@ -72,7 +70,8 @@ impl HostTier {
     /// segment header for tools. A `persistent` tier keeps its chunks and their keys when it
     /// closes or its process dies, for the next tier of its name and shape (`restored`). With
     /// `shared_tier`, the chunks are rank `shared_rank`'s arena of that shared tier (made by its
-    /// owner, `python -m kvshm tier-owner`), copied in process: `tensors` are required.
+    /// owner, `python -m kvshm tier-owner`), copied in process or by a worker started with
+    /// `--shared-tier SHARED_TIER --shared-tier-rank SHARED_RANK`.
     #[pyo3(signature = (
         name, *, page_bytes, device_blocks, chunks, blocks_per_chunk, groups, tensors=None,
         tensor_count=None, block_tokens=1, layers=1, persistent=false, shared_tier=None,
@@ -134,17 +133,16 @@ impl HostTier {
         };
         let options = TierOptions { block_tokens, layers, persistent };
         let tier = py
-            .detach(|| match (shared_tier, engine) {
-                (Some(tier), TierEngine::InProcess(memory)) => RustHostTier::create_on_shared_tier(
+            .detach(|| match shared_tier {
+                Some(tier) => RustHostTier::create_on_shared_tier(
                     &name,
                     layout,
-                    memory,
+                    engine,
                     options,
                     &tier,
                     shared_rank,
                 ),
-                (Some(_), TierEngine::Workers(_)) => Err(HostTierError::SharedTierNeedsInProcess),
-                (None, engine) => RustHostTier::create_with(&name, layout, engine, options),
+                None => RustHostTier::create_with(&name, layout, engine, options),
             })
             .map_err(tier_error)?;
         Ok(HostTier { inner: Mutex::new(Some(tier)), tensors: Mutex::new(buffers) })

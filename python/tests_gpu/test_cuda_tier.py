@@ -1,5 +1,6 @@
 """kvshm's vLLM worker path on a real GPU, without vLLM (these tests need a CUDA device and
-torch built for it, and fail without one; ``scripts/gpu-check`` runs them on a GPU machine).
+torch built for it, and fail without one; ``scripts/gpu-check`` runs them on a GPU machine),
+on a host tier of its own and on a shared one.
 
 torch tensors shaped as vLLM's KV caches (per layer ``[2, blocks, tokens, heads, dim]`` in
 bfloat16, K and V each a canonical tensor of whole blocks) go through kvshm's handle parsing
@@ -18,6 +19,7 @@ import torch
 
 import kvshm
 from kvshm.cuda_tier import CudaHostTier, device_handle
+from kvshm.shared_tier import TierIdentity, ensure_tier_owner, stop_tier
 
 BLOCKS = 64
 LAYERS = 4
@@ -54,7 +56,12 @@ def block_bytes(tensors: list[torch.Tensor], block: int) -> bytes:
     return b"".join(pages)
 
 
-def make_tier(tensors: list[torch.Tensor], segment: str, persistent: bool = False) -> CudaHostTier:
+def make_tier(
+    tensors: list[torch.Tensor],
+    segment: str,
+    persistent: bool = False,
+    shared_tier: str | None = None,
+) -> CudaHostTier:
     tier = CudaHostTier(
         tensors,
         page_bytes=PAGE,
@@ -63,6 +70,7 @@ def make_tier(tensors: list[torch.Tensor], segment: str, persistent: bool = Fals
         num_chunks=CHUNKS,
         blocks_per_chunk=BLOCKS_PER_CHUNK,
         persistent=persistent,
+        shared_tier=shared_tier,
     )
     deadline = time.monotonic() + 60
     while not tier.tier.worker_up:
@@ -188,3 +196,44 @@ def test_a_persistent_tier_keeps_its_stores_and_keys_for_the_next_start(name: st
             assert second.tier.host_block(host) == expected[block]
     finally:
         second.shutdown()
+
+
+def test_two_engines_copy_through_one_shared_tier(name: str) -> None:
+    """Two engines' copy workers on one shared tier's arena: what one stored, the other loads
+    byte for byte into its own tensors."""
+    _, first_tensors = kv_tensors()
+    _, second_tensors = kv_tensors()
+    tier_name = f"{name}-tier"
+    identity = TierIdentity(
+        model="m",
+        kv_dtype="bfloat16",
+        block_tokens=TOKENS,
+        block_bytes=len(first_tensors) * PAGE,
+        blocks_per_chunk=BLOCKS_PER_CHUNK,
+        layout="gpu-test",
+    )
+    ensure_tier_owner(
+        tier_name,
+        identity,
+        chunks=CHUNKS,
+        ranks=1,
+        arena_block_bytes=len(first_tensors) * PAGE,
+        idle_exit_s=600,
+    )
+    first = second = None
+    try:
+        first = make_tier(first_tensors, f"{name}-a", shared_tier=tier_name)
+        second = make_tier(second_tensors, f"{name}-b", shared_tier=tier_name)
+        expected = {block: block_bytes(first_tensors, block) for block in range(8)}
+        run_job(first, 1, True, list(range(8)), 0, [10, 11, 12, 13])
+        run_job(second, 2, False, list(range(20, 28)), 0, [10, 11, 12, 13])
+        torch.cuda.synchronize()
+        for device, block in zip(range(20, 28), range(8), strict=True):
+            assert block_bytes(second_tensors, device) == expected[block], f"block {device}"
+            host = 10 * BLOCKS_PER_CHUNK + block
+            assert second.tier.host_block(host) == expected[block], "the tier's copy"
+    finally:
+        for tier in (first, second):
+            if tier is not None:
+                tier.shutdown()
+        stop_tier(tier_name)

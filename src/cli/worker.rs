@@ -56,6 +56,14 @@ pub struct Args {
     /// CUDA device ordinal (cuda backend); defaults to the rank.
     #[arg(long)]
     device: Option<u32>,
+    /// The shared tier whose arena holds the segment's host tier, for an engine on a shared
+    /// host tier (the segment says it is one and refuses a worker without it).
+    #[arg(long)]
+    shared_tier: Option<String>,
+    /// The shared tier's rank whose arena this worker copies into (default: `--rank`): an
+    /// engine's tensor-parallel rank, its segment being that rank's alone.
+    #[arg(long, requires = "shared_tier")]
+    shared_tier_rank: Option<u32>,
     /// Seconds to keep retrying while the segment does not exist yet or the rank still belongs to
     /// a dead worker the scheduler has not reclaimed. Long enough for a scheduler creating a tier
     /// of tens of GiB, which zeroes its pages first (DESIGN §2.1: 4 GiB took 3 to 15 s on a busy
@@ -120,6 +128,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             copy_rate_limit: copy_rate_limit()?,
         },
         storage: storage_options(&args)?,
+        shared_tier: match args.shared_tier.as_deref() {
+            Some(tier) => {
+                Some((SegmentName::new(tier)?, args.shared_tier_rank.unwrap_or(args.rank)))
+            }
+            None => None,
+        },
     };
     let rank = args.rank;
     match run_worker(&options)? {

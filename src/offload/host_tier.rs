@@ -80,11 +80,6 @@ pub enum HostTierError {
     Attach(#[from] kvshm_ipc::segment::AttachError),
     #[error(transparent)]
     SharedArena(#[from] TierArenaError),
-    #[error(
-        "a shared tier is copied by the engine's own process (CPU tensors) in this release; \
-         tensors on a GPU need a host tier of their own"
-    )]
-    SharedTierNeedsInProcess,
     #[error("a shared tier keeps no key table of its own: warm restart is the tier owner's")]
     SharedTierPersistent,
 }
@@ -184,9 +179,11 @@ impl HostTier {
     }
 
     /// A tier whose chunks are rank `rank`'s arena of the shared tier `tier` (DESIGN §12.2),
-    /// copied in this process: segment `name` is this engine's own, for its counters (`kvctl
-    /// stat`), and holds no host arena. The tier has as many chunks as the arena holds (the
-    /// owner's index hands out any of them), whatever `layout.chunks` says.
+    /// copied by `engine`: in this process, or by workers started with `--shared-tier TIER
+    /// --shared-tier-rank RANK` ([`HostTier::worker_arguments`]). Segment `name` is this
+    /// engine's own (its rings and counters) and holds no host arena. The tier has as many
+    /// chunks as the arena holds (the owner's index hands out any of them), whatever
+    /// `layout.chunks` says.
     ///
     /// # Errors
     /// [`HostTierError::SharedArena`] when the tier's arena is missing or holds other blocks,
@@ -194,12 +191,12 @@ impl HostTier {
     pub fn create_on_shared_tier(
         name: &SegmentName,
         layout: EngineLayout,
-        memory: TensorMemory,
+        engine: TierEngine,
         labels: TierOptions,
         tier: &SegmentName,
         rank: u32,
     ) -> Result<HostTier, HostTierError> {
-        HostTier::make(name, layout, TierEngine::InProcess(memory), labels, Some((tier, rank)))
+        HostTier::make(name, layout, engine, labels, Some((tier, rank)))
     }
 
     fn make(
@@ -211,9 +208,6 @@ impl HostTier {
     ) -> Result<HostTier, HostTierError> {
         if shared.is_some() && labels.persistent {
             return Err(HostTierError::SharedTierPersistent);
-        }
-        if shared.is_some() && !matches!(engine, TierEngine::InProcess(_)) {
-            return Err(HostTierError::SharedTierNeedsInProcess);
         }
         // A shared tier is as large as its arenas: its owner hands out chunks of all of them.
         let shared_arena = match shared {
@@ -255,12 +249,14 @@ impl HostTier {
         } else {
             0
         };
-        // A shared tier's chunks are in its own arenas: this segment holds none.
-        let own_blocks = if shared.is_some() { 0 } else { u64::from(layout.host_blocks()?) };
+        // A shared tier's chunks are in its arenas, not the segment's: the segment counts them
+        // (its workers check host ids against them) and makes none (`host_tier`).
         let host_blocks =
-            u32::try_from(own_blocks + table_blocks).map_err(|_| PlanError::TooManyHostBlocks {
-                chunks: layout.chunks,
-                blocks_per_chunk: layout.blocks_per_chunk,
+            u32::try_from(u64::from(layout.host_blocks()?) + table_blocks).map_err(|_| {
+                PlanError::TooManyHostBlocks {
+                    chunks: layout.chunks,
+                    blocks_per_chunk: layout.blocks_per_chunk,
+                }
             })?;
         let segment = SegmentConfig {
             block_tokens: labels.block_tokens.max(1),
@@ -283,11 +279,16 @@ impl HostTier {
                 TierEngine::Workers(_) => SegmentConfig::COPIES_BY_WORKERS,
             },
             kind: SegmentConfig::KIND_ENGINE_HOST_TIER,
+            host_tier: match shared {
+                Some(_) => SegmentConfig::HOST_TIER_SHARED,
+                None => SegmentConfig::HOST_TIER_OWN,
+            },
             ..SegmentConfig::default()
         };
         let config = TransportConfig {
             layerwise: false,
             keep_host_tier: labels.persistent,
+            shared_tier: shared.map(|(tier, rank)| (tier.clone(), rank)),
             ..TransportConfig::new(segment)
         };
         let mut transport = Transport::create(name, &config)?;

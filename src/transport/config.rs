@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use kvshm_ipc::name::SegmentName;
+
 use super::{
     ArenaError, BlockAccessError, CreateError, SegmentConfig, SegmentError,
     DEFAULT_COMMAND_DEADLINE, DEFAULT_MAX_COMMAND_BYTES,
@@ -29,6 +31,10 @@ pub struct TransportConfig {
     /// Take over the host tier arenas a gone creator of the name left, bytes and all
     /// ([`Segment::create_keeping_host_tier`]); [`Transport::host_tier_kept`] says if it did.
     pub keep_host_tier: bool,
+    /// The shared tier whose arenas hold the host tier, for a segment whose `host_tier` says
+    /// so ([`SegmentConfig::HOST_TIER_SHARED`]), and the tier's rank that holds the segment's
+    /// rank 0 (rank `r` is in the tier's `r` after it); `None` for a segment's own.
+    pub shared_tier: Option<(SegmentName, u32)>,
 }
 
 impl TransportConfig {
@@ -41,6 +47,7 @@ impl TransportConfig {
             max_command_bytes: DEFAULT_MAX_COMMAND_BYTES,
             command_deadline: DEFAULT_COMMAND_DEADLINE,
             keep_host_tier: false,
+            shared_tier: None,
         }
     }
 
@@ -69,6 +76,11 @@ pub enum TransportError {
     Arena(#[from] ArenaError),
     #[error("arena layout: {0}")]
     Memory(#[from] BlockAccessError),
+    #[error(
+        "a segment whose host tier is a shared tier's needs the tier's name, and only such a \
+         segment takes one"
+    )]
+    SharedTierName,
 }
 
 /// A rank still had no live worker when a wait for the workers ended.

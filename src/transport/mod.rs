@@ -38,7 +38,7 @@ use std::fmt::Debug;
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
-use kvshm_ipc::arena::ArenaKind;
+use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::doorbell::{deadline_after, DEFAULT_SPIN};
 use kvshm_ipc::record::{
     command_slot_count, BlockPair, CommandHeader, Completion, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
@@ -142,6 +142,9 @@ impl<J: Job> Transport<J> {
     pub fn create(name: &SegmentName, config: &TransportConfig) -> Result<Self, TransportError> {
         let geometry = config.geometry()?;
         let header = &config.segment;
+        if header.host_tier_is_shared() != config.shared_tier.is_some() {
+            return Err(TransportError::SharedTierName);
+        }
         let (segment, host_tier_kept) = if config.keep_host_tier {
             Segment::create_keeping_host_tier(name, header)?
         } else {
@@ -156,10 +159,14 @@ impl<J: Job> Transport<J> {
             (0..header.tp_size)
                 .map(|rank| {
                     let device = segment.open_arena(ArenaKind::Device, rank)?;
-                    let host = if header.host_blocks > 0 {
-                        Some(segment.open_arena(ArenaKind::Host, rank)?)
-                    } else {
-                        None
+                    let host = match &config.shared_tier {
+                        Some((tier, first)) => {
+                            Some(Arena::open(tier, ArenaKind::Host, first + rank)?)
+                        }
+                        None if header.host_blocks > 0 => {
+                            Some(segment.open_arena(ArenaKind::Host, rank)?)
+                        }
+                        None => None,
                     };
                     Ok(RankMemory::new(&geometry, device, host)?)
                 })

@@ -45,6 +45,7 @@ use super::prefault::{self, Populated};
 use super::run::{ServeError, ServeExit, ServeOptions, Server, ServerSetupError};
 use super::storage_lane::{HostBlocks, LaneContext, StorageLane};
 use super::storage_open::{open_backend, StorageStartError};
+use crate::offload::shared::{open_rank_arena, TierArenaError};
 use crate::storage::spec::StorageOptions;
 
 /// How long a waiting worker sleeps between attempts (attach, claim, device handles).
@@ -93,6 +94,9 @@ pub struct WorkerOptions {
     pub serve: ServeOptions,
     /// The storage tier below host, if any (`--storage`).
     pub storage: Option<StorageOptions>,
+    /// The shared tier whose arenas hold the host tier (`--shared-tier`), for a segment whose
+    /// host tier is one, and the tier's rank whose arena this worker's rank copies into.
+    pub shared_tier: Option<(SegmentName, u32)>,
 }
 
 /// Why the worker could not start serving.
@@ -116,6 +120,14 @@ pub enum StartError {
     Geometry(#[from] GeometryError),
     #[error("cannot open the {tier} arena of rank {rank}: {reason}")]
     Arena { tier: &'static str, rank: u32, reason: ArenaError },
+    #[error(
+        "segment {name}'s host tier is a shared tier's: start the worker with --shared-tier NAME"
+    )]
+    SharedTierNotGiven { name: SegmentName },
+    #[error("segment {name}'s host tier is its own: --shared-tier {tier} does not apply")]
+    SharedTierNotUsed { name: SegmentName, tier: SegmentName },
+    #[error("the shared tier's arena of rank {rank}: {reason}")]
+    SharedTier { rank: u32, reason: TierArenaError },
     #[error("host copy engine: {0}")]
     HostEngine(#[from] HostEngineError),
     #[error("the engine has not published the device handles of rank {rank} after {waited:?}")]
@@ -361,7 +373,7 @@ impl RankEngine {
             host_blocks: config.host_blocks,
         })?;
         let rank = options.rank;
-        let host_tier = open_host_tier(segment, &geometry, rank)?;
+        let host_tier = open_host_tier(segment, &geometry, options)?;
         match backend {
             BackendChoice::Host => {
                 let device = open_arena(segment, ArenaKind::Device, rank)?;
@@ -426,16 +438,29 @@ fn open_arena(segment: &Segment, kind: ArenaKind, rank: u32) -> Result<Arena, St
     })
 }
 
-/// The rank's host tier, or `None` when the segment has none (every host id is then refused).
+/// The rank's host tier: the segment's arena, or the shared tier's (checked to hold the
+/// segment's host blocks) when the segment's host tier is one; `None` when the segment has none
+/// (every host id is then refused).
 fn open_host_tier(
     segment: &Segment,
     geometry: &Geometry,
-    rank: u32,
+    options: &WorkerOptions,
 ) -> Result<Option<Arena>, StartError> {
-    if geometry.host_blocks() == 0 {
-        return Ok(None);
+    let (name, rank) = (&options.name, options.rank);
+    match (segment.config().host_tier_is_shared(), &options.shared_tier) {
+        (true, Some((tier, tier_rank))) => {
+            let blocks = u64::from(geometry.host_blocks());
+            open_rank_arena(tier, *tier_rank, blocks, geometry.block_bytes())
+                .map(Some)
+                .map_err(|reason| StartError::SharedTier { rank: *tier_rank, reason })
+        }
+        (true, None) => Err(StartError::SharedTierNotGiven { name: name.clone() }),
+        (false, Some((tier, _))) => {
+            Err(StartError::SharedTierNotUsed { name: name.clone(), tier: tier.clone() })
+        }
+        (false, None) if geometry.host_blocks() == 0 => Ok(None),
+        (false, None) => open_arena(segment, ArenaKind::Host, rank).map(Some),
     }
-    open_arena(segment, ArenaKind::Host, rank).map(Some)
 }
 
 /// The host tier as a [`MappedArea`]; an empty, never dereferenced area without a host tier.

@@ -1,8 +1,10 @@
 //! One rank's host tier for an engine that keeps its own tensors: in-process stores and loads
-//! of real bytes, groups that own some tensors only, and the refusals of the worker mode.
+//! of real bytes, groups that own some tensors only, the refusals of the worker mode, and
+//! workers copying into a shared tier's arena.
 
 use kvshm::offload::host_tier::Backend;
 use kvshm::offload::key_table::NO_PARENT;
+use kvshm::offload::shared::{open_rank_arena, TierArenas};
 use kvshm::offload::tensor_memory::TensorMemory;
 use kvshm::offload::transfer::{Direction, EngineLayout};
 use kvshm::offload::{HostTier, HostTierError, StoredKey, TierEngine, TierOptions};
@@ -257,4 +259,86 @@ fn a_persistent_tier_left_behind_is_taken_over_with_its_bytes_and_keys() {
 
 fn read_back(name: &SegmentName) -> Vec<kvshm::offload::TableEntry> {
     kvshm::offload::read_tier_keys(name, 6, 2).unwrap_or_default()
+}
+
+/// Two engines' host tiers on rank 1's arena of one shared tier, each copied by a worker process
+/// of its own (`--shared-tier`, as a GPU engine's workers run; the device tier is an arena of the
+/// engine's segment here): a block one engine stored through its worker is loaded by the other's
+/// worker byte for byte, and is in the tier's arena. A worker without `--shared-tier` is refused.
+#[test]
+fn workers_copy_two_engines_blocks_through_one_shared_arena() {
+    const PAGE: usize = 4096;
+    let tier = name("shared-arena");
+    let arenas = TierArenas::create_or_adopt(&tier, 2, 12, 2 * PAGE as u64).unwrap();
+    let layout = EngineLayout {
+        page_bytes: PAGE as u64,
+        tensors: 2,
+        device_blocks: 8,
+        chunks: 1, // the arena's 12, for a shared tier
+        blocks_per_chunk: 1,
+        groups: vec![vec![0, 1]],
+    };
+    let engine = |tag: &str| {
+        let host_tier = HostTier::create_on_shared_tier(
+            &name(tag),
+            layout.clone(),
+            TierEngine::Workers(Backend::HostArena),
+            TierOptions::default(),
+            &tier,
+            1,
+        )
+        .unwrap();
+        let args = ["--shared-tier", tier.as_str(), "--shared-tier-rank", "1"];
+        let worker = WorkerProcess::spawn_with(host_tier.name(), 0, &args, &[]);
+        (host_tier, worker)
+    };
+    let (mut first, _first_worker) = engine("shared-a");
+    let (mut second, _second_worker) = engine("shared-b");
+    let page = |block: u32, region: u32| vec![(block * 5 + region) as u8 + 3; PAGE];
+    let memory = first.device_memory().unwrap();
+    for block in 0..3 {
+        for region in 0..2 {
+            memory.write_device_region(block, region, &page(block, region)).unwrap();
+        }
+    }
+    first.submit(1, Direction::Store, &[0, 1, 2], &[3], &[0], &[9, 10, 11]).unwrap();
+    assert!(first.wait(&[1], Duration::from_secs(20)), "the first engine's store");
+    second.submit(2, Direction::Load, &[5, 6, 7], &[3], &[0], &[9, 10, 11]).unwrap();
+    assert!(second.wait(&[2], Duration::from_secs(20)), "the second engine's load");
+    let mut done = Vec::new();
+    first.take_finished(&mut done);
+    second.take_finished(&mut done);
+    assert!(done.iter().all(|outcome| outcome.success), "{done:?}");
+    let loaded = second.device_memory().unwrap();
+    let shared = open_rank_arena(&tier, 1, 12, 2 * PAGE as u64).unwrap();
+    let mut bytes = vec![0; PAGE];
+    for block in 0..3 {
+        for region in 0..2 {
+            loaded.read_device_region(5 + block, region, &mut bytes).unwrap();
+            assert_eq!(bytes, page(block, region), "block {block} region {region} loaded");
+            let at = (9 + block as usize) * 2 * PAGE + region as usize * PAGE;
+            shared.read_data(at, &mut bytes).unwrap();
+            assert_eq!(bytes, page(block, region), "block {block} region {region} in the tier");
+        }
+    }
+
+    let lone = HostTier::create_on_shared_tier(
+        &name("shared-c"),
+        layout,
+        TierEngine::Workers(Backend::HostArena),
+        TierOptions::default(),
+        &tier,
+        0,
+    )
+    .unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["worker", "--name", lone.name().as_str(), "--rank", "0"])
+        .args(["--attach-timeout", "2"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("start the worker with --shared-tier"), "{said}");
+    drop((first, second, lone, shared));
+    arenas.remove();
 }

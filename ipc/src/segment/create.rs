@@ -165,7 +165,8 @@ pub(super) fn create_arenas(
             )?;
             created.push((name.device_arena_object(rank), arena.identity()?));
         }
-        if config.host_blocks > 0 {
+        // A shared tier's arenas are its owner's (DESIGN §12.2): the segment makes none.
+        if config.host_blocks > 0 && !config.host_tier_is_shared() {
             let blocks = config.host_blocks.into();
             let adopted = if keep_host {
                 Arena::adopt(name, ArenaKind::Host, rank, blocks, block_bytes)?
