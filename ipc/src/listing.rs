@@ -30,7 +30,7 @@ use std::time::Duration;
 use crate::arena::ArenaKind;
 use crate::config::MAX_REGIONS;
 use crate::config::{SegmentConfig, MAX_COMMAND_RING_SLOTS, MAX_COMPLETION_RING_SLOTS, MAX_RANKS};
-use crate::inspect::{self, Access, CheckedObject, ObjectStatus};
+use crate::inspect::{self, Access, CheckedObject, ObjectIdentity, ObjectStatus};
 use crate::layout::{HeaderFields, SegmentLayout};
 use crate::liveness::ProcessIdentity;
 use crate::name::{ObjectKind, ObjectName, SegmentName};
@@ -183,14 +183,6 @@ pub(crate) fn unlink_data_objects_but(
     Ok(removed)
 }
 
-/// Removes a stale segment's control object and device arenas, keeping its host tier arenas for
-/// a creator that takes them over ([`crate::segment::Segment::create_keeping_host_tier`]).
-pub(crate) fn unlink_keeping_host(name: &SegmentName) -> Result<usize, ShmError> {
-    check_all_ours(name, true)?;
-    let removed = unlink_data_objects_but(name, true)?;
-    Ok(removed + usize::from(inspect::unlink_owned(&name.control_object())?))
-}
-
 /// Fails with [`ShmError::ForeignOwner`] naming the first object of `name` (data objects, and the
 /// control object if `with_control`) that another user owns.
 fn check_all_ours(name: &SegmentName, with_control: bool) -> Result<(), ShmError> {
@@ -214,7 +206,10 @@ pub(crate) enum ExistingSegment {
         pid: u32,
     },
     BeingCreated,
-    Stale,
+    /// Its creator is dead; the file judged (a racing creator may replace it meanwhile).
+    Stale {
+        identity: ObjectIdentity,
+    },
     /// It disappeared meanwhile.
     Gone,
 }
@@ -232,14 +227,16 @@ pub(crate) fn judge_existing(object: &str) -> Result<ExistingSegment, CreateErro
     };
     Ok(match read_creator_word(&checked) {
         Some(creator) if creator.is_alive() => ExistingSegment::Live { pid: creator.pid },
-        Some(_) => ExistingSegment::Stale,
+        Some(_) => ExistingSegment::Stale { identity: checked.identity() },
         None => judge_creatorless(inspect::status(object).ok().as_ref()),
     })
 }
 
 fn judge_creatorless(status: Option<&ObjectStatus>) -> ExistingSegment {
     match status {
-        Some(status) if status.unchanged_for(CREATION_GRACE) => ExistingSegment::Stale,
+        Some(status) if status.unchanged_for(CREATION_GRACE) => {
+            ExistingSegment::Stale { identity: status.identity }
+        }
         _ => ExistingSegment::BeingCreated,
     }
 }

@@ -110,8 +110,9 @@ class OwnerRestart:
     """How an engine starts a new owner for tier ``tier`` when it finds the one it used gone:
     one that takes over the arenas the engines map (``tier-owner --adopt-arenas``), and makes
     none, refusing stores for ``takeover_grace_ms`` (the old owner's stores may still be
-    copying). It looks for a live owner at most every ``interval_s`` seconds; engines that try
-    at once start several, and the control object's ``O_EXCL`` keeps one."""
+    copying). It looks for a live owner at most every ``interval_s`` seconds, twice as long
+    after each start that did not bring one (up to 16 times, until it finds one serving); engines
+    that try at once start several, and the control object's ``O_EXCL`` keeps one."""
 
     tier: str
     identity: TierIdentity
@@ -121,17 +122,21 @@ class OwnerRestart:
     interval_s: float = 5.0
     takeover_grace_ms: int | None = None
     _last_attempt: float | None = field(default=None, init=False, repr=False)
+    _starts_unseen: int = field(default=0, init=False, repr=False)
 
     def poll(self) -> int | None:
         """Starts an owner if none serves the tier and ``interval_s`` has passed since the last
         look; the pid started (it serves shortly after), else ``None``. Raises
         ``SegmentError`` when it cannot be started."""
         now = time.monotonic()
-        if self._last_attempt is not None and now - self._last_attempt < self.interval_s:
+        wait = self.interval_s * 2 ** min(self._starts_unseen, 4)
+        if self._last_attempt is not None and now - self._last_attempt < wait:
             return None
         self._last_attempt = now
         if shared_tier_owner(self.tier) is not None:
+            self._starts_unseen = 0
             return None
+        self._starts_unseen += 1
         grace = self.takeover_grace_ms
         options = [
             "--adopt-arenas",

@@ -406,6 +406,8 @@ impl VllmSharedTierCore {
     /// since (module flow): vLLM calls it once a scheduler step.
     fn on_schedule_end(&mut self, context: &Bound<'_, PyAny>) -> PyResult<()> {
         let _ = context;
+        // A miss remembered is this step's: vLLM looks a request's keys up within one step.
+        self.missed.clear();
         let (queued_then, batches_then) = self.last_step_end;
         if queued_then && self.client().batches_sent() == batches_then {
             self.flush()?;

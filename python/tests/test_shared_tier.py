@@ -355,3 +355,40 @@ def test_a_load_of_more_keys_than_one_call_carries_pins_them_all(tier: str) -> N
     assert sorted(chunks) == list(range(count))
     pins = sum(client["pins"] for client in _kvshm.shared_tier_clients(tier))
     assert pins == count
+
+
+def test_a_missed_key_from_an_earlier_step_is_asked_again(tier: str) -> None:
+    """The key past a found prefix, not looked up in that step, is stored by another engine; a
+    later step's lookup of it (its earlier blocks in the GPU prefix cache, or vLLM's
+    sliding-window scan from the end) asks the owner rather than miss."""
+    start(tier)
+    storer, loader = _core(tier), _core(tier)
+    storer.prepare_store([_key(1), _key(2)], _request("a"))
+    storer.complete_store([_key(1), _key(2)], _request("a"))
+    _step_ends(storer)
+    request = SimpleNamespace(
+        req_id="b", _offload_key_positions={_key(n): 16 * n for n in (1, 2, 3, 4)}
+    )
+    assert loader.lookup(_key(1), request) == "HIT"
+    loader.on_schedule_end(None)
+    storer.prepare_store([_key(3)], _request("a2"))
+    storer.complete_store([_key(3)], _request("a2"))
+    _step_ends(storer)
+    loader.on_schedule_end(None)
+    assert loader.lookup(_key(3), request) == "HIT"
+
+
+def test_a_restart_that_brings_no_owner_is_tried_less_and_less_often(tier: str) -> None:
+    """No arenas to take over: the owner a restart starts exits at once (it makes none, for
+    engines might map the ones that are gone), and the engine waits twice as long before the
+    next start."""
+    restart = OwnerRestart(tier, IDENTITY, ranks=1, idle_exit_s=600, interval_s=0.3)
+    assert restart.poll() is not None
+    time.sleep(0.35)
+    assert restart.poll() is None, "tried again after one interval"
+    time.sleep(0.3)
+    assert restart.poll() is not None, "tried again after two"
+    deadline = time.monotonic() + 10
+    while "no arena of rank 0 to take over" not in owner_log(tier).read_text():
+        assert time.monotonic() < deadline, owner_log(tier).read_text()
+        time.sleep(0.05)

@@ -4,16 +4,17 @@
 //! 1. build the tier's identity from the arguments; stop if an owner of the name lives;
 //! 2. make the tier's arenas, one per rank, or take over those a previous owner left, with their
 //!    size ([`TierArenas::create_or_adopt`]; with `--adopt-arenas` take over only, at their
-//!    block size: [`TierArenas::adopt_existing`]), and an index of as many chunks, holding the
-//!    keys the tier's key table names after a takeover ([`TierKeys`]);
+//!    block size: [`TierArenas::adopt_existing`]), and an index of as many chunks;
 //! 3. create the tier's control object ([`TierServer::create`]): refused while another owner of
-//!    the name lives, a dead owner's taken over; after a takeover, refuse stores for the grace;
+//!    the name lives, a dead owner's taken over; then open the tier's key table ([`TierKeys`])
+//!    and, after a takeover, take back the keys it names and refuse stores for the grace;
 //! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
 //! 5. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT (or, with `--idle-exit-s`, until
-//!    no client has been attached for that long and no other process maps an arena), printing one JSON line (`{"released": {...}}`)
-//!    for each client let go, then print the owner's counters as one JSON line and remove the
-//!    control object. The arenas stay for the next owner (engines keep them mapped), except
-//!    after an idle exit, when no engine is left to map them.
+//!    no client has been attached for that long and no other process maps an arena), printing
+//!    one JSON line (`{"released": {...}}`) for each client let go, then print the owner's
+//!    counters as one JSON line and remove the control object. The arenas and the key table
+//!    stay for the next owner (engines keep the arenas mapped), except after an idle exit, when
+//!    no engine is left to map them.
 
 use std::time::{Duration, Instant};
 
@@ -50,7 +51,7 @@ pub struct Args {
     #[arg(long, default_value = "")]
     layout: String,
     /// Chunks of a new tier (a tier whose arenas are taken over keeps their size).
-    #[arg(long, required_unless_present = "adopt_arenas")]
+    #[arg(long, required_unless_present = "adopt_arenas", conflicts_with = "adopt_arenas")]
     chunks: Option<u32>,
     /// Bytes of one block in the arenas, when they differ from `--block-bytes` (the engine's
     /// own count): every KV tensor's page of one block, as the engine's copies lay it out.
@@ -106,12 +107,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let chunks = u32::try_from(arenas.blocks() / blocks_per_chunk)
         .context("the tier's arenas hold more chunks than a tier may")?;
-    let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
-        .context("the tier's key table")?;
-    let mut index = SharedTierIndex::new(identity, OffloadConfig::new(chunks))?;
-    let keys_restored = index.keep_key_table(keys, entries);
+    let index = SharedTierIndex::new(identity.clone(), OffloadConfig::new(chunks))?;
     install_stop_handlers().context("installing the stop handlers")?;
     let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))?;
+    // The key table once the name is this owner's (`O_EXCL` on the control object): a starter
+    // that loses the race touches it not at all. No client is served before it is read.
+    let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
+        .context("the tier's key table")?;
+    let keys_restored = server.owner().index().keep_key_table(keys, entries);
     server.set_client_quota(args.client_quota);
     if arenas.adopted() {
         server.refuse_stores_until(Instant::now() + Duration::from_millis(args.takeover_grace_ms));

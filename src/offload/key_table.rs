@@ -121,7 +121,7 @@ impl KeyTable {
                 table.next_seq = word(32).max(1);
                 // The next seq is stored only now and then: continue past every slot's.
                 for entry in table.entries(arena)? {
-                    table.next_seq = table.next_seq.max(entry.seq + 1);
+                    table.next_seq = table.next_seq.max(entry.seq.saturating_add(1));
                 }
                 return Ok((table, true));
             }
@@ -175,7 +175,7 @@ impl KeyTable {
             _ => 0,
         };
         let seq = self.next_seq;
-        self.next_seq += 1;
+        self.next_seq = self.next_seq.saturating_add(1);
         let mut slot = [0u8; SLOT_BYTES];
         slot[4..8].copy_from_slice(&(key.as_bytes().len() as u32).to_le_bytes());
         slot[8..16].copy_from_slice(&seq.to_le_bytes());

@@ -532,3 +532,54 @@ fn an_identity_decodes_to_itself_and_cut_or_padded_bytes_to_nothing() {
     huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
     assert_eq!(TierIdentity::decode(&huge), None, "a length past the end is refused");
 }
+
+/// A chunk whose slot names a key, evicted and handed to a store left pending, does not come
+/// back under the evicted key (its bytes may be half written): its slot was cleared.
+#[test]
+fn a_reused_chunk_is_not_restored_under_its_evicted_key() {
+    let name = SegmentName::new(&format!("t-tierkeys-reuse-{}", std::process::id())).unwrap();
+    let (table, entries) = TierKeys::open(&name, &identity(), 2, false).unwrap();
+    let mut index = tier(2);
+    index.keep_key_table(table, entries);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    store(&mut index, a, "r1", &[1]);
+    store(&mut index, a, "r2", &[2]);
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store(a, "r3", &keys(&[3]), &mut out).unwrap());
+    assert_eq!(out.evicted.len(), 1, "one key evicted for the pending store");
+    let evicted = out.evicted[0];
+    drop(index);
+    let (table, entries) = TierKeys::open(&name, &identity(), 2, true).unwrap();
+    let mut next = tier(2);
+    let restored = next.keep_key_table(table, entries);
+    let back = next.peek(&evicted);
+    TierArenas::unlink(&name, 0);
+    assert_eq!(restored, 1);
+    assert_eq!(back, LookupResult::Miss, "restored over a chunk being written");
+}
+
+/// A key table another process scribbled on (a slot's sequence number at its largest) is read
+/// without a panic, and the tier goes on storing.
+#[test]
+fn a_key_table_with_the_largest_sequence_number_is_taken_back_without_a_panic() {
+    use kvshm_ipc::arena::{Arena, ArenaKind};
+
+    let name = SegmentName::new(&format!("t-tierkeys-seq-{}", std::process::id())).unwrap();
+    let (table, entries) = TierKeys::open(&name, &identity(), 2, false).unwrap();
+    let mut index = tier(2);
+    index.keep_key_table(table, entries);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    store(&mut index, a, "r1", &[1]);
+    drop(index);
+    // Slot 0 (after the table's 64-byte header): its sequence number, 8 bytes in.
+    let keys = Arena::open(&name, ArenaKind::Keys, 0).unwrap();
+    keys.write_data(64 + 8, &u64::MAX.to_le_bytes()).unwrap();
+
+    let (table, entries) = TierKeys::open(&name, &identity(), 2, true).unwrap();
+    let mut next = tier(2);
+    assert_eq!(next.keep_key_table(table, entries), 1);
+    let b = next.attach(&identity(), "b", None).unwrap();
+    store(&mut next, b, "r2", &[2]);
+    drop((next, keys));
+    TierArenas::unlink(&name, 0);
+}

@@ -5,7 +5,7 @@ use std::ptr::addr_of;
 use super::{AttachError, CorruptReason, CreateError, CREATE_ATTEMPTS};
 use crate::arena::{Arena, ArenaKind};
 use crate::config::{Backend, SegmentConfig};
-use crate::inspect::ObjectIdentity;
+use crate::inspect::{self, ObjectIdentity};
 use crate::layout::{
     Header, HeaderFields, RecordSizes, SegmentLayout, LAYOUT_VERSION, MAGIC, READY,
 };
@@ -114,7 +114,6 @@ pub(crate) fn create_control_object(
     name: &SegmentName,
     object: &str,
     len: usize,
-    keep_host: bool,
 ) -> Result<SharedMemory, CreateError> {
     for _ in 0..CREATE_ATTEMPTS {
         match SharedMemory::create(object, len) {
@@ -124,13 +123,12 @@ pub(crate) fn create_control_object(
                 ExistingSegment::BeingCreated => {
                     return Err(CreateError::BeingCreated { object: object.to_owned() })
                 }
-                ExistingSegment::Stale => {
+                ExistingSegment::Stale { identity } => {
                     tracing::info!(segment = %name, "removing stale segment before creating it anew");
-                    if keep_host {
-                        listing::unlink_keeping_host(name)?;
-                    } else {
-                        listing::unlink(name)?;
-                    }
+                    // The very file judged stale, not the name: two creators may judge one stale
+                    // object at once, and the second must not remove what the first made since.
+                    // Its data objects go in step 3, once the control object is ours.
+                    inspect::unlink_if_identical(object, identity)?;
                 }
                 ExistingSegment::Gone => {}
             },

@@ -144,7 +144,7 @@ impl Segment {
         let layout = SegmentLayout::compute(config)?;
         let object = name.control_object();
         let creator = ProcessIdentity::current();
-        let memory = create_control_object(name, &object, layout.total_size, keep_host)?;
+        let memory = create_control_object(name, &object, layout.total_size)?;
         let identity = memory.identity().inspect_err(|_| {
             let _ = crate::inspect::unlink_owned(&object);
         })?;

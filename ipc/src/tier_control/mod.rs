@@ -147,7 +147,7 @@ impl TierControl {
             });
         }
         let object = name.control_object();
-        let memory = crate::segment::create_control_object(name, &object, layout.total_size, true)?;
+        let memory = crate::segment::create_control_object(name, &object, layout.total_size)?;
         let made = memory.identity().inspect_err(|_| {
             let _ = crate::inspect::unlink_owned(&object);
         });
