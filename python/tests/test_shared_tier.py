@@ -276,10 +276,11 @@ def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: st
     assert not loader.has_pending_work()
 
 
-def test_the_key_past_a_found_prefix_is_a_miss_without_a_call_once(tier: str) -> None:
-    """A lookup asks for the key and the request's keys after it: the prefix found is pinned,
-    and the key that ended it is a miss without a call when vLLM looks it up next; a lookup of
-    it in a later step asks again."""
+def _two_stored_keys_and_a_request_of_four(
+    tier: str,
+) -> tuple[_kvshm.VllmSharedTierCore, _kvshm.VllmSharedTierCore, SimpleNamespace]:
+    """A served tier holding keys 1 and 2 (the storer's), a second engine (the loader), and a
+    request of keys 1 to 4 with vLLM's position table."""
     start(tier)
     storer, loader = _core(tier), _core(tier)
     storer.prepare_store([_key(1), _key(2)], _request("a"))
@@ -288,6 +289,14 @@ def test_the_key_past_a_found_prefix_is_a_miss_without_a_call_once(tier: str) ->
     request = SimpleNamespace(
         req_id="b", _offload_key_positions={_key(n): 16 * n for n in (1, 2, 3, 4)}
     )
+    return storer, loader, request
+
+
+def test_the_key_past_a_found_prefix_is_a_miss_without_a_call_once(tier: str) -> None:
+    """A lookup asks for the key and the request's keys after it: the prefix found is pinned,
+    and the key that ended it is a miss without a call when vLLM looks it up next; a lookup of
+    it in a later step asks again."""
+    _, loader, request = _two_stored_keys_and_a_request_of_four(tier)
     waits = loader.stats()["owner_calls"]
     assert [loader.lookup(_key(n), request) for n in (1, 2, 3)] == ["HIT", "HIT", "MISS"]
     assert loader.stats()["owner_calls"] == waits + 1
@@ -361,14 +370,7 @@ def test_a_missed_key_from_an_earlier_step_is_asked_again(tier: str) -> None:
     """The key past a found prefix, not looked up in that step, is stored by another engine; a
     later step's lookup of it (its earlier blocks in the GPU prefix cache, or vLLM's
     sliding-window scan from the end) asks the owner rather than miss."""
-    start(tier)
-    storer, loader = _core(tier), _core(tier)
-    storer.prepare_store([_key(1), _key(2)], _request("a"))
-    storer.complete_store([_key(1), _key(2)], _request("a"))
-    _step_ends(storer)
-    request = SimpleNamespace(
-        req_id="b", _offload_key_positions={_key(n): 16 * n for n in (1, 2, 3, 4)}
-    )
+    storer, loader, request = _two_stored_keys_and_a_request_of_four(tier)
     assert loader.lookup(_key(1), request) == "HIT"
     loader.on_schedule_end(None)
     storer.prepare_store([_key(3)], _request("a2"))
