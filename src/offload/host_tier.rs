@@ -180,7 +180,7 @@ impl HostTier {
 
     /// A tier whose chunks are rank `rank`'s arena of the shared tier `tier` (DESIGN §12.2),
     /// copied by `engine`: in this process, or by workers started with `--shared-tier TIER
-    /// --shared-tier-rank RANK` ([`HostTier::worker_arguments`]). Segment `name` is this
+    /// --shared-tier-rank RANK` (Python's `CudaHostTier` starts them so). Segment `name` is this
     /// engine's own (its rings and counters) and holds no host arena. The tier has as many
     /// chunks as the arena holds (the owner's index hands out any of them), whatever
     /// `layout.chunks` says.
