@@ -179,8 +179,8 @@ pub enum ConfigError {
     UnknownKind { code: u32 },
     #[error("unknown host tier code {code} (0: the segment's own arenas, 1: a shared tier's)")]
     UnknownHostTier { code: u32 },
-    #[error("a host tier on a shared tier's arenas needs host blocks")]
-    SharedHostTierWithoutBlocks,
+    #[error("a host tier on a shared tier's arenas is one rank's (tp_size 1) and has host blocks")]
+    SharedHostTierShape,
     #[error("a {tier} arena of {blocks} blocks x {regions} regions x {region_bytes} bytes does not fit in memory")]
     ArenaTooLarge { tier: &'static str, blocks: u32, regions: u32, region_bytes: u64 },
 }
@@ -316,8 +316,8 @@ impl SegmentConfig {
         if self.host_tier > Self::HOST_TIER_SHARED {
             return Err(ConfigError::UnknownHostTier { code: self.host_tier });
         }
-        if self.host_tier_is_shared() && self.host_blocks == 0 {
-            return Err(ConfigError::SharedHostTierWithoutBlocks);
+        if self.host_tier_is_shared() && (self.host_blocks == 0 || self.tp_size != 1) {
+            return Err(ConfigError::SharedHostTierShape);
         }
         self.arena_bytes("device", self.device_blocks)?;
         self.arena_bytes("host", self.host_blocks)?;
@@ -440,8 +440,9 @@ mod tests {
             (SegmentConfig { host_tier: 2, ..base }, ConfigError::UnknownHostTier { code: 2 }),
             (
                 SegmentConfig { host_tier: 1, host_blocks: 0, ..base },
-                ConfigError::SharedHostTierWithoutBlocks,
+                ConfigError::SharedHostTierShape,
             ),
+            (SegmentConfig { host_tier: 1, tp_size: 2, ..base }, ConfigError::SharedHostTierShape),
         ];
         for (config, expected) in cases {
             assert_eq!(config.validate(), Err(expected));

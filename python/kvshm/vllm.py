@@ -24,8 +24,9 @@ engine of the same model and layout starts with them; for CPU and CUDA tensors a
 ``segment_name`` (prefix of the per-rank segments ``<name>-r<rank>``; by default
 ``kvshm-vllm-<model>-<digest of the model, dtype and block layout>``, the same at every start);
 ``spawn_workers`` (default true: start the copy workers; false: start
-``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda`` yourself; a wait for
-copies that no worker answers is logged as a warning every 30 s).
+``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda`` yourself, adding
+``--shared-tier <tier> --shared-tier-rank <rank>`` on a shared tier; a wait for copies that no
+worker answers is logged as a warning every 30 s).
 
 ``shared_tier`` (a name, or ``true`` for the name derived from the model and block layout): the
 engine's host tier is one several engines on this machine share (:mod:`kvshm.shared_tier`): a

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,6 +106,14 @@ def test_a_block_one_engine_stored_is_read_back_by_another(tier: str, name: str)
     second.submit_load(1, [3], [1], [0], [5])
     assert second.take_finished()[0][:2] == (1, True)
     assert (second_gpu[0][3] == 7).all()
+    stat = subprocess.run(
+        [sys.executable, "-m", "kvshm", "kvctl", "stat", f"{name}-e0", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    config = json.loads(stat.stdout)["config"]
+    assert (config["host_tier"], config["host_blocks"]) == ("shared", CHUNKS)
     assert (second_gpu[1][3] == 9).all()
     with pytest.raises(kvshm.OffloadError):
         second.submit_load(2, [3], [1], [0], [CHUNKS])

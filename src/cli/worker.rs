@@ -58,10 +58,10 @@ pub struct Args {
     device: Option<u32>,
     /// The shared tier whose arena holds the segment's host tier, for an engine on a shared
     /// host tier (the segment says it is one and refuses a worker without it).
-    #[arg(long)]
+    #[arg(long, requires = "shared_tier_rank")]
     shared_tier: Option<String>,
-    /// The shared tier's rank whose arena this worker copies into (default: `--rank`): an
-    /// engine's tensor-parallel rank, its segment being that rank's alone.
+    /// The shared tier's rank whose arena this worker copies into: the engine's
+    /// tensor-parallel rank (its segment is that rank's alone, so `--rank` is 0).
     #[arg(long, requires = "shared_tier")]
     shared_tier_rank: Option<u32>,
     /// Seconds to keep retrying while the segment does not exist yet or the rank still belongs to
@@ -128,11 +128,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             copy_rate_limit: copy_rate_limit()?,
         },
         storage: storage_options(&args)?,
-        shared_tier: match args.shared_tier.as_deref() {
-            Some(tier) => {
-                Some((SegmentName::new(tier)?, args.shared_tier_rank.unwrap_or(args.rank)))
-            }
-            None => None,
+        shared_tier: match (args.shared_tier.as_deref(), args.shared_tier_rank) {
+            (Some(tier), Some(rank)) => Some((SegmentName::new(tier)?, rank)),
+            _ => None,
         },
     };
     let rank = args.rank;

@@ -32,8 +32,8 @@ pub struct TransportConfig {
     /// ([`Segment::create_keeping_host_tier`]); [`Transport::host_tier_kept`] says if it did.
     pub keep_host_tier: bool,
     /// The shared tier whose arenas hold the host tier, for a segment whose `host_tier` says
-    /// so ([`SegmentConfig::HOST_TIER_SHARED`]), and the tier's rank that holds the segment's
-    /// rank 0 (rank `r` is in the tier's `r` after it); `None` for a segment's own.
+    /// so ([`SegmentConfig::HOST_TIER_SHARED`]: a segment of one rank), and the tier's rank whose
+    /// arena that is; `None` for a segment's own.
     pub shared_tier: Option<(SegmentName, u32)>,
 }
 

@@ -160,8 +160,9 @@ impl<J: Job> Transport<J> {
                 .map(|rank| {
                     let device = segment.open_arena(ArenaKind::Device, rank)?;
                     let host = match &config.shared_tier {
-                        Some((tier, first)) => {
-                            Some(Arena::open(tier, ArenaKind::Host, first + rank)?)
+                        // One rank (validated): the tier's rank `tier_rank` is the segment's 0.
+                        Some((tier, tier_rank)) => {
+                            Some(Arena::open(tier, ArenaKind::Host, *tier_rank)?)
                         }
                         None if header.host_blocks > 0 => {
                             Some(segment.open_arena(ArenaKind::Host, rank)?)

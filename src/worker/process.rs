@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::config::{Backend, ConfigError};
 use kvshm_ipc::huge_pages;
+use kvshm_ipc::mappers::Mappers;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::segment::{AttachError, RankClaim, Segment};
 use kvshm_ipc::sync::{AtomicBool, Ordering};
@@ -121,9 +122,16 @@ pub enum StartError {
     #[error("cannot open the {tier} arena of rank {rank}: {reason}")]
     Arena { tier: &'static str, rank: u32, reason: ArenaError },
     #[error(
-        "segment {name}'s host tier is a shared tier's: start the worker with --shared-tier NAME"
+        "segment {name}'s host tier is a shared tier's: start the worker with --shared-tier NAME \
+         --shared-tier-rank R (the engine's tensor-parallel rank)"
     )]
     SharedTierNotGiven { name: SegmentName },
+    #[error(
+        "rank {rank}'s arena of shared tier {tier} is not segment {name}'s host tier: its engine \
+         (pid {engine}) does not map it (another tier, or another rank: check --shared-tier and \
+         --shared-tier-rank)"
+    )]
+    SharedTierNotTheEngines { name: SegmentName, tier: SegmentName, rank: u32, engine: u32 },
     #[error("segment {name}'s host tier is its own: --shared-tier {tier} does not apply")]
     SharedTierNotUsed { name: SegmentName, tier: SegmentName },
     #[error("the shared tier's arena of rank {rank}: {reason}")]
@@ -450,9 +458,21 @@ fn open_host_tier(
     match (segment.config().host_tier_is_shared(), &options.shared_tier) {
         (true, Some((tier, tier_rank))) => {
             let blocks = u64::from(geometry.host_blocks());
-            open_rank_arena(tier, *tier_rank, blocks, geometry.block_bytes())
-                .map(Some)
-                .map_err(|reason| StartError::SharedTier { rank: *tier_rank, reason })
+            let arena = open_rank_arena(tier, *tier_rank, blocks, geometry.block_bytes())
+                .map_err(|reason| StartError::SharedTier { rank: *tier_rank, reason })?;
+            // Every rank's arena of a tier has one shape: only the engine that made the segment
+            // (it maps its rank's arena for as long as it runs) tells this rank's apart.
+            let engine = segment.creator().pid;
+            let object = ArenaKind::Host.object(tier, *tier_rank);
+            if !Mappers::scan().of(&object).contains(&engine) {
+                return Err(StartError::SharedTierNotTheEngines {
+                    name: name.clone(),
+                    tier: tier.clone(),
+                    rank: *tier_rank,
+                    engine,
+                });
+            }
+            Ok(Some(arena))
         }
         (true, None) => Err(StartError::SharedTierNotGiven { name: name.clone() }),
         (false, Some((tier, _))) => {

@@ -29,6 +29,8 @@ pub enum StorageStartError {
     Open { rank: u32, reason: OpenError },
     #[error("the storage tier needs a host tier, and this segment has none (host_blocks = 0)")]
     NoHostTier,
+    #[error("the segment's host tier is a shared tier's: a storage tier below it is not offered")]
+    SharedHostTier,
     #[error(
         "the segment's block layout cannot be stored ({block_bytes} bytes, {regions} regions)"
     )]
@@ -67,6 +69,9 @@ pub fn open_backend(
     let config = segment.config();
     if config.host_blocks == 0 {
         return Err(StorageStartError::NoHostTier);
+    }
+    if config.host_tier_is_shared() {
+        return Err(StorageStartError::SharedHostTier);
     }
     let layout = segment_layout(segment)?;
     let rank = claim.rank();

@@ -269,7 +269,8 @@ fn read_back(name: &SegmentName) -> Vec<kvshm::offload::TableEntry> {
 fn workers_copy_two_engines_blocks_through_one_shared_arena() {
     const PAGE: usize = 4096;
     let tier = name("shared-arena");
-    let arenas = TierArenas::create_or_adopt(&tier, 2, 12, 2 * PAGE as u64).unwrap();
+    // Three ranks' arenas, left for the engines to map (this process maps only theirs).
+    drop(TierArenas::create_or_adopt(&tier, 3, 12, 2 * PAGE as u64).unwrap());
     let layout = EngineLayout {
         page_bytes: PAGE as u64,
         tensors: 2,
@@ -331,14 +332,22 @@ fn workers_copy_two_engines_blocks_through_one_shared_arena() {
         0,
     )
     .unwrap();
-    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvshm"))
-        .args(["worker", "--name", lone.name().as_str(), "--rank", "0"])
-        .args(["--attach-timeout", "2"])
-        .output()
-        .unwrap();
-    assert!(!refused.status.success());
-    let said = String::from_utf8_lossy(&refused.stderr);
-    assert!(said.contains("start the worker with --shared-tier"), "{said}");
+    // A worker told no tier, or another rank's arena of it (one its engine does not map: all
+    // ranks' arenas have one shape), is refused.
+    let refusal = |args: &[&str]| {
+        let refused = std::process::Command::new(env!("CARGO_BIN_EXE_kvshm"))
+            .args(["worker", "--name", lone.name().as_str(), "--rank", "0"])
+            .args(["--attach-timeout", "2"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!refused.status.success());
+        String::from_utf8_lossy(&refused.stderr).into_owned()
+    };
+    let said = refusal(&[]);
+    assert!(said.contains("start the worker with --shared-tier NAME --shared-tier-rank"), "{said}");
+    let said = refusal(&["--shared-tier", tier.as_str(), "--shared-tier-rank", "2"]);
+    assert!(said.contains("does not map it"), "{said}");
     drop((first, second, lone, shared));
-    arenas.remove();
+    TierArenas::unlink(&tier, 3);
 }

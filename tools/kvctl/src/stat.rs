@@ -31,6 +31,8 @@ pub struct ConfigReport {
     pub tp_size: u32,
     pub device_blocks: u32,
     pub host_blocks: u32,
+    /// Whose arenas hold the host tier: `own` (the segment's) or `shared` (a shared tier's).
+    pub host_tier: String,
     pub regions: u32,
     pub layers: u32,
     pub region_bytes: u64,
@@ -58,6 +60,11 @@ impl ConfigReport {
             tp_size: config.tp_size,
             device_blocks: config.device_blocks,
             host_blocks: config.host_blocks,
+            host_tier: match config.host_tier {
+                SegmentConfig::HOST_TIER_OWN => "own".to_owned(),
+                SegmentConfig::HOST_TIER_SHARED => "shared".to_owned(),
+                code => format!("unknown({code})"),
+            },
             regions: config.regions,
             layers: config.layers,
             region_bytes: config.region_bytes,
