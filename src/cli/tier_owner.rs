@@ -61,8 +61,8 @@ pub struct Args {
     /// engines that still map them (an engine restarts the owner it finds gone this way).
     #[arg(long)]
     adopt_arenas: bool,
-    /// Ranks (tensor-parallel workers) of each engine: one arena each.
-    #[arg(long, default_value_t = 1)]
+    /// Ranks (tensor-parallel workers) of each engine: one arena each (1 to 1,024).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
     ranks: u32,
     /// Client slots.
     #[arg(long, default_value_t = 16)]

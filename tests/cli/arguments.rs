@@ -288,3 +288,18 @@ fn worker_refuses_a_rank_the_segment_does_not_have() {
     }
     drop(segment);
 }
+
+#[test]
+fn tier_owner_and_worker_refuse_shared_tier_options_that_do_not_fit() {
+    let tier = ["tier-owner", "--name", "nobody-tier", "--model", "m", "--block-bytes", "64"];
+    refused_saying(&[&tier[..], &["--chunks", "4", "--ranks", "0"]].concat(), &["--ranks"]);
+    refused_saying(
+        &[&tier[..], &["--chunks", "4", "--ranks", "4000000000"]].concat(),
+        &["--ranks"],
+    );
+    refused_saying(&[&tier[..], &["--chunks", "4", "--adopt-arenas"]].concat(), &["--chunks"]);
+    refused_saying(&tier, &["--chunks"]);
+    let worker = ["worker", "--name", "nobody-here", "--rank", "0"];
+    refused_saying(&[&worker[..], &["--shared-tier", "t"]].concat(), &["--shared-tier-rank"]);
+    refused_saying(&[&worker[..], &["--shared-tier-rank", "1"]].concat(), &["--shared-tier"]);
+}
