@@ -46,6 +46,7 @@ pub mod storage_command;
 pub mod storage_lane;
 pub mod storage_open;
 pub mod stream_copy;
+mod tiers;
 pub mod validate;
 
 pub use copy_method::CopyMethod;

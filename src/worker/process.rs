@@ -12,7 +12,7 @@
 //!    held by a dead worker the scheduler has not reclaimed yet; a rank held by a live worker, a
 //!    stale or broken segment, or a rank out of range fail at once;
 //! 3. build the engine of the segment's backend: host backend: open the rank's device arena and
-//!    host tier, map their pages in ([`prefault`], heartbeating) so that no copy runs over cold
+//!    host tier ([`super::tiers`]), map their pages in ([`prefault`], heartbeating) so that no copy runs over cold
 //!    mappings, and lay a [`HostCopyEngine`] over them; CUDA backend (feature `cuda`): wait,
 //!    heartbeating, until the engine published the rank's device handles, then open them with the
 //!    host tier registered for DMA (a helper thread heartbeats while the driver sets up);
@@ -32,7 +32,6 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::config::{Backend, ConfigError};
 use kvshm_ipc::huge_pages;
-use kvshm_ipc::mappers::Mappers;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::segment::{AttachError, RankClaim, Segment};
 use kvshm_ipc::sync::{AtomicBool, Ordering};
@@ -46,7 +45,8 @@ use super::prefault::{self, Populated};
 use super::run::{ServeError, ServeExit, ServeOptions, Server, ServerSetupError};
 use super::storage_lane::{HostBlocks, LaneContext, StorageLane};
 use super::storage_open::{open_backend, StorageStartError};
-use crate::offload::shared::{open_rank_arena, TierArenaError};
+use super::tiers::{open_arena, open_host_tier};
+use crate::offload::shared::TierArenaError;
 use crate::storage::spec::StorageOptions;
 
 /// How long a waiting worker sleeps between attempts (attach, claim, device handles).
@@ -436,51 +436,6 @@ fn prefault_tier(tier: &'static str, area: MappedArea, claim: &RankClaim) -> Res
         ),
     }
     Ok(())
-}
-
-fn open_arena(segment: &Segment, kind: ArenaKind, rank: u32) -> Result<Arena, StartError> {
-    segment.open_arena(kind, rank).map_err(|reason| StartError::Arena {
-        tier: kind.name(),
-        rank,
-        reason,
-    })
-}
-
-/// The rank's host tier: the segment's arena, or the shared tier's (checked to hold the
-/// segment's host blocks) when the segment's host tier is one; `None` when the segment has none
-/// (every host id is then refused).
-fn open_host_tier(
-    segment: &Segment,
-    geometry: &Geometry,
-    options: &WorkerOptions,
-) -> Result<Option<Arena>, StartError> {
-    let (name, rank) = (&options.name, options.rank);
-    match (segment.config().host_tier_is_shared(), &options.shared_tier) {
-        (true, Some((tier, tier_rank))) => {
-            let blocks = u64::from(geometry.host_blocks());
-            let arena = open_rank_arena(tier, *tier_rank, blocks, geometry.block_bytes())
-                .map_err(|reason| StartError::SharedTier { rank: *tier_rank, reason })?;
-            // Every rank's arena of a tier has one shape: only the engine that made the segment
-            // (it maps its rank's arena for as long as it runs) tells this rank's apart.
-            let engine = segment.creator().pid;
-            let object = ArenaKind::Host.object(tier, *tier_rank);
-            if !Mappers::scan().of(&object).contains(&engine) {
-                return Err(StartError::SharedTierNotTheEngines {
-                    name: name.clone(),
-                    tier: tier.clone(),
-                    rank: *tier_rank,
-                    engine,
-                });
-            }
-            Ok(Some(arena))
-        }
-        (true, None) => Err(StartError::SharedTierNotGiven { name: name.clone() }),
-        (false, Some((tier, _))) => {
-            Err(StartError::SharedTierNotUsed { name: name.clone(), tier: tier.clone() })
-        }
-        (false, None) if geometry.host_blocks() == 0 => Ok(None),
-        (false, None) => open_arena(segment, ArenaKind::Host, rank).map(Some),
-    }
 }
 
 /// The host tier as a [`MappedArea`]; an empty, never dereferenced area without a host tier.
