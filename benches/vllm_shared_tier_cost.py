@@ -61,17 +61,9 @@ def tier_identity() -> Any:
 def tier_owner(tier: str, chunks: int, cpu: int | None) -> Iterator[dict[str, Any]]:
     """A ``tier-owner`` process serving ``tier`` while the block runs (pinned to ``cpu`` if
     given); the dictionary it yields gets the owner's counters once it stopped."""
-    command = [
-        sys.executable,
-        "-m",
-        "kvshm",
-        "tier-owner",
-        "--name",
-        tier,
-        *tier_identity().owner_arguments(),
-        "--chunks",
-        str(chunks),
-    ]
+    from kvshm.shared_tier import owner_command
+
+    command = owner_command(tier, tier_identity(), ["--chunks", str(chunks)])
     if cpu is not None:
         command = ["taskset", "-c", str(cpu), *command]  # taskset execs: the pid is the owner's
     owner = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)

@@ -31,6 +31,7 @@ __all__ = [
     "OwnerRestart",
     "TierIdentity",
     "ensure_tier_owner",
+    "owner_command",
     "owner_log",
     "shared_tier_clients",
     "shared_tier_owner",
@@ -151,10 +152,10 @@ def _owner_options(ranks: int, idle_exit_s: int, client_quota: int | None) -> li
     return ["--ranks", str(ranks), "--idle-exit-s", str(idle_exit_s), *quota]
 
 
-def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
-    """Starts ``python -m kvshm tier-owner`` for ``tier`` with ``options``, its output appended
-    to its log; the pid started."""
-    command = [
+def owner_command(tier: str, identity: TierIdentity, options: list[str]) -> list[str]:
+    """The command of an owner of ``tier`` for blocks of ``identity``: ``python -m kvshm
+    tier-owner`` with ``options`` (its size, ranks, idle exit, ...)."""
+    return [
         sys.executable,
         "-m",
         "kvshm",
@@ -164,6 +165,12 @@ def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
         *identity.owner_arguments(),
         *options,
     ]
+
+
+def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
+    """Starts an owner of ``tier`` (:func:`owner_command`), its output appended to its log; the
+    pid started."""
+    command = owner_command(tier, identity, options)
     # Through a launcher that exits at once, so that the owner is no descendant of the engine:
     # an engine that ends kills its process tree (vLLM does), and the owner serves the others.
     log = owner_log(tier)
