@@ -125,9 +125,11 @@ def kv_transfer_config(
     chunks: int,
     shared_tier: str | None = None,
     idle_exit_s: int | None = None,
+    storage: str | None = None,
 ) -> dict[str, Any]:
     """vLLM's ``kv_transfer_config`` for kvshm's host tier of ``chunks`` blocks (the shared
-    tier ``shared_tier`` when given, whose owner exits after ``idle_exit_s`` unused)."""
+    tier ``shared_tier`` when given, whose owner exits after ``idle_exit_s`` unused and keeps a
+    storage tier at ``storage`` below it, if given)."""
     extra: dict[str, Any] = {
         "spec_name": "KvshmOffloadingSpec",
         "spec_module_path": "kvshm.vllm",
@@ -139,6 +141,8 @@ def kv_transfer_config(
         extra["shared_tier"] = shared_tier
     if idle_exit_s is not None:
         extra["shared_tier_idle_exit_s"] = idle_exit_s
+    if storage is not None:
+        extra["shared_tier_storage"] = storage
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -178,6 +182,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
             args.chunks,
             args.kvshm_shared_tier,
             args.kvshm_idle_exit_s,
+            args.kvshm_storage,
         )
     llm = LLM(
         args.model,
@@ -422,6 +427,10 @@ def main() -> None:
         "--kvshm-idle-exit-s",
         type=int,
         help="the shared tier's owner exits this long unused",
+    )
+    offline.add_argument(
+        "--kvshm-storage",
+        help="the shared tier's storage tier below it (disk:DIR or redis://...)",
     )
     offline.add_argument(
         "--progress", action="store_true", help='print "served N" after each request'

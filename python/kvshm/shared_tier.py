@@ -91,17 +91,20 @@ def ensure_tier_owner(
     arena_block_bytes: int,
     idle_exit_s: int,
     client_quota: int | None = None,
+    storage: str | None = None,
+    storage_chunks: int | None = None,
     timeout_s: float = OWNER_START_TIMEOUT_S,
 ) -> int:
     """The pid of tier ``tier``'s owner, started if none serves it; it serves once this returns
     (its arenas made). An owner started here gives every engine a quota of ``client_quota``
-    chunks, if given (one already serving keeps its own). Raises ``SegmentError`` when it cannot
-    start (its log says why)."""
+    chunks, if given, and keeps a storage tier below the tier at ``storage`` (``disk:DIR`` or a
+    Redis URL; ``storage_chunks`` chunks per rank on disk), if given; one already serving keeps
+    its own. Raises ``SegmentError`` when it cannot start (its log says why)."""
     pid = shared_tier_owner(tier)
     if pid is not None:
         return pid
     arenas = ["--chunks", str(chunks), "--arena-block-bytes", str(arena_block_bytes)]
-    options = _owner_options(ranks, idle_exit_s, client_quota)
+    options = _owner_options(ranks, idle_exit_s, client_quota, storage, storage_chunks)
     started = _launch_owner(tier, identity, [*arenas, *options])
     return wait_for_tier_owner(tier, timeout_s=timeout_s, started=started)
 
@@ -120,6 +123,8 @@ class OwnerRestart:
     ranks: int
     idle_exit_s: int
     client_quota: int | None = None
+    storage: str | None = None
+    storage_chunks: int | None = None
     interval_s: float = 5.0
     takeover_grace_ms: int | None = None
     _last_attempt: float | None = field(default=None, init=False, repr=False)
@@ -141,15 +146,29 @@ class OwnerRestart:
         grace = self.takeover_grace_ms
         options = [
             "--adopt-arenas",
-            *_owner_options(self.ranks, self.idle_exit_s, self.client_quota),
+            *_owner_options(
+                self.ranks, self.idle_exit_s, self.client_quota, self.storage, self.storage_chunks
+            ),
             *(["--takeover-grace-ms", str(grace)] if grace is not None else []),
         ]
         return _launch_owner(self.tier, self.identity, options)
 
 
-def _owner_options(ranks: int, idle_exit_s: int, client_quota: int | None) -> list[str]:
-    quota = ["--client-quota", str(client_quota)] if client_quota is not None else []
-    return ["--ranks", str(ranks), "--idle-exit-s", str(idle_exit_s), *quota]
+def _owner_options(
+    ranks: int,
+    idle_exit_s: int,
+    client_quota: int | None,
+    storage: str | None,
+    storage_chunks: int | None,
+) -> list[str]:
+    options = ["--ranks", str(ranks), "--idle-exit-s", str(idle_exit_s)]
+    if client_quota is not None:
+        options += ["--client-quota", str(client_quota)]
+    if storage is not None:
+        options += ["--storage", storage]
+        if storage_chunks is not None:
+            options += ["--storage-chunks", str(storage_chunks)]
+    return options
 
 
 def owner_command(tier: str, identity: TierIdentity, options: list[str]) -> list[str]:

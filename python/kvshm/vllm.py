@@ -36,9 +36,13 @@ used the tier for ``shared_tier_idle_exit_s`` (default 600) seconds, and with
 ``shared_tier_client_bytes`` gives each engine a quota (an engine at it evicts its own blocks,
 never another's). An engine that finds the owner gone (killed, crashed) keeps serving (misses,
 nothing stored) and starts a new one on the same arenas, at most every ``shared_tier_restart_s``
-seconds (default 5; 0: never). Copies run in the engine's own process for CPU tensors and in
-its copy workers (``--shared-tier``) for GPU tensors; warm restart is not offered for a shared
-tier (the tier's owner keeps its keys).
+seconds (default 5; 0: never). ``shared_tier_storage`` (``disk:DIR`` or ``redis://...``) puts
+a storage tier below the shared one: the owner writes every stored block there too and brings
+an evicted one back when an engine asks for it (vLLM retries that request a step later);
+``shared_tier_storage_bytes`` (over all ranks) sizes it on disk, by default 4 times the tier.
+Copies run in the engine's own process for CPU tensors and in its copy workers
+(``--shared-tier``) for GPU tensors; warm restart is not offered for a shared tier (the tier's
+owner keeps its keys).
 """
 
 from __future__ import annotations
@@ -242,7 +246,7 @@ class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
 def _vllm_types() -> tuple[Any, ...]:
     """vLLM's types that the Rust core returns."""
     return (
-        (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING),
+        (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY),
         PrepareStoreOutput,
         KvshmLoadStoreSpec,
         OffloadingEvent,
@@ -503,6 +507,12 @@ class KvshmOffloadingSpec(OffloadingSpec):
         self.shared_client_quota = (
             max(int(quota_bytes) // chunk_bytes, 1) if quota_bytes and chunk_bytes else None
         )
+        storage = extra.get("shared_tier_storage")
+        self.shared_storage: str | None = str(storage) if storage else None
+        storage_bytes = extra.get("shared_tier_storage_bytes")
+        self.shared_storage_chunks = (
+            max(int(storage_bytes) // chunk_bytes, 1) if storage_bytes and chunk_bytes else None
+        )
         if self.shared_identity is not None:
             named = shared if isinstance(shared, str) else None
             self.shared_tier = named or self.shared_identity.tier_name()
@@ -530,6 +540,8 @@ class KvshmOffloadingSpec(OffloadingSpec):
                         ranks=max(int(self.config.parallel.world_size), 1),
                         idle_exit_s=self.shared_idle_exit_s,
                         client_quota=self.shared_client_quota,
+                        storage=self.shared_storage,
+                        storage_chunks=self.shared_storage_chunks,
                         interval_s=self.shared_restart_s,
                     )
                 self._shared_manager = KvshmSharedOffloadingManager(
@@ -606,4 +618,6 @@ class KvshmOffloadingSpec(OffloadingSpec):
             arena_block_bytes=page_bytes,
             idle_exit_s=self.shared_idle_exit_s,
             client_quota=self.shared_client_quota,
+            storage=self.shared_storage,
+            storage_chunks=self.shared_storage_chunks,
         )

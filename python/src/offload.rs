@@ -20,6 +20,8 @@ use crate::errors::{ConfigError, IntoPyResult};
 pub const MISS: u8 = 0;
 pub const HIT: u8 = 1;
 pub const HIT_PENDING: u8 = 2;
+/// Not known yet: ask again later (a shared tier bringing the key back from its storage).
+pub const RETRY: u8 = 3;
 
 pub fn key_of(object: &Bound<'_, PyAny>) -> PyResult<OffloadKey> {
     let bytes =

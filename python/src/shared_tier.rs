@@ -7,9 +7,10 @@
 //! vLLM's `prepare_load` otherwise), so one call flows:
 //! 1. `lookup(key)`: a key the request holds pinned is a hit with no call; any other is asked
 //!    with the request's keys that follow it (from the `ReqContext`'s position table), in one
-//!    `AcquirePrefix`: what it finds stays pinned for the request, and the key that ended the
-//!    prefix found is a miss with no call when vLLM looks it up next (once: a later lookup of it
-//!    asks again);
+//!    `AcquirePrefix`: what it finds stays pinned for the request; the keys after it that the
+//!    owner is bringing back from the tier's storage are `RETRY` (vLLM asks again at a later
+//!    step), and the key that ended them is a miss, each with no call when vLLM looks it up next
+//!    in the step (once: a later lookup asks again);
 //! 2. `prepare_load(keys)`: their chunks, from the request's pins (the pins now the load's); the
 //!    request's other pins are let go;
 //! 3. `complete_load(keys)`: the load's pins are let go;
@@ -45,7 +46,7 @@ use pyo3::types::{PyDict, PyList};
 
 use crate::buffers::U32Array;
 use crate::errors::{ConfigError, OffloadError, SegmentError};
-use crate::offload::{key_of, keys_into, HIT, MISS};
+use crate::offload::{key_of, keys_into, HIT, MISS, RETRY};
 use crate::service::segment_name;
 use crate::vllm::{request_id, VllmTypeTuple, VllmTypes};
 
@@ -83,12 +84,23 @@ pub struct VllmSharedTierCore {
     pinned: HashMap<String, KeyMap<Pin>>,
     /// Per request, the keys being loaded, with the connection epoch of their pins.
     loading: HashMap<String, KeyMap<u64>>,
-    /// Per request, the key its last `AcquirePrefix` found missing after a prefix it found.
-    missed: HashMap<String, OffloadKey>,
+    /// Per request, what its last `AcquirePrefix` said of the keys after those it pinned.
+    foretold: HashMap<String, Foretold>,
     counters: ClientCounters,
     answers: Vec<CallAnswer>,
     /// At the last `on_schedule_end`: whether calls were queued, and the batches sent by then.
     last_step_end: (bool, u64),
+}
+
+/// What an `AcquirePrefix` said of the keys after those it pinned, in the order vLLM looks them
+/// up next: `keys[..retry]` are being brought back from the tier's storage (`RETRY`), and the
+/// key after them, if any, ended what the tier has (`MISS`). Each is answered once, in order,
+/// with no call; a lookup of any other key forgets them.
+#[derive(Debug)]
+struct Foretold {
+    keys: Vec<OffloadKey>,
+    retry: usize,
+    next: usize,
 }
 
 /// A key pinned for a request: its chunk, and the connection it was pinned on
@@ -124,6 +136,36 @@ impl VllmSharedTierCore {
     /// The client's connection epoch now.
     fn epoch(&mut self) -> u64 {
         self.client().connection_epoch()
+    }
+
+    /// Remembers what an `AcquirePrefix` of `keys` that pinned `found` of them said of the keys
+    /// after those (`promoting` coming from storage, then the one that ended them), but for
+    /// `keys[0]`, answered now.
+    fn foretell(&mut self, request: &str, keys: &[OffloadKey], found: usize, promoting: usize) {
+        let first = found.max(1);
+        let end = (found + promoting + 1).min(keys.len());
+        if first >= end {
+            self.foretold.remove(request);
+            return;
+        }
+        let retry = (found + promoting).saturating_sub(first);
+        let foretold = Foretold { keys: keys[first..end].to_vec(), retry, next: 0 };
+        self.foretold.insert(request.to_owned(), foretold);
+    }
+
+    /// The answer foretold for `request`'s lookup of `wanted`, if it is the key foretold next.
+    fn foretold_answer(&mut self, request: &str, wanted: &OffloadKey) -> Option<u8> {
+        let foretold = self.foretold.get_mut(request)?;
+        if foretold.keys.get(foretold.next) != Some(wanted) {
+            self.foretold.remove(request);
+            return None;
+        }
+        let code = if foretold.next < foretold.retry { RETRY } else { MISS };
+        foretold.next += 1;
+        if foretold.next == foretold.keys.len() {
+            self.foretold.remove(request);
+        }
+        Some(code)
     }
 
     /// Queues the release of the pins of `pins` taken on the current connection; those of an
@@ -171,7 +213,7 @@ impl VllmSharedTierCore {
             client: Mutex::new(client),
             pinned: HashMap::new(),
             loading: HashMap::new(),
-            missed: HashMap::new(),
+            foretold: HashMap::new(),
             counters: ClientCounters::default(),
             answers: Vec::new(),
             last_step_end: (false, 0),
@@ -208,21 +250,23 @@ impl VllmSharedTierCore {
             .get(request)
             .and_then(|pins| pins.get(&wanted))
             .is_some_and(|pin| pin.epoch == epoch);
-        if !held && slf.missed.get(request) == Some(&wanted) {
-            slf.missed.remove(request);
-            return Ok(slf.types.lookup[usize::from(MISS)].clone_ref(py));
+        if !held {
+            if let Some(code) = slf.foretold_answer(request, &wanted) {
+                return Ok(slf.types.lookup[usize::from(code)].clone_ref(py));
+            }
         }
-        let hit = held || {
+        let code = if held {
+            HIT
+        } else {
             let keys = following_keys(req_context, wanted)?;
             slf.call(&[TierCall::AcquirePrefix { request, keys: &keys }])?;
-            let chunks = match slf.answers.first() {
-                Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
-                _ => Vec::new(),
+            let (chunks, promoting) = match slf.answers.first() {
+                Some(CallAnswer::Prefix { chunks, promoting }) => {
+                    (chunks.clone(), *promoting as usize)
+                }
+                _ => (Vec::new(), 0),
             };
-            match keys.get(chunks.len()) {
-                Some(&past) if !chunks.is_empty() => slf.missed.insert(request.to_owned(), past),
-                _ => slf.missed.remove(request),
-            };
+            slf.foretell(request, &keys, chunks.len(), promoting);
             // Hits come from the connection that serves after the call (one made during it
             // included): a dropped one answered misses.
             let epoch = slf.epoch();
@@ -237,12 +281,16 @@ impl VllmSharedTierCore {
                 })
                 .collect();
             slf.release_current(twice);
-            !chunks.is_empty()
+            match (chunks.is_empty(), promoting) {
+                (false, _) => HIT,
+                (true, 0) => MISS,
+                (true, _) => RETRY,
+            }
         };
-        if hit {
+        if code == HIT {
             slf.counters.lookup_hits += 1;
         }
-        Ok(slf.types.lookup[usize::from(if hit { HIT } else { MISS })].clone_ref(py))
+        Ok(slf.types.lookup[usize::from(code)].clone_ref(py))
     }
 
     fn on_new_request(
@@ -276,7 +324,7 @@ impl VllmSharedTierCore {
                 let keys = &missing[found.len()..];
                 slf.call(&[TierCall::AcquirePrefix { request, keys }])?;
                 let chunks = match slf.answers.first() {
-                    Some(CallAnswer::Prefix { chunks }) => chunks.clone(),
+                    Some(CallAnswer::Prefix { chunks, .. }) => chunks.clone(),
                     _ => Vec::new(),
                 };
                 if chunks.is_empty() {
@@ -395,7 +443,7 @@ impl VllmSharedTierCore {
     ) -> PyResult<()> {
         let request = request_id(req_context)?;
         let request = request.to_str()?;
-        slf.missed.remove(request);
+        slf.foretold.remove(request);
         let unused = slf.pinned.remove(request).unwrap_or_default();
         slf.release_current(unused.into_iter().map(|(key, pin)| (key, pin.epoch)));
         slf.client().queue_finish_request(request);
@@ -406,8 +454,8 @@ impl VllmSharedTierCore {
     /// since (module flow): vLLM calls it once a scheduler step.
     fn on_schedule_end(&mut self, context: &Bound<'_, PyAny>) -> PyResult<()> {
         let _ = context;
-        // A miss remembered is this step's: vLLM looks a request's keys up within one step.
-        self.missed.clear();
+        // What was foretold is this step's: vLLM looks a request's keys up within one step.
+        self.foretold.clear();
         let (queued_then, batches_then) = self.last_step_end;
         if queued_then && self.client().batches_sent() == batches_then {
             self.flush()?;

@@ -23,8 +23,9 @@ use crate::service::segment_name;
 
 /// vLLM's classes and values the core returns, handed over by the Python side.
 pub(crate) struct VllmTypes {
-    /// `LookupResult.MISS`, `.HIT`, `.HIT_PENDING`, indexed by [`lookup_code`].
-    pub lookup: [Py<PyAny>; 3],
+    /// `LookupResult.MISS`, `.HIT`, `.HIT_PENDING`, `.RETRY`, indexed by [`lookup_code`] (and
+    /// `RETRY`).
+    pub lookup: [Py<PyAny>; 4],
     pub prepare_store_output: Py<PyAny>,
     pub load_store_spec: Py<PyAny>,
     pub event: Py<PyAny>,
@@ -34,9 +35,9 @@ pub(crate) struct VllmTypes {
 
 impl VllmTypes {
     pub fn new(types: VllmTypeTuple) -> VllmTypes {
-        let ((miss, hit, pending), output, spec, event, medium, context) = types;
+        let ((miss, hit, pending, retry), output, spec, event, medium, context) = types;
         VllmTypes {
-            lookup: [miss, hit, pending],
+            lookup: [miss, hit, pending, retry],
             prepare_store_output: output,
             load_store_spec: spec,
             event,
@@ -61,10 +62,16 @@ impl VllmTypes {
     }
 }
 
-/// `VllmTypes` as Python hands it over: `((MISS, HIT, HIT_PENDING), PrepareStoreOutput, spec
-/// class, OffloadingEvent, Medium.CPU, RequestOffloadingContext)`.
-pub(crate) type VllmTypeTuple =
-    ((Py<PyAny>, Py<PyAny>, Py<PyAny>), Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>);
+/// `VllmTypes` as Python hands it over: `((MISS, HIT, HIT_PENDING, RETRY), PrepareStoreOutput,
+/// spec class, OffloadingEvent, Medium.CPU, RequestOffloadingContext)`.
+pub(crate) type VllmTypeTuple = (
+    (Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>),
+    Py<PyAny>,
+    Py<PyAny>,
+    Py<PyAny>,
+    Py<PyAny>,
+    Py<PyAny>,
+);
 
 /// The Rust half of `kvshm.vllm.KvshmOffloadingManager`: an [`OffloadManager`] whose contract
 /// methods take vLLM's arguments and return vLLM's types (the inspection methods are the base

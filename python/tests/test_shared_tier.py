@@ -157,7 +157,7 @@ def _store_output(keys_to_store: list[bytes], store_spec: _Spec, evicted_keys: o
 
 #: vLLM's types as VllmSharedTierCore takes them, stood in for: lookup results, the store
 #: output, the spec class, the event class, the medium, the request context.
-_TYPES = (("MISS", "HIT", "PENDING"), _store_output, _Spec, object, "CPU", dict)
+_TYPES = (("MISS", "HIT", "PENDING", "RETRY"), _store_output, _Spec, object, "CPU", dict)
 
 
 def _core(tier: str, deadline_s: float = 1.0) -> _kvshm.VllmSharedTierCore:
@@ -404,3 +404,61 @@ def test_a_restart_that_brings_no_owner_is_tried_less_and_less_often(tier: str) 
     while "no arena of rank 0 to take over" not in owner_log(tier).read_text():
         assert time.monotonic() < deadline, owner_log(tier).read_text()
         time.sleep(0.05)
+
+
+def test_a_block_on_the_storage_tier_is_retried_until_it_is_back(tier: str, tmp_path: Path) -> None:
+    """An owner with a storage tier below (``disk:DIR``): a key the arena evicted is one the
+    engine is told to look up again (``RETRY``), the keys after it that the storage holds too,
+    and the first it does not a miss, all from one call to the owner; once back it is a hit."""
+    ensure_tier_owner(
+        tier,
+        IDENTITY,
+        chunks=4,
+        ranks=1,
+        arena_block_bytes=2 * PAGE,
+        idle_exit_s=600,
+        storage=f"disk:{tmp_path}",
+    )
+    storer, loader = _core(tier), _core(tier)
+
+    def store(keys: list[bytes], request: str) -> bool:
+        stored, _ = storer.prepare_store(keys, _request(request))
+        storer.complete_store(stored, _request(request))
+        storer.on_request_finished(_request(request))
+        _step_ends(storer)
+        return len(stored) == len(keys)
+
+    assert store([_key(1), _key(2), _key(3)], "a")
+    # Storing 5..8 evicts 1..3, once they are written to disk (until then they are pinned).
+    deadline = time.monotonic() + 10
+    while not store([_key(n) for n in (5, 6, 7, 8)], "b"):
+        assert time.monotonic() < deadline, "the writes to disk never finished"
+        time.sleep(0.01)
+
+    keys = [_key(n) for n in (1, 2, 3, 9)]
+    context = SimpleNamespace(
+        req_id="c", _offload_key_positions={key: at for at, key in enumerate(keys)}
+    )
+
+    def calls() -> int:
+        return sum(client["calls"] for client in _kvshm.shared_tier_clients(tier))
+
+    # Bringing 1..3 back takes chunks that 5..8's writes may still pin: until they are done,
+    # the owner cannot make room, and the lookup is a miss.
+    while loader.lookup(keys[0], context) != "RETRY":
+        assert time.monotonic() < deadline, "key 1 never started coming back"
+        loader.on_schedule_end(None)
+        time.sleep(0.01)
+    before = calls()
+    assert [loader.lookup(key, context) for key in keys[1:]] == ["RETRY", "RETRY", "MISS"]
+    assert calls() == before, "the keys after the first were answered without a call"
+    loader.on_schedule_end(None)
+    while loader.lookup(keys[0], context) != "HIT":
+        assert time.monotonic() < deadline, "key 1 never came back"
+        loader.on_schedule_end(None)
+        time.sleep(0.01)
+    assert [loader.lookup(key, context) for key in keys[1:]] == ["HIT", "HIT", "MISS"]
+    assert len(loader.prepare_load(keys[:3], context).chunks) == 3
+    loader.complete_load(keys[:3], context)
+    loader.on_request_finished(context)
+    _step_ends(loader)

@@ -318,3 +318,58 @@ def test_an_engine_restarts_the_tier_owner_it_finds_gone(
         "shared tier, owner killed:",
         json.dumps({"first_owner": first_owner, "restarted_owner": restarted, "starts": starts}),
     )
+
+
+def stop_owner(tier: str) -> dict[str, Any]:
+    """Stops tier ``tier``'s owner (SIGTERM) and returns its last line (its counters)."""
+    pid = _kvshm.shared_tier_owner(tier)
+    assert pid is not None, "no owner serves the tier"
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while _kvshm.shared_tier_owner(tier) is not None:
+        assert time.monotonic() < deadline, "the owner did not stop"
+        time.sleep(0.05)
+    return owner_lines(tier)[-1]
+
+
+def test_a_new_tier_over_the_same_storage_serves_what_the_last_one_stored(
+    model: str,
+    workload: list[list[int]],
+    expected: list[list[int]],
+    tmp_path: Path,
+    tier: str,
+) -> None:
+    """Engine A serves the first round on a tier with a disk storage tier below it; then its
+    owner stops and the tier's arenas go (a node restarted). Engine B starts a new owner, with
+    empty arenas, over the same disk: every block before each prompt's last token comes back
+    from disk (vLLM looks a request up again while its blocks are brought back), and every
+    output is identical to an engine without kvshm."""
+    first_round = workload[:CONVERSATIONS]
+    expected = expected[:CONVERSATIONS]
+    storage = ("--kvshm-storage", f"disk:{tmp_path / 'storage'}")
+    engine_a = offline(model, first_round, tmp_path, *shared(tier, f"{tier}-a"), *storage)
+    assert outputs(engine_a) == expected
+    stored = engine_a["metrics"]["vllm:kv_offload_kvshm_keys_stored"]
+    first_owner = stop_owner(tier)
+    assert first_owner["storage"]["puts"] == stored, first_owner
+    stop_tier(tier)
+
+    engine_b = offline(model, first_round, tmp_path, *shared(tier, f"{tier}-b"), *storage)
+    assert outputs(engine_b) == expected
+    hits = [request["cached_tokens"] for request in engine_b["requests"]]
+    assert sum(hits) == full_block_tokens(first_round), hits
+    assert owner_lines(tier)[0]["storage_held"] == stored
+    second_owner = stop_owner(tier)["storage"]
+    assert second_owner["promoted"] * engine.BLOCK_TOKENS >= sum(hits), second_owner
+    assert second_owner["promotions_missed"] == 0, second_owner
+    print(
+        "storage below a shared tier:",
+        json.dumps(
+            {
+                "engine_a_keys_stored": stored,
+                "engine_b_hit_tokens": sum(hits),
+                "promoted": second_owner["promoted"],
+                "identical": len(expected),
+            }
+        ),
+    )

@@ -7,14 +7,15 @@
 //!    block size: [`TierArenas::adopt_existing`]), and an index of as many chunks;
 //! 3. create the tier's control object ([`TierServer::create`]): refused while another owner of
 //!    the name lives, a dead owner's taken over; then open the tier's key table ([`TierKeys`])
-//!    and, after a takeover, take back the keys it names and refuse stores for the grace;
+//!    and, after a takeover, take back the keys it names and refuse stores for the grace; with
+//!    `--storage`, open the storage tier below ([`TierStorage`]) and list what it holds;
 //! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
 //! 5. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT (or, with `--idle-exit-s`, until
 //!    no client has been attached for that long and no other process maps an arena), printing
-//!    one JSON line (`{"released": {...}}`) for each client let go, then print the owner's
-//!    counters as one JSON line and remove the control object. The arenas and the key table
-//!    stay for the next owner (engines keep the arenas mapped), except after an idle exit, when
-//!    no engine is left to map them.
+//!    one JSON line (`{"released": {...}}`) for each client let go, then write to storage what
+//!    waits to be written, print the owner's counters as one JSON line and remove the control
+//!    object. The arenas and the key table stay for the next owner (engines keep the arenas
+//!    mapped), except after an idle exit, when no engine is left to map them.
 
 use std::time::{Duration, Instant};
 
@@ -23,9 +24,13 @@ use clap::Parser;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
-use crate::offload::shared::{TierArenas, TierKeys};
+use crate::offload::shared::{TierArenas, TierKeys, TierStorage};
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
+use crate::storage::spec::{StorageOptions, StorageSpec};
 use crate::worker::process::{install_stop_handlers, stop_requested};
+
+/// The longest a stopping owner spends writing to storage what waits to be written.
+const STORAGE_DRAIN_LIMIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Parser)]
 pub struct Args {
@@ -79,6 +84,14 @@ pub struct Args {
     /// clients may still be copying into chunks it handed them.
     #[arg(long, default_value_t = 10_000)]
     takeover_grace_ms: u64,
+    /// A storage tier below this one (`disk:DIR` or `redis://HOST[:PORT][/DB]`): every block
+    /// stored is written there too, and one evicted from the arenas is brought back from there
+    /// when an engine asks for it.
+    #[arg(long)]
+    storage: Option<StorageSpec>,
+    /// Chunks the storage holds per rank (disk; by default 4 times the tier's chunks).
+    #[arg(long, requires = "storage", value_parser = clap::value_parser!(u64).range(1..))]
+    storage_chunks: Option<u64>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -115,6 +128,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
         .context("the tier's key table")?;
     let keys_restored = server.owner().index().keep_key_table(keys, entries);
+    if let Some(spec) = &args.storage {
+        let mut options = StorageOptions::new(spec.clone());
+        options.capacity_blocks = args.storage_chunks;
+        let storage =
+            TierStorage::open(&name, args.ranks, chunks, &options, server.owner().index())
+                .with_context(|| format!("the storage tier {spec}"))?;
+        server.keep_storage(storage);
+    }
     server.set_client_quota(args.client_quota);
     if arenas.adopted() {
         server.refuse_stores_until(Instant::now() + Duration::from_millis(args.takeover_grace_ms));
@@ -126,6 +147,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "ranks": args.ranks,
         "arenas_taken_over": arenas.adopted(),
         "keys_restored": keys_restored,
+        "storage": args.storage.as_ref().map(ToString::to_string),
+        "storage_held": server.storage().map(|storage| storage.stats().held_at_start),
     });
     println!("{ready}");
     let idle_exit = args.idle_exit_s.map(Duration::from_secs);
@@ -149,9 +172,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             break;
         }
     }
+    // What waits to be written goes to storage before the owner ends.
+    server.drain_storage(STORAGE_DRAIN_LIMIT);
+    let storage = server.storage().map(TierStorage::stats);
     println!(
         "{}",
-        serde_json::json!({ "tier": name.as_str(), "idle_exit": idle, "stats": server.stats() })
+        serde_json::json!({
+            "tier": name.as_str(),
+            "idle_exit": idle,
+            "stats": server.stats(),
+            "storage": storage,
+        })
     );
     // The control object goes first: no client attaches to a tier whose arenas are gone.
     drop(server);

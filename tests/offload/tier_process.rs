@@ -10,6 +10,10 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvshm::offload::shared::{open_rank_arena, TierArenas};
+
+use kvshm::storage::{disk_index, BlockLayout};
+
+use crate::support::Scratch;
 use kvshm::offload::{
     inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
     TierIdentity,
@@ -65,6 +69,20 @@ impl Owner {
         stdout.read_line(&mut ready).unwrap();
         assert!(ready.contains(&format!("\"tier\":\"{name}\"")), "owner said {ready:?}");
         Owner { name: name.to_owned(), child, stdout, ready }
+    }
+}
+
+impl Owner {
+    /// SIGTERM, and the owner's last line (its counters).
+    fn stop(&mut self) -> String {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        let mut last = String::new();
+        for line in (&mut self.stdout).lines() {
+            last = line.unwrap();
+        }
+        self.child.wait().unwrap();
+        last
     }
 }
 
@@ -128,7 +146,8 @@ impl Drop for Client {
     }
 }
 
-/// The client process: `acquire R KEYS` (hits), `prepare R KEYS` (keys to store, or `refused`),
+/// The client process: `acquire R KEYS` (hits, then `+N` when N more are coming from the
+/// tier's storage), `prepare R KEYS` (keys to store, or `refused`),
 /// `complete KEYS`, `release KEYS`, `finish R`, `connected`; and with the bytes, as an engine
 /// copies them: `store R KEYS BYTE` (prepare, fill each chunk given with BYTE in the tier's
 /// arena, complete; how many were stored), `load R KEYS` (acquire, read each chunk found,
@@ -157,7 +176,10 @@ fn client_process() {
                     .call(&[TierCall::AcquirePrefix { request, keys: &keys }], &mut answers)
                     .unwrap();
                 match &answers[0] {
-                    CallAnswer::Prefix { chunks } => chunks.len().to_string(),
+                    CallAnswer::Prefix { chunks, promoting: 0 } => chunks.len().to_string(),
+                    CallAnswer::Prefix { chunks, promoting } => {
+                        format!("{}+{promoting}", chunks.len())
+                    }
                     other => panic!("{other:?}"),
                 }
             }
@@ -194,7 +216,7 @@ fn client_process() {
                 client
                     .call(&[TierCall::AcquirePrefix { request, keys: &keys }], &mut answers)
                     .unwrap();
-                let CallAnswer::Prefix { chunks } = answers[0].clone() else {
+                let CallAnswer::Prefix { chunks, .. } = answers[0].clone() else {
                     panic!("{:?}", answers[0])
                 };
                 let mut bytes = vec![0; block];
@@ -425,4 +447,94 @@ fn an_idle_owner_keeps_the_tier_while_a_process_maps_its_arena() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(open_rank_arena(&tier, 0, u64::from(CHUNKS), BLOCK_BYTES).is_err(), "removed");
+}
+
+/// `--storage disk:DIR`: every block a client stores is written through to disk; one the arena
+/// evicted is brought back when a client asks for it (the client is told it is coming, then
+/// loads the bytes first stored); a new owner of an empty arena finds on disk what the last one
+/// wrote; and a block whose bytes on disk were damaged is a miss, never loaded.
+#[test]
+fn blocks_evicted_from_the_arena_come_back_from_the_storage_tier() {
+    let scratch = Scratch::new("tier-storage");
+    let storage = format!("disk:{}", scratch.0.display());
+    let with_storage = ["--storage", storage.as_str(), "--storage-chunks", "64"];
+    let name = tier_name("storage");
+    let mut owner = Owner::start(&name, &with_storage);
+    assert!(owner.ready.contains("\"storage_held\":0"), "{}", owner.ready);
+    let mut writer = Client::start(&name);
+    assert_eq!(writer.ask("store a 1,2,3,4,5,6,7,8 11"), "8");
+    writer.ask("finish a");
+    // The arena's 8 chunks hold 1..8; storing 9..16 evicts them all, once their writes to disk
+    // are done (a block being written is pinned: until then the store is refused).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while writer.ask("store b 9,10,11,12,13,14,15,16 22") != "8" {
+        assert!(Instant::now() < deadline, "the writes to disk never finished");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    writer.ask("finish b");
+    // 9..16 are written too (then none is pinned: any can go to bring 1..3 back).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while blocks_on_disk(&scratch) < 16 {
+        assert!(Instant::now() < deadline, "the writes of 9..16 never finished");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    let mut reader = Client::start(&name);
+    assert_eq!(reader.ask("acquire c 1,2,3,40"), "0+3", "evicted, and coming back from disk");
+    assert_eq!(wait_for_load(&mut reader, "c 1,2,3"), "11,11,11", "the bytes first stored");
+    assert_eq!(reader.ask("acquire d 1,2,3,40"), "3", "40 was never stored");
+    reader.ask("release 1,2,3");
+    let last = owner.stop();
+    assert!(last.contains("\"promoted\":3,\"promotions_missed\":0"), "{last}");
+    drop((reader, writer, owner));
+
+    // A new owner with new, empty arenas (the old ones were removed): what the last one wrote
+    // is listed from disk, and comes back as it was stored.
+    let mut owner = Owner::start(&name, &with_storage);
+    assert!(owner.ready.contains("\"storage_held\":16"), "{}", owner.ready);
+    let mut reader = Client::start(&name);
+    assert_eq!(reader.ask("acquire e 9,10"), "0+2");
+    assert_eq!(wait_for_load(&mut reader, "e 9,10"), "22,22");
+    owner.stop();
+    drop((reader, owner));
+
+    // Every byte of the slab damaged: the blocks are listed (the index is intact) but each read
+    // fails its checksum, a miss; no client ever loads them.
+    let slab = namespace_dir(&scratch).join("rank-0.slab");
+    let len = std::fs::metadata(&slab).unwrap().len();
+    std::fs::write(&slab, vec![0xee; len as usize]).unwrap();
+    let mut owner = Owner::start(&name, &with_storage);
+    let mut reader = Client::start(&name);
+    assert_eq!(reader.ask("acquire f 11,12"), "0+2");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reader.ask("acquire f 11,12") != "0" {
+        assert!(Instant::now() < deadline, "the damaged reads never finished");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(reader.ask("load f 11,12"), "", "a damaged block is a miss");
+    let last = owner.stop();
+    assert!(last.contains("\"promoted\":0,\"promotions_missed\":2"), "{last}");
+}
+
+/// The one namespace directory a tier's storage made under `scratch`.
+fn namespace_dir(scratch: &Scratch) -> std::path::PathBuf {
+    std::fs::read_dir(&scratch.0).unwrap().next().unwrap().unwrap().path()
+}
+
+/// The blocks the tier's disk storage under `scratch` holds (its index read as written).
+fn blocks_on_disk(scratch: &Scratch) -> usize {
+    let layout = BlockLayout::new(BLOCK_BYTES, 1, 1).unwrap();
+    disk_index::read_index(&namespace_dir(scratch), 0, &layout).map_or(0, |blocks| blocks.len())
+}
+
+/// Loads `request keys` until the tier has them (the answer is not empty) or 10 s have passed.
+fn wait_for_load(client: &mut Client, request_and_keys: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let loaded = client.ask(&format!("load {request_and_keys}"));
+        if !loaded.is_empty() || Instant::now() > deadline {
+            return loaded;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }

@@ -165,7 +165,12 @@ pub struct TierAnswer {
     /// The first of its entries in the answer page: `count` chunks (`AcquirePrefix`), or
     /// `count` key indices then `count` chunks (`PrepareStore`).
     pub first_entry: u32,
-    pub reserved: [u64; 5],
+    /// `AcquirePrefix`: how many keys after the `count` pinned ones the owner is bringing back
+    /// from its storage tier (loadable once that is done: ask again). Zero from an owner without
+    /// one (and from owners that predate it, which wrote zero here).
+    pub promoting: u32,
+    pub reserved0: u32,
+    pub reserved: [u64; 4],
 }
 
 const _: () = assert!(size_of::<TierAnswer>() == 64);
@@ -178,13 +183,20 @@ impl TierAnswer {
             status: status.code(),
             count: 0,
             first_entry: 0,
-            reserved: [0; 5],
+            promoting: 0,
+            reserved0: 0,
+            reserved: [0; 4],
         }
     }
 
     pub fn with_entries(mut self, count: u32, first_entry: u32) -> TierAnswer {
         self.count = count;
         self.first_entry = first_entry;
+        self
+    }
+
+    pub fn with_promoting(mut self, promoting: u32) -> TierAnswer {
+        self.promoting = promoting;
         self
     }
 

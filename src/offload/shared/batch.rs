@@ -239,7 +239,7 @@ mod tests {
             store(vec![1], vec![10], false),
             store(vec![0, 1], vec![12, 13], false),
             store(vec![], vec![], true),
-            CallAnswer::Prefix { chunks: vec![7, 8] },
+            CallAnswer::Prefix { chunks: vec![7, 8], promoting: 0 },
             CallAnswer::Sent,
         ];
         let mut answers = Vec::new();
@@ -248,7 +248,7 @@ mod tests {
             answers,
             [
                 store(vec![1, 2, 3], vec![10, 12, 13], true),
-                CallAnswer::Prefix { chunks: vec![7, 8] },
+                CallAnswer::Prefix { chunks: vec![7, 8], promoting: 0 },
                 CallAnswer::Sent
             ]
         );

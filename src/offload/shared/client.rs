@@ -61,8 +61,9 @@ pub enum TierCall<'a> {
 /// The answer to one call, in the batch's order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CallAnswer {
-    /// The leading keys pinned for this client, with their chunks (empty: a miss).
-    Prefix { chunks: Vec<u32> },
+    /// The leading keys pinned for this client, with their chunks (empty: a miss), and how many
+    /// keys after them the owner is bringing back from its storage tier (ask again for those).
+    Prefix { chunks: Vec<u32>, promoting: u32 },
     /// Indices into the keys given of those to store, and their chunks (empty: nothing to
     /// store). `refused`: no chunk was given for want of one (the owner refused: the tier full,
     /// a quota, its store grace; or failed the call, or is gone), as opposed to every key being
@@ -322,7 +323,9 @@ impl TierClient {
         answers.clear();
         for call in calls {
             answers.push(match call {
-                TierCall::AcquirePrefix { .. } => CallAnswer::Prefix { chunks: Vec::new() },
+                TierCall::AcquirePrefix { .. } => {
+                    CallAnswer::Prefix { chunks: Vec::new(), promoting: 0 }
+                }
                 TierCall::PrepareStore { .. } => {
                     CallAnswer::Store { to_store: Vec::new(), chunks: Vec::new(), refused: true }
                 }
@@ -458,15 +461,16 @@ impl TierClient {
             }
             answers.push(match call {
                 TierCall::AcquirePrefix { .. } => {
-                    let mut chunks = Vec::new();
+                    let (mut chunks, mut promoting) = (Vec::new(), 0);
                     if let Some(answer) =
                         answered.filter(|answer| answer.status() == AnswerStatus::Done)
                     {
                         channel
                             .read_entries(answer.first_entry, answer.count, &mut chunks)
                             .map_err(|error| error.to_string())?;
+                        promoting = answer.promoting;
                     }
-                    CallAnswer::Prefix { chunks }
+                    CallAnswer::Prefix { chunks, promoting }
                 }
                 TierCall::PrepareStore { .. } => {
                     let (mut to_store, mut chunks) = (Vec::new(), Vec::new());
@@ -528,7 +532,7 @@ fn first_call_id() -> u64 {
 }
 
 /// Whether `answer` can be the owner's answer to `call`: the same operation, and no more keys
-/// counted than the call carried.
+/// counted (pinned and being promoted) than the call carried.
 fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> {
     let op = match call {
         TierCall::AcquirePrefix { .. } => TierOp::AcquirePrefix,
@@ -538,7 +542,8 @@ fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> 
         TierCall::FinishRequest { .. } => TierOp::FinishRequest,
     };
     let keys = call_keys(call).len();
-    if answer.op != op.code() || answer.count as usize > keys {
+    let counted = u64::from(answer.count) + u64::from(answer.promoting);
+    if answer.op != op.code() || counted > keys as u64 {
         return Err(format!(
             "the owner answered call {} with op {} and {} keys; it was {op:?} of {keys} keys",
             answer.call, answer.op, answer.count
@@ -552,7 +557,7 @@ mod tests {
     use super::*;
 
     /// An answer that cannot be the owner's answer to the call (another operation, more keys
-    /// than were sent) is refused, so that no chunk of it reaches the engine.
+    /// than were sent, pinned or coming) is refused, so that no chunk of it reaches the engine.
     #[test]
     fn an_answer_is_accepted_only_for_its_own_call() {
         let keys = [OffloadKey::new(b"a").unwrap(), OffloadKey::new(b"b").unwrap()];
@@ -564,6 +569,12 @@ mod tests {
         assert!(check_answer(&acquire, &answer(TierOp::PrepareStore, 1)).is_err());
         assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 3)).is_err());
         assert!(check_answer(&store, &answer(TierOp::AcquirePrefix, 0)).is_err());
+        // Keys said to be coming from storage count too: no more than the call carried.
+        let coming =
+            |count, promoting| answer(TierOp::AcquirePrefix, count).with_promoting(promoting);
+        assert!(check_answer(&acquire, &coming(1, 1)).is_ok());
+        assert!(check_answer(&acquire, &coming(1, 2)).is_err());
+        assert!(check_answer(&acquire, &coming(0, u32::MAX)).is_err());
     }
 
     /// Two clients start their call ids apart, so an answer left in a slot by one is never

@@ -35,6 +35,7 @@ mod keys;
 mod listing;
 mod owner;
 mod serve;
+mod storage;
 
 use std::collections::{HashMap, HashSet};
 
@@ -47,6 +48,7 @@ pub use keys::TierKeys;
 pub use listing::{inspect_tier, ClientRow, TierReport};
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
 pub use serve::{ClientGone, ServeError, ServeStats, TierServer};
+pub use storage::{TierStorage, TierStorageError, TierStorageStats};
 
 use super::key::{BuildPassThrough, OffloadKey};
 use super::key_table::TableEntry;

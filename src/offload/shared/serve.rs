@@ -30,10 +30,15 @@ use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
 use serde::Serialize;
 
 use super::{
-    ClientId, Reaped, Released, SharedTierError, SharedTierIndex, TierOwner, SWEEP_INTERVAL,
+    ClientId, Reaped, Released, SharedTierError, SharedTierIndex, TierOwner, TierStorage,
+    SWEEP_INTERVAL,
 };
 use crate::offload::key::OffloadKey;
 use crate::offload::manager::PreparedStore;
+
+/// The longest the owner's loop waits while storage jobs are in flight: a block brought back
+/// from storage is loadable within it of its read.
+const STORAGE_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Why the owner could not start.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +98,8 @@ pub struct TierServer {
     stores_refused_until: Option<Instant>,
     /// The quota of chunks every client it adopts gets, if any (`SharedTierIndex::attach`).
     client_quota: Option<u32>,
+    /// The storage tier below this one, if it has one (`storage.rs`).
+    storage: Option<TierStorage>,
     // Scratch, reused between turns.
     requests: Vec<TierRequest>,
     answers: Vec<TierAnswer>,
@@ -133,6 +140,7 @@ impl TierServer {
             last_reap: Instant::now(),
             stores_refused_until: None,
             client_quota: None,
+            storage: None,
             requests: Vec::new(),
             answers: Vec::new(),
             wire_keys: Vec::new(),
@@ -163,6 +171,23 @@ impl TierServer {
         self.client_quota = chunks;
     }
 
+    /// Serves `storage` as the storage tier below this one from now on.
+    pub fn keep_storage(&mut self, storage: TierStorage) {
+        self.storage = Some(storage);
+    }
+
+    pub fn storage(&self) -> Option<&TierStorage> {
+        self.storage.as_ref()
+    }
+
+    /// Finishes the storage tier's work in flight and what waits to be written, for at most
+    /// `limit` (an owner that stops).
+    pub fn drain_storage(&mut self, limit: std::time::Duration) {
+        if let Some(storage) = &mut self.storage {
+            storage.drain(self.owner.index(), limit);
+        }
+    }
+
     /// Clients served now.
     pub fn clients_attached(&self) -> usize {
         self.served.iter().flatten().count()
@@ -181,10 +206,18 @@ impl TierServer {
     /// One turn of the owner's loop (module flow).
     pub fn turn(&mut self) {
         let served = &mut self.served;
+        // Storage jobs in flight finish at the next turn: a shorter wait then.
+        let most = match &self.storage {
+            Some(storage) if storage.busy() => STORAGE_POLL_INTERVAL,
+            _ => SWEEP_INTERVAL,
+        };
         let _ = self.control.owner_bell().wait_until(
             || served.iter_mut().flatten().any(|served| !served.channel.is_idle()),
-            WaitPolicy::default().within(SWEEP_INTERVAL),
+            WaitPolicy::default().within(most),
         );
+        if let Some(storage) = &mut self.storage {
+            storage.poll(self.owner.index());
+        }
         self.adopt_new_clients();
         if self.last_reap.elapsed() >= SWEEP_INTERVAL {
             self.last_reap = Instant::now();
@@ -420,19 +453,22 @@ impl TierServer {
         let client = served.client;
         self.request_name.clear();
         write!(self.request_name, "{}", request.request).expect("writing to a String cannot fail");
+        let stores_allowed = self.stores_refused_until.is_none_or(|until| Instant::now() >= until);
         let index = self.owner.index();
         let name = self.request_name.as_str();
         let outcome: Result<Option<TierAnswer>, SharedTierError> = match op {
             TierOp::AcquirePrefix => {
-                index.acquire_prefix(client, name, &self.keys, &mut self.chunks).map(|_| {
+                index.acquire_prefix(client, name, &self.keys, &mut self.chunks).map(|hits| {
                     self.entries.clear();
                     self.entries.extend_from_slice(&self.chunks);
-                    Some(TierAnswer::new(request.call, op, AnswerStatus::Done))
+                    let promoting = self.storage.as_mut().map_or(0, |storage| {
+                        storage.promote(index, &self.keys, hits, stores_allowed)
+                    });
+                    let answer = TierAnswer::new(request.call, op, AnswerStatus::Done);
+                    Some(answer.with_promoting(promoting))
                 })
             }
-            TierOp::PrepareStore
-                if self.stores_refused_until.is_some_and(|until| Instant::now() < until) =>
-            {
+            TierOp::PrepareStore if !stores_allowed => {
                 Ok(Some(TierAnswer::new(request.call, op, AnswerStatus::Refused)))
             }
             TierOp::PrepareStore => {
@@ -448,7 +484,13 @@ impl TierServer {
             }
             TierOp::ReleaseLoads => index.release_loads(client, &self.keys).map(|()| None),
             TierOp::CompleteStore => {
-                index.complete_store(client, &self.keys, request.flags == 1).map(|()| None)
+                let success = request.flags == 1;
+                index.complete_store(client, &self.keys, success).map(|()| {
+                    if let (Some(storage), true) = (self.storage.as_mut(), success) {
+                        storage.stored(index, &self.keys);
+                    }
+                    None
+                })
             }
             TierOp::FinishRequest => index.finish_request(client, name).map(|()| None),
             TierOp::EndBatch | TierOp::Detach => unreachable!("handled above"),

@@ -163,7 +163,7 @@ fn serve_rings(
     let mut hits = Vec::with_capacity(step.len());
     for answer in &answers[first_lookup..] {
         match answer {
-            CallAnswer::Prefix { chunks } => hits.push(chunks.len()),
+            CallAnswer::Prefix { chunks, .. } => hits.push(chunks.len()),
             other => anyhow::bail!("a lookup answered {other:?}"),
         }
     }

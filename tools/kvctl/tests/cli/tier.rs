@@ -50,7 +50,7 @@ fn tier_lists_each_client_with_its_chunks_pins_and_pending_stores() {
         let complete = TierCall::CompleteStore { keys: &keys[..1], success: true };
         let acquire = TierCall::AcquirePrefix { request: "r", keys: &keys[..1] };
         client.call(&[complete, acquire], &mut answers).unwrap();
-        let loaded = matches!(&answers[1], CallAnswer::Prefix { chunks } if chunks.len() == 1);
+        let loaded = matches!(&answers[1], CallAnswer::Prefix { chunks, .. } if chunks.len() == 1);
         assert!(loaded, "the completed key is no hit: {:?}", answers[1]);
         done.send(()).unwrap();
         client_leaves.recv().unwrap();
