@@ -148,6 +148,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "arenas_taken_over": arenas.adopted(),
         "keys_restored": keys_restored,
         "storage": args.storage.as_ref().map(ToString::to_string),
+        "storage_namespace": args.storage.as_ref().map(|_| identity.storage_namespace()),
         "storage_held": server.storage().map(|storage| storage.stats().held_at_start),
     });
     println!("{ready}");

@@ -11,9 +11,11 @@ use std::time::{Duration, Instant};
 
 use kvshm::offload::shared::{open_rank_arena, TierArenas};
 
-use kvshm::storage::{disk_index, BlockLayout};
+use kvshm::storage::drop::drop_namespace;
+use kvshm::storage::spec::{StorageNamespace, StorageSpec};
+use kvshm::storage::{disk_index, redis_listing, BlockLayout};
 
-use crate::support::Scratch;
+use crate::support::{redis_for_test, Scratch};
 use kvshm::offload::{
     inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
     TierIdentity,
@@ -457,53 +459,15 @@ fn an_idle_owner_keeps_the_tier_while_a_process_maps_its_arena() {
 fn blocks_evicted_from_the_arena_come_back_from_the_storage_tier() {
     let scratch = Scratch::new("tier-storage");
     let storage = format!("disk:{}", scratch.0.display());
-    let with_storage = ["--storage", storage.as_str(), "--storage-chunks", "64"];
     let name = tier_name("storage");
-    let mut owner = Owner::start(&name, &with_storage);
-    assert!(owner.ready.contains("\"storage_held\":0"), "{}", owner.ready);
-    let mut writer = Client::start(&name);
-    assert_eq!(writer.ask("store a 1,2,3,4,5,6,7,8 11"), "8");
-    writer.ask("finish a");
-    // The arena's 8 chunks hold 1..8; storing 9..16 evicts them all, once their writes to disk
-    // are done (a block being written is pinned: until then the store is refused).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while writer.ask("store b 9,10,11,12,13,14,15,16 22") != "8" {
-        assert!(Instant::now() < deadline, "the writes to disk never finished");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    writer.ask("finish b");
-    // 9..16 are written too (then none is pinned: any can go to bring 1..3 back).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while blocks_on_disk(&scratch) < 16 {
-        assert!(Instant::now() < deadline, "the writes of 9..16 never finished");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-
-    let mut reader = Client::start(&name);
-    assert_eq!(reader.ask("acquire c 1,2,3,40"), "0+3", "evicted, and coming back from disk");
-    assert_eq!(wait_for_load(&mut reader, "c 1,2,3"), "11,11,11", "the bytes first stored");
-    assert_eq!(reader.ask("acquire d 1,2,3,40"), "3", "40 was never stored");
-    reader.ask("release 1,2,3");
-    let last = owner.stop();
-    assert!(last.contains("\"promoted\":3,\"promotions_missed\":0"), "{last}");
-    drop((reader, writer, owner));
-
-    // A new owner with new, empty arenas (the old ones were removed): what the last one wrote
-    // is listed from disk, and comes back as it was stored.
-    let mut owner = Owner::start(&name, &with_storage);
-    assert!(owner.ready.contains("\"storage_held\":16"), "{}", owner.ready);
-    let mut reader = Client::start(&name);
-    assert_eq!(reader.ask("acquire e 9,10"), "0+2");
-    assert_eq!(wait_for_load(&mut reader, "e 9,10"), "22,22");
-    owner.stop();
-    drop((reader, owner));
+    evicted_blocks_come_back(&name, &storage, || blocks_on_disk(&scratch));
 
     // Every byte of the slab damaged: the blocks are listed (the index is intact) but each read
     // fails its checksum, a miss; no client ever loads them.
     let slab = namespace_dir(&scratch).join("rank-0.slab");
     let len = std::fs::metadata(&slab).unwrap().len();
     std::fs::write(&slab, vec![0xee; len as usize]).unwrap();
-    let mut owner = Owner::start(&name, &with_storage);
+    let mut owner = Owner::start(&name, &["--storage", &storage]);
     let mut reader = Client::start(&name);
     assert_eq!(reader.ask("acquire f 11,12"), "0+2");
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -514,6 +478,72 @@ fn blocks_evicted_from_the_arena_come_back_from_the_storage_tier() {
     assert_eq!(reader.ask("load f 11,12"), "", "a damaged block is a miss");
     let last = owner.stop();
     assert!(last.contains("\"promoted\":0,\"promotions_missed\":2"), "{last}");
+}
+
+/// The same with Redis below the tier.
+#[test]
+fn blocks_evicted_from_the_arena_come_back_from_a_redis_storage_tier() {
+    let redis = redis_for_test();
+    let url = redis.url();
+    let namespace = identity(BLOCK_BYTES).storage_namespace();
+    let layout = BlockLayout::new(BLOCK_BYTES, 1, 1).unwrap();
+    let drop = || {
+        let spec: StorageSpec = url.parse().unwrap();
+        let namespace = StorageNamespace::new(&namespace).unwrap();
+        drop_namespace(&spec, &namespace, Duration::from_secs(2)).unwrap();
+    };
+    drop();
+    let stored = || {
+        redis_listing::blocks_on_every_rank(&url, &namespace, &layout, Duration::from_secs(2))
+            .unwrap()
+            .len()
+    };
+    evicted_blocks_come_back(&tier_name("redis-storage"), &url, stored);
+    drop();
+}
+
+/// Module scenario of the storage tests: a writer fills the 8-chunk arena with 1..8, then with
+/// 9..16 once 1..8 are on storage (`stored` counts what the storage holds); a reader is told
+/// 1..3 are coming and loads their bytes; a new owner with new arenas lists all 16 on storage
+/// and brings 9,10 back.
+fn evicted_blocks_come_back(name: &str, storage: &str, stored: impl Fn() -> usize) {
+    let with_storage = ["--storage", storage, "--storage-chunks", "64"];
+    let mut owner = Owner::start(name, &with_storage);
+    assert!(owner.ready.contains("\"storage_held\":0"), "{}", owner.ready);
+    let mut writer = Client::start(name);
+    assert_eq!(writer.ask("store a 1,2,3,4,5,6,7,8 11"), "8");
+    writer.ask("finish a");
+    // The arena's 8 chunks hold 1..8; storing 9..16 evicts them all, once their writes are
+    // done (a block being written is pinned: until then the store is refused).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while writer.ask("store b 9,10,11,12,13,14,15,16 22") != "8" {
+        assert!(Instant::now() < deadline, "the writes to storage never finished");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    writer.ask("finish b");
+    // 9..16 are written too (then none is pinned: any can go to bring 1..3 back).
+    while stored() < 16 {
+        assert!(Instant::now() < deadline, "the writes of 9..16 never finished");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    let mut reader = Client::start(name);
+    assert_eq!(reader.ask("acquire c 1,2,3,40"), "0+3", "evicted, and coming back");
+    assert_eq!(wait_for_load(&mut reader, "c 1,2,3"), "11,11,11", "the bytes first stored");
+    assert_eq!(reader.ask("acquire d 1,2,3,40"), "3", "40 was never stored");
+    reader.ask("release 1,2,3");
+    let last = owner.stop();
+    assert!(last.contains("\"promoted\":3,\"promotions_missed\":0"), "{last}");
+    drop((reader, writer, owner));
+
+    // A new owner with new, empty arenas (the old ones were removed): what the last one wrote
+    // is listed from storage, and comes back as it was stored.
+    let mut owner = Owner::start(name, &with_storage);
+    assert!(owner.ready.contains("\"storage_held\":16"), "{}", owner.ready);
+    let mut reader = Client::start(name);
+    assert_eq!(reader.ask("acquire e 9,10"), "0+2");
+    assert_eq!(wait_for_load(&mut reader, "e 9,10"), "22,22");
+    owner.stop();
 }
 
 /// The one namespace directory a tier's storage made under `scratch`.

@@ -92,6 +92,13 @@ impl TierIdentity {
         format!("kvshm-tier-{model}-{:012x}", self.digest() >> 16)
     }
 
+    /// The storage namespace a tier of this identity keeps its storage tier in (DESIGN §12.8):
+    /// named by the digest, so that tiers of other blocks never read each other's, whatever
+    /// their names.
+    pub fn storage_namespace(&self) -> String {
+        format!("tier-{:016x}", self.digest())
+    }
+
     /// Refuses `client` unless it names the same blocks as this tier, naming the first field
     /// that differs.
     pub fn check_attach(&self, client: &TierIdentity) -> Result<(), SharedTierError> {

@@ -35,7 +35,7 @@ use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::name::SegmentName;
 use serde::Serialize;
 
-use super::{ClientId, SharedTierError, SharedTierIndex, TierIdentity};
+use super::{ClientId, SharedTierError, SharedTierIndex};
 use crate::hash::BlockHash;
 use crate::offload::key::{BuildPassThrough, OffloadKey};
 use crate::offload::manager::{LookupResult, PreparedStore};
@@ -160,7 +160,8 @@ impl TierStorage {
         let layout = BlockLayout::new(chunk_bytes, 1, ranks)
             .ok_or(TierStorageError::Layout { bytes: chunk_bytes })?;
         let mut options = options.clone();
-        options.namespace = namespace(&identity);
+        options.namespace = StorageNamespace::new(&identity.storage_namespace())
+            .expect("a hex digest is a valid namespace");
         options.capacity_blocks = Some(
             options
                 .capacity_blocks
@@ -418,13 +419,6 @@ impl Drop for TierStorage {
             let _ = thread.join();
         }
     }
-}
-
-/// The namespace a tier of `identity` stores under: its digest, so that tiers of other blocks
-/// never read each other's, whatever their names.
-fn namespace(identity: &TierIdentity) -> StorageNamespace {
-    StorageNamespace::new(&format!("tier-{:016x}", identity.digest()))
-        .expect("a hex digest is a valid namespace")
 }
 
 /// The stored names every rank holds under `options` (disk: the slabs' indexes; Redis: a scan).
