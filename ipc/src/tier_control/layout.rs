@@ -6,6 +6,8 @@
 //! offset 192  owner doorbell: every client rings it after a batch, the owner waits on it
 //! offset 256  client slots: one WorkerSlot (64 bytes) per client
 //! then        client stats: one ClientStats (64 bytes) per client, written by the owner
+//! then        storage stats: one StorageStats (128 bytes), the storage tier below the tier's,
+//!             written by the owner (zero for a tier without one)
 //! then        the tier's identity, `identity_capacity` bytes (its length in the header)
 //! then        one channel per client, `channel_stride` bytes each (`channel.rs`): its request
 //!             ring, its answer ring, its answer doorbell, its key page, its answer page
@@ -27,7 +29,7 @@ use crate::worker_slot::WorkerSlot;
 /// "KVSHTIER": a shared tier's control object of this layout.
 pub const TIER_MAGIC: u64 = u64::from_le_bytes(*b"KVSHTIER");
 /// Bumped whenever a field or an area moves.
-pub const TIER_LAYOUT_VERSION: u32 = 2;
+pub const TIER_LAYOUT_VERSION: u32 = 3;
 /// The most client slots a tier may have.
 pub const MAX_TIER_CLIENTS: u32 = 256;
 /// The largest identity a tier may keep.
@@ -105,6 +107,7 @@ pub struct TierOffsets {
     pub owner_bell: u64,
     pub client_slots: u64,
     pub client_stats: u64,
+    pub storage_stats: u64,
     pub identity: u64,
     /// The first client's channel; client `i`'s is `channel_stride * i` further.
     pub channels: u64,
@@ -166,6 +169,107 @@ impl ClientStats {
     }
 }
 
+/// What the owner last published of the storage tier below its tier (its figures and what is in
+/// flight), for `kvctl tier`: the owner alone writes it (after each turn of its loop), anyone
+/// reads it; all zero for a tier without one. Each word is its own atomic, as in
+/// [`ClientStats`].
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct StorageStats {
+    /// 1 once an owner with a storage tier published.
+    pub configured: AtomicU32,
+    /// Keys being written, waiting to be written, being brought back.
+    pub writing: AtomicU32,
+    pub waiting: AtomicU32,
+    pub promoting: AtomicU32,
+    /// Keys the storage held when the owner started, and holds now (as far as it knows).
+    pub held_at_start: AtomicU64,
+    pub held: AtomicU64,
+    /// Keys written, failed, and dropped unwritten from a queue longer than the tier.
+    pub puts: AtomicU64,
+    pub puts_failed: AtomicU64,
+    pub puts_skipped: AtomicU64,
+    /// Keys brought back, missed (a rank lacked or failed them), and not brought back for want
+    /// of a chunk to evict.
+    pub promoted: AtomicU64,
+    pub promotions_missed: AtomicU64,
+    pub promotions_refused: AtomicU64,
+    _tail: [AtomicU64; 6],
+}
+
+const _: () = assert!(size_of::<StorageStats>() == 128);
+
+// SAFETY: atomics only (each its own UnsafeCell), every bit pattern a valid integer, no padding
+// (asserted 128 bytes of 4 u32 and 14 u64).
+unsafe impl SharedArea for StorageStats {}
+
+/// The [`StorageStats`], copied out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StorageFigures {
+    pub writing: u32,
+    pub waiting: u32,
+    pub promoting: u32,
+    pub held_at_start: u64,
+    pub held: u64,
+    pub puts: u64,
+    pub puts_failed: u64,
+    pub puts_skipped: u64,
+    pub promoted: u64,
+    pub promotions_missed: u64,
+    pub promotions_refused: u64,
+}
+
+impl StorageStats {
+    /// Owner: publishes `figures` (Relaxed, as [`ClientStats::publish`]), `configured` last.
+    pub fn publish(&self, figures: &StorageFigures) {
+        let StorageFigures {
+            writing,
+            waiting,
+            promoting,
+            held_at_start,
+            held,
+            puts,
+            puts_failed,
+            puts_skipped,
+            promoted,
+            promotions_missed,
+            promotions_refused,
+        } = *figures;
+        self.writing.store(writing, Ordering::Relaxed);
+        self.waiting.store(waiting, Ordering::Relaxed);
+        self.promoting.store(promoting, Ordering::Relaxed);
+        self.held_at_start.store(held_at_start, Ordering::Relaxed);
+        self.held.store(held, Ordering::Relaxed);
+        self.puts.store(puts, Ordering::Relaxed);
+        self.puts_failed.store(puts_failed, Ordering::Relaxed);
+        self.puts_skipped.store(puts_skipped, Ordering::Relaxed);
+        self.promoted.store(promoted, Ordering::Relaxed);
+        self.promotions_missed.store(promotions_missed, Ordering::Relaxed);
+        self.promotions_refused.store(promotions_refused, Ordering::Relaxed);
+        self.configured.store(1, Ordering::Relaxed);
+    }
+
+    /// The figures last published, or `None` when no owner with a storage tier published.
+    pub fn read(&self) -> Option<StorageFigures> {
+        if self.configured.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        Some(StorageFigures {
+            writing: self.writing.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            promoting: self.promoting.load(Ordering::Relaxed),
+            held_at_start: self.held_at_start.load(Ordering::Relaxed),
+            held: self.held.load(Ordering::Relaxed),
+            puts: self.puts.load(Ordering::Relaxed),
+            puts_failed: self.puts_failed.load(Ordering::Relaxed),
+            puts_skipped: self.puts_skipped.load(Ordering::Relaxed),
+            promoted: self.promoted.load(Ordering::Relaxed),
+            promotions_missed: self.promotions_missed.load(Ordering::Relaxed),
+            promotions_refused: self.promotions_refused.load(Ordering::Relaxed),
+        })
+    }
+}
+
 /// Where the parts of a channel lie, from the channel's start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ChannelLayout {
@@ -220,7 +324,7 @@ pub struct TierHeaderFields {
     pub offsets: TierOffsets,
 }
 
-const _: () = assert!(size_of::<TierHeaderFields>() == 136);
+const _: () = assert!(size_of::<TierHeaderFields>() == 144);
 const _: () = assert!(
     std::mem::offset_of!(TierHeaderFields, creator) == std::mem::offset_of!(HeaderFields, creator)
 );
@@ -256,7 +360,8 @@ impl TierLayout {
         let owner_bell = size_of::<TierHeader>();
         let client_slots = owner_bell + size_of::<Doorbell>();
         let client_stats = client_slots + config.clients as usize * size_of::<WorkerSlot>();
-        let identity = client_stats + config.clients as usize * size_of::<ClientStats>();
+        let storage_stats = client_stats + config.clients as usize * size_of::<ClientStats>();
+        let identity = storage_stats + size_of::<StorageStats>();
         let channels = (identity + config.identity_capacity as usize).next_multiple_of(64);
         let channel = ChannelLayout::compute(config);
         let end = channels + config.clients as usize * channel.stride;
@@ -265,6 +370,7 @@ impl TierLayout {
                 owner_bell: owner_bell as u64,
                 client_slots: client_slots as u64,
                 client_stats: client_stats as u64,
+                storage_stats: storage_stats as u64,
                 identity: identity as u64,
                 channels: channels as u64,
                 channel_stride: channel.stride as u64,

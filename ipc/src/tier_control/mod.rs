@@ -41,9 +41,9 @@ use std::time::Duration;
 
 pub use channel::{ClientChannel, OwnerChannel};
 pub use layout::{
-    ChannelLayout, ClientFigures, ClientStats, TierConfig, TierConfigError, TierHeader,
-    TierHeaderFields, TierLayout, TierOffsets, MAX_IDENTITY_BYTES, MAX_PAGE_KEYS, MAX_RING_SLOTS,
-    MAX_TIER_CLIENTS, TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
+    ChannelLayout, ClientFigures, ClientStats, StorageFigures, StorageStats, TierConfig,
+    TierConfigError, TierHeader, TierHeaderFields, TierLayout, TierOffsets, MAX_IDENTITY_BYTES,
+    MAX_PAGE_KEYS, MAX_RING_SLOTS, MAX_TIER_CLIENTS, TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
 };
 pub use record::{
     AnswerStatus, RecordError, TierAnswer, TierOp, TierRequest, WireKey, WIRE_KEY_BYTES,
@@ -274,6 +274,12 @@ impl TierControl {
             self.layout.offsets.client_stats + u64::from(index) * size_of::<ClientStats>() as u64;
         // SAFETY: index < clients, and the layout puts `clients` 64-aligned stats there.
         Some(unsafe { self.area::<ClientStats>(offset) })
+    }
+
+    /// What the owner last published of the storage tier below the tier.
+    pub fn storage_stats(&self) -> &StorageStats {
+        // SAFETY: the layout puts one 64-aligned StorageStats there.
+        unsafe { self.area::<StorageStats>(self.layout.offsets.storage_stats) }
     }
 
     /// Client, module flow step 1: claims the first slot free for the calling process.

@@ -5,14 +5,15 @@
 //!    refused here: its clients are released by the next owner);
 //! 2. decode the identity (`None` when this build cannot read it);
 //! 3. per slot, copy out the owner word (state and pid) and the figures the owner published
-//!    (`ClientStats`): chunks charged, pins, pending stores, calls served.
+//!    (`ClientStats`): chunks charged, pins, pending stores, calls served;
+//! 4. the figures of the storage tier below, if the owner has one (`StorageStats`).
 
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierAttachError, TierControl};
 use kvshm_ipc::worker_slot::WorkerState;
 use serde::Serialize;
 
-use super::TierIdentity;
+use super::{TierIdentity, TierStorageStats};
 
 /// One client slot of a tier.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -40,6 +41,8 @@ pub struct TierReport {
     pub client_slots: u32,
     /// The slots a client holds, in slot order.
     pub clients: Vec<ClientRow>,
+    /// The storage tier below the tier, if it has one (DESIGN §12.8).
+    pub storage: Option<TierStorageStats>,
 }
 
 /// Module flow.
@@ -80,5 +83,6 @@ pub fn inspect_tier(name: &SegmentName) -> Result<TierReport, TierAttachError> {
         identity,
         client_slots: slots,
         clients,
+        storage: control.storage_stats().read().map(TierStorageStats::from),
     })
 }

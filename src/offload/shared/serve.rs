@@ -226,6 +226,9 @@ impl TierServer {
         for slot in 0..self.served.len() {
             self.serve(slot);
         }
+        if let Some(storage) = &self.storage {
+            self.control.storage_stats().publish(&storage.stats().into());
+        }
     }
 
     /// Module flow, step 2.

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::tier_control::StorageFigures;
 use serde::Serialize;
 
 use super::{ClientId, SharedTierError, SharedTierIndex};
@@ -69,13 +70,17 @@ pub enum TierStorageError {
     Tier(#[from] SharedTierError),
 }
 
-/// What the storage tier has done, for the owner's log and tests.
+/// What the storage tier has done and has in flight, for the owner's log and `kvctl tier` (the
+/// owner publishes it in the tier's control object: `StorageStats`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct TierStorageStats {
-    /// Keys every rank's storage held when the owner started.
+    /// Keys every rank's storage held when the owner started, and known to be held now.
     pub held_at_start: u64,
-    /// Keys known to be held now.
     pub held: u64,
+    /// Keys being written, waiting to be written, being brought back.
+    pub writing: u32,
+    pub waiting: u32,
+    pub promoting: u32,
     /// Keys written through, and those a rank failed to write.
     pub puts: u64,
     pub puts_failed: u64,
@@ -87,6 +92,68 @@ pub struct TierStorageStats {
     pub promotions_missed: u64,
     /// Promotions that found no chunk to evict.
     pub promotions_refused: u64,
+}
+
+impl From<TierStorageStats> for StorageFigures {
+    fn from(stats: TierStorageStats) -> StorageFigures {
+        let TierStorageStats {
+            held_at_start,
+            held,
+            writing,
+            waiting,
+            promoting,
+            puts,
+            puts_failed,
+            puts_skipped,
+            promoted,
+            promotions_missed,
+            promotions_refused,
+        } = stats;
+        StorageFigures {
+            writing,
+            waiting,
+            promoting,
+            held_at_start,
+            held,
+            puts,
+            puts_failed,
+            puts_skipped,
+            promoted,
+            promotions_missed,
+            promotions_refused,
+        }
+    }
+}
+
+impl From<StorageFigures> for TierStorageStats {
+    fn from(figures: StorageFigures) -> TierStorageStats {
+        let StorageFigures {
+            writing,
+            waiting,
+            promoting,
+            held_at_start,
+            held,
+            puts,
+            puts_failed,
+            puts_skipped,
+            promoted,
+            promotions_missed,
+            promotions_refused,
+        } = figures;
+        TierStorageStats {
+            held_at_start,
+            held,
+            writing,
+            waiting,
+            promoting,
+            puts,
+            puts_failed,
+            puts_skipped,
+            promoted,
+            promotions_missed,
+            promotions_refused,
+        }
+    }
 }
 
 /// Keys for the I/O thread: each with its stored name and its chunk.
@@ -216,7 +283,13 @@ impl TierStorage {
     }
 
     pub fn stats(&self) -> TierStorageStats {
-        TierStorageStats { held: self.held.len() as u64, ..self.stats }
+        TierStorageStats {
+            held: self.held.len() as u64,
+            writing: self.writing.len() as u32,
+            waiting: self.to_write.len() as u32,
+            promoting: self.promoting.len() as u32,
+            ..self.stats
+        }
     }
 
     /// Whether a job is in flight (the owner's loop then turns sooner, to finish it).

@@ -1,5 +1,6 @@
 //! `kvctl tier`: a shared host tier's owner and its clients, one row per client with the chunks
-//! charged to it, its pins and its pending stores, as the owner last published them
+//! charged to it, its pins and its pending stores, and the storage tier below it if it has one
+//! (what it holds, writes and brings back), as the owner last published them
 //! ([`kvshm::offload::inspect_tier`]). A client that died is released by the owner within its
 //! sweep (10 ms) and leaves the listing then; a tier whose owner died is refused with the way
 //! out: the next engine starts an owner, or `kvctl cleanup` removes what is left.
@@ -39,5 +40,27 @@ pub fn write_text(report: &TierReport, out: &mut dyn Write) -> io::Result<()> {
             row.calls.to_string(),
         ]);
     }
-    table.write(out)
+    table.write(out)?;
+    if let Some(storage) = &report.storage {
+        writeln!(
+            out,
+            "storage below: {} keys held ({} at start); writing {}, waiting {}, bringing back {}",
+            storage.held,
+            storage.held_at_start,
+            storage.writing,
+            storage.waiting,
+            storage.promoting
+        )?;
+        writeln!(
+            out,
+            "  written {} (failed {}, dropped unwritten {}); brought back {} (missed {}, no room {})",
+            storage.puts,
+            storage.puts_failed,
+            storage.puts_skipped,
+            storage.promoted,
+            storage.promotions_missed,
+            storage.promotions_refused
+        )?;
+    }
+    Ok(())
 }

@@ -1,14 +1,17 @@
 //! `kvctl tier` against a live shared tier: its owner (a `TierServer` this test serves turns
-//! of) and one client in a thread of its own, holding pins and pending stores: the listing shows
-//! them as the owner published them, and the client is gone from it once it detached.
+//! of, with a storage tier on disk below) and one client in a thread of its own, holding pins and
+//! pending stores: the listing shows them and the storage's figures as the owner published them,
+//! and the client is gone from it once it detached.
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use kvshm::offload::shared::{TierArenas, TierStorage};
 use kvshm::offload::{
     CallAnswer, ClientOptions, OffloadConfig, OffloadKey, SharedTierIndex, TierCall, TierClient,
     TierIdentity, TierServer,
 };
+use kvshm::storage::spec::{StorageOptions, StorageSpec};
 use kvshm_ipc::tier_control::TierConfig;
 
 use crate::support::{kvctl, unique_name, Cleanup};
@@ -34,6 +37,12 @@ fn tier_lists_each_client_with_its_chunks_pins_and_pending_stores() {
     let _cleanup = Cleanup(name.clone());
     let index = SharedTierIndex::new(identity(), OffloadConfig::new(8)).unwrap();
     let mut server = TierServer::create(&name, index, &TierConfig::with_clients(4)).unwrap();
+    // A storage tier below, on disk, over the tier's arena.
+    let _arenas = TierArenas::create_or_adopt(&name, 1, 8, 4096).unwrap();
+    let disk = std::env::temp_dir().join(format!("kvctl-tier-{}", name.as_str()));
+    let options = StorageOptions::new(StorageSpec::Disk { dir: disk.clone() });
+    let storage = TierStorage::open(&name, 1, 8, &options, server.owner().index()).unwrap();
+    server.keep_storage(storage);
 
     // The client stores 1,2,3, completes 1, and loads it (one pin); 2 and 3 stay pending.
     let (done, client_done) = mpsc::channel();
@@ -61,6 +70,11 @@ fn tier_lists_each_client_with_its_chunks_pins_and_pending_stores() {
         assert!(Instant::now() < deadline, "the client's calls were never answered");
         server.turn();
     }
+    // The completed key is written through to disk.
+    while server.storage().unwrap().stats().puts < 1 {
+        assert!(Instant::now() < deadline, "the completed key was never written");
+        server.turn();
+    }
 
     let listed = kvctl(&["tier", name.as_str(), "--json"]);
     let report: serde_json::Value = serde_json::from_str(&listed.assert_ok().stdout).unwrap();
@@ -73,10 +87,16 @@ fn tier_lists_each_client_with_its_chunks_pins_and_pending_stores() {
     assert_eq!(row["pid"], std::process::id());
     assert_eq!((&row["chunks"], &row["pins"], &row["storing"]), (&3.into(), &1.into(), &2.into()));
     assert_eq!(row["calls"], 3, "prepare, complete and acquire");
+    let storage = &report["storage"];
+    assert_eq!(
+        (&storage["held"], &storage["puts"], &storage["writing"]),
+        (&1.into(), &1.into(), &0.into())
+    );
 
     let text = kvctl(&["tier", name.as_str()]);
     let text = &text.assert_ok().stdout;
     assert!(text.contains("owner pid") && text.contains("PINS") && text.contains("STORING"));
+    assert!(text.contains("storage below: 1 keys held (0 at start)"), "{text}");
 
     // Detached: its pins and pending stores released, the slot emptied.
     leave.send(()).unwrap();
@@ -94,4 +114,5 @@ fn tier_lists_each_client_with_its_chunks_pins_and_pending_stores() {
 
     drop(server);
     kvctl(&["tier", name.as_str()]).assert_fails_saying(&[name.as_str(), "kvctl cleanup"]);
+    let _ = std::fs::remove_dir_all(disk);
 }
