@@ -15,7 +15,7 @@ use kvshm::storage::drop::drop_namespace;
 use kvshm::storage::spec::{StorageNamespace, StorageSpec};
 use kvshm::storage::{disk_index, redis_listing, BlockLayout};
 
-use crate::support::{redis_for_test, Scratch};
+use crate::support::{redis_for_test, RedisServer, Scratch};
 use kvshm::offload::{
     inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
     TierIdentity,
@@ -505,6 +505,64 @@ fn blocks_evicted_from_the_arena_come_back_from_a_redis_storage_tier() {
     drop();
 }
 
+/// A writer of tier `name` stores 1..8 (byte 11) in its 8-chunk arena, then 9..16 (byte 22)
+/// once 1..8 are on storage, evicting them all, and waits until 9..16 are on storage too (then
+/// none is pinned: any can go to bring others back). `stored` counts what the storage holds.
+fn fill_then_evict(name: &str, stored: &impl Fn() -> usize) -> Client {
+    let mut writer = Client::start(name);
+    assert_eq!(writer.ask("store a 1,2,3,4,5,6,7,8 11"), "8");
+    writer.ask("finish a");
+    // A block being written is pinned: until 1..8 are written, the store is refused.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while writer.ask("store b 9,10,11,12,13,14,15,16 22") != "8" {
+        assert!(Instant::now() < deadline, "the writes to storage never finished");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    writer.ask("finish b");
+    while stored() < 16 {
+        assert!(Instant::now() < deadline, "the writes of 9..16 never finished");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    writer
+}
+
+/// A storage that hangs (a Redis stopped with SIGSTOP) stalls no engine for long: a key being
+/// brought back counts as coming for a second at most (the engine looks it up again meanwhile),
+/// then it is a miss (the engine computes the block) while the read waits for the storage's
+/// timeout; the owner serves on throughout.
+#[test]
+fn a_hung_storage_delays_a_lookup_by_a_second_at_most() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let namespace = identity(BLOCK_BYTES).storage_namespace();
+    let layout = BlockLayout::new(BLOCK_BYTES, 1, 1).unwrap();
+    let stored = || {
+        redis_listing::blocks_on_every_rank(&url, &namespace, &layout, Duration::from_secs(2))
+            .unwrap()
+            .len()
+    };
+    let name = tier_name("hung-storage");
+    let _owner = Owner::start(&name, &["--storage", &url]);
+    let mut writer = fill_then_evict(&name, &stored);
+
+    redis.pause();
+    let mut reader = Client::start(&name);
+    assert_eq!(reader.ask("acquire c 1,2"), "0+2");
+    let asked = Instant::now();
+    while reader.ask("acquire c 1,2") == "0+2" {
+        assert!(asked.elapsed() < Duration::from_millis(1500), "still coming after 1.5 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        asked.elapsed() >= Duration::from_millis(900),
+        "no longer coming after {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(reader.ask("acquire c 1,2"), "0", "a miss while the storage hangs");
+    assert_eq!(writer.ask("load w 9,10"), "22,22", "the owner serves on");
+    redis.resume();
+}
+
 /// Module scenario of the storage tests: a writer fills the 8-chunk arena with 1..8, then with
 /// 9..16 once 1..8 are on storage (`stored` counts what the storage holds); a reader is told
 /// 1..3 are coming and loads their bytes; a new owner with new arenas lists all 16 on storage
@@ -513,23 +571,7 @@ fn evicted_blocks_come_back(name: &str, storage: &str, stored: impl Fn() -> usiz
     let with_storage = ["--storage", storage, "--storage-chunks", "64"];
     let mut owner = Owner::start(name, &with_storage);
     assert!(owner.ready.contains("\"storage_held\":0"), "{}", owner.ready);
-    let mut writer = Client::start(name);
-    assert_eq!(writer.ask("store a 1,2,3,4,5,6,7,8 11"), "8");
-    writer.ask("finish a");
-    // The arena's 8 chunks hold 1..8; storing 9..16 evicts them all, once their writes are
-    // done (a block being written is pinned: until then the store is refused).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while writer.ask("store b 9,10,11,12,13,14,15,16 22") != "8" {
-        assert!(Instant::now() < deadline, "the writes to storage never finished");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    writer.ask("finish b");
-    // 9..16 are written too (then none is pinned: any can go to bring 1..3 back).
-    while stored() < 16 {
-        assert!(Instant::now() < deadline, "the writes of 9..16 never finished");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-
+    let writer = fill_then_evict(name, &stored);
     let mut reader = Client::start(name);
     assert_eq!(reader.ask("acquire c 1,2,3,40"), "0+3", "evicted, and coming back");
     assert_eq!(wait_for_load(&mut reader, "c 1,2,3"), "11,11,11", "the bytes first stored");

@@ -14,7 +14,10 @@
 //!    storage holds takes chunks for it and the held keys after it (a store of the storage
 //!    client: pending, so no lookup answers a hit and no client reads them) and hands them to the
 //!    I/O thread, which gets each rank's part into its chunk; the answer tells the client how
-//!    many keys are coming, and the client asks again later (vLLM's `RETRY`);
+//!    many keys are coming, and the client asks again later (vLLM's `RETRY`). The I/O thread
+//!    serves reads before writes, and writes go in small jobs, so a read waits for one at most.
+//!    A key counts as coming for [`PROMOTION_PATIENCE`] at most: a storage that hangs costs an
+//!    engine that long, then the key is a miss while the read runs on;
 //! 3. [`TierStorage::poll`], at each turn of the owner's loop: finished puts let go of their
 //!    pins and count as held, and the next waiting keys go; finished gets make their keys
 //!    loadable, or drop those a rank missed.
@@ -25,7 +28,7 @@
 //! by the XXH3-128 of its key seeded with the tier identity's digest, in a namespace of that
 //! digest: tiers of other blocks never read each other's.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ptr::NonNull;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -51,6 +54,13 @@ use crate::storage::spec::{
 /// The most keys one promotion brings back (the rest of a longer prefix comes with the next
 /// ask).
 const MAX_PROMOTED: usize = 256;
+
+/// The most keys one write job carries: a read waits for one write job at most.
+const PUT_JOB_KEYS: usize = 16;
+
+/// How long a key being brought back counts as coming: past it (a storage that hangs), lookups
+/// of it are misses, and the engine computes the block, while the read runs on.
+const PROMOTION_PATIENCE: Duration = Duration::from_secs(1);
 
 /// The storage client's request name in the index (its calls end the request at once).
 const REQUEST: &str = "storage";
@@ -179,8 +189,8 @@ pub struct TierStorage {
     thread: Option<JoinHandle<()>>,
     /// What the storage holds (stored names).
     held: HashSet<BlockHash>,
-    /// Keys being brought back, and keys being written (pinned).
-    promoting: HashSet<OffloadKey, BuildPassThrough>,
+    /// Keys being brought back (since when), and keys being written (pinned).
+    promoting: HashMap<OffloadKey, Instant, BuildPassThrough>,
     writing: HashSet<OffloadKey, BuildPassThrough>,
     max_writing: usize,
     /// Keys waiting to be written, oldest first (and as a set).
@@ -270,7 +280,7 @@ impl TierStorage {
             done,
             thread: Some(thread),
             held,
-            promoting: HashSet::default(),
+            promoting: HashMap::default(),
             writing: HashSet::default(),
             max_writing: (chunks as usize / 4).max(1),
             to_write: VecDeque::new(),
@@ -346,13 +356,16 @@ impl TierStorage {
             }
         };
         let _ = index.finish_request(self.client, REQUEST);
-        let job: Batch = batch[..pinned]
+        let pinned: Batch = batch[..pinned]
             .iter()
             .zip(&self.chunks)
             .map(|(key, &chunk)| (*key, self.stored_name(key), chunk))
             .collect();
-        self.writing.extend(job.iter().map(|&(key, _, _)| key));
-        self.send(index, Job::Put(job));
+        self.writing.extend(pinned.iter().map(|&(key, _, _)| key));
+        // In small jobs: a read to bring a block back waits for one at most (`IoThread::run`).
+        for job in pinned.chunks(PUT_JOB_KEYS) {
+            self.send(index, Job::Put(job.to_vec()));
+        }
     }
 
     /// Module flow, step 2: after an `AcquirePrefix` of `keys` pinned its first `hits`, brings
@@ -374,7 +387,9 @@ impl TierStorage {
                 && stores_allowed
                 && coming < MAX_PROMOTED
                 && self.held.contains(&self.stored_name(key));
-            let known = self.promoting.contains(key) || (state == LookupResult::Hit && coming > 0);
+            let coming_back =
+                self.promoting.get(key).is_some_and(|since| since.elapsed() < PROMOTION_PATIENCE);
+            let known = coming_back || (state == LookupResult::Hit && coming > 0);
             if !new && !known {
                 break;
             }
@@ -408,7 +423,8 @@ impl TierStorage {
                 (key, self.stored_name(&key), chunk)
             })
             .collect();
-        self.promoting.extend(job.iter().map(|&(key, _, _)| key));
+        let now = Instant::now();
+        self.promoting.extend(job.iter().map(|&(key, _, _)| (key, now)));
         self.send(index, Job::Get(job));
         coming as u32
     }
@@ -521,32 +537,60 @@ struct IoThread {
 }
 
 impl IoThread {
+    /// Serves jobs until the owner's end of the channel closes: reads first (an engine waits for
+    /// them), writes when no read waits.
     fn run(mut self, jobs: &mpsc::Receiver<Job>, done: &mpsc::Sender<Done>) {
-        let (mut puts, mut gets) = (Vec::new(), Vec::new());
-        while let Ok(job) = jobs.recv() {
-            let (put, batch) = match job {
-                Job::Put(batch) => (true, batch),
-                Job::Get(batch) => (false, batch),
-            };
-            let mut made = vec![true; batch.len()];
-            for rank in 0..self.backends.len() {
-                if put {
-                    self.put(rank, &batch, &mut puts);
-                    for (made, outcome) in made.iter_mut().zip(&puts) {
-                        *made &= outcome.is_ok();
-                    }
-                } else {
-                    self.get(rank, &batch, &mut gets);
-                    for (made, outcome) in made.iter_mut().zip(&gets) {
-                        *made &= outcome.is_ok();
-                    }
+        let (mut reads, mut writes) = (VecDeque::new(), VecDeque::new());
+        loop {
+            // A wait only when there is nothing to do; the owner gone and nothing left: the end.
+            let mut next = if reads.is_empty() && writes.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => Some(job),
+                    Err(mpsc::RecvError) => return,
                 }
+            } else {
+                jobs.try_recv().ok()
+            };
+            while let Some(job) = next {
+                match job {
+                    Job::Get(batch) => reads.push_back(batch),
+                    Job::Put(batch) => writes.push_back(batch),
+                }
+                next = jobs.try_recv().ok();
             }
+            let (put, batch) = match reads.pop_front() {
+                Some(read) => (false, read),
+                None => match writes.pop_front() {
+                    Some(write) => (true, write),
+                    None => continue,
+                },
+            };
+            let made = self.carry_out(put, &batch);
             let keys = batch.iter().zip(made).map(|(&(key, _, _), made)| (key, made)).collect();
             if done.send(Done { put, keys }).is_err() {
                 return;
             }
         }
+    }
+
+    /// One job on every rank: per key, whether every rank's part was written (`put`) or read.
+    fn carry_out(&mut self, put: bool, batch: &Batch) -> Vec<bool> {
+        let (mut puts, mut gets) = (Vec::new(), Vec::new());
+        let mut made = vec![true; batch.len()];
+        for rank in 0..self.backends.len() {
+            if put {
+                self.put(rank, batch, &mut puts);
+                for (made, outcome) in made.iter_mut().zip(&puts) {
+                    *made &= outcome.is_ok();
+                }
+            } else {
+                self.get(rank, batch, &mut gets);
+                for (made, outcome) in made.iter_mut().zip(&gets) {
+                    *made &= outcome.is_ok();
+                }
+            }
+        }
+        made
     }
 
     /// Where `chunk` of `rank`'s arena starts, or `None` when it lies outside the arena (the
