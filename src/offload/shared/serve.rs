@@ -98,7 +98,7 @@ pub struct TierServer {
     stores_refused_until: Option<Instant>,
     /// The quota of chunks every client it adopts gets, if any (`SharedTierIndex::attach`).
     client_quota: Option<u32>,
-    /// The storage tier below this one, if it has one (`storage.rs`).
+    /// The storage tier below this one, if it has one (`storage/`).
     storage: Option<TierStorage>,
     // Scratch, reused between turns.
     requests: Vec<TierRequest>,

@@ -4,8 +4,8 @@
 //! when a client asks for it.
 //!
 //! The owner's thread decides and asks the index as any client does, as a client of its own
-//! (named `storage`); a thread of this module does the I/O, so the owner never waits on a disk
-//! or a server while clients wait on it:
+//! (named `storage`); a thread of its own does the I/O (`io.rs`), so the owner never waits on a
+//! disk or a server while clients wait on it:
 //! 1. write-through ([`TierStorage::stored`]): once a client's store completes, the new keys
 //!    queue for writing; as many as may be written at once are pinned for the storage client (as
 //!    a load: no store may take their chunks while they are read) and handed to the I/O thread,
@@ -28,8 +28,9 @@
 //! by the XXH3-128 of its key seeded with the tier identity's digest, in a namespace of that
 //! digest: tiers of other blocks never read each other's.
 
+mod io;
+
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::ptr::NonNull;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -39,14 +40,12 @@ use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::StorageFigures;
 use serde::Serialize;
 
+use self::io::{Batch, Done, IoThread, Job};
 use super::{ClientId, SharedTierError, SharedTierIndex};
 use crate::hash::BlockHash;
 use crate::offload::key::{BuildPassThrough, OffloadKey};
 use crate::offload::manager::{LookupResult, PreparedStore};
-use crate::storage::backend::{
-    BlockKey, BlockLayout, GetBlock, GetMiss, GetOutcome, PutBlock, PutOutcome, StorageBackend,
-};
-use crate::storage::block_bytes::{BlockBytes, BlockBytesMut};
+use crate::storage::backend::BlockLayout;
 use crate::storage::spec::{
     OpenError, StorageNamespace, StorageOptions, StorageSpec, DEFAULT_CAPACITY_PER_HOST_BLOCK,
 };
@@ -164,20 +163,6 @@ impl From<StorageFigures> for TierStorageStats {
             promotions_refused,
         }
     }
-}
-
-/// Keys for the I/O thread: each with its stored name and its chunk.
-type Batch = Vec<(OffloadKey, BlockHash, u32)>;
-
-enum Job {
-    Put(Batch),
-    Get(Batch),
-}
-
-/// A job done: the keys, each with whether every rank's part made it.
-struct Done {
-    put: bool,
-    keys: Vec<(OffloadKey, bool)>,
 }
 
 /// The storage tier below one shared tier, as its owner runs it (module flow).
@@ -527,130 +512,4 @@ fn list(options: &StorageOptions, layout: &BlockLayout) -> Result<Vec<BlockHash>
         .map_err(|error| error.to_string())?,
     };
     Ok(blocks.into_iter().map(|block| block.hash).collect())
-}
-
-/// The I/O thread's side: the arenas (its own mappings) and one back-end per rank.
-struct IoThread {
-    arenas: Vec<Arena>,
-    backends: Vec<Box<dyn StorageBackend>>,
-    chunk_bytes: usize,
-}
-
-impl IoThread {
-    /// Serves jobs until the owner's end of the channel closes: reads first (an engine waits for
-    /// them), writes when no read waits.
-    fn run(mut self, jobs: &mpsc::Receiver<Job>, done: &mpsc::Sender<Done>) {
-        let (mut reads, mut writes) = (VecDeque::new(), VecDeque::new());
-        loop {
-            // A wait only when there is nothing to do; the owner gone and nothing left: the end.
-            let mut next = if reads.is_empty() && writes.is_empty() {
-                match jobs.recv() {
-                    Ok(job) => Some(job),
-                    Err(mpsc::RecvError) => return,
-                }
-            } else {
-                jobs.try_recv().ok()
-            };
-            while let Some(job) = next {
-                match job {
-                    Job::Get(batch) => reads.push_back(batch),
-                    Job::Put(batch) => writes.push_back(batch),
-                }
-                next = jobs.try_recv().ok();
-            }
-            let (put, batch) = match reads.pop_front() {
-                Some(read) => (false, read),
-                None => match writes.pop_front() {
-                    Some(write) => (true, write),
-                    None => continue,
-                },
-            };
-            let made = self.carry_out(put, &batch);
-            let keys = batch.iter().zip(made).map(|(&(key, _, _), made)| (key, made)).collect();
-            if done.send(Done { put, keys }).is_err() {
-                return;
-            }
-        }
-    }
-
-    /// One job on every rank: per key, whether every rank's part was written (`put`) or read.
-    fn carry_out(&mut self, put: bool, batch: &Batch) -> Vec<bool> {
-        let (mut puts, mut gets) = (Vec::new(), Vec::new());
-        let mut made = vec![true; batch.len()];
-        for rank in 0..self.backends.len() {
-            if put {
-                self.put(rank, batch, &mut puts);
-                for (made, outcome) in made.iter_mut().zip(&puts) {
-                    *made &= outcome.is_ok();
-                }
-            } else {
-                self.get(rank, batch, &mut gets);
-                for (made, outcome) in made.iter_mut().zip(&gets) {
-                    *made &= outcome.is_ok();
-                }
-            }
-        }
-        made
-    }
-
-    /// Where `chunk` of `rank`'s arena starts, or `None` when it lies outside the arena (the
-    /// index is sized from the arenas, so only a programming error gets here).
-    fn chunk_start(&self, rank: usize, chunk: u32) -> Option<NonNull<u8>> {
-        let arena = &self.arenas[rank];
-        let offset = (chunk as usize).checked_mul(self.chunk_bytes)?;
-        if offset.checked_add(self.chunk_bytes)? > arena.data_len() {
-            return None;
-        }
-        // SAFETY: offset + chunk_bytes <= data_len (checked above): the pointer stays inside the
-        // mapping `arena` keeps alive; forming it reads nothing.
-        NonNull::new(unsafe { arena.data_ptr().add(offset) })
-    }
-
-    fn put(&mut self, rank: usize, batch: &Batch, outcomes: &mut Vec<PutOutcome>) {
-        let mut blocks = Vec::with_capacity(batch.len());
-        let mut outside = Vec::new();
-        for (at, &(_, hash, chunk)) in batch.iter().enumerate() {
-            let Some(start) = self.chunk_start(rank, chunk) else {
-                outside.push(at);
-                continue;
-            };
-            // SAFETY: the chunk lies in this thread's mapping of the arena, alive for the call
-            // (`chunk_start`). No process writes it while the put reads it: the owner pinned its
-            // key for the storage client before handing the job over, and a pinned key's chunk
-            // is never handed to a store (the index's rule); clients only write chunks handed to
-            // their stores.
-            let bytes = unsafe { BlockBytes::from_raw(start, self.chunk_bytes) };
-            blocks.push(PutBlock { key: BlockKey::new(hash, BlockHash(0), 0), bytes });
-        }
-        self.backends[rank].put(&blocks, outcomes);
-        spread(outcomes, &outside, Err(crate::storage::Failure::Io("outside the arena".into())));
-    }
-
-    fn get(&mut self, rank: usize, batch: &Batch, outcomes: &mut Vec<GetOutcome>) {
-        let mut blocks = Vec::with_capacity(batch.len());
-        let mut outside = Vec::new();
-        for (at, &(_, hash, chunk)) in batch.iter().enumerate() {
-            let Some(start) = self.chunk_start(rank, chunk) else {
-                outside.push(at);
-                continue;
-            };
-            // SAFETY: the chunk lies in this thread's mapping of the arena, alive for the call
-            // (`chunk_start`). Nothing else reads or writes it meanwhile: its key is a pending
-            // store of the storage client, so no lookup answers a hit for it and no other store
-            // gets its chunk (the index's rule); each chunk is named once in a batch, since the
-            // index hands a chunk to one key.
-            let dest = unsafe { BlockBytesMut::from_raw(start, self.chunk_bytes) };
-            blocks.push(GetBlock { hash, dest });
-        }
-        self.backends[rank].get(&mut blocks, outcomes);
-        spread(outcomes, &outside, Err(GetMiss::Absent));
-    }
-}
-
-/// Puts `filler` into `outcomes` at each index of `outside` (ascending), so that outcome `i`
-/// is the batch's key `i` again.
-fn spread<T: Clone>(outcomes: &mut Vec<T>, outside: &[usize], filler: T) {
-    for &at in outside {
-        outcomes.insert(at, filler.clone());
-    }
 }
