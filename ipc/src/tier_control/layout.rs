@@ -169,104 +169,42 @@ impl ClientStats {
     }
 }
 
-/// What the owner last published of the storage tier below its tier (its figures and what is in
-/// flight), for `kvctl tier`: the owner alone writes it (after each turn of its loop), anyone
-/// reads it; all zero for a tier without one. Each word is its own atomic, as in
-/// [`ClientStats`].
+/// Words of figures in [`StorageStats`].
+pub const STORAGE_FIGURES: usize = 15;
+
+/// What the owner last published of the storage tier below its tier (what it holds, has in
+/// flight and has done), for `kvctl tier`: [`STORAGE_FIGURES`] words whose meaning is the
+/// owner's (`kvshm::offload::TierStorageStats`). The owner alone writes it (after each turn of
+/// its loop), anyone reads it; `configured` stays 0 for a tier without one. Each word is its own
+/// atomic, as in [`ClientStats`].
 #[repr(C, align(64))]
 #[derive(Debug)]
 pub struct StorageStats {
-    /// 1 once an owner with a storage tier published.
-    pub configured: AtomicU32,
-    /// Keys being written, waiting to be written, being brought back.
-    pub writing: AtomicU32,
-    pub waiting: AtomicU32,
-    pub promoting: AtomicU32,
-    /// Keys the storage held when the owner started, and holds now (as far as it knows).
-    pub held_at_start: AtomicU64,
-    pub held: AtomicU64,
-    /// Keys written, failed, and dropped unwritten from a queue longer than the tier.
-    pub puts: AtomicU64,
-    pub puts_failed: AtomicU64,
-    pub puts_skipped: AtomicU64,
-    /// Keys brought back, missed (a rank lacked or failed them), and not brought back for want
-    /// of a chunk to evict.
-    pub promoted: AtomicU64,
-    pub promotions_missed: AtomicU64,
-    pub promotions_refused: AtomicU64,
-    _tail: [AtomicU64; 6],
+    configured: AtomicU64,
+    figures: [AtomicU64; STORAGE_FIGURES],
 }
 
 const _: () = assert!(size_of::<StorageStats>() == 128);
 
 // SAFETY: atomics only (each its own UnsafeCell), every bit pattern a valid integer, no padding
-// (asserted 128 bytes of 4 u32 and 14 u64).
+// (asserted 128 bytes of 16 u64).
 unsafe impl SharedArea for StorageStats {}
 
-/// The [`StorageStats`], copied out.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StorageFigures {
-    pub writing: u32,
-    pub waiting: u32,
-    pub promoting: u32,
-    pub held_at_start: u64,
-    pub held: u64,
-    pub puts: u64,
-    pub puts_failed: u64,
-    pub puts_skipped: u64,
-    pub promoted: u64,
-    pub promotions_missed: u64,
-    pub promotions_refused: u64,
-}
-
 impl StorageStats {
-    /// Owner: publishes `figures` (Relaxed, as [`ClientStats::publish`]), `configured` last.
-    pub fn publish(&self, figures: &StorageFigures) {
-        let StorageFigures {
-            writing,
-            waiting,
-            promoting,
-            held_at_start,
-            held,
-            puts,
-            puts_failed,
-            puts_skipped,
-            promoted,
-            promotions_missed,
-            promotions_refused,
-        } = *figures;
-        self.writing.store(writing, Ordering::Relaxed);
-        self.waiting.store(waiting, Ordering::Relaxed);
-        self.promoting.store(promoting, Ordering::Relaxed);
-        self.held_at_start.store(held_at_start, Ordering::Relaxed);
-        self.held.store(held, Ordering::Relaxed);
-        self.puts.store(puts, Ordering::Relaxed);
-        self.puts_failed.store(puts_failed, Ordering::Relaxed);
-        self.puts_skipped.store(puts_skipped, Ordering::Relaxed);
-        self.promoted.store(promoted, Ordering::Relaxed);
-        self.promotions_missed.store(promotions_missed, Ordering::Relaxed);
-        self.promotions_refused.store(promotions_refused, Ordering::Relaxed);
+    /// Owner: publishes `figures` (Relaxed, as [`ClientStats::publish`]).
+    pub fn publish(&self, figures: &[u64; STORAGE_FIGURES]) {
+        for (word, &figure) in self.figures.iter().zip(figures) {
+            word.store(figure, Ordering::Relaxed);
+        }
         self.configured.store(1, Ordering::Relaxed);
     }
 
     /// The figures last published, or `None` when no owner with a storage tier published.
-    pub fn read(&self) -> Option<StorageFigures> {
+    pub fn read(&self) -> Option<[u64; STORAGE_FIGURES]> {
         if self.configured.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        Some(StorageFigures {
-            writing: self.writing.load(Ordering::Relaxed),
-            waiting: self.waiting.load(Ordering::Relaxed),
-            promoting: self.promoting.load(Ordering::Relaxed),
-            held_at_start: self.held_at_start.load(Ordering::Relaxed),
-            held: self.held.load(Ordering::Relaxed),
-            puts: self.puts.load(Ordering::Relaxed),
-            puts_failed: self.puts_failed.load(Ordering::Relaxed),
-            puts_skipped: self.puts_skipped.load(Ordering::Relaxed),
-            promoted: self.promoted.load(Ordering::Relaxed),
-            promotions_missed: self.promotions_missed.load(Ordering::Relaxed),
-            promotions_refused: self.promotions_refused.load(Ordering::Relaxed),
-        })
+        Some(std::array::from_fn(|at| self.figures[at].load(Ordering::Relaxed)))
     }
 }
 

@@ -41,9 +41,9 @@ use std::time::Duration;
 
 pub use channel::{ClientChannel, OwnerChannel};
 pub use layout::{
-    ChannelLayout, ClientFigures, ClientStats, StorageFigures, StorageStats, TierConfig,
-    TierConfigError, TierHeader, TierHeaderFields, TierLayout, TierOffsets, MAX_IDENTITY_BYTES,
-    MAX_PAGE_KEYS, MAX_RING_SLOTS, MAX_TIER_CLIENTS, TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
+    ChannelLayout, ClientFigures, ClientStats, StorageStats, TierConfig, TierConfigError,
+    TierHeader, TierHeaderFields, TierLayout, TierOffsets, MAX_IDENTITY_BYTES, MAX_PAGE_KEYS,
+    MAX_RING_SLOTS, MAX_TIER_CLIENTS, STORAGE_FIGURES, TIER_LAYOUT_VERSION, TIER_MAGIC, TIER_READY,
 };
 pub use record::{
     AnswerStatus, RecordError, TierAnswer, TierOp, TierRequest, WireKey, WIRE_KEY_BYTES,

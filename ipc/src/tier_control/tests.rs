@@ -270,7 +270,7 @@ fn the_figures_an_owner_publishes_for_a_slot_are_read_by_another_mapping() {
     assert_eq!(reader.client_stats(0).unwrap().read(), ClientFigures::default());
     assert!(reader.client_stats(CONFIG.clients).is_none(), "no stats past the last slot");
     assert_eq!(reader.storage_stats().read(), None, "no storage tier published");
-    let storage = StorageFigures { held: 9, puts: 12, promoting: 2, ..StorageFigures::default() };
+    let storage: [u64; STORAGE_FIGURES] = std::array::from_fn(|at| at as u64 * 3 + 1);
     owner.storage_stats().publish(&storage);
     assert_eq!(reader.storage_stats().read(), Some(storage));
     // The stats sit between the slots and the identity, which they leave whole.

@@ -83,6 +83,6 @@ pub fn inspect_tier(name: &SegmentName) -> Result<TierReport, TierAttachError> {
         identity,
         client_slots: slots,
         clients,
-        storage: control.storage_stats().read().map(TierStorageStats::from),
+        storage: control.storage_stats().read().as_ref().map(TierStorageStats::from_words),
     })
 }

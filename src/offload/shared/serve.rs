@@ -227,7 +227,7 @@ impl TierServer {
             self.serve(slot);
         }
         if let Some(storage) = &self.storage {
-            self.control.storage_stats().publish(&storage.stats().into());
+            self.control.storage_stats().publish(&storage.stats().to_words());
         }
     }
 

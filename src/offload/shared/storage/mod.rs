@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::tier_control::StorageFigures;
+use kvshm_ipc::tier_control::STORAGE_FIGURES;
 use serde::Serialize;
 
 use self::io::{Batch, Done, IoThread, Job};
@@ -80,16 +80,16 @@ pub enum TierStorageError {
 }
 
 /// What the storage tier has done and has in flight, for the owner's log and `kvctl tier` (the
-/// owner publishes it in the tier's control object: `StorageStats`).
+/// owner publishes it in the tier's control object as words: `StorageStats`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct TierStorageStats {
     /// Keys every rank's storage held when the owner started, and known to be held now.
     pub held_at_start: u64,
     pub held: u64,
     /// Keys being written, waiting to be written, being brought back.
-    pub writing: u32,
-    pub waiting: u32,
-    pub promoting: u32,
+    pub writing: u64,
+    pub waiting: u64,
+    pub promoting: u64,
     /// Keys written through, and those a rank failed to write.
     pub puts: u64,
     pub puts_failed: u64,
@@ -103,64 +103,44 @@ pub struct TierStorageStats {
     pub promotions_refused: u64,
 }
 
-impl From<TierStorageStats> for StorageFigures {
-    fn from(stats: TierStorageStats) -> StorageFigures {
-        let TierStorageStats {
-            held_at_start,
-            held,
-            writing,
-            waiting,
-            promoting,
-            puts,
-            puts_failed,
-            puts_skipped,
-            promoted,
-            promotions_missed,
-            promotions_refused,
-        } = stats;
-        StorageFigures {
-            writing,
-            waiting,
-            promoting,
-            held_at_start,
-            held,
-            puts,
-            puts_failed,
-            puts_skipped,
-            promoted,
-            promotions_missed,
-            promotions_refused,
-        }
+impl TierStorageStats {
+    /// The words the owner publishes, in the fields' order (the rest zero).
+    pub fn to_words(&self) -> [u64; STORAGE_FIGURES] {
+        let figures = [
+            self.held_at_start,
+            self.held,
+            self.writing,
+            self.waiting,
+            self.promoting,
+            self.puts,
+            self.puts_failed,
+            self.puts_skipped,
+            self.promoted,
+            self.promotions_missed,
+            self.promotions_refused,
+        ];
+        let mut words = [0; STORAGE_FIGURES];
+        words[..figures.len()].copy_from_slice(&figures);
+        words
     }
-}
 
-impl From<StorageFigures> for TierStorageStats {
-    fn from(figures: StorageFigures) -> TierStorageStats {
-        let StorageFigures {
-            writing,
-            waiting,
-            promoting,
-            held_at_start,
-            held,
-            puts,
-            puts_failed,
-            puts_skipped,
-            promoted,
-            promotions_missed,
-            promotions_refused,
-        } = figures;
+    /// The figures [`TierStorageStats::to_words`] published.
+    pub fn from_words(words: &[u64; STORAGE_FIGURES]) -> TierStorageStats {
+        // A struct expression evaluates its fields in the order written: `to_words`' order.
+        let mut words = words.iter().copied();
+        let mut next = || words.next().unwrap_or_default();
         TierStorageStats {
-            held_at_start,
-            held,
-            writing,
-            waiting,
-            promoting,
-            puts,
-            puts_failed,
-            puts_skipped,
-            promoted,
-            promotions_missed,
-            promotions_refused,
+            held_at_start: next(),
+            held: next(),
+            writing: next(),
+            waiting: next(),
+            promoting: next(),
+            puts: next(),
+            puts_failed: next(),
+            puts_skipped: next(),
+            promoted: next(),
+            promotions_missed: next(),
+            promotions_refused: next(),
         }
     }
 }
@@ -280,9 +260,9 @@ impl TierStorage {
     pub fn stats(&self) -> TierStorageStats {
         TierStorageStats {
             held: self.held.len() as u64,
-            writing: self.writing.len() as u32,
-            waiting: self.to_write.len() as u32,
-            promoting: self.promoting.len() as u32,
+            writing: self.writing.len() as u64,
+            waiting: self.to_write.len() as u64,
+            promoting: self.promoting.len() as u64,
             ..self.stats
         }
     }
@@ -512,4 +492,28 @@ fn list(options: &StorageOptions, layout: &BlockLayout) -> Result<Vec<BlockHash>
         .map_err(|error| error.to_string())?,
     };
     Ok(blocks.into_iter().map(|block| block.hash).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The figures come back from the words the owner publishes, each in its own field.
+    #[test]
+    fn the_published_words_give_back_every_figure() {
+        let stats = TierStorageStats {
+            held_at_start: 1,
+            held: 2,
+            writing: 3,
+            waiting: 4,
+            promoting: 5,
+            puts: 6,
+            puts_failed: 7,
+            puts_skipped: 8,
+            promoted: 9,
+            promotions_missed: 10,
+            promotions_refused: 11,
+        };
+        assert_eq!(TierStorageStats::from_words(&stats.to_words()), stats);
+    }
 }
