@@ -11,6 +11,11 @@ removing the tier, once no engine has been attached for ``idle_exit_s`` seconds.
 An owner that dies while engines run leaves its arenas to them (they keep copying into their
 mappings); an engine that finds it gone starts another (:class:`OwnerRestart`), which takes over
 those arenas as they are and makes none.
+
+An owner started with ``storage`` (``disk:DIR`` or a Redis URL) keeps a storage tier below the
+tier: it writes every stored block there too and brings one the arenas evicted back when an
+engine asks for it (the engine's lookup answers ``RETRY`` meanwhile); a new owner of the same
+blocks finds there what the last one stored.
 """
 
 from __future__ import annotations
