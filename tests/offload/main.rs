@@ -9,3 +9,4 @@ mod manager;
 mod shared_tier;
 mod tier_owner;
 mod tier_process;
+mod tier_storage;

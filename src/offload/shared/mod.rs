@@ -315,8 +315,23 @@ impl SharedTierIndex {
         keys: &[OffloadKey],
         out: &mut PreparedStore,
     ) -> Result<bool, SharedTierError> {
-        let (quota, charged) = {
-            let state = self.client(client)?;
+        self.prepare_store_for(client, client, request, keys, out)
+    }
+
+    /// [`SharedTierIndex::prepare_store`] by `storer` (whose stores the new keys are: only it
+    /// completes them) of chunks charged to `charged` and within its quota: the tier's storage
+    /// tier bringing blocks back for the client that asked for them (`storage/`).
+    pub fn prepare_store_for(
+        &mut self,
+        storer: ClientId,
+        charged: ClientId,
+        request: &str,
+        keys: &[OffloadKey],
+        out: &mut PreparedStore,
+    ) -> Result<bool, SharedTierError> {
+        self.client(storer)?;
+        let (quota, held) = {
+            let state = self.client(charged)?;
             (state.quota, state.charged as usize)
         };
         self.distinct.clear();
@@ -326,11 +341,10 @@ impl SharedTierIndex {
             }
         }
         let new_keys = self.distinct.len();
-        let over_quota =
-            quota.map_or(0, |quota| (charged + new_keys).saturating_sub(quota as usize));
-        self.name_request(client, request)?;
+        let over_quota = quota.map_or(0, |quota| (held + new_keys).saturating_sub(quota as usize));
+        self.name_request(storer, request)?;
         let owners = &self.owners;
-        let own_chunk = |chunk: u32| owners[chunk as usize] == client.slot;
+        let own_chunk = |chunk: u32| owners[chunk as usize] == charged.slot;
         let scope = if over_quota > 0 {
             EvictionScope { at_least: over_quota, only: Some(&own_chunk) }
         } else {
@@ -348,12 +362,13 @@ impl SharedTierIndex {
                 table.cleared(chunk);
             }
         }
-        let state = self.clients[client.slot as usize].as_mut().expect("checked above");
-        for (&index, &chunk) in out.to_store.iter().zip(&out.chunks) {
-            self.owners[chunk as usize] = client.slot;
-            state.charged += 1;
-            state.stores.insert(keys[index as usize]);
+        for &chunk in &out.chunks {
+            self.owners[chunk as usize] = charged.slot;
         }
+        self.clients[charged.slot as usize].as_mut().expect("checked above").charged +=
+            out.chunks.len() as u32;
+        let state = self.clients[storer.slot as usize].as_mut().expect("checked above");
+        state.stores.extend(out.to_store.iter().map(|&index| keys[index as usize]));
         Ok(true)
     }
 

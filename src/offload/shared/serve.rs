@@ -86,6 +86,10 @@ struct Served {
 
 /// The owner of one shared tier (module flow).
 pub struct TierServer {
+    /// The storage tier below this one, if it has one (`storage/`). First, so that it is dropped
+    /// first: its I/O thread, which may be writing the arenas, ends before the control object
+    /// goes and another owner may take the arenas over.
+    storage: Option<TierStorage>,
     control: TierControl,
     owner: TierOwner,
     served: Vec<Option<Served>>,
@@ -98,8 +102,6 @@ pub struct TierServer {
     stores_refused_until: Option<Instant>,
     /// The quota of chunks every client it adopts gets, if any (`SharedTierIndex::attach`).
     client_quota: Option<u32>,
-    /// The storage tier below this one, if it has one (`storage/`).
-    storage: Option<TierStorage>,
     // Scratch, reused between turns.
     requests: Vec<TierRequest>,
     answers: Vec<TierAnswer>,
@@ -465,7 +467,7 @@ impl TierServer {
                     self.entries.clear();
                     self.entries.extend_from_slice(&self.chunks);
                     let promoting = self.storage.as_mut().map_or(0, |storage| {
-                        storage.promote(index, &self.keys, hits, stores_allowed)
+                        storage.promote(index, client, &self.keys, hits, stores_allowed)
                     });
                     let answer = TierAnswer::new(request.call, op, AnswerStatus::Done);
                     Some(answer.with_promoting(promoting))

@@ -53,12 +53,14 @@ pub fn write_text(report: &TierReport, out: &mut dyn Write) -> io::Result<()> {
         )?;
         writeln!(
             out,
-            "  written {} (failed {}, dropped unwritten {}); brought back {} (missed {}, no room {})",
+            "  written {} (failed {}, dropped unwritten {}); brought back {} (missed {}, failed \
+             {}, no room {})",
             storage.puts,
             storage.puts_failed,
             storage.puts_skipped,
             storage.promoted,
             storage.promotions_missed,
+            storage.promotions_failed,
             storage.promotions_refused
         )?;
     }

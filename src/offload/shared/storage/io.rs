@@ -9,12 +9,13 @@
 //!    writes when no read waits;
 //! 3. a job runs on every rank's back-end, its rank's part of each chunk; a key is done when
 //!    every rank's part was written (or read and verified);
-//! 4. it answers [`Done`], and ends when the owner's end of the channel closes and nothing is
-//!    left.
+//! 4. it answers [`Done`] with an [`Outcome`] per key, and ends when the owner's end of the
+//!    channel closes and nothing is left, or at once when the owner stops it (between jobs).
 
+use kvshm_ipc::sync::{AtomicBool, Ordering};
 use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use kvshm_ipc::arena::Arena;
 
@@ -33,10 +34,32 @@ pub(super) enum Job {
     Get(Batch),
 }
 
-/// A job done: the keys, each with whether every rank's part made it.
+/// What became of one key of a job, over every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Outcome {
+    /// Every rank's part was written, or read and verified.
+    Made,
+    /// A read found a rank's part absent or damaged: the back-end does not hold the block.
+    Gone,
+    /// The back-end failed (a timeout, a server away, an I/O error): the block may be stored.
+    Failed,
+}
+
+impl Outcome {
+    /// The outcome of a key over two ranks: the worst.
+    fn and(self, other: Outcome) -> Outcome {
+        match (self, other) {
+            (Outcome::Failed, _) | (_, Outcome::Failed) => Outcome::Failed,
+            (Outcome::Gone, _) | (_, Outcome::Gone) => Outcome::Gone,
+            (Outcome::Made, Outcome::Made) => Outcome::Made,
+        }
+    }
+}
+
+/// A job done: its keys, each with its outcome.
 pub(super) struct Done {
     pub put: bool,
-    pub keys: Vec<(OffloadKey, bool)>,
+    pub keys: Vec<(OffloadKey, Outcome)>,
 }
 
 /// The I/O thread's side: the arenas (its own mappings) and one back-end per rank.
@@ -44,11 +67,14 @@ pub(super) struct IoThread {
     pub arenas: Vec<Arena>,
     pub backends: Vec<Box<dyn StorageBackend>>,
     pub chunk_bytes: usize,
+    /// Set by the owner that stops: the jobs not started are dropped, so that it waits for one
+    /// job at most.
+    pub stop: Arc<AtomicBool>,
 }
 
 impl IoThread {
-    /// Serves jobs until the owner's end of the channel closes: reads first (an engine waits for
-    /// them), writes when no read waits.
+    /// Serves jobs until the owner's end of the channel closes, or it stops: reads first (an
+    /// engine waits for them), writes when no read waits.
     pub fn run(mut self, jobs: &mpsc::Receiver<Job>, done: &mpsc::Sender<Done>) {
         let (mut reads, mut writes) = (VecDeque::new(), VecDeque::new());
         loop {
@@ -68,6 +94,10 @@ impl IoThread {
                 }
                 next = jobs.try_recv().ok();
             }
+            // Relaxed: the flag orders nothing; the owner joins the thread after setting it.
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
             let (put, batch) = match reads.pop_front() {
                 Some(read) => (false, read),
                 None => match writes.pop_front() {
@@ -75,32 +105,37 @@ impl IoThread {
                     None => continue,
                 },
             };
-            let made = self.carry_out(put, &batch);
-            let keys = batch.iter().zip(made).map(|(&(key, _, _), made)| (key, made)).collect();
+            let outcomes = self.carry_out(put, &batch);
+            let keys = batch.iter().zip(outcomes).map(|(&(key, _, _), made)| (key, made)).collect();
             if done.send(Done { put, keys }).is_err() {
                 return;
             }
         }
     }
 
-    /// One job on every rank: per key, whether every rank's part was written (`put`) or read.
-    fn carry_out(&mut self, put: bool, batch: &Batch) -> Vec<bool> {
+    /// One job on every rank: per key, what became of it (`put`: written, else read).
+    fn carry_out(&mut self, put: bool, batch: &Batch) -> Vec<Outcome> {
         let (mut puts, mut gets) = (Vec::new(), Vec::new());
-        let mut made = vec![true; batch.len()];
+        let mut outcomes = vec![Outcome::Made; batch.len()];
         for rank in 0..self.backends.len() {
             if put {
                 self.put(rank, batch, &mut puts);
-                for (made, outcome) in made.iter_mut().zip(&puts) {
-                    *made &= outcome.is_ok();
+                for (outcome, put) in outcomes.iter_mut().zip(&puts) {
+                    *outcome =
+                        outcome.and(if put.is_ok() { Outcome::Made } else { Outcome::Failed });
                 }
             } else {
                 self.get(rank, batch, &mut gets);
-                for (made, outcome) in made.iter_mut().zip(&gets) {
-                    *made &= outcome.is_ok();
+                for (outcome, get) in outcomes.iter_mut().zip(&gets) {
+                    *outcome = outcome.and(match get {
+                        Ok(()) => Outcome::Made,
+                        Err(GetMiss::Absent | GetMiss::Corrupt) => Outcome::Gone,
+                        Err(GetMiss::Failed(_)) => Outcome::Failed,
+                    });
                 }
             }
         }
-        made
+        outcomes
     }
 
     /// Where `chunk` of `rank`'s arena starts, or `None` when it lies outside the arena (the

@@ -12,35 +12,40 @@
 //!    which puts each rank's part of each chunk;
 //! 2. promotion ([`TierStorage::promote`]): an `AcquirePrefix` whose prefix stops at a key the
 //!    storage holds takes chunks for it and the held keys after it (a store of the storage
-//!    client: pending, so no lookup answers a hit and no client reads them) and hands them to the
-//!    I/O thread, which gets each rank's part into its chunk; the answer tells the client how
-//!    many keys are coming, and the client asks again later (vLLM's `RETRY`). The I/O thread
-//!    serves reads before writes, and writes go in small jobs, so a read waits for one at most.
-//!    A key counts as coming for [`PROMOTION_PATIENCE`] at most: a storage that hangs costs an
-//!    engine that long, then the key is a miss while the read runs on;
+//!    client: pending, so no lookup answers a hit and no client reads them; charged to the client
+//!    that asked, within its quota) and hands them to the I/O thread, which gets each rank's part
+//!    into its chunk; the answer tells the client how many keys are coming, and the client asks
+//!    again later (vLLM's `RETRY`). The I/O thread serves reads before writes, and writes go in
+//!    small jobs, so a read waits for one at most. A key counts as coming for
+//!    [`PROMOTION_PATIENCE`] at most: a storage that hangs costs an engine that long, then the
+//!    key is a miss while the read runs on;
 //! 3. [`TierStorage::poll`], at each turn of the owner's loop: finished puts let go of their
 //!    pins and count as held, and the next waiting keys go; finished gets make their keys
-//!    loadable, or drop those a rank missed.
+//!    loadable, or drop them: a key absent from the back-end is forgotten, and after a read the
+//!    back-end failed nothing is brought back for [`PROMOTION_BACKOFF`].
 //!
 //! What the storage holds is known from the back-end's listing when the owner starts and from
-//! the puts it made since; a key the back-end dropped on its own since (its LRU when full, a
-//! Redis expiry) costs one promotion that misses, and is then forgotten. A stored block is named
-//! by the XXH3-128 of its key seeded with the tier identity's digest, in a namespace of that
-//! digest: tiers of other blocks never read each other's.
+//! the puts it made since, up to the storage's capacity (`held.rs`). A stored block is named by
+//! the XXH3-128 of its key seeded with the tier identity's digest, in a namespace of that digest:
+//! tiers of other blocks never read each other's. A stopping owner drains what waits
+//! ([`TierStorage::drain`]), then stops the thread between two jobs.
 
+mod held;
 mod io;
+mod stats;
 
+use kvshm_ipc::sync::{AtomicBool, Ordering};
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::tier_control::STORAGE_FIGURES;
-use serde::Serialize;
 
-use self::io::{Batch, Done, IoThread, Job};
+use self::held::Held;
+use self::io::{Batch, Done, IoThread, Job, Outcome};
+pub use self::stats::TierStorageStats;
 use super::{ClientId, SharedTierError, SharedTierIndex};
 use crate::hash::BlockHash;
 use crate::offload::key::{BuildPassThrough, OffloadKey};
@@ -61,6 +66,10 @@ const PUT_JOB_KEYS: usize = 16;
 /// of it are misses, and the engine computes the block, while the read runs on.
 const PROMOTION_PATIENCE: Duration = Duration::from_secs(1);
 
+/// How long nothing is brought back after the back-end failed a read (a timeout, a server
+/// away).
+const PROMOTION_BACKOFF: Duration = Duration::from_secs(1);
+
 /// The storage client's request name in the index (its calls end the request at once).
 const REQUEST: &str = "storage";
 
@@ -79,72 +88,6 @@ pub enum TierStorageError {
     Tier(#[from] SharedTierError),
 }
 
-/// What the storage tier has done and has in flight, for the owner's log and `kvctl tier` (the
-/// owner publishes it in the tier's control object as words: `StorageStats`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct TierStorageStats {
-    /// Keys every rank's storage held when the owner started, and known to be held now.
-    pub held_at_start: u64,
-    pub held: u64,
-    /// Keys being written, waiting to be written, being brought back.
-    pub writing: u64,
-    pub waiting: u64,
-    pub promoting: u64,
-    /// Keys written through, and those a rank failed to write.
-    pub puts: u64,
-    pub puts_failed: u64,
-    /// Keys dropped unwritten from a queue of writes longer than the tier (the storage is
-    /// behind).
-    pub puts_skipped: u64,
-    /// Keys brought back into the arenas, and those a rank no longer had.
-    pub promoted: u64,
-    pub promotions_missed: u64,
-    /// Promotions that found no chunk to evict.
-    pub promotions_refused: u64,
-}
-
-impl TierStorageStats {
-    /// The words the owner publishes, in the fields' order (the rest zero).
-    pub fn to_words(&self) -> [u64; STORAGE_FIGURES] {
-        let figures = [
-            self.held_at_start,
-            self.held,
-            self.writing,
-            self.waiting,
-            self.promoting,
-            self.puts,
-            self.puts_failed,
-            self.puts_skipped,
-            self.promoted,
-            self.promotions_missed,
-            self.promotions_refused,
-        ];
-        let mut words = [0; STORAGE_FIGURES];
-        words[..figures.len()].copy_from_slice(&figures);
-        words
-    }
-
-    /// The figures [`TierStorageStats::to_words`] published.
-    pub fn from_words(words: &[u64; STORAGE_FIGURES]) -> TierStorageStats {
-        // A struct expression evaluates its fields in the order written: `to_words`' order.
-        let mut words = words.iter().copied();
-        let mut next = || words.next().unwrap_or_default();
-        TierStorageStats {
-            held_at_start: next(),
-            held: next(),
-            writing: next(),
-            waiting: next(),
-            promoting: next(),
-            puts: next(),
-            puts_failed: next(),
-            puts_skipped: next(),
-            promoted: next(),
-            promotions_missed: next(),
-            promotions_refused: next(),
-        }
-    }
-}
-
 /// The storage tier below one shared tier, as its owner runs it (module flow).
 pub struct TierStorage {
     client: ClientId,
@@ -152,12 +95,19 @@ pub struct TierStorage {
     jobs: Option<mpsc::Sender<Job>>,
     done: mpsc::Receiver<Done>,
     thread: Option<JoinHandle<()>>,
-    /// What the storage holds (stored names).
-    held: HashSet<BlockHash>,
+    /// Set when the owner stops: the thread drops the jobs it has not started.
+    stop: Arc<AtomicBool>,
+    /// What the storage holds, as far as the owner knows (`held.rs`).
+    held: Held,
     /// Keys being brought back (since when), and keys being written (pinned).
     promoting: HashMap<OffloadKey, Instant, BuildPassThrough>,
     writing: HashSet<OffloadKey, BuildPassThrough>,
+    /// The most keys being written (a quarter of the tier), and being brought back (half), at
+    /// once.
     max_writing: usize,
+    max_promoting: usize,
+    /// After a read the back-end failed, nothing more is brought back until then.
+    promotions_paused_until: Option<Instant>,
     /// Keys waiting to be written, oldest first (and as a set).
     to_write: VecDeque<OffloadKey>,
     waiting: HashSet<OffloadKey, BuildPassThrough>,
@@ -217,18 +167,25 @@ impl TierStorage {
                 .map_err(|source| TierStorageError::Open { rank, source })?;
             backends.push(backend);
         }
-        let held: HashSet<BlockHash> = match list(&options, &layout) {
-            Ok(held) => held.into_iter().collect(),
-            Err(error) => {
+        let capacity = options.capacity_blocks.unwrap_or(1) as usize;
+        let held = Held::new(
+            capacity,
+            list(&options, &layout).unwrap_or_else(|error| {
                 // A cache that cannot say what it holds still takes writes: start knowing nothing.
                 tracing::warn!(%error, "what the storage holds could not be listed");
-                HashSet::new()
-            }
-        };
+                Vec::new()
+            }),
+        );
         let client = index.attach(&identity, REQUEST, None)?;
         let (jobs, to_thread) = mpsc::channel();
         let (from_thread, done) = mpsc::channel();
-        let io = IoThread { arenas, backends, chunk_bytes: chunk_bytes as usize };
+        let stop = Arc::new(AtomicBool::new(false));
+        let io = IoThread {
+            arenas,
+            backends,
+            chunk_bytes: chunk_bytes as usize,
+            stop: Arc::clone(&stop),
+        };
         let thread = std::thread::Builder::new()
             .name("tier-storage".into())
             .spawn(move || io.run(&to_thread, &from_thread))
@@ -244,10 +201,13 @@ impl TierStorage {
             jobs: Some(jobs),
             done,
             thread: Some(thread),
+            stop,
             held,
             promoting: HashMap::default(),
             writing: HashSet::default(),
             max_writing: (chunks as usize / 4).max(1),
+            max_promoting: (chunks as usize / 2).max(1),
+            promotions_paused_until: None,
             to_write: VecDeque::new(),
             waiting: HashSet::default(),
             max_waiting: (chunks as usize).max(1),
@@ -295,18 +255,17 @@ impl TierStorage {
         self.write_waiting(index);
     }
 
-    /// Hands the I/O thread as many waiting keys as may be written now: those still loadable and
-    /// not on storage, pinned for the storage client.
+    /// Hands the I/O thread as many waiting keys as may be written now: those still loadable,
+    /// pinned for the storage client.
     fn write_waiting(&mut self, index: &mut SharedTierIndex) {
         let room = self.max_writing.saturating_sub(self.writing.len());
         let mut batch: Vec<OffloadKey> = Vec::new();
         while batch.len() < room {
             let Some(key) = self.to_write.pop_front() else { break };
             self.waiting.remove(&key);
-            if index.peek(&key) == LookupResult::Hit
-                && !self.writing.contains(&key)
-                && !self.held.contains(&self.stored_name(&key))
-            {
+            // A key the storage may hold already is written again: a put of a block stored is
+            // cheap (its name is its content), and the owner's knowledge of it may be stale.
+            if index.peek(&key) == LookupResult::Hit && !self.writing.contains(&key) {
                 batch.push(key);
             }
         }
@@ -333,24 +292,30 @@ impl TierStorage {
         }
     }
 
-    /// Module flow, step 2: after an `AcquirePrefix` of `keys` pinned its first `hits`, brings
-    /// back the keys after them that the storage holds (those already coming included); returns
-    /// how many of the keys after the hits are coming. `stores_allowed` is false during the
-    /// owner's takeover grace: no chunk may be written then.
+    /// Module flow, step 2: after an `AcquirePrefix` of `asker` for `keys` pinned their first
+    /// `hits`, brings back the keys after them that the storage holds (those already coming
+    /// included); returns how many of the keys after the hits are coming. The chunks are charged
+    /// to `asker`, within its quota. `stores_allowed` is false during the owner's takeover grace:
+    /// no chunk may be written then. At most half the tier is being brought back at once, and
+    /// nothing for a while after the back-end failed a read.
     pub fn promote(
         &mut self,
         index: &mut SharedTierIndex,
+        asker: ClientId,
         keys: &[OffloadKey],
         hits: usize,
         stores_allowed: bool,
     ) -> u32 {
-        let mut coming = 0;
+        let paused = self.promotions_paused_until.is_some_and(|until| Instant::now() < until);
+        let room = self.max_promoting.saturating_sub(self.promoting.len()).min(MAX_PROMOTED);
+        let (mut coming, mut started) = (0, 0);
         let mut first_new = None;
         for key in &keys[hits.min(keys.len())..] {
             let state = index.peek(key);
             let new = state == LookupResult::Miss
                 && stores_allowed
-                && coming < MAX_PROMOTED
+                && !paused
+                && started < room
                 && self.held.contains(&self.stored_name(key));
             let coming_back =
                 self.promoting.get(key).is_some_and(|since| since.elapsed() < PROMOTION_PATIENCE);
@@ -361,11 +326,14 @@ impl TierStorage {
             if new && first_new.is_none() {
                 first_new = Some(coming);
             }
+            started += usize::from(new);
             coming += 1;
         }
         let Some(coming_before) = first_new else { return coming as u32 };
         let end = hits + coming;
-        let stored = index.prepare_store(self.client, REQUEST, &keys[..end], &mut self.prepared);
+        // Charged to the client that asked, within its quota: bringing blocks back is its store.
+        let stored =
+            index.prepare_store_for(self.client, asker, REQUEST, &keys[..end], &mut self.prepared);
         let _ = index.finish_request(self.client, REQUEST);
         match stored {
             Ok(true) => {}
@@ -394,26 +362,54 @@ impl TierStorage {
         coming as u32
     }
 
-    /// Hands `job` to the I/O thread; a thread that is gone (it cannot be, short of a panic
-    /// there) has the job undone as failed.
+    /// Hands `job` to the I/O thread; with the thread gone (it cannot be, short of a panic
+    /// there), the job fails, and so does everything in flight.
     fn send(&mut self, index: &mut SharedTierIndex, job: Job) {
-        let Some(jobs) = &self.jobs else { return };
+        let Some(jobs) = &self.jobs else {
+            self.fail(index, job);
+            return;
+        };
         if let Err(mpsc::SendError(job)) = jobs.send(job) {
-            tracing::warn!("the storage thread is gone: the tier goes on without its storage");
-            self.jobs = None;
-            let (put, batch) = match job {
-                Job::Put(batch) => (true, batch),
-                Job::Get(batch) => (false, batch),
-            };
-            let keys = batch.into_iter().map(|(key, _, _)| (key, false)).collect();
-            self.finish(index, Done { put, keys });
+            self.fail(index, job);
+            self.thread_gone(index);
         }
+    }
+
+    /// Finishes `job` as failed on every key, without I/O.
+    fn fail(&mut self, index: &mut SharedTierIndex, job: Job) {
+        let (put, batch) = match job {
+            Job::Put(batch) => (true, batch),
+            Job::Get(batch) => (false, batch),
+        };
+        let keys = batch.into_iter().map(|(key, _, _)| (key, Outcome::Failed)).collect();
+        self.finish(index, Done { put, keys });
+    }
+
+    /// The I/O thread is gone (it panicked): no job runs any more, so what it had is failed
+    /// (its pins go, its promotions are dropped) and the tier goes on without its storage.
+    fn thread_gone(&mut self, index: &mut SharedTierIndex) {
+        if self.jobs.take().is_some() {
+            tracing::warn!("the storage thread is gone: the tier goes on without its storage");
+        }
+        let writing: Batch = self.writing.iter().map(|&key| (key, BlockHash(0), 0)).collect();
+        let promoting: Batch = self.promoting.keys().map(|&key| (key, BlockHash(0), 0)).collect();
+        self.fail(index, Job::Put(writing));
+        self.fail(index, Job::Get(promoting));
+        self.to_write.clear();
+        self.waiting.clear();
     }
 
     /// Module flow, step 3: finishes the jobs the I/O thread has done.
     pub fn poll(&mut self, index: &mut SharedTierIndex) {
-        while let Ok(done) = self.done.try_recv() {
-            self.finish(index, done);
+        loop {
+            match self.done.try_recv() {
+                Ok(done) => self.finish(index, done),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    self.thread_gone(index);
+                    return;
+                }
+            }
         }
         self.write_waiting(index);
     }
@@ -423,22 +419,26 @@ impl TierStorage {
     pub fn drain(&mut self, index: &mut SharedTierIndex, limit: Duration) {
         let deadline = Instant::now() + limit;
         self.write_waiting(index);
-        while self.busy() {
+        while self.busy() && self.jobs.is_some() {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.done.recv_timeout(left) {
                 Ok(done) => self.finish(index, done),
-                Err(_) => break,
+                Err(mpsc::RecvTimeoutError::Timeout) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => self.thread_gone(index),
             }
             self.write_waiting(index);
         }
     }
 
     fn finish(&mut self, index: &mut SharedTierIndex, done: Done) {
-        let (made, missed): (Vec<_>, Vec<_>) = done.keys.iter().partition(|(_, made)| *made);
-        let made: Vec<OffloadKey> = made.into_iter().map(|&(key, _)| key).collect();
-        let missed: Vec<OffloadKey> = missed.into_iter().map(|&(key, _)| key).collect();
+        let keys_of = |wanted: &[Outcome]| -> Vec<OffloadKey> {
+            let keys = done.keys.iter().filter(|(_, outcome)| wanted.contains(outcome));
+            keys.map(|&(key, _)| key).collect()
+        };
+        let (made, gone, failed) =
+            (keys_of(&[Outcome::Made]), keys_of(&[Outcome::Gone]), keys_of(&[Outcome::Failed]));
+        let all: Vec<OffloadKey> = done.keys.iter().map(|&(key, _)| key).collect();
         if done.put {
-            let all: Vec<OffloadKey> = done.keys.iter().map(|&(key, _)| key).collect();
             if let Err(error) = index.release_loads(self.client, &all) {
                 tracing::warn!(%error, "the storage client's pins of a write could not go");
             }
@@ -449,25 +449,34 @@ impl TierStorage {
                 self.held.insert(self.stored_name(key));
             }
             self.stats.puts += made.len() as u64;
-            self.stats.puts_failed += missed.len() as u64;
-        } else {
-            let _ = index.complete_store(self.client, &made, true);
-            let _ = index.complete_store(self.client, &missed, false);
-            for key in done.keys.iter().map(|(key, _)| key) {
-                self.promoting.remove(key);
-            }
-            for key in &missed {
-                self.held.remove(&self.stored_name(key));
-            }
-            self.stats.promoted += made.len() as u64;
-            self.stats.promotions_missed += missed.len() as u64;
+            self.stats.puts_failed += (gone.len() + failed.len()) as u64;
+            return;
         }
+        let _ = index.complete_store(self.client, &made, true);
+        let _ =
+            index.complete_store(self.client, &keys_of(&[Outcome::Gone, Outcome::Failed]), false);
+        for key in &all {
+            self.promoting.remove(key);
+        }
+        // Absent or damaged: the back-end does not hold it. Failed: it may; nothing more is
+        // brought back for a while, so that a storage away costs no more evictions for nothing.
+        for key in &gone {
+            self.held.forget(&self.stored_name(key));
+        }
+        if !failed.is_empty() {
+            self.promotions_paused_until = Some(Instant::now() + PROMOTION_BACKOFF);
+        }
+        self.stats.promoted += made.len() as u64;
+        self.stats.promotions_missed += gone.len() as u64;
+        self.stats.promotions_failed += failed.len() as u64;
     }
 }
 
 impl Drop for TierStorage {
     fn drop(&mut self) {
-        // The thread finishes the jobs it has (they are short) and ends when the channel closes.
+        // The thread drops the jobs it has not started and ends: a stop waits for one job at
+        // most. Relaxed: the join orders what matters.
+        self.stop.store(true, Ordering::Relaxed);
         self.jobs = None;
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -492,28 +501,4 @@ fn list(options: &StorageOptions, layout: &BlockLayout) -> Result<Vec<BlockHash>
         .map_err(|error| error.to_string())?,
     };
     Ok(blocks.into_iter().map(|block| block.hash).collect())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The figures come back from the words the owner publishes, each in its own field.
-    #[test]
-    fn the_published_words_give_back_every_figure() {
-        let stats = TierStorageStats {
-            held_at_start: 1,
-            held: 2,
-            writing: 3,
-            waiting: 4,
-            promoting: 5,
-            puts: 6,
-            puts_failed: 7,
-            puts_skipped: 8,
-            promoted: 9,
-            promotions_missed: 10,
-            promotions_refused: 11,
-        };
-        assert_eq!(TierStorageStats::from_words(&stats.to_words()), stats);
-    }
 }
