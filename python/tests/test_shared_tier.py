@@ -413,7 +413,7 @@ def test_a_block_on_the_storage_tier_is_retried_until_it_is_back(tier: str, tmp_
     ensure_tier_owner(
         tier,
         IDENTITY,
-        chunks=4,
+        chunks=8,
         ranks=1,
         arena_block_bytes=2 * PAGE,
         idle_exit_s=600,
@@ -429,13 +429,13 @@ def test_a_block_on_the_storage_tier_is_retried_until_it_is_back(tier: str, tmp_
         return len(stored) == len(keys)
 
     assert store([_key(1), _key(2), _key(3)], "a")
-    # Storing 5..8 evicts 1..3, once they are written to disk (until then they are pinned).
+    # Storing 5..12 evicts 1..3, once they are written to disk (until then they are pinned).
     deadline = time.monotonic() + 10
-    while not store([_key(n) for n in (5, 6, 7, 8)], "b"):
+    while not store([_key(n) for n in range(5, 13)], "b"):
         assert time.monotonic() < deadline, "the writes to disk never finished"
         time.sleep(0.01)
 
-    keys = [_key(n) for n in (1, 2, 3, 9)]
+    keys = [_key(n) for n in (1, 2, 3, 99)]
     context = SimpleNamespace(
         req_id="c", _offload_key_positions={key: at for at, key in enumerate(keys)}
     )
@@ -443,7 +443,7 @@ def test_a_block_on_the_storage_tier_is_retried_until_it_is_back(tier: str, tmp_
     def calls() -> int:
         return sum(client["calls"] for client in _kvshm.shared_tier_clients(tier))
 
-    # Bringing 1..3 back takes chunks that 5..8's writes may still pin: until they are done,
+    # Bringing 1..3 back takes chunks that 5..12's writes may still pin: until they are done,
     # the owner cannot make room, and the lookup is a miss.
     while loader.lookup(keys[0], context) != "RETRY":
         assert time.monotonic() < deadline, "key 1 never started coming back"
