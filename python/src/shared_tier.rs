@@ -525,17 +525,17 @@ fn following_keys(context: &Bound<'_, PyAny>, key: OffloadKey) -> PyResult<Vec<O
         return Ok(vec![key]);
     };
     // A key's group is its last four bytes (vLLM's keys: block hash, then the group index).
-    let group = |key: &OffloadKey| {
-        let bytes = key.as_bytes();
-        bytes[bytes.len().saturating_sub(4)..].to_vec()
-    };
-    let own_group = group(&key);
+    const GROUP_BYTES: usize = 4;
+    let own_group = key.chain_tag(GROUP_BYTES);
     let mut after: Vec<(u64, OffloadKey)> = Vec::new();
     for (other, position) in table.iter() {
-        let (Ok(other), Ok(position)) = (key_of(&other), position.extract::<u64>()) else {
+        // The position first: a key at or before `start` is not read at all.
+        let Ok(position) = position.extract::<u64>() else { continue };
+        if position <= start {
             continue;
-        };
-        if position > start && group(&other) == own_group {
+        }
+        let Ok(other) = key_of(&other) else { continue };
+        if other.chain_tag(GROUP_BYTES) == own_group {
             after.push((position, other));
         }
     }

@@ -8,8 +8,8 @@
 //!    refusal that is an error), a slot claimed, the channel's client end, a pidfd on the owner;
 //! 2. write every call's keys into the key page, push one record per call and the batch's end,
 //!    ring the owner;
-//! 3. wait for the batch's end, in slices, checking the owner's process between them, until
-//!    `answer_deadline`; read each answer's entries;
+//! 3. wait for the batch's end, in slices, checking the owner's process after each slice that
+//!    passed without it, until `answer_deadline`; read each answer's entries;
 //! 4. when the owner is gone (its process exited, or no answer by the deadline), drop the
 //!    connection and answer the batch itself: no key is a hit, nothing is to be stored.
 //!
@@ -426,21 +426,25 @@ impl TierClient {
         let channel = &mut connection.channel;
         channel.write_keys(0, &self.wire_keys).map_err(|error| error.to_string())?;
         channel.send(&self.records).map_err(|error| error.to_string())?;
-        // Step 3: wait for the batch's end.
+        // Step 3: wait for the batch's end. The owner's process is checked (a system call) only
+        // once a slice has passed without it: an answer within the spin costs no more.
         self.answers.clear();
         let deadline = Instant::now() + self.options.answer_deadline;
         let slice = Duration::from_millis(10);
-        while self.answers.last().is_none_or(|answer| answer.call != end_call) {
+        loop {
+            let until = deadline.min(Instant::now() + slice);
+            channel
+                .wait_answers(&mut self.answers, WaitPolicy::default(), until)
+                .map_err(|error| error.to_string())?;
+            if self.answers.last().is_some_and(|answer| answer.call == end_call) {
+                break;
+            }
             if !connection.owner.is_alive() {
                 return Err("the owner's process exited".to_owned());
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if Instant::now() >= deadline {
                 return Err("no answer by the deadline".to_owned());
             }
-            channel
-                .wait_answers(&mut self.answers, WaitPolicy::default(), deadline.min(now + slice))
-                .map_err(|error| error.to_string())?;
         }
         let mut by_call = self.answers.iter().filter(|answer| answer.call < end_call);
         let mut next_answer = by_call.next();
