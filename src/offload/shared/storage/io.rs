@@ -151,44 +151,62 @@ impl IoThread {
         NonNull::new(unsafe { arena.data_ptr().add(offset) })
     }
 
-    fn put(&mut self, rank: usize, batch: &Batch, outcomes: &mut Vec<PutOutcome>) {
-        let mut blocks = Vec::with_capacity(batch.len());
+    /// The start of each key's chunk on `rank`, in batch order, and the positions of the keys
+    /// whose chunk lies outside the arena (none, short of a programming error).
+    fn chunk_starts(
+        &self,
+        rank: usize,
+        batch: &Batch,
+    ) -> (Vec<(BlockHash, NonNull<u8>)>, Vec<usize>) {
+        let mut starts = Vec::with_capacity(batch.len());
         let mut outside = Vec::new();
         for (at, &(_, hash, chunk)) in batch.iter().enumerate() {
-            let Some(start) = self.chunk_start(rank, chunk) else {
-                outside.push(at);
-                continue;
-            };
-            // SAFETY: the chunk lies in this thread's mapping of the arena, alive for the call
-            // (`chunk_start`). No process writes it while the put reads it: the owner pinned its
-            // key for the storage client before handing the job over, and a pinned key's chunk
-            // is never handed to a store (the index's rule); clients only write chunks handed to
-            // their stores.
-            let bytes = unsafe { BlockBytes::from_raw(start, self.chunk_bytes) };
-            blocks.push(PutBlock { key: BlockKey::new(hash, BlockHash(0), 0), bytes });
+            match self.chunk_start(rank, chunk) {
+                Some(start) => starts.push((hash, start)),
+                None => outside.push(at),
+            }
         }
+        (starts, outside)
+    }
+
+    fn put(&mut self, rank: usize, batch: &Batch, outcomes: &mut Vec<PutOutcome>) {
+        let (starts, outside) = self.chunk_starts(rank, batch);
+        let blocks: Vec<PutBlock<'_>> = starts
+            .into_iter()
+            .map(|(hash, start)| {
+                // SAFETY: the chunk lies in this thread's mapping of the arena, alive for the call
+                // (`chunk_start`). No process writes it while the put reads it: the owner pinned
+                // its key for the storage client before handing the job over, and a pinned key's
+                // chunk is never handed to a store (the index's rule); clients only write chunks
+                // handed to their stores.
+                let bytes = unsafe { BlockBytes::from_raw(start, self.chunk_bytes) };
+                PutBlock { key: BlockKey::new(hash, BlockHash(0), 0), bytes }
+            })
+            .collect();
         self.backends[rank].put(&blocks, outcomes);
         spread(outcomes, &outside, Err(crate::storage::Failure::Io("outside the arena".into())));
     }
 
     fn get(&mut self, rank: usize, batch: &Batch, outcomes: &mut Vec<GetOutcome>) {
-        let mut blocks = Vec::with_capacity(batch.len());
-        let mut outside = Vec::new();
-        for (at, &(_, hash, chunk)) in batch.iter().enumerate() {
-            let Some(start) = self.chunk_start(rank, chunk) else {
-                outside.push(at);
-                continue;
-            };
-            // SAFETY: the chunk lies in this thread's mapping of the arena, alive for the call
-            // (`chunk_start`). Nothing else reads or writes it meanwhile: its key is a pending
-            // store of the storage client, so no lookup answers a hit for it and no other store
-            // gets its chunk (the index's rule); each chunk is named once in a batch, since the
-            // index hands a chunk to one key.
-            let dest = unsafe { BlockBytesMut::from_raw(start, self.chunk_bytes) };
-            blocks.push(GetBlock { hash, dest });
-        }
+        let (starts, outside) = self.chunk_starts(rank, batch);
+        let mut blocks: Vec<GetBlock<'_>> = starts
+            .into_iter()
+            .map(|(hash, start)| {
+                // SAFETY: the chunk lies in this thread's mapping of the arena, alive for the call
+                // (`chunk_start`). Nothing else reads or writes it meanwhile: its key is a pending
+                // store of the storage client, so no lookup answers a hit for it and no other
+                // store gets its chunk (the index's rule); each chunk is named once in a batch,
+                // since the index hands a chunk to one key.
+                let dest = unsafe { BlockBytesMut::from_raw(start, self.chunk_bytes) };
+                GetBlock { hash, dest }
+            })
+            .collect();
         self.backends[rank].get(&mut blocks, outcomes);
-        spread(outcomes, &outside, Err(GetMiss::Absent));
+        spread(
+            outcomes,
+            &outside,
+            Err(GetMiss::Failed(crate::storage::Failure::Io("outside the arena".into()))),
+        );
     }
 }
 
