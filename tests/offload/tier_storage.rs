@@ -1,7 +1,9 @@
-//! The storage tier below a shared tier (`TierStorage`), in process over a disk slab, the index
-//! checked after every step: what the owner believes the storage holds stays within its
-//! capacity, and a key the disk made room for is neither brought back for nothing nor kept from
-//! being written again; a client at its quota brings blocks back only in place of its own.
+//! The storage tier below a shared tier (`TierStorage`), in process over a disk slab (and a
+//! Redis that hangs), the index checked after every step: what the owner believes the storage
+//! holds stays within its capacity and in the disk's order, so a key the disk made room for is
+//! neither brought back for nothing nor kept from being written again; a client at its quota
+//! brings blocks back only in place of its own, and a promotion outlives the client it was for;
+//! a hung storage costs no more evictions.
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +13,7 @@ use kvshm::offload::{OffloadConfig, OffloadKey, SharedTierIndex, TierIdentity};
 use kvshm::storage::spec::{StorageOptions, StorageSpec};
 use kvshm_ipc::name::SegmentName;
 
-use crate::support::{unique_name, Scratch};
+use crate::support::{unique_name, RedisServer, Scratch};
 
 const CHUNKS: u32 = 8;
 const BLOCK_BYTES: u64 = 4096;
@@ -160,4 +162,165 @@ fn a_client_at_its_quota_has_blocks_brought_back_in_place_of_its_own() {
     assert_eq!(rig.loadable([103, 104]), 0);
     let summary = rig.index.client_summary(capped).unwrap();
     assert_eq!(summary.chunks, 2, "the blocks brought back are charged to the client that asked");
+}
+
+/// Empties the arena without writing anything to storage: a client's store of 8 new keys
+/// evicts every key of the tier, then fails.
+fn empty_the_arena(rig: &mut Rig) {
+    let flusher = rig.index.attach(&identity(), "flusher", None).unwrap();
+    let keys: Vec<OffloadKey> = (200..208).map(key).collect();
+    let mut out = PreparedStore::default();
+    assert!(rig.index.prepare_store(flusher, "f", &keys, &mut out).unwrap());
+    rig.index.complete_store(flusher, &keys, false).unwrap();
+    rig.index.finish_request(flusher, "f").unwrap();
+    rig.index.release_client(flusher).unwrap();
+    rig.index.check_invariants().unwrap();
+}
+
+/// The owner's guide keeps the disk's order: of a write of 1,2 the disk makes 1 its newest, so a
+/// 2-chunk disk then written 3 drops 2; the owner brings 1 back and answers 2 as a miss, no
+/// promotion missing.
+#[test]
+fn the_guide_orders_a_write_as_the_disk_does() {
+    let mut rig = Rig::new(Some(2));
+    let writer = rig.index.attach(&identity(), "writer", None).unwrap();
+    let reader = rig.index.attach(&identity(), "reader", None).unwrap();
+    rig.store(writer, "a", &[1, 2]);
+    rig.settle();
+    rig.store(writer, "b", &[3]);
+    rig.settle();
+    empty_the_arena(&mut rig);
+    assert_eq!(rig.acquire(reader, "r1", &[1]), (0, 1));
+    rig.settle();
+    assert_eq!(rig.acquire(reader, "r2", &[2]), (0, 0));
+    assert_eq!(rig.storage().stats().promotions_missed, 0);
+}
+
+/// A block read back is the disk's newest, and the owner's: of 1 (read back since) and 2, a
+/// write of 3 drops 2.
+#[test]
+fn the_guide_counts_a_read_as_a_use() {
+    let mut rig = Rig::new(Some(2));
+    let writer = rig.index.attach(&identity(), "writer", None).unwrap();
+    let reader = rig.index.attach(&identity(), "reader", None).unwrap();
+    rig.store(writer, "a", &[1]);
+    rig.settle();
+    rig.store(writer, "b", &[2]);
+    rig.settle();
+    empty_the_arena(&mut rig);
+    assert_eq!(rig.acquire(reader, "r0", &[1]), (0, 1));
+    rig.settle();
+    rig.store(writer, "c", &[3]);
+    rig.settle();
+    empty_the_arena(&mut rig);
+    assert_eq!(rig.acquire(reader, "r2", &[2]), (0, 0), "dropped by the disk");
+    assert_eq!(rig.acquire(reader, "r1", &[1]), (0, 1));
+    rig.settle();
+    assert_eq!(rig.storage().stats().promotions_missed, 0);
+}
+
+/// A new owner lists what the disk holds oldest written first, whichever order the hashes
+/// sort in: the one the disk drops next is the one it forgets.
+#[test]
+fn a_new_owner_lists_the_disk_oldest_written_first() {
+    for (first, second) in [(1u8, 2u8), (2, 1)] {
+        let mut rig = Rig::new(Some(2));
+        let writer = rig.index.attach(&identity(), "writer", None).unwrap();
+        let reader = rig.index.attach(&identity(), "reader", None).unwrap();
+        rig.store(writer, "a", &[first]);
+        rig.settle();
+        rig.store(writer, "b", &[second]);
+        rig.settle();
+        drop(rig.storage.take());
+        let mut options = StorageOptions::new(StorageSpec::Disk { dir: rig._scratch.0.clone() });
+        options.capacity_blocks = Some(2);
+        let storage = TierStorage::open(&rig.name, 1, CHUNKS, &options, &mut rig.index).unwrap();
+        rig.storage = Some(storage);
+        assert_eq!(rig.storage().stats().held_at_start, 2);
+        rig.store(writer, "c", &[3]);
+        rig.settle();
+        empty_the_arena(&mut rig);
+        assert_eq!(rig.acquire(reader, "r1", &[first]), (0, 0), "{first} then {second}");
+        assert_eq!(rig.acquire(reader, "r2", &[second]), (0, 1), "{first} then {second}");
+        rig.settle();
+    }
+}
+
+/// A client whose quota is below the run of keys on storage gets as many back as its quota
+/// allows, not none.
+#[test]
+fn a_client_with_a_small_quota_gets_what_its_quota_allows() {
+    let mut rig = Rig::new(None);
+    let capped = rig.index.attach(&identity(), "capped", Some(2)).unwrap();
+    rig.store(capped, "a", &[1, 2]);
+    rig.settle();
+    rig.store(capped, "b", &[3, 4]);
+    rig.settle();
+    rig.store(capped, "c", &[5, 6]);
+    rig.settle();
+    assert_eq!(rig.acquire(capped, "r", &[1, 2, 3, 4]), (0, 2));
+    rig.settle();
+    assert_eq!(rig.loadable([1, 2]), 2);
+}
+
+/// The client a promotion is charged to leaves, and a new client takes its slot: the chunks are
+/// charged to no one, the new client to nothing; the storer released mid-promotion gives back
+/// the charge it made for another.
+#[test]
+fn a_promotion_outlives_the_client_it_was_for() {
+    let mut rig = Rig::new(None);
+    let writer = rig.index.attach(&identity(), "writer", None).unwrap();
+    rig.store(writer, "a", &[1, 2]);
+    rig.settle();
+    empty_the_arena(&mut rig);
+    let asker = rig.index.attach(&identity(), "asker", Some(4)).unwrap();
+    assert_eq!(rig.acquire(asker, "r", &[1, 2]), (0, 2));
+    rig.index.release_client(asker).unwrap();
+    rig.index.check_invariants().unwrap();
+    let next = rig.index.attach(&identity(), "next", Some(4)).unwrap();
+    assert_eq!(next.slot, asker.slot);
+    rig.settle();
+    assert_eq!(rig.loadable([1, 2]), 2);
+    assert_eq!(rig.index.client_summary(next).unwrap().chunks, 0);
+    assert_eq!(rig.index.owner_of(&key(1)), None);
+
+    let mut index = SharedTierIndex::new(identity(), OffloadConfig::new(CHUNKS)).unwrap();
+    let storer = index.attach(&identity(), "storage", None).unwrap();
+    let asker = index.attach(&identity(), "asker", None).unwrap();
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store_for(storer, asker, "s", &[key(1)], &mut out).unwrap());
+    index.check_invariants().unwrap();
+    index.release_client(storer).unwrap();
+    index.check_invariants().unwrap();
+    assert_eq!(index.client_summary(asker).unwrap().chunks, 0);
+}
+
+/// A Redis that hangs: once a read has been out past the promotion patience, the storage counts
+/// as away and nothing more is brought back (no live block evicted for a read that would fail),
+/// before the first read has even timed out.
+#[test]
+fn a_hung_storage_costs_no_more_evictions() {
+    let mut redis = RedisServer::start();
+    let scratch = Scratch::new("tier-storage-rig");
+    let name = unique_name("tier-storage");
+    drop(TierArenas::create_or_adopt(&name, 1, u64::from(CHUNKS), BLOCK_BYTES).unwrap());
+    let mut index = SharedTierIndex::new(identity(), OffloadConfig::new(CHUNKS)).unwrap();
+    let options = StorageOptions::new(StorageSpec::Redis { url: redis.url() });
+    let storage = TierStorage::open(&name, 1, CHUNKS, &options, &mut index).unwrap();
+    let mut rig = Rig { _scratch: scratch, name, index, storage: Some(storage) };
+    let writer = rig.index.attach(&identity(), "writer", None).unwrap();
+    let reader = rig.index.attach(&identity(), "reader", None).unwrap();
+    rig.store(writer, "a", &[1, 2, 3, 4]);
+    rig.settle();
+    rig.store(writer, "b", &[11, 12, 13, 14, 15, 16, 17, 18]);
+    rig.settle();
+    redis.pause();
+    assert_eq!(rig.acquire(reader, "r1", &[1]), (0, 1));
+    std::thread::sleep(Duration::from_millis(1300));
+    rig.storage.as_mut().unwrap().poll(&mut rig.index);
+    let second = rig.acquire(reader, "r2", &[2]);
+    let live = rig.loadable(11..=18);
+    redis.resume();
+    rig.settle();
+    assert_eq!((second, live), ((0, 0), 7), "{:?}", rig.storage().stats());
 }

@@ -483,7 +483,12 @@ impl SharedTierIndex {
         let stores: Vec<OffloadKey> = state.stores.iter().copied().collect();
         for key in &stores {
             let chunk = self.manager.chunk_of(key).expect("a pending store is cached");
-            self.owners[chunk as usize] = NO_OWNER;
+            // Charged to another client when the storage tier brought it back for that one.
+            if self.owners[chunk as usize] == client.slot {
+                self.owners[chunk as usize] = NO_OWNER;
+            } else {
+                self.discharge(chunk);
+            }
         }
         self.manager.complete_store(&stores, false);
         for name in &state.requests {

@@ -1,21 +1,23 @@
 //! [`Held`]: the names a storage tier holds, as its owner knows them: what the back-end listed
-//! when the owner started and what it wrote since, at most the back-end's capacity, the oldest
-//! written forgotten first (the order in which a full disk slab makes room).
+//! when the owner started and what it wrote or read since, at most the back-end's capacity, the
+//! least recently used forgotten first, as a full disk slab makes room (a write or a read makes a
+//! block its newest; the owner tells them in the order the slab does).
 //!
-//! It is a guide, not the truth: the back-end may drop a block on its own (its LRU by use, a
-//! Redis expiry), and then one promotion misses and the name is forgotten; a block forgotten
-//! here while the back-end keeps it is written again when an engine stores it again.
+//! It is a guide, not the truth: the back-end may drop a block on its own (a Redis expiry, or
+//! its LRU over a different history), and then one promotion misses and the name is forgotten; a
+//! block forgotten here while the back-end keeps it is written again when an engine stores it
+//! again.
 
 use std::collections::{HashMap, VecDeque};
 
 use crate::hash::BlockHash;
 
-/// The names held, each with the turn it was last written in (module documentation).
+/// The names held, each with the turn it was last used in (module documentation).
 #[derive(Debug)]
 pub(super) struct Held {
     names: HashMap<BlockHash, u64>,
-    /// Names by the turn they were written in, oldest first; an entry whose turn is not its
-    /// name's any more (written again, or forgotten) is skipped.
+    /// Names by the turn they were used in, oldest first; an entry whose turn is not its name's
+    /// any more (used again, or forgotten) is skipped.
     order: VecDeque<(BlockHash, u64)>,
     turn: u64,
     capacity: usize,
@@ -44,7 +46,8 @@ impl Held {
         self.names.contains_key(name)
     }
 
-    /// `name` was written: the newest, and the oldest forgotten past the capacity.
+    /// `name` was written or read: the newest, and the least recently used forgotten past the
+    /// capacity.
     pub fn insert(&mut self, name: BlockHash) {
         self.turn += 1;
         self.names.insert(name, self.turn);
@@ -73,9 +76,9 @@ impl Held {
 mod tests {
     use super::*;
 
-    /// Past its capacity it forgets the oldest written; a name written again is the newest.
+    /// Past its capacity it forgets the least recently used; a name used again is the newest.
     #[test]
-    fn the_oldest_written_go_first_past_the_capacity() {
+    fn the_least_recently_used_go_first_past_the_capacity() {
         let name = |n: u128| BlockHash(n);
         let mut held = Held::new(3, [name(1), name(2)]);
         held.insert(name(3));

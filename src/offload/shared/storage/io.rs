@@ -118,6 +118,10 @@ impl IoThread {
         let (mut puts, mut gets) = (Vec::new(), Vec::new());
         let mut outcomes = vec![Outcome::Made; batch.len()];
         for rank in 0..self.backends.len() {
+            // A stopping owner waits for one rank's part of a job at most.
+            if self.stop.load(Ordering::Relaxed) {
+                return vec![Outcome::Failed; batch.len()];
+            }
             if put {
                 self.put(rank, batch, &mut puts);
                 for (outcome, put) in outcomes.iter_mut().zip(&puts) {

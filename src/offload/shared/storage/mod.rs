@@ -258,6 +258,9 @@ impl TierStorage {
     /// Hands the I/O thread as many waiting keys as may be written now: those still loadable,
     /// pinned for the storage client.
     fn write_waiting(&mut self, index: &mut SharedTierIndex) {
+        if self.jobs.is_none() {
+            return;
+        }
         let room = self.max_writing.saturating_sub(self.writing.len());
         let mut batch: Vec<OffloadKey> = Vec::new();
         while batch.len() < room {
@@ -306,8 +309,18 @@ impl TierStorage {
         hits: usize,
         stores_allowed: bool,
     ) -> u32 {
-        let paused = self.promotions_paused_until.is_some_and(|until| Instant::now() < until);
-        let room = self.max_promoting.saturating_sub(self.promoting.len()).min(MAX_PROMOTED);
+        // A read out past its patience: the storage hangs, as good as failed. Without its
+        // thread, nothing comes back.
+        let paused = self.jobs.is_none()
+            || self.promotions_paused_until.is_some_and(|until| Instant::now() < until)
+            || self.promoting.values().any(|since| since.elapsed() >= PROMOTION_PATIENCE);
+        // At most the asker's quota: more could never be charged to it.
+        let quota = index.client_summary(asker).and_then(|summary| summary.quota);
+        let room = self
+            .max_promoting
+            .saturating_sub(self.promoting.len())
+            .min(MAX_PROMOTED)
+            .min(quota.map_or(usize::MAX, |quota| quota as usize));
         let (mut coming, mut started) = (0, 0);
         let mut first_new = None;
         for key in &keys[hits.min(keys.len())..] {
@@ -397,6 +410,7 @@ impl TierStorage {
         self.fail(index, Job::Get(promoting));
         self.to_write.clear();
         self.waiting.clear();
+        self.held = Held::new(1, []);
     }
 
     /// Module flow, step 3: finishes the jobs the I/O thread has done.
@@ -445,7 +459,8 @@ impl TierStorage {
             for key in &all {
                 self.writing.remove(key);
             }
-            for key in &made {
+            // The disk makes the first of a batch its newest (it touches in reverse order).
+            for key in made.iter().rev() {
                 self.held.insert(self.stored_name(key));
             }
             self.stats.puts += made.len() as u64;
@@ -462,6 +477,10 @@ impl TierStorage {
         // brought back for a while, so that a storage away costs no more evictions for nothing.
         for key in &gone {
             self.held.forget(&self.stored_name(key));
+        }
+        // A block read is the disk's most recently used.
+        for key in made.iter().rev() {
+            self.held.insert(self.stored_name(key));
         }
         if !failed.is_empty() {
             self.promotions_paused_until = Some(Instant::now() + PROMOTION_BACKOFF);
@@ -500,5 +519,8 @@ fn list(options: &StorageOptions, layout: &BlockLayout) -> Result<Vec<BlockHash>
         )
         .map_err(|error| error.to_string())?,
     };
+    // Oldest written first, as the back-end's recency has them (disk; Redis gives none).
+    let mut blocks = blocks;
+    blocks.sort_by_key(|block| block.sequence);
     Ok(blocks.into_iter().map(|block| block.hash).collect())
 }
