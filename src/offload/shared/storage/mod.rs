@@ -16,9 +16,9 @@
 //!    that asked, within its quota) and hands them to the I/O thread, which gets each rank's part
 //!    into its chunk; the answer tells the client how many keys are coming, and the client asks
 //!    again later (vLLM's `RETRY`). The I/O thread serves reads before writes, and writes go in
-//!    small jobs, so a read waits for one at most. A key counts as coming for
-//!    [`PROMOTION_PATIENCE`] at most: a storage that hangs costs an engine that long, then the
-//!    key is a miss while the read runs on;
+//!    small jobs, so a read waits for one at most. A storage that finishes no job for
+//!    [`PROMOTION_PATIENCE`] hangs: the keys coming are then misses while the reads run on, and
+//!    nothing more is brought back until it finishes one;
 //! 3. [`TierStorage::poll`], at each turn of the owner's loop: finished puts let go of their
 //!    pins and count as held, and the next waiting keys go; finished gets make their keys
 //!    loadable, or drop them: a key absent from the back-end is forgotten, and after a read the
@@ -35,7 +35,7 @@ mod io;
 mod stats;
 
 use kvshm_ipc::sync::{AtomicBool, Ordering};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -59,11 +59,14 @@ use crate::storage::spec::{
 /// ask).
 const MAX_PROMOTED: usize = 256;
 
-/// The most keys one write job carries: a read waits for one write job at most.
-const PUT_JOB_KEYS: usize = 16;
+/// The most keys one job carries: a read waits for one write job at most, and a storage that
+/// works shows it at least every this many keys.
+const JOB_KEYS: usize = 16;
 
-/// How long a key being brought back counts as coming: past it (a storage that hangs), lookups
-/// of it are misses, and the engine computes the block, while the read runs on.
+/// How long the storage may go without finishing a job while it has one: past it, it counts as
+/// hung (a stopped Redis, a dead NFS server): the keys being brought back are misses, and the
+/// engine computes the blocks while the reads run on, and nothing more is brought back until a
+/// job finishes. A storage that is slow but works finishes a job within it.
 const PROMOTION_PATIENCE: Duration = Duration::from_secs(1);
 
 /// How long nothing is brought back after the back-end failed a read (a timeout, a server
@@ -99,13 +102,17 @@ pub struct TierStorage {
     stop: Arc<AtomicBool>,
     /// What the storage holds, as far as the owner knows (`held.rs`).
     held: Held,
-    /// Keys being brought back (since when), and keys being written (pinned).
-    promoting: HashMap<OffloadKey, Instant, BuildPassThrough>,
+    /// Keys being brought back, and keys being written (pinned).
+    promoting: HashSet<OffloadKey, BuildPassThrough>,
     writing: HashSet<OffloadKey, BuildPassThrough>,
     /// The most keys being written (a quarter of the tier), and being brought back (half), at
     /// once.
     max_writing: usize,
     max_promoting: usize,
+    /// Jobs handed to the I/O thread and not finished, and when it last finished one (or was
+    /// handed one with none in flight): how the owner tells a storage that hangs.
+    jobs_in_flight: usize,
+    last_progress: Instant,
     /// After a read the back-end failed, nothing more is brought back until then.
     promotions_paused_until: Option<Instant>,
     /// Keys waiting to be written, oldest first (and as a set).
@@ -203,7 +210,9 @@ impl TierStorage {
             thread: Some(thread),
             stop,
             held,
-            promoting: HashMap::default(),
+            promoting: HashSet::default(),
+            jobs_in_flight: 0,
+            last_progress: Instant::now(),
             writing: HashSet::default(),
             max_writing: (chunks as usize / 4).max(1),
             max_promoting: (chunks as usize / 2).max(1),
@@ -290,7 +299,7 @@ impl TierStorage {
             .collect();
         self.writing.extend(pinned.iter().map(|&(key, _, _)| key));
         // In small jobs: a read to bring a block back waits for one at most (`IoThread::run`).
-        for job in pinned.chunks(PUT_JOB_KEYS) {
+        for job in pinned.chunks(JOB_KEYS) {
             self.send(index, Job::Put(job.to_vec()));
         }
     }
@@ -309,11 +318,12 @@ impl TierStorage {
         hits: usize,
         stores_allowed: bool,
     ) -> u32 {
-        // A read out past its patience: the storage hangs, as good as failed. Without its
-        // thread, nothing comes back.
+        // A storage that hangs, or failed a read a moment ago, or has no thread: nothing comes
+        // back, and what was coming is a miss while it hangs.
+        let hung = self.hung();
         let paused = self.jobs.is_none()
-            || self.promotions_paused_until.is_some_and(|until| Instant::now() < until)
-            || self.promoting.values().any(|since| since.elapsed() >= PROMOTION_PATIENCE);
+            || hung
+            || self.promotions_paused_until.is_some_and(|until| Instant::now() < until);
         // At most the asker's quota: more could never be charged to it.
         let quota = index.client_summary(asker).and_then(|summary| summary.quota);
         let room = self
@@ -330,8 +340,7 @@ impl TierStorage {
                 && !paused
                 && started < room
                 && self.held.contains(&self.stored_name(key));
-            let coming_back =
-                self.promoting.get(key).is_some_and(|since| since.elapsed() < PROMOTION_PATIENCE);
+            let coming_back = !hung && self.promoting.contains(key);
             let known = coming_back || (state == LookupResult::Hit && coming > 0);
             if !new && !known {
                 break;
@@ -369,10 +378,16 @@ impl TierStorage {
                 (key, self.stored_name(&key), chunk)
             })
             .collect();
-        let now = Instant::now();
-        self.promoting.extend(job.iter().map(|&(key, _, _)| (key, now)));
-        self.send(index, Job::Get(job));
+        self.promoting.extend(job.iter().map(|&(key, _, _)| key));
+        for part in job.chunks(JOB_KEYS) {
+            self.send(index, Job::Get(part.to_vec()));
+        }
         coming as u32
+    }
+
+    /// Whether the storage hangs: it has a job and finished none for [`PROMOTION_PATIENCE`].
+    fn hung(&self) -> bool {
+        self.jobs_in_flight > 0 && self.last_progress.elapsed() >= PROMOTION_PATIENCE
     }
 
     /// Hands `job` to the I/O thread; with the thread gone (it cannot be, short of a panic
@@ -382,10 +397,26 @@ impl TierStorage {
             self.fail(index, job);
             return;
         };
-        if let Err(mpsc::SendError(job)) = jobs.send(job) {
-            self.fail(index, job);
-            self.thread_gone(index);
+        match jobs.send(job) {
+            Ok(()) => {
+                // The storage's time to finish a job counts from the first it has.
+                if self.jobs_in_flight == 0 {
+                    self.last_progress = Instant::now();
+                }
+                self.jobs_in_flight += 1;
+            }
+            Err(mpsc::SendError(job)) => {
+                self.fail(index, job);
+                self.thread_gone(index);
+            }
         }
+    }
+
+    /// A job the I/O thread finished.
+    fn job_done(&mut self, index: &mut SharedTierIndex, done: Done) {
+        self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
+        self.last_progress = Instant::now();
+        self.finish(index, done);
     }
 
     /// Finishes `job` as failed on every key, without I/O.
@@ -405,7 +436,8 @@ impl TierStorage {
             tracing::warn!("the storage thread is gone: the tier goes on without its storage");
         }
         let writing: Batch = self.writing.iter().map(|&key| (key, BlockHash(0), 0)).collect();
-        let promoting: Batch = self.promoting.keys().map(|&key| (key, BlockHash(0), 0)).collect();
+        let promoting: Batch = self.promoting.iter().map(|&key| (key, BlockHash(0), 0)).collect();
+        self.jobs_in_flight = 0;
         self.fail(index, Job::Put(writing));
         self.fail(index, Job::Get(promoting));
         self.to_write.clear();
@@ -417,7 +449,7 @@ impl TierStorage {
     pub fn poll(&mut self, index: &mut SharedTierIndex) {
         loop {
             match self.done.try_recv() {
-                Ok(done) => self.finish(index, done),
+                Ok(done) => self.job_done(index, done),
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => {
                     self.thread_gone(index);
@@ -436,7 +468,7 @@ impl TierStorage {
         while self.busy() && self.jobs.is_some() {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.done.recv_timeout(left) {
-                Ok(done) => self.finish(index, done),
+                Ok(done) => self.job_done(index, done),
                 Err(mpsc::RecvTimeoutError::Timeout) => break,
                 Err(mpsc::RecvTimeoutError::Disconnected) => self.thread_gone(index),
             }
