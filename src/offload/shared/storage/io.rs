@@ -118,7 +118,8 @@ impl IoThread {
         let (mut puts, mut gets) = (Vec::new(), Vec::new());
         let mut outcomes = vec![Outcome::Made; batch.len()];
         for rank in 0..self.backends.len() {
-            // A stopping owner waits for one rank's part of a job at most.
+            // A stopping owner waits for one rank's part of a job at most. Relaxed, as in `run`:
+            // the flag orders no data, the owner's join does.
             if self.stop.load(Ordering::Relaxed) {
                 return vec![Outcome::Failed; batch.len()];
             }
