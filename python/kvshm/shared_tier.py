@@ -213,11 +213,20 @@ def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
 
 
 #: Starts argv[1:] in a session of its own, its output appended to the file on its stderr, prints
-#: its pid, and exits without waiting for it.
+#: its pid, and exits without waiting for it. The owner serves every engine on the node, so it runs
+#: on any CPU rather than on its starter's: an engine may be pinned (vLLM's CPU workers are, each
+#: to its cores, by its mask and by OpenMP's variables, which a preloaded libgomp obeys in every
+#: process that inherits them), and an owner that shares a busy worker's CPU answers late.
 _LAUNCHER = """
-import subprocess, sys
+import os, subprocess, sys
+pinning = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
+env = {name: value for name, value in os.environ.items() if name not in pinning}
+try:
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+except OSError:
+    pass
 child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr,
-                         stderr=sys.stderr, start_new_session=True)
+                         stderr=sys.stderr, start_new_session=True, env=env)
 print(child.pid)
 """
 

@@ -76,6 +76,30 @@ def test_an_engine_starts_the_owner_once_and_not_as_its_child(tier: str) -> None
     assert _kvshm.shared_tier_clients(tier) == []
 
 
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="pinning needs a second CPU to leave out"
+)
+def test_an_owner_started_by_a_pinned_engine_runs_on_every_cpu(
+    tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM pins each CPU worker to its cores, by its mask and by OpenMP's variables (which
+    vLLM's preloaded libgomp obeys in every process that inherits them). An owner such a worker
+    starts must not stay on that CPU: it would answer every engine only when the worker's
+    computation lets it (1 s late, seen under vLLM)."""
+    every_cpu = os.sched_getaffinity(0)
+    first = min(every_cpu)
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", str(first))
+    monkeypatch.setenv("OMP_PROC_BIND", "true")
+    os.sched_setaffinity(0, {first})
+    try:
+        pid = start(tier)
+    finally:
+        os.sched_setaffinity(0, every_cpu)
+    assert os.sched_getaffinity(pid) == every_cpu
+    environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not [v for v in environment if v.startswith((b"GOMP_CPU_AFFINITY=", b"OMP_PROC_BIND="))]
+
+
 def engine_on(tier: str, segment: str) -> tuple[list[np.ndarray], kvshm.HostTier]:
     """An engine's two KV tensors of 4 blocks and its host tier on shared tier ``tier``."""
     gpu = [np.zeros((4, PAGE), dtype=np.uint8) for _ in range(2)]
