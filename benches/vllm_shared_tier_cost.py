@@ -140,6 +140,7 @@ def replay_shared(
                 totals[name] = totals.get(name, 0) + value
         del managers  # detach before the owner stops
     result["owner_calls_per_request"] = round(totals["owner_calls"] / len(requests), 2)
+    result["owner_waits_per_request"] = round(totals["owner_waits"] / len(requests), 2)
     result["client_stats"] = {k: v for k, v in totals.items() if k != "connected"}
     result["owner_counters"] = owner
     return result

@@ -446,16 +446,18 @@ class VllmSharedTierCore:
     def on_request_finished(self, req_context: Any) -> None: ...
     def on_schedule_end(self, context: Any) -> None:
         """Sends the calls queued for the owner (pins let go, stores done, requests ended)
-        that have waited since the previous step's end."""
+        that have waited since the previous step's end, without waiting for the owner."""
     def has_pending_work(self) -> bool:
-        """Whether calls wait for ``on_schedule_end`` (vLLM keeps stepping while they do)."""
+        """Whether calls wait for ``on_schedule_end``, or for the owner to carry them out (vLLM
+        keeps stepping while they do)."""
     def flush(self) -> None:
-        """Sends the queued calls now."""
+        """Sends the queued calls now, and waits until the owner has carried out every call
+        sent."""
     def take_events(self) -> list[Any]: ...
     def reset_cache(self) -> None: ...
     def stats(self) -> dict[str, int]:
-        """This engine's counters: lookups, lookup_hits, owner_calls (batches waited for),
-        keys_loaded,
+        """This engine's counters: lookups, lookup_hits, owner_calls (batches sent),
+        owner_waits (those waited for), keys_loaded,
         keys_stored, stores_refused, stores_failed, connected (0 or 1)."""
 
 def shared_tier_name(

@@ -22,8 +22,8 @@
 //! wait on the owner. What needs no answer (pins let go, stores done, requests ended) is
 //! queued in the client and goes with the next call that waits. vLLM calls `on_schedule_end`
 //! once a scheduler step, before the step's stores: what has waited a whole step there is sent
-//! on its own, so a call waits at most two steps; `has_pending_work` keeps an idle engine
-//! stepping until the queue is sent.
+//! on its own, without a wait, so a call waits at most two steps; `has_pending_work` keeps an
+//! idle engine stepping until the owner has carried out what was sent.
 //!
 //! While the owner is gone every lookup misses and nothing is stored: vLLM computes what it would
 //! have loaded, so outputs do not change. Pins belong to the connection they were taken on
@@ -451,27 +451,27 @@ impl VllmSharedTierCore {
     }
 
     /// Sends what has been queued since before the last call of it, if no batch has carried it
-    /// since (module flow): vLLM calls it once a scheduler step.
+    /// since (module flow), without waiting for the owner: vLLM calls it once a scheduler step.
     fn on_schedule_end(&mut self, context: &Bound<'_, PyAny>) -> PyResult<()> {
         let _ = context;
         // What was foretold is this step's: vLLM looks a request's keys up within one step.
         self.foretold.clear();
         let (queued_then, batches_then) = self.last_step_end;
         if queued_then && self.client().batches_sent() == batches_then {
-            self.flush()?;
+            self.client().send_queued().map_err(tier_error)?;
         }
         let client = self.client();
         self.last_step_end = (client.has_queued(), client.batches_sent());
         Ok(())
     }
 
-    /// Whether calls are queued: vLLM keeps stepping, and so calling `on_schedule_end`, while
-    /// they are.
+    /// Whether calls are queued, or sent and not yet carried out by the owner: vLLM keeps
+    /// stepping, and so calling `on_schedule_end`, while they are.
     fn has_pending_work(&mut self) -> bool {
-        self.client().has_queued()
+        self.client().has_pending()
     }
 
-    /// Sends what is queued now.
+    /// Sends what is queued now, and waits until the owner has carried out every call sent.
     fn flush(&mut self) -> PyResult<()> {
         self.client().flush().map_err(tier_error)
     }
@@ -485,19 +485,21 @@ impl VllmSharedTierCore {
     /// The tier is every engine's: resetting this engine's cache leaves it as it is.
     fn reset_cache(&self) {}
 
-    /// This engine's counters: lookups and their hits (keys), batches sent to the owner and
-    /// waited for (`owner_calls`), keys loaded
+    /// This engine's counters: lookups and their hits (keys), batches sent to the owner
+    /// (`owner_calls`) and those waited for (`owner_waits`), keys loaded
     /// and stored, stores refused (no chunk given: the tier full, the owner gone or in its grace)
     /// and failed, and whether the owner serves it now.
     fn stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let counters = self.counters;
         let connected = self.connected();
-        let owner_calls = self.client().batches_sent();
+        let (owner_calls, owner_waits) =
+            (self.client().batches_sent(), self.client().batches_waited());
         let stats = PyDict::new(py);
         for (name, value) in [
             ("lookups", counters.lookups),
             ("lookup_hits", counters.lookup_hits),
             ("owner_calls", owner_calls),
+            ("owner_waits", owner_waits),
             ("keys_loaded", counters.keys_loaded),
             ("keys_stored", counters.keys_stored),
             ("stores_refused", counters.stores_refused),

@@ -199,10 +199,12 @@ def _core(tier: str, deadline_s: float = 1.0) -> _kvshm.VllmSharedTierCore:
 
 
 def _step_ends(core: _kvshm.VllmSharedTierCore) -> None:
-    """Two of vLLM's scheduler steps end: what the engine queued is sent."""
+    """vLLM's scheduler steps end while the engine has work pending: what it queued is sent
+    (two steps) and carried out by the owner."""
     core.on_schedule_end(None)
     core.on_schedule_end(None)
-    assert not core.has_pending_work()
+    while core.has_pending_work():
+        core.on_schedule_end(None)
 
 
 def _key(n: int) -> bytes:
@@ -291,9 +293,9 @@ def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: st
     storer.on_schedule_end(None)
     assert storer.has_pending_work(), "sent in the step it was queued in"
     assert loader.lookup(_key(1), _request("b")) == "MISS", "stored before the step's end"
-    storer.on_schedule_end(None)
-    assert not storer.has_pending_work()
+    _step_ends(storer)
     assert storer.stats()["owner_calls"] == waits + 1
+    assert storer.stats()["owner_waits"] == waits, "the step's end waited"
     assert loader.lookup(_key(1), _request("c")) == "HIT"
     assert pins() == 1
 
@@ -308,6 +310,31 @@ def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: st
     assert loader.stats()["owner_calls"] == waits + 1
     assert pins() == 0
     assert not loader.has_pending_work()
+
+
+def test_a_step_end_sends_without_waiting_and_is_pending_until_the_owner_answers(
+    tier: str,
+) -> None:
+    """The calls a step's end sends need no answer: the engine goes on while the owner is
+    stopped, keeps its connection, and has work pending until the owner has carried them out."""
+    pid = start(tier)
+    storer, loader = _core(tier), _core(tier)
+    storer.prepare_store([_key(1)], _request("a"))
+    storer.complete_store([_key(1)], _request("a"))
+    storer.on_request_finished(_request("a"))
+    storer.on_schedule_end(None)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        storer.on_schedule_end(None)  # sends the store's end
+        assert storer.connected, "waited for a stopped owner until it gave up"
+        assert storer.has_pending_work()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    while storer.has_pending_work():
+        time.sleep(0.001)
+    assert storer.connected
+    assert storer.stats()["owner_waits"] == 1  # the prepare_store alone
+    assert loader.lookup(_key(1), _request("b")) == "HIT"
 
 
 def _two_stored_keys_and_a_request_of_four(

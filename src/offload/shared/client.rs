@@ -32,14 +32,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::process_handle::ProcessHandle;
-use kvshm_ipc::tier_control::{
-    AnswerStatus, ClientChannel, ClientClaim, TierAnswer, TierControl, TierOp, TierRequest, WireKey,
-};
+use kvshm_ipc::tier_control::{AnswerStatus, TierAnswer, TierOp, TierRequest, WireKey};
 
 use super::batch::{call_keys, merge_answers, split_calls, CallQueue};
+use super::connection::{AttachFailure, Connection};
 use super::{SharedTierError, TierIdentity};
 use crate::offload::key::OffloadKey;
 
@@ -91,15 +88,6 @@ impl Default for ClientOptions {
     }
 }
 
-/// A live connection to the owner.
-struct Connection {
-    channel: ClientChannel,
-    owner: ProcessHandle,
-    _claim: ClientClaim,
-    /// Last: its mapping outlives the channel's pointers into it.
-    _control: TierControl,
-}
-
 /// An engine instance's side of a shared tier (module flow).
 pub struct TierClient {
     name: SegmentName,
@@ -117,8 +105,9 @@ pub struct TierClient {
     /// Calls with no answer waiting for the next batch; dropped with the connection they were
     /// made on.
     queue: CallQueue,
-    /// Batches sent and waited for.
+    /// Batches sent, and those of them waited for.
     batches: u64,
+    waits: u64,
     // Scratch.
     wire_keys: Vec<WireKey>,
     records: Vec<TierRequest>,
@@ -158,6 +147,7 @@ impl TierClient {
             next_call: first_call_id(),
             queue: CallQueue::default(),
             batches: 0,
+            waits: 0,
             wire_keys: Vec::new(),
             records: Vec::new(),
             answers: Vec::new(),
@@ -184,9 +174,14 @@ impl TierClient {
         self.last_error.as_deref()
     }
 
-    /// How many batches the client sent and waited for: its waits on the owner.
+    /// How many batches the client sent.
     pub fn batches_sent(&self) -> u64 {
         self.batches
+    }
+
+    /// How many of them it waited for: its waits on the owner.
+    pub fn batches_waited(&self) -> u64 {
+        self.waits
     }
 
     /// Queues [`TierCall::ReleaseLoads`] of `keys` for the next batch (module documentation).
@@ -204,20 +199,58 @@ impl TierClient {
         self.queue.finish_request(request);
     }
 
-    /// Whether calls wait for a batch: the engine should [`TierClient::flush`] before it idles.
+    /// Whether calls wait for a batch: the engine should [`TierClient::send_queued`] them
+    /// before it idles.
     pub fn has_queued(&self) -> bool {
         !self.queue.is_empty()
     }
 
-    /// Sends the queued calls, if any, as a batch of their own.
+    /// Sends the queued calls, if any, as a batch of their own, and waits until the owner has
+    /// carried out every call sent.
     ///
     /// # Errors
     /// As [`TierClient::call`].
     pub fn flush(&mut self) -> Result<(), SharedTierError> {
         if self.queue.is_empty() {
+            let answers = &mut self.answers;
+            let awaited = self.connection.as_mut().map(|live| live.await_unanswered(answers));
+            if let Some(Err(reason)) = awaited {
+                self.give_up(reason);
+            }
             return Ok(());
         }
         self.call(&[], &mut Vec::new())
+    }
+
+    /// Sends the queued calls, if any, as a batch of their own without waiting for the owner:
+    /// none needs an answer. The batch's pages stay its own until the owner answers its end,
+    /// which the next batch waits for first; [`TierClient::has_pending`] tells when it has.
+    ///
+    /// # Errors
+    /// As [`TierClient::call`].
+    pub fn send_queued(&mut self) -> Result<(), SharedTierError> {
+        if self.queue.is_empty() {
+            return Ok(());
+        }
+        self.call_waiting(&[], &mut Vec::new(), false)
+    }
+
+    /// Whether calls are queued, or sent and not yet carried out (the owner has not answered
+    /// their batch). It looks at the answers without waiting; a batch still unanswered at its
+    /// deadline, or whose owner exited, ends the connection (module flow, step 4) and is
+    /// pending no more.
+    pub fn has_pending(&mut self) -> bool {
+        if !self.queue.is_empty() {
+            return true;
+        }
+        let Some(connection) = self.connection.as_mut() else { return false };
+        match connection.is_unanswered(&mut self.answers) {
+            Ok(unanswered) => unanswered,
+            Err(reason) => {
+                self.give_up(reason);
+                false
+            }
+        }
     }
 
     /// Drops the queued calls: they belong to a connection that is gone (a release sent
@@ -235,7 +268,7 @@ impl TierClient {
     /// Module flow, step 1.
     fn try_attach(&mut self) -> Result<(), SharedTierError> {
         self.last_attempt = Some(Instant::now());
-        match self.attach() {
+        match Connection::open(&self.name, &self.identity) {
             Ok(connection) => {
                 self.drop_queue();
                 self.connection = Some(connection);
@@ -249,20 +282,6 @@ impl TierClient {
                 Ok(())
             }
         }
-    }
-
-    fn attach(&self) -> Result<Connection, AttachFailure> {
-        let other = |error: &dyn std::fmt::Display| AttachFailure::Other(error.to_string());
-        let control = TierControl::attach(&self.name).map_err(|error| other(&error))?;
-        let tier = TierIdentity::decode(&control.identity())
-            .ok_or_else(|| other(&"the tier's identity is not one this build reads"))?;
-        tier.check_attach(&self.identity).map_err(AttachFailure::Tier)?;
-        let owner = ProcessHandle::open(control.owner()).map_err(|error| other(&error))?;
-        let claim = control.claim_client_slot().map_err(|error| other(&error))?;
-        // SAFETY: the one client end of this claim: the connection keeps the claim and its
-        // channel together, and a new connection claims a slot of its own.
-        let channel = unsafe { control.client_channel(&claim) }.map_err(|error| other(&error))?;
-        Ok(Connection { channel, owner, _claim: claim, _control: control })
     }
 
     fn request_id(&mut self, request: &str) -> u64 {
@@ -285,6 +304,17 @@ impl TierClient {
         calls: &[TierCall<'_>],
         answers: &mut Vec<CallAnswer>,
     ) -> Result<(), SharedTierError> {
+        self.call_waiting(calls, answers, true)
+    }
+
+    /// [`TierClient::call`]; without `wait`, a batch whose calls need no answer is not waited
+    /// for ([`TierClient::send_queued`]).
+    fn call_waiting(
+        &mut self,
+        calls: &[TierCall<'_>],
+        answers: &mut Vec<CallAnswer>,
+        wait: bool,
+    ) -> Result<(), SharedTierError> {
         answers.clear();
         if self.connection.is_none()
             && self.last_attempt.is_none_or(|at| at.elapsed() >= self.options.reattach_interval)
@@ -293,7 +323,7 @@ impl TierClient {
         }
         let mut queue = std::mem::take(&mut self.queue);
         let batch = queue.batch_with(calls);
-        self.send(&batch, answers);
+        self.send(&batch, answers, wait);
         answers.drain(..queue.len());
         drop(batch);
         queue.clear();
@@ -302,21 +332,17 @@ impl TierClient {
     }
 
     /// Module flow, steps 2 to 4, for a whole batch.
-    fn send(&mut self, calls: &[TierCall<'_>], answers: &mut Vec<CallAnswer>) {
+    fn send(&mut self, calls: &[TierCall<'_>], answers: &mut Vec<CallAnswer>, wait: bool) {
         if let Some(connection) = &self.connection {
             let parts = split_calls(calls, connection.channel.page_keys() as usize);
             let part_calls: Vec<TierCall<'_>> = parts.iter().map(|part| part.call).collect();
             let mut part_answers = Vec::with_capacity(part_calls.len());
-            match self.exchange(&part_calls, &mut part_answers) {
+            match self.exchange(&part_calls, &mut part_answers, wait) {
                 Ok(()) => {
                     merge_answers(&parts, part_answers, calls.len(), answers);
                     return;
                 }
-                Err(reason) => {
-                    tracing::warn!(tier = %self.name, reason, "the tier's owner is gone");
-                    self.last_error = Some(reason);
-                    self.abandon_connection();
-                }
+                Err(reason) => self.give_up(reason),
             }
         }
         // Module flow, step 4: misses, and no stores.
@@ -338,6 +364,13 @@ impl TierClient {
         }
     }
 
+    /// Module flow, step 4: the owner is gone, for `reason`.
+    fn give_up(&mut self, reason: String) {
+        tracing::warn!(tier = %self.name, reason, "the tier's owner is gone");
+        self.last_error = Some(reason);
+        self.abandon_connection();
+    }
+
     /// Drops the connection, leaving its slot and what it holds to the owner (module
     /// documentation).
     fn abandon_connection(&mut self) {
@@ -353,6 +386,7 @@ impl TierClient {
         &mut self,
         calls: &[TierCall<'_>],
         answers: &mut Vec<CallAnswer>,
+        wait: bool,
     ) -> Result<(), String> {
         let connection = self.connection.as_ref().expect("connected");
         let batch_calls = connection.channel.batch_capacity() - 1;
@@ -375,17 +409,22 @@ impl TierClient {
                 keys += more;
                 end += 1;
             }
-            self.exchange_batch(&calls[start..end], answers)?;
+            self.exchange_batch(&calls[start..end], answers, wait)?;
             start = end;
         }
         Ok(())
     }
 
+    /// One batch: sent after the one before it is answered (the pages are one batch's at a
+    /// time), and waited for unless none of its calls needs an answer and `wait` is false.
     fn exchange_batch(
         &mut self,
         calls: &[TierCall<'_>],
         answers: &mut Vec<CallAnswer>,
+        wait: bool,
     ) -> Result<(), String> {
+        let connection = self.connection.as_mut().expect("connected");
+        connection.await_unanswered(&mut self.answers)?;
         self.wire_keys.clear();
         self.records.clear();
         let first_call = self.next_call;
@@ -426,26 +465,15 @@ impl TierClient {
         let channel = &mut connection.channel;
         channel.write_keys(0, &self.wire_keys).map_err(|error| error.to_string())?;
         channel.send(&self.records).map_err(|error| error.to_string())?;
-        // Step 3: wait for the batch's end. The owner's process is checked (a system call) only
-        // once a slice has passed without it: an answer within the spin costs no more.
-        self.answers.clear();
         let deadline = Instant::now() + self.options.answer_deadline;
-        let slice = Duration::from_millis(10);
-        loop {
-            let until = deadline.min(Instant::now() + slice);
-            channel
-                .wait_answers(&mut self.answers, WaitPolicy::default(), until)
-                .map_err(|error| error.to_string())?;
-            if self.answers.last().is_some_and(|answer| answer.call == end_call) {
-                break;
-            }
-            if !connection.owner.is_alive() {
-                return Err("the owner's process exited".to_owned());
-            }
-            if Instant::now() >= deadline {
-                return Err("no answer by the deadline".to_owned());
-            }
+        if !wait && !calls.iter().any(|call| call_op(call).is_answered()) {
+            connection.leave_unanswered(end_call, deadline);
+            answers.extend(calls.iter().map(|_| CallAnswer::Sent));
+            return Ok(());
         }
+        self.waits += 1;
+        connection.await_end(end_call, deadline, &mut self.answers)?;
+        let channel = &connection.channel;
         let mut by_call = self.answers.iter().filter(|answer| answer.call < end_call);
         let mut next_answer = by_call.next();
         for (offset, call) in calls.iter().enumerate() {
@@ -521,11 +549,6 @@ impl Drop for TierClient {
     }
 }
 
-enum AttachFailure {
-    Tier(SharedTierError),
-    Other(String),
-}
-
 /// The first call id of a client: distinct between clients (the process and the time), so that
 /// an answer meant for another client of the same slot can never pass for one of this client's.
 fn first_call_id() -> u64 {
@@ -535,16 +558,21 @@ fn first_call_id() -> u64 {
     u64::from(std::process::id()) << 32 | u64::from(nanos)
 }
 
-/// Whether `answer` can be the owner's answer to `call`: the same operation, and no more keys
-/// counted (pinned and being promoted) than the call carried.
-fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> {
-    let op = match call {
+/// The operation `call` is sent as.
+fn call_op(call: &TierCall<'_>) -> TierOp {
+    match call {
         TierCall::AcquirePrefix { .. } => TierOp::AcquirePrefix,
         TierCall::PrepareStore { .. } => TierOp::PrepareStore,
         TierCall::ReleaseLoads { .. } => TierOp::ReleaseLoads,
         TierCall::CompleteStore { .. } => TierOp::CompleteStore,
         TierCall::FinishRequest { .. } => TierOp::FinishRequest,
-    };
+    }
+}
+
+/// Whether `answer` can be the owner's answer to `call`: the same operation, and no more keys
+/// counted (pinned and being promoted) than the call carried.
+fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> {
+    let op = call_op(call);
     let keys = call_keys(call).len();
     let counted = u64::from(answer.count) + u64::from(answer.promoting);
     if answer.op != op.code() || counted > keys as u64 {

@@ -29,6 +29,7 @@
 mod arenas;
 mod batch;
 mod client;
+mod connection;
 mod identity;
 mod invariants;
 mod keys;
