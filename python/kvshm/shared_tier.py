@@ -216,15 +216,18 @@ def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
 #: its pid, and exits without waiting for it. The owner serves every engine on the node, so it runs
 #: on any CPU rather than on its starter's: an engine may be pinned (vLLM's CPU workers are, each
 #: to its cores, by its mask and by OpenMP's variables, which a preloaded libgomp obeys in every
-#: process that inherits them), and an owner that shares a busy worker's CPU answers late.
+#: process that inherits them), and an owner that shares a busy worker's CPU answers late. An
+#: operator who wants the owner on chosen CPUs starts it so (``taskset -c ... python -m kvshm
+#: tier-owner ...``) before the engines, which then find it serving.
 _LAUNCHER = """
 import os, subprocess, sys
 pinning = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND")
 env = {name: value for name, value in os.environ.items() if name not in pinning}
 try:
-    os.sched_setaffinity(0, range(os.cpu_count() or 1))
-except OSError:
-    pass
+    # Every id a CPU may have: the kernel keeps those the machine and the cpuset allow.
+    os.sched_setaffinity(0, range(8192))
+except OSError as error:
+    print(f"kvshm: the owner keeps its starter's CPUs: {error}", file=sys.stderr)
 child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr,
                          stderr=sys.stderr, start_new_session=True, env=env)
 print(child.pid)
@@ -265,14 +268,18 @@ def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = No
 
 def stop_tier(tier: str, *, timeout_s: float = 10.0) -> None:
     """Ends tier ``tier``: stops its owner (SIGTERM, waiting up to ``timeout_s``), then removes
-    its arenas, its key table and its owner's log. For when no engine uses the tier any more:
-    the arenas are what running engines copy into."""
+    its arenas, its key table and its owner's log, and the control object of an owner that
+    died (``kvctl cleanup``). For when no engine uses the tier any more: the arenas are what
+    running engines copy into."""
     pid = shared_tier_owner(tier)
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         while shared_tier_owner(tier) is not None and time.monotonic() < deadline:
             time.sleep(0.02)
+    if shared_tier_owner(tier) is None and Path(f"/dev/shm/kvshm.{tier}").exists():
+        cleanup = [sys.executable, "-m", "kvshm", "kvctl", "cleanup", tier]
+        subprocess.run(cleanup, capture_output=True, check=False)
     for kind in ("host", "keys"):
         for arena in Path("/dev/shm").glob(f"kvshm.{tier}.{kind}.*"):
             arena.unlink(missing_ok=True)

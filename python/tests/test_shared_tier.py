@@ -95,7 +95,8 @@ def test_an_owner_started_by_a_pinned_engine_runs_on_every_cpu(
         pid = start(tier)
     finally:
         os.sched_setaffinity(0, every_cpu)
-    assert os.sched_getaffinity(pid) == every_cpu
+    # Every CPU the runner has, at least (a runner itself pinned to some leaves the rest).
+    assert os.sched_getaffinity(pid) >= every_cpu
     environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert not [v for v in environment if v.startswith((b"GOMP_CPU_AFFINITY=", b"OMP_PROC_BIND="))]
 
