@@ -338,6 +338,44 @@ def test_a_step_end_sends_without_waiting_and_is_pending_until_the_owner_answers
     assert loader.lookup(_key(1), _request("b")) == "HIT"
 
 
+def test_a_step_end_finds_a_dead_owner_gone_so_the_engine_can_start_another(tier: str) -> None:
+    """A step's end that sends without waiting still looks at the owner's process: vLLM's
+    manager starts a new owner in that step only if the client says it is gone."""
+    pid = start(tier)
+    core = _core(tier)
+    core.prepare_store([_key(1)], _request("a"))
+    core.complete_store([_key(1)], _request("a"))
+    core.on_schedule_end(None)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _kvshm.shared_tier_owner(tier) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    core.on_schedule_end(None)  # sends the store's end
+    assert not core.connected
+    assert not core.has_pending_work()
+
+
+def test_a_wait_for_a_step_end_the_owner_has_not_answered_counts(tier: str) -> None:
+    """`owner_waits` counts each time the engine waited on the owner, the wait for a batch the
+    step's end sent (a later call's pages are that batch's until its end is answered)."""
+    pid = start(tier)
+    core = _core(tier, deadline_s=5.0)
+    core.prepare_store([_key(1)], _request("a"))
+    core.complete_store([_key(1)], _request("a"))
+    core.on_schedule_end(None)
+    os.kill(pid, signal.SIGSTOP)
+    # Resumed by another process: the lookup holds the GIL while it waits.
+    resume = subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -CONT {pid}"])
+    try:
+        core.on_schedule_end(None)  # the store's end, not waited for
+        waits = core.stats()["owner_waits"]
+        assert core.lookup(_key(2), _request("b")) == "MISS"
+    finally:
+        resume.wait()
+        os.kill(pid, signal.SIGCONT)
+    assert core.stats()["owner_waits"] == waits + 2
+
+
 def _two_stored_keys_and_a_request_of_four(
     tier: str,
 ) -> tuple[_kvshm.VllmSharedTierCore, _kvshm.VllmSharedTierCore, SimpleNamespace]:

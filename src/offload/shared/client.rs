@@ -179,7 +179,8 @@ impl TierClient {
         self.batches
     }
 
-    /// How many of them it waited for: its waits on the owner.
+    /// How many times it waited for the owner: for a batch's answers, or for the end of a
+    /// batch sent without waiting that the owner had not answered when the next was sent.
     pub fn batches_waited(&self) -> u64 {
         self.waits
     }
@@ -213,9 +214,10 @@ impl TierClient {
     pub fn flush(&mut self) -> Result<(), SharedTierError> {
         if self.queue.is_empty() {
             let answers = &mut self.answers;
-            let awaited = self.connection.as_mut().map(|live| live.await_unanswered(answers));
-            if let Some(Err(reason)) = awaited {
-                self.give_up(reason);
+            match self.connection.as_mut().map(|live| live.await_unanswered(answers)) {
+                Some(Ok(true)) => self.waits += 1,
+                Some(Err(reason)) => self.give_up(reason),
+                Some(Ok(false)) | None => {}
             }
             return Ok(());
         }
@@ -224,7 +226,10 @@ impl TierClient {
 
     /// Sends the queued calls, if any, as a batch of their own without waiting for the owner:
     /// none needs an answer. The batch's pages stay its own until the owner answers its end,
-    /// which the next batch waits for first; [`TierClient::has_pending`] tells when it has.
+    /// which the next batch waits for first; [`TierClient::has_pending`] tells when it has. A
+    /// queue of more calls than one batch carries (its ring's slots but one) waits for each
+    /// batch but its last. An owner found exited (a system call) is given up at once, so that
+    /// the engine can start another in the same step.
     ///
     /// # Errors
     /// As [`TierClient::call`].
@@ -424,7 +429,9 @@ impl TierClient {
         wait: bool,
     ) -> Result<(), String> {
         let connection = self.connection.as_mut().expect("connected");
-        connection.await_unanswered(&mut self.answers)?;
+        if connection.await_unanswered(&mut self.answers)? {
+            self.waits += 1;
+        }
         self.wire_keys.clear();
         self.records.clear();
         let first_call = self.next_call;
@@ -467,6 +474,9 @@ impl TierClient {
         channel.send(&self.records).map_err(|error| error.to_string())?;
         let deadline = Instant::now() + self.options.answer_deadline;
         if !wait && !calls.iter().any(|call| call_op(call).is_answered()) {
+            if !connection.owner_alive() {
+                return Err("the owner's process exited".to_owned());
+            }
             connection.leave_unanswered(end_call, deadline);
             answers.extend(calls.iter().map(|_| CallAnswer::Sent));
             return Ok(());

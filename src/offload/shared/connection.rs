@@ -93,12 +93,23 @@ impl Connection {
         self.unanswered = Some((end_call, deadline));
     }
 
-    /// Waits for the end of the batch left unanswered, if there is one.
-    pub(super) fn await_unanswered(&mut self, answers: &mut Vec<TierAnswer>) -> Result<(), String> {
-        match self.unanswered.take() {
-            Some((end_call, deadline)) => self.await_end(end_call, deadline, answers),
-            None => Ok(()),
+    /// Waits for the end of the batch left unanswered, if there is one that the owner has not
+    /// answered yet; returns whether it waited.
+    pub(super) fn await_unanswered(
+        &mut self,
+        answers: &mut Vec<TierAnswer>,
+    ) -> Result<bool, String> {
+        if !self.is_unanswered(answers)? {
+            return Ok(false);
         }
+        let (end_call, deadline) = self.unanswered.take().expect("unanswered: looked above");
+        self.await_end(end_call, deadline, answers)?;
+        Ok(true)
+    }
+
+    /// Whether the owner's process still runs (a system call).
+    pub(super) fn owner_alive(&self) -> bool {
+        self.owner.is_alive()
     }
 
     /// Whether a batch left unanswered is still unanswered, looking without waiting. `Err`
