@@ -8,6 +8,8 @@
 //! waits on the owner only for the calls it needs an answer to. Queued calls keep their order,
 //! and stay before any call made after them.
 
+use kvshm_ipc::tier_control::TierOp;
+
 use super::client::{CallAnswer, TierCall};
 use crate::offload::key::OffloadKey;
 
@@ -148,6 +150,17 @@ pub(super) fn merge_answers(
         }
     }
     debug_assert_eq!(answers.len(), count);
+}
+
+/// The operation `call` is sent as.
+pub(super) fn call_op(call: &TierCall<'_>) -> TierOp {
+    match call {
+        TierCall::AcquirePrefix { .. } => TierOp::AcquirePrefix,
+        TierCall::PrepareStore { .. } => TierOp::PrepareStore,
+        TierCall::ReleaseLoads { .. } => TierOp::ReleaseLoads,
+        TierCall::CompleteStore { .. } => TierOp::CompleteStore,
+        TierCall::FinishRequest { .. } => TierOp::FinishRequest,
+    }
 }
 
 /// The keys `call` carries.

@@ -33,9 +33,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::tier_control::{AnswerStatus, TierAnswer, TierOp, TierRequest, WireKey};
+use kvshm_ipc::tier_control::{TierAnswer, TierOp, TierRequest, WireKey};
 
-use super::batch::{call_keys, merge_answers, split_calls, CallQueue};
+use super::batch::{call_keys, call_op, merge_answers, split_calls, CallQueue};
 use super::connection::{AttachFailure, Connection};
 use super::{SharedTierError, TierIdentity};
 use crate::offload::key::OffloadKey;
@@ -483,7 +483,6 @@ impl TierClient {
         }
         self.waits += 1;
         connection.await_end(end_call, deadline, &mut self.answers)?;
-        let channel = &connection.channel;
         let mut by_call = self.answers.iter().filter(|answer| answer.call < end_call);
         let mut next_answer = by_call.next();
         for (offset, call) in calls.iter().enumerate() {
@@ -495,53 +494,7 @@ impl TierClient {
                 }
                 _ => None,
             };
-            // The owner's answers are checked as it checks calls: an answer that cannot be this
-            // call's is the owner's fault, and the client leaves it (step 4) rather than hand
-            // its engine chunks for keys it did not ask about.
-            if let Some(answer) = answered {
-                check_answer(call, &answer)?;
-            }
-            answers.push(match call {
-                TierCall::AcquirePrefix { .. } => {
-                    let (mut chunks, mut promoting) = (Vec::new(), 0);
-                    if let Some(answer) =
-                        answered.filter(|answer| answer.status() == AnswerStatus::Done)
-                    {
-                        channel
-                            .read_entries(answer.first_entry, answer.count, &mut chunks)
-                            .map_err(|error| error.to_string())?;
-                        promoting = answer.promoting;
-                    }
-                    CallAnswer::Prefix { chunks, promoting }
-                }
-                TierCall::PrepareStore { .. } => {
-                    let (mut to_store, mut chunks) = (Vec::new(), Vec::new());
-                    let refused =
-                        answered.is_none_or(|answer| answer.status() != AnswerStatus::Done);
-                    if let Some(answer) =
-                        answered.filter(|answer| answer.status() == AnswerStatus::Done)
-                    {
-                        channel
-                            .read_entries(answer.first_entry, answer.count, &mut to_store)
-                            .map_err(|error| error.to_string())?;
-                        let chunks_at = answer.first_entry.saturating_add(answer.count);
-                        channel
-                            .read_entries(chunks_at, answer.count, &mut chunks)
-                            .map_err(|error| error.to_string())?;
-                        let keys = call_keys(call).len() as u32;
-                        if to_store.iter().zip(to_store.iter().skip(1)).any(|(a, b)| a >= b)
-                            || to_store.last().is_some_and(|&last| last >= keys)
-                        {
-                            return Err(format!(
-                                "the owner's answer to call {call_id} names keys to store out of \
-                                 order or past its {keys} keys"
-                            ));
-                        }
-                    }
-                    CallAnswer::Store { to_store, chunks, refused }
-                }
-                _ => CallAnswer::Sent,
-            });
+            answers.push(connection.read_answer(call, call_id, answered)?);
         }
         Ok(())
     }
@@ -568,56 +521,9 @@ fn first_call_id() -> u64 {
     u64::from(std::process::id()) << 32 | u64::from(nanos)
 }
 
-/// The operation `call` is sent as.
-fn call_op(call: &TierCall<'_>) -> TierOp {
-    match call {
-        TierCall::AcquirePrefix { .. } => TierOp::AcquirePrefix,
-        TierCall::PrepareStore { .. } => TierOp::PrepareStore,
-        TierCall::ReleaseLoads { .. } => TierOp::ReleaseLoads,
-        TierCall::CompleteStore { .. } => TierOp::CompleteStore,
-        TierCall::FinishRequest { .. } => TierOp::FinishRequest,
-    }
-}
-
-/// Whether `answer` can be the owner's answer to `call`: the same operation, and no more keys
-/// counted (pinned and being promoted) than the call carried.
-fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> {
-    let op = call_op(call);
-    let keys = call_keys(call).len();
-    let counted = u64::from(answer.count) + u64::from(answer.promoting);
-    if answer.op != op.code() || counted > keys as u64 {
-        return Err(format!(
-            "the owner answered call {} with op {} and {} keys; it was {op:?} of {keys} keys",
-            answer.call, answer.op, answer.count
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// An answer that cannot be the owner's answer to the call (another operation, more keys
-    /// than were sent, pinned or coming) is refused, so that no chunk of it reaches the engine.
-    #[test]
-    fn an_answer_is_accepted_only_for_its_own_call() {
-        let keys = [OffloadKey::new(b"a").unwrap(), OffloadKey::new(b"b").unwrap()];
-        let acquire = TierCall::AcquirePrefix { request: "r", keys: &keys };
-        let store = TierCall::PrepareStore { request: "r", keys: &keys };
-        let answer = |op, count| TierAnswer::new(7, op, AnswerStatus::Done).with_entries(count, 0);
-        assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 2)).is_ok());
-        assert!(check_answer(&store, &answer(TierOp::PrepareStore, 1)).is_ok());
-        assert!(check_answer(&acquire, &answer(TierOp::PrepareStore, 1)).is_err());
-        assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 3)).is_err());
-        assert!(check_answer(&store, &answer(TierOp::AcquirePrefix, 0)).is_err());
-        // Keys said to be coming from storage count too: no more than the call carried.
-        let coming =
-            |count, promoting| answer(TierOp::AcquirePrefix, count).with_promoting(promoting);
-        assert!(check_answer(&acquire, &coming(1, 1)).is_ok());
-        assert!(check_answer(&acquire, &coming(1, 2)).is_err());
-        assert!(check_answer(&acquire, &coming(0, u32::MAX)).is_err());
-    }
 
     /// Two clients start their call ids apart, so an answer left in a slot by one is never
     /// taken for one of the other's.

@@ -9,15 +9,19 @@
 //!    gathered; or the batch is left unanswered ([`Connection::leave_unanswered`]: its calls
 //!    need none), and the next batch waits for that end first ([`Connection::await_unanswered`],
 //!    since a batch's pages are its own until then), or [`Connection::is_unanswered`] looks
-//!    for it without waiting.
+//!    for it without waiting;
+//! 4. [`Connection::read_answer`] checks each call's answer as the owner checks calls, and reads
+//!    its entries (the chunks found, or the keys to store and their chunks).
 
 use std::time::{Duration, Instant};
 
 use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::process_handle::ProcessHandle;
-use kvshm_ipc::tier_control::{ClientChannel, ClientClaim, TierAnswer, TierControl};
+use kvshm_ipc::tier_control::{AnswerStatus, ClientChannel, ClientClaim, TierAnswer, TierControl};
 
+use super::batch::{call_keys, call_op};
+use super::client::{CallAnswer, TierCall};
 use super::{SharedTierError, TierIdentity};
 
 /// How long one wait on the answers lasts before the owner's process is checked.
@@ -128,5 +132,96 @@ impl Connection {
             return Err("no answer by the deadline, or the owner's process exited".to_owned());
         }
         Ok(true)
+    }
+
+    /// Module flow, step 4: what the owner's `answered` (`None`: no answer of its own, a store
+    /// refused) says to `call`, sent as call `call_id`. An answer that cannot be this call's is
+    /// the owner's fault, and the client leaves it rather than hand its engine chunks for keys
+    /// it did not ask about.
+    pub(super) fn read_answer(
+        &self,
+        call: &TierCall<'_>,
+        call_id: u64,
+        answered: Option<TierAnswer>,
+    ) -> Result<CallAnswer, String> {
+        if let Some(answer) = &answered {
+            check_answer(call, answer)?;
+        }
+        let done = answered.filter(|answer| answer.status() == AnswerStatus::Done);
+        let read = |first: u32, count: u32, out: &mut Vec<u32>| {
+            self.channel.read_entries(first, count, out).map_err(|error| error.to_string())
+        };
+        Ok(match call {
+            TierCall::AcquirePrefix { .. } => {
+                let mut chunks = Vec::new();
+                if let Some(answer) = done {
+                    read(answer.first_entry, answer.count, &mut chunks)?;
+                }
+                CallAnswer::Prefix { chunks, promoting: done.map_or(0, |answer| answer.promoting) }
+            }
+            TierCall::PrepareStore { .. } => {
+                let (mut to_store, mut chunks) = (Vec::new(), Vec::new());
+                if let Some(answer) = done {
+                    read(answer.first_entry, answer.count, &mut to_store)?;
+                    let chunks_at = answer.first_entry.saturating_add(answer.count);
+                    read(chunks_at, answer.count, &mut chunks)?;
+                    let keys = call_keys(call).len() as u32;
+                    if to_store.iter().zip(to_store.iter().skip(1)).any(|(a, b)| a >= b)
+                        || to_store.last().is_some_and(|&last| last >= keys)
+                    {
+                        return Err(format!(
+                            "the owner's answer to call {call_id} names keys to store out of \
+                             order or past its {keys} keys"
+                        ));
+                    }
+                }
+                CallAnswer::Store { to_store, chunks, refused: done.is_none() }
+            }
+            _ => CallAnswer::Sent,
+        })
+    }
+}
+
+/// Whether `answer` can be the owner's answer to `call`: the same operation, and no more keys
+/// counted (pinned and being promoted) than the call carried.
+fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> {
+    let op = call_op(call);
+    let keys = call_keys(call).len();
+    let counted = u64::from(answer.count) + u64::from(answer.promoting);
+    if answer.op != op.code() || counted > keys as u64 {
+        return Err(format!(
+            "the owner answered call {} with op {} and {} keys; it was {op:?} of {keys} keys",
+            answer.call, answer.op, answer.count
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use kvshm_ipc::tier_control::TierOp;
+
+    use super::*;
+    use crate::offload::key::OffloadKey;
+
+    /// An answer that cannot be the owner's answer to the call (another operation, more keys
+    /// than were sent, pinned or coming) is refused, so that no chunk of it reaches the engine.
+    #[test]
+    fn an_answer_is_accepted_only_for_its_own_call() {
+        let keys = [OffloadKey::new(b"a").unwrap(), OffloadKey::new(b"b").unwrap()];
+        let acquire = TierCall::AcquirePrefix { request: "r", keys: &keys };
+        let store = TierCall::PrepareStore { request: "r", keys: &keys };
+        let answer = |op, count| TierAnswer::new(7, op, AnswerStatus::Done).with_entries(count, 0);
+        assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 2)).is_ok());
+        assert!(check_answer(&store, &answer(TierOp::PrepareStore, 1)).is_ok());
+        assert!(check_answer(&acquire, &answer(TierOp::PrepareStore, 1)).is_err());
+        assert!(check_answer(&acquire, &answer(TierOp::AcquirePrefix, 3)).is_err());
+        assert!(check_answer(&store, &answer(TierOp::AcquirePrefix, 0)).is_err());
+        // Keys said to be coming from storage count too: no more than the call carried.
+        let coming =
+            |count, promoting| answer(TierOp::AcquirePrefix, count).with_promoting(promoting);
+        assert!(check_answer(&acquire, &coming(1, 1)).is_ok());
+        assert!(check_answer(&acquire, &coming(1, 2)).is_err());
+        assert!(check_answer(&acquire, &coming(0, u32::MAX)).is_err());
     }
 }
