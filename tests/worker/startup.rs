@@ -50,10 +50,21 @@ struct BusyLoops(Vec<Child>);
 impl BusyLoops {
     fn start(count: usize) -> BusyLoops {
         let spin = || {
-            on_cpu_zero(Command::new("sh").args(["-c", "while :; do :; done"]))
-                .stdin(Stdio::null())
-                .spawn()
-                .expect("spawning a busy loop")
+            let mut command = Command::new("sh");
+            command.args(["-c", "while :; do :; done"]).stdin(Stdio::null());
+            // SAFETY: the closure runs in the forked child before exec and only calls prctl,
+            // which is async-signal-safe. A test killed before its drop (a CI run stopped)
+            // must not leave the loops spinning on CPU 0 under every later test.
+            unsafe {
+                command.pre_exec(|| {
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+            on_cpu_zero(&mut command).spawn().expect("spawning a busy loop")
         };
         BusyLoops((0..count).map(|_| spin()).collect())
     }
