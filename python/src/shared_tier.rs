@@ -66,6 +66,13 @@ struct ClientCounters {
     stores_failed: u64,
 }
 
+/// Runs a wait on the owner past its spin with the GIL let go (`ClientOptions::run_sleep`): an
+/// owner slow to answer (starved of CPU, stopped) stalls the thread that asked, for up to
+/// `answer_deadline_s`, and no other Python thread of the engine.
+fn sleep_without_the_gil(sleep: &mut (dyn FnMut() + Send)) {
+    Python::attach(|py| py.detach(sleep));
+}
+
 fn tier_error(error: SharedTierError) -> PyErr {
     match error {
         SharedTierError::Mismatch { .. } => ConfigError::new_err(error.to_string()),
@@ -73,7 +80,9 @@ fn tier_error(error: SharedTierError) -> PyErr {
     }
 }
 
-/// The Rust half of `kvshm.vllm.KvshmSharedOffloadingManager` (module flow).
+/// The Rust half of `kvshm.vllm.KvshmSharedOffloadingManager` (module flow). One thread calls
+/// it at a time, as vLLM's scheduler does: a call waiting on the owner lets go of the GIL, and a
+/// call from another thread meanwhile raises `RuntimeError` (already borrowed).
 #[pyclass(subclass, module = "kvshm")]
 pub struct VllmSharedTierCore {
     types: VllmTypes,
@@ -205,6 +214,7 @@ impl VllmSharedTierCore {
         let options = ClientOptions {
             answer_deadline: Duration::try_from_secs_f64(answer_deadline_s)
                 .map_err(|error| ConfigError::new_err(format!("answer_deadline_s: {error}")))?,
+            run_sleep: sleep_without_the_gil,
             ..ClientOptions::default()
         };
         let client = TierClient::new(segment_name(tier)?, identity, options).map_err(tier_error)?;

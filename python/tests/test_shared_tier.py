@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -364,7 +365,7 @@ def test_a_wait_for_a_step_end_the_owner_has_not_answered_counts(tier: str) -> N
     core.complete_store([_key(1)], _request("a"))
     core.on_schedule_end(None)
     os.kill(pid, signal.SIGSTOP)
-    # Resumed by another process: the lookup holds the GIL while it waits.
+    # Resumed by another process while this thread waits in the lookup.
     resume = subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -CONT {pid}"])
     try:
         core.on_schedule_end(None)  # the store's end, not waited for
@@ -374,6 +375,44 @@ def test_a_wait_for_a_step_end_the_owner_has_not_answered_counts(tier: str) -> N
         resume.wait()
         os.kill(pid, signal.SIGCONT)
     assert core.stats()["owner_waits"] == waits + 2
+
+
+def test_a_wait_on_a_stopped_owner_lets_the_engines_other_threads_run(tier: str) -> None:
+    """A lookup waiting on an owner that does not answer (stopped here; starved of CPU in
+    practice) stalls the thread that asked, for its deadline, and no other Python thread: the
+    wait past its spin lets go of the GIL."""
+    pid = start(tier)
+    core = _core(tier, deadline_s=0.5)
+    counted = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+
+    counter = threading.Thread(target=count)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        counter.start()
+        # The counter's pace while this thread sleeps (the GIL free for it).
+        before = counted[0]
+        time.sleep(0.1)
+        pace = (counted[0] - before) / 0.1
+        before = counted[0]
+        started = time.monotonic()
+        assert core.lookup(_key(1), _request("a")) == "MISS"
+        waited = time.monotonic() - started
+        during = counted[0] - before
+    finally:
+        stop.set()
+        counter.join()
+        os.kill(pid, signal.SIGCONT)
+    assert not core.connected
+    assert waited >= 0.4
+    # Had the wait held the GIL, the counter would have run only in the switches to it before
+    # and after the lookup (5 ms each), about 2% of the wait's time.
+    share = during / (pace * waited)
+    assert share > 0.25, f"the other thread ran {share:.0%} of its pace during the wait"
 
 
 def _two_stored_keys_and_a_request_of_four(

@@ -161,6 +161,7 @@ fn client_process() {
     let options = ClientOptions {
         answer_deadline: Duration::from_secs(2),
         reattach_interval: Duration::from_millis(50),
+        ..ClientOptions::default()
     };
     let name = SegmentName::new(&name).unwrap();
     let mut client = TierClient::new(name.clone(), identity(BLOCK_BYTES), options).unwrap();

@@ -77,6 +77,10 @@ pub struct ClientOptions {
     pub answer_deadline: Duration,
     /// The shortest time between two attempts to attach.
     pub reattach_interval: Duration,
+    /// Runs the part of a wait for answers that outlasts its spin (it sleeps): the default runs
+    /// it as it is; the Python binding lets go of the GIL around it, so that an owner slow to
+    /// answer stalls only the thread that asked, not every Python thread of its engine.
+    pub run_sleep: fn(&mut (dyn FnMut() + Send)),
 }
 
 impl Default for ClientOptions {
@@ -84,6 +88,7 @@ impl Default for ClientOptions {
         ClientOptions {
             answer_deadline: Duration::from_secs(1),
             reattach_interval: Duration::from_secs(1),
+            run_sleep: |sleep| sleep(),
         }
     }
 }
@@ -273,7 +278,7 @@ impl TierClient {
     /// Module flow, step 1.
     fn try_attach(&mut self) -> Result<(), SharedTierError> {
         self.last_attempt = Some(Instant::now());
-        match Connection::open(&self.name, &self.identity) {
+        match Connection::open(&self.name, &self.identity, self.options.run_sleep) {
             Ok(connection) => {
                 self.drop_queue();
                 self.connection = Some(connection);

@@ -6,7 +6,8 @@
 //!    client's, a pidfd on the owner, a slot claimed, the channel's client end;
 //! 2. the client writes a batch's keys and calls into the channel (`client.rs`);
 //! 3. [`Connection::await_end`] waits for the answer to the batch's end, the answers before it
-//!    gathered; or the batch is left unanswered ([`Connection::leave_unanswered`]: its calls
+//!    gathered: it spins first, as the caller runs, and sleeps past the spin inside the
+//!    caller's `run_sleep` (the Python binding lets go of the GIL there); or the batch is left unanswered ([`Connection::leave_unanswered`]: its calls
 //!    need none), and the next batch waits for that end first ([`Connection::await_unanswered`],
 //!    since a batch's pages are its own until then), or [`Connection::is_unanswered`] looks
 //!    for it without waiting;
@@ -15,7 +16,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::doorbell::{WaitPolicy, DEFAULT_SPIN};
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::process_handle::ProcessHandle;
 use kvshm_ipc::tier_control::{AnswerStatus, ClientChannel, ClientClaim, TierAnswer, TierControl};
@@ -41,16 +42,20 @@ pub(super) struct Connection {
     owner: ProcessHandle,
     /// The end of a batch left unanswered, and when the owner counts as gone without it.
     unanswered: Option<(u64, Instant)>,
+    /// Runs a wait's sleep (`ClientOptions::run_sleep`).
+    run_sleep: fn(&mut (dyn FnMut() + Send)),
     _claim: ClientClaim,
     /// Last: its mapping outlives the channel's pointers into it.
     _control: TierControl,
 }
 
 impl Connection {
-    /// Module flow, step 1: attaches to tier `name` for blocks of `identity`.
+    /// Module flow, step 1: attaches to tier `name` for blocks of `identity`; its waits sleep
+    /// inside `run_sleep`.
     pub(super) fn open(
         name: &SegmentName,
         identity: &TierIdentity,
+        run_sleep: fn(&mut (dyn FnMut() + Send)),
     ) -> Result<Connection, AttachFailure> {
         let other = |error: &dyn std::fmt::Display| AttachFailure::Other(error.to_string());
         let control = TierControl::attach(name).map_err(|error| other(&error))?;
@@ -62,12 +67,21 @@ impl Connection {
         // SAFETY: the one client end of this claim: the connection keeps the claim and its
         // channel together, and a new connection claims a slot of its own.
         let channel = unsafe { control.client_channel(&claim) }.map_err(|error| other(&error))?;
-        Ok(Connection { channel, owner, unanswered: None, _claim: claim, _control: control })
+        Ok(Connection {
+            channel,
+            owner,
+            unanswered: None,
+            run_sleep,
+            _claim: claim,
+            _control: control,
+        })
     }
 
     /// Module flow, step 3: waits for the answer to call `end_call` (a batch's end), moving it
-    /// and the answers before it into `answers`. The owner's process is checked (a system
-    /// call) only once a slice has passed without it: an answer within the spin costs no more.
+    /// and the answers before it into `answers`. It spins first, as the caller runs: an answer
+    /// within the spin (the usual one) costs no more. Past the spin it sleeps inside
+    /// `run_sleep`, checking the owner's process (a system call) after each slice that passed
+    /// without the answer.
     pub(super) fn await_end(
         &mut self,
         end_call: u64,
@@ -75,19 +89,40 @@ impl Connection {
         answers: &mut Vec<TierAnswer>,
     ) -> Result<(), String> {
         answers.clear();
+        let spin_end = deadline.min(Instant::now() + DEFAULT_SPIN);
+        self.channel
+            .wait_answers(answers, WaitPolicy::new(DEFAULT_SPIN, DEFAULT_SPIN), spin_end)
+            .map_err(|error| error.to_string())?;
+        if answers.last().is_some_and(|answer| answer.call == end_call) {
+            return Ok(());
+        }
+        let mut outcome = Err("the wait did not run".to_owned());
+        let run_sleep = self.run_sleep;
+        run_sleep(&mut || outcome = self.sleep_until_end(end_call, deadline, answers));
+        outcome
+    }
+
+    /// [`Connection::await_end`] past its spin: sleeps in slices until the answer to `end_call`
+    /// is among `answers`, the owner's process exited, or `deadline` passed.
+    fn sleep_until_end(
+        &mut self,
+        end_call: u64,
+        deadline: Instant,
+        answers: &mut Vec<TierAnswer>,
+    ) -> Result<(), String> {
         loop {
-            let until = deadline.min(Instant::now() + ANSWER_SLICE);
-            self.channel
-                .wait_answers(answers, WaitPolicy::default(), until)
-                .map_err(|error| error.to_string())?;
-            if answers.last().is_some_and(|answer| answer.call == end_call) {
-                return Ok(());
-            }
             if !self.owner.is_alive() {
                 return Err("the owner's process exited".to_owned());
             }
             if Instant::now() >= deadline {
                 return Err("no answer by the deadline".to_owned());
+            }
+            let until = deadline.min(Instant::now() + ANSWER_SLICE);
+            self.channel
+                .wait_answers(answers, WaitPolicy::new(Duration::ZERO, ANSWER_SLICE), until)
+                .map_err(|error| error.to_string())?;
+            if answers.last().is_some_and(|answer| answer.call == end_call) {
+                return Ok(());
             }
         }
     }
