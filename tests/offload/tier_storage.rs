@@ -164,6 +164,34 @@ fn a_client_at_its_quota_has_blocks_brought_back_in_place_of_its_own() {
     assert_eq!(summary.chunks, 2, "the blocks brought back are charged to the client that asked");
 }
 
+/// Writing a block through to storage is no use of it: a block whose write waited its turn
+/// keeps its place in the eviction order (behind a block a client read meanwhile), and the
+/// storage client's pins for the write count as no lookup or load of the tier.
+#[test]
+fn a_write_through_leaves_the_eviction_order_and_the_lookups_alone() {
+    let mut rig = Rig::new(None);
+    let writer = rig.index.attach(&identity(), "writer", None).unwrap();
+    let reader = rig.index.attach(&identity(), "reader", None).unwrap();
+    rig.store(writer, "x", &[10]);
+    rig.settle();
+    // Two writes at a time in a tier of 8 chunks: 3, the chain's leaf, waits for its turn.
+    rig.store(writer, "s", &[1, 2, 3]);
+    assert_eq!(rig.acquire(reader, "r", &[10]), (1, 0));
+    let before = rig.index.stats();
+    rig.settle();
+    assert_eq!(rig.storage().stats().puts, 4);
+    let after = rig.index.stats();
+    assert_eq!(
+        (after.lookups, after.lookup_hits, after.keys_loaded),
+        (before.lookups, before.lookup_hits, before.keys_loaded),
+        "the writes counted as lookups or loads"
+    );
+    // Five new keys in four free chunks evict one leaf: 3, stored before 10 was read.
+    rig.store(writer, "n", &[30, 31, 32, 33, 34]);
+    assert_eq!(rig.loadable([10]), 1, "the write of 3 made it newer than 10");
+    assert_eq!(rig.loadable([3]), 0);
+}
+
 /// Empties the arena without writing anything to storage: a client's store of 8 new keys
 /// evicts every key of the tier, then fails.
 fn empty_the_arena(rig: &mut Rig) {

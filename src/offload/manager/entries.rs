@@ -37,6 +37,17 @@ pub(super) struct Entry {
     pub(super) live: bool,
 }
 
+/// Pins entry `id` once more (a load of its chunk starts), `loading` counting the entries
+/// pinned; returns its chunk.
+pub(super) fn pin(entries: &mut [Entry], loading: &mut u32, id: u32) -> u32 {
+    let entry = &mut entries[id as usize];
+    if entry.pins == 0 {
+        *loading += 1;
+    }
+    entry.pins += 1;
+    entry.chunk
+}
+
 impl OffloadManager {
     pub(super) fn insert(&mut self, key: OffloadKey, chunk: u32, parent: u32) {
         let rank = self.candidates.next_rank();

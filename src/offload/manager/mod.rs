@@ -38,7 +38,7 @@ mod invariants;
 mod requests;
 
 pub use config::{EvictionOrder, OffloadConfig, OffloadError, MAX_TAG_BYTES};
-use entries::{find, Entry};
+use entries::{find, pin, Entry};
 pub use eviction::EvictionScope;
 use requests::request_state;
 
@@ -248,19 +248,32 @@ impl OffloadManager {
         }
         chunks.clear();
         let tag_bytes = self.config.layout.tag_bytes;
-        let state = request_state(&mut self.requests, request);
         for (key, &id) in keys.iter().zip(&self.call_ids) {
-            let entry = &mut self.entries[id as usize];
-            if entry.pins == 0 {
-                self.loading += 1;
-            }
-            entry.pins += 1;
-            chunks.push(entry.chunk);
+            chunks.push(pin(&mut self.entries, &mut self.loading, id));
+            let state = request_state(&mut self.requests, request);
             state.record(*key);
             state.set_chain_last(key.chain_tag(tag_bytes), *key);
         }
         self.stats.keys_loaded += keys.len() as u64;
         Ok(())
+    }
+
+    /// Pins the leading keys of `keys` that are loadable (up to the first missing or still
+    /// being stored), as a load does, for a reader that is not a request: no lookup or load is
+    /// counted and no access recorded (a write of the blocks to another tier is no use of
+    /// them). Writes their chunks to `chunks` and returns how many; [`OffloadManager::complete_load`]
+    /// lets go of them.
+    pub fn pin_loadable(&mut self, keys: &[OffloadKey], chunks: &mut Vec<u32>) -> usize {
+        chunks.clear();
+        for key in keys {
+            match find(&self.heads, &self.entries, key) {
+                Some(id) if self.entries[id as usize].ready => {
+                    chunks.push(pin(&mut self.entries, &mut self.loading, id));
+                }
+                _ => break,
+            }
+        }
+        chunks.len()
     }
 
     /// Ends the loads of `keys` (one pin each, all or none: a key named twice needs two pins).
@@ -278,11 +291,7 @@ impl OffloadManager {
             if let Some(refusal) = refusal {
                 // Give back the pins taken so far: nothing changed.
                 for &id in &self.call_ids {
-                    let entry = &mut self.entries[id as usize];
-                    if entry.pins == 0 {
-                        self.loading += 1;
-                    }
-                    entry.pins += 1;
+                    pin(&mut self.entries, &mut self.loading, id);
                 }
                 return Err(refusal);
             }

@@ -266,11 +266,38 @@ impl SharedTierIndex {
             return Ok(0);
         }
         self.manager.prepare_load(name, &keys[..hits], chunks)?;
+        self.count_loads(client, &keys[..hits])?;
+        Ok(hits)
+    }
+
+    /// Pins for `client` the leading keys of `keys` that are loadable, as
+    /// [`SharedTierIndex::acquire_prefix`] does, for a reader that is no request: the storage
+    /// tier's writes. No lookup or load is counted, and no key moves in the eviction order (a
+    /// write of a block to storage is no use of it). Released by
+    /// [`SharedTierIndex::release_loads`].
+    pub fn pin_to_read(
+        &mut self,
+        client: ClientId,
+        keys: &[OffloadKey],
+        chunks: &mut Vec<u32>,
+    ) -> Result<usize, SharedTierError> {
+        self.client(client)?;
+        let pinned = self.manager.pin_loadable(keys, chunks);
+        self.count_loads(client, &keys[..pinned])?;
+        Ok(pinned)
+    }
+
+    /// Counts one load more of each of `keys` for `client` (pinned for it just now).
+    fn count_loads(
+        &mut self,
+        client: ClientId,
+        keys: &[OffloadKey],
+    ) -> Result<(), SharedTierError> {
         let loads = &mut self.client_mut(client)?.loads;
-        for key in &keys[..hits] {
+        for key in keys {
             *loads.entry(*key).or_insert(0) += 1;
         }
-        Ok(hits)
+        Ok(())
     }
 
     /// Module flow, step 2: ends `client`'s loads of `keys` (one pin each; all or none).
@@ -536,7 +563,8 @@ impl SharedTierIndex {
         self.manager.is_empty()
     }
 
-    /// The tier's counters (the manager's: lookups, stores, evictions over every client).
+    /// The tier's counters (the manager's: lookups, stores, evictions over every client; the
+    /// storage tier's promotions count as its client's stores, its writes as nothing).
     pub fn stats(&self) -> OffloadStats {
         self.manager.stats()
     }

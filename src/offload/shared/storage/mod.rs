@@ -8,8 +8,9 @@
 //! disk or a server while clients wait on it:
 //! 1. write-through ([`TierStorage::stored`]): once a client's store completes, the new keys
 //!    queue for writing; as many as may be written at once are pinned for the storage client (as
-//!    a load: no store may take their chunks while they are read) and handed to the I/O thread,
-//!    which puts each rank's part of each chunk;
+//!    a load: no store may take their chunks while they are read; but no use of the blocks:
+//!    [`SharedTierIndex::pin_to_read`]) and handed to the I/O thread, which puts each rank's
+//!    part of each chunk;
 //! 2. promotion ([`TierStorage::promote`]): an `AcquirePrefix` whose prefix stops at a key the
 //!    storage holds takes chunks for it and the held keys after it (a store of the storage
 //!    client: pending, so no lookup answers a hit and no client reads them; charged to the client
@@ -284,14 +285,13 @@ impl TierStorage {
         if batch.is_empty() {
             return;
         }
-        let pinned = match index.acquire_prefix(self.client, REQUEST, &batch, &mut self.chunks) {
+        let pinned = match index.pin_to_read(self.client, &batch, &mut self.chunks) {
             Ok(pinned) => pinned,
             Err(error) => {
                 tracing::warn!(%error, "the storage client could not pin keys to write");
                 return;
             }
         };
-        let _ = index.finish_request(self.client, REQUEST);
         let pinned: Batch = batch[..pinned]
             .iter()
             .zip(&self.chunks)
