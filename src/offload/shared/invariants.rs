@@ -55,12 +55,25 @@ impl SharedTierIndex {
                 }
                 *pins.entry(*key).or_insert(0) += count;
             }
-            // A key stored is pending; its chunk is charged to the client that stored it, or to
-            // the one the storage tier brings it back for (`prepare_store_for`), or to no one
-            // once that one left.
-            for key in &client.stores {
+            // A key stored is pending; its chunk is charged to the client it was charged to at
+            // its `prepare_store_for` (the one that stored it, or the one the storage tier
+            // brings it back for) while that one is attached, and to no one once it left.
+            for (key, charged) in &client.stores {
                 if self.manager.peek(key) != LookupResult::HitPending {
                     return Err(format!("{key:?} stored by {:?} is not pending", client.id));
+                }
+                let chunk = self.manager.chunk_of(key).ok_or("a pending key has no chunk")?;
+                let attached = self
+                    .clients
+                    .get(charged.slot as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|state| state.id == *charged);
+                let expected = if attached { charged.slot } else { NO_OWNER };
+                if self.owners[chunk as usize] != expected {
+                    return Err(format!(
+                        "{key:?} stored by {:?} for {charged:?} has its chunk charged to slot {}",
+                        client.id, self.owners[chunk as usize]
+                    ));
                 }
                 storing += 1;
             }

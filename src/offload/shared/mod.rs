@@ -97,8 +97,9 @@ struct Client {
     charged: u32,
     /// Loads in progress, per key (a key pinned twice counts two).
     loads: HashMap<OffloadKey, u32, BuildPassThrough>,
-    /// Keys it is storing (prepared, not completed).
-    stores: HashSet<OffloadKey, BuildPassThrough>,
+    /// Keys it is storing (prepared, not completed), each with the client its chunk was charged
+    /// to: itself, or the client the storage tier brings the key back for.
+    stores: HashMap<OffloadKey, ClientId, BuildPassThrough>,
     /// Its requests the manager is tracking, by the manager's name for them, oldest first (a
     /// release ends them in this order).
     requests: Vec<String>,
@@ -210,7 +211,7 @@ impl SharedTierIndex {
             quota,
             charged: 0,
             loads: HashMap::default(),
-            stores: HashSet::default(),
+            stores: HashMap::default(),
             requests: Vec::new(),
         });
         Ok(id)
@@ -396,7 +397,7 @@ impl SharedTierIndex {
         self.clients[charged.slot as usize].as_mut().expect("checked above").charged +=
             out.chunks.len() as u32;
         let state = self.clients[storer.slot as usize].as_mut().expect("checked above");
-        state.stores.extend(out.to_store.iter().map(|&index| keys[index as usize]));
+        state.stores.extend(out.to_store.iter().map(|&index| (keys[index as usize], charged)));
         Ok(true)
     }
 
@@ -423,7 +424,7 @@ impl SharedTierIndex {
         let mut mine = std::mem::take(&mut self.keys_scratch);
         mine.clear();
         match self.client_mut(client) {
-            Ok(state) => mine.extend(keys.iter().filter(|key| state.stores.remove(*key))),
+            Ok(state) => mine.extend(keys.iter().filter(|key| state.stores.remove(*key).is_some())),
             Err(error) => {
                 self.keys_scratch = mine;
                 return Err(error);
@@ -508,7 +509,7 @@ impl SharedTierIndex {
         self.manager
             .complete_load(&loads)
             .expect("a client's loads are pinned in the manager: a programming error otherwise");
-        let stores: Vec<OffloadKey> = state.stores.iter().copied().collect();
+        let stores: Vec<OffloadKey> = state.stores.keys().copied().collect();
         for key in &stores {
             let chunk = self.manager.chunk_of(key).expect("a pending store is cached");
             // Charged to another client when the storage tier brought it back for that one.
