@@ -183,7 +183,9 @@ class KvshmOffloadingManager(VllmManagerCore, OffloadingManager):
 class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
     """vLLM's ``OffloadingManager`` over a host tier several engines share: a client of the
     tier's owner (``VllmSharedTierCore``, in Rust). ``get_stats`` reports this engine's
-    lookups, loads and stores through the tier."""
+    lookups, loads and stores through the tier. One thread calls it at a time, as vLLM's
+    scheduler does: a call waiting on the owner lets go of the GIL, and a call from another
+    thread meanwhile raises ``RuntimeError`` (already borrowed)."""
 
     def __new__(
         cls, tier: str, identity: TierIdentity, restart: OwnerRestart | None = None

@@ -66,9 +66,9 @@ struct ClientCounters {
     stores_failed: u64,
 }
 
-/// Runs a wait on the owner past its spin with the GIL let go (`ClientOptions::run_sleep`): an
-/// owner slow to answer (starved of CPU, stopped) stalls the thread that asked, for up to
-/// `answer_deadline_s`, and no other Python thread of the engine.
+/// Runs a wait on the owner past its first millisecond with the GIL let go
+/// (`ClientOptions::run_sleep`): an owner slow to answer (starved of CPU, stopped) stalls the
+/// thread that asked, for up to `answer_deadline_s`, and no other Python thread of the engine.
 fn sleep_without_the_gil(sleep: &mut (dyn FnMut() + Send)) {
     Python::attach(|py| py.detach(sleep));
 }

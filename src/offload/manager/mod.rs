@@ -248,9 +248,9 @@ impl OffloadManager {
         }
         chunks.clear();
         let tag_bytes = self.config.layout.tag_bytes;
+        let state = request_state(&mut self.requests, request);
         for (key, &id) in keys.iter().zip(&self.call_ids) {
             chunks.push(pin(&mut self.entries, &mut self.loading, id));
-            let state = request_state(&mut self.requests, request);
             state.record(*key);
             state.set_chain_last(key.chain_tag(tag_bytes), *key);
         }
@@ -261,8 +261,8 @@ impl OffloadManager {
     /// Pins the leading keys of `keys` that are loadable (up to the first missing or still
     /// being stored), as a load does, for a reader that is not a request: no lookup or load is
     /// counted and no access recorded (a write of the blocks to another tier is no use of
-    /// them). Writes their chunks to `chunks` and returns how many; [`OffloadManager::complete_load`]
-    /// lets go of them.
+    /// them). Writes their chunks to `chunks` and returns how many;
+    /// [`OffloadManager::complete_load`] lets go of them.
     pub fn pin_loadable(&mut self, keys: &[OffloadKey], chunks: &mut Vec<u32>) -> usize {
         chunks.clear();
         for key in keys {

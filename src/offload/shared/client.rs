@@ -77,9 +77,10 @@ pub struct ClientOptions {
     pub answer_deadline: Duration,
     /// The shortest time between two attempts to attach.
     pub reattach_interval: Duration,
-    /// Runs the part of a wait for answers that outlasts its spin (it sleeps): the default runs
-    /// it as it is; the Python binding lets go of the GIL around it, so that an owner slow to
-    /// answer stalls only the thread that asked, not every Python thread of its engine.
+    /// Runs the part of a wait for answers past its first millisecond: the default runs it as
+    /// it is; the Python binding lets go of the GIL around it, so that an owner slow to answer
+    /// stalls only the thread that asked, not every Python thread of its engine. It must run
+    /// the wait it is given, once (a client whose wait did not run gives its owner up).
     pub run_sleep: fn(&mut (dyn FnMut() + Send)),
 }
 

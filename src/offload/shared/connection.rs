@@ -6,17 +6,17 @@
 //!    client's, a pidfd on the owner, a slot claimed, the channel's client end;
 //! 2. the client writes a batch's keys and calls into the channel (`client.rs`);
 //! 3. [`Connection::await_end`] waits for the answer to the batch's end, the answers before it
-//!    gathered: it spins first, as the caller runs, and sleeps past the spin inside the
-//!    caller's `run_sleep` (the Python binding lets go of the GIL there); or the batch is left unanswered ([`Connection::leave_unanswered`]: its calls
-//!    need none), and the next batch waits for that end first ([`Connection::await_unanswered`],
-//!    since a batch's pages are its own until then), or [`Connection::is_unanswered`] looks
-//!    for it without waiting;
+//!    gathered: for [`CALLER_WAIT`] as the caller runs, then inside the caller's `run_sleep`
+//!    (the Python binding lets go of the GIL there); or the batch is left unanswered
+//!    ([`Connection::leave_unanswered`]: its calls need none), and the next batch waits for that
+//!    end first ([`Connection::await_unanswered`], since a batch's pages are its own until
+//!    then), or [`Connection::is_unanswered`] looks for it without waiting;
 //! 4. [`Connection::read_answer`] checks each call's answer as the owner checks calls, and reads
 //!    its entries (the chunks found, or the keys to store and their chunks).
 
 use std::time::{Duration, Instant};
 
-use kvshm_ipc::doorbell::{WaitPolicy, DEFAULT_SPIN};
+use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::process_handle::ProcessHandle;
 use kvshm_ipc::tier_control::{AnswerStatus, ClientChannel, ClientClaim, TierAnswer, TierControl};
@@ -27,6 +27,12 @@ use super::{SharedTierError, TierIdentity};
 
 /// How long one wait on the answers lasts before the owner's process is checked.
 const ANSWER_SLICE: Duration = Duration::from_millis(10);
+
+/// How long a wait for answers runs as its caller runs before it goes on inside `run_sleep`:
+/// the usual answer comes within the spin, and waking a sleeping owner takes tens of
+/// microseconds, while a Python thread that lets go of the GIL may wait a switch interval (5 ms)
+/// to get it back. Only a wait this long lets go.
+const CALLER_WAIT: Duration = Duration::from_millis(1);
 
 /// Why a connection could not be made.
 pub(super) enum AttachFailure {
@@ -78,10 +84,9 @@ impl Connection {
     }
 
     /// Module flow, step 3: waits for the answer to call `end_call` (a batch's end), moving it
-    /// and the answers before it into `answers`. It spins first, as the caller runs: an answer
-    /// within the spin (the usual one) costs no more. Past the spin it sleeps inside
-    /// `run_sleep`, checking the owner's process (a system call) after each slice that passed
-    /// without the answer.
+    /// and the answers before it into `answers`: for [`CALLER_WAIT`] as the caller runs, then
+    /// inside `run_sleep`. The owner's process is checked (a system call) after each slice that
+    /// passed without the answer: an answer within the spin costs no more.
     pub(super) fn await_end(
         &mut self,
         end_call: u64,
@@ -89,40 +94,44 @@ impl Connection {
         answers: &mut Vec<TierAnswer>,
     ) -> Result<(), String> {
         answers.clear();
-        let spin_end = deadline.min(Instant::now() + DEFAULT_SPIN);
-        self.channel
-            .wait_answers(answers, WaitPolicy::new(DEFAULT_SPIN, DEFAULT_SPIN), spin_end)
-            .map_err(|error| error.to_string())?;
-        if answers.last().is_some_and(|answer| answer.call == end_call) {
+        let caller_until = deadline.min(Instant::now() + CALLER_WAIT);
+        if self.wait_for_end(end_call, caller_until, answers)? {
             return Ok(());
         }
-        let mut outcome = Err("the wait did not run".to_owned());
+        let mut ended = None;
         let run_sleep = self.run_sleep;
-        run_sleep(&mut || outcome = self.sleep_until_end(end_call, deadline, answers));
-        outcome
+        if caller_until < deadline {
+            run_sleep(&mut || ended = Some(self.wait_for_end(end_call, deadline, answers)));
+            debug_assert!(ended.is_some(), "`run_sleep` must run the wait it is given");
+        }
+        if ended.unwrap_or(Ok(false))? {
+            Ok(())
+        } else {
+            Err("no answer by the deadline".to_owned())
+        }
     }
 
-    /// [`Connection::await_end`] past its spin: sleeps in slices until the answer to `end_call`
-    /// is among `answers`, the owner's process exited, or `deadline` passed.
-    fn sleep_until_end(
+    /// Waits in slices until the answer to `end_call` is among `answers` (`true`), `until`
+    /// passed (`false`) or the owner's process exited (`Err`).
+    fn wait_for_end(
         &mut self,
         end_call: u64,
-        deadline: Instant,
+        until: Instant,
         answers: &mut Vec<TierAnswer>,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         loop {
+            let slice_end = until.min(Instant::now() + ANSWER_SLICE);
+            self.channel
+                .wait_answers(answers, WaitPolicy::default(), slice_end)
+                .map_err(|error| error.to_string())?;
+            if answers.last().is_some_and(|answer| answer.call == end_call) {
+                return Ok(true);
+            }
             if !self.owner.is_alive() {
                 return Err("the owner's process exited".to_owned());
             }
-            if Instant::now() >= deadline {
-                return Err("no answer by the deadline".to_owned());
-            }
-            let until = deadline.min(Instant::now() + ANSWER_SLICE);
-            self.channel
-                .wait_answers(answers, WaitPolicy::new(Duration::ZERO, ANSWER_SLICE), until)
-                .map_err(|error| error.to_string())?;
-            if answers.last().is_some_and(|answer| answer.call == end_call) {
-                return Ok(());
+            if Instant::now() >= until {
+                return Ok(false);
             }
         }
     }

@@ -69,10 +69,15 @@ impl SharedTierIndex {
                     .and_then(Option::as_ref)
                     .is_some_and(|state| state.id == *charged);
                 let expected = if attached { charged.slot } else { NO_OWNER };
-                if self.owners[chunk as usize] != expected {
+                let owner = self.owners[chunk as usize];
+                if owner != expected {
+                    let owner = match owner {
+                        NO_OWNER => "no one".to_owned(),
+                        slot => format!("slot {slot}"),
+                    };
                     return Err(format!(
-                        "{key:?} stored by {:?} for {charged:?} has its chunk charged to slot {}",
-                        client.id, self.owners[chunk as usize]
+                        "{key:?} stored by {:?} for {charged:?} has its chunk charged to {owner}",
+                        client.id
                     ));
                 }
                 storing += 1;
