@@ -33,7 +33,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -57,15 +57,27 @@ def tier_identity() -> Any:
     )
 
 
+class OwnerSetup(NamedTuple):
+    """How the benchmark starts each owner: the CPU it is pinned to, and its ``--free-chunks``
+    (``None``: the owner's defaults)."""
+
+    cpu: int | None = None
+    free_chunks: int | None = None
+
+
 @contextmanager
-def tier_owner(tier: str, chunks: int, cpu: int | None) -> Iterator[dict[str, Any]]:
-    """A ``tier-owner`` process serving ``tier`` while the block runs (pinned to ``cpu`` if
-    given); the dictionary it yields gets the owner's counters once it stopped."""
+def tier_owner(tier: str, chunks: int, setup: OwnerSetup) -> Iterator[dict[str, Any]]:
+    """A ``tier-owner`` process serving ``tier`` while the block runs, started as ``setup``
+    says; the dictionary it yields gets the owner's counters once it stopped."""
     from kvshm.shared_tier import owner_command
 
-    command = owner_command(tier, tier_identity(), ["--chunks", str(chunks)])
-    if cpu is not None:
-        command = ["taskset", "-c", str(cpu), *command]  # taskset execs: the pid is the owner's
+    options = ["--chunks", str(chunks)]
+    if setup.free_chunks is not None:
+        options += ["--free-chunks", str(setup.free_chunks)]
+    command = owner_command(tier, tier_identity(), options)
+    if setup.cpu is not None:
+        # taskset execs: the pid is the owner's.
+        command = ["taskset", "-c", str(setup.cpu), *command]
     owner = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     report: dict[str, Any] = {}
     try:
@@ -129,9 +141,9 @@ def replay_round_robin(managers: list[Any], requests: list[driver.Request]) -> d
 
 
 def replay_shared(
-    tier: str, chunks: int, instances: int, requests: list[driver.Request], owner_cpu: int | None
+    tier: str, chunks: int, instances: int, requests: list[driver.Request], setup: OwnerSetup
 ) -> dict[str, Any]:
-    with tier_owner(tier, chunks, owner_cpu) as owner:
+    with tier_owner(tier, chunks, setup) as owner:
         managers = shared_managers(tier, instances)
         result = replay_round_robin(managers, requests)
         totals: dict[str, int] = {}
@@ -169,7 +181,7 @@ def lookup_check(tier: str, chunks: int, requests: list[driver.Request]) -> dict
 
     from vllm.v1.kv_offload.base import ReqContext
 
-    with tier_owner(tier, chunks, None):
+    with tier_owner(tier, chunks, OwnerSetup()):
         (manager,) = shared_managers(tier, 1)
         log = driver.CallLog(keep_results=False)
         counting = CountingDriver(manager, lambda name: ReqContext(req_id=name), 1, 0, log, 0)
@@ -195,13 +207,13 @@ def bench(
     chunks: int,
     instance_counts: list[int],
     rounds: int,
-    owner_cpu: int | None,
+    setup: OwnerSetup,
 ) -> dict[str, Any]:
     requests = driver.trace_requests(trace, limit=limit)
     prefix = f"kvshm-cost-{os.getpid()}"
     # Warm both (imports, allocator), then measure.
     replay_round_robin(per_instance_managers(chunks, 1), requests[:200])
-    replay_shared(f"{prefix}-warm", chunks, 1, requests[:200], owner_cpu)
+    replay_shared(f"{prefix}-warm", chunks, 1, requests[:200], setup)
     runs = []
     for instances in instance_counts:
         for round_index in range(rounds):
@@ -212,7 +224,7 @@ def bench(
             for variant in order:
                 if variant == "shared":
                     tier = f"{prefix}-{instances}-{round_index}"
-                    run[variant] = replay_shared(tier, chunks, instances, requests, owner_cpu)
+                    run[variant] = replay_shared(tier, chunks, instances, requests, setup)
                 else:
                     managers = per_instance_managers(chunks, instances)
                     run[variant] = replay_round_robin(managers, requests)
@@ -225,7 +237,8 @@ def bench(
         "benchmark": "vllm-shared-tier-cost",
         "workload": f"mooncake conversation trace, {len(requests)} requests, 512-token chunks",
         "chunks": chunks,
-        "cpus": {"client": sorted(os.sched_getaffinity(0)), "owner": owner_cpu},
+        "cpus": {"client": sorted(os.sched_getaffinity(0)), "owner": setup.cpu},
+        "owner_free_chunks": setup.free_chunks,
         "load_average": os.getloadavg()[0],
         "runs": runs,
         "ratio_p50_range": {
@@ -250,10 +263,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--instances", default="1", help="instance counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=2, help="replays of each variant")
     parser.add_argument("--owner-cpu", type=int, default=None, help="pin the owner to this CPU")
+    parser.add_argument(
+        "--owner-free-chunks", type=int, default=None, help="the owner's --free-chunks"
+    )
     parser.add_argument("--trace", default=None, help="Mooncake trace (default: the checkout's)")
     args = parser.parse_args(argv)
     counts = [int(count) for count in args.instances.split(",")]
-    result = bench(args.trace, args.requests, args.chunks, counts, args.rounds, args.owner_cpu)
+    setup = OwnerSetup(cpu=args.owner_cpu, free_chunks=args.owner_free_chunks)
+    result = bench(args.trace, args.requests, args.chunks, counts, args.rounds, setup)
     if args.json:
         print(json.dumps(result))
     else:

@@ -24,7 +24,7 @@ use clap::Parser;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
-use crate::offload::shared::{TierArenas, TierKeys, TierStorage};
+use crate::offload::shared::{TierArenas, TierKeys, TierStorage, DEFAULT_FREE_CHUNKS};
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
 use crate::storage::spec::{StorageOptions, StorageSpec};
 use crate::worker::process::{install_stop_handlers, stop_requested};
@@ -92,6 +92,10 @@ pub struct Args {
     /// Chunks the storage holds per rank (disk; by default 4 times the tier's chunks).
     #[arg(long, requires = "storage", value_parser = clap::value_parser!(u64).range(1..))]
     storage_chunks: Option<u64>,
+    /// Chunks kept free ahead of demand, evicted between batches so that a store waits on no
+    /// eviction (at most a 256th of the tier; 0: none).
+    #[arg(long, default_value_t = DEFAULT_FREE_CHUNKS)]
+    free_chunks: u32,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -120,7 +124,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let chunks = u32::try_from(arenas.blocks() / blocks_per_chunk)
         .context("the tier's arenas hold more chunks than a tier may")?;
-    let index = SharedTierIndex::new(identity.clone(), OffloadConfig::new(chunks))?;
+    let mut index = SharedTierIndex::new(identity.clone(), OffloadConfig::new(chunks))?;
+    index.keep_free(args.free_chunks);
     install_stop_handlers().context("installing the stop handlers")?;
     let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))?;
     // The key table once the name is this owner's (`O_EXCL` on the control object): a starter
@@ -144,6 +149,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "tier": name.as_str(),
         "pid": std::process::id(),
         "chunks": chunks,
+        "free_chunks": server.owner().index().free_target(),
         "ranks": args.ranks,
         "arenas_taken_over": arenas.adopted(),
         "keys_restored": keys_restored,

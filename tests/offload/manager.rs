@@ -168,6 +168,31 @@ fn keys_of_the_store_being_prepared_and_pinned_keys_are_never_evicted() {
     check(&manager);
 }
 
+/// An eviction ahead of demand frees chunks up to its target, least recently used first,
+/// fewer when fewer can go (a key pinned or being stored stays), and reports what it evicted.
+#[test]
+fn an_eviction_ahead_frees_what_it_can_up_to_its_target() {
+    let mut manager = manager(4, EvictionOrder::LeafFirst);
+    for (request, block) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
+        store(&mut manager, request, &[block]);
+    }
+    manager.take_events();
+    let mut out = PreparedStore::default();
+    manager.evict_ahead(1, &mut out);
+    assert_eq!(evicted_blocks(&out), vec![1]);
+    manager.evict_ahead(1, &mut out);
+    assert!(out.evicted.is_empty(), "one is free already");
+    // 5 takes the free chunk and is being stored, 2 is pinned: of the four asked for, only 3
+    // and 4 can go.
+    assert!(manager.prepare_store("e", &keys(&[5]), &mut out));
+    manager.prepare_load("f", &keys(&[2]), &mut Vec::new()).unwrap();
+    manager.evict_ahead(4, &mut out);
+    assert_eq!(evicted_blocks(&out), vec![3, 4]);
+    check(&manager);
+    let removed: Vec<usize> = manager.take_events().iter().map(|event| event.keys.len()).collect();
+    assert_eq!(removed, vec![1, 2], "each eviction ahead is an event of its keys");
+}
+
 #[test]
 fn a_store_that_cannot_evict_enough_is_refused_and_changes_nothing() {
     let mut manager = manager(2, EvictionOrder::LeafFirst);

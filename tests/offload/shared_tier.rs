@@ -122,6 +122,33 @@ fn one_eviction_order_over_the_tier_takes_the_least_recently_used_of_any_client(
     assert_eq!(store(&mut index, a, "r4", &[9]), vec![6]);
 }
 
+/// A tier keeps a 256th of its chunks free ahead of demand (at most `DEFAULT_FREE_CHUNKS`): the
+/// least recently used keys go, uncharged from their client, and a store of as many new keys
+/// then evicts nothing.
+#[test]
+fn a_tier_keeps_chunks_free_ahead_of_the_stores_that_need_them() {
+    let mut index = tier(512);
+    assert_eq!(index.free_target(), 2);
+    assert_eq!(tier(255).free_target(), 0, "a small tier keeps none");
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let b = index.attach(&identity(), "b", None).unwrap();
+    for request in 0..8 {
+        let blocks: Vec<u32> = (request * 64..(request + 1) * 64).collect();
+        let client = if request == 0 { a } else { b };
+        store(&mut index, client, &format!("r{request}"), &blocks);
+    }
+    assert_eq!(index.evict_ahead(), 2);
+    check(&index);
+    // a's chain is the oldest: its leaf and the block before it went.
+    assert_eq!(index.peek(&key(63)), LookupResult::Miss);
+    assert_eq!(index.peek(&key(62)), LookupResult::Miss);
+    assert_eq!(index.client_summary(a).unwrap().chunks, 62);
+    assert_eq!(index.evict_ahead(), 0, "two are free");
+    assert!(store(&mut index, b, "s", &[1000, 1001]).is_empty(), "the store evicted");
+    index.keep_free(0);
+    assert_eq!(index.evict_ahead(), 0);
+}
+
 #[test]
 fn a_client_at_its_quota_evicts_its_own_blocks_and_never_the_others() {
     let mut index = tier(6);

@@ -132,3 +132,32 @@ fn a_live_client_released_for_its_channel_keeps_its_slot_fenced() {
         "the slot of a live client is fenced, not handed to another"
     );
 }
+
+/// The owner evicts ahead of demand at each turn of its loop, once it has answered: a full tier
+/// of 512 chunks has 2 free (its free target) after a turn.
+#[test]
+fn a_turn_of_the_owner_frees_chunks_ahead_of_demand() {
+    use kvshm_ipc::tier_control::TierConfig;
+
+    let mut index = SharedTierIndex::new(identity(), OffloadConfig::new(512)).unwrap();
+    let client = index.attach(&identity(), "engine", None).unwrap();
+    let keys: Vec<OffloadKey> = (0..512u32)
+        .map(|block| {
+            let mut bytes = [0u8; 16];
+            bytes[..4].copy_from_slice(&block.to_le_bytes());
+            OffloadKey::new(&bytes).unwrap()
+        })
+        .collect();
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store(client, "r", &keys, &mut out).unwrap());
+    index.complete_store(client, &keys, true).unwrap();
+    index.finish_request(client, "r").unwrap();
+    assert_eq!(index.stats().chunks_used, 512);
+
+    let name =
+        kvshm_ipc::name::SegmentName::new(&format!("t-ahead-{}", std::process::id())).unwrap();
+    let mut server = TierServer::create(&name, index, &TierConfig::with_clients(1)).unwrap();
+    server.turn();
+    assert_eq!(server.owner().index().stats().chunks_used, 510);
+    server.owner().index().check_invariants().unwrap();
+}

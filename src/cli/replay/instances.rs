@@ -16,7 +16,9 @@
 //! 4. commit the prompt's full blocks and finish on the device;
 //! 5. the write policy: `write_through` offers every full prompt block to the host tier (what
 //!    vLLM's connector does), `write_back` the blocks step 3 evicted, each under its parent;
-//! 6. `finish_request` on the host tier (recency).
+//! 6. `finish_request` on the host tier (recency); then, untimed, the shared tier's eviction
+//!    ahead of demand, as its owner evicts once it has answered (`SharedTierIndex::evict_ahead`;
+//!    a per-instance tier keeps no chunk free, as today's per-instance managers).
 //!
 //! Hit tokens are (device hits + host hits) times `block_tokens`.
 
@@ -27,6 +29,7 @@ use serde::Serialize;
 
 use crate::hash::BlockHash;
 use crate::manager::{AllocateError, CacheConfig, CacheManager, RequestId, WritePolicy};
+use crate::offload::shared::DEFAULT_FREE_CHUNKS;
 use crate::offload::{
     ClientId, OffloadConfig, OffloadKey, PreparedStore, SharedTierIndex, TierIdentity,
 };
@@ -50,6 +53,10 @@ pub struct InstanceArgs {
     /// With --shared-host-tier: at most this many host blocks charged to one instance.
     #[arg(long)]
     pub host_quota: Option<u32>,
+    /// With --shared-host-tier: host blocks the tier keeps free ahead of demand, as its owner
+    /// does (`kvshm tier-owner --free-chunks`; by default 64, at most a 256th of the tier).
+    #[arg(long)]
+    pub host_free_blocks: Option<u32>,
     /// Seed of --route random.
     #[arg(long, default_value_t = 1)]
     pub route_seed: u64,
@@ -81,6 +88,8 @@ pub struct InstanceConfig {
     pub host_blocks: u32,
     pub shared_host_tier: bool,
     pub host_quota: Option<u32>,
+    /// Host blocks the shared tier keeps free ahead of demand (before its cap).
+    pub host_free_blocks: u32,
     /// `WriteBack` or `WriteThrough`.
     pub write_policy: WritePolicy,
     pub prompt_only: bool,
@@ -98,6 +107,8 @@ pub struct InstancesReport {
     /// Host blocks of the node, all instances together.
     pub host_blocks: u32,
     pub host_quota: Option<u32>,
+    /// Host blocks the shared tier kept free ahead of demand (its cap applied).
+    pub host_free_blocks: Option<usize>,
     pub requests: usize,
     pub requests_per_instance: Vec<u64>,
     /// Requests whose device allocation could not be satisfied (aborted).
@@ -186,7 +197,10 @@ impl InstanceReplayer {
         );
         let mut tiers = Vec::new();
         for _ in 0..tier_count {
-            tiers.push(SharedTierIndex::new(identity.clone(), OffloadConfig::new(chunks))?);
+            let mut tier = SharedTierIndex::new(identity.clone(), OffloadConfig::new(chunks))?;
+            // Today's per-instance managers evict only when a store needs the room.
+            tier.keep_free(if config.shared_host_tier { config.host_free_blocks } else { 0 });
+            tiers.push(tier);
         }
         let mut instances = Vec::new();
         for number in 0..count {
@@ -324,6 +338,8 @@ impl InstanceReplayer {
         }
         tier.finish_request(instance.client, &name)?;
         self.times.push(start.elapsed().as_secs_f64() * 1e6);
+        // As the owner does once it has answered (no engine waits on it).
+        tier.evict_ahead();
         self.blocks += self.hashes.len() as u64;
         self.device_hits += device_hits as u64;
         self.host_hits += host_hits as u64;
@@ -348,6 +364,7 @@ impl InstanceReplayer {
             device_blocks_per_instance: self.config.device.device_blocks,
             host_blocks: self.config.host_blocks,
             host_quota: self.config.host_quota.filter(|_| self.config.shared_host_tier),
+            host_free_blocks: self.config.shared_host_tier.then(|| self.tiers[0].free_target()),
             requests: self.requests,
             requests_per_instance: self
                 .instances
@@ -455,8 +472,9 @@ pub(super) fn run(args: &super::Args) -> anyhow::Result<()> {
         args.eviction
     );
     anyhow::ensure!(
-        options.host_quota.is_none() || options.shared_host_tier,
-        "--host-quota needs --shared-host-tier"
+        (options.host_quota.is_none() && options.host_free_blocks.is_none())
+            || options.shared_host_tier,
+        "--host-quota and --host-free-blocks need --shared-host-tier"
     );
     fits_in_memory(
         u128::from(instances)
@@ -474,6 +492,7 @@ pub(super) fn run(args: &super::Args) -> anyhow::Result<()> {
         host_blocks: args.host_blocks,
         shared_host_tier: options.shared_host_tier,
         host_quota: options.host_quota,
+        host_free_blocks: options.host_free_blocks.unwrap_or(DEFAULT_FREE_CHUNKS),
         write_policy: args.write_policy,
         prompt_only: args.prompt_only,
     };
@@ -510,8 +529,11 @@ pub(super) fn run(args: &super::Args) -> anyhow::Result<()> {
 /// Refuses the options of a replay over instances without `--instances`.
 pub(super) fn refuse_without_instances(options: &InstanceArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        options.route.is_none() && !options.shared_host_tier && options.host_quota.is_none(),
-        "--route, --shared-host-tier and --host-quota need --instances"
+        options.route.is_none()
+            && !options.shared_host_tier
+            && options.host_quota.is_none()
+            && options.host_free_blocks.is_none(),
+        "--route, --shared-host-tier, --host-quota and --host-free-blocks need --instances"
     );
     Ok(())
 }

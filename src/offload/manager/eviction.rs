@@ -8,8 +8,10 @@
 //! eviction (under [`EvictionOrder::LeafFirst`]), and sets aside the keys it must spare (the
 //! store's own keys, and keys outside its [`EvictionScope`]); only when
 //! it found enough are the victims removed, else every record goes back and nothing changes.
+//! An eviction ahead of demand ([`OffloadManager::evict_ahead`], a shared tier's owner between
+//! batches) removes what it found, enough or not.
 
-use super::{find, EvictionOrder, OffloadManager, PreparedStore, NONE};
+use super::{find, EvictionOrder, OffloadEvent, OffloadManager, PreparedStore, NONE};
 #[cfg(doc)]
 use crate::offload::candidates::Candidates;
 use crate::offload::candidates::Rank;
@@ -24,6 +26,8 @@ pub struct EvictionScope<'a> {
     pub at_least: usize,
     /// Evict only keys whose chunk this accepts (`None`: any key).
     pub only: Option<&'a dyn Fn(u32) -> bool>,
+    /// Evict what was found when it is fewer than asked, rather than nothing.
+    pub partial: bool,
 }
 
 impl EvictionScope<'_> {
@@ -37,6 +41,7 @@ impl std::fmt::Debug for EvictionScope<'_> {
         f.debug_struct("EvictionScope")
             .field("at_least", &self.at_least)
             .field("narrowed", &self.only.is_some())
+            .field("partial", &self.partial)
             .finish()
     }
 }
@@ -82,7 +87,7 @@ impl OffloadManager {
     }
 
     /// Evicts `count` candidates within `scope` and not among `protected` (module flow, step 4),
-    /// appending their keys and chunks to `out`; all or nothing.
+    /// appending their keys and chunks to `out`; all or nothing, unless `scope.partial`.
     pub(super) fn evict(
         &mut self,
         count: usize,
@@ -130,7 +135,7 @@ impl OffloadManager {
         for &(rank, id) in &self.deferred {
             self.candidates.push(rank, id);
         }
-        if !enough {
+        if !enough && !scope.partial {
             for &(rank, id) in &self.selected {
                 self.candidates.push(rank, id);
             }
@@ -145,5 +150,21 @@ impl OffloadManager {
         self.stats.evictions += selected.len() as u64;
         self.selected = selected;
         true
+    }
+
+    /// Evicts least recently used keys until `free_target` chunks are free, ahead of the stores
+    /// that will need them; fewer when fewer can go (pinned, or being stored). What it evicted
+    /// is in `out` (cleared first).
+    pub fn evict_ahead(&mut self, free_target: usize, out: &mut PreparedStore) {
+        out.clear();
+        let free = self.pool.free_count();
+        if free >= free_target {
+            return;
+        }
+        let scope = EvictionScope { partial: true, ..EvictionScope::default() };
+        self.evict(free_target - free, &[], scope, out);
+        if self.config.events && !out.evicted.is_empty() {
+            self.events.push(OffloadEvent { keys: out.evicted.clone(), removed: true });
+        }
     }
 }

@@ -26,6 +26,7 @@
 //! stay in the tier, charged to no one. [`TierOwner`] (`owner.rs`) is the owner process's side:
 //! the index and a handle on each client's process, releasing the clients that died.
 
+mod ahead;
 mod arenas;
 mod batch;
 mod client;
@@ -42,6 +43,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
+pub use ahead::DEFAULT_FREE_CHUNKS;
 pub use arenas::{open_rank_arena, TierArenaError, TierArenas};
 pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use identity::TierIdentity;
@@ -155,6 +157,9 @@ pub struct SharedTierIndex {
     owners: Vec<u32>,
     /// The key table the owner keeps for the tier's next owner (`keys.rs`), if any.
     keys: Option<TierKeys>,
+    /// Chunks kept free ahead of demand (`ahead.rs`), and what the last eviction ahead took.
+    free_target: usize,
+    evicted_ahead: PreparedStore,
     /// Scratch: the manager's name of the request of the call in progress, and keys counted.
     request_name: String,
     distinct: HashSet<OffloadKey, BuildPassThrough>,
@@ -162,20 +167,25 @@ pub struct SharedTierIndex {
 }
 
 impl SharedTierIndex {
-    /// An empty tier of `config.chunks` chunks for blocks of `identity`.
+    /// An empty tier of `config.chunks` chunks for blocks of `identity`, keeping
+    /// [`DEFAULT_FREE_CHUNKS`] free ahead of demand (`ahead.rs`).
     pub fn new(identity: TierIdentity, config: OffloadConfig) -> Result<Self, SharedTierError> {
         let manager = OffloadManager::new(config)?;
-        Ok(SharedTierIndex {
+        let mut index = SharedTierIndex {
             identity,
             owners: vec![NO_OWNER; config.chunks as usize],
             keys: None,
+            free_target: 0,
+            evicted_ahead: PreparedStore::default(),
             manager,
             clients: Vec::new(),
             generations: Vec::new(),
             request_name: String::new(),
             distinct: HashSet::default(),
             keys_scratch: Vec::new(),
-        })
+        };
+        index.keep_free(DEFAULT_FREE_CHUNKS);
+        Ok(index)
     }
 
     pub fn identity(&self) -> &TierIdentity {
@@ -375,7 +385,7 @@ impl SharedTierIndex {
         let owners = &self.owners;
         let own_chunk = |chunk: u32| owners[chunk as usize] == charged.slot;
         let scope = if over_quota > 0 {
-            EvictionScope { at_least: over_quota, only: Some(&own_chunk) }
+            EvictionScope { at_least: over_quota, only: Some(&own_chunk), partial: false }
         } else {
             EvictionScope::default()
         };

@@ -8,7 +8,8 @@
 //! 3. release the clients whose process exited ([`TierOwner::reap`]) or that detached, and
 //!    reclaim their slots (the channel reset before another client can claim it);
 //! 4. serve every client's batch: each call is checked ([`RecordError`]), carried out on the index
-//!    and, where it has one, answered; the batch's end is answered last.
+//!    and, where it has one, answered; the batch's end is answered last;
+//! 5. evict ahead of demand, the answers sent ([`SharedTierIndex::evict_ahead`]).
 //!
 //! A client whose ring or answers make no sense is released as a dead one is: a bad record is an
 //! error answer for its call, a broken ring the client's end, never a panic of the owner. Its
@@ -228,6 +229,7 @@ impl TierServer {
         for slot in 0..self.served.len() {
             self.serve(slot);
         }
+        self.owner.index().evict_ahead();
         if let Some(storage) = &self.storage {
             self.control.storage_stats().publish(&storage.stats().to_words());
         }

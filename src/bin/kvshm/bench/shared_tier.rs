@@ -27,7 +27,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use kvshm::hash::BlockHash;
-use kvshm::offload::shared::TierArenas;
+use kvshm::offload::shared::{TierArenas, DEFAULT_FREE_CHUNKS};
 use kvshm::offload::{
     CallAnswer, ClientId, ClientOptions, LookupResult, OffloadConfig, OffloadKey, OffloadManager,
     PreparedStore, SharedTierIndex, TierCall, TierClient, TierIdentity,
@@ -56,6 +56,9 @@ pub struct Args {
     /// Also serve through the rings of a `kvshm tier-owner` child process.
     #[arg(long)]
     pub rings: bool,
+    /// The owner's `--free-chunks` (chunks it keeps free ahead of demand), with --rings.
+    #[arg(long, default_value_t = DEFAULT_FREE_CHUNKS)]
+    pub owner_free_chunks: u32,
     /// Requests each instance serves in one scheduler step: through the rings, a step's calls
     /// go as two batches; the figures are per request (a step's time over its requests).
     #[arg(long, default_value_t = 1)]
@@ -92,18 +95,22 @@ pub struct Report {
     /// Through the rings over per-instance, at p50.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rings_p50_ratio: Option<f64>,
+    /// The owner's `--free-chunks`, with `--rings`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner_free_chunks: Option<u32>,
 }
 
 /// The owner process, stopped with SIGTERM when dropped (and the arena it leaves removed).
 struct OwnerProcess(Child, String);
 
 impl OwnerProcess {
-    fn start(name: &str, chunks: u32, block_tokens: u32, instances: u32) -> anyhow::Result<Self> {
+    fn start(name: &str, args: &Args) -> anyhow::Result<Self> {
         let mut child = Command::new(std::env::current_exe()?)
             .args(["tier-owner", "--name", name, "--model", "trace", "--kv-dtype", "none"])
-            .args(["--block-tokens", &block_tokens.to_string(), "--block-bytes", "0"])
-            .args(["--layout", "bench", "--chunks", &chunks.to_string()])
-            .args(["--clients", &instances.to_string()])
+            .args(["--block-tokens", &args.block_tokens.to_string(), "--block-bytes", "0"])
+            .args(["--layout", "bench", "--chunks", &args.host_blocks.to_string()])
+            .args(["--clients", &args.instances.to_string()])
+            .args(["--free-chunks", &args.owner_free_chunks.to_string()])
             .stdout(Stdio::piped())
             .spawn()?;
         let mut ready = String::new();
@@ -265,12 +272,7 @@ pub fn measure(args: &Args) -> anyhow::Result<Report> {
     }
     let tier_name = format!("bench-tier-{}", std::process::id());
     let owner = match args.rings {
-        true => Some(OwnerProcess::start(
-            &tier_name,
-            args.host_blocks,
-            args.block_tokens as u32,
-            args.instances,
-        )?),
+        true => Some(OwnerProcess::start(&tier_name, args)?),
         false => None,
     };
     let mut ring_instances = Vec::new();
@@ -362,6 +364,7 @@ pub fn measure(args: &Args) -> anyhow::Result<Report> {
         host_blocks: args.host_blocks,
         p50_ratio: shared.us_per_request.p50 / baseline,
         rings_p50_ratio: rings.as_ref().map(|rings| rings.us_per_request.p50 / baseline),
+        owner_free_chunks: rings.as_ref().map(|_| args.owner_free_chunks),
         rings,
         per_instance,
         shared,

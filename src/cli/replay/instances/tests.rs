@@ -15,6 +15,7 @@ fn config(route: Route, shared: bool, policy: WritePolicy, device_blocks: u32) -
         host_blocks: 16,
         shared_host_tier: shared,
         host_quota: None,
+        host_free_blocks: DEFAULT_FREE_CHUNKS,
         write_policy: policy,
         prompt_only: false,
     }

@@ -1,0 +1,44 @@
+//! Chunks a shared tier keeps free ahead of demand (DESIGN §12.5): its owner evicts between
+//! batches, once it has answered them, so that a store finds its chunks free and its client's
+//! wait on the owner holds no eviction.
+//!
+//! 1. [`SharedTierIndex::keep_free`] sets how many (by default [`DEFAULT_FREE_CHUNKS`], never
+//!    more than a 256th of the tier, so that the keys it costs stay few: a tier of fewer than 256
+//!    chunks keeps none);
+//! 2. [`SharedTierIndex::evict_ahead`], after each turn of the owner's loop (and after each
+//!    request in `kvshm replay --instances`, which serves as the owner does), evicts the least
+//!    recently used keys of the whole tier until that many chunks are free, or fewer when fewer
+//!    can go, and uncharges their chunks from the clients that stored them.
+//!
+//! A store that needs more than are free evicts the rest itself, as without this: the free
+//! chunks only move evictions off the wait. They cost the tier as many cached keys.
+
+use super::SharedTierIndex;
+
+/// Chunks a tier keeps free by default: the stores of a step of a few requests.
+pub const DEFAULT_FREE_CHUNKS: u32 = 64;
+
+impl SharedTierIndex {
+    /// Keeps `chunks` chunks free ahead of the stores that need them (module flow, step 1); 0
+    /// keeps none.
+    pub fn keep_free(&mut self, chunks: u32) {
+        self.free_target = (chunks as usize).min(self.owners.len() / 256);
+    }
+
+    /// The chunks [`SharedTierIndex::evict_ahead`] keeps free.
+    pub fn free_target(&self) -> usize {
+        self.free_target
+    }
+
+    /// Module flow, step 2: returns how many keys it evicted.
+    pub fn evict_ahead(&mut self) -> usize {
+        let mut evicted = std::mem::take(&mut self.evicted_ahead);
+        self.manager.evict_ahead(self.free_target, &mut evicted);
+        for &chunk in &evicted.evicted_chunks {
+            self.discharge(chunk);
+        }
+        let count = evicted.evicted.len();
+        self.evicted_ahead = evicted;
+        count
+    }
+}
