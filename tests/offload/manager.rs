@@ -178,15 +178,15 @@ fn an_eviction_ahead_frees_what_it_can_up_to_its_target() {
     }
     manager.take_events();
     let mut out = PreparedStore::default();
-    manager.evict_ahead(1, &mut out);
+    manager.evict_ahead(1, usize::MAX, &mut out);
     assert_eq!(evicted_blocks(&out), vec![1]);
-    manager.evict_ahead(1, &mut out);
+    manager.evict_ahead(1, usize::MAX, &mut out);
     assert!(out.evicted.is_empty(), "one is free already");
     // 5 takes the free chunk and is being stored, 2 is pinned: of the four asked for, only 3
     // and 4 can go.
     assert!(manager.prepare_store("e", &keys(&[5]), &mut out));
     manager.prepare_load("f", &keys(&[2]), &mut Vec::new()).unwrap();
-    manager.evict_ahead(4, &mut out);
+    manager.evict_ahead(4, usize::MAX, &mut out);
     assert_eq!(evicted_blocks(&out), vec![3, 4]);
     check(&manager);
     let removed: Vec<usize> = manager.take_events().iter().map(|event| event.keys.len()).collect();
@@ -304,6 +304,41 @@ impl Model {
         ready && pins == 0 && (self.flat || !has_child)
     }
 
+    /// The least recently used candidate not in `spared`, counting `gone` as evicted.
+    fn victim(&self, spared: &[u32], gone: &[u32]) -> Option<u32> {
+        self.keys
+            .iter()
+            .filter(|(key, _)| !spared.contains(key) && !gone.contains(*key))
+            .filter(|(key, _)| self.candidate(**key, gone))
+            .min_by_key(|(_, &(rank, ..))| rank)
+            .map(|(&key, _)| key)
+    }
+
+    fn remove(&mut self, evicted: &[u32]) {
+        for key in evicted {
+            self.keys.remove(key);
+            for entry in self.keys.values_mut() {
+                if entry.3 == Some(*key) {
+                    entry.3 = None;
+                }
+            }
+        }
+    }
+
+    /// Evicts toward `free_target` free chunks, at most `most` keys, fewer when fewer can go.
+    fn evict_ahead(&mut self, free_target: usize, most: usize) -> Vec<u32> {
+        let wanted = (free_target + self.keys.len()).saturating_sub(self.chunks).min(most);
+        let mut evicted = Vec::new();
+        while evicted.len() < wanted {
+            match self.victim(&[], &evicted) {
+                Some(key) => evicted.push(key),
+                None => break,
+            }
+        }
+        self.remove(&evicted);
+        evicted
+    }
+
     fn prepare_store(&mut self, request: u32, offered: &[u32]) -> Option<(Vec<u32>, Vec<u32>)> {
         // A key offered twice is stored once, at its first place.
         let mut to_store: Vec<u32> = Vec::new();
@@ -325,26 +360,12 @@ impl Model {
         let mut evicted = Vec::new();
         let needed = (self.keys.len() + to_store.len()).saturating_sub(self.chunks);
         while evicted.len() < needed {
-            let victim = self
-                .keys
-                .iter()
-                .filter(|(key, _)| !offered.contains(key) && !evicted.contains(*key))
-                .filter(|(key, _)| self.candidate(**key, &evicted))
-                .min_by_key(|(_, &(rank, ..))| rank)
-                .map(|(&key, _)| key);
-            match victim {
+            match self.victim(offered, &evicted) {
                 Some(key) => evicted.push(key),
                 None => return None,
             }
         }
-        for key in &evicted {
-            self.keys.remove(key);
-            for entry in self.keys.values_mut() {
-                if entry.3 == Some(*key) {
-                    entry.3 = None;
-                }
-            }
-        }
+        self.remove(&evicted);
         for key in offered {
             if to_store.contains(key) && !self.keys.contains_key(key) {
                 let parent = self.requests[&request].1.filter(|p| self.keys.contains_key(p));
@@ -480,7 +501,13 @@ fn run_against_model(order: EvictionOrder, seed: u64) {
                 manager.on_request_finished(&name, None).unwrap();
                 model.finish(request);
             }
-            _ => {}
+            _ => {
+                // A shared tier's owner between batches: toward a few free chunks, in slices.
+                let (target, most) = (rng.below(6), 1 + rng.below(3));
+                manager.evict_ahead(target, most, &mut out);
+                let evicted = model.evict_ahead(target, most);
+                assert_eq!(evicted_blocks(&out), evicted, "step {step}");
+            }
         }
         check(&manager);
         assert_eq!(manager.len(), model.keys.len(), "step {step}");

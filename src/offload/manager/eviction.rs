@@ -152,17 +152,17 @@ impl OffloadManager {
         true
     }
 
-    /// Evicts least recently used keys until `free_target` chunks are free, ahead of the stores
-    /// that will need them; fewer when fewer can go (pinned, or being stored). What it evicted
-    /// is in `out` (cleared first).
-    pub fn evict_ahead(&mut self, free_target: usize, out: &mut PreparedStore) {
+    /// Evicts least recently used keys toward `free_target` free chunks, ahead of the stores
+    /// that will need them: at most `most`, and fewer when fewer can go (pinned, or being
+    /// stored). What it evicted is in `out` (cleared first).
+    pub fn evict_ahead(&mut self, free_target: usize, most: usize, out: &mut PreparedStore) {
         out.clear();
-        let free = self.pool.free_count();
-        if free >= free_target {
+        let wanted = free_target.saturating_sub(self.pool.free_count()).min(most);
+        if wanted == 0 {
             return;
         }
         let scope = EvictionScope { partial: true, ..EvictionScope::default() };
-        self.evict(free_target - free, &[], scope, out);
+        self.evict(wanted, &[], scope, out);
         if self.config.events && !out.evicted.is_empty() {
             self.events.push(OffloadEvent { keys: out.evicted.clone(), removed: true });
         }

@@ -43,7 +43,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde::Serialize;
 
-pub use ahead::DEFAULT_FREE_CHUNKS;
+pub use ahead::{DEFAULT_FREE_CHUNKS, EVICT_AHEAD_SLICE};
 pub use arenas::{open_rank_arena, TierArenaError, TierArenas};
 pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use identity::TierIdentity;

@@ -9,7 +9,8 @@
 //!    reclaim their slots (the channel reset before another client can claim it);
 //! 4. serve every client's batch: each call is checked ([`RecordError`]), carried out on the index
 //!    and, where it has one, answered; the batch's end is answered last;
-//! 5. evict ahead of demand, the answers sent ([`SharedTierIndex::evict_ahead`]).
+//! 5. evict ahead of demand, the answers sent, in slices until a client asks
+//!    ([`SharedTierIndex::evict_ahead`]).
 //!
 //! A client whose ring or answers make no sense is released as a dead one is: a bad record is an
 //! error answer for its call, a broken ring the client's end, never a panic of the owner. Its
@@ -32,7 +33,7 @@ use serde::Serialize;
 
 use super::{
     ClientId, Reaped, Released, SharedTierError, SharedTierIndex, TierOwner, TierStorage,
-    SWEEP_INTERVAL,
+    EVICT_AHEAD_SLICE, SWEEP_INTERVAL,
 };
 use crate::offload::key::OffloadKey;
 use crate::offload::manager::PreparedStore;
@@ -229,7 +230,10 @@ impl TierServer {
         for slot in 0..self.served.len() {
             self.serve(slot);
         }
-        self.owner.index().evict_ahead();
+        // Step 5, in slices: a batch that comes meanwhile waits for one slice at most.
+        while self.owner.index().evict_ahead(EVICT_AHEAD_SLICE) == EVICT_AHEAD_SLICE
+            && self.served.iter_mut().flatten().all(|served| served.channel.is_idle())
+        {}
         if let Some(storage) = &self.storage {
             self.control.storage_stats().publish(&storage.stats().to_words());
         }
