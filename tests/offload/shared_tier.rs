@@ -44,6 +44,15 @@ fn tier(chunks: u32) -> SharedTierIndex {
     SharedTierIndex::new(identity(), OffloadConfig::new(chunks)).unwrap()
 }
 
+/// A tier of `chunks` chunks keeping tier `name`'s key table (a new one, or with `adopt` the one
+/// an earlier index left), and how many keys it took back from it.
+fn tier_with_keys(name: &SegmentName, chunks: u32, adopt: bool) -> (SharedTierIndex, usize) {
+    let (table, entries) = TierKeys::open(name, &identity(), chunks, adopt).unwrap();
+    let mut index = tier(chunks);
+    let restored = index.keep_key_table(table, entries);
+    (index, restored)
+}
+
 fn check(index: &SharedTierIndex) {
     if let Err(violation) = index.check_invariants() {
         panic!("{violation}");
@@ -506,9 +515,8 @@ fn run_against_model(seed: u64) {
 #[test]
 fn a_new_index_takes_back_what_the_key_table_names_and_nothing_else() {
     let name = SegmentName::new(&format!("t-tierkeys-{}", std::process::id())).unwrap();
-    let (table, entries) = TierKeys::open(&name, &identity(), 3, false).unwrap();
-    let mut index = tier(3);
-    assert_eq!(index.keep_key_table(table, entries), 0);
+    let (mut index, restored) = tier_with_keys(&name, 3, false);
+    assert_eq!(restored, 0);
     let a = index.attach(&identity(), "a", None).unwrap();
     store(&mut index, a, "r1", &[1, 2]);
     let mut out = PreparedStore::default();
@@ -518,9 +526,8 @@ fn a_new_index_takes_back_what_the_key_table_names_and_nothing_else() {
     check(&index);
     drop(index);
 
-    let (table, entries) = TierKeys::open(&name, &identity(), 3, true).unwrap();
-    let mut next = tier(3);
-    assert_eq!(next.keep_key_table(table, entries), 2);
+    let (mut next, restored) = tier_with_keys(&name, 3, true);
+    assert_eq!(restored, 2);
     check(&next);
     let found: Vec<LookupResult> =
         [1, 2, 7, 8].iter().map(|&block| next.peek(&key(block))).collect();
@@ -544,9 +551,8 @@ fn a_new_index_takes_back_what_the_key_table_names_and_nothing_else() {
 #[test]
 fn a_key_evicted_ahead_is_not_taken_back_by_a_new_index() {
     let name = SegmentName::new(&format!("t-aheadkeys-{}", std::process::id())).unwrap();
-    let (table, entries) = TierKeys::open(&name, &identity(), 256, false).unwrap();
-    let mut index = tier(256);
-    assert_eq!(index.keep_key_table(table, entries), 0);
+    let (mut index, restored) = tier_with_keys(&name, 256, false);
+    assert_eq!(restored, 0);
     let a = index.attach(&identity(), "a", None).unwrap();
     for block in 0..256 {
         store(&mut index, a, &format!("r{block}"), &[block]);
@@ -555,9 +561,8 @@ fn a_key_evicted_ahead_is_not_taken_back_by_a_new_index() {
     assert_eq!(index.peek(&key(0)), LookupResult::Miss, "the oldest went");
     drop(index);
 
-    let (table, entries) = TierKeys::open(&name, &identity(), 256, true).unwrap();
-    let mut next = tier(256);
-    assert_eq!(next.keep_key_table(table, entries), 255);
+    let (next, restored) = tier_with_keys(&name, 256, true);
+    assert_eq!(restored, 255);
     assert_eq!(next.peek(&key(0)), LookupResult::Miss);
     check(&next);
     drop(next);
@@ -591,9 +596,7 @@ fn an_identity_decodes_to_itself_and_cut_or_padded_bytes_to_nothing() {
 #[test]
 fn a_reused_chunk_is_not_restored_under_its_evicted_key() {
     let name = SegmentName::new(&format!("t-tierkeys-reuse-{}", std::process::id())).unwrap();
-    let (table, entries) = TierKeys::open(&name, &identity(), 2, false).unwrap();
-    let mut index = tier(2);
-    index.keep_key_table(table, entries);
+    let (mut index, _) = tier_with_keys(&name, 2, false);
     let a = index.attach(&identity(), "a", None).unwrap();
     store(&mut index, a, "r1", &[1]);
     store(&mut index, a, "r2", &[2]);
@@ -602,9 +605,7 @@ fn a_reused_chunk_is_not_restored_under_its_evicted_key() {
     assert_eq!(out.evicted.len(), 1, "one key evicted for the pending store");
     let evicted = out.evicted[0];
     drop(index);
-    let (table, entries) = TierKeys::open(&name, &identity(), 2, true).unwrap();
-    let mut next = tier(2);
-    let restored = next.keep_key_table(table, entries);
+    let (next, restored) = tier_with_keys(&name, 2, true);
     let back = next.peek(&evicted);
     TierArenas::unlink(&name, 0);
     assert_eq!(restored, 1);
@@ -618,9 +619,7 @@ fn a_key_table_with_the_largest_sequence_number_is_taken_back_without_a_panic() 
     use kvshm_ipc::arena::{Arena, ArenaKind};
 
     let name = SegmentName::new(&format!("t-tierkeys-seq-{}", std::process::id())).unwrap();
-    let (table, entries) = TierKeys::open(&name, &identity(), 2, false).unwrap();
-    let mut index = tier(2);
-    index.keep_key_table(table, entries);
+    let (mut index, _) = tier_with_keys(&name, 2, false);
     let a = index.attach(&identity(), "a", None).unwrap();
     store(&mut index, a, "r1", &[1]);
     drop(index);
@@ -628,9 +627,8 @@ fn a_key_table_with_the_largest_sequence_number_is_taken_back_without_a_panic() 
     let keys = Arena::open(&name, ArenaKind::Keys, 0).unwrap();
     keys.write_data(64 + 8, &u64::MAX.to_le_bytes()).unwrap();
 
-    let (table, entries) = TierKeys::open(&name, &identity(), 2, true).unwrap();
-    let mut next = tier(2);
-    assert_eq!(next.keep_key_table(table, entries), 1);
+    let (mut next, restored) = tier_with_keys(&name, 2, true);
+    assert_eq!(restored, 1);
     let b = next.attach(&identity(), "b", None).unwrap();
     store(&mut next, b, "r2", &[2]);
     drop((next, keys));
