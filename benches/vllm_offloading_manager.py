@@ -157,8 +157,9 @@ class Driver:
         waiting: list[tuple[Request, Any]] = []  # admitted, looking up
         running: list[Running] = []
         pending = list(requests)
-        # vLLM steps while the manager has work pending (calls it defers to a step's end).
-        while pending or waiting or running or self.jobs or self.manager.has_pending_work():
+        # vLLM steps while the manager has work pending; it asks only when it would idle
+        # otherwise, and the asking is the manager's work too (it may send what it deferred).
+        while pending or waiting or running or self.jobs or self.call("has_pending_work"):
             while pending and len(waiting) + len(running) < concurrency:
                 request = pending.pop(0)
                 context = self.admit(request)

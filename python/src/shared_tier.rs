@@ -22,8 +22,8 @@
 //! wait on the owner. What needs no answer (pins let go, stores done, requests ended) is
 //! queued in the client and goes with the next call that waits. vLLM calls `on_schedule_end`
 //! once a scheduler step, before the step's stores: what has waited a whole step there is sent
-//! on its own, without a wait, so a call waits at most two steps; `has_pending_work` keeps an
-//! idle engine stepping until the owner has carried out what was sent.
+//! on its own, without a wait, so a call waits at most two steps; and `has_pending_work`, which
+//! vLLM calls when its engine would go idle, sends what is queued then, and the engine idles.
 //!
 //! While the owner is gone every lookup misses and nothing is stored: vLLM computes what it would
 //! have loaded, so outputs do not change. Pins belong to the connection they were taken on
@@ -475,10 +475,12 @@ impl VllmSharedTierCore {
         Ok(())
     }
 
-    /// Whether calls are queued, or sent and not yet carried out by the owner: vLLM keeps
-    /// stepping, and so calling `on_schedule_end`, while they are.
-    fn has_pending_work(&mut self) -> bool {
-        self.client().has_pending()
+    /// Sends what is queued, without waiting for the owner, and returns `False`: vLLM asks only
+    /// when its engine would go idle otherwise (no request left), so no later step would carry
+    /// the queue; once sent, the owner carries it out with no step of the engine's.
+    fn has_pending_work(&mut self) -> PyResult<bool> {
+        self.client().send_queued().map_err(tier_error)?;
+        Ok(false)
     }
 
     /// Sends what is queued now, and waits until the owner has carried out every call sent.

@@ -201,12 +201,12 @@ def _core(tier: str, deadline_s: float = 1.0) -> _kvshm.VllmSharedTierCore:
 
 
 def _step_ends(core: _kvshm.VllmSharedTierCore) -> None:
-    """vLLM's scheduler steps end while the engine has work pending: what it queued is sent
-    (two steps) and carried out by the owner."""
+    """vLLM's scheduler steps end and the engine goes idle: what it queued is sent, and (the
+    test waits for it) carried out by the owner."""
     core.on_schedule_end(None)
     core.on_schedule_end(None)
-    while core.has_pending_work():
-        core.on_schedule_end(None)
+    assert not core.has_pending_work()
+    core.flush()
 
 
 def _key(n: int) -> bytes:
@@ -278,8 +278,8 @@ def test_a_store_of_keys_the_tier_holds_is_not_counted_refused(tier: str) -> Non
 def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: str) -> None:
     """A store done, a load done and a request ended cost the engine no wait on the owner: they
     go with the next call that needs an answer, in the order made, or at the end of the vLLM
-    step after the one they were made in (``on_schedule_end``; ``has_pending_work`` keeps an
-    idle engine stepping until then)."""
+    step after the one they were made in (``on_schedule_end``), or when the engine would go
+    idle (``has_pending_work``)."""
     start(tier)
     storer, loader = _core(tier), _core(tier)
 
@@ -291,13 +291,14 @@ def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: st
     storer.complete_store([_key(1), _key(2)], _request("a"))
     storer.on_request_finished(_request("a"))
     assert storer.stats()["owner_calls"] == waits, "a call with no answer waited"
-    assert storer.has_pending_work()
     storer.on_schedule_end(None)
-    assert storer.has_pending_work(), "sent in the step it was queued in"
+    assert storer.stats()["owner_calls"] == waits, "sent in the step it was queued in"
     assert loader.lookup(_key(1), _request("b")) == "MISS", "stored before the step's end"
-    _step_ends(storer)
+    storer.on_schedule_end(None)
     assert storer.stats()["owner_calls"] == waits + 1
     assert storer.stats()["owner_waits"] == waits, "the step's end waited"
+    _step_ends(storer)
+    assert storer.stats()["owner_calls"] == waits + 1, "sent twice"
     assert loader.lookup(_key(1), _request("c")) == "HIT"
     assert pins() == 1
 
@@ -306,37 +307,45 @@ def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: st
     loader.complete_load([_key(1), _key(2)], _request("c"))
     loader.on_request_finished(_request("c"))
     assert pins() == 2
-    assert loader.has_pending_work()
     waits = loader.stats()["owner_calls"]
     assert loader.lookup(_key(3), _request("d")) == "MISS"
     assert loader.stats()["owner_calls"] == waits + 1
     assert pins() == 0
+
+    # An engine about to idle sends what it queued, without waiting, and idles.
+    loader.on_request_finished(_request("d"))
+    calls, waited = loader.stats()["owner_calls"], loader.stats()["owner_waits"]
     assert not loader.has_pending_work()
+    assert loader.stats()["owner_calls"] == calls + 1
+    assert loader.stats()["owner_waits"] == waited
 
 
-def test_a_step_end_sends_without_waiting_and_is_pending_until_the_owner_answers(
-    tier: str,
-) -> None:
-    """The calls a step's end sends need no answer: the engine goes on while the owner is
-    stopped, keeps its connection, and has work pending until the owner has carried them out."""
+def test_a_step_end_and_an_idling_engine_send_without_waiting(tier: str) -> None:
+    """The calls a step's end or an engine about to idle sends need no answer: the engine goes
+    on while the owner is stopped and keeps its connection; the owner carries them out once it
+    runs again."""
     pid = start(tier)
     storer, loader = _core(tier), _core(tier)
-    storer.prepare_store([_key(1)], _request("a"))
-    storer.complete_store([_key(1)], _request("a"))
-    storer.on_request_finished(_request("a"))
-    storer.on_schedule_end(None)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        storer.on_schedule_end(None)  # sends the store's end
-        assert storer.connected, "waited for a stopped owner until it gave up"
-        assert storer.has_pending_work()
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    while storer.has_pending_work():
-        time.sleep(0.001)
-    assert storer.connected
-    assert storer.stats()["owner_waits"] == 1  # the prepare_store alone
-    assert loader.lookup(_key(1), _request("b")) == "HIT"
+    for step_end, request, key in ((True, "a", _key(1)), (False, "b", _key(2))):
+        storer.prepare_store([key], _request(request))
+        storer.complete_store([key], _request(request))
+        storer.on_request_finished(_request(request))
+        storer.on_schedule_end(None)
+        calls, waited = storer.stats()["owner_calls"], storer.stats()["owner_waits"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            if step_end:
+                storer.on_schedule_end(None)
+            else:
+                assert not storer.has_pending_work()
+            assert storer.connected, "waited for a stopped owner until it gave up"
+            assert storer.stats()["owner_calls"] == calls + 1
+            assert storer.stats()["owner_waits"] == waited
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        storer.flush()
+        assert storer.connected
+        assert loader.lookup(key, _request(f"{request}-loader")) == "HIT"
 
 
 def test_a_step_end_finds_a_dead_owner_gone_so_the_engine_can_start_another(tier: str) -> None:

@@ -232,9 +232,8 @@ impl TierClient {
 
     /// Sends the queued calls, if any, as a batch of their own without waiting for the owner:
     /// none needs an answer. The batch's pages stay its own until the owner answers its end,
-    /// which the next batch waits for first; [`TierClient::has_pending`] tells when it has. A
-    /// queue of more calls than one batch carries (its ring's slots but one) waits for each
-    /// batch but its last. An owner found exited (a system call) is given up at once, so that
+    /// which the next batch waits for first (or [`TierClient::flush`]). A queue of more calls
+    /// than one batch carries (its ring's slots but one) waits for each batch but its last. An owner found exited (a system call) is given up at once, so that
     /// the engine can start another in the same step.
     ///
     /// # Errors
@@ -244,24 +243,6 @@ impl TierClient {
             return Ok(());
         }
         self.call_waiting(&[], &mut Vec::new(), false)
-    }
-
-    /// Whether calls are queued, or sent and not yet carried out (the owner has not answered
-    /// their batch). It looks at the answers without waiting; a batch still unanswered at its
-    /// deadline, or whose owner exited, ends the connection (module flow, step 4) and is
-    /// pending no more.
-    pub fn has_pending(&mut self) -> bool {
-        if !self.queue.is_empty() {
-            return true;
-        }
-        let Some(connection) = self.connection.as_mut() else { return false };
-        match connection.is_unanswered(&mut self.answers) {
-            Ok(unanswered) => unanswered,
-            Err(reason) => {
-                self.give_up(reason);
-                false
-            }
-        }
     }
 
     /// Drops the queued calls: they belong to a connection that is gone (a release sent
