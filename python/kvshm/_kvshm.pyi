@@ -448,9 +448,9 @@ class VllmSharedTierCore:
         """Sends the calls queued for the owner (pins let go, stores done, requests ended)
         that have waited since the previous step's end, without waiting for the owner."""
     def has_pending_work(self) -> bool:
-        """Sends the queued calls without waiting for the owner, and returns ``False``: vLLM
-        asks only when its engine would go idle otherwise, and the owner carries them out with
-        no step of the engine's."""
+        """Sends the queued calls without waiting for the owner (but for an earlier batch it has
+        not answered), and returns ``False``: vLLM asks only when its engine would go idle
+        otherwise, and the owner carries them out with no step of the engine's. Never raises."""
     def flush(self) -> None:
         """Sends the queued calls now, and waits until the owner has carried out every call
         sent."""

@@ -477,10 +477,13 @@ impl VllmSharedTierCore {
 
     /// Sends what is queued, without waiting for the owner, and returns `False`: vLLM asks only
     /// when its engine would go idle otherwise (no request left), so no later step would carry
-    /// the queue; once sent, the owner carries it out with no step of the engine's.
-    fn has_pending_work(&mut self) -> PyResult<bool> {
-        self.client().send_queued().map_err(tier_error)?;
-        Ok(false)
+    /// the queue; once sent, the owner carries it out with no step of the engine's (another
+    /// engine's lookup may come first: the owner orders each client's calls, not the clients).
+    /// It never raises, as vLLM asks in its engine loop: a tier that cannot be used (the name
+    /// attached again to an owner of other blocks) raises at the engine's next call instead.
+    fn has_pending_work(&mut self) -> bool {
+        let _unusable_tier_raises_at_the_next_call = self.client().send_queued();
+        false
     }
 
     /// Sends what is queued now, and waits until the owner has carried out every call sent.

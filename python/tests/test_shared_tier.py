@@ -4,6 +4,7 @@ back by the other."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -362,7 +363,29 @@ def test_a_step_end_finds_a_dead_owner_gone_so_the_engine_can_start_another(tier
         time.sleep(0.01)
     core.on_schedule_end(None)  # sends the store's end
     assert not core.connected
-    assert not core.has_pending_work()
+
+
+def test_an_idling_engine_is_not_raised_at_by_a_tier_it_can_no_longer_use(tier: str) -> None:
+    """vLLM asks ``has_pending_work`` in its engine loop, where an exception would end the
+    engine: when the tier's name has come to be served by an owner of other blocks, it sends
+    nothing and says no; the engine's next call that attaches raises."""
+    start(tier)
+    core = _core(tier)
+    core.prepare_store([_key(1)], _request("a"))
+    stop_tier(tier)
+    other = dataclasses.replace(IDENTITY, kv_dtype="bfloat16")
+    ensure_tier_owner(
+        tier, other, chunks=CHUNKS, ranks=1, arena_block_bytes=2 * PAGE, idle_exit_s=600
+    )
+    core.complete_store([_key(1)], _request("a"))
+    assert not core.has_pending_work()  # finds its owner gone
+    time.sleep(1.1)  # the reattach interval
+    core.complete_store([_key(2)], _request("a"))
+    assert not core.has_pending_work()  # attaches, and is refused
+    assert not core.connected
+    time.sleep(1.1)
+    with pytest.raises(kvshm.ConfigError, match="bfloat16"):
+        core.lookup(_key(3), _request("b"))
 
 
 def test_a_wait_for_a_step_end_the_owner_has_not_answered_counts(tier: str) -> None:

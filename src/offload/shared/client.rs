@@ -232,9 +232,10 @@ impl TierClient {
 
     /// Sends the queued calls, if any, as a batch of their own without waiting for the owner:
     /// none needs an answer. The batch's pages stay its own until the owner answers its end,
-    /// which the next batch waits for first (or [`TierClient::flush`]). A queue of more calls
-    /// than one batch carries (its ring's slots but one) waits for each batch but its last. An owner found exited (a system call) is given up at once, so that
-    /// the engine can start another in the same step.
+    /// which the next batch waits for first (or [`TierClient::flush`]); so does this one for
+    /// the batch before it. A queue of more calls than one batch carries (its ring's slots but
+    /// one) waits for each batch but its last. An owner found exited (a system call) is given
+    /// up at once, so that the engine can start another in the same step.
     ///
     /// # Errors
     /// As [`TierClient::call`].
