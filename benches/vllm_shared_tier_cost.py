@@ -9,7 +9,8 @@ its manager (the driver of ``vllm_offloading_manager.py``, every call timed) thr
   vLLM builds it by default), and
 - ``kvshm.vllm.KvshmSharedOffloadingManager``: one per instance, each a client of one
   ``python -m kvshm tier-owner`` process holding ``chunks`` chunks; every contract call that
-  needs the owner is one batch and one wait on it.
+  needs the owner is one batch and one wait on it; a store its lease of chunks covers needs
+  none (with ``--without-lease``, a third variant whose clients lease none, for comparison).
 
 The trace's requests go round-robin to the instances (all of them through one with
 ``--instances 1``); each request runs to its end, its stores and loads completed, before the
@@ -96,10 +97,13 @@ def tier_owner(tier: str, chunks: int, setup: OwnerSetup) -> Iterator[dict[str, 
             arena.unlink(missing_ok=True)
 
 
-def shared_managers(tier: str, instances: int) -> list[Any]:
+def shared_managers(tier: str, instances: int, lease_chunks: int = 16) -> list[Any]:
     from kvshm.vllm import KvshmSharedOffloadingManager
 
-    managers = [KvshmSharedOffloadingManager(tier, tier_identity()) for _ in range(instances)]
+    managers = [
+        KvshmSharedOffloadingManager(tier, tier_identity(), lease_chunks=lease_chunks)
+        for _ in range(instances)
+    ]
     for manager in managers:
         if not manager.connected:
             raise RuntimeError(f"not attached to {tier}: {manager.last_error}")
@@ -141,10 +145,15 @@ def replay_round_robin(managers: list[Any], requests: list[driver.Request]) -> d
 
 
 def replay_shared(
-    tier: str, chunks: int, instances: int, requests: list[driver.Request], setup: OwnerSetup
+    tier: str,
+    chunks: int,
+    instances: int,
+    requests: list[driver.Request],
+    setup: OwnerSetup,
+    lease_chunks: int = 16,
 ) -> dict[str, Any]:
     with tier_owner(tier, chunks, setup) as owner:
-        managers = shared_managers(tier, instances)
+        managers = shared_managers(tier, instances, lease_chunks)
         result = replay_round_robin(managers, requests)
         totals: dict[str, int] = {}
         for manager in managers:
@@ -208,6 +217,7 @@ def bench(
     instance_counts: list[int],
     rounds: int,
     setup: OwnerSetup,
+    without_lease: bool = False,
 ) -> dict[str, Any]:
     requests = driver.trace_requests(trace, limit=limit)
     prefix = f"kvshm-cost-{os.getpid()}"
@@ -217,14 +227,15 @@ def bench(
     runs = []
     for instances in instance_counts:
         for round_index in range(rounds):
-            order = ["per_instance", "shared"]
+            order = ["per_instance", "shared"] + (["shared_without_lease"] if without_lease else [])
             if round_index % 2:
                 order.reverse()
             run: dict[str, Any] = {"instances": instances, "round": round_index, "order": order}
             for variant in order:
-                if variant == "shared":
-                    tier = f"{prefix}-{instances}-{round_index}"
-                    run[variant] = replay_shared(tier, chunks, instances, requests, setup)
+                if variant.startswith("shared"):
+                    tier = f"{prefix}-{instances}-{round_index}-{variant}"
+                    lease = 0 if variant == "shared_without_lease" else 16
+                    run[variant] = replay_shared(tier, chunks, instances, requests, setup, lease)
                 else:
                     managers = per_instance_managers(chunks, instances)
                     run[variant] = replay_round_robin(managers, requests)
@@ -232,6 +243,9 @@ def bench(
                 shared = run["shared"]["per_request_us"][at]
                 baseline = run["per_instance"]["per_request_us"][at]
                 run[f"ratio_{at}"] = round(shared / baseline, 2) if baseline else None
+                if without_lease:
+                    unleased = run["shared_without_lease"]["per_request_us"][at]
+                    run[f"without_lease_ratio_{at}"] = round(unleased / baseline, 2)
             runs.append(run)
     return {
         "benchmark": "vllm-shared-tier-cost",
@@ -267,10 +281,17 @@ def main(argv: list[str]) -> int:
         "--owner-free-chunks", type=int, default=None, help="the owner's --free-chunks"
     )
     parser.add_argument("--trace", default=None, help="Mooncake trace (default: the checkout's)")
+    parser.add_argument(
+        "--without-lease",
+        action="store_true",
+        help="also replay the shared tier with clients that lease no chunks (lease_chunks=0)",
+    )
     args = parser.parse_args(argv)
     counts = [int(count) for count in args.instances.split(",")]
     setup = OwnerSetup(cpu=args.owner_cpu, free_chunks=args.owner_free_chunks)
-    result = bench(args.trace, args.requests, args.chunks, counts, args.rounds, setup)
+    result = bench(
+        args.trace, args.requests, args.chunks, counts, args.rounds, setup, args.without_lease
+    )
     if args.json:
         print(json.dumps(result))
     else:

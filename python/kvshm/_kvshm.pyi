@@ -428,6 +428,7 @@ class VllmSharedTierCore:
         layout: str,
         vllm_types: tuple[Any, ...],
         answer_deadline_s: float = 1.0,
+        lease_chunks: int = 16,
     ) -> Self: ...
     @property
     def connected(self) -> bool:

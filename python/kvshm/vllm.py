@@ -188,7 +188,11 @@ class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
     thread meanwhile raises ``RuntimeError`` (already borrowed)."""
 
     def __new__(
-        cls, tier: str, identity: TierIdentity, restart: OwnerRestart | None = None
+        cls,
+        tier: str,
+        identity: TierIdentity,
+        restart: OwnerRestart | None = None,
+        lease_chunks: int = 16,
     ) -> KvshmSharedOffloadingManager:
         return super().__new__(
             cls,
@@ -200,10 +204,15 @@ class KvshmSharedOffloadingManager(VllmSharedTierCore, OffloadingManager):
             blocks_per_chunk=identity.blocks_per_chunk,
             layout=identity.layout,
             vllm_types=_vllm_types(),
+            lease_chunks=lease_chunks,
         )
 
     def __init__(
-        self, tier: str, identity: TierIdentity, restart: OwnerRestart | None = None
+        self,
+        tier: str,
+        identity: TierIdentity,
+        restart: OwnerRestart | None = None,
+        lease_chunks: int = 16,
     ) -> None:
         OffloadingManager.__init__(self)
         self.tier = tier

@@ -7,7 +7,7 @@
 //! - [`host_tier`]: `HostTier`, one worker rank's host tier and copies (the worker side).
 //! - [`vllm`]: `VllmManagerCore`, vLLM's manager methods straight over the Rust manager.
 //! - [`shared_tier`]: `VllmSharedTierCore`, the same methods over a host tier several engines
-//!   share, and how to find the tier and its owner.
+//!   share; [`tier_info`]: a shared tier's name, its owner and its clients.
 //! - [`buffers`]: block tables and hashes as buffer objects; reading numpy arrays and buffers.
 //! - [`errors`]: the exception hierarchy under `KvshmError`.
 //! - [`cli`]: `python -m kvshm worker`, `tier-owner` and `kvctl`.
@@ -22,6 +22,7 @@ mod offload;
 mod results;
 mod service;
 mod shared_tier;
+mod tier_info;
 mod vllm;
 mod waiting;
 
@@ -40,9 +41,9 @@ fn _kvshm(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<host_tier::HostTier>()?;
     module.add_class::<vllm::VllmManagerCore>()?;
     module.add_class::<shared_tier::VllmSharedTierCore>()?;
-    module.add_function(wrap_pyfunction!(shared_tier::shared_tier_name, module)?)?;
-    module.add_function(wrap_pyfunction!(shared_tier::shared_tier_owner, module)?)?;
-    module.add_function(wrap_pyfunction!(shared_tier::shared_tier_clients, module)?)?;
+    module.add_function(wrap_pyfunction!(tier_info::shared_tier_name, module)?)?;
+    module.add_function(wrap_pyfunction!(tier_info::shared_tier_owner, module)?)?;
+    module.add_function(wrap_pyfunction!(tier_info::shared_tier_clients, module)?)?;
     module.add_function(wrap_pyfunction!(host_tier::parse_cuda_handle, module)?)?;
     module.add_function(wrap_pyfunction!(host_tier::read_tier_keys, module)?)?;
     module.add_class::<buffers::U32Array>()?;

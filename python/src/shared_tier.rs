@@ -1,6 +1,5 @@
 //! `VllmSharedTierCore`: vLLM's `OffloadingManager` methods over a host tier several engines
-//! share (DESIGN §12), as a client of the tier's owner ([`kvshm::offload::TierClient`]); and
-//! the functions that find a tier's name and its owner.
+//! share (DESIGN §12), as a client of the tier's owner ([`kvshm::offload::TierClient`]).
 //!
 //! `kvshm.vllm.KvshmSharedOffloadingManager` subclasses it together with vLLM's ABC. A key a
 //! lookup finds is pinned for the request at once (another engine's store could evict it before
@@ -14,16 +13,18 @@
 //! 2. `prepare_load(keys)`: their chunks, from the request's pins (the pins now the load's); the
 //!    request's other pins are let go;
 //! 3. `complete_load(keys)`: the load's pins are let go;
-//! 4. `prepare_store` / `complete_store`: as the owner answers (nothing to store while it is
-//!    gone, or in its store grace);
+//! 4. `prepare_store` / `complete_store`: chunks from the client's lease, with no wait (the
+//!    owner learns at the next batch which keys went where), or as the owner answers when the
+//!    lease is short (nothing to store while it is gone, or in its store grace);
 //! 5. `on_request_finished`: the request's pins left are let go, and it ends at the owner.
 //!
-//! Only a lookup that finds no pin, a `prepare_load` of keys not pinned and `prepare_store`
-//! wait on the owner. What needs no answer (pins let go, stores done, requests ended) is
-//! queued in the client and goes with the next call that waits. vLLM calls `on_schedule_end`
-//! once a scheduler step, before the step's stores: what has waited a whole step there is sent
-//! on its own, without a wait, so a call waits at most two steps; and `has_pending_work`, which
-//! vLLM calls when its engine would go idle, sends what is queued then, and the engine idles.
+//! Only a lookup that finds no pin, a `prepare_load` of keys not pinned and a `prepare_store`
+//! the lease cannot serve wait on the owner. What needs no answer (pins let go, stores done and
+//! named, requests ended) is queued in the client and goes with the next call that waits. vLLM
+//! calls `on_schedule_end` once a scheduler step, before the step's stores: what has waited a
+//! whole step there is sent on its own, without a wait, so a call waits at most two steps; and
+//! `has_pending_work`, which vLLM calls when its engine would go idle, sends what is queued then,
+//! and the engine idles.
 //!
 //! While the owner is gone every lookup misses and nothing is stored: vLLM computes what it would
 //! have loaded, so outputs do not change. Pins belong to the connection they were taken on
@@ -36,16 +37,15 @@ use std::time::Duration;
 
 use kvshm::offload::key::BuildPassThrough;
 use kvshm::offload::{
-    inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
-    TierIdentity,
+    CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient, TierIdentity,
+    DEFAULT_LEASE_CHUNKS,
 };
-use kvshm_ipc::tier_control::TierControl;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::buffers::U32Array;
-use crate::errors::{ConfigError, OffloadError, SegmentError};
+use crate::errors::{ConfigError, OffloadError};
 use crate::offload::{key_of, keys_into, HIT, MISS, RETRY};
 use crate::service::segment_name;
 use crate::vllm::{request_id, VllmTypeTuple, VllmTypes};
@@ -190,12 +190,13 @@ impl VllmSharedTierCore {
 #[pymethods]
 impl VllmSharedTierCore {
     /// A client of tier `tier` for blocks of the identity given; `vllm_types` as
-    /// `VllmManagerCore` takes them. It attaches now if the owner is there, and else at a later
-    /// call (at most once a second).
+    /// `VllmManagerCore` takes them; `lease_chunks` it asks to hold ahead of its stores (0: it
+    /// asks the owner for each store). It attaches now if the owner is there, and else at a
+    /// later call (at most once a second).
     #[new]
     #[pyo3(signature = (
         tier, *, model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout,
-        vllm_types, answer_deadline_s=1.0
+        vllm_types, answer_deadline_s=1.0, lease_chunks=DEFAULT_LEASE_CHUNKS
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -208,6 +209,7 @@ impl VllmSharedTierCore {
         layout: String,
         vllm_types: VllmTypeTuple,
         answer_deadline_s: f64,
+        lease_chunks: u32,
     ) -> PyResult<Self> {
         let identity =
             TierIdentity { model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout };
@@ -215,6 +217,7 @@ impl VllmSharedTierCore {
             answer_deadline: Duration::try_from_secs_f64(answer_deadline_s)
                 .map_err(|error| ConfigError::new_err(format!("answer_deadline_s: {error}")))?,
             run_sleep: sleep_without_the_gil,
+            lease_chunks,
             ..ClientOptions::default()
         };
         let client = TierClient::new(segment_name(tier)?, identity, options).map_err(tier_error)?;
@@ -409,11 +412,9 @@ impl VllmSharedTierCore {
         };
         let request = request_id(req_context)?;
         let asked = keys_of(offered.as_any())?;
-        slf.call(&[TierCall::PrepareStore { request: request.to_str()?, keys: &asked }])?;
-        let (indices, chunks, refused) = match slf.answers.first() {
-            Some(CallAnswer::Store { to_store, chunks, refused }) => {
-                (to_store.clone(), chunks.clone(), *refused)
-            }
+        let answer = slf.client().prepare_store(request.to_str()?, &asked).map_err(tier_error)?;
+        let (indices, chunks, refused) = match answer {
+            CallAnswer::Store { to_store, chunks, refused } => (to_store, chunks, refused),
             _ => (Vec::new(), Vec::new(), true),
         };
         if refused && !offered.is_empty() {
@@ -560,47 +561,4 @@ fn following_keys(context: &Bound<'_, PyAny>, key: OffloadKey) -> PyResult<Vec<O
     let mut keys = vec![key];
     keys.extend(after.into_iter().take(LOOKAHEAD_KEYS - 1).map(|(_, key)| key));
     Ok(keys)
-}
-
-/// The name of the shared tier of blocks of this identity (`kvshm-tier-MODEL-DIGEST`).
-#[pyfunction]
-#[pyo3(signature = (*, model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout))]
-pub fn shared_tier_name(
-    model: String,
-    kv_dtype: String,
-    block_tokens: u32,
-    block_bytes: u64,
-    blocks_per_chunk: u32,
-    layout: String,
-) -> String {
-    TierIdentity { model, kv_dtype, block_tokens, block_bytes, blocks_per_chunk, layout }
-        .tier_name()
-}
-
-/// The pid of the live owner of shared tier `name`, or `None` when no owner serves it.
-#[pyfunction]
-pub fn shared_tier_owner(name: &str) -> PyResult<Option<u32>> {
-    let name = segment_name(name)?;
-    Ok(TierControl::attach(&name).ok().map(|control| control.owner().pid))
-}
-
-/// Shared tier `name`'s clients as its owner published them (`kvctl tier`): one dict per
-/// client, with `slot`, `state`, `pid`, `chunks`, `pins`, `storing` and `calls`.
-#[pyfunction]
-pub fn shared_tier_clients<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyList>> {
-    let report = inspect_tier(&segment_name(name)?)
-        .map_err(|error| SegmentError::new_err(format!("shared tier {name}: {error}")))?;
-    let clients = PyList::empty(py);
-    for row in report.clients {
-        let client = PyDict::new(py);
-        client.set_item("slot", row.slot)?;
-        client.set_item("state", row.state)?;
-        client.set_item("pid", row.pid)?;
-        client.set_item("chunks", row.chunks)?;
-        client.set_item("pins", row.pins)?;
-        client.set_item("storing", row.storing)?;
-        client.set_item("calls", row.calls)?;
-        clients.append(client)?;
-    }
-    Ok(clients)
 }

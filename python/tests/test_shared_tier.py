@@ -321,6 +321,36 @@ def test_calls_without_an_answer_wait_for_the_step_end_or_the_next_call(tier: st
     assert loader.stats()["owner_waits"] == waited
 
 
+def test_a_store_takes_leased_chunks_without_waiting_on_the_owner(tier: str) -> None:
+    """Once a wait has leased an engine chunks (its first lookup's), its stores are answered
+    from the lease with no wait on the owner, which learns with the next batch which keys went
+    where: hits for another engine once stored. A key it is storing is not stored twice; a
+    store the lease cannot cover is asked of the owner."""
+    ensure_tier_owner(
+        tier, IDENTITY, chunks=1024, ranks=1, arena_block_bytes=2 * PAGE, idle_exit_s=600
+    )
+    storer, loader = _core(tier), _core(tier)
+    assert storer.lookup(_key(9), _request("a")) == "MISS"  # a wait: the lease comes with it
+    waits = storer.stats()["owner_waits"]
+    keys, chunks = storer.prepare_store([_key(1), _key(2), _key(1)], _request("a"))
+    assert keys == [_key(1), _key(2)]
+    assert len(set(chunks)) == 2
+    assert storer.prepare_store([_key(1)], _request("a")) == ([], []), "being stored"
+    assert storer.stats()["owner_waits"] == waits, "answered from the lease"
+    assert loader.lookup(_key(1), _request("b")) == "MISS", "the owner was not told yet"
+    storer.complete_store([_key(1), _key(2)], _request("a"))
+    storer.on_request_finished(_request("a"))
+    assert not storer.has_pending_work()  # sends the keys' chunks and the stores' ends
+    storer.flush()
+    assert loader.lookup(_key(1), _request("c")) == "HIT"
+    # 16 chunks leased at most (a 64th of the tier): 20 keys are asked of the owner.
+    many = [_key(100 + n) for n in range(20)]
+    keys, chunks = storer.prepare_store(many, _request("d"))
+    assert keys == many
+    assert len(set(chunks)) == 20
+    assert storer.stats()["owner_waits"] > waits
+
+
 def test_a_step_end_and_an_idling_engine_send_without_waiting(tier: str) -> None:
     """The calls a step's end or an engine about to idle sends need no answer: the engine goes
     on while the owner is stopped and keeps its connection; the owner carries them out once it

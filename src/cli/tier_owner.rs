@@ -24,7 +24,7 @@ use clap::Parser;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
-use crate::offload::shared::{TierArenas, TierKeys, TierStorage, DEFAULT_FREE_CHUNKS};
+use crate::offload::shared::{TierArenas, TierKeys, TierStorage, DEFAULT_FREE_CHUNKS, OWNER_SPIN};
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
 use crate::storage::spec::{StorageOptions, StorageSpec};
 use crate::worker::process::{install_stop_handlers, stop_requested};
@@ -96,6 +96,10 @@ pub struct Args {
     /// eviction (at most a 256th of the tier; 0: none).
     #[arg(long, default_value_t = DEFAULT_FREE_CHUNKS)]
     free_chunks: u32,
+    /// Microseconds the owner spins for the next batch before it sleeps: a core busy while
+    /// engines call, against a wake-up of tens of microseconds on their next wait.
+    #[arg(long, default_value_t = OWNER_SPIN.as_micros() as u64)]
+    spin_us: u64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -142,6 +146,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         server.keep_storage(storage);
     }
     server.set_client_quota(args.client_quota);
+    server.set_spin(Duration::from_micros(args.spin_us));
     if arenas.adopted() {
         server.refuse_stores_until(Instant::now() + Duration::from_millis(args.takeover_grace_ms));
     }

@@ -7,6 +7,7 @@ mod support;
 mod host_tier;
 mod manager;
 mod shared_tier;
+mod tier_lease;
 mod tier_owner;
 mod tier_process;
 mod tier_storage;

@@ -25,14 +25,14 @@ pub(crate) fn identity() -> TierIdentity {
     }
 }
 
-fn key(block: u32) -> OffloadKey {
+pub(crate) fn key(block: u32) -> OffloadKey {
     let mut bytes = [0u8; 16];
     bytes[..4].copy_from_slice(&block.to_le_bytes());
     bytes[4..].fill(0xa5);
     OffloadKey::new(&bytes).unwrap()
 }
 
-fn keys(blocks: &[u32]) -> Vec<OffloadKey> {
+pub(crate) fn keys(blocks: &[u32]) -> Vec<OffloadKey> {
     blocks.iter().map(|&block| key(block)).collect()
 }
 
@@ -40,7 +40,7 @@ fn block_of(key: &OffloadKey) -> u32 {
     u32::from_le_bytes(key.as_bytes()[..4].try_into().unwrap())
 }
 
-fn tier(chunks: u32) -> SharedTierIndex {
+pub(crate) fn tier(chunks: u32) -> SharedTierIndex {
     SharedTierIndex::new(identity(), OffloadConfig::new(chunks)).unwrap()
 }
 
@@ -53,7 +53,7 @@ fn tier_with_keys(name: &SegmentName, chunks: u32, adopt: bool) -> (SharedTierIn
     (index, restored)
 }
 
-fn check(index: &SharedTierIndex) {
+pub(crate) fn check(index: &SharedTierIndex) {
     if let Err(violation) = index.check_invariants() {
         panic!("{violation}");
     }

@@ -32,6 +32,10 @@ pub enum TierOp {
     Detach,
     /// The batch ends: answered last, after every other answer of the batch.
     EndBatch,
+    /// Top the client's lease of chunks up to `lease` chunks; answered with the chunks added.
+    Lease,
+    /// The client stores the keys in its leased chunks numbered `lease` on, one each; no answer.
+    StoreLeased,
 }
 
 impl TierOp {
@@ -44,6 +48,8 @@ impl TierOp {
             TierOp::FinishRequest => 5,
             TierOp::Detach => 6,
             TierOp::EndBatch => 7,
+            TierOp::Lease => 8,
+            TierOp::StoreLeased => 9,
         }
     }
 
@@ -56,13 +62,18 @@ impl TierOp {
             5 => TierOp::FinishRequest,
             6 => TierOp::Detach,
             7 => TierOp::EndBatch,
+            8 => TierOp::Lease,
+            9 => TierOp::StoreLeased,
             code => return Err(RecordError::UnknownOp { code }),
         })
     }
 
     /// Whether the owner answers it.
     pub fn is_answered(self) -> bool {
-        matches!(self, TierOp::AcquirePrefix | TierOp::PrepareStore | TierOp::EndBatch)
+        matches!(
+            self,
+            TierOp::AcquirePrefix | TierOp::PrepareStore | TierOp::Lease | TierOp::EndBatch
+        )
     }
 }
 
@@ -92,7 +103,10 @@ pub struct TierRequest {
     pub keys: u32,
     /// `CompleteStore`: 1 when the stores succeeded.
     pub flags: u32,
-    pub reserved: [u64; 4],
+    /// `Lease`: the chunks the client wants leased in all; `StoreLeased`: the sequence number of
+    /// the leased chunk its first key goes into.
+    pub lease: u64,
+    pub reserved: [u64; 3],
 }
 
 const _: () = assert!(size_of::<TierRequest>() == 64);
@@ -100,11 +114,17 @@ const _: () = assert!(size_of::<TierRequest>() == 64);
 impl TierRequest {
     /// A call of `op` for `request`, over keys `first_key..first_key + keys` of the key page.
     pub fn new(call: u64, op: TierOp, request: u64, first_key: u32, keys: u32) -> TierRequest {
-        TierRequest { call, request, op: op.code(), first_key, keys, flags: 0, reserved: [0; 4] }
+        let reserved = [0; 3];
+        TierRequest { call, request, op: op.code(), first_key, keys, flags: 0, lease: 0, reserved }
     }
 
     pub fn with_flags(mut self, flags: u32) -> TierRequest {
         self.flags = flags;
+        self
+    }
+
+    pub fn with_lease(mut self, lease: u64) -> TierRequest {
+        self.lease = lease;
         self
     }
 
@@ -160,10 +180,10 @@ pub struct TierAnswer {
     pub call: u64,
     pub op: u32,
     pub status: u32,
-    /// `AcquirePrefix`: keys pinned; `PrepareStore`: keys to store.
+    /// `AcquirePrefix`: keys pinned; `PrepareStore`: keys to store; `Lease`: chunks added.
     pub count: u32,
-    /// The first of its entries in the answer page: `count` chunks (`AcquirePrefix`), or
-    /// `count` key indices then `count` chunks (`PrepareStore`).
+    /// The first of its entries in the answer page: `count` chunks (`AcquirePrefix`, `Lease`),
+    /// or `count` key indices then `count` chunks (`PrepareStore`).
     pub first_entry: u32,
     /// `AcquirePrefix`: how many keys after the `count` pinned ones the owner is bringing back
     /// from its storage tier (loadable once that is done: ask again). Zero from an owner without

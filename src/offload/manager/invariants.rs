@@ -10,8 +10,13 @@ impl OffloadManager {
     /// Checks the manager's internal agreements; a violation is a bug in this module.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.pool.check()?;
-        if self.pool.used_count() != self.live {
-            return Err(format!("{} chunks in use for {} keys", self.pool.used_count(), self.live));
+        if self.pool.used_count() != self.live + self.taken as usize {
+            return Err(format!(
+                "{} chunks in use for {} keys and {} taken",
+                self.pool.used_count(),
+                self.live,
+                self.taken
+            ));
         }
         let mut chunks = HashSet::new();
         let mut children: HashMap<u32, u32> = HashMap::new();

@@ -19,7 +19,8 @@
 //!
 //! Its parts: `config` (what a manager is built from, and its refusals), `entries` (the arena
 //! of keys and their index), `eviction` (the candidates and the atomic eviction), `requests`
-//! (what each live request presented), `invariants`.
+//! (what each live request presented), `taken` (chunks handed out before their keys are
+//! known: a shared tier's leases), `invariants`.
 //!
 //! Recency follows vLLM's LRU policy exactly: a key gets a new rank when inserted, when touched
 //! (the keys of one call in reverse order, so a prefix's head is the most recent) and when the
@@ -36,6 +37,7 @@ mod entries;
 mod eviction;
 mod invariants;
 mod requests;
+mod taken;
 
 pub use config::{EvictionOrder, OffloadConfig, OffloadError, MAX_TAG_BYTES};
 use entries::{find, pin, Entry};
@@ -144,6 +146,8 @@ pub struct OffloadManager {
     storing: u32,
     /// Keys pinned by loads.
     loading: u32,
+    /// Chunks taken for keys that come later (`taken.rs`).
+    taken: u32,
     /// Scratch of the eviction dry run: children counted as gone, per entry.
     gone_children: HashMap<u32, u32, BuildPassThrough>,
     selected: Vec<(Rank, u32)>,
@@ -175,6 +179,7 @@ impl OffloadManager {
             stats: OffloadStats { chunks: config.chunks, ..OffloadStats::default() },
             storing: 0,
             loading: 0,
+            taken: 0,
             gone_children: HashMap::default(),
             selected: Vec::new(),
             deferred: Vec::new(),
@@ -345,23 +350,7 @@ impl OffloadManager {
         out: &mut PreparedStore,
     ) -> bool {
         out.clear();
-        let tag_bytes = self.config.layout.tag_bytes;
-        let state = request_state(&mut self.requests, request);
-        self.call_new_keys.clear();
-        // Recorded as the request's accesses, in the order offered: the new keys and the
-        // loadable ones (a key another request is still storing is not this one's access).
-        for (index, key) in keys.iter().enumerate() {
-            match find(&self.heads, &self.entries, key) {
-                None => {
-                    if self.call_new_keys.insert(*key) {
-                        out.to_store.push(index as u32);
-                    }
-                    state.record(*key);
-                }
-                Some(id) if self.entries[id as usize].ready => state.record(*key),
-                Some(_) => {}
-            }
-        }
+        self.choose_stores(request, keys, out);
         if out.to_store.is_empty() {
             self.link_presented(request, keys);
             return true;
@@ -380,7 +369,34 @@ impl OffloadManager {
         self.pool
             .allocate_into(out.to_store.len(), &mut out.chunks)
             .expect("evictions freed enough chunks: a programming error otherwise");
-        // Insert in order, each under the last key of its chain the request presented.
+        self.insert_stores(request, keys, out);
+        true
+    }
+
+    /// Which of `keys` to store (`out.to_store`): those the tier lacks, each at its first place.
+    /// The new keys and the loadable ones are recorded as the request's accesses, in the order
+    /// offered (a key another request is still storing is not this one's access).
+    fn choose_stores(&mut self, request: &str, keys: &[OffloadKey], out: &mut PreparedStore) {
+        let state = request_state(&mut self.requests, request);
+        self.call_new_keys.clear();
+        for (index, key) in keys.iter().enumerate() {
+            match find(&self.heads, &self.entries, key) {
+                None => {
+                    if self.call_new_keys.insert(*key) {
+                        out.to_store.push(index as u32);
+                    }
+                    state.record(*key);
+                }
+                Some(id) if self.entries[id as usize].ready => state.record(*key),
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// Inserts the keys `out.to_store` names into `out.chunks` as pending stores, in order, each
+    /// under the last key of its chain the request presented.
+    fn insert_stores(&mut self, request: &str, keys: &[OffloadKey], out: &PreparedStore) {
+        let tag_bytes = self.config.layout.tag_bytes;
         let mut to_store = out.to_store.iter().copied().peekable();
         let mut chunks = out.chunks.iter().copied();
         for (index, key) in keys.iter().enumerate() {
@@ -399,7 +415,6 @@ impl OffloadManager {
             }
         }
         self.stats.keys_stored += out.to_store.len() as u64;
-        true
     }
 
     /// Takes `key` back into `chunk` as stored and loadable, chained under `parent` if that is
@@ -522,6 +537,7 @@ impl OffloadManager {
         self.requests.clear();
         self.storing = 0;
         self.loading = 0;
+        self.taken = 0;
         self.stats.resets += 1;
     }
 

@@ -19,6 +19,7 @@ enum QueuedCall {
     ReleaseLoads(Vec<OffloadKey>),
     CompleteStore { keys: Vec<OffloadKey>, success: bool },
     FinishRequest(String),
+    StoreLeased { request: String, keys: Vec<OffloadKey>, first: u64 },
 }
 
 /// The calls with no answer that wait for the next batch, in the order they were made
@@ -56,6 +57,11 @@ impl CallQueue {
         self.calls.push(QueuedCall::FinishRequest(request.to_owned()));
     }
 
+    pub(super) fn store_leased(&mut self, request: &str, keys: &[OffloadKey], first: u64) {
+        let (request, keys) = (request.to_owned(), keys.to_vec());
+        self.calls.push(QueuedCall::StoreLeased { request, keys, first });
+    }
+
     pub(super) fn is_empty(&self) -> bool {
         self.calls.is_empty()
     }
@@ -68,6 +74,9 @@ impl CallQueue {
                 TierCall::CompleteStore { keys, success: *success }
             }
             QueuedCall::FinishRequest(request) => TierCall::FinishRequest { request },
+            QueuedCall::StoreLeased { request, keys, first } => {
+                TierCall::StoreLeased { request, keys, first: *first }
+            }
         });
         queued.chain(calls.iter().copied()).collect()
     }
@@ -114,7 +123,13 @@ pub(super) fn split_calls<'a>(calls: &[TierCall<'a>], page_keys: usize) -> Vec<C
                 TierCall::CompleteStore { success, .. } => {
                     TierCall::CompleteStore { keys: piece, success }
                 }
-                TierCall::FinishRequest { .. } => unreachable!("a finish carries no keys"),
+                TierCall::StoreLeased { request, first, .. } => {
+                    let first = first + (index * page_keys) as u64;
+                    TierCall::StoreLeased { request, keys: piece, first }
+                }
+                TierCall::FinishRequest { .. } | TierCall::Lease { .. } => {
+                    unreachable!("carries no keys")
+                }
             };
             let first_key = (index * page_keys) as u32;
             parts.push(CallPart { call, of, first_key });
@@ -160,6 +175,8 @@ pub(super) fn call_op(call: &TierCall<'_>) -> TierOp {
         TierCall::ReleaseLoads { .. } => TierOp::ReleaseLoads,
         TierCall::CompleteStore { .. } => TierOp::CompleteStore,
         TierCall::FinishRequest { .. } => TierOp::FinishRequest,
+        TierCall::Lease { .. } => TierOp::Lease,
+        TierCall::StoreLeased { .. } => TierOp::StoreLeased,
     }
 }
 
@@ -169,8 +186,9 @@ pub(super) fn call_keys<'a>(call: &TierCall<'a>) -> &'a [OffloadKey] {
         TierCall::AcquirePrefix { keys, .. }
         | TierCall::PrepareStore { keys, .. }
         | TierCall::ReleaseLoads { keys }
-        | TierCall::CompleteStore { keys, .. } => keys,
-        TierCall::FinishRequest { .. } => &[],
+        | TierCall::CompleteStore { keys, .. }
+        | TierCall::StoreLeased { keys, .. } => keys,
+        TierCall::FinishRequest { .. } | TierCall::Lease { .. } => &[],
     }
 }
 
@@ -194,7 +212,8 @@ mod tests {
         queue.finish_request("r");
         queue.release_loads(&[key(5)]);
         queue.release_loads(&[]);
-        assert_eq!(queue.len(), 5);
+        queue.store_leased("r", &[key(6), key(7)], 3);
+        assert_eq!(queue.len(), 6);
         let asked = [key(9)];
         let batch = queue.batch_with(&[TierCall::AcquirePrefix { request: "s", keys: &asked }]);
         let shape: Vec<String> = batch
@@ -209,6 +228,10 @@ mod tests {
                     format!("acquire {request} {}", keys.len())
                 }
                 TierCall::PrepareStore { .. } => "store".to_owned(),
+                TierCall::StoreLeased { request, keys, first } => {
+                    format!("leased {request} {} from {first}", keys.len())
+                }
+                TierCall::Lease { target } => format!("lease {target}"),
             })
             .collect();
         assert_eq!(
@@ -219,6 +242,7 @@ mod tests {
                 "stored 1 false",
                 "finish r",
                 "release 1",
+                "leased r 2 from 3",
                 "acquire s 1"
             ]
         );
@@ -232,6 +256,16 @@ mod tests {
     #[test]
     fn a_call_larger_than_a_batch_is_cut_into_parts_and_answered_as_one() {
         let keys: Vec<OffloadKey> = (0..5u8).map(|n| OffloadKey::new(&[n; 4]).unwrap()).collect();
+        let leased =
+            split_calls(&[TierCall::StoreLeased { request: "r", keys: &keys, first: 7 }], 2);
+        let firsts: Vec<u64> = leased
+            .iter()
+            .map(|part| match part.call {
+                TierCall::StoreLeased { first, .. } => first,
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(firsts, [7, 9, 11], "each part names its own first leased chunk");
         let calls = [
             TierCall::PrepareStore { request: "r", keys: &keys },
             TierCall::AcquirePrefix { request: "r", keys: &keys },

@@ -36,6 +36,7 @@ use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierAnswer, TierOp, TierRequest, WireKey};
 
 use super::batch::{call_keys, call_op, merge_answers, split_calls, CallQueue};
+use super::client_lease::{LeaseBook, DEFAULT_LEASE_CHUNKS};
 use super::connection::{AttachFailure, Connection};
 use super::{SharedTierError, TierIdentity};
 use crate::offload::key::OffloadKey;
@@ -53,6 +54,12 @@ pub enum TierCall<'a> {
     CompleteStore { keys: &'a [OffloadKey], success: bool },
     /// [`super::SharedTierIndex::finish_request`]; no answer.
     FinishRequest { request: &'a str },
+    /// [`super::SharedTierIndex::lease`] up to `target` chunks (the client adds it to a batch
+    /// it waits for: `client_lease.rs`).
+    Lease { target: u32 },
+    /// [`super::SharedTierIndex::store_leased`] of `keys` in the leased chunks numbered `first`
+    /// on; no answer (queued by [`TierClient::prepare_store`]).
+    StoreLeased { request: &'a str, keys: &'a [OffloadKey], first: u64 },
 }
 
 /// The answer to one call, in the batch's order.
@@ -66,6 +73,8 @@ pub enum CallAnswer {
     /// a quota, its store grace; or failed the call, or is gone), as opposed to every key being
     /// in the tier already.
     Store { to_store: Vec<u32>, chunks: Vec<u32>, refused: bool },
+    /// The chunks added to the client's lease, in sequence (none while the owner is gone).
+    Leased { chunks: Vec<u32> },
     /// A call without an answer was sent (or skipped while the owner is gone).
     Sent,
 }
@@ -82,6 +91,8 @@ pub struct ClientOptions {
     /// stalls only the thread that asked, not every Python thread of its engine. It must run
     /// the wait it is given, once (a client whose wait did not run gives its owner up).
     pub run_sleep: fn(&mut (dyn FnMut() + Send)),
+    /// The chunks it asks to hold ahead of its stores (`client_lease.rs`); 0 asks for none.
+    pub lease_chunks: u32,
 }
 
 impl Default for ClientOptions {
@@ -90,6 +101,7 @@ impl Default for ClientOptions {
             answer_deadline: Duration::from_secs(1),
             reattach_interval: Duration::from_secs(1),
             run_sleep: |sleep| sleep(),
+            lease_chunks: DEFAULT_LEASE_CHUNKS,
         }
     }
 }
@@ -110,7 +122,9 @@ pub struct TierClient {
     next_call: u64,
     /// Calls with no answer waiting for the next batch; dropped with the connection they were
     /// made on.
-    queue: CallQueue,
+    pub(super) queue: CallQueue,
+    /// The chunks leased to it, and the keys it is storing (`client_lease.rs`).
+    pub(super) lease: LeaseBook,
     /// Batches sent, and those of them waited for.
     batches: u64,
     waits: u64,
@@ -152,6 +166,7 @@ impl TierClient {
             next_request_id: 0,
             next_call: first_call_id(),
             queue: CallQueue::default(),
+            lease: LeaseBook::new(options.lease_chunks),
             batches: 0,
             waits: 0,
             wire_keys: Vec::new(),
@@ -198,6 +213,7 @@ impl TierClient {
 
     /// Queues [`TierCall::CompleteStore`] of `keys` for the next batch.
     pub fn queue_complete_store(&mut self, keys: &[OffloadKey], success: bool) {
+        self.lease.ended(keys);
         self.queue.complete_store(keys, success);
     }
 
@@ -264,6 +280,7 @@ impl TierClient {
         match Connection::open(&self.name, &self.identity, self.options.run_sleep) {
             Ok(connection) => {
                 self.drop_queue();
+                self.lease.clear();
                 self.connection = Some(connection);
                 self.epoch += 1;
                 self.last_error = None;
@@ -314,10 +331,22 @@ impl TierClient {
         {
             self.try_attach()?;
         }
+        // A batch waited for tops the lease up, if it is short (`client_lease.rs`).
+        let top_up = self.connection.as_ref().and(self.lease.top_up()).filter(|_| wait);
+        let epoch = self.epoch;
         let mut queue = std::mem::take(&mut self.queue);
-        let batch = queue.batch_with(calls);
+        let mut batch = queue.batch_with(calls);
+        batch.extend(top_up);
         self.send(&batch, answers, wait);
         answers.drain(..queue.len());
+        if top_up.is_some() {
+            // Granted on the connection the batch went to, if that still serves.
+            if let (Some(CallAnswer::Leased { chunks }), true) =
+                (answers.pop(), self.epoch == epoch)
+            {
+                self.lease.granted(&chunks);
+            }
+        }
         drop(batch);
         queue.clear();
         self.queue = queue;
@@ -352,6 +381,7 @@ impl TierClient {
                     self.request_ids.remove(*request);
                     CallAnswer::Sent
                 }
+                TierCall::Lease { .. } => CallAnswer::Leased { chunks: Vec::new() },
                 _ => CallAnswer::Sent,
             });
         }
@@ -371,6 +401,7 @@ impl TierClient {
             self.epoch += 1;
         }
         self.drop_queue();
+        self.lease.clear();
         self.last_attempt = Some(Instant::now());
     }
 
@@ -424,17 +455,22 @@ impl TierClient {
         self.records.clear();
         let first_call = self.next_call;
         for call in calls {
-            let (op, request) = match call {
+            let (op, request, lease) = match *call {
                 TierCall::AcquirePrefix { request, .. } => {
-                    (TierOp::AcquirePrefix, self.request_id(request))
+                    (TierOp::AcquirePrefix, self.request_id(request), 0)
                 }
                 TierCall::PrepareStore { request, .. } => {
-                    (TierOp::PrepareStore, self.request_id(request))
+                    (TierOp::PrepareStore, self.request_id(request), 0)
                 }
-                TierCall::ReleaseLoads { .. } => (TierOp::ReleaseLoads, 0),
-                TierCall::CompleteStore { .. } => (TierOp::CompleteStore, 0),
+                TierCall::ReleaseLoads { .. } => (TierOp::ReleaseLoads, 0, 0),
+                TierCall::CompleteStore { .. } => (TierOp::CompleteStore, 0, 0),
                 TierCall::FinishRequest { request } => {
-                    (TierOp::FinishRequest, self.request_ids.remove(*request).unwrap_or(u64::MAX))
+                    let id = self.request_ids.remove(request).unwrap_or(u64::MAX);
+                    (TierOp::FinishRequest, id, 0)
+                }
+                TierCall::Lease { target } => (TierOp::Lease, 0, u64::from(target)),
+                TierCall::StoreLeased { request, first, .. } => {
+                    (TierOp::StoreLeased, self.request_id(request), first)
                 }
             };
             let keys = call_keys(call);
@@ -444,7 +480,8 @@ impl TierClient {
                     .push(WireKey::new(key.as_bytes()).expect("an OffloadKey fits a WireKey"));
             }
             let mut record =
-                TierRequest::new(self.next_call, op, request, first_key, keys.len() as u32);
+                TierRequest::new(self.next_call, op, request, first_key, keys.len() as u32)
+                    .with_lease(lease);
             if let TierCall::CompleteStore { success: true, .. } = call {
                 record = record.with_flags(1);
             }

@@ -221,16 +221,26 @@ impl Connection {
                 }
                 CallAnswer::Store { to_store, chunks, refused: done.is_none() }
             }
+            TierCall::Lease { .. } => {
+                let mut chunks = Vec::new();
+                if let Some(answer) = done {
+                    read(answer.first_entry, answer.count, &mut chunks)?;
+                }
+                CallAnswer::Leased { chunks }
+            }
             _ => CallAnswer::Sent,
         })
     }
 }
 
 /// Whether `answer` can be the owner's answer to `call`: the same operation, and no more keys
-/// counted (pinned and being promoted) than the call carried.
+/// counted (pinned and being promoted) than the call carried, or chunks than a lease asked for.
 fn check_answer(call: &TierCall<'_>, answer: &TierAnswer) -> Result<(), String> {
     let op = call_op(call);
-    let keys = call_keys(call).len();
+    let keys = match *call {
+        TierCall::Lease { target } => target as usize,
+        _ => call_keys(call).len(),
+    };
     let counted = u64::from(answer.count) + u64::from(answer.promoting);
     if answer.op != op.code() || counted > keys as u64 {
         return Err(format!(
@@ -267,5 +277,9 @@ mod tests {
         assert!(check_answer(&acquire, &coming(1, 1)).is_ok());
         assert!(check_answer(&acquire, &coming(1, 2)).is_err());
         assert!(check_answer(&acquire, &coming(0, u32::MAX)).is_err());
+        // A lease adds no more chunks than were asked for.
+        let lease = TierCall::Lease { target: 4 };
+        assert!(check_answer(&lease, &answer(TierOp::Lease, 4)).is_ok());
+        assert!(check_answer(&lease, &answer(TierOp::Lease, 5)).is_err());
     }
 }

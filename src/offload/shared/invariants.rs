@@ -17,12 +17,30 @@ impl SharedTierIndex {
             let chunk = self.manager.chunk_of(&key).ok_or("a listed key has no chunk")?;
             chunk_keys.insert(chunk, (key, ready));
         }
+        // A leased chunk holds no key and is charged to its client (`lease.rs`).
+        let mut leased: HashMap<u32, usize> = HashMap::new();
+        for (slot, client) in self.clients.iter().enumerate() {
+            for chunk in client.iter().flat_map(|client| client.lease.chunks()) {
+                if chunk_keys.contains_key(&chunk) || leased.insert(chunk, slot).is_some() {
+                    return Err(format!("leased chunk {chunk} holds a key or is leased twice"));
+                }
+                if self.owners.get(chunk as usize) != Some(&(slot as u32)) {
+                    return Err(format!(
+                        "chunk {chunk} leased to slot {slot} is not charged to it"
+                    ));
+                }
+            }
+        }
+        if leased.len() != self.manager.taken_chunks() {
+            let taken = self.manager.taken_chunks();
+            return Err(format!("{} chunks leased, the manager took {taken}", leased.len()));
+        }
         let mut charged = vec![0u32; self.clients.len()];
         for (chunk, &owner) in (0u32..).zip(&self.owners) {
             if owner == NO_OWNER {
                 continue;
             }
-            if !chunk_keys.contains_key(&chunk) {
+            if !chunk_keys.contains_key(&chunk) && !leased.contains_key(&chunk) {
                 return Err(format!("free chunk {chunk} is charged to slot {owner}"));
             }
             match self.clients.get(owner as usize) {

@@ -30,10 +30,12 @@ mod ahead;
 mod arenas;
 mod batch;
 mod client;
+mod client_lease;
 mod connection;
 mod identity;
 mod invariants;
 mod keys;
+mod lease;
 mod listing;
 mod owner;
 mod serve;
@@ -46,11 +48,13 @@ use serde::Serialize;
 pub use ahead::{DEFAULT_FREE_CHUNKS, EVICT_AHEAD_SLICE};
 pub use arenas::{open_rank_arena, TierArenaError, TierArenas};
 pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
+pub use client_lease::DEFAULT_LEASE_CHUNKS;
 pub use identity::TierIdentity;
 pub use keys::TierKeys;
+pub use lease::MAX_LEASE;
 pub use listing::{inspect_tier, ClientRow, TierReport};
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
-pub use serve::{ClientGone, ServeError, ServeStats, TierServer};
+pub use serve::{ClientGone, ServeError, ServeStats, TierServer, OWNER_SPIN};
 pub use storage::{TierStorage, TierStorageError, TierStorageStats};
 
 use super::key::{BuildPassThrough, OffloadKey};
@@ -85,6 +89,8 @@ pub enum SharedTierError {
     UnknownClient { client: ClientId },
     #[error("client {client:?} has no load of {key:?} to release")]
     NotPinnedByClient { client: ClientId, key: OffloadKey },
+    #[error("client {client:?} stored outside its lease: {why}")]
+    LeaseMismatch { client: ClientId, why: String },
     #[error(transparent)]
     Offload(#[from] OffloadError),
 }
@@ -105,6 +111,8 @@ struct Client {
     /// Its requests the manager is tracking, by the manager's name for them, oldest first (a
     /// release ends them in this order).
     requests: Vec<String>,
+    /// Chunks it holds ahead of its stores (`lease.rs`).
+    lease: lease::Lease,
 }
 
 impl Client {
@@ -116,6 +124,7 @@ impl Client {
             chunks: self.charged,
             pins: self.loads.values().sum(),
             storing: self.stores.len() as u32,
+            leased: self.lease.len(),
         }
     }
 }
@@ -132,6 +141,8 @@ pub struct ClientSummary {
     pub pins: u32,
     /// Keys being stored.
     pub storing: u32,
+    /// Chunks leased ahead of its stores, or written but not stored (`lease.rs`).
+    pub leased: u32,
 }
 
 /// What [`SharedTierIndex::release_client`] gave back.
@@ -143,6 +154,8 @@ pub struct Released {
     pub stores: u32,
     /// Chunks that stay in the tier, charged to no one now.
     pub chunks: u32,
+    /// Chunks it held ahead of its stores (`lease.rs`), free again.
+    pub leased: u32,
 }
 
 /// One host tier shared by several clients (module flow).
@@ -223,6 +236,7 @@ impl SharedTierIndex {
             loads: HashMap::default(),
             stores: HashMap::default(),
             requests: Vec::new(),
+            lease: lease::Lease::default(),
         });
         Ok(id)
     }
@@ -423,14 +437,17 @@ impl SharedTierIndex {
     }
 
     /// Module flow, step 4: makes `client`'s stores of `keys` loadable (`success`) or drops
-    /// them. Keys `client` is not storing are skipped (a duplicate completion changes nothing,
-    /// and one client cannot complete another's store).
+    /// them, and frees its spares of them (`lease.rs`). Keys `client` is not storing are skipped
+    /// (a duplicate completion changes nothing, and one client cannot complete another's store).
     pub fn complete_store(
         &mut self,
         client: ClientId,
         keys: &[OffloadKey],
         success: bool,
     ) -> Result<(), SharedTierError> {
+        for key in keys {
+            self.free_spare(client, key);
+        }
         let mut mine = std::mem::take(&mut self.keys_scratch);
         mine.clear();
         match self.client_mut(client) {
@@ -512,6 +529,7 @@ impl SharedTierIndex {
     pub fn release_client(&mut self, client: ClientId) -> Result<Released, SharedTierError> {
         self.client(client)?;
         let state = self.clients[client.slot as usize].take().expect("checked above");
+        let leased = self.free_lease(&state.lease);
         let mut loads = Vec::new();
         for (key, &count) in &state.loads {
             loads.extend(std::iter::repeat_n(*key, count as usize));
@@ -540,7 +558,7 @@ impl SharedTierIndex {
                 chunks += 1;
             }
         }
-        Ok(Released { pins: loads.len() as u32, stores: stores.len() as u32, chunks })
+        Ok(Released { pins: loads.len() as u32, stores: stores.len() as u32, chunks, leased })
     }
 
     /// The attached clients, for `kvctl`.

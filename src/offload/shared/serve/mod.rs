@@ -2,13 +2,14 @@
 //! the index its clients share ([`TierOwner`]), and one channel per client, served in turns.
 //!
 //! One turn ([`TierServer::turn`]):
-//! 1. wait on the owner's doorbell until a client rang or [`SWEEP_INTERVAL`] passed;
+//! 1. wait on the owner's doorbell (spinning [`OWNER_SPIN`] first) until a client rang or
+//!    [`SWEEP_INTERVAL`] passed;
 //! 2. adopt the clients that claimed a slot since the last turn: a pidfd on the process the slot
 //!    names, an attach to the index, the owner's end of the slot's channel;
 //! 3. release the clients whose process exited ([`TierOwner::reap`]) or that detached, and
 //!    reclaim their slots (the channel reset before another client can claim it);
-//! 4. serve every client's batch: each call is checked ([`RecordError`]), carried out on the index
-//!    and, where it has one, answered; the batch's end is answered last;
+//! 4. serve every client's batch: each call is checked, carried out on the index and, where it
+//!    has one, answered (`calls.rs`); the batch's end is answered last;
 //! 5. evict ahead of demand, the answers sent, in slices until a client asks
 //!    ([`SharedTierIndex::evict_ahead`]).
 //!
@@ -18,14 +19,15 @@
 //! may still write the slot's rings and key page, which no other client may share; the slot is
 //! reclaimed at the first sweep after the process exits.
 
-use std::fmt::Write as _;
-use std::time::Instant;
+mod calls;
+
+use std::time::{Duration, Instant};
 
 use kvshm_ipc::doorbell::WaitPolicy;
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{
-    AnswerStatus, ClientFigures, OwnerChannel, RecordError, TierAnswer, TierConfig, TierControl,
+    AnswerStatus, ClientFigures, OwnerChannel, TierAnswer, TierConfig, TierControl,
     TierCreateError, TierOp, TierRequest, WireKey,
 };
 use kvshm_ipc::worker_slot::{OwnerWord, WorkerState};
@@ -40,7 +42,13 @@ use crate::offload::manager::PreparedStore;
 
 /// The longest the owner's loop waits while storage jobs are in flight: a block brought back
 /// from storage is loadable within it of its read.
-const STORAGE_POLL_INTERVAL: std::time::Duration = std::time::Duration::from_millis(1);
+const STORAGE_POLL_INTERVAL: Duration = Duration::from_millis(1);
+
+/// How long the owner spins for the next batch before it sleeps, by default: an engine's calls
+/// come in bursts (a step's lookups, stores and their ends), and a wake from sleep costs tens of
+/// microseconds (`kvshm_ipc::doorbell`, "How long to spin"), which would fall on the engine's
+/// next wait. `kvshm tier-owner --spin-us`.
+pub const OWNER_SPIN: Duration = Duration::from_millis(1);
 
 /// Why the owner could not start.
 #[derive(Debug, thiserror::Error)]
@@ -104,6 +112,8 @@ pub struct TierServer {
     stores_refused_until: Option<Instant>,
     /// The quota of chunks every client it adopts gets, if any (`SharedTierIndex::attach`).
     client_quota: Option<u32>,
+    /// How long a turn spins for a batch before it sleeps ([`OWNER_SPIN`]).
+    spin: Duration,
     // Scratch, reused between turns.
     requests: Vec<TierRequest>,
     answers: Vec<TierAnswer>,
@@ -144,6 +154,7 @@ impl TierServer {
             last_reap: Instant::now(),
             stores_refused_until: None,
             client_quota: None,
+            spin: OWNER_SPIN,
             storage: None,
             requests: Vec::new(),
             answers: Vec::new(),
@@ -173,6 +184,11 @@ impl TierServer {
     /// take it past them evicts its own least recently used keys, never another client's.
     pub fn set_client_quota(&mut self, chunks: Option<u32>) {
         self.client_quota = chunks;
+    }
+
+    /// Spins this long for a batch before sleeping, from now on ([`OWNER_SPIN`]).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
     }
 
     /// Serves `storage` as the storage tier below this one from now on.
@@ -217,7 +233,7 @@ impl TierServer {
         };
         let _ = self.control.owner_bell().wait_until(
             || served.iter_mut().flatten().any(|served| !served.channel.is_idle()),
-            WaitPolicy::default().within(most),
+            WaitPolicy::new(self.spin, WaitPolicy::default().sleep_slice).within(most),
         );
         if let Some(storage) = &mut self.storage {
             storage.poll(self.owner.index());
@@ -430,129 +446,6 @@ impl TierServer {
             self.release(slot as u32);
         }
     }
-
-    /// One call: `None` for calls without an answer.
-    fn carry_out(&mut self, slot: usize, request: &TierRequest) -> Option<TierAnswer> {
-        let served = self.served[slot].as_mut().expect("a served slot");
-        let op = match request.op() {
-            Ok(op) => op,
-            Err(error) => {
-                tracing::warn!(slot, %error, "a bad record");
-                self.stats.calls_failed += 1;
-                return None;
-            }
-        };
-        let failed = TierAnswer::new(request.call, op, AnswerStatus::Failed);
-        if op == TierOp::EndBatch {
-            served.next_entry = 0;
-            self.stats.batches += 1;
-            return Some(TierAnswer::new(request.call, op, AnswerStatus::Done));
-        }
-        if op == TierOp::Detach {
-            served.detached = true;
-            return None;
-        }
-        if let Err(error) = read_keys(&served.channel, request, &mut self.wire_keys, &mut self.keys)
-        {
-            tracing::warn!(slot, %error, "a bad record");
-            if op.is_answered() {
-                return Some(failed);
-            }
-            self.stats.calls_failed += 1;
-            return None;
-        }
-        let client = served.client;
-        self.request_name.clear();
-        write!(self.request_name, "{}", request.request).expect("writing to a String cannot fail");
-        let stores_allowed = self.stores_refused_until.is_none_or(|until| Instant::now() >= until);
-        let index = self.owner.index();
-        let name = self.request_name.as_str();
-        let outcome: Result<Option<TierAnswer>, SharedTierError> = match op {
-            TierOp::AcquirePrefix => {
-                index.acquire_prefix(client, name, &self.keys, &mut self.chunks).map(|hits| {
-                    self.entries.clear();
-                    self.entries.extend_from_slice(&self.chunks);
-                    let promoting = self.storage.as_mut().map_or(0, |storage| {
-                        storage.promote(index, client, &self.keys, hits, stores_allowed)
-                    });
-                    let answer = TierAnswer::new(request.call, op, AnswerStatus::Done);
-                    Some(answer.with_promoting(promoting))
-                })
-            }
-            TierOp::PrepareStore if !stores_allowed => {
-                Ok(Some(TierAnswer::new(request.call, op, AnswerStatus::Refused)))
-            }
-            TierOp::PrepareStore => {
-                index.prepare_store(client, name, &self.keys, &mut self.prepared).map(|stored| {
-                    self.entries.clear();
-                    if !stored {
-                        return Some(TierAnswer::new(request.call, op, AnswerStatus::Refused));
-                    }
-                    self.entries.extend_from_slice(&self.prepared.to_store);
-                    self.entries.extend_from_slice(&self.prepared.chunks);
-                    Some(TierAnswer::new(request.call, op, AnswerStatus::Done))
-                })
-            }
-            TierOp::ReleaseLoads => index.release_loads(client, &self.keys).map(|()| None),
-            TierOp::CompleteStore => {
-                let success = request.flags == 1;
-                index.complete_store(client, &self.keys, success).map(|()| {
-                    if let (Some(storage), true) = (self.storage.as_mut(), success) {
-                        storage.stored(index, &self.keys);
-                    }
-                    None
-                })
-            }
-            TierOp::FinishRequest => index.finish_request(client, name).map(|()| None),
-            TierOp::EndBatch | TierOp::Detach => unreachable!("handled above"),
-        };
-        let answer = match outcome {
-            Ok(answer) => answer?,
-            Err(error) => {
-                tracing::warn!(slot, %error, "the index refused a call");
-                if op.is_answered() {
-                    return Some(failed);
-                }
-                self.stats.calls_failed += 1;
-                return None;
-            }
-        };
-        if answer.status() != AnswerStatus::Done {
-            return Some(answer);
-        }
-        // The entries: chunks (AcquirePrefix), or indices then chunks (PrepareStore).
-        let served = self.served[slot].as_mut().expect("a served slot");
-        let count =
-            if op == TierOp::PrepareStore { self.entries.len() / 2 } else { self.entries.len() };
-        let first = served.next_entry;
-        match served.channel.write_entries(first, &self.entries) {
-            Ok(()) => {
-                served.next_entry += self.entries.len() as u32;
-                Some(answer.with_entries(count as u32, first))
-            }
-            Err(error) => {
-                // Its batch asked for more than its answer page holds: undo, and refuse.
-                tracing::warn!(slot, %error, "a batch too large for its answer page");
-                let index = self.owner.index();
-                match op {
-                    TierOp::AcquirePrefix => {
-                        let pinned = &self.keys[..self.entries.len()];
-                        let _ = index.release_loads(client, pinned);
-                    }
-                    _ => {
-                        let stored: Vec<OffloadKey> = self
-                            .prepared
-                            .to_store
-                            .iter()
-                            .map(|&at| self.keys[at as usize])
-                            .collect();
-                        let _ = index.complete_store(client, &stored, false);
-                    }
-                }
-                Some(failed)
-            }
-        }
-    }
 }
 
 /// [`TierControl::reclaim_client`], its failure logged: the slot stays unclaimable (a word
@@ -561,20 +454,4 @@ fn reclaim_logged(control: &TierControl, slot: u32, word: OwnerWord) {
     if let Err(error) = control.reclaim_client(slot, word) {
         tracing::warn!(slot, %error, "a client slot could not be reclaimed; it stays unclaimable");
     }
-}
-
-/// The keys `request` names, checked: in the page, and each no longer than a key may be.
-fn read_keys(
-    channel: &OwnerChannel,
-    request: &TierRequest,
-    wire: &mut Vec<WireKey>,
-    keys: &mut Vec<OffloadKey>,
-) -> Result<(), RecordError> {
-    channel.read_keys(request, wire)?;
-    keys.clear();
-    for key in wire.iter() {
-        let bytes = key.bytes()?;
-        keys.push(OffloadKey::new(bytes).map_err(|_| RecordError::KeyTooLong { len: key.len })?);
-    }
-    Ok(())
 }

@@ -1,0 +1,156 @@
+//! [`LeaseBook`]: a client's side of its lease of chunks (`lease.rs` is the owner's), so that
+//! [`TierClient::prepare_store`] answers its engine at once, with no wait on the owner.
+//!
+//! 1. A batch the client waits for anyway (a lookup's, most often) carries a [`TierCall::Lease`]
+//!    when the book holds fewer chunks than its target ([`LeaseBook::top_up`]); the chunks the
+//!    owner adds are appended in order ([`LeaseBook::granted`]): the owner's list and the
+//!    book's stay the same, numbered alike from 0 on each connection.
+//! 2. [`TierClient::prepare_store`]: the keys this client is not storing already, each once, get
+//!    the book's next chunks ([`LeaseBook::take`]), and a [`TierCall::StoreLeased`] numbered
+//!    from the first is queued for the next batch; its engine copies into those chunks at once.
+//!    When the book holds too few, the store is asked of the owner, as without a lease (and
+//!    that batch tops the book up).
+//! 3. [`LeaseBook::ended`]: a store's end (queued for the owner) lets its keys be stored again.
+//! 4. The book is emptied when its connection ends: what it held stays the old slot's.
+
+use std::collections::{HashSet, VecDeque};
+
+use super::client::{CallAnswer, TierCall, TierClient};
+use super::SharedTierError;
+use crate::offload::key::{BuildPassThrough, OffloadKey};
+
+/// The chunks a client asks to hold ahead of its stores, by default (the owner grants at most a
+/// 64th of its tier, and at most [`super::MAX_LEASE`]).
+pub const DEFAULT_LEASE_CHUNKS: u32 = 16;
+
+/// A client's lease (module flow).
+#[derive(Debug, Default)]
+pub(super) struct LeaseBook {
+    /// The chunks leased and not yet taken, in sequence.
+    chunks: VecDeque<u32>,
+    /// The sequence number of `chunks[0]`.
+    front: u64,
+    /// The chunks it asks to hold.
+    target: u32,
+    /// Keys it is storing (their store not yet ended), through the lease or not.
+    storing: HashSet<OffloadKey, BuildPassThrough>,
+}
+
+impl LeaseBook {
+    pub(super) fn new(target: u32) -> LeaseBook {
+        LeaseBook { target, ..LeaseBook::default() }
+    }
+
+    /// Module flow, step 1: the call that tops the book up, if it wants one.
+    pub(super) fn top_up(&self) -> Option<TierCall<'static>> {
+        (self.chunks.len() < self.target as usize)
+            .then_some(TierCall::Lease { target: self.target })
+    }
+
+    /// Module flow, step 1: the owner added `chunks`.
+    pub(super) fn granted(&mut self, chunks: &[u32]) {
+        self.chunks.extend(chunks);
+    }
+
+    /// Module flow, step 2: for `keys`, the indices of those to store and their chunks, and the
+    /// sequence number of the first, or `None` (nothing taken) when the book holds too few.
+    fn take(&mut self, keys: &[OffloadKey]) -> Option<(Vec<u32>, Vec<u32>, u64)> {
+        let mut new_keys: HashSet<OffloadKey, BuildPassThrough> = HashSet::default();
+        let to_store: Vec<u32> = (0u32..)
+            .zip(keys)
+            .filter(|(_, key)| !self.storing.contains(*key) && new_keys.insert(**key))
+            .map(|(index, _)| index)
+            .collect();
+        if to_store.len() > self.chunks.len() {
+            return None;
+        }
+        let first = self.front;
+        let chunks: Vec<u32> = self.chunks.drain(..to_store.len()).collect();
+        self.front += to_store.len() as u64;
+        self.storing.extend(new_keys);
+        Some((to_store, chunks, first))
+    }
+
+    /// Step 2: `keys` are being stored (the owner's answer to a store asked of it).
+    fn storing(&mut self, keys: impl IntoIterator<Item = OffloadKey>) {
+        self.storing.extend(keys);
+    }
+
+    /// Module flow, step 3.
+    pub(super) fn ended(&mut self, keys: &[OffloadKey]) {
+        for key in keys {
+            self.storing.remove(key);
+        }
+    }
+
+    /// Module flow, step 4.
+    pub(super) fn clear(&mut self) {
+        let target = self.target;
+        *self = LeaseBook::new(target);
+    }
+}
+
+impl TierClient {
+    /// Chunks for the keys of `keys` to store for `request` (module flow, step 2): as
+    /// [`TierCall::PrepareStore`]'s answer, from the lease with no wait when it holds enough,
+    /// else asked of the owner. A key this client is storing already is not stored again; a key
+    /// another engine stored meanwhile is stored again (the owner frees that chunk when its
+    /// store ends).
+    ///
+    /// # Errors
+    /// As [`TierClient::call`].
+    pub fn prepare_store(
+        &mut self,
+        request: &str,
+        keys: &[OffloadKey],
+    ) -> Result<CallAnswer, SharedTierError> {
+        if self.is_connected() {
+            if let Some((to_store, chunks, first)) = self.lease.take(keys) {
+                let named: Vec<OffloadKey> = to_store.iter().map(|&at| keys[at as usize]).collect();
+                if !named.is_empty() {
+                    self.queue.store_leased(request, &named, first);
+                }
+                return Ok(CallAnswer::Store { to_store, chunks, refused: false });
+            }
+        }
+        let mut answers = Vec::new();
+        self.call(&[TierCall::PrepareStore { request, keys }], &mut answers)?;
+        let answer = answers.pop().unwrap_or(CallAnswer::Store {
+            to_store: Vec::new(),
+            chunks: Vec::new(),
+            refused: true,
+        });
+        if let CallAnswer::Store { to_store, .. } = &answer {
+            self.lease.storing(to_store.iter().map(|&at| keys[at as usize]));
+        }
+        Ok(answer)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u8) -> OffloadKey {
+        OffloadKey::new(&[n; 4]).unwrap()
+    }
+
+    /// A store takes the book's next chunks, numbered on from the last, for the keys not being
+    /// stored already (each once); too few chunks take nothing; a store's end frees its keys.
+    #[test]
+    fn a_store_takes_the_next_chunks_for_keys_not_being_stored() {
+        let mut book = LeaseBook::new(4);
+        assert!(matches!(book.top_up(), Some(TierCall::Lease { target: 4 })));
+        book.granted(&[10, 11, 12]);
+        let taken = book.take(&[key(1), key(2), key(1)]);
+        assert_eq!(taken, Some((vec![0, 1], vec![10, 11], 0)));
+        assert_eq!(book.take(&[key(2), key(3)]), Some((vec![1], vec![12], 2)));
+        assert_eq!(book.take(&[key(4)]), None, "the book is empty");
+        book.ended(&[key(1)]);
+        book.granted(&[13]);
+        assert_eq!(book.take(&[key(1), key(2)]), Some((vec![0], vec![13], 3)));
+        book.clear();
+        assert_eq!(book.take(&[key(5)]), None);
+        assert!(book.top_up().is_some());
+    }
+}

@@ -1,0 +1,176 @@
+//! Chunks a client holds ahead of its stores (DESIGN §12.3), so that it answers its engine's
+//! store at once and tells the owner later, with no wait, which keys it wrote where.
+//!
+//! 1. [`SharedTierIndex::lease`] tops `client`'s lease up to a target: free chunks (the owner
+//!    keeps some free ahead of demand, `ahead.rs`), charged to it within its quota, their
+//!    key-table slots cleared; each gets the next number of the client's lease sequence, and the
+//!    client keeps the same list;
+//! 2. [`SharedTierIndex::store_leased`]: the client wrote (or is writing) `keys` into its next
+//!    `keys.len()` leased chunks, numbered from `first`: the keys the tier lacks become its
+//!    pending stores there, as [`SharedTierIndex::prepare_store`] would have stored them; the
+//!    chunk of a key the tier had (another engine stored it meanwhile) is a spare, held for the
+//!    client until its store of that key ends;
+//! 3. [`SharedTierIndex::complete_store`] frees a spare; [`SharedTierIndex::release_client`]
+//!    frees the lease and the spares with the client.
+//!
+//! A call that does not follow the sequence (numbered other than the lease's first chunk, or
+//! more keys than chunks leased) is refused and changes nothing: the chunks stay leased to the
+//! client, never another's while its process may still write them, and its later calls are
+//! refused too (the client then stores through `prepare_store` only). A key the client stores
+//! already (its copies of it could end in either order) has its new chunk held until the client
+//! leaves.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{ClientId, SharedTierError, SharedTierIndex, NO_OWNER};
+use crate::offload::key::{BuildPassThrough, OffloadKey};
+use crate::offload::manager::{EvictionScope, PreparedStore};
+
+/// The most chunks a client's lease holds: a tier of `chunks` chunks leases at most a 64th of
+/// them to each client, and never more than this.
+pub const MAX_LEASE: usize = 64;
+
+/// One client's lease (module flow).
+#[derive(Debug, Default)]
+pub(super) struct Lease {
+    /// Chunks leased and not yet named by a store, in sequence.
+    chunks: VecDeque<u32>,
+    /// The sequence number of `chunks[0]`.
+    front: u64,
+    /// Chunks written for keys the tier had, held until the client's store of the key ends.
+    spares: HashMap<OffloadKey, u32, BuildPassThrough>,
+    /// Chunks written for keys the client was storing already: held until it leaves.
+    held: Vec<u32>,
+}
+
+impl Lease {
+    /// Chunks leased, spare or held.
+    pub(super) fn len(&self) -> u32 {
+        (self.chunks.len() + self.spares.len() + self.held.len()) as u32
+    }
+
+    pub(super) fn chunks(&self) -> impl Iterator<Item = u32> + '_ {
+        let spares = self.spares.values().copied();
+        self.chunks.iter().copied().chain(spares).chain(self.held.iter().copied())
+    }
+}
+
+impl SharedTierIndex {
+    /// The most chunks one client's lease holds in this tier.
+    pub fn max_lease(&self) -> usize {
+        (self.owners.len() / 64).min(MAX_LEASE)
+    }
+
+    /// Module flow, step 1: tops `client`'s lease up to `target` chunks (at most
+    /// [`SharedTierIndex::max_lease`], within its quota and the chunks free now), writing the
+    /// chunks added to `granted`, in sequence.
+    pub fn lease(
+        &mut self,
+        client: ClientId,
+        target: usize,
+        granted: &mut Vec<u32>,
+    ) -> Result<(), SharedTierError> {
+        granted.clear();
+        let state = self.client(client)?;
+        let room =
+            state.quota.map_or(usize::MAX, |quota| quota.saturating_sub(state.charged) as usize);
+        let count = target
+            .min(self.max_lease())
+            .saturating_sub(state.lease.chunks.len())
+            .min(room)
+            .min(self.manager.free_chunks());
+        if count == 0 {
+            return Ok(());
+        }
+        let mut taken = PreparedStore::default();
+        if !self.manager.take_chunks(count, EvictionScope::default(), &mut taken) {
+            return Ok(());
+        }
+        debug_assert!(taken.evicted.is_empty(), "free chunks need no eviction");
+        for &chunk in &taken.chunks {
+            if let Some(table) = &self.keys {
+                table.cleared(chunk);
+            }
+            self.owners[chunk as usize] = client.slot;
+        }
+        let state = self.client_mut(client)?;
+        state.charged += count as u32;
+        state.lease.chunks.extend(&taken.chunks);
+        granted.extend(&taken.chunks);
+        Ok(())
+    }
+
+    /// Module flow, step 2: `client`'s `request` stores `keys` in its leased chunks numbered
+    /// `first` on.
+    ///
+    /// # Errors
+    /// [`SharedTierError::LeaseMismatch`] when the call does not follow the lease (module
+    /// documentation); nothing changed then.
+    pub fn store_leased(
+        &mut self,
+        client: ClientId,
+        request: &str,
+        keys: &[OffloadKey],
+        first: u64,
+    ) -> Result<(), SharedTierError> {
+        let state = self.client(client)?;
+        let lease = &state.lease;
+        let refused = if first != lease.front {
+            Some(format!("chunk {first} named, {} leased next", lease.front))
+        } else if keys.len() > lease.chunks.len() {
+            Some(format!("{} keys for {} leased chunks", keys.len(), lease.chunks.len()))
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            return Err(SharedTierError::LeaseMismatch { client, why });
+        }
+        self.name_request(client, request)?;
+        let distinct = &mut self.distinct;
+        let state = self.clients[client.slot as usize].as_mut().expect("checked above");
+        let chunks: Vec<u32> = state.lease.chunks.drain(..keys.len()).collect();
+        state.lease.front += keys.len() as u64;
+        // A key the client stores already: its new chunk is held, and the key not offered.
+        let (mut offered, mut offered_chunks) = (Vec::new(), Vec::new());
+        distinct.clear();
+        for (key, &chunk) in keys.iter().zip(&chunks) {
+            let twice = state.stores.contains_key(key) || state.lease.spares.contains_key(key);
+            if twice || !distinct.insert(*key) {
+                state.lease.held.push(chunk);
+            } else {
+                offered.push(*key);
+                offered_chunks.push(chunk);
+            }
+        }
+        let mut stored = PreparedStore::default();
+        let mut spare = Vec::new();
+        let name = &self.request_name;
+        self.manager.store_into(name, &offered, &offered_chunks, &mut stored, &mut spare);
+        let state = self.clients[client.slot as usize].as_mut().expect("checked above");
+        for &index in &stored.to_store {
+            state.stores.insert(offered[index as usize], client);
+        }
+        for &index in &spare {
+            state.lease.spares.insert(offered[index as usize], offered_chunks[index as usize]);
+        }
+        Ok(())
+    }
+
+    /// Step 3: frees `client`'s spare for `key`, if it holds one.
+    pub(super) fn free_spare(&mut self, client: ClientId, key: &OffloadKey) {
+        let Ok(state) = self.client_mut(client) else { return };
+        let Some(chunk) = state.lease.spares.remove(key) else { return };
+        self.manager.return_chunks(&[chunk]);
+        self.discharge(chunk);
+    }
+
+    /// Step 3: frees what `lease` (of a client gone) held; returns how many chunks.
+    pub(super) fn free_lease(&mut self, lease: &Lease) -> u32 {
+        let chunks: Vec<u32> = lease.chunks().collect();
+        self.manager.return_chunks(&chunks);
+        for &chunk in &chunks {
+            self.owners[chunk as usize] = NO_OWNER;
+        }
+        chunks.len() as u32
+    }
+}
