@@ -97,7 +97,7 @@ fn a_process_that_is_gone_cannot_attach() {
 /// keeps its slot fenced: that process may still write the slot's rings and key page, so no
 /// other client may claim the slot until the process exits.
 #[test]
-fn a_live_client_released_for_its_channel_keeps_its_slot_fenced() {
+fn a_live_client_let_go_for_its_channel_keeps_its_slot_and_chunks_fenced() {
     use kvshm_ipc::tier_control::{ClientClaimError, TierConfig, TierControl, TierOp, TierRequest};
 
     let name =
@@ -109,6 +109,10 @@ fn a_live_client_released_for_its_channel_keeps_its_slot_fenced() {
     // SAFETY: the one client end of this slot in this test.
     let mut to_owner = unsafe { control.client_channel(&claim) }.unwrap();
     server.turn();
+    // A store it is copying into, pending.
+    let client = server.owner().clients()[0].summary.id;
+    let mut out = PreparedStore::default();
+    assert!(server.owner().index().prepare_store(client, "r", &keys(&[1]), &mut out).unwrap());
     let mut gone = Vec::new();
     for call in 0..10_000u64 {
         // Batches whose answers are never read, until the owner lets the client go.
@@ -131,6 +135,10 @@ fn a_live_client_released_for_its_channel_keeps_its_slot_fenced() {
         matches!(control.claim_client_slot(), Err(ClientClaimError::NoFreeSlot { .. })),
         "the slot of a live client is fenced, not handed to another"
     );
+    // Its process may still copy into the chunk of its pending store: held until it exits.
+    let held = server.owner().index().client_summary(client).expect("still attached");
+    assert_eq!(held.storing, 1);
+    assert_eq!(gone[0].released, Default::default(), "nothing released while it lives");
 }
 
 /// The owner evicts ahead of demand at each turn of its loop, once it has answered: a full tier

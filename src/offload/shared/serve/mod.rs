@@ -13,11 +13,12 @@
 //! 5. evict ahead of demand, the answers sent, in slices until a client asks
 //!    ([`SharedTierIndex::evict_ahead`]).
 //!
-//! A client whose ring or answers make no sense is released as a dead one is: a bad record is an
-//! error answer for its call, a broken ring the client's end, never a panic of the owner. Its
-//! slot is fenced, not emptied, while its process lives (as a worker's rank is): that process
-//! may still write the slot's rings and key page, which no other client may share; the slot is
-//! reclaimed at the first sweep after the process exits.
+//! A client whose ring or answers make no sense is let go: a bad record is an error answer for
+//! its call, a broken ring the client's end, never a panic of the owner. Its slot is fenced, not
+//! emptied, while its process lives (as a worker's rank is): that process may still write the
+//! slot's rings and key page, which no other client may share, and copy into the chunks it
+//! holds, which no other store may have: the slot is reclaimed, and the client released as a
+//! dead one is, at the first sweep after the process exits.
 
 mod calls;
 
@@ -103,9 +104,10 @@ pub struct TierServer {
     control: TierControl,
     owner: TierOwner,
     served: Vec<Option<Served>>,
-    /// Slots of clients released while their process lives, with the word and process: reclaimed
-    /// once the process has exited (module documentation).
-    fenced: Vec<(u32, OwnerWord, ProcessIdentity)>,
+    /// Slots of clients released while their process lives, with the client, the word and the
+    /// process: reclaimed, and the client's holdings released, once it has exited (module
+    /// documentation).
+    fenced: Vec<(u32, ClientId, OwnerWord, ProcessIdentity)>,
     stats: ServeStats,
     last_reap: Instant,
     /// Until then every store is refused (a previous owner's clients may still write chunks).
@@ -258,7 +260,7 @@ impl TierServer {
     /// Module flow, step 2.
     fn adopt_new_clients(&mut self) {
         for slot in 0..self.served.len() as u32 {
-            if self.fenced.iter().any(|&(fenced, _, _)| fenced == slot) {
+            if self.fenced.iter().any(|&(fenced, ..)| fenced == slot) {
                 continue;
             }
             let Some(client_slot) = self.control.client_slot(slot) else { continue };
@@ -330,18 +332,27 @@ impl TierServer {
     /// Module flow, step 3: the clients whose process exited, and the fenced slots whose
     /// process has.
     fn reap(&mut self) {
+        self.reaped.clear();
+        self.owner.reap(&mut self.reaped);
         let control = &self.control;
-        self.fenced.retain(|&(slot, word, process)| {
+        let mut fenced_gone = Vec::new();
+        self.fenced.retain(|&(slot, client, word, process)| {
             if process.is_alive() {
                 return true;
             }
             reclaim_logged(control, slot, word);
+            fenced_gone.push((client, slot));
             false
         });
-        self.reaped.clear();
-        self.owner.reap(&mut self.reaped);
         for reaped in std::mem::take(&mut self.reaped) {
             tracing::info!(pid = reaped.pid, ?reaped.released, "a client died: released");
+            if let Some(&(_, slot)) =
+                fenced_gone.iter().find(|(client, _)| *client == reaped.client)
+            {
+                let (pid, released) = (reaped.pid, reaped.released);
+                self.gone.push(ClientGone { slot, pid, died: true, released });
+                continue;
+            }
             // The control object's slot that served this client: the index numbers its clients
             // in the order it adopted them, which need not be the order of their slots.
             let Some(slot) = self.served.iter().position(|served| {
@@ -388,20 +399,24 @@ impl TierServer {
     }
 
     /// Releases the client of `slot`: it detached (its end of the channel is gone: the slot is
-    /// reclaimed now), or broke its channel (its process may still write it: the slot is fenced
-    /// until the process exits).
+    /// reclaimed now, its holdings released), or broke its channel. Its process may then still
+    /// write the channel, and copy into the chunks it holds (its pending stores, its lease) or
+    /// out of its pins' chunks: the slot is fenced and the index keeps its holdings until the
+    /// process exits ([`TierOwner::reap`]).
     fn release(&mut self, slot: u32) {
         let Some(served) = self.served[slot as usize].take() else { return };
         self.publish_figures(slot);
         let (word, process, detached) = (served.word, served.process, served.detached);
-        if let Ok(released) = self.owner.detach(served.client) {
-            self.gone.push(ClientGone { slot, pid: word.pid(), died: false, released });
-        }
-        drop(served);
+        let pid = word.pid();
         if detached || !process.is_alive() {
+            if let Ok(released) = self.owner.detach(served.client) {
+                self.gone.push(ClientGone { slot, pid, died: false, released });
+            }
             self.reclaim(slot, word);
         } else {
-            self.fenced.push((slot, word, process));
+            let released = Released::default();
+            self.gone.push(ClientGone { slot, pid, died: false, released });
+            self.fenced.push((slot, served.client, word, process));
         }
         self.stats.clients_released += 1;
     }
