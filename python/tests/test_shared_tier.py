@@ -351,6 +351,22 @@ def test_a_store_takes_leased_chunks_without_waiting_on_the_owner(tier: str) -> 
     assert storer.stats()["owner_waits"] > waits
 
 
+def test_a_store_is_not_taken_from_the_lease_of_an_owner_that_exited(tier: str) -> None:
+    """A new owner gives the chunks a dead one leased to other stores once its store grace is
+    over: an engine looks at its owner's process before it answers a store from its lease."""
+    pid = ensure_tier_owner(
+        tier, IDENTITY, chunks=1024, ranks=1, arena_block_bytes=2 * PAGE, idle_exit_s=600
+    )
+    core = _core(tier)
+    assert core.lookup(_key(9), _request("a")) == "MISS"  # a wait: the lease comes with it
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _kvshm.shared_tier_owner(tier) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.prepare_store([_key(1)], _request("a")) == ([], [])
+    assert not core.connected
+
+
 def test_a_step_end_and_an_idling_engine_send_without_waiting(tier: str) -> None:
     """The calls a step's end or an engine about to idle sends need no answer: the engine goes
     on while the owner is stopped and keeps its connection; the owner carries them out once it

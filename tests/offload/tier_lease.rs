@@ -89,3 +89,37 @@ fn a_lease_stays_within_the_quota_and_the_free_chunks() {
     assert!(granted.is_empty());
     check(&index);
 }
+
+/// A lease asked for after a store that filled the answer page gets what the page has room
+/// for, and the owner keeps serving (it panicked on the undo before).
+#[test]
+fn a_lease_after_a_store_that_fills_the_answer_page_is_cut_to_the_room_left() {
+    use kvshm::offload::{OffloadConfig, SharedTierIndex, TierServer};
+    use kvshm_ipc::tier_control::{TierConfig, TierControl, TierOp, TierRequest, WireKey};
+
+    let name =
+        kvshm_ipc::name::SegmentName::new(&format!("t-lease-page-{}", std::process::id())).unwrap();
+    let index = SharedTierIndex::new(identity(), OffloadConfig::new(1024)).unwrap();
+    let mut config = TierConfig::with_clients(1);
+    config.page_keys = 4;
+    let mut server = TierServer::create(&name, index, &config).unwrap();
+    let control = TierControl::attach(&name).unwrap();
+    let claim = control.claim_client_slot().unwrap();
+    // SAFETY: the one client end of this slot in this test.
+    let mut to_owner = unsafe { control.client_channel(&claim) }.unwrap();
+    server.turn();
+    let wire: Vec<WireKey> =
+        keys(&[1, 2, 3]).iter().map(|key| WireKey::new(key.as_bytes()).unwrap()).collect();
+    to_owner.write_keys(0, &wire).unwrap();
+    // Three keys to store: 6 of the page's 8 entries; the lease gets the 2 left.
+    let batch = [
+        TierRequest::new(1, TierOp::PrepareStore, 0, 0, 3),
+        TierRequest::new(2, TierOp::Lease, 0, 0, 0).with_lease(16),
+        TierRequest::new(3, TierOp::EndBatch, 0, 0, 0),
+    ];
+    to_owner.send(&batch).unwrap();
+    server.turn();
+    let client = server.owner().clients()[0].summary.id;
+    assert_eq!(server.owner().index().client_summary(client).unwrap().leased, 2);
+    check(server.owner().index());
+}

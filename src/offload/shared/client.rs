@@ -212,9 +212,12 @@ impl TierClient {
     }
 
     /// Queues [`TierCall::CompleteStore`] of `keys` for the next batch.
+    /// Only the keys this connection is storing are sent: a store made on an earlier
+    /// connection is that slot's (the owner drops it when this process exits), and the same key
+    /// may be this connection's store now, which that end must not end.
     pub fn queue_complete_store(&mut self, keys: &[OffloadKey], success: bool) {
-        self.lease.ended(keys);
-        self.queue.complete_store(keys, success);
+        let mine = self.lease.ended(keys);
+        self.queue.complete_store(&mine, success);
     }
 
     /// Queues [`TierCall::FinishRequest`] of `request` for the next batch.
@@ -347,6 +350,16 @@ impl TierClient {
                 self.lease.granted(&chunks);
             }
         }
+        // The keys the owner gave chunks for are this connection's stores until they end.
+        if self.epoch == epoch {
+            for (call, answer) in calls.iter().zip(answers.iter()) {
+                if let (TierCall::PrepareStore { keys, .. }, CallAnswer::Store { to_store, .. }) =
+                    (call, answer)
+                {
+                    self.lease.storing(to_store.iter().map(|&at| keys[at as usize]));
+                }
+            }
+        }
         drop(batch);
         queue.clear();
         self.queue = queue;
@@ -384,6 +397,15 @@ impl TierClient {
                 TierCall::Lease { .. } => CallAnswer::Leased { chunks: Vec::new() },
                 _ => CallAnswer::Sent,
             });
+        }
+    }
+
+    /// Gives the owner up if its process exited (a system call): before the client answers a
+    /// store from its lease, whose chunks a new owner would give to other stores once its store
+    /// grace is over.
+    pub(super) fn give_up_if_owner_exited(&mut self) {
+        if self.connection.as_ref().is_some_and(|live| !live.owner_alive()) {
+            self.give_up("the owner's process exited".to_owned());
         }
     }
 

@@ -10,7 +10,8 @@
 //!    from the first is queued for the next batch; its engine copies into those chunks at once.
 //!    When the book holds too few, the store is asked of the owner, as without a lease (and
 //!    that batch tops the book up).
-//! 3. [`LeaseBook::ended`]: a store's end (queued for the owner) lets its keys be stored again.
+//! 3. [`LeaseBook::ended`]: a store's end (queued for the owner) lets its keys be stored again;
+//!    the end of a store this connection did not make is not sent (`queue_complete_store`).
 //! 4. The book is emptied when its connection ends: what it held stays the old slot's.
 
 use std::collections::{HashSet, VecDeque};
@@ -72,15 +73,13 @@ impl LeaseBook {
     }
 
     /// Step 2: `keys` are being stored (the owner's answer to a store asked of it).
-    fn storing(&mut self, keys: impl IntoIterator<Item = OffloadKey>) {
+    pub(super) fn storing(&mut self, keys: impl IntoIterator<Item = OffloadKey>) {
         self.storing.extend(keys);
     }
 
-    /// Module flow, step 3.
-    pub(super) fn ended(&mut self, keys: &[OffloadKey]) {
-        for key in keys {
-            self.storing.remove(key);
-        }
+    /// Module flow, step 3: the keys of `keys` this connection was storing, stored no more.
+    pub(super) fn ended(&mut self, keys: &[OffloadKey]) -> Vec<OffloadKey> {
+        keys.iter().filter(|key| self.storing.remove(*key)).copied().collect()
     }
 
     /// Module flow, step 4.
@@ -104,6 +103,7 @@ impl TierClient {
         request: &str,
         keys: &[OffloadKey],
     ) -> Result<CallAnswer, SharedTierError> {
+        self.give_up_if_owner_exited();
         if self.is_connected() {
             if let Some((to_store, chunks, first)) = self.lease.take(keys) {
                 let named: Vec<OffloadKey> = to_store.iter().map(|&at| keys[at as usize]).collect();
@@ -115,15 +115,12 @@ impl TierClient {
         }
         let mut answers = Vec::new();
         self.call(&[TierCall::PrepareStore { request, keys }], &mut answers)?;
-        let answer = answers.pop().unwrap_or(CallAnswer::Store {
+        // `call` noted the keys to store as this connection's stores.
+        Ok(answers.pop().unwrap_or(CallAnswer::Store {
             to_store: Vec::new(),
             chunks: Vec::new(),
             refused: true,
-        });
-        if let CallAnswer::Store { to_store, .. } = &answer {
-            self.lease.storing(to_store.iter().map(|&at| keys[at as usize]));
-        }
-        Ok(answer)
+        }))
     }
 }
 
@@ -146,11 +143,34 @@ mod tests {
         assert_eq!(taken, Some((vec![0, 1], vec![10, 11], 0)));
         assert_eq!(book.take(&[key(2), key(3)]), Some((vec![1], vec![12], 2)));
         assert_eq!(book.take(&[key(4)]), None, "the book is empty");
-        book.ended(&[key(1)]);
+        assert_eq!(book.ended(&[key(1), key(9)]), [key(1)], "key 9 is not being stored");
         book.granted(&[13]);
         assert_eq!(book.take(&[key(1), key(2)]), Some((vec![0], vec![13], 3)));
         book.clear();
         assert_eq!(book.take(&[key(5)]), None);
         assert!(book.top_up().is_some());
+    }
+
+    /// The end of a store this connection did not make (an earlier one's, or none) is not sent:
+    /// the same key may be this connection's store.
+    #[test]
+    fn the_end_of_a_store_this_connection_did_not_make_is_not_sent() {
+        let name = format!("t-no-owner-{}", std::process::id());
+        let name = kvshm_ipc::name::SegmentName::new(&name).unwrap();
+        let identity = super::super::TierIdentity {
+            model: "m".into(),
+            kv_dtype: "float16".into(),
+            block_tokens: 16,
+            block_bytes: 4096,
+            blocks_per_chunk: 1,
+            layout: String::new(),
+        };
+        let options = super::super::ClientOptions::default();
+        let mut client = TierClient::new(name, identity, options).unwrap();
+        client.queue_complete_store(&[key(1)], true);
+        assert!(!client.has_queued());
+        client.lease.storing([key(1)]);
+        client.queue_complete_store(&[key(1)], true);
+        assert!(client.has_queued());
     }
 }

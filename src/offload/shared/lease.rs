@@ -156,6 +156,21 @@ impl SharedTierIndex {
         Ok(())
     }
 
+    /// Undoes the lease that just gave `client` `granted` (the last chunks of its lease): its
+    /// answer could not be sent.
+    pub(super) fn return_lease(&mut self, client: ClientId, granted: &[u32]) {
+        let Ok(state) = self.client_mut(client) else { return };
+        let kept = state.lease.chunks.len().saturating_sub(granted.len());
+        if state.lease.chunks.range(kept..).ne(granted.iter()) {
+            return;
+        }
+        state.lease.chunks.truncate(kept);
+        self.manager.return_chunks(granted);
+        for &chunk in granted {
+            self.discharge(chunk);
+        }
+    }
+
     /// Step 3: frees `client`'s spare for `key`, if it holds one.
     pub(super) fn free_spare(&mut self, client: ClientId, key: &OffloadKey) {
         let Ok(state) = self.client_mut(client) else { return };

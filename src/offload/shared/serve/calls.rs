@@ -45,6 +45,8 @@ impl TierServer {
             return None;
         }
         let client = served.client;
+        // Entries the answer page has room for after this batch's answers so far.
+        let answer_room = served.channel.answer_entries().saturating_sub(served.next_entry);
         self.request_name.clear();
         write!(self.request_name, "{}", request.request).expect("writing to a String cannot fail");
         let stores_allowed = self.stores_refused_until.is_none_or(|until| Instant::now() >= until);
@@ -77,9 +79,10 @@ impl TierServer {
                 })
             }
             TierOp::Lease => {
-                // None while stores are refused: the chunks free now may be written still.
+                // No more than the answer page has room for; none while stores are refused (the
+                // chunks free now may be written still).
                 let target = usize::try_from(request.lease).unwrap_or(usize::MAX);
-                let target = if stores_allowed { target } else { 0 };
+                let target = if stores_allowed { target.min(answer_room as usize) } else { 0 };
                 index.lease(client, target, &mut self.chunks).map(|()| {
                     self.entries.clear();
                     self.entries.extend_from_slice(&self.chunks);
@@ -135,6 +138,9 @@ impl TierServer {
                         let pinned = &self.keys[..self.entries.len()];
                         let _ = index.release_loads(client, pinned);
                     }
+                    // Capped to the page's room above; and a lease the client never hears of
+                    // must not stay the owner's (the two lists would differ).
+                    TierOp::Lease => index.return_lease(client, &self.entries),
                     _ => {
                         let stored: Vec<OffloadKey> = self
                             .prepared
