@@ -101,7 +101,7 @@ struct Client {
     id: ClientId,
     name: String,
     quota: Option<u32>,
-    /// Chunks charged to it: the keys it stored that are still in the tier.
+    /// Chunks charged to it: the keys it stored that are still in the tier, and its lease.
     charged: u32,
     /// Loads in progress, per key (a key pinned twice counts two).
     loads: HashMap<OffloadKey, u32, BuildPassThrough>,
@@ -121,7 +121,7 @@ impl Client {
             id: self.id,
             name: self.name.clone(),
             quota: self.quota,
-            chunks: self.charged,
+            chunks: self.charged - self.lease.len(),
             pins: self.loads.values().sum(),
             storing: self.stores.len() as u32,
             leased: self.lease.len(),
@@ -135,7 +135,7 @@ pub struct ClientSummary {
     pub id: ClientId,
     pub name: String,
     pub quota: Option<u32>,
-    /// Chunks charged to it.
+    /// Chunks of the keys it stored that are still in the tier (charged to it, as its lease).
     pub chunks: u32,
     /// Loads in progress.
     pub pins: u32,
