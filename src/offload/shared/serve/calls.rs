@@ -29,6 +29,7 @@ impl TierServer {
         if op == TierOp::EndBatch {
             served.next_entry = 0;
             self.stats.batches += 1;
+            self.last_batch = Instant::now();
             return Some(TierAnswer::new(request.call, op, AnswerStatus::Done));
         }
         if op == TierOp::Detach {

@@ -24,7 +24,7 @@ mod calls;
 
 use std::time::{Duration, Instant};
 
-use kvshm_ipc::doorbell::WaitPolicy;
+use kvshm_ipc::doorbell::{WaitPolicy, DEFAULT_SPIN};
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{
@@ -48,8 +48,12 @@ const STORAGE_POLL_INTERVAL: Duration = Duration::from_millis(1);
 /// How long the owner spins for the next batch before it sleeps, by default: an engine's calls
 /// come in bursts (a step's lookups, stores and their ends), and a wake from sleep costs tens of
 /// microseconds (`kvshm_ipc::doorbell`, "How long to spin"), which would fall on the engine's
-/// next wait. `kvshm tier-owner --spin-us`.
+/// next wait. `kvshm tier-owner --spin-us`. Only while a client called within the last
+/// [`SPIN_WHILE_CALLED_WITHIN`]: an idle owner spins as any waiter ([`DEFAULT_SPIN`]).
 pub const OWNER_SPIN: Duration = Duration::from_millis(1);
+
+/// How recent a batch keeps the owner's long spin.
+const SPIN_WHILE_CALLED_WITHIN: Duration = Duration::from_millis(100);
 
 /// Why the owner could not start.
 #[derive(Debug, thiserror::Error)]
@@ -114,8 +118,10 @@ pub struct TierServer {
     stores_refused_until: Option<Instant>,
     /// The quota of chunks every client it adopts gets, if any (`SharedTierIndex::attach`).
     client_quota: Option<u32>,
-    /// How long a turn spins for a batch before it sleeps ([`OWNER_SPIN`]).
+    /// How long a turn spins for a batch before it sleeps ([`OWNER_SPIN`]), and when it last
+    /// served one.
     spin: Duration,
+    last_batch: Instant,
     // Scratch, reused between turns.
     requests: Vec<TierRequest>,
     answers: Vec<TierAnswer>,
@@ -157,6 +163,7 @@ impl TierServer {
             stores_refused_until: None,
             client_quota: None,
             spin: OWNER_SPIN,
+            last_batch: Instant::now(),
             storage: None,
             requests: Vec::new(),
             answers: Vec::new(),
@@ -233,9 +240,15 @@ impl TierServer {
             Some(storage) if storage.busy() => STORAGE_POLL_INTERVAL,
             _ => SWEEP_INTERVAL,
         };
+        // The long spin only while clients call: an idle owner would spin at every turn.
+        let spin = if self.last_batch.elapsed() < SPIN_WHILE_CALLED_WITHIN {
+            self.spin
+        } else {
+            DEFAULT_SPIN.min(self.spin)
+        };
         let _ = self.control.owner_bell().wait_until(
             || served.iter_mut().flatten().any(|served| !served.channel.is_idle()),
-            WaitPolicy::new(self.spin, WaitPolicy::default().sleep_slice).within(most),
+            WaitPolicy::new(spin, WaitPolicy::default().sleep_slice).within(most),
         );
         if let Some(storage) = &mut self.storage {
             storage.poll(self.owner.index());
