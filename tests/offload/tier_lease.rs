@@ -91,6 +91,36 @@ fn a_lease_stays_within_the_quota_and_the_free_chunks() {
     check(&index);
 }
 
+/// However many clients lease, their leases hold at most an eighth of the tier together; a
+/// chunk a store names leaves the lease and makes room for another client's.
+#[test]
+fn the_leases_of_all_clients_together_hold_at_most_an_eighth_of_the_tier() {
+    let mut index = tier(1024);
+    assert_eq!((index.max_lease(), index.max_leased()), (16, 128));
+    let clients: Vec<_> =
+        (0..10).map(|at| index.attach(&identity(), &format!("c{at}"), None).unwrap()).collect();
+    let mut granted = Vec::new();
+    let mut leased = Vec::new();
+    for &client in &clients {
+        index.lease(client, 16, &mut granted).unwrap();
+        leased.push(granted.len());
+        check(&index);
+    }
+    assert_eq!(leased, [16, 16, 16, 16, 16, 16, 16, 16, 0, 0], "128 chunks in all");
+    // The first client names 5 of its chunks: the ninth may take those 5.
+    index.store_leased(clients[0], "r", &keys(&[1, 2, 3, 4, 5]), 0).unwrap();
+    index.lease(clients[8], 16, &mut granted).unwrap();
+    assert_eq!(granted.len(), 5);
+    index.lease(clients[9], 16, &mut granted).unwrap();
+    assert!(granted.is_empty());
+    check(&index);
+    // A client that leaves gives its lease back to the others.
+    index.release_client(clients[1]).unwrap();
+    index.lease(clients[9], 16, &mut granted).unwrap();
+    assert_eq!(granted.len(), 16);
+    check(&index);
+}
+
 /// A lease asked for after a store that filled the answer page gets what the page has room
 /// for, and the owner keeps serving (it panicked on the undo before).
 #[test]

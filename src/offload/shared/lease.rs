@@ -2,8 +2,8 @@
 //! store at once and tells the owner later, with no wait, which keys it wrote where.
 //!
 //! 1. [`SharedTierIndex::lease`] tops `client`'s lease up to a target: free chunks (the owner
-//!    keeps some free ahead of demand, `ahead.rs`), charged to it within its quota, their
-//!    key-table slots cleared; each gets the next number of the client's lease sequence, and the
+//!    keeps some free ahead of demand, `ahead.rs`), charged to it within its quota, all
+//!    clients' leases together within an eighth of the tier, their key-table slots cleared; each gets the next number of the client's lease sequence, and the
 //!    client keeps the same list;
 //! 2. [`SharedTierIndex::store_leased`]: the client wrote (or is writing) `keys` into its next
 //!    `keys.len()` leased chunks, numbered from `first`: the keys the tier lacks become its
@@ -29,6 +29,12 @@ use crate::offload::manager::{EvictionScope, PreparedStore};
 /// The most chunks a client's lease holds: a tier of `chunks` chunks leases at most a 64th of
 /// them to each client, and never more than this.
 pub const MAX_LEASE: usize = 64;
+
+/// The share of a tier's chunks leased to all clients together, at most: one chunk in this
+/// many. A leased chunk holds no block until its client names it, so that with many clients
+/// (up to `MAX_CLIENTS`, each leasing a 64th) the leases could otherwise take the tier's room
+/// for cached blocks.
+pub const LEASED_SHARE: usize = 8;
 
 /// One client's lease (module flow).
 #[derive(Debug, Default)]
@@ -61,9 +67,20 @@ impl SharedTierIndex {
         (self.owners.len() / 64).min(MAX_LEASE)
     }
 
+    /// The most chunks all clients' leases hold together in this tier ([`LEASED_SHARE`]).
+    pub fn max_leased(&self) -> usize {
+        self.owners.len() / LEASED_SHARE
+    }
+
+    /// Chunks leased to all clients and not yet named by a store.
+    fn leased_unnamed(&self) -> usize {
+        self.clients.iter().flatten().map(|state| state.lease.chunks.len()).sum()
+    }
+
     /// Module flow, step 1: tops `client`'s lease up to `target` chunks (at most
-    /// [`SharedTierIndex::max_lease`], within its quota and the chunks free now), writing the
-    /// chunks added to `granted`, in sequence.
+    /// [`SharedTierIndex::max_lease`], within its quota, the chunks free now and what the
+    /// leases of all clients leave of [`SharedTierIndex::max_leased`]), writing the chunks
+    /// added to `granted`, in sequence.
     pub fn lease(
         &mut self,
         client: ClientId,
@@ -78,7 +95,8 @@ impl SharedTierIndex {
             .min(self.max_lease())
             .saturating_sub(state.lease.chunks.len())
             .min(room)
-            .min(self.manager.free_chunks());
+            .min(self.manager.free_chunks())
+            .min(self.max_leased().saturating_sub(self.leased_unnamed()));
         if count == 0 {
             return Ok(());
         }

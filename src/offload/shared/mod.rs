@@ -51,7 +51,7 @@ pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use client_lease::DEFAULT_LEASE_CHUNKS;
 pub use identity::TierIdentity;
 pub use keys::TierKeys;
-pub use lease::MAX_LEASE;
+pub use lease::{LEASED_SHARE, MAX_LEASE};
 pub use listing::{inspect_tier, ClientRow, TierReport};
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
 pub use serve::{ClientGone, ServeError, ServeStats, TierServer, OWNER_SPIN};
