@@ -17,18 +17,18 @@ import sys
 import time
 
 
-def percentiles(samples):
+def percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     if not ordered:
         return {"p50": 0.0, "p99": 0.0}
 
-    def rank(p):
+    def rank(p: float) -> float:
         return ordered[min(len(ordered), max(1, math.ceil(p * len(ordered)))) - 1]
 
     return {"p50": rank(0.50), "p99": rank(0.99)}
 
 
-def tokens_like_kvshm(count):
+def tokens_like_kvshm(count: int) -> list[int]:
     """The token ids of kvshm's side: xorshift64* from the same seed, top 17 bits."""
     state, mask, tokens = 0x7E57AB1E00000001, (1 << 64) - 1, []
     for _ in range(count):
@@ -39,7 +39,7 @@ def tokens_like_kvshm(count):
     return tokens
 
 
-def main():
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--block-tokens", type=int, default=512)
     args = parser.parse_args()
@@ -62,12 +62,10 @@ def main():
     full_blocks = sum(prompt // args.block_tokens for prompt in prompts)
     token_bytes = full_blocks * args.block_tokens * 4
 
-    def run(lora_request):
+    def run(lora_request: LoRARequest | None) -> dict[str, object]:
         times = []
         for index, prompt in enumerate(prompts):
-            request = Request(
-                str(index), tokens[:prompt], params, None, lora_request=lora_request
-            )
+            request = Request(str(index), tokens[:prompt], params, None, lora_request=lora_request)
             start = time.perf_counter()
             hashes = hasher(request)
             times.append(time.perf_counter() - start)

@@ -68,10 +68,7 @@ def make_model(directory: Path, size: str = "tiny", seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
-    words = [
-        "".join(rng.choice(letters) for _ in range(rng.randint(2, 8)))
-        for _ in range(300)
-    ]
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(300)]
     corpus = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(2000)]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -206,9 +203,7 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
             # Held after the first request until the file exists (a test's cue).
             while not Path(args.wait_for).exists():
                 time.sleep(0.01)
-        output = llm.generate(
-            [TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False
-        )
+        output = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
         requests.append(
             {
                 "tokens": list(output[0].outputs[0].token_ids),
@@ -309,9 +304,7 @@ class Server:
         self.port = port
         self.log = log
         self._log_file = log.open("wb")
-        self.process = subprocess.Popen(
-            command, stdout=self._log_file, stderr=subprocess.STDOUT
-        )
+        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> Server:
         self.wait_ready()
@@ -341,9 +334,7 @@ class Server:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(
-            f"vllm serve did not answer /health in {timeout} s: {self.tail()}"
-        )
+        raise TimeoutError(f"vllm serve did not answer /health in {timeout} s: {self.tail()}")
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -378,9 +369,7 @@ class Server:
         self._log_file.close()
 
 
-def complete(
-    client: Any, model: str, prompt: list[int], max_tokens: int
-) -> dict[str, Any]:
+def complete(client: Any, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """One greedy completion of a token-id prompt through the OpenAI client: the output token
     ids and text, and the prompt tokens the server reports cached."""
     answer = client.completions.create(
@@ -407,14 +396,10 @@ def main() -> None:
     model.add_argument("--size", choices=sorted(MODEL_SIZES), default="tiny")
     offline = commands.add_parser("offline", help="serve a workload through vllm.LLM")
     offline.add_argument("--model", required=True)
-    offline.add_argument(
-        "--workload", required=True, help="JSON list of token-id prompts"
-    )
+    offline.add_argument("--workload", required=True, help="JSON list of token-id prompts")
     offline.add_argument("--out", required=True, type=Path)
     offline.add_argument("--kvshm", action="store_true", help="with kvshm's host tier")
-    offline.add_argument(
-        "--kvshm-segment", help="the tier's segment_name (default: kvshm's)"
-    )
+    offline.add_argument("--kvshm-segment", help="the tier's segment_name (default: kvshm's)")
     offline.add_argument("--chunks", type=int, default=1024, help="host tier blocks")
     offline.add_argument("--blocks", type=int, default=64, help="vLLM's own KV blocks")
     offline.add_argument("--max-model-len", type=int, default=1024)
@@ -435,9 +420,7 @@ def main() -> None:
     offline.add_argument(
         "--progress", action="store_true", help='print "served N" after each request'
     )
-    offline.add_argument(
-        "--wait-for", help="after the first request, wait until this file exists"
-    )
+    offline.add_argument("--wait-for", help="after the first request, wait until this file exists")
     offline.add_argument(
         "--hold",
         action="store_true",

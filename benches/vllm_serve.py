@@ -49,9 +49,7 @@ import vllm_engine as engine
 REPOSITORY = Path(__file__).resolve().parents[1]
 
 
-def trace_conversations(
-    path: Path, count: int, max_hash_ids: int
-) -> list[dict[str, Any]]:
+def trace_conversations(path: Path, count: int, max_hash_ids: int) -> list[dict[str, Any]]:
     """The requests of the first ``count`` multi-turn conversations that fit, in trace order."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     turns: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -66,8 +64,7 @@ def trace_conversations(
     kept = [
         root
         for root in order
-        if len(turns[root]) >= 2
-        and max(len(r["hash_ids"]) for r in turns[root]) <= max_hash_ids
+        if len(turns[root]) >= 2 and max(len(r["hash_ids"]) for r in turns[root]) <= max_hash_ids
     ][:count]
     chosen = [row for root in kept for row in turns[root]]
     return sorted(chosen, key=lambda row: row["timestamp"])
@@ -78,26 +75,18 @@ def hash_tokens(hash_id: int, scale: int) -> list[int]:
     return [generator.randrange(engine.FIRST_TOKEN, engine.VOCAB) for _ in range(scale)]
 
 
-def reuse_workload(
-    rows: list[dict[str, Any]], scale: int
-) -> list[tuple[list[int], int]]:
+def reuse_workload(rows: list[dict[str, Any]], scale: int) -> list[tuple[list[int], int]]:
     """(prompt, output tokens) per trace request: equal hash ids, equal tokens."""
     return [
         (
-            [
-                token
-                for hash_id in row["hash_ids"]
-                for token in hash_tokens(hash_id, scale)
-            ],
+            [token for hash_id in row["hash_ids"] for token in hash_tokens(hash_id, scale)],
             max(1, min(32, row["output_length"] // 16)),
         )
         for row in rows
     ]
 
 
-def fresh_workload(
-    workload: list[tuple[list[int], int]], seed: int
-) -> list[tuple[list[int], int]]:
+def fresh_workload(workload: list[tuple[list[int], int]], seed: int) -> list[tuple[list[int], int]]:
     """The same lengths with fresh random tokens: no block is ever seen twice."""
     generator = random.Random(seed)
     return [
@@ -114,9 +103,7 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-def stream(
-    client: Any, model: str, prompt: list[int], max_tokens: int
-) -> dict[str, Any]:
+def stream(client: Any, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """One streamed greedy completion: time to first token, total time, cached prompt tokens,
     the output's token ids."""
     started = time.perf_counter()
@@ -227,9 +214,7 @@ def compare(
         "with_kvshm": kvshm,
         "ttft_p50_speedup": round(baseline["ttft_p50_s"] / kvshm["ttft_p50_s"], 3),
         "ttft_p99_speedup": round(baseline["ttft_p99_s"] / kvshm["ttft_p99_s"], 3),
-        "throughput_ratio": round(
-            kvshm["requests_per_s"] / baseline["requests_per_s"], 4
-        ),
+        "throughput_ratio": round(kvshm["requests_per_s"] / baseline["requests_per_s"], 4),
     }
 
 
@@ -242,19 +227,11 @@ def main() -> None:
     )
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--max-hash-ids", type=int, default=30)
-    parser.add_argument(
-        "--scale", type=int, default=32, help="tokens per trace hash id"
-    )
-    parser.add_argument(
-        "--vllm-blocks", type=int, default=48, help="vLLM's own KV blocks"
-    )
-    parser.add_argument(
-        "--tier-chunks", type=int, default=4096, help="kvshm's tier blocks"
-    )
+    parser.add_argument("--scale", type=int, default=32, help="tokens per trace hash id")
+    parser.add_argument("--vllm-blocks", type=int, default=48, help="vLLM's own KV blocks")
+    parser.add_argument("--tier-chunks", type=int, default=4096, help="kvshm's tier blocks")
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument(
-        "--model", help="a model directory (default: write the bench model)"
-    )
+    parser.add_argument("--model", help="a model directory (default: write the bench model)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvshm-serve-") as tmp:

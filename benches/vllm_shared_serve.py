@@ -228,12 +228,8 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--max-hash-ids", type=int, default=30)
-    parser.add_argument(
-        "--scale", type=int, default=32, help="tokens per trace hash id"
-    )
-    parser.add_argument(
-        "--vllm-blocks", type=int, default=48, help="each server's own KV blocks"
-    )
+    parser.add_argument("--scale", type=int, default=32, help="tokens per trace hash id")
+    parser.add_argument("--vllm-blocks", type=int, default=48, help="each server's own KV blocks")
     parser.add_argument(
         "--tier-chunks",
         type=int,
@@ -246,17 +242,13 @@ def main() -> None:
         action="store_true",
         help="run the configurations in the opposite order (the machine's load drifts)",
     )
-    parser.add_argument(
-        "--model", help="a model directory (default: write the bench model)"
-    )
+    parser.add_argument("--model", help="a model directory (default: write the bench model)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvshm-shared-serve-") as tmp:
         tmp_path = Path(tmp)
         model = args.model or str(engine.make_model(tmp_path / "bench-llama", "bench"))
-        rows = serve.trace_conversations(
-            args.trace, args.conversations, args.max_hash_ids
-        )
+        rows = serve.trace_conversations(args.trace, args.conversations, args.max_hash_ids)
         workload = serve.reuse_workload(rows, args.scale)
         longest = max(len(prompt) for prompt, _ in workload)
         if longest + 32 > args.max_model_len:
@@ -306,9 +298,7 @@ def main() -> None:
             "kvshm_hit_tokens": round(
                 shared["kvshm_hit_tokens"] / max(1, per_instance["kvshm_hit_tokens"]), 3
             ),
-            "ttft_p50_speedup": round(
-                per_instance["ttft_p50_s"] / shared["ttft_p50_s"], 3
-            ),
+            "ttft_p50_speedup": round(per_instance["ttft_p50_s"] / shared["ttft_p50_s"], 3),
         },
         "shared_round_robin_over_per_instance_sticky": {
             "kvshm_hit_tokens": round(
