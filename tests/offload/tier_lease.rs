@@ -91,34 +91,47 @@ fn a_lease_stays_within_the_quota_and_the_free_chunks() {
     check(&index);
 }
 
-/// However many clients lease, their leases hold at most an eighth of the tier together; a
-/// chunk a store names leaves the lease and makes room for another client's.
+/// Each client's lease is topped up to at most its equal share of an eighth of the tier among
+/// the clients attached, so a client that never names its chunks holds no more than its share;
+/// and the unnamed chunks of all leases stay within that eighth, also when clients attach after
+/// the others leased: a chunk named (even as a spare) or a client gone makes room again.
 #[test]
-fn the_leases_of_all_clients_together_hold_at_most_an_eighth_of_the_tier() {
+fn leases_hold_an_equal_share_of_an_eighth_of_the_tier_and_never_more_than_the_eighth() {
     let mut index = tier(1024);
     assert_eq!((index.max_lease(), index.max_leased()), (16, 128));
-    let clients: Vec<_> =
-        (0..10).map(|at| index.attach(&identity(), &format!("c{at}"), None).unwrap()).collect();
+    let attach = |index: &mut kvshm::offload::SharedTierIndex, at: usize| {
+        index.attach(&identity(), &format!("c{at}"), None).unwrap()
+    };
     let mut granted = Vec::new();
-    let mut leased = Vec::new();
-    for &client in &clients {
+    let mut lease = |index: &mut kvshm::offload::SharedTierIndex, client| {
         index.lease(client, 16, &mut granted).unwrap();
-        leased.push(granted.len());
-        check(&index);
+        check(index);
+        granted.len()
+    };
+    // Ten attached: a share of 12 each, 120 in all.
+    let first: Vec<_> = (0..10).map(|at| attach(&mut index, at)).collect();
+    assert_eq!(index.max_lease(), 12);
+    let leased: Vec<usize> = first.iter().map(|&client| lease(&mut index, client)).collect();
+    assert_eq!(leased, [12; 10]);
+    for client in first {
+        index.release_client(client).unwrap();
     }
-    assert_eq!(leased, [16, 16, 16, 16, 16, 16, 16, 16, 0, 0], "128 chunks in all");
-    // The first client names 5 of its chunks: the ninth may take those 5.
-    index.store_leased(clients[0], "r", &keys(&[1, 2, 3, 4, 5]), 0).unwrap();
-    index.lease(clients[8], 16, &mut granted).unwrap();
-    assert_eq!(granted.len(), 5);
-    index.lease(clients[9], 16, &mut granted).unwrap();
-    assert!(granted.is_empty());
+    // Eight lease 16 each (the whole eighth); two more attach: their share is 12, but nothing
+    // is left of the eighth until chunks are named or a client goes.
+    let clients: Vec<_> = (0..8).map(|at| attach(&mut index, at)).collect();
+    let leased: Vec<usize> = clients.iter().map(|&client| lease(&mut index, client)).collect();
+    assert_eq!(leased, [16; 8]);
+    let (late, later) = (attach(&mut index, 8), attach(&mut index, 9));
+    assert_eq!((index.max_lease(), lease(&mut index, late)), (12, 0));
+    // Client 0 names 5 chunks, one of them for a key the tier had (a spare): 5 free for `late`.
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store(clients[1], "r1", &keys(&[1]), &mut out).unwrap());
+    index.store_leased(clients[0], "r0", &keys(&[1, 2, 3, 4, 5]), 0).unwrap();
     check(&index);
-    // A client that leaves gives its lease back to the others.
-    index.release_client(clients[1]).unwrap();
-    index.lease(clients[9], 16, &mut granted).unwrap();
-    assert_eq!(granted.len(), 16);
-    check(&index);
+    assert_eq!((lease(&mut index, late), lease(&mut index, later)), (5, 0));
+    // A client that goes gives its lease back.
+    index.release_client(clients[2]).unwrap();
+    assert_eq!(lease(&mut index, later), 14, "its share with 9 attached, of the 16 left");
 }
 
 /// A lease asked for after a store that filled the answer page gets what the page has room

@@ -2,9 +2,10 @@
 //! [`TierClient::prepare_store`] answers its engine at once, with no wait on the owner.
 //!
 //! 1. A batch the client waits for anyway (a lookup's, most often) carries a [`TierCall::Lease`]
-//!    when the book holds fewer chunks than its target ([`LeaseBook::top_up`]); the chunks the
-//!    owner adds are appended in order ([`LeaseBook::granted`]): the owner's list and the
-//!    book's stay the same, numbered alike from 0 on each connection.
+//!    when the book holds fewer chunks than its target ([`LeaseBook::top_up`]), unless the last
+//!    top-up added none and the client stored nothing since; the chunks the owner adds are
+//!    appended in order ([`LeaseBook::granted`]): the owner's list and the book's stay the
+//!    same, numbered alike from 0 on each connection.
 //! 2. [`TierClient::prepare_store`]: the keys this client is not storing already, each once, get
 //!    the book's next chunks ([`LeaseBook::take`]), and a [`TierCall::StoreLeased`] numbered
 //!    from the first is queued for the next batch; its engine copies into those chunks at once.
@@ -33,23 +34,28 @@ pub(super) struct LeaseBook {
     front: u64,
     /// The chunks it asks to hold.
     target: u32,
+    /// Whether a top-up may add chunks: not once the owner answered one with none and the book
+    /// has stored nothing since (a tier too small to lease, or the client's share or the tier's
+    /// eighth leased already: asking each batch would change nothing).
+    asking: bool,
     /// Keys it is storing (their store not yet ended), through the lease or not.
     storing: HashSet<OffloadKey, BuildPassThrough>,
 }
 
 impl LeaseBook {
     pub(super) fn new(target: u32) -> LeaseBook {
-        LeaseBook { target, ..LeaseBook::default() }
+        LeaseBook { target, asking: true, ..LeaseBook::default() }
     }
 
     /// Module flow, step 1: the call that tops the book up, if it wants one.
     pub(super) fn top_up(&self) -> Option<TierCall<'static>> {
-        (self.chunks.len() < self.target as usize)
+        (self.asking && self.chunks.len() < self.target as usize)
             .then_some(TierCall::Lease { target: self.target })
     }
 
     /// Module flow, step 1: the owner added `chunks`.
     pub(super) fn granted(&mut self, chunks: &[u32]) {
+        self.asking = !chunks.is_empty();
         self.chunks.extend(chunks);
     }
 
@@ -69,11 +75,13 @@ impl LeaseBook {
         let chunks: Vec<u32> = self.chunks.drain(..to_store.len()).collect();
         self.front += to_store.len() as u64;
         self.storing.extend(new_keys);
+        self.asking = true;
         Some((to_store, chunks, first))
     }
 
     /// Step 2: `keys` are being stored (the owner's answer to a store asked of it).
     pub(super) fn storing(&mut self, keys: impl IntoIterator<Item = OffloadKey>) {
+        self.asking = true;
         self.storing.extend(keys);
     }
 
@@ -149,6 +157,26 @@ mod tests {
         book.clear();
         assert_eq!(book.take(&[key(5)]), None);
         assert!(book.top_up().is_some());
+    }
+
+    /// A top-up answered with no chunk is not asked again until the client stores (through the
+    /// book or the owner): a tier too small to lease, or a share leased in full, costs no call
+    /// in every batch.
+    #[test]
+    fn a_top_up_that_granted_nothing_is_asked_again_only_after_a_store() {
+        let mut book = LeaseBook::new(4);
+        book.granted(&[10, 11]);
+        assert!(book.top_up().is_some(), "2 of 4, the last answer granted some");
+        book.granted(&[]);
+        assert!(book.top_up().is_none(), "nothing granted, nothing stored since");
+        assert!(book.take(&[key(1)]).is_some());
+        assert!(book.top_up().is_some(), "a store through the book");
+        book.granted(&[]);
+        book.storing([key(2)]);
+        assert!(book.top_up().is_some(), "a store through the owner");
+        book.granted(&[]);
+        book.clear();
+        assert!(book.top_up().is_some(), "a new connection asks");
     }
 
     /// The end of a store this connection did not make (an earlier one's, or none) is not sent:

@@ -31,6 +31,10 @@ impl SharedTierIndex {
                 }
             }
         }
+        if self.leased_unnamed() > self.max_leased() {
+            let most = self.max_leased();
+            return Err(format!("{} chunks leased unnamed, at most {most}", self.leased_unnamed()));
+        }
         if leased.len() != self.manager.taken_chunks() {
             let taken = self.manager.taken_chunks();
             return Err(format!("{} chunks leased, the manager took {taken}", leased.len()));

@@ -2,9 +2,13 @@
 //! store at once and tells the owner later, with no wait, which keys it wrote where.
 //!
 //! 1. [`SharedTierIndex::lease`] tops `client`'s lease up to a target: free chunks (the owner
-//!    keeps some free ahead of demand, `ahead.rs`), charged to it within its quota, all
-//!    clients' leases together within an eighth of the tier, their key-table slots cleared; each gets the next number of the client's lease sequence, and the
-//!    client keeps the same list;
+//!    keeps some free ahead of demand, `ahead.rs`), charged to it within its quota, their
+//!    key-table slots cleared; each gets the next number of the client's lease sequence, and the
+//!    client keeps the same list. The unnamed leased chunks of all clients stay within an
+//!    eighth of the tier ([`LEASED_SHARE`]), and a client's lease within its equal share of that
+//!    eighth among the clients attached when it is topped up ([`SharedTierIndex::max_lease`]),
+//!    so that a client that stopped naming its chunks (fenced, or refused) holds no more than
+//!    its share while the others keep theirs;
 //! 2. [`SharedTierIndex::store_leased`]: the client wrote (or is writing) `keys` into its next
 //!    `keys.len()` leased chunks, numbered from `first`: the keys the tier lacks become its
 //!    pending stores there, as [`SharedTierIndex::prepare_store`] would have stored them; the
@@ -30,10 +34,10 @@ use crate::offload::manager::{EvictionScope, PreparedStore};
 /// them to each client, and never more than this.
 pub const MAX_LEASE: usize = 64;
 
-/// The share of a tier's chunks leased to all clients together, at most: one chunk in this
-/// many. A leased chunk holds no block until its client names it, so that with many clients
-/// (up to `MAX_CLIENTS`, each leasing a 64th) the leases could otherwise take the tier's room
-/// for cached blocks.
+/// The share of a tier's chunks that all clients' leases hold unnamed together, at most: one
+/// chunk in this many. A leased chunk holds no block until its client names it, so that with
+/// many clients (up to `MAX_CLIENTS`, each leasing a 64th) the leases could otherwise take the
+/// tier's room for cached blocks.
 pub const LEASED_SHARE: usize = 8;
 
 /// One client's lease (module flow).
@@ -62,25 +66,29 @@ impl Lease {
 }
 
 impl SharedTierIndex {
-    /// The most chunks one client's lease holds in this tier.
+    /// The most chunks one client's lease holds in this tier now: a 64th of the tier, at most
+    /// [`MAX_LEASE`], and at most an equal share of [`SharedTierIndex::max_leased`] among the
+    /// clients attached (module flow, step 1).
     pub fn max_lease(&self) -> usize {
-        (self.owners.len() / 64).min(MAX_LEASE)
+        let attached = self.clients.iter().flatten().count().max(1);
+        (self.owners.len() / 64).min(MAX_LEASE).min(self.max_leased() / attached)
     }
 
-    /// The most chunks all clients' leases hold together in this tier ([`LEASED_SHARE`]).
+    /// The most unnamed chunks all clients' leases hold together in this tier
+    /// ([`LEASED_SHARE`]).
     pub fn max_leased(&self) -> usize {
         self.owners.len() / LEASED_SHARE
     }
 
     /// Chunks leased to all clients and not yet named by a store.
-    fn leased_unnamed(&self) -> usize {
+    pub(super) fn leased_unnamed(&self) -> usize {
         self.clients.iter().flatten().map(|state| state.lease.chunks.len()).sum()
     }
 
     /// Module flow, step 1: tops `client`'s lease up to `target` chunks (at most
     /// [`SharedTierIndex::max_lease`], within its quota, the chunks free now and what the
-    /// leases of all clients leave of [`SharedTierIndex::max_leased`]), writing the chunks
-    /// added to `granted`, in sequence.
+    /// unnamed leases of all clients leave of [`SharedTierIndex::max_leased`]), writing the
+    /// chunks added to `granted`, in sequence.
     pub fn lease(
         &mut self,
         client: ClientId,
