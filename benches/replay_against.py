@@ -2,17 +2,19 @@
 
 ``python3 benches/replay_against.py [--baseline REV] [--rounds N] [--cpu C]`` builds this checkout
 and revision ``REV`` (by default 4bf4794, the scheduler before the eviction engine's rewrite) with
-the same command, ``cargo build --release -p kvshm --bin kvshm``: code layout alone moves this
-replay, so both binaries must come from one command. The baseline's sources are exported with
-``git archive`` into ``$XDG_CACHE_HOME/kvshm/replay-baseline-REV`` (``~/.cache`` by default) and
-built there once; later runs reuse that build.
+the same command, ``cargo build --release -p kvshm --bin kvshm``, each into its own ``target``
+(``CARGO_TARGET_DIR`` is overridden): code layout alone moves this replay, so both binaries must
+come from one command. The baseline's sources are exported with ``git archive`` into
+``$XDG_CACHE_HOME/kvshm/replay-baseline-COMMIT`` (``~/.cache`` by default, the commit's first 12
+hex digits) and built there once; later runs reuse that build.
 
 Each round runs ``kvshm replay`` of the Mooncake conversation trace in two configurations
 (5,859 device blocks; 1,953 device + 7,812 host blocks), both binaries back to back, the order
-alternating between rounds, pinned to CPU ``C`` when given (``taskset``). It prints one JSON
-object: per configuration the median and range of each binary's per-request p50 and p99 over the
-rounds, the ratios current / baseline of the medians, and whether the hit counts are identical
-(they must be: ``tests/replay_figures.rs``).
+alternating between rounds (an even number of rounds runs each first equally often), pinned to
+CPU ``C`` when given (``taskset``). It prints one JSON object: the checkout's commit (``-dirty``
+with uncommitted changes: the working tree is what is built), per configuration the median and
+range of each binary's per-request p50 and p99 over the rounds, the ratios current / baseline of
+the medians, and whether the hit counts are identical (they must be: ``tests/replay_figures.rs``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,13 @@ CONFIGS = {
 
 
 def build(source: Path) -> Path:
-    """Builds ``kvshm`` in ``source`` with the one command both binaries share."""
-    subprocess.run(BUILD, cwd=source, check=True)
-    return source / "target" / "release" / "kvshm"
+    """Builds ``kvshm`` in ``source`` with the one command both binaries share, into
+    ``source/target`` whatever the environment or cargo's configuration say."""
+    target = source / "target"
+    subprocess.run(
+        BUILD, cwd=source, check=True, env={**os.environ, "CARGO_TARGET_DIR": str(target)}
+    )
+    return target / "release" / "kvshm"
 
 
 def baseline_sources(revision: str) -> Path:
@@ -88,6 +94,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9, help="rounds of both binaries")
     parser.add_argument("--cpu", type=int, help="pin every replay to this CPU")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    current = subprocess.run(
+        ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     binaries = {"baseline": build(baseline_sources(args.baseline)), "current": build(ROOT)}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
         name: {"baseline": [], "current": []} for name in CONFIGS
@@ -97,7 +112,11 @@ def main() -> None:
         for name, config in CONFIGS.items():
             for which in order:
                 runs[name][which].append(replay(binaries[which], config, args.cpu))
-    result: dict[str, object] = {"baseline": args.baseline, "rounds": args.rounds}
+    result: dict[str, object] = {
+        "baseline": args.baseline,
+        "current": current,
+        "rounds": args.rounds,
+    }
     for name, by_binary in runs.items():
         entry: dict[str, object] = {}
         for which, reports in by_binary.items():
@@ -106,9 +125,9 @@ def main() -> None:
                 for quantile in ("p50", "p99")
             }
         for quantile in ("p50", "p99"):
-            current = statistics.median(report[quantile] for report in by_binary["current"])
-            baseline = statistics.median(report[quantile] for report in by_binary["baseline"])
-            entry[f"ratio_{quantile}"] = round(current / baseline, 3)
+            ours = statistics.median(report[quantile] for report in by_binary["current"])
+            theirs = statistics.median(report[quantile] for report in by_binary["baseline"])
+            entry[f"ratio_{quantile}"] = round(ours / theirs, 3)
         hits = {report["hits"] for reports in by_binary.values() for report in reports}
         entry["hits_identical"] = len(hits) == 1
         entry["hit_blocks"] = sorted(hits)
