@@ -20,6 +20,8 @@ pub enum RingError {
     ElementSizeMismatch { found: u64, expected: u64 },
     #[error("ring capacity {capacity} is not a power of two between 1 and {max}")]
     BadCapacity { capacity: u64, max: u64 },
+    #[error("ring capacity {found} is not the {expected} its creator gave it")]
+    CapacityMismatch { found: u64, expected: u64 },
     #[error("ring indices are corrupt: head {head}, tail {tail}, capacity {capacity}")]
     Corrupt { head: u64, tail: u64, capacity: u64 },
 }

@@ -166,24 +166,37 @@ pub unsafe fn init<T: Pod>(base: *mut u8, capacity: usize) {
     header.description.magic.store(RING_MAGIC, Ordering::Release);
 }
 
-/// Sets both indices of the ring at `base` to zero, emptying it.
+/// Empties the ring at `base` and describes it again as [`init`] did (`T`'s size, `capacity`),
+/// so that whatever a departed ring end wrote into the header (its indices, or a description it
+/// scribbled over: a capacity of 1, a wrong magic) the next attach finds the ring its creator
+/// made.
 ///
 /// # Safety
 ///
-/// 1. `base` points to memory that [`init`] set up as a ring, still mapped.
-/// 2. No producer or consumer uses the ring meanwhile (the scheduler reclaims a rank whose peer
-///    is gone); the next attach sees the reset through its Acquire loads.
+/// 1. `base` points to memory that [`init`] set up as a ring of `capacity` records of `T`, still
+///    mapped.
+/// 2. No producer or consumer uses the ring meanwhile (the owner reclaims a slot whose peer is
+///    gone); the next attach sees the reset through its Acquire load of the magic.
+///
+/// # Panics
+///
+/// As [`memory_size`], on an invalid capacity.
 #[cfg(not(loom))]
-pub unsafe fn reset_indices(base: *mut u8) {
+pub unsafe fn reset<T: Pod>(base: *mut u8, capacity: usize) {
+    let _ = memory_size::<T>(capacity);
     // SAFETY: premise 1: an initialised, aligned ring header lives at `base`; it is atomics only,
-    // so the reference stays sound whatever other processes write, and the stores below are
+    // so the reference stays sound whatever other processes write, and every store below is
     // atomic (premise 2 is what makes them meaningful, not what makes them race-free).
     let header = unsafe { &*base.cast::<RingHeader>() };
-    // Relaxed: no ring end uses the ring meanwhile (premise 2); whoever attaches next is ordered
-    // after the reset by what hands it the ring (a reclaim's Release of the owner word, or the
-    // same thread).
+    let description = &header.description;
+    // Relaxed: published by the Release store of the magic below.
+    description.element_size.store(size_of::<T>() as u64, Ordering::Relaxed);
+    description.capacity.store(capacity as u64, Ordering::Relaxed);
     header.tail.value.store(0, Ordering::Relaxed);
     header.head.value.store(0, Ordering::Relaxed);
+    // SYNC: pairs with the Acquire load of magic in RingView::attach(), which then sees the
+    // description and the zeroed indices above.
+    description.magic.store(RING_MAGIC, Ordering::Release);
 }
 
 /// One side's checked view of a ring: where the header and slots are, and the validated capacity.

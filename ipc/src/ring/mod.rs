@@ -5,7 +5,7 @@
 //! free-running u64 counts, on separate cache lines; each side owns one index and caches the
 //! other's, so a push or pop touches the peer's line only when its cached view runs out.
 //!
-//! - `layout.rs`: the bytes of a ring, [`memory_size`], [`init`], [`reset_indices`], validation.
+//! - `layout.rs`: the bytes of a ring, [`memory_size`], [`init`], [`reset`], validation.
 //! - [`Producer`]: [`Producer::push`], [`Producer::push_all`] (a batch, one Release store).
 //! - [`Consumer`]: [`Consumer::pop`], [`Consumer::pop_into`] (a batch, one Release store).
 //! - [`heap()`]: the same ring on the heap, for tests and loom.
@@ -45,7 +45,7 @@ pub use heap::heap;
 pub(crate) use layout::RingView;
 pub use layout::{capacity_is_valid, memory_size, MAX_CAPACITY, RING_ALIGN};
 #[cfg(not(loom))]
-pub use layout::{init, reset_indices};
+pub use layout::{init, reset};
 pub use producer::Producer;
 
 #[cfg(all(test, not(loom)))]

@@ -197,15 +197,22 @@ fn a_reattached_consumer_continues_where_the_last_one_stopped() {
 }
 
 #[test]
-fn reset_indices_empties_the_ring_for_the_next_attach() {
+fn reset_empties_the_ring_and_restores_its_description_for_the_next_attach() {
     let (memory, base) = initialised_ring::<u64>(4);
     {
         // SAFETY: the memory outlives the producer.
         let mut producer = unsafe { Producer::<u64>::attach(base, memory.len()) }.unwrap();
         producer.push_all(&[1, 2, 3, 4]).unwrap();
     }
-    // SAFETY: an initialised ring nobody is attached to.
-    unsafe { reset_indices(base) };
+    // A departed end scribbled over the description: a capacity of 1, then a wrong magic.
+    // SAFETY: the header is atomics only, in memory this test owns.
+    let header = unsafe { &*base.cast::<crate::ring::layout::RingHeader>() };
+    header.description.capacity.store(1, std::sync::atomic::Ordering::Relaxed);
+    header.description.magic.store(7, std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: as above.
+    assert!(unsafe { Producer::<u64>::attach(base, memory.len()) }.is_err());
+    // SAFETY: an initialised ring of 4 nobody is attached to.
+    unsafe { reset::<u64>(base, 4) };
     // SAFETY: the memory outlives both sides.
     let mut producer = unsafe { Producer::<u64>::attach(base, memory.len()) }.unwrap();
     // SAFETY: as above.

@@ -100,14 +100,16 @@ impl Segment {
         })?;
         let reclaim = slot.begin_reclaim(judged)?;
         let (command, completion) = self.ring_bases(rank);
+        let config = &self.fields.config;
         // SAFETY: 1. both ring areas lie in the mapping and were initialised by the creator;
         // 2. no worker touches the rings (the premise above, and the slot is DEAD, so no new
         // worker can claim the rank until the reclaim finishes); 3. the reset is atomic stores
-        // of the indices, so even a process breaking that premise races nothing in this one:
-        // what it could do is write records and indices that the ring ends validate.
+        // of the header, description included, so even a process breaking that premise races
+        // nothing in this one: what it could do is write records and indices that the ring ends
+        // validate.
         unsafe {
-            ring::reset_indices(command);
-            ring::reset_indices(completion);
+            ring::reset::<CommandSlot>(command, config.command_ring_slots as usize);
+            ring::reset::<Completion>(completion, config.completion_ring_slots as usize);
         }
         self.layer_progress(rank).expect("rank was checked above").clear();
         // A worker killed while asleep on its doorbell never deregistered; none can be registered

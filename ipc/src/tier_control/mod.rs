@@ -331,6 +331,7 @@ impl TierControl {
         let requests = unsafe { Producer::attach(request_base, channel.request_ring_len)? };
         // SAFETY: as above.
         let answers = unsafe { Consumer::attach(answer_base, channel.answer_ring_len)? };
+        self.check_ring_slots(requests.capacity(), answers.capacity())?;
         Ok(ClientChannel { requests, answers, parts: self.channel_parts(index) })
     }
 
@@ -350,7 +351,20 @@ impl TierControl {
         let requests = unsafe { Consumer::attach(request_base, channel.request_ring_len)? };
         // SAFETY: as above.
         let answers = unsafe { Producer::attach(answer_base, channel.answer_ring_len)? };
+        self.check_ring_slots(requests.capacity(), answers.capacity())?;
         Ok(OwnerChannel { requests, answers, parts: self.channel_parts(index) })
+    }
+
+    /// Refuses rings whose capacity is not the configured `ring_slots`: a ring end may have
+    /// rewritten a ring's description (one of capacity 1 would carry batches of no call).
+    fn check_ring_slots(&self, requests: usize, answers: usize) -> Result<(), RingError> {
+        let slots = self.fields.config.ring_slots as u64;
+        match [requests, answers].into_iter().find(|&capacity| capacity as u64 != slots) {
+            Some(found) => {
+                Err(RingError::CapacityMismatch { found: found as u64, expected: slots })
+            }
+            None => Ok(()),
+        }
     }
 
     fn channel_start(&self, index: u32) -> u64 {
@@ -406,13 +420,15 @@ impl TierControl {
             .ok_or(ReclaimError::RankOutOfRange { rank: index, tp_size: clients })?;
         let reclaim = slot.begin_reclaim(judged)?;
         let (requests, answers) = self.ring_bases(index);
-        // SAFETY: 1. both rings lie in the mapping and were initialised at creation; 2. no end
-        // uses them: the client has gone (the premise above) and the slot is DEAD, so none can
-        // claim it until the reclaim finishes; 3. the reset is atomic stores of the indices, so
-        // a process breaking that premise races nothing here.
+        let slots = self.fields.config.ring_slots as usize;
+        // SAFETY: 1. both rings lie in the mapping and were initialised at creation with `slots`
+        // records; 2. no end uses them: the client has gone (the premise above) and the slot is
+        // DEAD, so none can claim it until the reclaim finishes; 3. the reset is atomic stores of
+        // the header (a client may have scribbled over its description too), so a process
+        // breaking that premise races nothing here.
         unsafe {
-            ring::reset_indices(requests);
-            ring::reset_indices(answers);
+            ring::reset::<TierRequest>(requests, slots);
+            ring::reset::<TierAnswer>(answers, slots);
         }
         // A client killed asleep on its doorbell never deregistered; none can be registered now.
         self.answer_bell(index).forget_sleepers();

@@ -259,6 +259,32 @@ fn a_reclaimed_slot_hands_its_next_client_empty_rings() {
     );
 }
 
+/// A client that scribbled over its rings' descriptions (its request ring's capacity set to 1,
+/// its answer ring's magic broken) before it died leaves the next client of its slot the rings
+/// the owner made: the reclaim describes them again.
+#[test]
+fn a_reclaimed_slot_hands_its_next_client_rings_as_made_whatever_the_last_one_wrote() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let name = unique_name("redescribed");
+    let owner = TierControl::create(&name, &TierConfig { clients: 1, ..CONFIG }, b"id").unwrap();
+    let dead = owner.claim_client_slot_as(dead_process()).unwrap();
+    let batch = client_end(&owner, &dead).batch_capacity();
+    let (requests, answers) = owner.ring_bases(0);
+    // The description's words: magic, element size, capacity (`ring/layout.rs`).
+    // SAFETY: both ring headers lie in the mapping, 64-aligned, and are atomics only.
+    let word = |base: *mut u8, at: usize| unsafe { &*base.add(at * 8).cast::<AtomicU64>() };
+    word(requests, 2).store(1, Ordering::Relaxed);
+    // SAFETY: the one owner end of the slot in this test.
+    let refused = unsafe { owner.owner_channel(0) }.map(|_| ());
+    let slots = u64::from(CONFIG.ring_slots);
+    assert_eq!(refused, Err(RingError::CapacityMismatch { found: 1, expected: slots }));
+    word(answers, 0).store(7, Ordering::Relaxed);
+    owner.reclaim_client(0, dead.owner_word()).unwrap();
+    let claim = owner.claim_client_slot().unwrap();
+    assert_eq!(client_end(&owner, &claim).batch_capacity(), batch);
+    let _from_client = owner_end(&owner, 0);
+}
+
 #[test]
 fn the_figures_an_owner_publishes_for_a_slot_are_read_by_another_mapping() {
     let name = unique_name("stats");
