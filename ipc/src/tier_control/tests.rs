@@ -264,7 +264,7 @@ fn a_reclaimed_slot_hands_its_next_client_empty_rings() {
 /// the owner made: the reclaim describes them again.
 #[test]
 fn a_reclaimed_slot_hands_its_next_client_rings_as_made_whatever_the_last_one_wrote() {
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use crate::sync::{AtomicU64, Ordering};
     let name = unique_name("redescribed");
     let owner = TierControl::create(&name, &TierConfig { clients: 1, ..CONFIG }, b"id").unwrap();
     let dead = owner.claim_client_slot_as(dead_process()).unwrap();
