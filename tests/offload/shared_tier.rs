@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kvshm::offload::shared::{TierArenas, TierKeys};
+use kvshm::offload::shared::{TierArenas, TierKeys, MAX_PINS};
 use kvshm::offload::{
     ClientId, LookupResult, OffloadConfig, OffloadKey, PreparedStore, SharedTierError,
     SharedTierIndex, TierIdentity,
@@ -116,6 +116,31 @@ fn a_client_releases_only_its_own_pins() {
     assert!(matches!(refused, SharedTierError::NotPinnedByClient { .. }), "{refused}");
     check(&index);
     index.release_loads(a, &keys(&[1])).unwrap();
+    check(&index);
+}
+
+/// A client holds at most `MAX_PINS` loads at once: a lookup past them is refused with a typed
+/// error and pins nothing, so no client can carry a key's pin count past `u32` (the owner
+/// panicked when a client left after such a wrap); a release makes room again.
+#[test]
+fn a_client_past_its_pins_is_refused_and_pins_nothing() {
+    let mut index = tier(4);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let b = index.attach(&identity(), "b", None).unwrap();
+    store(&mut index, a, "r", &[1]);
+    let many = keys(&[1]).repeat(MAX_PINS as usize);
+    assert_eq!(index.acquire_prefix(a, "ra", &many, &mut Vec::new()).unwrap(), many.len());
+    let refused = index.acquire_prefix(a, "ra", &keys(&[1]), &mut Vec::new()).unwrap_err();
+    assert!(matches!(refused, SharedTierError::TooManyPins { more: 1, .. }), "{refused}");
+    assert_eq!(index.client_summary(a).unwrap().pins, MAX_PINS);
+    assert_eq!(index.acquire_prefix(b, "rb", &keys(&[1]), &mut Vec::new()).unwrap(), 1);
+    check(&index);
+    index.release_loads(a, &keys(&[1])).unwrap();
+    assert_eq!(index.acquire_prefix(a, "ra", &keys(&[1]), &mut Vec::new()).unwrap(), 1);
+    check(&index);
+    let released = index.release_client(a).unwrap();
+    assert_eq!(released.pins, MAX_PINS);
+    index.release_loads(b, &keys(&[1])).unwrap();
     check(&index);
 }
 

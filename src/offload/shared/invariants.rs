@@ -71,11 +71,21 @@ impl SharedTierIndex {
                     client.id, client.charged
                 ));
             }
-            for (key, &count) in &client.loads {
+            let mut total = 0u64;
+            for (key, count) in client.loads.iter() {
                 if count == 0 {
                     return Err(format!("client {:?} keeps a load count of 0", client.id));
                 }
                 *pins.entry(*key).or_insert(0) += count;
+                total += u64::from(count);
+            }
+            if total != u64::from(client.loads.total()) || total > u64::from(super::MAX_PINS) {
+                return Err(format!(
+                    "client {:?} counts {} pins in all, {total} by key (at most {})",
+                    client.id,
+                    client.loads.total(),
+                    super::MAX_PINS
+                ));
             }
             // A key stored is pending; its chunk is charged to the client it was charged to at
             // its `prepare_store_for` (the one that stored it, or the one the storage tier

@@ -38,6 +38,7 @@ mod keys;
 mod lease;
 mod listing;
 mod owner;
+mod pins;
 mod serve;
 mod storage;
 
@@ -54,6 +55,7 @@ pub use keys::TierKeys;
 pub use lease::{LEASED_SHARE, MAX_LEASE};
 pub use listing::{inspect_tier, ClientRow, TierReport};
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
+pub use pins::MAX_PINS;
 pub use serve::{ClientGone, ServeError, ServeStats, TierServer, OWNER_SPIN};
 pub use storage::{TierStorage, TierStorageError, TierStorageStats};
 
@@ -89,6 +91,8 @@ pub enum SharedTierError {
     UnknownClient { client: ClientId },
     #[error("client {client:?} has no load of {key:?} to release")]
     NotPinnedByClient { client: ClientId, key: OffloadKey },
+    #[error("client {client:?} holds {pins} pins: {more} more would pass the {MAX_PINS} a client may hold")]
+    TooManyPins { client: ClientId, pins: u32, more: usize },
     #[error("client {client:?} stored outside its lease: {why}")]
     LeaseMismatch { client: ClientId, why: String },
     #[error(transparent)]
@@ -103,8 +107,8 @@ struct Client {
     quota: Option<u32>,
     /// Chunks charged to it: the keys it stored that are still in the tier, and its lease.
     charged: u32,
-    /// Loads in progress, per key (a key pinned twice counts two).
-    loads: HashMap<OffloadKey, u32, BuildPassThrough>,
+    /// Loads in progress (`pins.rs`).
+    loads: pins::Pins,
     /// Keys it is storing (prepared, not completed), each with the client its chunk was charged
     /// to: itself, or the client the storage tier brings the key back for.
     stores: HashMap<OffloadKey, ClientId, BuildPassThrough>,
@@ -122,7 +126,7 @@ impl Client {
             name: self.name.clone(),
             quota: self.quota,
             chunks: self.charged - self.lease.len(),
-            pins: self.loads.values().sum(),
+            pins: self.loads.total(),
             storing: self.stores.len() as u32,
             leased: self.lease.len(),
         }
@@ -233,7 +237,7 @@ impl SharedTierIndex {
             name: name.to_owned(),
             quota,
             charged: 0,
-            loads: HashMap::default(),
+            loads: pins::Pins::default(),
             stores: HashMap::default(),
             requests: Vec::new(),
             lease: lease::Lease::default(),
@@ -272,6 +276,10 @@ impl SharedTierIndex {
     /// Module flow, step 1: pins for `client` the leading keys of `keys` that are loadable
     /// (up to the first that is missing or still being stored), writes their chunks to
     /// `chunks`, and returns how many.
+    ///
+    /// # Errors
+    /// [`SharedTierError::TooManyPins`] when they would take `client` past [`MAX_PINS`]
+    /// (`pins.rs`): nothing is pinned.
     pub fn acquire_prefix(
         &mut self,
         client: ClientId,
@@ -290,6 +298,7 @@ impl SharedTierIndex {
         if hits == 0 {
             return Ok(0);
         }
+        self.check_room_for_pins(client, hits)?;
         self.manager.prepare_load(name, &keys[..hits], chunks)?;
         self.count_loads(client, &keys[..hits])?;
         Ok(hits)
@@ -306,54 +315,10 @@ impl SharedTierIndex {
         keys: &[OffloadKey],
         chunks: &mut Vec<u32>,
     ) -> Result<usize, SharedTierError> {
-        self.client(client)?;
+        self.check_room_for_pins(client, keys.len())?;
         let pinned = self.manager.pin_loadable(keys, chunks);
         self.count_loads(client, &keys[..pinned])?;
         Ok(pinned)
-    }
-
-    /// Counts one load more of each of `keys` for `client` (pinned for it just now).
-    fn count_loads(
-        &mut self,
-        client: ClientId,
-        keys: &[OffloadKey],
-    ) -> Result<(), SharedTierError> {
-        let loads = &mut self.client_mut(client)?.loads;
-        for key in keys {
-            *loads.entry(*key).or_insert(0) += 1;
-        }
-        Ok(())
-    }
-
-    /// Module flow, step 2: ends `client`'s loads of `keys` (one pin each; all or none).
-    ///
-    /// # Errors
-    /// [`SharedTierError::NotPinnedByClient`] when `client` holds fewer loads of a key than
-    /// `keys` names it (another client's pins are not its to release).
-    pub fn release_loads(
-        &mut self,
-        client: ClientId,
-        keys: &[OffloadKey],
-    ) -> Result<(), SharedTierError> {
-        let state = self.client(client)?;
-        let mut wanted: HashMap<OffloadKey, u32, BuildPassThrough> = HashMap::default();
-        for key in keys {
-            let count = wanted.entry(*key).or_insert(0);
-            *count += 1;
-            if state.loads.get(key).copied().unwrap_or(0) < *count {
-                return Err(SharedTierError::NotPinnedByClient { client, key: *key });
-            }
-        }
-        self.manager.complete_load(keys)?;
-        let loads = &mut self.client_mut(client)?.loads;
-        for (key, count) in wanted {
-            let held = loads.get_mut(&key).expect("checked above");
-            *held -= count;
-            if *held == 0 {
-                loads.remove(&key);
-            }
-        }
-        Ok(())
     }
 
     /// Module flow, step 3: chunks for the keys of `keys` the tier lacks, stored on behalf of
@@ -531,7 +496,7 @@ impl SharedTierIndex {
         let state = self.clients[client.slot as usize].take().expect("checked above");
         let leased = self.free_lease(&state.lease);
         let mut loads = Vec::new();
-        for (key, &count) in &state.loads {
+        for (key, count) in state.loads.iter() {
             loads.extend(std::iter::repeat_n(*key, count as usize));
         }
         self.manager
