@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kvshm::offload::shared::{TierArenas, TierKeys, MAX_PINS};
+use kvshm::offload::shared::{TierArenas, TierKeys, MAX_PINS, MAX_REQUESTS};
 use kvshm::offload::{
     ClientId, LookupResult, OffloadConfig, OffloadKey, PreparedStore, SharedTierError,
     SharedTierIndex, TierIdentity,
@@ -141,6 +141,28 @@ fn a_client_past_its_pins_is_refused_and_pins_nothing() {
     let released = index.release_client(a).unwrap();
     assert_eq!(released.pins, MAX_PINS);
     index.release_loads(b, &keys(&[1])).unwrap();
+    check(&index);
+}
+
+/// A client has at most `MAX_REQUESTS` requests live in the tier: a call naming one more is
+/// refused with a typed error, one of its live requests still served, and a finished request
+/// makes room.
+#[test]
+fn a_client_past_its_live_requests_is_refused_a_new_one() {
+    let mut index = tier(4);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let miss = keys(&[1]);
+    for request in 0..MAX_REQUESTS {
+        let name = request.to_string();
+        assert_eq!(index.acquire_prefix(a, &name, &miss, &mut Vec::new()).unwrap(), 0);
+    }
+    let refused = index.acquire_prefix(a, "one more", &miss, &mut Vec::new()).unwrap_err();
+    assert!(matches!(refused, SharedTierError::TooManyRequests { .. }), "{refused}");
+    assert_eq!(index.acquire_prefix(a, "7", &miss, &mut Vec::new()).unwrap(), 0, "live: served");
+    index.finish_request(a, "7").unwrap();
+    assert_eq!(index.acquire_prefix(a, "one more", &miss, &mut Vec::new()).unwrap(), 0);
+    check(&index);
+    index.release_client(a).unwrap();
     check(&index);
 }
 

@@ -69,6 +69,11 @@ use super::manager::{
 /// The most clients one tier serves at once.
 pub const MAX_CLIENTS: usize = 256;
 
+/// The most requests one client has live in the tier at once (named by its calls, not yet
+/// finished): far above what an engine runs or queues, a bound on what the owner keeps for a
+/// client that never finishes its requests.
+pub const MAX_REQUESTS: usize = 1 << 16;
+
 /// `owners` of a chunk charged to no client.
 const NO_OWNER: u32 = u32::MAX;
 
@@ -93,6 +98,8 @@ pub enum SharedTierError {
     NotPinnedByClient { client: ClientId, key: OffloadKey },
     #[error("client {client:?} holds {pins} pins: {more} more would pass the {MAX_PINS} a client may hold")]
     TooManyPins { client: ClientId, pins: u32, more: usize },
+    #[error("client {client:?} has {MAX_REQUESTS} requests live: a new one is refused")]
+    TooManyRequests { client: ClientId },
     #[error("client {client:?} stored outside its lease: {why}")]
     LeaseMismatch { client: ClientId, why: String },
     #[error(transparent)]
@@ -112,9 +119,11 @@ struct Client {
     /// Keys it is storing (prepared, not completed), each with the client its chunk was charged
     /// to: itself, or the client the storage tier brings the key back for.
     stores: HashMap<OffloadKey, ClientId, BuildPassThrough>,
-    /// Its requests the manager is tracking, by the manager's name for them, oldest first (a
-    /// release ends them in this order).
-    requests: Vec<String>,
+    /// Its requests the manager is tracking, by the manager's name for them, each with the
+    /// number of its first call (a release ends them oldest first).
+    requests: HashMap<String, u64>,
+    /// The number the next new request gets.
+    next_request: u64,
     /// Chunks it holds ahead of its stores (`lease.rs`).
     lease: lease::Lease,
 }
@@ -239,7 +248,8 @@ impl SharedTierIndex {
             charged: 0,
             loads: pins::Pins::default(),
             stores: HashMap::default(),
-            requests: Vec::new(),
+            requests: HashMap::new(),
+            next_request: 0,
             lease: lease::Lease::default(),
         });
         Ok(id)
@@ -267,8 +277,12 @@ impl SharedTierIndex {
             .expect("writing to a String cannot fail");
         self.client(client)?;
         let state = self.clients[client.slot as usize].as_mut().expect("checked above");
-        if !state.requests.contains(&self.request_name) {
-            state.requests.push(self.request_name.clone());
+        if !state.requests.contains_key(&self.request_name) {
+            if state.requests.len() >= MAX_REQUESTS {
+                return Err(SharedTierError::TooManyRequests { client });
+            }
+            state.requests.insert(self.request_name.clone(), state.next_request);
+            state.next_request += 1;
         }
         Ok(())
     }
@@ -469,7 +483,7 @@ impl SharedTierIndex {
     ) -> Result<(), SharedTierError> {
         self.name_request(client, request)?;
         let name = std::mem::take(&mut self.request_name);
-        self.client_mut(client)?.requests.retain(|live| *live != name);
+        self.client_mut(client)?.requests.remove(&name);
         let finished = self.manager.on_request_finished(&name, None);
         self.request_name = name;
         finished?;
@@ -513,7 +527,9 @@ impl SharedTierIndex {
             }
         }
         self.manager.complete_store(&stores, false);
-        for name in &state.requests {
+        let mut requests: Vec<(&String, &u64)> = state.requests.iter().collect();
+        requests.sort_unstable_by_key(|&(_, &first_call)| first_call);
+        for (name, _) in requests {
             self.manager.on_request_finished(name, None)?;
         }
         let mut chunks = 0;
