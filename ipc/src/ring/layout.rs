@@ -3,7 +3,7 @@
 //! A ring is a [`RingHeader`] followed by `capacity` slots of `T`:
 //!
 //! ```text
-//! offset   0  description line: magic, element size, capacity (written once by init)
+//! offset   0  description line: magic, element size, capacity (written by init, and by reset)
 //! offset 128  tail line: the producer's free-running u64 count of published records
 //! offset 256  head line: the consumer's free-running u64 count of consumed records
 //! offset 384  slot[0] .. slot[capacity - 1]; record i lives in slot[i % capacity]
@@ -42,7 +42,7 @@ pub const MAX_CAPACITY: usize = 1 << 32;
 /// Bytes before the first slot.
 pub(crate) const HEADER_SIZE: usize = 384;
 
-/// The immutable description of a ring, written once by [`init`].
+/// The description of a ring, written by [`init`] and again, the same, by [`reset`].
 ///
 /// Atomics although nobody changes them after `init`: the memory is shared with another process,
 /// and an atomic read of a field a faulty peer scribbles over is still a defined read.
@@ -175,8 +175,9 @@ pub unsafe fn init<T: Pod>(base: *mut u8, capacity: usize) {
 ///
 /// 1. `base` points to memory that [`init`] set up as a ring of `capacity` records of `T`, still
 ///    mapped.
-/// 2. No producer or consumer uses the ring meanwhile (the owner reclaims a slot whose peer is
-///    gone); the next attach sees the reset through its Acquire load of the magic.
+/// 2. No producer or consumer uses the ring meanwhile (the scheduler reclaims a rank, or a tier's
+///    owner a client slot, whose peer is gone); the next attach sees the reset through its
+///    Acquire load of the magic.
 ///
 /// # Panics
 ///
@@ -237,7 +238,8 @@ impl<T: Pod> RingView<T> {
         // byte, and any bits are a valid value, so the reference stays sound while the peer
         // process writes its index, and every access through it is atomic.
         let description = unsafe { &header.as_ref().description };
-        // SYNC: pairs with the Release store of magic in init(): the description below is complete.
+        // SYNC: pairs with the Release store of magic in init() and in reset(): the description
+        // below is complete.
         let magic = description.magic.load(Ordering::Acquire);
         if magic != RING_MAGIC {
             return Err(RingError::BadMagic { found: magic, expected: RING_MAGIC });

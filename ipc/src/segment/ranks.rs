@@ -85,8 +85,9 @@ impl Segment {
     /// Scheduler: makes `rank` claimable again, taking its slot from exactly the owner word
     /// `judged`; fails with [`ReclaimError::Changed`] if the slot holds another word now.
     ///
-    /// Marks the slot DEAD (no worker can claim it meanwhile), resets the indices of both rings,
-    /// the progress table and the worker doorbell's sleeper count, and makes the slot EMPTY.
+    /// Marks the slot DEAD (no worker can claim it meanwhile), resets both rings (indices and
+    /// description, `ring::reset`), the progress table and the worker doorbell's sleeper count,
+    /// and makes the slot EMPTY.
     ///
     /// The premise is the caller's: no worker can touch the rank's rings any more (the one that
     /// held `judged` is gone, as a [`crate::worker_watch::WorkerWatch`] verdict
