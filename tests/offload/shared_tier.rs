@@ -158,6 +158,7 @@ fn a_client_past_its_live_requests_is_refused_a_new_one() {
     }
     let refused = index.acquire_prefix(a, "one more", &miss, &mut Vec::new()).unwrap_err();
     assert!(matches!(refused, SharedTierError::TooManyRequests { .. }), "{refused}");
+    index.finish_request(a, "never named").unwrap();
     assert_eq!(index.acquire_prefix(a, "7", &miss, &mut Vec::new()).unwrap(), 0, "live: served");
     index.finish_request(a, "7").unwrap();
     assert_eq!(index.acquire_prefix(a, "one more", &miss, &mut Vec::new()).unwrap(), 0);

@@ -134,6 +134,30 @@ fn leases_hold_an_equal_share_of_an_eighth_of_the_tier_and_never_more_than_the_e
     assert_eq!(lease(&mut index, later), 14, "its share with 9 attached, of the 16 left");
 }
 
+/// A leased store refused for its request (the client has `MAX_REQUESTS` live) still takes its
+/// chunks out of the lease, held, as the client's book took them: the next store, numbered on,
+/// is served, and the chunks go back when the client leaves.
+#[test]
+fn a_leased_store_refused_for_its_request_keeps_the_lease_in_step() {
+    use kvshm::offload::shared::MAX_REQUESTS;
+    let mut index = tier(1024);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let mut granted = Vec::new();
+    index.lease(a, 4, &mut granted).unwrap();
+    for request in 0..MAX_REQUESTS {
+        index.acquire_prefix(a, &request.to_string(), &keys(&[99]), &mut Vec::new()).unwrap();
+    }
+    let refused = index.store_leased(a, "new", &keys(&[1, 2]), 0).unwrap_err();
+    assert!(matches!(refused, SharedTierError::TooManyRequests { .. }), "{refused}");
+    check(&index);
+    assert_eq!(index.client_summary(a).unwrap().leased, 4, "2 leased and 2 held");
+    index.store_leased(a, "7", &keys(&[3]), 2).unwrap();
+    check(&index);
+    assert_eq!(index.peek(&key(3)), LookupResult::HitPending);
+    assert_eq!(index.release_client(a).unwrap().leased, 3, "1 leased and 2 held");
+    check(&index);
+}
+
 /// A lease asked for after a store that filled the answer page gets what the page has room
 /// for, and the owner keeps serving (it panicked on the undo before).
 #[test]

@@ -74,15 +74,16 @@ impl LeaseBook {
         let first = self.front;
         let chunks: Vec<u32> = self.chunks.drain(..to_store.len()).collect();
         self.front += to_store.len() as u64;
+        self.asking |= !new_keys.is_empty();
         self.storing.extend(new_keys);
-        self.asking = true;
         Some((to_store, chunks, first))
     }
 
     /// Step 2: `keys` are being stored (the owner's answer to a store asked of it).
     pub(super) fn storing(&mut self, keys: impl IntoIterator<Item = OffloadKey>) {
-        self.asking = true;
+        let before = self.storing.len();
         self.storing.extend(keys);
+        self.asking |= self.storing.len() > before;
     }
 
     /// Module flow, step 3: the keys of `keys` this connection was storing, stored no more.
@@ -172,6 +173,8 @@ mod tests {
         assert!(book.take(&[key(1)]).is_some());
         assert!(book.top_up().is_some(), "a store through the book");
         book.granted(&[]);
+        book.storing([]);
+        assert!(book.top_up().is_none(), "a store the owner refused, or of keys stored already");
         book.storing([key(2)]);
         assert!(book.top_up().is_some(), "a store through the owner");
         book.granted(&[]);

@@ -68,7 +68,8 @@ impl Lease {
 impl SharedTierIndex {
     /// The most chunks one client's lease holds in this tier now: a 64th of the tier, at most
     /// [`MAX_LEASE`], and at most an equal share of [`SharedTierIndex::max_leased`] among the
-    /// clients attached (module flow, step 1).
+    /// clients attached (module flow, step 1), the owner's storage tier among them when it has
+    /// one (it leases nothing).
     pub fn max_lease(&self) -> usize {
         let attached = self.clients.iter().flatten().count().max(1);
         (self.owners.len() / 64).min(MAX_LEASE).min(self.max_leased() / attached)
@@ -151,11 +152,19 @@ impl SharedTierIndex {
         if let Some(why) = refused {
             return Err(SharedTierError::LeaseMismatch { client, why });
         }
-        self.name_request(client, request)?;
-        let distinct = &mut self.distinct;
+        // In sequence: the chunks leave the lease as they left the client's book, whatever
+        // follows, so that the two lists stay the same.
         let state = self.clients[client.slot as usize].as_mut().expect("checked above");
         let chunks: Vec<u32> = state.lease.chunks.drain(..keys.len()).collect();
         state.lease.front += keys.len() as u64;
+        if let Err(error) = self.name_request(client, request) {
+            // A request refused (`MAX_REQUESTS`): its chunks are held, as the client wrote them.
+            let state = self.clients[client.slot as usize].as_mut().expect("checked above");
+            state.lease.held.extend(chunks);
+            return Err(error);
+        }
+        let distinct = &mut self.distinct;
+        let state = self.clients[client.slot as usize].as_mut().expect("checked above");
         // A key the client stores already: its new chunk is held, and the key not offered.
         let (mut offered, mut offered_chunks) = (Vec::new(), Vec::new());
         distinct.clear();

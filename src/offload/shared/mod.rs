@@ -269,13 +269,19 @@ impl SharedTierIndex {
         }
     }
 
-    /// Sets `request_name` to the manager's name of `client`'s `request` and records it.
-    fn name_request(&mut self, client: ClientId, request: &str) -> Result<(), SharedTierError> {
+    /// Sets `request_name` to the manager's name of `client`'s `request`.
+    fn spell_request(&mut self, client: ClientId, request: &str) -> Result<(), SharedTierError> {
         use std::fmt::Write;
         self.request_name.clear();
         write!(self.request_name, "{}/{}/{request}", client.slot, client.generation)
             .expect("writing to a String cannot fail");
-        self.client(client)?;
+        self.client(client).map(|_| ())
+    }
+
+    /// Sets `request_name` to the manager's name of `client`'s `request` and records it as live
+    /// (at most [`MAX_REQUESTS`]).
+    fn name_request(&mut self, client: ClientId, request: &str) -> Result<(), SharedTierError> {
+        self.spell_request(client, request)?;
         let state = self.clients[client.slot as usize].as_mut().expect("checked above");
         if !state.requests.contains_key(&self.request_name) {
             if state.requests.len() >= MAX_REQUESTS {
@@ -481,7 +487,7 @@ impl SharedTierIndex {
         client: ClientId,
         request: &str,
     ) -> Result<(), SharedTierError> {
-        self.name_request(client, request)?;
+        self.spell_request(client, request)?;
         let name = std::mem::take(&mut self.request_name);
         self.client_mut(client)?.requests.remove(&name);
         let finished = self.manager.on_request_finished(&name, None);

@@ -5,8 +5,9 @@
 //!
 //! 1. [`SharedTierIndex::acquire_prefix`] (and `pin_to_read`) asks [`Pins::room_for`] before it
 //!    pins anything in the manager: a call that would take the client past [`MAX_PINS`] is
-//!    refused with [`SharedTierError::TooManyPins`], nothing pinned (the owner answers it
-//!    `Failed`, as any refused call);
+//!    refused with [`SharedTierError::TooManyPins`], nothing pinned (its lookups are counted in
+//!    the tier's statistics, and its request named; the owner answers it `Failed`, as any
+//!    refused call, which the client's engine sees as a miss);
 //! 2. the keys pinned are counted ([`SharedTierIndex::count_loads`]);
 //! 3. [`SharedTierIndex::release_loads`] unpins keys the client holds, all or none;
 //! 4. `release_client` unpins whatever is left when the client goes.
