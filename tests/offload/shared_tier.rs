@@ -132,6 +132,8 @@ fn a_client_past_its_pins_is_refused_and_pins_nothing() {
     assert_eq!(index.acquire_prefix(a, "ra", &many, &mut Vec::new()).unwrap(), many.len());
     let refused = index.acquire_prefix(a, "ra", &keys(&[1]), &mut Vec::new()).unwrap_err();
     assert!(matches!(refused, SharedTierError::TooManyPins { more: 1, .. }), "{refused}");
+    let refused = index.pin_to_read(a, &keys(&[1]), &mut Vec::new()).unwrap_err();
+    assert!(matches!(refused, SharedTierError::TooManyPins { .. }), "the storage tier's pins too");
     assert_eq!(index.client_summary(a).unwrap().pins, MAX_PINS);
     assert_eq!(index.acquire_prefix(b, "rb", &keys(&[1]), &mut Vec::new()).unwrap(), 1);
     check(&index);
@@ -165,6 +167,27 @@ fn a_client_past_its_live_requests_is_refused_a_new_one() {
     check(&index);
     index.release_client(a).unwrap();
     check(&index);
+}
+
+/// A client that goes ends its requests oldest first, so the keys of its newest request become
+/// the most recently used of the tier (the order the owner keeps in a map, by first call).
+#[test]
+fn a_released_client_ends_its_requests_oldest_first() {
+    let mut index = tier(4);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let b = index.attach(&identity(), "b", None).unwrap();
+    for (request, block) in [("first", 1), ("second", 2)] {
+        let mut out = PreparedStore::default();
+        assert!(index.prepare_store(a, request, &keys(&[block]), &mut out).unwrap());
+        index.complete_store(a, &keys(&[block]), true).unwrap();
+    }
+    store(&mut index, b, "rb", &[3]);
+    index.release_client(a).unwrap();
+    check(&index);
+    // Least recently used now: 3, then 1 (its request ended first), then 2.
+    assert_eq!(store(&mut index, b, "r4", &[4]), Vec::<u32>::new());
+    assert_eq!(store(&mut index, b, "r5", &[5]), vec![3]);
+    assert_eq!(store(&mut index, b, "r6", &[6]), vec![1]);
 }
 
 #[test]
