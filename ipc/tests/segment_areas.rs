@@ -13,6 +13,7 @@ use kvshm_ipc::counters::Counter;
 use kvshm_ipc::device_handles::{DeviceHandleError, DeviceRegionHandle};
 use kvshm_ipc::doorbell::{WaitOutcome, WaitPolicy};
 use kvshm_ipc::record::{CommandHeader, CommandSlot, Completion, Op};
+use kvshm_ipc::ring::RingError;
 use kvshm_ipc::segment::{Segment, SegmentError, FIRST_GENERATION};
 
 fn config() -> SegmentConfig {
@@ -123,6 +124,53 @@ fn reclaiming_a_rank_empties_its_rings_and_progress() {
     segment.reclaim_rank(0, empty).unwrap();
     assert_eq!(segment.command_consumer(0).unwrap().pop().unwrap(), None);
     assert_eq!(segment.layer_progress(0).unwrap().layers_done(1), None);
+}
+
+/// A ring whose capacity a peer rewrote in place (to 1: still a valid description) is refused
+/// by every end of it, the workers' and the scheduler's, until a reclaim describes it again.
+#[test]
+fn every_end_refuses_a_ring_whose_capacity_was_rewritten_until_the_reclaim() {
+    use std::os::unix::fs::FileExt;
+
+    let name = unique_name("capacity");
+    let _cleanup = Cleanup(name.clone());
+    let segment = Segment::create(&name, &config()).unwrap();
+    let object = format!("{}{}", kvshm_ipc::listing::SHM_DIR, name.control_object());
+    let control = std::fs::OpenOptions::new().write(true).open(object).unwrap();
+    let layout = segment.layout();
+    let (command, completion) = (layout.offsets.command_ring, layout.offsets.completion_ring);
+    // A ring's description: magic, element size, capacity, one 8-byte word each.
+    for ring in [command, completion] {
+        let capacity_at = layout.rank_area(1) as u64 + ring + 16;
+        control.write_all_at(&1u64.to_ne_bytes(), capacity_at).unwrap();
+    }
+    let refused = |result: Result<(), SegmentError>, ring: &str, expected: u32| {
+        assert!(
+            matches!(
+                &result,
+                Err(SegmentError::Ring {
+                    ring: found,
+                    rank: 1,
+                    source: RingError::CapacityMismatch { found: 1, expected: slots },
+                }) if *found == ring && *slots == u64::from(expected)
+            ),
+            "{ring} ring: {result:?}"
+        );
+    };
+    let config = segment.config();
+    let (commands, completions) = (config.command_ring_slots, config.completion_ring_slots);
+    refused(segment.command_producer(1).map(drop), "command", commands);
+    refused(segment.command_consumer(1).map(drop), "command", commands);
+    refused(segment.completion_producer(1).map(drop), "completion", completions);
+    refused(segment.completion_consumer(1).map(drop), "completion", completions);
+    refused(segment.completion_bell().map(drop), "completion", completions);
+    assert!(segment.command_consumer(0).is_ok(), "rank 0's rings are untouched");
+
+    let empty = segment.worker_slot(1).unwrap().owner();
+    segment.reclaim_rank(1, empty).unwrap();
+    assert_eq!(segment.command_consumer(1).unwrap().capacity(), commands as usize);
+    assert_eq!(segment.completion_producer(1).unwrap().capacity(), completions as usize);
+    assert!(segment.completion_bell().is_ok());
 }
 
 #[test]

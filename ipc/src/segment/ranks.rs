@@ -17,7 +17,7 @@ use crate::liveness::{monotonic_ns, ProcessIdentity};
 use crate::process_handle::ObjectId;
 use crate::progress::{LayerProgress, ProgressEntry};
 use crate::record::{CommandSlot, Completion};
-use crate::ring::{self, Consumer, Producer};
+use crate::ring::{self, Consumer, Producer, RingError};
 use crate::shm::SharedMemory;
 use crate::sync::AtomicU64;
 use crate::worker_slot::{
@@ -130,6 +130,7 @@ impl Segment {
         // other end belongs to the peer process, and a second end of the same side is the
         // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let producer = unsafe { Producer::attach(base, len) };
+        let producer = holding(producer, Producer::capacity, self.fields.config.command_ring_slots);
         self.mapped(producer.map_err(|source| SegmentError::Ring {
             ring: "command",
             rank,
@@ -156,6 +157,7 @@ impl Segment {
         // other end belongs to the peer process, and a second end of the same side is the
         // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let consumer = unsafe { Consumer::attach(base, len) };
+        let consumer = holding(consumer, Consumer::capacity, self.fields.config.command_ring_slots);
         self.mapped(consumer.map_err(|source| SegmentError::Ring {
             ring: "command",
             rank,
@@ -175,6 +177,8 @@ impl Segment {
         // other end belongs to the peer process, and a second end of the same side is the
         // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let producer = unsafe { Producer::attach(base, len) };
+        let slots = self.fields.config.completion_ring_slots;
+        let producer = holding(producer, Producer::capacity, slots);
         self.mapped(producer.map_err(|source| SegmentError::Ring {
             ring: "completion",
             rank,
@@ -194,6 +198,8 @@ impl Segment {
         // other end belongs to the peer process, and a second end of the same side is the
         // trusted peer's breach (one scheduler, one worker per rank, by protocol).
         let consumer = unsafe { Consumer::attach(base, len) };
+        let slots = self.fields.config.completion_ring_slots;
+        let consumer = holding(consumer, Consumer::capacity, slots);
         self.mapped(consumer.map_err(|source| SegmentError::Ring {
             ring: "completion",
             rank,
@@ -268,6 +274,24 @@ impl Segment {
             self.ptr(area + self.layout.offsets.command_ring as usize),
             self.ptr(area + self.layout.offsets.completion_ring as usize),
         )
+    }
+}
+
+/// `end`, if its ring holds the configured `slots` records. Attaching checks that the ring's
+/// description is one a ring may have, not that it is the one the segment's creator wrote: a
+/// peer may have rewritten it in place (a capacity of 1 would carry one command at a time, and
+/// the scheduler's batches would never fit).
+pub(super) fn holding<E>(
+    end: Result<E, RingError>,
+    capacity: fn(&E) -> usize,
+    slots: u32,
+) -> Result<E, RingError> {
+    let end = end?;
+    let found = capacity(&end) as u64;
+    if found == u64::from(slots) {
+        Ok(end)
+    } else {
+        Err(RingError::CapacityMismatch { found, expected: u64::from(slots) })
     }
 }
 
