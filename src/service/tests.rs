@@ -68,6 +68,64 @@ fn complete_every_command(segment: &Segment) -> usize {
     answered
 }
 
+/// Pops every command slot published to `rank` and returns their headers, unanswered.
+fn pop_commands(segment: &Segment, rank: u32) -> Vec<kvshm_ipc::record::CommandHeader> {
+    let mut commands = segment.command_consumer(rank).unwrap();
+    let mut slots: Vec<CommandSlot> = Vec::new();
+    commands.pop_into(&mut slots, usize::MAX).unwrap();
+    let (mut pairs, mut headers, mut rest) = (Vec::new(), Vec::new(), &slots[..]);
+    while !rest.is_empty() {
+        let (header, used) = kvshm_ipc::record::decode_command(rest, &mut pairs).unwrap();
+        headers.push(header);
+        rest = &rest[used..];
+    }
+    headers
+}
+
+/// A copy that failed on one rank shows no layer ready while another rank still copies, however
+/// many layers that rank published: an engine reading them would read what never landed on the
+/// failed rank.
+#[test]
+fn a_copy_failed_on_one_rank_has_no_layer_ready_while_another_still_copies() {
+    const LAYERS: u32 = 4;
+    let mut service = service_with("layers-after-failure", |config| {
+        config.tp_size = 2;
+        config.layers = LAYERS;
+        config.regions = 2 * LAYERS;
+    });
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let claims = [segment.claim_rank(0).unwrap(), segment.claim_rank(1).unwrap()];
+    for claim in &claims {
+        claim.mark_serving().unwrap();
+    }
+    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    cache_two_blocks(&mut service);
+    let backup = TransferId(1);
+    assert_eq!(service.cache().transfers_in_flight(), 1, "the backup was issued");
+    assert_eq!(service.transfer_layers_ready(backup), 0);
+
+    // Rank 1 copies every layer and has not answered yet; rank 0 fails.
+    let [on_rank_1] = pop_commands(&segment, 1)[..] else { panic!("one command per rank") };
+    let progress = segment.layer_progress(1).unwrap();
+    progress.begin(on_rank_1.command_id);
+    progress.publish(on_rank_1.command_id, LAYERS);
+    assert_eq!(service.transfer_layers_ready(backup), 0, "rank 0 has not begun");
+    let [on_rank_0] = pop_commands(&segment, 0)[..] else { panic!("one command per rank") };
+    let failed =
+        Completion::failed(on_rank_0.command_id, on_rank_0.generation, CommandError::CopyFailed, 0);
+    segment.completion_producer(0).unwrap().push(failed).unwrap();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 1, "rank 1 may still touch the blocks");
+    assert_eq!(service.transfer_layers_ready(backup), 0, "the copy failed on rank 0");
+
+    let done = Completion::ok(on_rank_1.command_id, on_rank_1.generation);
+    segment.completion_producer(1).unwrap().push(done).unwrap();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    assert_eq!(service.stats().copy_failures, 1);
+    service.cache().check_invariants().unwrap();
+}
+
 #[test]
 fn copies_stay_in_flight_when_a_successor_claims_between_the_verdict_and_the_reclaim() {
     let mut service = service("successor-race");

@@ -333,9 +333,14 @@ impl<J: Job> Transport<J> {
     }
 
     /// Layers of `job`'s blocks that have landed on every rank: all of them once no command of
-    /// it is outstanding (the owner tells a job not yet queued from one that ended).
+    /// it is outstanding (the owner tells a job not yet queued from one that ended), none once a
+    /// command of it failed (its blocks will not hold what the job copies, on that rank at
+    /// least, however far the other ranks got).
     pub fn layers_ready(&self, job: J) -> u32 {
         let layers = self.geometry.layers();
+        if self.tracker.has_failed(Issuer::Owner(job)) {
+            return 0;
+        }
         self.tracker
             .outstanding_commands(Issuer::Owner(job))
             .map(|(rank, command)| {

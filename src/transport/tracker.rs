@@ -115,6 +115,12 @@ impl<K: Copy + Eq + Hash> CommandTracker<K> {
             .flat_map(|progress| progress.outstanding.iter().copied())
     }
 
+    /// Whether a command of `transfer`, still in flight on some rank, already failed on another:
+    /// its outcome will be that failure, whatever the other ranks still do.
+    pub fn has_failed(&self, transfer: K) -> bool {
+        self.transfers.get(&transfer).is_some_and(|progress| progress.failure.is_some())
+    }
+
     /// Applies one completion read from `rank`'s completion ring.
     ///
     /// Returns the transfer's outcome when this was its last outstanding command.
