@@ -236,9 +236,11 @@ def _vllm_types() -> tuple[Any, ...]:
 
 def _segment_prefix(config: OffloadingConfig) -> str:
     """``segment_name``, or a name derived from what makes blocks interchangeable: the model, its
-    KV dtype, the block layout (tokens and bytes per block, blocks per chunk, the groups' layers)
+    KV dtype, the block layout (tokens and bytes per block, blocks per chunk, the groups' layers),
+    the page's byte layout (vLLM's resolved KV cache layout, which the attention backend picks)
     and the parallel layout; never the engine id, which vLLM draws anew at every start. An
-    engine started again with the same model and layout finds its tier under the same name."""
+    engine started again with the same model and layout finds its tier under the same name; one
+    started with another attention backend whose pages lay their bytes out otherwise does not."""
     named = config.extra_config.get("segment_name")
     if named:
         return str(named)
@@ -251,6 +253,7 @@ def _segment_prefix(config: OffloadingConfig) -> str:
         tuple((group.tokens_per_block, tuple(group.layer_names)) for group in config.groups),
         (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size),
         (parallel.dcp_size, parallel.data_parallel_index),
+        str(config.kv_cache_layout),
     )
     digest = hashlib.sha256(repr(layout).encode()).hexdigest()[:12]
     model = re.sub(r"[^A-Za-z0-9_-]", "-", str(config.model.name).rstrip("/").split("/")[-1])
@@ -259,13 +262,14 @@ def _segment_prefix(config: OffloadingConfig) -> str:
 
 def _shared_identity(config: OffloadingConfig) -> TierIdentity:
     """What makes this engine's blocks interchangeable with another's: the model, its KV dtype,
-    the block layout and the parallel layout; never the engine id or the data-parallel index,
-    which differ between the engines that share."""
+    the block layout, the page's byte layout and the parallel layout; never the engine id or the
+    data-parallel index, which differ between the engines that share."""
     parallel = config.parallel
     layout = (
         tuple((group.tokens_per_block, tuple(group.layer_names)) for group in config.groups),
         (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size),
         parallel.dcp_size,
+        str(config.kv_cache_layout),
     )
     return TierIdentity(
         model=str(config.model.name),

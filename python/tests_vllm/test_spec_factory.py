@@ -97,7 +97,22 @@ def test_the_default_segment_name_follows_the_block_layout_not_the_engine_id(
         offloading_config(extra, world_size=4),
         dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16")),
         dataclasses.replace(config, model=dataclasses.replace(config.model, name="other")),
+        # Another attention backend lays a page's bytes out otherwise (NHD against HND).
+        dataclasses.replace(config, kv_cache_layout="LBHNC"),
     ):
         assert OffloadingSpecFactory.create_spec(other).segment_prefix != first.segment_prefix
     named = OffloadingSpecFactory.create_spec(offloading_config({**extra, "segment_name": "mine"}))
     assert named.segment_prefix == "mine"
+
+
+def test_engines_whose_pages_lay_their_bytes_out_otherwise_never_share_a_tier(
+    offloading_config,
+) -> None:
+    extra = json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"]
+    config = offloading_config(extra)
+    nhd = kvshm.vllm._shared_identity(dataclasses.replace(config, kv_cache_layout="LBNHC"))
+    hnd = kvshm.vllm._shared_identity(dataclasses.replace(config, kv_cache_layout="LBHNC"))
+    assert nhd.tier_name() != hnd.tier_name()
+    assert nhd != hnd, "the owner compares every field of a client's identity with its own"
+    again = kvshm.vllm._shared_identity(dataclasses.replace(config, kv_cache_layout="LBNHC"))
+    assert again.tier_name() == nhd.tier_name()
