@@ -285,12 +285,16 @@ def _restore(
     manager: KvshmOffloadingManager, segments: list[str], chunks: int, blocks_per_chunk: int
 ) -> int:
     """Takes back the keys every rank's persistent tier holds in the same chunk (oldest store
-    first, under their parents where those came back); how many came back."""
+    first, under their parents where those came back); how many came back. A key in two slots
+    (stored again after a reset of the manager, which hands chunks out anew while the tiers
+    keep their tables) comes back from the one written last; the other slot is stale."""
     tables = [read_tier_keys(segment, chunks, blocks_per_chunk) for segment in segments]
     held = [{chunk: key for chunk, key, _, _ in table} for table in tables[1:]]
+    # Oldest store first: a key's last slot overwrites its earlier ones here.
+    newest = {key: chunk for chunk, key, _, _ in tables[0]}
     by_chunk: dict[int, bytes] = {}
     for chunk, key, _, parent in tables[0]:
-        if any(other.get(chunk) != key for other in held):
+        if newest[key] != chunk or any(other.get(chunk) != key for other in held):
             continue
         manager.restore(key, chunk, by_chunk.get(parent) if parent is not None else None)
         by_chunk[chunk] = key

@@ -1,6 +1,8 @@
 """kvshm's offloading worker with CPU tensors: stores and loads of real bytes through the
 shared-memory host tier, as vLLM's worker connector submits them."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from vllm.v1.kv_offload.base import (
@@ -8,6 +10,7 @@ from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
+    LookupResult,
     OffloadingWorker,
     ReqContext,
 )
@@ -129,3 +132,65 @@ def test_a_second_engine_on_a_live_tier_is_refused_with_a_hint(
     with pytest.raises(kvshm.SegmentError, match="give each its own segment_name"):
         second.get_worker(kv_caches([[0]], tensors=1))
     worker.shutdown()
+
+
+def test_a_warm_restart_after_a_reset_takes_back_each_key_from_its_newest_chunk(
+    name: str, offloading_config
+) -> None:
+    """A reset of the connector hands chunks out again from the lowest while the workers' key
+    tables still name the keys stored before: a key stored again after the reset is in two
+    slots. The next start takes it back once, from the chunk it was stored in last."""
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": 4,
+        "segment_name": name,
+        "warm_restart": True,
+    }
+    try:
+        spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+        caches = kv_caches([[0]], tensors=1)
+        worker = spec.get_worker(caches)
+        manager = spec.get_manager()
+        original = fill(caches, seed=3)
+        x, k = key(1, 0), key(2, 0)
+        job = 0
+        for keys in ([x, k], [k]):
+            context = ReqContext(req_id=f"r{job}")
+            manager.on_new_request(context)
+            prepared = manager.prepare_store(keys, context)
+            assert prepared is not None
+            assert prepared.keys_to_store == keys
+            job += 1
+            source = GPULoadStoreSpec(
+                [5 + n for n in range(len(keys))], group_sizes=[len(keys)], block_indices=[0]
+            )
+            assert worker.submit_store(job, source, prepared.store_spec)
+            finish(worker, job)
+            manager.complete_store(set(keys), context)
+            manager.on_request_finished(context)
+            # vLLM's reset of the prefix cache with the connector's: the manager forgets all.
+            manager.reset_cache()
+        worker.shutdown()
+
+        restarted = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+        caches = kv_caches([[0]], tensors=1)
+        worker = restarted.get_worker(caches)
+        manager = restarted.get_manager()
+        context = ReqContext(req_id="after")
+        manager.on_new_request(context)
+        assert manager.lookup(k, context) == LookupResult.HIT, "the key came back"
+        load = manager.prepare_load([k], context)
+        assert worker.submit_load(
+            job + 1,
+            load,
+            GPULoadStoreSpec([20], group_sizes=[1], block_indices=[0]),
+            expedited=True,
+        )
+        worker.wait({job + 1})
+        finish(worker, job + 1)
+        assert torch.equal(caches.tensors[0].tensor[20], original[0][5]), "its newest bytes"
+        worker.shutdown()
+    finally:
+        for left in Path("/dev/shm").glob(f"kvshm.{name}-*"):
+            left.unlink()
