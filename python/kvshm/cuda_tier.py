@@ -11,7 +11,8 @@ One job's path:
    rings; that process opened the tensors from their IPC handles and copies with its own stream;
 3. :meth:`CudaHostTier.take_finished` and :meth:`CudaHostTier.wait` collect the results. A copy
    worker that died is restarted there (:class:`WorkerProcess`), and the copies it held are
-   issued again on the new one, whole: the caller never sees a failed job for a crash.
+   issued again on the new one, whole: the caller never sees a failed job for a crash. One that
+   cannot start at all is given up with a :class:`kvshm.WorkerError`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from typing import Any
 
 import torch
 
-from kvshm._kvshm import ConfigError, DeviceHandleError, HostTier, U32Array, parse_cuda_handle
+from kvshm._kvshm import (
+    ConfigError,
+    DeviceHandleError,
+    HostTier,
+    U32Array,
+    WorkerError,
+    parse_cuda_handle,
+)
 from kvshm._vllm_support import SlowWaitWarning, block_span
 
 logger = logging.getLogger(__name__)
@@ -39,30 +47,49 @@ _GatedJob = tuple[int, bool, Any, list[int], list[int], U32Array, _Keys, Any]
 
 
 class WorkerProcess:
-    """A ``python -m kvshm worker`` process for one rank, restarted whenever it exits."""
+    """A ``python -m kvshm worker`` process for one rank, restarted whenever it exits, unless it
+    cannot start: one that exited ``MAX_EARLY_EXITS`` times in a row, each time within
+    ``STEADY_S`` of its start (a device it cannot open, a wrong command), is given up, and
+    :meth:`ensure_running` raises :class:`kvshm.WorkerError` from then on. Its copies would never
+    end otherwise, and the engine would wait for them forever."""
 
     RESTART_INTERVAL_S = 0.5
+    STEADY_S = 30.0
+    MAX_EARLY_EXITS = 5
 
     def __init__(self, command: list[str]) -> None:
         self._command = command
         self._process = self._start()
         self._started_at = time.monotonic()
         self.restarts = 0
+        self._early_exits = 0
+        self._given_up: str | None = None
 
     def _start(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(self._command, stdin=subprocess.DEVNULL)
 
     def ensure_running(self) -> None:
-        """Starts the process again if it exited (at most every ``RESTART_INTERVAL_S``)."""
+        """Starts the process again if it exited (at most every ``RESTART_INTERVAL_S``).
+
+        Raises:
+            WorkerError: the process cannot start (class documentation).
+        """
+        if self._given_up is not None:
+            raise WorkerError(self._given_up)
         if self._process.poll() is None:
             return
-        if time.monotonic() - self._started_at < self.RESTART_INTERVAL_S:
+        ran = time.monotonic() - self._started_at
+        if ran < self.RESTART_INTERVAL_S:
             return
-        logger.warning(
-            "kvshm worker (%s) exited with %s; restarting it",
-            " ".join(self._command),
-            self._process.returncode,
-        )
+        command, status = " ".join(self._command), self._process.returncode
+        self._early_exits = self._early_exits + 1 if ran < self.STEADY_S else 0
+        if self._early_exits >= self.MAX_EARLY_EXITS:
+            self._given_up = (
+                f"kvshm worker ({command}) exited {self._early_exits} times in a row within "
+                f"{self.STEADY_S:g} s of its start, last with status {status}: giving up"
+            )
+            raise WorkerError(self._given_up)
+        logger.warning("kvshm worker (%s) exited with %s; restarting it", command, status)
         self._process = self._start()
         self._started_at = time.monotonic()
         self.restarts += 1
@@ -223,7 +250,11 @@ class CudaHostTier:
                 self._tier.submit_load(job, block_ids, sizes, indices, chunks)
 
     def take_finished(self) -> list[tuple[int, bool, int, float]]:
-        """(job, success, bytes, seconds) of every job ended since the last call."""
+        """(job, success, bytes, seconds) of every job ended since the last call.
+
+        Raises:
+            WorkerError: the copy worker cannot start (:class:`WorkerProcess`).
+        """
         if self.worker is not None:
             self.worker.ensure_running()
         self._release_gated()
@@ -231,7 +262,11 @@ class CudaHostTier:
 
     def wait(self, job_ids: set[int]) -> None:
         """Returns once every job of ``job_ids`` has ended (collect them with
-        :meth:`take_finished`), restarting a copy worker that died meanwhile."""
+        :meth:`take_finished`), restarting a copy worker that died meanwhile.
+
+        Raises:
+            WorkerError: the copy worker cannot start (:class:`WorkerProcess`).
+        """
         self._release_gated(block_for=set(job_ids))
         slow = SlowWaitWarning(job_ids, spawned_worker=self.worker is not None)
         while not self._tier.wait(list(job_ids), timeout=1.0):

@@ -1,6 +1,9 @@
 """The GPU side of kvshm's offloading worker, without a GPU: reading the CUDA IPC handles of
-vLLM's KV tensors (and refusing expandable segments), and publishing them for a copy worker."""
+vLLM's KV tensors (and refusing expandable segments), publishing them for a copy worker, and
+restarting that worker (or giving up on one that cannot start)."""
 
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +17,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 import kvshm
-from kvshm.cuda_tier import device_handle
+from kvshm.cuda_tier import WorkerProcess, device_handle
 from kvshm.vllm import KvshmLoadStoreSpec, KvshmOffloadingWorker
 
 MEMORY_HANDLE = bytes(range(64))
@@ -139,3 +142,38 @@ def test_a_warm_restart_tier_of_gpu_tensors_is_persistent_and_takes_a_stores_key
         # A persistent tier outlives its worker (warm restart): this test's goes with it.
         for left in Path("/dev/shm").glob(f"kvshm.{name}.*"):
             left.unlink()
+
+
+def test_a_copy_worker_that_cannot_start_is_given_up_with_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(WorkerProcess, "RESTART_INTERVAL_S", 0.05)
+    worker = WorkerProcess([sys.executable, "-c", "raise SystemExit(3)"])
+    deadline = time.monotonic() + 60
+    given_up = None
+    while given_up is None and time.monotonic() < deadline:
+        try:
+            worker.ensure_running()
+        except kvshm.WorkerError as error:
+            given_up = str(error)
+        time.sleep(0.01)
+    assert given_up is not None
+    assert "5 times in a row" in given_up
+    assert "last with status 3" in given_up
+    assert worker.restarts == WorkerProcess.MAX_EARLY_EXITS - 1
+    with pytest.raises(kvshm.WorkerError, match="giving up"):
+        worker.ensure_running()
+
+
+def test_a_copy_worker_that_ran_a_while_is_restarted_however_often_it_dies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(WorkerProcess, "RESTART_INTERVAL_S", 0.05)
+    monkeypatch.setattr(WorkerProcess, "STEADY_S", 0.1)
+    worker = WorkerProcess([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    deadline = time.monotonic() + 60
+    while worker.restarts <= WorkerProcess.MAX_EARLY_EXITS and time.monotonic() < deadline:
+        worker.ensure_running()
+        time.sleep(0.01)
+    assert worker.restarts > WorkerProcess.MAX_EARLY_EXITS
+    worker.stop()
