@@ -338,8 +338,9 @@ class HostTier:
         """With ``tensors`` (2-D, one row per block) copies run in process; without, a
         ``kvshm worker --backend cuda`` process copies after ``publish_device_handles``.
         ``block_tokens`` and ``layers`` are the engine's, for ``kvctl stat``. With
-        ``shared_tier``, the chunks are rank ``shared_rank``'s arena of that shared tier (in
-        process copies only)."""
+        ``shared_tier``, the chunks are rank ``shared_rank``'s arena of that shared tier, copied
+        in process or by a worker started with ``--shared-tier SHARED_TIER --shared-tier-rank
+        SHARED_RANK``."""
 
     @property
     def name(self) -> str: ...

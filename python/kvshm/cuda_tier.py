@@ -130,7 +130,8 @@ class CudaHostTier:
     ``groups`` lists, per KV-cache group, the tensors its blocks live in (each must span every
     tensor: a copy worker copies whole blocks). With ``spawn_workers`` the copy worker is started
     here (``worker_command``, default ``python -m kvshm worker``) and restarted when it dies;
-    without, the caller runs ``kvshm worker --name SEGMENT --rank 0 --backend cuda`` itself (with
+    without, the caller runs ``kvshm worker --name SEGMENT --rank 0 --backend cuda --device GPU``
+    itself, ``GPU`` the tensors' CUDA device index (with
     ``--shared-tier SHARED_TIER --shared-tier-rank SHARED_RANK`` on a shared tier).
     A ``persistent`` tier keeps its chunks and the keys of its stores (given to :meth:`submit`)
     for the next start, as :class:`kvshm.HostTier` does; ``block_tokens`` and ``layers`` are the

@@ -22,9 +22,11 @@ Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes o
 true: the host tier and a table of its keys outlive the engine, stopped or killed, and the next
 engine of the same model and layout starts with them; for CPU and CUDA tensors alike);
 ``segment_name`` (prefix of the per-rank segments ``<name>-r<rank>``; by default
-``kvshm-vllm-<model>-<digest of the model, dtype and block layout>``, the same at every start);
+``kvshm-vllm-<model>-<digest of the model, dtype, block and page layout>``, the same at every
+start);
 ``spawn_workers`` (default true: start the copy workers; false: start
-``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda`` yourself, adding
+``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda --device <gpu>`` yourself
+(``<gpu>`` the rank's CUDA device index), adding
 ``--shared-tier <tier> --shared-tier-rank <rank>`` on a shared tier; a wait for copies that no
 worker answers is logged as a warning every 30 s).
 
@@ -329,6 +331,12 @@ class KvshmOffloadingSpec(OffloadingSpec):
                 "KvshmOffloadingSpec needs cpu_bytes_to_use (or num_chunks) in "
                 "kv_connector_extra_config"
             )
+        if self.num_chunks < 1:
+            raise ConfigError(
+                f"kvshm's host tier would hold no chunk: a chunk is {chunk_bytes} bytes (blocks "
+                f"of {config.worker_kv_bytes_per_block} bytes, {self.blocks_per_chunk} a chunk, "
+                f"on {world} ranks); give cpu_bytes_to_use at least that, or num_chunks >= 1"
+            )
         self.eviction = _eviction_order(extra.get("eviction", "leaf_first"))
         self.segment_prefix = _segment_prefix(config)
         self.spawn_workers = bool(extra.get("spawn_workers", True))
@@ -430,10 +438,15 @@ class KvshmOffloadingSpec(OffloadingSpec):
                     shared_rank=rank,
                 )
             except SegmentError as error:
-                raise SegmentError(
-                    f"kvshm's host tier {segment}: {error} (engines of one model and layout on "
-                    "one machine share a segment name: give each its own segment_name)"
-                ) from error
+                # Only a live segment of the name is another engine's; anything else (a full
+                # /dev/shm, another user's objects) says what it is on its own.
+                hint = (
+                    " (engines of one model and layout on one machine share a segment name: "
+                    "give each its own segment_name)"
+                    if "in use" in str(error)
+                    else ""
+                )
+                raise SegmentError(f"kvshm's host tier {segment}: {error}{hint}") from error
         return self._worker
 
     def _start_shared_tier(self, kv_caches: CanonicalKVCaches, rank: int) -> None:

@@ -116,3 +116,14 @@ def test_engines_whose_pages_lay_their_bytes_out_otherwise_never_share_a_tier(
     assert nhd != hnd, "the owner compares every field of a client's identity with its own"
     again = kvshm.vllm._shared_identity(dataclasses.replace(config, kv_cache_layout="LBNHC"))
     assert again.tier_name() == nhd.tier_name()
+
+
+def test_a_host_tier_too_small_for_one_chunk_is_refused_when_the_spec_is_made(
+    offloading_config,
+) -> None:
+    extra = {**json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"], "cpu_bytes_to_use": 1}
+    with pytest.raises(kvshm.ConfigError, match="would hold no chunk"):
+        OffloadingSpecFactory.create_spec(offloading_config(extra))
+    extra = {"spec_name": "KvshmOffloadingSpec", "spec_module_path": "kvshm.vllm", "num_chunks": 0}
+    with pytest.raises(kvshm.ConfigError, match="num_chunks >= 1"):
+        OffloadingSpecFactory.create_spec(offloading_config(extra))

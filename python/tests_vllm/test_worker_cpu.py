@@ -194,3 +194,25 @@ def test_a_warm_restart_after_a_reset_takes_back_each_key_from_its_newest_chunk(
     finally:
         for left in Path("/dev/shm").glob(f"kvshm.{name}-*"):
             left.unlink()
+
+
+def test_a_host_tier_that_cannot_be_made_says_why_without_the_hint_for_two_engines(
+    name: str, offloading_config
+) -> None:
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": 4,
+        "segment_name": name,
+        "warm_restart": False,
+    }
+    # Another program's fresh object under the tier's name: not an engine's live tier.
+    planted = Path(f"/dev/shm/kvshm.{name}-r0")
+    planted.write_bytes(bytes(64))
+    try:
+        spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+        with pytest.raises(kvshm.SegmentError) as refused:
+            spec.get_worker(kv_caches([[0]], tensors=1))
+        assert "segment_name" not in str(refused.value), str(refused.value)
+    finally:
+        planted.unlink()
