@@ -147,9 +147,11 @@ impl ClaimFields {
     }
 
     /// The heartbeat's age at `now_ns` if it is past [`heartbeat_limit`](Self::heartbeat_limit)
-    /// (the worker counts as dead), else `None`.
+    /// (the worker counts as dead), else `None`. A heartbeat that far *ahead* of `now_ns` counts
+    /// the same: workers write the machine's monotonic clock, so no worker wrote it, and a worker
+    /// stopped under it could never be found stale otherwise.
     pub fn stale_heartbeat(&self, now_ns: u64, limits: HeartbeatLimits) -> Option<Duration> {
-        let age = Duration::from_nanos(now_ns.saturating_sub(self.heartbeat_ns));
+        let age = Duration::from_nanos(now_ns.abs_diff(self.heartbeat_ns));
         (age > self.heartbeat_limit(limits)).then_some(age)
     }
 }

@@ -86,6 +86,25 @@ fn a_stale_heartbeat_is_death_past_the_limit_of_the_workers_state() {
     assert_eq!(slot.status(past(HEARTBEAT_TIMEOUT), limits), RankStatus::Dead { pid: me.pid });
 }
 
+/// A heartbeat written far in the future (by no worker: they write the monotonic clock) is as
+/// stale as one far in the past; one a little ahead (written after the judge read the clock) is
+/// fresh.
+#[test]
+fn a_heartbeat_far_in_the_future_is_stale_too() {
+    let slot = WorkerSlot::new();
+    let me = ProcessIdentity::current();
+    let word = slot.claim(me).unwrap();
+    slot.mark_serving(word).unwrap();
+    let limits = HeartbeatLimits::DEFAULT;
+    let judged = now();
+    slot.overwrite_heartbeat(judged + 1_000_000);
+    assert_eq!(slot.status(judged, limits), RankStatus::Alive { pid: me.pid });
+    slot.overwrite_heartbeat(judged + 3_600 * 1_000_000_000);
+    assert_eq!(slot.status(judged, limits), RankStatus::Dead { pid: me.pid });
+    slot.overwrite_heartbeat(u64::MAX);
+    assert_eq!(slot.status(judged, limits), RankStatus::Dead { pid: me.pid });
+}
+
 #[test]
 fn a_dead_worker_blocks_claims_until_reclaimed() {
     let slot = WorkerSlot::new();
