@@ -199,6 +199,10 @@ pub enum CommandError {
     /// Some block of a storage command missed on this rank: absent, corrupt, or the tier failed
     /// (synthesised by the scheduler from the completion's result bits, which are the `detail`).
     StorageMiss = 9,
+    /// The worker answered a later command of the same lane (copies, or storage commands) first,
+    /// and answers each lane in ring order: this command's answer was lost, a command or
+    /// completion written over in its ring (synthesised by the scheduler).
+    AnswerLost = 10,
 }
 
 impl CommandError {
@@ -213,6 +217,7 @@ impl CommandError {
             7 => CommandError::WorkerDied,
             8 => CommandError::NoStorage,
             9 => CommandError::StorageMiss,
+            10 => CommandError::AnswerLost,
             _ => return None,
         })
     }

@@ -131,8 +131,11 @@ pub struct ServiceStats {
     pub copy_failures: u64,
     pub worker_deaths: u64,
     pub resets: u64,
-    /// Completions that matched no command in flight (a misbehaving worker).
+    /// Completions that matched no command in the ring (a misbehaving worker, or one written
+    /// over in its ring).
     pub stray_completions: u64,
+    /// Commands whose answer a later answer of their lane overtook: failed as lost.
+    pub lost_answers: u64,
     /// Times a rank owed answers past the command deadline and its worker was fenced.
     pub command_deadlines_missed: u64,
     /// Blocks of storage commands (STORE, LOAD) that a rank reported missed (missing, damaged,
@@ -232,6 +235,7 @@ impl Service {
             copy_failures: self.stats.copy_failures + transport.copy_failures,
             worker_deaths: transport.worker_deaths,
             stray_completions: transport.stray_completions,
+            lost_answers: transport.lost_answers,
             command_deadlines_missed: transport.command_deadlines_missed,
             ..self.stats
         }

@@ -126,6 +126,75 @@ fn a_copy_failed_on_one_rank_has_no_layer_ready_while_another_still_copies() {
     service.cache().check_invariants().unwrap();
 }
 
+/// Commits `hashes` as request `request`, so that the next poll issues their write-through
+/// backup.
+fn cache_blocks(service: &mut Service, request: u64, hashes: &[BlockHash]) {
+    let (request, tokens) = (RequestId(request), hashes.len() * BLOCK_TOKENS as usize);
+    service.match_prefix(request, hashes, tokens).unwrap();
+    service.allocate(request, tokens, 0).unwrap();
+    service.commit(request, tokens, hashes).unwrap();
+    service.finish(request).unwrap();
+    service.poll();
+}
+
+/// A worker answers its copies in ring order: an answer that overtakes an earlier copy's proves
+/// that copy's answer lost (a command or completion written over in the ring). The earlier copy
+/// fails at once, the later one lands, and the worker keeps its rank: before, the lost copy
+/// stayed in flight for as long as other answers kept coming, the command deadline restarted by
+/// each of them.
+#[test]
+fn an_answer_that_overtakes_an_earlier_copy_fails_that_copy_as_lost() {
+    let mut service = service("overtaken");
+    let (segment, _claim) = claim_rank(&mut service);
+    cache_blocks(&mut service, 1, &[BlockHash(31)]);
+    cache_blocks(&mut service, 2, &[BlockHash(32)]);
+    assert_eq!(service.cache().transfers_in_flight(), 2, "two backups, a command each");
+    let [first, second] = pop_commands(&segment, 0)[..] else { panic!("two commands") };
+    let done = Completion::ok(second.command_id, second.generation);
+    segment.completion_producer(0).unwrap().push(done).unwrap();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    let stats = service.stats();
+    assert_eq!((stats.lost_answers, stats.copy_failures, stats.stray_completions), (1, 1, 0));
+    assert_eq!(service.cache().stats().counters.backup_blocks, 1, "the second backup landed");
+    assert!(matches!(service.rank_states()[0], RankState::Up { .. }), "the worker stays");
+    // The lost command's answer, should it come after all, is a stray.
+    let late = Completion::ok(first.command_id, first.generation);
+    segment.completion_producer(0).unwrap().push(late).unwrap();
+    service.poll();
+    assert_eq!(service.stats().stray_completions, 1);
+    service.cache().check_invariants().unwrap();
+}
+
+/// An answer to a command still in the scheduler's backlog answers nothing the worker was
+/// given: it is a stray, and the copy lands only once its real answer comes.
+#[test]
+fn an_answer_to_a_command_not_yet_in_the_ring_is_a_stray() {
+    let mut service = service("backlog-answer");
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let claim = segment.claim_rank(0).unwrap();
+    // Setting up: the rank's commands wait in the scheduler's backlog.
+    service.transport.watch_workers_now();
+    service.poll();
+    assert!(matches!(service.rank_states()[0], RankState::Starting { .. }));
+    cache_blocks(&mut service, 1, &[BlockHash(41)]);
+    assert_eq!(service.cache().transfers_in_flight(), 1);
+    let guessed = Completion::ok(1, service.segment().generation());
+    segment.completion_producer(0).unwrap().push(guessed).unwrap();
+    service.poll();
+    assert_eq!(service.stats().stray_completions, 1);
+    assert_eq!(service.cache().transfers_in_flight(), 1, "no worker has the copy yet");
+
+    claim.mark_serving().unwrap();
+    service.transport.watch_workers_now();
+    service.poll();
+    assert_eq!(complete_every_command(&segment), 1);
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    assert_eq!(service.stats().copy_failures, 0);
+    service.cache().check_invariants().unwrap();
+}
+
 #[test]
 fn copies_stay_in_flight_when_a_successor_claims_between_the_verdict_and_the_reclaim() {
     let mut service = service("successor-race");

@@ -102,8 +102,12 @@ pub struct TransportStats {
     /// Direct copies that live workers failed (the owner counts its own jobs' failures).
     pub copy_failures: u64,
     pub worker_deaths: u64,
-    /// Completions that matched no command in flight (a misbehaving worker).
+    /// Completions that matched no command in the ring (a misbehaving worker, or one written
+    /// over in its ring).
     pub stray_completions: u64,
+    /// Commands whose answer never came while the worker answered a later command of their lane
+    /// (a command or completion written over in its ring); each failed with `AnswerLost`.
+    pub lost_answers: u64,
     /// Times a rank owed answers past the command deadline and its worker was fenced.
     pub command_deadlines_missed: u64,
 }

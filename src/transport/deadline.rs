@@ -17,8 +17,9 @@
 //!
 //! What trips it: an answer that never comes while the worker lives and heartbeats. A command or
 //! completion id corrupted in a ring is one case (the completion matches nothing, the worker goes
-//! idle, the command stays outstanding); a worker stuck in a loop that heartbeats is another. A
-//! worker that stops or dies is caught earlier, by its heartbeat and its pid.
+//! idle, the command stays outstanding; had the worker answered a later command of the lane, the
+//! lost one would have failed then, `rank::Answered`); a worker stuck in a loop that heartbeats is
+//! another. A worker that stops or dies is caught earlier, by its heartbeat and its pid.
 //!
 //! Why a healthy worker never trips it. A worker runs its rank's commands one at a time in ring
 //! order and publishes each completion as soon as the command ends, so while a rank owes answers

@@ -41,7 +41,8 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::doorbell::{deadline_after, DEFAULT_SPIN};
 use kvshm_ipc::record::{
-    command_slot_count, BlockPair, CommandHeader, Completion, Op, FLAG_LAYERWISE, PAIRS_PER_SLOT,
+    command_slot_count, BlockPair, CommandError, CommandHeader, Completion, Op, FLAG_LAYERWISE,
+    PAIRS_PER_SLOT,
 };
 use kvshm_ipc::ring::RingError;
 use kvshm_ipc::storage_record::{storage_pair_count, StorageEntry, StorageResults};
@@ -49,6 +50,7 @@ use kvshm_ipc::worker_watch::WorkerWatch;
 use tracing::warn;
 
 use crate::worker::Geometry;
+use rank::Answered;
 
 pub use config::{TransportConfig, TransportError, TransportStats, WorkerMissing};
 pub use deadline::DEFAULT_COMMAND_DEADLINE;
@@ -468,9 +470,35 @@ impl<J: Job> Transport<J> {
         result
     }
 
-    /// One completion of rank `index`: a storage command's per-entry results go to its job's
-    /// owner, and the job settles once this was its last command.
+    /// One completion of rank `index`: a stray (no command of it in the ring) is counted and
+    /// ignored; the commands of its lane it overtook fail first, their answers lost
+    /// ([`rank::Answered`]); then it is applied ([`Transport::apply_answer`]).
     fn apply(&mut self, index: usize, completion: &Completion) {
+        let lost = match self.ranks[index].answered(completion.command_id) {
+            Answered::InRing { lost } => lost,
+            Answered::NotInRing => {
+                self.stats.stray_completions += 1;
+                warn!(
+                    rank = index,
+                    command = completion.command_id,
+                    "ignoring a completion of no command in the ring"
+                );
+                return;
+            }
+        };
+        for command_id in lost {
+            self.stats.lost_answers += 1;
+            warn!(rank = index, command = command_id, "a later answer overtook it: answer lost");
+            let failed =
+                Completion::failed(command_id, completion.generation, CommandError::AnswerLost, 0);
+            self.apply_answer(index, &failed);
+        }
+        self.apply_answer(index, completion);
+    }
+
+    /// An answer to a command in the ring: a storage command's per-entry results go to its job's
+    /// owner, and the job settles once this was its last command.
+    fn apply_answer(&mut self, index: usize, completion: &Completion) {
         let storage = self.storage_commands.remove(&(index, completion.command_id));
         if let (Some((job, first, entries)), true) = (storage, completion.is_ok()) {
             let results = StorageResults::from_detail(completion.detail).masked(entries);

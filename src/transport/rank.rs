@@ -7,6 +7,12 @@
 //! 2. [`RankChannel::pump`] moves commands from the backlog into the command ring, as many as fit
 //!    in one batch, publishing them with one Release, and rings the worker's doorbell.
 //!
+//! A worker answers the commands of one lane ([`Lane`]) in the order they entered the ring, so
+//! the channel keeps, per lane, the ids in the ring not yet answered, oldest first; an answer
+//! names where it stands among them ([`RankChannel::answered`]): one that overtook earlier
+//! commands of its lane proves their answers lost, and one for a command not in the ring (never
+//! issued, still in the backlog, answered already) is a stray.
+//!
 //! A command enters the ring only with a credit: the rank's completion ring holds
 //! `completion_slots` records, and the channel never has more commands in the rings than that, so
 //! a worker never finds its completion ring full. A completion gives its credit back (credits never
@@ -32,7 +38,28 @@ pub enum RankState {
     Up { pid: u32 },
 }
 
+/// Which of a worker's two queues runs a command. A worker answers the commands of a lane in
+/// ring order (its copy loop runs copies one by one; its storage thread, storage commands one by
+/// one) and the two lanes in no order between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    Copy = 0,
+    Storage = 1,
+}
+
+/// Where an answer to a command stands among the commands in the ring ([`RankChannel::answered`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Answered {
+    /// The command was in the ring; `lost` are the commands of its lane that entered the ring
+    /// before it and were never answered (their answers were lost), oldest first.
+    InRing { lost: Vec<u64> },
+    /// No such command is in the ring: never issued, still in the backlog, or answered already.
+    NotInRing,
+}
+
 struct QueuedCommand {
+    id: u64,
+    lane: Lane,
     slots: Vec<CommandSlot>,
 }
 
@@ -43,6 +70,8 @@ pub struct RankChannel {
     completions: Mapped<Consumer<Completion>>,
     next_command_id: u64,
     backlog: VecDeque<QueuedCommand>,
+    /// Per lane, the ids of the commands in the ring not yet answered, oldest first.
+    in_ring: [VecDeque<u64>; 2],
     credits: usize,
     completion_slots: usize,
     state: RankState,
@@ -62,6 +91,7 @@ impl RankChannel {
             completions: segment.completion_consumer(rank)?,
             next_command_id: 1,
             backlog: VecDeque::new(),
+            in_ring: [VecDeque::new(), VecDeque::new()],
             credits: completion_slots,
             completion_slots,
             state: RankState::Down,
@@ -118,7 +148,7 @@ impl RankChannel {
         header.command_id = command_id;
         let mut slots = Vec::new();
         encode_command(&header, pairs, &mut slots);
-        self.backlog.push_back(QueuedCommand { slots });
+        self.backlog.push_back(QueuedCommand { id: command_id, lane: Lane::Copy, slots });
         command_id
     }
 
@@ -135,7 +165,7 @@ impl RankChannel {
         header.command_id = command_id;
         let mut slots = Vec::new();
         kvshm_ipc::storage_record::encode_storage_command(&header, entries, &mut slots);
-        self.backlog.push_back(QueuedCommand { slots });
+        self.backlog.push_back(QueuedCommand { id: command_id, lane: Lane::Storage, slots });
         command_id
     }
 
@@ -154,6 +184,7 @@ impl RankChannel {
             }
             let command = self.backlog.pop_front().expect("front exists");
             self.batch.extend_from_slice(&command.slots);
+            self.in_ring[command.lane as usize].push_back(command.id);
             self.credits -= 1;
             published += 1;
         }
@@ -180,6 +211,19 @@ impl RankChannel {
         Ok(taken)
     }
 
+    /// Takes command `id` out of the ring's unanswered commands, with the earlier ones of its
+    /// lane, whose answers the worker can no longer give (module documentation).
+    pub fn answered(&mut self, id: u64) -> Answered {
+        for lane in &mut self.in_ring {
+            if let Some(at) = lane.iter().position(|&command| command == id) {
+                let lost = lane.drain(..at).collect();
+                lane.pop_front();
+                return Answered::InRing { lost };
+            }
+        }
+        Answered::NotInRing
+    }
+
     /// Whether completions are waiting (a corrupt ring counts as "yes" so that the caller reaps
     /// and sees the error).
     pub fn has_completions(&mut self) -> bool {
@@ -187,7 +231,7 @@ impl RankChannel {
     }
 
     /// After the rank's worker died and the segment reclaimed the rank: the rank is down, its
-    /// backlog dropped and every credit restored, and it takes fresh ring ends (the old ones cache
+    /// backlog and the ring's unanswered commands dropped and every credit restored, and it takes fresh ring ends (the old ones cache
     /// indices that no longer hold).
     ///
     /// # Errors
@@ -196,6 +240,7 @@ impl RankChannel {
     /// until [`set_worker`](Self::set_worker) manages to take fresh ends.
     pub fn reset_after_reclaim(&mut self, segment: &Segment) -> Result<(), SegmentError> {
         self.backlog.clear();
+        self.in_ring.iter_mut().for_each(VecDeque::clear);
         self.credits = self.completion_slots;
         self.state = RankState::Down;
         self.stale_ends = true;
