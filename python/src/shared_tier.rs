@@ -498,8 +498,23 @@ impl VllmSharedTierCore {
         PyList::empty(slf.py())
     }
 
-    /// The tier is every engine's: resetting this engine's cache leaves it as it is.
-    fn reset_cache(&self) {}
+    /// vLLM's reset of its prefix cache. The tier is every engine's, so it stays as it is; but
+    /// vLLM drops the completions of the jobs in flight, so no `complete_load` comes for the
+    /// loads: their pins, and those of lookups no load took yet, are let go now (or no engine
+    /// could ever evict their chunks). A load still running reads what vLLM discards anyway. The
+    /// keys of stores in flight stay pending at the owner until this engine leaves the tier:
+    /// their chunks may still be being written.
+    fn reset_cache(&mut self) {
+        self.foretold.clear();
+        let mut pins: Vec<(OffloadKey, u64)> = Vec::new();
+        for (_, pinned) in self.pinned.drain() {
+            pins.extend(pinned.into_iter().map(|(key, pin)| (key, pin.epoch)));
+        }
+        for (_, loads) in self.loading.drain() {
+            pins.extend(loads);
+        }
+        self.release_current(pins);
+    }
 
     /// This engine's counters: lookups and their hits (keys), batches sent to the owner
     /// (`owner_calls`) and those waited for (`owner_waits`), keys loaded

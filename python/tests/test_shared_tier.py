@@ -526,6 +526,31 @@ def test_the_key_past_a_found_prefix_is_a_miss_without_a_call_once(tier: str) ->
     assert loader.stats()["owner_calls"] == waits + 2, "a later lookup of the miss asks again"
 
 
+def test_a_reset_lets_go_of_the_pins_of_loads_vllm_no_longer_completes(tier: str) -> None:
+    """vLLM's reset of its prefix cache drops the completions of the jobs in flight, so no
+    ``complete_load`` comes for a load: the reset lets its pins go, and those of lookups no load
+    took, or no engine could ever evict their chunks."""
+    _, loader, request = _two_stored_keys_and_a_request_of_four(tier)
+
+    def pins() -> int:
+        return sum(client["pins"] for client in _kvshm.shared_tier_clients(tier))
+
+    assert loader.lookup(_key(1), request) == "HIT"
+    loader.prepare_load([_key(1)], request)
+    assert loader.lookup(_key(2), _request("c")) == "HIT"
+    _step_ends(loader)
+    assert pins() == 2, "a load's pin and a lookup's"
+    loader.reset_cache()
+    _step_ends(loader)
+    assert pins() == 0
+    # The requests live on in vLLM: finishing them lets go of nothing twice.
+    loader.on_request_finished(request)
+    loader.on_request_finished(_request("c"))
+    _step_ends(loader)
+    assert pins() == 0
+    assert loader.lookup(_key(1), _request("d")) == "HIT", "the tier kept its keys"
+
+
 def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: str) -> None:
     """The owner is SIGKILLed while an engine runs: the engine misses, starts a new owner that
     takes over the arenas it maps (their bytes kept, none made) and the keys the tier held, and
