@@ -334,10 +334,13 @@ class HostTier:
         persistent: bool = False,
         shared_tier: str | None = None,
         shared_rank: int = 0,
+        page_format: str = "",
     ) -> None:
         """With ``tensors`` (2-D, one row per block) copies run in process; without, a
         ``kvshm worker --backend cuda`` process copies after ``publish_device_handles``.
-        ``block_tokens`` and ``layers`` are the engine's, for ``kvctl stat``. With
+        ``block_tokens`` and ``layers`` are the engine's, for ``kvctl stat``. A ``persistent``
+        tier's keys are taken back by the next tier of its name, shape and ``page_format`` (the
+        engine's name for how a page lays its bytes out, vLLM's KV cache layout) only. With
         ``shared_tier``, the chunks are rank ``shared_rank``'s arena of that shared tier, copied
         in process or by a worker started with ``--shared-tier SHARED_TIER --shared-tier-rank
         SHARED_RANK``."""

@@ -134,9 +134,10 @@ class CudaHostTier:
     itself, ``GPU`` the tensors' CUDA device index (with
     ``--shared-tier SHARED_TIER --shared-tier-rank SHARED_RANK`` on a shared tier).
     A ``persistent`` tier keeps its chunks and the keys of its stores (given to :meth:`submit`)
-    for the next start, as :class:`kvshm.HostTier` does; ``block_tokens`` and ``layers`` are the
-    engine's, for ``kvctl stat``. With ``shared_tier`` the chunks are rank ``shared_rank``'s
-    arena of that shared tier, which the copy worker maps (``--shared-tier``).
+    for the next start of the same ``page_format``, as :class:`kvshm.HostTier` does;
+    ``block_tokens`` and ``layers`` are the engine's, for ``kvctl stat``. With ``shared_tier``
+    the chunks are rank ``shared_rank``'s arena of that shared tier, which the copy worker maps
+    (``--shared-tier``).
     """
 
     def __init__(
@@ -155,6 +156,7 @@ class CudaHostTier:
         persistent: bool = False,
         shared_tier: str | None = None,
         shared_rank: int = 0,
+        page_format: str = "",
     ) -> None:
         if not tensors:
             raise ConfigError("no KV tensors to offload")
@@ -178,6 +180,7 @@ class CudaHostTier:
             persistent=persistent,
             shared_tier=shared_tier,
             shared_rank=shared_rank,
+            page_format=page_format,
         )
         self._tier.publish_device_handles(handles)
         # Held so that the memory the copy worker opened stays allocated while the tier lives.

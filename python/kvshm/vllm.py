@@ -436,6 +436,7 @@ class KvshmOffloadingSpec(OffloadingSpec):
                     persistent=self.warm_restart,
                     shared_tier=self.shared_tier,
                     shared_rank=rank,
+                    page_format=str(self.config.kv_cache_layout or ""),
                 )
             except SegmentError as error:
                 # Only a live segment of the name is another engine's; anything else (a full

@@ -68,6 +68,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
         persistent: bool = False,
         shared_tier: str | None = None,
         shared_rank: int = 0,
+        page_format: str = "",
     ) -> None:
         super().__init__()
         tensors = [entry.tensor for entry in kv_caches.tensors]
@@ -97,6 +98,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
                 persistent=persistent,
                 shared_tier=shared_tier,
                 shared_rank=shared_rank,
+                page_format=page_format,
             )
             self._tier = self._gpu.tier
             if self._tier.restored:
@@ -116,6 +118,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
             persistent=persistent,
             shared_tier=shared_tier,
             shared_rank=shared_rank,
+            page_format=page_format,
         )
         if self._tier.restored:
             logger.info("kvshm: %s found its host tier of an earlier start", segment)

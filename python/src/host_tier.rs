@@ -68,14 +68,15 @@ impl HostTier {
     #[new]
     /// `block_tokens` and `layers` (the engine's tokens per block and model layers) go into the
     /// segment header for tools. A `persistent` tier keeps its chunks and their keys when it
-    /// closes or its process dies, for the next tier of its name and shape (`restored`). With
+    /// closes or its process dies, for the next tier of its name, shape and `page_format` (the
+    /// engine's name for how a page lays its bytes out) (`restored`). With
     /// `shared_tier`, the chunks are rank `shared_rank`'s arena of that shared tier (made by its
     /// owner, `python -m kvshm tier-owner`), copied in process or by a worker started with
     /// `--shared-tier SHARED_TIER --shared-tier-rank SHARED_RANK`.
     #[pyo3(signature = (
         name, *, page_bytes, device_blocks, chunks, blocks_per_chunk, groups, tensors=None,
         tensor_count=None, block_tokens=1, layers=1, persistent=false, shared_tier=None,
-        shared_rank=0
+        shared_rank=0, page_format=String::new()
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -93,6 +94,7 @@ impl HostTier {
         persistent: bool,
         shared_tier: Option<&str>,
         shared_rank: u32,
+        page_format: String,
     ) -> PyResult<HostTier> {
         let name = segment_name(name)?;
         let shared_tier = shared_tier.map(segment_name).transpose()?;
@@ -113,6 +115,7 @@ impl HostTier {
             chunks,
             blocks_per_chunk,
             groups,
+            page_format,
         };
         let engine = if buffers.is_empty() {
             TierEngine::Workers(Backend::Cuda)

@@ -1,6 +1,7 @@
 """kvshm's offloading worker with CPU tensors: stores and loads of real bytes through the
 shared-memory host tier, as vLLM's worker connector submits them."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,52 @@ def test_a_host_tier_that_cannot_be_made_says_why_without_the_hint_for_two_engin
         assert "segment_name" not in str(refused.value), str(refused.value)
     finally:
         planted.unlink()
+
+
+def test_a_tier_named_by_hand_takes_no_key_back_into_pages_of_another_layout(
+    name: str, offloading_config
+) -> None:
+    """An engine restarted under the same ``segment_name`` with another attention backend
+    (pages laid out HND where they were NHD, the same size) starts with an empty tier: its
+    pages' bytes would be read in the wrong order."""
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": 4,
+        "segment_name": name,
+        "warm_restart": True,
+    }
+
+    def start(layout: str) -> tuple[OffloadingWorker, object]:
+        config = dataclasses.replace(offloading_config(extra, world_size=1), kv_cache_layout=layout)
+        spec = OffloadingSpecFactory.create_spec(config)
+        worker = spec.get_worker(kv_caches([[0]], tensors=1))
+        return worker, spec.get_manager()
+
+    try:
+        worker, manager = start("LBNHC")
+        context = ReqContext(req_id="r")
+        manager.on_new_request(context)
+        prepared = manager.prepare_store([key(1, 0)], context)
+        assert prepared is not None
+        source = GPULoadStoreSpec([5], group_sizes=[1], block_indices=[0])
+        assert worker.submit_store(1, source, prepared.store_spec)
+        finish(worker, 1)
+        manager.complete_store({key(1, 0)}, context)
+        worker.shutdown()
+
+        worker, manager = start("LBNHC")
+        assert isinstance(worker, KvshmOffloadingWorker)
+        assert worker.tier.restored, "the same layout takes its tier back"
+        worker.shutdown()
+
+        worker, manager = start("LBHNC")
+        assert isinstance(worker, KvshmOffloadingWorker)
+        assert not worker.tier.restored
+        context = ReqContext(req_id="after")
+        manager.on_new_request(context)
+        assert manager.lookup(key(1, 0), context) == LookupResult.MISS
+        worker.shutdown()
+    finally:
+        for left in Path("/dev/shm").glob(f"kvshm.{name}-*"):
+            left.unlink()

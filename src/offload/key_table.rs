@@ -68,7 +68,7 @@ impl KeyTable {
         u64::from(layout.chunks) * u64::from(layout.blocks_per_chunk) * layout.host_block_bytes()
     }
 
-    /// A digest of what makes a chunk's bytes readable: the tier's shape.
+    /// A digest of what makes a chunk's bytes readable: the tier's shape and the page's format.
     fn fingerprint(layout: &EngineLayout) -> u64 {
         let mut words = vec![
             layout.page_bytes,
@@ -80,7 +80,9 @@ impl KeyTable {
             words.push(u64::MAX);
             words.extend(group.iter().map(|&tensor| u64::from(tensor)));
         }
-        let bytes: Vec<u8> = words.iter().flat_map(|word| word.to_le_bytes()).collect();
+        let mut bytes: Vec<u8> = words.iter().flat_map(|word| word.to_le_bytes()).collect();
+        // After the words, so that a tier of no named format keeps the digest it always had.
+        bytes.extend_from_slice(layout.page_format.as_bytes());
         xxhash_rust::xxh3::xxh3_64(&bytes)
     }
 

@@ -41,6 +41,10 @@ pub struct EngineLayout {
     pub blocks_per_chunk: u32,
     /// For each KV-cache group, the tensors its blocks live in.
     pub groups: Vec<Vec<u32>>,
+    /// The engine's name for how a page lays its bytes out (vLLM's resolved KV cache layout;
+    /// empty when the engine names none). Copies never read it; a persistent tier's keys are
+    /// taken back only by a tier of the same format ([`super::key_table`]).
+    pub page_format: String,
 }
 
 /// Why a layout or a transfer spec is refused; nothing was copied.
@@ -232,6 +236,7 @@ mod tests {
             chunks: 8,
             blocks_per_chunk,
             groups,
+            page_format: String::new(),
         }
     }
 

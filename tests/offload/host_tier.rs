@@ -27,6 +27,7 @@ fn layout(groups: Vec<Vec<u32>>) -> EngineLayout {
         chunks: 6,
         blocks_per_chunk: 2,
         groups,
+        page_format: String::new(),
     }
 }
 
@@ -138,6 +139,7 @@ fn a_worker_killed_in_the_middle_of_a_job_is_replaced_and_the_job_still_succeeds
         chunks: 16,
         blocks_per_chunk: 1,
         groups: vec![vec![0, 1]],
+        page_format: String::new(),
     };
     let mut tier =
         HostTier::create(&name("relay"), layout, TierEngine::Workers(Backend::HostArena)).unwrap();
@@ -241,11 +243,18 @@ fn a_persistent_tier_left_behind_is_taken_over_with_its_bytes_and_keys() {
             assert_eq!(page(dst), &original[tensor][src * PAGE..(src + 1) * PAGE]);
         }
     }
-    // Overwriting a chunk replaces its key; a tier of another shape starts empty.
+    // Overwriting a chunk replaces its key; a tier of another format or shape starts empty.
     tier.submit_keyed(4, Direction::Store, &[4, 5], &[2], &[0], &[3], &[stored(9, NO_PARENT)])
         .unwrap();
     let chunk_keys: Vec<_> = read_back(&name).iter().map(|e| (e.chunk, e.key)).collect();
     assert!(chunk_keys.contains(&(3, key(9))) && chunk_keys.contains(&(1, key(2))));
+    drop(tier);
+    // A tier of the same shape whose pages lay their bytes out otherwise takes no key back.
+    let mut other_format = one_group();
+    other_format.page_format = "LBHNC".to_owned();
+    let tier = persistent_tier(&name, other_format, &mut buffers);
+    assert!(!tier.restored());
+    assert!(read_back(&name).is_empty());
     drop(tier);
     let mut wider = one_group();
     wider.chunks = 7;
@@ -278,6 +287,7 @@ fn workers_copy_two_engines_blocks_through_one_shared_arena() {
         chunks: 1, // the arena's 12, for a shared tier
         blocks_per_chunk: 1,
         groups: vec![vec![0, 1]],
+        page_format: String::new(),
     };
     let engine = |tag: &str| {
         let host_tier = HostTier::create_on_shared_tier(
