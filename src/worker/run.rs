@@ -43,7 +43,7 @@
 //! watching the scheduler), never dropping a completion.
 //!
 //! The loop stops with an error when the command ring is out of step with its producer (a header
-//! whose pair slots are not in the ring is answered `Malformed` first) or its indices are corrupt,
+//! whose pair slots are not in the ring is answered `Malformed` first, in its lane's order) or its indices are corrupt,
 //! and when a stop arrives while it waits for room for answers
 //! ([`ServeError::StoppedUnanswered`]): the worker then exits without releasing its rank, and the
 //! scheduler finds the rank departed and reclaims it (resetting its rings). A claim lost in the middle of a copy
@@ -278,12 +278,18 @@ impl<'a> Server<'a> {
                 Ok(None) => break,
                 Err(error) => {
                     if let ReadError::MissingPairSlots { header, .. } = error {
-                        self.pending.push(Completion::failed(
+                        let refusal = Completion::failed(
                             header.command_id,
                             header.generation,
                             CommandError::Malformed,
                             header.pair_count.into(),
-                        ));
+                        );
+                        // Answered in its lane's order: the scheduler takes an answer that
+                        // overtakes earlier commands of its lane for their answers lost.
+                        match self.storage.as_ref().filter(|lane| lane.takes(&header)) {
+                            Some(lane) => lane.answer(refusal),
+                            None => self.pending.push(refusal),
+                        }
                     }
                     self.publish_completions()?;
                     return Err(error.into());

@@ -188,6 +188,15 @@ impl<'scope> StorageLane<'scope> {
         Op::from_wire(header.op).is_some_and(|op| op.is_storage() || op == Op::Flush)
     }
 
+    /// Queues `completion`, the copy loop's answer to a command the lane takes but cannot be
+    /// handed (its pair slots are not in the ring), behind the lane's earlier jobs: answers keep
+    /// the lane's order.
+    pub fn answer(&self, completion: Completion) {
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(Job::Answer(completion));
+        }
+    }
+
     /// Validates a command the lane takes and queues it (step 2 of the module documentation).
     pub fn submit(&self, header: &CommandHeader, pairs: &[BlockPair], generation: u64) {
         let (id, command_generation) = (header.command_id, header.generation);

@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 use kvshm::storage::disk_index::blocks_on_every_rank;
 use kvshm::storage::BlockLayout;
 use kvshm_ipc::counters::Counter;
-use kvshm_ipc::record::{CommandError, Op};
+use kvshm_ipc::record::{CommandError, CommandSlot, Op};
 use kvshm_ipc::segment::Segment;
-use kvshm_ipc::storage_record::{StorageEntry, StorageResults, MAX_STORAGE_ENTRIES, NO_HOST_BLOCK};
+use kvshm_ipc::storage_record::{
+    storage_pair_count, StorageEntry, StorageResults, MAX_STORAGE_ENTRIES, NO_HOST_BLOCK,
+};
 use kvshm_ipc::worker_slot::RankStatus;
 
 use crate::support::{
@@ -576,4 +578,31 @@ fn a_worker_stopped_with_storage_commands_queued_answers_every_one_before_it_exi
     assert_eq!(answered, sent, "every queued storage command is answered, in order");
     let (status, stderr) = worker.wait_exit();
     assert!(status.success(), "worker did not stop cleanly: {stderr}");
+}
+
+/// A storage command whose entry slots never reach the ring is refused (`Malformed`) behind the
+/// storage commands before it, in the storage lane's order, before the worker stops on the ring
+/// out of step: the scheduler takes an answer that overtakes earlier commands of its lane for
+/// their answers lost, and would reuse the host blocks a LOAD still writes.
+#[test]
+fn a_storage_command_cut_short_in_the_ring_is_refused_after_the_storage_commands_before_it() {
+    // A "Redis" that never answers: the LOAD takes its timeout.
+    let url = silent_redis();
+    let name = unique_name("cut");
+    let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
+    let args = redis_args(&url, "cut", &["--storage-timeout", "1", "--storage-connections", "1"]);
+    let worker = Worker::spawn(&name, 0, &args, &[], None);
+    let mut rank = RankDriver::new(&segment, 0);
+    rank.wait_alive(&worker);
+    let load = rank.send_storage(Op::StorageLoad, &[entry(1, 0)]);
+    let cut = rank.header(Op::StorageStore, storage_pair_count(4));
+    rank.send_slots(&[CommandSlot::from_header(&cut)]);
+    let answers = rank.completions(2);
+    assert_eq!(
+        answers.iter().map(|answer| answer.command_id).collect::<Vec<_>>(),
+        [load.command_id, cut.command_id],
+        "answered out of the lane's order: {answers:?}"
+    );
+    assert_eq!(CommandError::from_wire(answers[1].error), Some(CommandError::Malformed));
+    drop(worker);
 }
