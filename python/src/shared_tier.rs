@@ -498,20 +498,17 @@ impl VllmSharedTierCore {
         PyList::empty(slf.py())
     }
 
-    /// vLLM's reset of its prefix cache. The tier is every engine's, so it stays as it is; but
-    /// vLLM drops the completions of the jobs in flight, so no `complete_load` comes for the
-    /// loads: their pins, and those of lookups no load took yet, are let go now (or no engine
-    /// could ever evict their chunks). A load still running reads what vLLM discards anyway. The
-    /// keys of stores in flight stay pending at the owner until this engine leaves the tier:
-    /// their chunks may still be being written.
+    /// vLLM's reset of its prefix cache. The tier is every engine's, so it stays as it is. The
+    /// pins of lookups that no load took yet are let go: vLLM forgets what it looked up, and no
+    /// copy reads their chunks. vLLM also drops the completions of the jobs in flight, so no
+    /// `complete_load` or `complete_store` comes for them; but a load may still be copying into
+    /// blocks a request goes on with, and a store into its chunks, so their pins and pending
+    /// keys stay until this engine leaves the tier (the owner then lets go of its slot's).
     fn reset_cache(&mut self) {
         self.foretold.clear();
         let mut pins: Vec<(OffloadKey, u64)> = Vec::new();
         for (_, pinned) in self.pinned.drain() {
             pins.extend(pinned.into_iter().map(|(key, pin)| (key, pin.epoch)));
-        }
-        for (_, loads) in self.loading.drain() {
-            pins.extend(loads);
         }
         self.release_current(pins);
     }
