@@ -81,18 +81,17 @@ fn tail_of(ring: &RingView<Completion>) -> u64 {
 
 impl Segment {
     /// Scheduler: a [`CompletionBell`] over every rank's completion ring; fails as attaching a
-    /// ring end would, if a ring's description was written over (its capacity included).
+    /// ring end would, if a ring's description was written over (but for its capacity: the bell
+    /// reads tails only, so a capacity rewritten under a serving worker does not stop waits).
     pub fn completion_bell(&self) -> Result<CompletionBell, SegmentError> {
         let len = self.layout.offsets.completion_ring_len as usize;
-        let slots = self.fields.config.completion_ring_slots;
         let rings = (0..self.fields.config.tp_size)
             .map(|rank| {
                 let base = self.ring_bases(rank).1;
                 // SAFETY: 1. the ring lies in the mapping, which the bell keeps alive; 2. the
                 // view is used only to load the tail (never a slot, never an index store), so it
                 // is no third end of the ring.
-                let view = unsafe { RingView::<Completion>::attach(base, len) };
-                super::ranks::holding(view, |view| view.capacity() as usize, slots)
+                unsafe { RingView::<Completion>::attach(base, len) }
                     .map_err(|source| SegmentError::Ring { ring: "completion", rank, source })
             })
             .collect::<Result<Vec<_>, _>>()?;

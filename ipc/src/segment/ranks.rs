@@ -281,7 +281,7 @@ impl Segment {
 /// description is one a ring may have, not that it is the one the segment's creator wrote: a
 /// peer may have rewritten it in place (a capacity of 1 would carry one command at a time, and
 /// the scheduler's batches would never fit).
-pub(super) fn holding<E>(
+fn holding<E>(
     end: Result<E, RingError>,
     capacity: fn(&E) -> usize,
     slots: u32,
