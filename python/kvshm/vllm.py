@@ -22,8 +22,7 @@ Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes o
 true: the host tier and a table of its keys outlive the engine, stopped or killed, and the next
 engine of the same model and layout starts with them; for CPU and CUDA tensors alike);
 ``segment_name`` (prefix of the per-rank segments ``<name>-r<rank>``; by default
-``kvshm-vllm-<model>-<digest of the model, dtype, block and page layout>``, the same at every
-start);
+``kvshm-vllm-<model>-<digest of the model, dtype and block layout>``, the same at every start);
 ``spawn_workers`` (default true: start the copy workers; false: start
 ``python -m kvshm worker --name <name>-r<rank> --rank 0 --backend cuda --device <gpu>`` yourself
 (``<gpu>`` the rank's CUDA device index), adding
@@ -238,11 +237,13 @@ def _vllm_types() -> tuple[Any, ...]:
 
 def _segment_prefix(config: OffloadingConfig) -> str:
     """``segment_name``, or a name derived from what makes blocks interchangeable: the model, its
-    KV dtype, the block layout (tokens and bytes per block, blocks per chunk, the groups' layers),
-    the page's byte layout (vLLM's resolved KV cache layout, which the attention backend picks)
+    KV dtype, the block layout (tokens and bytes per block, blocks per chunk, the groups' layers)
     and the parallel layout; never the engine id, which vLLM draws anew at every start. An
-    engine started again with the same model and layout finds its tier under the same name; one
-    started with another attention backend whose pages lay their bytes out otherwise does not."""
+    engine started again with the same model and layout finds its tier under the same name. The
+    page's byte layout (vLLM's resolved KV cache layout, which the attention backend picks) is
+    not in the name but in the tier's key table: an engine whose pages lay their bytes out
+    otherwise takes the tier's memory over and no key with it (``page_format``), whether the
+    name was derived or given, and a kvshm of before that check finds its tier again."""
     named = config.extra_config.get("segment_name")
     if named:
         return str(named)
@@ -255,7 +256,6 @@ def _segment_prefix(config: OffloadingConfig) -> str:
         tuple((group.tokens_per_block, tuple(group.layer_names)) for group in config.groups),
         (parallel.world_size, parallel.tp_size, parallel.pp_size, parallel.pcp_size),
         (parallel.dcp_size, parallel.data_parallel_index),
-        str(config.kv_cache_layout),
     )
     digest = hashlib.sha256(repr(layout).encode()).hexdigest()[:12]
     model = re.sub(r"[^A-Za-z0-9_-]", "-", str(config.model.name).rstrip("/").split("/")[-1])
@@ -439,12 +439,14 @@ class KvshmOffloadingSpec(OffloadingSpec):
                     page_format=str(self.config.kv_cache_layout or ""),
                 )
             except SegmentError as error:
-                # Only a live segment of the name is another engine's; anything else (a full
-                # /dev/shm, another user's objects) says what it is on its own.
+                # Only a segment of the name that another process holds or is creating may be
+                # another engine's; anything else (a full /dev/shm, another user's objects)
+                # says what it is on its own.
+                held = any(words in str(error) for words in ("in use", "being created"))
                 hint = (
                     " (engines of one model and layout on one machine share a segment name: "
                     "give each its own segment_name)"
-                    if "in use" in str(error)
+                    if held
                     else ""
                 )
                 raise SegmentError(f"kvshm's host tier {segment}: {error}{hint}") from error

@@ -2,6 +2,7 @@
 shared-memory host tier, as vLLM's worker connector submits them."""
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -207,35 +208,55 @@ def test_a_host_tier_that_cannot_be_made_says_why_without_the_hint_for_two_engin
         "segment_name": name,
         "warm_restart": False,
     }
-    # Another program's fresh object under the tier's name: not an engine's live tier.
+    # A fresh object under the tier's name, being made by another process as far as anyone can
+    # tell (another engine starting under the same name): the hint.
     planted = Path(f"/dev/shm/kvshm.{name}-r0")
     planted.write_bytes(bytes(64))
     try:
         spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+        with pytest.raises(kvshm.SegmentError, match=r"being created.*give each its own"):
+            spec.get_worker(kv_caches([[0]], tensors=1))
+        # Another user's object under the name: no engine of this user's made it.
+        if os.geteuid() != 0:
+            pytest.fail("giving an object to another user takes root (CI runs as root)")
+        os.chown(planted, 54321, -1)
         with pytest.raises(kvshm.SegmentError) as refused:
             spec.get_worker(kv_caches([[0]], tensors=1))
+        assert "belongs to uid 54321" in str(refused.value)
         assert "segment_name" not in str(refused.value), str(refused.value)
     finally:
         planted.unlink()
 
 
-def test_a_tier_named_by_hand_takes_no_key_back_into_pages_of_another_layout(
-    name: str, offloading_config
+@pytest.mark.parametrize("named", [True, False])
+def test_a_restart_takes_no_key_back_into_pages_of_another_layout(
+    name: str, offloading_config, named: bool
 ) -> None:
-    """An engine restarted under the same ``segment_name`` with another attention backend
-    (pages laid out HND where they were NHD, the same size) starts with an empty tier: its
-    pages' bytes would be read in the wrong order."""
+    """An engine restarted under the same segment name (given, or derived: the name leaves the
+    page's layout out) with another attention backend (pages laid out HND where they were NHD,
+    the same size) starts with an empty tier: its pages' bytes would be read in the wrong
+    order."""
     extra = {
         "spec_name": "KvshmOffloadingSpec",
         "spec_module_path": "kvshm.vllm",
         "num_chunks": 4,
-        "segment_name": name,
         "warm_restart": True,
     }
+    if named:
+        extra["segment_name"] = name
+    model = f"model-{name}"
+    prefix = name
 
     def start(layout: str) -> tuple[OffloadingWorker, object]:
-        config = dataclasses.replace(offloading_config(extra, world_size=1), kv_cache_layout=layout)
+        nonlocal prefix
+        config = offloading_config(extra, world_size=1)
+        config = dataclasses.replace(
+            config,
+            kv_cache_layout=layout,
+            model=dataclasses.replace(config.model, name=model),
+        )
         spec = OffloadingSpecFactory.create_spec(config)
+        prefix = spec.segment_prefix
         worker = spec.get_worker(kv_caches([[0]], tensors=1))
         return worker, spec.get_manager()
 
@@ -264,5 +285,5 @@ def test_a_tier_named_by_hand_takes_no_key_back_into_pages_of_another_layout(
         assert manager.lookup(key(1, 0), context) == LookupResult.MISS
         worker.shutdown()
     finally:
-        for left in Path("/dev/shm").glob(f"kvshm.{name}-*"):
+        for left in Path("/dev/shm").glob(f"kvshm.{prefix}-*"):
             left.unlink()
