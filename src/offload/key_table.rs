@@ -14,7 +14,8 @@
 //!
 //! A process killed anywhere in between leaves a chunk whose slot is empty (a miss after the
 //! restart) or whose slot names the key whose bytes the chunk holds whole, never a key over
-//! other bytes. The header names the tier's shape; a table of another shape is cleared.
+//! other bytes. The header digests the tier's shape and the page's format
+//! ([`EngineLayout::page_format`]); a table of another shape or format is cleared.
 
 use std::sync::atomic::{fence, Ordering};
 

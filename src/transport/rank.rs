@@ -231,8 +231,8 @@ impl RankChannel {
     }
 
     /// After the rank's worker died and the segment reclaimed the rank: the rank is down, its
-    /// backlog and the ring's unanswered commands dropped and every credit restored, and it takes fresh ring ends (the old ones cache
-    /// indices that no longer hold).
+    /// backlog and the ring's unanswered commands dropped and every credit restored, and it takes
+    /// fresh ring ends (the old ones cache indices that no longer hold).
     ///
     /// # Errors
     ///

@@ -43,8 +43,8 @@
 //! watching the scheduler), never dropping a completion.
 //!
 //! The loop stops with an error when the command ring is out of step with its producer (a header
-//! whose pair slots are not in the ring is answered `Malformed` first, in its lane's order) or its indices are corrupt,
-//! and when a stop arrives while it waits for room for answers
+//! whose pair slots are not in the ring is answered `Malformed` first, in its lane's order) or
+//! its indices are corrupt, and when a stop arrives while it waits for room for answers
 //! ([`ServeError::StoppedUnanswered`]): the worker then exits without releasing its rank, and the
 //! scheduler finds the rank departed and reclaims it (resetting its rings). A claim lost in the middle of a copy
 //! ends the process on the spot ([`abandon_rank`]): the CUDA engine's enqueued copies cannot be
