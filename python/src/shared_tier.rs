@@ -399,7 +399,10 @@ impl VllmSharedTierCore {
         Ok(())
     }
 
-    /// Module flow, step 4.
+    /// Module flow, step 4. A store the tier refuses (its owner gone or in its grace, the tier
+    /// full of pinned chunks) returns an empty output, not `None`: vLLM then moves past those
+    /// blocks rather than offering them again, with a warning, at every step while the refusal
+    /// lasts. The refusal is counted in `stores_refused`.
     fn prepare_store(
         mut slf: PyRefMut<'_, Self>,
         keys: &Bound<'_, PyAny>,
