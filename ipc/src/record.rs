@@ -203,6 +203,9 @@ pub enum CommandError {
     /// and answers each lane in ring order: this command's answer was lost, a command or
     /// completion written over in its ring (synthesised by the scheduler).
     AnswerLost = 10,
+    /// The command waited in the scheduler's backlog for the command deadline while the rank's
+    /// worker was still setting up, and was never sent (synthesised by the scheduler).
+    WorkerNotServing = 11,
 }
 
 impl CommandError {
@@ -218,6 +221,7 @@ impl CommandError {
             8 => CommandError::NoStorage,
             9 => CommandError::StorageMiss,
             10 => CommandError::AnswerLost,
+            11 => CommandError::WorkerNotServing,
             _ => return None,
         })
     }

@@ -138,6 +138,9 @@ pub struct ServiceStats {
     pub lost_answers: u64,
     /// Times a rank owed answers past the command deadline and its worker was fenced.
     pub command_deadlines_missed: u64,
+    /// Times commands waited past the command deadline for a rank's worker to set up, and
+    /// failed unsent.
+    pub setup_waits_failed: u64,
     /// Blocks of storage commands (STORE, LOAD) that a rank reported missed (missing, damaged,
     /// or not written), counted once per rank and command.
     pub storage_misses: u64,
@@ -237,6 +240,7 @@ impl Service {
             stray_completions: transport.stray_completions,
             lost_answers: transport.lost_answers,
             command_deadlines_missed: transport.command_deadlines_missed,
+            setup_waits_failed: transport.setup_waits_failed,
             ..self.stats
         }
     }

@@ -195,6 +195,45 @@ fn an_answer_to_a_command_not_yet_in_the_ring_is_a_stray() {
     service.cache().check_invariants().unwrap();
 }
 
+/// A rank whose worker sets up is sent nothing: its commands wait in the backlog for at most
+/// the command deadline, then fail unsent (`WorkerNotServing`), and the worker stays, free to
+/// come up (a large tier takes a while to map in). Before, they waited without end for a worker
+/// stuck in its set-up.
+#[test]
+fn copies_waiting_for_a_worker_that_sets_up_fail_at_the_command_deadline() {
+    let mut service = service_with("setting-up", |config| {
+        config.command_deadline = Duration::from_millis(200);
+    });
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let claim = segment.claim_rank(0).unwrap();
+    service.transport.watch_workers_now();
+    service.poll();
+    assert!(matches!(service.rank_states()[0], RankState::Starting { .. }));
+    cache_blocks(&mut service, 1, &[BlockHash(51)]);
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 1, "waiting in the backlog");
+    std::thread::sleep(Duration::from_millis(300));
+    claim.heartbeat().unwrap();
+    service.transport.watch_workers_now();
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    let stats = service.stats();
+    assert_eq!((stats.setup_waits_failed, stats.copy_failures), (1, 1));
+    assert!(matches!(service.rank_states()[0], RankState::Starting { .. }), "not fenced");
+    assert!(pop_commands(&segment, 0).is_empty(), "nothing was sent");
+
+    // It comes up: copies flow again.
+    claim.mark_serving().unwrap();
+    service.transport.watch_workers_now();
+    service.poll();
+    cache_blocks(&mut service, 2, &[BlockHash(52)]);
+    assert_eq!(complete_every_command(&segment), 1);
+    service.poll();
+    assert_eq!(service.cache().transfers_in_flight(), 0);
+    assert_eq!(service.stats().copy_failures, 1);
+    service.cache().check_invariants().unwrap();
+}
+
 #[test]
 fn copies_stay_in_flight_when_a_successor_claims_between_the_verdict_and_the_reclaim() {
     let mut service = service("successor-race");

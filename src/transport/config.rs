@@ -110,4 +110,7 @@ pub struct TransportStats {
     pub lost_answers: u64,
     /// Times a rank owed answers past the command deadline and its worker was fenced.
     pub command_deadlines_missed: u64,
+    /// Times commands waited past the command deadline for a rank's worker to set up, and its
+    /// backlog failed unsent (`WorkerNotServing`).
+    pub setup_waits_failed: u64,
 }

@@ -15,6 +15,12 @@
 //!    worker may attach;
 //! 3. issuing: a rank that owed nothing restarts its clock as commands enter its ring.
 //!
+//! A rank whose worker still sets up (`Starting`) is sent nothing: its commands wait in the
+//! backlog, and the deadline bounds that wait too. Once commands have waited there for
+//! `command_deadline` they fail, unsent, with `WorkerNotServing`, and the worker is left to
+//! finish setting up (a large tier may take longer than that to map in): a worker stuck in its
+//! set-up, heartbeating all along, costs each copy one deadline, never a wait without end.
+//!
 //! What trips it: an answer that never comes while the worker lives and heartbeats. A command or
 //! completion id corrupted in a ring is one case (the completion matches nothing, the worker goes
 //! idle, the command stays outstanding; had the worker answered a later command of the lane, the
@@ -38,20 +44,26 @@ use tracing::warn;
 
 #[cfg(doc)]
 use super::TransportConfig;
+use kvshm_ipc::record::{CommandError, Completion};
+
+use super::rank::RankState;
 use super::{Job, Transport};
 
 /// How long a rank may owe answers without giving any, unless configured otherwise.
 pub const DEFAULT_COMMAND_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Per rank: since when the transport waits for an answer (module documentation).
+/// Per rank: since when the transport waits for an answer, and since when commands wait for a
+/// worker that sets up (module documentation).
 #[derive(Debug)]
 pub(super) struct AnswerClocks {
     since: Vec<Instant>,
+    /// `None` while no command waits for the rank's worker to set up.
+    setting_up_since: Vec<Option<Instant>>,
 }
 
 impl AnswerClocks {
     pub(super) fn new(ranks: usize) -> AnswerClocks {
-        AnswerClocks { since: vec![Instant::now(); ranks] }
+        AnswerClocks { since: vec![Instant::now(); ranks], setting_up_since: vec![None; ranks] }
     }
 
     /// Rank `index` answered a command, or owes nothing: the wait starts over.
@@ -75,6 +87,7 @@ impl<J: Job> Transport<J> {
     pub(super) fn check_command_deadlines(&mut self) {
         let now = Instant::now();
         for index in 0..self.ranks.len() {
+            self.check_setting_up(index, now);
             if !self.ranks[index].is_up() || !self.owes_answers(index) {
                 self.answer_clocks.restart(index, now);
                 continue;
@@ -83,6 +96,37 @@ impl<J: Job> Transport<J> {
             if waited > self.command_deadline {
                 self.drop_silent_rank(index, waited, now);
             }
+        }
+    }
+
+    /// The wait of rank `index`'s backlog for a worker that sets up (module documentation):
+    /// past the deadline, the backlog fails unsent.
+    fn check_setting_up(&mut self, index: usize, now: Instant) {
+        let rank = &self.ranks[index];
+        let waiting = matches!(rank.state(), RankState::Starting { .. }) && rank.backlog_len() > 0;
+        let clock = &mut self.answer_clocks.setting_up_since[index];
+        if !waiting {
+            *clock = None;
+            return;
+        }
+        let waited = now.saturating_duration_since(*clock.get_or_insert(now));
+        if waited <= self.command_deadline {
+            return;
+        }
+        *clock = None;
+        let unsent = self.ranks[index].drop_backlog();
+        warn!(
+            rank = index,
+            ?waited,
+            commands = unsent.len(),
+            "the rank's worker is still setting up past the command deadline; failing its backlog"
+        );
+        self.stats.setup_waits_failed += 1;
+        let generation = self.segment.generation();
+        for command_id in unsent {
+            let failed =
+                Completion::failed(command_id, generation, CommandError::WorkerNotServing, 0);
+            self.apply_answer(index, &failed);
         }
     }
 

@@ -8,9 +8,9 @@
 //! the watch observes the slot and:
 //!
 //! 1. a worker seen attaching (verified: it runs, started when its claim says, and maps the
-//!    segment) makes the rank Starting while it sets up (its copies wait in the backlog) and Up
-//!    once it marked itself serving, or takes the rank over from a predecessor that exited
-//!    cleanly the same way;
+//!    segment) makes the rank Starting while it sets up (its copies wait in the backlog, at most
+//!    the command deadline: `deadline`) and Up once it marked itself serving, or takes the rank
+//!    over from a predecessor that exited cleanly the same way;
 //! 2. a recorded worker that still runs but must stop (stale heartbeat: stopped or stuck; its
 //!    slot written over; it let go of the slot and did not exit) is killed first through its
 //!    pidfd (`fence_worker`), and nothing of it fails until it is gone, so that no copy of it can

@@ -211,6 +211,11 @@ impl RankChannel {
         Ok(taken)
     }
 
+    /// Drops every command of the backlog (none was sent) and returns their ids, oldest first.
+    pub fn drop_backlog(&mut self) -> Vec<u64> {
+        self.backlog.drain(..).map(|command| command.id).collect()
+    }
+
     /// Takes command `id` out of the ring's unanswered commands, with the earlier ones of its
     /// lane, whose answers the worker can no longer give (module documentation).
     pub fn answered(&mut self, id: u64) -> Answered {
