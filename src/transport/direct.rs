@@ -8,7 +8,10 @@
 //! 2. when a worker dies with the copy in flight, its commands fail with `WorkerDied` (once the
 //!    worker is gone, so no copy of it can still run); the copy goes back to waiting and is
 //!    issued again, whole, once every rank has a worker again (the engine restarts it; copying a
-//!    block twice is harmless, its source is unchanged);
+//!    block twice is harmless, its source is unchanged); so it does when its commands waited the
+//!    command deadline for a worker that sets up again (`WorkerNotServing`, never sent; a copy
+//!    is queued only once every rank serves, so only a rank that went back to setting up after
+//!    that has such a backlog);
 //! 3. an error a live worker reports (a bad command, a failed copy) is retried up to
 //!    [`MAX_ATTEMPTS`] times in all, then reported;
 //! 4. outcomes are handed out by [`Transport::take_direct_outcomes`].
@@ -132,11 +135,17 @@ impl<J: Job> Transport<J> {
         };
         let retry = match outcome {
             Ok(()) => false,
-            Err(failure) if failure.error == Some(CommandError::WorkerDied) => {
+            Err(failure)
+                if matches!(
+                    failure.error,
+                    Some(CommandError::WorkerDied | CommandError::WorkerNotServing)
+                ) =>
+            {
                 info!(
                     ?id,
                     rank = failure.rank,
-                    "a worker died under a direct copy; it will be issued again"
+                    %failure,
+                    "a worker died under a direct copy, or never served it; it will be issued again"
                 );
                 true
             }

@@ -109,3 +109,55 @@ fn a_direct_copy_waits_for_a_worker_and_survives_one_killed_in_the_middle_of_it(
         assert!(host_block_holds(&service, BlockHash(900 + u128::from(block)), block));
     }
 }
+
+/// A direct copy waits for every rank's worker to serve before any command of it is queued, so
+/// the command deadline's bound on a backlog waiting for a worker that sets up never fails it
+/// (vLLM takes a failed copy for a fatal error); once the worker serves, the copy is issued.
+#[test]
+fn a_direct_copy_outwaits_a_worker_that_sets_up_past_the_command_deadline() {
+    let segment = SegmentConfig {
+        block_tokens: 16,
+        tp_size: 1,
+        device_blocks: 16,
+        host_blocks: 16,
+        regions: 2 * LAYERS,
+        layers: LAYERS,
+        region_bytes: 4096,
+        ..SegmentConfig::default()
+    };
+    let mut config = TransportConfig::new(segment);
+    config.command_deadline = Duration::from_millis(100);
+    let mut service = Transport::create(&unique_name("direct-setting-up"), &config).unwrap();
+    let worker = kvshm::service::Segment::attach(service.segment().name()).unwrap();
+    let claim = worker.claim_rank(0).unwrap();
+    service.watch_workers_now();
+    service.poll();
+    assert!(matches!(service.rank_states()[0], kvshm::service::RankState::Starting { .. }));
+    let pairs: Vec<BlockPair> = (0..2).map(|block| BlockPair::new(block, block)).collect();
+    service.submit_direct_copy(CopyKind::DeviceToHost, pairs);
+    let mut early = Vec::new();
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(150));
+        claim.heartbeat().unwrap();
+        service.poll();
+        service.pump();
+        service.take_direct_outcomes(&mut early);
+    }
+    assert!(early.is_empty(), "a worker that sets up failed the copy: {early:?}");
+    assert_eq!((service.stats().copy_failures, service.direct_copies_pending()), (0, 1));
+
+    // It comes up and answers the copy it is sent.
+    claim.mark_serving().unwrap();
+    service.watch_workers_now();
+    service.poll();
+    service.pump();
+    let mut commands = worker.command_consumer(0).unwrap();
+    let mut slots = Vec::new();
+    commands.pop_into(&mut slots, usize::MAX).unwrap();
+    let mut pairs = Vec::new();
+    let (header, _) = kvshm_ipc::record::decode_command(&slots, &mut pairs).unwrap();
+    let answer = kvshm_ipc::record::Completion::ok(header.command_id, header.generation);
+    worker.completion_producer(0).unwrap().push(answer).unwrap();
+    let done = outcomes(&mut service, 1, Duration::from_secs(5));
+    assert_eq!((done[0].result, done[0].issued), (Ok(()), 1));
+}
