@@ -176,9 +176,12 @@ pub const STATUS_OK: u32 = 0;
 /// Completion status: the command failed; `error` says why and `detail` carries a value.
 pub const STATUS_FAILED: u32 = 1;
 
-/// Why a command failed. Stored as u32 in [`Completion::error`].
+/// Why a command failed. Stored as u32 in [`Completion::error`]. Codes are added as the
+/// protocol grows (a build meets codes it does not know: [`CommandError::from_wire`] says `None`),
+/// so matches outside this crate need a wildcard arm.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum CommandError {
     /// The op value is not one this layout knows (`detail`: the value).
     UnknownOp = 1,

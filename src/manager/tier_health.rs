@@ -61,8 +61,10 @@ impl TierHealth {
 /// timeout or an unreachable server comes back per block (failed bits, `Unavailable`). Its
 /// whole-command errors say something else: a refusal (`Malformed`, `UnknownOp`,
 /// `StaleGeneration`, an id out of range), a worker without a tier (`NoStorage`: a
-/// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), and
-/// `CopyFailed` only from a code this build does not know. So only `StorageMiss`, the code an
+/// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), an
+/// answer overtaken in the ring (`AnswerLost`) or a worker still setting up (`WorkerNotServing`,
+/// both synthesised by the transport), and `CopyFailed` only from a code this build does not
+/// know. So only `StorageMiss`, the code an
 /// owner without per-block results reports for "the tier failed this command", trips it.
 pub(super) fn is_tier_failure(error: CommandError) -> bool {
     error == CommandError::StorageMiss

@@ -7,13 +7,13 @@
 //! manager's transfers, and joins their per-rank completions like any other.
 //!
 //! 1. Before the copies of a step are issued, the service takes the manager's forgotten blocks
-//!    and sends them as FORGET commands to every rank that has a worker (at most
+//!    and sends them as FORGET commands to every rank whose worker serves (at most
 //!    `max_storage_entries` per command), so that a FORGET precedes, in each rank's ring, the
 //!    STOREs the same step issues. While the storage tier is down (`tier_probe`) they are held
 //!    (at most [`MAX_FORGET_BACKLOG`] blocks) and sent once it is up, and a query waiting to go
-//!    is answered as failed (it finds nothing). A rank without a worker keeps them in a backlog of its own
-//!    (at most [`MAX_FORGET_BACKLOG`] blocks; beyond, they are dropped and counted), sent once a
-//!    worker serves it again; a FORGET that failed (a worker that died with it, an error) is
+//!    is answered as failed (it finds nothing). A rank without a worker, or whose worker still
+//!    sets up, keeps them in a backlog of its own (at most [`MAX_FORGET_BACKLOG`] blocks; beyond,
+//!    they are dropped and counted), sent once a worker serves it; a FORGET that failed (a worker that died with it, an error) is
 //!    sent once more on the next step, then dropped and counted. A worker runs a FORGET whatever
 //!    its generation, so those queued before a reset still free their blocks;
 //! 2. then it takes the manager's QUERYs and sends each to every rank in the same way, keeping
@@ -197,7 +197,7 @@ impl Service {
             self.send_forgets(&retries, true);
         }
         for index in 0..self.meta.backlogs.len() {
-            if !self.meta.backlogs[index].is_empty() && !self.transport.is_down(index) {
+            if !self.meta.backlogs[index].is_empty() && self.transport.is_up(index) {
                 let backlog = std::mem::take(&mut self.meta.backlogs[index]);
                 self.send_forgets_to(&backlog, &[index], false);
             }
@@ -211,15 +211,16 @@ impl Service {
         self.meta.queries = queries;
     }
 
-    /// Step 1: FORGETs of `hashes` to every rank with a worker; the others keep them.
+    /// Step 1: FORGETs of `hashes` to every rank whose worker serves; the others keep them.
     fn send_forgets(&mut self, hashes: &[BlockHash], retried: bool) {
         let mut live = Vec::with_capacity(self.transport.ranks());
         for index in 0..self.transport.ranks() {
-            if !self.transport.is_down(index) {
+            if self.transport.is_up(index) {
                 live.push(index);
                 continue;
             }
-            // A rank without a worker is told once one serves it again.
+            // A rank without a worker, or whose worker still sets up, is told once one serves it:
+            // a backlog of the transport's would fail after the command deadline.
             let dropped = self.meta.keep_for_rank(index, hashes);
             self.stats.storage_forgets_dropped += dropped as u64;
         }

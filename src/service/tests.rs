@@ -463,6 +463,52 @@ fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
     assert_eq!(counters.get(Counter::StorageForgetsDropped), 2);
 }
 
+/// FORGETs for a rank whose worker sets up wait for it in the rank's own backlog, however
+/// long it takes: in the transport's backlog they would fail after the command deadline
+/// (`WorkerNotServing`), twice, and be dropped, the tier keeping blocks the scheduler no longer
+/// counts.
+#[test]
+fn forgets_for_a_worker_that_sets_up_wait_for_it_past_the_command_deadline() {
+    let mut service = service_with("forget-setting-up", |config| {
+        config.cache = config.cache.clone().with_storage_blocks(8);
+        config.command_deadline = Duration::from_millis(100);
+    });
+    let (segment, claim) = claim_rank(&mut service);
+    cache_two_blocks(&mut service);
+    answer_every_command(&segment, None);
+    service.poll();
+    // The worker exits cleanly; the next one claims the rank and sets up.
+    drop(claim);
+    service.transport.watch_workers_now();
+    service.poll();
+    let claim = segment.claim_rank(0).unwrap();
+    service.transport.watch_workers_now();
+    service.poll();
+    assert!(
+        matches!(service.rank_states()[0], RankState::Starting { .. }),
+        "{:?}",
+        service.rank_states()
+    );
+    service.reset(true).unwrap();
+    for _ in 0..3 {
+        service.poll();
+        std::thread::sleep(Duration::from_millis(80));
+        claim.heartbeat().unwrap();
+    }
+    service.transport.watch_workers_now();
+    service.poll();
+    let stats = service.stats();
+    assert_eq!((stats.storage_forget_failures, stats.storage_forgets_dropped), (0, 0), "{stats:?}");
+
+    claim.mark_serving().unwrap();
+    service.transport.watch_workers_now();
+    service.poll();
+    assert_eq!(answer_every_command(&segment, None), [Op::StorageForget as u32]);
+    service.poll();
+    let stats = service.stats();
+    assert_eq!((stats.storage_forget_failures, stats.storage_forgets_dropped), (0, 0), "{stats:?}");
+}
+
 #[test]
 fn blocks_a_forget_completion_says_the_tier_failed_to_forget_are_sent_once_more() {
     use kvshm_ipc::storage_record::StorageResults;

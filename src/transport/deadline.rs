@@ -19,7 +19,10 @@
 //! backlog, and the deadline bounds that wait too. Once commands have waited there for
 //! `command_deadline` they fail, unsent, with `WorkerNotServing`, and the worker is left to
 //! finish setting up (a large tier may take longer than that to map in): a worker stuck in its
-//! set-up, heartbeating all along, costs each copy one deadline, never a wait without end.
+//! set-up, heartbeating all along, costs each copy queued for it one deadline. Two waits stay
+//! unbounded, by design: commands a predecessor that exited cleanly left in the ring wait for
+//! its successor (they cannot fail while a worker may still run them), and direct copies, which
+//! vLLM takes failed for fatal, wait for every rank to serve before they are queued (`direct`).
 //!
 //! What trips it: an answer that never comes while the worker lives and heartbeats. A command or
 //! completion id corrupted in a ring is one case (the completion matches nothing, the worker goes

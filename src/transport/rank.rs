@@ -31,8 +31,8 @@ pub enum RankState {
     /// No worker has attached yet, or the last one died and the rank was reclaimed.
     Down,
     /// A live worker holds the rank but is still setting up (mapping its tiers, registering
-    /// memory, opening its storage): commands for the rank wait in its backlog, and nothing it
-    /// owes counts against the command deadline.
+    /// memory, opening its storage): commands for the rank wait in its backlog, for at most the
+    /// command deadline (then they fail unsent, `super::deadline`).
     Starting { pid: u32 },
     /// A live worker holds the rank and serves its rings.
     Up { pid: u32 },

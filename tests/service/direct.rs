@@ -161,3 +161,83 @@ fn a_direct_copy_outwaits_a_worker_that_sets_up_past_the_command_deadline() {
     let done = outcomes(&mut service, 1, Duration::from_secs(5));
     assert_eq!((done[0].result, done[0].issued), (Ok(()), 1));
 }
+
+/// A worker exits cleanly and a successor takes its rank over, still setting up, with a direct
+/// copy in the rank's backlog (the completion ring's credits were all in use): past the command
+/// deadline the backlog fails unsent (`WorkerNotServing`), and the direct copy goes back to
+/// waiting, counted as no failure (vLLM takes a failed copy for a fatal error), to be issued
+/// again once the successor serves.
+#[test]
+fn a_direct_copy_in_the_backlog_of_a_rank_taken_over_is_issued_again_not_failed() {
+    let segment = SegmentConfig {
+        block_tokens: 16,
+        tp_size: 1,
+        device_blocks: 16,
+        host_blocks: 16,
+        regions: 2 * LAYERS,
+        layers: LAYERS,
+        region_bytes: 4096,
+        completion_ring_slots: 2,
+        ..SegmentConfig::default()
+    };
+    let mut config = TransportConfig::new(segment);
+    config.command_deadline = Duration::from_millis(100);
+    let mut service: Transport =
+        Transport::create(&unique_name("direct-takeover"), &config).unwrap();
+    let worker = kvshm::service::Segment::attach(service.segment().name()).unwrap();
+    let first = worker.claim_rank(0).unwrap();
+    first.mark_serving().unwrap();
+    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    for block in 0..3 {
+        service.submit_direct_copy(CopyKind::DeviceToHost, vec![BlockPair::new(block, block)]);
+    }
+    service.poll();
+    service.pump();
+    // Two commands in the ring (its two credits), the third in the backlog. The worker exits
+    // cleanly without popping them, and its successor claims the rank at once.
+    drop(first);
+    let successor = worker.claim_rank(0).unwrap();
+    service.watch_workers_now();
+    service.poll();
+    assert!(matches!(service.rank_states()[0], kvshm::service::RankState::Starting { .. }));
+    let mut early = Vec::new();
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(80));
+        successor.heartbeat().unwrap();
+        service.watch_workers_now();
+        service.poll();
+        service.pump();
+        service.take_direct_outcomes(&mut early);
+    }
+    assert!(early.is_empty(), "{early:?}");
+    assert_eq!(service.stats().setup_waits_failed, 1, "{:?}", service.stats());
+
+    // The successor serves: it answers the two commands left in the ring and the third, sent
+    // again.
+    successor.mark_serving().unwrap();
+    let mut done = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut commands = worker.command_consumer(0).unwrap();
+    let mut completions = worker.completion_producer(0).unwrap();
+    while done.len() < 3 {
+        assert!(Instant::now() < deadline, "only {done:?} ended");
+        successor.heartbeat().unwrap();
+        service.watch_workers_now();
+        service.poll();
+        service.pump();
+        let mut slots = Vec::new();
+        commands.pop_into(&mut slots, usize::MAX).unwrap();
+        let (mut pairs, mut rest) = (Vec::new(), &slots[..]);
+        while !rest.is_empty() {
+            let (header, used) = kvshm_ipc::record::decode_command(rest, &mut pairs).unwrap();
+            let answer = kvshm_ipc::record::Completion::ok(header.command_id, header.generation);
+            completions.push(answer).unwrap();
+            rest = &rest[used..];
+        }
+        service.take_direct_outcomes(&mut done);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(done.iter().all(|outcome| outcome.result.is_ok()), "{done:?}");
+    assert_eq!(done.iter().map(|outcome| outcome.issued).max(), Some(2), "{done:?}");
+    assert_eq!(service.stats().copy_failures, 0, "a worker that set up failed nothing");
+}
