@@ -13,6 +13,11 @@ use crate::support::*;
 const LAYERS: u32 = 2;
 
 fn service(test: &str, tp_size: u32) -> Transport {
+    service_with(test, tp_size, |_| {})
+}
+
+/// As [`service`], with `adjust` applied to the configuration first.
+fn service_with(test: &str, tp_size: u32, adjust: impl FnOnce(&mut TransportConfig)) -> Transport {
     let segment = SegmentConfig {
         block_tokens: 16,
         tp_size,
@@ -23,7 +28,25 @@ fn service(test: &str, tp_size: u32) -> Transport {
         region_bytes: 4096,
         ..SegmentConfig::default()
     };
-    Transport::create(&unique_name(test), &TransportConfig::new(segment)).unwrap()
+    let mut config = TransportConfig::new(segment);
+    adjust(&mut config);
+    Transport::create(&unique_name(test), &config).unwrap()
+}
+
+/// Plays rank 0's worker on `worker`: pops every command published to it and answers each with
+/// success; how many it answered.
+fn answer_every_command(worker: &kvshm::service::Segment) -> usize {
+    let mut slots = Vec::new();
+    worker.command_consumer(0).unwrap().pop_into(&mut slots, usize::MAX).unwrap();
+    let mut completions = worker.completion_producer(0).unwrap();
+    let (mut pairs, mut rest, mut answered) = (Vec::new(), &slots[..], 0);
+    while !rest.is_empty() {
+        let (header, used) = kvshm_ipc::record::decode_command(rest, &mut pairs).unwrap();
+        let answer = kvshm_ipc::record::Completion::ok(header.command_id, header.generation);
+        completions.push(answer).unwrap();
+        (rest, answered) = (&rest[used..], answered + 1);
+    }
+    answered
 }
 
 /// Polls until `count` direct copies have ended.
@@ -115,19 +138,9 @@ fn a_direct_copy_waits_for_a_worker_and_survives_one_killed_in_the_middle_of_it(
 /// (vLLM takes a failed copy for a fatal error); once the worker serves, the copy is issued.
 #[test]
 fn a_direct_copy_outwaits_a_worker_that_sets_up_past_the_command_deadline() {
-    let segment = SegmentConfig {
-        block_tokens: 16,
-        tp_size: 1,
-        device_blocks: 16,
-        host_blocks: 16,
-        regions: 2 * LAYERS,
-        layers: LAYERS,
-        region_bytes: 4096,
-        ..SegmentConfig::default()
-    };
-    let mut config = TransportConfig::new(segment);
-    config.command_deadline = Duration::from_millis(100);
-    let mut service = Transport::create(&unique_name("direct-setting-up"), &config).unwrap();
+    let mut service = service_with("direct-setting-up", 1, |config| {
+        config.command_deadline = Duration::from_millis(100);
+    });
     let worker = kvshm::service::Segment::attach(service.segment().name()).unwrap();
     let claim = worker.claim_rank(0).unwrap();
     service.watch_workers_now();
@@ -151,13 +164,7 @@ fn a_direct_copy_outwaits_a_worker_that_sets_up_past_the_command_deadline() {
     service.watch_workers_now();
     service.poll();
     service.pump();
-    let mut commands = worker.command_consumer(0).unwrap();
-    let mut slots = Vec::new();
-    commands.pop_into(&mut slots, usize::MAX).unwrap();
-    let mut pairs = Vec::new();
-    let (header, _) = kvshm_ipc::record::decode_command(&slots, &mut pairs).unwrap();
-    let answer = kvshm_ipc::record::Completion::ok(header.command_id, header.generation);
-    worker.completion_producer(0).unwrap().push(answer).unwrap();
+    assert_eq!(answer_every_command(&worker), 1);
     let done = outcomes(&mut service, 1, Duration::from_secs(5));
     assert_eq!((done[0].result, done[0].issued), (Ok(()), 1));
 }
@@ -169,21 +176,10 @@ fn a_direct_copy_outwaits_a_worker_that_sets_up_past_the_command_deadline() {
 /// again once the successor serves.
 #[test]
 fn a_direct_copy_in_the_backlog_of_a_rank_taken_over_is_issued_again_not_failed() {
-    let segment = SegmentConfig {
-        block_tokens: 16,
-        tp_size: 1,
-        device_blocks: 16,
-        host_blocks: 16,
-        regions: 2 * LAYERS,
-        layers: LAYERS,
-        region_bytes: 4096,
-        completion_ring_slots: 2,
-        ..SegmentConfig::default()
-    };
-    let mut config = TransportConfig::new(segment);
-    config.command_deadline = Duration::from_millis(100);
-    let mut service: Transport =
-        Transport::create(&unique_name("direct-takeover"), &config).unwrap();
+    let mut service = service_with("direct-takeover", 1, |config| {
+        config.segment.completion_ring_slots = 2;
+        config.command_deadline = Duration::from_millis(100);
+    });
     let worker = kvshm::service::Segment::attach(service.segment().name()).unwrap();
     let first = worker.claim_rank(0).unwrap();
     first.mark_serving().unwrap();
@@ -217,23 +213,13 @@ fn a_direct_copy_in_the_backlog_of_a_rank_taken_over_is_issued_again_not_failed(
     successor.mark_serving().unwrap();
     let mut done = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(5);
-    let mut commands = worker.command_consumer(0).unwrap();
-    let mut completions = worker.completion_producer(0).unwrap();
     while done.len() < 3 {
         assert!(Instant::now() < deadline, "only {done:?} ended");
         successor.heartbeat().unwrap();
         service.watch_workers_now();
         service.poll();
         service.pump();
-        let mut slots = Vec::new();
-        commands.pop_into(&mut slots, usize::MAX).unwrap();
-        let (mut pairs, mut rest) = (Vec::new(), &slots[..]);
-        while !rest.is_empty() {
-            let (header, used) = kvshm_ipc::record::decode_command(rest, &mut pairs).unwrap();
-            let answer = kvshm_ipc::record::Completion::ok(header.command_id, header.generation);
-            completions.push(answer).unwrap();
-            rest = &rest[used..];
-        }
+        answer_every_command(&worker);
         service.take_direct_outcomes(&mut done);
         std::thread::sleep(Duration::from_millis(2));
     }
