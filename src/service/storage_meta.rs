@@ -7,13 +7,15 @@
 //! manager's transfers, and joins their per-rank completions like any other.
 //!
 //! 1. Before the copies of a step are issued, the service takes the manager's forgotten blocks
-//!    and sends them as FORGET commands to every rank whose worker serves (at most
+//!    and sends them as FORGET commands to every rank that has a worker (at most
 //!    `max_storage_entries` per command), so that a FORGET precedes, in each rank's ring, the
 //!    STOREs the same step issues. While the storage tier is down (`tier_probe`) they are held
 //!    (at most [`MAX_FORGET_BACKLOG`] blocks) and sent once it is up, and a query waiting to go
-//!    is answered as failed (it finds nothing). A rank without a worker, or whose worker still
-//!    sets up, keeps them in a backlog of its own (at most [`MAX_FORGET_BACKLOG`] blocks; beyond,
-//!    they are dropped and counted), sent once a worker serves it; a FORGET that failed (a worker that died with it, an error) is
+//!    is answered as failed (it finds nothing). A rank without a worker keeps them in a backlog
+//!    of its own (at most [`MAX_FORGET_BACKLOG`] blocks; beyond, they are dropped and counted),
+//!    sent once a worker serves it again; one whose worker still sets up takes them in order
+//!    with its STOREs, and a FORGET that waited the command deadline there unsent
+//!    (`WorkerNotServing`) is sent again on the next step, as new; a FORGET that failed (a worker that died with it, an error) is
 //!    sent once more on the next step, then dropped and counted. A worker runs a FORGET whatever
 //!    its generation, so those queued before a reset still free their blocks;
 //! 2. then it takes the manager's QUERYs and sends each to every rank in the same way, keeping
@@ -77,6 +79,9 @@ pub(super) struct MetaCommands {
     backlogs: Vec<Vec<BlockHash>>,
     /// Blocks of failed FORGETs, sent once more on the next step.
     retries: Vec<BlockHash>,
+    /// Blocks of FORGETs that were never sent (they waited the command deadline for a worker
+    /// that sets up, `WorkerNotServing`): sent again on the next step, as new, not as failed.
+    unsent: Vec<BlockHash>,
 }
 
 impl MetaCommands {
@@ -196,8 +201,12 @@ impl Service {
             let retries = std::mem::take(&mut self.meta.retries);
             self.send_forgets(&retries, true);
         }
+        if !self.meta.unsent.is_empty() {
+            let unsent = std::mem::take(&mut self.meta.unsent);
+            self.send_forgets(&unsent, false);
+        }
         for index in 0..self.meta.backlogs.len() {
-            if !self.meta.backlogs[index].is_empty() && self.transport.is_up(index) {
+            if !self.meta.backlogs[index].is_empty() && !self.transport.is_down(index) {
                 let backlog = std::mem::take(&mut self.meta.backlogs[index]);
                 self.send_forgets_to(&backlog, &[index], false);
             }
@@ -211,16 +220,18 @@ impl Service {
         self.meta.queries = queries;
     }
 
-    /// Step 1: FORGETs of `hashes` to every rank whose worker serves; the others keep them.
+    /// Step 1: FORGETs of `hashes` to every rank with a worker; the others keep them. A rank
+    /// whose worker still sets up takes them into the transport's backlog, in order with the
+    /// STOREs queued there (a FORGET kept aside until it serves would overtake a later STORE of
+    /// the same block, and free what the scheduler counts).
     fn send_forgets(&mut self, hashes: &[BlockHash], retried: bool) {
         let mut live = Vec::with_capacity(self.transport.ranks());
         for index in 0..self.transport.ranks() {
-            if self.transport.is_up(index) {
+            if !self.transport.is_down(index) {
                 live.push(index);
                 continue;
             }
-            // A rank without a worker, or whose worker still sets up, is told once one serves it:
-            // a backlog of the transport's would fail after the command deadline.
+            // A rank without a worker is told once one serves it again.
             let dropped = self.meta.keep_for_rank(index, hashes);
             self.stats.storage_forgets_dropped += dropped as u64;
         }
@@ -268,6 +279,12 @@ impl Service {
         match self.meta.by_id.remove(&id) {
             Some(Meta::Forget { hashes, retried }) => {
                 if let Err(failure) = outcome {
+                    if failure.error == CommandError::WorkerNotServing {
+                        // Never sent: not a failure of the tier's. It goes again, in order with
+                        // the STOREs of the steps after it.
+                        self.meta.unsent.extend_from_slice(&hashes);
+                        return;
+                    }
                     self.stats.storage_forget_failures += 1;
                     if retried {
                         self.stats.storage_forgets_dropped += hashes.len() as u64;

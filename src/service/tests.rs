@@ -463,12 +463,13 @@ fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
     assert_eq!(counters.get(Counter::StorageForgetsDropped), 2);
 }
 
-/// FORGETs for a rank whose worker sets up wait for it in the rank's own backlog, however
-/// long it takes: in the transport's backlog they would fail after the command deadline
-/// (`WorkerNotServing`), twice, and be dropped, the tier keeping blocks the scheduler no longer
-/// counts.
+/// FORGETs for a rank whose worker sets up go into its backlog in order with the copies
+/// queued after them (a FORGET kept aside would overtake a later STORE of its block and free
+/// what the scheduler counts), and, when the backlog fails unsent at the command deadline
+/// (`WorkerNotServing`), are sent again as new, not counted failed: a FORGET failed twice is
+/// dropped, the tier keeping blocks the scheduler no longer counts.
 #[test]
-fn forgets_for_a_worker_that_sets_up_wait_for_it_past_the_command_deadline() {
+fn forgets_for_a_worker_that_sets_up_keep_their_place_and_outlast_the_deadline() {
     let mut service = service_with("forget-setting-up", |config| {
         config.cache = config.cache.clone().with_storage_blocks(8);
         config.command_deadline = Duration::from_millis(100);
@@ -490,23 +491,30 @@ fn forgets_for_a_worker_that_sets_up_wait_for_it_past_the_command_deadline() {
         service.rank_states()
     );
     service.reset(true).unwrap();
-    for _ in 0..3 {
+    for _ in 0..4 {
         service.poll();
-        std::thread::sleep(Duration::from_millis(80));
+        std::thread::sleep(Duration::from_millis(60));
         claim.heartbeat().unwrap();
     }
     service.transport.watch_workers_now();
     service.poll();
     let stats = service.stats();
+    assert!(stats.setup_waits_failed >= 1, "{stats:?}");
     assert_eq!((stats.storage_forget_failures, stats.storage_forgets_dropped), (0, 0), "{stats:?}");
 
+    // The same two blocks are cached again while the worker still sets up: their backup goes
+    // behind the FORGETs.
+    cache_two_blocks(&mut service);
     claim.mark_serving().unwrap();
     service.transport.watch_workers_now();
     service.poll();
-    assert_eq!(answer_every_command(&segment, None), [Op::StorageForget as u32]);
+    let ops = answer_every_command(&segment, None);
+    assert_eq!(ops.first(), Some(&(Op::StorageForget as u32)), "{ops:?}");
+    assert!(ops.contains(&(Op::CopyDeviceToHost as u32)), "{ops:?}");
     service.poll();
     let stats = service.stats();
     assert_eq!((stats.storage_forget_failures, stats.storage_forgets_dropped), (0, 0), "{stats:?}");
+    service.cache().check_invariants().unwrap();
 }
 
 #[test]

@@ -251,11 +251,6 @@ impl<J: Job> Transport<J> {
         self.ranks[index].is_down()
     }
 
-    /// Whether rank `index`'s worker serves (is set up): commands to it go into its ring.
-    pub fn is_up(&self, index: usize) -> bool {
-        self.ranks[index].is_up()
-    }
-
     pub fn ranks(&self) -> usize {
         self.ranks.len()
     }
