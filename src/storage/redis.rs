@@ -22,7 +22,9 @@
 //! 3. contains: pipelined `EXISTS`; remove: one `UNLINK`.
 //!
 //! Failures: a connection that errs (timeout, reset, refused) is dropped and its part's blocks
-//! fail ([`Failure::Timeout`] or [`Failure::Unavailable`]); the next call reconnects. A connect
+//! fail ([`Failure::Timeout`] or [`Failure::Unavailable`]); the next call reconnects. A pooled
+//! connection found closed (the server's idle `timeout`, a proxy, a restart) is the exception:
+//! the part goes once more at once, on a fresh connection. A connect
 //! that fails starts a back-off (50 ms doubling to 1 s) during which that connection's parts fail
 //! at once as `Unavailable` instead of waiting: while Redis is away every block is a quick,
 //! counted miss, and once it is back the first call after the back-off reconnects.
@@ -223,11 +225,28 @@ struct Link<'a> {
 
 impl Link<'_> {
     /// Runs `request` on `pooled`'s connection, connecting first if needed (module
-    /// documentation); any error drops the connection.
+    /// documentation); any error drops the connection. A connection that sat in the pool may
+    /// have been closed meanwhile (the server's idle `timeout`, a proxy, a restart): a request
+    /// that finds it gone (`Unavailable`, not a timeout) goes once more on a fresh one. Every
+    /// request is idempotent (SET, MGET, GETEX, EXISTS, UNLINK), so one that got halfway
+    /// through changes nothing by being sent again.
     fn run<T>(
         &self,
         pooled: &mut Pooled,
-        request: impl FnOnce(&mut Connection) -> Result<T, RedisError>,
+        mut request: impl FnMut(&mut Connection) -> Result<T, RedisError>,
+    ) -> Result<T, Failure> {
+        let pooled_before = pooled.connection.is_some();
+        match self.run_once(pooled, &mut request) {
+            Err(Failure::Unavailable) if pooled_before => self.run_once(pooled, &mut request),
+            result => result,
+        }
+    }
+
+    /// One try of [`Link::run`].
+    fn run_once<T>(
+        &self,
+        pooled: &mut Pooled,
+        request: &mut impl FnMut(&mut Connection) -> Result<T, RedisError>,
     ) -> Result<T, Failure> {
         if pooled.connection.is_none() {
             if pooled.retry_at.is_some_and(|at| Instant::now() < at) {

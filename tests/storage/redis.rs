@@ -233,6 +233,31 @@ fn a_redis_that_goes_away_gives_quick_counted_misses_and_is_reconnected_when_it_
     assert!(backend.stats().connects > connects_before);
 }
 
+/// Pooled connections the server closed while they sat idle (its `timeout`, a proxy, a
+/// restart) cost no block: each part goes once more on a fresh connection. Before, every part
+/// of the next batch failed as unavailable, and the scheduler dropped those blocks as gone.
+#[test]
+fn connections_the_server_closed_while_idle_cost_no_block() {
+    let server = RedisServer::start();
+    let mut backend =
+        RedisBackend::open(&options(&server.url(), &unique_namespace("idle"))).unwrap();
+    assert!(all_ok(&put(&mut backend, &[1, 2, 3])), "one part on each of the 3 connections");
+    let connects = backend.stats().connects;
+    let mut raw = connect(&server.url());
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query(&mut raw)
+        .unwrap();
+    assert_eq!(killed, 3, "the pool's connections");
+    assert!(all_ok(&get(&mut backend, &[1, 2, 3])), "{:?}", get(&mut backend, &[1, 2, 3]));
+    assert_eq!(backend.stats().connects, connects + 3, "each part reconnected once");
+    assert!(all_ok(&put(&mut backend, &[4, 5, 6])));
+}
+
 #[test]
 fn a_full_redis_refuses_blocks_as_no_space() {
     let server = RedisServer::start();
