@@ -11,6 +11,9 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use serde::Serialize;
 
+use kvshm_ipc::config::SegmentConfig;
+use kvshm_ipc::segment::Segment;
+
 use crate::cleanup;
 use crate::error::KvctlError;
 use crate::listing;
@@ -139,6 +142,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), KvctlError> {
         }
         Command::Tree { name, depth } => {
             let segment = open_segment(&parse_name(name)?)?;
+            ensure_answers_control(&segment, "tree")?;
             let snapshot = tree::fetch(&segment, *depth, cli.timeout)?;
             if cli.json {
                 Ok(snapshot.write_json(out)?)
@@ -148,6 +152,7 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), KvctlError> {
         }
         Command::Reset { name, force } => {
             let segment = open_segment(&parse_name(name)?)?;
+            ensure_answers_control(&segment, "reset")?;
             let report = reset::reset(&segment, *force, cli.timeout)?;
             emit(cli, out, &report, |out| report.write_text(out))?;
             report.ensure_done()
@@ -192,6 +197,16 @@ fn emit<T: Serialize>(
         writeln!(out)?;
     } else {
         text(out)?;
+    }
+    Ok(())
+}
+
+/// Refuses `command` (one that asks the scheduler through the control area) on an engine's host
+/// tier: its engine keeps its own cache and answers no control request, so kvctl would wait for
+/// nothing and leave a request no one carries out.
+fn ensure_answers_control(segment: &Segment, command: &'static str) -> Result<(), KvctlError> {
+    if segment.config().kind == SegmentConfig::KIND_ENGINE_HOST_TIER {
+        return Err(KvctlError::NoScheduler { segment: segment.name().to_string(), command });
     }
     Ok(())
 }

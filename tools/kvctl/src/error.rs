@@ -20,6 +20,8 @@ pub enum KvctlError {
     Open(#[from] OpenError),
     #[error("the scheduler of segment {segment} did not answer within {timeout:?} (it is {scheduler}); the request stays pending and is carried out when the scheduler next polls; a longer --timeout waits more")]
     NoAnswer { segment: String, timeout: Duration, scheduler: String },
+    #[error("segment {segment} is an engine's host tier (vLLM's offloading connector): the engine keeps its own cache and answers no `kvctl {command}`; `kvctl stat {segment}` shows what it holds, and the engine's own reset (vLLM's reset_prefix_cache) forgets it")]
+    NoScheduler { segment: String, command: &'static str },
     #[error("the tree snapshot of segment {segment} is {len} bytes, more than the {max}-byte snapshot area; ask for fewer levels with --depth")]
     SnapshotTooLarge { segment: String, len: u64, max: usize },
     #[error("segment {segment}: {source}")]

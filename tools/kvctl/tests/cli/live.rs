@@ -195,6 +195,31 @@ fn tree_and_reset_fail_clearly_when_no_scheduler_answers() {
     assert_eq!(segment.generation(), generation);
 }
 
+/// `tree` and `reset` ask the scheduler through the control area; an engine's host tier has
+/// none (its engine keeps its own cache): kvctl refuses at once and says so, rather than wait
+/// and promise that the request will be carried out.
+#[test]
+fn tree_and_reset_refuse_an_engines_host_tier_at_once() {
+    let config = SegmentConfig {
+        kind: SegmentConfig::KIND_ENGINE_HOST_TIER,
+        copies: SegmentConfig::COPIES_IN_ENGINE,
+        ..SegmentConfig::default()
+    };
+    let (segment, _cleanup) = create("engine-reset", config);
+    with_counters(&segment);
+    let name = segment.name().as_str();
+    let generation = segment.generation();
+    for command in ["tree", "reset"] {
+        kvctl(&[command, name, "--timeout", "5s"]).assert_fails_saying(&[
+            "an engine's host tier",
+            &format!("answers no `kvctl {command}`"),
+        ]);
+    }
+    assert_eq!(segment.generation(), generation);
+    let control = segment.control();
+    assert!(control.pending_reset().is_none() && control.pending_snapshot().is_none());
+}
+
 #[test]
 fn cleanup_never_removes_a_live_segment() {
     let (segment, _cleanup) = create("keep", SegmentConfig::default());
