@@ -6,7 +6,8 @@
 - :class:`BlockHasher` turns token ids into the chained 128-bit block hashes it keys on.
 - :mod:`kvshm.vllm` plugs kvshm into vLLM's offloading connector (imported on demand, so that
   ``import kvshm`` works without vLLM).
-- Every error is a :class:`KvshmError`; block tables are read-only buffers (``numpy.asarray``).
+- Every failure of kvshm's is a :class:`KvshmError` (a bad argument is ``TypeError`` or
+  ``ValueError``); block tables are read-only buffers (``numpy.asarray``).
 
 ``HashesLike`` and ``IntegerBuffer``, the argument types of hashes and of token or block ids, are
 type aliases of the stubs: use them in annotations (``from kvshm import HashesLike`` under

@@ -208,9 +208,10 @@ class Service:
         """Polls until every rank has a live worker (GIL released)."""
 
     def rank_states(self) -> list[Literal["up", "starting", "down"]]: ...
-    def lookup(self, hashes: HashesLike, prompt_tokens: int | None = None) -> tuple[int, int]:
-        """(device hits, host hits) of the leading blocks; no side effects. With the prompt's
-        length, what match_prefix would hold (the last prompt token is left to compute)."""
+    def lookup(self, hashes: HashesLike, prompt_tokens: int | None = None) -> tuple[int, int, int]:
+        """(device hits, host hits, storage hits) of the leading blocks; no side effects. With
+        the prompt's length, what match_prefix would hold (the last prompt token is left to
+        compute)."""
 
     def match_prefix(self, request: int, hashes: HashesLike, prompt_tokens: int) -> PrefixMatch:
         """Holds the request's cached prefix; the last prompt token is left to compute."""

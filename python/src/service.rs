@@ -205,7 +205,8 @@ impl Service {
             .collect())
     }
 
-    /// How many leading blocks hit on device and on host; no side effects. With the prompt's
+    /// How many leading blocks hit on device, on host and on the storage tier; no side
+    /// effects. With the prompt's
     /// length, what `match_prefix` would hold (the last-token rule); without it, how many of
     /// the leading blocks are cached.
     #[pyo3(signature = (hashes, prompt_tokens=None))]
@@ -214,7 +215,7 @@ impl Service {
         py: Python<'_>,
         hashes: &Bound<'_, PyAny>,
         prompt_tokens: Option<usize>,
-    ) -> PyResult<(usize, usize)> {
+    ) -> PyResult<(usize, usize, usize)> {
         let hashes = read_hashes(hashes)?;
         let mut guard = self.lock(py);
         let cache = open(&mut guard)?.cache();
@@ -224,7 +225,7 @@ impl Service {
             }
             None => cache.cached_prefix(&hashes),
         };
-        Ok((found.device_blocks, found.host_blocks))
+        Ok((found.device_blocks, found.host_blocks, found.storage_blocks))
     }
 
     /// Holds the request's cached prefix. The last prompt token is always left to compute.

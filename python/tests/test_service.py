@@ -34,11 +34,11 @@ def test_a_prefix_cached_by_one_request_hits_for_the_next(name: str) -> None:
         service.finish(1)
         found = service.match_prefix(2, hashes, len(prompt))
         assert (found.device_blocks, found.cached_tokens) == (3, 12)
-        assert service.lookup(hashes) == (3, 0)
+        assert service.lookup(hashes) == (3, 0, 0)
         # With the prompt's length, what a match would hold: a block-aligned prompt of these
         # three blocks recomputes its last one.
-        assert service.lookup(hashes, 13) == (3, 0)
-        assert service.lookup(hashes, 12) == (2, 0)
+        assert service.lookup(hashes, 13) == (3, 0, 0)
+        assert service.lookup(hashes, 12) == (2, 0, 0)
         with pytest.raises(kvshm.RequestError, match="3 block hashes"):
             service.lookup(hashes, 8)
         service.check_invariants()
@@ -86,10 +86,10 @@ def test_hashes_go_in_as_block_hashes_bytes_or_ints(name: str) -> None:
         service.allocate(1, 9)
         service.commit(1, 9, hashes.tolist())
         service.finish(1)
-        assert service.lookup(hashes) == (2, 0)
-        assert service.lookup(bytes(hashes)) == (2, 0)
-        assert service.lookup(hashes.to_bytes()[:16]) == (1, 0)
-        assert service.lookup([int(h) for h in hashes]) == (2, 0)
+        assert service.lookup(hashes) == (2, 0, 0)
+        assert service.lookup(bytes(hashes)) == (2, 0, 0)
+        assert service.lookup(hashes.to_bytes()[:16]) == (1, 0, 0)
+        assert service.lookup([int(h) for h in hashes]) == (2, 0, 0)
         with pytest.raises(ValueError, match="16-byte"):
             service.lookup(b"x" * 17)
         with pytest.raises(ValueError, match="block hash"):
