@@ -4,7 +4,8 @@
 //! Core types: [`DroppedNamespace`] (what went) and [`DropError`].
 //!
 //! Flow ([`drop_namespace`]):
-//! - disk: 1. list `DIR/NAMESPACE/rank-R.index`; 2. take each index's lock without waiting (a
+//! - disk: 0. a `DIR` that is not there is refused as mistyped (a namespace nothing was stored
+//!   under drops nothing); 1. list `DIR/NAMESPACE/rank-R.index`; 2. take each index's lock without waiting (a
 //!   worker serving the namespace holds it: the drop is refused, naming the file, and nothing is
 //!   removed); 3. holding every lock, remove every rank's slab and index, then the directory;
 //! - Redis: `SCAN MATCH kvshm:NAMESPACE:*` and `UNLINK` what it returns, batch by batch. Services
@@ -39,6 +40,8 @@ pub struct DroppedNamespace {
 pub enum DropError {
     #[error("{path}: a worker serves this namespace (it holds the index's lock); stop the service first")]
     InUse { path: PathBuf },
+    #[error("{path}: no such storage directory (a disk tier's directory, as its workers' --storage disk:DIR names it)")]
+    NoDirectory { path: PathBuf },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("redis {url}: {source}")]
@@ -57,7 +60,13 @@ pub fn drop_namespace(
         ..DroppedNamespace::default()
     };
     match storage {
-        StorageSpec::Disk { dir } => drop_disk(&dir.join(namespace.as_str()), &mut dropped)?,
+        StorageSpec::Disk { dir } => {
+            // A directory that is not there is a mistyped one, not an empty tier.
+            if !dir.is_dir() {
+                return Err(DropError::NoDirectory { path: dir.clone() });
+            }
+            drop_disk(&dir.join(namespace.as_str()), &mut dropped)?;
+        }
         StorageSpec::Redis { url } => {
             dropped.keys = drop_redis(url, namespace.as_str(), timeout)
                 .map_err(|source| DropError::Redis { url: redact(url), source })?;

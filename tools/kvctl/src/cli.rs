@@ -166,6 +166,13 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), KvctlError> {
             let report = kvshm::storage::drop::drop_namespace(&spec, &namespace, cli.timeout)
                 .map_err(|error| KvctlError::Storage(error.to_string()))?;
             emit(cli, out, &report, |out| {
+                if report.files == 0 && report.keys == 0 {
+                    return writeln!(
+                        out,
+                        "nothing was stored under namespace {} of {}: nothing dropped",
+                        report.namespace, report.storage
+                    );
+                }
                 writeln!(
                     out,
                     "storage namespace {} of {} dropped: {} files ({} bytes), {} keys",

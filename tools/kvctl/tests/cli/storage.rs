@@ -45,3 +45,19 @@ fn reset_storage_refuses_what_is_not_a_storage_tier_or_a_namespace() {
     kvctl(&["reset-storage", "disk:/tmp", "--namespace", "../etc"])
         .assert_fails_saying(&["namespace"]);
 }
+
+/// A mistyped directory is refused, not reported dropped; a namespace nothing was stored under
+/// says so.
+#[test]
+fn reset_storage_says_when_there_is_nothing_to_drop() {
+    let missing = std::env::temp_dir().join(format!("kvctl-no-such-dir-{}", std::process::id()));
+    let spec = format!("disk:{}", missing.display());
+    kvctl(&["reset-storage", &spec, "--namespace", "ns"])
+        .assert_fails_saying(&["no such storage directory"]);
+    let dir = planted_tier("empty-ns");
+    let spec = format!("disk:{}", dir.display());
+    let run = kvctl(&["reset-storage", &spec, "--namespace", "other"]).assert_ok().stdout.clone();
+    assert!(run.contains("nothing was stored under namespace other"), "{run}");
+    assert!(dir.join("ns/rank-0.slab").exists(), "another namespace is left alone");
+    std::fs::remove_dir_all(dir).unwrap();
+}
