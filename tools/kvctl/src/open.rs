@@ -42,6 +42,8 @@ pub enum OpenError {
     VersionMismatch { name: SegmentName, found: u32, expected: u32 },
     #[error("segment {name} is still being created by pid {pid}; retry in a moment")]
     BeingCreated { name: SegmentName, pid: u32 },
+    #[error("{name} is a shared tier, not an engine's segment: `kvctl tier {name}` shows it")]
+    SharedTier { name: SegmentName },
     #[error("segment {name} is unreadable: {source}")]
     Unreadable {
         name: SegmentName,
@@ -63,6 +65,13 @@ pub fn open_segment(name: &SegmentName) -> Result<Segment, OpenError> {
 /// Turns an attach failure into an [`OpenError`] that names the segment.
 pub fn diagnose(name: &SegmentName, error: AttachError) -> OpenError {
     let name = name.clone();
+    // A shared tier's control object is laid out otherwise: an engine segment's attach reads
+    // its words as a header being written, or without the magic.
+    if matches!(error, AttachError::NotReady { .. } | AttachError::BadMagic)
+        && is_shared_tier(&name)
+    {
+        return OpenError::SharedTier { name };
+    }
     match error {
         AttachError::NotFound { object } => OpenError::Missing { name, object },
         AttachError::ForeignOwner { owner, expected } => {
@@ -85,6 +94,13 @@ pub fn diagnose(name: &SegmentName, error: AttachError) -> OpenError {
         }
         error => OpenError::Unreadable { name, source: error },
     }
+}
+
+/// Whether the control object of `name` is a shared tier's (`kvctl ls` tells them apart).
+fn is_shared_tier(name: &SegmentName) -> bool {
+    kvshm_ipc::listing::list().iter().any(|listing| {
+        listing.name == *name && listing.kind == kvshm_ipc::listing::SegmentKind::SharedTier
+    })
 }
 
 #[cfg(test)]

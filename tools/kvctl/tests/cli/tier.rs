@@ -117,3 +117,18 @@ fn tier_lists_each_client_with_its_chunks_pins_and_pending_stores() {
     kvctl(&["tier", name.as_str()]).assert_fails_saying(&[name.as_str(), "kvctl cleanup"]);
     let _ = std::fs::remove_dir_all(disk);
 }
+
+/// The engine-segment commands on a shared tier name it for what it is and point at `kvctl
+/// tier`: a tier's control object read as an engine's header looks half-written, and kvctl used
+/// to say "still being created; retry", which never helps.
+#[test]
+fn engine_commands_on_a_shared_tier_point_at_kvctl_tier() {
+    let name = unique_name("tier-stat");
+    let _cleanup = Cleanup(name.clone());
+    let index = SharedTierIndex::new(identity(), OffloadConfig::new(8)).unwrap();
+    let _server = TierServer::create(&name, index, &TierConfig::with_clients(4)).unwrap();
+    for command in ["stat", "workers", "tree", "reset"] {
+        kvctl(&[command, name.as_str()])
+            .assert_fails_saying(&["is a shared tier", &format!("kvctl tier {}", name.as_str())]);
+    }
+}
