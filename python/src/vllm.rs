@@ -315,8 +315,11 @@ impl VllmManagerCore {
         Ok(events)
     }
 
+    /// Forgets every key, and publishes the emptied figures for `kvctl stat` at once: an engine
+    /// idle after a reset would show the old ones until its next finished request otherwise.
     fn reset_cache(mut slf: PyRefMut<'_, Self>) {
         slf.as_super().inner.reset();
+        slf.publish(slf.as_ref());
     }
 }
 

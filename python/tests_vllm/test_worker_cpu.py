@@ -2,7 +2,10 @@
 shared-memory host tier, as vLLM's worker connector submits them."""
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -289,3 +292,44 @@ def test_a_restart_takes_no_key_back_into_pages_of_another_layout(
     finally:
         for left in Path("/dev/shm").glob(f"kvshm.{prefix}-*"):
             left.unlink()
+
+
+def test_kvctl_stat_shows_an_emptied_manager_right_after_a_reset(
+    name: str, offloading_config
+) -> None:
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": 4,
+        "segment_name": name,
+        "warm_restart": False,
+    }
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+    worker = spec.get_worker(kv_caches([[0]], tensors=1))
+    manager = spec.get_manager()
+    context = ReqContext(req_id="r")
+    manager.on_new_request(context)
+    keys = [key(1, 0), key(2, 0)]
+    prepared = manager.prepare_store(keys, context)
+    assert prepared is not None
+    assert worker.submit_store(
+        1, GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0]), prepared.store_spec
+    )
+    finish(worker, 1)
+    manager.complete_store(set(keys), context)
+    manager.on_request_finished(context)
+
+    def cached_nodes() -> int:
+        stat = subprocess.run(
+            [sys.executable, "-m", "kvshm", "kvctl", "stat", f"{name}-r0", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return int(json.loads(stat.stdout)["counters"]["cached_nodes"])
+
+    assert cached_nodes() == 2
+    manager.reset_cache()
+    assert cached_nodes() == 0, "published at the reset, not at the next finished request"
+    worker.shutdown()
