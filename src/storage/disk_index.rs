@@ -405,7 +405,11 @@ pub fn read_index(
         }
     };
     check_header(&header, &path, rank, layout)?;
-    let records = read_records(&file, header.capacity).map_err(io)?;
+    // Only the records the file holds: slots past its end are empty (a resize cut short), and a
+    // header naming more than that (written by no worker) allocates no more than the file.
+    let in_file = file.metadata().map_err(io)?.len().saturating_sub(RECORDS_OFFSET)
+        / size_of::<SlotRecord>() as u64;
+    let records = read_records(&file, header.capacity.min(in_file)).map_err(io)?;
     Ok(records
         .iter()
         .enumerate()
@@ -509,5 +513,23 @@ mod tests {
         foreign[0] = b'#';
         assert_eq!(judge_header(&foreign), HeaderState::Foreign);
         assert_eq!(header.layout(), Some(layout));
+    }
+
+    /// A valid header whose capacity the file does not hold (no worker wrote it; a crafted or
+    /// damaged index) costs no more memory than the file: the listing reads what is there.
+    #[test]
+    fn a_header_naming_more_slots_than_the_file_holds_reads_only_the_file() {
+        let dir = std::env::temp_dir().join(format!("kvshm-index-cap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let layout = BlockLayout::new(8192, 1, 1).unwrap();
+        let (index, _) = IndexFile::open(&index_path(&dir, 0)).unwrap();
+        index.initialise(&IndexHeader::new(0, &layout, 8192, 4)).unwrap();
+        let record = SlotRecord::valid(2, BlockHash(7), BlockHash(6), 1, 9, 0);
+        index.write_records(2, &[record]).unwrap();
+        let huge = IndexHeader::new(0, &layout, 8192, 4).with_capacity(u64::MAX / 64);
+        index.file.write_all_at(bytemuck::bytes_of(&huge), 0).unwrap();
+        let blocks = read_index(&dir, 0, &layout).unwrap();
+        assert_eq!(blocks.iter().map(|block| block.hash).collect::<Vec<_>>(), [BlockHash(7)]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -141,7 +141,7 @@ impl DiskBackend {
             entry.on_disk = OnDisk::Valid;
             entry.used = true;
             self.push_front(slot);
-            self.next_sequence = self.next_sequence.max(sequence + 1);
+            self.next_sequence = self.next_sequence.max(sequence.saturating_add(1));
         }
         self.damaged_at_open = damaged.len() as u64;
         for slot in damaged {

@@ -59,7 +59,7 @@ impl DiskBackend {
             self.slots[slot as usize].pinned = true;
             self.writes += 1;
             let sequence = self.next_sequence;
-            self.next_sequence += 1;
+            self.next_sequence = self.next_sequence.saturating_add(1);
             in_batch.insert(block.key.hash, entry);
             plan.push(Planned {
                 entry,
