@@ -13,9 +13,10 @@
 //!    (at most [`MAX_FORGET_BACKLOG`] blocks) and sent once it is up, and a query waiting to go
 //!    is answered as failed (it finds nothing). A rank without a worker keeps them in a backlog
 //!    of its own (at most [`MAX_FORGET_BACKLOG`] blocks; beyond, they are dropped and counted),
-//!    sent once a worker serves it again; one whose worker still sets up takes them in order
-//!    with its STOREs, and a FORGET that waited the command deadline there unsent
-//!    (`WorkerNotServing`) is sent again on the next step, as new; a FORGET that failed (a worker that died with it, an error) is
+//!    sent once a worker holds it again; one whose worker still sets up takes them in order with
+//!    its STOREs, and a FORGET that waited the command deadline there unsent
+//!    (`WorkerNotServing`) is sent again on the next step, as new (at most
+//!    [`MAX_FORGET_BACKLOG`] blocks kept so); a FORGET that failed (a worker that died with it, an error) is
 //!    sent once more on the next step, then dropped and counted. A worker runs a FORGET whatever
 //!    its generation, so those queued before a reset still free their blocks;
 //! 2. then it takes the manager's QUERYs and sends each to every rank in the same way, keeping
@@ -154,7 +155,16 @@ impl MetaCommands {
     pub(super) fn forgets_waiting(&self) -> usize {
         self.backlogs.iter().map(Vec::len).sum::<usize>()
             + self.retries.len()
+            + self.unsent.len()
             + self.held_while_down.len()
+    }
+
+    /// Keeps `hashes`, of a FORGET that waited the command deadline unsent, for the next step;
+    /// returns how many did not fit ([`MAX_FORGET_BACKLOG`] blocks in all).
+    fn keep_unsent(&mut self, hashes: &[BlockHash]) -> usize {
+        let kept = hashes.len().min(MAX_FORGET_BACKLOG.saturating_sub(self.unsent.len()));
+        self.unsent.extend_from_slice(&hashes[..kept]);
+        hashes.len() - kept
     }
 }
 
@@ -282,7 +292,8 @@ impl Service {
                     if failure.error == CommandError::WorkerNotServing {
                         // Never sent: not a failure of the tier's. It goes again, in order with
                         // the STOREs of the steps after it.
-                        self.meta.unsent.extend_from_slice(&hashes);
+                        let dropped = self.meta.keep_unsent(&hashes);
+                        self.stats.storage_forgets_dropped += dropped as u64;
                         return;
                     }
                     self.stats.storage_forget_failures += 1;
