@@ -23,11 +23,11 @@
 //!
 //! Failures: a connection that errs (timeout, reset, refused) is dropped and its part's blocks
 //! fail ([`Failure::Timeout`] or [`Failure::Unavailable`]); the next call reconnects. A pooled
-//! connection found closed (the server's idle `timeout`, a proxy, a restart) is the exception:
-//! the part goes once more at once, on a fresh connection. A connect
-//! that fails starts a back-off (50 ms doubling to 1 s) during which that connection's parts fail
-//! at once as `Unavailable` instead of waiting: while Redis is away every block is a quick,
-//! counted miss, and once it is back the first call after the back-off reconnects.
+//! connection that breaks (closed while idle by the server's `timeout`, a proxy, a restart;
+//! not a timeout) is the exception: the part goes once more at once, on a fresh connection. A
+//! connect that fails starts a back-off (50 ms doubling to 1 s) during which that connection's
+//! parts fail at once as `Unavailable` instead of waiting: while Redis is away every block is a
+//! quick, counted miss, and once it is back the first call after the back-off reconnects.
 
 use std::time::{Duration, Instant};
 
@@ -227,9 +227,10 @@ impl Link<'_> {
     /// Runs `request` on `pooled`'s connection, connecting first if needed (module
     /// documentation); any error drops the connection. A connection that sat in the pool may
     /// have been closed meanwhile (the server's idle `timeout`, a proxy, a restart): a request
-    /// that finds it gone (`Unavailable`, not a timeout) goes once more on a fresh one. Every
-    /// request is idempotent (SET, MGET, GETEX, EXISTS, UNLINK), so one that got halfway
-    /// through changes nothing by being sent again.
+    /// on a pooled connection that breaks (`Unavailable`: an I/O error or a dropped connection,
+    /// not a timeout) goes once more on a fresh one; one that breaks its connection itself pays
+    /// twice. Every request is idempotent (SET, MGET, GETEX, EXISTS, UNLINK), so one that got
+    /// halfway through changes nothing by being sent again.
     fn run<T>(
         &self,
         pooled: &mut Pooled,

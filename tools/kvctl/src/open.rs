@@ -66,10 +66,12 @@ pub fn open_segment(name: &SegmentName) -> Result<Segment, OpenError> {
 pub fn diagnose(name: &SegmentName, error: AttachError) -> OpenError {
     let name = name.clone();
     // A shared tier's control object is laid out otherwise: an engine segment's attach reads
-    // its words as a header being written, or without the magic.
-    if matches!(error, AttachError::NotReady { .. } | AttachError::BadMagic)
-        && is_shared_tier(&name)
-    {
+    // its words as a header being written (by a creator alive or dead), or without the magic.
+    let misread = matches!(
+        error,
+        AttachError::NotReady { .. } | AttachError::BadMagic | AttachError::CreatorDead { .. }
+    );
+    if misread && is_shared_tier(&name) {
         return OpenError::SharedTier { name };
     }
     match error {
