@@ -50,6 +50,20 @@ def fill(caches: CanonicalKVCaches, seed: int) -> list[torch.Tensor]:
     return [entry.tensor.clone() for entry in caches.tensors]
 
 
+def spec_options(segment: str | None, *, num_chunks: int, warm_restart: bool) -> dict:
+    """kvshm's ``kv_connector_extra_config`` for these tests: ``segment`` its segment name
+    (``None``: the name derived from the model and layout)."""
+    options: dict[str, object] = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": num_chunks,
+        "warm_restart": warm_restart,
+    }
+    if segment is not None:
+        options["segment_name"] = segment
+    return options
+
+
 def key(n: int, group: int) -> bytes:
     return n.to_bytes(32, "little") + group.to_bytes(4, "big")
 
@@ -63,13 +77,7 @@ def finish(worker: OffloadingWorker, job: int) -> None:
 def test_blocks_stored_from_cpu_tensors_load_back_into_other_blocks(
     name: str, offloading_config
 ) -> None:
-    extra = {
-        "spec_name": "KvshmOffloadingSpec",
-        "spec_module_path": "kvshm.vllm",
-        "num_chunks": 16,
-        "segment_name": name,
-        "warm_restart": False,
-    }
+    extra = spec_options(name, num_chunks=16, warm_restart=False)
     spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
     manager = spec.get_manager()
     caches = kv_caches([[0, 1], [2]], tensors=3)
@@ -124,13 +132,7 @@ def test_a_tensor_layout_the_host_tier_cannot_hold_is_refused(name: str) -> None
 def test_a_second_engine_on_a_live_tier_is_refused_with_a_hint(
     name: str, offloading_config
 ) -> None:
-    extra = {
-        "spec_name": "KvshmOffloadingSpec",
-        "spec_module_path": "kvshm.vllm",
-        "num_chunks": 4,
-        "segment_name": name,
-        "warm_restart": False,
-    }
+    extra = spec_options(name, num_chunks=4, warm_restart=False)
     first = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
     worker = first.get_worker(kv_caches([[0]], tensors=1))
     second = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
@@ -145,13 +147,7 @@ def test_a_warm_restart_after_a_reset_takes_back_each_key_from_its_newest_chunk(
     """A reset of the connector hands chunks out again from the lowest while the workers' key
     tables still name the keys stored before: a key stored again after the reset is in two
     slots. The next start takes it back once, from the chunk it was stored in last."""
-    extra = {
-        "spec_name": "KvshmOffloadingSpec",
-        "spec_module_path": "kvshm.vllm",
-        "num_chunks": 4,
-        "segment_name": name,
-        "warm_restart": True,
-    }
+    extra = spec_options(name, num_chunks=4, warm_restart=True)
     try:
         spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
         caches = kv_caches([[0]], tensors=1)
@@ -204,13 +200,7 @@ def test_a_warm_restart_after_a_reset_takes_back_each_key_from_its_newest_chunk(
 def test_a_host_tier_that_cannot_be_made_says_why_without_the_hint_for_two_engines(
     name: str, offloading_config
 ) -> None:
-    extra = {
-        "spec_name": "KvshmOffloadingSpec",
-        "spec_module_path": "kvshm.vllm",
-        "num_chunks": 4,
-        "segment_name": name,
-        "warm_restart": False,
-    }
+    extra = spec_options(name, num_chunks=4, warm_restart=False)
     # A fresh object under the tier's name, being made by another process as far as anyone can
     # tell (another engine starting under the same name): the hint.
     planted = Path(f"/dev/shm/kvshm.{name}-r0")
@@ -241,14 +231,7 @@ def test_a_restart_takes_no_key_back_into_pages_of_another_layout(
     page's layout out) with another attention backend (pages laid out HND where they were NHD,
     the same size) starts with an empty tier: its pages' bytes would be read in the wrong
     order."""
-    extra = {
-        "spec_name": "KvshmOffloadingSpec",
-        "spec_module_path": "kvshm.vllm",
-        "num_chunks": 4,
-        "warm_restart": True,
-    }
-    if named:
-        extra["segment_name"] = name
+    extra = spec_options(name if named else None, num_chunks=4, warm_restart=True)
     model = f"model-{name}"
     prefix = name
 
@@ -297,13 +280,7 @@ def test_a_restart_takes_no_key_back_into_pages_of_another_layout(
 def test_kvctl_stat_shows_an_emptied_manager_right_after_a_reset(
     name: str, offloading_config
 ) -> None:
-    extra = {
-        "spec_name": "KvshmOffloadingSpec",
-        "spec_module_path": "kvshm.vllm",
-        "num_chunks": 4,
-        "segment_name": name,
-        "warm_restart": False,
-    }
+    extra = spec_options(name, num_chunks=4, warm_restart=False)
     spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
     worker = spec.get_worker(kv_caches([[0]], tensors=1))
     manager = spec.get_manager()
