@@ -491,8 +491,12 @@ impl HostTier {
         Ok(())
     }
 
-    /// Reaps the worker's completions, watches it, and collects ended jobs (step 3).
+    /// Reaps the worker's completions, watches it, and collects ended jobs (step 3). Either way
+    /// it marks the engine as polling for `kvctl stat`: an in-process tier has nothing else to
+    /// do here, and would read as stopped between jobs otherwise.
     pub fn poll(&mut self) {
+        let now = kvshm_ipc::liveness::monotonic_ns();
+        self.transport.segment().counters().set(Counter::LastPollNs, now);
         if let TierEngine::Workers(_) = self.engine {
             self.transport.poll();
             self.transport.pump();

@@ -266,6 +266,26 @@ fn a_persistent_tier_left_behind_is_taken_over_with_its_bytes_and_keys() {
     kvshm::service::Segment::create(&name, &Default::default()).map(drop).unwrap();
 }
 
+/// An in-process tier whose engine polls without jobs still reads as polling for `kvctl stat`:
+/// before, its last poll was published only with a job's copies, and an engine serving with no
+/// offload for a second read as stopped.
+#[test]
+fn an_in_process_tier_polled_without_jobs_reads_as_polling() {
+    let name = name("polling");
+    let mut buffers = vec![vec![0u8; BLOCKS * PAGE]; 2];
+    // SAFETY: the buffers outlive the tier and nothing else touches them while it copies.
+    let memory =
+        unsafe { TensorMemory::new(&layout(vec![vec![0, 1]]), &tensors_of(&mut buffers)) }.unwrap();
+    let mut tier =
+        HostTier::create(&name, layout(vec![vec![0, 1]]), TierEngine::InProcess(memory)).unwrap();
+    let watcher = kvshm::service::Segment::attach(&name).unwrap();
+    let last_poll = || watcher.counters().get(kvshm::service::Counter::LastPollNs);
+    let before = last_poll();
+    std::thread::sleep(Duration::from_millis(20));
+    tier.take_finished(&mut Vec::new());
+    assert!(last_poll() > before, "the poll was not published");
+}
+
 fn read_back(name: &SegmentName) -> Vec<kvshm::offload::TableEntry> {
     kvshm::offload::read_tier_keys(name, 6, 2).unwrap_or_default()
 }
