@@ -26,6 +26,20 @@ pub enum RingError {
     Corrupt { head: u64, tail: u64, capacity: u64 },
 }
 
+impl RingError {
+    /// `Ok` when a ring end's `found` capacity is the `expected` one its creator configured:
+    /// attaching checks only that a description is one a ring may have, and a peer may have
+    /// rewritten it in place (a capacity of 1 would carry one record at a time).
+    pub(crate) fn check_capacity(found: usize, expected: u64) -> Result<(), RingError> {
+        let found = found as u64;
+        if found == expected {
+            Ok(())
+        } else {
+            Err(RingError::CapacityMismatch { found, expected })
+        }
+    }
+}
+
 /// The ring has fewer free slots than the records to push; nothing was pushed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
 #[error("ring has no room for the records")]

@@ -277,22 +277,15 @@ impl Segment {
     }
 }
 
-/// `end`, if its ring holds the configured `slots` records. Attaching checks that the ring's
-/// description is one a ring may have, not that it is the one the segment's creator wrote: a
-/// peer may have rewritten it in place (a capacity of 1 would carry one command at a time, and
-/// the scheduler's batches would never fit).
+/// `end`, if its ring holds the configured `slots` records ([`RingError::check_capacity`]).
 fn holding<E>(
     end: Result<E, RingError>,
     capacity: fn(&E) -> usize,
     slots: u32,
 ) -> Result<E, RingError> {
     let end = end?;
-    let found = capacity(&end) as u64;
-    if found == u64::from(slots) {
-        Ok(end)
-    } else {
-        Err(RingError::CapacityMismatch { found, expected: u64::from(slots) })
-    }
+    RingError::check_capacity(capacity(&end), u64::from(slots))?;
+    Ok(end)
 }
 
 /// A worker's hold on a rank; drop it on clean exit (the slot becomes EMPTY).

@@ -355,16 +355,12 @@ impl TierControl {
         Ok(OwnerChannel { requests, answers, parts: self.channel_parts(index) })
     }
 
-    /// Refuses rings whose capacity is not the configured `ring_slots`: a ring end may have
-    /// rewritten a ring's description (one of capacity 1 would carry batches of no call).
+    /// Refuses rings whose capacity is not the configured `ring_slots`
+    /// ([`RingError::check_capacity`]).
     fn check_ring_slots(&self, requests: usize, answers: usize) -> Result<(), RingError> {
-        let slots = self.fields.config.ring_slots as u64;
-        match [requests, answers].into_iter().find(|&capacity| capacity as u64 != slots) {
-            Some(found) => {
-                Err(RingError::CapacityMismatch { found: found as u64, expected: slots })
-            }
-            None => Ok(()),
-        }
+        let slots = u64::from(self.fields.config.ring_slots);
+        RingError::check_capacity(requests, slots)?;
+        RingError::check_capacity(answers, slots)
     }
 
     fn channel_start(&self, index: u32) -> u64 {
