@@ -29,14 +29,14 @@ use kvshm_ipc::doorbell::deadline_after;
 use kvshm_ipc::name::SegmentName;
 
 use super::key::OffloadKey;
-use super::key_table::{self, KeyTable, TableEntry};
+use super::key_table::KeyTable;
 use super::shared::{open_rank_arena, TierArenaError};
 use super::tensor_memory::{CopyError, TensorMemory};
 use super::transfer::{Direction, EngineLayout, PlanError};
 pub use crate::transport::Backend;
 use crate::transport::{
     CompletionBell, CopyKind, Counter, DirectCopyId, DirectCopyOutcome, RankMemory, RankState,
-    Segment, SegmentConfig, SegmentError, Transport, TransportConfig, TransportError,
+    SegmentConfig, SegmentError, Transport, TransportConfig, TransportError,
     DEFAULT_COMMAND_RING_SLOTS, DEFAULT_COMPLETION_RING_SLOTS, WAIT_SLICE,
 };
 
@@ -120,7 +120,7 @@ impl Default for TierOptions {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StoredKey {
     pub key: OffloadKey,
-    /// The chunk of the key it is chained under, or [`key_table::NO_PARENT`].
+    /// The chunk of the key it is chained under, or [`super::key_table::NO_PARENT`].
     pub parent_chunk: u32,
 }
 
@@ -331,7 +331,7 @@ impl HostTier {
 
     /// Whether this persistent tier took over the chunks and key table an earlier tier of its
     /// name and shape left (the engine's manager then reads the keys back with
-    /// [`read_tier_keys`]).
+    /// [`super::key_table::read_tier_keys`]).
     pub fn restored(&self) -> bool {
         self.restored
     }
@@ -581,22 +581,4 @@ impl HostTier {
         self.outcomes = outcomes;
         self.publish_totals();
     }
-}
-
-/// The keys a persistent tier `name` of `chunks` chunks of `blocks_per_chunk` blocks holds, read
-/// from its key table (for the engine's manager, in another process, after the tier was made):
-/// empty when the segment has no such table.
-pub fn read_tier_keys(
-    name: &SegmentName,
-    chunks: u32,
-    blocks_per_chunk: u32,
-) -> Result<Vec<TableEntry>, HostTierError> {
-    let segment = Segment::attach(name)?;
-    let host = segment.open_arena(ArenaKind::Host, 0)?;
-    let offset = u64::from(chunks) * u64::from(blocks_per_chunk) * host.block_bytes();
-    let table_end = offset + KeyTable::bytes(chunks);
-    if table_end > host.data_len() as u64 {
-        return Ok(Vec::new());
-    }
-    Ok(key_table::read_entries(&host, offset as usize, chunks)?)
 }

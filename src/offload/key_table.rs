@@ -1,6 +1,6 @@
 //! [`KeyTable`]: which engine key each chunk of a persistent host tier holds, kept in the tier's
 //! own shared memory, so that a manager started after its engine stopped or died finds the
-//! tier's blocks again (a warm restart).
+//! tier's blocks again (a warm restart); [`read_tier_keys`] reads them from another process.
 //!
 //! The table lies in blocks past the tier's chunks, in the same arena, so data and table live
 //! and die together: `[header: 64 bytes][slot 0][slot 1]...`, one [`SLOT_BYTES`] slot per chunk.
@@ -19,10 +19,13 @@
 
 use std::sync::atomic::{fence, Ordering};
 
-use kvshm_ipc::arena::{Arena, ArenaError};
+use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
+use kvshm_ipc::name::SegmentName;
 
+use super::host_tier::HostTierError;
 use super::key::{OffloadKey, MAX_KEY_BYTES};
 use super::transfer::EngineLayout;
+use crate::transport::Segment;
 
 /// "KVSHMKEY", little-endian.
 pub const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"KVSHMKEY");
@@ -245,4 +248,22 @@ fn decode(chunk: u32, slot: &[u8]) -> Option<TableEntry> {
         (parent, seq) => Some((parent, seq)),
     };
     Some(TableEntry { chunk, key, seq: word(8), parent })
+}
+
+/// The keys a persistent tier `name` of `chunks` chunks of `blocks_per_chunk` blocks holds, read
+/// from its key table (for the engine's manager, in another process, after the tier was made):
+/// empty when the segment has no such table.
+pub fn read_tier_keys(
+    name: &SegmentName,
+    chunks: u32,
+    blocks_per_chunk: u32,
+) -> Result<Vec<TableEntry>, HostTierError> {
+    let segment = Segment::attach(name)?;
+    let host = segment.open_arena(ArenaKind::Host, 0)?;
+    let offset = u64::from(chunks) * u64::from(blocks_per_chunk) * host.block_bytes();
+    let table_end = offset + KeyTable::bytes(chunks);
+    if table_end > host.data_len() as u64 {
+        return Ok(Vec::new());
+    }
+    Ok(read_entries(&host, offset as usize, chunks)?)
 }

@@ -32,11 +32,10 @@ pub mod torch_ipc;
 pub mod transfer;
 
 pub use host_tier::{
-    read_tier_keys, CopyTotals, HostTier, HostTierError, JobResult, StoredKey, TierEngine,
-    TierOptions,
+    CopyTotals, HostTier, HostTierError, JobResult, StoredKey, TierEngine, TierOptions,
 };
 pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
-pub use key_table::{KeyTable, TableEntry};
+pub use key_table::{read_tier_keys, KeyTable, TableEntry};
 pub use manager::{
     EvictionOrder, EvictionScope, LookupResult, OffloadConfig, OffloadError, OffloadEvent,
     OffloadManager, OffloadStats, PreparedStore,
