@@ -22,9 +22,9 @@
 //!    and no command deadline runs during it); serve ([`Server::serve`]) until stopped, until the
 //!    scheduler is gone, or until the rank is lost;
 //! 5. drop the engine, then the claim (a clean exit leaves the rank EMPTY and claimable again;
-//!    after a broken command ring, a stop with answers unpushed or a panic the claim is left to die
-//!    with the process, so that the scheduler resets the rings before another worker can claim the
-//!    rank).
+//!    after a broken command ring, ring descriptions no worker can take, a stop with answers
+//!    unpushed or a panic the claim is left to die with the process, so that the scheduler resets
+//!    the rings before another worker can claim the rank).
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
@@ -207,27 +207,38 @@ fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
     let stop = stop_requested;
     // The storage thread lives in this scope: it ends (answering what it was given) before the
     // engine and the claim go.
-    let ending =
-        std::thread::scope(|scope| -> Result<Result<ServeExit, ServeError>, StartError> {
-            let mut server =
-                Server::new(&segment, &claim, engine.engine.as_mut(), &stop, options.serve)?;
-            if let Some(backend) = storage {
-                let host =
-                    HostBlocks::new(host_area, &geometry).ok_or(StorageStartError::NoHostTier)?;
-                let context = LaneContext {
-                    segment: &segment,
-                    claim: &claim,
-                    host,
-                    sink: server.completion_sink(),
-                };
-                let lane = StorageLane::spawn(scope, backend, context, geometry)
-                    .map_err(StartError::StorageThread)?;
-                server.set_storage(lane);
-            }
-            // Set up: from now on the scheduler sends this rank copies (step 4).
-            claim.mark_serving()?;
-            Ok(server.serve())
-        })?;
+    let ending = std::thread::scope(|scope| -> Result<Result<ServeExit, ServeError>, StartError> {
+        let mut server =
+            Server::new(&segment, &claim, engine.engine.as_mut(), &stop, options.serve)?;
+        if let Some(backend) = storage {
+            let host =
+                HostBlocks::new(host_area, &geometry).ok_or(StorageStartError::NoHostTier)?;
+            let context = LaneContext {
+                segment: &segment,
+                claim: &claim,
+                host,
+                sink: server.completion_sink(),
+                stop_requested: &stop,
+            };
+            let lane = StorageLane::spawn(scope, backend, context, geometry)
+                .map_err(StartError::StorageThread)?;
+            server.set_storage(lane);
+        }
+        // Set up: from now on the scheduler sends this rank copies (step 4).
+        claim.mark_serving()?;
+        Ok(server.serve())
+    });
+    let ending = match ending {
+        Err(error @ StartError::Setup(_)) => {
+            // The rank's ring descriptions were written over. As below, the slot stays ATTACHED
+            // to this soon-dead process, so the scheduler resets the rings (a release would hand
+            // them to the next worker as they are, and it would fail the same way).
+            drop(engine);
+            std::mem::forget(claim);
+            return Err(error.into());
+        }
+        ending => ending?,
+    };
     // Step 5: the server (and its storage thread), then the engine (its copies drained), then
     // the claim go, in this order.
     drop(engine);

@@ -218,8 +218,19 @@ impl<'a> Server<'a> {
     }
 
     /// Serves commands until a stop is requested, the scheduler is gone, or the rank is lost or
-    /// its command ring broken (module documentation).
+    /// its command ring broken (module documentation), then waits for the storage thread to
+    /// answer what it was given ([`StorageLane::close`]).
     pub fn serve(&mut self) -> Result<ServeExit, ServeError> {
+        let served = self.serve_commands();
+        let unanswered = self.storage.as_mut().map_or(0, StorageLane::close);
+        match served {
+            Ok(_) if unanswered > 0 => Err(ServeError::StoppedUnanswered { unanswered }),
+            served => served,
+        }
+    }
+
+    /// [`Server::serve`]'s loop over the command ring.
+    fn serve_commands(&mut self) -> Result<ServeExit, ServeError> {
         loop {
             let turn = self.check_exit().and_then(|()| {
                 if self.reader.fill(&mut self.commands)? {

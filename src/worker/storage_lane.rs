@@ -21,7 +21,10 @@
 //!    [`CompletionSink`], ringing the scheduler's doorbell;
 //! 4. when the loop ends the queue closes, and the thread answers every queued job and syncs the
 //!    back-end before it exits, so every command popped from the ring is answered; the worker's
-//!    main thread heartbeats meanwhile ([`StorageLane`]'s drop), however long one job takes.
+//!    main thread heartbeats meanwhile ([`StorageLane::close`]), however long one job takes. A
+//!    stop that finds no room in the completion ring for an answer (the scheduler stopped
+//!    reaping) leaves that job and the rest unanswered: the worker then exits without releasing
+//!    its rank, as the copy loop does ([`super::run::ServeError::StoppedUnanswered`]).
 //!
 //! Order, as the scheduler sees it: copies complete in ring order among themselves (the loop runs
 //! them one by one); storage commands complete in ring order among themselves (one thread, one
@@ -129,6 +132,8 @@ pub struct LaneContext<'env> {
     pub claim: &'env RankClaim,
     pub host: HostBlocks,
     pub sink: CompletionSink,
+    /// Whether a stop was requested: polled while an answer waits for room in the ring.
+    pub stop_requested: &'env (dyn Fn() -> bool + Sync),
 }
 
 enum Job {
@@ -148,7 +153,8 @@ enum Job {
 /// The copy loop's handle on the storage thread (module documentation).
 pub struct StorageLane<'scope> {
     jobs: Option<Sender<Job>>,
-    thread: Option<ScopedJoinHandle<'scope, ()>>,
+    /// Returns how many jobs it could not answer ([`serve_jobs`]).
+    thread: Option<ScopedJoinHandle<'scope, usize>>,
     /// The worker's claim, heartbeaten while the thread drains its queue at exit.
     claim: &'scope RankClaim,
     geometry: Geometry,
@@ -225,35 +231,50 @@ impl<'scope> StorageLane<'scope> {
     }
 }
 
-impl Drop for StorageLane<'_> {
+impl StorageLane<'_> {
     /// Closes the queue and waits until the thread answered every job (step 4), heartbeating
     /// meanwhile: one job (a Redis part waiting out its timeout, the exit sync of a large slab)
     /// may take far longer than the heartbeat timeout, and the storage thread heartbeats only
-    /// between jobs.
-    fn drop(&mut self) {
+    /// between jobs. Returns how many jobs went unanswered: a stop arrived while an answer
+    /// waited for room in the completion ring.
+    pub fn close(&mut self) -> usize {
         drop(self.jobs.take());
-        let Some(thread) = self.thread.take() else { return };
+        let Some(thread) = self.thread.take() else { return 0 };
         while !thread.is_finished() {
             // A lost claim: the storage thread ends the process at its next heartbeat.
             let _ = self.claim.heartbeat();
             std::thread::sleep(HEARTBEAT_INTERVAL);
         }
-        if thread.join().is_err() {
+        thread.join().unwrap_or_else(|_| {
             tracing::error!("the storage thread panicked");
-        }
+            0
+        })
     }
 }
 
-/// Steps 3 and 4 of the module documentation, on the storage thread.
+impl Drop for StorageLane<'_> {
+    /// [`StorageLane::close`], for a lane the copy loop did not close (it ended on an error).
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Steps 3 and 4 of the module documentation, on the storage thread. Returns how many jobs
+/// went unanswered: once a stop finds no room for an answer, the jobs left are not run.
 fn serve_jobs(
     mut backend: Box<dyn StorageBackend>,
     context: LaneContext<'_>,
     queue: Receiver<Job>,
-) {
+) -> usize {
     let counters = context.segment.counters();
     let block_bytes = backend.layout().block_bytes;
     let mut runner = Runner { last_evictions: backend.stats().evictions, ..Runner::default() };
+    let mut unanswered = 0;
     for job in queue {
+        if unanswered > 0 {
+            unanswered += 1;
+            continue;
+        }
         if let Err(lost) = context.claim.heartbeat() {
             abandon_rank(lost);
         }
@@ -270,22 +291,39 @@ fn serve_jobs(
                 completion
             }
         };
-        publish(&context, completion);
+        if publish(&context, completion) == Published::StoppedWithoutRoom {
+            tracing::warn!("stopped while the completion ring had no room for a storage answer");
+            unanswered = 1;
+        }
     }
     if let Err(failure) = backend.sync() {
         tracing::warn!(%failure, "cannot sync the storage tier at exit");
     }
+    unanswered
 }
 
-/// Pushes one completion, waiting for room (heartbeating) while the scheduler lives.
-fn publish(context: &LaneContext<'_>, completion: Completion) {
+/// How [`publish`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Published {
+    /// In the ring (or not needed: the scheduler is gone).
+    Done,
+    /// A stop was requested while the ring had no room: the answer is owed.
+    StoppedWithoutRoom,
+}
+
+/// Pushes one completion, waiting for room (heartbeating) while the scheduler lives and no stop
+/// is requested.
+fn publish(context: &LaneContext<'_>, completion: Completion) -> Published {
     loop {
         if context.sink.push_available(&[completion]) == 1 {
             context.segment.scheduler_doorbell().ring();
-            return;
+            return Published::Done;
         }
         if !context.segment.creator_alive() {
-            return;
+            return Published::Done;
+        }
+        if (context.stop_requested)() {
+            return Published::StoppedWithoutRoom;
         }
         std::thread::sleep(FULL_RING_POLL);
         if let Err(lost) = context.claim.heartbeat() {

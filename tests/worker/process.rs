@@ -433,6 +433,38 @@ fn a_worker_stopped_while_its_answers_wait_for_room_leaves_its_rank_to_be_reclai
     assert!(matches!(segment.claim_rank(1), Err(ClaimError::NotReclaimed { .. })));
 }
 
+/// A worker that cannot take its rank's ring ends (their descriptions were written over) exits
+/// without releasing the rank: the scheduler reclaims it and resets the rings, and the next
+/// worker serves. Released, the rank would go to every next worker with the same broken rings.
+#[test]
+fn a_worker_whose_rings_were_written_over_leaves_its_rank_to_be_reclaimed_and_reset() {
+    use std::os::unix::fs::FileExt;
+
+    let name = unique_name("ring-scribbled");
+    let segment = Segment::create(&name, &config()).unwrap();
+    let object = format!("{}{}", listing::SHM_DIR, name.control_object());
+    let control = std::fs::OpenOptions::new().write(true).open(object).unwrap();
+    let layout = segment.layout();
+    // A ring's description: magic, element size, capacity, one 8-byte word each.
+    let capacity_at = layout.rank_area(1) as u64 + layout.offsets.command_ring + 16;
+    control.write_all_at(&1u64.to_ne_bytes(), capacity_at).unwrap();
+
+    let mut broken = spawn_worker(&name, 1, &[], &[]);
+    let (status, stderr) = broken.wait_exit_within(PATIENCE);
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("capacity"), "{stderr}");
+    let verdict = segment.rank_verdict(1).unwrap();
+    assert_eq!(verdict.status, RankStatus::Dead { pid: broken.pid() }, "{stderr}");
+
+    segment.reclaim_rank(1, verdict.word).unwrap();
+    let mut rank = Rank::new(&segment, 1);
+    let worker = spawn_worker(&name, 1, &[], &[]);
+    rank.wait_alive(worker.pid());
+    let ping = rank.ping();
+    rank.send([&ping]);
+    assert_eq!(rank.completions(1), vec![ok(&ping.0)]);
+}
+
 #[test]
 fn a_second_worker_for_a_rank_held_by_a_live_worker_is_refused() {
     let name = unique_name("twice");

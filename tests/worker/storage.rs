@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use kvshm::storage::disk_index::blocks_on_every_rank;
 use kvshm::storage::BlockLayout;
+use kvshm_ipc::config::SegmentConfig;
 use kvshm_ipc::counters::Counter;
 use kvshm_ipc::record::{CommandError, CommandSlot, Op};
 use kvshm_ipc::segment::Segment;
@@ -578,6 +579,36 @@ fn a_worker_stopped_with_storage_commands_queued_answers_every_one_before_it_exi
     assert_eq!(answered, sent, "every queued storage command is answered, in order");
     let (status, stderr) = worker.wait_exit();
     assert!(status.success(), "worker did not stop cleanly: {stderr}");
+}
+
+/// A stop while the storage thread waits for room for an answer (the scheduler stopped reaping)
+/// does not hang the worker: it exits without releasing the rank, which the scheduler then
+/// reclaims, as it does when the copy loop's answers find no room.
+#[test]
+fn a_worker_stopped_while_storage_answers_wait_for_room_leaves_its_rank_to_be_reclaimed() {
+    let dir = Scratch::new("ws-full-ring");
+    let name = unique_name("storage-full-ring");
+    let config = SegmentConfig { completion_ring_slots: 4, ..storage_config(1, false) };
+    let segment = Segment::create(&name, &config).unwrap();
+    let mut worker = Worker::spawn(&name, 0, &disk_args(&dir, &[]), &[], None);
+    let mut rank = RankDriver::new(&segment, 0);
+    rank.wait_alive(&worker);
+    let room = config.completion_ring_slots as usize;
+    let query = [StorageEntry::new(block_hash(7), 0, 7, NO_HOST_BLOCK)];
+    for _ in 0..room + 4 {
+        rank.send_storage(Op::StorageQuery, &query);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rank.waiting_completions() < room {
+        assert!(Instant::now() < deadline, "the worker never filled its completion ring");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+
+    worker.signal(nix::sys::signal::Signal::SIGTERM);
+    let (status, stderr) = worker.wait_exit_within(Duration::from_secs(10));
+    assert!(!status.success(), "a stop with unanswered commands passed for a clean exit: {stderr}");
+    assert!(stderr.contains("no room"), "{stderr}");
+    assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Dead { pid: worker.pid() });
 }
 
 /// A storage command whose entry slots never reach the ring is refused (`Malformed`) behind the
