@@ -27,13 +27,15 @@ impl CacheManager {
     /// reported: `Ok` when all succeeded, the first failure otherwise. For a storage copy (STORE or
     /// LOAD) a failure is an error of the whole command: a miss for every block, none of them
     /// known to be gone (see [`CacheManager::complete_storage_transfer`] for per-block results). An
-    /// unknown id (never issued, or completed already) is an error that changes nothing.
+    /// unknown id (never made, or completed already) or one not handed out yet
+    /// ([`CacheManager::take_transfers`]) is an error that changes nothing.
     pub fn complete_transfer(
         &mut self,
         id: TransferId,
         outcome: Result<(), TransferFailure>,
     ) -> Result<(), CompleteError> {
-        let flight = self.in_flight.remove(&id).ok_or(CompleteError::UnknownTransfer(id))?;
+        self.check_completable(id)?;
+        let flight = self.in_flight.remove(&id).expect("checked just above");
         if flight.kind.is_storage() {
             let outcome = match outcome {
                 Ok(()) => LoadOutcome::AllLanded,
@@ -92,15 +94,16 @@ impl CacheManager {
     /// `Ok(None)` when every block landed, `Err` when the whole command failed (the tier
     /// unreachable, a timeout, a worker error: every block unavailable, none known to be gone).
     /// A STORE keeps the blocks that landed; a LOAD's misses shorten the hits of the requests
-    /// waiting on it, never fail them (see [`super::load_outcome`]). An unknown id, or a copy
-    /// that is not a storage copy, is an error that changes nothing; so is a wrong number of
-    /// outcomes.
+    /// waiting on it, never fail them (see [`super::load_outcome`]). An id
+    /// [`CacheManager::complete_transfer`] refuses, or a copy that is not a storage copy, is an
+    /// error that changes nothing; so is a wrong number of outcomes.
     pub fn complete_storage_transfer(
         &mut self,
         id: TransferId,
         outcome: Result<Option<&[BlockOutcome]>, TransferFailure>,
     ) -> Result<(), CompleteError> {
-        let flight = self.in_flight.get(&id).ok_or(CompleteError::UnknownTransfer(id))?;
+        self.check_completable(id)?;
+        let flight = self.in_flight.get(&id).expect("checked just above");
         if !flight.kind.is_storage() {
             return Err(CompleteError::NotStorage(id));
         }
@@ -121,6 +124,16 @@ impl CacheManager {
         };
         self.complete_storage(id, flight, outcome);
         Ok(())
+    }
+
+    /// Whether copy `id` can have completed: it is in flight and was handed out. A copy still
+    /// in the outbox names blocks no worker wrote, and swap-ins held back behind it.
+    fn check_completable(&self, id: TransferId) -> Result<(), CompleteError> {
+        match self.in_flight.get(&id) {
+            None => Err(CompleteError::UnknownTransfer(id)),
+            Some(flight) if !flight.issued => Err(CompleteError::NotIssued(id)),
+            Some(_) => Ok(()),
+        }
     }
 
     /// Applies storage copy `id`'s outcome; `flight` is out of the in-flight table already.

@@ -85,6 +85,10 @@ pub enum TicketError {
 pub enum CompleteError {
     #[error("transfer {} is not in flight", .0 .0)]
     UnknownTransfer(TransferId),
+    /// The copy is made but was never handed out ([`CacheManager::take_transfers`]): no worker
+    /// can have run it.
+    #[error("transfer {} was never handed out: it cannot have completed", .0 .0)]
+    NotIssued(TransferId),
     #[error("transfer {} is not a storage copy: it has no per-block results", .0 .0)]
     NotStorage(TransferId),
     #[error("transfer {} has {expected} blocks, not {got}", .transfer.0)]

@@ -4,7 +4,8 @@
 use kvshm::hash::BlockHash;
 use kvshm::manager::BlockOutcome::{self, Landed, Missing, Unavailable};
 use kvshm::manager::{
-    CacheConfig, CacheManager, RequestId, TicketId, TicketStatus, Transfer, TransferKind,
+    CacheConfig, CacheManager, CompleteError, RequestId, TicketId, TicketStatus, Transfer,
+    TransferId, TransferKind, TransferStage,
 };
 
 use crate::support::scheduler::{
@@ -78,6 +79,37 @@ fn load_while_another_holds(
     check(cache);
     complete_all(cache);
     ticket
+}
+
+/// A copy still in the outbox (here the swap-ins held back behind a LOAD) cannot have completed:
+/// completing it is refused and changes nothing, and the LOAD ahead of it then lands as usual.
+/// Accepted, it would leave the LOAD's nodes waiting on a swap-in that no longer exists.
+#[test]
+fn a_completion_of_a_copy_not_handed_out_is_refused_and_changes_nothing() {
+    let (mut cache, first, ticket, load) = request_50_waiting_on_a_load();
+    let queued: Vec<TransferId> = cache
+        .ticket_transfers(ticket)
+        .filter(|&id| cache.transfer_stage(id) == TransferStage::Queued)
+        .collect();
+    assert!(!queued.is_empty(), "swap-ins wait behind the LOAD");
+    for &id in &queued {
+        assert_eq!(cache.complete_transfer(id, Ok(())), Err(CompleteError::NotIssued(id)));
+        assert_eq!(
+            cache.complete_transfer(id, Err(tier_failure())),
+            Err(CompleteError::NotIssued(id))
+        );
+        assert_eq!(
+            cache.complete_storage_transfer(id, Ok(None)),
+            Err(CompleteError::NotIssued(id))
+        );
+        assert_eq!(cache.transfer_stage(id), TransferStage::Queued);
+        check(&cache);
+    }
+    cache.complete_transfer(load.id, Ok(())).unwrap();
+    check(&cache);
+    complete_all(&mut cache);
+    assert_eq!(cache.ticket_status(ticket), Ok(TicketStatus::Ready));
+    commit_and_finish(&mut cache, 50, &first);
 }
 
 #[test]
