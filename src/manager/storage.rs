@@ -406,8 +406,9 @@ impl CacheManager {
     /// a block whose parent is not cached waits, and joins the tree when its parent is committed
     /// (a prompt's first blocks are usually hot and never reach storage), or is given up once
     /// as many blocks as the tier holds were committed without its parent. Blocks already cached
-    /// are skipped; those beyond the tier's capacity are skipped and forgotten (a disk slab frees
-    /// them). Returns how many joined the tree now.
+    /// (found under their parent: the root, or a block of `blocks` before them) are left alone;
+    /// those beyond the tier's capacity are skipped and forgotten (a disk slab frees them).
+    /// Returns how many joined the tree now.
     pub fn adopt_stored_blocks(
         &mut self,
         blocks: impl IntoIterator<Item = (BlockHash, BlockHash, u32)>,
@@ -417,27 +418,34 @@ impl CacheManager {
         let mut adopted = 0;
         let capacity = self.config.storage_blocks as usize;
         for (hash, parent, depth) in blocks {
-            if self.storage_used as usize >= capacity {
-                // Beyond the tier's capacity: the scheduler will never count it, so the tier
-                // must not keep it either (a disk slab frees it; a shared tier keeps it).
-                self.forget_now(hash);
-                continue;
-            }
             let parent_id = if depth == 0 && parent == BlockHash(0) {
                 Some(NodeId::ROOT)
             } else {
                 by_hash.get(&parent).copied().filter(|&id| self.tree.is_live(id))
             };
+            let full = self.storage_used as usize >= capacity;
             let Some(parent_id) = parent_id else {
                 // Orphans do not count against the capacity (they may never join), but there
                 // are never more of them than the tier holds, and they expire (`forget`).
-                if self.orphan_count >= capacity {
+                if full || self.orphan_count >= capacity {
                     self.forget_now(hash);
                     continue;
                 }
                 self.keep_orphan(parent, hash, depth);
                 continue;
             };
+            if let Some(cached) = self.tree.child(parent_id, hash) {
+                // Cached already (and counted, if stored): left alone; its children in `blocks`
+                // are looked for under it.
+                by_hash.insert(hash, cached);
+                continue;
+            }
+            if full {
+                // Beyond the tier's capacity: the scheduler will never count it, so the tier
+                // must not keep it either (a disk slab frees it; a shared tier keeps it).
+                self.forget_now(hash);
+                continue;
+            }
             if let Some(id) = self.adopt_or_forget(parent_id, hash) {
                 by_hash.insert(hash, id);
                 adopted += 1;

@@ -205,6 +205,38 @@ fn stored_blocks_found_at_start_join_the_tree_at_once_or_when_their_parent_is_co
     check(&cache);
 }
 
+/// Adopting blocks that are cached already (a second listing of the tier, overlapping the tree)
+/// leaves them as they are: none is forgotten (the tier would drop a block the tree counts), none
+/// counted twice, and their children in the listing are found under them. A full tier made no
+/// difference to that: its capacity was checked before whether the block was cached.
+#[test]
+fn adopting_blocks_cached_already_leaves_them_alone_even_with_the_tier_full() {
+    let mut cache =
+        manager(CacheConfig::new(BLOCK_TOKENS, 4).with_host_blocks(2).with_storage_blocks(3));
+    let listing = [
+        (BlockHash(1), BlockHash(0), 0),
+        (BlockHash(2), BlockHash(1), 1),
+        (BlockHash(3), BlockHash(2), 2),
+    ];
+    assert_eq!(cache.adopt_stored_blocks(listing), 3);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.is_empty(), "{forgotten:?}");
+    check(&cache);
+
+    // The tier is full now; the same listing again, and again with a block past the capacity.
+    assert_eq!(cache.adopt_stored_blocks(listing), 0);
+    let beyond = [(BlockHash(1), BlockHash(0), 0), (BlockHash(4), BlockHash(1), 1)];
+    assert_eq!(cache.adopt_stored_blocks(beyond), 0);
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert_eq!(forgotten, vec![BlockHash(4)], "only the block past the capacity is forgotten");
+    assert_eq!(cache.storage_used_blocks(), 3);
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    let found = cache.cached_prefix(&hashes(&[1, 2, 3]));
+    assert_eq!(found.storage_blocks, 3, "{found:?}");
+    check(&cache);
+}
+
 /// Serves a workload whose prompts come back (so that blocks gather hits) through a small device
 /// and host tier over storage, under `policy`; returns the manager after the last request.
 fn serve_recurring_prompts(policy: StorageWritePolicy) -> CacheManager {
