@@ -73,6 +73,39 @@ fn a_store_out_of_its_lease_changes_nothing_and_a_key_stored_twice_holds_its_chu
     check(&index);
 }
 
+/// A key a client writes into a spare (the tier had it when its lease named it) is not stored
+/// again for that client while the spare is held, even once the tier lost the key: the spare's
+/// end would otherwise free it and make the new chunk loadable while the engine still wrote it.
+#[test]
+fn a_key_written_into_a_spare_is_not_stored_again_until_that_store_ends() {
+    let mut index = tier(1024);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let b = index.attach(&identity(), "b", None).unwrap();
+    let mut granted = Vec::new();
+    index.lease(a, 4, &mut granted).unwrap();
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store(b, "rb", &keys(&[1]), &mut out).unwrap());
+    index.store_leased(a, "ra", &keys(&[1]), 0).unwrap();
+    assert_eq!(index.client_summary(a).unwrap().leased, 4, "3 leased and a spare");
+    // b's store of key 1 is dropped: the tier no longer has the key.
+    index.release_client(b).unwrap();
+    assert_eq!(index.peek(&key(1)), LookupResult::Miss);
+    check(&index);
+
+    // a's engine offers keys 2, 1 and 3 through the owner: key 1 is skipped.
+    assert!(index.prepare_store(a, "ra2", &keys(&[2, 1, 3]), &mut out).unwrap());
+    assert_eq!(out.to_store, vec![0, 2], "key 1 is being written into a spare");
+    check(&index);
+    index.complete_store(a, &keys(&[1]), true).unwrap();
+    assert_eq!(index.peek(&key(1)), LookupResult::Miss, "the spare's end stores nothing");
+    index.complete_store(a, &keys(&[2, 3]), true).unwrap();
+    check(&index);
+    // The spare gone, key 1 may be stored again.
+    assert!(index.prepare_store(a, "ra3", &keys(&[1]), &mut out).unwrap());
+    assert_eq!(out.to_store, vec![0]);
+    check(&index);
+}
+
 #[test]
 fn a_lease_stays_within_the_quota_and_the_free_chunks() {
     let mut index = tier(512);

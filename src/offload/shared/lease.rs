@@ -15,7 +15,9 @@
 //!    chunk of a key the tier had (another engine stored it meanwhile) is a spare, held for the
 //!    client until its store of that key ends;
 //! 3. [`SharedTierIndex::complete_store`] frees a spare; [`SharedTierIndex::release_client`]
-//!    frees the lease and the spares with the client.
+//!    frees the lease and the spares with the client. Until then the key is not stored again
+//!    for the client ([`SharedTierIndex::prepare_store_for`] skips it), even if the tier lost it
+//!    meanwhile: the spare's end would be taken for the second store's.
 //!
 //! A call that does not follow the sequence (numbered other than the lease's first chunk, or
 //! more keys than chunks leased) is refused and changes nothing: the chunks stay leased to the
@@ -204,6 +206,23 @@ impl SharedTierIndex {
         for &chunk in granted {
             self.discharge(chunk);
         }
+    }
+
+    /// The indices of the keys of `keys` that `storer` is not writing into a spare, when it
+    /// writes any of them into one (`None` otherwise): such a key is not stored again until that
+    /// store ends. Stored twice, the first end would free the spare and make the second chunk
+    /// loadable while the engine still writes it.
+    pub(super) fn keys_without_spares(
+        &self,
+        storer: ClientId,
+        keys: &[OffloadKey],
+    ) -> Result<Option<Vec<u32>>, SharedTierError> {
+        let spares = &self.client(storer)?.lease.spares;
+        if spares.is_empty() || !keys.iter().any(|key| spares.contains_key(key)) {
+            return Ok(None);
+        }
+        let kept = (0u32..).zip(keys).filter(|(_, key)| !spares.contains_key(*key));
+        Ok(Some(kept.map(|(at, _)| at).collect()))
     }
 
     /// Step 3: frees `client`'s spare for `key`, if it holds one.

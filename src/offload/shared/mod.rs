@@ -358,7 +358,8 @@ impl SharedTierIndex {
 
     /// [`SharedTierIndex::prepare_store`] by `storer` (whose stores the new keys are: only it
     /// completes them) of chunks charged to `charged` and within its quota: the tier's storage
-    /// tier bringing blocks back for the client that asked for them (`storage/`).
+    /// tier bringing blocks back for the client that asked for them (`storage/`). A key the
+    /// storer writes into a spare chunk already (`lease.rs`) is not stored twice.
     pub fn prepare_store_for(
         &mut self,
         storer: ClientId,
@@ -367,7 +368,12 @@ impl SharedTierIndex {
         keys: &[OffloadKey],
         out: &mut PreparedStore,
     ) -> Result<bool, SharedTierError> {
-        self.client(storer)?;
+        if let Some(kept) = self.keys_without_spares(storer, keys)? {
+            let offered: Vec<OffloadKey> = kept.iter().map(|&at| keys[at as usize]).collect();
+            let stored = self.prepare_store_for(storer, charged, request, &offered, out)?;
+            out.to_store.iter_mut().for_each(|at| *at = kept[*at as usize]);
+            return Ok(stored);
+        }
         let (quota, held) = {
             let state = self.client(charged)?;
             (state.quota, state.charged as usize)
