@@ -85,7 +85,7 @@ pub enum TicketError {
 pub enum CompleteError {
     #[error("transfer {} is not in flight", .0 .0)]
     UnknownTransfer(TransferId),
-    /// The copy is made but was never handed out ([`CacheManager::take_transfers`]): no worker
+    /// The copy is made but was never handed out ([`super::CacheManager::take_transfers`]): no worker
     /// can have run it.
     #[error("transfer {} was never handed out: it cannot have completed", .0 .0)]
     NotIssued(TransferId),
