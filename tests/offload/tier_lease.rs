@@ -1,7 +1,9 @@
 //! A shared tier's leases (`SharedTierIndex::lease`, `store_leased`): chunks a client holds
 //! ahead of its stores, named later; `check_invariants` after every step.
 
-use kvshm::offload::{LookupResult, OffloadKey, PreparedStore, SharedTierError};
+use std::time::{Duration, Instant};
+
+use kvshm::offload::{LookupResult, OffloadKey, PreparedStore, SharedTierError, DEAD_CLIENT_GRACE};
 
 use crate::shared_tier::{check, identity, key, keys, tier};
 
@@ -103,6 +105,55 @@ fn a_key_written_into_a_spare_is_not_stored_again_until_that_store_ends() {
     // The spare gone, key 1 may be stored again.
     assert!(index.prepare_store(a, "ra3", &keys(&[1]), &mut out).unwrap());
     assert_eq!(out.to_store, vec![0]);
+    check(&index);
+}
+
+/// A client that died may have copies still running into its leased chunks (its engine writes
+/// one at once, before telling the owner) and into its partial stores' chunks: they go to no
+/// other store until the grace has passed. A client that detaches frees them at once.
+#[test]
+fn a_dead_clients_lease_and_partial_stores_go_to_no_store_until_the_grace_ends() {
+    let mut index = tier(256);
+    index.keep_free(0);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let b = index.attach(&identity(), "b", None).unwrap();
+    let mut granted = Vec::new();
+    index.lease(a, 4, &mut granted).unwrap();
+    assert_eq!(granted.len(), 4);
+    index.store_leased(a, "ra", &keys(&[1]), 0).unwrap();
+    let died = Instant::now();
+    let released = index.release_dead_client(a, died + DEAD_CLIENT_GRACE).unwrap();
+    assert_eq!((released.leased, released.stores, released.held_back), (3, 1, 4));
+    check(&index);
+    let mut held: Vec<u32> = index.held_back_chunks().collect();
+    held.sort_unstable();
+    granted.sort_unstable();
+    assert_eq!(held, granted);
+
+    // b takes every free chunk, and none of a's; then there is no room left.
+    let mut out = PreparedStore::default();
+    let fill: Vec<u32> = (100..352).collect();
+    assert!(index.prepare_store(b, "rb", &keys(&fill), &mut out).unwrap());
+    assert!(out.chunks.iter().all(|chunk| !held.contains(chunk)), "{held:?}");
+    assert!(!index.prepare_store(b, "rb", &keys(&[999]), &mut out).unwrap());
+    check(&index);
+    let almost = died + DEAD_CLIENT_GRACE - Duration::from_millis(1);
+    assert_eq!(index.return_held_back(almost), 0);
+    assert_eq!(index.return_held_back(died + DEAD_CLIENT_GRACE), 4);
+    check(&index);
+    assert!(index.prepare_store(b, "rb", &keys(&[999]), &mut out).unwrap());
+    assert!(held.contains(&out.chunks[0]));
+    check(&index);
+
+    // Detached, a client's lease is free at once.
+    let c = index.attach(&identity(), "c", None).unwrap();
+    index.complete_store(b, &keys(&fill), true).unwrap();
+    index.lease(c, 4, &mut granted).unwrap();
+    let leased = granted.len() as u32;
+    assert!(leased > 0);
+    let released = index.release_client(c).unwrap();
+    assert_eq!((released.leased, released.held_back), (leased, 0));
+    assert_eq!(index.held_back_chunks().count(), 0);
     check(&index);
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvshm::offload::{
     AttachError, LookupResult, OffloadConfig, OffloadKey, PreparedStore, SharedTierIndex,
-    TierOwner, TierServer, SWEEP_INTERVAL,
+    TierOwner, TierServer, DEAD_CLIENT_GRACE, SWEEP_INTERVAL,
 };
 use kvshm_ipc::liveness::ProcessIdentity;
 
@@ -53,19 +53,30 @@ fn a_client_killed_mid_load_and_mid_store_is_released_and_the_others_keep_their_
     eprintln!("released {:?} after the SIGKILL", killed.elapsed());
     assert_eq!(reaped.len(), 1, "the killed client is released");
     assert_eq!((reaped[0].client, reaped[0].pid), (doomed, doomed_identity.pid));
-    assert_eq!((reaped[0].released.pins, reaped[0].released.stores), (2, 2));
+    let released = reaped[0].released;
+    assert_eq!((released.pins, released.stores, released.held_back), (2, 2, 2));
     let index = owner.index();
     index.check_invariants().unwrap();
     assert_eq!(index.peek(&keys(&[3])[0]), LookupResult::Miss, "a partial store is never a hit");
     for key in keys(&[1, 2]) {
         assert_eq!(index.peek(&key), LookupResult::Hit, "the survivor's blocks stay");
     }
-    // Its pins are gone: the survivor's blocks can be evicted again.
-    assert!(index
-        .prepare_store(survivor, "t", &keys(&[10, 11, 12, 13, 14, 15, 16]), &mut out)
-        .unwrap());
+    // Its pins are gone: the survivor's blocks can be evicted again. The chunks of its partial
+    // stores go to no store for the grace: its copy side may still be writing them.
+    let mut held: Vec<u32> = index.held_back_chunks().collect();
+    held.sort_unstable();
+    assert!(index.prepare_store(survivor, "t", &keys(&[10, 11, 12, 13, 14]), &mut out).unwrap());
     assert_eq!(out.evicted.len(), 1, "{out:?}");
-    index.complete_store(survivor, &keys(&[10, 11, 12, 13, 14, 15, 16]), true).unwrap();
+    assert!(out.chunks.iter().all(|chunk| !held.contains(chunk)), "{out:?} {held:?}");
+    index.complete_store(survivor, &keys(&[10, 11, 12, 13, 14]), true).unwrap();
+    assert_eq!(index.return_held_back(Instant::now()), 0, "within the grace");
+    assert_eq!(index.return_held_back(Instant::now() + DEAD_CLIENT_GRACE), 2);
+    index.check_invariants().unwrap();
+    assert!(index.prepare_store(survivor, "t", &keys(&[15, 16]), &mut out).unwrap());
+    let mut reused = out.chunks.clone();
+    reused.sort_unstable();
+    assert_eq!((reused, out.evicted.len()), (held, 0), "free again after the grace");
+    index.complete_store(survivor, &keys(&[15, 16]), true).unwrap();
     let listed = owner.clients();
     assert_eq!(listed.len(), 1);
     assert_eq!((listed[0].pid, listed[0].summary.id), (survivor_identity.pid, survivor));

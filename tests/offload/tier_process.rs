@@ -18,7 +18,7 @@ use kvshm::storage::{disk_index, redis_listing, BlockLayout};
 use crate::support::{redis_for_test, RedisServer, Scratch};
 use kvshm::offload::{
     inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
-    TierIdentity,
+    TierIdentity, DEAD_CLIENT_GRACE,
 };
 use kvshm_ipc::name::SegmentName;
 
@@ -292,6 +292,7 @@ fn a_block_one_client_stored_is_a_hit_for_the_other_and_a_killed_clients_pins_ar
         killed.elapsed()
     );
     assert!(released.contains("\"pins\":3") && released.contains("\"stores\":2"), "{released}");
+    assert!(released.contains("\"held_back\":2"), "its partial stores' chunks: {released}");
 
     // The survivor keeps serving: its blocks and the killed client's stored ones are intact,
     // the partial stores are gone, and the killed client's pins no longer hold its chunks.
@@ -301,6 +302,9 @@ fn a_block_one_client_stored_is_a_hit_for_the_other_and_a_killed_clients_pins_ar
     assert_eq!(survivor.ask("prepare b4 5,6"), "2", "the partial stores were dropped");
     survivor.ask("complete 5,6");
     survivor.ask("finish b4");
+    // Once the killed client's copy side can no longer be writing the chunks of its partial
+    // stores, they are free again.
+    std::thread::sleep(DEAD_CLIENT_GRACE + Duration::from_millis(100));
     assert_eq!(
         survivor.ask("prepare b5 30,31,32,33,34,35,36,37"),
         "8",

@@ -81,6 +81,17 @@ impl OffloadManager {
         self.taken -= chunks.len() as u32;
     }
 
+    /// Takes `chunks`, free now (the chunks of stores just dropped), out of the free pool as
+    /// taken chunks, which no store gets until they are returned.
+    pub fn take_free(&mut self, chunks: &[u32]) {
+        for &chunk in chunks {
+            self.pool
+                .take(chunk)
+                .expect("a chunk just freed is free: a programming error otherwise");
+        }
+        self.taken += chunks.len() as u32;
+    }
+
     /// Chunks free now.
     pub fn free_chunks(&self) -> usize {
         self.pool.free_count()

@@ -35,9 +35,24 @@ impl SharedTierIndex {
             let most = self.max_leased();
             return Err(format!("{} chunks leased unnamed, at most {most}", self.leased_unnamed()));
         }
+        // A chunk held back for a dead client holds no key, is leased to no one and charged to
+        // no one (`release.rs`).
+        let mut held_back = 0;
+        for chunk in self.held_back_chunks() {
+            if chunk_keys.contains_key(&chunk)
+                || leased.insert(chunk, usize::MAX).is_some()
+                || self.owners.get(chunk as usize) != Some(&NO_OWNER)
+            {
+                return Err(format!("held-back chunk {chunk} holds a key, is leased or charged"));
+            }
+            held_back += 1;
+        }
         if leased.len() != self.manager.taken_chunks() {
             let taken = self.manager.taken_chunks();
-            return Err(format!("{} chunks leased, the manager took {taken}", leased.len()));
+            return Err(format!(
+                "{} chunks leased and {held_back} held back, the manager took {taken}",
+                leased.len() - held_back
+            ));
         }
         let mut charged = vec![0u32; self.clients.len()];
         for (chunk, &owner) in (0u32..).zip(&self.owners) {

@@ -23,8 +23,9 @@
 //!
 //! [`SharedTierIndex::release_client`] ends a client (it detached, or died): its pins go, its
 //! pending stores are dropped (their bytes may be partial), its requests end, and its stored keys
-//! stay in the tier, charged to no one. [`TierOwner`] (`owner.rs`) is the owner process's side:
-//! the index and a handle on each client's process, releasing the clients that died.
+//! stay in the tier, charged to no one; a dead client's chunks that its copy side may still write
+//! go to no store for a grace (`release.rs`). [`TierOwner`] (`owner.rs`) is the owner process's
+//! side: the index and a handle on each client's process, releasing the clients that died.
 
 mod ahead;
 mod arenas;
@@ -39,10 +40,12 @@ mod lease;
 mod listing;
 mod owner;
 mod pins;
+mod release;
 mod serve;
 mod storage;
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use serde::Serialize;
 
@@ -56,6 +59,7 @@ pub use lease::{LEASED_SHARE, MAX_LEASE};
 pub use listing::{inspect_tier, ClientRow, TierReport};
 pub use owner::{AttachError, ClientProcess, Reaped, TierOwner, SWEEP_INTERVAL};
 pub use pins::MAX_PINS;
+pub use release::DEAD_CLIENT_GRACE;
 pub use serve::{ClientGone, ServeError, ServeStats, TierServer, OWNER_SPIN};
 pub use storage::{TierStorage, TierStorageError, TierStorageStats};
 
@@ -167,8 +171,12 @@ pub struct Released {
     pub stores: u32,
     /// Chunks that stay in the tier, charged to no one now.
     pub chunks: u32,
-    /// Chunks it held ahead of its stores (`lease.rs`), free again.
+    /// Chunks it held ahead of its stores (`lease.rs`), free again (or, with `held_back`, once
+    /// the grace of a dead client is over).
     pub leased: u32,
+    /// Chunks its copy side may still be writing (its lease, its pending stores'), kept out of
+    /// every store for [`DEAD_CLIENT_GRACE`] after it died (`release.rs`).
+    pub held_back: u32,
 }
 
 /// One host tier shared by several clients (module flow).
@@ -190,6 +198,9 @@ pub struct SharedTierIndex {
     request_name: String,
     distinct: HashSet<OffloadKey, BuildPassThrough>,
     keys_scratch: Vec<OffloadKey>,
+    /// Chunks dead clients' copy sides may still be writing, each batch with the end of its
+    /// grace (`release.rs`): taken from the manager, charged to no one, holding no key.
+    held_back: Vec<(Instant, Vec<u32>)>,
 }
 
 impl SharedTierIndex {
@@ -209,6 +220,7 @@ impl SharedTierIndex {
             request_name: String::new(),
             distinct: HashSet::default(),
             keys_scratch: Vec::new(),
+            held_back: Vec::new(),
         };
         index.keep_free(DEFAULT_FREE_CHUNKS);
         Ok(index)
@@ -513,45 +525,6 @@ impl SharedTierIndex {
         self.name_request(client, request)?;
         self.manager.present(&self.request_name, std::slice::from_ref(parent));
         Ok(())
-    }
-
-    /// Ends `client` (detached, or found dead): releases its loads, drops its pending stores,
-    /// ends its requests, and leaves its stored keys in the tier charged to no one.
-    pub fn release_client(&mut self, client: ClientId) -> Result<Released, SharedTierError> {
-        self.client(client)?;
-        let state = self.clients[client.slot as usize].take().expect("checked above");
-        let leased = self.free_lease(&state.lease);
-        let mut loads = Vec::new();
-        for (key, count) in state.loads.iter() {
-            loads.extend(std::iter::repeat_n(*key, count as usize));
-        }
-        self.manager
-            .complete_load(&loads)
-            .expect("a client's loads are pinned in the manager: a programming error otherwise");
-        let stores: Vec<OffloadKey> = state.stores.keys().copied().collect();
-        for key in &stores {
-            let chunk = self.manager.chunk_of(key).expect("a pending store is cached");
-            // Charged to another client when the storage tier brought it back for that one.
-            if self.owners[chunk as usize] == client.slot {
-                self.owners[chunk as usize] = NO_OWNER;
-            } else {
-                self.discharge(chunk);
-            }
-        }
-        self.manager.complete_store(&stores, false);
-        let mut requests: Vec<(&String, &u64)> = state.requests.iter().collect();
-        requests.sort_unstable_by_key(|&(_, &first_call)| first_call);
-        for (name, _) in requests {
-            self.manager.on_request_finished(name, None)?;
-        }
-        let mut chunks = 0;
-        for owner in &mut self.owners {
-            if *owner == client.slot {
-                *owner = NO_OWNER;
-                chunks += 1;
-            }
-        }
-        Ok(Released { pins: loads.len() as u32, stores: stores.len() as u32, chunks, leased })
     }
 
     /// The attached clients, for `kvctl`.

@@ -8,18 +8,22 @@
 //! 2. the owner serves the client's calls through [`TierOwner::index`];
 //! 3. [`TierOwner::reap`], called at every turn of the owner's loop (its doorbell waits at most
 //!    [`SWEEP_INTERVAL`]), releases every client whose process has exited: its loads, its pending
-//!    stores and its requests go, its stored blocks stay;
+//!    stores and its requests go, its stored blocks stay, and the chunks it may still be writing
+//!    go to no store for [`DEAD_CLIENT_GRACE`] (`release.rs`);
 //! 4. [`TierOwner::detach`] ends a client that leaves on its own.
 //!
 //! [`TierServer`](super::TierServer) runs it in the owner process, over the clients' rings.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvshm_ipc::liveness::ProcessIdentity;
 use kvshm_ipc::process_handle::{OpenError, ProcessHandle};
 use serde::Serialize;
 
-use super::{ClientId, ClientSummary, Released, SharedTierError, SharedTierIndex, TierIdentity};
+use super::{
+    ClientId, ClientSummary, Released, SharedTierError, SharedTierIndex, TierIdentity,
+    DEAD_CLIENT_GRACE,
+};
 
 /// The longest the owner's loop waits between two sweeps of its clients' processes: a client's
 /// death is acted on within it (plus one sweep), well within the 100 ms DESIGN §12.4 promises.
@@ -86,15 +90,18 @@ impl TierOwner {
     }
 
     /// Module flow, step 3: releases every client whose process has exited, appending what
-    /// each gave back to `reaped`.
+    /// each gave back to `reaped`; the chunks its copy side may still be writing go to no store
+    /// for [`DEAD_CLIENT_GRACE`], and those of clients dead for longer are free again.
     pub fn reap(&mut self, reaped: &mut Vec<Reaped>) {
+        let now = Instant::now();
         let index = &mut self.index;
+        index.return_held_back(now);
         self.processes.retain(|(client, handle)| {
             if handle.is_alive() {
                 return true;
             }
             let released = index
-                .release_client(*client)
+                .release_dead_client(*client, now + DEAD_CLIENT_GRACE)
                 .expect("a watched client is attached: a programming error otherwise");
             reaped.push(Reaped { client: *client, pid: handle.identity().pid, released });
             false
