@@ -21,10 +21,12 @@
 //!    held or in flight) and loaded as in step 2, in the same ticket;
 //! 4. the ticket is ready once the QUERY and the LOADs completed. It belongs to no request:
 //!    it is forgotten once [`CacheManager::prefetch_status`] has read it done, or once
-//!    [`MAX_PREFETCH_TICKETS`] newer prefetch tickets exist. A prefetch LOAD that misses fails
-//!    its ticket; the requests that shared it are shortened, as for any LOAD (see
-//!    [`super::load_outcome`]); its nodes from the first miss on are storage-only again (a block
-//!    the tier reported missing is dropped with its subtree).
+//!    [`MAX_PREFETCH_TICKETS`] newer prefetch tickets exist. A prefetch is advisory: its ticket
+//!    never fails. A QUERY the tier failed finds nothing; a prefetch LOAD that misses ends its
+//!    ticket ready all the same (`prefetch_failed_blocks` counts the blocks), and the requests
+//!    that shared it are shortened, as for any LOAD (see [`super::load_outcome`]); its nodes from
+//!    the first miss on are storage-only again (a block the tier reported missing is dropped with
+//!    its subtree).
 //!
 //! An allocation that meets a node a prefetch is loading shares the LOAD: it gives the node a
 //! device block and a swap-in ordered after the LOAD (see `allocate`), and the LOAD then lands
@@ -236,7 +238,8 @@ impl CacheManager {
     }
 
     /// Applies the answer to QUERY `id`: `Ok(n)` when its first `n` blocks are present on every
-    /// rank, an error when the tier could not tell (nothing is adopted). The present blocks are
+    /// rank, an error when the tier could not tell (nothing is adopted, and the ticket waits on
+    /// nothing more: a prefetch's ticket never fails). The present blocks are
     /// adopted and loaded within the query's ticket (module flow, step 3), unless the tier is
     /// down by then.
     pub fn complete_storage_query(
@@ -254,23 +257,21 @@ impl CacheManager {
         let query = self.prefetch.remove(id).expect("found just above");
         // A ticket pushed out by newer ones: the loads still run, under a ticket of their own.
         let mut ticket = Some(query.ticket).filter(|ticket| self.tickets.contains_key(ticket));
-        let failure = match outcome {
-            // Defensive: a reset clears the queries, so an answer of an older generation is
-            // refused above as unknown; were one kept, it would adopt nothing.
-            // An answer arriving while the tier is down adopts and loads nothing (`tier_health`).
-            Ok(present) if query.generation == self.generation && !self.tier.is_down() => {
-                let present = present.min(query.limit);
-                let known = &query.hashes[..query.first + present];
-                let adopted = self.adopt_queried(known, query.first);
-                self.stats.prefetch_found_blocks += adopted as u64;
-                self.load_path(known, &mut ticket);
-                None
-            }
-            Ok(_) => None,
-            Err(failure) => Some(failure),
-        };
+        // Defensive: a reset clears the queries, so an answer of an older generation is refused
+        // above as unknown; were one kept, it would adopt nothing. An answer arriving while the
+        // tier is down adopts and loads nothing (`tier_health`). A QUERY the tier failed finds
+        // nothing: a prefetch is advisory, and its ticket ends as one that found nothing does
+        // (the worker counted the tier's error).
+        let current = query.generation == self.generation && !self.tier.is_down();
+        if let (Ok(present), true) = (outcome, current) {
+            let present = present.min(query.limit);
+            let known = &query.hashes[..query.first + present];
+            let adopted = self.adopt_queried(known, query.first);
+            self.stats.prefetch_found_blocks += adopted as u64;
+            self.load_path(known, &mut ticket);
+        }
         // The query itself is done: the ticket now waits on the loads alone.
-        self.resolve_tickets(&[query.ticket], failure);
+        self.resolve_tickets(&[query.ticket], None);
         Ok(())
     }
 
