@@ -72,6 +72,21 @@ fn store(index: &mut SharedTierIndex, client: ClientId, request: &str, blocks: &
     out.evicted.iter().map(block_of).collect()
 }
 
+/// The index takes a client for every client slot a tier's control object can have and one more,
+/// the owner's storage tier: an owner never finds it full for a client that claimed a slot (it
+/// would have to take the slot back from a live client, whose rings another could then share).
+#[test]
+fn every_control_slot_and_the_storage_tier_find_room_in_the_index() {
+    use kvshm_ipc::tier_control::MAX_TIER_CLIENTS;
+
+    let mut index = tier(64);
+    for client in 0..=MAX_TIER_CLIENTS {
+        index.attach(&identity(), &format!("engine-{client}"), None).unwrap();
+    }
+    assert_eq!(index.attach(&identity(), "one more", None), Err(SharedTierError::NoFreeSlot));
+    check(&index);
+}
+
 #[test]
 fn a_block_stored_by_one_client_is_a_hit_for_another() {
     let mut index = tier(8);

@@ -70,8 +70,11 @@ use super::manager::{
     PreparedStore,
 };
 
-/// The most clients one tier serves at once.
-pub const MAX_CLIENTS: usize = 256;
+/// The most clients one tier serves at once: one per client slot its control object can have,
+/// and the owner's storage tier, which attaches as a client of its own (`storage/`). An owner
+/// never finds the index full for a client that claimed a slot, so it never has to take a slot
+/// back from a live client.
+pub const MAX_CLIENTS: usize = kvshm_ipc::tier_control::MAX_TIER_CLIENTS as usize + 1;
 
 /// The most requests one client has live in the tier at once (named by its calls, not yet
 /// finished): far above what an engine runs or queues, a bound on what the owner keeps for a
