@@ -140,8 +140,14 @@ impl RankChannel {
         self.completion_slots - self.credits
     }
 
-    /// Encodes a command for this rank, queues it and returns its id.
+    /// Encodes a command for this rank, queues it and returns its id: a copy or a PING, which
+    /// the worker answers in ring order with the copies. Not a FLUSH: a worker with a storage
+    /// tier answers that in its storage lane, so its answer's place would not be this lane's.
     pub fn queue(&mut self, header: CommandHeader, pairs: &[kvshm_ipc::record::BlockPair]) -> u64 {
+        debug_assert!(
+            kvshm_ipc::record::Op::from_wire(header.op) != Some(kvshm_ipc::record::Op::Flush),
+            "the scheduler issues no FLUSH: its lane depends on the worker's storage tier"
+        );
         let command_id = self.next_command_id;
         self.next_command_id += 1;
         let mut header = header;
