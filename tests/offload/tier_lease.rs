@@ -157,6 +157,28 @@ fn a_dead_clients_lease_and_partial_stores_go_to_no_store_until_the_grace_ends()
     check(&index);
 }
 
+/// Chunks held back for a dead client are free within the grace: the owner does not evict cached
+/// keys ahead of demand to stand in for them (they would be lost for nothing when the grace ends).
+#[test]
+fn chunks_held_back_for_a_dead_client_count_as_free_ahead_of_demand() {
+    let mut index = tier(2048);
+    index.keep_free(8);
+    assert_eq!(index.free_target(), 8);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let b = index.attach(&identity(), "b", None).unwrap();
+    let mut granted = Vec::new();
+    index.lease(a, 4, &mut granted).unwrap();
+    assert_eq!(granted.len(), 4);
+    let fill: Vec<u32> = (0..2044).collect();
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store(b, "rb", &keys(&fill), &mut out).unwrap());
+    index.complete_store(b, &keys(&fill), true).unwrap();
+    index.release_dead_client(a, Instant::now() + DEAD_CLIENT_GRACE).unwrap();
+    assert_eq!(index.evict_ahead(100), 4, "8 free wanted, 4 held back");
+    assert_eq!(index.evict_ahead(100), 0);
+    check(&index);
+}
+
 #[test]
 fn a_lease_stays_within_the_quota_and_the_free_chunks() {
     let mut index = tier(512);

@@ -24,6 +24,27 @@ fn engine() -> (Child, ProcessIdentity) {
     (child, identity)
 }
 
+/// A client found dead outside a sweep (its channel broke as it died) is released as a reaped
+/// one is: the chunks its copy side may still be writing are held back for the grace.
+#[test]
+fn a_client_found_dead_outside_a_sweep_has_its_chunks_held_back_too() {
+    let mut owner =
+        TierOwner::new(SharedTierIndex::new(identity(), OffloadConfig::new(8)).unwrap());
+    let (mut process, process_identity) = engine();
+    let client = owner.attach_process(&identity(), "c", None, process_identity).unwrap();
+    let mut out = PreparedStore::default();
+    assert!(owner.index().prepare_store(client, "r", &keys(&[1, 2]), &mut out).unwrap());
+    process.kill().unwrap();
+    process.wait().unwrap();
+    let released = owner.release_dead(client).unwrap();
+    assert_eq!((released.stores, released.held_back), (2, 2));
+    assert_eq!(owner.index().held_back_chunks().count(), 2);
+    owner.index().check_invariants().unwrap();
+    let mut reaped = Vec::new();
+    owner.reap(&mut reaped);
+    assert!(reaped.is_empty(), "released already: no longer watched");
+}
+
 #[test]
 fn a_client_killed_mid_load_and_mid_store_is_released_and_the_others_keep_their_blocks() {
     let mut owner =

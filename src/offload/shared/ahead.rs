@@ -36,10 +36,13 @@ impl SharedTierIndex {
         self.free_target
     }
 
-    /// Module flow, step 2: evicts at most `most` keys; returns how many it evicted.
+    /// Module flow, step 2: evicts at most `most` keys; returns how many it evicted. Chunks
+    /// held back for a dead client (`release.rs`) count as free: they are within seconds, and
+    /// evicting cached keys for them now would lose those keys for nothing.
     pub fn evict_ahead(&mut self, most: usize) -> usize {
         let mut evicted = std::mem::take(&mut self.evicted_ahead);
-        self.manager.evict_ahead(self.free_target, most, &mut evicted);
+        let target = self.free_target.saturating_sub(self.held_back_chunks().count());
+        self.manager.evict_ahead(target, most, &mut evicted);
         for &chunk in &evicted.evicted_chunks {
             self.discharge(chunk);
             if let Some(table) = &self.keys {

@@ -15,7 +15,8 @@
 //!    chunk of a key the tier had (another engine stored it meanwhile) is a spare, held for the
 //!    client until its store of that key ends;
 //! 3. [`SharedTierIndex::complete_store`] frees a spare; [`SharedTierIndex::release_client`]
-//!    frees the lease and the spares with the client. Until then the key is not stored again
+//!    frees the lease and the spares with the client (after a grace when it died:
+//!    `release.rs`). Until then the key is not stored again
 //!    for the client ([`SharedTierIndex::prepare_store_for`] skips it), even if the tier lost it
 //!    meanwhile: the spare's end would be taken for the second store's.
 //!

@@ -115,6 +115,16 @@ impl TierOwner {
         Ok(released)
     }
 
+    /// Ends a client whose process was found dead outside a sweep (its channel broke as it
+    /// died): as [`TierOwner::reap`] would, the chunks its copy side may still be writing go to
+    /// no store for [`DEAD_CLIENT_GRACE`].
+    pub fn release_dead(&mut self, client: ClientId) -> Result<Released, SharedTierError> {
+        let released =
+            self.index.release_dead_client(client, Instant::now() + DEAD_CLIENT_GRACE)?;
+        self.processes.retain(|(watched, _)| *watched != client);
+        Ok(released)
+    }
+
     /// The attached clients with their processes, for `kvctl`.
     pub fn clients(&self) -> Vec<ClientProcess> {
         let summaries = self.index.clients();

@@ -422,8 +422,13 @@ impl TierServer {
         let (word, process, detached) = (served.word, served.process, served.detached);
         let pid = word.pid();
         if detached || !process.is_alive() {
-            if let Ok(released) = self.owner.detach(served.client) {
-                self.gone.push(ClientGone { slot, pid, died: false, released });
+            let released = if detached {
+                self.owner.detach(served.client)
+            } else {
+                self.owner.release_dead(served.client)
+            };
+            if let Ok(released) = released {
+                self.gone.push(ClientGone { slot, pid, died: !detached, released });
             }
             self.reclaim(slot, word);
         } else {
