@@ -16,7 +16,7 @@
 //!   bytes per second, sleeping inside the copy itself: a slow copy, as a large copy on a slow or
 //!   busy machine would be;
 //! - [`STORAGE_CRASH_ENV`] (`KVSHM_STORAGE_CRASH=POINT@N`) makes a disk tier kill its process at a
-//!   step of its N-th block write.
+//!   step of its N-th block write (or, `panic@N`, panic its storage thread there).
 
 use std::time::Duration;
 

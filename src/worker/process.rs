@@ -243,7 +243,11 @@ fn start_and_serve(options: &WorkerOptions) -> Result<ServeExit, WorkerError> {
     // the claim go, in this order.
     drop(engine);
     match ending {
-        Err(error @ (ServeError::CommandRing(_) | ServeError::StoppedUnanswered { .. })) => {
+        Err(
+            error @ (ServeError::CommandRing(_)
+            | ServeError::StoppedUnanswered { .. }
+            | ServeError::StorageThreadPanicked),
+        ) => {
             // Keep the slot ATTACHED to this soon-dead process instead of releasing it: the
             // scheduler then judges the rank dead and resets its rings before any worker can
             // claim it, whereas a release would hand the out-of-step rings (or commands popped

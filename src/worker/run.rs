@@ -124,6 +124,10 @@ pub enum ServeError {
     /// scheduler stopped reaping): the rank is left to the scheduler to reclaim, not released.
     #[error("stopped with {unanswered} answers the completion ring had no room for")]
     StoppedUnanswered { unanswered: usize },
+    /// The storage thread panicked: the storage commands given to it since went unanswered, so
+    /// the rank is left to the scheduler to reclaim.
+    #[error("the storage thread panicked; storage commands went unanswered")]
+    StorageThreadPanicked,
 }
 
 /// How one step of the loop can end it.
@@ -222,10 +226,10 @@ impl<'a> Server<'a> {
     /// answer what it was given ([`StorageLane::close`]).
     pub fn serve(&mut self) -> Result<ServeExit, ServeError> {
         let served = self.serve_commands();
-        let unanswered = self.storage.as_mut().map_or(0, StorageLane::close);
-        match served {
-            Ok(_) if unanswered > 0 => Err(ServeError::StoppedUnanswered { unanswered }),
-            served => served,
+        let storage = self.storage.as_mut().map_or(Ok(()), StorageLane::close);
+        match (served, storage) {
+            (Ok(_), Err(error)) => Err(error),
+            (served, _) => served,
         }
     }
 

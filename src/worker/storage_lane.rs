@@ -49,7 +49,7 @@ use kvshm_ipc::worker_slot::{ClaimLost, HEARTBEAT_INTERVAL};
 use super::completion_sink::CompletionSink;
 use super::geometry::Geometry;
 use super::host_engine::MappedArea;
-use super::run::EXIT_CLAIM_LOST;
+use super::run::{ServeError, EXIT_CLAIM_LOST};
 use super::storage_command::{StorageCommand, StorageOp};
 use super::validate::{validate, ValidCommand};
 use crate::hash::BlockHash;
@@ -235,27 +235,32 @@ impl StorageLane<'_> {
     /// Closes the queue and waits until the thread answered every job (step 4), heartbeating
     /// meanwhile: one job (a Redis part waiting out its timeout, the exit sync of a large slab)
     /// may take far longer than the heartbeat timeout, and the storage thread heartbeats only
-    /// between jobs. Returns how many jobs went unanswered: a stop arrived while an answer
-    /// waited for room in the completion ring.
-    pub fn close(&mut self) -> usize {
+    /// between jobs. Fails when a job went unanswered: a stop arrived while an answer waited
+    /// for room in the completion ring, or the thread panicked (the commands queued since went
+    /// unanswered too).
+    pub fn close(&mut self) -> Result<(), ServeError> {
         drop(self.jobs.take());
-        let Some(thread) = self.thread.take() else { return 0 };
+        let Some(thread) = self.thread.take() else { return Ok(()) };
         while !thread.is_finished() {
             // A lost claim: the storage thread ends the process at its next heartbeat.
             let _ = self.claim.heartbeat();
             std::thread::sleep(HEARTBEAT_INTERVAL);
         }
-        thread.join().unwrap_or_else(|_| {
-            tracing::error!("the storage thread panicked");
-            0
-        })
+        match thread.join() {
+            Ok(0) => Ok(()),
+            Ok(unanswered) => Err(ServeError::StoppedUnanswered { unanswered }),
+            Err(_) => {
+                tracing::error!("the storage thread panicked");
+                Err(ServeError::StorageThreadPanicked)
+            }
+        }
     }
 }
 
 impl Drop for StorageLane<'_> {
     /// [`StorageLane::close`], for a lane the copy loop did not close (it ended on an error).
     fn drop(&mut self) {
-        self.close();
+        let _ = self.close();
     }
 }
 
@@ -312,8 +317,9 @@ enum Published {
 }
 
 /// Pushes one completion, waiting for room (heartbeating) while the scheduler lives and no stop
-/// is requested.
+/// is requested (once a stop is, one more wait for room, as the copy loop gives its answers).
 fn publish(context: &LaneContext<'_>, completion: Completion) -> Published {
+    let mut stop_seen = false;
     loop {
         if context.sink.push_available(&[completion]) == 1 {
             context.segment.scheduler_doorbell().ring();
@@ -323,7 +329,10 @@ fn publish(context: &LaneContext<'_>, completion: Completion) -> Published {
             return Published::Done;
         }
         if (context.stop_requested)() {
-            return Published::StoppedWithoutRoom;
+            if stop_seen {
+                return Published::StoppedWithoutRoom;
+            }
+            stop_seen = true;
         }
         std::thread::sleep(FULL_RING_POLL);
         if let Err(lost) = context.claim.heartbeat() {

@@ -611,6 +611,34 @@ fn a_worker_stopped_while_storage_answers_wait_for_room_leaves_its_rank_to_be_re
     assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Dead { pid: worker.pid() });
 }
 
+/// A storage thread that panicked answers nothing more: a stop then does not release the rank
+/// (the storage commands given to the thread since went unanswered), which the scheduler must
+/// reclaim, resetting the rings, as after a crash.
+#[test]
+fn a_worker_whose_storage_thread_panicked_leaves_its_rank_to_be_reclaimed() {
+    let dir = Scratch::new("ws-panic");
+    let name = unique_name("storage-panic");
+    let segment = Segment::create(&name, &storage_config(1, false)).unwrap();
+    let env = [("KVSHM_STORAGE_CRASH", "panic@1".to_owned())];
+    let mut worker = Worker::spawn(&name, 0, &disk_args(&dir, &[]), &env, None);
+    let mut rank = RankDriver::new(&segment, 0);
+    rank.wait_alive(&worker);
+    rank.fill_host(0, 7);
+    rank.send_storage(Op::StorageStore, &[entry(7, 0)]);
+    let query = [StorageEntry::new(block_hash(7), 0, 7, NO_HOST_BLOCK)];
+    rank.send_storage(Op::StorageQuery, &query);
+    // A copy still answers: the copy loop runs on.
+    let ping = rank.send_copy(Op::Ping, &[]);
+    assert_eq!(rank.completions(1)[0].command_id, ping.command_id);
+    assert_eq!(rank.waiting_completions(), 0, "the storage commands are never answered");
+
+    worker.signal(nix::sys::signal::Signal::SIGTERM);
+    let (status, stderr) = worker.wait_exit_within(Duration::from_secs(10));
+    assert!(!status.success(), "a stop with unanswered commands passed for a clean exit: {stderr}");
+    assert!(stderr.contains("storage thread panicked"), "{stderr}");
+    assert_eq!(segment.rank_status(0).unwrap(), RankStatus::Dead { pid: worker.pid() });
+}
+
 /// A storage command whose entry slots never reach the ring is refused (`Malformed`) behind the
 /// storage commands before it, in the storage lane's order, before the worker stops on the ring
 /// out of step: the scheduler takes an answer that overtakes earlier commands of its lane for

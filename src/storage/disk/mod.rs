@@ -126,6 +126,11 @@ impl DiskBackend {
         if self.crash == Some(CrashHook { write, point }) {
             crash_now();
         }
+        if point == CrashPoint::AfterInvalidate
+            && self.crash == Some(CrashHook { write, point: CrashPoint::Panic })
+        {
+            panic!("test hook: the storage thread panics at write {write}");
+        }
     }
 
     /// What the I/O threads of one batch share.

@@ -25,7 +25,8 @@ pub struct DiskOptions {
 }
 
 /// Test hook: raise SIGKILL in the middle of the `write`-th block written since the back-end
-/// was opened (counting from 1), at `point`.
+/// was opened (counting from 1), at `point` (or panic the thread writing it, at
+/// [`CrashPoint::Panic`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CrashHook {
     pub write: u64,
@@ -41,16 +42,19 @@ pub enum CrashPoint {
     MidPayload,
     /// After the block's bytes were written, before its record (between steps 3 and 4).
     BeforeRecord,
+    /// Where `AfterInvalidate` is, a panic of the thread writing instead of SIGKILL: the worker
+    /// then answers the storage commands given to its storage thread no more.
+    Panic,
 }
 
 impl std::str::FromStr for CrashHook {
     type Err = String;
 
-    /// `POINT@N`, POINT one of `after-invalidate`, `mid-payload`, `before-record`.
+    /// `POINT@N`, POINT one of `after-invalidate`, `mid-payload`, `before-record`, `panic`.
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         let error = || {
             format!(
-                "crash hook {text:?} is not POINT@N (after-invalidate, mid-payload, before-record)"
+                "crash hook {text:?} is not POINT@N (after-invalidate, mid-payload, before-record, panic)"
             )
         };
         let (point, write) = text.split_once('@').ok_or_else(error)?;
@@ -58,6 +62,7 @@ impl std::str::FromStr for CrashHook {
             "after-invalidate" => CrashPoint::AfterInvalidate,
             "mid-payload" => CrashPoint::MidPayload,
             "before-record" => CrashPoint::BeforeRecord,
+            "panic" => CrashPoint::Panic,
             _ => return Err(error()),
         };
         let write = write.parse().map_err(|_| error())?;
