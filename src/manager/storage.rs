@@ -435,8 +435,14 @@ impl CacheManager {
                 continue;
             };
             if let Some(cached) = self.tree.child(parent_id, hash) {
-                // Cached already (and counted, if stored): left alone; its children in `blocks`
-                // are looked for under it.
+                // Cached already: left alone, and its children in `blocks` are looked for under
+                // it. A copy on the tier the tree does not count (the node not stored, no STORE
+                // of it in flight) is forgotten when the tier is full, as any block past its
+                // capacity is.
+                let node = self.tree.node(cached);
+                if full && !node.stored() && !node.state().in_flight() {
+                    self.forget_now(hash);
+                }
                 by_hash.insert(hash, cached);
                 continue;
             }

@@ -290,7 +290,7 @@ impl CacheManager {
         }
         let in_flight = &mut self.in_flight;
         self.outbox.retain(|id| {
-            // A copy completed before it was taken is gone from `in_flight`: drop it.
+            // A copy cancelled or settled before it was taken is gone from `in_flight`: drop it.
             let Some(flight) = in_flight.get(id) else { return false };
             if flight.after.iter().any(|before| in_flight.contains_key(before)) {
                 return true;

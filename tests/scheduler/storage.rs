@@ -235,6 +235,15 @@ fn adopting_blocks_cached_already_leaves_them_alone_even_with_the_tier_full() {
     let found = cache.cached_prefix(&hashes(&[1, 2, 3]));
     assert_eq!(found.storage_blocks, 3, "{found:?}");
     check(&cache);
+
+    // A block cached on device alone, listed while the tier is full: the tree does not count the
+    // tier's copy, so the tier forgets it.
+    serve(&mut cache, 1, &hashes(&[50, 51]));
+    assert_eq!(cache.cached_prefix(&hashes(&[50])).device_blocks, 1);
+    assert_eq!(cache.adopt_stored_blocks([(BlockHash(50), BlockHash(0), 0)]), 0);
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert_eq!(forgotten, vec![BlockHash(4), BlockHash(50)]);
+    check(&cache);
 }
 
 /// Serves a workload whose prompts come back (so that blocks gather hits) through a small device
