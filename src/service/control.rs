@@ -85,11 +85,14 @@ impl Service {
             ),
             (Counter::StorageForgetsDropped, service.storage_forgets_dropped),
             (
+                // Saturating: a rematch given more hashes than its match counts hits among
+                // blocks that match never queried.
                 Counter::MissBlocks,
-                cache.counters.queried_blocks
-                    - cache.counters.hits.device_blocks
-                    - cache.counters.hits.host_blocks
-                    - cache.counters.hits.storage_blocks,
+                cache.counters.queried_blocks.saturating_sub(
+                    cache.counters.hits.device_blocks
+                        + cache.counters.hits.host_blocks
+                        + cache.counters.hits.storage_blocks,
+                ),
             ),
             (
                 Counter::HitTokens,

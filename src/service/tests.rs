@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use kvshm_ipc::counters::Counter;
 use kvshm_ipc::record::{CommandError, CommandSlot, Completion, Op};
 use kvshm_ipc::segment::RankClaim;
 use kvshm_ipc::worker_watch::Observation;
@@ -85,6 +86,30 @@ fn pop_commands(segment: &Segment, rank: u32) -> Vec<kvshm_ipc::record::CommandH
 /// A copy that failed on one rank shows no layer ready while another rank still copies, however
 /// many layers that rank published: an engine reading them would read what never landed on the
 /// failed rank.
+/// A rematch given more hashes than its match (the engine's input, not checked against the
+/// match's) counts hits among blocks the match never queried: the published miss count stays a
+/// count, never an underflow (a panic in debug builds, 2^64 misses in release ones).
+#[test]
+fn a_rematch_with_more_hashes_than_its_match_does_not_underflow_the_misses() {
+    let mut service = service_with("rematch-misses", |config| {
+        config.cache = CacheConfig::new(BLOCK_TOKENS, 8);
+    });
+    let hashes = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
+    let tokens = 4 * BLOCK_TOKENS as usize;
+    // Both matches query no block.
+    service.match_prefix(RequestId(1), &[], tokens).unwrap();
+    service.allocate(RequestId(1), tokens, 0).unwrap();
+    service.commit(RequestId(1), tokens, &hashes).unwrap();
+    service.finish(RequestId(1)).unwrap();
+    let prompt = tokens + 1;
+    service.match_prefix(RequestId(2), &[], prompt).unwrap();
+    let found = service.rematch(RequestId(2), &hashes, prompt).unwrap();
+    assert_eq!(found.device_blocks, 4);
+    service.poll();
+    let misses = service.segment().counters().get(Counter::MissBlocks);
+    assert!(misses <= 4, "{misses} misses");
+}
+
 #[test]
 fn a_copy_failed_on_one_rank_has_no_layer_ready_while_another_still_copies() {
     const LAYERS: u32 = 4;
