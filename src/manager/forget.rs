@@ -20,7 +20,9 @@
 //! A back-end that owns its room (disk) frees each block; a shared one (Redis) keeps it, since
 //! another service may count it.
 
-use super::CacheManager;
+use std::collections::HashSet;
+
+use super::{CacheManager, TransferKind};
 use crate::hash::BlockHash;
 use crate::tree::NodeState;
 
@@ -29,6 +31,31 @@ impl CacheManager {
     /// may hold (module flow), oldest first. Empty without a storage tier.
     pub fn take_forgotten_blocks(&mut self, out: &mut Vec<BlockHash>) {
         out.append(&mut self.forgotten);
+    }
+
+    /// Keeps of `hashes` (blocks a FORGET is to be sent again for: it failed, or was never
+    /// sent) those the tier may drop: not the ones a node is counted on storage with now, or
+    /// whose STORE is in flight. A STORE of the block issued after the first FORGET would
+    /// otherwise be freed by the second, behind it in the ring. Scans the tree: for the rare
+    /// FORGET sent again.
+    pub fn keep_forgettable(&self, hashes: &mut Vec<BlockHash>) {
+        if hashes.is_empty() {
+            return;
+        }
+        let asked: HashSet<BlockHash> = hashes.iter().copied().collect();
+        let tree = &self.tree;
+        let counted = tree
+            .ids()
+            .map(|id| tree.node(id))
+            .filter(|node| node.stored() || matches!(node.state(), NodeState::HostToStorage(_)));
+        let stores =
+            self.in_flight.values().filter(|flight| flight.kind == TransferKind::HostToStorage);
+        let kept: HashSet<BlockHash> = counted
+            .map(|node| node.hash())
+            .chain(stores.flat_map(|flight| flight.blocks.iter().map(|block| block.hash)))
+            .filter(|hash| asked.contains(hash))
+            .collect();
+        hashes.retain(|hash| !kept.contains(hash));
     }
 
     /// Blocks queued for a FORGET and not taken yet.

@@ -207,13 +207,22 @@ impl Service {
             self.send_forgets(&forgotten, false);
             forgotten.clear();
         }
+        // Sent again: not for a block stored again since (a FORGET behind its STORE would free
+        // what the tree counts). Backlogs need no such care: no STORE is issued while a rank
+        // is down, nor while the tier is.
         if !self.meta.retries.is_empty() {
-            let retries = std::mem::take(&mut self.meta.retries);
-            self.send_forgets(&retries, true);
+            let mut retries = std::mem::take(&mut self.meta.retries);
+            self.manager.keep_forgettable(&mut retries);
+            if !retries.is_empty() {
+                self.send_forgets(&retries, true);
+            }
         }
         if !self.meta.unsent.is_empty() {
-            let unsent = std::mem::take(&mut self.meta.unsent);
-            self.send_forgets(&unsent, false);
+            let mut unsent = std::mem::take(&mut self.meta.unsent);
+            self.manager.keep_forgettable(&mut unsent);
+            if !unsent.is_empty() {
+                self.send_forgets(&unsent, false);
+            }
         }
         for index in 0..self.meta.backlogs.len() {
             if !self.meta.backlogs[index].is_empty() && !self.transport.is_down(index) {

@@ -83,9 +83,6 @@ fn pop_commands(segment: &Segment, rank: u32) -> Vec<kvshm_ipc::record::CommandH
     headers
 }
 
-/// A copy that failed on one rank shows no layer ready while another rank still copies, however
-/// many layers that rank published: an engine reading them would read what never landed on the
-/// failed rank.
 /// A rematch given more hashes than its match (the engine's input, not checked against the
 /// match's) counts hits among blocks the match never queried: the published miss count stays a
 /// count, never an underflow (a panic in debug builds, 2^64 misses in release ones).
@@ -110,6 +107,9 @@ fn a_rematch_with_more_hashes_than_its_match_does_not_underflow_the_misses() {
     assert!(misses <= 4, "{misses} misses");
 }
 
+/// A copy that failed on one rank shows no layer ready while another rank still copies, however
+/// many layers that rank published: an engine reading them would read what never landed on the
+/// failed rank.
 #[test]
 fn a_copy_failed_on_one_rank_has_no_layer_ready_while_another_still_copies() {
     const LAYERS: u32 = 4;
@@ -486,6 +486,86 @@ fn a_forget_that_fails_is_sent_once_more_and_then_given_up_and_counted() {
     let counters = service.segment().counters();
     assert_eq!(counters.get(Counter::StorageForgetFailures), 2, "published for kvctl");
     assert_eq!(counters.get(Counter::StorageForgetsDropped), 2);
+}
+
+/// Pops every command published to rank 0, answers each with success but the FORGETs (left
+/// unanswered); returns the ops answered and the blocks of the FORGETs popped.
+fn answer_all_but_forgets(segment: &Segment) -> (Vec<u32>, Vec<u128>) {
+    use kvshm_ipc::storage_record::{entries_from_pairs, StorageResults};
+
+    let mut commands = segment.command_consumer(0).unwrap();
+    let mut completions = segment.completion_producer(0).unwrap();
+    let mut slots: Vec<CommandSlot> = Vec::new();
+    commands.pop_into(&mut slots, usize::MAX).unwrap();
+    let (mut pairs, mut entries, mut rest) = (Vec::new(), Vec::new(), &slots[..]);
+    let (mut ops, mut forgotten) = (Vec::new(), Vec::new());
+    while !rest.is_empty() {
+        pairs.clear();
+        let (header, used) = kvshm_ipc::record::decode_command(rest, &mut pairs).unwrap();
+        rest = &rest[used..];
+        if header.op == Op::StorageForget as u32 {
+            entries.clear();
+            entries_from_pairs(&pairs, &mut entries).unwrap();
+            forgotten.extend(entries.iter().map(|entry| entry.hash()));
+            continue;
+        }
+        let mut completion = Completion::ok(header.command_id, header.generation);
+        completion.detail = StorageResults { done: u32::MAX, failed: 0 }.to_detail();
+        completions.push(completion).unwrap();
+        ops.push(header.op);
+    }
+    (ops, forgotten)
+}
+
+/// A FORGET that failed (here its answer was overtaken in the storage lane, so lost) is sent once
+/// more, but not for a block stored again since: behind the new STORE in the ring, it would free
+/// the copy the tree counts now, and that block's next LOAD would miss.
+#[test]
+fn a_failed_forget_is_not_sent_again_for_a_block_stored_again_since() {
+    let mut service = service_with("forget-after-store", |config| {
+        config.cache = config
+            .cache
+            .clone()
+            .with_storage_blocks(8)
+            .with_storage_write_policy(crate::manager::StorageWritePolicy::WriteThrough);
+    });
+    let (segment, _claim) = claim_rank(&mut service);
+    // Blocks 11 and 12 reach the host tier (eight newer blocks take the device), and are
+    // written through to storage.
+    let newer = |base: u128| (base..base + 8).map(BlockHash).collect::<Vec<_>>();
+    let settle = |service: &mut Service| {
+        for _ in 0..6 {
+            answer_all_but_forgets(&segment);
+            service.poll();
+        }
+    };
+    cache_blocks(&mut service, 1, &[BlockHash(11), BlockHash(12)]);
+    settle(&mut service);
+    cache_blocks(&mut service, 2, &newer(20));
+    settle(&mut service);
+    assert_eq!(service.cache().storage_used_blocks(), 2, "blocks 11 and 12 stored");
+    service.reset(true).unwrap();
+    service.poll();
+    let (_, forgotten) = answer_all_but_forgets(&segment);
+    assert!(forgotten.contains(&11) && forgotten.contains(&12), "{forgotten:?}");
+
+    // Stored again while that FORGET is in the ring, unanswered: the STOREs' answers overtake
+    // it, and it fails as lost.
+    cache_blocks(&mut service, 3, &[BlockHash(11), BlockHash(12)]);
+    settle(&mut service);
+    cache_blocks(&mut service, 4, &newer(40));
+    let mut sent_again = Vec::new();
+    for _ in 0..6 {
+        sent_again.extend(answer_all_but_forgets(&segment).1);
+        service.poll();
+    }
+    assert_eq!(service.cache().storage_used_blocks(), 2, "blocks 11 and 12 stored again");
+    assert!(!sent_again.is_empty(), "the failed FORGET is sent once more");
+    assert!(
+        !sent_again.contains(&11) && !sent_again.contains(&12),
+        "sent again behind the STOREs of 11 and 12: {sent_again:?}"
+    );
+    service.cache().check_invariants().unwrap();
 }
 
 /// FORGETs for a rank whose worker sets up go into its backlog in order with the copies
