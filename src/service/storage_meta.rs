@@ -17,8 +17,10 @@
 //!    its STOREs, and a FORGET that waited the command deadline there unsent
 //!    (`WorkerNotServing`) is sent again on the next step, as new (at most
 //!    [`MAX_FORGET_BACKLOG`] blocks kept so); a FORGET that failed (a worker that died with it, an error) is
-//!    sent once more on the next step, then dropped and counted. A worker runs a FORGET whatever
-//!    its generation, so those queued before a reset still free their blocks;
+//!    sent once more on the next step, then dropped and counted. A FORGET sent again leaves out
+//!    the blocks stored again since ([`crate::manager::CacheManager::keep_forgettable`]). A
+//!    worker runs a FORGET whatever its generation, so those queued before a reset still free
+//!    their blocks;
 //! 2. then it takes the manager's QUERYs and sends each to every rank in the same way, keeping
 //!    per command where its entries start;
 //! 3. each QUERY command's result bits are ANDed into the query's per-block presence (a
