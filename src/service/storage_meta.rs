@@ -322,6 +322,13 @@ impl Service {
                 let outcome = outcome.map(|()| present.iter().take_while(|&&held| held).count());
                 self.answer_query(query, outcome);
             }
+            Some(Meta::Probe { .. })
+                if outcome
+                    .as_ref()
+                    .is_err_and(|failure| says_nothing_of_the_tier(failure.error)) =>
+            {
+                self.probe_unanswered(id);
+            }
             Some(Meta::Probe { reached }) => self.probe_answered(id, reached && outcome.is_ok()),
             None => warn!(?id, "a storage query or forget completed twice"),
         }
@@ -332,4 +339,17 @@ impl Service {
             warn!(query, %error, "the cache manager refused a query's answer");
         }
     }
+}
+
+/// Whether a storage command that failed with `error` failed before any tier was asked: refused
+/// as of an older generation (a reset), never sent to a worker still setting up, or lost with its
+/// worker or its answer.
+fn says_nothing_of_the_tier(error: CommandError) -> bool {
+    matches!(
+        error,
+        CommandError::StaleGeneration
+            | CommandError::WorkerNotServing
+            | CommandError::WorkerDied
+            | CommandError::AnswerLost
+    )
 }

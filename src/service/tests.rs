@@ -568,6 +568,40 @@ fn a_failed_forget_is_not_sent_again_for_a_block_stored_again_since() {
     service.cache().check_invariants().unwrap();
 }
 
+/// A probe of a tier that is down, refused because a reset came after it was queued (its
+/// generation is old), tells nothing of the tier: no failed probe is counted, and the next one goes
+/// out at once rather than after a doubled wait (up to 30 s more of a healthy tier kept down).
+#[test]
+fn a_probe_refused_as_stale_after_a_reset_is_sent_again_at_once() {
+    let mut service = service_with("probe-stale", |config| {
+        config.cache = config.cache.clone().with_storage_blocks(8);
+        config.storage_backoff =
+            TierBackoff { first: Duration::from_millis(1), max: Duration::from_secs(30) };
+    });
+    let (segment, _claim) = claim_rank(&mut service);
+    assert!(service.manager.storage_tier_failed());
+    service.poll();
+    std::thread::sleep(Duration::from_millis(5));
+    service.poll();
+    let probes = pop_commands(&segment, 0);
+    assert_eq!(probes.iter().map(|h| h.op).collect::<Vec<_>>(), [Op::StorageQuery as u32]);
+
+    service.reset(true).unwrap();
+    let mut completions = segment.completion_producer(0).unwrap();
+    let refused = Completion::failed(
+        probes[0].command_id,
+        probes[0].generation,
+        CommandError::StaleGeneration,
+        0,
+    );
+    completions.push(refused).unwrap();
+    service.poll();
+    service.poll();
+    assert_eq!(service.stats().storage_tier_probes_failed, 0);
+    let again = pop_commands(&segment, 0);
+    assert!(again.iter().any(|h| h.op == Op::StorageQuery as u32), "probed again at once");
+}
+
 /// FORGETs for a rank whose worker sets up go into its backlog in order with the copies
 /// queued after them (a FORGET kept aside would overtake a later STORE of its block and free
 /// what the scheduler counts), and, when the backlog fails unsent at the command deadline

@@ -171,6 +171,17 @@ impl Service {
         debug!(probe = ?id, "probing the storage tier");
     }
 
+    /// Probe `id` got no answer from the tier: its command was refused as of an older generation
+    /// (a reset since it was queued), never sent to a worker still setting up, or lost with its
+    /// worker. Nothing was learnt of the tier: the next probe goes out on the next step, no
+    /// failure counted and the wait not doubled (a rank down waits for its worker first).
+    pub(super) fn probe_unanswered(&mut self, id: MetaId) {
+        if self.tier_watch.is_probe(id) {
+            self.tier_watch.probe = None;
+            self.tier_watch.next_probe = None;
+        }
+    }
+
     /// Step 4 of the module flow: probe `id` answered on every rank; `reached` when none said
     /// its tier failed.
     pub(super) fn probe_answered(&mut self, id: MetaId, reached: bool) {
