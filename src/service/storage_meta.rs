@@ -53,6 +53,9 @@ enum Meta {
         hashes: Vec<BlockHash>,
         /// Whether this is the second sending (a failure is then final).
         retried: bool,
+        /// Per block: queued to be sent again, or given up, already (by one rank's failed bit):
+        /// another rank's failure of it, or the whole command's, counts it no more.
+        failed: Vec<bool>,
     },
     Query {
         /// The manager's query id.
@@ -129,12 +132,14 @@ impl MetaCommands {
                 *reached &= !results.is_failed(0);
                 0
             }
-            Some(Meta::Forget { hashes, retried }) => {
-                let failed = (0..entries).filter(|&offset| results.is_failed(offset));
+            Some(Meta::Forget { hashes, retried, failed }) => {
+                let newly = (first..first + entries).filter(|&index| {
+                    results.is_failed(index - first) && !std::mem::replace(&mut failed[index], true)
+                });
                 if *retried {
-                    return failed.count();
+                    return newly.count();
                 }
-                self.retries.extend(failed.map(|offset| hashes[first + offset]));
+                self.retries.extend(newly.map(|index| hashes[index]));
                 0
             }
             None => 0,
@@ -262,7 +267,8 @@ impl Service {
     }
 
     fn send_forgets_to(&mut self, hashes: &[BlockHash], ranks: &[usize], retried: bool) {
-        let id = self.meta.new_id(Meta::Forget { hashes: hashes.to_vec(), retried });
+        let failed = vec![false; hashes.len()];
+        let id = self.meta.new_id(Meta::Forget { hashes: hashes.to_vec(), retried, failed });
         let entries: Vec<StorageEntry> =
             hashes.iter().map(|hash| StorageEntry::new(hash.0, 0, 0, NO_HOST_BLOCK)).collect();
         self.transport.queue_storage(
@@ -298,7 +304,7 @@ impl Service {
     /// Step 4: every command of QUERY or FORGET `id` completed on every rank.
     pub(super) fn settle_meta(&mut self, id: MetaId, outcome: Result<(), TransferFailure>) {
         match self.meta.by_id.remove(&id) {
-            Some(Meta::Forget { hashes, retried }) => {
+            Some(Meta::Forget { hashes, retried, failed }) => {
                 if let Err(failure) = outcome {
                     if failure.error == CommandError::WorkerNotServing {
                         // Never sent: not a failure of the tier's. It goes again, in order with
@@ -308,13 +314,15 @@ impl Service {
                         return;
                     }
                     self.stats.storage_forget_failures += 1;
+                    // The blocks one rank's failed bits counted already are not counted again.
+                    let left = hashes.iter().zip(&failed).filter(|&(_, &counted)| !counted);
                     if retried {
-                        self.stats.storage_forgets_dropped += hashes.len() as u64;
+                        self.stats.storage_forgets_dropped += left.count() as u64;
                         warn!(%failure, "a FORGET failed twice; the tier keeps those blocks");
                     } else {
                         // Sent again (to every rank: it is idempotent) on the next step, once
                         // the ranks' states are settled.
-                        self.meta.retries.extend_from_slice(&hashes);
+                        self.meta.retries.extend(left.map(|(&hash, _)| hash));
                     }
                 }
             }

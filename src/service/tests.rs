@@ -602,6 +602,62 @@ fn a_probe_refused_as_stale_after_a_reset_is_sent_again_at_once() {
     assert!(again.iter().any(|h| h.op == Op::StorageQuery as u32), "probed again at once");
 }
 
+/// A block every rank failed to forget is given up once, not once per rank: each rank's failed
+/// bits queue it to be sent again once, and the second failure counts it once in
+/// `storage_forgets_dropped` (blocks given up, not rank events).
+#[test]
+fn a_block_every_rank_failed_to_forget_is_sent_again_and_given_up_once() {
+    use kvshm_ipc::storage_record::StorageResults;
+
+    let mut service = service_with("forget-per-block", |config| {
+        config.cache = config.cache.clone().with_storage_blocks(8);
+        config.tp_size = 2;
+    });
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let _claims: Vec<RankClaim> = (0..2)
+        .map(|rank| {
+            let claim = segment.claim_rank(rank).unwrap();
+            claim.mark_serving().unwrap();
+            claim
+        })
+        .collect();
+    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    // Answers every command on both ranks with `results`; the entries of their FORGETs.
+    let answer = |results: StorageResults| {
+        let mut ops = Vec::new();
+        for rank in 0..2 {
+            let mut completions = segment.completion_producer(rank).unwrap();
+            for header in pop_commands(&segment, rank) {
+                let mut completion = Completion::ok(header.command_id, header.generation);
+                completion.detail = results.to_detail();
+                completions.push(completion).unwrap();
+                ops.push((header.op, header.pair_count));
+            }
+        }
+        ops
+    };
+    cache_two_blocks(&mut service);
+    for _ in 0..3 {
+        answer(StorageResults { done: u32::MAX, failed: 0 });
+        service.poll();
+    }
+    service.reset(true).unwrap();
+    service.poll();
+    let forget = Op::StorageForget as u32;
+    // Block 11 (the first entry) fails on both ranks; block 12 is forgotten.
+    let first = answer(StorageResults { done: 0b10, failed: 0b01 });
+    assert!(first.iter().all(|&(op, _)| op == forget) && first.len() == 2, "{first:?}");
+    service.poll();
+    service.poll();
+    let again = answer(StorageResults { done: 0, failed: 0b1 });
+    let one_entry = kvshm_ipc::storage_record::storage_pair_count(1);
+    assert_eq!(again, [(forget, one_entry), (forget, one_entry)], "block 11 once, to each rank");
+    service.poll();
+    service.poll();
+    let stats = service.stats();
+    assert_eq!(stats.storage_forgets_dropped, 1, "{stats:?}");
+}
+
 /// FORGETs for a rank whose worker sets up go into its backlog in order with the copies
 /// queued after them (a FORGET kept aside would overtake a later STORE of its block and free
 /// what the scheduler counts), and, when the backlog fails unsent at the command deadline
