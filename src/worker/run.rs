@@ -258,6 +258,11 @@ impl<'a> Server<'a> {
         if (self.stop_requested)() {
             return Err(Halt::Exit(ServeExit::StopRequested));
         }
+        if self.storage.as_ref().is_some_and(StorageLane::has_ended) {
+            // It panicked: the storage commands handed to it are answered by no one, and the
+            // copies would keep the rank's deadline from ever noticing.
+            return Err(ServeError::StorageThreadPanicked.into());
+        }
         if self.last_liveness_check.elapsed() >= LIVENESS_CHECK_INTERVAL {
             self.last_liveness_check = Instant::now();
             if !self.segment.creator_alive() {

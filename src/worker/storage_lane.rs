@@ -224,14 +224,19 @@ impl<'scope> StorageLane<'scope> {
             }
         };
         if let Some(jobs) = &self.jobs {
-            // The thread only ends when this sender is dropped (or it panicked: then the worker
-            // is broken and stops answering, which the scheduler's deadline catches).
+            // The thread only ends when this sender is dropped, or when it panicked: the copy
+            // loop then stops the worker at its next turn ([`StorageLane::has_ended`]).
             let _ = jobs.send(job);
         }
     }
 }
 
 impl StorageLane<'_> {
+    /// Whether the thread ended while the queue is open: it panicked.
+    pub fn has_ended(&self) -> bool {
+        self.jobs.is_some() && self.thread.as_ref().is_some_and(|thread| thread.is_finished())
+    }
+
     /// Closes the queue and waits until the thread answered every job (step 4), heartbeating
     /// meanwhile: one job (a Redis part waiting out its timeout, the exit sync of a large slab)
     /// may take far longer than the heartbeat timeout, and the storage thread heartbeats only
