@@ -408,6 +408,9 @@ impl CacheManager {
         for &id in &added {
             new.count(hit_tier(self.tree.node(id).state()).expect("a held node hits"));
         }
+        // Looked up again: the blocks it finds now are queried anew, so that the misses counted
+        // at the match stay counted (a published counter never falls).
+        self.stats.queried_blocks += added.len() as u64;
         self.stats.record_hits(new, block_tokens);
         let found = self.cached_prefix(&hashes[..path_blocks]);
         Ok(PrefixMatch {
