@@ -48,8 +48,10 @@ impl CacheManager {
             .ids()
             .map(|id| tree.node(id))
             .filter(|node| node.stored() || matches!(node.state(), NodeState::HostToStorage(_)));
-        let stores =
-            self.in_flight.values().filter(|flight| flight.kind == TransferKind::HostToStorage);
+        // A STORE of an older generation counts nothing: the reset forgot its blocks.
+        let stores = self.in_flight.values().filter(|flight| {
+            flight.kind == TransferKind::HostToStorage && flight.generation == self.generation
+        });
         let kept: HashSet<BlockHash> = counted
             .map(|node| node.hash())
             .chain(stores.flat_map(|flight| flight.blocks.iter().map(|block| block.hash)))

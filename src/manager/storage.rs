@@ -440,7 +440,7 @@ impl CacheManager {
                 // of it in flight) is forgotten when the tier is full, as any block past its
                 // capacity is.
                 let node = self.tree.node(cached);
-                if full && !node.stored() && !node.state().in_flight() {
+                if full && !node.stored() && !matches!(node.state(), NodeState::HostToStorage(_)) {
                     self.forget_now(hash);
                 }
                 by_hash.insert(hash, cached);

@@ -308,8 +308,15 @@ impl Service {
                 if let Err(failure) = outcome {
                     if failure.error == CommandError::WorkerNotServing {
                         // Never sent: not a failure of the tier's. It goes again, in order with
-                        // the STOREs of the steps after it.
-                        let dropped = self.meta.keep_unsent(&hashes);
+                        // the STOREs of the steps after it; but not the blocks another rank's
+                        // failed bits queued or gave up already.
+                        let unsent: Vec<BlockHash> = hashes
+                            .iter()
+                            .zip(&failed)
+                            .filter(|&(_, &counted)| !counted)
+                            .map(|(&hash, _)| hash)
+                            .collect();
+                        let dropped = self.meta.keep_unsent(&unsent);
                         self.stats.storage_forgets_dropped += dropped as u64;
                         return;
                     }
@@ -330,10 +337,9 @@ impl Service {
                 let outcome = outcome.map(|()| present.iter().take_while(|&&held| held).count());
                 self.answer_query(query, outcome);
             }
-            Some(Meta::Probe { .. })
-                if outcome
-                    .as_ref()
-                    .is_err_and(|failure| says_nothing_of_the_tier(failure.error)) =>
+            Some(Meta::Probe { reached })
+                if reached
+                    && outcome.as_ref().is_err_and(|failure| never_asked_a_tier(failure.error)) =>
             {
                 self.probe_unanswered(id);
             }
@@ -349,15 +355,10 @@ impl Service {
     }
 }
 
-/// Whether a storage command that failed with `error` failed before any tier was asked: refused
-/// as of an older generation (a reset), never sent to a worker still setting up, or lost with its
-/// worker or its answer.
-fn says_nothing_of_the_tier(error: CommandError) -> bool {
-    matches!(
-        error,
-        CommandError::StaleGeneration
-            | CommandError::WorkerNotServing
-            | CommandError::WorkerDied
-            | CommandError::AnswerLost
-    )
+/// Whether a storage command that failed with `error` failed before any worker asked its tier:
+/// refused as of an older generation (a reset since it was queued), or never sent to a worker
+/// still setting up. A worker lost with the command (fenced for owing answers past the deadline,
+/// as on a hung tier) or an answer lost is not such a failure.
+fn never_asked_a_tier(error: CommandError) -> bool {
+    matches!(error, CommandError::StaleGeneration | CommandError::WorkerNotServing)
 }

@@ -107,6 +107,27 @@ fn a_rematch_with_more_hashes_than_its_match_does_not_underflow_the_misses() {
     assert!(misses <= 4, "{misses} misses");
 }
 
+/// A rematch that finds blocks cached since its match leaves the published miss count as it was:
+/// a counter never falls (Prometheus would read a fall as a restart).
+#[test]
+fn a_rematch_leaves_the_misses_counted_at_the_match() {
+    let mut service = service_with("rematch-counter", |config| {
+        config.cache = CacheConfig::new(BLOCK_TOKENS, 16);
+    });
+    let hashes = [BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4)];
+    let tokens = 4 * BLOCK_TOKENS as usize;
+    let prompt = tokens + 1;
+    service.match_prefix(RequestId(2), &hashes, prompt).unwrap();
+    cache_blocks(&mut service, 1, &hashes);
+    let misses = |service: &Service| service.segment().counters().get(Counter::MissBlocks);
+    let before = misses(&service);
+    assert_eq!(before, 8, "request 2's four, request 1's four");
+    let found = service.rematch(RequestId(2), &hashes, prompt).unwrap();
+    assert_eq!(found.device_blocks, 4);
+    service.poll();
+    assert_eq!(misses(&service), before);
+}
+
 /// A copy that failed on one rank shows no layer ready while another rank still copies, however
 /// many layers that rank published: an engine reading them would read what never landed on the
 /// failed rank.
@@ -656,6 +677,49 @@ fn a_block_every_rank_failed_to_forget_is_sent_again_and_given_up_once() {
     service.poll();
     let stats = service.stats();
     assert_eq!(stats.storage_forgets_dropped, 1, "{stats:?}");
+}
+
+/// A probe one rank answered with its tier failed is a failed probe, whatever another rank's
+/// command met (here refused as of an older generation, which alone would say nothing).
+#[test]
+fn a_probe_one_rank_found_failed_counts_failed_whatever_the_others_met() {
+    use kvshm_ipc::storage_record::StorageResults;
+
+    let mut service = service_with("probe-mixed", |config| {
+        config.cache = config.cache.clone().with_storage_blocks(8);
+        config.tp_size = 2;
+        config.storage_backoff =
+            TierBackoff { first: Duration::from_millis(1), max: Duration::from_secs(30) };
+    });
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let _claims: Vec<RankClaim> = (0..2)
+        .map(|rank| {
+            let claim = segment.claim_rank(rank).unwrap();
+            claim.mark_serving().unwrap();
+            claim
+        })
+        .collect();
+    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    assert!(service.manager.storage_tier_failed());
+    service.poll();
+    std::thread::sleep(Duration::from_millis(5));
+    service.poll();
+    let probe = |rank| {
+        let headers = pop_commands(&segment, rank);
+        assert_eq!(headers.len(), 1, "one probe to rank {rank}");
+        headers[0]
+    };
+    let (first, second) = (probe(0), probe(1));
+    let mut failed_bit = Completion::ok(first.command_id, first.generation);
+    failed_bit.detail = StorageResults { done: 0, failed: 1 }.to_detail();
+    segment.completion_producer(0).unwrap().push(failed_bit).unwrap();
+    let stale =
+        Completion::failed(second.command_id, second.generation, CommandError::StaleGeneration, 0);
+    segment.completion_producer(1).unwrap().push(stale).unwrap();
+    service.poll();
+    service.poll();
+    assert_eq!(service.stats().storage_tier_probes_failed, 1);
+    assert!(service.cache().storage_tier_down());
 }
 
 /// FORGETs for a rank whose worker sets up go into its backlog in order with the copies

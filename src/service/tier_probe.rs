@@ -17,7 +17,9 @@
 //!    issued before it on each rank, so those have completed by the time it answers.
 //! 4. A probe that every rank answered without a failed bit brings the tier back up (logged
 //!    once, with the outage's length and probes); any other outcome (a failed bit, a failed
-//!    command, a rank lost) doubles the wait, up to `backoff.max`, and step 3 comes again.
+//!    command, a rank lost) doubles the wait, up to `backoff.max`, and step 3 comes again, but
+//!    for a probe that reached no tier (refused as of an older generation after a reset, or
+//!    never sent to a worker still setting up): the next goes out on the next poll.
 
 use std::time::{Duration, Instant};
 
@@ -171,10 +173,10 @@ impl Service {
         debug!(probe = ?id, "probing the storage tier");
     }
 
-    /// Probe `id` got no answer from the tier: its command was refused as of an older generation
-    /// (a reset since it was queued), never sent to a worker still setting up, or lost with its
-    /// worker. Nothing was learnt of the tier: the next probe goes out on the next step, no
-    /// failure counted and the wait not doubled (a rank down waits for its worker first).
+    /// Probe `id` reached no tier: its command was refused as of an older generation (a reset
+    /// since it was queued) or never sent to a worker still setting up, and no rank said its tier
+    /// failed. Nothing was learnt of the tier: the next probe goes out on the next step, no
+    /// failure counted and the wait not doubled.
     pub(super) fn probe_unanswered(&mut self, id: MetaId) {
         if self.tier_watch.is_probe(id) {
             self.tier_watch.probe = None;

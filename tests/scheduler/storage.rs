@@ -8,8 +8,8 @@ use kvshm::manager::{
 };
 
 use crate::support::scheduler::{
-    check, complete_all, failure, hashes, manager, prompt_hitting, push_first_prompt_to_storage,
-    serve, three_tiny_tiers, BLOCK_TOKENS,
+    check, complete_all, complete_all_but, failure, hashes, manager, prompt_hitting,
+    push_first_prompt_to_storage, serve, three_tiny_tiers, BLOCK_TOKENS,
 };
 
 #[test]
@@ -243,6 +243,36 @@ fn adopting_blocks_cached_already_leaves_them_alone_even_with_the_tier_full() {
     assert_eq!(cache.adopt_stored_blocks([(BlockHash(50), BlockHash(0), 0)]), 0);
     cache.take_forgotten_blocks(&mut forgotten);
     assert_eq!(forgotten, vec![BlockHash(4), BlockHash(50)]);
+    check(&cache);
+}
+
+/// A FORGET sent again leaves out the blocks the tree counts on storage or whose STORE is in
+/// flight (a STORE of the block went out after the first FORGET), but not those of a STORE of an
+/// older generation: the reset forgot its blocks, and nothing would forget them again.
+#[test]
+fn a_resent_forget_keeps_the_blocks_of_a_store_from_before_a_reset() {
+    let mut cache = three_tiny_tiers();
+    serve(&mut cache, 0, &hashes(&[1, 2]));
+    serve(&mut cache, 1, &hashes(&[10, 11]));
+    serve(&mut cache, 2, &hashes(&[20, 21]));
+    // The fourth prompt writes the first one back to storage: its STOREs stay in flight.
+    let (request, blocks) = (RequestId(3), hashes(&[30, 31]));
+    let prompt = 2 * BLOCK_TOKENS as usize;
+    cache.match_prefix(request, &blocks, prompt).unwrap();
+    cache.allocate(request, prompt, 0).unwrap();
+    let held =
+        complete_all_but(&mut cache, |transfer| transfer.kind == TransferKind::HostToStorage);
+    let stored: Vec<BlockHash> =
+        held.iter().flat_map(|store| store.blocks.iter().map(|block| block.hash)).collect();
+    assert!(!stored.is_empty(), "a STORE in flight");
+    let mut resent = stored.clone();
+    cache.keep_forgettable(&mut resent);
+    assert!(resent.is_empty(), "being stored now: {resent:?}");
+
+    cache.reset(true).unwrap();
+    let mut resent = stored.clone();
+    cache.keep_forgettable(&mut resent);
+    assert_eq!(resent, stored, "a STORE of before the reset counts nothing");
     check(&cache);
 }
 
