@@ -504,10 +504,13 @@ impl VllmSharedTierCore {
     /// vLLM's reset of its prefix cache. The tier is every engine's, so it stays as it is. The
     /// pins of lookups that no load took yet are let go: vLLM forgets what it looked up, and no
     /// copy reads their chunks. vLLM also drops the completions of the jobs in flight, so no
-    /// `complete_load` or `complete_store` comes for them; but a load may still be copying into
-    /// blocks a request goes on with, and a store into its chunks, so their pins and pending
-    /// keys stay until this engine leaves the tier (the owner then lets go of its slot's).
+    /// `complete_load` or `complete_store` comes for them. A load may still be copying into
+    /// blocks a request goes on with, so its pins stay until this engine leaves the tier. Its
+    /// stores are abandoned: their keys are dropped, so that any engine may store them again (a
+    /// key left pending would be a miss and unstorable for every engine until this one left),
+    /// and their chunks, which its copies may still be writing, go to no store for a grace.
     fn reset_cache(&mut self) {
+        self.client().queue_abandon_stores();
         self.foretold.clear();
         let mut pins: Vec<(OffloadKey, u64)> = Vec::new();
         for (_, pinned) in self.pinned.drain() {

@@ -551,6 +551,28 @@ def test_a_reset_lets_go_of_the_pins_of_lookups_but_not_of_loads_in_flight(tier:
     assert loader.lookup(_key(2), _request("d")) == "HIT", "the tier kept its keys"
 
 
+def test_a_reset_abandons_the_stores_in_flight_so_any_engine_stores_their_keys(
+    tier: str,
+) -> None:
+    """vLLM's reset drops the completions of the store jobs in flight, so their keys would stay
+    pending, a miss that no engine could store, until this engine left the tier. The reset
+    abandons them: the keys may be stored again at once, by this engine or another."""
+    start(tier)
+    first, second = _core(tier), _core(tier)
+    assert first.prepare_store([_key(1), _key(2)], _request("a")) == ([_key(1), _key(2)], [0, 1])
+    _step_ends(first)
+    first.reset_cache()
+    _step_ends(first)
+    assert second.lookup(_key(1), _request("b")) == "MISS"
+    stored, _ = second.prepare_store([_key(1)], _request("b"))
+    assert stored == [_key(1)], "another engine stores the key at once"
+    second.complete_store([_key(1)], _request("b"))
+    _step_ends(second)
+    assert second.lookup(_key(1), _request("c")) == "HIT"
+    stored, _ = first.prepare_store([_key(2)], _request("a2"))
+    assert stored == [_key(2)], "and so does the engine that reset"
+
+
 def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: str) -> None:
     """The owner is SIGKILLed while an engine runs: the engine misses, starts a new owner that
     takes over the arenas it maps (their bytes kept, none made) and the keys the tier held, and

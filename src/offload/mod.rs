@@ -43,6 +43,6 @@ pub use manager::{
 pub use shared::{
     inspect_tier, AttachError, CallAnswer, ClientId, ClientOptions, ClientProcess, ClientRow,
     ClientSummary, Reaped, Released, ServeError, ServeStats, SharedTierError, SharedTierIndex,
-    TierCall, TierClient, TierIdentity, TierOwner, TierReport, TierServer, DEAD_CLIENT_GRACE,
-    DEFAULT_LEASE_CHUNKS, SWEEP_INTERVAL,
+    StoreEnd, TierCall, TierClient, TierIdentity, TierOwner, TierReport, TierServer,
+    DEAD_CLIENT_GRACE, DEFAULT_LEASE_CHUNKS, SWEEP_INTERVAL,
 };

@@ -179,6 +179,47 @@ fn chunks_held_back_for_a_dead_client_count_as_free_ahead_of_demand() {
     check(&index);
 }
 
+/// A client that abandons its stores (its engine reset its cache with the copies in flight, and
+/// will report none) drops their keys, so that any engine may store them again at once, and holds
+/// their chunks, and its spare of a key the tier had, out of every store for the grace.
+#[test]
+fn abandoned_stores_free_their_keys_at_once_and_their_chunks_after_the_grace() {
+    let mut index = tier(256);
+    index.keep_free(0);
+    let a = index.attach(&identity(), "a", None).unwrap();
+    let b = index.attach(&identity(), "b", None).unwrap();
+    let mut out = PreparedStore::default();
+    assert!(index.prepare_store(b, "rb", &keys(&[2]), &mut out).unwrap());
+    index.complete_store(b, &keys(&[2]), true).unwrap();
+    let mut granted = Vec::new();
+    index.lease(a, 4, &mut granted).unwrap();
+    // Key 1 pending in a's first leased chunk, key 2 (the tier's) in a spare.
+    index.store_leased(a, "ra", &keys(&[1, 2]), 0).unwrap();
+    assert_eq!(index.peek(&key(1)), LookupResult::HitPending);
+    let now = Instant::now();
+    let held = index.abandon_stores(a, &keys(&[1, 2, 9]), now + DEAD_CLIENT_GRACE).unwrap();
+    assert_eq!(held, 2, "key 1's chunk and key 2's spare");
+    assert_eq!(index.peek(&key(1)), LookupResult::Miss, "free to be stored again");
+    assert_eq!(index.peek(&key(2)), LookupResult::Hit, "b's key stays");
+    check(&index);
+    let mut held: Vec<u32> = index.held_back_chunks().collect();
+    held.sort_unstable();
+    let mut named = granted[..2].to_vec();
+    named.sort_unstable();
+    assert_eq!(held, named);
+    // b stores key 1 at once, into neither of a's chunks.
+    assert!(index.prepare_store(b, "rb", &keys(&[1]), &mut out).unwrap());
+    assert!(!held.contains(&out.chunks[0]));
+    index.complete_store(b, &keys(&[1]), true).unwrap();
+    assert_eq!(index.peek(&key(1)), LookupResult::Hit);
+    // a's completion, had it come after all, would change nothing.
+    index.complete_store(a, &keys(&[1]), true).unwrap();
+    check(&index);
+    assert_eq!(index.return_held_back(now + DEAD_CLIENT_GRACE), 2);
+    assert_eq!(index.client_summary(a).unwrap().leased, 2, "the two chunks never named");
+    check(&index);
+}
+
 #[test]
 fn a_lease_stays_within_the_quota_and_the_free_chunks() {
     let mut index = tier(512);

@@ -17,8 +17,8 @@ use kvshm::storage::{disk_index, redis_listing, BlockLayout};
 
 use crate::support::{redis_for_test, RedisServer, Scratch};
 use kvshm::offload::{
-    inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, TierCall, TierClient,
-    TierIdentity, DEAD_CLIENT_GRACE,
+    inspect_tier, CallAnswer, ClientOptions, OffloadKey, SharedTierError, StoreEnd, TierCall,
+    TierClient, TierIdentity, DEAD_CLIENT_GRACE,
 };
 use kvshm_ipc::name::SegmentName;
 
@@ -210,7 +210,7 @@ fn client_process() {
                 }
                 let stored: Vec<OffloadKey> =
                     to_store.iter().map(|&index| keys[index as usize]).collect();
-                let complete = TierCall::CompleteStore { keys: &stored, success: true };
+                let complete = TierCall::CompleteStore { keys: &stored, end: StoreEnd::Stored };
                 client.call(&[complete], &mut answers).unwrap();
                 stored.len().to_string()
             }
@@ -242,7 +242,10 @@ fn client_process() {
             ["complete", list] => {
                 let keys = keys(list);
                 client
-                    .call(&[TierCall::CompleteStore { keys: &keys, success: true }], &mut answers)
+                    .call(
+                        &[TierCall::CompleteStore { keys: &keys, end: StoreEnd::Stored }],
+                        &mut answers,
+                    )
                     .unwrap();
                 "sent".to_owned()
             }

@@ -10,14 +10,14 @@
 
 use kvshm_ipc::tier_control::TierOp;
 
-use super::client::{CallAnswer, TierCall};
+use super::client::{CallAnswer, StoreEnd, TierCall};
 use crate::offload::key::OffloadKey;
 
 /// A call with no answer, owned while it waits for a batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum QueuedCall {
     ReleaseLoads(Vec<OffloadKey>),
-    CompleteStore { keys: Vec<OffloadKey>, success: bool },
+    CompleteStore { keys: Vec<OffloadKey>, end: StoreEnd },
     FinishRequest(String),
     StoreLeased { request: String, keys: Vec<OffloadKey>, first: u64 },
 }
@@ -41,15 +41,15 @@ impl CallQueue {
         }
     }
 
-    pub(super) fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
+    pub(super) fn complete_store(&mut self, keys: &[OffloadKey], end: StoreEnd) {
         if keys.is_empty() {
             return;
         }
         match self.calls.last_mut() {
-            Some(QueuedCall::CompleteStore { keys: queued, success: was }) if *was == success => {
+            Some(QueuedCall::CompleteStore { keys: queued, end: was }) if *was == end => {
                 queued.extend_from_slice(keys);
             }
-            _ => self.calls.push(QueuedCall::CompleteStore { keys: keys.to_vec(), success }),
+            _ => self.calls.push(QueuedCall::CompleteStore { keys: keys.to_vec(), end }),
         }
     }
 
@@ -70,9 +70,7 @@ impl CallQueue {
     pub(super) fn batch_with<'a>(&'a self, calls: &[TierCall<'a>]) -> Vec<TierCall<'a>> {
         let queued = self.calls.iter().map(|call| match call {
             QueuedCall::ReleaseLoads(keys) => TierCall::ReleaseLoads { keys },
-            QueuedCall::CompleteStore { keys, success } => {
-                TierCall::CompleteStore { keys, success: *success }
-            }
+            QueuedCall::CompleteStore { keys, end } => TierCall::CompleteStore { keys, end: *end },
             QueuedCall::FinishRequest(request) => TierCall::FinishRequest { request },
             QueuedCall::StoreLeased { request, keys, first } => {
                 TierCall::StoreLeased { request, keys, first: *first }
@@ -120,9 +118,7 @@ pub(super) fn split_calls<'a>(calls: &[TierCall<'a>], page_keys: usize) -> Vec<C
                     TierCall::PrepareStore { request, keys: piece }
                 }
                 TierCall::ReleaseLoads { .. } => TierCall::ReleaseLoads { keys: piece },
-                TierCall::CompleteStore { success, .. } => {
-                    TierCall::CompleteStore { keys: piece, success }
-                }
+                TierCall::CompleteStore { end, .. } => TierCall::CompleteStore { keys: piece, end },
                 TierCall::StoreLeased { request, first, .. } => {
                     let first = first + (index * page_keys) as u64;
                     TierCall::StoreLeased { request, keys: piece, first }
@@ -207,8 +203,8 @@ mod tests {
         let mut queue = CallQueue::default();
         queue.release_loads(&[key(1)]);
         queue.release_loads(&[key(2)]);
-        queue.complete_store(&[key(3)], true);
-        queue.complete_store(&[key(4)], false);
+        queue.complete_store(&[key(3)], StoreEnd::Stored);
+        queue.complete_store(&[key(4)], StoreEnd::Failed);
         queue.finish_request("r");
         queue.release_loads(&[key(5)]);
         queue.release_loads(&[]);
@@ -220,8 +216,8 @@ mod tests {
             .iter()
             .map(|call| match call {
                 TierCall::ReleaseLoads { keys } => format!("release {}", keys.len()),
-                TierCall::CompleteStore { keys, success } => {
-                    format!("stored {} {success}", keys.len())
+                TierCall::CompleteStore { keys, end } => {
+                    format!("stored {} {}", keys.len(), end == &StoreEnd::Stored)
                 }
                 TierCall::FinishRequest { request } => format!("finish {request}"),
                 TierCall::AcquirePrefix { request, keys } => {

@@ -50,8 +50,9 @@ pub enum TierCall<'a> {
     PrepareStore { request: &'a str, keys: &'a [OffloadKey] },
     /// [`super::SharedTierIndex::release_loads`]; no answer.
     ReleaseLoads { keys: &'a [OffloadKey] },
-    /// [`super::SharedTierIndex::complete_store`]; no answer.
-    CompleteStore { keys: &'a [OffloadKey], success: bool },
+    /// [`super::SharedTierIndex::complete_store`], or for [`StoreEnd::Abandoned`]
+    /// [`super::SharedTierIndex::abandon_stores`]; no answer.
+    CompleteStore { keys: &'a [OffloadKey], end: StoreEnd },
     /// [`super::SharedTierIndex::finish_request`]; no answer.
     FinishRequest { request: &'a str },
     /// [`super::SharedTierIndex::lease`] up to `target` chunks (the client adds it to a batch
@@ -60,6 +61,38 @@ pub enum TierCall<'a> {
     /// [`super::SharedTierIndex::store_leased`] of `keys` in the leased chunks numbered `first`
     /// on; no answer (queued by [`TierClient::prepare_store`]).
     StoreLeased { request: &'a str, keys: &'a [OffloadKey], first: u64 },
+}
+
+/// How a client's stores ended ([`TierCall::CompleteStore`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreEnd {
+    /// The copies succeeded: the keys are loadable.
+    Stored,
+    /// The copies failed: the keys are dropped, their chunks free.
+    Failed,
+    /// The engine will not say (it reset its cache with the copies in flight): the keys are
+    /// dropped, and their chunks, which it may still be writing, go to no store for a grace.
+    Abandoned,
+}
+
+impl StoreEnd {
+    /// The `flags` of a `CompleteStore` request.
+    pub fn flags(self) -> u32 {
+        match self {
+            StoreEnd::Failed => 0,
+            StoreEnd::Stored => 1,
+            StoreEnd::Abandoned => 2,
+        }
+    }
+
+    /// The end a `CompleteStore` request's `flags` name: anything unknown is a failure.
+    pub fn from_flags(flags: u32) -> StoreEnd {
+        match flags {
+            1 => StoreEnd::Stored,
+            2 => StoreEnd::Abandoned,
+            _ => StoreEnd::Failed,
+        }
+    }
 }
 
 /// The answer to one call, in the batch's order.
@@ -217,7 +250,16 @@ impl TierClient {
     /// may be this connection's store now, which that end must not end.
     pub fn queue_complete_store(&mut self, keys: &[OffloadKey], success: bool) {
         let mine = self.lease.ended(keys);
-        self.queue.complete_store(&mine, success);
+        let end = if success { StoreEnd::Stored } else { StoreEnd::Failed };
+        self.queue.complete_store(&mine, end);
+    }
+
+    /// Queues the end of every store this connection is making, as [`StoreEnd::Abandoned`]: its
+    /// engine reset its cache and will report none of them (vLLM drops the completions of the
+    /// jobs in flight at a reset). The keys may be stored again, by any engine, at once.
+    pub fn queue_abandon_stores(&mut self) {
+        let mine = self.lease.take_storing();
+        self.queue.complete_store(&mine, StoreEnd::Abandoned);
     }
 
     /// Queues [`TierCall::FinishRequest`] of `request` for the next batch.
@@ -504,8 +546,8 @@ impl TierClient {
             let mut record =
                 TierRequest::new(self.next_call, op, request, first_key, keys.len() as u32)
                     .with_lease(lease);
-            if let TierCall::CompleteStore { success: true, .. } = call {
-                record = record.with_flags(1);
+            if let TierCall::CompleteStore { end, .. } = call {
+                record = record.with_flags(end.flags());
             }
             self.records.push(record);
             self.next_call += 1;

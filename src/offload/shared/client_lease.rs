@@ -91,6 +91,11 @@ impl LeaseBook {
         keys.iter().filter(|key| self.storing.remove(*key)).copied().collect()
     }
 
+    /// Every key it is storing, stored no more (their ends will not come: a reset).
+    pub(super) fn take_storing(&mut self) -> Vec<OffloadKey> {
+        self.storing.drain().collect()
+    }
+
     /// Module flow, step 4.
     pub(super) fn clear(&mut self) {
         let target = self.target;

@@ -62,6 +62,11 @@ impl Lease {
         (self.chunks.len() + self.spares.len() + self.held.len()) as u32
     }
 
+    /// Takes the spare written for `key`, if it holds one.
+    pub(super) fn take_spare(&mut self, key: &OffloadKey) -> Option<u32> {
+        self.spares.remove(key)
+    }
+
     pub(super) fn chunks(&self) -> impl Iterator<Item = u32> + '_ {
         let spares = self.spares.values().copied();
         self.chunks.iter().copied().chain(spares).chain(self.held.iter().copied())

@@ -38,6 +38,47 @@ impl SharedTierIndex {
         self.release(client, Some(hold_until))
     }
 
+    /// Ends `client`'s stores of `keys` with no word of their copies (its engine reset its cache
+    /// with them in flight, and will report none): each pending key is dropped, and may be stored
+    /// again at once, by any engine; its chunk, and a spare of the key, which the engine may still
+    /// be writing, go to no store until `hold_until` (module flow, step 4). Keys `client` is not
+    /// storing are skipped. Returns how many chunks are held back.
+    pub fn abandon_stores(
+        &mut self,
+        client: ClientId,
+        keys: &[OffloadKey],
+        hold_until: Instant,
+    ) -> Result<u32, SharedTierError> {
+        let state = self.client_mut(client)?;
+        let mut held = Vec::new();
+        let mut dropped = Vec::new();
+        for key in keys {
+            held.extend(state.lease.take_spare(key));
+            if state.stores.remove(key).is_some() {
+                dropped.push(*key);
+            }
+        }
+        // Spares are taken chunks already: they only stop being charged to the client.
+        for &chunk in &held {
+            self.discharge(chunk);
+        }
+        let mut store_chunks = Vec::with_capacity(dropped.len());
+        for key in &dropped {
+            let chunk = self.manager.chunk_of(key).expect("a pending store is cached");
+            self.discharge(chunk);
+            store_chunks.push(chunk);
+        }
+        self.manager.complete_store(&dropped, false);
+        // Freed with their keys just above: taken back before any store can have them.
+        self.manager.take_free(&store_chunks);
+        held.extend(store_chunks);
+        let count = held.len() as u32;
+        if !held.is_empty() {
+            self.held_back.push((hold_until, held));
+        }
+        Ok(count)
+    }
+
     /// Returns to the free pool the chunks held back for dead clients whose grace ended by
     /// `now`; how many.
     pub fn return_held_back(&mut self, now: Instant) -> u32 {

@@ -30,7 +30,7 @@ use kvshm::hash::BlockHash;
 use kvshm::offload::shared::{TierArenas, DEFAULT_FREE_CHUNKS};
 use kvshm::offload::{
     CallAnswer, ClientId, ClientOptions, LookupResult, OffloadConfig, OffloadKey, OffloadManager,
-    PreparedStore, SharedTierIndex, TierCall, TierClient, TierIdentity,
+    PreparedStore, SharedTierIndex, StoreEnd, TierCall, TierClient, TierIdentity,
 };
 use kvshm::percentiles::Percentiles;
 use kvshm::trace::read_trace;
@@ -156,7 +156,7 @@ fn serve_rings(
     let pending = std::mem::take(&mut instance.pending);
     let mut calls = Vec::with_capacity(2 * pending.len() + step.len());
     for (last, stored) in &pending {
-        calls.push(TierCall::CompleteStore { keys: stored, success: true });
+        calls.push(TierCall::CompleteStore { keys: stored, end: StoreEnd::Stored });
         calls.push(TierCall::FinishRequest { request: last });
     }
     let first_lookup = calls.len();

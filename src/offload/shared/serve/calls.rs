@@ -11,7 +11,7 @@ use kvshm_ipc::tier_control::{
 
 use super::TierServer;
 use crate::offload::key::OffloadKey;
-use crate::offload::shared::SharedTierError;
+use crate::offload::shared::{SharedTierError, StoreEnd, DEAD_CLIENT_GRACE};
 
 impl TierServer {
     /// One call: `None` for calls without an answer.
@@ -94,15 +94,21 @@ impl TierServer {
                 index.store_leased(client, name, &self.keys, request.lease).map(|()| None)
             }
             TierOp::ReleaseLoads => index.release_loads(client, &self.keys).map(|()| None),
-            TierOp::CompleteStore => {
-                let success = request.flags == 1;
-                index.complete_store(client, &self.keys, success).map(|()| {
-                    if let (Some(storage), true) = (self.storage.as_mut(), success) {
-                        storage.stored(index, &self.keys);
-                    }
-                    None
-                })
-            }
+            TierOp::CompleteStore => match StoreEnd::from_flags(request.flags) {
+                StoreEnd::Abandoned => {
+                    let hold_until = Instant::now() + DEAD_CLIENT_GRACE;
+                    index.abandon_stores(client, &self.keys, hold_until).map(|_| None)
+                }
+                end => {
+                    let success = end == StoreEnd::Stored;
+                    index.complete_store(client, &self.keys, success).map(|()| {
+                        if let (Some(storage), true) = (self.storage.as_mut(), success) {
+                            storage.stored(index, &self.keys);
+                        }
+                        None
+                    })
+                }
+            },
             TierOp::FinishRequest => index.finish_request(client, name).map(|()| None),
             TierOp::EndBatch | TierOp::Detach => unreachable!("handled above"),
         };

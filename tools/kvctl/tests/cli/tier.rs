@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvshm::offload::shared::{TierArenas, TierStorage};
 use kvshm::offload::{
-    CallAnswer, ClientOptions, OffloadConfig, OffloadKey, SharedTierIndex, TierCall, TierClient,
-    TierIdentity, TierServer,
+    CallAnswer, ClientOptions, OffloadConfig, OffloadKey, SharedTierIndex, StoreEnd, TierCall,
+    TierClient, TierIdentity, TierServer,
 };
 use kvshm::storage::spec::{StorageOptions, StorageSpec};
 use kvshm_ipc::tier_control::TierConfig;
@@ -56,7 +56,7 @@ fn tier_lists_each_client_with_its_chunks_pins_and_pending_stores() {
         let prepare = TierCall::PrepareStore { request: "r", keys: &keys };
         client.call(&[prepare], &mut answers).unwrap();
         assert!(matches!(&answers[0], CallAnswer::Store { to_store, .. } if to_store.len() == 3));
-        let complete = TierCall::CompleteStore { keys: &keys[..1], success: true };
+        let complete = TierCall::CompleteStore { keys: &keys[..1], end: StoreEnd::Stored };
         let acquire = TierCall::AcquirePrefix { request: "r", keys: &keys[..1] };
         client.call(&[complete, acquire], &mut answers).unwrap();
         let loaded = matches!(&answers[1], CallAnswer::Prefix { chunks, .. } if chunks.len() == 1);
