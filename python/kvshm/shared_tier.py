@@ -246,8 +246,9 @@ def _running(pid: int) -> bool:
 
 def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = None) -> int:
     """The pid of tier ``tier``'s owner once one serves it (the process ``started`` here, or
-    another engine's); ``SegmentError`` past ``timeout_s``, or when ``started`` exited and no
-    owner serves."""
+    another engine's); ``SegmentError`` past ``timeout_s``. When ``started`` exits with no owner
+    serving, the wait goes on to its end: another engine's owner may have won the name and be
+    making the tier's arenas (a launched owner that failed says why in ``owner_log(tier)``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         pid = shared_tier_owner(tier)
