@@ -342,6 +342,13 @@ class KvshmOffloadingSpec(OffloadingSpec):
         self.spawn_workers = bool(extra.get("spawn_workers", True))
         self.warm_restart = bool(extra.get("warm_restart", True))
         shared = extra.get("shared_tier")
+        if shared and config.enable_kv_cache_events and extra.get("self_describing_kv_events"):
+            # vLLM keeps each stored or hit key's payload until the manager reports the key
+            # removed: a shared tier reports no events, so they would pile up for good.
+            raise ConfigError(
+                "self_describing_kv_events needs the tier's KV events, and a shared tier reports "
+                "none (another engine's evictions are not this one's to announce): leave it off"
+            )
         self.shared_identity = _shared_identity(config) if shared else None
         self.shared_tier: str | None = None
         self.shared_idle_exit_s = int(extra.get("shared_tier_idle_exit_s", 600))

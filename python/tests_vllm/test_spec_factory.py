@@ -55,6 +55,18 @@ def test_a_spec_without_a_host_tier_size_is_refused_with_a_message(offloading_co
         OffloadingSpecFactory.create_spec(offloading_config(extra))
 
 
+def test_a_shared_tier_refuses_self_describing_kv_events(offloading_config) -> None:
+    """vLLM keeps every stored or hit key's event payload until the manager reports the key
+    removed, and a shared tier reports no events: the two together would grow without end."""
+    extra = json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"]
+    shared = {**extra, "shared_tier": True, "self_describing_kv_events": True}
+    with pytest.raises(kvshm.ConfigError, match="self_describing_kv_events"):
+        OffloadingSpecFactory.create_spec(offloading_config(shared))
+    # Without KV events, the option is inert in vLLM, and a shared tier is fine.
+    spec = OffloadingSpecFactory.create_spec(offloading_config(shared, events=False))
+    assert spec.shared_tier is not None
+
+
 def test_a_misspelt_eviction_order_is_refused_when_the_spec_is_made(offloading_config) -> None:
     extra = json.loads(KV_TRANSFER_CONFIG)["kv_connector_extra_config"]
     with pytest.raises(kvshm.ConfigError, match="'leaf-first' is not one of leaf_first, lru"):
