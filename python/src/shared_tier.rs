@@ -508,7 +508,8 @@ impl VllmSharedTierCore {
     /// blocks a request goes on with, so its pins stay until this engine leaves the tier. Its
     /// stores are abandoned: their keys are dropped, so that any engine may store them again (a
     /// key left pending would be a miss and unstorable for every engine until this one left),
-    /// and their chunks, which its copies may still be writing, go to no store for a grace.
+    /// and their chunks, which its copies may still write (vLLM's worker runs a store at its
+    /// engine's next step, however late), stay this engine's until it leaves the tier.
     fn reset_cache(&mut self) {
         self.client().queue_abandon_stores();
         self.foretold.clear();

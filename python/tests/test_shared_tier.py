@@ -556,7 +556,8 @@ def test_a_reset_abandons_the_stores_in_flight_so_any_engine_stores_their_keys(
 ) -> None:
     """vLLM's reset drops the completions of the store jobs in flight, so their keys would stay
     pending, a miss that no engine could store, until this engine left the tier. The reset
-    abandons them: the keys may be stored again at once, by this engine or another."""
+    abandons them: the keys may be stored again at once, by this engine or another; their
+    chunks stay the engine's until it leaves."""
     start(tier)
     first, second = _core(tier), _core(tier)
     assert first.prepare_store([_key(1), _key(2)], _request("a")) == ([_key(1), _key(2)], [0, 1])
@@ -569,8 +570,25 @@ def test_a_reset_abandons_the_stores_in_flight_so_any_engine_stores_their_keys(
     second.complete_store([_key(1)], _request("b"))
     _step_ends(second)
     assert second.lookup(_key(1), _request("c")) == "HIT"
+    second.on_request_finished(_request("c"))
+    # The two chunks the abandoned copies may still write stay the first engine's, however long
+    # it takes to step again (its worker runs a store then): past any grace, the second engine
+    # filling the tier gets the other six chunks only.
+    time.sleep(2.5)
+    for n in range(10, 10 + CHUNKS):
+        second.prepare_store([_key(n)], _request(f"f{n}"))
+        second.complete_store([_key(n)], _request(f"f{n}"))
+        second.on_request_finished(_request(f"f{n}"))
+        _step_ends(second)
+    cached = [
+        n for n in range(10, 10 + CHUNKS) if second.lookup(_key(n), _request(f"g{n}")) == "HIT"
+    ]
+    assert len(cached) == CHUNKS - 2, cached
+    for n in range(10, 10 + CHUNKS):
+        second.on_request_finished(_request(f"g{n}"))
+    _step_ends(second)
     stored, _ = first.prepare_store([_key(2)], _request("a2"))
-    assert stored == [_key(2)], "and so does the engine that reset"
+    assert stored == [_key(2)], "and the engine that reset stores its keys again"
 
 
 def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: str) -> None:

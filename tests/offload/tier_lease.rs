@@ -181,9 +181,10 @@ fn chunks_held_back_for_a_dead_client_count_as_free_ahead_of_demand() {
 
 /// A client that abandons its stores (its engine reset its cache with the copies in flight, and
 /// will report none) drops their keys, so that any engine may store them again at once, and holds
-/// their chunks, and its spare of a key the tier had, out of every store for the grace.
+/// their chunks, and its spare of a key the tier had, until it leaves: its engine may run those
+/// copies at its next step, however late.
 #[test]
-fn abandoned_stores_free_their_keys_at_once_and_their_chunks_after_the_grace() {
+fn abandoned_stores_free_their_keys_at_once_and_their_chunks_when_the_client_leaves() {
     let mut index = tier(256);
     index.keep_free(0);
     let a = index.attach(&identity(), "a", None).unwrap();
@@ -195,28 +196,31 @@ fn abandoned_stores_free_their_keys_at_once_and_their_chunks_after_the_grace() {
     index.lease(a, 4, &mut granted).unwrap();
     // Key 1 pending in a's first leased chunk, key 2 (the tier's) in a spare.
     index.store_leased(a, "ra", &keys(&[1, 2]), 0).unwrap();
+    assert!(index.prepare_store(a, "ra", &keys(&[3]), &mut out).unwrap());
+    let three = out.chunks[0];
     assert_eq!(index.peek(&key(1)), LookupResult::HitPending);
-    let now = Instant::now();
-    let held = index.abandon_stores(a, &keys(&[1, 2, 9]), now + DEAD_CLIENT_GRACE).unwrap();
-    assert_eq!(held, 2, "key 1's chunk and key 2's spare");
-    assert_eq!(index.peek(&key(1)), LookupResult::Miss, "free to be stored again");
-    assert_eq!(index.peek(&key(2)), LookupResult::Hit, "b's key stays");
+    assert_eq!(index.abandon_stores(a, &keys(&[1, 2, 3, 9])).unwrap(), 3);
     check(&index);
-    let mut held: Vec<u32> = index.held_back_chunks().collect();
-    held.sort_unstable();
-    let mut named = granted[..2].to_vec();
-    named.sort_unstable();
-    assert_eq!(held, named);
-    // b stores key 1 at once, into neither of a's chunks.
+    assert_eq!(index.peek(&key(1)), LookupResult::Miss, "free to be stored again");
+    assert_eq!(index.peek(&key(3)), LookupResult::Miss);
+    assert_eq!(index.peek(&key(2)), LookupResult::Hit, "b's key stays");
+    let summary = index.client_summary(a).unwrap();
+    assert_eq!((summary.storing, summary.leased, summary.chunks), (0, 5, 0), "2 leased, 3 held");
+    // b stores key 1 at once, into none of a's chunks, and fills the tier: a's stay a's.
+    let mut held = granted[..2].to_vec();
+    held.push(three);
+    let fill: Vec<u32> = (100..349).collect();
     assert!(index.prepare_store(b, "rb", &keys(&[1]), &mut out).unwrap());
     assert!(!held.contains(&out.chunks[0]));
+    assert!(index.prepare_store(b, "rb", &keys(&fill), &mut out).unwrap());
+    assert!(out.chunks.iter().all(|chunk| !held.contains(chunk)), "{held:?}");
     index.complete_store(b, &keys(&[1]), true).unwrap();
-    assert_eq!(index.peek(&key(1)), LookupResult::Hit);
+    index.complete_store(b, &keys(&fill), true).unwrap();
     // a's completion, had it come after all, would change nothing.
     index.complete_store(a, &keys(&[1]), true).unwrap();
+    assert_eq!(index.peek(&key(1)), LookupResult::Hit);
     check(&index);
-    assert_eq!(index.return_held_back(now + DEAD_CLIENT_GRACE), 2);
-    assert_eq!(index.client_summary(a).unwrap().leased, 2, "the two chunks never named");
+    assert_eq!(index.release_client(a).unwrap().leased, 5);
     check(&index);
 }
 

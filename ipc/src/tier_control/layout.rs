@@ -29,7 +29,7 @@ use crate::worker_slot::WorkerSlot;
 /// "KVSHTIER": a shared tier's control object of this layout.
 pub const TIER_MAGIC: u64 = u64::from_le_bytes(*b"KVSHTIER");
 /// Bumped whenever a field or an area moves, or the records change meaning.
-pub const TIER_LAYOUT_VERSION: u32 = 4;
+pub const TIER_LAYOUT_VERSION: u32 = 5;
 /// The most client slots a tier may have.
 pub const MAX_TIER_CLIENTS: u32 = 256;
 /// The largest identity a tier may keep.

@@ -102,7 +102,7 @@ pub struct TierRequest {
     pub first_key: u32,
     pub keys: u32,
     /// `CompleteStore`: 1 when the stores succeeded, 2 when their engine abandoned them (a reset
-    /// with the copies in flight), 0 when they failed.
+    /// with the copies in flight), 0 when they failed (layout version 5 on).
     pub flags: u32,
     /// `Lease`: the chunks the client wants leased in all; `StoreLeased`: the sequence number of
     /// the leased chunk its first key goes into.

@@ -71,7 +71,7 @@ pub enum StoreEnd {
     /// The copies failed: the keys are dropped, their chunks free.
     Failed,
     /// The engine will not say (it reset its cache with the copies in flight): the keys are
-    /// dropped, and their chunks, which it may still be writing, go to no store for a grace.
+    /// dropped, and their chunks, which it may still write, stay its own until it leaves.
     Abandoned,
 }
 
@@ -85,12 +85,13 @@ impl StoreEnd {
         }
     }
 
-    /// The end a `CompleteStore` request's `flags` name: anything unknown is a failure.
+    /// The end a `CompleteStore` request's `flags` name: anything unknown is taken as abandoned,
+    /// the end that frees no chunk a copy may still write.
     pub fn from_flags(flags: u32) -> StoreEnd {
         match flags {
+            0 => StoreEnd::Failed,
             1 => StoreEnd::Stored,
-            2 => StoreEnd::Abandoned,
-            _ => StoreEnd::Failed,
+            _ => StoreEnd::Abandoned,
         }
     }
 }

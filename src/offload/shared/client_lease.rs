@@ -13,6 +13,7 @@
 //!    that batch tops the book up).
 //! 3. [`LeaseBook::ended`]: a store's end (queued for the owner) lets its keys be stored again;
 //!    the end of a store this connection did not make is not sent (`queue_complete_store`).
+//!    A reset ends them all at once ([`LeaseBook::take_storing`], `queue_abandon_stores`).
 //! 4. The book is emptied when its connection ends: what it held stays the old slot's.
 
 use std::collections::{HashSet, VecDeque};

@@ -14,9 +14,10 @@
 //!    pending stores there, as [`SharedTierIndex::prepare_store`] would have stored them; the
 //!    chunk of a key the tier had (another engine stored it meanwhile) is a spare, held for the
 //!    client until its store of that key ends;
-//! 3. [`SharedTierIndex::complete_store`] frees a spare; [`SharedTierIndex::release_client`]
-//!    frees the lease and the spares with the client (after a grace when it died:
-//!    `release.rs`). Until then the key is not stored again
+//! 3. [`SharedTierIndex::complete_store`] frees a spare; [`SharedTierIndex::abandon_stores`]
+//!    holds it (and the chunks of the stores abandoned) until the client leaves;
+//!    [`SharedTierIndex::release_client`] frees the lease, the spares and what it holds with the
+//!    client (after a grace when it died: `release.rs`). Until then the key is not stored again
 //!    for the client ([`SharedTierIndex::prepare_store_for`] skips it), even if the tier lost it
 //!    meanwhile: the spare's end would be taken for the second store's.
 //!
@@ -60,6 +61,11 @@ impl Lease {
     /// Chunks leased, spare or held.
     pub(super) fn len(&self) -> u32 {
         (self.chunks.len() + self.spares.len() + self.held.len()) as u32
+    }
+
+    /// Holds `chunks` (taken, charged to the client) until the client leaves.
+    pub(super) fn hold(&mut self, chunks: &[u32]) {
+        self.held.extend_from_slice(chunks);
     }
 
     /// Takes the spare written for `key`, if it holds one.

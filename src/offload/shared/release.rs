@@ -11,6 +11,10 @@
 //!    workers, a `kvshm worker` started by one) are not the one the owner watches, and they
 //!    notice its death later, finishing the copies they started first: a chunk handed to another
 //!    store meanwhile could take their late bytes under the other store's key.
+//!
+//! A client may also end some of its stores without ending itself
+//! ([`SharedTierIndex::abandon_stores`]: its engine reset its cache): their keys go at once, their
+//! chunks stay held by the client until it leaves.
 
 use std::time::{Duration, Instant};
 
@@ -40,27 +44,24 @@ impl SharedTierIndex {
 
     /// Ends `client`'s stores of `keys` with no word of their copies (its engine reset its cache
     /// with them in flight, and will report none): each pending key is dropped, and may be stored
-    /// again at once, by any engine; its chunk, and a spare of the key, which the engine may still
-    /// be writing, go to no store until `hold_until` (module flow, step 4). Keys `client` is not
-    /// storing are skipped. Returns how many chunks are held back.
+    /// again at once, by any engine. Its chunk, and a spare of the key, stay the client's, held
+    /// until it leaves the tier (`lease.rs`): a live engine runs the copies it was given whenever
+    /// it steps next, which may be long after, so no grace would do. Keys `client` is not storing
+    /// are skipped. Returns how many chunks it holds so.
     pub fn abandon_stores(
         &mut self,
         client: ClientId,
         keys: &[OffloadKey],
-        hold_until: Instant,
     ) -> Result<u32, SharedTierError> {
         let state = self.client_mut(client)?;
         let mut held = Vec::new();
         let mut dropped = Vec::new();
         for key in keys {
+            // A spare is a taken chunk charged to the client already: it only becomes held.
             held.extend(state.lease.take_spare(key));
             if state.stores.remove(key).is_some() {
                 dropped.push(*key);
             }
-        }
-        // Spares are taken chunks already: they only stop being charged to the client.
-        for &chunk in &held {
-            self.discharge(chunk);
         }
         let mut store_chunks = Vec::with_capacity(dropped.len());
         for key in &dropped {
@@ -69,14 +70,17 @@ impl SharedTierIndex {
             store_chunks.push(chunk);
         }
         self.manager.complete_store(&dropped, false);
-        // Freed with their keys just above: taken back before any store can have them.
+        // Freed with their keys just above: taken back before any store can have them, and
+        // charged to the client, as its lease's held chunks are.
         self.manager.take_free(&store_chunks);
-        held.extend(store_chunks);
-        let count = held.len() as u32;
-        if !held.is_empty() {
-            self.held_back.push((hold_until, held));
+        for &chunk in &store_chunks {
+            self.owners[chunk as usize] = client.slot;
         }
-        Ok(count)
+        held.extend(store_chunks);
+        let state = self.client_mut(client)?;
+        state.charged += dropped.len() as u32;
+        state.lease.hold(&held);
+        Ok(held.len() as u32)
     }
 
     /// Returns to the free pool the chunks held back for dead clients whose grace ended by

@@ -11,7 +11,7 @@ use kvshm_ipc::tier_control::{
 
 use super::TierServer;
 use crate::offload::key::OffloadKey;
-use crate::offload::shared::{SharedTierError, StoreEnd, DEAD_CLIENT_GRACE};
+use crate::offload::shared::{SharedTierError, StoreEnd};
 
 impl TierServer {
     /// One call: `None` for calls without an answer.
@@ -95,10 +95,7 @@ impl TierServer {
             }
             TierOp::ReleaseLoads => index.release_loads(client, &self.keys).map(|()| None),
             TierOp::CompleteStore => match StoreEnd::from_flags(request.flags) {
-                StoreEnd::Abandoned => {
-                    let hold_until = Instant::now() + DEAD_CLIENT_GRACE;
-                    index.abandon_stores(client, &self.keys, hold_until).map(|_| None)
-                }
+                StoreEnd::Abandoned => index.abandon_stores(client, &self.keys).map(|_| None),
                 end => {
                     let success = end == StoreEnd::Stored;
                     index.complete_store(client, &self.keys, success).map(|()| {
