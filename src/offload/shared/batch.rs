@@ -10,8 +10,41 @@
 
 use kvshm_ipc::tier_control::TierOp;
 
-use super::client::{CallAnswer, StoreEnd, TierCall};
+use super::client::{CallAnswer, TierCall};
 use crate::offload::key::OffloadKey;
+
+/// How a client's stores ended ([`TierCall::CompleteStore`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreEnd {
+    /// The copies succeeded: the keys are loadable.
+    Stored,
+    /// The copies failed: the keys are dropped, their chunks free.
+    Failed,
+    /// The engine will not say (it reset its cache with the copies in flight): the keys are
+    /// dropped, and their chunks, which it may still write, stay its own until it leaves.
+    Abandoned,
+}
+
+impl StoreEnd {
+    /// The `flags` of a `CompleteStore` request.
+    pub fn flags(self) -> u32 {
+        match self {
+            StoreEnd::Failed => 0,
+            StoreEnd::Stored => 1,
+            StoreEnd::Abandoned => 2,
+        }
+    }
+
+    /// The end a `CompleteStore` request's `flags` name: anything unknown is taken as abandoned,
+    /// the end that frees no chunk a copy may still write.
+    pub fn from_flags(flags: u32) -> StoreEnd {
+        match flags {
+            0 => StoreEnd::Failed,
+            1 => StoreEnd::Stored,
+            _ => StoreEnd::Abandoned,
+        }
+    }
+}
 
 /// A call with no answer, owned while it waits for a batch.
 #[derive(Clone, Debug, PartialEq, Eq)]

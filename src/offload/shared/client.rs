@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierAnswer, TierOp, TierRequest, WireKey};
 
-use super::batch::{call_keys, call_op, merge_answers, split_calls, CallQueue};
-use super::client_lease::{LeaseBook, DEFAULT_LEASE_CHUNKS};
+use super::batch::{call_keys, call_op, merge_answers, split_calls, CallQueue, StoreEnd};
+use super::client_lease::{LeaseBook, StoreEpochs, DEFAULT_LEASE_CHUNKS};
 use super::connection::{AttachFailure, Connection};
 use super::{SharedTierError, TierIdentity};
 use crate::offload::key::OffloadKey;
@@ -61,39 +61,6 @@ pub enum TierCall<'a> {
     /// [`super::SharedTierIndex::store_leased`] of `keys` in the leased chunks numbered `first`
     /// on; no answer (queued by [`TierClient::prepare_store`]).
     StoreLeased { request: &'a str, keys: &'a [OffloadKey], first: u64 },
-}
-
-/// How a client's stores ended ([`TierCall::CompleteStore`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreEnd {
-    /// The copies succeeded: the keys are loadable.
-    Stored,
-    /// The copies failed: the keys are dropped, their chunks free.
-    Failed,
-    /// The engine will not say (it reset its cache with the copies in flight): the keys are
-    /// dropped, and their chunks, which it may still write, stay its own until it leaves.
-    Abandoned,
-}
-
-impl StoreEnd {
-    /// The `flags` of a `CompleteStore` request.
-    pub fn flags(self) -> u32 {
-        match self {
-            StoreEnd::Failed => 0,
-            StoreEnd::Stored => 1,
-            StoreEnd::Abandoned => 2,
-        }
-    }
-
-    /// The end a `CompleteStore` request's `flags` name: anything unknown is taken as abandoned,
-    /// the end that frees no chunk a copy may still write.
-    pub fn from_flags(flags: u32) -> StoreEnd {
-        match flags {
-            0 => StoreEnd::Failed,
-            1 => StoreEnd::Stored,
-            _ => StoreEnd::Abandoned,
-        }
-    }
 }
 
 /// The answer to one call, in the batch's order.
@@ -159,6 +126,8 @@ pub struct TierClient {
     pub(super) queue: CallQueue,
     /// The chunks leased to it, and the keys it is storing (`client_lease.rs`).
     pub(super) lease: LeaseBook,
+    /// The connection each store in flight was made on, per key (`client_lease.rs`).
+    pub(super) store_epochs: StoreEpochs,
     /// Batches sent, and those of them waited for.
     batches: u64,
     waits: u64,
@@ -195,6 +164,7 @@ impl TierClient {
             connection: None,
             last_attempt: None,
             epoch: 0,
+            store_epochs: StoreEpochs::default(),
             last_error: None,
             request_ids: HashMap::new(),
             next_request_id: 0,
@@ -243,24 +213,6 @@ impl TierClient {
     /// Queues [`TierCall::ReleaseLoads`] of `keys` for the next batch (module documentation).
     pub fn queue_release_loads(&mut self, keys: &[OffloadKey]) {
         self.queue.release_loads(keys);
-    }
-
-    /// Queues [`TierCall::CompleteStore`] of `keys` for the next batch.
-    /// Only the keys this connection is storing are sent: a store made on an earlier
-    /// connection is that slot's (the owner drops it when this process exits), and the same key
-    /// may be this connection's store now, which that end must not end.
-    pub fn queue_complete_store(&mut self, keys: &[OffloadKey], success: bool) {
-        let mine = self.lease.ended(keys);
-        let end = if success { StoreEnd::Stored } else { StoreEnd::Failed };
-        self.queue.complete_store(&mine, end);
-    }
-
-    /// Queues the end of every store this connection is making, as [`StoreEnd::Abandoned`]: its
-    /// engine reset its cache and will report none of them (vLLM drops the completions of the
-    /// jobs in flight at a reset). The keys may be stored again, by any engine, at once.
-    pub fn queue_abandon_stores(&mut self) {
-        let mine = self.lease.take_storing();
-        self.queue.complete_store(&mine, StoreEnd::Abandoned);
     }
 
     /// Queues [`TierCall::FinishRequest`] of `request` for the next batch.

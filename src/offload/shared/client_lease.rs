@@ -12,12 +12,15 @@
 //!    When the book holds too few, the store is asked of the owner, as without a lease (and
 //!    that batch tops the book up).
 //! 3. [`LeaseBook::ended`]: a store's end (queued for the owner) lets its keys be stored again;
-//!    the end of a store this connection did not make is not sent (`queue_complete_store`).
+//!    the end of a store this connection did not make is not sent (`queue_complete_store`):
+//!    [`StoreEpochs`] keeps, per key, the connection each store in flight was made on, so that
+//!    an earlier connection's store of a key this one stores too ends neither.
 //!    A reset ends them all at once ([`LeaseBook::take_storing`], `queue_abandon_stores`).
 //! 4. The book is emptied when its connection ends: what it held stays the old slot's.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
+use super::batch::StoreEnd;
 use super::client::{CallAnswer, TierCall, TierClient};
 use super::SharedTierError;
 use crate::offload::key::{BuildPassThrough, OffloadKey};
@@ -104,7 +107,60 @@ impl LeaseBook {
     }
 }
 
+/// Per key, the connection ([`TierClient::connection_epoch`]) of each of its stores in flight,
+/// oldest first (module flow, step 3). An engine ends a key's stores in the order it made them,
+/// or not: either way, a connection's store is ended only by the end that comes once every
+/// older store of the key has ended, when that copy too is over.
+#[derive(Debug, Default)]
+pub(super) struct StoreEpochs {
+    by_key: HashMap<OffloadKey, VecDeque<u64>, BuildPassThrough>,
+}
+
+impl StoreEpochs {
+    /// Stores of `keys` began on connection `epoch`.
+    fn began(&mut self, epoch: u64, keys: impl IntoIterator<Item = OffloadKey>) {
+        for key in keys {
+            self.by_key.entry(key).or_default().push_back(epoch);
+        }
+    }
+
+    /// One store of `key` ended: the connection of the oldest in flight, if any.
+    fn ended(&mut self, key: &OffloadKey) -> Option<u64> {
+        let epochs = self.by_key.get_mut(key)?;
+        let epoch = epochs.pop_front();
+        if epochs.is_empty() {
+            self.by_key.remove(key);
+        }
+        epoch
+    }
+}
+
 impl TierClient {
+    /// Queues [`TierCall::CompleteStore`] of `keys` for the next batch (module flow, step 3).
+    /// Only the ends of this connection's stores are sent: a store made on an earlier
+    /// connection is that slot's (the owner drops it when this process exits), and the same key
+    /// may be this connection's store now, which that end must not end.
+    pub fn queue_complete_store(&mut self, keys: &[OffloadKey], success: bool) {
+        let epoch = self.connection_epoch();
+        let current: Vec<OffloadKey> = keys
+            .iter()
+            .filter(|key| self.store_epochs.ended(key) == Some(epoch))
+            .copied()
+            .collect();
+        let mine = self.lease.ended(&current);
+        let end = if success { StoreEnd::Stored } else { StoreEnd::Failed };
+        self.queue.complete_store(&mine, end);
+    }
+
+    /// Queues the end of every store this connection is making, as [`StoreEnd::Abandoned`]: its
+    /// engine reset its cache and will report none of them (vLLM drops the completions of the
+    /// jobs in flight at a reset). The keys may be stored again, by any engine, at once.
+    pub fn queue_abandon_stores(&mut self) {
+        self.store_epochs = StoreEpochs::default();
+        let mine = self.lease.take_storing();
+        self.queue.complete_store(&mine, StoreEnd::Abandoned);
+    }
+
     /// Chunks for the keys of `keys` to store for `request` (module flow, step 2): as
     /// [`TierCall::PrepareStore`]'s answer, from the lease with no wait when it holds enough,
     /// else asked of the owner. A key this client is storing already is not stored again; a key
@@ -125,17 +181,25 @@ impl TierClient {
                 if !named.is_empty() {
                     self.queue.store_leased(request, &named, first);
                 }
+                self.store_epochs.began(self.connection_epoch(), named);
                 return Ok(CallAnswer::Store { to_store, chunks, refused: false });
             }
         }
         let mut answers = Vec::new();
         self.call(&[TierCall::PrepareStore { request, keys }], &mut answers)?;
         // `call` noted the keys to store as this connection's stores.
-        Ok(answers.pop().unwrap_or(CallAnswer::Store {
+        let answer = answers.pop().unwrap_or(CallAnswer::Store {
             to_store: Vec::new(),
             chunks: Vec::new(),
             refused: true,
-        }))
+        });
+        // On the connection the call went to (it may have attached first): a connection
+        // dropped after the answer holds no such store, and `lease.ended` sends no end of it.
+        if let CallAnswer::Store { to_store, .. } = &answer {
+            let epoch = self.connection_epoch();
+            self.store_epochs.began(epoch, to_store.iter().map(|&at| keys[at as usize]));
+        }
+        Ok(answer)
     }
 }
 
@@ -192,7 +256,33 @@ mod tests {
     /// the same key may be this connection's store.
     #[test]
     fn the_end_of_a_store_this_connection_did_not_make_is_not_sent() {
-        let name = format!("t-no-owner-{}", std::process::id());
+        let mut client = client_without_owner("made");
+        client.queue_complete_store(&[key(1)], true);
+        assert!(!client.has_queued());
+        client.lease.storing([key(1)]);
+        client.store_epochs.began(client.connection_epoch(), [key(1)]);
+        client.queue_complete_store(&[key(1)], true);
+        assert!(client.has_queued());
+    }
+
+    /// Another connection's store of a key (made before the client attached again) and this
+    /// connection's store of the same key, both in flight: the first end is the older store's
+    /// and ends neither (this one's copy may still run); the next ends this connection's.
+    #[test]
+    fn an_earlier_connections_store_end_does_not_end_this_connections_store_of_the_key() {
+        let mut client = client_without_owner("two");
+        let now = client.connection_epoch();
+        client.store_epochs.began(now + 1, [key(1)]);
+        client.lease.storing([key(1)]);
+        client.store_epochs.began(now, [key(1)]);
+        client.queue_complete_store(&[key(1)], true);
+        assert!(!client.has_queued(), "the older store's end");
+        client.queue_complete_store(&[key(1)], true);
+        assert!(client.has_queued(), "this connection's");
+    }
+
+    fn client_without_owner(test: &str) -> TierClient {
+        let name = format!("t-no-owner-{test}-{}", std::process::id());
         let name = kvshm_ipc::name::SegmentName::new(&name).unwrap();
         let identity = super::super::TierIdentity {
             model: "m".into(),
@@ -202,12 +292,6 @@ mod tests {
             blocks_per_chunk: 1,
             layout: String::new(),
         };
-        let options = super::super::ClientOptions::default();
-        let mut client = TierClient::new(name, identity, options).unwrap();
-        client.queue_complete_store(&[key(1)], true);
-        assert!(!client.has_queued());
-        client.lease.storing([key(1)]);
-        client.queue_complete_store(&[key(1)], true);
-        assert!(client.has_queued());
+        TierClient::new(name, identity, super::super::ClientOptions::default()).unwrap()
     }
 }

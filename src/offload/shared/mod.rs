@@ -51,7 +51,8 @@ use serde::Serialize;
 
 pub use ahead::{DEFAULT_FREE_CHUNKS, EVICT_AHEAD_SLICE};
 pub use arenas::{open_rank_arena, TierArenaError, TierArenas};
-pub use client::{CallAnswer, ClientOptions, StoreEnd, TierCall, TierClient};
+pub use batch::StoreEnd;
+pub use client::{CallAnswer, ClientOptions, TierCall, TierClient};
 pub use client_lease::DEFAULT_LEASE_CHUNKS;
 pub use identity::TierIdentity;
 pub use keys::TierKeys;
