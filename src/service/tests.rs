@@ -39,6 +39,20 @@ fn claim_rank(service: &mut Service) -> (Segment, RankClaim) {
     (segment, claim)
 }
 
+/// Attaches to the service's segment and claims every rank as workers would.
+fn claim_every_rank(service: &mut Service) -> (Segment, Vec<RankClaim>) {
+    let segment = Segment::attach(service.segment().name()).unwrap();
+    let claims = (0..segment.config().tp_size)
+        .map(|rank| {
+            let claim = segment.claim_rank(rank).unwrap();
+            claim.mark_serving().unwrap();
+            claim
+        })
+        .collect();
+    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    (segment, claims)
+}
+
 /// Commits two blocks, so that the next poll issues their write-through backup.
 fn cache_two_blocks(service: &mut Service) {
     let request = RequestId(1);
@@ -634,15 +648,7 @@ fn a_block_every_rank_failed_to_forget_is_sent_again_and_given_up_once() {
         config.cache = config.cache.clone().with_storage_blocks(8);
         config.tp_size = 2;
     });
-    let segment = Segment::attach(service.segment().name()).unwrap();
-    let _claims: Vec<RankClaim> = (0..2)
-        .map(|rank| {
-            let claim = segment.claim_rank(rank).unwrap();
-            claim.mark_serving().unwrap();
-            claim
-        })
-        .collect();
-    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    let (segment, _claims) = claim_every_rank(&mut service);
     // Answers every command on both ranks with `results`; the entries of their FORGETs.
     let answer = |results: StorageResults| {
         let mut ops = Vec::new();
@@ -691,15 +697,7 @@ fn a_probe_one_rank_found_failed_counts_failed_whatever_the_others_met() {
         config.storage_backoff =
             TierBackoff { first: Duration::from_millis(1), max: Duration::from_secs(30) };
     });
-    let segment = Segment::attach(service.segment().name()).unwrap();
-    let _claims: Vec<RankClaim> = (0..2)
-        .map(|rank| {
-            let claim = segment.claim_rank(rank).unwrap();
-            claim.mark_serving().unwrap();
-            claim
-        })
-        .collect();
-    service.wait_for_workers(Duration::from_secs(5)).unwrap();
+    let (segment, _claims) = claim_every_rank(&mut service);
     assert!(service.manager.storage_tier_failed());
     service.poll();
     std::thread::sleep(Duration::from_millis(5));
