@@ -2,7 +2,8 @@
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from vllm.v1.kv_offload.config import (
@@ -14,6 +15,41 @@ from vllm.v1.kv_offload.config import (
 )
 
 _counter = itertools.count()
+
+#: Where vLLM's processes keep the shared memory of their message queues (Python's
+#: ``multiprocessing`` names): a process SIGKILLed leaves them behind.
+_SHM = Path("/dev/shm")
+_VLLM_SHM_PREFIXES = ("psm_", "sem.mp-")
+
+
+def _vllm_shm_objects() -> set[str]:
+    return {p.name for p in _SHM.iterdir() if p.name.startswith(_VLLM_SHM_PREFIXES)}
+
+
+def _mapped_shm_objects() -> set[str]:
+    """The /dev/shm objects some live process maps (any user's we may read)."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            at = line.find("/dev/shm/")
+            if at >= 0:
+                mapped.add(line[at + len("/dev/shm/") :].split(" ")[0])
+    return mapped
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_vllm_shared_memory_left_behind() -> Iterator[None]:
+    """The engines these tests SIGKILL (a crash, on purpose) leave vLLM's shared memory in
+    /dev/shm: at the end, the objects that appeared during the tests and that no live process
+    maps are removed, so that runs do not fill it."""
+    before = _vllm_shm_objects()
+    yield
+    for name in _vllm_shm_objects() - before - _mapped_shm_objects():
+        (_SHM / name).unlink(missing_ok=True)
 
 
 @pytest.fixture
