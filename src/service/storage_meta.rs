@@ -306,30 +306,28 @@ impl Service {
         match self.meta.by_id.remove(&id) {
             Some(Meta::Forget { hashes, retried, failed }) => {
                 if let Err(failure) = outcome {
+                    // Not the blocks one rank's failed bits queued again or gave up already.
+                    let left: Vec<BlockHash> = hashes
+                        .iter()
+                        .zip(&failed)
+                        .filter(|&(_, &counted)| !counted)
+                        .map(|(&hash, _)| hash)
+                        .collect();
                     if failure.error == CommandError::WorkerNotServing {
                         // Never sent: not a failure of the tier's. It goes again, in order with
-                        // the STOREs of the steps after it; but not the blocks another rank's
-                        // failed bits queued or gave up already.
-                        let unsent: Vec<BlockHash> = hashes
-                            .iter()
-                            .zip(&failed)
-                            .filter(|&(_, &counted)| !counted)
-                            .map(|(&hash, _)| hash)
-                            .collect();
-                        let dropped = self.meta.keep_unsent(&unsent);
+                        // the STOREs of the steps after it.
+                        let dropped = self.meta.keep_unsent(&left);
                         self.stats.storage_forgets_dropped += dropped as u64;
                         return;
                     }
                     self.stats.storage_forget_failures += 1;
-                    // The blocks one rank's failed bits counted already are not counted again.
-                    let left = hashes.iter().zip(&failed).filter(|&(_, &counted)| !counted);
                     if retried {
-                        self.stats.storage_forgets_dropped += left.count() as u64;
+                        self.stats.storage_forgets_dropped += left.len() as u64;
                         warn!(%failure, "a FORGET failed twice; the tier keeps those blocks");
                     } else {
                         // Sent again (to every rank: it is idempotent) on the next step, once
                         // the ranks' states are settled.
-                        self.meta.retries.extend(left.map(|(&hash, _)| hash));
+                        self.meta.retries.extend(left);
                     }
                 }
             }
