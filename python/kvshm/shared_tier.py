@@ -20,7 +20,9 @@ blocks finds there what the last one stored.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,6 +40,7 @@ __all__ = [
     "ensure_tier_owner",
     "owner_command",
     "owner_log",
+    "remove_dead_engine_segments",
     "shared_tier_clients",
     "shared_tier_owner",
     "stop_tier",
@@ -285,3 +288,30 @@ def stop_tier(tier: str, *, timeout_s: float = 10.0) -> None:
         for arena in Path("/dev/shm").glob(f"kvshm.{tier}.{kind}.*"):
             arena.unlink(missing_ok=True)
     owner_log(tier).unlink(missing_ok=True)
+
+
+def remove_dead_engine_segments(prefix: str) -> list[str]:
+    """Removes the segments ``<prefix>-<engine>-r<rank>`` (``<engine>`` eight hex digits) of
+    engines that died without removing them (killed, crashed) and returns their names. An engine
+    on a shared tier names its own segment after its engine id, which vLLM draws anew at every
+    start, so no later engine takes a dead one's name over: without this each crash would leave
+    its segment in ``/dev/shm`` until ``kvctl cleanup``. The removal is ``kvctl cleanup``'s,
+    which takes only segments whose creator is dead, never a running engine's or one being
+    created. Never raises: an engine starts whatever it finds."""
+    engine_segment = re.compile("kvshm." + re.escape(prefix) + r"-[0-9a-f]{8}-r[0-9]+")
+    try:
+        objects = [path.name for path in Path("/dev/shm").iterdir()]
+    except OSError:
+        return []
+    candidates = sorted(
+        name.removeprefix("kvshm.") for name in objects if engine_segment.fullmatch(name)
+    )
+    if not candidates:
+        return []
+    command = [sys.executable, "-m", "kvshm", "kvctl", "cleanup", "--json", *candidates]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        removed = json.loads(done.stdout)["removed"]
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, TypeError):
+        return []
+    return sorted({str(entry["segment"]) for entry in removed})

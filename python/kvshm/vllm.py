@@ -83,7 +83,13 @@ from kvshm._kvshm import (
     read_tier_keys,
 )
 from kvshm._vllm_support import ACTIVITY_COUNTERS, USAGE_GAUGES, StatsReport, logger
-from kvshm.shared_tier import OwnerRestart, TierIdentity, ensure_tier_owner, wait_for_tier_owner
+from kvshm.shared_tier import (
+    OwnerRestart,
+    TierIdentity,
+    ensure_tier_owner,
+    remove_dead_engine_segments,
+    wait_for_tier_owner,
+)
 from kvshm.vllm_worker import KvshmLoadStoreSpec, KvshmOffloadingWorker
 
 if TYPE_CHECKING:
@@ -350,6 +356,7 @@ class KvshmOffloadingSpec(OffloadingSpec):
                 "none (another engine's evictions are not this one's to announce): leave it off"
             )
         self.shared_identity = _shared_identity(config) if shared else None
+        self.engines_prefix: str | None = None
         self.shared_tier: str | None = None
         self.shared_idle_exit_s = int(extra.get("shared_tier_idle_exit_s", 600))
         self.shared_restart_s = float(extra.get("shared_tier_restart_s", 5.0))
@@ -369,6 +376,9 @@ class KvshmOffloadingSpec(OffloadingSpec):
             # The engine's own segment (its copy counters) is this engine's alone.
             self.warm_restart = False
             if not extra.get("segment_name"):
+                # The prefix of every engine's own segment: those of dead ones are removed at
+                # start (get_manager).
+                self.engines_prefix = self.segment_prefix
                 engine = hashlib.sha256(str(config.engine_id).encode()).hexdigest()[:8]
                 self.segment_prefix = f"{self.segment_prefix}-{engine}"
         self._manager: KvshmOffloadingManager | None = None
@@ -397,6 +407,11 @@ class KvshmOffloadingSpec(OffloadingSpec):
                 self._shared_manager = KvshmSharedOffloadingManager(
                     self.shared_tier, self.shared_identity, restart
                 )
+                # vLLM makes its workers (and so this engine's segments) before its scheduler.
+                if self.engines_prefix is not None:
+                    removed = remove_dead_engine_segments(self.engines_prefix)
+                    if removed:
+                        logger.info("kvshm: removed dead engines' segments %s", removed)
                 logger.info(
                     "kvshm: sharing host tier %s (%s)",
                     self.shared_tier,

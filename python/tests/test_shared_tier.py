@@ -26,6 +26,7 @@ from kvshm.shared_tier import (
     TierIdentity,
     ensure_tier_owner,
     owner_log,
+    remove_dead_engine_segments,
     stop_tier,
     wait_for_tier_owner,
 )
@@ -740,3 +741,46 @@ def test_a_block_on_the_storage_tier_is_retried_until_it_is_back(tier: str, tmp_
     loader.complete_load(keys[:3], context)
     loader.on_request_finished(context)
     _step_ends(loader)
+
+
+def test_the_segments_of_dead_engines_go_and_no_other(name: str) -> None:
+    """An engine on a shared tier removes, at start, the segments ``<prefix>-<engine>-r<rank>``
+    that engines killed before left; a running engine's segment stays, and so do dead segments
+    of other names."""
+    holder = (
+        "import sys, kvshm\n"
+        "service = kvshm.Service(sys.argv[1], block_tokens=4, device_blocks=8, region_bytes=64)\n"
+        "print('up', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+
+    def hold(segment: str) -> subprocess.Popen[str]:
+        process = subprocess.Popen(
+            [sys.executable, "-c", holder, segment],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert process.stdout is not None
+        assert process.stdout.readline() == "up\n"
+        return process
+
+    dead_engine, live_engine = f"{name}-0badf00d-r0", f"{name}-1234abcd-r0"
+    dead_other = f"{name}-r0"
+    processes = [hold(segment) for segment in (dead_engine, live_engine, dead_other)]
+    try:
+        for process in (processes[0], processes[2]):
+            process.kill()
+            process.wait()
+        assert remove_dead_engine_segments(name) == [dead_engine]
+        shm = Path("/dev/shm")
+        assert not list(shm.glob(f"kvshm.{dead_engine}*"))
+        assert (shm / f"kvshm.{live_engine}").exists()
+        assert (shm / f"kvshm.{dead_other}").exists()
+        assert remove_dead_engine_segments(name) == []
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        cleanup = [sys.executable, "-m", "kvshm", "kvctl", "cleanup", live_engine, dead_other]
+        subprocess.run(cleanup, capture_output=True, check=False)

@@ -117,10 +117,22 @@ def wait_for_first_served(engine: subprocess.Popen[bytes]) -> None:
     pytest.fail("the engine ended before its first request was served")
 
 
-def shared(tier: str, segment: str) -> tuple[str, ...]:
-    """An engine's options on tier ``tier``; its owner outlives a slow start of the next engine
-    (the fixture stops it)."""
-    return ("--kvshm-shared-tier", tier, "--kvshm-segment", segment, "--kvshm-idle-exit-s", "3600")
+def shared(tier: str, segment: str | None) -> tuple[str, ...]:
+    """An engine's options on tier ``tier`` (its own segment ``segment``, or kvshm's name for
+    it); its owner outlives a slow start of the next engine (the fixture stops it)."""
+    named = ("--kvshm-segment", segment) if segment is not None else ()
+    return ("--kvshm-shared-tier", tier, *named, "--kvshm-idle-exit-s", "3600")
+
+
+def stale_segments() -> set[str]:
+    """The segments ``kvctl ls`` finds stale (their creator dead)."""
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvshm", "kvctl", "ls", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return {row["name"] for row in json.loads(listed.stdout)["segments"] if row["state"] == "stale"}
 
 
 def test_a_prompt_one_engine_served_is_an_offloaded_hit_on_another(
@@ -208,7 +220,9 @@ def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
         wait_for_first_served(survivor)
         survivor_clients = {client["pid"] for client in _kvshm.shared_tier_clients(tier)}
 
-        doomed_command, _ = offline_command(model, workload, tmp_path, *shared(tier, f"{tier}-a"))
+        stale_before_a = stale_segments()
+        # A's own segment is named after its engine id, as kvshm names it.
+        doomed_command, _ = offline_command(model, workload, tmp_path, *shared(tier, None))
         doomed = subprocess.Popen(
             doomed_command,
             stdout=subprocess.DEVNULL,
@@ -251,9 +265,14 @@ def test_an_engine_killed_mid_store_leaves_the_other_serving_identical_outputs(
     assert killed[0]["died"], released
     assert killed[0]["stores"] >= 1, f"A was killed between stores: {released}"
 
+    # A left its own segment behind; the next engine of its model removes it at start.
+    left_by_a = stale_segments() - stale_before_a
+    assert left_by_a, "engine A's segment went with it"
+
     # A third engine: every block of the first round is in the tier, none of them torn.
     first_round = workload[:CONVERSATIONS]
-    after = offline(model, first_round, tmp_path, *shared(tier, f"{tier}-c"))
+    after = offline(model, first_round, tmp_path, *shared(tier, None))
+    assert not left_by_a & stale_segments(), "the third engine left engine A's segment"
     assert outputs(after) == expected[:CONVERSATIONS]
     hits = int(after["metrics"]["vllm:external_prefix_cache_hits"])
     kvshm_metrics = {
