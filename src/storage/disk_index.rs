@@ -40,7 +40,7 @@ use bytemuck::{Pod, Zeroable};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::backend::BlockLayout;
-use super::direct_io::lock_exclusive;
+use super::direct_io::{lock_exclusive, preallocate};
 use super::format::{join_hash, split_hash, LayoutTag};
 use crate::hash::BlockHash;
 
@@ -49,6 +49,11 @@ pub const INDEX_MAGIC: u64 = u64::from_le_bytes(*b"KVSHMIDX");
 pub const INDEX_VERSION: u32 = 1;
 /// Where the first slot record starts.
 pub const RECORDS_OFFSET: u64 = 4096;
+
+/// The length of an index of `capacity` records.
+pub fn index_bytes(capacity: u64) -> u64 {
+    RECORDS_OFFSET + capacity * size_of::<SlotRecord>() as u64
+}
 /// The `state` of a valid record ("REC1").
 const VALID: u32 = u32::from_le_bytes(*b"REC1");
 
@@ -301,21 +306,30 @@ impl IndexFile {
     }
 
     /// Sizes the file for `capacity` records (new records read as empty) and writes `header`.
+    /// The records are preallocated, as the slab is: a full file system shows here, not in the
+    /// first write of a record.
     pub fn initialise(&self, header: &IndexHeader) -> std::io::Result<()> {
         self.file.set_len(0)?;
-        self.file.set_len(RECORDS_OFFSET + header.capacity * size_of::<SlotRecord>() as u64)?;
+        self.preallocate(header.capacity)?;
         self.file.write_all_at(bytemuck::bytes_of(header), 0)?;
         self.file.sync_all()
     }
 
     /// Changes the number of records to `capacity` (records beyond it are cut off, new ones are
-    /// empty) and rewrites the header.
+    /// empty and preallocated) and rewrites the header.
     pub fn resize(&self, header: &IndexHeader, capacity: u64) -> std::io::Result<IndexHeader> {
         let header = header.with_capacity(capacity);
-        self.file.set_len(RECORDS_OFFSET + capacity * size_of::<SlotRecord>() as u64)?;
+        self.file.set_len(index_bytes(capacity))?;
+        self.preallocate(capacity)?;
         self.file.write_all_at(bytemuck::bytes_of(&header), 0)?;
         self.file.sync_all()?;
         Ok(header)
+    }
+
+    /// Takes the disk space of `capacity` records (an index made sparse, by a kvshm of before
+    /// [`IndexFile::initialise`] preallocated, takes it at its next open).
+    pub fn preallocate(&self, capacity: u64) -> std::io::Result<()> {
+        preallocate(&self.file, index_bytes(capacity))
     }
 
     /// Reads the records of slots `0..capacity`.

@@ -368,6 +368,18 @@ fn child_main() -> bool {
                 }
             }
         }
+        // failing-slot|DIR|LIMIT: under a file size limit that fails the writes of slot 7 of 8
+        // (1..=7 fill slots 0..=6), store 8, 9 and 10 one call each; exit 20 + how many stored.
+        "failing-slot" => {
+            limit_file_size(args[2].parse().unwrap());
+            let mut backend = DiskBackend::open(&options(Path::new(args[1]), 4096, 8)).unwrap();
+            let mut stored = 0;
+            for tag in [8, 9, 10] {
+                stored += put(&mut backend, &[tag], 4096).iter().filter(|o| o.is_ok()).count();
+                backend.check_invariants();
+            }
+            std::process::exit(20 + stored as i32);
+        }
         other => panic!("unknown child role {other}"),
     }
 }
@@ -523,6 +535,43 @@ impl ModelSlab {
         let sequence = &self.sequence;
         self.order.sort_by_key(|t| sequence[t]);
     }
+}
+
+#[test]
+fn a_slot_whose_write_fails_is_tried_after_every_other_slot() {
+    if child_main() {
+        return;
+    }
+    let test = "a_slot_whose_write_fails_is_tried_after_every_other_slot";
+    let scratch = Scratch::new("failing-slot");
+    let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
+    assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7], 4096)));
+    drop(backend);
+    // Block 8 takes the free slot 7 and fails; 9 and 10 evict the least recent blocks (a
+    // reopened slab's oldest writes: 1 and 2) rather than fail on slot 7 again.
+    let status = run_child(test, &format!("failing-slot|{}|{}", scratch.0.display(), 7 * 4096));
+    assert_eq!(status.code(), Some(22), "{status:?}");
+    let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
+    let outcomes = get(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4096);
+    let stored: Vec<bool> = outcomes.iter().map(Result::is_ok).collect();
+    let (y, n) = (true, false);
+    assert_eq!(stored, [n, n, y, y, y, y, y, n, y, y], "{outcomes:?}");
+    assert_eq!(backend.len(), 7);
+}
+
+#[test]
+fn the_index_takes_its_disk_space_when_made_as_the_slab_does() {
+    use std::os::unix::fs::MetadataExt;
+    let scratch = Scratch::new("index-space");
+    let backend = open(&options(&scratch.0, 4096, 8192)).unwrap();
+    let index = std::fs::metadata(backend.index_path()).unwrap();
+    assert!(
+        index.blocks() * 512 >= index.len(),
+        "{} of {} bytes",
+        index.blocks() * 512,
+        index.len()
+    );
+    drop(backend);
 }
 
 #[test]

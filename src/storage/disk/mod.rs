@@ -59,6 +59,9 @@ pub struct DiskBackend {
     slots: Vec<Slot>,
     by_hash: HashMap<BlockHash, u32>,
     free: Vec<u32>,
+    /// Free slots whose last write failed (a bad sector, a full file system): taken only when
+    /// no free slot and no victim is left, so one bad slot fails no store but its own.
+    failed: Vec<u32>,
     /// Most recently used.
     head: u32,
     /// Least recently used: the next to go.

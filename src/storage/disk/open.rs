@@ -11,7 +11,8 @@ use super::{DiskBackend, DiskError, DiskOptions};
 use crate::storage::backend::BackendStats;
 use crate::storage::direct_io::{is_no_space, preallocate, DataFile, IO_ALIGN};
 use crate::storage::disk_index::{
-    check_header, index_path, slab_path, IndexFile, IndexHeader, Opened, RecordState, SlotRecord,
+    check_header, index_bytes, index_path, slab_path, IndexFile, IndexHeader, Opened, RecordState,
+    SlotRecord,
 };
 
 impl DiskBackend {
@@ -38,18 +39,19 @@ impl DiskBackend {
             let path = path.to_owned();
             move |source| DiskError::Io { path, source }
         };
-        let no_space = |source: std::io::Error| {
-            if is_no_space(&source) {
-                DiskError::NoSpace {
-                    path: slab.clone(),
-                    bytes: slab_bytes,
-                    blocks: capacity,
-                    source,
+        // A full file system, as it shows in preallocating `path` to `bytes`.
+        let no_space_in = |path: &Path, bytes: u64| {
+            let path = path.to_owned();
+            move |source: std::io::Error| {
+                if is_no_space(&source) {
+                    DiskError::NoSpace { path: path.clone(), bytes, blocks: capacity, source }
+                } else {
+                    DiskError::Io { path: path.clone(), source }
                 }
-            } else {
-                DiskError::Io { path: slab.clone(), source }
             }
         };
+        let no_space = no_space_in(&slab, slab_bytes);
+        let index_no_space = no_space_in(&index_file, index_bytes(capacity));
         let header = match opened {
             Opened::Existing(header) => {
                 check_header(&header, &index_file, options.rank, &options.layout)?;
@@ -59,33 +61,37 @@ impl DiskBackend {
                 // The slab first, the header last: a creation cut short reads as fresh again.
                 let data = DataFile::open(&slab, true, false).map_err(io(&slab))?;
                 data.file().set_len(0).map_err(io(&slab))?;
-                if let Err(source) = preallocate(data.file(), slab_bytes) {
+                let header = IndexHeader::new(options.rank, &options.layout, slot_bytes, capacity);
+                let created = preallocate(data.file(), slab_bytes)
+                    .map_err(&no_space)
+                    .and_then(|()| index.initialise(&header).map_err(&index_no_space));
+                if let Err(error) = created {
+                    // Neither file is of use: nothing is left behind.
                     let _ = std::fs::remove_file(&slab);
                     let _ = std::fs::remove_file(&index_file);
-                    return Err(no_space(source));
+                    return Err(error);
                 }
-                let header = IndexHeader::new(options.rank, &options.layout, slot_bytes, capacity);
-                index.initialise(&header).map_err(io(&index_file))?;
                 header
             }
         };
         let header = if header.capacity != capacity {
             if capacity > header.capacity {
                 let data = DataFile::open(&slab, true, false).map_err(io(&slab))?;
-                preallocate(data.file(), slab_bytes).map_err(no_space)?;
+                preallocate(data.file(), slab_bytes).map_err(&no_space)?;
             }
-            let header = index.resize(&header, capacity).map_err(io(&index_file))?;
+            let header = index.resize(&header, capacity).map_err(&index_no_space)?;
             let data = DataFile::open(&slab, true, false).map_err(io(&slab))?;
             data.file().set_len(slab_bytes).map_err(io(&slab))?;
             header
         } else {
+            index.preallocate(capacity).map_err(&index_no_space)?;
             header
         };
         let data = DataFile::open(&slab, true, options.prefer_direct).map_err(io(&slab))?;
         let length = data.file().metadata().map_err(io(&slab))?.len();
         if length < slab_bytes {
             // A slab cut short (created by hand, or truncated): take the room again.
-            preallocate(data.file(), slab_bytes).map_err(no_space)?;
+            preallocate(data.file(), slab_bytes).map_err(&no_space)?;
         }
         let records = index.read_records(header.capacity).map_err(io(&index_file))?;
         let mut backend = DiskBackend {
@@ -98,6 +104,7 @@ impl DiskBackend {
             slots: Vec::new(),
             by_hash: HashMap::new(),
             free: Vec::new(),
+            failed: Vec::new(),
             head: NONE,
             tail: NONE,
             next_sequence: 1,

@@ -78,7 +78,7 @@ pub enum DiskError {
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error(
-        "no room for the storage slab {path} ({bytes} bytes for {blocks} blocks): {source}; \
+        "no room for {path} ({bytes} bytes for a storage tier of {blocks} blocks): {source}; \
          free space or ask for fewer storage blocks"
     )]
     NoSpace { path: PathBuf, bytes: u64, blocks: u64, source: std::io::Error },

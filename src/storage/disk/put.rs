@@ -168,7 +168,7 @@ impl DiskBackend {
                 }
                 Some(failure) => {
                     outcomes[planned.entry] = Err(failure.clone());
-                    self.free.push(planned.slot);
+                    self.failed.push(planned.slot);
                 }
             }
         }

@@ -2,11 +2,12 @@
 //! says ([`OnDisk`]), the LRU list of used slots threaded through the slot array (ids, not
 //! pointers; [`NONE`] ends it), the free slots, and the map from block hash to slot.
 //!
-//! A slot is free, or used (in the map and the list), or taken by the batch being run (pinned,
-//! never evicted by it). [`DiskBackend::take_slot`] gives a new block a free slot, else the least
-//! recently used one not pinned: that block is forgotten (its record is zeroed by the batch
-//! before the slot's bytes are overwritten). `check_invariants` checks the three against each
-//! other.
+//! A slot is free, or failed (free, but its last write failed), or used (in the map and the
+//! list), or taken by the batch being run (pinned, never evicted by it).
+//! [`DiskBackend::take_slot`] gives a new block a free slot, else the least recently used one
+//! not pinned: that block is forgotten (its record is zeroed by the batch before the slot's
+//! bytes are overwritten); else a failed slot, tried again. `check_invariants` checks the lists
+//! and the map against each other.
 
 use super::DiskBackend;
 use crate::storage::backend::Failure;
@@ -76,8 +77,12 @@ impl DiskBackend {
         }
         assert_eq!(self.tail, prev, "the LRU tail is not the last slot of the list");
         assert_eq!(seen, self.by_hash.len(), "the LRU list and the map disagree");
-        assert_eq!(seen + self.free.len(), self.slots.len(), "slots are lost or counted twice");
-        for &slot in &self.free {
+        assert_eq!(
+            seen + self.free.len() + self.failed.len(),
+            self.slots.len(),
+            "slots are lost or counted twice"
+        );
+        for &slot in self.free.iter().chain(&self.failed) {
             assert!(!self.slots[slot as usize].used, "free slot {slot} is used");
         }
         assert!(self.slots.iter().all(|slot| !slot.pinned), "a slot stayed pinned");
@@ -115,8 +120,9 @@ impl DiskBackend {
         self.push_front(slot);
     }
 
-    /// A slot for a new block: a free one, else the least recently used one not pinned by this
-    /// batch (its block is forgotten here; its record is zeroed in step 2).
+    /// A slot for a new block (module documentation): a free one, else the least recently used
+    /// one not pinned by this batch (its block is forgotten here; its record is zeroed in step
+    /// 2), else one whose last write failed.
     pub(super) fn take_slot(&mut self) -> Option<u32> {
         if let Some(slot) = self.free.pop() {
             return Some(slot);
@@ -126,7 +132,7 @@ impl DiskBackend {
             victim = self.slots[victim as usize].prev;
         }
         if victim == NONE {
-            return None;
+            return self.failed.pop();
         }
         self.forget(victim);
         self.stats.evictions += 1;
