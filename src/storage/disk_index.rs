@@ -50,6 +50,17 @@ pub const INDEX_VERSION: u32 = 1;
 /// Where the first slot record starts.
 pub const RECORDS_OFFSET: u64 = 4096;
 
+/// Whether `path` names `file` now (the same inode on the same device).
+fn names_file(path: &Path, file: &File) -> std::io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let open = file.metadata()?;
+    match std::fs::metadata(path) {
+        Ok(named) => Ok(named.dev() == open.dev() && named.ino() == open.ino()),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
 /// The length of an index of `capacity` records.
 pub fn index_bytes(capacity: u64) -> u64 {
     RECORDS_OFFSET + capacity * size_of::<SlotRecord>() as u64
@@ -277,17 +288,24 @@ impl IndexFile {
     /// and 2).
     pub fn open(path: &Path) -> Result<(IndexFile, Opened), IndexError> {
         let io = |source| IndexError::Io { path: path.to_owned(), source };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(path)
-            .map_err(io)?;
-        if !lock_exclusive(&file).map_err(io)? {
-            return Err(IndexError::Busy { path: path.to_owned() });
-        }
+        let file = loop {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(path)
+                .map_err(io)?;
+            if !lock_exclusive(&file).map_err(io)? {
+                return Err(IndexError::Busy { path: path.to_owned() });
+            }
+            // The lock is of the file opened: one that `kvctl reset-storage` removed while this
+            // waited for its lock is no index any more, and the path is opened again.
+            if names_file(path, &file).map_err(io)? {
+                break file;
+            }
+        };
         let mut head = [0u8; size_of::<IndexHeader>()];
         let read = read_up_to(&file, &mut head, 0).map_err(io)?;
         let opened = match judge_header(&head[..read]) {

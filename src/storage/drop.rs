@@ -95,7 +95,10 @@ fn drop_disk(dir: &Path, dropped: &mut DroppedNamespace) -> Result<(), DropError
             files.push(path);
         }
     }
-    files.sort();
+    // Slabs before indexes: a worker that opens a rank once its index is gone makes a new pair
+    // (`IndexFile::open` takes the lock of the file the path names), and must not find the old
+    // slab still there.
+    files.sort_by_key(|path| (path.extension().is_some_and(|ext| ext == "index"), path.clone()));
     // Every index locked before anything is removed: all or nothing.
     let mut locks = Vec::new();
     for path in files.iter().filter(|path| path.extension().is_some_and(|ext| ext == "index")) {
