@@ -117,11 +117,16 @@ impl CacheManager {
     /// the same node with the same host block.
     fn check_storage(&self) -> Result<(), InvariantViolation> {
         let mut used = 0u32;
+        // The blocks the tree counts on the tier, when orphans are to be checked against them.
+        let mut counted = std::collections::HashSet::new();
         for id in self.tree.ids() {
             let node = self.tree.node(id);
             let state = node.state();
             if node.stored() || matches!(state, NodeState::HostToStorage(_)) {
                 used += 1;
+                if !self.orphans.is_empty() {
+                    counted.insert(node.hash());
+                }
             }
             if state == NodeState::StorageToHost {
                 let load = TransferId(node.transfer().expect("checked by invariant 6"));
@@ -170,6 +175,14 @@ impl CacheManager {
                 2,
                 format!("{used} blocks on a storage tier of {}", self.config.storage_blocks),
             ));
+        }
+        // Orphans wait outside the tree: one the tree counts would be forgotten as it expires.
+        let orphans = self.orphans.values().flatten();
+        if orphans.clone().count() != self.orphan_count {
+            return Err(broken(2, format!("{} orphans counted", self.orphan_count)));
+        }
+        if let Some((hash, _)) = orphans.into_iter().find(|(hash, _)| counted.contains(hash)) {
+            return Err(broken(2, format!("orphan {hash:?} is counted on the tier by the tree")));
         }
         Ok(())
     }

@@ -485,7 +485,25 @@ impl CacheManager {
             node.set_stored(true);
         });
         self.storage_used += 1;
+        self.stop_waiting(parent, hash);
         Some(id)
+    }
+
+    /// Block `hash` joined the tree under `parent`: if it waited as an orphan (a QUERY, or a
+    /// later listing, found its parent), it waits no more, and never expires (`forget`) while
+    /// the tree counts it.
+    fn stop_waiting(&mut self, parent: NodeId, hash: BlockHash) {
+        if self.orphans.is_empty() {
+            return;
+        }
+        let parent_hash = self.tree.node(parent).hash();
+        let Some(waiting) = self.orphans.get_mut(&parent_hash) else { return };
+        let before = waiting.len();
+        waiting.retain(|&(orphan, _)| orphan != hash);
+        self.orphan_count -= before - waiting.len();
+        if waiting.is_empty() {
+            self.orphans.remove(&parent_hash);
+        }
     }
 
     /// As [`CacheManager::adopt_one`] for a block the tier holds; one that cannot join (no room,

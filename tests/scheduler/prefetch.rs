@@ -264,6 +264,33 @@ fn stored_blocks_whose_parent_never_comes_back_expire_and_are_forgotten() {
     check(&cache);
 }
 
+#[test]
+fn a_waiting_stored_block_a_query_adopts_waits_no_more_and_never_expires() {
+    let mut cache = three_tiny_tiers();
+    let prompt = hashes(&[1, 2]);
+    // Block 2 is on the tier and waits for block 1, which is not cached.
+    assert_eq!(cache.adopt_stored_blocks([(prompt[1], prompt[0], 1)]), 0);
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 1);
+    // A QUERY finds both on the tier: they join the tree, and block 2 waits no more.
+    let ticket = cache.prefetch(&prompt).unwrap().expect("a query past the tree");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    complete_loads(&mut cache, true);
+    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    check(&cache);
+    // The tier's capacity worth of commits: nothing waits, so nothing expires (an expiry would
+    // tell the tier to forget block 2, which the tree counts on it).
+    for value in 0..8u128 {
+        serve(&mut cache, 10 + value as u64, &hashes(&[400 + value]));
+        complete_all(&mut cache);
+        cache.poll();
+        check(&cache);
+    }
+    assert_eq!(cache.stats().counters.expired_orphans, 0);
+}
+
 /// The node of `blocks` (a chain from block 0).
 fn node_of(cache: &CacheManager, blocks: &[BlockHash]) -> NodeId {
     blocks.iter().fold(NodeId::ROOT, |parent, &hash| {
