@@ -11,8 +11,8 @@
 //!    transfer, returning a ticket;
 //! 2. [`Service::wait`] (or any [`Service::poll`]) takes the transfer and queues it on the
 //!    transport as one job ([`ServiceJob::Transfer`]), which encodes one command per rank
-//!    (several if its pair list is longer than a ring can hold) and pumps them into the command
-//!    rings as credits allow, ringing each worker's doorbell;
+//!    (several when its pairs exceed half a command ring or `max_command_bytes`) and pumps them
+//!    into the command rings as credits allow, ringing each worker's doorbell;
 //! 3. every worker copies its rank's bytes and pushes a completion, ringing the scheduler doorbell;
 //! 4. `poll` has the transport reap completions; when the last command of the transfer has
 //!    completed on every rank, the transport reports its outcome and the service hands it to the
