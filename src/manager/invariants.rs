@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use kvshm_ipc::record::BlockPair;
+
 use super::{CacheManager, InvariantViolation, TransferId, TransferKind};
 use crate::tree::{NodeId, NodeState, StoreOut, SwapOut};
 
@@ -50,40 +52,51 @@ impl CacheManager {
         self.check_ownership()?;
         self.check_ref_counts()?;
         self.check_copies()?;
-        self.check_store_order()?;
+        self.check_copy_order()?;
         self.check_storage()
     }
 
-    /// Part of invariant 6: a copy in flight that writes a host block (a swap-out's destination,
-    /// a LOAD's) that a STORE in flight still reads waits for that STORE, directly or through the
-    /// copies it waits for, so that it is never handed out before the STORE has read the block.
-    fn check_store_order(&self) -> Result<(), InvariantViolation> {
-        let mut read_by: HashMap<u32, Vec<TransferId>> = HashMap::new();
+    /// Part of invariant 6: a copy in flight that writes a block another copy in flight still
+    /// reads waits for that copy, directly or through the copies it waits for, so that it is
+    /// never handed out before the block was read: a host block a STORE reads (written by a
+    /// swap-out's destination, a LOAD's), a device block a swap-out reads (claimed from it, and
+    /// written by a swap-in).
+    fn check_copy_order(&self) -> Result<(), InvariantViolation> {
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        enum Block {
+            Device(u32),
+            Host(u32),
+        }
+        let mut read_by: HashMap<Block, Vec<TransferId>> = HashMap::new();
         for (&id, flight) in &self.in_flight {
-            if flight.kind == TransferKind::HostToStorage {
-                for pair in &flight.pairs {
-                    read_by.entry(pair.src).or_default().push(id);
-                }
+            let read = |pair: &BlockPair| match flight.kind {
+                TransferKind::HostToStorage => Some(Block::Host(pair.src)),
+                TransferKind::DeviceToHost => Some(Block::Device(pair.src)),
+                TransferKind::HostToDevice | TransferKind::StorageToHost => None,
+            };
+            for block in flight.pairs.iter().filter_map(read) {
+                read_by.entry(block).or_default().push(id);
             }
         }
         if read_by.is_empty() {
             return Ok(());
         }
         for (&id, flight) in &self.in_flight {
-            let written = |pair: &kvshm_ipc::record::BlockPair| match flight.kind {
-                TransferKind::DeviceToHost => Some(pair.dst),
-                TransferKind::StorageToHost => Some(pair.src),
-                TransferKind::HostToDevice | TransferKind::HostToStorage => None,
+            let written = |pair: &BlockPair| match flight.kind {
+                TransferKind::DeviceToHost => Some(Block::Host(pair.dst)),
+                TransferKind::StorageToHost => Some(Block::Host(pair.src)),
+                TransferKind::HostToDevice => Some(Block::Device(pair.dst)),
+                TransferKind::HostToStorage => None,
             };
             for block in flight.pairs.iter().filter_map(written) {
-                for &store in read_by.get(&block).into_iter().flatten() {
-                    if !self.waits_for(id, store) {
+                for &reader in read_by.get(&block).into_iter().flatten() {
+                    if reader != id && !self.waits_for(id, reader) {
                         return Err(broken(
                             6,
                             format!(
-                                "copy {} ({:?}) writes host block {block}, which STORE {} still \
-                                 reads, without waiting for it",
-                                id.0, flight.kind, store.0
+                                "copy {} ({:?}) writes {block:?}, which copy {} still reads, \
+                                 without waiting for it",
+                                id.0, flight.kind, reader.0
                             ),
                         ));
                     }
