@@ -53,6 +53,7 @@ impl CacheManager {
         self.check_ref_counts()?;
         self.check_copies()?;
         self.check_copy_order()?;
+        self.check_claims()?;
         self.check_storage()
     }
 
@@ -100,6 +101,44 @@ impl CacheManager {
                             ),
                         ));
                     }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Part of invariant 6: the blocks a request claimed from a swap-out still in flight are
+    /// that copy's sources, and one of the request's tickets waits for it, so that the engine
+    /// writes none of them before the copy has read it.
+    fn check_claims(&self) -> Result<(), InvariantViolation> {
+        for (request_id, request) in &self.requests {
+            for run in &request.claims {
+                let Some(flight) = self.in_flight.get(&run.transfer) else { continue };
+                let sources = || flight.pairs.iter().map(|pair| pair.src);
+                let positions = run.start as usize..run.end as usize;
+                let claimed = request.table.get(positions.clone()).unwrap_or_default();
+                let read = flight.kind == TransferKind::DeviceToHost
+                    && claimed.len() == positions.len()
+                    && claimed.iter().all(|&block| sources().any(|source| source == block));
+                if !read {
+                    return Err(broken(
+                        6,
+                        format!(
+                            "{request_id}'s blocks at {positions:?} are not read by copy {}, \
+                             which it claimed them from",
+                            run.transfer.0
+                        ),
+                    ));
+                }
+                if !request.tickets.iter().any(|ticket| flight.tickets.contains(ticket)) {
+                    return Err(broken(
+                        6,
+                        format!(
+                            "no ticket of {request_id} waits for copy {}, which still reads \
+                             the blocks it claimed",
+                            run.transfer.0
+                        ),
+                    ));
                 }
             }
         }
