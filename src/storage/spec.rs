@@ -37,7 +37,8 @@ impl FromStr for StorageSpec {
     type Err = ParseSpecError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let error = || ParseSpecError { text: text.to_owned() };
+        // The text may be a URL of another scheme with a password in it.
+        let error = || ParseSpecError { text: redact(text) };
         if let Some(dir) = text.strip_prefix("disk:") {
             if dir.is_empty() {
                 return Err(error());
@@ -60,16 +61,38 @@ impl std::fmt::Display for StorageSpec {
     }
 }
 
-/// A URL with any password replaced by `***` (for logs and reports).
+/// A URL with any password replaced by `***` (for logs and reports): the password of the
+/// user information (before the authority's last `@`, as URLs are parsed; all of it when it
+/// names no user apart), and the value of a `pass` or `password` query parameter (a Unix
+/// socket's). Text that is no URL comes back as it is.
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    match rest.split_once('@') {
-        Some((credentials, host)) if credentials.contains(':') => {
-            let user = credentials.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
-        }
-        _ => url.to_owned(),
+    let (before_query, query) = match rest.split_once('?') {
+        Some((before, query)) => (before, Some(query)),
+        None => (rest, None),
+    };
+    let authority_end = before_query.find(['/', '#']).unwrap_or(before_query.len());
+    let (authority, path) = before_query.split_at(authority_end);
+    let authority = match authority.rsplit_once('@') {
+        Some((credentials, host)) => match credentials.split_once(':') {
+            Some((user, _)) => format!("{user}:***@{host}"),
+            None => format!("***@{host}"),
+        },
+        None => authority.to_owned(),
+    };
+    let mut redacted = format!("{scheme}://{authority}{path}");
+    if let Some(query) = query {
+        let parameters: Vec<String> = query
+            .split('&')
+            .map(|parameter| match parameter.split_once('=') {
+                Some((name, _)) if matches!(name, "pass" | "password") => format!("{name}=***"),
+                _ => parameter.to_owned(),
+            })
+            .collect();
+        redacted.push('?');
+        redacted.push_str(&parameters.join("&"));
     }
+    redacted
 }
 
 /// The name under which a service's blocks are kept: a directory under the disk tier's
@@ -242,6 +265,16 @@ mod tests {
         let spec: StorageSpec = "redis://app:s3cret@cache:6379/0".parse().unwrap();
         assert_eq!(spec.to_string(), "redis://app:***@cache:6379/0");
         assert_eq!(redact("redis://cache:6379"), "redis://cache:6379");
+        // The authority's last `@` ends the user information, as URL parsers have it.
+        assert_eq!(redact("redis://app:p@ss@cache:6379/0"), "redis://app:***@cache:6379/0");
+        assert_eq!(redact("redis://s3cret@cache"), "redis://***@cache");
+        assert_eq!(
+            redact("redis+unix:///run/redis.sock?db=2&pass=s3cret&user=app"),
+            "redis+unix:///run/redis.sock?db=2&pass=***&user=app"
+        );
+        // A spec refused for its scheme does not echo its password either.
+        let refused = "rediss://app:s3cret@cache:6380".parse::<StorageSpec>().unwrap_err();
+        assert!(!refused.to_string().contains("s3cret"), "{refused}");
     }
 
     #[test]
