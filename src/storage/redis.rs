@@ -403,12 +403,14 @@ impl StorageBackend for RedisBackend {
             link.run(pooled, |connection| match ttl {
                 None => redis::cmd("MGET").arg(keys).query::<Vec<Value>>(connection),
                 Some(seconds) => {
+                    // The reads, then each key's time to live renewed, in one pipeline (`GETEX`
+                    // would do both, from Redis 6.2 on; `EXPIRE` is in every Redis).
                     let mut pipe = redis::pipe();
-                    pipe.ignore_errors();
+                    pipe.cmd("MGET").arg(keys);
                     for key in keys {
-                        pipe.cmd("GETEX").arg(key).arg("EX").arg(seconds);
+                        pipe.cmd("EXPIRE").arg(key).arg(seconds).ignore();
                     }
-                    pipe.query::<Vec<Value>>(connection)
+                    pipe.query::<(Vec<Value>,)>(connection).map(|(values,)| values)
                 }
             })
         });

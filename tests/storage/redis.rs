@@ -116,13 +116,28 @@ fn blocks_round_trip_through_redis_under_their_documented_keys() {
 
 #[test]
 fn a_ttl_expires_blocks_and_every_read_renews_it() {
-    let redis = redis_for_test();
+    ttl_expires_blocks_and_every_read_renews_it(&redis_for_test().url());
+}
+
+#[test]
+fn a_ttl_works_on_a_server_without_getex() {
+    // Redis before 6.2 has no GETEX.
+    let old = RedisServer::start_with(&["--rename-command", "GETEX", ""]);
+    let mut raw = connect(&old.url());
+    let refused = redis::cmd("GETEX").arg("k").query::<Option<Vec<u8>>>(&mut raw);
+    assert!(refused.is_err(), "the server still has GETEX");
+    ttl_expires_blocks_and_every_read_renews_it(&old.url());
+}
+
+/// Blocks stored with a time to live of 100 s: a read renews it, and a block whose time ran out
+/// is a miss.
+fn ttl_expires_blocks_and_every_read_renews_it(url: &str) {
     let namespace = unique_namespace("ttl");
-    let mut options = options(&redis.url(), &namespace);
+    let mut options = options(url, &namespace);
     options.ttl = Some(Duration::from_secs(100));
     let mut backend = RedisBackend::open(&options).unwrap();
     assert!(all_ok(&put(&mut backend, &[1, 2])));
-    let mut raw = connect(&redis.url());
+    let mut raw = connect(url);
     let key_of = |tag| block_key(&key_prefix(&namespace, &layout()), key(tag).hash, 1);
     let ttl: i64 = redis::cmd("TTL").arg(key_of(1)).query(&mut raw).unwrap();
     assert!((90..=100).contains(&ttl), "ttl {ttl}");

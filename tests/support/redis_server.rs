@@ -16,6 +16,8 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     dir: Scratch,
+    /// Configuration given on the command line besides the defaults.
+    config: Vec<String>,
 }
 
 fn server_binary() -> String {
@@ -42,16 +44,24 @@ impl RedisServer {
     /// Starts a private server on a free loopback port (retrying if another process takes the
     /// port first), waiting until it answers PING.
     pub fn start() -> RedisServer {
+        RedisServer::start_with(&[])
+    }
+
+    /// [`RedisServer::start`] with `config` on the command line besides the defaults (for
+    /// example `--rename-command GETEX ""`: a server without that command, as older ones are).
+    pub fn start_with(config: &[&str]) -> RedisServer {
+        let config: Vec<String> = config.iter().map(|&word| word.to_owned()).collect();
         for _ in 0..5 {
-            if let Some(server) = RedisServer::try_start(free_port(), Scratch::new("redis")) {
+            let dir = Scratch::new("redis");
+            if let Some(server) = RedisServer::try_start(free_port(), dir, config.clone()) {
                 return server;
             }
         }
         panic!("could not start a private redis-server after 5 attempts");
     }
 
-    fn try_start(port: u16, dir: Scratch) -> Option<RedisServer> {
-        let mut server = RedisServer { child: None, port, dir };
+    fn try_start(port: u16, dir: Scratch, config: Vec<String>) -> Option<RedisServer> {
+        let mut server = RedisServer { child: None, port, dir, config };
         server.spawn();
         server.wait_ready().then_some(server)
     }
@@ -64,6 +74,7 @@ impl RedisServer {
             .args(["--daemonize", "no", "--loglevel", "warning"])
             .arg("--dir")
             .arg(&self.dir.0)
+            .args(&self.config)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
