@@ -354,7 +354,7 @@ fn child_main() -> bool {
         }
         // fsize|DIR|LIMIT|CAPACITY: under a file size limit, open a slab and store 8 blocks.
         "fsize" => {
-            limit_file_size(args[2].parse().unwrap());
+            set_soft_file_size_limit(args[2].parse().unwrap());
             let dir = Path::new(args[1]);
             match DiskBackend::open(&options(dir, 4096, args[3].parse().unwrap())) {
                 Err(DiskError::NoSpace { .. }) => std::process::exit(10),
@@ -368,27 +368,38 @@ fn child_main() -> bool {
                 }
             }
         }
-        // failing-slot|DIR|LIMIT: under a file size limit that fails the writes of slot 7 of 8
-        // (1..=7 fill slots 0..=6), store 8, 9 and 10 one call each; exit 20 + how many stored.
-        "failing-slot" => {
-            limit_file_size(args[2].parse().unwrap());
+        // full-spell|DIR: with the soft file size limit at the index's header (every record
+        // write fails for room), store 9..=16 one call each into a full 8-slot slab; then with
+        // the limit lifted, 17..=24. Exit 20 + 10 x stored during + stored after.
+        "full-spell" => {
             let mut backend = DiskBackend::open(&options(Path::new(args[1]), 4096, 8)).unwrap();
-            let mut stored = 0;
-            for tag in [8, 9, 10] {
-                stored += put(&mut backend, &[tag], 4096).iter().filter(|o| o.is_ok()).count();
-                backend.check_invariants();
-            }
-            std::process::exit(20 + stored as i32);
+            let stored = |tags: std::ops::RangeInclusive<u64>, backend: &mut DiskBackend| {
+                let mut count = 0;
+                for tag in tags {
+                    count += put(backend, &[tag], 4096).iter().filter(|o| o.is_ok()).count();
+                    backend.check_invariants();
+                }
+                count as i32
+            };
+            set_soft_file_size_limit(4096);
+            let during = stored(9..=16, &mut backend);
+            set_soft_file_size_limit(libc::RLIM_INFINITY);
+            let after = stored(17..=24, &mut backend);
+            std::process::exit(20 + 10 * during + after);
         }
         other => panic!("unknown child role {other}"),
     }
 }
 
-/// RLIMIT_FSIZE for this process, with SIGXFSZ ignored so that writes beyond it fail with EFBIG.
-fn limit_file_size(bytes: u64) {
+/// The soft RLIMIT_FSIZE of this process, at most its hard one (left as it is, so that the soft
+/// one can be raised again), with SIGXFSZ ignored so that writes beyond it fail with EFBIG.
+fn set_soft_file_size_limit(bytes: libc::rlim_t) {
     use nix::sys::signal::{signal, SigHandler, Signal};
-    let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
-    // SAFETY: setrlimit reads the struct we pass; it only lowers this process's own limit.
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct we pass, which outlives the call.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut limit) }, 0);
+    limit.rlim_cur = bytes.min(limit.rlim_max);
+    // SAFETY: setrlimit reads the struct we pass; the soft limit stays within the hard one.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &limit) }, 0);
     // SAFETY: SIG_IGN installs no handler code; nothing else in this child relies on SIGXFSZ.
     unsafe { signal(Signal::SIGXFSZ, SigHandler::SigIgn) }.unwrap();
@@ -538,25 +549,22 @@ impl ModelSlab {
 }
 
 #[test]
-fn a_slot_whose_write_fails_is_tried_after_every_other_slot() {
+fn a_full_file_system_costs_one_block_and_the_slab_fills_again_after() {
     if child_main() {
         return;
     }
-    let test = "a_slot_whose_write_fails_is_tried_after_every_other_slot";
-    let scratch = Scratch::new("failing-slot");
+    let test = "a_full_file_system_costs_one_block_and_the_slab_fills_again_after";
+    let scratch = Scratch::new("full-spell");
     let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
-    assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7], 4096)));
+    assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8], 4096)));
     drop(backend);
-    // Block 8 takes the free slot 7 and fails; 9 and 10 evict the least recent blocks (a
-    // reopened slab's oldest writes: 1 and 2) rather than fail on slot 7 again.
-    let status = run_child(test, &format!("failing-slot|{}|{}", scratch.0.display(), 7 * 4096));
-    assert_eq!(status.code(), Some(22), "{status:?}");
+    // While the file system is full, each store fails on the slot of the block it evicted
+    // first, again and again, and evicts no other; once there is room, all 8 are stored.
+    let status = run_child(test, &format!("full-spell|{}", scratch.0.display()));
+    assert_eq!(status.code(), Some(28), "{status:?}");
     let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
-    let outcomes = get(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4096);
-    let stored: Vec<bool> = outcomes.iter().map(Result::is_ok).collect();
-    let (y, n) = (true, false);
-    assert_eq!(stored, [n, n, y, y, y, y, y, n, y, y], "{outcomes:?}");
-    assert_eq!(backend.len(), 7);
+    assert_eq!(backend.len(), 8);
+    assert!(all_ok(&get(&mut backend, &[17, 18, 19, 20, 21, 22, 23, 24], 4096)));
 }
 
 #[test]

@@ -59,9 +59,12 @@ pub struct DiskBackend {
     slots: Vec<Slot>,
     by_hash: HashMap<BlockHash, u32>,
     free: Vec<u32>,
-    /// Free slots whose last write failed (a bad sector, a full file system): taken only when
-    /// no free slot and no victim is left, so one bad slot fails no store but its own.
-    failed: Vec<u32>,
+    /// Slots set aside after a write of theirs failed, other than for room (a bad sector, say),
+    /// each with the count of `successful_writes` at which it goes back to the free list
+    /// ([`DiskBackend::set_aside`]).
+    failed: Vec<(u32, u64)>,
+    /// Blocks written whole since opening.
+    successful_writes: u64,
     /// Most recently used.
     head: u32,
     /// Least recently used: the next to go.

@@ -105,6 +105,7 @@ impl DiskBackend {
             by_hash: HashMap::new(),
             free: Vec::new(),
             failed: Vec::new(),
+            successful_writes: 0,
             head: NONE,
             tail: NONE,
             next_sequence: 1,

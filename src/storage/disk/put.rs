@@ -33,6 +33,7 @@ impl DiskBackend {
         self.unsynced = true;
         outcomes.clear();
         outcomes.resize(blocks.len(), Ok(()));
+        self.return_rested_slots();
         // Step 1: hits and slots.
         let mut plan: Vec<Planned> = Vec::new();
         let mut in_batch: HashMap<BlockHash, usize> = HashMap::new();
@@ -165,10 +166,12 @@ impl DiskBackend {
             match &planned.outcome {
                 None => {
                     self.by_hash.insert(blocks[planned.entry].key.hash, planned.slot);
+                    self.slots[planned.slot as usize].failures = 0;
+                    self.successful_writes += 1;
                 }
                 Some(failure) => {
                     outcomes[planned.entry] = Err(failure.clone());
-                    self.failed.push(planned.slot);
+                    self.set_aside(planned.slot, failure);
                 }
             }
         }

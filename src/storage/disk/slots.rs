@@ -2,12 +2,13 @@
 //! says ([`OnDisk`]), the LRU list of used slots threaded through the slot array (ids, not
 //! pointers; [`NONE`] ends it), the free slots, and the map from block hash to slot.
 //!
-//! A slot is free, or failed (free, but its last write failed), or used (in the map and the
-//! list), or taken by the batch being run (pinned, never evicted by it).
-//! [`DiskBackend::take_slot`] gives a new block a free slot, else the least recently used one
-//! not pinned: that block is forgotten (its record is zeroed by the batch before the slot's
-//! bytes are overwritten); else a failed slot, tried again. `check_invariants` checks the lists
-//! and the map against each other.
+//! A slot is free, or set aside (its last write failed), or used (in the map and the list), or
+//! taken by the batch being run (pinned, never evicted by it). [`DiskBackend::take_slot`] gives
+//! a new block a free slot, else the least recently used one not pinned: that block is
+//! forgotten (its record is zeroed by the batch before the slot's bytes are overwritten); else
+//! a slot set aside. A slot whose write failed for room goes back to the free list at once, one
+//! that failed otherwise is set aside for a while ([`DiskBackend::set_aside`]).
+//! `check_invariants` checks the lists and the map against each other.
 
 use super::DiskBackend;
 use crate::storage::backend::Failure;
@@ -32,6 +33,8 @@ pub(super) struct Slot {
     pub(super) on_disk: OnDisk,
     /// In the map and the LRU list.
     pub(super) used: bool,
+    /// Writes of this slot that failed in a row, other than for room.
+    pub(super) failures: u8,
     /// Taken by the batch being run (never evicted by it).
     pub(super) pinned: bool,
     prev: u32,
@@ -44,6 +47,7 @@ impl Slot {
         record: SlotRecord::EMPTY,
         on_disk: OnDisk::Empty,
         used: false,
+        failures: 0,
         pinned: false,
         prev: NONE,
         next: NONE,
@@ -82,7 +86,7 @@ impl DiskBackend {
             self.slots.len(),
             "slots are lost or counted twice"
         );
-        for &slot in self.free.iter().chain(&self.failed) {
+        for &slot in self.free.iter().chain(self.failed.iter().map(|(slot, _)| slot)) {
             assert!(!self.slots[slot as usize].used, "free slot {slot} is used");
         }
         assert!(self.slots.iter().all(|slot| !slot.pinned), "a slot stayed pinned");
@@ -132,11 +136,40 @@ impl DiskBackend {
             victim = self.slots[victim as usize].prev;
         }
         if victim == NONE {
-            return self.failed.pop();
+            return self.failed.pop().map(|(slot, _)| slot);
         }
         self.forget(victim);
         self.stats.evictions += 1;
         self.free.pop()
+    }
+
+    /// Takes back `slot`, whose write just failed with `failure`. A full file system fails every
+    /// slot alike: the slot is taken first again, and a retry costs no other block. Another
+    /// failure may be the slot's own (a bad sector): it is set aside until more writes of other
+    /// slots have succeeded (one, then twice as many after each failure in a row), so that it
+    /// fails no other store meanwhile, and a burst of errors does not shrink the slab for good.
+    pub(super) fn set_aside(&mut self, slot: u32, failure: &Failure) {
+        if *failure == Failure::NoSpace {
+            self.free.push(slot);
+            return;
+        }
+        let entry = &mut self.slots[slot as usize];
+        entry.failures = entry.failures.saturating_add(1);
+        let wait = 1u64 << (entry.failures - 1).min(32);
+        self.failed.push((slot, self.successful_writes + wait));
+    }
+
+    /// Puts the slots set aside whose wait is over back on the free list, below its other
+    /// slots (module documentation).
+    pub(super) fn return_rested_slots(&mut self) {
+        let (free, writes) = (&mut self.free, self.successful_writes);
+        self.failed.retain(|&(slot, back_at)| {
+            let rested = back_at <= writes;
+            if rested {
+                free.insert(0, slot);
+            }
+            !rested
+        });
     }
 
     /// Drops a used slot from the map and the LRU list into the free list; its index record
@@ -164,5 +197,59 @@ impl DiskBackend {
                 Err(failure_of(&error))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::BlockHash;
+    use crate::storage::backend::{BlockKey, BlockLayout, PutBlock, StorageBackend};
+    use crate::storage::block_bytes::BlockBytes;
+    use crate::storage::disk::DiskOptions;
+
+    /// Stores block `tag` alone; whether it was stored.
+    fn store(backend: &mut DiskBackend, tag: u128) -> bool {
+        let bytes = vec![tag as u8; 4096];
+        let key = BlockKey::new(BlockHash(tag), BlockHash(0), 0);
+        let mut outcomes = Vec::new();
+        backend.put(&[PutBlock { key, bytes: BlockBytes::new(&bytes) }], &mut outcomes);
+        outcomes[0].is_ok()
+    }
+
+    /// A slot set aside after an I/O error is taken after the free slots and the victims, and
+    /// goes back to the free list once a write of another slot succeeded; one full for room
+    /// is taken first again.
+    #[test]
+    fn a_slot_that_failed_waits_its_turn_and_one_without_room_goes_first() {
+        let dir = std::env::temp_dir().join(format!("kvshm-set-aside-{}", std::process::id()));
+        let options = DiskOptions {
+            dir: dir.clone(),
+            namespace: "test".into(),
+            rank: 0,
+            layout: BlockLayout::new(4096, 1, 1).unwrap(),
+            capacity_blocks: 2,
+            prefer_direct: false,
+            crash: None,
+        };
+        let mut backend = DiskBackend::open(&options).unwrap();
+        assert!(store(&mut backend, 1) && store(&mut backend, 2));
+        // A store evicting block 1 fails on its slot with an I/O error.
+        let bad = backend.take_slot().unwrap();
+        backend.set_aside(bad, &Failure::Io("EIO".into()));
+        backend.check_invariants();
+        // The next store takes a victim (block 2's slot), not the slot set aside...
+        assert!(store(&mut backend, 3));
+        assert_eq!(backend.by_hash.get(&BlockHash(3)), Some(&(1 - bad)));
+        // ...which is back once that write succeeded, and taken before a victim.
+        assert!(store(&mut backend, 4));
+        assert_eq!(backend.by_hash.get(&BlockHash(4)), Some(&bad));
+        assert_eq!(backend.len(), 2);
+        // A slot that failed for room is taken first again.
+        let full = backend.take_slot().unwrap();
+        backend.set_aside(full, &Failure::NoSpace);
+        assert_eq!(backend.take_slot(), Some(full));
+        drop(backend);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
