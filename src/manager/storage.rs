@@ -402,7 +402,8 @@ impl CacheManager {
     /// Puts blocks the storage tier already holds into the tree as storage-only nodes (a
     /// restarted service finding its disk blocks): `blocks` as (hash, parent hash, depth from 0),
     /// parents before children. A first block (depth 0, parent 0) hangs under the root, a block
-    /// whose parent is cached under its parent (if that parent may have storage-only children);
+    /// whose parent is cached (named before it, or in the tree already) under its parent (if
+    /// that parent may have storage-only children);
     /// a block whose parent is not cached waits, and joins the tree when its parent is committed
     /// (a prompt's first blocks are usually hot and never reach storage), or is given up once
     /// as many blocks as the tier holds were committed without its parent. Blocks already cached
@@ -415,14 +416,25 @@ impl CacheManager {
     ) -> usize {
         let mut by_hash: std::collections::HashMap<BlockHash, NodeId> =
             std::collections::HashMap::new();
+        // Every cached node by hash, made once a block's parent is not among the blocks before
+        // it (a listing that leaves hot parents out, or names cached blocks again).
+        let mut cached_by_hash: Option<std::collections::HashMap<BlockHash, NodeId>> = None;
         let mut adopted = 0;
         let capacity = self.config.storage_blocks as usize;
         for (hash, parent, depth) in blocks {
             let parent_id = if depth == 0 && parent == BlockHash(0) {
                 Some(NodeId::ROOT)
+            } else if let Some(&id) = by_hash.get(&parent) {
+                Some(id)
             } else {
-                by_hash.get(&parent).copied().filter(|&id| self.tree.is_live(id))
-            };
+                let tree = &self.tree;
+                let cached = cached_by_hash.get_or_insert_with(|| {
+                    let nodes = tree.ids().filter(|&id| id != NodeId::ROOT);
+                    nodes.map(|id| (tree.node(id).hash(), id)).collect()
+                });
+                cached.get(&parent).copied()
+            }
+            .filter(|&id| self.tree.is_live(id));
             let full = self.storage_used as usize >= capacity;
             let Some(parent_id) = parent_id else {
                 // Orphans do not count against the capacity (they may never join), but there

@@ -246,6 +246,29 @@ fn adopting_blocks_cached_already_leaves_them_alone_even_with_the_tier_full() {
     check(&cache);
 }
 
+/// A listing that names a block and not its parent (a hot parent that never reached storage,
+/// or a second listing of part of the tier) finds the parent in the tree: the block joins under
+/// it at once, or, cached already, is left alone; none waits as an orphan, which would have the
+/// tier forget a block the tree counts once it expired.
+#[test]
+fn a_listed_block_whose_parent_is_cached_joins_under_it_unlisted_parent_or_not() {
+    let mut cache = three_tiny_tiers();
+    serve(&mut cache, 0, &hashes(&[1, 2]));
+    let listed = [(BlockHash(3), BlockHash(2), 2)];
+    assert_eq!(cache.adopt_stored_blocks(listed), 1);
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    check(&cache);
+    assert_eq!(cache.adopt_stored_blocks(listed), 0);
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(forgotten.is_empty(), "{forgotten:?}");
+    let found = cache.cached_prefix(&hashes(&[1, 2, 3]));
+    assert_eq!((found.device_blocks, found.storage_blocks), (2, 1), "{found:?}");
+    assert_eq!(cache.storage_used_blocks(), 1);
+    check(&cache);
+}
+
 /// A FORGET sent again leaves out the blocks the tree counts on storage or whose STORE is in
 /// flight (a STORE of the block went out after the first FORGET), but not those of a STORE of an
 /// older generation: the reset forgot its blocks, and nothing would forget them again.
