@@ -51,7 +51,7 @@ pub const INDEX_VERSION: u32 = 1;
 pub const RECORDS_OFFSET: u64 = 4096;
 
 /// Whether `path` names `file` now (the same inode on the same device).
-fn names_file(path: &Path, file: &File) -> std::io::Result<bool> {
+pub(crate) fn names_file(path: &Path, file: &File) -> std::io::Result<bool> {
     use std::os::unix::fs::MetadataExt;
     let open = file.metadata()?;
     match std::fs::metadata(path) {

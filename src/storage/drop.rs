@@ -18,6 +18,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::direct_io::lock_exclusive;
+use super::disk_index::names_file;
 use super::spec::{redact, StorageNamespace, StorageSpec};
 
 /// Keys asked for per `SCAN` call.
@@ -103,7 +104,11 @@ fn drop_disk(dir: &Path, dropped: &mut DroppedNamespace) -> Result<(), DropError
     let mut locks = Vec::new();
     for path in files.iter().filter(|path| path.extension().is_some_and(|ext| ext == "index")) {
         let file = File::open(path).map_err(io(path))?;
-        if !lock_exclusive(&file).map_err(io(path))? {
+        // Another reset may have removed the file while this waited for its lock, and a worker
+        // made a new one under the name: that one is in use.
+        if !lock_exclusive(&file).map_err(io(path))?
+            || !names_file(path, &file).map_err(io(path))?
+        {
             return Err(DropError::InUse { path: path.clone() });
         }
         locks.push(file);
