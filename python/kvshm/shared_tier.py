@@ -298,7 +298,7 @@ def remove_dead_engine_segments(prefix: str) -> list[str]:
     its segment in ``/dev/shm`` until ``kvctl cleanup``. The removal is ``kvctl cleanup``'s,
     which takes only segments whose creator is dead, never a running engine's or one being
     created. Never raises: an engine starts whatever it finds."""
-    engine_segment = re.compile("kvshm." + re.escape(prefix) + r"-[0-9a-f]{8}-r[0-9]+")
+    engine_segment = re.compile(re.escape(f"kvshm.{prefix}") + r"-[0-9a-f]{8}-r[0-9]+")
     try:
         objects = [path.name for path in Path("/dev/shm").iterdir()]
     except OSError:
