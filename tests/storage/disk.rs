@@ -370,25 +370,36 @@ fn child_main() -> bool {
         }
         // full-spell|DIR: with the soft file size limit at the index's header (every record
         // write fails for room), store 9..=16 one call each into a full 8-slot slab; then with
-        // the limit lifted, 17..=24. Exit 20 + 10 x stored during + stored after.
+        // the limit lifted, 17..=24. Exit 10 x blocks kept after the first + stored after.
         "full-spell" => {
             let mut backend = DiskBackend::open(&options(Path::new(args[1]), 4096, 8)).unwrap();
-            let stored = |tags: std::ops::RangeInclusive<u64>, backend: &mut DiskBackend| {
-                let mut count = 0;
-                for tag in tags {
-                    count += put(backend, &[tag], 4096).iter().filter(|o| o.is_ok()).count();
-                    backend.check_invariants();
-                }
-                count as i32
-            };
             set_soft_file_size_limit(4096);
-            let during = stored(9..=16, &mut backend);
+            let during = stored_one_by_one(&mut backend, 9..=16);
+            assert_eq!(during, 0);
+            let kept = backend.len() as i32;
             set_soft_file_size_limit(libc::RLIM_INFINITY);
-            let after = stored(17..=24, &mut backend);
-            std::process::exit(20 + 10 * during + after);
+            let after = stored_one_by_one(&mut backend, 17..=24);
+            std::process::exit(10 * kept + after);
+        }
+        // bad-slot|DIR: with the soft file size limit at slot 7 of 8 (1..=7 fill slots 0..=6),
+        // store 8..=20 one call each; exit 20 + how many stored.
+        "bad-slot" => {
+            let mut backend = DiskBackend::open(&options(Path::new(args[1]), 4096, 8)).unwrap();
+            set_soft_file_size_limit(7 * 4096);
+            std::process::exit(20 + stored_one_by_one(&mut backend, 8..=20));
         }
         other => panic!("unknown child role {other}"),
     }
+}
+
+/// Stores blocks `tags` one call each, checking the invariants after each; how many were stored.
+fn stored_one_by_one(backend: &mut DiskBackend, tags: std::ops::RangeInclusive<u64>) -> i32 {
+    let mut stored = 0;
+    for tag in tags {
+        stored += put(backend, &[tag], 4096).iter().filter(|o| o.is_ok()).count() as i32;
+        backend.check_invariants();
+    }
+    stored
 }
 
 /// The soft RLIMIT_FSIZE of this process, at most its hard one (left as it is, so that the soft
@@ -549,22 +560,41 @@ impl ModelSlab {
 }
 
 #[test]
-fn a_full_file_system_costs_one_block_and_the_slab_fills_again_after() {
+fn a_full_file_system_costs_a_few_blocks_and_the_slab_fills_again_after() {
     if child_main() {
         return;
     }
-    let test = "a_full_file_system_costs_one_block_and_the_slab_fills_again_after";
+    let test = "a_full_file_system_costs_a_few_blocks_and_the_slab_fills_again_after";
     let scratch = Scratch::new("full-spell");
     let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
     assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8], 4096)));
     drop(backend);
-    // While the file system is full, each store fails on the slot of the block it evicted
-    // first, again and again, and evicts no other; once there is room, all 8 are stored.
+    // While the file system is full, 8 stores fail and evict 4 blocks (at the 1st, 2nd, 3rd and
+    // 5th failure in a row), retrying their slots otherwise; once there is room, all 8 are
+    // stored.
     let status = run_child(test, &format!("full-spell|{}", scratch.0.display()));
-    assert_eq!(status.code(), Some(28), "{status:?}");
+    assert_eq!(status.code(), Some(48), "{status:?}");
     let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
     assert_eq!(backend.len(), 8);
     assert!(all_ok(&get(&mut backend, &[17, 18, 19, 20, 21, 22, 23, 24], 4096)));
+}
+
+#[test]
+fn a_slot_that_keeps_failing_is_tried_less_and_less_often() {
+    if child_main() {
+        return;
+    }
+    let test = "a_slot_that_keeps_failing_is_tried_less_and_less_often";
+    let scratch = Scratch::new("bad-slot");
+    let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
+    assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7], 4096)));
+    drop(backend);
+    // Slot 7 fails (past the limit) at stores 8, 10, 13 and 18: after 1, 2, then 4 successes
+    // elsewhere; the other 9 of 13 stores evict a block and land.
+    let status = run_child(test, &format!("bad-slot|{}|", scratch.0.display()));
+    assert_eq!(status.code(), Some(29), "{status:?}");
+    let backend = open(&options(&scratch.0, 4096, 8)).unwrap();
+    assert_eq!(backend.len(), 7);
 }
 
 #[test]

@@ -520,7 +520,7 @@ fn a_full_disk_refuses_the_blocks_that_do_not_fit_without_saying_the_tier_failed
     let mut refused = Worker::spawn(&name, 0, &args, &[], Some(16 * 1024));
     let (status, stderr) = refused.wait_exit();
     assert!(!status.success());
-    assert!(stderr.contains("no room for the storage slab"), "{stderr}");
+    assert!(stderr.contains("no room for") && stderr.contains("rank-0.slab"), "{stderr}");
 
     // A slab made without a limit, then written under one that covers its first 3 slots.
     let mut rank = RankDriver::new(&segment, 0);

@@ -59,12 +59,13 @@ pub struct DiskBackend {
     slots: Vec<Slot>,
     by_hash: HashMap<BlockHash, u32>,
     free: Vec<u32>,
-    /// Slots set aside after a write of theirs failed, other than for room (a bad sector, say),
-    /// each with the count of `successful_writes` at which it goes back to the free list
-    /// ([`DiskBackend::set_aside`]).
+    /// Slots set aside after a write of theirs failed, each with the count of
+    /// `successful_writes` at which it goes back to the free list ([`DiskBackend::note_write`]).
     failed: Vec<(u32, u64)>,
     /// Blocks written whole since opening.
     successful_writes: u64,
+    /// Block writes that failed since the last one that succeeded.
+    failures_in_a_row: u64,
     /// Most recently used.
     head: u32,
     /// Least recently used: the next to go.

@@ -106,6 +106,7 @@ impl DiskBackend {
             free: Vec::new(),
             failed: Vec::new(),
             successful_writes: 0,
+            failures_in_a_row: 0,
             head: NONE,
             tail: NONE,
             next_sequence: 1,

@@ -161,20 +161,21 @@ impl DiskBackend {
         }
 
         // Step 5: the map, the outcomes, the LRU list (in reverse batch order).
+        let set_aside_before = self.failed.len();
         for planned in &plan {
             self.slots[planned.slot as usize].pinned = false;
             match &planned.outcome {
                 None => {
                     self.by_hash.insert(blocks[planned.entry].key.hash, planned.slot);
-                    self.slots[planned.slot as usize].failures = 0;
-                    self.successful_writes += 1;
+                    self.note_write(planned.slot, true);
                 }
                 Some(failure) => {
                     outcomes[planned.entry] = Err(failure.clone());
-                    self.set_aside(planned.slot, failure);
+                    self.note_write(planned.slot, false);
                 }
             }
         }
+        self.rest_set_aside(set_aside_before);
         for &slot in &hits {
             self.slots[slot as usize].pinned = false;
         }

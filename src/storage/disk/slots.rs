@@ -6,8 +6,8 @@
 //! taken by the batch being run (pinned, never evicted by it). [`DiskBackend::take_slot`] gives
 //! a new block a free slot, else the least recently used one not pinned: that block is
 //! forgotten (its record is zeroed by the batch before the slot's bytes are overwritten); else
-//! a slot set aside. A slot whose write failed for room goes back to the free list at once, one
-//! that failed otherwise is set aside for a while ([`DiskBackend::set_aside`]).
+//! a slot set aside. A slot whose write failed is set aside for a while
+//! ([`DiskBackend::note_write`]), and taken first again while every write fails.
 //! `check_invariants` checks the lists and the map against each other.
 
 use super::DiskBackend;
@@ -126,10 +126,19 @@ impl DiskBackend {
 
     /// A slot for a new block (module documentation): a free one, else the least recently used
     /// one not pinned by this batch (its block is forgotten here; its record is zeroed in step
-    /// 2), else one whose last write failed.
+    /// 2), else one set aside. While writes fail one after another, a slot set aside is taken
+    /// before a victim but at the first, second, fourth, ... failure in a row: the trouble may
+    /// be the disk's (a full file system), where a retry costs no block, and each victim taken
+    /// tells whether other slots still write (a bad sector), at the cost of a few blocks.
     pub(super) fn take_slot(&mut self) -> Option<u32> {
         if let Some(slot) = self.free.pop() {
             return Some(slot);
+        }
+        let failing = self.failures_in_a_row;
+        if failing > 0 && !failing.is_power_of_two() {
+            if let Some((slot, _)) = self.failed.pop() {
+                return Some(slot);
+            }
         }
         let mut victim = self.tail;
         while victim != NONE && self.slots[victim as usize].pinned {
@@ -143,33 +152,51 @@ impl DiskBackend {
         self.free.pop()
     }
 
-    /// Takes back `slot`, whose write just failed with `failure`. A full file system fails every
-    /// slot alike: the slot is taken first again, and a retry costs no other block. Another
-    /// failure may be the slot's own (a bad sector): it is set aside until more writes of other
-    /// slots have succeeded (one, then twice as many after each failure in a row), so that it
-    /// fails no other store meanwhile, and a burst of errors does not shrink the slab for good.
-    pub(super) fn set_aside(&mut self, slot: u32, failure: &Failure) {
-        if *failure == Failure::NoSpace {
-            self.free.push(slot);
+    /// Notes the outcome of a block's write into `slot` (step 5): a success ends any failures
+    /// in a row; a failure sets the slot aside.
+    pub(super) fn note_write(&mut self, slot: u32, succeeded: bool) {
+        if succeeded {
+            self.slots[slot as usize].failures = 0;
+            self.successful_writes += 1;
+            self.failures_in_a_row = 0;
             return;
         }
+        // A slot failing right after a write succeeded may be at fault itself: each such failure
+        // doubles its rest. One failing among failures may be failing with the disk: it keeps
+        // the rest of one success.
         let entry = &mut self.slots[slot as usize];
-        entry.failures = entry.failures.saturating_add(1);
-        let wait = 1u64 << (entry.failures - 1).min(32);
-        self.failed.push((slot, self.successful_writes + wait));
+        if self.failures_in_a_row == 0 || entry.failures == 0 {
+            entry.failures = entry.failures.saturating_add(1);
+        }
+        self.failures_in_a_row += 1;
+        self.failed.push((slot, u64::from(entry.failures)));
     }
 
-    /// Puts the slots set aside whose wait is over back on the free list, below its other
+    /// Ends a batch's notes ([`DiskBackend::note_write`]): the slots it set aside rest until
+    /// `2^(failures - 1)` writes of other slots have succeeded from now (the batch's own
+    /// successes count not).
+    pub(super) fn rest_set_aside(&mut self, from: usize) {
+        let writes = self.successful_writes;
+        for (_, back_at) in &mut self.failed[from..] {
+            *back_at = writes + (1u64 << (*back_at - 1).min(32));
+        }
+    }
+
+    /// Puts the slots set aside whose rest is over back on the free list, below its other
     /// slots (module documentation).
     pub(super) fn return_rested_slots(&mut self) {
-        let (free, writes) = (&mut self.free, self.successful_writes);
-        self.failed.retain(|&(slot, back_at)| {
-            let rested = back_at <= writes;
-            if rested {
-                free.insert(0, slot);
-            }
-            !rested
-        });
+        let writes = self.successful_writes;
+        let rested: Vec<u32> = self
+            .failed
+            .iter()
+            .filter(|&&(_, back_at)| back_at <= writes)
+            .map(|&(s, _)| s)
+            .collect();
+        if rested.is_empty() {
+            return;
+        }
+        self.failed.retain(|&(_, back_at)| back_at > writes);
+        self.free.splice(0..0, rested);
     }
 
     /// Drops a used slot from the map and the LRU list into the free list; its index record
@@ -217,38 +244,44 @@ mod tests {
         outcomes[0].is_ok()
     }
 
-    /// A slot set aside after an I/O error is taken after the free slots and the victims, and
-    /// goes back to the free list once a write of another slot succeeded; one full for room
-    /// is taken first again.
+    /// Fails the next store of one block, as a write that fails does (step 5).
+    fn fail_one(backend: &mut DiskBackend) {
+        let slot = backend.take_slot().expect("a slot");
+        let before = backend.failed.len();
+        backend.note_write(slot, false);
+        backend.rest_set_aside(before);
+    }
+
+    /// While every write fails, few blocks are evicted for slots (at the 1st, 2nd, 3rd and 5th
+    /// failure in a row), the slots set aside taken again instead; once a write succeeds, they
+    /// come back after one success.
     #[test]
-    fn a_slot_that_failed_waits_its_turn_and_one_without_room_goes_first() {
+    fn a_run_of_failures_takes_few_victims_and_its_slots_come_back() {
         let dir = std::env::temp_dir().join(format!("kvshm-set-aside-{}", std::process::id()));
         let options = DiskOptions {
             dir: dir.clone(),
             namespace: "test".into(),
             rank: 0,
             layout: BlockLayout::new(4096, 1, 1).unwrap(),
-            capacity_blocks: 2,
+            capacity_blocks: 8,
             prefer_direct: false,
             crash: None,
         };
         let mut backend = DiskBackend::open(&options).unwrap();
-        assert!(store(&mut backend, 1) && store(&mut backend, 2));
-        // A store evicting block 1 fails on its slot with an I/O error.
-        let bad = backend.take_slot().unwrap();
-        backend.set_aside(bad, &Failure::Io("EIO".into()));
+        assert!((1..=8).all(|tag| store(&mut backend, tag)));
+        let evictions = backend.stats.evictions;
+        for _ in 0..8 {
+            fail_one(&mut backend);
+            backend.check_invariants();
+        }
+        assert_eq!(backend.stats.evictions - evictions, 4);
+        assert_eq!(backend.len(), 4);
+        // The first success takes a victim (8 failures in a row); then the 4 slots are back.
+        assert!(store(&mut backend, 20));
+        assert_eq!(backend.failed.len(), 4);
+        assert!((21..=24).all(|tag| store(&mut backend, tag)));
+        assert_eq!((backend.len(), backend.failed.len()), (8, 0));
         backend.check_invariants();
-        // The next store takes a victim (block 2's slot), not the slot set aside...
-        assert!(store(&mut backend, 3));
-        assert_eq!(backend.by_hash.get(&BlockHash(3)), Some(&(1 - bad)));
-        // ...which is back once that write succeeded, and taken before a victim.
-        assert!(store(&mut backend, 4));
-        assert_eq!(backend.by_hash.get(&BlockHash(4)), Some(&bad));
-        assert_eq!(backend.len(), 2);
-        // A slot that failed for room is taken first again.
-        let full = backend.take_slot().unwrap();
-        backend.set_aside(full, &Failure::NoSpace);
-        assert_eq!(backend.take_slot(), Some(full));
         drop(backend);
         let _ = std::fs::remove_dir_all(dir);
     }
