@@ -286,6 +286,19 @@ fn a_full_slab_reuses_its_least_recent_slots_leaves_before_parents() {
 }
 
 #[test]
+fn a_reopened_slab_still_gives_up_a_prefix_leaves_first() {
+    let scratch = Scratch::new("lru-reopen");
+    let block = 4096;
+    let mut backend = open(&options(&scratch.0, block as u64, 4)).unwrap();
+    assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4], block)));
+    drop(backend);
+    let mut backend = open(&options(&scratch.0, block as u64, 4)).unwrap();
+    assert!(all_ok(&put(&mut backend, &[5], block)));
+    assert_eq!(get(&mut backend, &[4], block), vec![Err(GetMiss::Absent)], "the deepest goes");
+    assert!(all_ok(&get(&mut backend, &[1, 2, 3, 5], block)));
+}
+
+#[test]
 fn a_slab_grows_and_shrinks_with_the_capacity_it_is_reopened_with() {
     let scratch = Scratch::new("resize");
     let block = 4096;
@@ -387,6 +400,23 @@ fn child_main() -> bool {
             let mut backend = DiskBackend::open(&options(Path::new(args[1]), 4096, 8)).unwrap();
             set_soft_file_size_limit(7 * 4096);
             std::process::exit(20 + stored_one_by_one(&mut backend, 8..=20));
+        }
+        // bad-tail|DIR: with the soft file size limit at slot 13 of 16 (1..=13 fill slots
+        // 0..=12), store 40 batches of 3 new blocks; exit 20 + how many of the last 20 batches'
+        // 60 blocks were stored.
+        "bad-tail" => {
+            let mut backend = DiskBackend::open(&options(Path::new(args[1]), 4096, 16)).unwrap();
+            set_soft_file_size_limit(13 * 4096);
+            let mut stored = 0;
+            for batch in 0..40u64 {
+                let tags: Vec<u64> = (0..3).map(|i| 100 + 3 * batch + i).collect();
+                let outcomes = put(&mut backend, &tags, 4096);
+                if batch >= 20 {
+                    stored += outcomes.iter().filter(|o| o.is_ok()).count();
+                }
+                backend.check_invariants();
+            }
+            std::process::exit(20 + stored as i32);
         }
         other => panic!("unknown child role {other}"),
     }
@@ -530,7 +560,8 @@ impl ModelSlab {
                 stored.push(false);
             }
         }
-        for &tag in &new {
+        // The batch's last block first: a reopened slab orders by sequence, leaves first.
+        for &tag in new.iter().rev() {
             self.sequence.insert(tag, self.next_sequence);
             self.next_sequence += 1;
         }
@@ -569,8 +600,8 @@ fn a_full_file_system_costs_a_few_blocks_and_the_slab_fills_again_after() {
     let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
     assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8], 4096)));
     drop(backend);
-    // While the file system is full, 8 stores fail and evict 4 blocks (at the 1st, 2nd, 3rd and
-    // 5th failure in a row), retrying their slots otherwise; once there is room, all 8 are
+    // While the file system is full, 8 stores fail and evict 4 blocks (for the 1st, 2nd, 4th
+    // and 8th write of the run), retrying their slots otherwise; once there is room, all 8 are
     // stored.
     let status = run_child(test, &format!("full-spell|{}", scratch.0.display()));
     assert_eq!(status.code(), Some(48), "{status:?}");
@@ -595,6 +626,24 @@ fn a_slot_that_keeps_failing_is_tried_less_and_less_often() {
     assert_eq!(status.code(), Some(29), "{status:?}");
     let backend = open(&options(&scratch.0, 4096, 8)).unwrap();
     assert_eq!(backend.len(), 7);
+}
+
+#[test]
+fn slots_that_keep_failing_at_the_end_of_the_slab_fail_few_batches() {
+    if child_main() {
+        return;
+    }
+    let test = "slots_that_keep_failing_at_the_end_of_the_slab_fail_few_batches";
+    let scratch = Scratch::new("bad-tail");
+    let mut backend = open(&options(&scratch.0, 4096, 16)).unwrap();
+    assert!(all_ok(&put(&mut backend, &(1..=13).collect::<Vec<u64>>(), 4096)));
+    drop(backend);
+    // The three failing slots are tried after 1, 2, 4, 8, ... writes elsewhere: fewer and fewer
+    // blocks fail, and the slab goes on storing in the slots that write.
+    let status = run_child(test, &format!("bad-tail|{}", scratch.0.display()));
+    let stored = status.code().expect("the child exits") - 20;
+    println!("{stored} of the last 60 blocks stored past 3 slots that always fail");
+    assert!(stored >= 54, "{stored} of the last 60 stored ({status:?})");
 }
 
 #[test]

@@ -60,7 +60,7 @@ pub struct DiskBackend {
     by_hash: HashMap<BlockHash, u32>,
     free: Vec<u32>,
     /// Slots set aside after a write of theirs failed, each with the count of
-    /// `successful_writes` at which it goes back to the free list ([`DiskBackend::note_write`]).
+    /// `successful_writes` at which it goes back to the free list ([`DiskBackend::note_writes`]).
     failed: Vec<(u32, u64)>,
     /// Blocks written whole since opening.
     successful_writes: u64,

@@ -53,23 +53,28 @@ impl DiskBackend {
                 followers.push((entry, leader));
                 continue;
             }
-            let Some(slot) = self.take_slot() else {
+            let Some(slot) = self.take_slot(plan.len()) else {
                 outcomes[entry] = Err(Failure::NoSpace);
                 continue;
             };
             self.slots[slot as usize].pinned = true;
             self.writes += 1;
-            let sequence = self.next_sequence;
-            self.next_sequence = self.next_sequence.saturating_add(1);
             in_batch.insert(block.key.hash, entry);
             plan.push(Planned {
                 entry,
                 slot,
                 write: self.writes,
-                sequence,
+                sequence: 0,
                 checksum: 0,
                 outcome: None,
             });
+        }
+        // Sequences go to the batch's blocks last first: a reopened slab orders its blocks by
+        // sequence, oldest at the LRU tail, so that its leaves go before their parents there as
+        // they do here (step 5 touches the batch in reverse order).
+        for planned in plan.iter_mut().rev() {
+            planned.sequence = self.next_sequence;
+            self.next_sequence = self.next_sequence.saturating_add(1);
         }
         plan.sort_by_key(|p| p.slot);
 
@@ -161,21 +166,18 @@ impl DiskBackend {
         }
 
         // Step 5: the map, the outcomes, the LRU list (in reverse batch order).
-        let set_aside_before = self.failed.len();
         for planned in &plan {
             self.slots[planned.slot as usize].pinned = false;
             match &planned.outcome {
                 None => {
                     self.by_hash.insert(blocks[planned.entry].key.hash, planned.slot);
-                    self.note_write(planned.slot, true);
                 }
-                Some(failure) => {
-                    outcomes[planned.entry] = Err(failure.clone());
-                    self.note_write(planned.slot, false);
-                }
+                Some(failure) => outcomes[planned.entry] = Err(failure.clone()),
             }
         }
-        self.rest_set_aside(set_aside_before);
+        let written: Vec<(u32, bool)> =
+            plan.iter().map(|planned| (planned.slot, planned.outcome.is_none())).collect();
+        self.note_writes(&written);
         for &slot in &hits {
             self.slots[slot as usize].pinned = false;
         }

@@ -7,7 +7,8 @@
 //! a new block a free slot, else the least recently used one not pinned: that block is
 //! forgotten (its record is zeroed by the batch before the slot's bytes are overwritten); else
 //! a slot set aside. A slot whose write failed is set aside for a while
-//! ([`DiskBackend::note_write`]), and taken first again while every write fails.
+//! ([`DiskBackend::note_writes`]); while every write fails, slots set aside are taken again
+//! before most victims ([`DiskBackend::take_slot`]).
 //! `check_invariants` checks the lists and the map against each other.
 
 use super::DiskBackend;
@@ -33,7 +34,8 @@ pub(super) struct Slot {
     pub(super) on_disk: OnDisk,
     /// In the map and the LRU list.
     pub(super) used: bool,
-    /// Writes of this slot that failed in a row, other than for room.
+    /// Failures of this slot's writes since it last landed one, counting only those while the
+    /// disk wrote other slots ([`DiskBackend::note_writes`]).
     pub(super) failures: u8,
     /// Taken by the batch being run (never evicted by it).
     pub(super) pinned: bool,
@@ -124,20 +126,24 @@ impl DiskBackend {
         self.push_front(slot);
     }
 
-    /// A slot for a new block (module documentation): a free one, else the least recently used
-    /// one not pinned by this batch (its block is forgotten here; its record is zeroed in step
-    /// 2), else one set aside. While writes fail one after another, a slot set aside is taken
-    /// before a victim but at the first, second, fourth, ... failure in a row: the trouble may
-    /// be the disk's (a full file system), where a retry costs no block, and each victim taken
-    /// tells whether other slots still write (a bad sector), at the cost of a few blocks.
-    pub(super) fn take_slot(&mut self) -> Option<u32> {
+    /// A slot for a new block (module documentation), the batch having taken `taken` before it:
+    /// a free one, else the least recently used one not pinned by this batch (its block is
+    /// forgotten here; its record is zeroed in step 2), else one set aside. While writes fail
+    /// one after another, a slot set aside is taken before a victim, but for the 1st, 2nd, 4th,
+    /// 8th, ... write of the run (counting this batch's takes before it as failing too): the
+    /// trouble may be the disk's (a full file system), where a retry costs no block, and each
+    /// victim taken tells whether other slots still write (a bad sector), at the cost of a few
+    /// blocks.
+    pub(super) fn take_slot(&mut self, taken: usize) -> Option<u32> {
         if let Some(slot) = self.free.pop() {
             return Some(slot);
         }
-        let failing = self.failures_in_a_row;
-        if failing > 0 && !failing.is_power_of_two() {
-            if let Some((slot, _)) = self.failed.pop() {
-                return Some(slot);
+        if self.failures_in_a_row > 0 {
+            let write_of_run = self.failures_in_a_row + taken as u64 + 1;
+            if !write_of_run.is_power_of_two() {
+                if let Some((slot, _)) = self.failed.pop() {
+                    return Some(slot);
+                }
             }
         }
         let mut victim = self.tail;
@@ -152,32 +158,32 @@ impl DiskBackend {
         self.free.pop()
     }
 
-    /// Notes the outcome of a block's write into `slot` (step 5): a success ends any failures
-    /// in a row; a failure sets the slot aside.
-    pub(super) fn note_write(&mut self, slot: u32, succeeded: bool) {
-        if succeeded {
-            self.slots[slot as usize].failures = 0;
-            self.successful_writes += 1;
-            self.failures_in_a_row = 0;
-            return;
+    /// Notes the outcomes of a batch's block writes, `written` as (slot, whether it landed)
+    /// (step 5). A failed slot is set aside: it rests until `2^(failures - 1)` writes of other
+    /// slots have succeeded from now (the batch's own successes count not), its `failures`
+    /// growing with each failure while the disk writes (in this batch, or in the one before),
+    /// where the slot may be at fault itself; a failure within a run of failures may be the
+    /// disk's, and leaves it as it is. A batch that landed a block ends the run of failures.
+    pub(super) fn note_writes(&mut self, written: &[(u32, bool)]) {
+        let landed = written.iter().filter(|&&(_, ok)| ok).count() as u64;
+        let disk_writes = landed > 0 || self.failures_in_a_row == 0;
+        let set_aside = self.failed.len();
+        for &(slot, ok) in written {
+            let entry = &mut self.slots[slot as usize];
+            if ok {
+                entry.failures = 0;
+            } else {
+                if disk_writes || entry.failures == 0 {
+                    entry.failures = entry.failures.saturating_add(1);
+                }
+                self.failed.push((slot, u64::from(entry.failures)));
+            }
         }
-        // A slot failing right after a write succeeded may be at fault itself: each such failure
-        // doubles its rest. One failing among failures may be failing with the disk: it keeps
-        // the rest of one success.
-        let entry = &mut self.slots[slot as usize];
-        if self.failures_in_a_row == 0 || entry.failures == 0 {
-            entry.failures = entry.failures.saturating_add(1);
-        }
-        self.failures_in_a_row += 1;
-        self.failed.push((slot, u64::from(entry.failures)));
-    }
-
-    /// Ends a batch's notes ([`DiskBackend::note_write`]): the slots it set aside rest until
-    /// `2^(failures - 1)` writes of other slots have succeeded from now (the batch's own
-    /// successes count not).
-    pub(super) fn rest_set_aside(&mut self, from: usize) {
+        self.successful_writes += landed;
+        let failed = written.len() as u64 - landed;
+        self.failures_in_a_row = if landed > 0 { 0 } else { self.failures_in_a_row + failed };
         let writes = self.successful_writes;
-        for (_, back_at) in &mut self.failed[from..] {
+        for (_, back_at) in &mut self.failed[set_aside..] {
             *back_at = writes + (1u64 << (*back_at - 1).min(32));
         }
     }
@@ -244,44 +250,71 @@ mod tests {
         outcomes[0].is_ok()
     }
 
-    /// Fails the next store of one block, as a write that fails does (step 5).
-    fn fail_one(backend: &mut DiskBackend) {
-        let slot = backend.take_slot().expect("a slot");
-        let before = backend.failed.len();
-        backend.note_write(slot, false);
-        backend.rest_set_aside(before);
+    /// Fails a store of `blocks` blocks, as step 5 notes writes that failed.
+    fn fail_batch(backend: &mut DiskBackend, blocks: usize) {
+        let slots: Vec<u32> = (0..blocks)
+            .map(|taken| {
+                let slot = backend.take_slot(taken).expect("a slot");
+                backend.slots[slot as usize].pinned = true;
+                slot
+            })
+            .collect();
+        for &slot in &slots {
+            backend.slots[slot as usize].pinned = false;
+        }
+        let written: Vec<(u32, bool)> = slots.iter().map(|&slot| (slot, false)).collect();
+        backend.note_writes(&written);
     }
 
-    /// While every write fails, few blocks are evicted for slots (at the 1st, 2nd, 3rd and 5th
-    /// failure in a row), the slots set aside taken again instead; once a write succeeds, they
-    /// come back after one success.
-    #[test]
-    fn a_run_of_failures_takes_few_victims_and_its_slots_come_back() {
-        let dir = std::env::temp_dir().join(format!("kvshm-set-aside-{}", std::process::id()));
+    fn open_slab(tag: &str, capacity: u64) -> (DiskBackend, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("kvshm-{tag}-{}", std::process::id()));
         let options = DiskOptions {
             dir: dir.clone(),
             namespace: "test".into(),
             rank: 0,
             layout: BlockLayout::new(4096, 1, 1).unwrap(),
-            capacity_blocks: 8,
+            capacity_blocks: capacity,
             prefer_direct: false,
             crash: None,
         };
-        let mut backend = DiskBackend::open(&options).unwrap();
+        (DiskBackend::open(&options).unwrap(), dir)
+    }
+
+    /// While every write fails, few blocks are evicted for slots (for the 1st, 2nd, 4th and 8th
+    /// write of the run), the slots set aside taken again instead; once a write lands, they
+    /// come back after one success.
+    #[test]
+    fn a_run_of_failures_takes_few_victims_and_its_slots_come_back() {
+        let (mut backend, dir) = open_slab("run", 8);
         assert!((1..=8).all(|tag| store(&mut backend, tag)));
         let evictions = backend.stats.evictions;
         for _ in 0..8 {
-            fail_one(&mut backend);
+            fail_batch(&mut backend, 1);
             backend.check_invariants();
         }
         assert_eq!(backend.stats.evictions - evictions, 4);
         assert_eq!(backend.len(), 4);
-        // The first success takes a victim (8 failures in a row); then the 4 slots are back.
+        // The 9th write of the run takes a slot set aside, and lands: the others are back.
         assert!(store(&mut backend, 20));
-        assert_eq!(backend.failed.len(), 4);
-        assert!((21..=24).all(|tag| store(&mut backend, tag)));
+        assert_eq!((backend.len(), backend.failed.len()), (5, 3));
+        assert!((21..=23).all(|tag| store(&mut backend, tag)));
         assert_eq!((backend.len(), backend.failed.len()), (8, 0));
+        assert_eq!(backend.stats.evictions - evictions, 4);
         backend.check_invariants();
+        drop(backend);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A batch's takes count as writes of the run: two failing batches of 4 evict 5 blocks (all
+    /// of the first, which starts the run, and the 8th write of the run), not 8.
+    #[test]
+    fn failing_batches_take_few_victims_too() {
+        let (mut backend, dir) = open_slab("batches", 8);
+        assert!((1..=8).all(|tag| store(&mut backend, tag)));
+        fail_batch(&mut backend, 4);
+        fail_batch(&mut backend, 4);
+        backend.check_invariants();
+        assert_eq!(backend.len(), 3);
         drop(backend);
         let _ = std::fs::remove_dir_all(dir);
     }
