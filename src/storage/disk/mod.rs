@@ -64,8 +64,7 @@ pub struct DiskBackend {
     failed: Vec<(u32, u64)>,
     /// Blocks written whole since opening.
     successful_writes: u64,
-    /// Block writes of the batches that landed none since the last batch that landed one,
-    /// and takes refused meanwhile ([`DiskBackend::take_slot`]).
+    /// Block writes of the batches that landed none since the last batch that landed one.
     failures_in_a_row: u64,
     /// Most recently used.
     head: u32,
