@@ -422,6 +422,15 @@ fn child_main() -> bool {
     }
 }
 
+/// A slab of `capacity` blocks of 4 KiB in a new scratch directory, holding blocks `tags`
+/// (stored in one call), closed again.
+fn slab_holding(name: &str, capacity: u64, tags: &[u64]) -> Scratch {
+    let scratch = Scratch::new(name);
+    let mut backend = open(&options(&scratch.0, 4096, capacity)).unwrap();
+    assert!(all_ok(&put(&mut backend, tags, 4096)));
+    scratch
+}
+
 /// Stores blocks `tags` one call each, checking the invariants after each; how many were stored.
 fn stored_one_by_one(backend: &mut DiskBackend, tags: std::ops::RangeInclusive<u64>) -> i32 {
     let mut stored = 0;
@@ -596,10 +605,7 @@ fn a_full_file_system_costs_a_few_blocks_and_the_slab_fills_again_after() {
         return;
     }
     let test = "a_full_file_system_costs_a_few_blocks_and_the_slab_fills_again_after";
-    let scratch = Scratch::new("full-spell");
-    let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
-    assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7, 8], 4096)));
-    drop(backend);
+    let scratch = slab_holding("full-spell", 8, &[1, 2, 3, 4, 5, 6, 7, 8]);
     // While the file system is full, 8 stores fail and evict 4 blocks (for the 1st, 2nd, 4th
     // and 8th write of the run), retrying their slots otherwise; once there is room, all 8 are
     // stored.
@@ -616,10 +622,7 @@ fn a_slot_that_keeps_failing_is_tried_less_and_less_often() {
         return;
     }
     let test = "a_slot_that_keeps_failing_is_tried_less_and_less_often";
-    let scratch = Scratch::new("bad-slot");
-    let mut backend = open(&options(&scratch.0, 4096, 8)).unwrap();
-    assert!(all_ok(&put(&mut backend, &[1, 2, 3, 4, 5, 6, 7], 4096)));
-    drop(backend);
+    let scratch = slab_holding("bad-slot", 8, &[1, 2, 3, 4, 5, 6, 7]);
     // Slot 7 fails (past the limit) at stores 8, 10, 13 and 18: after 1, 2, then 4 successes
     // elsewhere; the other 9 of 13 stores evict a block and land.
     let status = run_child(test, &format!("bad-slot|{}|", scratch.0.display()));
@@ -634,10 +637,7 @@ fn slots_that_keep_failing_at_the_end_of_the_slab_fail_few_batches() {
         return;
     }
     let test = "slots_that_keep_failing_at_the_end_of_the_slab_fail_few_batches";
-    let scratch = Scratch::new("bad-tail");
-    let mut backend = open(&options(&scratch.0, 4096, 16)).unwrap();
-    assert!(all_ok(&put(&mut backend, &(1..=13).collect::<Vec<u64>>(), 4096)));
-    drop(backend);
+    let scratch = slab_holding("bad-tail", 16, &(1..=13).collect::<Vec<u64>>());
     // The three failing slots are tried after 1, 2, 4, 8, ... writes elsewhere: fewer and fewer
     // blocks fail, and the slab goes on storing in the slots that write.
     let status = run_child(test, &format!("bad-tail|{}", scratch.0.display()));
