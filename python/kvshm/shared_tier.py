@@ -47,6 +47,9 @@ __all__ = [
     "wait_for_tier_owner",
 ]
 
+#: The environment variable the owner reads its storage tier from (``kvshm tier-owner``).
+STORAGE_ENV = "KVSHM_STORAGE"
+
 #: How long an engine waits for a tier's owner to serve (making a large tier's arenas takes
 #: seconds: their memory is zeroed).
 OWNER_START_TIMEOUT_S = 120.0
@@ -113,7 +116,7 @@ def ensure_tier_owner(
         return pid
     arenas = ["--chunks", str(chunks), "--arena-block-bytes", str(arena_block_bytes)]
     options = _owner_options(ranks, idle_exit_s, client_quota, storage, storage_chunks)
-    started = _launch_owner(tier, identity, [*arenas, *options])
+    started = _launch_owner(tier, identity, [*arenas, *options], storage)
     return wait_for_tier_owner(tier, timeout_s=timeout_s, started=started)
 
 
@@ -159,7 +162,7 @@ class OwnerRestart:
             ),
             *(["--takeover-grace-ms", str(grace)] if grace is not None else []),
         ]
-        return _launch_owner(self.tier, self.identity, options)
+        return _launch_owner(self.tier, self.identity, options, self.storage)
 
 
 def _owner_options(
@@ -172,10 +175,9 @@ def _owner_options(
     options = ["--ranks", str(ranks), "--idle-exit-s", str(idle_exit_s)]
     if client_quota is not None:
         options += ["--client-quota", str(client_quota)]
-    if storage is not None:
-        options += ["--storage", storage]
-        if storage_chunks is not None:
-            options += ["--storage-chunks", str(storage_chunks)]
+    # The storage spec itself goes in the owner's environment (_launch_owner).
+    if storage is not None and storage_chunks is not None:
+        options += ["--storage-chunks", str(storage_chunks)]
     return options
 
 
@@ -194,10 +196,17 @@ def owner_command(tier: str, identity: TierIdentity, options: list[str]) -> list
     ]
 
 
-def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
-    """Starts an owner of ``tier`` (:func:`owner_command`), its output appended to its log; the
-    pid started."""
+def _launch_owner(
+    tier: str, identity: TierIdentity, options: list[str], storage: str | None
+) -> int:
+    """Starts an owner of ``tier`` (:func:`owner_command`), its output appended to its log, with
+    its storage tier ``storage`` in its environment (``KVSHM_STORAGE``): a command line is
+    readable by every user of the machine, and a Redis URL may carry a password. Returns the pid
+    started."""
     command = owner_command(tier, identity, options)
+    env = {name: value for name, value in os.environ.items() if name != STORAGE_ENV}
+    if storage is not None:
+        env[STORAGE_ENV] = storage
     # Through a launcher that exits at once, so that the owner is no descendant of the engine:
     # an engine that ends kills its process tree (vLLM does), and the owner serves the others.
     log = owner_log(tier)
@@ -205,6 +214,7 @@ def _launch_owner(tier: str, identity: TierIdentity, options: list[str]) -> int:
         with log.open("ab") as out:
             launched = subprocess.run(
                 [sys.executable, "-c", _LAUNCHER, *command],
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=out,

@@ -689,15 +689,21 @@ def test_a_block_on_the_storage_tier_is_retried_until_it_is_back(tier: str, tmp_
     """An owner with a storage tier below (``disk:DIR``): a key the arena evicted is one the
     engine is told to look up again (``RETRY``), the keys after it that the storage holds too,
     and the first it does not a miss, all from one call to the owner; once back it is a hit."""
-    ensure_tier_owner(
+    storage = f"disk:{tmp_path}"
+    owner = ensure_tier_owner(
         tier,
         IDENTITY,
         chunks=8,
         ranks=1,
         arena_block_bytes=2 * PAGE,
         idle_exit_s=600,
-        storage=f"disk:{tmp_path}",
+        storage=storage,
+        storage_chunks=16,
     )
+    # The storage spec (a Redis URL may carry a password) is in the owner's environment, which
+    # only its user reads, not on its command line, which every user does.
+    assert storage not in Path(f"/proc/{owner}/cmdline").read_text()
+    assert f"KVSHM_STORAGE={storage}" in Path(f"/proc/{owner}/environ").read_text().split("\0")
     storer, loader = _core(tier), _core(tier)
 
     def store(keys: list[bytes], request: str) -> bool:

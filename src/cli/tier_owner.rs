@@ -26,7 +26,7 @@ use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
 use crate::offload::shared::{TierArenas, TierKeys, TierStorage, DEFAULT_FREE_CHUNKS, OWNER_SPIN};
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
-use crate::storage::spec::{StorageOptions, StorageSpec};
+use crate::storage::spec::{StorageOptions, StorageSpec, STORAGE_ENV};
 use crate::worker::process::{install_stop_handlers, stop_requested};
 
 /// The longest a stopping owner spends writing to storage what waits to be written.
@@ -86,8 +86,8 @@ pub struct Args {
     takeover_grace_ms: u64,
     /// A storage tier below this one (`disk:DIR` or `redis://HOST[:PORT][/DB]`): every block
     /// stored is written there too, and one evicted from the arenas is brought back from there
-    /// when an engine asks for it.
-    #[arg(long)]
+    /// when an engine asks for it. Also read from `KVSHM_STORAGE` (see `kvshm worker`).
+    #[arg(long, env = STORAGE_ENV, hide_env_values = true)]
     storage: Option<StorageSpec>,
     /// Chunks the storage holds per rank (disk; by default 4 times the tier's chunks).
     #[arg(long, requires = "storage", value_parser = clap::value_parser!(u64).range(1..))]

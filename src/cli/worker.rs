@@ -24,7 +24,7 @@ use anyhow::Context;
 use kvshm_ipc::name::SegmentName;
 
 use super::checks;
-use crate::storage::spec::{StorageNamespace, StorageOptions, StorageSpec};
+use crate::storage::spec::{StorageNamespace, StorageOptions, StorageSpec, STORAGE_ENV};
 use crate::worker::process::{run_worker, BackendChoice, WorkerOptions};
 use crate::worker::run::{ServeExit, ServeOptions, DEFAULT_MAX_BATCH};
 use crate::worker::CopyMethod;
@@ -79,8 +79,10 @@ pub struct Args {
     #[arg(long, default_value_t = CopyMethod::default())]
     cuda_copy: CopyMethod,
     /// A storage tier below host: `disk:DIR` (a slab per rank under DIR/NAMESPACE) or
-    /// `redis://HOST[:PORT][/DB]` (shared by every service using the same namespace).
-    #[arg(long)]
+    /// `redis://HOST[:PORT][/DB]` (shared by every service using the same namespace). Also
+    /// read from `KVSHM_STORAGE`, which, unlike the command line, other users cannot read (a
+    /// Redis URL may carry a password).
+    #[arg(long, env = STORAGE_ENV, hide_env_values = true)]
     storage: Option<String>,
     /// The storage namespace: services that should share blocks use the same one.
     #[arg(long, default_value = "default")]

@@ -15,6 +15,11 @@ use super::backend::{BlockLayout, StorageBackend};
 use super::disk::{CrashHook, DiskBackend, DiskError, DiskOptions};
 use super::redis::{RedisBackend, RedisOpenError, RedisOptions};
 
+/// The environment variable `kvshm worker` and `kvshm tier-owner` read their storage tier from
+/// when no `--storage` is given: the processes that start them pass it there, since a process's
+/// command line is readable by every user of the machine and a Redis URL may carry a password.
+pub const STORAGE_ENV: &str = "KVSHM_STORAGE";
+
 /// Where the storage tier lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StorageSpec {

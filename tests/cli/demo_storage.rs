@@ -159,3 +159,48 @@ fn a_second_service_on_the_same_redis_namespace_hits_the_first_ones_blocks() {
         redis::cmd("KEYS").arg(format!("kvshm:{namespace}:*")).query(&mut connection).unwrap();
     let _: i64 = redis::cmd("DEL").arg(&keys).query(&mut connection).unwrap();
 }
+
+/// The demo gives its workers the storage spec in their environment, not on their command line,
+/// which every user of the machine can read (a Redis URL may carry a password).
+#[test]
+fn the_demo_gives_its_workers_the_storage_spec_out_of_their_command_lines() {
+    use std::io::{BufRead, BufReader};
+    let dir = Scratch::new("spec-env");
+    let storage = format!("disk:{}", dir.0.display());
+    let name = format!("spec-env-{}", std::process::id());
+    let mut demo = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(["demo", "--synthetic", "--limit", "20", "--tp", "2", "--hold", "600"])
+        .args(["--device-blocks", "64", "--host-blocks", "64", "--name", &name])
+        .args(["--storage", &storage, "--storage-blocks", "256"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvshm demo");
+    let mut stderr = BufReader::new(demo.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("holding segment") {
+        line.clear();
+        assert_ne!(stderr.read_line(&mut line).unwrap(), 0, "the demo ended before holding");
+    }
+    let mut workers = 0;
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let parent = stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().nth(1));
+        if parent != Some(&demo.id().to_string()) {
+            continue;
+        }
+        let command_line = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let environment = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        let (command_line, environment) =
+            (String::from_utf8_lossy(&command_line), String::from_utf8_lossy(&environment));
+        assert!(command_line.contains("worker"), "{command_line}");
+        assert!(!command_line.contains(&storage), "the spec is on {command_line}");
+        assert!(environment.split('\0').any(|pair| pair == format!("KVSHM_STORAGE={storage}")));
+        workers += 1;
+    }
+    assert_eq!(workers, 2);
+    let pid = nix::unistd::Pid::from_raw(demo.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    assert!(demo.wait().unwrap().code().is_some());
+}

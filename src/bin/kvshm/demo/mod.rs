@@ -37,7 +37,7 @@ use kvshm::cli::checks::{at_least, fits_in_dev_shm, fits_in_memory, human_bytes,
 use kvshm::manager::{CacheConfig, EvictionPolicy, StorageWritePolicy, WritePolicy};
 use kvshm::service::{Backend, Service, ServiceConfig, TierBackoff};
 use kvshm::storage::backend::BlockLayout;
-use kvshm::storage::spec::{StorageNamespace, StorageSpec};
+use kvshm::storage::spec::{StorageNamespace, StorageSpec, STORAGE_ENV};
 use kvshm::trace::{read_trace, TraceRequest};
 use kvshm::worker::CopyMethod;
 
@@ -139,15 +139,26 @@ const MAX_BLOCKS: u32 = u32::MAX - 1;
 struct Workers(Vec<Child>);
 
 impl Workers {
-    /// Spawns one worker per rank, rank `r` given `args_of(r)` (its backend and `--storage*`
-    /// options).
-    fn spawn(name: &str, tp: u32, args_of: impl Fn(u32) -> Vec<String>) -> anyhow::Result<Workers> {
+    /// Spawns one worker per rank, rank `r` given `args_of(r)`: its backend and `--storage-*`
+    /// options, and its storage spec, if any.
+    fn spawn(
+        name: &str,
+        tp: u32,
+        args_of: impl Fn(u32) -> (Vec<String>, Option<String>),
+    ) -> anyhow::Result<Workers> {
         let exe = std::env::current_exe().context("locating the kvshm executable")?;
         let mut workers = Workers(Vec::new());
         for rank in 0..tp {
-            let child = Command::new(&exe)
-                .args(["worker", "--name", name, "--rank", &rank.to_string()])
-                .args(args_of(rank))
+            let (args, storage) = args_of(rank);
+            let mut command = Command::new(&exe);
+            command.args(["worker", "--name", name, "--rank", &rank.to_string()]).args(args);
+            // The storage spec goes in the environment, not on the command line every user can
+            // read: a Redis URL may carry a password.
+            match storage {
+                Some(spec) => command.env(STORAGE_ENV, spec),
+                None => command.env_remove(STORAGE_ENV),
+            };
+            let child = command
                 .stdin(Stdio::null())
                 .spawn()
                 .with_context(|| format!("spawning the worker of rank {rank}"))?;
@@ -298,26 +309,25 @@ fn slab_blocks(args: &Args) -> u64 {
     u64::from(storage_blocks(args)) + u64::from(args.host_blocks) + u64::from(args.device_blocks)
 }
 
-/// The `--storage*` options of each worker (none without `--storage`).
-fn worker_storage_args(args: &Args) -> Vec<String> {
-    let Some(spec) = &args.storage else { return Vec::new() };
+/// The `--storage-*` options of each worker and the storage spec it is given (in its
+/// environment: [`STORAGE_ENV`]); none without `--storage`.
+fn worker_storage_args(args: &Args) -> (Vec<String>, Option<String>) {
+    let Some(spec) = &args.storage else { return (Vec::new(), None) };
     let mut worker_args = vec!["--storage-namespace".into(), args.storage_namespace.clone()];
-    match spec {
+    let spec = match spec {
         // The slab keeps, beside the blocks the scheduler counts on the tier, the blocks it
         // loaded back above storage (the scheduler no longer counts that copy, the slab keeps it
         // and the block's next write-back finds it there): at most one per device and host
         // block. Every block the scheduler drops is forgotten (FORGET), so with this room the
         // slab's own LRU never drops a block the scheduler still counts.
-        StorageSpec::Disk { dir } => worker_args.extend([
-            "--storage".into(),
-            format!("disk:{}", dir.display()),
-            "--storage-blocks".into(),
-            slab_blocks(args).to_string(),
-        ]),
+        StorageSpec::Disk { dir } => {
+            worker_args.extend(["--storage-blocks".into(), slab_blocks(args).to_string()]);
+            format!("disk:{}", dir.display())
+        }
         // Redis holds what its memory does: the capacity is the scheduler's budget alone.
-        StorageSpec::Redis { url } => worker_args.extend(["--storage".into(), url.clone()]),
-    }
-    worker_args
+        StorageSpec::Redis { url } => url.clone(),
+    };
+    (worker_args, Some(spec))
 }
 
 /// Puts back the blocks the storage tier holds on every rank (a previous run's, or another
@@ -400,11 +410,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let mut service = Service::create(&name, config).context("creating the service")?;
     let gpu = GpuBuffers::allocate(&args, &service)?;
-    let storage_args = worker_storage_args(&args);
+    let (storage_args, storage_spec) = worker_storage_args(&args);
     let workers = Workers::spawn(name.as_str(), args.tp, |rank| {
         let mut worker_args = gpu.worker_args(rank, args.cuda_copy);
         worker_args.extend(storage_args.iter().cloned());
-        worker_args
+        (worker_args, storage_spec.clone())
     })?;
     // A storage tier takes a while to open (a slab is preallocated).
     let attach = if args.storage.is_some() { 120 } else { 10 };
