@@ -176,8 +176,10 @@ def _owner_options(
     if client_quota is not None:
         options += ["--client-quota", str(client_quota)]
     # The storage spec itself goes in the owner's environment (_launch_owner).
-    if storage is not None and storage_chunks is not None:
-        options += ["--storage-chunks", str(storage_chunks)]
+    if storage is not None:
+        options += ["--storage-from-env"]
+        if storage_chunks is not None:
+            options += ["--storage-chunks", str(storage_chunks)]
     return options
 
 

@@ -26,7 +26,7 @@ use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
 use crate::offload::shared::{TierArenas, TierKeys, TierStorage, DEFAULT_FREE_CHUNKS, OWNER_SPIN};
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
-use crate::storage::spec::{StorageOptions, StorageSpec, STORAGE_ENV};
+use crate::storage::spec::{spec_given, StorageOptions, StorageSpec};
 use crate::worker::process::{install_stop_handlers, stop_requested};
 
 /// The longest a stopping owner spends writing to storage what waits to be written.
@@ -86,11 +86,14 @@ pub struct Args {
     takeover_grace_ms: u64,
     /// A storage tier below this one (`disk:DIR` or `redis://HOST[:PORT][/DB]`): every block
     /// stored is written there too, and one evicted from the arenas is brought back from there
-    /// when an engine asks for it. Also read from `KVSHM_STORAGE` (see `kvshm worker`).
-    #[arg(long, env = STORAGE_ENV, hide_env_values = true)]
-    storage: Option<StorageSpec>,
+    /// when an engine asks for it.
+    #[arg(long)]
+    storage: Option<String>,
+    /// Read the storage tier's spec from `KVSHM_STORAGE` (see `kvshm worker`).
+    #[arg(long, conflicts_with = "storage")]
+    storage_from_env: bool,
     /// Chunks the storage holds per rank (disk; by default 4 times the tier's chunks).
-    #[arg(long, requires = "storage", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     storage_chunks: Option<u64>,
     /// Chunks kept free ahead of demand, evicted between batches so that a store waits on no
     /// eviction (at most a 256th of the tier; 0: none).
@@ -103,6 +106,13 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // Parsed here, not by clap, whose refusal would print the spec whole (a password with it).
+    let storage = spec_given(args.storage.as_deref(), args.storage_from_env)?
+        .map(|spec| spec.parse::<StorageSpec>())
+        .transpose()?;
+    if storage.is_none() && args.storage_chunks.is_some() {
+        anyhow::bail!("--storage-chunks sizes a storage tier, and none was given");
+    }
     let identity = TierIdentity {
         model: args.model,
         kv_dtype: args.kv_dtype,
@@ -137,7 +147,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
         .context("the tier's key table")?;
     let keys_restored = server.owner().index().keep_key_table(keys, entries);
-    if let Some(spec) = &args.storage {
+    if let Some(spec) = &storage {
         let mut options = StorageOptions::new(spec.clone());
         options.capacity_blocks = args.storage_chunks;
         let storage =
@@ -158,8 +168,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "ranks": args.ranks,
         "arenas_taken_over": arenas.adopted(),
         "keys_restored": keys_restored,
-        "storage": args.storage.as_ref().map(ToString::to_string),
-        "storage_namespace": args.storage.as_ref().map(|_| identity.storage_namespace()),
+        "storage": storage.as_ref().map(ToString::to_string),
+        "storage_namespace": storage.as_ref().map(|_| identity.storage_namespace()),
         "storage_held": server.storage().map(|storage| storage.stats().held_at_start),
     });
     println!("{ready}");

@@ -24,7 +24,7 @@ use anyhow::Context;
 use kvshm_ipc::name::SegmentName;
 
 use super::checks;
-use crate::storage::spec::{StorageNamespace, StorageOptions, StorageSpec, STORAGE_ENV};
+use crate::storage::spec::{spec_given, StorageNamespace, StorageOptions, StorageSpec};
 use crate::worker::process::{run_worker, BackendChoice, WorkerOptions};
 use crate::worker::run::{ServeExit, ServeOptions, DEFAULT_MAX_BATCH};
 use crate::worker::CopyMethod;
@@ -79,11 +79,13 @@ pub struct Args {
     #[arg(long, default_value_t = CopyMethod::default())]
     cuda_copy: CopyMethod,
     /// A storage tier below host: `disk:DIR` (a slab per rank under DIR/NAMESPACE) or
-    /// `redis://HOST[:PORT][/DB]` (shared by every service using the same namespace). Also
-    /// read from `KVSHM_STORAGE`, which, unlike the command line, other users cannot read (a
-    /// Redis URL may carry a password).
-    #[arg(long, env = STORAGE_ENV, hide_env_values = true)]
+    /// `redis://HOST[:PORT][/DB]` (shared by every service using the same namespace).
+    #[arg(long)]
     storage: Option<String>,
+    /// Read the storage tier's spec from `KVSHM_STORAGE`, which, unlike the command line, other
+    /// users cannot read (a Redis URL may carry a password).
+    #[arg(long, conflicts_with = "storage")]
+    storage_from_env: bool,
     /// The storage namespace: services that should share blocks use the same one.
     #[arg(long, default_value = "default")]
     storage_namespace: String,
@@ -161,7 +163,7 @@ fn tier_options_given(args: &Args) -> [(&'static str, bool, bool); 5] {
 }
 
 fn storage_options(args: &Args) -> anyhow::Result<Option<StorageOptions>> {
-    let Some(spec) = &args.storage else {
+    let Some(spec) = spec_given(args.storage.as_deref(), args.storage_from_env)? else {
         if let Some((option, ..)) = tier_options_given(args).iter().find(|(_, given, _)| *given) {
             anyhow::bail!("{option} tunes a storage tier, and no --storage was given");
         }

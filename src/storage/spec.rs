@@ -16,9 +16,29 @@ use super::disk::{CrashHook, DiskBackend, DiskError, DiskOptions};
 use super::redis::{RedisBackend, RedisOpenError, RedisOptions};
 
 /// The environment variable `kvshm worker` and `kvshm tier-owner` read their storage tier from
-/// when no `--storage` is given: the processes that start them pass it there, since a process's
-/// command line is readable by every user of the machine and a Redis URL may carry a password.
+/// when given `--storage-from-env` ([`spec_given`]): the processes that start them pass it there,
+/// since a process's command line is readable by every user of the machine and a Redis URL may
+/// carry a password.
 pub const STORAGE_ENV: &str = "KVSHM_STORAGE";
+
+/// `--storage-from-env` without a storage spec in [`STORAGE_ENV`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("--storage-from-env: {STORAGE_ENV} holds no storage spec (it is unset or empty)")]
+pub struct NoSpecInEnv;
+
+/// The storage spec a process was given: `--storage SPEC` (`flag`), or, with
+/// `--storage-from-env` (`from_env`), the value of [`STORAGE_ENV`]. The variable alone gives
+/// nothing: one inherited from a shell does not give a tier to every worker started from it,
+/// only a launcher that passes the flag means it.
+pub fn spec_given(flag: Option<&str>, from_env: bool) -> Result<Option<String>, NoSpecInEnv> {
+    if !from_env {
+        return Ok(flag.map(str::to_owned));
+    }
+    match std::env::var(STORAGE_ENV) {
+        Ok(spec) if !spec.is_empty() => Ok(Some(spec)),
+        _ => Err(NoSpecInEnv),
+    }
+}
 
 /// Where the storage tier lives.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -274,6 +274,49 @@ fn worker_refuses_storage_options_that_do_not_apply_to_its_tier() {
     }
 }
 
+/// `kvshm ARGS` with `KVSHM_STORAGE` set to `storage`: its exit code and standard error.
+fn run_with_storage_env(args: &[&str], storage: &str) -> (Option<i32>, String) {
+    let output = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+        .args(args)
+        .env("KVSHM_STORAGE", storage)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvshm");
+    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// A storage spec in `KVSHM_STORAGE` is read with `--storage-from-env` only: one exported in a
+/// shell gives no worker a tier; an empty one is refused naming the variable; and the owner of a
+/// shared tier refuses a spec of another scheme without printing it (a password in it).
+#[test]
+fn the_storage_spec_comes_from_the_environment_when_asked_and_stays_out_of_errors() {
+    let worker = ["worker", "--name", "nobody-here", "--rank", "0", "--storage-ttl", "5"];
+    let (code, stderr) = run_with_storage_env(&worker, "redis://127.0.0.1:1");
+    assert!(code != Some(0) && stderr.contains("no --storage"), "{stderr}");
+    let from_env = [&worker[..], &["--storage-from-env"]].concat();
+    let (code, stderr) = run_with_storage_env(&from_env, "");
+    assert!(code != Some(0) && stderr.contains("KVSHM_STORAGE"), "{stderr}");
+    let owner = [
+        "tier-owner",
+        "--name",
+        "nobody-here",
+        "--model",
+        "m",
+        "--block-bytes",
+        "64",
+        "--chunks",
+        "4",
+    ];
+    for (spec, args) in [
+        ("rediss://app:s3cret@cache:6380", &["--storage-from-env"][..]),
+        ("", &["--storage", "rediss://app:s3cret@cache:6380"][..]),
+    ] {
+        let (code, stderr) = run_with_storage_env(&[&owner[..], args].concat(), spec);
+        assert!(code != Some(0) && stderr.contains("rediss://app:***@cache"), "{stderr}");
+        assert!(!stderr.contains("s3cret"), "{stderr}");
+    }
+}
+
 #[test]
 fn worker_refuses_a_rank_the_segment_does_not_have() {
     use kvshm_ipc::segment::Segment;

@@ -168,7 +168,15 @@ fn the_demo_gives_its_workers_the_storage_spec_out_of_their_command_lines() {
     let dir = Scratch::new("spec-env");
     let storage = format!("disk:{}", dir.0.display());
     let name = format!("spec-env-{}", std::process::id());
-    let mut demo = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+    /// Kills the demo (and so its workers, once it is gone) if the test fails while it holds.
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let demo = Command::new(env!("CARGO_BIN_EXE_kvshm"))
         .args(["demo", "--synthetic", "--limit", "20", "--tp", "2", "--hold", "600"])
         .args(["--device-blocks", "64", "--host-blocks", "64", "--name", &name])
         .args(["--storage", &storage, "--storage-blocks", "256"])
@@ -177,7 +185,8 @@ fn the_demo_gives_its_workers_the_storage_spec_out_of_their_command_lines() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn kvshm demo");
-    let mut stderr = BufReader::new(demo.stderr.take().unwrap());
+    let mut demo = KillOnDrop(demo);
+    let mut stderr = BufReader::new(demo.0.stderr.take().unwrap());
     let mut line = String::new();
     while !line.contains("holding segment") {
         line.clear();
@@ -187,7 +196,7 @@ fn the_demo_gives_its_workers_the_storage_spec_out_of_their_command_lines() {
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
         let parent = stat.rsplit(')').next().and_then(|rest| rest.split_whitespace().nth(1));
-        if parent != Some(&demo.id().to_string()) {
+        if parent != Some(&demo.0.id().to_string()) {
             continue;
         }
         let command_line = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
@@ -200,7 +209,7 @@ fn the_demo_gives_its_workers_the_storage_spec_out_of_their_command_lines() {
         workers += 1;
     }
     assert_eq!(workers, 2);
-    let pid = nix::unistd::Pid::from_raw(demo.id() as i32);
+    let pid = nix::unistd::Pid::from_raw(demo.0.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    assert!(demo.wait().unwrap().code().is_some());
+    assert!(demo.0.wait().unwrap().code().is_some(), "the demo died of the signal");
 }

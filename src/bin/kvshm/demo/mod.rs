@@ -313,7 +313,8 @@ fn slab_blocks(args: &Args) -> u64 {
 /// environment: [`STORAGE_ENV`]); none without `--storage`.
 fn worker_storage_args(args: &Args) -> (Vec<String>, Option<String>) {
     let Some(spec) = &args.storage else { return (Vec::new(), None) };
-    let mut worker_args = vec!["--storage-namespace".into(), args.storage_namespace.clone()];
+    let mut worker_args = vec!["--storage-from-env".into()];
+    worker_args.extend(["--storage-namespace".into(), args.storage_namespace.clone()]);
     let spec = match spec {
         // The slab keeps, beside the blocks the scheduler counts on the tier, the blocks it
         // loaded back above storage (the scheduler no longer counts that copy, the slab keeps it
