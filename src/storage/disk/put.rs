@@ -166,6 +166,7 @@ impl DiskBackend {
         }
 
         // Step 5: the map, the outcomes, the LRU list (in reverse batch order).
+        let mut written = Vec::with_capacity(plan.len());
         for planned in &plan {
             self.slots[planned.slot as usize].pinned = false;
             match &planned.outcome {
@@ -174,9 +175,8 @@ impl DiskBackend {
                 }
                 Some(failure) => outcomes[planned.entry] = Err(failure.clone()),
             }
+            written.push((planned.slot, planned.outcome.is_none()));
         }
-        let written: Vec<(u32, bool)> =
-            plan.iter().map(|planned| (planned.slot, planned.outcome.is_none())).collect();
         self.note_writes(&written);
         for &slot in &hits {
             self.slots[slot as usize].pinned = false;

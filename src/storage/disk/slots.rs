@@ -167,25 +167,22 @@ impl DiskBackend {
     pub(super) fn note_writes(&mut self, written: &[(u32, bool)]) {
         let landed = written.iter().filter(|&&(_, ok)| ok).count() as u64;
         let disk_writes = landed > 0 || self.failures_in_a_row == 0;
-        let set_aside = self.failed.len();
+        // Rests count from the end of the batch.
+        self.successful_writes += landed;
         for &(slot, ok) in written {
             let entry = &mut self.slots[slot as usize];
             if ok {
                 entry.failures = 0;
-            } else {
-                if disk_writes || entry.failures == 0 {
-                    entry.failures = entry.failures.saturating_add(1);
-                }
-                self.failed.push((slot, u64::from(entry.failures)));
+                continue;
             }
+            if disk_writes || entry.failures == 0 {
+                entry.failures = entry.failures.saturating_add(1);
+            }
+            let rest = 1u64 << (entry.failures - 1).min(32);
+            self.failed.push((slot, self.successful_writes + rest));
         }
-        self.successful_writes += landed;
         let failed = written.len() as u64 - landed;
         self.failures_in_a_row = if landed > 0 { 0 } else { self.failures_in_a_row + failed };
-        let writes = self.successful_writes;
-        for (_, back_at) in &mut self.failed[set_aside..] {
-            *back_at = writes + (1u64 << (*back_at - 1).min(32));
-        }
     }
 
     /// Puts the slots set aside whose rest is over back on the free list, below its other
