@@ -209,6 +209,11 @@ pub enum CommandError {
     /// The command waited in the scheduler's backlog for the command deadline while the rank's
     /// worker was still setting up, and was never sent (synthesised by the scheduler).
     WorkerNotServing = 11,
+    /// The storage tier could not be reached for some block of a STORE or LOAD on this rank (a
+    /// connection refused or dropped, or no answer in time), so the tier is failing, not one
+    /// block: the whole command fails, whatever its other blocks met (`detail`: the per-entry
+    /// results, for the record).
+    StorageUnreachable = 12,
 }
 
 impl CommandError {
@@ -225,6 +230,7 @@ impl CommandError {
             9 => CommandError::StorageMiss,
             10 => CommandError::AnswerLost,
             11 => CommandError::WorkerNotServing,
+            12 => CommandError::StorageUnreachable,
             _ => return None,
         })
     }

@@ -6,15 +6,17 @@
 //! completion, and only its owner (the service, which owns time) brings it back up, after a
 //! probe that reached the tier on every rank.
 //!
-//! 1. The breaker trips on a failure of the tier, not of one block: a STORE or LOAD whose every
-//!    block the tier failed for (`BlockOutcome::Unavailable`: unreachable, timed out, an I/O
-//!    error; not `Missing`, an ordinary miss), or whose whole command the owner reports failed
-//!    for the tier (`CommandError::StorageMiss`, [`is_tier_failure`]), marks the tier down
-//!    (counted once per outage in `storage_outages`). A command where some blocks landed (or
-//!    were missing) and others came back unavailable shows a tier that answers: the unavailable
-//!    blocks are a per-block fault (one bad slot, one refused key), so a LOAD's are lost as
-//!    missing ones are ([`super::load_outcome`]) and a STORE's are not written, and the tier
-//!    stays up. (A one-block command cannot tell the two apart: it trips the breaker.)
+//! 1. The breaker trips on a failure of the tier, not of one block: a STORE or LOAD that a
+//!    worker could not get through to the tier for some block (a connection refused or dropped,
+//!    no answer in time: the whole command fails, `CommandError::StorageUnreachable`), whose
+//!    every block the tier failed for (`BlockOutcome::Unavailable`, an I/O error; not
+//!    `Missing`, an ordinary miss), or whose whole command the owner reports failed for the tier
+//!    (`CommandError::StorageMiss`; [`is_tier_failure`]) marks the tier down (counted once per
+//!    outage in `storage_outages`). A command where some blocks landed (or were missing) and
+//!    others came back unavailable shows a tier that answers: the unavailable blocks are a
+//!    per-block fault (one bad slot, one refused key), so a LOAD's are lost as missing ones are
+//!    ([`super::load_outcome`]) and a STORE's are not written, and the tier stays up. (A
+//!    one-block command cannot tell the two apart: it trips the breaker.)
 //! 2. The moment it goes down, the storage copies made but not yet handed out (the outbox, and
 //!    copies held back behind others) are settled as if the tier had answered "unavailable":
 //!    a LOAD's tickets end `Shortened`, a STORE's blocks are given back as a failed STORE's are.
@@ -57,17 +59,17 @@ impl TierHealth {
 }
 
 /// Whether a whole storage command failing with `error` says the tier failed (module flow,
-/// step 1). A worker never fails a whole STORE or LOAD for its back-end: a back-end error, a
-/// timeout or an unreachable server comes back per block (failed bits, `Unavailable`). Its
-/// whole-command errors say something else: a refusal (`Malformed`, `UnknownOp`,
-/// `StaleGeneration`, an id out of range), a worker without a tier (`NoStorage`: a
-/// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), an
-/// answer overtaken in the ring (`AnswerLost`) or a worker still setting up (`WorkerNotServing`,
-/// both synthesised by the transport), and `CopyFailed` only from a code this build does not
-/// know. So only `StorageMiss`, the code an
-/// owner without per-block results reports for "the tier failed this command", trips it.
+/// step 1): `StorageUnreachable`, a worker's STORE or LOAD that could not reach the tier for
+/// some block, and `StorageMiss`, the code an owner without per-block results reports for "the
+/// tier failed this command". A block's own fault comes back per block (failed bits,
+/// `Unavailable`), and the other whole-command errors say nothing of the tier: a refusal
+/// (`Malformed`, `UnknownOp`, `StaleGeneration`, an id out of range), a worker without a tier
+/// (`NoStorage`: a configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the
+/// service), an answer overtaken in the ring (`AnswerLost`) or a worker still setting up
+/// (`WorkerNotServing`, both synthesised by the transport), and `CopyFailed` only from a code
+/// this build does not know.
 pub(super) fn is_tier_failure(error: CommandError) -> bool {
-    error == CommandError::StorageMiss
+    matches!(error, CommandError::StorageMiss | CommandError::StorageUnreachable)
 }
 
 /// Whether storage copy outcome `outcome` says the tier failed (module flow, step 1): every

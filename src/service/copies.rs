@@ -123,11 +123,20 @@ impl Service {
 
     /// Hands a transfer's outcome to the manager.
     fn settle(&mut self, transfer: TransferId, outcome: Result<(), TransferFailure>) {
-        if let Err(failure) = &outcome {
-            self.stats.copy_failures += 1;
-            warn!(transfer = transfer.0, %failure, "copy failed; rolling back");
+        let landed = self.storage_landed.remove(&transfer);
+        match (&outcome, &landed) {
+            (Ok(()), _) => {}
+            // The tier failed, not the copy: each of its blocks missed, and the manager's
+            // breaker reports the outage once.
+            (Err(failure), Some(blocks)) if failure.error == CommandError::StorageUnreachable => {
+                self.stats.storage_misses += blocks.len() as u64;
+            }
+            (Err(failure), _) => {
+                self.stats.copy_failures += 1;
+                warn!(transfer = transfer.0, %failure, "copy failed; rolling back");
+            }
         }
-        let completed = match self.storage_landed.remove(&transfer) {
+        let completed = match landed {
             Some(landed) => self
                 .manager
                 .complete_storage_transfer(transfer, outcome.map(|()| Some(landed.as_slice()))),

@@ -807,3 +807,68 @@ fn blocks_a_forget_completion_says_the_tier_failed_to_forget_are_sent_once_more(
     assert!(answer_every_command(&segment, None).is_empty(), "then given up");
     assert_eq!(service.stats().storage_forgets_dropped, 1);
 }
+
+/// A LOAD a rank could not get through to the tier for (`StorageUnreachable`: a Redis part
+/// that timed out or lost its connection) takes the tier down and drops none of its blocks,
+/// though its per-entry results say one landed and one failed: taken as such, they would say
+/// one bad block, which the cache drops while the tier stays up. It is a storage miss for each
+/// block, not a failed copy.
+#[test]
+fn a_load_the_tier_could_not_be_reached_for_takes_it_down_and_drops_nothing() {
+    use kvshm_ipc::storage_record::StorageResults;
+
+    let mut service = service_with("load-unreachable", |config| {
+        config.cache = config
+            .cache
+            .clone()
+            .with_storage_blocks(32)
+            .with_storage_write_policy(crate::manager::StorageWritePolicy::WriteThrough);
+    });
+    let (segment, _claim) = claim_rank(&mut service);
+    let settle = |service: &mut Service| {
+        for _ in 0..6 {
+            answer_all_but_forgets(&segment);
+            service.poll();
+        }
+    };
+    let stored = [BlockHash(11), BlockHash(12)];
+    cache_blocks(&mut service, 1, &stored);
+    settle(&mut service);
+    // Sixteen newer one-block prompts take the device and the host: 11 and 12 are on storage
+    // only, and every host copy is a leaf a LOAD can take the block of.
+    for request in 2..18 {
+        cache_blocks(&mut service, request, &[BlockHash(u128::from(request) << 8)]);
+        settle(&mut service);
+    }
+    assert_eq!(service.cache().cached_prefix(&stored).storage_blocks, 2);
+
+    let tokens = 2 * BLOCK_TOKENS as usize + 1;
+    let found = service.match_prefix(RequestId(20), &stored, tokens).unwrap();
+    assert_eq!(found.storage_blocks, 2);
+    let ticket = service.allocate(RequestId(20), 1, 0).unwrap().ticket;
+    service.poll();
+    // The LOAD fails so; anything else issued meanwhile succeeds.
+    let (mut results, mut loads) = (StorageResults::default(), 0);
+    results.set(0, true, false);
+    results.set(1, false, true);
+    let mut completions = segment.completion_producer(0).unwrap();
+    for header in pop_commands(&segment, 0) {
+        let (id, generation) = (header.command_id, header.generation);
+        let mut answer = Completion::ok(id, generation);
+        answer.detail = StorageResults { done: u32::MAX, failed: 0 }.to_detail();
+        if header.op == Op::StorageLoad as u32 {
+            let detail = results.to_detail();
+            answer = Completion::failed(id, generation, CommandError::StorageUnreachable, detail);
+            loads += 1;
+        }
+        completions.push(answer).unwrap();
+    }
+    assert_eq!(loads, 1);
+    let ready = service.wait(ticket, Duration::from_secs(5)).unwrap();
+    assert!(matches!(ready, TicketReady::Shortened { cached_blocks: 0, .. }), "{ready:?}");
+    assert!(service.cache().storage_tier_down());
+    assert_eq!(service.cache().cached_prefix(&stored).storage_blocks, 2, "nothing dropped");
+    let stats = service.stats();
+    assert_eq!((stats.copy_failures, stats.storage_misses), (0, 2), "{stats:?}");
+    service.cache().check_invariants().unwrap();
+}

@@ -105,6 +105,14 @@ pub enum Failure {
     Io(String),
 }
 
+impl Failure {
+    /// Whether it says the tier could not be reached (no answer in time, a connection refused or
+    /// dropped): the tier is failing, not this block, and the block may still be there.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, Failure::Timeout | Failure::Unavailable)
+    }
+}
+
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -17,8 +17,9 @@
 //! 3. the storage thread takes the jobs in queue order: it heartbeats (a rank lost to the
 //!    scheduler ends the process at once, as during a copy), runs the command on the back-end
 //!    over the host blocks' memory, adds the outcomes to the segment's storage counters, and
-//!    pushes the completion (its `detail` the per-entry [`StorageResults`]) through the shared
-//!    [`CompletionSink`], ringing the scheduler's doorbell;
+//!    pushes the completion (its `detail` the per-entry [`StorageResults`]; a STORE or LOAD that
+//!    could not reach the tier for some block fails whole, `StorageUnreachable`) through the
+//!    shared [`CompletionSink`], ringing the scheduler's doorbell;
 //! 4. when the loop ends the queue closes, and the thread answers every queued job and syncs the
 //!    back-end before it exits, so every command popped from the ring is answered; the worker's
 //!    main thread heartbeats meanwhile ([`StorageLane::close`]), however long one job takes. A
@@ -55,7 +56,8 @@ use super::validate::{validate, ValidCommand};
 use crate::hash::BlockHash;
 use crate::storage::tally::Tally;
 use crate::storage::{
-    BlockBytes, BlockBytesMut, BlockKey, Failure, GetBlock, GetMiss, PutBlock, StorageBackend,
+    BlockBytes, BlockBytesMut, BlockKey, Failure, GetBlock, GetMiss, GetOutcome, PutBlock,
+    PutOutcome, StorageBackend,
 };
 
 /// How often a storage thread facing a full completion ring looks for room.
@@ -293,12 +295,10 @@ fn serve_jobs(
             Job::Flush { id, generation } => Completion::ok(id, generation),
             Job::Run { id, generation, command } => {
                 let started = Instant::now();
-                let results = runner.run(backend.as_mut(), &context.host, &command);
+                let ran = runner.run(backend.as_mut(), &context.host, &command);
                 counters.add(Counter::StorageIoNs, started.elapsed().as_nanos() as u64);
                 runner.publish_counters(counters, backend.as_ref(), block_bytes);
-                let mut completion = Completion::ok(id, generation);
-                completion.detail = results.to_detail();
-                completion
+                ran.completion(id, generation)
             }
         };
         if publish(&context, completion) == Published::StoppedWithoutRoom {
@@ -354,13 +354,47 @@ fn abandon_rank(lost: ClaimLost) -> ! {
     std::process::exit(EXIT_CLAIM_LOST);
 }
 
+/// What one command met on the back-end: its per-entry results, and whether the tier could not
+/// be reached for some block of a STORE or LOAD ([`Failure::is_unreachable`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Ran {
+    results: StorageResults,
+    unreachable: bool,
+}
+
+impl Ran {
+    /// The command's answer: its results, or, when the tier could not be reached, a failure of
+    /// the whole command (`StorageUnreachable`, the results in `detail`): the scheduler then
+    /// takes the tier as failing and trusts none of the command's blocks, where per-entry
+    /// results mixing landed blocks with failed ones would say one bad block and drop it.
+    fn completion(self, id: u64, generation: u64) -> Completion {
+        let detail = self.results.to_detail();
+        if self.unreachable {
+            return Completion::failed(id, generation, CommandError::StorageUnreachable, detail);
+        }
+        let mut completion = Completion::ok(id, generation);
+        completion.detail = detail;
+        completion
+    }
+}
+
+/// Whether a put failed because the tier could not be reached.
+fn put_unreachable(outcome: &PutOutcome) -> bool {
+    outcome.as_ref().is_err_and(Failure::is_unreachable)
+}
+
+/// Whether a get failed because the tier could not be reached.
+fn get_unreachable(outcome: &GetOutcome) -> bool {
+    matches!(outcome, Err(GetMiss::Failed(failure)) if failure.is_unreachable())
+}
+
 /// Runs commands and keeps what the counters need between them.
 #[derive(Default)]
 struct Runner {
     tally: Tally,
     last_evictions: u64,
-    put_outcomes: Vec<crate::storage::PutOutcome>,
-    get_outcomes: Vec<crate::storage::GetOutcome>,
+    put_outcomes: Vec<PutOutcome>,
+    get_outcomes: Vec<GetOutcome>,
     contains_outcomes: Vec<crate::storage::ContainsOutcome>,
 }
 
@@ -371,8 +405,9 @@ impl Runner {
         backend: &mut dyn StorageBackend,
         host: &HostBlocks,
         command: &StorageCommand,
-    ) -> StorageResults {
+    ) -> Ran {
         let mut results = StorageResults::default();
+        let mut unreachable = false;
         let entries = &command.entries;
         match command.op {
             StorageOp::Store => {
@@ -390,6 +425,7 @@ impl Runner {
                     })
                     .collect();
                 backend.put(&blocks, &mut self.put_outcomes);
+                unreachable = self.put_outcomes.iter().any(put_unreachable);
                 for (index, outcome) in self.put_outcomes.iter().enumerate() {
                     // A full tier refused the block: not written, but the tier did not fail
                     // (the scheduler marks a failing tier down, not a full one).
@@ -410,6 +446,7 @@ impl Runner {
                     })
                     .collect();
                 backend.get(&mut blocks, &mut self.get_outcomes);
+                unreachable = self.get_outcomes.iter().any(get_unreachable);
                 for (index, outcome) in self.get_outcomes.iter().enumerate() {
                     let failed = matches!(outcome, Err(GetMiss::Failed(_)));
                     results.set(index, outcome.is_ok(), failed);
@@ -435,7 +472,7 @@ impl Runner {
                 self.tally.forgets(&self.put_outcomes);
             }
         }
-        results.masked(entries.len())
+        Ran { results: results.masked(entries.len()), unreachable }
     }
 
     /// Adds what happened since the last call to the segment's counters.
@@ -469,5 +506,41 @@ impl Runner {
         let evictions = backend.stats().evictions;
         counters.add(Counter::StorageEvictions, evictions.saturating_sub(self.last_evictions));
         self.last_evictions = evictions;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A STORE or LOAD that could not reach the tier for one block fails whole, however many of
+    /// its other blocks landed: per-entry bits mixing landed and failed blocks would tell the
+    /// scheduler of one bad block, which it drops, where the tier was failing (a part of a Redis
+    /// pipeline timed out, a connection dropped). A block's own fault (an I/O error on one slot,
+    /// a full tier, a corrupt or absent record) keeps the per-entry answer.
+    #[test]
+    fn an_unreachable_tier_fails_the_whole_command_and_a_bad_block_does_not() {
+        let io = || Failure::Io("EIO".into());
+        assert!(put_unreachable(&Err(Failure::Timeout)));
+        assert!(put_unreachable(&Err(Failure::Unavailable)));
+        assert!(!put_unreachable(&Err(Failure::NoSpace)) && !put_unreachable(&Err(io())));
+        assert!(!put_unreachable(&Ok(())));
+        assert!(get_unreachable(&Err(GetMiss::Failed(Failure::Timeout))));
+        assert!(get_unreachable(&Err(GetMiss::Failed(Failure::Unavailable))));
+        for miss in [GetMiss::Absent, GetMiss::Corrupt, GetMiss::Failed(io())] {
+            assert!(!get_unreachable(&Err(miss)));
+        }
+
+        let mut results = StorageResults::default();
+        results.set(0, true, false);
+        results.set(1, false, true);
+        let failed = Ran { results, unreachable: true }.completion(7, 3);
+        assert!(!failed.is_ok());
+        assert_eq!(CommandError::from_wire(failed.error), Some(CommandError::StorageUnreachable));
+        assert_eq!((failed.command_id, failed.generation), (7, 3));
+        assert_eq!(StorageResults::from_detail(failed.detail), results);
+        let answered = Ran { results, unreachable: false }.completion(7, 3);
+        assert!(answered.is_ok());
+        assert_eq!(StorageResults::from_detail(answered.detail), results);
     }
 }

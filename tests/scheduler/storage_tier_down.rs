@@ -130,6 +130,7 @@ fn a_whole_command_failure_marks_the_tier_down_only_when_the_tier_failed() {
         // A worker never sends it for a storage command: only a code this build does not know.
         (CommandError::CopyFailed, false),
         (CommandError::StorageMiss, true),
+        (CommandError::StorageUnreachable, true),
     ] {
         let mut cache = three_small_tiers();
         let first = four_blocks_on_storage(&mut cache);

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::arena::{Arena, ArenaKind};
 use kvshm_ipc::config::SegmentConfig;
 use kvshm_ipc::name::SegmentName;
-use kvshm_ipc::record::{CommandHeader, Op};
+use kvshm_ipc::record::{CommandHeader, Completion, Op};
 use kvshm_ipc::segment::Segment;
 use kvshm_ipc::storage_record::{
     encode_storage_command, storage_pair_count, StorageEntry, StorageResults,
@@ -178,11 +178,17 @@ impl<'a> RankDriver<'a> {
 
     /// Sends one storage command and waits for its completion, which must be OK; its results.
     pub fn storage(&mut self, op: Op, entries: &[StorageEntry]) -> StorageResults {
+        let completion = self.storage_answer(op, entries);
+        assert!(completion.is_ok(), "{op:?} failed: {completion:?}");
+        StorageResults::from_detail(completion.detail)
+    }
+
+    /// Sends one storage command and waits for its answer, failed or not.
+    pub fn storage_answer(&mut self, op: Op, entries: &[StorageEntry]) -> Completion {
         let header = self.send_storage(op, entries);
         let completion = self.completions(1)[0];
         assert_eq!(completion.command_id, header.command_id);
-        assert!(completion.is_ok(), "{op:?} failed: {completion:?}");
-        StorageResults::from_detail(completion.detail)
+        completion
     }
 
     pub fn wait_alive(&self, worker: &Worker) {

@@ -325,14 +325,19 @@ fn redis_stopped_mid_run_gives_counted_misses_and_the_worker_recovers_when_it_re
     assert_eq!(rank.storage(Op::StorageStore, &[entry(1, 0)]), all_done(1));
 
     server.kill();
-    let results = rank.storage(Op::StorageLoad, &[entry(1, 5)]);
-    assert_eq!(
-        results,
-        StorageResults { done: 0, failed: 1 },
-        "a failed tier, not an absent block"
-    );
-    let results = rank.storage(Op::StorageStore, &[entry(1, 0)]);
-    assert_eq!(results, StorageResults { done: 0, failed: 1 });
+    // A failed tier, not an absent block: the whole command fails, its results for the record.
+    for (op, entries) in [(Op::StorageLoad, [entry(1, 5)]), (Op::StorageStore, [entry(1, 0)])] {
+        let answer = rank.storage_answer(op, &entries);
+        assert_eq!(
+            CommandError::from_wire(answer.error),
+            Some(CommandError::StorageUnreachable),
+            "{op:?}: {answer:?}"
+        );
+        assert_eq!(
+            StorageResults::from_detail(answer.detail),
+            StorageResults { done: 0, failed: 1 }
+        );
+    }
     let counters = segment.counters();
     assert!(
         counters.get(Counter::StorageUnavailable) + counters.get(Counter::StorageTimeouts) >= 2
@@ -344,7 +349,8 @@ fn redis_stopped_mid_run_gives_counted_misses_and_the_worker_recovers_when_it_re
     server.restart();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if rank.storage(Op::StorageStore, &[entry(1, 0)]) == all_done(1) {
+        let answer = rank.storage_answer(Op::StorageStore, &[entry(1, 0)]);
+        if answer.is_ok() && StorageResults::from_detail(answer.detail) == all_done(1) {
             break;
         }
         assert!(Instant::now() < deadline, "the worker never reconnected");
@@ -378,6 +384,7 @@ fn a_slow_storage_tier_does_not_hold_up_copies_and_a_flush_waits_for_it() {
     let rest = rank.completions(2);
     let rest_after = sent.elapsed();
     assert_eq!(rest[0].command_id, load.command_id);
+    assert_eq!(CommandError::from_wire(rest[0].error), Some(CommandError::StorageUnreachable));
     assert_eq!(StorageResults::from_detail(rest[0].detail), StorageResults { done: 0, failed: 1 });
     assert_eq!(rest[1].command_id, flush.command_id, "the flush did not wait for the load");
     let counters = segment.counters();
