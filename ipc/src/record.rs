@@ -209,11 +209,6 @@ pub enum CommandError {
     /// The command waited in the scheduler's backlog for the command deadline while the rank's
     /// worker was still setting up, and was never sent (synthesised by the scheduler).
     WorkerNotServing = 11,
-    /// The storage tier could not be reached for some block of a STORE or LOAD on this rank (a
-    /// connection refused or dropped, or no answer in time), so the tier is failing, not one
-    /// block: the whole command fails, whatever its other blocks met (`detail`: the per-entry
-    /// results, for the record).
-    StorageUnreachable = 12,
 }
 
 impl CommandError {
@@ -230,7 +225,6 @@ impl CommandError {
             9 => CommandError::StorageMiss,
             10 => CommandError::AnswerLost,
             11 => CommandError::WorkerNotServing,
-            12 => CommandError::StorageUnreachable,
             _ => return None,
         })
     }
@@ -244,7 +238,8 @@ pub struct Completion {
     pub generation: u64,
     /// `STATUS_OK` or `STATUS_FAILED`.
     pub status: u32,
-    /// A [`CommandError`] as u32 when failed, else 0.
+    /// A [`CommandError`] as u32 when failed; in a storage command's OK answer, its flags
+    /// ([`crate::storage_record::TIER_UNREACHABLE`]); else 0.
     pub error: u32,
     pub detail: u64,
 }

@@ -12,11 +12,14 @@
 //! 2. the worker decodes the command like any other (`record::decode_command` yields
 //!    `PAIRS_PER_SLOT` pairs per entry) and [`entries_from_pairs`] turns the pairs back into
 //!    entries, refusing a count that is not a whole number of entries or too large;
-//! 3. the worker's storage thread runs the command and answers with an OK completion whose
-//!    `detail` is a [`StorageResults`]: bit `i` of the low word says entry `i` hit (LOAD), was
-//!    stored (STORE), is present (QUERY) or is forgotten (FORGET); bit `i` of the high word says that entry `i` missed
-//!    because the storage tier failed (error, timeout, unreachable, full), not because the block
-//!    is absent, so the scheduler can tell "not there" from "could not tell".
+//! 3. the worker's storage thread runs the command and answers with an OK completion
+//!    ([`storage_answer`]) whose `detail` is a [`StorageResults`]: bit `i` of the low word says
+//!    entry `i` hit (LOAD), was stored (STORE), is present (QUERY) or is forgotten (FORGET); bit
+//!    `i` of the high word says that entry `i` missed because the storage tier failed (an I/O
+//!    error, a timeout, unreachable), not because the block is absent, so the scheduler can tell
+//!    "not there" from "could not tell". Its `error` word carries [`TIER_UNREACHABLE`] when the
+//!    tier could not be reached for some entry (a connection refused or dropped, no answer in
+//!    time): the failed bits then say the tier is failing, not that those blocks are bad.
 //!
 //! A missing or corrupt block is a miss in the bits, never a failed command: a storage command
 //! fails only when it is malformed, stale, or reaches a worker without a storage tier.
@@ -28,7 +31,7 @@
 
 use bytemuck::{Pod, Zeroable};
 
-use crate::record::{BlockPair, CommandHeader, CommandSlot, PAIRS_PER_SLOT};
+use crate::record::{BlockPair, CommandHeader, CommandSlot, Completion, PAIRS_PER_SLOT};
 
 /// The most entries one storage command carries (the width of each result map).
 pub const MAX_STORAGE_ENTRIES: usize = 32;
@@ -160,6 +163,32 @@ pub fn entries_from_pairs(
     Ok(())
 }
 
+/// The flag, in the `error` word of a storage command's OK answer, that says the tier could not
+/// be reached for some entry (module flow, step 3). A build that does not know it reads the
+/// failed bits alone, as before it.
+pub const TIER_UNREACHABLE: u32 = 1;
+
+/// The OK answer to storage command `command_id` of `generation`: `results` in `detail`, and
+/// [`TIER_UNREACHABLE`] when `unreachable`.
+pub fn storage_answer(
+    command_id: u64,
+    generation: u64,
+    results: StorageResults,
+    unreachable: bool,
+) -> Completion {
+    let mut completion = Completion::ok(command_id, generation);
+    completion.detail = results.to_detail();
+    if unreachable {
+        completion.error = TIER_UNREACHABLE;
+    }
+    completion
+}
+
+/// Whether `completion`, a storage command's answer, says the tier could not be reached.
+pub fn tier_unreachable(completion: &Completion) -> bool {
+    completion.is_ok() && completion.error & TIER_UNREACHABLE != 0
+}
+
 /// The per-entry results of a storage command, carried in its completion's `detail`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct StorageResults {
@@ -258,6 +287,23 @@ mod tests {
         assert!(!back.is_done(31) && back.is_failed(31));
         assert!(!back.is_done(5) && !back.is_failed(5));
         assert!(!back.is_done(40));
+    }
+
+    #[test]
+    fn an_answer_carries_its_results_and_whether_the_tier_was_unreachable() {
+        let mut results = StorageResults::default();
+        results.set(0, true, false);
+        results.set(1, false, true);
+        for unreachable in [false, true] {
+            let answer = storage_answer(7, 3, results, unreachable);
+            assert!(answer.is_ok(), "an OK completion either way");
+            assert_eq!((answer.command_id, answer.generation), (7, 3));
+            assert_eq!(StorageResults::from_detail(answer.detail), results);
+            assert_eq!(tier_unreachable(&answer), unreachable);
+        }
+        // A failed command's error word is its error code, not flags.
+        let failed = Completion::failed(7, 3, crate::record::CommandError::UnknownOp, 0);
+        assert!(!tier_unreachable(&failed));
     }
 
     #[test]

@@ -2,11 +2,12 @@
 //! the request (DESIGN §9).
 //!
 //! The tier answers for each block of a LOAD: landed, missing (the object is absent, corrupt or
-//! torn on some rank: the block is gone), or unavailable (the tier failed for it: it may still be
-//! there). An error of the whole command (tier down, timeout, a worker error) is an unavailable
-//! block for every block of it. Only a gone block is dropped: a missing one, or an unavailable
-//! one in a LOAD where the tier answered for other blocks (a per-block fault, such as one bad
-//! slot: retrying it would only fail again; see `tier_health`, step 1). A LOAD carries one chain
+//! torn on some rank: the block is gone), unreachable (a rank could not reach the tier for it:
+//! it may still be there), or unavailable (the tier failed for it otherwise: it may still be
+//! there). An error of the whole command (tier down, a worker error) is an unavailable block for
+//! every block of it. Only a gone block is dropped: a missing one, or an unavailable one in a
+//! LOAD where the tier answered for other blocks and no block was unreachable (a per-block
+//! fault, such as one bad slot: retrying it would only fail again; see `tier_health`, step 1). A LOAD carries one chain
 //! of one request's path, block 0 first, so its blocks before the first miss are exactly the part
 //! of the hit that still holds.
 //!
@@ -46,9 +47,13 @@ pub enum BlockOutcome {
     /// Missing or damaged on some rank (a LOAD), or not written (a STORE): the tier does not
     /// have it.
     Missing,
-    /// The tier failed for it on some rank (unreachable, timed out) and no rank found it
-    /// missing: it may still be there.
+    /// The tier failed for it on some rank (an I/O error) and no rank found it missing: it may
+    /// still be there, or this one block may be bad (see [`LoadOutcome::gone`]).
     Unavailable,
+    /// A rank could not reach the tier for it (a connection refused or dropped, no answer in
+    /// time) and no rank found it missing: the tier is failing, and the block may still be
+    /// there.
+    Unreachable,
 }
 
 /// What the storage tier said about the blocks of one STORE or LOAD.
@@ -79,15 +84,15 @@ impl LoadOutcome<'_> {
     }
 
     /// Whether the tier no longer has block `index` as far as the cache is concerned (module
-    /// flow, step 5): reported missing, or unavailable while the tier answered for some other
-    /// block of the command (a per-block fault). An unavailable block of a command that failed
-    /// all over may still be there.
+    /// flow, step 5): reported missing, or unavailable while the tier answered for other blocks
+    /// of the command (a per-block fault). An unavailable block of a command the tier failed
+    /// ([`super::tier_health::tier_failed`]) may still be there, and so may an unreachable one.
     pub(super) fn gone(&self, index: usize) -> bool {
         let LoadOutcome::Blocks(blocks) = self else { return false };
         match blocks.get(index) {
             Some(BlockOutcome::Missing) => true,
-            Some(BlockOutcome::Unavailable) => !super::tier_health::all_unavailable(blocks),
-            Some(BlockOutcome::Landed) | None => false,
+            Some(BlockOutcome::Unavailable) => !super::tier_health::tier_failed(blocks),
+            Some(BlockOutcome::Landed | BlockOutcome::Unreachable) | None => false,
         }
     }
 }

@@ -306,7 +306,7 @@ impl CacheManager {
         let Some(mut parent) = self.node_at(known, first) else { return 0 };
         let mut held = std::mem::take(&mut self.scratch_prefetch_path);
         held.clear();
-        let mut adopted = 0;
+        let mut adopted = Vec::new();
         for &hash in &known[first..] {
             if parent != NodeId::ROOT {
                 self.tree.update(parent, |node| node.hold());
@@ -320,14 +320,19 @@ impl CacheManager {
                 break;
             }
             let Some(id) = self.adopt_one(parent, hash) else { break };
-            adopted += 1;
+            adopted.push(id);
             parent = id;
         }
         for &id in &held {
             self.tree.update(id, |node| node.release());
         }
         self.scratch_prefetch_path = held;
-        adopted
+        // The chain's blocks first, then those waiting for them (a block dropped during an
+        // outage comes back from another service's copy).
+        for &id in &adopted {
+            self.adopt_orphans_under(id);
+        }
+        adopted.len()
     }
 
     /// Steps 1 and 2 of the module flow: walks `hashes` as far as the tree has them and starts

@@ -241,7 +241,12 @@ impl CacheManager {
         });
         if !landed && mode == StoreOut::Evict {
             // No copy left anywhere: the node leaves, with the storage-only nodes below it
-            // (unheld: a match stops at a node being stored).
+            // (unheld: a match stops at a node being stored). With the tier down (this STORE may
+            // have tripped the breaker), those the tier holds intact wait as orphans instead, as
+            // below a host victim dropped while it is down (`tier_health`).
+            if self.tier.is_down() {
+                self.orphan_stored_children(id);
+            }
             self.drop_subtree(id);
         }
     }
@@ -420,6 +425,8 @@ impl CacheManager {
         // it (a listing that leaves hot parents out, or names cached blocks again).
         let mut cached_by_hash: Option<std::collections::HashMap<BlockHash, NodeId>> = None;
         let mut adopted = 0;
+        // Adopted here, in order: the orphans waiting for them join after the listing's blocks.
+        let mut new_nodes = Vec::new();
         let capacity = self.config.storage_blocks as usize;
         for (hash, parent, depth) in blocks {
             let parent_id = if depth == 0 && parent == BlockHash(0) {
@@ -467,7 +474,11 @@ impl CacheManager {
             if let Some(id) = self.adopt_or_forget(parent_id, hash) {
                 by_hash.insert(hash, id);
                 adopted += 1;
+                new_nodes.push(id);
             }
+        }
+        for id in new_nodes {
+            self.adopt_orphans_under(id);
         }
         adopted
     }
@@ -480,6 +491,8 @@ impl CacheManager {
 
     /// Inserts storage-only node `hash` under `parent`, if it is not there, there is room, and
     /// `parent` may have storage-only children (the root, or a node that is not storage-only).
+    /// The blocks waiting for it as their parent are the caller's to adopt
+    /// ([`CacheManager::adopt_orphans_under`]).
     pub(super) fn adopt_one(&mut self, parent: NodeId, hash: BlockHash) -> Option<NodeId> {
         // Any node may have storage-only children but one whose write-back is in flight (it
         // may fail and leave the tree).
@@ -529,9 +542,14 @@ impl CacheManager {
         adopted
     }
 
-    /// Node `id` was just committed: the stored blocks waiting for it as their parent join the
-    /// tree under it, and theirs under them (those that cannot are forgotten).
+    /// Node `id` just joined the tree (committed, or adopted from the tier: a QUERY, a listing):
+    /// the stored blocks waiting for it as their parent join the tree under it, and theirs under
+    /// them (those that cannot are forgotten). Every way into the tree calls it, once the blocks
+    /// it brings in themselves have joined (so that none of them is forgotten here for room).
     pub(super) fn adopt_orphans_under(&mut self, id: NodeId) {
+        if self.orphans.is_empty() {
+            return;
+        }
         let mut stack = vec![id];
         while let Some(parent) = stack.pop() {
             let hash = self.tree.node(parent).hash();

@@ -6,17 +6,17 @@
 //! completion, and only its owner (the service, which owns time) brings it back up, after a
 //! probe that reached the tier on every rank.
 //!
-//! 1. The breaker trips on a failure of the tier, not of one block: a STORE or LOAD that a
-//!    worker could not get through to the tier for some block (a connection refused or dropped,
-//!    no answer in time: the whole command fails, `CommandError::StorageUnreachable`), whose
-//!    every block the tier failed for (`BlockOutcome::Unavailable`, an I/O error; not
-//!    `Missing`, an ordinary miss), or whose whole command the owner reports failed for the tier
-//!    (`CommandError::StorageMiss`; [`is_tier_failure`]) marks the tier down (counted once per
-//!    outage in `storage_outages`). A command where some blocks landed (or were missing) and
-//!    others came back unavailable shows a tier that answers: the unavailable blocks are a
-//!    per-block fault (one bad slot, one refused key), so a LOAD's are lost as missing ones are
-//!    ([`super::load_outcome`]) and a STORE's are not written, and the tier stays up. (A
-//!    one-block command cannot tell the two apart: it trips the breaker.)
+//! 1. The breaker trips on a failure of the tier, not of one block ([`tier_failed`]): a STORE
+//!    or LOAD with a block some rank could not reach the tier for (`BlockOutcome::Unreachable`:
+//!    a connection refused or dropped, no answer in time), whose every block the tier failed
+//!    for (`BlockOutcome::Unavailable`: an I/O error; not `Missing`, an ordinary miss), or whose
+//!    whole command the owner reports failed for the tier (`CommandError::StorageMiss`,
+//!    [`is_tier_failure`]), marks the tier down (counted once per outage in
+//!    `storage_outages`); none of its blocks is then taken as gone. A command where some blocks
+//!    landed (or were missing) and others came back unavailable shows a tier that answers: the
+//!    unavailable blocks are a per-block fault (one bad slot, one refused key), so a LOAD's are
+//!    lost as missing ones are ([`super::load_outcome`]) and a STORE's are not written, and the
+//!    tier stays up. (A one-block command cannot tell the two apart: it trips the breaker.)
 //! 2. The moment it goes down, the storage copies made but not yet handed out (the outbox, and
 //!    copies held back behind others) are settled as if the tier had answered "unavailable":
 //!    a LOAD's tickets end `Shortened`, a STORE's blocks are given back as a failed STORE's are.
@@ -31,8 +31,9 @@
 //!      (`storage_down_dropped_blocks`): the host block is needed now, and a STORE would only
 //!      fail. Its storage-only children the tier holds intact are not forgotten: they leave the
 //!      tree as orphans waiting for the dropped block to be cached again
-//!      ([`CacheManager::orphan_stored_children`]). A block the tier holds already becomes
-//!      storage-only as usual (metadata only, nothing is lost);
+//!      ([`CacheManager::orphan_stored_children`]); so do those of a block whose eviction STORE
+//!      failed as the tier went down. A block the tier holds already becomes storage-only as
+//!      usual (metadata only, nothing is lost);
 //!    - queued write-through STOREs are skipped (`storage_down_skipped_stores`);
 //!    - a prefetch does nothing (`storage_down_skipped_prefetches`): no LOAD, no QUERY;
 //!    - the service holds the FORGETs back until the tier is up.
@@ -59,32 +60,35 @@ impl TierHealth {
 }
 
 /// Whether a whole storage command failing with `error` says the tier failed (module flow,
-/// step 1): `StorageUnreachable`, a worker's STORE or LOAD that could not reach the tier for
-/// some block, and `StorageMiss`, the code an owner without per-block results reports for "the
-/// tier failed this command". A block's own fault comes back per block (failed bits,
-/// `Unavailable`), and the other whole-command errors say nothing of the tier: a refusal
-/// (`Malformed`, `UnknownOp`, `StaleGeneration`, an id out of range), a worker without a tier
-/// (`NoStorage`: a configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the
-/// service), an answer overtaken in the ring (`AnswerLost`) or a worker still setting up
-/// (`WorkerNotServing`, both synthesised by the transport), and `CopyFailed` only from a code
-/// this build does not know.
+/// step 1). A worker never fails a whole STORE or LOAD for its back-end: a back-end error, a
+/// timeout or an unreachable server comes back per block (failed bits, `Unavailable`). Its
+/// whole-command errors say something else: a refusal (`Malformed`, `UnknownOp`,
+/// `StaleGeneration`, an id out of range), a worker without a tier (`NoStorage`: a
+/// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), an
+/// answer overtaken in the ring (`AnswerLost`) or a worker still setting up (`WorkerNotServing`,
+/// both synthesised by the transport), and `CopyFailed` only from a code this build does not
+/// know. So only `StorageMiss`, the code an
+/// owner without per-block results reports for "the tier failed this command", trips it.
 pub(super) fn is_tier_failure(error: CommandError) -> bool {
-    matches!(error, CommandError::StorageMiss | CommandError::StorageUnreachable)
+    error == CommandError::StorageMiss
 }
 
-/// Whether storage copy outcome `outcome` says the tier failed (module flow, step 1): every
-/// block unavailable, or a whole command that failed for the tier; not some blocks.
+/// Whether storage copy outcome `outcome` says the tier failed (module flow, step 1): a block a
+/// rank could not reach the tier for, every block unavailable, or a whole command that failed
+/// for the tier; not some blocks unavailable.
 pub(super) fn outcome_trips_breaker(outcome: &LoadOutcome<'_>) -> bool {
     match outcome {
         LoadOutcome::AllLanded => false,
-        LoadOutcome::Blocks(blocks) => all_unavailable(blocks),
+        LoadOutcome::Blocks(blocks) => tier_failed(blocks),
         LoadOutcome::Unavailable(failure) => is_tier_failure(failure.error),
     }
 }
 
-/// Whether every block of a per-block outcome came back unavailable (and there is one).
-pub(super) fn all_unavailable(blocks: &[BlockOutcome]) -> bool {
-    !blocks.is_empty() && blocks.iter().all(|&block| block == BlockOutcome::Unavailable)
+/// Whether a per-block outcome says the tier failed: some block unreachable, or every block
+/// unavailable (and there is one).
+pub(super) fn tier_failed(blocks: &[BlockOutcome]) -> bool {
+    blocks.contains(&BlockOutcome::Unreachable)
+        || (!blocks.is_empty() && blocks.iter().all(|&block| block == BlockOutcome::Unavailable))
 }
 
 /// What a storage copy settled without running because the tier went down reports: a whole
@@ -171,8 +175,8 @@ impl CacheManager {
         std::mem::replace(&mut self.tier.down, false)
     }
 
-    /// Host-only `victim`, evicted while the tier is down, is about to leave the tree (module
-    /// flow, step 3): the storage-only nodes below it that the tier holds intact leave with it
+    /// Host-only `victim`, evicted while the tier is down (or whose eviction STORE failed with
+    /// the tier down), is about to leave the tree (module flow, step 3): the storage-only nodes below it that the tier holds intact leave with it
     /// (nothing hangs below a node that is gone) but are not forgotten: they wait as orphans
     /// for `victim`'s block to be committed again, and join the tree under it then
     /// (`adopt_orphans_under`), or expire as restart orphans do (`forget`). Like those they are

@@ -80,10 +80,18 @@ impl Service {
                     first,
                     entries,
                     results,
+                    unreachable,
                 } => {
-                    self.record_storage_results(id, first, entries, results);
+                    self.record_storage_results(id, first, entries, results, unreachable);
                 }
-                Event::StorageAnswered { job: ServiceJob::Meta(id), first, entries, results } => {
+                // A QUERY's or FORGET's failed entries are failed whatever the cause.
+                Event::StorageAnswered {
+                    job: ServiceJob::Meta(id),
+                    first,
+                    entries,
+                    results,
+                    ..
+                } => {
                     let given_up = self.meta.note_answer(id, first, entries, results);
                     self.stats.storage_forgets_dropped += given_up as u64;
                 }
@@ -100,13 +108,16 @@ impl Service {
 
     /// Applies the result bits of one rank's storage command to its transfer's blocks: a block
     /// the rank did not report done missed (per block, not a failure of the command): it is
-    /// missing, or unavailable when the rank says its tier failed.
+    /// missing; or, when the rank says its tier failed for it, unreachable if the rank could not
+    /// reach the tier (`unreachable`), else unavailable. Over the ranks, missing wins, then
+    /// unreachable.
     fn record_storage_results(
         &mut self,
         transfer: TransferId,
         first: usize,
         entries: usize,
         results: StorageResults,
+        unreachable: bool,
     ) {
         let Some(landed) = self.storage_landed.get_mut(&transfer) else { return };
         for (entry, outcome) in landed.iter_mut().skip(first).take(entries).enumerate() {
@@ -114,29 +125,21 @@ impl Service {
                 continue;
             }
             self.stats.storage_misses += 1;
-            *outcome = match (*outcome, results.is_failed(entry)) {
-                (BlockOutcome::Missing, _) | (_, false) => BlockOutcome::Missing,
-                (_, true) => BlockOutcome::Unavailable,
+            *outcome = match (*outcome, results.is_failed(entry), unreachable) {
+                (BlockOutcome::Missing, ..) | (_, false, _) => BlockOutcome::Missing,
+                (BlockOutcome::Unreachable, ..) | (_, true, true) => BlockOutcome::Unreachable,
+                (_, true, false) => BlockOutcome::Unavailable,
             };
         }
     }
 
     /// Hands a transfer's outcome to the manager.
     fn settle(&mut self, transfer: TransferId, outcome: Result<(), TransferFailure>) {
-        let landed = self.storage_landed.remove(&transfer);
-        match (&outcome, &landed) {
-            (Ok(()), _) => {}
-            // The tier failed, not the copy: each of its blocks missed, and the manager's
-            // breaker reports the outage once.
-            (Err(failure), Some(blocks)) if failure.error == CommandError::StorageUnreachable => {
-                self.stats.storage_misses += blocks.len() as u64;
-            }
-            (Err(failure), _) => {
-                self.stats.copy_failures += 1;
-                warn!(transfer = transfer.0, %failure, "copy failed; rolling back");
-            }
+        if let Err(failure) = &outcome {
+            self.stats.copy_failures += 1;
+            warn!(transfer = transfer.0, %failure, "copy failed; rolling back");
         }
-        let completed = match landed {
+        let completed = match self.storage_landed.remove(&transfer) {
             Some(landed) => self
                 .manager
                 .complete_storage_transfer(transfer, outcome.map(|()| Some(landed.as_slice()))),

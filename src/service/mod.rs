@@ -142,8 +142,7 @@ pub struct ServiceStats {
     /// failed unsent.
     pub setup_waits_failed: u64,
     /// Blocks of storage commands (STORE, LOAD) that a rank reported missed (missing, damaged,
-    /// or not written), counted once per rank and command; every block of a copy a rank could
-    /// not get through to the tier for (`StorageUnreachable`), once.
+    /// or not written), counted once per rank and command.
     pub storage_misses: u64,
     /// Blocks sent in FORGET commands (to the ranks with a worker), FORGET commands that failed
     /// on some rank (sent once more), and blocks given up: a second failure, or past a

@@ -45,7 +45,9 @@ use kvshm_ipc::record::{
     PAIRS_PER_SLOT,
 };
 use kvshm_ipc::ring::RingError;
-use kvshm_ipc::storage_record::{storage_pair_count, StorageEntry, StorageResults};
+use kvshm_ipc::storage_record::{
+    storage_pair_count, tier_unreachable, StorageEntry, StorageResults,
+};
 use kvshm_ipc::worker_watch::WorkerWatch;
 use tracing::warn;
 
@@ -99,8 +101,16 @@ pub enum Issuer<J> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event<J> {
     /// A storage command of `job` succeeded on one rank: `results` of its entries
-    /// `first..first + entries` (a block a rank did not report done missed there).
-    StorageAnswered { job: J, first: usize, entries: usize, results: StorageResults },
+    /// `first..first + entries` (a block a rank did not report done missed there), and whether
+    /// the rank could not reach the tier for some of them (`unreachable`: its failed entries
+    /// failed for the tier, not for the blocks).
+    StorageAnswered {
+        job: J,
+        first: usize,
+        entries: usize,
+        results: StorageResults,
+        unreachable: bool,
+    },
     /// Every command of `job` ended on every rank: success, or the first failure (a dead worker's
     /// commands fail with `WorkerDied`, once no process of it can touch the job's blocks).
     Ended { job: J, outcome: Result<(), RankFailure> },
@@ -502,7 +512,8 @@ impl<J: Job> Transport<J> {
         let storage = self.storage_commands.remove(&(index, completion.command_id));
         if let (Some((job, first, entries)), true) = (storage, completion.is_ok()) {
             let results = StorageResults::from_detail(completion.detail).masked(entries);
-            self.events.push(Event::StorageAnswered { job, first, entries, results });
+            let unreachable = tier_unreachable(completion);
+            self.events.push(Event::StorageAnswered { job, first, entries, results, unreachable });
         }
         match self.tracker.complete(index, completion) {
             Ok(ended) => {

@@ -17,9 +17,9 @@
 //! 3. the storage thread takes the jobs in queue order: it heartbeats (a rank lost to the
 //!    scheduler ends the process at once, as during a copy), runs the command on the back-end
 //!    over the host blocks' memory, adds the outcomes to the segment's storage counters, and
-//!    pushes the completion (its `detail` the per-entry [`StorageResults`]; a STORE or LOAD that
-//!    could not reach the tier for some block fails whole, `StorageUnreachable`) through the
-//!    shared [`CompletionSink`], ringing the scheduler's doorbell;
+//!    pushes the completion (its `detail` the per-entry [`StorageResults`], flagged when the
+//!    tier could not be reached for some block of a STORE or LOAD) through the shared
+//!    [`CompletionSink`], ringing the scheduler's doorbell;
 //! 4. when the loop ends the queue closes, and the thread answers every queued job and syncs the
 //!    back-end before it exits, so every command popped from the ring is answered; the worker's
 //!    main thread heartbeats meanwhile ([`StorageLane::close`]), however long one job takes. A
@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use kvshm_ipc::counters::{Counter, Counters};
 use kvshm_ipc::record::{BlockPair, CommandError, CommandHeader, Completion, Op};
 use kvshm_ipc::segment::{RankClaim, Segment};
-use kvshm_ipc::storage_record::StorageResults;
+use kvshm_ipc::storage_record::{storage_answer, StorageResults};
 use kvshm_ipc::worker_slot::{ClaimLost, HEARTBEAT_INTERVAL};
 
 use super::completion_sink::CompletionSink;
@@ -363,18 +363,13 @@ struct Ran {
 }
 
 impl Ran {
-    /// The command's answer: its results, or, when the tier could not be reached, a failure of
-    /// the whole command (`StorageUnreachable`, the results in `detail`): the scheduler then
-    /// takes the tier as failing and trusts none of the command's blocks, where per-entry
-    /// results mixing landed blocks with failed ones would say one bad block and drop it.
+    /// The command's answer: its results, flagged when the tier could not be reached
+    /// ([`TIER_UNREACHABLE`](kvshm_ipc::storage_record::TIER_UNREACHABLE)). Without the flag,
+    /// results that mix landed blocks with failed ones say one bad block, which the scheduler
+    /// drops while the tier stays up; with it, the tier is failing and the failed blocks may
+    /// still be there.
     fn completion(self, id: u64, generation: u64) -> Completion {
-        let detail = self.results.to_detail();
-        if self.unreachable {
-            return Completion::failed(id, generation, CommandError::StorageUnreachable, detail);
-        }
-        let mut completion = Completion::ok(id, generation);
-        completion.detail = detail;
-        completion
+        storage_answer(id, generation, self.results, self.unreachable)
     }
 }
 
@@ -513,13 +508,13 @@ impl Runner {
 mod tests {
     use super::*;
 
-    /// A STORE or LOAD that could not reach the tier for one block fails whole, however many of
-    /// its other blocks landed: per-entry bits mixing landed and failed blocks would tell the
+    /// A STORE or LOAD that could not reach the tier for one block is flagged so, however many
+    /// of its other blocks landed: per-entry bits mixing landed and failed blocks would tell the
     /// scheduler of one bad block, which it drops, where the tier was failing (a part of a Redis
     /// pipeline timed out, a connection dropped). A block's own fault (an I/O error on one slot,
-    /// a full tier, a corrupt or absent record) keeps the per-entry answer.
+    /// a full tier, a corrupt or absent record) is not.
     #[test]
-    fn an_unreachable_tier_fails_the_whole_command_and_a_bad_block_does_not() {
+    fn an_unreachable_tier_is_flagged_and_a_bad_block_is_not() {
         let io = || Failure::Io("EIO".into());
         assert!(put_unreachable(&Err(Failure::Timeout)));
         assert!(put_unreachable(&Err(Failure::Unavailable)));
@@ -534,13 +529,11 @@ mod tests {
         let mut results = StorageResults::default();
         results.set(0, true, false);
         results.set(1, false, true);
-        let failed = Ran { results, unreachable: true }.completion(7, 3);
-        assert!(!failed.is_ok());
-        assert_eq!(CommandError::from_wire(failed.error), Some(CommandError::StorageUnreachable));
-        assert_eq!((failed.command_id, failed.generation), (7, 3));
-        assert_eq!(StorageResults::from_detail(failed.detail), results);
-        let answered = Ran { results, unreachable: false }.completion(7, 3);
-        assert!(answered.is_ok());
-        assert_eq!(StorageResults::from_detail(answered.detail), results);
+        for unreachable in [false, true] {
+            let answer = Ran { results, unreachable }.completion(7, 3);
+            assert!(answer.is_ok());
+            assert_eq!(StorageResults::from_detail(answer.detail), results);
+            assert_eq!(kvshm_ipc::storage_record::tier_unreachable(&answer), unreachable);
+        }
     }
 }

@@ -416,8 +416,8 @@ impl Engine {
 
     /// Completes a STORE or LOAD block by block: a whole command fails when `fails` (every
     /// block unavailable), else each block lands unless the tier lost it (LOAD: missing) or,
-    /// one time in ten, misses on its own (a damaged record or a full tier: missing; a tier
-    /// that timed out: unavailable).
+    /// about one time in seven, misses on its own (a damaged record or a full tier: missing; an
+    /// I/O error: unavailable; a tier that timed out: unreachable).
     fn complete_storage_copy(&mut self, copy: Transfer, fails: bool) {
         let mut outcomes = Vec::with_capacity(copy.pairs.len());
         for (pair, block) in copy.pairs.iter().zip(&copy.blocks) {
@@ -425,6 +425,7 @@ impl Engine {
             let mut outcome = match self.rng.below(20) {
                 0 => BlockOutcome::Missing,
                 1 => BlockOutcome::Unavailable,
+                2 => BlockOutcome::Unreachable,
                 _ => BlockOutcome::Landed,
             };
             match copy.kind {

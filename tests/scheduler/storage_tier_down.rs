@@ -4,7 +4,7 @@
 //! and nothing is dropped from the cache; its owner brings it back up (after a probe).
 
 use kvshm::hash::BlockHash;
-use kvshm::manager::BlockOutcome::{Landed, Missing, Unavailable};
+use kvshm::manager::BlockOutcome::{Landed, Missing, Unavailable, Unreachable};
 use kvshm::manager::{
     CacheConfig, CacheManager, RequestId, StorageWritePolicy, TicketStatus, Transfer,
     TransferFailure, TransferKind,
@@ -12,8 +12,8 @@ use kvshm::manager::{
 use kvshm_ipc::record::CommandError;
 
 use crate::support::scheduler::{
-    check, complete_all, four_blocks_on_storage, hashes, manager, prompt_hitting, push_to_storage,
-    serve, three_small_tiers, BLOCK_TOKENS,
+    check, complete_all, complete_all_but, four_blocks_on_storage, hashes, manager, prompt_hitting,
+    push_to_storage, serve, three_small_tiers, BLOCK_TOKENS,
 };
 
 /// Matches `blocks` as request `id` and allocates; returns how many storage hits it matched.
@@ -130,7 +130,6 @@ fn a_whole_command_failure_marks_the_tier_down_only_when_the_tier_failed() {
         // A worker never sends it for a storage command: only a code this build does not know.
         (CommandError::CopyFailed, false),
         (CommandError::StorageMiss, true),
-        (CommandError::StorageUnreachable, true),
     ] {
         let mut cache = three_small_tiers();
         let first = four_blocks_on_storage(&mut cache);
@@ -546,4 +545,92 @@ fn a_store_with_one_unavailable_block_among_written_ones_leaves_the_tier_up() {
     assert!(!cache.storage_tier_down(), "one bad block marks the tier down");
     assert_eq!(cache.storage_used_blocks(), used - 1, "the unavailable block is given back");
     assert_eq!(cache.stats().counters.store_failed_blocks, 1);
+}
+
+// A block some rank could not reach the tier for (a Redis part that timed out or lost its
+// connection) says the tier is failing, whatever the rest of the command met: the tier goes
+// down, the blocks that landed land, and the unreachable one is kept (it may still be there),
+// not dropped as one bad block is.
+#[test]
+fn a_load_with_one_unreachable_block_takes_the_tier_down_and_drops_nothing() {
+    let mut cache = three_small_tiers();
+    let first = four_blocks_on_storage(&mut cache);
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
+    let loads = loads(&mut cache);
+    assert_eq!(loads.len(), 1);
+    cache
+        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Unreachable, Landed, Landed])))
+        .unwrap();
+    check(&cache);
+    assert!(cache.storage_tier_down());
+    assert_eq!(cache.stats().counters.storage_outages, 1);
+    complete_all(&mut cache);
+    cache.abort(RequestId(2)).unwrap();
+    check(&cache);
+    let cached = cache.cached_prefix(&first);
+    assert_eq!((cached.blocks(), cached.storage_blocks), (4, 3), "the landed block and the rest");
+    cache.take_forgotten_blocks(&mut forgotten);
+    assert!(first.iter().all(|hash| !forgotten.contains(hash)), "{forgotten:?}");
+}
+
+// A write-back STORE of a host-only parent whose blocks some rank could not reach the tier for
+// takes the tier down; the parent leaves (no copy is left of it), but the storage-only children
+// the tier holds intact wait as orphans, as below a host victim dropped while the tier is down,
+// instead of being forgotten with it.
+#[test]
+fn an_eviction_store_the_tier_could_not_be_reached_for_keeps_the_stored_blocks_below_it() {
+    let mut cache = three_small_tiers();
+    let first = hashes(&[1, 2, 3, 4]);
+    serve(&mut cache, 1, &first);
+    let mut round = 0u128;
+    loop {
+        let found = cache.cached_prefix(&first);
+        if found.storage_blocks > 0 && found.host_blocks > 0 && found.device_blocks == 0 {
+            break;
+        }
+        round += 1;
+        assert!(round < 40, "set-up: never half on host, half on storage: {found:?}");
+        let base = 1000 + 10 * round;
+        serve(&mut cache, 1000 + round as u64, &hashes(&[base, base + 1]));
+    }
+    let host_part = first[..cache.cached_prefix(&first).host_blocks].to_vec();
+    let on_storage = first[host_part.len()..].to_vec();
+    let mut forgotten = Vec::new();
+    cache.take_forgotten_blocks(&mut forgotten);
+    // Host pressure, the tier up: the host part is written back, and that STORE comes back
+    // unreachable.
+    let writes_host_part = |transfer: &Transfer| {
+        transfer.kind == TransferKind::HostToStorage
+            && transfer.blocks.iter().any(|block| host_part.contains(&block.hash))
+    };
+    let mut failed = 0;
+    for round in 0..6u128 {
+        let base = 5000 + 10 * round;
+        let blocks = hashes(&[base, base + 1, base + 2, base + 3]);
+        let (request, prompt) = (RequestId(5000 + round as u64), 4 * BLOCK_TOKENS as usize);
+        cache.match_prefix(request, &blocks, prompt).unwrap();
+        cache.allocate(request, prompt, 0).unwrap();
+        for store in complete_all_but(&mut cache, writes_host_part) {
+            let outcomes = vec![Unreachable; store.pairs.len()];
+            cache.complete_storage_transfer(store.id, Ok(Some(&outcomes))).unwrap();
+            failed += 1;
+        }
+        complete_all(&mut cache);
+        cache.commit(request, prompt, &blocks).unwrap();
+        cache.finish(request).unwrap();
+        check(&cache);
+        if failed > 0 {
+            break;
+        }
+    }
+    assert!(failed > 0, "set-up: the host part was never written back");
+    assert!(cache.storage_tier_down());
+    assert_eq!(cache.cached_prefix(&first).blocks(), 0, "the parent has no copy left");
+    forgotten.clear();
+    cache.take_forgotten_blocks(&mut forgotten);
+    let lost: Vec<&BlockHash> = on_storage.iter().filter(|hash| forgotten.contains(hash)).collect();
+    assert!(lost.is_empty(), "blocks the tier holds intact are forgotten: {lost:?}");
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), on_storage.len());
 }

@@ -178,13 +178,13 @@ impl<'a> RankDriver<'a> {
 
     /// Sends one storage command and waits for its completion, which must be OK; its results.
     pub fn storage(&mut self, op: Op, entries: &[StorageEntry]) -> StorageResults {
-        let completion = self.storage_answer(op, entries);
+        let completion = self.storage_completion(op, entries);
         assert!(completion.is_ok(), "{op:?} failed: {completion:?}");
         StorageResults::from_detail(completion.detail)
     }
 
     /// Sends one storage command and waits for its answer, failed or not.
-    pub fn storage_answer(&mut self, op: Op, entries: &[StorageEntry]) -> Completion {
+    pub fn storage_completion(&mut self, op: Op, entries: &[StorageEntry]) -> Completion {
         let header = self.send_storage(op, entries);
         let completion = self.completions(1)[0];
         assert_eq!(completion.command_id, header.command_id);

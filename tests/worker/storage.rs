@@ -13,7 +13,8 @@ use kvshm_ipc::counters::Counter;
 use kvshm_ipc::record::{CommandError, CommandSlot, Op};
 use kvshm_ipc::segment::Segment;
 use kvshm_ipc::storage_record::{
-    storage_pair_count, StorageEntry, StorageResults, MAX_STORAGE_ENTRIES, NO_HOST_BLOCK,
+    storage_pair_count, tier_unreachable, StorageEntry, StorageResults, MAX_STORAGE_ENTRIES,
+    NO_HOST_BLOCK,
 };
 use kvshm_ipc::worker_slot::RankStatus;
 
@@ -325,14 +326,10 @@ fn redis_stopped_mid_run_gives_counted_misses_and_the_worker_recovers_when_it_re
     assert_eq!(rank.storage(Op::StorageStore, &[entry(1, 0)]), all_done(1));
 
     server.kill();
-    // A failed tier, not an absent block: the whole command fails, its results for the record.
+    // A failed tier, not an absent block, and one the worker could not reach.
     for (op, entries) in [(Op::StorageLoad, [entry(1, 5)]), (Op::StorageStore, [entry(1, 0)])] {
-        let answer = rank.storage_answer(op, &entries);
-        assert_eq!(
-            CommandError::from_wire(answer.error),
-            Some(CommandError::StorageUnreachable),
-            "{op:?}: {answer:?}"
-        );
+        let answer = rank.storage_completion(op, &entries);
+        assert!(tier_unreachable(&answer), "{op:?}: {answer:?}");
         assert_eq!(
             StorageResults::from_detail(answer.detail),
             StorageResults { done: 0, failed: 1 }
@@ -349,8 +346,7 @@ fn redis_stopped_mid_run_gives_counted_misses_and_the_worker_recovers_when_it_re
     server.restart();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let answer = rank.storage_answer(Op::StorageStore, &[entry(1, 0)]);
-        if answer.is_ok() && StorageResults::from_detail(answer.detail) == all_done(1) {
+        if rank.storage(Op::StorageStore, &[entry(1, 0)]) == all_done(1) {
             break;
         }
         assert!(Instant::now() < deadline, "the worker never reconnected");
@@ -384,7 +380,7 @@ fn a_slow_storage_tier_does_not_hold_up_copies_and_a_flush_waits_for_it() {
     let rest = rank.completions(2);
     let rest_after = sent.elapsed();
     assert_eq!(rest[0].command_id, load.command_id);
-    assert_eq!(CommandError::from_wire(rest[0].error), Some(CommandError::StorageUnreachable));
+    assert!(tier_unreachable(&rest[0]), "timed out: {:?}", rest[0]);
     assert_eq!(StorageResults::from_detail(rest[0].detail), StorageResults { done: 0, failed: 1 });
     assert_eq!(rest[1].command_id, flush.command_id, "the flush did not wait for the load");
     let counters = segment.counters();
