@@ -91,8 +91,9 @@ impl CacheManager {
 
     /// Applies the outcome of storage copy `id` (a STORE or a LOAD), block by block:
     /// `Ok(Some(blocks))` with one [`BlockOutcome`] per pair, in the order of the copy's pairs,
-    /// `Ok(None)` when every block landed, `Err` when the whole command failed (the tier
-    /// unreachable, a timeout, a worker error: every block unavailable, none known to be gone).
+    /// `Ok(None)` when every block landed, `Err` when the whole command failed (a worker error,
+    /// a dead worker, a whole command its owner reports failed for the tier: every block
+    /// unavailable, none known to be gone).
     /// A STORE keeps the blocks that landed; a LOAD's misses shorten the hits of the requests
     /// waiting on it, never fail them (see [`super::load_outcome`]). An id
     /// [`CacheManager::complete_transfer`] refuses, or a copy that is not a storage copy, is an

@@ -51,7 +51,7 @@ pub enum BlockOutcome {
     /// still be there, or this one block may be bad (see [`LoadOutcome::gone`]).
     Unavailable,
     /// A rank could not reach the tier for it (a connection refused or dropped, no answer in
-    /// time) and no rank found it missing: the tier is failing, and the block may still be
+    /// time), whatever the others found: the tier is failing, and the block may still be
     /// there.
     Unreachable,
 }

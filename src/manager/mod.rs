@@ -106,7 +106,7 @@ pub struct CacheManager {
     /// them once unheld.
     unloadable: Vec<(NodeId, crate::hash::BlockHash)>,
     /// Blocks the storage tier holds whose parent is not cached, by parent hash: (hash, depth).
-    /// They join the tree under their parent when it is committed (`adopt_stored_blocks`).
+    /// They join the tree under their parent when it joins (`adopt_orphans_under`).
     orphans: std::collections::HashMap<crate::hash::BlockHash, Vec<(crate::hash::BlockHash, u32)>>,
     /// The blocks in `orphans`.
     orphan_count: usize,

@@ -409,7 +409,7 @@ impl CacheManager {
     /// parents before children. A first block (depth 0, parent 0) hangs under the root, a block
     /// whose parent is cached (named before it, or in the tree already) under its parent (if
     /// that parent may have storage-only children);
-    /// a block whose parent is not cached waits, and joins the tree when its parent is committed
+    /// a block whose parent is not cached waits, and joins the tree when its parent does
     /// (a prompt's first blocks are usually hot and never reach storage), or is given up once
     /// as many blocks as the tier holds were committed without its parent. Blocks already cached
     /// (found under their parent: the root, or a block of `blocks` before them) are left alone;
@@ -478,7 +478,7 @@ impl CacheManager {
             }
         }
         for id in new_nodes {
-            self.adopt_orphans_under(id);
+            adopted += self.adopt_orphans_under(id);
         }
         adopted
     }
@@ -546,11 +546,12 @@ impl CacheManager {
     /// the stored blocks waiting for it as their parent join the tree under it, and theirs under
     /// them (those that cannot are forgotten). Every way into the tree calls it, once the blocks
     /// it brings in themselves have joined (so that none of them is forgotten here for room).
-    pub(super) fn adopt_orphans_under(&mut self, id: NodeId) {
+    /// Returns how many joined.
+    pub(super) fn adopt_orphans_under(&mut self, id: NodeId) -> usize {
         if self.orphans.is_empty() {
-            return;
+            return 0;
         }
-        let mut stack = vec![id];
+        let (mut stack, mut adopted) = (vec![id], 0);
         while let Some(parent) = stack.pop() {
             let hash = self.tree.node(parent).hash();
             let Some(children) = self.orphans.remove(&hash) else { continue };
@@ -558,8 +559,10 @@ impl CacheManager {
             for (child, _depth) in children {
                 if let Some(child) = self.adopt_or_forget(parent, child) {
                     stack.push(child);
+                    adopted += 1;
                 }
             }
         }
+        adopted
     }
 }

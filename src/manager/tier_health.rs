@@ -13,10 +13,11 @@
 //!    whole command the owner reports failed for the tier (`CommandError::StorageMiss`,
 //!    [`is_tier_failure`]), marks the tier down (counted once per outage in
 //!    `storage_outages`); none of its blocks is then taken as gone. A command where some blocks
-//!    landed (or were missing) and others came back unavailable shows a tier that answers: the
-//!    unavailable blocks are a per-block fault (one bad slot, one refused key), so a LOAD's are
-//!    lost as missing ones are ([`super::load_outcome`]) and a STORE's are not written, and the
-//!    tier stays up. (A one-block command cannot tell the two apart: it trips the breaker.)
+//!    landed (or were missing) and others came back unavailable, none unreachable, shows a tier
+//!    that answers: the unavailable blocks are a per-block fault (one bad slot, one refused
+//!    key), so a LOAD's are lost as missing ones are ([`super::load_outcome`]) and a STORE's are
+//!    not written, and the tier stays up. (A one-block command cannot tell the two apart: it
+//!    trips the breaker.)
 //! 2. The moment it goes down, the storage copies made but not yet handed out (the outbox, and
 //!    copies held back behind others) are settled as if the tier had answered "unavailable":
 //!    a LOAD's tickets end `Shortened`, a STORE's blocks are given back as a failed STORE's are.
@@ -178,8 +179,8 @@ impl CacheManager {
     /// Host-only `victim`, evicted while the tier is down (or whose eviction STORE failed with
     /// the tier down), is about to leave the tree (module flow, step 3): the storage-only nodes below it that the tier holds intact leave with it
     /// (nothing hangs below a node that is gone) but are not forgotten: they wait as orphans
-    /// for `victim`'s block to be committed again, and join the tree under it then
-    /// (`adopt_orphans_under`), or expire as restart orphans do (`forget`). Like those they are
+    /// for `victim`'s block to join the tree again (committed, or adopted from the tier), and
+    /// join it under that block then (`adopt_orphans_under`), or expire as restart orphans do (`forget`). Like those they are
     /// not counted against the tier's room meanwhile. A node below with a copy in flight, and
     /// everything past the orphans' cap (the tier's capacity), is dropped as before.
     pub(super) fn orphan_stored_children(&mut self, victim: NodeId) {

@@ -109,8 +109,9 @@ impl Service {
     /// Applies the result bits of one rank's storage command to its transfer's blocks: a block
     /// the rank did not report done missed (per block, not a failure of the command): it is
     /// missing; or, when the rank says its tier failed for it, unreachable if the rank could not
-    /// reach the tier (`unreachable`), else unavailable. Over the ranks, missing wins, then
-    /// unreachable.
+    /// reach the tier (`unreachable`), else unavailable. Over the ranks, unreachable wins, then
+    /// missing: a rank that could not reach the tier must trip the breaker whatever another
+    /// found (a block kept so and missing is dropped at its next LOAD).
     fn record_storage_results(
         &mut self,
         transfer: TransferId,
@@ -126,8 +127,8 @@ impl Service {
             }
             self.stats.storage_misses += 1;
             *outcome = match (*outcome, results.is_failed(entry), unreachable) {
-                (BlockOutcome::Missing, ..) | (_, false, _) => BlockOutcome::Missing,
                 (BlockOutcome::Unreachable, ..) | (_, true, true) => BlockOutcome::Unreachable,
+                (BlockOutcome::Missing, ..) | (_, false, _) => BlockOutcome::Missing,
                 (_, true, false) => BlockOutcome::Unavailable,
             };
         }

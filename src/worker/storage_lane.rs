@@ -505,35 +505,4 @@ impl Runner {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A STORE or LOAD that could not reach the tier for one block is flagged so, however many
-    /// of its other blocks landed: per-entry bits mixing landed and failed blocks would tell the
-    /// scheduler of one bad block, which it drops, where the tier was failing (a part of a Redis
-    /// pipeline timed out, a connection dropped). A block's own fault (an I/O error on one slot,
-    /// a full tier, a corrupt or absent record) is not.
-    #[test]
-    fn an_unreachable_tier_is_flagged_and_a_bad_block_is_not() {
-        let io = || Failure::Io("EIO".into());
-        assert!(put_unreachable(&Err(Failure::Timeout)));
-        assert!(put_unreachable(&Err(Failure::Unavailable)));
-        assert!(!put_unreachable(&Err(Failure::NoSpace)) && !put_unreachable(&Err(io())));
-        assert!(!put_unreachable(&Ok(())));
-        assert!(get_unreachable(&Err(GetMiss::Failed(Failure::Timeout))));
-        assert!(get_unreachable(&Err(GetMiss::Failed(Failure::Unavailable))));
-        for miss in [GetMiss::Absent, GetMiss::Corrupt, GetMiss::Failed(io())] {
-            assert!(!get_unreachable(&Err(miss)));
-        }
-
-        let mut results = StorageResults::default();
-        results.set(0, true, false);
-        results.set(1, false, true);
-        for unreachable in [false, true] {
-            let answer = Ran { results, unreachable }.completion(7, 3);
-            assert!(answer.is_ok());
-            assert_eq!(StorageResults::from_detail(answer.detail), results);
-            assert_eq!(kvshm_ipc::storage_record::tier_unreachable(&answer), unreachable);
-        }
-    }
-}
+mod tests;

@@ -291,6 +291,35 @@ fn a_waiting_stored_block_a_query_adopts_waits_no_more_and_never_expires() {
     assert_eq!(cache.stats().counters.expired_orphans, 0);
 }
 
+/// A stored block waits for its parent, and the parent comes back from the tier rather than from
+/// a commit (a QUERY finds another service's copy; a listing names it later): the block joins
+/// the tree under it then, as it does under a committed parent. Before, it kept waiting while
+/// its parent was cached, and a commit of the prompt past the parent (a hit on it) inserted it
+/// again as new: the tier then counted it twice, and its expiry forgot a block the tree counts.
+#[test]
+fn a_stored_block_waiting_for_its_parent_joins_when_a_query_or_a_listing_brings_the_parent() {
+    let prompt = hashes(&[1, 2, 3]);
+    // A QUERY of the parent alone (block 3 waits below block 2, not queried).
+    let mut cache = three_tiny_tiers();
+    assert_eq!(cache.adopt_stored_blocks([(prompt[2], prompt[1], 2)]), 0);
+    let ticket = cache.prefetch(&prompt[..2]).unwrap().expect("a query past the tree");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
+    complete_loads(&mut cache, true);
+    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    assert_eq!(cache.cached_prefix(&prompt).blocks(), 3, "{:?}", cache.cached_prefix(&prompt));
+    check(&cache);
+    // A listing that names the child before its parent.
+    let mut cache = three_tiny_tiers();
+    let listing = [(prompt[1], prompt[0], 1), (prompt[0], BlockHash(0), 0)];
+    assert_eq!(cache.adopt_stored_blocks(listing), 2, "both joined");
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
+    assert_eq!(cache.cached_prefix(&prompt).storage_blocks, 2);
+    check(&cache);
+}
+
 /// The node of `blocks` (a chain from block 0).
 fn node_of(cache: &CacheManager, blocks: &[BlockHash]) -> NodeId {
     blocks.iter().fold(NodeId::ROOT, |parent, &hash| {

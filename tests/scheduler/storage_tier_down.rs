@@ -575,10 +575,11 @@ fn a_load_with_one_unreachable_block_takes_the_tier_down_and_drops_nothing() {
     assert!(first.iter().all(|hash| !forgotten.contains(hash)), "{forgotten:?}");
 }
 
-// A write-back STORE of a host-only parent whose blocks some rank could not reach the tier for
-// takes the tier down; the parent leaves (no copy is left of it), but the storage-only children
-// the tier holds intact wait as orphans, as below a host victim dropped while the tier is down,
-// instead of being forgotten with it.
+// A write-back STORE of a host-only chain whose first block some rank could not reach the tier
+// for takes the tier down; that block leaves (no copy is left of it), but the blocks below it
+// the tier holds intact (those stored before, and those of the same STORE that landed) wait as
+// orphans, as below a host victim dropped while the tier is down, instead of being forgotten
+// with it.
 #[test]
 fn an_eviction_store_the_tier_could_not_be_reached_for_keeps_the_stored_blocks_below_it() {
     let mut cache = three_small_tiers();
@@ -613,9 +614,17 @@ fn an_eviction_store_the_tier_could_not_be_reached_for_keeps_the_stored_blocks_b
         cache.match_prefix(request, &blocks, prompt).unwrap();
         cache.allocate(request, prompt, 0).unwrap();
         for store in complete_all_but(&mut cache, writes_host_part) {
-            let outcomes = vec![Unreachable; store.pairs.len()];
+            // The chain's first block unreachable; the rest of the STORE (the host part's other
+            // blocks, other prompts' blocks) lands.
+            let outcomes: Vec<_> = store
+                .blocks
+                .iter()
+                .map(|block| if block.hash == first[0] { Unreachable } else { Landed })
+                .collect();
+            assert!(outcomes.len() >= 2, "set-up: a STORE of one block: {store:?}");
+            let written = store.blocks.iter().filter(|block| host_part.contains(&block.hash));
+            failed += written.count();
             cache.complete_storage_transfer(store.id, Ok(Some(&outcomes))).unwrap();
-            failed += 1;
         }
         complete_all(&mut cache);
         cache.commit(request, prompt, &blocks).unwrap();
@@ -625,12 +634,14 @@ fn an_eviction_store_the_tier_could_not_be_reached_for_keeps_the_stored_blocks_b
             break;
         }
     }
-    assert!(failed > 0, "set-up: the host part was never written back");
+    assert_eq!(failed, host_part.len(), "set-up: the host part was not written back at once");
     assert!(cache.storage_tier_down());
-    assert_eq!(cache.cached_prefix(&first).blocks(), 0, "the parent has no copy left");
+    assert_eq!(cache.cached_prefix(&first).blocks(), 0, "the first block has no copy left");
     forgotten.clear();
     cache.take_forgotten_blocks(&mut forgotten);
-    let lost: Vec<&BlockHash> = on_storage.iter().filter(|hash| forgotten.contains(hash)).collect();
+    let lost: Vec<&BlockHash> = first[1..].iter().filter(|hash| forgotten.contains(hash)).collect();
     assert!(lost.is_empty(), "blocks the tier holds intact are forgotten: {lost:?}");
-    assert_eq!(cache.storage_blocks_waiting_for_parent(), on_storage.len());
+    assert_eq!(cache.storage_blocks_waiting_for_parent(), first.len() - 1);
+    assert_eq!(on_storage.len() + host_part.len(), first.len());
+    check(&cache);
 }
