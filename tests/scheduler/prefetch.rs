@@ -24,6 +24,18 @@ fn complete_loads(cache: &mut CacheManager, load_ok: bool) -> Vec<kvshm::manager
     settle_copies(cache, |transfer| Some(if fails(transfer) { Err(failure()) } else { Ok(()) })).0
 }
 
+/// Prefetches `prompt`, answers its one QUERY with the first `found` blocks past the tree on the
+/// tier, and completes every copy; returns the prefetch's ticket, ready.
+fn prefetch_finding(cache: &mut CacheManager, prompt: &[BlockHash], found: usize) -> TicketId {
+    let ticket = cache.prefetch(prompt).unwrap().expect("a query past the tree");
+    let mut queries = Vec::new();
+    cache.take_storage_queries(&mut queries);
+    cache.complete_storage_query(queries[0].id, Ok(found)).unwrap();
+    complete_loads(cache, true);
+    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    ticket
+}
+
 /// Completes every copy handed out but the one LOAD, which it returns, unfinished.
 fn hold_the_load(cache: &mut CacheManager) -> kvshm::manager::Transfer {
     let mut held = complete_all_but(cache, |copy| copy.kind == TransferKind::StorageToHost);
@@ -272,12 +284,7 @@ fn a_waiting_stored_block_a_query_adopts_waits_no_more_and_never_expires() {
     assert_eq!(cache.adopt_stored_blocks([(prompt[1], prompt[0], 1)]), 0);
     assert_eq!(cache.storage_blocks_waiting_for_parent(), 1);
     // A QUERY finds both on the tier: they join the tree, and block 2 waits no more.
-    let ticket = cache.prefetch(&prompt).unwrap().expect("a query past the tree");
-    let mut queries = Vec::new();
-    cache.take_storage_queries(&mut queries);
-    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
-    complete_loads(&mut cache, true);
-    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    prefetch_finding(&mut cache, &prompt, 2);
     assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
     check(&cache);
     // The tier's capacity worth of commits: nothing waits, so nothing expires (an expiry would
@@ -302,12 +309,7 @@ fn a_stored_block_waiting_for_its_parent_joins_when_a_query_or_a_listing_brings_
     // A QUERY of the parent alone (block 3 waits below block 2, not queried).
     let mut cache = three_tiny_tiers();
     assert_eq!(cache.adopt_stored_blocks([(prompt[2], prompt[1], 2)]), 0);
-    let ticket = cache.prefetch(&prompt[..2]).unwrap().expect("a query past the tree");
-    let mut queries = Vec::new();
-    cache.take_storage_queries(&mut queries);
-    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
-    complete_loads(&mut cache, true);
-    assert_eq!(cache.prefetch_status(ticket), Ok(TicketStatus::Ready));
+    prefetch_finding(&mut cache, &prompt[..2], 2);
     assert_eq!(cache.storage_blocks_waiting_for_parent(), 0);
     assert_eq!(cache.cached_prefix(&prompt).blocks(), 3, "{:?}", cache.cached_prefix(&prompt));
     check(&cache);
@@ -799,11 +801,7 @@ fn selective_over_storage_with_a_prefetched_chain_under_a_cold_node() -> CacheMa
     serve(&mut cache, 2, &hashes(&[10]));
     // A prefetch finds 11 and 12 on the tier below 10 and brings them up to host.
     let prompt = hashes(&[10, 11, 12]);
-    cache.prefetch(&prompt).unwrap().expect("a query past the tree");
-    let mut queries = Vec::new();
-    cache.take_storage_queries(&mut queries);
-    cache.complete_storage_query(queries[0].id, Ok(2)).unwrap();
-    complete_loads(&mut cache, true);
+    prefetch_finding(&mut cache, &prompt, 2);
     let found = cache.cached_prefix(&prompt);
     assert_eq!((found.device_blocks, found.host_blocks), (1, 2), "{found:?}");
     assert_eq!(cache.free_host_blocks(), 0);

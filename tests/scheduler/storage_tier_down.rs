@@ -4,7 +4,7 @@
 //! and nothing is dropped from the cache; its owner brings it back up (after a probe).
 
 use kvshm::hash::BlockHash;
-use kvshm::manager::BlockOutcome::{Landed, Missing, Unavailable, Unreachable};
+use kvshm::manager::BlockOutcome::{self, Landed, Missing, Unavailable, Unreachable};
 use kvshm::manager::{
     CacheConfig, CacheManager, RequestId, StorageWritePolicy, TicketStatus, Transfer,
     TransferFailure, TransferKind,
@@ -421,6 +421,28 @@ fn a_store_made_before_the_tier_went_down_but_not_yet_handed_out_gives_its_block
     check(&cache);
 }
 
+/// Serves `blocks` (a chain of four) and fillers until its first blocks are on host only and
+/// the rest on storage only, as write-back leaves a prompt (leaf first); returns the two parts.
+fn half_on_host_half_on_storage(
+    cache: &mut CacheManager,
+    blocks: &[BlockHash],
+) -> (Vec<BlockHash>, Vec<BlockHash>) {
+    serve(cache, 1, blocks);
+    let mut round = 0u128;
+    loop {
+        let found = cache.cached_prefix(blocks);
+        if found.storage_blocks > 0 && found.host_blocks > 0 && found.device_blocks == 0 {
+            let host_part = blocks[..found.host_blocks].to_vec();
+            return (host_part, blocks[found.host_blocks..].to_vec());
+        }
+        round += 1;
+        assert!(round < 40, "set-up: never half on host, half on storage: {found:?}");
+        // Two-block fillers: the host tier gives up two blocks at a time, leaves first.
+        let base = 1000 + 10 * round;
+        serve(cache, 1000 + round as u64, &hashes(&[base, base + 1]));
+    }
+}
+
 // Under write-back a prompt leaves host leaf first, so its last blocks are storage-only while
 // its first are still host-only. Host pressure during an outage drops the host-only parent
 // (no write-back to a tier that is down); the storage-only children the tier holds intact
@@ -428,23 +450,8 @@ fn a_store_made_before_the_tier_went_down_but_not_yet_handed_out_gives_its_block
 // is cached again.
 #[test]
 fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_parent() {
-    let mut cache = three_small_tiers();
-    let first = hashes(&[1, 2, 3, 4]);
-    serve(&mut cache, 1, &first);
-    let mut round = 0u128;
-    loop {
-        let found = cache.cached_prefix(&first);
-        if found.storage_blocks > 0 && found.host_blocks > 0 && found.device_blocks == 0 {
-            break;
-        }
-        round += 1;
-        assert!(round < 40, "set-up: never half on host, half on storage: {found:?}");
-        // Two-block fillers: the host tier gives up two blocks at a time, leaves first.
-        let base = 1000 + 10 * round;
-        serve(&mut cache, 1000 + round as u64, &hashes(&[base, base + 1]));
-    }
-    let host_part = first[..cache.cached_prefix(&first).host_blocks].to_vec();
-    let on_storage = first[host_part.len()..].to_vec();
+    let (mut cache, first) = (three_small_tiers(), hashes(&[1, 2, 3, 4]));
+    let (host_part, on_storage) = half_on_host_half_on_storage(&mut cache, &first);
     let mut forgotten = Vec::new();
     cache.take_forgotten_blocks(&mut forgotten);
     assert!(cache.storage_tier_failed());
@@ -476,6 +483,21 @@ fn an_outage_does_not_make_the_tier_forget_blocks_it_holds_below_a_host_only_par
 // block is dropped (and forgotten) as a missing one is, so that it is not loaded again.
 #[test]
 fn a_load_with_one_unavailable_block_among_answered_ones_drops_that_block_and_leaves_the_tier_up() {
+    let (cache, first, forgotten) = load_four_answered(&[Landed, Unavailable, Landed, Landed]);
+    assert!(!cache.storage_tier_down(), "one bad block marks the tier down");
+    assert_eq!(cache.stats().counters.storage_outages, 0);
+    // Only the block that landed is cached: the bad one (and the blocks below it) left, and the
+    // tier is told to forget it.
+    assert_eq!(cache.cached_prefix(&first).blocks(), 1);
+    assert!(forgotten.contains(&first[1]), "{forgotten:?}");
+    assert_eq!(cache.lookup(&first, prompt_hitting(4)).unwrap().storage_blocks, 0);
+}
+
+/// Four blocks on storage, matched and loaded by request 2, the LOAD answered `outcomes`, then
+/// the request aborted. Returns the cache, the blocks and those forgotten since the LOAD.
+fn load_four_answered(
+    outcomes: &[BlockOutcome; 4],
+) -> (CacheManager, Vec<BlockHash>, Vec<BlockHash>) {
     let mut cache = three_small_tiers();
     let first = four_blocks_on_storage(&mut cache);
     let mut forgotten = Vec::new();
@@ -483,21 +505,14 @@ fn a_load_with_one_unavailable_block_among_answered_ones_drops_that_block_and_le
     assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
     let loads = loads(&mut cache);
     assert_eq!(loads.len(), 1);
-    cache
-        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Unavailable, Landed, Landed])))
-        .unwrap();
+    cache.complete_storage_transfer(loads[0].id, Ok(Some(outcomes))).unwrap();
     check(&cache);
-    assert!(!cache.storage_tier_down(), "one bad block marks the tier down");
-    assert_eq!(cache.stats().counters.storage_outages, 0);
     complete_all(&mut cache);
     cache.abort(RequestId(2)).unwrap();
     check(&cache);
-    // Only the block that landed is cached: the bad one (and the blocks below it) left, and the
-    // tier is told to forget it.
-    assert_eq!(cache.cached_prefix(&first).blocks(), 1);
+    forgotten.clear();
     cache.take_forgotten_blocks(&mut forgotten);
-    assert!(forgotten.contains(&first[1]), "{forgotten:?}");
-    assert_eq!(cache.lookup(&first, prompt_hitting(4)).unwrap().storage_blocks, 0);
+    (cache, first, forgotten)
 }
 
 // A STORE where some blocks were written and one came back unavailable leaves the tier up: the
@@ -553,25 +568,11 @@ fn a_store_with_one_unavailable_block_among_written_ones_leaves_the_tier_up() {
 // not dropped as one bad block is.
 #[test]
 fn a_load_with_one_unreachable_block_takes_the_tier_down_and_drops_nothing() {
-    let mut cache = three_small_tiers();
-    let first = four_blocks_on_storage(&mut cache);
-    let mut forgotten = Vec::new();
-    cache.take_forgotten_blocks(&mut forgotten);
-    assert_eq!(match_and_allocate(&mut cache, 2, &first), 4);
-    let loads = loads(&mut cache);
-    assert_eq!(loads.len(), 1);
-    cache
-        .complete_storage_transfer(loads[0].id, Ok(Some(&[Landed, Unreachable, Landed, Landed])))
-        .unwrap();
-    check(&cache);
+    let (cache, first, forgotten) = load_four_answered(&[Landed, Unreachable, Landed, Landed]);
     assert!(cache.storage_tier_down());
     assert_eq!(cache.stats().counters.storage_outages, 1);
-    complete_all(&mut cache);
-    cache.abort(RequestId(2)).unwrap();
-    check(&cache);
     let cached = cache.cached_prefix(&first);
     assert_eq!((cached.blocks(), cached.storage_blocks), (4, 3), "the landed block and the rest");
-    cache.take_forgotten_blocks(&mut forgotten);
     assert!(first.iter().all(|hash| !forgotten.contains(hash)), "{forgotten:?}");
 }
 
@@ -582,22 +583,8 @@ fn a_load_with_one_unreachable_block_takes_the_tier_down_and_drops_nothing() {
 // with it.
 #[test]
 fn an_eviction_store_the_tier_could_not_be_reached_for_keeps_the_stored_blocks_below_it() {
-    let mut cache = three_small_tiers();
-    let first = hashes(&[1, 2, 3, 4]);
-    serve(&mut cache, 1, &first);
-    let mut round = 0u128;
-    loop {
-        let found = cache.cached_prefix(&first);
-        if found.storage_blocks > 0 && found.host_blocks > 0 && found.device_blocks == 0 {
-            break;
-        }
-        round += 1;
-        assert!(round < 40, "set-up: never half on host, half on storage: {found:?}");
-        let base = 1000 + 10 * round;
-        serve(&mut cache, 1000 + round as u64, &hashes(&[base, base + 1]));
-    }
-    let host_part = first[..cache.cached_prefix(&first).host_blocks].to_vec();
-    let on_storage = first[host_part.len()..].to_vec();
+    let (mut cache, first) = (three_small_tiers(), hashes(&[1, 2, 3, 4]));
+    let (host_part, on_storage) = half_on_host_half_on_storage(&mut cache, &first);
     let mut forgotten = Vec::new();
     cache.take_forgotten_blocks(&mut forgotten);
     // Host pressure, the tier up: the host part is written back, and that STORE comes back
