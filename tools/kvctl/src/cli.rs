@@ -79,7 +79,13 @@ pub enum Command {
     /// namespace's Redis keys.
     ResetStorage {
         /// `disk:DIR` or `redis://HOST[:PORT][/DB]`, as the workers were given it.
-        storage: String,
+        #[arg(required_unless_present = "storage_from_env", conflicts_with = "storage_from_env")]
+        storage: Option<String>,
+        /// Read the storage spec from `KVSHM_STORAGE` instead, as workers started with
+        /// `--storage-from-env` do: a Redis URL with a password stays off the command line,
+        /// which every user of the machine can read.
+        #[arg(long)]
+        storage_from_env: bool,
         /// The namespace to drop.
         #[arg(long, default_value = kvshm::storage::spec::DEFAULT_NAMESPACE)]
         namespace: String,
@@ -157,8 +163,11 @@ pub fn run(cli: &Cli, out: &mut dyn Write) -> Result<(), KvctlError> {
             emit(cli, out, &report, |out| report.write_text(out))?;
             report.ensure_done()
         }
-        Command::ResetStorage { storage, namespace } => {
-            use kvshm::storage::spec::{StorageNamespace, StorageSpec};
+        Command::ResetStorage { storage, storage_from_env, namespace } => {
+            use kvshm::storage::spec::{spec_given, StorageNamespace, StorageSpec};
+            let storage = spec_given(storage.as_deref(), *storage_from_env)
+                .map_err(|error| KvctlError::Storage(error.to_string()))?
+                .expect("clap requires a spec or --storage-from-env");
             let spec: StorageSpec =
                 storage.parse().map_err(|error| KvctlError::Storage(format!("{error}")))?;
             let namespace = StorageNamespace::new(namespace)

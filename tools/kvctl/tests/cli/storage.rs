@@ -39,6 +39,24 @@ fn reset_storage_drops_a_disk_namespace_unless_a_worker_holds_it() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// The spec may come from `KVSHM_STORAGE`, as the workers' does, so that a Redis password stays
+/// off the command line; the flag without the variable is refused, and so is the flag with a
+/// spec.
+#[test]
+fn reset_storage_takes_the_spec_from_the_environment_when_told_to() {
+    let dir = planted_tier("env");
+    let spec = format!("disk:{}", dir.display());
+    let args = ["reset-storage", "--storage-from-env", "--namespace", "ns", "--json"];
+    kvctl_with_env(&args, &[("KVSHM_STORAGE", "")]).assert_fails_saying(&["KVSHM_STORAGE"]);
+    assert!(dir.join("ns/rank-0.slab").exists());
+    let report = kvctl_with_env(&args, &[("KVSHM_STORAGE", &spec)]).assert_ok().json();
+    assert_eq!(report["files"].as_u64(), Some(4));
+    assert!(!dir.join("ns").exists());
+    kvctl(&["reset-storage", &spec, "--storage-from-env"]).assert_fails_saying(&["cannot be used"]);
+    kvctl(&["reset-storage"]).assert_fails_saying(&["required"]);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 #[test]
 fn reset_storage_refuses_what_is_not_a_storage_tier_or_a_namespace() {
     kvctl(&["reset-storage", "ftp://x"]).assert_fails_saying(&["disk:DIR"]);

@@ -122,6 +122,13 @@ pub fn kvctl(args: &[&str]) -> Run {
     Run::from_output(command(args).output().unwrap())
 }
 
+/// Runs kvctl to completion with `env` added to its environment.
+pub fn kvctl_with_env(args: &[&str], env: &[(&str, &str)]) -> Run {
+    let mut command = command(args);
+    command.envs(env.iter().copied());
+    Run::from_output(command.output().unwrap())
+}
+
 /// Runs kvctl, killing it if it has not exited after `limit` (`None`: it had to be killed).
 pub fn kvctl_within(args: &[&str], limit: Duration) -> Option<Run> {
     let mut child = command(args).spawn().unwrap();
