@@ -63,8 +63,8 @@ pub(super) enum LoadOutcome<'a> {
     AllLanded,
     /// Per block, in the copy's pair order.
     Blocks(&'a [BlockOutcome]),
-    /// The whole command failed (tier unreachable, timeout, worker error): every block missed,
-    /// none is known to be gone.
+    /// The whole command failed (a worker error, a dead worker, a whole command its owner
+    /// reports failed for the tier): every block missed, none is known to be gone.
     Unavailable(TransferFailure),
 }
 

@@ -61,9 +61,9 @@ impl TierHealth {
 }
 
 /// Whether a whole storage command failing with `error` says the tier failed (module flow,
-/// step 1). A worker never fails a whole STORE or LOAD for its back-end: a back-end error, a
-/// timeout or an unreachable server comes back per block (failed bits, `Unavailable`). Its
-/// whole-command errors say something else: a refusal (`Malformed`, `UnknownOp`,
+/// step 1). A worker never fails a whole STORE or LOAD for its back-end: a back-end error comes
+/// back per block (failed bits, `Unavailable`), a timeout or an unreachable server flagged so
+/// (`Unreachable`). Its whole-command errors say something else: a refusal (`Malformed`, `UnknownOp`,
 /// `StaleGeneration`, an id out of range), a worker without a tier (`NoStorage`: a
 /// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), an
 /// answer overtaken in the ring (`AnswerLost`) or a worker still setting up (`WorkerNotServing`,

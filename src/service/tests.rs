@@ -13,6 +13,9 @@ use crate::manager::{CacheConfig, RequestId, WritePolicy};
 
 const BLOCK_TOKENS: u32 = 4;
 
+/// Storage answers that say the tier could not be reached.
+mod unreachable;
+
 fn service(test: &str) -> Service {
     service_with(test, |_| {})
 }
@@ -806,81 +809,4 @@ fn blocks_a_forget_completion_says_the_tier_failed_to_forget_are_sent_once_more(
     service.poll();
     assert!(answer_every_command(&segment, None).is_empty(), "then given up");
     assert_eq!(service.stats().storage_forgets_dropped, 1);
-}
-
-/// A LOAD a rank could not get through to the tier for (its answer flagged `TIER_UNREACHABLE`:
-/// a Redis part that timed out or lost its connection) takes the tier down and drops none of
-/// its blocks: without the flag, its results (one block landed, one failed) would say one bad
-/// block, which the cache drops while the tier stays up. The block that landed is a hit.
-#[test]
-fn a_load_the_tier_could_not_be_reached_for_takes_it_down_and_drops_nothing() {
-    use kvshm_ipc::storage_record::{storage_answer, StorageResults};
-
-    let mut service = service_with("load-unreachable", |config| {
-        config.cache = config
-            .cache
-            .clone()
-            .with_storage_blocks(32)
-            .with_storage_write_policy(crate::manager::StorageWritePolicy::WriteThrough);
-    });
-    let (segment, _claim) = claim_rank(&mut service);
-    let settle = |service: &mut Service| {
-        for _ in 0..6 {
-            answer_all_but_forgets(&segment);
-            service.poll();
-        }
-    };
-    let stored = [BlockHash(11), BlockHash(12)];
-    cache_blocks(&mut service, 1, &stored);
-    settle(&mut service);
-    // Sixteen newer one-block prompts take the device and the host: 11 and 12 are on storage
-    // only, and every host copy is a leaf a LOAD can take the block of.
-    for request in 2..18 {
-        cache_blocks(&mut service, request, &[BlockHash(u128::from(request) << 8)]);
-        settle(&mut service);
-    }
-    assert_eq!(service.cache().cached_prefix(&stored).storage_blocks, 2);
-
-    let tokens = 2 * BLOCK_TOKENS as usize + 1;
-    let found = service.match_prefix(RequestId(20), &stored, tokens).unwrap();
-    assert_eq!(found.storage_blocks, 2);
-    let ticket = service.allocate(RequestId(20), 1, 0).unwrap().ticket;
-    service.poll();
-    // The LOAD is answered so; anything else issued meanwhile succeeds.
-    let (mut results, mut loads) = (StorageResults::default(), 0);
-    results.set(0, true, false);
-    results.set(1, false, true);
-    let mut completions = segment.completion_producer(0).unwrap();
-    for header in pop_commands(&segment, 0) {
-        let (id, generation) = (header.command_id, header.generation);
-        let answer = if header.op == Op::StorageLoad as u32 {
-            loads += 1;
-            storage_answer(id, generation, results, true)
-        } else {
-            storage_answer(id, generation, StorageResults { done: u32::MAX, failed: 0 }, false)
-        };
-        completions.push(answer).unwrap();
-    }
-    assert_eq!(loads, 1);
-    // The landed block's swap-in, and anything else, succeeds.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let ready = loop {
-        if let Some(ready) = service.poll_ticket(ticket).unwrap() {
-            break ready;
-        }
-        assert!(std::time::Instant::now() < deadline, "the ticket never became ready");
-        for header in pop_commands(&segment, 0) {
-            let (id, generation) = (header.command_id, header.generation);
-            completions
-                .push(storage_answer(id, generation, StorageResults::default(), false))
-                .unwrap();
-        }
-    };
-    assert!(matches!(ready, TicketReady::Shortened { cached_blocks: 1, .. }), "{ready:?}");
-    assert!(service.cache().storage_tier_down());
-    let cached = service.cache().cached_prefix(&stored);
-    assert_eq!((cached.device_blocks, cached.storage_blocks), (1, 1), "nothing dropped");
-    let stats = service.stats();
-    assert_eq!((stats.copy_failures, stats.storage_misses), (0, 1), "{stats:?}");
-    service.cache().check_invariants().unwrap();
 }

@@ -97,6 +97,10 @@ fn an_unreachable_tier_is_flagged_and_a_bad_block_is_not() {
     let full = run(StorageOp::Store, vec![Ok(()), Err(Failure::NoSpace)], vec![]);
     assert_eq!(StorageResults::from_detail(full.detail), StorageResults { done: 1, failed: 0 });
     assert!(!tier_unreachable(&full));
-    let absent = run(StorageOp::Load, vec![], vec![Ok(()), Err(GetMiss::Absent)]);
-    assert!(!tier_unreachable(&absent));
+    // An absent or corrupt record: a miss, neither failed nor unreachable.
+    for miss in [GetMiss::Absent, GetMiss::Corrupt] {
+        let load = run(StorageOp::Load, vec![], vec![Ok(()), Err(miss)]);
+        assert_eq!(StorageResults::from_detail(load.detail), StorageResults { done: 1, failed: 0 });
+        assert!(!tier_unreachable(&load));
+    }
 }
