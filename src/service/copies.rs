@@ -141,9 +141,15 @@ impl Service {
             warn!(transfer = transfer.0, %failure, "copy failed; rolling back");
         }
         let completed = match self.storage_landed.remove(&transfer) {
-            Some(landed) => self
-                .manager
-                .complete_storage_transfer(transfer, outcome.map(|()| Some(landed.as_slice()))),
+            Some(landed) => {
+                // A rank that could not reach the tier is heard even when another rank's command
+                // failed whole (a dead worker, a lost answer), which settles the copy as failed.
+                if outcome.is_err() && landed.contains(&BlockOutcome::Unreachable) {
+                    self.manager.storage_tier_failed();
+                }
+                self.manager
+                    .complete_storage_transfer(transfer, outcome.map(|()| Some(landed.as_slice())))
+            }
             None => self.manager.complete_transfer(transfer, outcome),
         };
         if let Err(error) = completed {
