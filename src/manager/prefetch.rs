@@ -301,7 +301,8 @@ impl CacheManager {
     /// as far as the adoption rules allow (blocks already cached are passed through), making
     /// room on a full tier by dropping its least recently used storage candidates (never a
     /// block held or in flight, nor one of the chain being adopted: it is held meanwhile), at
-    /// most one per block adopted. Returns how many joined.
+    /// most one per block adopted. Returns how many of `known` joined (the orphans that join
+    /// under them after are not counted: the QUERY did not find them).
     fn adopt_queried(&mut self, known: &[BlockHash], first: usize) -> usize {
         let Some(mut parent) = self.node_at(known, first) else { return 0 };
         let mut held = std::mem::take(&mut self.scratch_prefetch_path);

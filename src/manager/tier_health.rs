@@ -68,8 +68,9 @@ impl TierHealth {
 /// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), an
 /// answer overtaken in the ring (`AnswerLost`) or a worker still setting up (`WorkerNotServing`,
 /// both synthesised by the transport), and `CopyFailed` only from a code this build does not
-/// know. So only `StorageMiss`, the code an
-/// owner without per-block results reports for "the tier failed this command", trips it.
+/// know. So only `StorageMiss`, the code an owner without per-block results reports for "the
+/// tier failed this command", trips it. (The service marks the tier down itself when such a
+/// failure hides another rank's unreachable blocks: `storage_tier_failed`.)
 pub(super) fn is_tier_failure(error: CommandError) -> bool {
     error == CommandError::StorageMiss
 }

@@ -584,7 +584,8 @@ fn a_load_with_one_unreachable_block_takes_the_tier_down_and_drops_nothing() {
 #[test]
 fn an_eviction_store_the_tier_could_not_be_reached_for_keeps_the_stored_blocks_below_it() {
     let (mut cache, first) = (three_small_tiers(), hashes(&[1, 2, 3, 4]));
-    let (host_part, on_storage) = half_on_host_half_on_storage(&mut cache, &first);
+    let (host_part, _) = half_on_host_half_on_storage(&mut cache, &first);
+    assert!(host_part.len() >= 2, "set-up: a landed block of the STORE below the failed one");
     let mut forgotten = Vec::new();
     cache.take_forgotten_blocks(&mut forgotten);
     // Host pressure, the tier up: the host part is written back, and that STORE comes back
@@ -629,6 +630,5 @@ fn an_eviction_store_the_tier_could_not_be_reached_for_keeps_the_stored_blocks_b
     let lost: Vec<&BlockHash> = first[1..].iter().filter(|hash| forgotten.contains(hash)).collect();
     assert!(lost.is_empty(), "blocks the tier holds intact are forgotten: {lost:?}");
     assert_eq!(cache.storage_blocks_waiting_for_parent(), first.len() - 1);
-    assert_eq!(on_storage.len() + host_part.len(), first.len());
     check(&cache);
 }

@@ -132,6 +132,7 @@ fn a_rank_that_could_not_reach_the_tier_is_heard_when_another_rank_s_command_fai
     });
     assert!(matches!(ready, TicketReady::Shortened { cached_blocks: 0, .. }), "{ready:?}");
     assert!(service.cache().storage_tier_down(), "the breaker heard of rank 1");
+    assert_eq!(service.cache().stats().counters.storage_outages, 1);
     let cached = service.cache().cached_prefix(&[BlockHash(11), BlockHash(12)]);
     assert_eq!(cached.storage_blocks, 2, "nothing dropped");
 }
