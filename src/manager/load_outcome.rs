@@ -2,14 +2,14 @@
 //! the request (DESIGN §9).
 //!
 //! The tier answers for each block of a LOAD: landed, missing (the object is absent, corrupt or
-//! torn on some rank: the block is gone), unreachable (a rank could not reach the tier for it:
-//! it may still be there), or unavailable (the tier failed for it otherwise: it may still be
-//! there). An error of the whole command (tier down, a worker error) is an unavailable block for
-//! every block of it. Only a gone block is dropped: a missing one, or an unavailable one in a
-//! LOAD where the tier answered for other blocks and no block was unreachable (a per-block
-//! fault, such as one bad slot: retrying it would only fail again; see `tier_health`, step 1). A LOAD carries one chain
-//! of one request's path, block 0 first, so its blocks before the first miss are exactly the part
-//! of the hit that still holds.
+//! torn on some rank: the block is gone), unreachable (a rank could not reach the tier for it: it
+//! may still be there), or unavailable (the tier failed for it otherwise: it may still be there).
+//! An error of the whole command (tier down, a worker error) is an unavailable block for every
+//! block of it. Only a gone block is dropped: a missing one, or an unavailable one in a LOAD where
+//! the tier answered for other blocks and no block was unreachable (a per-block fault, such as one
+//! bad slot: retrying it would only fail again; see `tier_health`, step 1). A LOAD carries one
+//! chain of one request's path, block 0 first, so its blocks before the first miss are exactly the
+//! part of the hit that still holds.
 //!
 //! Core types: [`BlockOutcome`] (what the service reports per block), `LoadOutcome` (per
 //! copy).

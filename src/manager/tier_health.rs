@@ -60,17 +60,17 @@ impl TierHealth {
     }
 }
 
-/// Whether a whole storage command failing with `error` says the tier failed (module flow,
-/// step 1). A worker never fails a whole STORE or LOAD for its back-end: a back-end error comes
-/// back per block (failed bits, `Unavailable`), a timeout or an unreachable server flagged so
-/// (`Unreachable`). Its whole-command errors say something else: a refusal (`Malformed`, `UnknownOp`,
-/// `StaleGeneration`, an id out of range), a worker without a tier (`NoStorage`: a
-/// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), an
-/// answer overtaken in the ring (`AnswerLost`) or a worker still setting up (`WorkerNotServing`,
-/// both synthesised by the transport), and `CopyFailed` only from a code this build does not
-/// know. So only `StorageMiss`, the code an owner without per-block results reports for "the
-/// tier failed this command", trips it. (The service marks the tier down itself when such a
-/// failure hides another rank's unreachable blocks: `storage_tier_failed`.)
+/// Whether a whole storage command failing with `error` says the tier failed (module flow, step 1).
+/// A worker never fails a whole STORE or LOAD for its back-end: a back-end error comes back per
+/// block (failed bits, `Unavailable`), a timeout or an unreachable server flagged so
+/// (`Unreachable`). Its whole-command errors say something else: a refusal (`Malformed`,
+/// `UnknownOp`, `StaleGeneration`, an id out of range), a worker without a tier (`NoStorage`: a
+/// configuration), a dead or reclaimed worker (`WorkerDied`, synthesised by the service), an answer
+/// overtaken in the ring (`AnswerLost`) or a worker still setting up (`WorkerNotServing`, both
+/// synthesised by the transport), and `CopyFailed` only from a code this build does not know. So
+/// only `StorageMiss`, the code an owner without per-block results reports for "the tier failed
+/// this command", trips it. (The service marks the tier down itself when such a failure hides
+/// another rank's unreachable blocks: `storage_tier_failed`.)
 pub(super) fn is_tier_failure(error: CommandError) -> bool {
     error == CommandError::StorageMiss
 }
@@ -177,12 +177,13 @@ impl CacheManager {
         std::mem::replace(&mut self.tier.down, false)
     }
 
-    /// Host-only `victim`, evicted while the tier is down (or whose eviction STORE failed with
-    /// the tier down), is about to leave the tree (module flow, step 3): the storage-only nodes below it that the tier holds intact leave with it
-    /// (nothing hangs below a node that is gone) but are not forgotten: they wait as orphans
-    /// for `victim`'s block to join the tree again (committed, or adopted from the tier), and
-    /// join it under that block then (`adopt_orphans_under`), or expire as restart orphans do (`forget`). Like those they are
-    /// not counted against the tier's room meanwhile. A node below with a copy in flight, and
+    /// Host-only `victim`, evicted while the tier is down (or whose eviction STORE failed with the
+    /// tier down), is about to leave the tree (module flow, step 3): the storage-only nodes below
+    /// it that the tier holds intact leave with it (nothing hangs below a node that is gone) but
+    /// are not forgotten: they wait as orphans for `victim`'s block to join the tree again
+    /// (committed, or adopted from the tier), and join it under that block then
+    /// (`adopt_orphans_under`), or expire as restart orphans do (`forget`). Like those they are not
+    /// counted against the tier's room meanwhile. A node below with a copy in flight, and
     /// everything past the orphans' cap (the tier's capacity), is dropped as before.
     pub(super) fn orphan_stored_children(&mut self, victim: NodeId) {
         let capacity = self.config.storage_blocks as usize;
