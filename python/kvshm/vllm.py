@@ -20,7 +20,8 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
 Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
 ``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``warm_restart`` (default
 true: the host tier and a table of its keys outlive the engine, stopped or killed, and the next
-engine of the same model and layout starts with them; for CPU and CUDA tensors alike);
+engine of the same model and layout starts with them; for CPU and CUDA tensors alike. A cache
+reset does not reach that table: after new weights under the same model name, set it false);
 ``segment_name`` (prefix of the per-rank segments ``<name>-r<rank>``; by default
 ``kvshm-vllm-<model>-<digest of the model, dtype and block layout>``, the same at every start);
 ``spawn_workers`` (default true: start the copy workers; false: start
