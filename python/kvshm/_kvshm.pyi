@@ -368,6 +368,7 @@ class HostTier:
         chunks: IntegerBuffer,
         keys: Iterable[bytes] | None = None,
         parents: IntegerBuffer | None = None,
+        epoch: int = 0,
     ) -> None: ...
     def submit_load(
         self,

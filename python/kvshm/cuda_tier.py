@@ -39,8 +39,9 @@ from kvshm._vllm_support import SlowWaitWarning, block_span
 
 logger = logging.getLogger(__name__)
 
-#: A store's keys and their parents' chunks, which a persistent tier records (or ``None``).
-_Keys = tuple[list[bytes], Any] | None
+#: A store's keys, their parents' chunks and its manager's epoch, which a persistent tier records
+#: (or ``None``).
+_Keys = tuple[list[bytes], Any, int] | None
 #: (job, whether it is a store, device block ids, group sizes, block indices, chunks, keys,
 #: event).
 _GatedJob = tuple[int, bool, Any, list[int], list[int], U32Array, _Keys, Any]
@@ -218,16 +219,18 @@ class CudaHostTier:
         chunks: U32Array,
         keys: list[bytes] | None = None,
         parents: Any = None,
+        epoch: int = 0,
     ) -> None:
         """Queues a store (device blocks to chunks) or a load (chunks to device blocks) behind
         the work queued so far on the current CUDA stream (module flow, step 1). A store's
         ``keys`` (one per chunk) and ``parents`` (each key's parent chunk) go into a persistent
-        tier's key table once the copy landed."""
+        tier's key table once the copy landed, with ``epoch``, its manager's when it chose the
+        store."""
         # A store reads blocks the model is still writing, and a load writes blocks whose last
         # writes (zeroing) may still run: both wait for the work queued on the caller's stream.
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream())
-        stored = (keys, parents) if store and keys is not None else None
+        stored = (keys, parents, epoch) if store and keys is not None else None
         self._gated.append(
             (job, store, block_ids, group_sizes, block_indices, chunks, stored, event)
         )
@@ -244,9 +247,9 @@ class CudaHostTier:
         while self._gated and self._gated[0][7].query():
             job, store, block_ids, sizes, indices, chunks, stored, _ = self._gated.popleft()
             if stored is not None:
-                keys, parents = stored
+                keys, parents, epoch = stored
                 self._tier.submit_store(
-                    job, block_ids, sizes, indices, chunks, keys=keys, parents=parents
+                    job, block_ids, sizes, indices, chunks, keys=keys, parents=parents, epoch=epoch
                 )
             elif store:
                 self._tier.submit_store(job, block_ids, sizes, indices, chunks)

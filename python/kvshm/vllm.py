@@ -20,8 +20,9 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
 Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
 ``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``warm_restart`` (default
 true: the host tier and a table of its keys outlive the engine, stopped or killed, and the next
-engine of the same model and layout starts with them; for CPU and CUDA tensors alike. A cache
-reset does not reach that table: after new weights under the same model name, set it false);
+engine of the same model and layout starts with them; for CPU and CUDA tensors alike. No key
+stored before a reset of the cache comes back; an engine started on new weights under the same
+model name with no reset between needs it false);
 ``segment_name`` (prefix of the per-rank segments ``<name>-r<rank>``; by default
 ``kvshm-vllm-<model>-<digest of the model, dtype and block layout>``, the same at every start);
 ``spawn_workers`` (default true: start the copy workers; false: start
@@ -294,9 +295,10 @@ def _restore(
     manager: KvshmOffloadingManager, segments: list[str], chunks: int, blocks_per_chunk: int
 ) -> int:
     """Takes back the keys every rank's persistent tier holds in the same chunk (oldest store
-    first, under their parents where those came back); how many came back. A key in two slots
-    (stored again after a reset of the manager, which hands chunks out anew while the tiers
-    keep their tables) comes back from the one written last; the other slot is stale."""
+    first, under their parents where those came back); how many came back. The tables list only
+    stores chosen since the last reset of the cache (their epoch). A key in two slots (evicted
+    from one chunk, whose slot names it until the chunk is stored into again, and stored in
+    another) comes back from the one written last; the other slot is stale."""
     tables = [read_tier_keys(segment, chunks, blocks_per_chunk) for segment in segments]
     held = [{chunk: key for chunk, key, _, _ in table} for table in tables[1:]]
     # Oldest store first: a key's last slot overwrites its earlier ones here.

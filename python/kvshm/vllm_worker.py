@@ -23,18 +23,21 @@ from kvshm.cuda_tier import CudaHostTier
 
 class KvshmLoadStoreSpec(LoadStoreSpec):
     """Chunks of kvshm's host tier, one per key, in key order; a store's spec also names the
-    keys and their parents' chunks, which a persistent tier records for a warm restart. It
-    pickles: vLLM sends it to its worker processes."""
+    keys, their parents' chunks and the manager's epoch (raised by each reset of its cache),
+    which a persistent tier records for a warm restart. It pickles: vLLM sends it to its worker
+    processes."""
 
     def __init__(
         self,
         chunks: U32Array,
         keys: list[bytes] | None = None,
         parents: U32Array | None = None,
+        epoch: int = 0,
     ) -> None:
         self.chunks = chunks
         self.keys = keys
         self.parents = parents
+        self.epoch = epoch
 
     @property
     def block_ids(self) -> np.ndarray:
@@ -141,6 +144,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
                 dst_spec.chunks,
                 keys=dst_spec.keys,
                 parents=dst_spec.parents,
+                epoch=dst_spec.epoch,
             )
             return True
         if self._gpu is None and dst_spec.keys is not None:
@@ -152,6 +156,7 @@ class KvshmOffloadingWorker(OffloadingWorker):
                 dst_spec.chunks,
                 keys=dst_spec.keys,
                 parents=dst_spec.parents,
+                epoch=dst_spec.epoch,
             )
             return True
         self._submit(job_id, True, src_spec, dst_spec.chunks)

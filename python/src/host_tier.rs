@@ -188,8 +188,11 @@ impl HostTier {
 
     /// Copies device blocks into host chunks (vLLM `submit_store`). A persistent tier records
     /// `keys` (one per chunk) and `parents` (each key's parent chunk, 2**32-1 for none) in its
-    /// key table once the copy succeeded.
-    #[pyo3(signature = (job, device, group_sizes, block_indices, chunks, keys=None, parents=None))]
+    /// key table once the copy succeeded, with `epoch`, its manager's when it chose the store (a
+    /// reset of the manager since makes them stale).
+    #[pyo3(signature = (
+        job, device, group_sizes, block_indices, chunks, keys=None, parents=None, epoch=0
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn submit_store(
         &self,
@@ -201,6 +204,7 @@ impl HostTier {
         chunks: &Bound<'_, PyAny>,
         keys: Option<&Bound<'_, PyAny>>,
         parents: Option<&Bound<'_, PyAny>>,
+        epoch: u32,
     ) -> PyResult<()> {
         let stored = match (keys, parents) {
             (None, None) => Vec::new(),
@@ -217,7 +221,7 @@ impl HostTier {
                 }
                 read.into_iter()
                     .zip(parents)
-                    .map(|(key, parent_chunk)| StoredKey { key, parent_chunk })
+                    .map(|(key, parent_chunk)| StoredKey { key, parent_chunk, epoch })
                     .collect()
             }
             _ => return Err(ConfigError::new_err("give keys and parents together")),

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use kvshm::offload::OffloadKey;
+use kvshm::offload::{OffloadKey, TableEpoch};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -17,7 +17,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use kvshm::service::{Counter, Segment};
 
 use crate::buffers::U32Array;
-use crate::errors::{IntoPyResult, SegmentError};
+use crate::errors::{ConfigError, IntoPyResult, SegmentError};
 use crate::offload::{key_of, keys_into, lookup_code, OffloadManager};
 use crate::service::segment_name;
 
@@ -84,6 +84,13 @@ pub struct VllmManagerCore {
     /// Device blocks and tokens of one key.
     key_blocks: u64,
     key_tokens: u64,
+    /// The epoch of the stores the manager chooses, which each store's spec carries: raised by
+    /// every reset and kept in each persistent tier's key table ([`TableEpoch`]), so that a
+    /// warm restart takes back no key stored before the last reset.
+    epoch: u32,
+    /// The key tables of the published segments' tiers (none for tiers that are not
+    /// persistent).
+    tables: Vec<TableEpoch>,
 }
 
 impl VllmManagerCore {
@@ -113,6 +120,11 @@ impl VllmManagerCore {
     }
 }
 
+/// A key table whose epoch could not be written: its arena is smaller than when it was opened.
+fn epoch_error(error: kvshm_ipc::arena::ArenaError) -> PyErr {
+    SegmentError::new_err(format!("writing the epoch of a host tier's key table: {error}"))
+}
+
 pub(crate) fn request_id<'py>(
     context: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, pyo3::types::PyString>> {
@@ -135,13 +147,22 @@ impl VllmManagerCore {
     ) -> PyResult<PyClassInitializer<Self>> {
         let base = OffloadManager::build(chunks, tag_bytes, eviction, events)?;
         let types = VllmTypes::new(vllm_types);
-        let core = VllmManagerCore { types, published: Vec::new(), key_blocks: 1, key_tokens: 1 };
+        let core = VllmManagerCore {
+            types,
+            published: Vec::new(),
+            key_blocks: 1,
+            key_tokens: 1,
+            epoch: 0,
+            tables: Vec::new(),
+        };
         Ok(PyClassInitializer::from(base).add_subclass(core))
     }
 
     /// Publishes the manager's figures to the host tier segments `segments` (the workers'
     /// ranks), after every finished request and on `publish_counters`: `kvctl stat` shows the
-    /// hits with the copies. A key is `key_blocks` device blocks of `key_tokens` tokens in all.
+    /// hits with the copies. A key is `key_blocks` device blocks of `key_tokens` tokens in all;
+    /// `key_blocks` is also a chunk's blocks in each tier, which locates the tier's key table.
+    /// The manager takes up the newest epoch of those tables, and writes it into all of them.
     fn publish_to(
         mut slf: PyRefMut<'_, Self>,
         segments: Vec<String>,
@@ -157,7 +178,26 @@ impl VllmManagerCore {
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
+        let chunks = slf.as_super().inner.config().chunks;
+        let chunk_blocks = u32::try_from(key_blocks)
+            .map_err(|_| ConfigError::new_err(format!("{key_blocks} blocks a key")))?;
+        let (mut tables, mut epoch) = (Vec::new(), None);
+        for (segment, name) in attached.iter().zip(&segments) {
+            let opened = TableEpoch::open(segment, chunks, chunk_blocks).map_err(|error| {
+                SegmentError::new_err(format!("the key table of {name}: {error}"))
+            })?;
+            if let Some((table, found)) = opened {
+                epoch = epoch.max(Some(found));
+                tables.push(table);
+            }
+        }
+        let epoch = epoch.unwrap_or(0);
+        for table in &tables {
+            table.set(epoch).map_err(epoch_error)?;
+        }
         slf.published = attached;
+        slf.tables = tables;
+        slf.epoch = epoch;
         slf.key_blocks = key_blocks;
         slf.key_tokens = key_tokens;
         let core: &VllmManagerCore = &slf;
@@ -262,7 +302,8 @@ impl VllmManagerCore {
             let chunks = Py::new(py, U32Array::new(base.prepared.chunks.as_slice()))?;
             (to_store, chunks, Py::new(py, U32Array::new(parents))?, evicted)
         };
-        let spec = slf.types.load_store_spec.call1(py, (chunks, to_store.clone(), parents))?;
+        let spec =
+            slf.types.load_store_spec.call1(py, (chunks, to_store.clone(), parents, slf.epoch))?;
         slf.types.store_output(py, to_store, spec, evicted)
     }
 
@@ -317,9 +358,16 @@ impl VllmManagerCore {
 
     /// Forgets every key, and publishes the emptied figures for `kvctl stat` at once: an engine
     /// idle after a reset would show the old ones until its next finished request otherwise.
-    fn reset_cache(mut slf: PyRefMut<'_, Self>) {
+    /// The tiers' key tables go to a new epoch: the keys stored before, including stores in
+    /// flight, are not taken back by a warm restart.
+    fn reset_cache(mut slf: PyRefMut<'_, Self>) -> PyResult<()> {
         slf.as_super().inner.reset();
+        slf.epoch = slf.epoch.wrapping_add(1);
+        for table in &slf.tables {
+            table.set(slf.epoch).map_err(epoch_error)?;
+        }
         slf.publish(slf.as_ref());
+        Ok(())
     }
 }
 

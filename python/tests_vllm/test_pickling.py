@@ -51,6 +51,12 @@ def test_vllms_connector_metadata_carrying_kvshms_specs_pickles(offloading_confi
     assert loaded.keys is None
     assert list(loaded.block_ids) == chunks[:2]
     assert copy.jobs_to_flush == {2}
+    # A store chosen after a reset carries the manager's next epoch to the worker.
+    assert stored.epoch == 0
+    manager.reset_cache()
+    again = manager.prepare_store(keys[:1], ReqContext(req_id="after"))
+    assert again is not None
+    assert roundtrip(again.store_spec).epoch == 1
 
 
 def test_kvshms_events_stats_and_metric_definitions_pickle(offloading_config) -> None:

@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LookupResult,
     OffloadingWorker,
+    PrepareStoreOutput,
     ReqContext,
 )
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
@@ -141,57 +144,97 @@ def test_a_second_engine_on_a_live_tier_is_refused_with_a_hint(
     worker.shutdown()
 
 
-def test_a_warm_restart_after_a_reset_takes_back_each_key_from_its_newest_chunk(
+class _Engine:
+    """One start of an engine with kvshm's spec on a persistent tier: its worker, manager and
+    CPU tensors, and the job ids it uses."""
+
+    def __init__(self, offloading_config: Callable[..., Any], extra: dict, seed: int) -> None:
+        spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+        self.caches = kv_caches([[0]], tensors=1)
+        self.worker = spec.get_worker(self.caches)
+        self.manager = spec.get_manager()
+        self.original = fill(self.caches, seed=seed)
+        self.jobs = 0
+
+    def prepare(self, keys: list[bytes], request: str) -> tuple[ReqContext, PrepareStoreOutput]:
+        context = ReqContext(req_id=request)
+        self.manager.on_new_request(context)
+        prepared = self.manager.prepare_store(keys, context)
+        assert prepared is not None
+        assert prepared.keys_to_store == keys
+        return context, prepared
+
+    def store(
+        self,
+        keys: list[bytes],
+        context: ReqContext,
+        prepared: PrepareStoreOutput,
+        first_block: int,
+    ) -> None:
+        """Copies device blocks from ``first_block`` on into the chunks ``prepared`` names."""
+        self.jobs += 1
+        source = GPULoadStoreSpec(
+            [first_block + n for n in range(len(keys))],
+            group_sizes=[len(keys)],
+            block_indices=[0],
+        )
+        assert self.worker.submit_store(self.jobs, source, prepared.store_spec)
+        finish(self.worker, self.jobs)
+        self.manager.complete_store(set(keys), context)
+        self.manager.on_request_finished(context)
+
+    def hits(self, keys: list[bytes]) -> list[bool]:
+        context = ReqContext(req_id=f"lookup{self.jobs}")
+        self.manager.on_new_request(context)
+        return [self.manager.lookup(k, context) == LookupResult.HIT for k in keys]
+
+    def load(self, stored: bytes, block: int) -> torch.Tensor:
+        context = ReqContext(req_id=f"load{self.jobs}")
+        self.manager.on_new_request(context)
+        load = self.manager.prepare_load([stored], context)
+        self.jobs += 1
+        device = GPULoadStoreSpec([block], group_sizes=[1], block_indices=[0])
+        assert self.worker.submit_load(self.jobs, load, device, expedited=True)
+        self.worker.wait({self.jobs})
+        finish(self.worker, self.jobs)
+        return self.caches.tensors[0].tensor[block].clone()
+
+
+def test_a_warm_restart_takes_back_no_key_stored_before_a_reset(
     name: str, offloading_config
 ) -> None:
-    """A reset of the connector hands chunks out again from the lowest while the workers' key
-    tables still name the keys stored before: a key stored again after the reset is in two
-    slots. The next start takes it back once, from the chunk it was stored in last."""
-    extra = spec_options(name, num_chunks=4, warm_restart=True)
+    """A reset of the connector (vLLM's reset of the prefix cache, say for new weights) makes
+    every key stored before it stale for a warm restart too: one stored before it, and one whose
+    store was chosen before it and copied after it. A key stored again after the reset comes
+    back with its newest bytes, though its first chunk still names it. The reset's epoch
+    outlives the engine: a key the next engine stores comes back at the start after it, and a
+    reset there makes all of them stale again."""
+    extra = spec_options(name, num_chunks=8, warm_restart=True)
+    x, k, y, z = (key(n, 0) for n in (1, 2, 3, 4))
     try:
-        spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
-        caches = kv_caches([[0]], tensors=1)
-        worker = spec.get_worker(caches)
-        manager = spec.get_manager()
-        original = fill(caches, seed=3)
-        x, k = key(1, 0), key(2, 0)
-        job = 0
-        for keys in ([x, k], [k]):
-            context = ReqContext(req_id=f"r{job}")
-            manager.on_new_request(context)
-            prepared = manager.prepare_store(keys, context)
-            assert prepared is not None
-            assert prepared.keys_to_store == keys
-            job += 1
-            source = GPULoadStoreSpec(
-                [5 + n for n in range(len(keys))], group_sizes=[len(keys)], block_indices=[0]
-            )
-            assert worker.submit_store(job, source, prepared.store_spec)
-            finish(worker, job)
-            manager.complete_store(set(keys), context)
-            manager.on_request_finished(context)
-            # vLLM's reset of the prefix cache with the connector's: the manager forgets all.
-            manager.reset_cache()
-        worker.shutdown()
+        engine = _Engine(offloading_config, extra, seed=3)
+        engine.store([x, k], *engine.prepare([x, k], "before"), first_block=5)
+        late = engine.prepare([y], "late")
+        engine.manager.reset_cache()
+        engine.store([y], *late, first_block=9)
+        engine.store([k], *engine.prepare([k], "after"), first_block=12)
+        newest = engine.original[0][12]
+        engine.worker.shutdown()
 
-        restarted = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
-        caches = kv_caches([[0]], tensors=1)
-        worker = restarted.get_worker(caches)
-        manager = restarted.get_manager()
-        context = ReqContext(req_id="after")
-        manager.on_new_request(context)
-        assert manager.lookup(k, context) == LookupResult.HIT, "the key came back"
-        load = manager.prepare_load([k], context)
-        assert worker.submit_load(
-            job + 1,
-            load,
-            GPULoadStoreSpec([20], group_sizes=[1], block_indices=[0]),
-            expedited=True,
-        )
-        worker.wait({job + 1})
-        finish(worker, job + 1)
-        assert torch.equal(caches.tensors[0].tensor[20], original[0][5]), "its newest bytes"
-        worker.shutdown()
+        engine = _Engine(offloading_config, extra, seed=4)
+        assert engine.hits([x, k, y]) == [False, True, False]
+        assert torch.equal(engine.load(k, 20), newest), "k's bytes of after the reset"
+        engine.store([z], *engine.prepare([z], "next start"), first_block=2)
+        engine.worker.shutdown()
+
+        engine = _Engine(offloading_config, extra, seed=5)
+        assert engine.hits([x, k, y, z]) == [False, True, False, True]
+        engine.manager.reset_cache()
+        engine.worker.shutdown()
+
+        engine = _Engine(offloading_config, extra, seed=6)
+        assert engine.hits([k, z]) == [False, False]
+        engine.worker.shutdown()
     finally:
         for left in Path("/dev/shm").glob(f"kvshm.{name}-*"):
             left.unlink()

@@ -122,6 +122,9 @@ pub struct StoredKey {
     pub key: OffloadKey,
     /// The chunk of the key it is chained under, or [`super::key_table::NO_PARENT`].
     pub parent_chunk: u32,
+    /// The epoch of the manager that chose the store ([`super::key_table`]): a reset since
+    /// makes the key stale.
+    pub epoch: u32,
 }
 
 /// What the tier copied, published as the segment's counters.
@@ -463,7 +466,13 @@ impl HostTier {
                 }
                 if let Some(table) = &mut self.table {
                     for (chunk, stored) in &stored {
-                        table.write(&self.host, *chunk, &stored.key, stored.parent_chunk)?;
+                        table.write(
+                            &self.host,
+                            *chunk,
+                            &stored.key,
+                            stored.parent_chunk,
+                            stored.epoch,
+                        )?;
                     }
                 }
                 let elapsed = started.elapsed();
@@ -568,7 +577,13 @@ impl HostTier {
             if let (Some(table), Some(keys), true) = (&mut self.table, keys, success) {
                 for (chunk, stored) in keys {
                     // A table write that fails leaves the slot cleared: a miss after a restart.
-                    let _ = table.write(&self.host, chunk, &stored.key, stored.parent_chunk);
+                    let _ = table.write(
+                        &self.host,
+                        chunk,
+                        &stored.key,
+                        stored.parent_chunk,
+                        stored.epoch,
+                    );
                 }
             }
             self.finished.push(JobResult {

@@ -4,9 +4,11 @@
 //!
 //! The table lies in blocks past the tier's chunks, in the same arena, so data and table live
 //! and die together: `[header: 64 bytes][slot 0][slot 1]...`, one [`SLOT_BYTES`] slot per chunk.
-//! A slot is `state u32 | key_len u32 | seq u64 | parent_chunk u32 | 0 u32 | parent_seq u64 |
-//! key [u8; 64]`, little-endian; `seq` orders the stores (older first) and `(parent_chunk,
-//! parent_seq)` names the slot of the key the engine chained it under.
+//! The header is `magic u64 | version u32 | slot bytes u32 | chunks u32 | 0 u32 | fingerprint
+//! u64 | next seq u64 | epoch u32 | 0...`, a slot `state u32 | key_len u32 | seq u64 |
+//! parent_chunk u32 | epoch u32 | parent_seq u64 | key [u8; 64]`, little-endian; `seq` orders
+//! the stores (older first) and `(parent_chunk, parent_seq)` names the slot of the key the
+//! engine chained it under.
 //!
 //! The protocol, on the process that copies ([`super::HostTier`]):
 //! 1. before a store writes a chunk, its slot's state is cleared;
@@ -16,16 +18,23 @@
 //! restart) or whose slot names the key whose bytes the chunk holds whole, never a key over
 //! other bytes. The header digests the tier's shape and the page's format
 //! ([`EngineLayout::page_format`]); a table of another shape or format is cleared.
+//!
+//! A reset of the engine's manager (new weights under the same model name, say) makes every key
+//! stored before it stale. The manager, in its own process, raises the header's epoch
+//! ([`TableEpoch`]); each store carries the epoch its manager was in when it chose the
+//! store, and its slot records it. Only slots of the header's epoch are read back, so a store
+//! chosen before the reset stays stale even when its copy lands after it. The worker's process
+//! never writes the epoch of a table it keeps.
 
 use std::sync::atomic::{fence, Ordering};
 
 use kvshm_ipc::arena::{Arena, ArenaError, ArenaKind};
 use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::segment::Segment;
 
 use super::host_tier::HostTierError;
 use super::key::{OffloadKey, MAX_KEY_BYTES};
 use super::transfer::EngineLayout;
-use crate::transport::Segment;
 
 /// "KVSHMKEY", little-endian.
 pub const TABLE_MAGIC: u64 = u64::from_le_bytes(*b"KVSHMKEY");
@@ -33,6 +42,10 @@ pub const TABLE_VERSION: u32 = 1;
 pub const HEADER_BYTES: usize = 64;
 pub const SLOT_BYTES: usize = 32 + MAX_KEY_BYTES;
 const VALID: u32 = 1;
+/// Byte offsets in the header of the next seq (written now and then by the copying process) and
+/// of the epoch (written by the manager's).
+const NEXT_SEQ_AT: usize = 32;
+const EPOCH_AT: usize = 40;
 /// `parent_chunk` of a key stored without a parent.
 pub const NO_PARENT: u32 = u32::MAX;
 
@@ -42,6 +55,8 @@ pub struct TableEntry {
     pub chunk: u32,
     pub key: OffloadKey,
     pub seq: u64,
+    /// The manager's epoch when it chose the store (module documentation).
+    pub epoch: u32,
     /// The parent's chunk and the seq its slot had when this key was written.
     pub parent: Option<(u32, u64)>,
 }
@@ -124,7 +139,7 @@ impl KeyTable {
                 && half(16) == chunks
                 && word(24) == table.fingerprint
             {
-                table.next_seq = word(32).max(1);
+                table.next_seq = word(NEXT_SEQ_AT).max(1);
                 // The next seq is stored only now and then: continue past every slot's.
                 for entry in table.entries(arena)? {
                     table.next_seq = table.next_seq.max(entry.seq.saturating_add(1));
@@ -154,7 +169,7 @@ impl KeyTable {
         header[12..16].copy_from_slice(&(SLOT_BYTES as u32).to_le_bytes());
         header[16..20].copy_from_slice(&self.chunks.to_le_bytes());
         header[24..32].copy_from_slice(&self.fingerprint.to_le_bytes());
-        header[32..40].copy_from_slice(&self.next_seq.to_le_bytes());
+        header[NEXT_SEQ_AT..NEXT_SEQ_AT + 8].copy_from_slice(&self.next_seq.to_le_bytes());
         arena.write_data(self.offset, &header)
     }
 
@@ -167,13 +182,14 @@ impl KeyTable {
     }
 
     /// Step 2: `chunk` holds `key`'s bytes, chained under the key in `parent_chunk`
-    /// ([`NO_PARENT`] for none).
+    /// ([`NO_PARENT`] for none), stored by a manager in `epoch`.
     pub fn write(
         &mut self,
         arena: &Arena,
         chunk: u32,
         key: &OffloadKey,
         parent_chunk: u32,
+        epoch: u32,
     ) -> Result<(), ArenaError> {
         let parent_seq = match parent_chunk {
             NO_PARENT => 0,
@@ -187,6 +203,7 @@ impl KeyTable {
         slot[8..16].copy_from_slice(&seq.to_le_bytes());
         let parent_chunk = if parent_seq == 0 { NO_PARENT } else { parent_chunk };
         slot[16..20].copy_from_slice(&parent_chunk.to_le_bytes());
+        slot[20..24].copy_from_slice(&epoch.to_le_bytes());
         slot[24..32].copy_from_slice(&parent_seq.to_le_bytes());
         slot[32..32 + key.as_bytes().len()].copy_from_slice(key.as_bytes());
         let at = self.slot_offset(chunk);
@@ -196,7 +213,8 @@ impl KeyTable {
         fence(Ordering::SeqCst);
         arena.write_data(at, &VALID.to_le_bytes())?;
         if seq % 1024 == 0 {
-            self.write_header(arena)?;
+            // The next seq alone: the header's epoch is the manager's to write.
+            arena.write_data(self.offset + NEXT_SEQ_AT, &self.next_seq.to_le_bytes())?;
         }
         Ok(())
     }
@@ -213,26 +231,34 @@ impl KeyTable {
     }
 }
 
-/// The entries of the table at byte `offset` of `arena`, a tier of `chunks` chunks; nothing if
-/// no table of that many chunks is there.
+/// The entries of the table at byte `offset` of `arena`, a tier of `chunks` chunks, of the
+/// header's epoch (module documentation); nothing if no table of that many chunks is there.
 pub fn read_entries(
     arena: &Arena,
     offset: usize,
     chunks: u32,
 ) -> Result<Vec<TableEntry>, ArenaError> {
-    let mut header = [0u8; HEADER_BYTES];
-    arena.read_data(offset, &mut header)?;
-    let magic = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
-    let table_chunks = u32::from_le_bytes(header[16..20].try_into().expect("4 bytes"));
-    if magic != TABLE_MAGIC || table_chunks != chunks {
-        return Ok(Vec::new());
-    }
+    let Some(epoch) = read_epoch(arena, offset, chunks)? else { return Ok(Vec::new()) };
     let mut bytes = vec![0u8; chunks as usize * SLOT_BYTES];
     arena.read_data(offset + HEADER_BYTES, &mut bytes)?;
     Ok((0u32..)
         .zip(bytes.chunks_exact(SLOT_BYTES))
         .filter_map(|(chunk, slot)| decode(chunk, slot))
+        .filter(|entry| entry.epoch == epoch)
         .collect())
+}
+
+/// The epoch in the header of the table at byte `offset` of `arena`; `None` if no table of
+/// `chunks` chunks is there.
+fn read_epoch(arena: &Arena, offset: usize, chunks: u32) -> Result<Option<u32>, ArenaError> {
+    let mut header = [0u8; HEADER_BYTES];
+    arena.read_data(offset, &mut header)?;
+    let magic = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
+    let table_chunks = u32::from_le_bytes(header[16..20].try_into().expect("4 bytes"));
+    if magic != TABLE_MAGIC || table_chunks != chunks {
+        return Ok(None);
+    }
+    Ok(Some(u32::from_le_bytes(header[EPOCH_AT..EPOCH_AT + 4].try_into().expect("4 bytes"))))
 }
 
 fn decode(chunk: u32, slot: &[u8]) -> Option<TableEntry> {
@@ -247,7 +273,7 @@ fn decode(chunk: u32, slot: &[u8]) -> Option<TableEntry> {
         (NO_PARENT, _) | (_, 0) => None,
         (parent, seq) => Some((parent, seq)),
     };
-    Some(TableEntry { chunk, key, seq: word(8), parent })
+    Some(TableEntry { chunk, key, seq: word(8), epoch: half(20), parent })
 }
 
 /// The keys a persistent tier `name` of `chunks` chunks of `blocks_per_chunk` blocks holds, read
@@ -259,11 +285,54 @@ pub fn read_tier_keys(
     blocks_per_chunk: u32,
 ) -> Result<Vec<TableEntry>, HostTierError> {
     let segment = Segment::attach(name)?;
+    let Some((host, offset)) = find_table(&segment, chunks, blocks_per_chunk)? else {
+        return Ok(Vec::new());
+    };
+    Ok(read_entries(&host, offset, chunks)?)
+}
+
+/// The epoch of a persistent tier's key table, opened by the engine's manager in its own
+/// process: it reads the epoch at start and raises it at each reset (module documentation).
+#[derive(Debug)]
+pub struct TableEpoch {
+    host: Arena,
+    offset: usize,
+}
+
+impl TableEpoch {
+    /// The table in `segment`'s host tier of `chunks` chunks of `blocks_per_chunk` blocks, and
+    /// its epoch now; `None` when the tier has no such table (it is not persistent).
+    pub fn open(
+        segment: &Segment,
+        chunks: u32,
+        blocks_per_chunk: u32,
+    ) -> Result<Option<(TableEpoch, u32)>, HostTierError> {
+        let Some((host, offset)) = find_table(segment, chunks, blocks_per_chunk)? else {
+            return Ok(None);
+        };
+        let Some(epoch) = read_epoch(&host, offset, chunks)? else { return Ok(None) };
+        Ok(Some((TableEpoch { host, offset }, epoch)))
+    }
+
+    /// From now on only the slots of stores chosen in `epoch` are read back.
+    pub fn set(&self, epoch: u32) -> Result<(), ArenaError> {
+        self.host.write_data(self.offset + EPOCH_AT, &epoch.to_le_bytes())
+    }
+}
+
+/// The host arena of `segment` and the byte offset of its key table, for a tier of `chunks`
+/// chunks of `blocks_per_chunk` blocks; `None` when the arena has no room for such a table past
+/// its chunks.
+fn find_table(
+    segment: &Segment,
+    chunks: u32,
+    blocks_per_chunk: u32,
+) -> Result<Option<(Arena, usize)>, HostTierError> {
     let host = segment.open_arena(ArenaKind::Host, 0)?;
     let offset = u64::from(chunks) * u64::from(blocks_per_chunk) * host.block_bytes();
     let table_end = offset + KeyTable::bytes(chunks);
     if table_end > host.data_len() as u64 {
-        return Ok(Vec::new());
+        return Ok(None);
     }
-    Ok(read_entries(&host, offset as usize, chunks)?)
+    Ok(Some((host, offset as usize)))
 }

@@ -35,7 +35,7 @@ pub use host_tier::{
     CopyTotals, HostTier, HostTierError, JobResult, StoredKey, TierEngine, TierOptions,
 };
 pub use key::{KeyLayout, KeyTooLong, OffloadKey, MAX_KEY_BYTES};
-pub use key_table::{read_tier_keys, KeyTable, TableEntry};
+pub use key_table::{read_tier_keys, KeyTable, TableEntry, TableEpoch};
 pub use manager::{
     EvictionOrder, EvictionScope, LookupResult, OffloadConfig, OffloadError, OffloadEvent,
     OffloadManager, OffloadStats, PreparedStore,

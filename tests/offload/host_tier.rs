@@ -7,7 +7,7 @@ use kvshm::offload::key_table::NO_PARENT;
 use kvshm::offload::shared::{open_rank_arena, TierArenas};
 use kvshm::offload::tensor_memory::TensorMemory;
 use kvshm::offload::transfer::{Direction, EngineLayout};
-use kvshm::offload::{HostTier, HostTierError, StoredKey, TierEngine, TierOptions};
+use kvshm::offload::{HostTier, HostTierError, StoredKey, TableEpoch, TierEngine, TierOptions};
 use kvshm::service::SegmentName;
 
 use crate::support::WorkerProcess;
@@ -192,7 +192,7 @@ fn key(n: u8) -> kvshm::offload::OffloadKey {
 }
 
 fn stored(n: u8, parent_chunk: u32) -> StoredKey {
-    StoredKey { key: key(n), parent_chunk }
+    StoredKey { key: key(n), parent_chunk, epoch: 0 }
 }
 
 fn persistent_tier(name: &SegmentName, layout: EngineLayout, buffers: &mut [Vec<u8>]) -> HostTier {
@@ -264,6 +264,52 @@ fn a_persistent_tier_left_behind_is_taken_over_with_its_bytes_and_keys() {
     drop(tier);
     // Removes the host tier left behind: a plain segment made over the name, then dropped.
     kvshm::service::Segment::create(&name, &Default::default()).map(drop).unwrap();
+}
+
+/// A reset of the engine's manager raises the epoch of the tier's key table: the keys stored
+/// before it are no longer read back, nor is a store chosen before it whose copy lands after it;
+/// the epoch outlives the tier (a take-over keeps it) and the table's own header writes.
+#[test]
+fn keys_stored_before_a_reset_epoch_are_not_read_back() {
+    let name = name("epoch");
+    let mut buffers = vec![vec![7u8; BLOCKS * PAGE]; 2];
+    let one_group = || layout(vec![vec![0, 1]]);
+    let mut tier = persistent_tier(&name, one_group(), &mut buffers);
+    let in_epoch = |n: u8, epoch: u32| StoredKey { key: key(n), parent_chunk: NO_PARENT, epoch };
+    tier.submit_keyed(1, Direction::Store, &[0, 1], &[2], &[0], &[3], &[in_epoch(1, 0)]).unwrap();
+    let segment = kvshm::service::Segment::attach(&name).unwrap();
+    let (table, epoch) = TableEpoch::open(&segment, 6, 2).unwrap().expect("a persistent table");
+    assert_eq!((epoch, read_back(&name).len()), (0, 1));
+    table.set(1).unwrap();
+    assert!(read_back(&name).is_empty(), "the key stored before the reset is stale");
+    tier.submit_keyed(2, Direction::Store, &[2, 3], &[2], &[0], &[1], &[in_epoch(2, 1)]).unwrap();
+    // Chosen before the reset, landed after it.
+    tier.submit_keyed(3, Direction::Store, &[4, 5], &[2], &[0], &[5], &[in_epoch(3, 0)]).unwrap();
+    let keys = |name: &SegmentName| read_back(name).iter().map(|e| e.key).collect::<Vec<_>>();
+    assert_eq!(keys(&name), vec![key(2)]);
+    // Enough stores for the table to write its header's next seq, which leaves the epoch be.
+    for job in 4..1100 {
+        tier.submit_keyed(job, Direction::Store, &[6, 7], &[2], &[0], &[0], &[in_epoch(4, 1)])
+            .unwrap();
+    }
+    tier.take_finished(&mut Vec::new());
+    drop((tier, table, segment));
+    let tier = persistent_tier(&name, one_group(), &mut buffers);
+    assert!(tier.restored());
+    let segment = kvshm::service::Segment::attach(&name).unwrap();
+    assert_eq!(TableEpoch::open(&segment, 6, 2).unwrap().map(|(_, epoch)| epoch), Some(1));
+    let found = keys(&name);
+    assert!(found.len() == 2 && found.contains(&key(2)) && found.contains(&key(4)), "{found:?}");
+    drop((tier, segment));
+    // Removes the host tier left behind: a plain segment made over the name, then dropped.
+    kvshm::service::Segment::create(&name, &Default::default()).map(drop).unwrap();
+    // A tier that is not persistent has no table to raise.
+    let plain = self::name("epoch-plain");
+    // SAFETY: the buffers outlive the tier and nothing else touches them while it copies.
+    let memory = unsafe { TensorMemory::new(&one_group(), &tensors_of(&mut buffers)) }.unwrap();
+    let _tier = HostTier::create(&plain, one_group(), TierEngine::InProcess(memory)).unwrap();
+    let segment = kvshm::service::Segment::attach(&plain).unwrap();
+    assert!(TableEpoch::open(&segment, 6, 2).unwrap().is_none());
 }
 
 /// An in-process tier whose engine polls without jobs still reads as polling for `kvctl stat`:

@@ -69,7 +69,8 @@ impl TierKeys {
     /// Step 2: `chunk` holds `key`'s bytes, chained under the key in `parent_chunk`.
     pub fn stored(&mut self, chunk: u32, key: &OffloadKey, parent_chunk: Option<u32>) {
         let parent = parent_chunk.unwrap_or(NO_PARENT);
-        if let Err(error) = self.table.write(&self.arena, chunk, key, parent) {
+        // Epoch 0 for good: an engine's reset leaves a shared tier, every engine's, as it is.
+        if let Err(error) = self.table.write(&self.arena, chunk, key, parent, 0) {
             tracing::error!(chunk, %error, "the key table refused a chunk of the tier");
         }
     }
