@@ -20,9 +20,10 @@ vLLM's ``OffloadingConnector`` loads an out-of-tree spec by name::
 Options (``kv_connector_extra_config``): ``cpu_bytes_to_use`` (host tier bytes over all ranks) or
 ``num_chunks``; ``eviction`` (``leaf_first``, default, or ``lru``); ``warm_restart`` (default
 true: the host tier and a table of its keys outlive the engine, stopped or killed, and the next
-engine of the same model and layout starts with them; for CPU and CUDA tensors alike. No key
-stored before a reset of the cache comes back; an engine started on new weights under the same
-model name with no reset between needs it false);
+engine of the same model and layout starts with them; for CPU and CUDA tensors alike. A reset
+of the connector's cache, ``reset_prefix_cache(reset_connector=True)`` (vLLM's default reset leaves
+the tier as it is), makes every key stored before it a miss, after restarts too; an engine started
+on new weights under the same model name with no such reset between needs it false);
 ``segment_name`` (prefix of the per-rank segments ``<name>-r<rank>``; by default
 ``kvshm-vllm-<model>-<digest of the model, dtype and block layout>``, the same at every start);
 ``spawn_workers`` (default true: start the copy workers; false: start

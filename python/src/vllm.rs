@@ -120,11 +120,6 @@ impl VllmManagerCore {
     }
 }
 
-/// A key table whose epoch could not be written: its arena is smaller than when it was opened.
-fn epoch_error(error: kvshm_ipc::arena::ArenaError) -> PyErr {
-    SegmentError::new_err(format!("writing the epoch of a host tier's key table: {error}"))
-}
-
 pub(crate) fn request_id<'py>(
     context: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, pyo3::types::PyString>> {
@@ -162,7 +157,9 @@ impl VllmManagerCore {
     /// ranks), after every finished request and on `publish_counters`: `kvctl stat` shows the
     /// hits with the copies. A key is `key_blocks` device blocks of `key_tokens` tokens in all;
     /// `key_blocks` is also a chunk's blocks in each tier, which locates the tier's key table.
-    /// The manager takes up the newest epoch of those tables, and writes it into all of them.
+    /// The manager takes up the newest epoch of those tables and writes it into all of them;
+    /// from then on its stores' specs name their keys, for the tables (a manager that holds no
+    /// table names none).
     fn publish_to(
         mut slf: PyRefMut<'_, Self>,
         segments: Vec<String>,
@@ -193,7 +190,7 @@ impl VllmManagerCore {
         }
         let epoch = epoch.unwrap_or(0);
         for table in &tables {
-            table.set(epoch).map_err(epoch_error)?;
+            table.set(epoch);
         }
         slf.published = attached;
         slf.tables = tables;
@@ -280,6 +277,10 @@ impl VllmManagerCore {
             Err(_) => PyList::new(py, keys.try_iter()?.collect::<PyResult<Vec<_>>>()?)?,
         };
         let request = request_id(req_context)?;
+        // Keys for the tiers' key tables only when the manager holds those tables, and so sets
+        // their epoch: a key recorded in an epoch the manager does not know of could come back
+        // after a reset it made (and a tier without a table has no use for them).
+        let recorded = !slf.tables.is_empty();
         let (to_store, chunks, parents, evicted) = {
             let base: &mut OffloadManager = &mut *slf.as_super();
             keys_into(offered.as_any(), &mut base.keys)?;
@@ -291,9 +292,11 @@ impl VllmManagerCore {
             let mut parents = Vec::with_capacity(base.prepared.to_store.len());
             for &index in &base.prepared.to_store {
                 to_store.append(offered.get_item(index as usize)?)?;
-                let key = &base.keys[index as usize];
-                let parent = base.inner.parent_of(key).and_then(|p| base.inner.chunk_of(&p));
-                parents.push(parent.unwrap_or(u32::MAX));
+                if recorded {
+                    let key = &base.keys[index as usize];
+                    let parent = base.inner.parent_of(key).and_then(|p| base.inner.chunk_of(&p));
+                    parents.push(parent.unwrap_or(u32::MAX));
+                }
             }
             let evicted = PyList::empty(py);
             for key in &base.prepared.evicted {
@@ -302,8 +305,12 @@ impl VllmManagerCore {
             let chunks = Py::new(py, U32Array::new(base.prepared.chunks.as_slice()))?;
             (to_store, chunks, Py::new(py, U32Array::new(parents))?, evicted)
         };
-        let spec =
-            slf.types.load_store_spec.call1(py, (chunks, to_store.clone(), parents, slf.epoch))?;
+        let spec = if recorded {
+            let arguments = (chunks, to_store.clone(), parents, slf.epoch);
+            slf.types.load_store_spec.call1(py, arguments)?
+        } else {
+            slf.types.load_store_spec.call1(py, (chunks,))?
+        };
         slf.types.store_output(py, to_store, spec, evicted)
     }
 
@@ -360,14 +367,13 @@ impl VllmManagerCore {
     /// idle after a reset would show the old ones until its next finished request otherwise.
     /// The tiers' key tables go to a new epoch: the keys stored before, including stores in
     /// flight, are not taken back by a warm restart.
-    fn reset_cache(mut slf: PyRefMut<'_, Self>) -> PyResult<()> {
+    fn reset_cache(mut slf: PyRefMut<'_, Self>) {
         slf.as_super().inner.reset();
         slf.epoch = slf.epoch.wrapping_add(1);
         for table in &slf.tables {
-            table.set(slf.epoch).map_err(epoch_error)?;
+            table.set(slf.epoch);
         }
         slf.publish(slf.as_ref());
-        Ok(())
     }
 }
 

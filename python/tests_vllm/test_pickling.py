@@ -3,12 +3,22 @@ metadata (with kvshm's load and store specs) from the scheduler to its worker pr
 events, stats and metric definitions between its processes, with pickle."""
 
 import pickle
+from pathlib import Path
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
     TransferJob,
 )
-from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext, make_offload_key
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    OffloadingManager,
+    ReqContext,
+    make_offload_key,
+)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvshm.vllm import KvshmLoadStoreSpec
@@ -18,14 +28,41 @@ def roundtrip(value: object) -> object:
     return pickle.loads(pickle.dumps(value))
 
 
-def test_vllms_connector_metadata_carrying_kvshms_specs_pickles(offloading_config) -> None:
-    extra = {"spec_name": "KvshmOffloadingSpec", "spec_module_path": "kvshm.vllm", "num_chunks": 8}
+def test_vllms_connector_metadata_carrying_kvshms_specs_pickles(
+    name: str, offloading_config
+) -> None:
+    extra = {
+        "spec_name": "KvshmOffloadingSpec",
+        "spec_module_path": "kvshm.vllm",
+        "num_chunks": 8,
+        "segment_name": name,
+    }
     spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
-    manager = spec.get_manager()
+    # The worker first, as vLLM makes them: its persistent tier's key table is what the
+    # manager's store specs name keys for.
+    page = 64
+    tensor = CanonicalKVCacheTensor(
+        tensor=torch.zeros((4, page), dtype=torch.int8), page_size_bytes=page
+    )
+    caches = CanonicalKVCaches(
+        tensors=[tensor],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
+    )
+    worker = spec.get_worker(caches)
+    try:
+        check_specs_pickle(spec.get_manager())
+    finally:
+        worker.shutdown()
+        for left in Path("/dev/shm").glob(f"kvshm.{name}-*"):
+            left.unlink()
+
+
+def check_specs_pickle(manager: OffloadingManager) -> None:
     context = ReqContext(req_id="r")
     manager.on_new_request(context)
     keys = [make_offload_key(bytes([n]) * 32, 0) for n in range(3)]
     prepared = manager.prepare_store(keys, context)
+    assert prepared is not None
     manager.complete_store(set(keys), context)
     load = manager.prepare_load(keys[:2], context)
     metadata = OffloadingConnectorMetadata(
@@ -57,6 +94,24 @@ def test_vllms_connector_metadata_carrying_kvshms_specs_pickles(offloading_confi
     again = manager.prepare_store(keys[:1], ReqContext(req_id="after"))
     assert again is not None
     assert roundtrip(again.store_spec).epoch == 1
+
+
+def test_a_manager_that_holds_no_key_table_names_no_keys_in_its_store_specs(
+    offloading_config,
+) -> None:
+    """No worker made a tier for this manager, so it holds no key table and sets no epoch:
+    its store specs name no keys, which a persistent tier it does not know of would otherwise
+    record in an epoch that a reset of this manager never raises."""
+    extra = {"spec_name": "KvshmOffloadingSpec", "spec_module_path": "kvshm.vllm", "num_chunks": 8}
+    spec = OffloadingSpecFactory.create_spec(offloading_config(extra, world_size=1))
+    manager = spec.get_manager()
+    context = ReqContext(req_id="r")
+    manager.on_new_request(context)
+    prepared = manager.prepare_store([make_offload_key(b"k" * 32, 0)], context)
+    assert prepared is not None
+    assert isinstance(prepared.store_spec, KvshmLoadStoreSpec)
+    assert prepared.store_spec.keys is None
+    assert len(prepared.store_spec.chunks.tolist()) == 1
 
 
 def test_kvshms_events_stats_and_metric_definitions_pickle(offloading_config) -> None:

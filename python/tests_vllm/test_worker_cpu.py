@@ -219,6 +219,9 @@ def test_a_warm_restart_takes_back_no_key_stored_before_a_reset(
         engine.store([y], *late, first_block=9)
         engine.store([k], *engine.prepare([k], "after"), first_block=12)
         newest = engine.original[0][12]
+        # k's first chunk and y's still name them, in the epoch before the reset: not read.
+        table = kvshm.read_tier_keys(f"{name}-r0", 8, 1)
+        assert [entry[1] for entry in table] == [k], table
         engine.worker.shutdown()
 
         engine = _Engine(offloading_config, extra, seed=4)

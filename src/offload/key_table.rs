@@ -140,8 +140,9 @@ impl KeyTable {
                 && word(24) == table.fingerprint
             {
                 table.next_seq = word(NEXT_SEQ_AT).max(1);
-                // The next seq is stored only now and then: continue past every slot's.
-                for entry in table.entries(arena)? {
+                // The next seq is stored only now and then: continue past every slot's, of
+                // every epoch.
+                for entry in decode_slots(arena, table.offset, chunks)? {
                     table.next_seq = table.next_seq.max(entry.seq.saturating_add(1));
                 }
                 return Ok((table, true));
@@ -239,12 +240,18 @@ pub fn read_entries(
     chunks: u32,
 ) -> Result<Vec<TableEntry>, ArenaError> {
     let Some(epoch) = read_epoch(arena, offset, chunks)? else { return Ok(Vec::new()) };
+    let mut entries = decode_slots(arena, offset, chunks)?;
+    entries.retain(|entry| entry.epoch == epoch);
+    Ok(entries)
+}
+
+/// Every slot of the table at byte `offset` of `arena` that names a key, whatever its epoch.
+fn decode_slots(arena: &Arena, offset: usize, chunks: u32) -> Result<Vec<TableEntry>, ArenaError> {
     let mut bytes = vec![0u8; chunks as usize * SLOT_BYTES];
     arena.read_data(offset + HEADER_BYTES, &mut bytes)?;
     Ok((0u32..)
         .zip(bytes.chunks_exact(SLOT_BYTES))
         .filter_map(|(chunk, slot)| decode(chunk, slot))
-        .filter(|entry| entry.epoch == epoch)
         .collect())
 }
 
@@ -314,9 +321,11 @@ impl TableEpoch {
         Ok(Some((TableEpoch { host, offset }, epoch)))
     }
 
-    /// From now on only the slots of stores chosen in `epoch` are read back.
-    pub fn set(&self, epoch: u32) -> Result<(), ArenaError> {
-        self.host.write_data(self.offset + EPOCH_AT, &epoch.to_le_bytes())
+    /// From now on only the slots of stores chosen in `epoch` are read back. It cannot fail:
+    /// [`TableEpoch::open`] found the header inside the arena, which keeps its size.
+    pub fn set(&self, epoch: u32) {
+        let written = self.host.write_data(self.offset + EPOCH_AT, &epoch.to_le_bytes());
+        debug_assert!(written.is_ok(), "the header was inside the arena when opened: {written:?}");
     }
 }
 
