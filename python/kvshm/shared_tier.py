@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvshm._kvshm import SegmentError, shared_tier_clients, shared_tier_name, shared_tier_owner
 
@@ -261,17 +262,22 @@ def _running(pid: int) -> bool:
 
 def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = None) -> int:
     """The pid of tier ``tier``'s owner once one serves it (the process ``started`` here, or
-    another engine's); ``SegmentError`` past ``timeout_s``. When ``started`` exits with no owner
-    serving, the wait goes on to its end: another engine's owner may have won the name and be
-    making the tier's arenas (a launched owner that failed says why in ``owner_log(tier)``)."""
+    another engine's); ``SegmentError`` past ``timeout_s``, or as soon as ``started`` exits
+    having said in ``owner_log(tier)`` that it failed on its own (a storage tier it cannot open,
+    say). When ``started`` exits having lost the race for the name, or says nothing (killed),
+    the wait goes on to its end: another engine's owner may be making the tier's arenas."""
     deadline = time.monotonic() + timeout_s
     while True:
         pid = shared_tier_owner(tier)
         if pid is not None:
             return pid
         if started is not None and not _running(started):
-            # Another engine's owner won the name (or the launched one failed: its log says
-            # why); the winner serves once its arenas are made, which may take the whole wait.
+            failure = _owner_failure(tier, started)
+            if failure is not None and not failure.get("another_owner_may_serve", True):
+                raise SegmentError(
+                    f"the shared tier {tier}'s owner (pid {started}) did not start: "
+                    f"{failure.get('failed')} (see {owner_log(tier)})"
+                )
             started = None
             continue
         if time.monotonic() >= deadline:
@@ -280,6 +286,25 @@ def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = No
                 f"(see {owner_log(tier)})"
             )
         time.sleep(0.02)
+
+
+def _owner_failure(tier: str, pid: int) -> dict[str, Any] | None:
+    """The line owner ``pid`` printed into ``owner_log(tier)`` when it failed before serving
+    (``{"failed": WHY, "another_owner_may_serve": BOOL, ...}``), if it printed one."""
+    try:
+        lines = owner_log(tier).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if '"failed"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("pid") == pid and "failed" in event:
+            return event
+    return None
 
 
 def stop_tier(tier: str, *, timeout_s: float = 10.0) -> None:

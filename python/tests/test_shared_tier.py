@@ -25,6 +25,7 @@ from kvshm.shared_tier import (
     OwnerRestart,
     TierIdentity,
     ensure_tier_owner,
+    owner_command,
     owner_log,
     remove_dead_engine_segments,
     stop_tier,
@@ -82,6 +83,58 @@ def test_an_engine_starts_the_owner_once_and_not_as_its_child(tier: str) -> None
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="pinning needs a second CPU to leave out"
 )
+def test_an_owner_that_fails_on_its_own_is_reported_at_once_with_its_reason(
+    tier: str, tmp_path: Path
+) -> None:
+    """An owner that cannot open its storage tier exits having said why: the engine that
+    started it stops waiting at once (not after the whole start timeout) with that reason."""
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_bytes(b"")
+    began = time.monotonic()
+    with pytest.raises(kvshm.SegmentError, match="did not start") as refused:
+        ensure_tier_owner(
+            tier,
+            IDENTITY,
+            chunks=CHUNKS,
+            ranks=1,
+            arena_block_bytes=2 * PAGE,
+            idle_exit_s=600,
+            storage=f"disk:{not_a_directory}",
+            timeout_s=600.0,
+        )
+    assert time.monotonic() - began < 300, "the engine waited for a failed owner"
+    assert "storage tier" in str(refused.value), refused.value
+    assert _kvshm.shared_tier_owner(tier) is None
+
+
+def test_an_owner_that_lost_the_name_to_another_leaves_its_engine_to_that_one(tier: str) -> None:
+    """A second owner started while one serves exits, saying another owner may serve. The
+    engine that started such an owner goes on waiting rather than failing, and finds the owner
+    that serves once one does."""
+    start(tier)
+    options = ["--chunks", str(CHUNKS), "--arena-block-bytes", str(2 * PAGE), "--ranks", "1"]
+    loser = subprocess.Popen(
+        owner_command(tier, IDENTITY, options), stdout=subprocess.PIPE, text=True
+    )
+    out, _ = loser.communicate(timeout=60)
+    assert loser.returncode != 0
+    failure = json.loads(out.splitlines()[-1])
+    assert failure["pid"] == loser.pid
+    assert failure["another_owner_may_serve"] is True, failure
+    assert "live owner" in failure["failed"], failure
+    # No owner serves for a while after the loser exited (its winner still starting, say).
+    stop_tier(tier)
+    with owner_log(tier).open("a") as log:
+        log.write(out)
+    later = threading.Timer(0.5, start, args=(tier,))
+    later.start()
+    try:
+        pid = wait_for_tier_owner(tier, timeout_s=120.0, started=loser.pid)
+    finally:
+        later.join()
+    assert pid == _kvshm.shared_tier_owner(tier)
+
+
 def test_an_owner_started_by_a_pinned_engine_runs_on_every_cpu(
     tier: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

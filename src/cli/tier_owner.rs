@@ -9,7 +9,9 @@
 //!    the name lives, a dead owner's taken over; then open the tier's key table ([`TierKeys`])
 //!    and, after a takeover, take back the keys it names and refuse stores for the grace; with
 //!    `--storage`, open the storage tier below ([`TierStorage`]) and list what it holds;
-//! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served;
+//! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served (an
+//!    owner that fails before prints `{"tier": NAME, "pid": PID, "failed": WHY,
+//!    "another_owner_may_serve": BOOL}` instead, for the engine that started it: [`Failure`]);
 //! 5. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT (or, with `--idle-exit-s`, until
 //!    no client has been attached for that long and no other process maps an arena), printing
 //!    one JSON line (`{"released": {...}}`) for each client let go, then write to storage what
@@ -24,7 +26,9 @@ use clap::Parser;
 use kvshm_ipc::name::SegmentName;
 use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
-use crate::offload::shared::{TierArenas, TierKeys, TierStorage, DEFAULT_FREE_CHUNKS, OWNER_SPIN};
+use crate::offload::shared::{
+    TierArenaError, TierArenas, TierKeys, TierStorage, DEFAULT_FREE_CHUNKS, OWNER_SPIN,
+};
 use crate::offload::{OffloadConfig, SharedTierIndex, TierIdentity, TierServer};
 use crate::storage::spec::{spec_given, StorageOptions, StorageSpec};
 use crate::worker::process::{install_stop_handlers, stop_requested};
@@ -105,13 +109,62 @@ pub struct Args {
     spin_us: u64,
 }
 
+/// An owner that stopped before it served: why, and whether another owner of the name may
+/// serve in its place. A starter that lost the race for the name (or for making the arenas) to
+/// another engine's owner says so, and its engine waits for that one; any other failure (a
+/// storage tier it cannot open, arenas of another shape, a bad option) is its own, and its
+/// engine stops waiting at once with the reason (`kvshm.shared_tier.wait_for_tier_owner`).
+#[derive(Debug)]
+struct Failure {
+    error: anyhow::Error,
+    another_owner_may_serve: bool,
+}
+
+impl Failure {
+    /// A failure of this owner's own.
+    fn own(error: impl Into<anyhow::Error>) -> Failure {
+        Failure { error: error.into(), another_owner_may_serve: false }
+    }
+
+    /// A failure that another owner starting meanwhile may have caused: an arena or the
+    /// control object taken by it, or being made. Also any other error at those steps (a full
+    /// `/dev/shm`), which cannot be told apart: its engine waits the wait out.
+    fn maybe_lost_race(error: impl Into<anyhow::Error>) -> Failure {
+        Failure { error: error.into(), another_owner_may_serve: true }
+    }
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(error: E) -> Failure {
+        Failure::own(error)
+    }
+}
+
+/// Serves a tier (module flow); an owner that fails before it serves prints its [`Failure`] as
+/// one JSON line on stdout, then returns the error.
 pub fn run(args: Args) -> anyhow::Result<()> {
+    let tier = args.name.clone();
+    serve(args).map_err(|failure| {
+        let line = serde_json::json!({
+            "tier": tier,
+            "pid": std::process::id(),
+            "failed": format!("{:#}", failure.error),
+            "another_owner_may_serve": failure.another_owner_may_serve,
+        });
+        println!("{line}");
+        failure.error
+    })
+}
+
+fn serve(args: Args) -> Result<(), Failure> {
     // Parsed here, not by clap, whose refusal would print the spec whole (a password with it).
     let storage = spec_given(args.storage.as_deref(), args.storage_from_env)?
         .map(|spec| spec.parse::<StorageSpec>())
         .transpose()?;
     if storage.is_none() && args.storage_chunks.is_some() {
-        anyhow::bail!("--storage-chunks sizes a storage tier, and none was given");
+        return Err(Failure::own(anyhow::anyhow!(
+            "--storage-chunks sizes a storage tier, and none was given"
+        )));
     }
     let identity = TierIdentity {
         model: args.model,
@@ -124,24 +177,34 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let name = args.name.unwrap_or_else(|| identity.tier_name());
     let name = SegmentName::new(&name).context("the tier's name")?;
     if let Ok(control) = TierControl::attach(&name) {
-        anyhow::bail!("tier {name} is served by a live owner (pid {})", control.owner().pid);
+        let pid = control.owner().pid;
+        let error = anyhow::anyhow!("tier {name} is served by a live owner (pid {pid})");
+        return Err(Failure::maybe_lost_race(error));
     }
     let blocks_per_chunk = u64::from(args.blocks_per_chunk.max(1));
     let arenas = match args.chunks {
-        _ if args.adopt_arenas => TierArenas::adopt_existing(&name, args.ranks)?,
+        _ if args.adopt_arenas => TierArenas::adopt_existing(&name, args.ranks),
         Some(chunks) => {
             let blocks = u64::from(chunks) * blocks_per_chunk;
             let block_bytes = args.arena_block_bytes.unwrap_or(identity.block_bytes);
-            TierArenas::create_or_adopt(&name, args.ranks, blocks, block_bytes)?
+            TierArenas::create_or_adopt(&name, args.ranks, blocks, block_bytes)
         }
-        None => anyhow::bail!("--chunks is needed unless --adopt-arenas"),
+        None => {
+            return Err(Failure::own(anyhow::anyhow!("--chunks is needed unless --adopt-arenas")))
+        }
     };
+    // An arena another owner is making (or made) meanwhile; a shape that disagrees is not that.
+    let arenas = arenas.map_err(|error| match error {
+        TierArenaError::Arena { .. } => Failure::maybe_lost_race(error),
+        _ => Failure::own(error),
+    })?;
     let chunks = u32::try_from(arenas.blocks() / blocks_per_chunk)
         .context("the tier's arenas hold more chunks than a tier may")?;
     let mut index = SharedTierIndex::new(identity.clone(), OffloadConfig::new(chunks))?;
     index.keep_free(args.free_chunks);
     install_stop_handlers().context("installing the stop handlers")?;
-    let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))?;
+    let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))
+        .map_err(Failure::maybe_lost_race)?;
     // The key table once the name is this owner's (`O_EXCL` on the control object): a starter
     // that loses the race touches it not at all. No client is served before it is read.
     let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
