@@ -117,8 +117,17 @@ def ensure_tier_owner(
         return pid
     arenas = ["--chunks", str(chunks), "--arena-block-bytes", str(arena_block_bytes)]
     options = _owner_options(ranks, idle_exit_s, client_quota, storage, storage_chunks)
-    started = _launch_owner(tier, identity, [*arenas, *options], storage)
-    return wait_for_tier_owner(tier, timeout_s=timeout_s, started=started)
+    for attempt in range(2):
+        log_from = _log_size(tier)
+        started = _launch_owner(tier, identity, [*arenas, *options], storage)
+        try:
+            return wait_for_tier_owner(tier, timeout_s=timeout_s, log_from=log_from)
+        except _OwnerFailed as failed:
+            # Another engine's owner won the name and failed on its own options (its storage
+            # tier, say): no owner is coming, and this engine's options may do. Once.
+            if failed.pid == started or attempt > 0:
+                raise
+    raise AssertionError("the loop returns or raises")
 
 
 @dataclass
@@ -250,36 +259,35 @@ print(child.pid)
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class _OwnerFailed(SegmentError):
+    """An owner that failed before it served, on its own (not for another owner that won the
+    name): no owner of the tier is coming from that start."""
+
+    def __init__(self, tier: str, failure: dict[str, Any]) -> None:
+        self.pid = failure.get("pid")
+        super().__init__(
+            f"the shared tier {tier}'s owner (pid {self.pid}) did not start: "
+            f"{failure.get('failed')} (see {owner_log(tier)})"
+        )
 
 
-def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = None) -> int:
-    """The pid of tier ``tier``'s owner once one serves it (the process ``started`` here, or
-    another engine's); ``SegmentError`` past ``timeout_s``, or as soon as ``started`` exits
-    having said in ``owner_log(tier)`` that it failed on its own (a storage tier it cannot open,
-    say). When ``started`` exits having lost the race for the name, or says nothing (killed),
-    the wait goes on to its end: another engine's owner may be making the tier's arenas."""
+def wait_for_tier_owner(tier: str, *, timeout_s: float, log_from: int | None = None) -> int:
+    """The pid of tier ``tier``'s owner once one serves it (an owner opens its tier to engines
+    once it has set up: its arenas, key table and storage tier); ``SegmentError`` past
+    ``timeout_s``, or as soon as an owner writes into ``owner_log(tier)``, past byte
+    ``log_from`` (by default the log's end now), that it failed on its own (a storage tier it
+    cannot open, say). An owner that lost the race for the name to another says so, and the
+    wait goes on for that one."""
+    if log_from is None:
+        log_from = _log_size(tier)
     deadline = time.monotonic() + timeout_s
     while True:
         pid = shared_tier_owner(tier)
         if pid is not None:
             return pid
-        if started is not None and not _running(started):
-            failure = _owner_failure(tier, started)
-            if failure is not None and not failure.get("another_owner_may_serve", True):
-                raise SegmentError(
-                    f"the shared tier {tier}'s owner (pid {started}) did not start: "
-                    f"{failure.get('failed')} (see {owner_log(tier)})"
-                )
-            started = None
-            continue
+        failure = _owner_failure(tier, log_from)
+        if failure is not None:
+            raise _OwnerFailed(tier, failure)
         if time.monotonic() >= deadline:
             raise SegmentError(
                 f"no owner serves the shared tier {tier} after {timeout_s:.0f} s "
@@ -288,21 +296,33 @@ def wait_for_tier_owner(tier: str, *, timeout_s: float, started: int | None = No
         time.sleep(0.02)
 
 
-def _owner_failure(tier: str, pid: int) -> dict[str, Any] | None:
-    """The line owner ``pid`` printed into ``owner_log(tier)`` when it failed before serving
-    (``{"failed": WHY, "another_owner_may_serve": BOOL, ...}``), if it printed one."""
+def _log_size(tier: str) -> int:
+    """The bytes in ``owner_log(tier)`` now (0 if there is none)."""
     try:
-        lines = owner_log(tier).read_text(errors="replace").splitlines()
+        return owner_log(tier).stat().st_size
+    except OSError:
+        return 0
+
+
+def _owner_failure(tier: str, log_from: int) -> dict[str, Any] | None:
+    """The first line past byte ``log_from`` of ``owner_log(tier)`` in which an owner says it
+    failed on its own before serving (``{"failed": WHY, "another_owner_may_serve": false,
+    ...}``), if there is one. Owners of other starts append to the same log: a line not ended
+    yet, or another's, is skipped."""
+    try:
+        with owner_log(tier).open("rb") as log:
+            log.seek(log_from)
+            written = log.read()
     except OSError:
         return None
-    for line in reversed(lines):
-        if '"failed"' not in line:
+    for line in written.split(b"\n")[:-1]:
+        if b'"failed"' not in line:
             continue
         try:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict) and event.get("pid") == pid and "failed" in event:
+        if isinstance(event, dict) and event.get("another_owner_may_serve") is False:
             return event
     return None
 

@@ -5,13 +5,15 @@
 //! 2. make the tier's arenas, one per rank, or take over those a previous owner left, with their
 //!    size ([`TierArenas::create_or_adopt`]; with `--adopt-arenas` take over only, at their
 //!    block size: [`TierArenas::adopt_existing`]), and an index of as many chunks;
-//! 3. create the tier's control object ([`TierServer::create`]): refused while another owner of
-//!    the name lives, a dead owner's taken over; then open the tier's key table ([`TierKeys`])
-//!    and, after a takeover, take back the keys it names and refuse stores for the grace; with
-//!    `--storage`, open the storage tier below ([`TierStorage`]) and list what it holds;
-//! 4. print one JSON line (`{"tier": NAME, "pid": PID, ...}`) to stdout: the tier is served (an
-//!    owner that fails before prints `{"tier": NAME, "pid": PID, "failed": WHY,
-//!    "another_owner_may_serve": BOOL}` instead, for the engine that started it: [`Failure`]);
+//! 3. create the tier's control object, closed to clients ([`TierServer::create_closed`]):
+//!    refused while another owner of the name lives, a dead owner's taken over; then open the
+//!    tier's key table ([`TierKeys`]) and, after a takeover, take back the keys it names and
+//!    refuse stores for the grace; with `--storage`, open the storage tier below
+//!    ([`TierStorage`]) and list what it holds;
+//! 4. open the control object to clients and print one JSON line (`{"tier": NAME, "pid": PID,
+//!    ...}`) to stdout: the tier is served (an owner that fails before prints `{"tier": NAME,
+//!    "pid": PID, "failed": WHY, "another_owner_may_serve": BOOL}` instead, for the engine that
+//!    started it: [`Failure`]);
 //! 5. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT (or, with `--idle-exit-s`, until
 //!    no client has been attached for that long and no other process maps an arena), printing
 //!    one JSON line (`{"released": {...}}`) for each client let go, then write to storage what
@@ -143,7 +145,7 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
 /// Serves a tier (module flow); an owner that fails before it serves prints its [`Failure`] as
 /// one JSON line on stdout, then returns the error.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let tier = args.name.clone();
+    let tier = args.name.clone().unwrap_or_else(|| identity_of(&args).tier_name());
     serve(args).map_err(|failure| {
         let line = serde_json::json!({
             "tier": tier,
@@ -156,6 +158,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
 }
 
+/// The identity of the tier the arguments describe.
+fn identity_of(args: &Args) -> TierIdentity {
+    TierIdentity {
+        model: args.model.clone(),
+        kv_dtype: args.kv_dtype.clone(),
+        block_tokens: args.block_tokens,
+        block_bytes: args.block_bytes,
+        blocks_per_chunk: args.blocks_per_chunk,
+        layout: args.layout.clone(),
+    }
+}
+
 fn serve(args: Args) -> Result<(), Failure> {
     // Parsed here, not by clap, whose refusal would print the spec whole (a password with it).
     let storage = spec_given(args.storage.as_deref(), args.storage_from_env)?
@@ -166,14 +180,7 @@ fn serve(args: Args) -> Result<(), Failure> {
             "--storage-chunks sizes a storage tier, and none was given"
         )));
     }
-    let identity = TierIdentity {
-        model: args.model,
-        kv_dtype: args.kv_dtype,
-        block_tokens: args.block_tokens,
-        block_bytes: args.block_bytes,
-        blocks_per_chunk: args.blocks_per_chunk,
-        layout: args.layout,
-    };
+    let identity = identity_of(&args);
     let name = args.name.unwrap_or_else(|| identity.tier_name());
     let name = SegmentName::new(&name).context("the tier's name")?;
     if let Ok(control) = TierControl::attach(&name) {
@@ -203,8 +210,11 @@ fn serve(args: Args) -> Result<(), Failure> {
     let mut index = SharedTierIndex::new(identity.clone(), OffloadConfig::new(chunks))?;
     index.keep_free(args.free_chunks);
     install_stop_handlers().context("installing the stop handlers")?;
-    let mut server = TierServer::create(&name, index, &TierConfig::with_clients(args.clients))
-        .map_err(Failure::maybe_lost_race)?;
+    // Closed to clients until it serves: an engine that finds it serving finds an owner that
+    // has opened its key table and storage tier, not one that may still fail on them.
+    let config = TierConfig::with_clients(args.clients);
+    let mut server =
+        TierServer::create_closed(&name, index, &config).map_err(Failure::maybe_lost_race)?;
     // The key table once the name is this owner's (`O_EXCL` on the control object): a starter
     // that loses the race touches it not at all. No client is served before it is read.
     let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
@@ -223,6 +233,7 @@ fn serve(args: Args) -> Result<(), Failure> {
     if arenas.adopted() {
         server.refuse_stores_until(Instant::now() + Duration::from_millis(args.takeover_grace_ms));
     }
+    server.open_to_clients();
     let ready = serde_json::json!({
         "tier": name.as_str(),
         "pid": std::process::id(),

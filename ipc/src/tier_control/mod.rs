@@ -139,6 +139,21 @@ impl TierControl {
         config: &TierConfig,
         identity: &[u8],
     ) -> Result<TierControl, TierCreateError> {
+        let control = TierControl::create_closed(name, config, identity)?;
+        control.open_to_clients();
+        Ok(control)
+    }
+
+    /// [`TierControl::create`], but clients refuse the object ([`TierAttachError::NotReady`])
+    /// until [`TierControl::open_to_clients`]: an owner with more to set up before it serves
+    /// (its key table, a storage tier) makes the name its own first, so that a starter that
+    /// loses the race touches nothing else, and no client attaches to an owner that may still
+    /// fail. Another creator finds the name in use all the same.
+    pub fn create_closed(
+        name: &SegmentName,
+        config: &TierConfig,
+        identity: &[u8],
+    ) -> Result<TierControl, TierCreateError> {
         let layout = TierLayout::compute(config)?;
         if identity.len() > config.identity_capacity as usize {
             return Err(TierCreateError::IdentityTooLong {
@@ -199,10 +214,14 @@ impl TierControl {
                 ring::init::<TierAnswer>(answers, slots);
             }
         }
-        // SYNC: pairs with the Acquire load of ready in validate(): an attacher that sees it
-        // ready sees the header and the identity written above.
-        control.ready_word().store(TIER_READY, Ordering::Release);
         Ok(control)
+    }
+
+    /// Owner: lets clients attach to the object [`TierControl::create_closed`] made.
+    pub fn open_to_clients(&self) {
+        // SYNC: pairs with the Acquire load of ready in validate(): an attacher that sees it
+        // ready sees the header, the identity and the rings written by create_closed().
+        self.ready_word().store(TIER_READY, Ordering::Release);
     }
 
     /// Client: attaches to tier `name`, checking everything it reads.
@@ -544,7 +563,7 @@ pub(crate) fn validate(
             expected: TIER_LAYOUT_VERSION,
         });
     }
-    // SYNC: pairs with the Release store of ready in TierControl::create().
+    // SYNC: pairs with the Release store of ready in TierControl::open_to_clients().
     if ready_word(memory).load(Ordering::Acquire) != TIER_READY {
         return Err(TierAttachError::NotReady { pid: early.creator.pid });
     }

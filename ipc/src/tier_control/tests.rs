@@ -49,6 +49,24 @@ fn a_second_owner_is_refused_while_the_first_lives() {
     );
 }
 
+/// An owner with more to set up makes the name its own closed: clients are refused until it
+/// opens, and another owner finds the name in use all the same.
+#[test]
+fn a_closed_tier_refuses_clients_until_its_owner_opens_it() {
+    let name = unique_name("closed");
+    let owner = TierControl::create_closed(&name, &CONFIG, b"id").unwrap();
+    let pid = std::process::id();
+    assert!(
+        matches!(TierControl::attach(&name), Err(TierAttachError::NotReady { pid: p }) if p == pid)
+    );
+    assert!(matches!(
+        TierControl::create(&name, &CONFIG, b"id"),
+        Err(TierCreateError::Create(CreateError::InUse { .. }))
+    ));
+    owner.open_to_clients();
+    assert_eq!(TierControl::attach(&name).unwrap().identity(), b"id");
+}
+
 #[test]
 fn an_identity_longer_than_its_area_is_refused() {
     let name = unique_name("long");

@@ -152,7 +152,20 @@ impl TierServer {
         index: SharedTierIndex,
         tier: &TierConfig,
     ) -> Result<TierServer, ServeError> {
-        let control = TierControl::create(name, tier, &index.identity().encode())?;
+        let server = TierServer::create_closed(name, index, tier)?;
+        server.open_to_clients();
+        Ok(server)
+    }
+
+    /// [`TierServer::create`], but no client attaches until [`TierServer::open_to_clients`]
+    /// ([`TierControl::create_closed`]): the owner sets up its key table and storage tier with
+    /// the name its own, and opens once it serves.
+    pub fn create_closed(
+        name: &SegmentName,
+        index: SharedTierIndex,
+        tier: &TierConfig,
+    ) -> Result<TierServer, ServeError> {
+        let control = TierControl::create_closed(name, tier, &index.identity().encode())?;
         Ok(TierServer {
             served: (0..tier.clients).map(|_| None).collect(),
             fenced: Vec::new(),
@@ -176,6 +189,11 @@ impl TierServer {
             gone: Vec::new(),
             request_name: String::new(),
         })
+    }
+
+    /// Lets clients attach to a server made by [`TierServer::create_closed`].
+    pub fn open_to_clients(&self) {
+        self.control.open_to_clients();
     }
 
     pub fn stats(&self) -> ServeStats {
