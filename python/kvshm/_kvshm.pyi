@@ -479,8 +479,9 @@ def shared_tier_name(
 ) -> str:
     """The name of the shared tier of blocks of this identity."""
 
-def shared_tier_owner(name: str) -> int | None:
-    """The pid of the live owner of shared tier ``name``, or ``None``."""
+def shared_tier_owner(name: str, *, setting_up: bool = False) -> int | None:
+    """The pid of the live owner of shared tier ``name``, or ``None``; with ``setting_up``, also
+    that of a live owner still setting up, closed to engines."""
 
 def shared_tier_clients(name: str) -> list[dict[str, Any]]:
     """Shared tier ``name``'s clients as its owner published them (``kvctl tier``): ``slot``,

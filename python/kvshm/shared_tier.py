@@ -121,7 +121,9 @@ def ensure_tier_owner(
         log_from = _log_size(tier)
         started = _launch_owner(tier, identity, [*arenas, *options], storage)
         try:
-            return wait_for_tier_owner(tier, timeout_s=timeout_s, log_from=log_from)
+            return wait_for_tier_owner(
+                tier, timeout_s=timeout_s, started=started, log_from=log_from
+            )
         except _OwnerFailed as failed:
             # Another engine's owner won the name and failed on its own options (its storage
             # tier, say): no owner is coming, and this engine's options may do. Once.
@@ -260,24 +262,24 @@ print(child.pid)
 
 
 class _OwnerFailed(SegmentError):
-    """An owner that failed before it served, on its own (not for another owner that won the
-    name): no owner of the tier is coming from that start."""
+    """An owner failed before it served, on its own (not for another owner that won the name):
+    no owner of the tier is coming from that start. ``pid`` is that owner's."""
 
-    def __init__(self, tier: str, failure: dict[str, Any]) -> None:
-        self.pid = failure.get("pid")
-        super().__init__(
-            f"the shared tier {tier}'s owner (pid {self.pid}) did not start: "
-            f"{failure.get('failed')} (see {owner_log(tier)})"
-        )
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
 
 
-def wait_for_tier_owner(tier: str, *, timeout_s: float, log_from: int | None = None) -> int:
+def wait_for_tier_owner(
+    tier: str, *, timeout_s: float, started: int | None = None, log_from: int | None = None
+) -> int:
     """The pid of tier ``tier``'s owner once one serves it (an owner opens its tier to engines
-    once it has set up: its arenas, key table and storage tier); ``SegmentError`` past
-    ``timeout_s``, or as soon as an owner writes into ``owner_log(tier)``, past byte
-    ``log_from`` (by default the log's end now), that it failed on its own (a storage tier it
-    cannot open, say). An owner that lost the race for the name to another says so, and the
-    wait goes on for that one."""
+    once it has set up its arenas, key table and storage tier); ``SegmentError`` past
+    ``timeout_s``. With ``started``, the owner this engine launched when ``owner_log(tier)`` held
+    ``log_from`` bytes (by default, as many as now), the wait also ends at once when the log says
+    that owner failed on its own (a storage tier it cannot open, say), or that the owner which
+    held the name failed: no owner is coming from either. An owner that lost the race for the
+    name to another says so, and the wait goes on for that one."""
     if log_from is None:
         log_from = _log_size(tier)
     deadline = time.monotonic() + timeout_s
@@ -285,9 +287,14 @@ def wait_for_tier_owner(tier: str, *, timeout_s: float, log_from: int | None = N
         pid = shared_tier_owner(tier)
         if pid is not None:
             return pid
-        failure = _owner_failure(tier, log_from)
+        failure = None if started is None else _owner_failure(tier, log_from, started)
         if failure is not None:
-            raise _OwnerFailed(tier, failure)
+            failed = failure.get("pid")
+            raise _OwnerFailed(
+                f"the shared tier {tier}'s owner (pid {failed}) did not start: "
+                f"{failure.get('failed')} (see {owner_log(tier)})",
+                failed if isinstance(failed, int) else None,
+            )
         if time.monotonic() >= deadline:
             raise SegmentError(
                 f"no owner serves the shared tier {tier} after {timeout_s:.0f} s "
@@ -304,11 +311,12 @@ def _log_size(tier: str) -> int:
         return 0
 
 
-def _owner_failure(tier: str, log_from: int) -> dict[str, Any] | None:
-    """The first line past byte ``log_from`` of ``owner_log(tier)`` in which an owner says it
-    failed on its own before serving (``{"failed": WHY, "another_owner_may_serve": false,
-    ...}``), if there is one. Owners of other starts append to the same log: a line not ended
-    yet, or another's, is skipped."""
+def _owner_failure(tier: str, log_from: int, started: int) -> dict[str, Any] | None:
+    """The first line past byte ``log_from`` of ``owner_log(tier)`` in which owner ``started``
+    says it failed on its own, or the owner that held the name says it failed
+    (``{"failed": WHY, "another_owner_may_serve": BOOL, "held_the_name": BOOL, ...}``), if
+    there is one. Owners of other starts append to the same log: a line not ended yet, or an
+    owner's that failed before it took the name, is skipped."""
     try:
         with owner_log(tier).open("rb") as log:
             log.seek(log_from)
@@ -322,7 +330,10 @@ def _owner_failure(tier: str, log_from: int) -> dict[str, Any] | None:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict) and event.get("another_owner_may_serve") is False:
+        if not isinstance(event, dict):
+            continue
+        ours = event.get("pid") == started and event.get("another_owner_may_serve") is False
+        if ours or event.get("held_the_name") is True:
             return event
     return None
 
@@ -332,13 +343,14 @@ def stop_tier(tier: str, *, timeout_s: float = 10.0) -> None:
     its arenas, its key table and its owner's log, and the control object of an owner that
     died (``kvctl cleanup``). For when no engine uses the tier any more: the arenas are what
     running engines copy into."""
-    pid = shared_tier_owner(tier)
+    # An owner still setting up too: it would serve arenas removed from under it.
+    pid = shared_tier_owner(tier, setting_up=True)
     if pid is not None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while shared_tier_owner(tier) is not None and time.monotonic() < deadline:
+        while shared_tier_owner(tier, setting_up=True) is not None and time.monotonic() < deadline:
             time.sleep(0.02)
-    if shared_tier_owner(tier) is None and Path(f"/dev/shm/kvshm.{tier}").exists():
+    if shared_tier_owner(tier, setting_up=True) is None and Path(f"/dev/shm/kvshm.{tier}").exists():
         cleanup = [sys.executable, "-m", "kvshm", "kvctl", "cleanup", tier]
         subprocess.run(cleanup, capture_output=True, check=False)
     for kind in ("host", "keys"):

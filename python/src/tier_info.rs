@@ -24,11 +24,14 @@ pub fn shared_tier_name(
         .tier_name()
 }
 
-/// The pid of the live owner of shared tier `name`, or `None` when no owner serves it.
+/// The pid of the live owner of shared tier `name`, or `None` when no owner serves it. With
+/// `setting_up`, also that of a live owner still setting up, closed to engines.
 #[pyfunction]
-pub fn shared_tier_owner(name: &str) -> PyResult<Option<u32>> {
+#[pyo3(signature = (name, *, setting_up=false))]
+pub fn shared_tier_owner(name: &str, setting_up: bool) -> PyResult<Option<u32>> {
     let name = segment_name(name)?;
-    Ok(TierControl::attach(&name).ok().map(|control| control.owner().pid))
+    let serving = TierControl::attach(&name).ok().map(|control| control.owner().pid);
+    Ok(serving.or_else(|| setting_up.then(|| TierControl::setting_up(&name)).flatten()))
 }
 
 /// Shared tier `name`'s clients as its owner published them (`kvctl tier`): one dict per

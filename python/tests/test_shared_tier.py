@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -69,6 +70,22 @@ def start(tier: str, client_quota: int | None = None) -> int:
     )
 
 
+def served_line(tier: str, pid: int) -> dict:
+    """The line owner ``pid`` printed into its log when it began to serve: it prints it just
+    after it opens the tier to engines, so an engine may find it serving a moment before."""
+    deadline = time.monotonic() + 60
+    while True:
+        for line in owner_log(tier).read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("pid") == pid and "chunks" in event:
+                return event
+        assert time.monotonic() < deadline, owner_log(tier).read_text()
+        time.sleep(0.01)
+
+
 def test_an_engine_starts_the_owner_once_and_not_as_its_child(tier: str) -> None:
     pid = start(tier, client_quota=3)
     assert _kvshm.shared_tier_owner(tier) == pid
@@ -76,7 +93,7 @@ def test_an_engine_starts_the_owner_once_and_not_as_its_child(tier: str) -> None
     assert arguments[arguments.index(b"--client-quota") + 1] == b"3"
     assert parent_of(pid) != os.getpid(), "the owner must not die with the engine's tree"
     assert start(tier) == pid, "a second engine finds the owner serving"
-    assert '"arenas_taken_over":false' in owner_log(tier).read_text()
+    assert served_line(tier, pid)["arenas_taken_over"] is False
     assert _kvshm.shared_tier_clients(tier) == []
 
 
@@ -147,17 +164,31 @@ def test_an_owner_that_may_have_lost_to_another_leaves_its_engine_waiting(tier: 
     finally:
         arena.unlink()
     assert half_made["another_owner_may_serve"] is True, half_made
-    # No owner serves for a while after such an owner exited (its winner still starting).
+    # No owner serves for a while after such an owner exited (its winner still starting), and
+    # another engine's owner failed on its own options before it took the name: the engine
+    # that launched the first waits on.
     log_from = owner_log(tier).stat().st_size if owner_log(tier).exists() else 0
+    elsewhere = {"pid": 1, "failed": "bad", "another_owner_may_serve": False}
     with owner_log(tier).open("a") as log:
         log.write(served_line)
+        log.write(json.dumps({**elsewhere, "held_the_name": False}) + "\n")
     later = threading.Timer(0.5, start, args=(tier,))
     later.start()
     try:
-        pid = wait_for_tier_owner(tier, timeout_s=120.0, log_from=log_from)
+        pid = wait_for_tier_owner(tier, timeout_s=120.0, started=served["pid"], log_from=log_from)
     finally:
         later.join()
     assert pid == _kvshm.shared_tier_owner(tier)
+    # The owner that held the name failing is the end of the wait for every engine.
+    stop_tier(tier)
+    log_from = owner_log(tier).stat().st_size if owner_log(tier).exists() else 0
+    with owner_log(tier).open("a") as log:
+        log.write(json.dumps({**elsewhere, "held_the_name": True}) + "\n")
+    with pytest.raises(kvshm.SegmentError, match="pid 1\\) did not start: bad") as failed:
+        wait_for_tier_owner(tier, timeout_s=120.0, started=served["pid"], log_from=log_from)
+    # It crosses processes as any exception does (executors pickle them).
+    copied = pickle.loads(pickle.dumps(failed.value))
+    assert (str(copied), copied.pid) == (str(failed.value), 1)
 
 
 @pytest.mark.skipif(
@@ -700,8 +731,8 @@ def test_an_engine_restarts_a_dead_owner_on_the_arenas_it_maps(tier: str, name: 
     started = restart.poll()
     assert started is not None
     assert restart.poll() is None, "one attempt an interval"
-    assert wait_for_tier_owner(tier, timeout_s=30, log_from=0) == started
-    started_line = json.loads(owner_log(tier).read_text().splitlines()[-1])
+    assert wait_for_tier_owner(tier, timeout_s=30, started=started) == started
+    started_line = served_line(tier, started)
     assert (started_line["arenas_taken_over"], started_line["keys_restored"]) == (True, 1)
 
     # The engine's mapping is still the tier's: its bytes are there for a load.

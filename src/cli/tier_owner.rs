@@ -12,8 +12,8 @@
 //!    ([`TierStorage`]) and list what it holds;
 //! 4. open the control object to clients and print one JSON line (`{"tier": NAME, "pid": PID,
 //!    ...}`) to stdout: the tier is served (an owner that fails before prints `{"tier": NAME,
-//!    "pid": PID, "failed": WHY, "another_owner_may_serve": BOOL}` instead, for the engine that
-//!    started it: [`Failure`]);
+//!    "pid": PID, "failed": WHY, "another_owner_may_serve": BOOL, "held_the_name": BOOL}`
+//!    instead, for the engines waiting: [`Failure`]);
 //! 5. serve turns ([`TierServer::turn`]) until SIGTERM or SIGINT (or, with `--idle-exit-s`, until
 //!    no client has been attached for that long and no other process maps an arena), printing
 //!    one JSON line (`{"released": {...}}`) for each client let go, then write to storage what
@@ -111,28 +111,36 @@ pub struct Args {
     spin_us: u64,
 }
 
-/// An owner that stopped before it served: why, and whether another owner of the name may
-/// serve in its place. A starter that lost the race for the name (or for making the arenas) to
-/// another engine's owner says so, and its engine waits for that one; any other failure (a
-/// storage tier it cannot open, arenas of another shape, a bad option) is its own, and its
-/// engine stops waiting at once with the reason (`kvshm.shared_tier.wait_for_tier_owner`).
+/// An owner that stopped before it served: why, whether another owner of the name may serve in
+/// its place, and whether it held the name. A starter that lost the race for the name (or for
+/// making the arenas) to another engine's owner says so, and its engine waits for that one;
+/// any other failure (a storage tier it cannot open, arenas of another shape, a bad option) is
+/// its own, and its engine stops waiting at once with the reason. An owner that failed holding
+/// the name was the one every engine starting then waits for: they stop waiting too
+/// (`kvshm.shared_tier.wait_for_tier_owner`).
 #[derive(Debug)]
 struct Failure {
     error: anyhow::Error,
     another_owner_may_serve: bool,
+    held_the_name: bool,
 }
 
 impl Failure {
-    /// A failure of this owner's own.
+    /// A failure of this owner's own, before it took the name.
     fn own(error: impl Into<anyhow::Error>) -> Failure {
-        Failure { error: error.into(), another_owner_may_serve: false }
+        Failure { error: error.into(), another_owner_may_serve: false, held_the_name: false }
     }
 
     /// A failure that another owner starting meanwhile may have caused: an arena or the
     /// control object taken by it, or being made. Also any other error at those steps (a full
     /// `/dev/shm`), which cannot be told apart: its engine waits the wait out.
     fn maybe_lost_race(error: impl Into<anyhow::Error>) -> Failure {
-        Failure { error: error.into(), another_owner_may_serve: true }
+        Failure { error: error.into(), another_owner_may_serve: true, held_the_name: false }
+    }
+
+    /// A failure of this owner's own once the name was its own (closed to clients).
+    fn holding_the_name(error: impl Into<anyhow::Error>) -> Failure {
+        Failure { error: error.into(), another_owner_may_serve: false, held_the_name: true }
     }
 }
 
@@ -152,7 +160,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "pid": std::process::id(),
             "failed": format!("{:#}", failure.error),
             "another_owner_may_serve": failure.another_owner_may_serve,
+            "held_the_name": failure.held_the_name,
         });
+        // After `serve` dropped the control object: whoever reads this finds the name free.
         println!("{line}");
         failure.error
     })
@@ -188,6 +198,10 @@ fn serve(args: Args) -> Result<(), Failure> {
         let error = anyhow::anyhow!("tier {name} is served by a live owner (pid {pid})");
         return Err(Failure::maybe_lost_race(error));
     }
+    if let Some(pid) = TierControl::setting_up(&name) {
+        let error = anyhow::anyhow!("tier {name} is being set up by a live owner (pid {pid})");
+        return Err(Failure::maybe_lost_race(error));
+    }
     let blocks_per_chunk = u64::from(args.blocks_per_chunk.max(1));
     let arenas = match args.chunks {
         _ if args.adopt_arenas => TierArenas::adopt_existing(&name, args.ranks),
@@ -218,14 +232,16 @@ fn serve(args: Args) -> Result<(), Failure> {
     // The key table once the name is this owner's (`O_EXCL` on the control object): a starter
     // that loses the race touches it not at all. No client is served before it is read.
     let (keys, entries) = TierKeys::open(&name, &identity, chunks, arenas.adopted())
-        .context("the tier's key table")?;
+        .context("the tier's key table")
+        .map_err(Failure::holding_the_name)?;
     let keys_restored = server.owner().index().keep_key_table(keys, entries);
     if let Some(spec) = &storage {
         let mut options = StorageOptions::new(spec.clone());
         options.capacity_blocks = args.storage_chunks;
         let storage =
             TierStorage::open(&name, args.ranks, chunks, &options, server.owner().index())
-                .with_context(|| format!("the storage tier {spec}"))?;
+                .with_context(|| format!("the storage tier {spec}"))
+                .map_err(Failure::holding_the_name)?;
         server.keep_storage(storage);
     }
     server.set_client_quota(args.client_quota);
@@ -233,7 +249,6 @@ fn serve(args: Args) -> Result<(), Failure> {
     if arenas.adopted() {
         server.refuse_stores_until(Instant::now() + Duration::from_millis(args.takeover_grace_ms));
     }
-    server.open_to_clients();
     let ready = serde_json::json!({
         "tier": name.as_str(),
         "pid": std::process::id(),
@@ -246,6 +261,7 @@ fn serve(args: Args) -> Result<(), Failure> {
         "storage_namespace": storage.as_ref().map(|_| identity.storage_namespace()),
         "storage_held": server.storage().map(|storage| storage.stats().held_at_start),
     });
+    server.open_to_clients();
     println!("{ready}");
     let idle_exit = args.idle_exit_s.map(Duration::from_secs);
     let mut last_attached = Instant::now();

@@ -21,6 +21,7 @@ use kvshm::offload::{
     TierClient, TierIdentity, DEAD_CLIENT_GRACE,
 };
 use kvshm_ipc::name::SegmentName;
+use kvshm_ipc::tier_control::{TierConfig, TierControl};
 
 /// Bytes of one block of the tests' tiers, and chunks of each.
 const BLOCK_BYTES: u64 = 4096;
@@ -360,6 +361,46 @@ fn clients_answer_misses_while_the_owner_is_gone_and_attach_to_the_next_one() {
     );
     assert_eq!(first.ask("connected"), "true");
     assert_eq!(second.ask("load b 7"), "9");
+}
+
+/// An owner started while another sets the tier up (its control object made, closed to
+/// clients) stops before touching the arenas, saying another owner may serve; one that fails
+/// on its own once it holds the name says that instead, and removes its control object first.
+#[test]
+fn an_owner_that_fails_says_whether_another_may_serve_and_whether_it_held_the_name() {
+    let name = tier_name("fails");
+    let segment = SegmentName::new(&name).unwrap();
+    let failure_of = |options: &[&str]| {
+        let owner = Command::new(env!("CARGO_BIN_EXE_kvshm"))
+            .args(["tier-owner", "--name", &name, "--model", "m"])
+            .args(["--block-bytes", &BLOCK_BYTES.to_string()])
+            .args(["--chunks", &CHUNKS.to_string()])
+            .args(options)
+            .output()
+            .expect("kvshm runs");
+        assert!(!owner.status.success());
+        let out = String::from_utf8(owner.stdout).unwrap();
+        let line: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+        (line["another_owner_may_serve"].clone(), line["held_the_name"].clone(), line)
+    };
+    let identity = identity(BLOCK_BYTES).encode();
+    let setting_up =
+        TierControl::create_closed(&segment, &TierConfig::with_clients(4), &identity).unwrap();
+    let (may_serve, held, line) = failure_of(&[]);
+    assert_eq!((may_serve, held), (true.into(), false.into()), "{line}");
+    assert!(line["failed"].as_str().unwrap().contains("being set up"), "{line}");
+    let arena = kvshm_ipc::arena::Arena::open(&segment, kvshm_ipc::arena::ArenaKind::Host, 0);
+    assert!(arena.is_err(), "the arenas were left alone");
+    drop(setting_up);
+
+    let scratch = Scratch::new("owner-fails");
+    let not_a_directory = scratch.0.join("file");
+    std::fs::write(&not_a_directory, b"").unwrap();
+    let storage = format!("disk:{}", not_a_directory.display());
+    let (may_serve, held, line) = failure_of(&["--storage", &storage]);
+    assert_eq!((may_serve, held), (false.into(), true.into()), "{line}");
+    assert!(TierControl::attach(&segment).is_err() && TierControl::setting_up(&segment).is_none());
+    TierArenas::unlink(&segment, 1);
 }
 
 #[test]

@@ -85,8 +85,8 @@ pub enum TierAttachError {
     BadMagic { found: u64 },
     #[error("tier layout version {found}, this build reads {expected}")]
     VersionMismatch { found: u32, expected: u32 },
-    #[error("the tier's owner (pid {pid}) has not finished creating it")]
-    NotReady { pid: u32 },
+    #[error("the tier's owner (pid {}) has not finished creating it", creator.pid)]
+    NotReady { creator: ProcessIdentity },
     #[error("the tier's configuration is invalid: {0}")]
     Config(#[from] TierConfigError),
     #[error("the tier's header is corrupt: {what}")]
@@ -215,6 +215,18 @@ impl TierControl {
             }
         }
         Ok(control)
+    }
+
+    /// The pid of tier `name`'s owner while it sets up, its object closed to clients
+    /// ([`TierControl::create_closed`]); `None` when the object is open, absent or unreadable,
+    /// or its creator is dead. For tools that must not take a tier from under an owner that is
+    /// about to serve it.
+    pub fn setting_up(name: &SegmentName) -> Option<u32> {
+        let memory = SharedMemory::open(&name.control_object()).ok()?;
+        match validate(&memory) {
+            Err(TierAttachError::NotReady { creator }) if creator.is_alive() => Some(creator.pid),
+            _ => None,
+        }
     }
 
     /// Owner: lets clients attach to the object [`TierControl::create_closed`] made.
@@ -565,7 +577,7 @@ pub(crate) fn validate(
     }
     // SYNC: pairs with the Release store of ready in TierControl::open_to_clients().
     if ready_word(memory).load(Ordering::Acquire) != TIER_READY {
-        return Err(TierAttachError::NotReady { pid: early.creator.pid });
+        return Err(TierAttachError::NotReady { creator: early.creator });
     }
     // SAFETY: as for `early`; read again after the Acquire so that the copy is the published one.
     let fields = unsafe { header.read_volatile() };

@@ -55,16 +55,19 @@ fn a_second_owner_is_refused_while_the_first_lives() {
 fn a_closed_tier_refuses_clients_until_its_owner_opens_it() {
     let name = unique_name("closed");
     let owner = TierControl::create_closed(&name, &CONFIG, b"id").unwrap();
-    let pid = std::process::id();
-    assert!(
-        matches!(TierControl::attach(&name), Err(TierAttachError::NotReady { pid: p }) if p == pid)
-    );
+    let me = ProcessIdentity::current();
+    assert!(matches!(
+        TierControl::attach(&name),
+        Err(TierAttachError::NotReady { creator }) if creator == me
+    ));
+    assert_eq!(TierControl::setting_up(&name), Some(me.pid));
     assert!(matches!(
         TierControl::create(&name, &CONFIG, b"id"),
         Err(TierCreateError::Create(CreateError::InUse { .. }))
     ));
     owner.open_to_clients();
     assert_eq!(TierControl::attach(&name).unwrap().identity(), b"id");
+    assert_eq!(TierControl::setting_up(&name), None, "open: it serves");
 }
 
 #[test]
