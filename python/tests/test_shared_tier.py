@@ -58,7 +58,12 @@ def parent_of(pid: int) -> int:
     return int(fields[1])
 
 
-def start(tier: str, client_quota: int | None = None) -> int:
+def start(
+    tier: str,
+    client_quota: int | None = None,
+    storage: str | None = None,
+    timeout_s: float = 120.0,
+) -> int:
     return ensure_tier_owner(
         tier,
         IDENTITY,
@@ -67,6 +72,8 @@ def start(tier: str, client_quota: int | None = None) -> int:
         arena_block_bytes=2 * PAGE,
         idle_exit_s=600,
         client_quota=client_quota,
+        storage=storage,
+        timeout_s=timeout_s,
     )
 
 
@@ -110,16 +117,7 @@ def test_owners_that_fail_on_their_own_are_reported_at_once_with_their_reason(
 
     def engine(index: int) -> None:
         try:
-            ensure_tier_owner(
-                tier,
-                IDENTITY,
-                chunks=CHUNKS,
-                ranks=1,
-                arena_block_bytes=2 * PAGE,
-                idle_exit_s=600,
-                storage=f"disk:{not_a_directory}",
-                timeout_s=600.0,
-            )
+            start(tier, storage=f"disk:{not_a_directory}", timeout_s=600.0)
         except BaseException as error:
             # Handed to the test's thread, which checks it.
             errors[index] = error
