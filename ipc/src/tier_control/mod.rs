@@ -145,10 +145,9 @@ impl TierControl {
     }
 
     /// [`TierControl::create`], but clients refuse the object ([`TierAttachError::NotReady`])
-    /// until [`TierControl::open_to_clients`]: an owner with more to set up before it serves
-    /// (its key table, a storage tier) makes the name its own first, so that a starter that
-    /// loses the race touches nothing else, and no client attaches to an owner that may still
-    /// fail. Another creator finds the name in use all the same.
+    /// until [`TierControl::open_to_clients`]: an owner with more to set up (its key table, a
+    /// storage tier) makes the name its own first, and no client attaches to an owner that may
+    /// still fail. Another creator finds the name in use all the same.
     pub fn create_closed(
         name: &SegmentName,
         config: &TierConfig,
@@ -217,10 +216,8 @@ impl TierControl {
         Ok(control)
     }
 
-    /// The pid of tier `name`'s owner while it sets up, its object closed to clients
-    /// ([`TierControl::create_closed`]); `None` when the object is open, absent or unreadable,
-    /// or its creator is dead. For tools that must not take a tier from under an owner that is
-    /// about to serve it.
+    /// The pid of tier `name`'s owner while it sets up, closed to clients (`create_closed`);
+    /// `None` when the object is open, absent or unreadable, or its creator is dead.
     pub fn setting_up(name: &SegmentName) -> Option<u32> {
         let memory = SharedMemory::open(&name.control_object()).ok()?;
         match validate(&memory) {
